@@ -1,0 +1,406 @@
+//! `outboxEnvelope.v1` and `destination.v1`: what an event *is*, frozen at enqueue.
+//!
+//! The producing transaction (`outbox.enqueue`) computes both digests in SQL; the relay
+//! recomputes them here before it sends anything. A mismatch means the row was written by
+//! something other than `outbox.enqueue` or altered afterwards, and the event is quarantined
+//! with the reason instead of being published (a digest is the only proof that what reaches
+//! the broker is what the business transaction committed).
+//!
+//! The canonical form of `destination.v1` is a fixed, line-oriented text so that SQL
+//! (`outbox.destination_digest(...)` in `migrations/`) and Rust produce byte-identical input
+//! to SHA-256. Changing it is a new envelope generation, never an edit.
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+/// The prefix every digest carries, so the algorithm is part of the value.
+pub const DIGEST_PREFIX: &str = "sha256:";
+
+/// The only envelope generation this relay writes. Rows of other generations are quarantined.
+pub const ENVELOPE_GENERATION: i32 = 1;
+
+/// `sha256:<hex>` of the given bytes.
+pub fn sha256_digest(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(DIGEST_PREFIX.len() + 64);
+    out.push_str(DIGEST_PREFIX);
+    out.push_str(&hex::encode(Sha256::digest(bytes)));
+    out
+}
+
+/// `destination.v1`: where an event goes, resolved from the route policy at enqueue and
+/// frozen in the row. Retries never re-resolve it (invariant 4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destination {
+    /// Broker kind, e.g. `kafka`.
+    pub kind: String,
+    /// Broker cluster identity (a name the operator gives the cluster in the route policy).
+    pub cluster: String,
+    pub topic: String,
+    /// Routing / partition key (the aggregate id by default).
+    pub key: String,
+    /// Partitioning algorithm, e.g. `murmur2_random` (Java-client compatible).
+    pub partitioner: String,
+    /// Generation of the route policy the destination was resolved from.
+    pub route_generation: i64,
+    pub serializer: String,
+    /// Required acknowledgements, e.g. `all`.
+    pub acks: String,
+}
+
+impl Destination {
+    /// The canonical text hashed into the destination digest. Must match
+    /// `outbox.destination_canonical(...)` in the migrations byte for byte.
+    pub fn canonical(&self) -> String {
+        format!(
+            "destination.v1\nkind={}\ncluster={}\ntopic={}\nkey={}\npartitioner={}\nroute_generation={}\nserializer={}\nacks={}",
+            self.kind,
+            self.cluster,
+            self.topic,
+            self.key,
+            self.partitioner,
+            self.route_generation,
+            self.serializer,
+            self.acks
+        )
+    }
+
+    /// `sha256:<hex>` of [`Destination::canonical`].
+    pub fn digest(&self) -> String {
+        sha256_digest(self.canonical().as_bytes())
+    }
+}
+
+/// One outbox row as the relay sees it: `outboxEnvelope.v1` plus its frozen destination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxEvent {
+    pub event_id: Uuid,
+    pub envelope_generation: i32,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    /// Per-aggregate sequence, allocated under the aggregate's lock in the producing transaction.
+    pub aggregate_version: i64,
+    pub event_type: String,
+    pub payload_schema: Option<String>,
+    /// The payload exactly as committed (jsonb text form); published byte for byte.
+    pub payload: Bytes,
+    pub payload_digest: String,
+    pub tenant: Option<String>,
+    /// Extra headers (a JSON object of string values), e.g. W3C `traceparent`.
+    pub headers: Option<String>,
+    pub occurred_at: String,
+    pub created_xid: Option<String>,
+    pub destination: Destination,
+    pub destination_digest: String,
+}
+
+/// Why a row cannot be published as it stands. Each variant names the field at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvelopeError {
+    #[error("payload_digest mismatch for event {event_id}: row says {stored}, payload hashes to {computed}")]
+    PayloadDigest {
+        event_id: Uuid,
+        stored: String,
+        computed: String,
+    },
+    #[error("destination_digest mismatch for event {event_id}: row says {stored}, frozen destination hashes to {computed}")]
+    DestinationDigest {
+        event_id: Uuid,
+        stored: String,
+        computed: String,
+    },
+    #[error("unsupported envelope_generation {generation} for event {event_id}: this relay understands generation {ENVELOPE_GENERATION}")]
+    Generation { event_id: Uuid, generation: i32 },
+    #[error("field {field} of event {event_id} is empty; outbox.enqueue never writes an empty {field}")]
+    Empty { event_id: Uuid, field: &'static str },
+}
+
+impl EnvelopeError {
+    /// A short machine-readable reason code stored in the quarantine table.
+    pub fn reason_code(&self) -> &'static str {
+        match self {
+            EnvelopeError::PayloadDigest { .. } => "payload_digest_mismatch",
+            EnvelopeError::DestinationDigest { .. } => "destination_digest_mismatch",
+            EnvelopeError::Generation { .. } => "unsupported_envelope_generation",
+            EnvelopeError::Empty { .. } => "empty_field",
+        }
+    }
+}
+
+impl OutboxEvent {
+    /// Proves the row is the one `outbox.enqueue` froze: generation known, required fields
+    /// present, both digests recomputed and equal.
+    pub fn verify(&self) -> Result<(), EnvelopeError> {
+        let event_id = self.event_id;
+        if self.envelope_generation != ENVELOPE_GENERATION {
+            return Err(EnvelopeError::Generation {
+                event_id,
+                generation: self.envelope_generation,
+            });
+        }
+        for (field, value) in [
+            ("aggregate_type", &self.aggregate_type),
+            ("aggregate_id", &self.aggregate_id),
+            ("event_type", &self.event_type),
+            ("dest_topic", &self.destination.topic),
+        ] {
+            if value.is_empty() {
+                return Err(EnvelopeError::Empty { event_id, field });
+            }
+        }
+        let computed = sha256_digest(&self.payload);
+        if computed != self.payload_digest {
+            return Err(EnvelopeError::PayloadDigest {
+                event_id,
+                stored: self.payload_digest.clone(),
+                computed,
+            });
+        }
+        let computed = self.destination.digest();
+        if computed != self.destination_digest {
+            return Err(EnvelopeError::DestinationDigest {
+                event_id,
+                stored: self.destination_digest.clone(),
+                computed,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub fn sample() -> OutboxEvent {
+        let destination = Destination {
+            kind: "kafka".into(),
+            cluster: "default".into(),
+            topic: "outbox.event.order".into(),
+            key: "o-42".into(),
+            partitioner: "murmur2_random".into(),
+            route_generation: 0,
+            serializer: "json".into(),
+            acks: "all".into(),
+        };
+        let payload = Bytes::from_static(br#"{"total": 10}"#);
+        OutboxEvent {
+            event_id: Uuid::now_v7(),
+            envelope_generation: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: "o-42".into(),
+            aggregate_version: 1,
+            event_type: "order.created".into(),
+            payload_schema: None,
+            payload_digest: sha256_digest(&payload),
+            payload,
+            tenant: None,
+            headers: None,
+            occurred_at: "2026-11-30 00:00:00+00".into(),
+            created_xid: None,
+            destination_digest: destination.digest(),
+            destination,
+        }
+    }
+
+    #[test]
+    fn digest_is_sha256_hex() {
+        // sha256("") is a well-known constant.
+        assert_eq!(
+            sha256_digest(b""),
+            "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+    }
+
+    #[test]
+    fn verify_accepts_a_frozen_row_and_names_the_field_of_a_tampered_one() {
+        let ev = sample();
+        assert_eq!(ev.verify(), Ok(()));
+
+        let mut tampered = ev.clone();
+        tampered.payload = Bytes::from_static(br#"{"total": 11}"#);
+        let err = tampered.verify().unwrap_err();
+        assert_eq!(err.reason_code(), "payload_digest_mismatch");
+        assert!(err.to_string().contains("payload_digest"));
+
+        let mut moved = ev.clone();
+        moved.destination.topic = "elsewhere".into();
+        assert_eq!(
+            moved.verify().unwrap_err().reason_code(),
+            "destination_digest_mismatch"
+        );
+
+        let mut future = ev;
+        future.envelope_generation = 2;
+        assert_eq!(
+            future.verify().unwrap_err().reason_code(),
+            "unsupported_envelope_generation"
+        );
+    }
+}
+
+/// A row of `outbox.events` could not be read as an envelope (a column is missing, NULL where
+/// it must not be, or not parseable). Names the column.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("outbox row column {column}: {problem}")]
+pub struct RowError {
+    pub column: String,
+    pub problem: String,
+}
+
+/// Columns of `outbox.events`, in the order the snapshot query selects them.
+pub const EVENT_COLUMNS: &[&str] = &[
+    "event_id",
+    "envelope_generation",
+    "aggregate_type",
+    "aggregate_id",
+    "aggregate_version",
+    "event_type",
+    "payload_schema",
+    "payload",
+    "payload_digest",
+    "tenant",
+    "headers",
+    "occurred_at",
+    "created_xid",
+    "dest_kind",
+    "dest_cluster",
+    "dest_topic",
+    "dest_key",
+    "dest_partitioner",
+    "dest_route_generation",
+    "dest_serializer",
+    "dest_acks",
+    "destination_digest",
+];
+
+impl OutboxEvent {
+    /// Builds an event from the text form of its columns (as pgoutput and a text-mode query
+    /// both deliver them). `get(name)` returns `Ok(None)` for SQL NULL, `Err` if the column
+    /// is absent. `payload` is taken as raw bytes so it can be a zero-copy slice.
+    pub fn from_text_columns<'a>(
+        get: impl Fn(&str) -> Result<Option<&'a str>, RowError>,
+        payload: Option<Bytes>,
+    ) -> Result<OutboxEvent, RowError> {
+        let required = |name: &str| -> Result<&'a str, RowError> {
+            get(name)?.ok_or_else(|| RowError {
+                column: name.to_string(),
+                problem: "is NULL".into(),
+            })
+        };
+        let parse_i64 = |name: &str| -> Result<i64, RowError> {
+            let v = required(name)?;
+            v.parse::<i64>().map_err(|_| RowError {
+                column: name.to_string(),
+                problem: format!("{v:?} is not an integer"),
+            })
+        };
+        let optional = |name: &str| -> Result<Option<String>, RowError> {
+            Ok(get(name)?.map(str::to_string))
+        };
+        let id_text = required("event_id")?;
+        let event_id = Uuid::parse_str(id_text).map_err(|e| RowError {
+            column: "event_id".into(),
+            problem: format!("{id_text:?} is not a UUID: {e}"),
+        })?;
+        let payload = match payload {
+            Some(p) => p,
+            None => Bytes::copy_from_slice(required("payload")?.as_bytes()),
+        };
+        let generation = parse_i64("envelope_generation")?;
+        Ok(OutboxEvent {
+            event_id,
+            envelope_generation: i32::try_from(generation).map_err(|_| RowError {
+                column: "envelope_generation".into(),
+                problem: format!("{generation} out of range"),
+            })?,
+            aggregate_type: required("aggregate_type")?.to_string(),
+            aggregate_id: required("aggregate_id")?.to_string(),
+            aggregate_version: parse_i64("aggregate_version")?,
+            event_type: required("event_type")?.to_string(),
+            payload_schema: optional("payload_schema")?,
+            payload,
+            payload_digest: required("payload_digest")?.to_string(),
+            tenant: optional("tenant")?,
+            headers: optional("headers")?,
+            occurred_at: required("occurred_at")?.to_string(),
+            created_xid: optional("created_xid")?,
+            destination: Destination {
+                kind: required("dest_kind")?.to_string(),
+                cluster: required("dest_cluster")?.to_string(),
+                topic: required("dest_topic")?.to_string(),
+                key: required("dest_key")?.to_string(),
+                partitioner: required("dest_partitioner")?.to_string(),
+                route_generation: parse_i64("dest_route_generation")?,
+                serializer: required("dest_serializer")?.to_string(),
+                acks: required("dest_acks")?.to_string(),
+            },
+            destination_digest: required("destination_digest")?.to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod row_tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cols(ev: &OutboxEvent) -> HashMap<&'static str, Option<String>> {
+        let d = &ev.destination;
+        HashMap::from([
+            ("event_id", Some(ev.event_id.to_string())),
+            ("envelope_generation", Some("1".to_string())),
+            ("aggregate_type", Some(ev.aggregate_type.clone())),
+            ("aggregate_id", Some(ev.aggregate_id.clone())),
+            ("aggregate_version", Some("1".to_string())),
+            ("event_type", Some(ev.event_type.clone())),
+            ("payload_schema", None),
+            ("payload", Some(String::from_utf8(ev.payload.to_vec()).unwrap())),
+            ("payload_digest", Some(ev.payload_digest.clone())),
+            ("tenant", None),
+            ("headers", None),
+            ("occurred_at", Some(ev.occurred_at.clone())),
+            ("created_xid", None),
+            ("dest_kind", Some(d.kind.clone())),
+            ("dest_cluster", Some(d.cluster.clone())),
+            ("dest_topic", Some(d.topic.clone())),
+            ("dest_key", Some(d.key.clone())),
+            ("dest_partitioner", Some(d.partitioner.clone())),
+            ("dest_route_generation", Some(d.route_generation.to_string())),
+            ("dest_serializer", Some(d.serializer.clone())),
+            ("dest_acks", Some(d.acks.clone())),
+            ("destination_digest", Some(ev.destination_digest.clone())),
+        ])
+    }
+
+    fn getter<'a>(
+        m: &'a HashMap<&'static str, Option<String>>,
+    ) -> impl Fn(&str) -> Result<Option<&'a str>, RowError> {
+        move |name| {
+            m.get(name)
+                .map(|v| v.as_deref())
+                .ok_or_else(|| RowError {
+                    column: name.into(),
+                    problem: "missing".into(),
+                })
+        }
+    }
+
+    #[test]
+    fn round_trips_and_names_the_bad_column() {
+        let ev = tests::sample();
+        let m = cols(&ev);
+        assert_eq!(OutboxEvent::from_text_columns(getter(&m), None).unwrap(), ev);
+        assert_eq!(EVENT_COLUMNS.len(), m.len());
+
+        let mut bad = m.clone();
+        bad.insert("aggregate_version", Some("seven".into()));
+        let err = OutboxEvent::from_text_columns(getter(&bad), None).unwrap_err();
+        assert_eq!(err.column, "aggregate_version");
+
+        let mut null = m;
+        null.insert("dest_topic", None);
+        let err = OutboxEvent::from_text_columns(getter(&null), None).unwrap_err();
+        assert_eq!(err.to_string(), "outbox row column dest_topic: is NULL");
+    }
+}

@@ -1,0 +1,21 @@
+//! The pure core of outboxd: the vocabulary every other crate speaks, with no I/O.
+//!
+//! Nothing here touches a socket, a file or a clock, so every rule in this crate can be
+//! unit-tested, property-tested against a model and driven by a deterministic simulator:
+//!
+//! * [`Lsn`] — a PostgreSQL WAL position.
+//! * [`envelope`] — `outboxEnvelope.v1` and `destination.v1`, frozen at enqueue, and the
+//!   digests that let the relay prove a row was not altered after it was frozen.
+//! * [`state`] — the event life cycle (PENDING → SENDING → PUBLISHED …).
+//! * [`ack`] — the ack tracker: the contiguous low-watermark of accepted receipts, which is
+//!   the only LSN the relay may ever confirm to the slot (invariant 5).
+
+pub mod ack;
+pub mod envelope;
+pub mod lsn;
+pub mod state;
+
+pub use ack::{AckTracker, EventToken, TxnSeq};
+pub use envelope::{Destination, EnvelopeError, OutboxEvent, RowError, EVENT_COLUMNS};
+pub use lsn::Lsn;
+pub use state::EventState;

@@ -1,0 +1,242 @@
+//! The single acceptance point.
+//!
+//! One transaction per batch: every receipt of the batch is matched against its frozen
+//! outbox row (event id, payload digest, destination digest) and then
+//!
+//! * becomes the event's **primary receipt** if the event has none (the publish slot is the
+//!   primary key of `outbox.receipts`, so two concurrent acceptors cannot both win);
+//! * otherwise is kept as a **duplicate transport receipt** (a replay after a crash, a late
+//!   ACK of an earlier attempt) — evidence, never a second primary;
+//! * is **quarantined** if its digests differ from the frozen row (or the row is gone), and
+//!   never accepted.
+//!
+//! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
+//! the checkpoint: the LSN stored here covers exactly the events this and earlier batches
+//! resolved. Only after COMMIT does the relay tell the slot.
+
+use outbox_core::Lsn;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::{Context, LedgerError};
+
+/// A broker receipt to accept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceiptRecord {
+    pub event_id: Uuid,
+    pub payload_digest: String,
+    pub destination_digest: String,
+    pub broker_kind: String,
+    pub broker_cluster: String,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub timestamp_ms: Option<i64>,
+    pub attempt: i32,
+    pub relay_generation: i64,
+    /// Commit LSN of the producing transaction; `None` for events published from the
+    /// initial snapshot (they predate the slot).
+    pub commit_lsn: Option<Lsn>,
+}
+
+/// An event the relay refuses to publish, with its reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuarantineRecord {
+    /// Event id as text, or `lsn:<commit lsn>:<n>` when the id itself is unreadable.
+    pub key: String,
+    pub event_id: Option<Uuid>,
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub aggregate_version: Option<i64>,
+    pub reason_code: String,
+    pub reason: String,
+    pub commit_lsn: Lsn,
+}
+
+/// One thing to record durably.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LedgerItem {
+    Receipt(ReceiptRecord),
+    Quarantine(QuarantineRecord),
+}
+
+/// What a batch did. `conflicts` are receipts that did not match their frozen row and were
+/// quarantined instead.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AcceptOutcome {
+    pub primary: u64,
+    pub duplicates: u64,
+    pub quarantined: u64,
+    pub conflicts: u64,
+}
+
+const ACCEPT_SQL: &str = r#"
+WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                         $7::int4[], $8::int8[], $9::int8[], $10::int4[], $11::int8[], $12::text[])
+        AS t(event_id, payload_digest, destination_digest, broker_kind, broker_cluster, topic,
+             partition, "offset", ts_ms, attempt, relay_generation, commit_lsn)
+),
+matched AS (
+    SELECT i.*,
+           (e.event_id IS NOT NULL
+            AND e.payload_digest = i.payload_digest
+            AND e.destination_digest = i.destination_digest) AS ok,
+           e.event_id IS NOT NULL AS row_exists,
+           e.aggregate_type, e.aggregate_id, e.aggregate_version
+    FROM input i
+    LEFT JOIN outbox.events e ON e.event_id = i.event_id
+),
+prim AS (
+    INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic, partition, "offset",
+                                 broker_timestamp, attempt, relay_generation, commit_lsn, slot_name,
+                                 payload_digest, destination_digest)
+    SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
+           to_timestamp(ts_ms / 1000.0), attempt, relay_generation, commit_lsn::pg_lsn, $13,
+           payload_digest, destination_digest
+    FROM matched WHERE ok
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING event_id
+),
+dup AS (
+    INSERT INTO outbox.duplicate_receipts (event_id, broker_kind, broker_cluster, topic, partition,
+                                           "offset", broker_timestamp, attempt, relay_generation,
+                                           commit_lsn, slot_name)
+    SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
+           to_timestamp(ts_ms / 1000.0), attempt, relay_generation, commit_lsn::pg_lsn, $13
+    FROM matched m WHERE ok AND NOT EXISTS (SELECT 1 FROM prim p WHERE p.event_id = m.event_id)
+    RETURNING 1
+),
+conflict AS (
+    INSERT INTO outbox.quarantine (quarantine_key, event_id, aggregate_type, aggregate_id,
+                                   aggregate_version, reason_code, reason, commit_lsn, slot_name)
+    SELECT 'receipt:' || event_id::text || ':' || topic || ':' || partition || ':' || "offset",
+           event_id, aggregate_type, aggregate_id, aggregate_version,
+           CASE WHEN row_exists THEN 'receipt_digest_mismatch' ELSE 'receipt_without_row' END,
+           CASE WHEN row_exists
+                THEN 'broker receipt at ' || topic || '/' || partition || '@' || "offset"
+                     || ' carries digests that differ from the frozen outbox row'
+                ELSE 'broker receipt at ' || topic || '/' || partition || '@' || "offset"
+                     || ' names an event id with no outbox row' END,
+           commit_lsn::pg_lsn, $13
+    FROM matched WHERE NOT ok
+    ON CONFLICT (quarantine_key) DO NOTHING
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict)
+"#;
+
+const QUARANTINE_SQL: &str = r#"
+WITH q AS (
+    INSERT INTO outbox.quarantine (quarantine_key, event_id, aggregate_type, aggregate_id,
+                                   aggregate_version, reason_code, reason, commit_lsn, slot_name)
+    SELECT * , $9 FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::int8[],
+                              $6::text[], $7::text[], $8::text[]) AS t(k, id, at, ai, av, rc, r, l)
+    ON CONFLICT (quarantine_key) DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) FROM q
+"#;
+
+/// Accepts `items` and moves the checkpoint of `slot` to `checkpoint` (never backwards), in one
+/// transaction. On error nothing is recorded and the caller must replay, not skip.
+pub async fn accept_batch(
+    client: &mut Client,
+    slot: &str,
+    items: &[LedgerItem],
+    checkpoint: Option<Lsn>,
+) -> Result<AcceptOutcome, LedgerError> {
+    let mut out = AcceptOutcome::default();
+    let tx = client
+        .transaction()
+        .await
+        .ctx("beginning the receipt acceptance transaction")?;
+
+    let receipts: Vec<&ReceiptRecord> = items
+        .iter()
+        .filter_map(|i| match i {
+            LedgerItem::Receipt(r) => Some(r),
+            LedgerItem::Quarantine(_) => None,
+        })
+        .collect();
+    if !receipts.is_empty() {
+        // The same event can occur twice in one batch (snapshot and stream overlap). The first
+        // occurrence competes for the publish slot; the rest are duplicates by construction,
+        // so split them into a second round that runs after the first has inserted.
+        let mut seen = std::collections::HashSet::new();
+        let (first, rest): (Vec<&ReceiptRecord>, Vec<&ReceiptRecord>) =
+            receipts.into_iter().partition(|r| seen.insert(r.event_id));
+        for round in [first, rest] {
+            if round.is_empty() {
+                continue;
+            }
+            let row = tx
+                .query_one(
+                    ACCEPT_SQL,
+                    &[
+                        &round.iter().map(|r| r.event_id).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.payload_digest.as_str()).collect::<Vec<_>>(),
+                        &round
+                            .iter()
+                            .map(|r| r.destination_digest.as_str())
+                            .collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.broker_kind.as_str()).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.broker_cluster.as_str()).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.partition).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.offset).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.timestamp_ms).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.attempt).collect::<Vec<_>>(),
+                        &round.iter().map(|r| r.relay_generation).collect::<Vec<_>>(),
+                        &round
+                            .iter()
+                            .map(|r| r.commit_lsn.map(|l| l.to_string()))
+                            .collect::<Vec<_>>(),
+                        &slot,
+                    ],
+                )
+                .await
+                .ctx(format!("accepting a batch of {} receipts", round.len()))?;
+            out.primary += row.get::<_, i64>(0) as u64;
+            out.duplicates += row.get::<_, i64>(1) as u64;
+            out.conflicts += row.get::<_, i64>(2) as u64;
+        }
+    }
+
+    let quarantined: Vec<&QuarantineRecord> = items
+        .iter()
+        .filter_map(|i| match i {
+            LedgerItem::Quarantine(q) => Some(q),
+            LedgerItem::Receipt(_) => None,
+        })
+        .collect();
+    if !quarantined.is_empty() {
+        let q = &quarantined;
+        let row = tx
+            .query_one(
+                QUARANTINE_SQL,
+                &[
+                    &q.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(),
+                    &q.iter().map(|r| r.event_id).collect::<Vec<_>>(),
+                    &q.iter().map(|r| r.aggregate_type.as_deref()).collect::<Vec<_>>(),
+                    &q.iter().map(|r| r.aggregate_id.as_deref()).collect::<Vec<_>>(),
+                    &q.iter().map(|r| r.aggregate_version).collect::<Vec<_>>(),
+                    &q.iter().map(|r| r.reason_code.as_str()).collect::<Vec<_>>(),
+                    &q.iter().map(|r| r.reason.as_str()).collect::<Vec<_>>(),
+                    &q.iter().map(|r| r.commit_lsn.to_string()).collect::<Vec<_>>(),
+                    &slot,
+                ],
+            )
+            .await
+            .ctx(format!("quarantining {} events", q.len()))?;
+        out.quarantined += row.get::<_, i64>(0) as u64;
+    }
+
+    if let Some(lsn) = checkpoint {
+        crate::checkpoint::advance_in(&tx, slot, lsn).await?;
+    }
+    tx.commit()
+        .await
+        .ctx("committing the receipt acceptance transaction")?;
+    Ok(out)
+}

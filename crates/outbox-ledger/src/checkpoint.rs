@@ -1,0 +1,129 @@
+//! The per-slot checkpoint row.
+//!
+//! `confirmed_lsn` is the highest LSN below which every event is resolved in this ledger. It
+//! only moves forward, only inside the transaction that recorded the receipts it covers, and
+//! the relay confirms to the slot only what it read back from here. So at any moment:
+//! slot `confirmed_flush_lsn` <= ledger `confirmed_lsn` <= first unresolved event's commit.
+//! A slot whose `confirmed_flush_lsn` is *ahead* of the ledger was moved by someone else (or
+//! dropped and recreated), and the relay refuses to run on it.
+
+use outbox_core::Lsn;
+use tokio_postgres::{Client, GenericClient};
+
+use crate::{Context, LedgerError};
+
+/// A slot's checkpoint as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub slot_name: String,
+    pub publication: String,
+    pub system_identifier: Option<String>,
+    pub confirmed_lsn: Lsn,
+    pub consistent_point: Option<Lsn>,
+    pub snapshot_done: bool,
+}
+
+fn lsn_of(s: Option<String>) -> Result<Option<Lsn>, LedgerError> {
+    s.map(|t| {
+        t.parse::<Lsn>()
+            .map_err(|e| LedgerError::Invalid(e.to_string()))
+    })
+    .transpose()
+}
+
+/// The checkpoint of `slot`, if the ledger has one.
+pub async fn load(client: &Client, slot: &str) -> Result<Option<Checkpoint>, LedgerError> {
+    let row = client
+        .query_opt(
+            "SELECT slot_name, publication, system_identifier, confirmed_lsn::text,
+                    consistent_point::text, snapshot_done
+             FROM outbox.checkpoints WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ctx(format!("reading the checkpoint of slot {slot}"))?;
+    row.map(|r| {
+        Ok(Checkpoint {
+            slot_name: r.get(0),
+            publication: r.get(1),
+            system_identifier: r.get(2),
+            confirmed_lsn: lsn_of(r.get(3))?.unwrap_or(Lsn::ZERO),
+            consistent_point: lsn_of(r.get(4))?,
+            snapshot_done: r.get(5),
+        })
+    })
+    .transpose()
+}
+
+/// Records a slot the relay just created. Replaces any older row for the same name (the
+/// caller has already decided that is safe: it only creates a slot when asked to).
+pub async fn create(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+    system_identifier: &str,
+    timeline: u32,
+    consistent_point: Lsn,
+) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "INSERT INTO outbox.checkpoints (slot_name, publication, system_identifier, timeline,
+                                             confirmed_lsn, consistent_point, snapshot_done)
+             VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $5::text::pg_lsn, false)
+             ON CONFLICT (slot_name) DO UPDATE SET
+                publication = EXCLUDED.publication,
+                system_identifier = EXCLUDED.system_identifier,
+                timeline = EXCLUDED.timeline,
+                confirmed_lsn = EXCLUDED.confirmed_lsn,
+                consistent_point = EXCLUDED.consistent_point,
+                snapshot_done = false,
+                updated_at = clock_timestamp()",
+            &[
+                &slot,
+                &publication,
+                &system_identifier,
+                &(timeline as i32),
+                &consistent_point.to_string(),
+            ],
+        )
+        .await
+        .ctx(format!("recording the new slot {slot}"))?;
+    Ok(())
+}
+
+/// The initial snapshot of `slot` has been published and accepted.
+pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "UPDATE outbox.checkpoints SET snapshot_done = true, updated_at = clock_timestamp()
+             WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ctx(format!("marking the snapshot of slot {slot} done"))?;
+    Ok(())
+}
+
+/// Moves the checkpoint forward (never back) inside the caller's transaction.
+pub async fn advance_in<C: GenericClient>(
+    client: &C,
+    slot: &str,
+    lsn: Lsn,
+) -> Result<(), LedgerError> {
+    let n = client
+        .execute(
+            "UPDATE outbox.checkpoints
+             SET confirmed_lsn = GREATEST(confirmed_lsn, $2::text::pg_lsn),
+                 updated_at = clock_timestamp()
+             WHERE slot_name = $1",
+            &[&slot, &lsn.to_string()],
+        )
+        .await
+        .ctx(format!("advancing the checkpoint of slot {slot} to {lsn}"))?;
+    if n != 1 {
+        return Err(LedgerError::Invalid(format!(
+            "slot {slot} has no checkpoint row; the relay must create it before streaming"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! The ledger: everything outboxd writes to PostgreSQL with ordinary SQL.
+//!
+//! * [`migrate`] — the versioned, idempotent SQL migrations from `migrations/`.
+//! * [`producer`] — the thin Rust helper over `outbox.enqueue(...)`.
+//! * [`accept`] — the single acceptance point: a batch of broker receipts (and quarantine
+//!   records) plus the checkpoint that covers them, in one transaction.
+//! * [`checkpoint`] — the per-slot checkpoint row: the only LSN the relay may confirm.
+//! * [`status`] — read-only views for `outboxd status`.
+//!
+//! Why a ledger in PostgreSQL at all: the slot's confirmed LSN is a single number that can
+//! only say "everything before here is done". The ledger is where "done" is proven per event
+//! (which partition/offset, which attempt), so that a replay after a crash is recognised as a
+//! duplicate instead of becoming a second publish slot.
+
+pub mod accept;
+pub mod checkpoint;
+pub mod migrate;
+pub mod producer;
+pub mod status;
+
+pub use accept::{AcceptOutcome, LedgerItem, QuarantineRecord, ReceiptRecord};
+pub use checkpoint::Checkpoint;
+
+/// A ledger operation failed. Says which operation; the source carries PostgreSQL's message.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("{context}: {source}")]
+    Db {
+        context: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error("migration {version} ({name}) was changed after it was applied (checksum {applied} in the database, {file} in this binary); never edit an applied migration, add a new one")]
+    MigrationChanged {
+        version: i32,
+        name: String,
+        applied: String,
+        file: String,
+    },
+    #[error("the database has migration {version} applied, which this outboxd does not know; upgrade outboxd")]
+    MigrationFromFuture { version: i32 },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Attaches `context` to a tokio-postgres error.
+pub(crate) trait Context<T> {
+    fn ctx(self, context: impl Into<String>) -> Result<T, LedgerError>;
+}
+
+impl<T> Context<T> for Result<T, tokio_postgres::Error> {
+    fn ctx(self, context: impl Into<String>) -> Result<T, LedgerError> {
+        self.map_err(|source| LedgerError::Db {
+            context: context.into(),
+            source,
+        })
+    }
+}
+
+/// Renders a tokio-postgres error with the server's message, detail and hint, which its
+/// `Display` alone omits.
+pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => {
+            let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+            if let Some(d) = db.detail() {
+                s.push_str(&format!("; detail: {d}"));
+            }
+            if let Some(h) = db.hint() {
+                s.push_str(&format!("; hint: {h}"));
+            }
+            s
+        }
+        None => {
+            let mut s = e.to_string();
+            let mut src = std::error::Error::source(e);
+            while let Some(inner) = src {
+                s.push_str(&format!(": {inner}"));
+                src = inner.source();
+            }
+            s
+        }
+    }
+}

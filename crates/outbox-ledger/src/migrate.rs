@@ -1,0 +1,119 @@
+//! Versioned, idempotent migrations. The SQL lives in `migrations/` at the repository root and
+//! is compiled into the binary, so `outboxd migrate` needs no files at run time.
+//!
+//! Each migration runs in its own transaction, under an advisory lock so two relays starting
+//! at once cannot both apply it; its SHA-256 is recorded, and a migration whose text changed
+//! after it was applied is an error, never silently re-run.
+
+use sha2::{Digest, Sha256};
+use tokio_postgres::Client;
+
+use crate::{Context, LedgerError};
+
+/// One embedded migration.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    pub version: i32,
+    pub name: &'static str,
+    pub sql: &'static str,
+}
+
+/// All migrations, in order.
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "outbox",
+        sql: include_str!("../../../migrations/0001_outbox.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "ledger",
+        sql: include_str!("../../../migrations/0002_ledger.sql"),
+    },
+];
+
+const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
+
+impl Migration {
+    pub fn checksum(&self) -> String {
+        hex::encode(Sha256::digest(self.sql.as_bytes()))
+    }
+}
+
+/// Applies every migration not yet applied. Returns the versions applied now (empty when the
+/// database was already up to date).
+pub async fn run(client: &mut Client) -> Result<Vec<i32>, LedgerError> {
+    client
+        .batch_execute(
+            "CREATE SCHEMA IF NOT EXISTS outbox;
+             CREATE TABLE IF NOT EXISTS outbox.schema_migrations (
+                 version    integer PRIMARY KEY,
+                 name       text NOT NULL,
+                 checksum   text NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .ctx("creating outbox.schema_migrations")?;
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&LOCK_KEY])
+        .await
+        .ctx("taking the migration lock")?;
+    let result = apply_all(client).await;
+    client
+        .execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY])
+        .await
+        .ctx("releasing the migration lock")?;
+    result
+}
+
+async fn apply_all(client: &mut Client) -> Result<Vec<i32>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT version, name, checksum FROM outbox.schema_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .ctx("reading applied migrations")?;
+    let known_max = MIGRATIONS.iter().map(|m| m.version).max().unwrap_or(0);
+    for row in &rows {
+        let version: i32 = row.get(0);
+        if version > known_max {
+            return Err(LedgerError::MigrationFromFuture { version });
+        }
+        if let Some(m) = MIGRATIONS.iter().find(|m| m.version == version) {
+            let applied: String = row.get(2);
+            if applied != m.checksum() {
+                return Err(LedgerError::MigrationChanged {
+                    version,
+                    name: m.name.to_string(),
+                    applied,
+                    file: m.checksum(),
+                });
+            }
+        }
+    }
+    let mut done = Vec::new();
+    for m in MIGRATIONS {
+        if rows.iter().any(|r| r.get::<_, i32>(0) == m.version) {
+            continue;
+        }
+        let tx = client
+            .transaction()
+            .await
+            .ctx("beginning a migration transaction")?;
+        tx.batch_execute(m.sql)
+            .await
+            .ctx(format!("applying migration {:04}_{}", m.version, m.name))?;
+        tx.execute(
+            "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+            &[&m.version, &m.name, &m.checksum()],
+        )
+        .await
+        .ctx("recording the migration")?;
+        tx.commit()
+            .await
+            .ctx(format!("committing migration {}", m.version))?;
+        done.push(m.version);
+    }
+    Ok(done)
+}

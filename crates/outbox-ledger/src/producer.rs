@@ -1,0 +1,51 @@
+//! The producer-side Rust helper: one call to `outbox.enqueue(...)` inside the caller's
+//! transaction. The SQL function does all the work (version allocation under the
+//! aggregate's lock, digests, route freezing), so producers in any language get the same
+//! guarantees; this is only a typed wrapper.
+
+use tokio_postgres::GenericClient;
+use uuid::Uuid;
+
+use crate::{Context, LedgerError};
+
+/// Optional envelope fields; all default to NULL.
+#[derive(Debug, Clone, Default)]
+pub struct EnqueueOptions {
+    pub tenant: Option<String>,
+    /// A JSON object of string values, copied to Kafka headers (e.g. `traceparent`).
+    pub headers: Option<serde_json::Value>,
+    pub payload_schema: Option<String>,
+    /// Use this event id instead of a new UUIDv7 (e.g. the id of the business command).
+    pub event_id: Option<Uuid>,
+}
+
+/// Enqueues one event in the caller's transaction (pass a `Transaction` to make it atomic with
+/// the business change). Returns the event id.
+pub async fn enqueue<C: GenericClient>(
+    client: &C,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    event_type: &str,
+    payload: &serde_json::Value,
+    options: &EnqueueOptions,
+) -> Result<Uuid, LedgerError> {
+    let row = client
+        .query_one(
+            "SELECT outbox.enqueue($1, $2, $3, $4, $5, $6, $7, $8)",
+            &[
+                &aggregate_type,
+                &aggregate_id,
+                &event_type,
+                payload,
+                &options.tenant,
+                &options.headers,
+                &options.payload_schema,
+                &options.event_id,
+            ],
+        )
+        .await
+        .ctx(format!(
+            "enqueueing {event_type} for {aggregate_type}/{aggregate_id}"
+        ))?;
+    Ok(row.get(0))
+}

@@ -1,0 +1,318 @@
+//! Kafka sink on librdkafka (`rdkafka::producer::ThreadedProducer`).
+//!
+//! # Semantics of the layer underneath
+//! * `send` only enqueues into librdkafka's local queue; it never blocks. `QueueFull` is
+//!   backpressure (wait for delivery reports to drain the queue), not a failure.
+//! * Every enqueued message gets exactly one delivery report, from librdkafka's poll thread,
+//!   via [`ProducerContext::delivery`]. We forward it unchanged into a tokio channel, with the
+//!   caller's token, so the pipeline sees reports in the order librdkafka emits them.
+//! * With `enable.idempotence=true` and `acks=all`, librdkafka retries internally without
+//!   duplicates or reordering within a partition, for as long as `message.timeout.ms`; a
+//!   report that still fails then carries the persistence status that tells whether the
+//!   broker may have the message.
+
+use std::time::Duration;
+
+use outbox_core::OutboxEvent;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::{ClientContext, Message, Timestamp};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Sink settings. `properties` are passed to librdkafka verbatim (after ours, so they win,
+/// except `enable.idempotence` and `acks`, which the relay's guarantees depend on).
+#[derive(Debug, Clone)]
+pub struct KafkaSinkConfig {
+    pub bootstrap_servers: String,
+    /// The broker cluster identity this relay publishes to; must equal each event's frozen
+    /// `dest_cluster`.
+    pub cluster_name: String,
+    pub partitioner: String,
+    pub message_timeout: Duration,
+    pub linger: Duration,
+    pub properties: Vec<(String, String)>,
+}
+
+impl Default for KafkaSinkConfig {
+    fn default() -> Self {
+        KafkaSinkConfig {
+            bootstrap_servers: "localhost:9092".into(),
+            cluster_name: "default".into(),
+            partitioner: "murmur2_random".into(),
+            message_timeout: Duration::from_secs(30),
+            linger: Duration::from_millis(2),
+            properties: Vec::new(),
+        }
+    }
+}
+
+/// What the broker has, as far as librdkafka knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persistence {
+    NotPersisted,
+    PossiblyPersisted,
+    Persisted,
+}
+
+/// Whether retrying can ever help.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureClass {
+    /// Will never succeed as frozen (too large, invalid/unauthorised topic): quarantine.
+    Permanent,
+    /// May succeed later: replay.
+    Transient,
+}
+
+/// The result of one send, reported once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeliveryOutcome {
+    Persisted {
+        topic: String,
+        partition: i32,
+        offset: i64,
+        /// Broker (or create) timestamp, milliseconds since the Unix epoch.
+        timestamp_ms: Option<i64>,
+    },
+    Failed {
+        error: String,
+        persistence: Persistence,
+        class: FailureClass,
+    },
+}
+
+/// A delivery report with the caller's token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    pub token: u64,
+    pub outcome: DeliveryOutcome,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("invalid Kafka producer configuration: {0}; check --bootstrap-servers and kafka.* properties")]
+    Config(#[source] KafkaError),
+    #[error("cannot reach Kafka at {bootstrap}: {source}; check --bootstrap-servers / OUTBOXD_BOOTSTRAP_SERVERS and that the broker is up")]
+    Unreachable {
+        bootstrap: String,
+        #[source]
+        source: KafkaError,
+    },
+    #[error("librdkafka refused to enqueue event {event_id} for topic {topic}: {source}")]
+    Enqueue {
+        event_id: String,
+        topic: String,
+        class: FailureClass,
+        #[source]
+        source: KafkaError,
+    },
+    #[error("the delivery channel is closed (pipeline shutting down)")]
+    Closed,
+}
+
+struct SinkContext {
+    tx: UnboundedSender<Delivery>,
+}
+
+impl ClientContext for SinkContext {}
+
+impl ProducerContext for SinkContext {
+    type DeliveryOpaque = Box<u64>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, token: Box<u64>) {
+        let outcome = match result {
+            Ok(m) => DeliveryOutcome::Persisted {
+                topic: m.topic().to_string(),
+                partition: m.partition(),
+                offset: m.offset(),
+                timestamp_ms: match m.timestamp() {
+                    Timestamp::NotAvailable => None,
+                    Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
+                },
+            },
+            Err((err, m)) => {
+                // SAFETY: `m` is the message librdkafka passed to the delivery callback; its
+                // pointer is valid for the duration of this call and status only reads it.
+                let status = unsafe { rdkafka::bindings::rd_kafka_message_status(m.ptr()) };
+                use rdkafka::bindings::rd_kafka_msg_status_t as S;
+                let persistence = match status {
+                    S::RD_KAFKA_MSG_STATUS_NOT_PERSISTED => Persistence::NotPersisted,
+                    S::RD_KAFKA_MSG_STATUS_POSSIBLY_PERSISTED => Persistence::PossiblyPersisted,
+                    S::RD_KAFKA_MSG_STATUS_PERSISTED => Persistence::Persisted,
+                };
+                DeliveryOutcome::Failed {
+                    error: err.to_string(),
+                    persistence,
+                    class: classify(err),
+                }
+            }
+        };
+        // A closed channel means the pipeline is gone; the event is unresolved and will be
+        // replayed from the checkpoint, so dropping the report is safe.
+        let _ = self.tx.send(Delivery {
+            token: *token,
+            outcome,
+        });
+    }
+}
+
+/// Permanent = retrying the same frozen message to the same frozen destination can never work.
+pub fn classify(err: &KafkaError) -> FailureClass {
+    use RDKafkaErrorCode as C;
+    match err.rdkafka_error_code() {
+        Some(
+            C::MessageSizeTooLarge
+            | C::InvalidMessageSize
+            | C::InvalidTopic
+            | C::TopicAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::InvalidRecord
+            | C::PolicyViolation
+            | C::InvalidRequiredAcks,
+        ) => FailureClass::Permanent,
+        _ => FailureClass::Transient,
+    }
+}
+
+/// The Kafka headers of an event: `id` (Debezium outbox-router compatible) and the envelope
+/// metadata, then the producer's own headers (a JSON object of strings; non-string values
+/// are sent as their JSON text). Envelope headers cannot be overridden by row headers.
+pub fn event_headers(ev: &OutboxEvent) -> Vec<(String, Vec<u8>)> {
+    let mut h: Vec<(String, Vec<u8>)> = vec![
+        ("id".into(), ev.event_id.to_string().into_bytes()),
+        ("aggregate_type".into(), ev.aggregate_type.clone().into_bytes()),
+        ("aggregate_id".into(), ev.aggregate_id.clone().into_bytes()),
+        (
+            "aggregate_version".into(),
+            ev.aggregate_version.to_string().into_bytes(),
+        ),
+        ("event_type".into(), ev.event_type.clone().into_bytes()),
+        (
+            "envelope_generation".into(),
+            ev.envelope_generation.to_string().into_bytes(),
+        ),
+        ("payload_digest".into(), ev.payload_digest.clone().into_bytes()),
+        ("occurred_at".into(), ev.occurred_at.clone().into_bytes()),
+    ];
+    if let Some(s) = &ev.payload_schema {
+        h.push(("payload_schema".into(), s.clone().into_bytes()));
+    }
+    if let Some(t) = &ev.tenant {
+        h.push(("tenant".into(), t.clone().into_bytes()));
+    }
+    if let Some(extra) = ev.headers.as_deref() {
+        if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(extra) {
+            for (k, v) in map {
+                if h.iter().any(|(name, _)| *name == k) {
+                    continue;
+                }
+                let bytes = match v {
+                    serde_json::Value::String(s) => s.into_bytes(),
+                    other => other.to_string().into_bytes(),
+                };
+                h.push((k, bytes));
+            }
+        }
+    }
+    h
+}
+
+/// An idempotent, `acks=all` Kafka producer whose delivery reports go to a channel.
+pub struct KafkaSink {
+    producer: ThreadedProducer<SinkContext>,
+    config: KafkaSinkConfig,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("bootstrap_servers", &self.config.bootstrap_servers)
+            .field("cluster_name", &self.config.cluster_name)
+            .finish()
+    }
+}
+
+impl KafkaSink {
+    /// Builds the producer. Delivery reports are sent to `reports`.
+    pub fn new(config: KafkaSinkConfig, reports: UnboundedSender<Delivery>) -> Result<Self, SinkError> {
+        let mut cc = ClientConfig::new();
+        cc.set("bootstrap.servers", &config.bootstrap_servers)
+            .set("partitioner", &config.partitioner)
+            .set(
+                "message.timeout.ms",
+                config.message_timeout.as_millis().to_string(),
+            )
+            .set("linger.ms", config.linger.as_millis().to_string())
+            .set("queue.buffering.max.messages", "200000")
+            .set("client.id", "outboxd");
+        for (k, v) in &config.properties {
+            cc.set(k, v);
+        }
+        // The relay's guarantees rest on these two; they are not overridable.
+        cc.set("enable.idempotence", "true").set("acks", "all");
+        let producer: ThreadedProducer<SinkContext> = cc
+            .create_with_context(SinkContext { tx: reports })
+            .map_err(SinkError::Config)?;
+        Ok(KafkaSink { producer, config })
+    }
+
+    pub fn config(&self) -> &KafkaSinkConfig {
+        &self.config
+    }
+
+    /// Fetches cluster metadata to prove the broker answers (used at start and by `check`).
+    pub fn check_reachable(&self, timeout: Duration) -> Result<usize, SinkError> {
+        self.producer
+            .client()
+            .fetch_metadata(None, timeout)
+            .map(|m| m.brokers().len())
+            .map_err(|source| SinkError::Unreachable {
+                bootstrap: self.config.bootstrap_servers.clone(),
+                source,
+            })
+    }
+
+    /// Enqueues one event; its delivery report arrives later with `token`. Waits (async)
+    /// while librdkafka's queue is full.
+    pub async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
+        let headers = event_headers(ev);
+        loop {
+            let mut oh = OwnedHeaders::new_with_capacity(headers.len());
+            for (k, v) in &headers {
+                oh = oh.insert(Header {
+                    key: k,
+                    value: Some(v.as_slice()),
+                });
+            }
+            let record = BaseRecord::with_opaque_to(&ev.destination.topic, Box::new(token))
+                .key(ev.destination.key.as_bytes())
+                .payload(&ev.payload[..])
+                .headers(oh);
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((source, _)) => {
+                    return Err(SinkError::Enqueue {
+                        event_id: ev.event_id.to_string(),
+                        topic: ev.destination.topic.clone(),
+                        class: classify(&source),
+                        source,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Messages enqueued and not yet reported.
+    pub fn in_flight(&self) -> i32 {
+        self.producer.in_flight_count()
+    }
+
+    /// Waits for outstanding deliveries (used at shutdown).
+    pub fn flush(&self, timeout: Duration) {
+        let _ = self.producer.flush(timeout);
+    }
+}

@@ -1,0 +1,40 @@
+//! Test harness: real PostgreSQL with `wal_level=logical` and the Kafka protocol, no fakes.
+//!
+//! * [`postgres`] starts a throwaway cluster from the installed server binaries on a free
+//!   port (as root, the server runs as the `postgres` user, since initdb refuses root), once
+//!   per process, unless `OUTBOXD_TEST_DATABASE_URL` names a server to use instead. Each test
+//!   gets its own database.
+//! * [`kafka`] gives each test librdkafka's in-process mock cluster (real TCP listener, fault
+//!   injection) unless `OUTBOXD_TEST_KAFKA` names real bootstrap servers.
+//! * [`wait`] polls a condition until a deadline — tests wait for states, never for sleeps.
+//!
+//! `outboxd demo` uses the same code to run the embedded default.
+
+pub mod kafka;
+pub mod postgres;
+pub mod wait;
+
+/// Why the harness could not provide a component. The message says what to install or set.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    #[error("PostgreSQL server binaries not found (looked in $OUTBOXD_PG_BIN, `pg_config --bindir`, /usr/lib/postgresql/*/bin): install postgresql (e.g. `apt-get install postgresql`) or set OUTBOXD_PG_BIN")]
+    NoPostgresBinaries,
+    #[error("running as root, but there is no `postgres` user to run the server as (initdb refuses root): create one with `useradd -r postgres`")]
+    NoPostgresUser,
+    #[error("`{command}` failed: {detail}")]
+    Command { command: String, detail: String },
+    #[error("I/O error while {context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("database error while {context}: {source}")]
+    Db {
+        context: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error("Kafka mock cluster: {0}")]
+    Kafka(String),
+}

@@ -1,0 +1,298 @@
+//! A throwaway PostgreSQL cluster with `wal_level=logical`.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use crate::HarnessError;
+
+/// A running cluster (owned) or an external server named by a URL (borrowed).
+#[derive(Debug)]
+pub struct TestPostgres {
+    /// `postgres://user@host:port` without a database name.
+    base_url: String,
+    /// Database used for administrative statements (CREATE DATABASE).
+    admin_db: String,
+    owned: Option<OwnedCluster>,
+}
+
+#[derive(Debug)]
+struct OwnedCluster {
+    bin: PathBuf,
+    data: PathBuf,
+    /// Keeps the directory alive; removed on drop.
+    _dir: Option<tempfile::TempDir>,
+    run_as: Option<(u32, u32)>,
+}
+
+static SHARED: OnceLock<TestPostgres> = OnceLock::new();
+static TO_STOP: Mutex<Vec<(PathBuf, PathBuf, Option<(u32, u32)>)>> = Mutex::new(Vec::new());
+static DB_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn stop_registered_clusters() {
+    if let Ok(list) = TO_STOP.lock() {
+        for (bin, data, run_as) in list.iter() {
+            let _ = pg_ctl_stop(bin, data, *run_as);
+        }
+    }
+}
+
+fn pg_ctl_stop(bin: &Path, data: &Path, run_as: Option<(u32, u32)>) -> std::io::Result<()> {
+    let mut cmd = Command::new(bin.join("pg_ctl"));
+    cmd.args(["-D"])
+        .arg(data)
+        .args(["-m", "immediate", "-w", "stop"]);
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    if let Some((uid, gid)) = run_as {
+        cmd.uid(uid).gid(gid);
+    }
+    cmd.status().map(|_| ())
+}
+
+impl TestPostgres {
+    /// The cluster shared by every test of this process: started on first use, stopped when
+    /// the process exits. `OUTBOXD_TEST_DATABASE_URL` (a server with `wal_level=logical`)
+    /// replaces it.
+    pub fn shared() -> &'static TestPostgres {
+        SHARED.get_or_init(|| {
+            if let Ok(url) = std::env::var("OUTBOXD_TEST_DATABASE_URL") {
+                return TestPostgres::external(&url);
+            }
+            let pg = TestPostgres::start_throwaway(None)
+                .unwrap_or_else(|e| panic!("cannot start test PostgreSQL: {e}"));
+            // SAFETY: registering a plain `extern "C" fn()` with no captured state.
+            unsafe {
+                libc::atexit(stop_registered_clusters);
+            }
+            pg
+        })
+    }
+
+    /// Uses an existing server. `url` may include a database; it is used for admin statements.
+    pub fn external(url: &str) -> TestPostgres {
+        let (base, db) = match url.rsplit_once('/') {
+            Some((base, db)) if base.contains("//") && !db.is_empty() => {
+                (base.to_string(), db.split('?').next().unwrap_or("postgres").to_string())
+            }
+            _ => (url.trim_end_matches('/').to_string(), "postgres".to_string()),
+        };
+        TestPostgres {
+            base_url: base,
+            admin_db: db,
+            owned: None,
+        }
+    }
+
+    /// Starts a new cluster. With `dir = None` it lives in a temporary directory removed on
+    /// drop; the cluster is registered to be stopped at process exit as well.
+    pub fn start_throwaway(dir: Option<&Path>) -> Result<TestPostgres, HarnessError> {
+        let bin = find_bindir()?;
+        let run_as = if unsafe_geteuid() == 0 {
+            Some(postgres_ids()?)
+        } else {
+            None
+        };
+        let (tmp, root) = match dir {
+            Some(d) => (None, d.to_path_buf()),
+            None => {
+                let t = tempfile::Builder::new()
+                    .prefix("outboxd-pg-")
+                    .tempdir()
+                    .map_err(|e| io("creating a temporary directory", e))?;
+                let p = t.path().to_path_buf();
+                (Some(t), p)
+            }
+        };
+        std::fs::create_dir_all(&root).map_err(|e| io("creating the cluster directory", e))?;
+        if let Some((uid, gid)) = run_as {
+            chown(&root, uid, gid)?;
+        }
+        let data = root.join("data");
+        let port = free_port()?;
+
+        let mut initdb = Command::new(bin.join("initdb"));
+        initdb
+            .arg("-D")
+            .arg(&data)
+            .args(["-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync"])
+            .arg("--locale=C");
+        run(&mut initdb, run_as, "initdb")?;
+
+        let conf = format!(
+            "\nlisten_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{}'\n\
+             wal_level = logical\nmax_replication_slots = 100\nmax_wal_senders = 100\n\
+             max_connections = 300\nfsync = off\nfull_page_writes = off\nsynchronous_commit = off\n\
+             shared_buffers = 128MB\nwal_sender_timeout = 60s\nlog_min_messages = warning\n",
+            root.display()
+        );
+        let conf_path = data.join("postgresql.conf");
+        let mut existing = std::fs::read_to_string(&conf_path)
+            .map_err(|e| io("reading postgresql.conf", e))?;
+        existing.push_str(&conf);
+        std::fs::write(&conf_path, existing).map_err(|e| io("writing postgresql.conf", e))?;
+
+        let mut start = Command::new(bin.join("pg_ctl"));
+        start
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(root.join("server.log"))
+            .args(["-w", "-t", "60", "start"]);
+        run(&mut start, run_as, "pg_ctl start")?;
+        TO_STOP
+            .lock()
+            .map_err(|_| HarnessError::Kafka("poisoned".into()))
+            .map(|mut l| l.push((bin.clone(), data.clone(), run_as)))
+            .ok();
+
+        Ok(TestPostgres {
+            base_url: format!("postgres://postgres@127.0.0.1:{port}"),
+            admin_db: "postgres".into(),
+            owned: Some(OwnedCluster {
+                bin,
+                data,
+                _dir: tmp,
+                run_as,
+            }),
+        })
+    }
+
+    /// URL of database `db` on this server.
+    pub fn url(&self, db: &str) -> String {
+        format!("{}/{}", self.base_url, db)
+    }
+
+    /// Creates a fresh, uniquely named database and returns its URL.
+    pub async fn create_database(&self, prefix: &str) -> Result<String, HarnessError> {
+        let n = DB_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let name = format!(
+            "{}_{}_{}",
+            sanitize(prefix),
+            std::process::id(),
+            n
+        );
+        let (client, conn) = tokio_postgres::connect(&self.url(&self.admin_db), tokio_postgres::NoTls)
+            .await
+            .map_err(|e| db("connecting to the admin database", e))?;
+        tokio::spawn(conn);
+        client
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await
+            .map_err(|e| db("creating a test database", e))?;
+        Ok(self.url(&name))
+    }
+
+    /// Stops an owned cluster now (also happens at drop / process exit).
+    pub fn stop(&self) {
+        if let Some(o) = &self.owned {
+            let _ = pg_ctl_stop(&o.bin, &o.data, o.run_as);
+        }
+    }
+}
+
+impl Drop for TestPostgres {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+        .take(40)
+        .collect()
+}
+
+fn io(context: &str, source: std::io::Error) -> HarnessError {
+    HarnessError::Io {
+        context: context.to_string(),
+        source,
+    }
+}
+
+fn db(context: &str, source: tokio_postgres::Error) -> HarnessError {
+    HarnessError::Db {
+        context: context.to_string(),
+        source,
+    }
+}
+
+fn unsafe_geteuid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+fn run(cmd: &mut Command, run_as: Option<(u32, u32)>, what: &str) -> Result<(), HarnessError> {
+    if let Some((uid, gid)) = run_as {
+        cmd.uid(uid).gid(gid);
+        cmd.current_dir("/");
+    }
+    let out = cmd.output().map_err(|e| io(&format!("running {what}"), e))?;
+    if !out.status.success() {
+        return Err(HarnessError::Command {
+            command: what.to_string(),
+            detail: format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), HarnessError> {
+    std::os::unix::fs::chown(path, Some(uid), Some(gid)).map_err(|e| io("chown to postgres", e))
+}
+
+fn postgres_ids() -> Result<(u32, u32), HarnessError> {
+    let name = std::ffi::CString::new("postgres").map_err(|_| HarnessError::NoPostgresUser)?;
+    // SAFETY: getpwnam takes a valid NUL-terminated string; the returned pointer is either
+    // null or points to static storage we read immediately, before any other getpw* call.
+    unsafe {
+        let pw = libc::getpwnam(name.as_ptr());
+        if pw.is_null() {
+            return Err(HarnessError::NoPostgresUser);
+        }
+        Ok(((*pw).pw_uid, (*pw).pw_gid))
+    }
+}
+
+/// Finds `initdb` / `pg_ctl`: `$OUTBOXD_PG_BIN`, `pg_config --bindir`, newest /usr/lib/postgresql/N/bin.
+pub fn find_bindir() -> Result<PathBuf, HarnessError> {
+    if let Ok(p) = std::env::var("OUTBOXD_PG_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
+        let mut versions: Vec<(u32, PathBuf)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let v = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+                Some((v, e.path().join("bin")))
+            })
+            .collect();
+        versions.sort();
+        candidates.extend(versions.into_iter().rev().map(|(_, p)| p));
+    }
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        if out.status.success() {
+            candidates.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+        }
+    }
+    candidates
+        .into_iter()
+        .find(|p| p.join("initdb").exists() && p.join("pg_ctl").exists())
+        .ok_or(HarnessError::NoPostgresBinaries)
+}
+
+/// A TCP port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> Result<u16, HarnessError> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| io("finding a free port", e))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| io("finding a free port", e))
+}
