@@ -199,9 +199,17 @@ mod tests {
         t.commit(t2, Lsn(300)).unwrap();
 
         t.resolve(e2).unwrap();
-        assert_eq!(t.watermark(), Lsn(100), "t2 done but t1 is not: must not move");
+        assert_eq!(
+            t.watermark(),
+            Lsn(100),
+            "t2 done but t1 is not: must not move"
+        );
         t.idle_position(Lsn(400));
-        assert_eq!(t.watermark(), Lsn(100), "keepalive must not jump over pending work");
+        assert_eq!(
+            t.watermark(),
+            Lsn(100),
+            "keepalive must not jump over pending work"
+        );
         t.resolve(e1).unwrap();
         assert_eq!(t.watermark(), Lsn(300));
         t.idle_position(Lsn(400));

@@ -111,7 +111,9 @@ pub enum EnvelopeError {
     },
     #[error("unsupported envelope_generation {generation} for event {event_id}: this relay understands generation {ENVELOPE_GENERATION}")]
     Generation { event_id: Uuid, generation: i32 },
-    #[error("field {field} of event {event_id} is empty; outbox.enqueue never writes an empty {field}")]
+    #[error(
+        "field {field} of event {event_id} is empty; outbox.enqueue never writes an empty {field}"
+    )]
     Empty { event_id: Uuid, field: &'static str },
 }
 
@@ -295,9 +297,8 @@ impl OutboxEvent {
                 problem: format!("{v:?} is not an integer"),
             })
         };
-        let optional = |name: &str| -> Result<Option<String>, RowError> {
-            Ok(get(name)?.map(str::to_string))
-        };
+        let optional =
+            |name: &str| -> Result<Option<String>, RowError> { Ok(get(name)?.map(str::to_string)) };
         let id_text = required("event_id")?;
         let event_id = Uuid::parse_str(id_text).map_err(|e| RowError {
             column: "event_id".into(),
@@ -355,7 +356,10 @@ mod row_tests {
             ("aggregate_version", Some("1".to_string())),
             ("event_type", Some(ev.event_type.clone())),
             ("payload_schema", None),
-            ("payload", Some(String::from_utf8(ev.payload.to_vec()).unwrap())),
+            (
+                "payload",
+                Some(String::from_utf8(ev.payload.to_vec()).unwrap()),
+            ),
             ("payload_digest", Some(ev.payload_digest.clone())),
             ("tenant", None),
             ("headers", None),
@@ -366,7 +370,10 @@ mod row_tests {
             ("dest_topic", Some(d.topic.clone())),
             ("dest_key", Some(d.key.clone())),
             ("dest_partitioner", Some(d.partitioner.clone())),
-            ("dest_route_generation", Some(d.route_generation.to_string())),
+            (
+                "dest_route_generation",
+                Some(d.route_generation.to_string()),
+            ),
             ("dest_serializer", Some(d.serializer.clone())),
             ("dest_acks", Some(d.acks.clone())),
             ("destination_digest", Some(ev.destination_digest.clone())),
@@ -377,12 +384,10 @@ mod row_tests {
         m: &'a HashMap<&'static str, Option<String>>,
     ) -> impl Fn(&str) -> Result<Option<&'a str>, RowError> {
         move |name| {
-            m.get(name)
-                .map(|v| v.as_deref())
-                .ok_or_else(|| RowError {
-                    column: name.into(),
-                    problem: "missing".into(),
-                })
+            m.get(name).map(|v| v.as_deref()).ok_or_else(|| RowError {
+                column: name.into(),
+                problem: "missing".into(),
+            })
         }
     }
 
@@ -390,7 +395,10 @@ mod row_tests {
     fn round_trips_and_names_the_bad_column() {
         let ev = tests::sample();
         let m = cols(&ev);
-        assert_eq!(OutboxEvent::from_text_columns(getter(&m), None).unwrap(), ev);
+        assert_eq!(
+            OutboxEvent::from_text_columns(getter(&m), None).unwrap(),
+            ev
+        );
         assert_eq!(EVENT_COLUMNS.len(), m.len());
 
         let mut bad = m.clone();

@@ -175,13 +175,22 @@ pub async fn accept_batch(
                     ACCEPT_SQL,
                     &[
                         &round.iter().map(|r| r.event_id).collect::<Vec<_>>(),
-                        &round.iter().map(|r| r.payload_digest.as_str()).collect::<Vec<_>>(),
+                        &round
+                            .iter()
+                            .map(|r| r.payload_digest.as_str())
+                            .collect::<Vec<_>>(),
                         &round
                             .iter()
                             .map(|r| r.destination_digest.as_str())
                             .collect::<Vec<_>>(),
-                        &round.iter().map(|r| r.broker_kind.as_str()).collect::<Vec<_>>(),
-                        &round.iter().map(|r| r.broker_cluster.as_str()).collect::<Vec<_>>(),
+                        &round
+                            .iter()
+                            .map(|r| r.broker_kind.as_str())
+                            .collect::<Vec<_>>(),
+                        &round
+                            .iter()
+                            .map(|r| r.broker_cluster.as_str())
+                            .collect::<Vec<_>>(),
                         &round.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>(),
                         &round.iter().map(|r| r.partition).collect::<Vec<_>>(),
                         &round.iter().map(|r| r.offset).collect::<Vec<_>>(),
@@ -218,12 +227,18 @@ pub async fn accept_batch(
                 &[
                     &q.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(),
                     &q.iter().map(|r| r.event_id).collect::<Vec<_>>(),
-                    &q.iter().map(|r| r.aggregate_type.as_deref()).collect::<Vec<_>>(),
-                    &q.iter().map(|r| r.aggregate_id.as_deref()).collect::<Vec<_>>(),
+                    &q.iter()
+                        .map(|r| r.aggregate_type.as_deref())
+                        .collect::<Vec<_>>(),
+                    &q.iter()
+                        .map(|r| r.aggregate_id.as_deref())
+                        .collect::<Vec<_>>(),
                     &q.iter().map(|r| r.aggregate_version).collect::<Vec<_>>(),
                     &q.iter().map(|r| r.reason_code.as_str()).collect::<Vec<_>>(),
                     &q.iter().map(|r| r.reason.as_str()).collect::<Vec<_>>(),
-                    &q.iter().map(|r| r.commit_lsn.to_string()).collect::<Vec<_>>(),
+                    &q.iter()
+                        .map(|r| r.commit_lsn.to_string())
+                        .collect::<Vec<_>>(),
                     &slot,
                 ],
             )

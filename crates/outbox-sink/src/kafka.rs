@@ -181,7 +181,10 @@ pub fn classify(err: &KafkaError) -> FailureClass {
 pub fn event_headers(ev: &OutboxEvent) -> Vec<(String, Vec<u8>)> {
     let mut h: Vec<(String, Vec<u8>)> = vec![
         ("id".into(), ev.event_id.to_string().into_bytes()),
-        ("aggregate_type".into(), ev.aggregate_type.clone().into_bytes()),
+        (
+            "aggregate_type".into(),
+            ev.aggregate_type.clone().into_bytes(),
+        ),
         ("aggregate_id".into(), ev.aggregate_id.clone().into_bytes()),
         (
             "aggregate_version".into(),
@@ -192,7 +195,10 @@ pub fn event_headers(ev: &OutboxEvent) -> Vec<(String, Vec<u8>)> {
             "envelope_generation".into(),
             ev.envelope_generation.to_string().into_bytes(),
         ),
-        ("payload_digest".into(), ev.payload_digest.clone().into_bytes()),
+        (
+            "payload_digest".into(),
+            ev.payload_digest.clone().into_bytes(),
+        ),
         ("occurred_at".into(), ev.occurred_at.clone().into_bytes()),
     ];
     if let Some(s) = &ev.payload_schema {
@@ -235,7 +241,10 @@ impl std::fmt::Debug for KafkaSink {
 
 impl KafkaSink {
     /// Builds the producer. Delivery reports are sent to `reports`.
-    pub fn new(config: KafkaSinkConfig, reports: UnboundedSender<Delivery>) -> Result<Self, SinkError> {
+    pub fn new(
+        config: KafkaSinkConfig,
+        reports: UnboundedSender<Delivery>,
+    ) -> Result<Self, SinkError> {
         let mut cc = ClientConfig::new();
         cc.set("bootstrap.servers", &config.bootstrap_servers)
             .set("partitioner", &config.partitioner)

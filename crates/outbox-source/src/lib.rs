@@ -1,8 +1,19 @@
-//! The replication source: everything that talks to PostgreSQL's walsender.
+//! The replication source: everything that talks to PostgreSQL's walsender, and the decode
+//! stage that turns its bytes into outbox events.
 //!
-//! `transport` is a small logical-replication client on `postgres-protocol` + tokio
-//! (startup with `replication=database`, authentication, replication commands, CopyBoth
-//! framing, standby status updates). `slot` manages the slot and publication and detects
-//! a slot that is missing, recreated or invalidated.
+//! * [`transport`] — a small logical-replication client on `postgres-protocol` + tokio
+//!   (startup with `replication=database`, authentication, replication commands, CopyBoth
+//!   framing, standby status updates).
+//! * [`slot`] — the slot and publication: inspection, creation, and the pure start-up
+//!   decision that refuses to run on a slot that is missing, recreated, moved or invalidated.
+//! * [`decode`] — pgoutput messages (from `outbox-pgoutput`) to [`outbox_core::OutboxEvent`]s,
+//!   with transaction boundaries and commit LSNs.
+//! * [`snapshot`] — the initial snapshot: outbox rows committed before the slot existed.
 
+pub mod decode;
+pub mod slot;
+pub mod snapshot;
 pub mod transport;
+
+pub use decode::{Decoded, Decoder};
+pub use slot::{SlotInfo, SourceError, StartPlan};

@@ -74,10 +74,14 @@ impl TestPostgres {
     /// Uses an existing server. `url` may include a database; it is used for admin statements.
     pub fn external(url: &str) -> TestPostgres {
         let (base, db) = match url.rsplit_once('/') {
-            Some((base, db)) if base.contains("//") && !db.is_empty() => {
-                (base.to_string(), db.split('?').next().unwrap_or("postgres").to_string())
-            }
-            _ => (url.trim_end_matches('/').to_string(), "postgres".to_string()),
+            Some((base, db)) if base.contains("//") && !db.is_empty() => (
+                base.to_string(),
+                db.split('?').next().unwrap_or("postgres").to_string(),
+            ),
+            _ => (
+                url.trim_end_matches('/').to_string(),
+                "postgres".to_string(),
+            ),
         };
         TestPostgres {
             base_url: base,
@@ -129,8 +133,8 @@ impl TestPostgres {
             root.display()
         );
         let conf_path = data.join("postgresql.conf");
-        let mut existing = std::fs::read_to_string(&conf_path)
-            .map_err(|e| io("reading postgresql.conf", e))?;
+        let mut existing =
+            std::fs::read_to_string(&conf_path).map_err(|e| io("reading postgresql.conf", e))?;
         existing.push_str(&conf);
         std::fs::write(&conf_path, existing).map_err(|e| io("writing postgresql.conf", e))?;
 
@@ -168,15 +172,11 @@ impl TestPostgres {
     /// Creates a fresh, uniquely named database and returns its URL.
     pub async fn create_database(&self, prefix: &str) -> Result<String, HarnessError> {
         let n = DB_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let name = format!(
-            "{}_{}_{}",
-            sanitize(prefix),
-            std::process::id(),
-            n
-        );
-        let (client, conn) = tokio_postgres::connect(&self.url(&self.admin_db), tokio_postgres::NoTls)
-            .await
-            .map_err(|e| db("connecting to the admin database", e))?;
+        let name = format!("{}_{}_{}", sanitize(prefix), std::process::id(), n);
+        let (client, conn) =
+            tokio_postgres::connect(&self.url(&self.admin_db), tokio_postgres::NoTls)
+                .await
+                .map_err(|e| db("connecting to the admin database", e))?;
         tokio::spawn(conn);
         client
             .batch_execute(&format!("CREATE DATABASE \"{name}\""))
@@ -201,7 +201,13 @@ impl Drop for TestPostgres {
 
 fn sanitize(s: &str) -> String {
     s.chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
         .take(40)
         .collect()
 }
@@ -230,7 +236,9 @@ fn run(cmd: &mut Command, run_as: Option<(u32, u32)>, what: &str) -> Result<(), 
         cmd.uid(uid).gid(gid);
         cmd.current_dir("/");
     }
-    let out = cmd.output().map_err(|e| io(&format!("running {what}"), e))?;
+    let out = cmd
+        .output()
+        .map_err(|e| io(&format!("running {what}"), e))?;
     if !out.status.success() {
         return Err(HarnessError::Command {
             command: what.to_string(),

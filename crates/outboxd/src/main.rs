@@ -1,1 +1,261 @@
-fn main() {}
+//! `outboxd`: the binary edge. CLI parsing, config resolution, logging, signal handling, and
+//! wiring of the library crates; `anyhow` lives only here.
+
+mod cli;
+mod config;
+mod demo;
+mod failpoint;
+mod relay;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use outbox_sink::KafkaSinkConfig;
+use tokio::sync::watch;
+
+use cli::{Cli, Command, LogFormat, RunArgs};
+use config::{redact_url, FileConfig, RelayConfig, Secret};
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outboxd: error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(dispatch(cli.command)) {
+        eprintln!("outboxd: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOXD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn dispatch(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::Migrate(a) => migrate(&a.database_url).await,
+        Command::Run(a) => {
+            let cfg = resolve_run(&a)?;
+            let (tx, rx) = watch::channel(false);
+            spawn_signal_handler(tx);
+            relay::run(cfg, Arc::new(relay::Progress::default()), rx)
+                .await
+                .map_err(anyhow::Error::from)
+        }
+        Command::Status(a) => status(&a.database_url, a.json).await,
+        Command::DevBroker(a) => dev_broker(a.brokers).await,
+        Command::Demo(a) => demo::run(a).await,
+    }
+}
+
+fn spawn_signal_handler(tx: watch::Sender<bool>) {
+    tokio::spawn(async move {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return,
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutdown requested; finishing in-flight events");
+        let _ = tx.send(true);
+    });
+}
+
+/// Connects for ordinary SQL, with an error that names the server and the fix.
+pub(crate) async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot connect to PostgreSQL at {}: {}; check the URL, that the server is up, and pg_hba.conf",
+                redact_url(url),
+                outbox_ledger::describe_db_error(&e)
+            )
+        })?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(client)
+}
+
+pub(crate) async fn migrate(url: &str) -> anyhow::Result<()> {
+    let mut client = connect(url).await?;
+    let applied = outbox_ledger::migrate::run(&mut client)
+        .await
+        .context("migrate")?;
+    if applied.is_empty() {
+        println!("schema outbox is up to date");
+    } else {
+        for v in applied {
+            println!("applied migration {v:04}");
+        }
+    }
+    Ok(())
+}
+
+fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
+    let file = match &a.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let table = a
+        .table
+        .clone()
+        .or(file.table.clone())
+        .unwrap_or_else(|| config::DEFAULT_TABLE.into());
+    let (schema, table) = config::split_table(&table)?;
+    let mut properties: Vec<(String, String)> = file.kafka.properties.clone().into_iter().collect();
+    properties.extend(a.kafka_properties.iter().cloned());
+    let defaults = KafkaSinkConfig::default();
+    let cfg = RelayConfig {
+        database_url: a
+            .database_url
+            .clone()
+            .map(Secret::new)
+            .or(file.database_url.clone())
+            .unwrap_or_default(),
+        slot: a
+            .slot
+            .clone()
+            .or(file.slot.clone())
+            .unwrap_or_else(|| config::DEFAULT_SLOT.into()),
+        publication: a
+            .publication
+            .clone()
+            .or(file.publication.clone())
+            .unwrap_or_else(|| config::DEFAULT_PUBLICATION.into()),
+        schema,
+        table,
+        sink: KafkaSinkConfig {
+            bootstrap_servers: a
+                .bootstrap_servers
+                .clone()
+                .or(file.kafka.bootstrap_servers.clone())
+                .unwrap_or_default(),
+            cluster_name: a
+                .cluster_name
+                .clone()
+                .or(file.kafka.cluster_name.clone())
+                .unwrap_or(defaults.cluster_name),
+            partitioner: file
+                .kafka
+                .partitioner
+                .clone()
+                .unwrap_or(defaults.partitioner),
+            message_timeout: a
+                .message_timeout_ms
+                .or(file.kafka.message_timeout_ms)
+                .map(Duration::from_millis)
+                .unwrap_or(defaults.message_timeout),
+            linger: file
+                .kafka
+                .linger_ms
+                .map(Duration::from_millis)
+                .unwrap_or(defaults.linger),
+            properties,
+        },
+        max_in_flight: a
+            .max_in_flight
+            .or(file.relay.max_in_flight)
+            .unwrap_or(10_000),
+        batch_size: a.batch_size.or(file.relay.batch_size).unwrap_or(1000),
+        batch_linger: Duration::from_millis(
+            a.batch_linger_ms
+                .or(file.relay.batch_linger_ms)
+                .unwrap_or(5),
+        ),
+        status_interval: Duration::from_millis(
+            a.status_interval_ms
+                .or(file.relay.status_interval_ms)
+                .unwrap_or(1000),
+        ),
+        heartbeat_interval: Duration::from_millis(
+            a.heartbeat_interval_ms
+                .or(file.relay.heartbeat_interval_ms)
+                .unwrap_or(10_000),
+        ),
+        resnapshot: a.resnapshot,
+        relay_generation: 0,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+async fn status(url: &str, json: bool) -> anyhow::Result<()> {
+    let client = connect(url).await?;
+    let s = outbox_ledger::status::read(&client).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    println!("events              {}", s.events);
+    println!("published           {}", s.published);
+    println!("pending             {}", s.pending);
+    if let Some(age) = s.oldest_pending_age_seconds {
+        println!("oldest pending age  {age:.1}s");
+    }
+    println!("duplicate receipts  {}", s.duplicate_receipts);
+    println!("quarantined         {}", s.quarantined);
+    println!();
+    println!(
+        "{:<24} {:<12} {:<14} {:<14} {:<8} {:<10} {:>12} {:>12}",
+        "SLOT", "PUBLICATION", "CHECKPOINT", "SLOT LSN", "ACTIVE", "WAL", "LAG BYTES", "RETAINED"
+    );
+    for sl in &s.slots {
+        println!(
+            "{:<24} {:<12} {:<14} {:<14} {:<8} {:<10} {:>12} {:>12}",
+            sl.slot_name,
+            sl.publication,
+            sl.checkpoint_lsn,
+            sl.slot_confirmed_lsn.as_deref().unwrap_or("MISSING"),
+            sl.active
+                .map(|a| a.to_string())
+                .unwrap_or_else(|| "-".into()),
+            sl.wal_status.as_deref().unwrap_or("-"),
+            sl.lag_bytes
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "-".into()),
+            sl.retained_wal_bytes
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "-".into()),
+        );
+    }
+    Ok(())
+}
+
+async fn dev_broker(brokers: i32) -> anyhow::Result<()> {
+    let kafka = outbox_testkit::kafka::TestKafka::mock(brokers)
+        .map_err(|e| anyhow::anyhow!("starting the embedded broker: {e}"))?;
+    println!("bootstrap.servers={}", kafka.bootstrap_servers());
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    drop(kafka);
+    Ok(())
+}

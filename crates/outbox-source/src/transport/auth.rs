@@ -191,7 +191,10 @@ mod tests {
         assert_eq!(step, Step::Continue);
         // 'p', i32 len, "md5" + 32 hex chars, NUL.
         assert_eq!(out[0], b'p');
-        assert_eq!(i32::from_be_bytes([out[1], out[2], out[3], out[4]]), 4 + 35 + 1);
+        assert_eq!(
+            i32::from_be_bytes([out[1], out[2], out[3], out[4]]),
+            4 + 35 + 1
+        );
         let expected = md5_hash(b"alice", b"secret", [1, 2, 3, 4]);
         assert_eq!(&out[5..out.len() - 1], expected.as_bytes());
         assert!(expected.starts_with("md5"));
@@ -210,7 +213,10 @@ mod tests {
     fn missing_password_names_user() {
         let mut a = Authenticator::new("bob", None, false);
         let err = a
-            .handle(AuthRequest::Md5Password { salt: [0; 4] }, &mut BytesMut::new())
+            .handle(
+                AuthRequest::Md5Password { salt: [0; 4] },
+                &mut BytesMut::new(),
+            )
             .unwrap_err();
         assert!(matches!(err, TransportError::Auth(_)));
         assert!(err.to_string().contains("\"bob\""), "{err}");

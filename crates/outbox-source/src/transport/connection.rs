@@ -179,9 +179,7 @@ async fn connect_socket(target: &Target, cfg: &Config) -> Result<Socket, Transpo
         }
         #[cfg(unix)]
         Target::Unix { path } => {
-            let stream = UnixStream::connect(path)
-                .await
-                .map_err(io_err(context()))?;
+            let stream = UnixStream::connect(path).await.map_err(io_err(context()))?;
             Ok(Socket::Unix(stream))
         }
     }
@@ -371,9 +369,9 @@ impl ReplicationConnection {
                     .into(),
             ));
         }
-        let user = cfg.get_user().ok_or_else(|| {
-            TransportError::Auth("the connection config names no user".into())
-        })?;
+        let user = cfg
+            .get_user()
+            .ok_or_else(|| TransportError::Auth("the connection config names no user".into()))?;
         let target = Target::from_config(cfg)?;
         let attempt = async {
             let socket = connect_socket(&target, cfg).await?;
@@ -455,8 +453,11 @@ impl ReplicationConnection {
                 }
                 BackendMessage::CopyInResponse => {
                     // Refuse; the server answers with an ErrorResponse + ReadyForQuery.
-                    frontend::copy_fail("COPY FROM STDIN is not supported here", &mut self.conn.wbuf)
-                        .map_err(|e| TransportError::Protocol(e.to_string()))?;
+                    frontend::copy_fail(
+                        "COPY FROM STDIN is not supported here",
+                        &mut self.conn.wbuf,
+                    )
+                    .map_err(|e| TransportError::Protocol(e.to_string()))?;
                     self.conn.flush_out().await?;
                 }
                 BackendMessage::CopyOutResponse => {
@@ -544,39 +545,48 @@ impl ReplicationConnection {
         if !options.is_empty() {
             let opts = options
                 .iter()
-                .map(|(k, v)| Ok(format!("{} {}", frame::quote_ident(k)?, frame::quote_literal(v)?)))
+                .map(|(k, v)| {
+                    Ok(format!(
+                        "{} {}",
+                        frame::quote_ident(k)?,
+                        frame::quote_literal(v)?
+                    ))
+                })
                 .collect::<Result<Vec<_>, TransportError>>()?;
             sql.push_str(" (");
             sql.push_str(&opts.join(", "));
             sql.push(')');
         }
         self.conn.send_query(&sql).await?;
-        loop {
-            match self.conn.read_message().await? {
-                BackendMessage::CopyBothResponse => {
-                    // From here on the request only ends with the copy; in_flight stays set
-                    // until ReplicationStream::finish has read ReadyForQuery.
-                    tracing::debug!(peer = %self.conn.peer, slot, lsn = %format_lsn(start_lsn), "replication started");
-                    return Ok(ReplicationStream {
-                        conn: self.conn,
-                        ended: false,
-                    });
-                }
-                BackendMessage::ErrorResponse(e) => {
-                    // ReadyForQuery follows; read it so we can say goodbye properly.
-                    let err = TransportError::from(e);
-                    loop {
-                        match self.conn.read_message().await {
-                            Ok(BackendMessage::ReadyForQuery { .. }) => break,
-                            Ok(_) => {}
-                            Err(_) => return Err(err),
-                        }
-                    }
-                    self.conn.terminate().await;
-                    return Err(err);
-                }
-                m => return Err(self.conn.unexpected(&m, "in reply to START_REPLICATION")),
+        match self.conn.read_message().await? {
+            BackendMessage::CopyBothResponse => {
+                // From here on the request only ends with the copy; in_flight stays set
+                // until ReplicationStream::finish has read ReadyForQuery.
+                tracing::debug!(
+                    peer = %self.conn.peer,
+                    slot,
+                    lsn = %format_lsn(start_lsn),
+                    "replication started"
+                );
+                Ok(ReplicationStream {
+                    conn: self.conn,
+                    ended: false,
+                })
             }
+            BackendMessage::ErrorResponse(e) => {
+                // ReadyForQuery follows; read it so we can say goodbye properly.
+                let err = TransportError::from(e);
+                loop {
+                    match self.conn.read_message().await {
+                        Ok(BackendMessage::ReadyForQuery { .. }) => break,
+                        Ok(_) => {}
+                        Err(_) => return Err(err),
+                    }
+                }
+                self.conn.terminate().await;
+                Err(err)
+            }
+            m => Err(self.conn.unexpected(&m, "in reply to START_REPLICATION")),
         }
     }
 
@@ -670,7 +680,9 @@ impl ReplicationStream {
             return Ok(None);
         }
         match self.conn.read_message().await? {
-            BackendMessage::CopyData(payload) => frame::parse_replication_message(payload).map(Some),
+            BackendMessage::CopyData(payload) => {
+                frame::parse_replication_message(payload).map(Some)
+            }
             BackendMessage::CopyDone | BackendMessage::CommandComplete { .. } => {
                 tracing::debug!(peer = %self.conn.peer, "server ended the replication stream");
                 self.ended = true;
@@ -812,9 +824,7 @@ mod tests {
     #[tokio::test]
     async fn sslmode_require_is_refused() {
         let mut cfg = Config::new();
-        cfg.host("127.0.0.1")
-            .user("u")
-            .ssl_mode(SslMode::Require);
+        cfg.host("127.0.0.1").user("u").ssl_mode(SslMode::Require);
         let err = ReplicationConnection::connect(&cfg).await.unwrap_err();
         assert!(
             matches!(&err, TransportError::Protocol(m) if m.contains("TLS is not supported")),
@@ -854,7 +864,8 @@ mod tests {
             s.write_all(&backend(b'R', &md5)).await.unwrap();
             let (tag, body) = read_frontend(&mut s).await;
             assert_eq!(tag, b'p');
-            let expected = postgres_protocol::authentication::md5_hash(b"tester", b"pw", [9, 8, 7, 6]);
+            let expected =
+                postgres_protocol::authentication::md5_hash(b"tester", b"pw", [9, 8, 7, 6]);
             assert_eq!(&body[..body.len() - 1], expected.as_bytes());
             s.write_all(&auth_ok_and_ready()).await.unwrap();
 
@@ -919,7 +930,10 @@ mod tests {
         assert_eq!(rows[0].get("b"), None);
         assert_eq!(rows[1].get("b"), Some("z"));
         c.close().await;
-        tokio::time::timeout(TEST_TIMEOUT, server).await.unwrap().unwrap();
+        tokio::time::timeout(TEST_TIMEOUT, server)
+            .await
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test]
@@ -929,7 +943,9 @@ mod tests {
         let server = tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
             read_startup(&mut s).await;
-            s.write_all(&backend(b'R', &3i32.to_be_bytes())).await.unwrap();
+            s.write_all(&backend(b'R', &3i32.to_be_bytes()))
+                .await
+                .unwrap();
             let (tag, body) = read_frontend(&mut s).await;
             assert_eq!((tag, &body[..]), (b'p', &b"wrong\0"[..]));
             s.write_all(&backend(
@@ -1054,7 +1070,10 @@ mod tests {
                 }
             }
         }
-        assert!(ticks > 5, "the timer should have interrupted reads (ticks={ticks})");
+        assert!(
+            ticks > 5,
+            "the timer should have interrupted reads (ticks={ticks})"
+        );
         assert_eq!(got.len() as u64, N);
         for (i, m) in got.iter().enumerate() {
             let i = i as u64;
@@ -1084,7 +1103,10 @@ mod tests {
         assert_eq!(stream.next_message().await.unwrap(), None);
         let c = stream.finish().await.unwrap();
         drop(c);
-        let updates = tokio::time::timeout(TEST_TIMEOUT, server).await.unwrap().unwrap();
+        let updates = tokio::time::timeout(TEST_TIMEOUT, server)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(updates, (1..=ticks).collect::<Vec<_>>());
     }
 

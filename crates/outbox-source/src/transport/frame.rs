@@ -69,8 +69,12 @@ pub(crate) fn show_tag(tag: u8) -> String {
 pub(crate) enum AuthRequest {
     Ok,
     CleartextPassword,
-    Md5Password { salt: [u8; 4] },
-    Sasl { mechanisms: Vec<String> },
+    Md5Password {
+        salt: [u8; 4],
+    },
+    Sasl {
+        mechanisms: Vec<String>,
+    },
     SaslContinue(Bytes),
     SaslFinal(Bytes),
     /// Any method we do not implement (Kerberos, GSSAPI, SSPI, ...), by its code.
@@ -103,13 +107,27 @@ impl From<ErrorFields> for TransportError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum BackendMessage {
     Authentication(AuthRequest),
-    BackendKeyData { process_id: i32, secret_key: i32 },
-    ParameterStatus { name: String, value: String },
+    BackendKeyData {
+        process_id: i32,
+        secret_key: i32,
+    },
+    ParameterStatus {
+        name: String,
+        value: String,
+    },
     NegotiateProtocolVersion,
-    ReadyForQuery { status: u8 },
-    RowDescription { columns: Vec<String> },
-    DataRow { values: Vec<Option<String>> },
-    CommandComplete { tag: String },
+    ReadyForQuery {
+        status: u8,
+    },
+    RowDescription {
+        columns: Vec<String>,
+    },
+    DataRow {
+        values: Vec<Option<String>>,
+    },
+    CommandComplete {
+        tag: String,
+    },
     EmptyQueryResponse,
     ErrorResponse(ErrorFields),
     NoticeResponse(ErrorFields),
@@ -120,7 +138,9 @@ pub(crate) enum BackendMessage {
     CopyData(Bytes),
     CopyDone,
     /// A tag this client has no use for; reported as unexpected by whoever receives it.
-    Other { tag: u8 },
+    Other {
+        tag: u8,
+    },
 }
 
 impl BackendMessage {
@@ -667,9 +687,7 @@ Dsome detail\0Hsome hint\0Fslot.c\0L123\0\0";
         cont.extend_from_slice(b"r=abc");
         assert_eq!(
             dec(&cont),
-            BackendMessage::Authentication(AuthRequest::SaslContinue(Bytes::from_static(
-                b"r=abc"
-            )))
+            BackendMessage::Authentication(AuthRequest::SaslContinue(Bytes::from_static(b"r=abc")))
         );
         assert_eq!(
             dec(&7i32.to_be_bytes()),

@@ -1,0 +1,485 @@
+//! The slot and the publication, and the start-up decision.
+//!
+//! # Why the relay refuses to start on some slots
+//! The slot's `confirmed_flush_lsn` is the resume point: PostgreSQL will never again send a
+//! transaction that committed before it. The ledger's checkpoint is the highest LSN the relay
+//! has *proven* (every event before it has an accepted receipt). The relay only ever confirms
+//! what the ledger has stored, so for a healthy slot `slot <= checkpoint` always holds. If the
+//! slot is ahead of the checkpoint, somebody else moved it, or it was dropped and recreated
+//! (a new slot starts at the current WAL position): events between the two positions may
+//! never be streamed. Continuing would be a silent skip, so the relay stops and says how to
+//! recover (re-snapshot: publish every outbox row without a receipt).
+//!
+//! The decision is a pure function, [`plan`], so every case is unit-tested.
+
+use outbox_core::Lsn;
+use tokio_postgres::Client;
+
+use crate::transport::TransportError;
+
+/// Everything that can stop the source. Definite errors (slot missing, recreated, invalidated,
+/// wrong server) need an operator; transient ones (connection lost) are retried.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("wal_level is '{actual}', but logical replication needs 'logical': run `ALTER SYSTEM SET wal_level = logical` and restart PostgreSQL")]
+    WalLevel { actual: String },
+    #[error("replication slot \"{slot}\" is missing, but the ledger has a checkpoint for it at {checkpoint}: it was dropped behind outboxd's back, and events committed since may be in no slot. Recover with `outboxd run --resnapshot` (creates the slot again and publishes every outbox row without a receipt)")]
+    SlotMissing { slot: String, checkpoint: Lsn },
+    #[error("replication slot \"{slot}\" is at {slot_lsn}, ahead of the ledger checkpoint {checkpoint}: the slot was recreated or advanced behind outboxd's back, and events between the two positions would be skipped. Recover with `outboxd run --resnapshot` (recreates the slot and publishes every outbox row without a receipt)")]
+    SlotAhead {
+        slot: String,
+        slot_lsn: Lsn,
+        checkpoint: Lsn,
+    },
+    #[error("replication slot \"{slot}\" is invalidated (wal_status = {wal_status}): PostgreSQL removed WAL it still needed (see max_slot_wal_keep_size). Recover with `outboxd run --resnapshot`")]
+    SlotInvalidated { slot: String, wal_status: String },
+    #[error("replication slot \"{slot}\" uses output plugin '{plugin}' on database '{database}'; outboxd needs a pgoutput slot on '{expected_db}'. Choose another --slot name")]
+    SlotForeign {
+        slot: String,
+        plugin: String,
+        database: String,
+        expected_db: String,
+    },
+    #[error("the ledger's checkpoint for slot \"{slot}\" was written on PostgreSQL system {ledger}, but this server is system {server}: the database was restored or replaced. Recover with `outboxd run --resnapshot`")]
+    SystemChanged {
+        slot: String,
+        ledger: String,
+        server: String,
+    },
+    #[error("publication \"{publication}\": {problem}")]
+    Publication {
+        publication: String,
+        problem: String,
+    },
+    #[error("replication connection: {0}")]
+    Transport(#[from] TransportError),
+    #[error("{context}: {message}")]
+    Db { context: String, message: String },
+    #[error("pgoutput stream: {0}")]
+    Decode(#[from] outbox_pgoutput::DecodeError),
+    #[error("replication protocol: {0}")]
+    Protocol(String),
+}
+
+impl SourceError {
+    /// Errors that a reconnect can fix. Everything else needs an operator.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            SourceError::Transport(t) => {
+                !matches!(t, TransportError::Auth(_)) && {
+                    // Server errors on the replication connection are definite, except the ones
+                    // caused by the walsender going away (admin shutdown, slot briefly in use).
+                    match t.sqlstate() {
+                        None => true,
+                        Some(code) => {
+                            matches!(code, "57P01" | "57P02" | "57P03" | "55006" | "08006")
+                        }
+                    }
+                }
+            }
+            SourceError::Db { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+pub(crate) fn db_err(context: impl Into<String>, e: tokio_postgres::Error) -> SourceError {
+    let message = match e.as_db_error() {
+        Some(d) => format!("{} (SQLSTATE {})", d.message(), d.code().code()),
+        None => e.to_string(),
+    };
+    SourceError::Db {
+        context: context.into(),
+        message,
+    }
+}
+
+/// A slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub plugin: String,
+    pub database: String,
+    pub active_pid: Option<i32>,
+    pub wal_status: Option<String>,
+    pub confirmed_flush: Option<Lsn>,
+}
+
+/// What the ledger knows about the slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerView {
+    pub checkpoint: Lsn,
+    pub snapshot_done: bool,
+    pub system_identifier: Option<String>,
+}
+
+/// How to start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartPlan {
+    /// No slot and no history: create the slot with an exported snapshot, publish the
+    /// snapshot, then stream from the consistent point.
+    Create,
+    /// Drop whatever is there and create afresh, then publish every row without a receipt
+    /// (operator asked for `--resnapshot`).
+    Recreate,
+    /// Stream from `start`. `backfill` asks for a snapshot publish first (the initial one
+    /// never completed, or the slot was adopted).
+    Resume { start: Lsn, backfill: bool },
+}
+
+/// The start-up decision. Pure.
+pub fn plan(
+    slot_name: &str,
+    database: &str,
+    server_system_id: &str,
+    slot: Option<&SlotInfo>,
+    ledger: Option<&LedgerView>,
+    resnapshot: bool,
+) -> Result<StartPlan, SourceError> {
+    if let Some(s) = slot {
+        if s.plugin != "pgoutput" || s.database != database {
+            return Err(SourceError::SlotForeign {
+                slot: slot_name.into(),
+                plugin: s.plugin.clone(),
+                database: s.database.clone(),
+                expected_db: database.into(),
+            });
+        }
+    }
+    if resnapshot {
+        return Ok(StartPlan::Recreate);
+    }
+    match (slot, ledger) {
+        (None, None) => Ok(StartPlan::Create),
+        (None, Some(l)) => Err(SourceError::SlotMissing {
+            slot: slot_name.into(),
+            checkpoint: l.checkpoint,
+        }),
+        (Some(s), ledger) => {
+            if let Some(ws) = &s.wal_status {
+                if ws == "lost" {
+                    return Err(SourceError::SlotInvalidated {
+                        slot: slot_name.into(),
+                        wal_status: ws.clone(),
+                    });
+                }
+            }
+            let slot_lsn = s.confirmed_flush.unwrap_or(Lsn::ZERO);
+            match ledger {
+                // A slot with no ledger row: we crashed between creating the slot and
+                // recording it, or an operator pre-created it. Adopt it and publish a
+                // snapshot first, which covers everything the slot will not stream.
+                None => Ok(StartPlan::Resume {
+                    start: slot_lsn,
+                    backfill: true,
+                }),
+                Some(l) => {
+                    if let Some(sys) = &l.system_identifier {
+                        if sys != server_system_id {
+                            return Err(SourceError::SystemChanged {
+                                slot: slot_name.into(),
+                                ledger: sys.clone(),
+                                server: server_system_id.into(),
+                            });
+                        }
+                    }
+                    if slot_lsn > l.checkpoint {
+                        return Err(SourceError::SlotAhead {
+                            slot: slot_name.into(),
+                            slot_lsn,
+                            checkpoint: l.checkpoint,
+                        });
+                    }
+                    // Start from the slot's own position: PostgreSQL resumes there anyway,
+                    // and everything between it and the checkpoint is re-read and
+                    // recognised as duplicates.
+                    Ok(StartPlan::Resume {
+                        start: slot_lsn,
+                        backfill: !l.snapshot_done,
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Reads the slot, if it exists.
+pub async fn inspect(client: &Client, slot: &str) -> Result<Option<SlotInfo>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT coalesce(plugin, ''), coalesce(database, ''), active_pid, wal_status,
+                    confirmed_flush_lsn::text
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| db_err(format!("reading replication slot {slot}"), e))?;
+    row.map(|r| {
+        let lsn: Option<String> = r.get(4);
+        Ok(SlotInfo {
+            plugin: r.get(0),
+            database: r.get(1),
+            active_pid: r.get(2),
+            wal_status: r.get(3),
+            confirmed_flush: lsn
+                .map(|l| {
+                    l.parse::<Lsn>()
+                        .map_err(|e| SourceError::Protocol(e.to_string()))
+                })
+                .transpose()?,
+        })
+    })
+    .transpose()
+}
+
+/// Fails unless `wal_level = logical`.
+pub async fn check_wal_level(client: &Client) -> Result<(), SourceError> {
+    let row = client
+        .query_one("SHOW wal_level", &[])
+        .await
+        .map_err(|e| db_err("reading wal_level", e))?;
+    let actual: String = row.get(0);
+    if actual != "logical" {
+        return Err(SourceError::WalLevel { actual });
+    }
+    Ok(())
+}
+
+/// Creates the publication (inserts only) if it does not exist; otherwise verifies that it
+/// includes `schema.table` and publishes inserts.
+pub async fn ensure_publication(
+    client: &Client,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) -> Result<(), SourceError> {
+    let pub_err = |problem: String| SourceError::Publication {
+        publication: publication.into(),
+        problem,
+    };
+    let row = client
+        .query_opt(
+            "SELECT pubinsert, puballtables FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| db_err(format!("reading publication {publication}"), e))?;
+    match row {
+        None => {
+            let sql = format!(
+                "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert')",
+                quote_ident(publication),
+                quote_ident(schema),
+                quote_ident(table)
+            );
+            client.batch_execute(&sql).await.map_err(|e| {
+                db_err(
+                    format!("creating publication {publication} (needs ownership of {schema}.{table}, or create it as a superuser: {sql})"),
+                    e,
+                )
+            })?;
+            Ok(())
+        }
+        Some(r) => {
+            let inserts: bool = r.get(0);
+            let all: bool = r.get(1);
+            if !inserts {
+                return Err(pub_err(
+                    "does not publish inserts; recreate it WITH (publish = 'insert')".into(),
+                ));
+            }
+            if !all {
+                let has = client
+                    .query_one(
+                        "SELECT count(*) FROM pg_publication_tables
+                         WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                        &[&publication, &schema, &table],
+                    )
+                    .await
+                    .map_err(|e| db_err("reading publication tables", e))?;
+                if has.get::<_, i64>(0) == 0 {
+                    return Err(pub_err(format!(
+                        "does not include {schema}.{table}; run ALTER PUBLICATION {publication} ADD TABLE {schema}.{table}"
+                    )));
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Drops the slot (terminating its walsender if one holds it). Only for `--resnapshot`.
+pub async fn drop_slot(client: &Client, slot: &str) -> Result<(), SourceError> {
+    client
+        .execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| db_err("terminating the slot's walsender", e))?;
+    for _ in 0..100 {
+        let r = client
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                 WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await;
+        match r {
+            Ok(_) => return Ok(()),
+            Err(e) if e.code().map(|c| c.code()) == Some("55006") => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(db_err(format!("dropping slot {slot}"), e)),
+        }
+    }
+    Err(SourceError::Db {
+        context: format!("dropping slot {slot}"),
+        message: "the slot stayed active for 5 s; is another outboxd running on it?".into(),
+    })
+}
+
+/// Quotes an SQL identifier.
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(lsn: u64) -> SlotInfo {
+        SlotInfo {
+            plugin: "pgoutput".into(),
+            database: "app".into(),
+            active_pid: None,
+            wal_status: Some("reserved".into()),
+            confirmed_flush: Some(Lsn(lsn)),
+        }
+    }
+
+    fn ledger(lsn: u64, done: bool) -> LedgerView {
+        LedgerView {
+            checkpoint: Lsn(lsn),
+            snapshot_done: done,
+            system_identifier: Some("42".into()),
+        }
+    }
+
+    #[test]
+    fn fresh_database_creates() {
+        assert_eq!(
+            plan("s", "app", "42", None, None, false).unwrap(),
+            StartPlan::Create
+        );
+    }
+
+    #[test]
+    fn healthy_slot_resumes_from_its_own_position() {
+        let p = plan(
+            "s",
+            "app",
+            "42",
+            Some(&slot(100)),
+            Some(&ledger(150, true)),
+            false,
+        );
+        assert_eq!(
+            p.unwrap(),
+            StartPlan::Resume {
+                start: Lsn(100),
+                backfill: false
+            }
+        );
+    }
+
+    #[test]
+    fn unfinished_snapshot_is_redone() {
+        let p = plan(
+            "s",
+            "app",
+            "42",
+            Some(&slot(100)),
+            Some(&ledger(100, false)),
+            false,
+        );
+        assert_eq!(
+            p.unwrap(),
+            StartPlan::Resume {
+                start: Lsn(100),
+                backfill: true
+            }
+        );
+    }
+
+    #[test]
+    fn slot_ahead_of_ledger_is_refused() {
+        let e = plan(
+            "s",
+            "app",
+            "42",
+            Some(&slot(200)),
+            Some(&ledger(150, true)),
+            false,
+        )
+        .unwrap_err();
+        assert!(matches!(e, SourceError::SlotAhead { .. }));
+        assert!(e.to_string().contains("recreated"), "{e}");
+        assert!(e.to_string().contains("--resnapshot"), "{e}");
+    }
+
+    #[test]
+    fn missing_slot_with_history_is_refused() {
+        let e = plan("s", "app", "42", None, Some(&ledger(150, true)), false).unwrap_err();
+        assert!(matches!(e, SourceError::SlotMissing { .. }), "{e}");
+    }
+
+    #[test]
+    fn invalidated_slot_is_refused() {
+        let mut s = slot(100);
+        s.wal_status = Some("lost".into());
+        let e = plan("s", "app", "42", Some(&s), Some(&ledger(150, true)), false).unwrap_err();
+        assert!(matches!(e, SourceError::SlotInvalidated { .. }), "{e}");
+    }
+
+    #[test]
+    fn other_server_is_refused_and_foreign_slot_is_refused() {
+        let e = plan(
+            "s",
+            "app",
+            "7",
+            Some(&slot(100)),
+            Some(&ledger(150, true)),
+            false,
+        )
+        .unwrap_err();
+        assert!(matches!(e, SourceError::SystemChanged { .. }), "{e}");
+        let mut s = slot(100);
+        s.plugin = "test_decoding".into();
+        let e = plan("s", "app", "42", Some(&s), None, true).unwrap_err();
+        assert!(matches!(e, SourceError::SlotForeign { .. }), "{e}");
+    }
+
+    #[test]
+    fn slot_without_ledger_row_is_adopted_with_backfill() {
+        assert_eq!(
+            plan("s", "app", "42", Some(&slot(100)), None, false).unwrap(),
+            StartPlan::Resume {
+                start: Lsn(100),
+                backfill: true
+            }
+        );
+        assert_eq!(
+            plan(
+                "s",
+                "app",
+                "42",
+                Some(&slot(300)),
+                Some(&ledger(150, true)),
+                true
+            )
+            .unwrap(),
+            StartPlan::Recreate
+        );
+    }
+}

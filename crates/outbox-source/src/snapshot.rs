@@ -1,0 +1,50 @@
+//! The initial snapshot: outbox rows that no slot will ever stream.
+//!
+//! A new slot streams only transactions that commit after its consistent point. Rows
+//! committed before it (enqueued after `outboxd migrate` but before the relay first ran) are
+//! read here, from the snapshot the slot exported at creation, so the set "snapshot ∪ stream"
+//! is exactly every committed row, with no gap and no overlap. When that exported snapshot is
+//! no longer available (the relay crashed during the snapshot, or adopted an existing slot),
+//! any later snapshot works too: it is a superset, and the overlap with the stream is made
+//! harmless by the receipt ledger (a second ACK becomes a duplicate transport receipt).
+//!
+//! Only rows without a primary receipt and without an open quarantine record are read.
+
+use outbox_core::{OutboxEvent, RowError, EVENT_COLUMNS};
+use tokio_postgres::Row;
+
+/// The query that lists unpublished rows, oldest version first per aggregate.
+pub fn pending_rows_sql(qualified_table: &str) -> String {
+    let cols = EVENT_COLUMNS
+        .iter()
+        .map(|c| format!("e.{c}::text"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "SELECT {cols} FROM {qualified_table} e
+         WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
+           AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
+                           WHERE q.event_id = e.event_id AND q.released_at IS NULL)
+         ORDER BY e.aggregate_type, e.aggregate_id, e.aggregate_version"
+    )
+}
+
+/// Reads one row of [`pending_rows_sql`].
+pub fn event_from_row(row: &Row) -> Result<OutboxEvent, RowError> {
+    OutboxEvent::from_text_columns(
+        |name| {
+            let idx = EVENT_COLUMNS
+                .iter()
+                .position(|c| *c == name)
+                .ok_or_else(|| RowError {
+                    column: name.to_string(),
+                    problem: "unknown column".into(),
+                })?;
+            row.try_get::<_, Option<&str>>(idx).map_err(|e| RowError {
+                column: name.to_string(),
+                problem: e.to_string(),
+            })
+        },
+        None,
+    )
+}

@@ -1,0 +1,144 @@
+//! Command-line interface. Every flag of `run` can also come from an `OUTBOXD_*` variable
+//! or the TOML config file; the flag wins, then the variable, then the file.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::parse_kv;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outboxd",
+    version,
+    about = "CDC relay for the transactional outbox: PostgreSQL logical replication -> Kafka, with a receipt ledger",
+    long_about = "outboxd reads INSERTs into the outbox table (outbox.events) from a PostgreSQL logical \
+replication slot (pgoutput), publishes each event to Kafka (idempotent producer, acks=all; key = aggregate id, \
+header `id` = event id), records the broker's receipt in a ledger in the same database, and only then confirms \
+the LSN to the slot. After a crash it resumes from the last confirmed LSN; re-read events are recognised by \
+event id and recorded as duplicates, never published as new events.\n\n\
+Quick start:\n  outboxd demo                                    # throwaway PostgreSQL + embedded broker\n  \
+outboxd migrate --database-url postgres://...   # create schema `outbox`\n  \
+outboxd run --database-url postgres://... --bootstrap-servers kafka:9092\n\n\
+Producers call `SELECT outbox.enqueue('order', 'o-42', 'order.created', '{...}'::jsonb)` inside their \
+business transaction."
+)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "OUTBOXD_LOG_FORMAT")]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create or upgrade schema `outbox` (tables, outbox.enqueue(), publication). Idempotent.
+    Migrate(MigrateArgs),
+    /// Run the relay until SIGINT/SIGTERM.
+    Run(Box<RunArgs>),
+    /// Show events, receipts, quarantine and each slot's position and lag.
+    Status(StatusArgs),
+    /// Run an embedded Kafka-protocol broker (librdkafka's mock cluster) for development.
+    /// Prints `bootstrap.servers=HOST:PORT`, then serves until killed. Nothing is persisted.
+    DevBroker(DevBrokerArgs),
+    /// The embedded default: throwaway PostgreSQL + embedded broker + an order workload,
+    /// with live progress. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/app
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// PostgreSQL URL of the database holding the outbox.
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DevBrokerArgs {
+    /// Number of mock brokers.
+    #[arg(long, default_value_t = 1)]
+    pub brokers: i32,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Stop after this many seconds (default: run until Ctrl-C).
+    #[arg(long)]
+    pub duration_secs: Option<u64>,
+    /// Target order events per second.
+    #[arg(long, default_value_t = 500)]
+    pub rate: u64,
+    /// Share of business transactions that roll back (their events must never appear).
+    #[arg(long, default_value_t = 0.1)]
+    pub rollback_ratio: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// PostgreSQL URL of the database holding the outbox. The role needs REPLICATION (or
+    /// superuser), SELECT on the outbox table and write access to the outbox schema.
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Kafka bootstrap servers, e.g. kafka-1:9092,kafka-2:9092.
+    #[arg(long, env = "OUTBOXD_BOOTSTRAP_SERVERS")]
+    pub bootstrap_servers: Option<String>,
+    /// Logical replication slot (created on first run). [default: outboxd]
+    #[arg(long, env = "OUTBOXD_SLOT")]
+    pub slot: Option<String>,
+    /// Publication on the outbox table (created, inserts only, if missing). [default: outbox_pub]
+    #[arg(long, env = "OUTBOXD_PUBLICATION")]
+    pub publication: Option<String>,
+    /// The outbox table. [default: outbox.events]
+    #[arg(long, env = "OUTBOXD_TABLE")]
+    pub table: Option<String>,
+    /// TOML config file (see README "Configuration"). Unknown keys are errors.
+    #[arg(long, env = "OUTBOXD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Broker cluster identity this relay serves; events frozen for another cluster are
+    /// quarantined. [default: default]
+    #[arg(long, env = "OUTBOXD_CLUSTER_NAME")]
+    pub cluster_name: Option<String>,
+    /// librdkafka property passed through, KEY=VALUE; repeatable (e.g. security.protocol=SSL).
+    #[arg(long = "kafka-property", value_parser = parse_kv)]
+    pub kafka_properties: Vec<(String, String)>,
+    /// Kafka message.timeout.ms: how long librdkafka retries one message. [default: 30000]
+    #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
+    pub message_timeout_ms: Option<u64>,
+    /// Events in flight (sent, receipt not yet accepted) before reading pauses. [default: 10000]
+    #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT")]
+    pub max_in_flight: Option<u64>,
+    /// Receipts per ledger transaction. [default: 1000]
+    #[arg(long, env = "OUTBOXD_BATCH_SIZE")]
+    pub batch_size: Option<usize>,
+    /// Longest wait for a receipt batch to fill, ms. [default: 5]
+    #[arg(long, env = "OUTBOXD_BATCH_LINGER_MS")]
+    pub batch_linger_ms: Option<u64>,
+    /// Standby status update period, ms. [default: 1000]
+    #[arg(long, env = "OUTBOXD_STATUS_INTERVAL_MS")]
+    pub status_interval_ms: Option<u64>,
+    /// Heartbeat (pg_logical_emit_message) period, ms, so an idle database releases WAL. [default: 10000]
+    #[arg(long, env = "OUTBOXD_HEARTBEAT_INTERVAL_MS")]
+    pub heartbeat_interval_ms: Option<u64>,
+    /// Drop and recreate the slot, then publish every outbox row that has no receipt. The
+    /// recovery for a slot that was lost, recreated or invalidated; duplicates it causes are
+    /// recorded as duplicate receipts.
+    #[arg(long)]
+    pub resnapshot: bool,
+}

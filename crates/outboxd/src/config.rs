@@ -1,0 +1,233 @@
+//! Configuration: command-line flags > `OUTBOXD_*` environment variables > TOML config file >
+//! defaults. The file is strict (`deny_unknown_fields`): a misspelt key is an error naming the
+//! key, not a silently ignored setting. [`RelayConfig::validate`] names the field and the
+//! constraint it breaks. The database URL may hold a password: it is kept in a [`Secret`]
+//! that never prints.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use outbox_sink::KafkaSinkConfig;
+use serde::Deserialize;
+
+/// A string that must never reach a log line or an error message.
+#[derive(Clone, Default, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// Renders a PostgreSQL URL without its password, for messages.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let userinfo = &url[s + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{}@{}", &url[..s + 3], user, &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// The config file (`--config FILE`). Every key is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// PostgreSQL URL of the database holding the outbox (needs the REPLICATION attribute).
+    pub database_url: Option<Secret>,
+    /// Logical replication slot name. Default `outboxd`.
+    pub slot: Option<String>,
+    /// Publication on the outbox table. Default `outbox_pub`.
+    pub publication: Option<String>,
+    /// The outbox table, `schema.table`. Default `outbox.events`.
+    pub table: Option<String>,
+    #[serde(default)]
+    pub kafka: KafkaFile,
+    #[serde(default)]
+    pub relay: RelayFile,
+}
+
+/// `[kafka]` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaFile {
+    pub bootstrap_servers: Option<String>,
+    /// Broker cluster identity this relay serves; events frozen for another cluster are
+    /// quarantined, never sent here. Default `default`.
+    pub cluster_name: Option<String>,
+    /// librdkafka partitioner; must match the events' frozen `dest_partitioner`.
+    /// Default `murmur2_random` (Java-client compatible).
+    pub partitioner: Option<String>,
+    pub message_timeout_ms: Option<u64>,
+    pub linger_ms: Option<u64>,
+    /// librdkafka properties passed through verbatim (e.g. `"security.protocol" = "SSL"`).
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// `[relay]` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayFile {
+    pub max_in_flight: Option<u64>,
+    pub batch_size: Option<usize>,
+    pub batch_linger_ms: Option<u64>,
+    pub status_interval_ms: Option<u64>,
+    pub heartbeat_interval_ms: Option<u64>,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> anyhow::Result<FileConfig> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        toml::from_str(&text).map_err(|e| {
+            anyhow::anyhow!("config file {}: {}", path.display(), e.to_string().trim())
+        })
+    }
+}
+
+/// Everything the relay needs, resolved and validated.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    pub database_url: Secret,
+    pub slot: String,
+    pub publication: String,
+    pub schema: String,
+    pub table: String,
+    pub sink: KafkaSinkConfig,
+    /// Events sent and not yet resolved before the relay stops reading the slot.
+    pub max_in_flight: u64,
+    /// Receipts per ledger transaction.
+    pub batch_size: usize,
+    /// Longest a receipt waits for its batch to fill.
+    pub batch_linger: Duration,
+    /// Standby status update period (the slot also hears from us on every checkpoint).
+    pub status_interval: Duration,
+    /// `pg_logical_emit_message` period, so an idle database does not retain WAL.
+    pub heartbeat_interval: Duration,
+    /// Recreate the slot and publish every outbox row without a receipt.
+    pub resnapshot: bool,
+    pub relay_generation: i64,
+}
+
+pub const DEFAULT_SLOT: &str = "outboxd";
+pub const DEFAULT_PUBLICATION: &str = "outbox_pub";
+pub const DEFAULT_TABLE: &str = "outbox.events";
+
+impl RelayConfig {
+    /// Checks every field; the error names the field and the rule.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let url = self.database_url.expose();
+        if url.is_empty() {
+            bail!("database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or set database_url in the config file");
+        }
+        url.parse::<tokio_postgres::Config>()
+            .map_err(|e| anyhow::anyhow!("database URL {} is invalid: {e}", redact_url(url)))?;
+        let ident_ok = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 63
+                && s.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        };
+        if !ident_ok(&self.slot) {
+            bail!(
+                "slot {:?} is invalid: PostgreSQL slot names are 1-63 characters of a-z, 0-9 and _",
+                self.slot
+            );
+        }
+        if self.publication.is_empty() || self.publication.len() > 63 {
+            bail!(
+                "publication {:?} is invalid: 1-63 characters",
+                self.publication
+            );
+        }
+        if self.sink.bootstrap_servers.trim().is_empty() {
+            bail!("Kafka bootstrap servers are missing: pass --bootstrap-servers, set OUTBOXD_BOOTSTRAP_SERVERS, or kafka.bootstrap_servers in the config file");
+        }
+        if self.max_in_flight == 0 {
+            bail!("relay.max_in_flight must be at least 1");
+        }
+        if self.batch_size == 0 {
+            bail!("relay.batch_size must be at least 1");
+        }
+        if self.status_interval < Duration::from_millis(10) {
+            bail!("relay.status_interval_ms must be at least 10");
+        }
+        if self.heartbeat_interval < Duration::from_millis(100) {
+            bail!("relay.heartbeat_interval_ms must be at least 100");
+        }
+        for (k, _) in &self.sink.properties {
+            if k == "enable.idempotence" || k == "acks" {
+                bail!("kafka property {k:?} cannot be set: outboxd always uses enable.idempotence=true and acks=all (its delivery guarantees depend on them)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Splits `schema.table`.
+pub fn split_table(t: &str) -> anyhow::Result<(String, String)> {
+    match t.split_once('.') {
+        Some((s, n)) if !s.is_empty() && !n.is_empty() && !n.contains('.') => {
+            Ok((s.to_string(), n.to_string()))
+        }
+        _ => bail!("table {t:?} is invalid: expected schema.table, e.g. outbox.events"),
+    }
+}
+
+/// Parses `KEY=VALUE`.
+pub fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = toml::from_str::<FileConfig>("slot = \"a\"\nbootstrap = \"x\"\n").unwrap_err();
+        assert!(e.to_string().contains("bootstrap"), "{e}");
+        let e = toml::from_str::<FileConfig>("[kafka]\nservers = \"x\"\n").unwrap_err();
+        assert!(e.to_string().contains("servers"), "{e}");
+    }
+
+    #[test]
+    fn secrets_never_print() {
+        let s = Secret::new("postgres://u:hunter2@h/db");
+        assert!(!format!("{s:?}").contains("hunter2"));
+        assert_eq!(
+            redact_url("postgres://u:hunter2@h:5/db"),
+            "postgres://u@h:5/db"
+        );
+        assert_eq!(redact_url("postgres://h/db"), "postgres://h/db");
+    }
+
+    #[test]
+    fn table_must_be_qualified() {
+        assert_eq!(
+            split_table("outbox.events").unwrap(),
+            ("outbox".into(), "events".into())
+        );
+        assert!(split_table("events").is_err());
+    }
+}

@@ -1,0 +1,55 @@
+//! Named failpoints: deterministic crash points for tests.
+//!
+//! `OUTBOXD_FAILPOINTS="after-broker-ack=abort@3;before-send=abort"` makes the process abort
+//! (like `kill -9`: no cleanup, no flush) the 3rd time it passes `after-broker-ack`, or the
+//! first time it passes `before-send`. Unset, every failpoint is a single relaxed atomic load.
+//!
+//! Points: `before-send`, `after-broker-ack`, `after-accept`, `after-snapshot-send`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+struct Point {
+    abort_at: u64,
+    hits: AtomicU64,
+}
+
+fn points() -> &'static HashMap<String, Point> {
+    static POINTS: OnceLock<HashMap<String, Point>> = OnceLock::new();
+    POINTS.get_or_init(|| {
+        let mut m = HashMap::new();
+        if let Ok(spec) = std::env::var("OUTBOXD_FAILPOINTS") {
+            for item in spec.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                let (name, action) = item.split_once('=').unwrap_or((item, "abort"));
+                let abort_at = match action.split_once('@') {
+                    Some(("abort", n)) => n.parse().unwrap_or(1),
+                    _ => 1,
+                };
+                m.insert(
+                    name.to_string(),
+                    Point {
+                        abort_at,
+                        hits: AtomicU64::new(0),
+                    },
+                );
+            }
+        }
+        m
+    })
+}
+
+/// Passes the named point; aborts the process if it is armed and its count is reached.
+pub fn hit(name: &str) {
+    let p = points();
+    if p.is_empty() {
+        return;
+    }
+    if let Some(point) = p.get(name) {
+        let n = point.hits.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == point.abort_at {
+            eprintln!("outboxd: failpoint {name} reached (hit {n}): aborting");
+            std::process::abort();
+        }
+    }
+}

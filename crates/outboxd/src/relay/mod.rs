@@ -1,0 +1,556 @@
+//! The relay: one direction, no back and forth.
+//!
+//! ```text
+//! slot (pgoutput) -> decode -> route (envelope check) -> sink (Kafka) -> delivery report
+//!      ^                                                                     |
+//!      |                                                                     v
+//!  LSN feedback <- checkpoint (ack tracker) <- ledger (accept batch, one transaction)
+//! ```
+//!
+//! # Progress tracking: why every LSN we confirm is safe
+//! 1. Each event is registered with the [`AckTracker`] under its transaction before it is
+//!    sent, and resolved only after the ledger transaction holding its receipt (or its
+//!    quarantine record) has committed — except that the resolve happens just before that
+//!    commit; if the commit fails the relay drops all in-memory state and replays.
+//! 2. The tracker's watermark is the end LSN of the longest prefix of transactions whose
+//!    events are all resolved (or, when nothing at all is outstanding, the keepalive's WAL
+//!    end). It is written into `outbox.checkpoints` *in the same transaction* as the
+//!    receipts that justify it.
+//! 3. Only a committed checkpoint (`durable`) is ever sent as the standby status `flush`
+//!    position. So `slot.confirmed_flush_lsn <= ledger checkpoint <= first unresolved event`.
+//! 4. After a crash, PostgreSQL resends every transaction at or after the slot's confirmed
+//!    position; events already accepted come back as duplicates and are recorded as
+//!    duplicate transport receipts, never as second primary receipts.
+//!
+//! Transient failures (connection lost, a delivery not confirmed) are handled the same way:
+//! drop everything in memory, reconnect, replay from the slot. When in doubt, replay.
+
+mod dispatch;
+pub mod route;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{pin_mut, StreamExt};
+use outbox_core::ack::AckError;
+use outbox_core::{AckTracker, Lsn, TxnSeq};
+use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
+use outbox_sink::{KafkaSink, SinkError};
+use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
+use outbox_source::snapshot;
+use outbox_source::transport::{ReplicationConnection, ReplicationMessage};
+use outbox_source::{Decoded, Decoder};
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::{Client, NoTls};
+use uuid::Uuid;
+
+use crate::config::{redact_url, RelayConfig};
+use dispatch::Dispatcher;
+
+/// Live counters, for `demo` progress and logs.
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub published: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub quarantined: AtomicU64,
+    pub checkpoint: AtomicU64,
+    pub streaming: AtomicBool,
+    pub reconnects: AtomicU64,
+}
+
+impl Progress {
+    fn record(&self, o: &AcceptOutcome) {
+        self.published.fetch_add(o.primary, Ordering::Relaxed);
+        self.duplicates.fetch_add(o.duplicates, Ordering::Relaxed);
+        self.quarantined
+            .fetch_add(o.quarantined + o.conflicts, Ordering::Relaxed);
+    }
+    fn set_checkpoint(&self, l: Lsn) {
+        self.checkpoint.store(l.0, Ordering::Relaxed);
+    }
+}
+
+/// Why a relay run ended.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error("ledger: {0}")]
+    Ledger(#[from] LedgerError),
+    #[error("Kafka: {0}")]
+    Sink(#[from] SinkError),
+    #[error("cannot connect to PostgreSQL at {url}: {message}; check the URL, that the server is up, and pg_hba.conf")]
+    Connect { url: String, message: String },
+    #[error("the broker did not confirm event {event_id} ({error}; message persistence: {persistence}); replaying from the last checkpoint")]
+    Delivery {
+        event_id: Uuid,
+        error: String,
+        persistence: String,
+    },
+    #[error("ack tracker: {0}")]
+    Ack(#[from] AckError),
+    #[error("the replication stream ended")]
+    StreamEnded,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl RelayError {
+    /// Whether reconnecting and replaying can fix it.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            RelayError::Source(e) => e.is_transient(),
+            RelayError::Ledger(LedgerError::Db { .. }) => true,
+            RelayError::Sink(SinkError::Unreachable { .. }) => true,
+            RelayError::Sink(SinkError::Enqueue { .. }) => true,
+            RelayError::Connect { .. } => true,
+            RelayError::Delivery { .. } | RelayError::StreamEnded => true,
+            _ => false,
+        }
+    }
+}
+
+/// Runs the relay until `shutdown` turns true or a definite error. Errors before the first
+/// successful start are returned at once (misconfiguration should fail fast, with the fix);
+/// after that, transient errors reconnect with backoff.
+pub async fn run(
+    cfg: RelayConfig,
+    progress: Arc<Progress>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), RelayError> {
+    let mut resnapshot = cfg.resnapshot;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match run_once(&cfg, &progress, &mut shutdown, resnapshot).await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_transient() && progress.streaming.load(Ordering::Relaxed) => {
+                progress.reconnects.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "relay interrupted; replaying from the last checkpoint");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shutdown.changed() => return Ok(()),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+        resnapshot = false;
+    }
+}
+
+async fn connect_sql(url: &str) -> Result<Client, RelayError> {
+    let (client, conn) =
+        tokio_postgres::connect(url, NoTls)
+            .await
+            .map_err(|e| RelayError::Connect {
+                url: redact_url(url),
+                message: outbox_ledger::describe_db_error(&e),
+            })?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "SQL connection closed");
+        }
+    });
+    Ok(client)
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Emits a non-transactional logical message every `interval`, so that an idle database
+/// still moves WAL through the slot and the relay can confirm past it.
+fn spawn_heartbeat(client: Client, interval: Duration) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(e) = client
+                .execute(
+                    "SELECT pg_logical_emit_message(false, 'outboxd.heartbeat', '')",
+                    &[],
+                )
+                .await
+            {
+                tracing::warn!(error = %outbox_ledger::describe_db_error(&e), "heartbeat failed");
+            }
+        }
+    }))
+}
+
+async fn run_once(
+    cfg: &RelayConfig,
+    progress: &Arc<Progress>,
+    shutdown: &mut watch::Receiver<bool>,
+    resnapshot: bool,
+) -> Result<(), RelayError> {
+    let url = cfg.database_url.expose();
+    let mut ledger_client = connect_sql(url).await?;
+    let mut sql = connect_sql(url).await?;
+    slot::check_wal_level(&sql).await?;
+    slot::ensure_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table).await?;
+
+    let pg_cfg: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| RelayError::Internal(e.to_string()))?;
+    let mut repl = ReplicationConnection::connect(&pg_cfg)
+        .await
+        .map_err(SourceError::from)?;
+    let ident = repl.identify_system().await.map_err(SourceError::from)?;
+    let dbname = ident
+        .dbname
+        .clone()
+        .ok_or_else(|| RelayError::Internal("IDENTIFY_SYSTEM returned no database".into()))?;
+
+    let span = tracing::info_span!("relay", slot = %cfg.slot, db = %dbname);
+    let _enter = span.enter();
+
+    let slot_info = slot::inspect(&sql, &cfg.slot).await?;
+    let ledger = checkpoint::load(&sql, &cfg.slot).await?;
+    let view = ledger.as_ref().map(|c| LedgerView {
+        checkpoint: c.confirmed_lsn,
+        snapshot_done: c.snapshot_done,
+        system_identifier: c.system_identifier.clone(),
+    });
+    let plan = slot::plan(
+        &cfg.slot,
+        &dbname,
+        &ident.system_id,
+        slot_info.as_ref(),
+        view.as_ref(),
+        resnapshot,
+    )?;
+    tracing::info!(?plan, "start plan");
+
+    let (reports_tx, mut reports) = mpsc::unbounded_channel();
+    let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
+    let sink_check = tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)));
+    sink_check?;
+    let mut dispatcher = Dispatcher::new(sink, &cfg.slot, cfg.relay_generation);
+
+    let (start, backfill, exported) = match plan {
+        StartPlan::Create | StartPlan::Recreate => {
+            if plan == StartPlan::Recreate && slot_info.is_some() {
+                slot::drop_slot(&sql, &cfg.slot).await?;
+            }
+            let created = repl
+                .create_logical_slot(&cfg.slot, true)
+                .await
+                .map_err(SourceError::from)?;
+            let cp = Lsn(created.consistent_point);
+            checkpoint::create(
+                &sql,
+                &cfg.slot,
+                &cfg.publication,
+                &ident.system_id,
+                ident.timeline,
+                cp,
+            )
+            .await?;
+            tracing::info!(consistent_point = %cp, "created replication slot");
+            (cp, true, created.snapshot_name)
+        }
+        StartPlan::Resume { start, backfill } => {
+            if ledger.is_none() {
+                tracing::warn!(slot_lsn = %start, "adopting a slot the ledger does not know; publishing a snapshot of unpublished rows first");
+                checkpoint::create(
+                    &sql,
+                    &cfg.slot,
+                    &cfg.publication,
+                    &ident.system_id,
+                    ident.timeline,
+                    start,
+                )
+                .await?;
+            }
+            (start, backfill, None)
+        }
+    };
+
+    if backfill {
+        let n = publish_snapshot(
+            cfg,
+            &mut sql,
+            &mut ledger_client,
+            &mut dispatcher,
+            &mut reports,
+            exported.as_deref(),
+            progress,
+        )
+        .await?;
+        checkpoint::mark_snapshot_done(&sql, &cfg.slot).await?;
+        tracing::info!(events = n, "initial snapshot published");
+    }
+
+    let quoted_pub = cfg.publication.replace('"', "");
+    let mut stream = repl
+        .start_logical_replication(
+            &cfg.slot,
+            start.0,
+            &[
+                ("proto_version", "1"),
+                ("publication_names", &format!("\"{quoted_pub}\"")),
+            ],
+        )
+        .await
+        .map_err(SourceError::from)?;
+    progress.streaming.store(true, Ordering::Relaxed);
+    progress.set_checkpoint(start);
+    tracing::info!(start = %start, "streaming");
+    let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
+
+    let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
+    let mut tracker = AckTracker::new(start);
+    let mut durable = start;
+    let mut last_received = start;
+    let mut current: Option<(TxnSeq, Lsn, u32)> = None;
+    let mut last_status = Instant::now();
+    let mut last_checkpoint_write = Instant::now();
+    let mut send_status_now = true;
+    let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+
+    loop {
+        // Timers: the batch linger, the periodic status update, the idle checkpoint write.
+        let now = Instant::now();
+        let mut deadline = last_status + cfg.status_interval;
+        if let Some(b) = dispatcher.batch_started {
+            deadline = deadline.min(b + cfg.batch_linger);
+        }
+        if tracker.watermark() > durable {
+            deadline = deadline.min(last_checkpoint_write + cfg.status_interval);
+        }
+        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline.max(now)));
+        tokio::select! {
+            biased;
+            _ = shutdown.changed() => {
+                return drain_and_stop(cfg, &mut dispatcher, &mut reports, &mut ledger_client,
+                    &mut tracker, &mut durable, &mut stream, last_received, progress).await;
+            }
+            Some(d) = reports.recv() => dispatcher.on_report(d)?,
+            msg = stream.next_message(), if dispatcher.in_flight() < max_in_flight => {
+                match msg.map_err(SourceError::from)? {
+                    None => return Err(RelayError::StreamEnded),
+                    Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
+                        let wal_end = Lsn(wal_end);
+                        last_received = last_received.max(wal_end);
+                        if current.is_none() {
+                            tracker.idle_position(wal_end);
+                        }
+                        send_status_now |= reply_requested;
+                    }
+                    Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
+                        last_received = last_received.max(Lsn(wal_start));
+                        match decoder.decode(data)? {
+                            Decoded::Begin { commit_lsn, .. } => {
+                                current = Some((tracker.begin()?, commit_lsn, 0));
+                            }
+                            Decoded::Event(res) => {
+                                let Some((txn, commit_lsn, n)) = current.as_mut() else {
+                                    return Err(SourceError::Protocol("Insert outside a transaction".into()).into());
+                                };
+                                *n += 1;
+                                let ack = tracker.add_event(*txn)?;
+                                let commit_lsn = *commit_lsn;
+                                match *res {
+                                    Ok(ev) => match route::check(&ev, &cfg.sink) {
+                                        Ok(()) => dispatcher.send(ev, Some(commit_lsn), Some(ack)).await?,
+                                        Err(r) => dispatcher.quarantine_event(&ev, r.code, r.reason, Some(commit_lsn), Some(ack)),
+                                    },
+                                    Err(row_err) => dispatcher.quarantine_unreadable(
+                                        format!("lsn:{commit_lsn}:{n}"), row_err.to_string(), commit_lsn, Some(ack)),
+                                }
+                            }
+                            Decoded::Commit { end_lsn, .. } => {
+                                let Some((txn, _, _)) = current.take() else {
+                                    return Err(SourceError::Protocol("Commit without Begin".into()).into());
+                                };
+                                tracker.commit(txn, end_lsn)?;
+                                last_received = last_received.max(end_lsn);
+                            }
+                            Decoded::Nothing => {}
+                        }
+                    }
+                }
+            }
+            _ = sleep => {}
+        }
+
+        let now = Instant::now();
+        let batch_due = dispatcher.batch_len() >= cfg.batch_size
+            || dispatcher
+                .batch_started
+                .is_some_and(|b| now >= b + cfg.batch_linger);
+        let idle_due = dispatcher.batch_len() == 0
+            && tracker.watermark() > durable
+            && now >= last_checkpoint_write + cfg.status_interval;
+        if batch_due || idle_due {
+            let before = durable;
+            dispatcher
+                .flush(
+                    &mut ledger_client,
+                    Some(&mut tracker),
+                    &mut durable,
+                    progress,
+                )
+                .await?;
+            last_checkpoint_write = now;
+            if durable > before && now.duration_since(last_status) >= Duration::from_millis(100) {
+                send_status_now = true;
+            }
+        }
+        if send_status_now || now >= last_status + cfg.status_interval {
+            stream
+                .send_standby_status(last_received.max(durable).0, durable.0, durable.0, false)
+                .await
+                .map_err(SourceError::from)?;
+            last_status = now;
+            send_status_now = false;
+        }
+    }
+}
+
+/// Graceful stop: wait (bounded) for outstanding delivery reports, accept them, confirm.
+#[allow(clippy::too_many_arguments)]
+async fn drain_and_stop(
+    cfg: &RelayConfig,
+    dispatcher: &mut Dispatcher,
+    reports: &mut mpsc::UnboundedReceiver<outbox_sink::Delivery>,
+    client: &mut Client,
+    tracker: &mut AckTracker,
+    durable: &mut Lsn,
+    stream: &mut outbox_source::transport::ReplicationStream,
+    last_received: Lsn,
+    progress: &Progress,
+) -> Result<(), RelayError> {
+    let deadline = Instant::now() + cfg.sink.message_timeout.min(Duration::from_secs(10));
+    while dispatcher.in_flight() > 0 && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_millis(100), reports.recv()).await {
+            Ok(Some(d)) => dispatcher.on_report(d)?,
+            Ok(None) => break,
+            Err(_) => {}
+        }
+    }
+    dispatcher
+        .flush(client, Some(tracker), durable, progress)
+        .await?;
+    stream
+        .send_standby_status(last_received.max(*durable).0, durable.0, durable.0, false)
+        .await
+        .map_err(SourceError::from)?;
+    tracing::info!(checkpoint = %durable, unresolved = dispatcher.in_flight(), "stopped");
+    Ok(())
+}
+
+/// Publishes every outbox row without a receipt, from the slot's exported snapshot when we
+/// have it (exactly the rows the slot will not stream) or from a fresh one (a superset).
+async fn publish_snapshot(
+    cfg: &RelayConfig,
+    sql: &mut Client,
+    ledger_client: &mut Client,
+    dispatcher: &mut Dispatcher,
+    reports: &mut mpsc::UnboundedReceiver<outbox_sink::Delivery>,
+    exported: Option<&str>,
+    progress: &Progress,
+) -> Result<u64, RelayError> {
+    let tx = sql
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: "starting the snapshot transaction".into(),
+            source: e,
+        })?;
+    if let Some(name) = exported {
+        tx.batch_execute(&format!(
+            "SET TRANSACTION SNAPSHOT '{}'",
+            name.replace('\'', "")
+        ))
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: format!("importing the slot's snapshot {name}"),
+            source: e,
+        })?;
+    }
+    let qualified = format!(
+        "{}.{}",
+        slot::quote_ident(&cfg.schema),
+        slot::quote_ident(&cfg.table)
+    );
+    let rows = tx
+        .query_raw(
+            &snapshot::pending_rows_sql(&qualified),
+            Vec::<String>::new(),
+        )
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: "reading unpublished outbox rows".into(),
+            source: e,
+        })?;
+    pin_mut!(rows);
+    let mut n: u64 = 0;
+    let mut durable = Lsn::ZERO;
+    let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(|e| LedgerError::Db {
+            context: "reading unpublished outbox rows".into(),
+            source: e,
+        })?;
+        n += 1;
+        match snapshot::event_from_row(&row) {
+            Ok(ev) => match route::check(&ev, &cfg.sink) {
+                Ok(()) => {
+                    dispatcher.send(ev, None, None).await?;
+                    crate::failpoint::hit("after-snapshot-send");
+                }
+                Err(r) => dispatcher.quarantine_event(&ev, r.code, r.reason, None, None),
+            },
+            Err(e) => dispatcher.quarantine_unreadable(
+                format!("snapshot:{n}"),
+                e.to_string(),
+                Lsn::ZERO,
+                None,
+            ),
+        }
+        while dispatcher.in_flight() >= max_in_flight {
+            drain_one(dispatcher, reports).await?;
+        }
+        if dispatcher.batch_len() >= cfg.batch_size {
+            dispatcher
+                .flush(ledger_client, None, &mut durable, progress)
+                .await?;
+        }
+    }
+    while dispatcher.in_flight() > 0 {
+        drain_one(dispatcher, reports).await?;
+        if dispatcher.batch_len() >= cfg.batch_size {
+            dispatcher
+                .flush(ledger_client, None, &mut durable, progress)
+                .await?;
+        }
+    }
+    dispatcher
+        .flush(ledger_client, None, &mut durable, progress)
+        .await?;
+    tx.commit().await.map_err(|e| LedgerError::Db {
+        context: "closing the snapshot transaction".into(),
+        source: e,
+    })?;
+    Ok(n)
+}
+
+async fn drain_one(
+    dispatcher: &mut Dispatcher,
+    reports: &mut mpsc::UnboundedReceiver<outbox_sink::Delivery>,
+) -> Result<(), RelayError> {
+    match reports.recv().await {
+        Some(d) => dispatcher.on_report(d),
+        None => Err(RelayError::Internal("delivery channel closed".into())),
+    }
+}
