@@ -1,1 +1,14 @@
+//! End-to-end tests: the real `outboxd` binary as a child process (so it can be SIGKILLed),
+//! real PostgreSQL with `wal_level=logical` (one throwaway cluster per test run, one database
+//! per test), and the Kafka protocol through librdkafka (a mock cluster per test, or the real
+//! broker named by `OUTBOXD_TEST_KAFKA`).
+//!
+//! Crash points are reached with named failpoints (`OUTBOXD_FAILPOINTS`) or by waiting for a
+//! ledger state, never by sleeping and hoping. Invariants are asserted as counts that must be 0.
 
+mod harness;
+
+mod bad_input;
+mod crash;
+mod delivery;
+mod slot_safety;

@@ -130,8 +130,9 @@ const QUARANTINE_SQL: &str = r#"
 WITH q AS (
     INSERT INTO outbox.quarantine (quarantine_key, event_id, aggregate_type, aggregate_id,
                                    aggregate_version, reason_code, reason, commit_lsn, slot_name)
-    SELECT * , $9 FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::int8[],
-                              $6::text[], $7::text[], $8::text[]) AS t(k, id, at, ai, av, rc, r, l)
+    SELECT k, id, at, ai, av, rc, r, nullif(l, '0/0')::pg_lsn, $9
+    FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::int8[],
+                $6::text[], $7::text[], $8::text[]) AS t(k, id, at, ai, av, rc, r, l)
     ON CONFLICT (quarantine_key) DO NOTHING
     RETURNING 1
 )

@@ -24,7 +24,7 @@ pub use checkpoint::Checkpoint;
 /// A ledger operation failed. Says which operation; the source carries PostgreSQL's message.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
-    #[error("{context}: {source}")]
+    #[error("{context}: {}", describe_db_error(source))]
     Db {
         context: String,
         #[source]

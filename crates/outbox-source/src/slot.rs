@@ -46,6 +46,8 @@ pub enum SourceError {
         ledger: String,
         server: String,
     },
+    #[error("role \"{user}\" may not start logical replication ({message}): grant it with `ALTER ROLE {user} REPLICATION` (or connect as a superuser)")]
+    NoReplicationPrivilege { user: String, message: String },
     #[error("publication \"{publication}\": {problem}")]
     Publication {
         publication: String,

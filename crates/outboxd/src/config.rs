@@ -97,7 +97,15 @@ impl FileConfig {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config file {}", path.display()))?;
         toml::from_str(&text).map_err(|e| {
-            anyhow::anyhow!("config file {}: {}", path.display(), e.to_string().trim())
+            let line = e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+            anyhow::anyhow!(
+                "config file {}{}: {}",
+                path.display(),
+                line.map(|l| format!(" line {l}")).unwrap_or_default(),
+                e.message().trim().replace('\n', " ")
+            )
         })
     }
 }

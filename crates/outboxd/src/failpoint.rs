@@ -4,7 +4,10 @@
 //! (like `kill -9`: no cleanup, no flush) the 3rd time it passes `after-broker-ack`, or the
 //! first time it passes `before-send`. Unset, every failpoint is a single relaxed atomic load.
 //!
-//! Points: `before-send`, `after-broker-ack`, `after-accept`, `after-snapshot-send`.
+//! Points: `before-send` (an event is about to be handed to the producer),
+//! `after-broker-ack` (a delivery report said persisted; nothing recorded yet),
+//! `after-accept` (a receipt batch committed in the ledger; the slot not yet told),
+//! `after-snapshot-send` (an initial-snapshot event was handed to the producer).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

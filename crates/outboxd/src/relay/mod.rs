@@ -198,9 +198,16 @@ async fn run_once(
     let pg_cfg: tokio_postgres::Config = url
         .parse()
         .map_err(|e: tokio_postgres::Error| RelayError::Internal(e.to_string()))?;
-    let mut repl = ReplicationConnection::connect(&pg_cfg)
-        .await
-        .map_err(SourceError::from)?;
+    let mut repl =
+        ReplicationConnection::connect(&pg_cfg)
+            .await
+            .map_err(|e| match e.sqlstate() {
+                Some("42501") => SourceError::NoReplicationPrivilege {
+                    user: pg_cfg.get_user().unwrap_or("?").to_string(),
+                    message: e.to_string(),
+                },
+                _ => SourceError::from(e),
+            })?;
     let ident = repl.identify_system().await.map_err(SourceError::from)?;
     let dbname = ident
         .dbname

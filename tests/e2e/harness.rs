@@ -1,0 +1,340 @@
+//! Shared helpers: a per-test environment, the relay child process, topic reads, and the
+//! invariant-5 sampler (confirmed LSN never passes an unaccepted event).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outbox_testkit::kafka::TestKafka;
+use outbox_testkit::postgres::TestPostgres;
+use outbox_testkit::wait::wait_for;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Headers;
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use tokio_postgres::{Client, NoTls};
+
+pub const LONG: Duration = Duration::from_secs(90);
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// One test's world: its own database, slot, aggregate type (hence topic) and broker.
+pub struct TestEnv {
+    pub url: String,
+    pub slot: String,
+    pub aggregate_type: String,
+    pub topic: String,
+    pub kafka: TestKafka,
+    pub db: Client,
+    pub dir: tempfile::TempDir,
+}
+
+pub async fn connect(url: &str) -> Client {
+    let (c, conn) = tokio_postgres::connect(url, NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    c
+}
+
+impl TestEnv {
+    /// A fresh database (migrated), a mock broker with the test's topic, unique names.
+    pub async fn new(name: &str) -> TestEnv {
+        let url = TestPostgres::shared()
+            .create_database(name)
+            .await
+            .expect("create test database");
+        let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["migrate", "--database-url", &url])
+            .output()
+            .expect("run outboxd migrate");
+        assert!(
+            out.status.success(),
+            "outboxd migrate failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let suffix = format!("{}_{}_{}", name, std::process::id(), n);
+        let aggregate_type = format!("agg_{suffix}");
+        let topic = format!("outbox.event.{aggregate_type}");
+        let kafka = TestKafka::for_test(1).expect("kafka");
+        kafka.create_topic(&topic, 3).expect("create topic");
+        TestEnv {
+            db: connect(&url).await,
+            url,
+            slot: format!("slot_{suffix}"),
+            aggregate_type,
+            topic,
+            kafka,
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    /// Enqueues one event in its own committed transaction.
+    pub async fn enqueue(&self, aggregate_id: &str, payload: serde_json::Value) -> uuid::Uuid {
+        self.db
+            .query_one(
+                "SELECT outbox.enqueue($1, $2, 'test.happened', $3)",
+                &[&self.aggregate_type, &aggregate_id, &payload],
+            )
+            .await
+            .expect("enqueue")
+            .get(0)
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        self.db
+            .query_one(sql, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .get(0)
+    }
+
+    /// Waits until `sql` (a count) reaches at least `n`.
+    pub async fn wait_count(&self, what: &str, sql: &str, n: i64) {
+        wait_for(what, LONG, || async {
+            let c = self.count(sql).await;
+            if c >= n {
+                Ok(())
+            } else {
+                Err(format!("{c} < {n}"))
+            }
+        })
+        .await
+    }
+
+    /// Waits until the relay streams from the slot (the slot exists and a walsender holds it),
+    /// i.e. the initial snapshot is behind it and new commits arrive through the WAL.
+    pub async fn wait_streaming(&self) {
+        let sql = format!(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active_pid IS NOT NULL",
+            self.slot
+        );
+        self.wait_count("the relay to stream from its slot", &sql, 1)
+            .await;
+    }
+
+    /// Starts the relay with extra environment (failpoints) and arguments.
+    pub fn relay(&self, envs: &[(&str, &str)], args: &[&str]) -> RelayProcess {
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let log = self.dir.path().join(format!("relay-{n}.log"));
+        let file = std::fs::File::create(&log).expect("log file");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_outboxd"));
+        cmd.args([
+            "run",
+            "--database-url",
+            &self.url,
+            "--bootstrap-servers",
+            self.kafka.bootstrap_servers(),
+            "--slot",
+            &self.slot,
+            "--status-interval-ms",
+            "100",
+            "--heartbeat-interval-ms",
+            "300",
+            "--message-timeout-ms",
+            "10000",
+        ])
+        .args(args)
+        .env_remove("OUTBOXD_FAILPOINTS")
+        .env("OUTBOXD_LOG", "info,outboxd=debug,tokio_postgres=warn")
+        .stdout(Stdio::null())
+        .stderr(file);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        RelayProcess {
+            child: cmd.spawn().expect("spawn outboxd"),
+            log,
+        }
+    }
+
+    /// Every message currently in the test topic.
+    pub fn read_topic(&self) -> Vec<TopicMessage> {
+        read_topic(self.kafka.bootstrap_servers(), &self.topic)
+    }
+
+    /// Starts sampling (slot confirmed LSN, server time) every 20 ms for invariant 5.
+    pub fn start_sampler(&self) -> Sampler {
+        let url = self.url.clone();
+        let slot = self.slot.clone();
+        let samples = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = samples.clone();
+        let handle = tokio::spawn(async move {
+            let c = connect(&url).await;
+            loop {
+                if let Ok(Some(row)) = c
+                    .query_opt(
+                        "SELECT confirmed_flush_lsn::text, clock_timestamp()::text
+                         FROM pg_replication_slots WHERE slot_name = $1",
+                        &[&slot],
+                    )
+                    .await
+                {
+                    let lsn: Option<String> = row.get(0);
+                    if let Some(lsn) = lsn {
+                        s2.lock().unwrap().push((lsn, row.get::<_, String>(1)));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        Sampler { samples, handle }
+    }
+}
+
+pub struct Sampler {
+    samples: Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Sampler {
+    /// Invariant 5 as a count: for every sample (confirmed LSN C at server time t), the number
+    /// of events whose transaction committed before C but whose receipt was accepted after t.
+    /// Must be 0. Also returns how many samples were taken (a test with none proves nothing).
+    pub async fn violations(self, env: &TestEnv) -> (i64, usize) {
+        self.handle.abort();
+        let samples = self.samples.lock().unwrap().clone();
+        let mut total = 0;
+        for (lsn, at) in &samples {
+            let row = env
+                .db
+                .query_one(
+                    "SELECT count(*) FROM outbox.receipts
+                     WHERE commit_lsn < $1::text::pg_lsn AND accepted_at > $2::text::timestamptz",
+                    &[lsn, at],
+                )
+                .await
+                .expect("invariant query");
+            total += row.get::<_, i64>(0);
+        }
+        (total, samples.len())
+    }
+}
+
+pub struct RelayProcess {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl RelayProcess {
+    pub fn kill9(&mut self) {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGKILL);
+        }
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the process to exit by itself (a failpoint, an error).
+    pub async fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                self.kill9();
+                panic!(
+                    "relay did not exit within {timeout:?}; log:\n{}",
+                    self.log_text()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn assert_running(&mut self) {
+        if let Some(s) = self.child.try_wait().expect("try_wait") {
+            panic!("relay exited unexpectedly ({s}); log:\n{}", self.log_text());
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("--- relay log (last 40 lines) ---");
+            for l in tail.into_iter().rev() {
+                eprintln!("{l}");
+            }
+        }
+        if self.child.try_wait().ok().flatten().is_none() {
+            self.kill9();
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TopicMessage {
+    pub key: Option<String>,
+    pub headers: HashMap<String, String>,
+    pub payload: Option<String>,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl TopicMessage {
+    pub fn id(&self) -> &str {
+        self.headers.get("id").map(String::as_str).unwrap_or("")
+    }
+}
+
+/// Reads every partition of `topic` from the beginning to its current high watermark.
+pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", format!("reader-{}", uuid::Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .expect("consumer");
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    let partitions: Vec<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
+    let mut tpl = TopicPartitionList::new();
+    let mut high = HashMap::new();
+    for p in &partitions {
+        let (_, h) = consumer
+            .fetch_watermarks(topic, *p, Duration::from_secs(10))
+            .expect("watermarks");
+        high.insert(*p, h);
+        tpl.add_partition_offset(topic, *p, Offset::Beginning)
+            .expect("tpl");
+    }
+    consumer.assign(&tpl).expect("assign");
+    let mut out = Vec::new();
+    let mut next: HashMap<i32, i64> = partitions.iter().map(|p| (*p, 0)).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while partitions.iter().any(|p| next[p] < high[p]) {
+        assert!(Instant::now() < deadline, "reading {topic} timed out");
+        if let Some(r) = consumer.poll(Duration::from_millis(100)) {
+            let m = r.expect("consume");
+            let mut headers = HashMap::new();
+            if let Some(h) = m.headers() {
+                for hd in h.iter() {
+                    headers.insert(
+                        hd.key.to_string(),
+                        String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned(),
+                    );
+                }
+            }
+            next.insert(m.partition(), m.offset() + 1);
+            out.push(TopicMessage {
+                key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                headers,
+                payload: m.payload().map(|p| String::from_utf8_lossy(p).into_owned()),
+                partition: m.partition(),
+                offset: m.offset(),
+            });
+        }
+    }
+    out
+}

@@ -1,0 +1,93 @@
+//! A slot changed behind the relay's back must stop it loudly, never let it continue silently.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::TestEnv;
+
+async fn drop_and_recreate(env: &TestEnv) {
+    // The walsender holds the slot while the relay streams; terminate it and drop, retrying
+    // while the relay reconnects.
+    for _ in 0..200 {
+        let _ = env
+            .db
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                &[&env.slot],
+            )
+            .await;
+        if env
+            .db
+            .execute("SELECT pg_drop_replication_slot($1)", &[&env.slot])
+            .await
+            .is_ok()
+        {
+            env.db
+                .execute(
+                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&env.slot],
+                )
+                .await
+                .expect("recreate slot");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("could not drop the slot");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_dropped_and_recreated_while_running_stops_the_relay() {
+    let env = TestEnv::new("slot_recreated_live").await;
+    let mut relay = env.relay(&[], &[]);
+    env.enqueue("r-1", json!({})).await;
+    env.wait_count("first receipt", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    drop_and_recreate(&env).await;
+    let status = relay.wait_exit(Duration::from_secs(60)).await;
+    assert!(!status.success());
+    let log = relay.log_text();
+    assert!(
+        log.contains(&format!("replication slot \"{}\"", env.slot))
+            && log.contains("behind outboxd's back")
+            && log.contains("--resnapshot"),
+        "the error names the slot, the cause and the fix:\n{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_recreated_while_stopped_is_refused_and_resnapshot_recovers() {
+    let env = TestEnv::new("slot_recreated_stopped").await;
+    let mut relay = env.relay(&[], &[]);
+    env.enqueue("r-1", json!({"n": 1})).await;
+    env.wait_count("first receipt", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    relay.kill9();
+    // While the relay is down: an event is committed, then the slot is recreated, so the new
+    // slot starts after that event. Continuing would skip it.
+    let skipped = env.enqueue("r-2", json!({"n": 2})).await;
+    drop_and_recreate(&env).await;
+
+    let mut relay = env.relay(&[], &[]);
+    let status = relay.wait_exit(Duration::from_secs(60)).await;
+    assert!(!status.success());
+    let log = relay.log_text();
+    assert!(log.contains("ahead of the ledger checkpoint"), "{log}");
+
+    // The documented recovery publishes the event the new slot would never stream.
+    let _relay = env.relay(&[], &["--resnapshot"]);
+    env.wait_count(
+        "the skipped event published",
+        "SELECT count(*) FROM outbox.receipts",
+        2,
+    )
+    .await;
+    let ids: Vec<String> = env
+        .read_topic()
+        .iter()
+        .map(|m| m.id().to_string())
+        .collect();
+    assert!(ids.contains(&skipped.to_string()));
+}
