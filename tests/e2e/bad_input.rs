@@ -14,8 +14,7 @@ fn run(args: &[&str]) -> (bool, String) {
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let last = stderr
         .lines()
-        .filter(|l| l.starts_with("outboxd: error:") || l.starts_with("error:"))
-        .last()
+        .rfind(|l| l.starts_with("outboxd: error:") || l.starts_with("error:"))
         .unwrap_or("")
         .to_string();
     (

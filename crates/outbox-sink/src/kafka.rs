@@ -92,12 +92,12 @@ pub struct Delivery {
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     #[error("invalid Kafka producer configuration: {0}; check --bootstrap-servers and kafka.* properties")]
-    Config(#[source] KafkaError),
+    Config(#[source] Box<KafkaError>),
     #[error("cannot reach Kafka at {bootstrap}: {source}; check --bootstrap-servers / OUTBOXD_BOOTSTRAP_SERVERS and that the broker is up")]
     Unreachable {
         bootstrap: String,
         #[source]
-        source: KafkaError,
+        source: Box<KafkaError>,
     },
     #[error("librdkafka refused to enqueue event {event_id} for topic {topic}: {source}")]
     Enqueue {
@@ -105,7 +105,7 @@ pub enum SinkError {
         topic: String,
         class: FailureClass,
         #[source]
-        source: KafkaError,
+        source: Box<KafkaError>,
     },
     #[error("the delivery channel is closed (pipeline shutting down)")]
     Closed,
@@ -262,7 +262,7 @@ impl KafkaSink {
         cc.set("enable.idempotence", "true").set("acks", "all");
         let producer: ThreadedProducer<SinkContext> = cc
             .create_with_context(SinkContext { tx: reports })
-            .map_err(SinkError::Config)?;
+            .map_err(|e| SinkError::Config(Box::new(e)))?;
         Ok(KafkaSink { producer, config })
     }
 
@@ -278,7 +278,7 @@ impl KafkaSink {
             .map(|m| m.brokers().len())
             .map_err(|source| SinkError::Unreachable {
                 bootstrap: self.config.bootstrap_servers.clone(),
-                source,
+                source: Box::new(source),
             })
     }
 
@@ -308,7 +308,7 @@ impl KafkaSink {
                         event_id: ev.event_id.to_string(),
                         topic: ev.destination.topic.clone(),
                         class: classify(&source),
-                        source,
+                        source: Box::new(source),
                     })
                 }
             }

@@ -1,9 +1,9 @@
 //! Integration tests of the replication transport against a real PostgreSQL (15+) with
 //! `wal_level=logical`.
 //!
-//! Set `OUTBOXD_TEST_DATABASE_URL` to a superuser URL over TCP, e.g.
-//! `postgresql://postgres@127.0.0.1:55998/postgres`; without it every test prints
-//! "skipped: ..." and passes.
+//! `OUTBOXD_TEST_DATABASE_URL` may name a superuser URL over TCP, e.g.
+//! `postgresql://postgres@127.0.0.1:55998/postgres`; without it the tests use the harness's
+//! throwaway cluster (`outbox-testkit`), whose pg_hba.conf already has the lines below.
 //!
 //! The password tests need pg_hba.conf to require passwords for two roles the tests create
 //! themselves (first matching line wins, so put these before any `trust` line):
@@ -29,10 +29,13 @@ const ENV: &str = "OUTBOXD_TEST_DATABASE_URL";
 fn config() -> Option<Config> {
     match std::env::var(ENV) {
         Ok(url) if !url.is_empty() => Some(url.parse().expect("OUTBOXD_TEST_DATABASE_URL")),
-        _ => {
-            println!("skipped: set {ENV}");
-            None
-        }
+        // Without the variable, the harness's throwaway cluster (one per test process).
+        _ => Some(
+            outbox_testkit::postgres::TestPostgres::shared()
+                .url("postgres")
+                .parse()
+                .expect("harness URL"),
+        ),
     }
 }
 

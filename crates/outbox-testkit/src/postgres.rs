@@ -28,7 +28,9 @@ struct OwnedCluster {
 }
 
 static SHARED: OnceLock<TestPostgres> = OnceLock::new();
-static TO_STOP: Mutex<Vec<(PathBuf, PathBuf, Option<(u32, u32)>)>> = Mutex::new(Vec::new());
+/// (bin dir, data dir, run-as uid/gid) of clusters to stop at process exit.
+type Registered = (PathBuf, PathBuf, Option<(u32, u32)>);
+static TO_STOP: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
 static DB_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn stop_registered_clusters() {
@@ -132,6 +134,17 @@ impl TestPostgres {
              shared_buffers = 128MB\nwal_sender_timeout = 60s\nlog_min_messages = warning\n",
             root.display()
         );
+        // Password-authenticated roles for the transport tests (first matching line wins).
+        let hba_path = data.join("pg_hba.conf");
+        let hba = std::fs::read_to_string(&hba_path).map_err(|e| io("reading pg_hba.conf", e))?;
+        std::fs::write(
+            &hba_path,
+            format!(
+                "host all outboxd_test_md5   127.0.0.1/32 md5\n\
+                 host all outboxd_test_scram 127.0.0.1/32 scram-sha-256\n{hba}"
+            ),
+        )
+        .map_err(|e| io("writing pg_hba.conf", e))?;
         let conf_path = data.join("postgresql.conf");
         let mut existing =
             std::fs::read_to_string(&conf_path).map_err(|e| io("reading postgresql.conf", e))?;

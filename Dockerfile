@@ -1,0 +1,9 @@
+FROM rust:1-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release -p outboxd
+
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/*
+COPY --from=build /src/target/release/outboxd /usr/local/bin/outboxd
+ENTRYPOINT ["/usr/local/bin/outboxd"]
