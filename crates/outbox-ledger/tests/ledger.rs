@@ -1,0 +1,304 @@
+//! The ledger against real PostgreSQL: migrations, the producer API, digest parity between
+//! SQL and Rust, and the acceptance point.
+
+use outbox_core::{Destination, Lsn, OutboxEvent, EVENT_COLUMNS};
+use outbox_ledger::producer::{enqueue, EnqueueOptions};
+use outbox_ledger::{accept, checkpoint, migrate, LedgerItem, QuarantineRecord, ReceiptRecord};
+use outbox_testkit::postgres::TestPostgres;
+use serde_json::json;
+use tokio_postgres::{Client, NoTls};
+
+async fn fresh(name: &str) -> (Client, String) {
+    let url = TestPostgres::shared().create_database(name).await.unwrap();
+    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let applied = migrate::run(&mut c).await.unwrap();
+    assert_eq!(applied, vec![1, 2]);
+    (c, url)
+}
+
+async fn event(c: &Client, id: uuid::Uuid) -> OutboxEvent {
+    let cols = EVENT_COLUMNS
+        .iter()
+        .map(|c| format!("{c}::text"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let row = c
+        .query_one(
+            &format!("SELECT {cols} FROM outbox.events WHERE event_id = $1"),
+            &[&id],
+        )
+        .await
+        .unwrap();
+    OutboxEvent::from_text_columns(
+        |name| {
+            let i = EVENT_COLUMNS.iter().position(|c| *c == name).unwrap();
+            Ok(row.get::<_, Option<&str>>(i))
+        },
+        None,
+    )
+    .unwrap()
+}
+
+fn receipt(ev: &OutboxEvent, offset: i64) -> ReceiptRecord {
+    ReceiptRecord {
+        event_id: ev.event_id,
+        payload_digest: ev.payload_digest.clone(),
+        destination_digest: ev.destination_digest.clone(),
+        broker_kind: "kafka".into(),
+        broker_cluster: "default".into(),
+        topic: ev.destination.topic.clone(),
+        partition: 0,
+        offset,
+        timestamp_ms: Some(1_700_000_000_000),
+        attempt: 1,
+        relay_generation: 0,
+        commit_lsn: Some(Lsn(100)),
+    }
+}
+
+#[tokio::test]
+async fn migrations_are_idempotent_and_checksummed() {
+    let (mut c, _) = fresh("ledger_migrate").await;
+    assert!(
+        migrate::run(&mut c).await.unwrap().is_empty(),
+        "second run applies nothing"
+    );
+    c.execute(
+        "UPDATE outbox.schema_migrations SET checksum = 'edited' WHERE version = 1",
+        &[],
+    )
+    .await
+    .unwrap();
+    let err = migrate::run(&mut c).await.unwrap_err().to_string();
+    assert!(
+        err.contains("migration 1") && err.contains("changed"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn enqueue_freezes_a_verifiable_envelope_and_rolls_back_with_the_transaction() {
+    let (mut c, _) = fresh("ledger_enqueue").await;
+    let tx = c.transaction().await.unwrap();
+    let gone = enqueue(
+        &tx,
+        "order",
+        "o-1",
+        "order.created",
+        &json!({"a": 1}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    let tx = c.transaction().await.unwrap();
+    let opts = EnqueueOptions {
+        tenant: Some("t-7".into()),
+        headers: Some(json!({"traceparent": "00-abc-def-01"})),
+        payload_schema: Some("order.created.v2".into()),
+        event_id: None,
+    };
+    let id = enqueue(
+        &tx,
+        "order",
+        "o-1",
+        "order.created",
+        &json!({"b": [1, 2], "a": "ü"}),
+        &opts,
+    )
+    .await
+    .unwrap();
+    let id2 = enqueue(
+        &tx,
+        "order",
+        "o-1",
+        "order.paid",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.events WHERE event_id = $1",
+            &[&gone],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0, "a rolled-back enqueue leaves no row");
+    assert_eq!(id.get_version_num(), 7, "UUIDv7");
+
+    let ev = event(&c, id).await;
+    // Digest parity: what SQL froze, Rust recomputes byte for byte.
+    assert_eq!(ev.verify(), Ok(()));
+    assert_eq!(
+        ev.aggregate_version, 1,
+        "the rolled-back enqueue gave its version back"
+    );
+    assert_eq!(ev.destination.topic, "outbox.event.order");
+    assert_eq!(ev.destination.key, "o-1");
+    assert_eq!(ev.tenant.as_deref(), Some("t-7"));
+    assert_eq!(ev.payload_schema.as_deref(), Some("order.created.v2"));
+    assert_eq!(event(&c, id2).await.aggregate_version, 2);
+}
+
+#[tokio::test]
+async fn route_policy_generations_are_frozen_into_the_row() {
+    let (c, _) = fresh("ledger_route").await;
+    let g1: i64 = c
+        .query_one(
+            "SELECT outbox.set_route('invoice', NULL, 'billing.{aggregate_type}s')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let a = enqueue(
+        &c,
+        "invoice",
+        "i-1",
+        "invoice.issued",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let g2: i64 = c
+        .query_one(
+            "SELECT outbox.set_route('invoice', NULL, 'billing.v2')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let b = enqueue(
+        &c,
+        "invoice",
+        "i-1",
+        "invoice.paid",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let (ea, eb) = (event(&c, a).await, event(&c, b).await);
+    assert_eq!(
+        (
+            ea.destination.topic.as_str(),
+            ea.destination.route_generation
+        ),
+        ("billing.invoices", g1)
+    );
+    assert_eq!(
+        (
+            eb.destination.topic.as_str(),
+            eb.destination.route_generation
+        ),
+        ("billing.v2", g2)
+    );
+    assert!(g2 > g1);
+    assert_eq!(ea.verify(), Ok(()));
+    assert_eq!(eb.verify(), Ok(()));
+    // A destination that differs in any field has a different digest.
+    let moved = Destination {
+        topic: "elsewhere".into(),
+        ..ea.destination.clone()
+    };
+    assert_ne!(moved.digest(), ea.destination_digest);
+}
+
+#[tokio::test]
+async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatches() {
+    let (mut c, _) = fresh("ledger_accept").await;
+    let id = enqueue(
+        &c,
+        "order",
+        "o-9",
+        "order.created",
+        &json!({"x": 1}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&c, id).await;
+    checkpoint::create(&c, "s1", "outbox_pub", "sys", 1, Lsn(50))
+        .await
+        .unwrap();
+
+    // First ACK and a broker duplicate in the same batch, plus a forged receipt.
+    let mut forged = receipt(&ev, 9);
+    forged.payload_digest = "sha256:00".into();
+    let out = accept::accept_batch(
+        &mut c,
+        "s1",
+        &[
+            LedgerItem::Receipt(receipt(&ev, 1)),
+            LedgerItem::Receipt(receipt(&ev, 2)),
+            LedgerItem::Receipt(forged),
+        ],
+        Some(Lsn(200)),
+    )
+    .await
+    .unwrap();
+    assert_eq!((out.primary, out.duplicates, out.conflicts), (1, 1, 1));
+
+    // A replay after a crash: a late ACK of the same event.
+    let out = accept::accept_batch(
+        &mut c,
+        "s1",
+        &[LedgerItem::Receipt(receipt(&ev, 3))],
+        Some(Lsn(150)),
+    )
+    .await
+    .unwrap();
+    assert_eq!((out.primary, out.duplicates), (0, 1));
+
+    let primary_offset: i64 = c
+        .query_one(
+            "SELECT \"offset\" FROM outbox.receipts WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(primary_offset, 1, "the first ACK holds the publish slot");
+    let cp = checkpoint::load(&c, "s1").await.unwrap().unwrap();
+    assert_eq!(
+        cp.confirmed_lsn,
+        Lsn(200),
+        "the checkpoint never moves backwards"
+    );
+    let q: String = c
+        .query_one("SELECT reason_code FROM outbox.quarantine", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(q, "receipt_digest_mismatch");
+
+    // Quarantine records are idempotent by key (a replayed malformed row).
+    let rec = QuarantineRecord {
+        key: "lsn:0/10:1".into(),
+        event_id: None,
+        aggregate_type: None,
+        aggregate_id: None,
+        aggregate_version: None,
+        reason_code: "unreadable_row".into(),
+        reason: "column x".into(),
+        commit_lsn: Lsn(16),
+    };
+    for _ in 0..2 {
+        accept::accept_batch(&mut c, "s1", &[LedgerItem::Quarantine(rec.clone())], None)
+            .await
+            .unwrap();
+    }
+    let n: i64 = c
+        .query_one("SELECT count(*) FROM outbox.quarantine", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 2);
+}
