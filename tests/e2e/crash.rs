@@ -26,13 +26,7 @@ async fn killed_after_broker_ack_before_acceptance_gets_one_primary_receipt() {
         "the broker has the message, the ledger does not"
     );
 
-    let _relay = env.relay(&[], &[]);
-    env.wait_count(
-        "the receipt after restart",
-        "SELECT count(*) FROM outbox.receipts",
-        1,
-    )
-    .await;
+    let _relay = env.restart_until_receipts(1).await;
     let msgs = env.read_topic();
     assert!(
         msgs.len() >= 2,
@@ -105,13 +99,7 @@ async fn killed_before_sending_publishes_after_restart() {
         "nothing was sent before the crash"
     );
 
-    let _relay = env.relay(&[], &[]);
-    env.wait_count(
-        "the receipt after restart",
-        "SELECT count(*) FROM outbox.receipts",
-        1,
-    )
-    .await;
+    let _relay = env.restart_until_receipts(1).await;
     let msgs = env.read_topic();
     assert_eq!(msgs.len(), 1);
     assert_eq!(msgs[0].id(), id.to_string());

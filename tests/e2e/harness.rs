@@ -103,6 +103,18 @@ impl TestEnv {
         .await
     }
 
+    /// Starts a relay without failpoints and waits for `n` primary receipts.
+    pub async fn restart_until_receipts(&self, n: i64) -> RelayProcess {
+        let relay = self.relay(&[], &[]);
+        self.wait_count(
+            "the receipts after restart",
+            "SELECT count(*) FROM outbox.receipts",
+            n,
+        )
+        .await;
+        relay
+    }
+
     /// Waits until the relay streams from the slot (the slot exists and a walsender holds it),
     /// i.e. the initial snapshot is behind it and new commits arrive through the WAL.
     pub async fn wait_streaming(&self) {

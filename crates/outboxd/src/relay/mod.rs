@@ -240,6 +240,17 @@ async fn run_once(
     sink_check?;
     let mut dispatcher = Dispatcher::new(sink, &cfg.slot, cfg.relay_generation);
 
+    // The ledger row that makes this slot ours, starting at `lsn`.
+    let record_slot = |lsn: Lsn| {
+        checkpoint::create(
+            &sql,
+            &cfg.slot,
+            &cfg.publication,
+            &ident.system_id,
+            ident.timeline,
+            lsn,
+        )
+    };
     let (start, backfill, exported) = match plan {
         StartPlan::Create | StartPlan::Recreate => {
             if plan == StartPlan::Recreate && slot_info.is_some() {
@@ -250,30 +261,14 @@ async fn run_once(
                 .await
                 .map_err(SourceError::from)?;
             let cp = Lsn(created.consistent_point);
-            checkpoint::create(
-                &sql,
-                &cfg.slot,
-                &cfg.publication,
-                &ident.system_id,
-                ident.timeline,
-                cp,
-            )
-            .await?;
+            record_slot(cp).await?;
             tracing::info!(consistent_point = %cp, "created replication slot");
             (cp, true, created.snapshot_name)
         }
         StartPlan::Resume { start, backfill } => {
             if ledger.is_none() {
                 tracing::warn!(slot_lsn = %start, "adopting a slot the ledger does not know; publishing a snapshot of unpublished rows first");
-                checkpoint::create(
-                    &sql,
-                    &cfg.slot,
-                    &cfg.publication,
-                    &ident.system_id,
-                    ident.timeline,
-                    start,
-                )
-                .await?;
+                record_slot(start).await?;
             }
             (start, backfill, None)
         }
