@@ -9,13 +9,17 @@
 //! * [`state`] — the event life cycle (PENDING → SENDING → PUBLISHED …).
 //! * [`ack`] — the ack tracker: the contiguous low-watermark of accepted receipts, which is
 //!   the only LSN the relay may ever confirm to the slot (invariant 5).
+//! * [`ordering`] — the ordering gate: one in-flight event per aggregate, gaps hold the
+//!   aggregate (invariant 7).
 
 pub mod ack;
 pub mod envelope;
 pub mod lsn;
+pub mod ordering;
 pub mod state;
 
 pub use ack::{AckTracker, EventToken, TxnSeq};
 pub use envelope::{Destination, EnvelopeError, OutboxEvent, RowError, EVENT_COLUMNS};
 pub use lsn::Lsn;
+pub use ordering::{Admit, HoldReason, OrderingGate};
 pub use state::EventState;

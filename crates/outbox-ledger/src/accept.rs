@@ -53,11 +53,34 @@ pub struct QuarantineRecord {
     pub commit_lsn: Lsn,
 }
 
+/// An aggregate that must not publish until an operator releases it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HoldRecord {
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub reason_code: String,
+    pub reason: String,
+    pub blocking_event_id: Option<Uuid>,
+    pub blocking_version: Option<i64>,
+}
+
+/// An event of a held aggregate, recorded instead of published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldRecord {
+    pub event_id: Uuid,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub aggregate_version: i64,
+    pub commit_lsn: Option<Lsn>,
+}
+
 /// One thing to record durably.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LedgerItem {
     Receipt(ReceiptRecord),
     Quarantine(QuarantineRecord),
+    Hold(HoldRecord),
+    Held(HeldRecord),
 }
 
 /// What a batch did. `conflicts` are receipts that did not match their frozen row and were
@@ -68,6 +91,7 @@ pub struct AcceptOutcome {
     pub duplicates: u64,
     pub quarantined: u64,
     pub conflicts: u64,
+    pub held: u64,
 }
 
 const ACCEPT_SQL: &str = r#"
@@ -120,9 +144,25 @@ conflict AS (
                      || ' names an event id with no outbox row' END,
            commit_lsn::pg_lsn, $13
     FROM matched WHERE NOT ok
-    ON CONFLICT (quarantine_key) DO NOTHING
+    ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
+    RETURNING 1
+),
+heads AS (
+    INSERT INTO outbox.aggregate_heads AS h (aggregate_type, aggregate_id, last_version)
+    SELECT m.aggregate_type, m.aggregate_id, max(m.aggregate_version)
+    FROM matched m JOIN prim p ON p.event_id = m.event_id
+    GROUP BY m.aggregate_type, m.aggregate_id
+    ON CONFLICT (aggregate_type, aggregate_id)
+    DO UPDATE SET last_version = GREATEST(h.last_version, EXCLUDED.last_version),
+                  updated_at = clock_timestamp()
+    RETURNING 1
+),
+unheld AS (
+    UPDATE outbox.held_events he SET released_at = clock_timestamp()
+    FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
     RETURNING 1
 )
+-- heads and unheld run to completion although nothing reads them (PostgreSQL guarantees it).
 SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict)
 "#;
 
@@ -133,7 +173,7 @@ WITH q AS (
     SELECT k, id, at, ai, av, rc, r, nullif(l, '0/0')::pg_lsn, $9
     FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::int8[],
                 $6::text[], $7::text[], $8::text[]) AS t(k, id, at, ai, av, rc, r, l)
-    ON CONFLICT (quarantine_key) DO NOTHING
+    ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
 )
 SELECT count(*) FROM q
@@ -157,7 +197,7 @@ pub async fn accept_batch(
         .iter()
         .filter_map(|i| match i {
             LedgerItem::Receipt(r) => Some(r),
-            LedgerItem::Quarantine(_) => None,
+            _ => None,
         })
         .collect();
     if !receipts.is_empty() {
@@ -217,7 +257,7 @@ pub async fn accept_batch(
         .iter()
         .filter_map(|i| match i {
             LedgerItem::Quarantine(q) => Some(q),
-            LedgerItem::Receipt(_) => None,
+            _ => None,
         })
         .collect();
     if !quarantined.is_empty() {
@@ -246,6 +286,68 @@ pub async fn accept_batch(
             .await
             .ctx(format!("quarantining {} events", q.len()))?;
         out.quarantined += row.get::<_, i64>(0) as u64;
+    }
+
+    // Holds before held events: a held event always has its hold row.
+    for item in items {
+        if let LedgerItem::Hold(h) = item {
+            tx.execute(
+                "INSERT INTO outbox.holds (aggregate_type, aggregate_id, reason_code, reason,
+                                           blocking_event_id, blocking_version)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET
+                     state = 'HELD', reason_code = EXCLUDED.reason_code, reason = EXCLUDED.reason,
+                     blocking_event_id = EXCLUDED.blocking_event_id,
+                     blocking_version = EXCLUDED.blocking_version, publish_blocking = true,
+                     held_at = clock_timestamp(), release_requested_at = NULL
+                 WHERE outbox.holds.state = 'RELEASING'",
+                &[
+                    &h.aggregate_type,
+                    &h.aggregate_id,
+                    &h.reason_code,
+                    &h.reason,
+                    &h.blocking_event_id,
+                    &h.blocking_version,
+                ],
+            )
+            .await
+            .ctx(format!(
+                "recording the hold of aggregate {}/{}",
+                h.aggregate_type, h.aggregate_id
+            ))?;
+        }
+    }
+    let held: Vec<&HeldRecord> = items
+        .iter()
+        .filter_map(|i| match i {
+            LedgerItem::Held(h) => Some(h),
+            _ => None,
+        })
+        .collect();
+    if !held.is_empty() {
+        let n = tx
+            .execute(
+                "INSERT INTO outbox.held_events (event_id, aggregate_type, aggregate_id,
+                                                 aggregate_version, commit_lsn, slot_name)
+                 SELECT id, at, ai, av, nullif(l, '0/0')::pg_lsn, $6
+                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[])
+                      AS t(id, at, ai, av, l)
+                 ON CONFLICT (event_id) DO NOTHING",
+                &[
+                    &held.iter().map(|h| h.event_id).collect::<Vec<_>>(),
+                    &held.iter().map(|h| h.aggregate_type.as_str()).collect::<Vec<_>>(),
+                    &held.iter().map(|h| h.aggregate_id.as_str()).collect::<Vec<_>>(),
+                    &held.iter().map(|h| h.aggregate_version).collect::<Vec<_>>(),
+                    &held
+                        .iter()
+                        .map(|h| h.commit_lsn.unwrap_or(Lsn::ZERO).to_string())
+                        .collect::<Vec<_>>(),
+                    &slot,
+                ],
+            )
+            .await
+            .ctx(format!("recording {} held events", held.len()))?;
+        out.held += n;
     }
 
     if let Some(lsn) = checkpoint {

@@ -5,6 +5,7 @@
 //! * [`accept`] — the single acceptance point: a batch of broker receipts (and quarantine
 //!   records) plus the checkpoint that covers them, in one transaction.
 //! * [`checkpoint`] — the per-slot checkpoint row: the only LSN the relay may confirm.
+//! * [`holds`] — held aggregates: loading them, operator release/skip, republishing.
 //! * [`status`] — read-only views for `outboxd status`.
 //!
 //! Why a ledger in PostgreSQL at all: the slot's confirmed LSN is a single number that can
@@ -15,10 +16,11 @@
 pub mod accept;
 pub mod checkpoint;
 pub mod migrate;
+pub mod holds;
 pub mod producer;
 pub mod status;
 
-pub use accept::{AcceptOutcome, LedgerItem, QuarantineRecord, ReceiptRecord};
+pub use accept::{AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord};
 pub use checkpoint::Checkpoint;
 
 /// A ledger operation failed. Says which operation; the source carries PostgreSQL's message.

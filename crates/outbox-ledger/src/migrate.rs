@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "ledger",
         sql: include_str!("../../../migrations/0002_ledger.sql"),
     },
+    Migration {
+        version: 3,
+        name: "ordering",
+        sql: include_str!("../../../migrations/0003_ordering.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

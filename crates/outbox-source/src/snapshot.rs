@@ -48,3 +48,17 @@ pub fn event_from_row(row: &Row) -> Result<OutboxEvent, RowError> {
         None,
     )
 }
+
+/// The query that loads given events (`$1::uuid[]`) in version order, for republishing a
+/// released aggregate.
+pub fn rows_by_id_sql(qualified_table: &str) -> String {
+    let cols = EVENT_COLUMNS
+        .iter()
+        .map(|c| format!("e.{c}::text"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "SELECT {cols} FROM {qualified_table} e WHERE e.event_id = ANY($1::uuid[])
+         ORDER BY e.aggregate_version"
+    )
+}

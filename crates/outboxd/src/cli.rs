@@ -45,6 +45,9 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Show events, receipts, quarantine and each slot's position and lag.
     Status(StatusArgs),
+    /// Quarantined events and held aggregates: list them, release or skip one.
+    #[command(subcommand)]
+    Quarantine(QuarantineCommand),
     /// Run an embedded Kafka-protocol broker (librdkafka's mock cluster) for development.
     /// Prints `bootstrap.servers=HOST:PORT`, then serves until killed. Nothing is persisted.
     DevBroker(DevBrokerArgs),
@@ -68,6 +71,43 @@ pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum QuarantineCommand {
+    /// Open quarantine records (with their reasons) and held aggregates (with their held events).
+    List {
+        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish the event after its cause was fixed (payload repaired, broker limit raised,
+    /// relay for its destination running), then its aggregate's held events in version order.
+    /// The running relay does the publishing within a second.
+    Release {
+        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        /// The quarantined (or gap-blocking) event id.
+        #[arg(long)]
+        event: uuid::Uuid,
+        /// Who releases it (recorded in the ledger). [default: $USER]
+        #[arg(long)]
+        by: Option<String>,
+    },
+    /// Never publish the event; publish its aggregate's held events. Needs a reason, which is
+    /// recorded in the ledger with the operator's name.
+    Skip {
+        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        #[arg(long)]
+        event: uuid::Uuid,
+        /// Why the event may be dropped (recorded).
+        #[arg(long)]
+        reason: String,
+        #[arg(long)]
+        by: Option<String>,
+    },
 }
 
 #[derive(Debug, Args)]

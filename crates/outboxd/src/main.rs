@@ -15,7 +15,7 @@ use clap::Parser;
 use outbox_sink::KafkaSinkConfig;
 use tokio::sync::watch;
 
-use cli::{Cli, Command, LogFormat, RunArgs};
+use cli::{Cli, Command, LogFormat, QuarantineCommand, RunArgs};
 use config::{redact_url, FileConfig, RelayConfig, Secret};
 
 fn main() {
@@ -62,6 +62,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
                 .map_err(anyhow::Error::from)
         }
         Command::Status(a) => status(&a.database_url, a.json).await,
+        Command::Quarantine(q) => quarantine(q).await,
         Command::DevBroker(a) => dev_broker(a.brokers).await,
         Command::Demo(a) => demo::run(a).await,
     }
@@ -258,4 +259,67 @@ async fn dev_broker(brokers: i32) -> anyhow::Result<()> {
     }
     drop(kafka);
     Ok(())
+}
+
+async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
+    use outbox_ledger::holds::{self, Resolution};
+    let operator = |by: Option<String>| {
+        by.or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "operator".into())
+    };
+    match cmd {
+        QuarantineCommand::List { database_url, json } => {
+            let client = connect(&database_url).await?;
+            let (q, h) = holds::list(&client).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({"quarantine": q, "holds": h}))?
+                );
+                return Ok(());
+            }
+            println!("QUARANTINED ({})", q.len());
+            for e in &q {
+                println!(
+                    "  {}  {}/{}@{}  {}: {}",
+                    e.event_id.map(|i| i.to_string()).unwrap_or_else(|| e.quarantine_key.clone()),
+                    e.aggregate_type.as_deref().unwrap_or("?"),
+                    e.aggregate_id.as_deref().unwrap_or("?"),
+                    e.aggregate_version.map(|v| v.to_string()).unwrap_or_else(|| "?".into()),
+                    e.reason_code,
+                    e.reason
+                );
+            }
+            println!("HELD AGGREGATES ({})", h.len());
+            for e in &h {
+                println!(
+                    "  {}/{}  {}  blocked by {} (version {})  held events: {}  {}: {}",
+                    e.aggregate_type,
+                    e.aggregate_id,
+                    e.state,
+                    e.blocking_event_id.map(|i| i.to_string()).unwrap_or_else(|| "-".into()),
+                    e.blocking_version.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+                    e.held_events,
+                    e.reason_code,
+                    e.reason
+                );
+            }
+            Ok(())
+        }
+        QuarantineCommand::Release { database_url, event, by } => {
+            let mut client = connect(&database_url).await?;
+            holds::resolve(&mut client, event, Resolution::Release, &operator(by), None).await?;
+            println!("released {event}; the running relay publishes it and its held events in version order");
+            Ok(())
+        }
+        QuarantineCommand::Skip { database_url, event, reason, by } => {
+            if reason.trim().is_empty() {
+                anyhow::bail!("--reason must say why event {event} may be dropped; it is recorded in the ledger");
+            }
+            let mut client = connect(&database_url).await?;
+            holds::resolve(&mut client, event, Resolution::Skip, &operator(by), Some(&reason)).await?;
+            println!("skipped {event} (reason recorded); the running relay publishes the held events behind it");
+            Ok(())
+        }
+    }
 }

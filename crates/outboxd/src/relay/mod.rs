@@ -25,7 +25,7 @@
 //! Transient failures (connection lost, a delivery not confirmed) are handled the same way:
 //! drop everything in memory, reconnect, replay from the slot. When in doubt, replay.
 
-mod dispatch;
+mod pipeline;
 pub mod route;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use futures::{pin_mut, StreamExt};
 use outbox_core::ack::AckError;
 use outbox_core::{AckTracker, Lsn, TxnSeq};
+use outbox_ledger::holds;
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
 use outbox_sink::{KafkaSink, SinkError};
 use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
@@ -46,7 +47,7 @@ use tokio_postgres::{Client, NoTls};
 use uuid::Uuid;
 
 use crate::config::{redact_url, RelayConfig};
-use dispatch::Dispatcher;
+use pipeline::Pipeline;
 
 /// Live counters, for `demo` progress and logs.
 #[derive(Debug, Default)]
@@ -190,24 +191,28 @@ async fn run_once(
     resnapshot: bool,
 ) -> Result<(), RelayError> {
     let url = cfg.database_url.expose();
-    let mut ledger_client = connect_sql(url).await?;
+    let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
     slot::check_wal_level(&sql).await?;
     slot::ensure_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table).await?;
+    let qualified = format!(
+        "{}.{}",
+        slot::quote_ident(&cfg.schema),
+        slot::quote_ident(&cfg.table)
+    );
 
     let pg_cfg: tokio_postgres::Config = url
         .parse()
         .map_err(|e: tokio_postgres::Error| RelayError::Internal(e.to_string()))?;
-    let mut repl =
-        ReplicationConnection::connect(&pg_cfg)
-            .await
-            .map_err(|e| match e.sqlstate() {
-                Some("42501") => SourceError::NoReplicationPrivilege {
-                    user: pg_cfg.get_user().unwrap_or("?").to_string(),
-                    message: e.to_string(),
-                },
-                _ => SourceError::from(e),
-            })?;
+    let mut repl = ReplicationConnection::connect(&pg_cfg)
+        .await
+        .map_err(|e| match e.sqlstate() {
+            Some("42501") => SourceError::NoReplicationPrivilege {
+                user: pg_cfg.get_user().unwrap_or("?").to_string(),
+                message: e.to_string(),
+            },
+            _ => SourceError::from(e),
+        })?;
     let ident = repl.identify_system().await.map_err(SourceError::from)?;
     let dbname = ident
         .dbname
@@ -234,11 +239,21 @@ async fn run_once(
     )?;
     tracing::info!(?plan, "start plan");
 
-    let (reports_tx, mut reports) = mpsc::unbounded_channel();
+    let (reports_tx, reports) = mpsc::unbounded_channel();
     let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
-    let sink_check = tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)));
-    sink_check?;
-    let mut dispatcher = Dispatcher::new(sink, &cfg.slot, cfg.relay_generation);
+    tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)))?;
+    let held = holds::load_held(&sql).await?;
+    if !held.is_empty() {
+        tracing::warn!(aggregates = held.len(), "held aggregates loaded; see `outboxd quarantine list`");
+    }
+    let mut pipeline = Pipeline::new(
+        sink,
+        reports,
+        ledger_client,
+        &cfg.slot,
+        cfg.relay_generation,
+        held,
+    );
 
     // The ledger row that makes this slot ours, starting at `lsn`.
     let record_slot = |lsn: Lsn| {
@@ -278,9 +293,8 @@ async fn run_once(
         let n = publish_snapshot(
             cfg,
             &mut sql,
-            &mut ledger_client,
-            &mut dispatcher,
-            &mut reports,
+            &mut pipeline,
+            &qualified,
             exported.as_deref(),
             progress,
         )
@@ -307,41 +321,44 @@ async fn run_once(
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
 
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
-    let mut tracker = AckTracker::new(start);
+    pipeline.tracker = AckTracker::new(start);
     let mut durable = start;
     let mut last_received = start;
     let mut current: Option<(TxnSeq, Lsn, u32)> = None;
     let mut last_status = Instant::now();
     let mut last_checkpoint_write = Instant::now();
+    let mut last_release_poll = Instant::now();
     let mut send_status_now = true;
-    let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+    let max_in_flight = cfg.max_in_flight;
 
     loop {
         // Timers: the batch linger, the periodic status update, the idle checkpoint write.
         let now = Instant::now();
         let mut deadline = last_status + cfg.status_interval;
-        if let Some(b) = dispatcher.batch_started {
+        if let Some(b) = pipeline.batch_started {
             deadline = deadline.min(b + cfg.batch_linger);
         }
-        if tracker.watermark() > durable {
+        if pipeline.tracker.watermark() > durable {
             deadline = deadline.min(last_checkpoint_write + cfg.status_interval);
         }
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline.max(now)));
+        // Backpressure: stop reading the slot while too much is unresolved; reports, batches
+        // and status updates keep flowing.
+        let can_read = pipeline.tracker.in_flight() < max_in_flight;
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
-                return drain_and_stop(cfg, &mut dispatcher, &mut reports, &mut ledger_client,
-                    &mut tracker, &mut durable, &mut stream, last_received, progress).await;
+                return drain_and_stop(cfg, &mut pipeline, &mut durable, &mut stream, last_received, progress).await;
             }
-            Some(d) = reports.recv() => dispatcher.on_report(d)?,
-            msg = stream.next_message(), if dispatcher.in_flight() < max_in_flight => {
+            Some(d) = pipeline.reports.recv() => pipeline.on_report(d).await?,
+            msg = stream.next_message(), if can_read => {
                 match msg.map_err(SourceError::from)? {
                     None => return Err(RelayError::StreamEnded),
                     Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
                         let wal_end = Lsn(wal_end);
                         last_received = last_received.max(wal_end);
                         if current.is_none() {
-                            tracker.idle_position(wal_end);
+                            pipeline.tracker.idle_position(wal_end);
                         }
                         send_status_now |= reply_requested;
                     }
@@ -349,21 +366,18 @@ async fn run_once(
                         last_received = last_received.max(Lsn(wal_start));
                         match decoder.decode(data)? {
                             Decoded::Begin { commit_lsn, .. } => {
-                                current = Some((tracker.begin()?, commit_lsn, 0));
+                                current = Some((pipeline.tracker.begin()?, commit_lsn, 0));
                             }
                             Decoded::Event(res) => {
                                 let Some((txn, commit_lsn, n)) = current.as_mut() else {
                                     return Err(SourceError::Protocol("Insert outside a transaction".into()).into());
                                 };
                                 *n += 1;
-                                let ack = tracker.add_event(*txn)?;
-                                let commit_lsn = *commit_lsn;
+                                let (txn, commit_lsn, n) = (*txn, *commit_lsn, *n);
+                                let ack = pipeline.tracker.add_event(txn)?;
                                 match *res {
-                                    Ok(ev) => match route::check(&ev, &cfg.sink) {
-                                        Ok(()) => dispatcher.send(ev, Some(commit_lsn), Some(ack)).await?,
-                                        Err(r) => dispatcher.quarantine_event(&ev, r.code, r.reason, Some(commit_lsn), Some(ack)),
-                                    },
-                                    Err(row_err) => dispatcher.quarantine_unreadable(
+                                    Ok(ev) => pipeline.admit(ev, Some(commit_lsn), Some(ack)).await?,
+                                    Err(row_err) => pipeline.quarantine_unreadable(
                                         format!("lsn:{commit_lsn}:{n}"), row_err.to_string(), commit_lsn, Some(ack)),
                                 }
                             }
@@ -371,7 +385,7 @@ async fn run_once(
                                 let Some((txn, _, _)) = current.take() else {
                                     return Err(SourceError::Protocol("Commit without Begin".into()).into());
                                 };
-                                tracker.commit(txn, end_lsn)?;
+                                pipeline.tracker.commit(txn, end_lsn)?;
                                 last_received = last_received.max(end_lsn);
                             }
                             Decoded::Nothing => {}
@@ -383,27 +397,26 @@ async fn run_once(
         }
 
         let now = Instant::now();
-        let batch_due = dispatcher.batch_len() >= cfg.batch_size
-            || dispatcher
+        let batch_due = pipeline.batch_len() >= cfg.batch_size
+            || pipeline
                 .batch_started
                 .is_some_and(|b| now >= b + cfg.batch_linger);
-        let idle_due = dispatcher.batch_len() == 0
-            && tracker.watermark() > durable
+        let idle_due = pipeline.batch_len() == 0
+            && pipeline.tracker.watermark() > durable
             && now >= last_checkpoint_write + cfg.status_interval;
         if batch_due || idle_due {
             let before = durable;
-            dispatcher
-                .flush(
-                    &mut ledger_client,
-                    Some(&mut tracker),
-                    &mut durable,
-                    progress,
-                )
-                .await?;
+            pipeline.flush(true, &mut durable, progress).await?;
             last_checkpoint_write = now;
             if durable > before && now.duration_since(last_status) >= Duration::from_millis(100) {
                 send_status_now = true;
             }
+        }
+        if current.is_none() && now >= last_release_poll + RELEASE_POLL {
+            last_release_poll = now;
+            pipeline
+                .process_releases(&sql, &qualified, &mut durable, progress)
+                .await?;
         }
         if send_status_now || now >= last_status + cfg.status_interval {
             stream
@@ -416,35 +429,32 @@ async fn run_once(
     }
 }
 
+/// How often the relay looks for holds an operator released.
+const RELEASE_POLL: Duration = Duration::from_secs(1);
+
 /// Graceful stop: wait (bounded) for outstanding delivery reports, accept them, confirm.
-#[allow(clippy::too_many_arguments)]
 async fn drain_and_stop(
     cfg: &RelayConfig,
-    dispatcher: &mut Dispatcher,
-    reports: &mut mpsc::UnboundedReceiver<outbox_sink::Delivery>,
-    client: &mut Client,
-    tracker: &mut AckTracker,
+    pipeline: &mut Pipeline,
     durable: &mut Lsn,
     stream: &mut outbox_source::transport::ReplicationStream,
     last_received: Lsn,
     progress: &Progress,
 ) -> Result<(), RelayError> {
     let deadline = Instant::now() + cfg.sink.message_timeout.min(Duration::from_secs(10));
-    while dispatcher.in_flight() > 0 && Instant::now() < deadline {
-        match tokio::time::timeout(Duration::from_millis(100), reports.recv()).await {
-            Ok(Some(d)) => dispatcher.on_report(d)?,
+    while pipeline.in_flight() > 0 && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_millis(100), pipeline.reports.recv()).await {
+            Ok(Some(d)) => pipeline.on_report(d).await?,
             Ok(None) => break,
             Err(_) => {}
         }
     }
-    dispatcher
-        .flush(client, Some(tracker), durable, progress)
-        .await?;
+    pipeline.flush(true, durable, progress).await?;
     stream
         .send_standby_status(last_received.max(*durable).0, durable.0, durable.0, false)
         .await
         .map_err(SourceError::from)?;
-    tracing::info!(checkpoint = %durable, unresolved = dispatcher.in_flight(), "stopped");
+    tracing::info!(checkpoint = %durable, unresolved = pipeline.outstanding(), "stopped");
     Ok(())
 }
 
@@ -453,106 +463,64 @@ async fn drain_and_stop(
 async fn publish_snapshot(
     cfg: &RelayConfig,
     sql: &mut Client,
-    ledger_client: &mut Client,
-    dispatcher: &mut Dispatcher,
-    reports: &mut mpsc::UnboundedReceiver<outbox_sink::Delivery>,
+    pipeline: &mut Pipeline,
+    qualified: &str,
     exported: Option<&str>,
     progress: &Progress,
 ) -> Result<u64, RelayError> {
+    let db = |context: &str| {
+        let context = context.to_string();
+        move |e| LedgerError::Db { context, source: e }
+    };
     let tx = sql
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
         .read_only(true)
         .start()
         .await
-        .map_err(|e| LedgerError::Db {
-            context: "starting the snapshot transaction".into(),
-            source: e,
-        })?;
+        .map_err(db("starting the snapshot transaction"))?;
     if let Some(name) = exported {
-        tx.batch_execute(&format!(
-            "SET TRANSACTION SNAPSHOT '{}'",
-            name.replace('\'', "")
-        ))
-        .await
-        .map_err(|e| LedgerError::Db {
-            context: format!("importing the slot's snapshot {name}"),
-            source: e,
-        })?;
+        tx.batch_execute(&format!("SET TRANSACTION SNAPSHOT '{}'", name.replace('\'', "")))
+            .await
+            .map_err(db("importing the slot's exported snapshot"))?;
     }
-    let qualified = format!(
-        "{}.{}",
-        slot::quote_ident(&cfg.schema),
-        slot::quote_ident(&cfg.table)
-    );
     let rows = tx
-        .query_raw(
-            &snapshot::pending_rows_sql(&qualified),
-            Vec::<String>::new(),
-        )
+        .query_raw(&snapshot::pending_rows_sql(qualified), Vec::<String>::new())
         .await
-        .map_err(|e| LedgerError::Db {
-            context: "reading unpublished outbox rows".into(),
-            source: e,
-        })?;
+        .map_err(db("reading unpublished outbox rows"))?;
     pin_mut!(rows);
     let mut n: u64 = 0;
     let mut durable = Lsn::ZERO;
     let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
     while let Some(row) = rows.next().await {
-        let row = row.map_err(|e| LedgerError::Db {
-            context: "reading unpublished outbox rows".into(),
-            source: e,
-        })?;
+        let row = row.map_err(db("reading unpublished outbox rows"))?;
         n += 1;
         match snapshot::event_from_row(&row) {
-            Ok(ev) => match route::check(&ev, &cfg.sink) {
-                Ok(()) => {
-                    dispatcher.send(ev, None, None).await?;
-                    crate::failpoint::hit("after-snapshot-send");
-                }
-                Err(r) => dispatcher.quarantine_event(&ev, r.code, r.reason, None, None),
-            },
-            Err(e) => dispatcher.quarantine_unreadable(
+            Ok(ev) => {
+                pipeline.admit(ev, None, None).await?;
+                crate::failpoint::hit("after-snapshot-send");
+            }
+            Err(e) => pipeline.quarantine_unreadable(
                 format!("snapshot:{n}"),
                 e.to_string(),
                 Lsn::ZERO,
                 None,
             ),
         }
-        while dispatcher.in_flight() >= max_in_flight {
-            drain_one(dispatcher, reports).await?;
+        while pipeline.outstanding() >= max_in_flight {
+            pipeline.drain_one().await?;
         }
-        if dispatcher.batch_len() >= cfg.batch_size {
-            dispatcher
-                .flush(ledger_client, None, &mut durable, progress)
-                .await?;
+        if pipeline.batch_len() >= cfg.batch_size {
+            pipeline.flush(false, &mut durable, progress).await?;
         }
     }
-    while dispatcher.in_flight() > 0 {
-        drain_one(dispatcher, reports).await?;
-        if dispatcher.batch_len() >= cfg.batch_size {
-            dispatcher
-                .flush(ledger_client, None, &mut durable, progress)
-                .await?;
+    while pipeline.outstanding() > 0 {
+        pipeline.drain_one().await?;
+        if pipeline.batch_len() >= cfg.batch_size {
+            pipeline.flush(false, &mut durable, progress).await?;
         }
     }
-    dispatcher
-        .flush(ledger_client, None, &mut durable, progress)
-        .await?;
-    tx.commit().await.map_err(|e| LedgerError::Db {
-        context: "closing the snapshot transaction".into(),
-        source: e,
-    })?;
+    pipeline.flush(false, &mut durable, progress).await?;
+    tx.commit().await.map_err(db("closing the snapshot transaction"))?;
     Ok(n)
-}
-
-async fn drain_one(
-    dispatcher: &mut Dispatcher,
-    reports: &mut mpsc::UnboundedReceiver<outbox_sink::Delivery>,
-) -> Result<(), RelayError> {
-    match reports.recv().await {
-        Some(d) => dispatcher.on_report(d),
-        None => Err(RelayError::Internal("delivery channel closed".into())),
-    }
 }

@@ -1,0 +1,250 @@
+//! Held aggregates (invariant 7: a gap or a poisoned event blocks its own aggregate, never
+//! the others, and nothing of it is skipped).
+//!
+//! The relay records holds and held events through [`crate::accept`]; this module is the
+//! rest of their life: loading them at start, the operator's `release` / `skip`, and the
+//! relay's republish of a released aggregate in version order.
+
+use outbox_core::Lsn;
+use serde::Serialize;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::{Context, LedgerError};
+
+/// `(aggregate_type, aggregate_id)`.
+pub type AggKey = (String, String);
+
+/// Every held aggregate (HELD or RELEASING).
+pub async fn load_held(client: &Client) -> Result<Vec<AggKey>, LedgerError> {
+    let rows = client
+        .query("SELECT aggregate_type, aggregate_id FROM outbox.holds", &[])
+        .await
+        .ctx("loading held aggregates")?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// The last version of `key` with an accepted primary receipt (0 if none).
+pub async fn head(client: &Client, key: &AggKey) -> Result<i64, LedgerError> {
+    let row = client
+        .query_opt(
+            "SELECT last_version FROM outbox.aggregate_heads
+             WHERE aggregate_type = $1 AND aggregate_id = $2",
+            &[&key.0, &key.1],
+        )
+        .await
+        .ctx(format!("reading the head of aggregate {}/{}", key.0, key.1))?;
+    Ok(row.map(|r| r.get(0)).unwrap_or(0))
+}
+
+/// A hold an operator released.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Release {
+    pub key: AggKey,
+    pub blocking_event_id: Option<Uuid>,
+    pub blocking_version: Option<i64>,
+    pub publish_blocking: bool,
+}
+
+/// Holds an operator has released and the relay has not finished republishing.
+pub async fn releasing(client: &Client) -> Result<Vec<Release>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT aggregate_type, aggregate_id, blocking_event_id, blocking_version, publish_blocking
+             FROM outbox.holds WHERE state = 'RELEASING' ORDER BY release_requested_at",
+            &[],
+        )
+        .await
+        .ctx("reading released holds")?;
+    Ok(rows
+        .iter()
+        .map(|r| Release {
+            key: (r.get(0), r.get(1)),
+            blocking_event_id: r.get(2),
+            blocking_version: r.get(3),
+            publish_blocking: r.get(4),
+        })
+        .collect())
+}
+
+/// What a release publishes, in version order: the blocking event (unless skipped) and every
+/// held event without a receipt. Returns `(event id, version, commit lsn)`.
+pub async fn republish_set(
+    client: &Client,
+    r: &Release,
+) -> Result<Vec<(Uuid, i64, Option<Lsn>)>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT e.event_id, e.aggregate_version, he.commit_lsn::text
+             FROM outbox.events e
+             LEFT JOIN outbox.held_events he ON he.event_id = e.event_id
+             WHERE e.aggregate_type = $1 AND e.aggregate_id = $2
+               AND NOT EXISTS (SELECT 1 FROM outbox.receipts rc WHERE rc.event_id = e.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
+                               WHERE q.event_id = e.event_id AND q.released_at IS NULL)
+               AND ((he.event_id IS NOT NULL AND he.released_at IS NULL)
+                    OR ($4 AND e.event_id = $3))
+             ORDER BY e.aggregate_version",
+            &[&r.key.0, &r.key.1, &r.blocking_event_id, &r.publish_blocking],
+        )
+        .await
+        .ctx(format!("listing the held events of {}/{}", r.key.0, r.key.1))?;
+    rows.iter()
+        .map(|row| {
+            let lsn: Option<String> = row.get(2);
+            let lsn = lsn
+                .map(|l| l.parse::<Lsn>())
+                .transpose()
+                .map_err(|e| LedgerError::Invalid(e.to_string()))?;
+            Ok((row.get(0), row.get(1), lsn))
+        })
+        .collect()
+}
+
+/// Ends the hold of `key` if nothing of it is still held. Returns whether it ended.
+pub async fn close(client: &Client, key: &AggKey) -> Result<bool, LedgerError> {
+    let n = client
+        .execute(
+            "DELETE FROM outbox.holds h
+             WHERE h.aggregate_type = $1 AND h.aggregate_id = $2 AND h.state = 'RELEASING'
+               AND NOT EXISTS (SELECT 1 FROM outbox.held_events he
+                               WHERE he.aggregate_type = h.aggregate_type
+                                 AND he.aggregate_id = h.aggregate_id
+                                 AND he.released_at IS NULL)",
+            &[&key.0, &key.1],
+        )
+        .await
+        .ctx(format!("closing the hold of {}/{}", key.0, key.1))?;
+    Ok(n == 1)
+}
+
+/// One line of `outboxd quarantine list`.
+#[derive(Debug, Clone, Serialize)]
+pub struct HoldEntry {
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub state: String,
+    pub reason_code: String,
+    pub reason: String,
+    pub blocking_event_id: Option<Uuid>,
+    pub blocking_version: Option<i64>,
+    pub held_events: i64,
+    pub held_at: String,
+}
+
+/// One open quarantine record.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuarantineEntry {
+    pub event_id: Option<Uuid>,
+    pub quarantine_key: String,
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub aggregate_version: Option<i64>,
+    pub reason_code: String,
+    pub reason: String,
+    pub quarantined_at: String,
+}
+
+/// Open quarantine records and holds.
+pub async fn list(client: &Client) -> Result<(Vec<QuarantineEntry>, Vec<HoldEntry>), LedgerError> {
+    let q = client
+        .query(
+            "SELECT event_id, quarantine_key, aggregate_type, aggregate_id, aggregate_version,
+                    reason_code, reason, quarantined_at::text
+             FROM outbox.quarantine WHERE released_at IS NULL ORDER BY id",
+            &[],
+        )
+        .await
+        .ctx("listing quarantine (is the database migrated? run `outboxd migrate`)")?;
+    let h = client
+        .query(
+            "SELECT h.aggregate_type, h.aggregate_id, h.state, h.reason_code, h.reason,
+                    h.blocking_event_id, h.blocking_version,
+                    (SELECT count(*) FROM outbox.held_events he
+                     WHERE he.aggregate_type = h.aggregate_type AND he.aggregate_id = h.aggregate_id
+                       AND he.released_at IS NULL),
+                    h.held_at::text
+             FROM outbox.holds h ORDER BY h.held_at",
+            &[],
+        )
+        .await
+        .ctx("listing holds")?;
+    Ok((
+        q.iter()
+            .map(|r| QuarantineEntry {
+                event_id: r.get(0),
+                quarantine_key: r.get(1),
+                aggregate_type: r.get(2),
+                aggregate_id: r.get(3),
+                aggregate_version: r.get(4),
+                reason_code: r.get(5),
+                reason: r.get(6),
+                quarantined_at: r.get(7),
+            })
+            .collect(),
+        h.iter()
+            .map(|r| HoldEntry {
+                aggregate_type: r.get(0),
+                aggregate_id: r.get(1),
+                state: r.get(2),
+                reason_code: r.get(3),
+                reason: r.get(4),
+                blocking_event_id: r.get(5),
+                blocking_version: r.get(6),
+                held_events: r.get(7),
+                held_at: r.get(8),
+            })
+            .collect(),
+    ))
+}
+
+/// How an operator resolves a quarantined / blocking event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolution {
+    /// Publish it (after the cause was fixed), then the held events, in version order.
+    Release,
+    /// Never publish it; publish the held events behind it. Needs a reason.
+    Skip,
+}
+
+/// Releases or skips `event_id`: closes its open quarantine record and marks the hold it
+/// blocks as RELEASING (the running relay republishes). Errors if the event neither is
+/// quarantined nor blocks a hold.
+pub async fn resolve(
+    client: &mut Client,
+    event_id: Uuid,
+    resolution: Resolution,
+    by: &str,
+    note: Option<&str>,
+) -> Result<(u64, u64), LedgerError> {
+    let (word, publish) = match resolution {
+        Resolution::Release => ("released", true),
+        Resolution::Skip => ("skipped", false),
+    };
+    let tx = client.transaction().await.ctx("beginning the release")?;
+    let q = tx
+        .execute(
+            "UPDATE outbox.quarantine SET released_at = clock_timestamp(), released_by = $2,
+                    release_note = $3, resolution = $4
+             WHERE event_id = $1 AND released_at IS NULL",
+            &[&event_id, &by, &note, &word],
+        )
+        .await
+        .ctx(format!("releasing quarantine of event {event_id}"))?;
+    let h = tx
+        .execute(
+            "UPDATE outbox.holds SET state = 'RELEASING', release_requested_at = clock_timestamp(),
+                    released_by = $2, publish_blocking = $3
+             WHERE blocking_event_id = $1",
+            &[&event_id, &by, &publish],
+        )
+        .await
+        .ctx(format!("releasing the hold blocked by event {event_id}"))?;
+    if q == 0 && h == 0 {
+        return Err(LedgerError::Invalid(format!(
+            "event {event_id} is neither quarantined nor blocking an aggregate; see `outboxd quarantine list`"
+        )));
+    }
+    tx.commit().await.ctx("committing the release")?;
+    Ok((q, h))
+}

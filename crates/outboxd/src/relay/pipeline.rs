@@ -1,0 +1,519 @@
+//! The middle of the relay: route → ordering gate → sink → delivery report → ledger batch.
+//!
+//! An event leaves this module in exactly one of these ways, and only the first three resolve
+//! it (let the checkpoint pass it): an accepted receipt, a quarantine record, a held-event
+//! record — or a relay error, which drops all in-memory state and replays from the slot.
+//! Nothing times out into "done".
+//!
+//! Ordering: at most one event per aggregate is in flight ([`OrderingGate`]); the next one is
+//! sent when the broker has reported on the previous. A quarantined event or a version gap
+//! holds its aggregate durably; its later events are recorded as held, not sent, and are
+//! republished in version order when an operator releases the hold.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use outbox_core::{Admit, AckTracker, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
+use outbox_ledger::holds::{self, AggKey};
+use outbox_ledger::{
+    accept, AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord,
+};
+use outbox_sink::{Delivery, DeliveryOutcome, FailureClass, KafkaSink, SinkError};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use super::{route, Progress, RelayError};
+use crate::failpoint;
+
+/// An event waiting for, or in, its send.
+pub(crate) struct Pending {
+    pub ev: OutboxEvent,
+    pub commit_lsn: Option<Lsn>,
+    pub ack: Option<EventToken>,
+}
+
+struct InFlight {
+    key: AggKey,
+    event_id: Uuid,
+    aggregate_version: i64,
+    payload_digest: String,
+    destination_digest: String,
+    commit_lsn: Option<Lsn>,
+    ack: Option<EventToken>,
+}
+
+fn key_of(ev: &OutboxEvent) -> AggKey {
+    (ev.aggregate_type.clone(), ev.aggregate_id.clone())
+}
+
+pub(crate) struct Pipeline {
+    sink: KafkaSink,
+    pub reports: UnboundedReceiver<Delivery>,
+    pub client: Client,
+    pub tracker: AckTracker,
+    gate: OrderingGate<AggKey, Pending>,
+    next_token: u64,
+    in_flight: HashMap<u64, InFlight>,
+    batch: Vec<LedgerItem>,
+    batch_acks: Vec<EventToken>,
+    pub batch_started: Option<Instant>,
+    relay_generation: i64,
+    slot: String,
+}
+
+impl Pipeline {
+    /// `held` are the aggregates held durably (loaded at start).
+    pub fn new(
+        sink: KafkaSink,
+        reports: UnboundedReceiver<Delivery>,
+        client: Client,
+        slot: &str,
+        relay_generation: i64,
+        held: Vec<AggKey>,
+    ) -> Self {
+        let mut gate = OrderingGate::new();
+        for k in held {
+            gate.set_head(k, 0, true);
+        }
+        Pipeline {
+            sink,
+            reports,
+            client,
+            tracker: AckTracker::new(Lsn::ZERO),
+            gate,
+            next_token: 0,
+            in_flight: HashMap::new(),
+            batch: Vec::new(),
+            batch_acks: Vec::new(),
+            batch_started: None,
+            relay_generation,
+            slot: slot.to_string(),
+        }
+    }
+
+    /// Sent, or waiting behind an aggregate's in-flight event.
+    pub fn outstanding(&self) -> usize {
+        self.in_flight.len() + self.gate.queued()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    pub fn batch_len(&self) -> usize {
+        self.batch.len()
+    }
+
+    fn push(&mut self, item: LedgerItem, ack: Option<EventToken>) {
+        if self.batch.is_empty() {
+            self.batch_started = Some(Instant::now());
+        }
+        self.batch.push(item);
+        if let Some(a) = ack {
+            self.batch_acks.push(a);
+        }
+    }
+
+    async fn ensure_known(&mut self, key: &AggKey) -> Result<(), RelayError> {
+        if !self.gate.is_known(key) {
+            let head = holds::head(&self.client, key).await?;
+            self.gate.set_head(key.clone(), head, false);
+        }
+        Ok(())
+    }
+
+    /// The route stage and the ordering gate for one decoded event.
+    pub async fn admit(
+        &mut self,
+        ev: OutboxEvent,
+        commit_lsn: Option<Lsn>,
+        ack: Option<EventToken>,
+    ) -> Result<(), RelayError> {
+        let key = key_of(&ev);
+        self.ensure_known(&key).await?;
+        if let Err(r) = route::check(&ev, self.sink.config()) {
+            if self.gate.is_held(&key) {
+                // Behind an existing hold the event waits its turn; the release rechecks it.
+                self.record_held(Pending { ev, commit_lsn, ack });
+            } else {
+                self.gate.consume(&key, ev.aggregate_version);
+                self.poison(&ev, r.code, r.reason, commit_lsn, ack);
+            }
+            return Ok(());
+        }
+        let version = ev.aggregate_version;
+        match self.gate.offer(&key, version, Pending { ev, commit_lsn, ack }) {
+            Admit::Send(p) => self.send(p).await,
+            Admit::Queued => Ok(()),
+            Admit::Held(p) => {
+                self.record_held(p);
+                Ok(())
+            }
+            Admit::Hold(p, HoldReason::Gap { expected, got }) => {
+                let reason = format!(
+                    "version gap in aggregate {}/{}: expected version {expected}, got {got} (event {}); the aggregate is held instead of publishing past the gap",
+                    key.0, key.1, p.ev.event_id
+                );
+                tracing::error!(aggregate = %format!("{}/{}", key.0, key.1), expected, got, event_id = %p.ev.event_id, "version gap: aggregate held");
+                self.push(
+                    LedgerItem::Hold(HoldRecord {
+                        aggregate_type: key.0.clone(),
+                        aggregate_id: key.1.clone(),
+                        reason_code: "version_gap".into(),
+                        reason,
+                        blocking_event_id: Some(p.ev.event_id),
+                        blocking_version: Some(got),
+                    }),
+                    None,
+                );
+                self.record_held(p);
+                Ok(())
+            }
+            Admit::NeedHead(_) => Err(RelayError::Internal(
+                "ordering gate asked for a head it was given".into(),
+            )),
+        }
+    }
+
+    fn record_held(&mut self, p: Pending) {
+        tracing::debug!(event_id = %p.ev.event_id, version = p.ev.aggregate_version, "event held");
+        self.push(
+            LedgerItem::Held(HeldRecord {
+                event_id: p.ev.event_id,
+                aggregate_type: p.ev.aggregate_type,
+                aggregate_id: p.ev.aggregate_id,
+                aggregate_version: p.ev.aggregate_version,
+                commit_lsn: p.commit_lsn,
+            }),
+            p.ack,
+        );
+    }
+
+    /// Quarantines `ev` with its reason and holds its aggregate; what waited behind it is held.
+    fn poison(
+        &mut self,
+        ev: &OutboxEvent,
+        code: &str,
+        reason: String,
+        commit_lsn: Option<Lsn>,
+        ack: Option<EventToken>,
+    ) {
+        tracing::warn!(event_id = %ev.event_id, aggregate = %format!("{}/{}", ev.aggregate_type, ev.aggregate_id),
+            version = ev.aggregate_version, code, %reason, "event quarantined; aggregate held");
+        self.push(
+            LedgerItem::Quarantine(QuarantineRecord {
+                key: ev.event_id.to_string(),
+                event_id: Some(ev.event_id),
+                aggregate_type: Some(ev.aggregate_type.clone()),
+                aggregate_id: Some(ev.aggregate_id.clone()),
+                aggregate_version: Some(ev.aggregate_version),
+                reason_code: code.to_string(),
+                reason: reason.clone(),
+                commit_lsn: commit_lsn.unwrap_or(Lsn::ZERO),
+            }),
+            ack,
+        );
+        self.push(
+            LedgerItem::Hold(HoldRecord {
+                aggregate_type: ev.aggregate_type.clone(),
+                aggregate_id: ev.aggregate_id.clone(),
+                reason_code: code.to_string(),
+                reason,
+                blocking_event_id: Some(ev.event_id),
+                blocking_version: Some(ev.aggregate_version),
+            }),
+            None,
+        );
+        let key = key_of(ev);
+        for p in self.gate.hold(&key) {
+            self.record_held(p);
+        }
+    }
+
+    /// Records a row that could not even be read as an envelope (no aggregate to hold).
+    pub fn quarantine_unreadable(
+        &mut self,
+        key: String,
+        reason: String,
+        commit_lsn: Lsn,
+        ack: Option<EventToken>,
+    ) {
+        tracing::warn!(%key, %reason, lsn = %commit_lsn, "unreadable outbox row quarantined");
+        self.push(
+            LedgerItem::Quarantine(QuarantineRecord {
+                key,
+                event_id: None,
+                aggregate_type: None,
+                aggregate_id: None,
+                aggregate_version: None,
+                reason_code: "unreadable_row".into(),
+                reason,
+                commit_lsn,
+            }),
+            ack,
+        );
+    }
+
+    /// Hands one event to the producer. Returns its token.
+    async fn send(&mut self, p: Pending) -> Result<(), RelayError> {
+        self.send_tracked(p).await.map(|_| ())
+    }
+
+    async fn send_tracked(&mut self, p: Pending) -> Result<Option<u64>, RelayError> {
+        failpoint::hit("before-send");
+        let token = self.next_token;
+        self.next_token += 1;
+        match self.sink.send(&p.ev, token).await {
+            Ok(()) => {
+                let ev = p.ev;
+                self.in_flight.insert(
+                    token,
+                    InFlight {
+                        key: key_of(&ev),
+                        event_id: ev.event_id,
+                        aggregate_version: ev.aggregate_version,
+                        payload_digest: ev.payload_digest,
+                        destination_digest: ev.destination_digest,
+                        commit_lsn: p.commit_lsn,
+                        ack: p.ack,
+                    },
+                );
+                Ok(Some(token))
+            }
+            Err(SinkError::Enqueue {
+                class: FailureClass::Permanent,
+                source,
+                ..
+            }) => {
+                let key = key_of(&p.ev);
+                self.poison(
+                    &p.ev,
+                    "broker_rejected",
+                    format!("the producer refused the message permanently: {source}"),
+                    p.commit_lsn,
+                    p.ack,
+                );
+                self.gate.done(&key);
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Handles one delivery report; sends the aggregate's next event when there is one.
+    pub async fn on_report(&mut self, d: Delivery) -> Result<(), RelayError> {
+        let Some(f) = self.in_flight.remove(&d.token) else {
+            return Err(RelayError::Internal(format!(
+                "delivery report for unknown token {}",
+                d.token
+            )));
+        };
+        match d.outcome {
+            DeliveryOutcome::Persisted {
+                topic,
+                partition,
+                offset,
+                timestamp_ms,
+            } => {
+                failpoint::hit("after-broker-ack");
+                tracing::trace!(event_id = %f.event_id, %topic, partition, offset, "broker ack");
+                self.push(
+                    LedgerItem::Receipt(ReceiptRecord {
+                        event_id: f.event_id,
+                        payload_digest: f.payload_digest,
+                        destination_digest: f.destination_digest,
+                        broker_kind: "kafka".into(),
+                        broker_cluster: self.sink.config().cluster_name.clone(),
+                        topic,
+                        partition,
+                        offset,
+                        timestamp_ms,
+                        attempt: 1,
+                        relay_generation: self.relay_generation,
+                        commit_lsn: f.commit_lsn,
+                    }),
+                    f.ack,
+                );
+            }
+            DeliveryOutcome::Failed {
+                error,
+                class: FailureClass::Permanent,
+                ..
+            } => {
+                tracing::warn!(event_id = %f.event_id, %error, "broker rejected event permanently");
+                let reason = format!("the broker rejected the message permanently: {error}");
+                self.push(
+                    LedgerItem::Quarantine(QuarantineRecord {
+                        key: f.event_id.to_string(),
+                        event_id: Some(f.event_id),
+                        aggregate_type: Some(f.key.0.clone()),
+                        aggregate_id: Some(f.key.1.clone()),
+                        aggregate_version: Some(f.aggregate_version),
+                        reason_code: "broker_rejected".into(),
+                        reason: reason.clone(),
+                        commit_lsn: f.commit_lsn.unwrap_or(Lsn::ZERO),
+                    }),
+                    f.ack,
+                );
+                self.push(
+                    LedgerItem::Hold(HoldRecord {
+                        aggregate_type: f.key.0.clone(),
+                        aggregate_id: f.key.1.clone(),
+                        reason_code: "broker_rejected".into(),
+                        reason,
+                        blocking_event_id: Some(f.event_id),
+                        blocking_version: Some(f.aggregate_version),
+                    }),
+                    None,
+                );
+                for p in self.gate.hold(&f.key) {
+                    self.record_held(p);
+                }
+            }
+            DeliveryOutcome::Failed {
+                error, persistence, ..
+            } => {
+                return Err(RelayError::Delivery {
+                    event_id: f.event_id,
+                    error,
+                    persistence: format!("{persistence:?}"),
+                })
+            }
+        }
+        if let Some(next) = self.gate.done(&f.key) {
+            Box::pin(self.send(next)).await?;
+        }
+        Ok(())
+    }
+
+    /// Waits for one delivery report and handles it.
+    pub async fn drain_one(&mut self) -> Result<u64, RelayError> {
+        match self.reports.recv().await {
+            Some(d) => {
+                let token = d.token;
+                self.on_report(d).await?;
+                Ok(token)
+            }
+            None => Err(RelayError::Internal("delivery channel closed".into())),
+        }
+    }
+
+    /// One acceptance transaction: the batch, plus (when `track`) the checkpoint the tracker
+    /// allows after resolving it. `durable` is updated only after COMMIT.
+    pub async fn flush(
+        &mut self,
+        track: bool,
+        durable: &mut Lsn,
+        progress: &Progress,
+    ) -> Result<AcceptOutcome, RelayError> {
+        let mut checkpoint = None;
+        if track {
+            for a in self.batch_acks.drain(..) {
+                self.tracker.resolve(a)?;
+            }
+            if self.tracker.watermark() > *durable {
+                checkpoint = Some(self.tracker.watermark());
+            }
+        }
+        if self.batch.is_empty() && checkpoint.is_none() {
+            return Ok(AcceptOutcome::default());
+        }
+        let out =
+            accept::accept_batch(&mut self.client, &self.slot, &self.batch, checkpoint).await?;
+        if out.primary + out.duplicates > 0 {
+            failpoint::hit("after-accept");
+        }
+        self.batch.clear();
+        self.batch_started = None;
+        if let Some(c) = checkpoint {
+            *durable = c;
+            progress.set_checkpoint(c);
+        }
+        progress.record(&out);
+        Ok(out)
+    }
+
+    /// Republishes aggregates an operator released, in version order, one event at a time.
+    /// Runs between stream messages; the stream waits meanwhile (releases are rare).
+    pub async fn process_releases(
+        &mut self,
+        sql: &Client,
+        qualified_table: &str,
+        durable: &mut Lsn,
+        progress: &Progress,
+    ) -> Result<(), RelayError> {
+        let releases = holds::releasing(&self.client).await?;
+        for r in releases {
+            if self.gate.in_flight(&r.key) {
+                continue; // an earlier event of it is still at the broker; next round
+            }
+            // Held records of this aggregate may sit in the batch: make them durable first.
+            self.flush(true, durable, progress).await?;
+            let set = holds::republish_set(&self.client, &r).await?;
+            let ids: Vec<Uuid> = set.iter().map(|(id, _, _)| *id).collect();
+            let lsns: HashMap<Uuid, Option<Lsn>> =
+                set.iter().map(|(id, _, l)| (*id, *l)).collect();
+            let rows = sql
+                .query(&outbox_source::snapshot::rows_by_id_sql(qualified_table), &[&ids])
+                .await
+                .map_err(|e| outbox_ledger::LedgerError::Db {
+                    context: "loading released events".into(),
+                    source: e,
+                })?;
+            let mut last = if r.publish_blocking {
+                None
+            } else {
+                r.blocking_version
+            };
+            let mut failed = false;
+            tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), events = rows.len(), "republishing a released aggregate");
+            for row in &rows {
+                let ev = match outbox_source::snapshot::event_from_row(row) {
+                    Ok(ev) => ev,
+                    Err(e) => {
+                        return Err(RelayError::Internal(format!(
+                            "released event unreadable: {e}"
+                        )))
+                    }
+                };
+                let version = ev.aggregate_version;
+                let commit_lsn = lsns.get(&ev.event_id).copied().flatten();
+                if let Err(refusal) = route::check(&ev, self.sink.config()) {
+                    self.poison(&ev, refusal.code, refusal.reason, commit_lsn, None);
+                    failed = true;
+                    break;
+                }
+                let Some(token) = self
+                    .send_tracked(Pending {
+                        ev,
+                        commit_lsn,
+                        ack: None,
+                    })
+                    .await?
+                else {
+                    failed = true;
+                    break;
+                };
+                while self.drain_one().await? != token {}
+                if self
+                    .batch
+                    .iter()
+                    .any(|i| matches!(i, LedgerItem::Hold(h) if (h.aggregate_type.as_str(), h.aggregate_id.as_str()) == (r.key.0.as_str(), r.key.1.as_str())))
+                {
+                    failed = true; // poisoned again: the hold stays
+                    break;
+                }
+                last = Some(version);
+            }
+            self.flush(true, durable, progress).await?;
+            if !failed && holds::close(&self.client, &r.key).await? {
+                let head = holds::head(&self.client, &r.key).await?;
+                let next = last.unwrap_or(head).max(head) + 1;
+                self.gate.release(&r.key, next);
+                tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), next_version = next, "hold released");
+            }
+        }
+        Ok(())
+    }
+}
