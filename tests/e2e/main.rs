@@ -12,4 +12,5 @@ mod bad_input;
 mod cli;
 mod crash;
 mod delivery;
+mod ordering;
 mod slot_safety;

@@ -202,7 +202,11 @@ mod tests {
         g.set_head("b", 0, false);
         assert_eq!(g.offer(&"a", 1, 1), Admit::Send(1));
         assert_eq!(g.offer(&"a", 2, 2), Admit::Queued);
-        assert_eq!(g.offer(&"b", 1, 10), Admit::Send(10), "other aggregates flow");
+        assert_eq!(
+            g.offer(&"b", 1, 10),
+            Admit::Send(10),
+            "other aggregates flow"
+        );
         assert_eq!(g.offer(&"a", 3, 3), Admit::Queued);
         assert_eq!(g.done(&"a"), Some(2));
         assert_eq!(g.done(&"a"), Some(3));
@@ -214,14 +218,28 @@ mod tests {
     fn a_gap_holds_the_aggregate_and_a_replay_is_not_a_gap() {
         let mut g: OrderingGate<&str, i64> = OrderingGate::new();
         g.set_head("a", 5, false);
-        assert_eq!(g.offer(&"a", 4, 4), Admit::Send(4), "replay of an accepted version");
+        assert_eq!(
+            g.offer(&"a", 4, 4),
+            Admit::Send(4),
+            "replay of an accepted version"
+        );
         assert_eq!(g.done(&"a"), None);
         assert_eq!(g.offer(&"a", 6, 6), Admit::Send(6));
         assert_eq!(
             g.offer(&"a", 8, 8),
-            Admit::Hold(8, HoldReason::Gap { expected: 7, got: 8 })
+            Admit::Hold(
+                8,
+                HoldReason::Gap {
+                    expected: 7,
+                    got: 8
+                }
+            )
         );
-        assert_eq!(g.offer(&"a", 9, 9), Admit::Held(9), "never publish past a gap");
+        assert_eq!(
+            g.offer(&"a", 9, 9),
+            Admit::Held(9),
+            "never publish past a gap"
+        );
         assert_eq!(g.done(&"a"), None);
         g.release(&"a", 10);
         assert_eq!(g.offer(&"a", 10, 10), Admit::Send(10));

@@ -335,8 +335,14 @@ pub async fn accept_batch(
                  ON CONFLICT (event_id) DO NOTHING",
                 &[
                     &held.iter().map(|h| h.event_id).collect::<Vec<_>>(),
-                    &held.iter().map(|h| h.aggregate_type.as_str()).collect::<Vec<_>>(),
-                    &held.iter().map(|h| h.aggregate_id.as_str()).collect::<Vec<_>>(),
+                    &held
+                        .iter()
+                        .map(|h| h.aggregate_type.as_str())
+                        .collect::<Vec<_>>(),
+                    &held
+                        .iter()
+                        .map(|h| h.aggregate_id.as_str())
+                        .collect::<Vec<_>>(),
                     &held.iter().map(|h| h.aggregate_version).collect::<Vec<_>>(),
                     &held
                         .iter()

@@ -85,10 +85,18 @@ pub async fn republish_set(
                AND ((he.event_id IS NOT NULL AND he.released_at IS NULL)
                     OR ($4 AND e.event_id = $3))
              ORDER BY e.aggregate_version",
-            &[&r.key.0, &r.key.1, &r.blocking_event_id, &r.publish_blocking],
+            &[
+                &r.key.0,
+                &r.key.1,
+                &r.blocking_event_id,
+                &r.publish_blocking,
+            ],
         )
         .await
-        .ctx(format!("listing the held events of {}/{}", r.key.0, r.key.1))?;
+        .ctx(format!(
+            "listing the held events of {}/{}",
+            r.key.0, r.key.1
+        ))?;
     rows.iter()
         .map(|row| {
             let lsn: Option<String> = row.get(2);

@@ -15,12 +15,14 @@
 
 pub mod accept;
 pub mod checkpoint;
-pub mod migrate;
 pub mod holds;
+pub mod migrate;
 pub mod producer;
 pub mod status;
 
-pub use accept::{AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord};
+pub use accept::{
+    AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord,
+};
 pub use checkpoint::Checkpoint;
 
 /// A ledger operation failed. Says which operation; the source carries PostgreSQL's message.

@@ -274,7 +274,9 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             if json {
                 println!(
                     "{}",
-                    serde_json::to_string_pretty(&serde_json::json!({"quarantine": q, "holds": h}))?
+                    serde_json::to_string_pretty(
+                        &serde_json::json!({"quarantine": q, "holds": h})
+                    )?
                 );
                 return Ok(());
             }
@@ -282,10 +284,14 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             for e in &q {
                 println!(
                     "  {}  {}/{}@{}  {}: {}",
-                    e.event_id.map(|i| i.to_string()).unwrap_or_else(|| e.quarantine_key.clone()),
+                    e.event_id
+                        .map(|i| i.to_string())
+                        .unwrap_or_else(|| e.quarantine_key.clone()),
                     e.aggregate_type.as_deref().unwrap_or("?"),
                     e.aggregate_id.as_deref().unwrap_or("?"),
-                    e.aggregate_version.map(|v| v.to_string()).unwrap_or_else(|| "?".into()),
+                    e.aggregate_version
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|| "?".into()),
                     e.reason_code,
                     e.reason
                 );
@@ -297,8 +303,12 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
                     e.aggregate_type,
                     e.aggregate_id,
                     e.state,
-                    e.blocking_event_id.map(|i| i.to_string()).unwrap_or_else(|| "-".into()),
-                    e.blocking_version.map(|v| v.to_string()).unwrap_or_else(|| "-".into()),
+                    e.blocking_event_id
+                        .map(|i| i.to_string())
+                        .unwrap_or_else(|| "-".into()),
+                    e.blocking_version
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|| "-".into()),
                     e.held_events,
                     e.reason_code,
                     e.reason
@@ -306,18 +316,34 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        QuarantineCommand::Release { database_url, event, by } => {
+        QuarantineCommand::Release {
+            database_url,
+            event,
+            by,
+        } => {
             let mut client = connect(&database_url).await?;
             holds::resolve(&mut client, event, Resolution::Release, &operator(by), None).await?;
             println!("released {event}; the running relay publishes it and its held events in version order");
             Ok(())
         }
-        QuarantineCommand::Skip { database_url, event, reason, by } => {
+        QuarantineCommand::Skip {
+            database_url,
+            event,
+            reason,
+            by,
+        } => {
             if reason.trim().is_empty() {
                 anyhow::bail!("--reason must say why event {event} may be dropped; it is recorded in the ledger");
             }
             let mut client = connect(&database_url).await?;
-            holds::resolve(&mut client, event, Resolution::Skip, &operator(by), Some(&reason)).await?;
+            holds::resolve(
+                &mut client,
+                event,
+                Resolution::Skip,
+                &operator(by),
+                Some(&reason),
+            )
+            .await?;
             println!("skipped {event} (reason recorded); the running relay publishes the held events behind it");
             Ok(())
         }

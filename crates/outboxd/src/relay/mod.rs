@@ -204,15 +204,16 @@ async fn run_once(
     let pg_cfg: tokio_postgres::Config = url
         .parse()
         .map_err(|e: tokio_postgres::Error| RelayError::Internal(e.to_string()))?;
-    let mut repl = ReplicationConnection::connect(&pg_cfg)
-        .await
-        .map_err(|e| match e.sqlstate() {
-            Some("42501") => SourceError::NoReplicationPrivilege {
-                user: pg_cfg.get_user().unwrap_or("?").to_string(),
-                message: e.to_string(),
-            },
-            _ => SourceError::from(e),
-        })?;
+    let mut repl =
+        ReplicationConnection::connect(&pg_cfg)
+            .await
+            .map_err(|e| match e.sqlstate() {
+                Some("42501") => SourceError::NoReplicationPrivilege {
+                    user: pg_cfg.get_user().unwrap_or("?").to_string(),
+                    message: e.to_string(),
+                },
+                _ => SourceError::from(e),
+            })?;
     let ident = repl.identify_system().await.map_err(SourceError::from)?;
     let dbname = ident
         .dbname
@@ -244,7 +245,10 @@ async fn run_once(
     tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)))?;
     let held = holds::load_held(&sql).await?;
     if !held.is_empty() {
-        tracing::warn!(aggregates = held.len(), "held aggregates loaded; see `outboxd quarantine list`");
+        tracing::warn!(
+            aggregates = held.len(),
+            "held aggregates loaded; see `outboxd quarantine list`"
+        );
     }
     let mut pipeline = Pipeline::new(
         sink,
@@ -480,9 +484,12 @@ async fn publish_snapshot(
         .await
         .map_err(db("starting the snapshot transaction"))?;
     if let Some(name) = exported {
-        tx.batch_execute(&format!("SET TRANSACTION SNAPSHOT '{}'", name.replace('\'', "")))
-            .await
-            .map_err(db("importing the slot's exported snapshot"))?;
+        tx.batch_execute(&format!(
+            "SET TRANSACTION SNAPSHOT '{}'",
+            name.replace('\'', "")
+        ))
+        .await
+        .map_err(db("importing the slot's exported snapshot"))?;
     }
     let rows = tx
         .query_raw(&snapshot::pending_rows_sql(qualified), Vec::<String>::new())
@@ -521,6 +528,8 @@ async fn publish_snapshot(
         }
     }
     pipeline.flush(false, &mut durable, progress).await?;
-    tx.commit().await.map_err(db("closing the snapshot transaction"))?;
+    tx.commit()
+        .await
+        .map_err(db("closing the snapshot transaction"))?;
     Ok(n)
 }

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use outbox_core::{Admit, AckTracker, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
+use outbox_core::{AckTracker, Admit, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::{
     accept, AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord,
@@ -135,7 +135,11 @@ impl Pipeline {
         if let Err(r) = route::check(&ev, self.sink.config()) {
             if self.gate.is_held(&key) {
                 // Behind an existing hold the event waits its turn; the release rechecks it.
-                self.record_held(Pending { ev, commit_lsn, ack });
+                self.record_held(Pending {
+                    ev,
+                    commit_lsn,
+                    ack,
+                });
             } else {
                 self.gate.consume(&key, ev.aggregate_version);
                 self.poison(&ev, r.code, r.reason, commit_lsn, ack);
@@ -143,7 +147,15 @@ impl Pipeline {
             return Ok(());
         }
         let version = ev.aggregate_version;
-        match self.gate.offer(&key, version, Pending { ev, commit_lsn, ack }) {
+        match self.gate.offer(
+            &key,
+            version,
+            Pending {
+                ev,
+                commit_lsn,
+                ack,
+            },
+        ) {
             Admit::Send(p) => self.send(p).await,
             Admit::Queued => Ok(()),
             Admit::Held(p) => {
@@ -452,10 +464,12 @@ impl Pipeline {
             self.flush(true, durable, progress).await?;
             let set = holds::republish_set(&self.client, &r).await?;
             let ids: Vec<Uuid> = set.iter().map(|(id, _, _)| *id).collect();
-            let lsns: HashMap<Uuid, Option<Lsn>> =
-                set.iter().map(|(id, _, l)| (*id, *l)).collect();
+            let lsns: HashMap<Uuid, Option<Lsn>> = set.iter().map(|(id, _, l)| (*id, *l)).collect();
             let rows = sql
-                .query(&outbox_source::snapshot::rows_by_id_sql(qualified_table), &[&ids])
+                .query(
+                    &outbox_source::snapshot::rows_by_id_sql(qualified_table),
+                    &[&ids],
+                )
                 .await
                 .map_err(|e| outbox_ledger::LedgerError::Db {
                     context: "loading released events".into(),

@@ -1,0 +1,456 @@
+//! Per-aggregate order, gap/poison holds, and payload evolution (invariant 7).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::process::Command;
+
+use rand::{Rng, SeedableRng};
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use serde_json::json;
+
+use crate::harness::{connect, TestEnv, TopicMessage};
+
+/// For each message key, the aggregate versions in broker (offset) order, first occurrences only.
+fn first_occurrences(msgs: &[TopicMessage]) -> HashMap<String, Vec<i64>> {
+    let mut by_partition: BTreeMap<i32, Vec<&TopicMessage>> = BTreeMap::new();
+    for m in msgs {
+        by_partition.entry(m.partition).or_default().push(m);
+    }
+    let mut seen = HashSet::new();
+    let mut out: HashMap<String, Vec<i64>> = HashMap::new();
+    for (_, mut ms) in by_partition {
+        ms.sort_by_key(|m| m.offset);
+        for m in ms {
+            if seen.insert(m.id().to_string()) {
+                let v: i64 = m.headers["aggregate_version"].parse().unwrap();
+                out.entry(m.key.clone().unwrap_or_default())
+                    .or_default()
+                    .push(v);
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_writers_on_one_aggregate_get_dense_versions_in_broker_order() {
+    let env = TestEnv::new("eight_writers").await;
+    let _relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    let mut writers = Vec::new();
+    for w in 0..8 {
+        let url = env.url.clone();
+        let agg = env.aggregate_type.clone();
+        writers.push(tokio::spawn(async move {
+            let mut c = connect(&url).await;
+            for i in 0..125 {
+                let tx = c.transaction().await.unwrap();
+                tx.query_one(
+                    "SELECT outbox.enqueue($1, 'hot', 'tick', $2)",
+                    &[&agg, &json!({"w": w, "i": i})],
+                )
+                .await
+                .unwrap();
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    let dense = env
+        .count("SELECT count(DISTINCT aggregate_version) FILTER (WHERE aggregate_version BETWEEN 1 AND 1000) FROM outbox.events WHERE aggregate_id = 'hot'")
+        .await;
+    assert_eq!(dense, 1000, "versions are exactly 1..1000");
+    env.wait_count("all receipts", "SELECT count(*) FROM outbox.receipts", 1000)
+        .await;
+    let order = first_occurrences(&env.read_topic());
+    let expected: Vec<i64> = (1..=1000).collect();
+    assert_eq!(order["hot"], expected, "broker order = version order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() {
+    let env = TestEnv::new("fifty_aggs").await;
+    let seed: u64 = std::env::var("OUTBOXD_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x0de2);
+    println!("seed={seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+
+    let mut writers = Vec::new();
+    for w in 0..4usize {
+        let url = env.url.clone();
+        let agg = env.aggregate_type.clone();
+        writers.push(tokio::spawn(async move {
+            let c = connect(&url).await;
+            for _round in 0..40 {
+                for a in (0..50).filter(|a| a % 4 == w) {
+                    c.query_one(
+                        "SELECT outbox.enqueue($1, $2, 'step', '{}')",
+                        &[&agg, &format!("a{a}")],
+                    )
+                    .await
+                    .unwrap();
+                }
+            }
+        }));
+    }
+    let mut thresholds: Vec<i64> = (0..3).map(|_| rng.gen_range(100..1800)).collect();
+    thresholds.sort();
+    for (i, t) in thresholds.into_iter().enumerate() {
+        if let Some(m) = env.kafka.mock_cluster() {
+            // Retriable produce errors: librdkafka retries them inside the idempotent session.
+            let errs = [
+                RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
+                RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+            ];
+            m.request_errors(RDKafkaApiKey::Produce, &errs[..(i % 2 + 1)].repeat(3));
+        }
+        env.wait_count(
+            "progress before the next kill",
+            "SELECT count(*) FROM outbox.receipts",
+            t,
+        )
+        .await;
+        relay.assert_running();
+        relay.kill9();
+        relay = env.relay(&[], &[]);
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    env.wait_count(
+        "all 2000 receipts",
+        "SELECT count(*) FROM outbox.receipts",
+        2000,
+    )
+    .await;
+    let order = first_occurrences(&env.read_topic());
+    let expected: Vec<i64> = (1..=40).collect();
+    let mut out_of_order = 0;
+    for a in 0..50 {
+        if order.get(&format!("a{a}")) != Some(&expected) {
+            out_of_order += 1;
+            println!("a{a}: {:?}", order.get(&format!("a{a}")));
+        }
+    }
+    assert_eq!(
+        out_of_order, 0,
+        "aggregates whose first occurrences are not 1..40"
+    );
+}
+
+fn outboxd(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "outboxd {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_payload_holds_only_its_aggregate_until_released_then_publishes_in_order() {
+    let env = TestEnv::new("poison").await;
+    let small = ["--kafka-property", "message.max.bytes=2000"];
+    let mut relay = env.relay(&[], &small);
+    env.wait_streaming().await;
+
+    env.enqueue("p", json!({"n": 1})).await;
+    let big = env.enqueue("p", json!({"blob": "x".repeat(5000)})).await;
+    env.enqueue("p", json!({"n": 3})).await;
+    env.enqueue("q", json!({"n": 1})).await;
+    env.enqueue("p", json!({"n": 4})).await;
+    env.enqueue("q", json!({"n": 2})).await;
+
+    env.wait_count(
+        "receipts of p1, q1, q2",
+        "SELECT count(*) FROM outbox.receipts",
+        3,
+    )
+    .await;
+    env.wait_count(
+        "p3 and p4 held",
+        "SELECT count(*) FROM outbox.held_events",
+        2,
+    )
+    .await;
+    let reason: String = env
+        .db
+        .query_one(
+            "SELECT reason_code || ': ' || reason FROM outbox.quarantine WHERE event_id = $1",
+            &[&big],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        reason.starts_with("broker_rejected") && reason.to_lowercase().contains("too large"),
+        "{reason}"
+    );
+    let listed = outboxd(&["quarantine", "list", "--database-url", &env.url]);
+    assert!(
+        listed.contains(&big.to_string()) && listed.contains("held events: 2"),
+        "{listed}"
+    );
+
+    // Restart with the broker limit raised: the hold survives, new p events are held too,
+    // and other aggregates keep flowing.
+    relay.kill9();
+    let _relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    env.enqueue("p", json!({"n": 5})).await;
+    env.enqueue("q", json!({"n": 3})).await;
+    env.wait_count("q3 published", "SELECT count(*) FROM outbox.receipts", 4)
+        .await;
+    env.wait_count(
+        "p5 held after restart",
+        "SELECT count(*) FROM outbox.held_events",
+        3,
+    )
+    .await;
+    let order = first_occurrences(&env.read_topic());
+    assert_eq!(
+        order["p"],
+        vec![1],
+        "nothing of p passed the poisoned event"
+    );
+    assert_eq!(order["q"], vec![1, 2, 3]);
+
+    outboxd(&[
+        "quarantine",
+        "release",
+        "--database-url",
+        &env.url,
+        "--event",
+        &big.to_string(),
+        "--by",
+        "test",
+    ]);
+    env.wait_count(
+        "p2..p5 published",
+        "SELECT count(*) FROM outbox.receipts",
+        8,
+    )
+    .await;
+    env.wait_count(
+        "the hold closed",
+        "SELECT 1 - count(*) FROM outbox.holds",
+        1,
+    )
+    .await;
+    let order = first_occurrences(&env.read_topic());
+    assert_eq!(
+        order["p"],
+        vec![1, 2, 3, 4, 5],
+        "released events publish in version order"
+    );
+    // And the aggregate flows normally again.
+    env.enqueue("p", json!({"n": 6})).await;
+    env.wait_count("p6 published", "SELECT count(*) FROM outbox.receipts", 9)
+        .await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.held_events WHERE released_at IS NULL")
+            .await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
+    let env = TestEnv::new("skip").await;
+    let _relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
+    env.wait_streaming().await;
+    let big = env.enqueue("s", json!({"blob": "y".repeat(5000)})).await;
+    env.enqueue("s", json!({"n": 2})).await;
+    env.wait_count("s2 held", "SELECT count(*) FROM outbox.held_events", 1)
+        .await;
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args([
+            "quarantine",
+            "skip",
+            "--database-url",
+            &env.url,
+            "--event",
+            &big.to_string(),
+            "--reason",
+            " ",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an empty reason is refused");
+    outboxd(&[
+        "quarantine",
+        "skip",
+        "--database-url",
+        &env.url,
+        "--event",
+        &big.to_string(),
+        "--reason",
+        "test payload, never needed",
+    ]);
+    env.wait_count("s2 published", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    let order = first_occurrences(&env.read_topic());
+    assert_eq!(order["s"], vec![2], "the skipped event is never published");
+    let note: String = env
+        .db
+        .query_one(
+            "SELECT resolution || ': ' || release_note FROM outbox.quarantine WHERE event_id = $1",
+            &[&big],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(note, "skipped: test payload, never needed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
+    let env = TestEnv::new("gap").await;
+    let _relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    let first = env.enqueue("g", json!({"n": 1})).await;
+    env.wait_count("g1", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    // A row written around outbox.enqueue with version 3: version 2 never existed.
+    let gap: uuid::Uuid = env
+        .db
+        .query_one(
+            "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+                 event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
+                 dest_partitioner, dest_route_generation, dest_serializer, dest_acks, destination_digest)
+             SELECT gen_random_uuid(), aggregate_type, aggregate_id, 3, event_type, payload,
+                 payload_digest, dest_kind, dest_cluster, dest_topic, dest_key, dest_partitioner,
+                 dest_route_generation, dest_serializer, dest_acks, destination_digest
+             FROM outbox.events WHERE event_id = $1 RETURNING event_id",
+            &[&first],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    env.enqueue("h", json!({"other": true})).await;
+    env.wait_count("h1 published", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+    env.wait_count(
+        "the gap hold",
+        "SELECT count(*) FROM outbox.holds WHERE reason_code = 'version_gap'",
+        1,
+    )
+    .await;
+    let blocking: uuid::Uuid = env
+        .db
+        .query_one("SELECT blocking_event_id FROM outbox.holds", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(blocking, gap);
+    let order = first_occurrences(&env.read_topic());
+    assert_eq!(order["g"], vec![1], "nothing published past the gap");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_are_published_as_frozen_across_schema_and_route_changes() {
+    let env = TestEnv::new("evolution").await;
+    // Frozen while no relay runs: schema v1, default route.
+    let v1 = env
+        .db
+        .query_one(
+            "SELECT outbox.enqueue($1, 'e-1', 'thing.made', '{\"old\": 1}', payload_schema => 'thing.v1')",
+            &[&env.aggregate_type],
+        )
+        .await
+        .unwrap()
+        .get::<_, uuid::Uuid>(0);
+    // "Upgrade": a new route policy and a new payload schema.
+    let new_topic = format!("{}.v2", env.topic);
+    env.kafka.create_topic(&new_topic, 1).unwrap();
+    env.db
+        .query_one(
+            "SELECT outbox.set_route($1, NULL, $2)",
+            &[&env.aggregate_type, &new_topic],
+        )
+        .await
+        .unwrap();
+    let v2 = env
+        .db
+        .query_one(
+            "SELECT outbox.enqueue($1, 'e-1', 'thing.made', '{\"new\": {\"shape\": 2}}', payload_schema => 'thing.v2')",
+            &[&env.aggregate_type],
+        )
+        .await
+        .unwrap()
+        .get::<_, uuid::Uuid>(0);
+    let _relay = env.relay(&[], &[]);
+    env.wait_count("both published", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+    let old = env.read_topic();
+    assert_eq!(
+        old.len(),
+        1,
+        "the old event went to the destination frozen at its commit"
+    );
+    assert_eq!(old[0].id(), v1.to_string());
+    assert_eq!(old[0].headers["payload_schema"], "thing.v1");
+    assert_eq!(old[0].payload.as_deref(), Some("{\"old\": 1}"));
+    let new = crate::harness::read_topic(env.kafka.bootstrap_servers(), &new_topic);
+    assert_eq!(new.len(), 1);
+    assert_eq!(new[0].id(), v2.to_string());
+    assert_eq!(new[0].headers["payload_schema"], "thing.v2");
+    assert_eq!(new[0].payload.as_deref(), Some("{\"new\": {\"shape\": 2}}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_side_rejection_never_lets_the_next_version_overtake() {
+    let env = TestEnv::new("overtake").await;
+    let Some(mock) = env.kafka.mock_cluster() else {
+        println!("skipped: needs the mock cluster to inject a broker-side rejection");
+        return;
+    };
+    let _relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    // The broker rejects the next produce request permanently; versions 1 and 2 of the
+    // aggregate are committed together, so both are decoded back to back.
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    env.db
+        .batch_execute(&format!(
+            "BEGIN; SELECT outbox.enqueue('{a}', 'o', 'x', '{{\"v\": 1}}');
+                    SELECT outbox.enqueue('{a}', 'o', 'x', '{{\"v\": 2}}'); COMMIT;",
+            a = env.aggregate_type
+        ))
+        .await
+        .unwrap();
+    env.wait_count(
+        "version 1 quarantined",
+        "SELECT count(*) FROM outbox.quarantine WHERE aggregate_version = 1",
+        1,
+    )
+    .await;
+    env.wait_count(
+        "version 2 held behind it",
+        "SELECT count(*) FROM outbox.held_events WHERE aggregate_version = 2",
+        1,
+    )
+    .await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.quarantine").await,
+        1,
+        "version 2 was never sent, so it cannot have been rejected too"
+    );
+    let order = first_occurrences(&env.read_topic());
+    assert_eq!(
+        order.get("o"),
+        None,
+        "version 2 must not overtake version 1"
+    );
+}
