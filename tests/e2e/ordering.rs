@@ -266,7 +266,7 @@ async fn an_oversized_payload_holds_only_its_aggregate_until_released_then_publi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     let env = TestEnv::new("skip").await;
-    let _relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
+    let relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
     env.wait_streaming().await;
     let big = env.enqueue("s", json!({"blob": "y".repeat(5000)})).await;
     env.enqueue("s", json!({"n": 2})).await;
@@ -310,6 +310,43 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
         .unwrap()
         .get(0);
     assert_eq!(note, "skipped: test payload, never needed");
+
+    // Skipping the only event of an aggregate moves its head: after a restart, version 2 is
+    // the next one, not a gap.
+    let only = env.enqueue("t", json!({"blob": "z".repeat(5000)})).await;
+    env.wait_count("t1 quarantined", "SELECT count(*) FROM outbox.holds", 1)
+        .await;
+    outboxd(&[
+        "quarantine",
+        "skip",
+        "--database-url",
+        &env.url,
+        "--event",
+        &only.to_string(),
+        "--reason",
+        "obsolete",
+    ]);
+    env.wait_count(
+        "the hold closed",
+        "SELECT 1 - count(*) FROM outbox.holds",
+        1,
+    )
+    .await;
+    drop(relay);
+    let _relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    env.enqueue("t", json!({"n": 2})).await;
+    env.wait_count(
+        "t2 published after the restart",
+        "SELECT count(*) FROM outbox.receipts",
+        2,
+    )
+    .await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.holds").await,
+        0,
+        "no false gap"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,6 +24,21 @@ pub async fn load_held(client: &Client) -> Result<Vec<AggKey>, LedgerError> {
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// Every aggregate's last accepted version (the ordering gate's starting point).
+pub async fn load_heads(client: &Client) -> Result<Vec<(AggKey, i64)>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT aggregate_type, aggregate_id, last_version FROM outbox.aggregate_heads",
+            &[],
+        )
+        .await
+        .ctx("loading aggregate heads")?;
+    Ok(rows
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect())
+}
+
 /// The last version of `key` with an accepted primary receipt (0 if none).
 pub async fn head(client: &Client, key: &AggKey) -> Result<i64, LedgerError> {
     let row = client
@@ -109,8 +124,21 @@ pub async fn republish_set(
         .collect()
 }
 
-/// Ends the hold of `key` if nothing of it is still held. Returns whether it ended.
-pub async fn close(client: &Client, key: &AggKey) -> Result<bool, LedgerError> {
+/// Ends the hold of `key` if nothing of it is still held, and moves the aggregate's head to
+/// `last` (a skipped event's version counts as passed). Returns whether it ended.
+pub async fn close(client: &Client, key: &AggKey, last: Option<i64>) -> Result<bool, LedgerError> {
+    if let Some(v) = last {
+        client
+            .execute(
+                "INSERT INTO outbox.aggregate_heads AS h (aggregate_type, aggregate_id, last_version)
+                 VALUES ($1, $2, $3)
+                 ON CONFLICT (aggregate_type, aggregate_id)
+                 DO UPDATE SET last_version = GREATEST(h.last_version, EXCLUDED.last_version)",
+                &[&key.0, &key.1, &v],
+            )
+            .await
+            .ctx(format!("moving the head of {}/{}", key.0, key.1))?;
+    }
     let n = client
         .execute(
             "DELETE FROM outbox.holds h

@@ -51,6 +51,8 @@ pub enum Command {
     /// Run an embedded Kafka-protocol broker (librdkafka's mock cluster) for development.
     /// Prints `bootstrap.servers=HOST:PORT`, then serves until killed. Nothing is persisted.
     DevBroker(DevBrokerArgs),
+    /// Drain-rate benchmark on the embedded default, per aggregate count (prints figures).
+    Bench(BenchArgs),
     /// The embedded default: throwaway PostgreSQL + embedded broker + an order workload,
     /// with live progress. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
     Demo(DemoArgs),
@@ -115,6 +117,19 @@ pub struct DevBrokerArgs {
     /// Number of mock brokers.
     #[arg(long, default_value_t = 1)]
     pub brokers: i32,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Backlog size.
+    #[arg(long, default_value_t = 20_000)]
+    pub events: u64,
+    /// Events per producing transaction.
+    #[arg(long, default_value_t = 100)]
+    pub txn_size: u64,
+    /// Aggregate counts to compare (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "10,10000")]
+    pub aggregates: Vec<u64>,
 }
 
 #[derive(Debug, Args)]

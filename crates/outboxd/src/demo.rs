@@ -21,38 +21,34 @@ use crate::relay::{self, Progress};
 
 const WRITERS: u64 = 4;
 
-pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+/// A throwaway PostgreSQL cluster with a migrated database, and the embedded broker.
+pub(crate) struct Embedded {
+    pub pg: TestPostgres,
+    pub url: String,
+    pub kafka: TestKafka,
+}
+
+pub(crate) async fn embedded(db: &str) -> anyhow::Result<Embedded> {
     println!("starting a throwaway PostgreSQL cluster (wal_level=logical) ...");
     let pg = tokio::task::spawn_blocking(|| TestPostgres::start_throwaway(None))
         .await?
-        .context("starting PostgreSQL for the demo")?;
-    let url = pg.create_database("outboxd_demo").await?;
+        .context("starting the throwaway PostgreSQL")?;
+    let url = pg.create_database(db).await?;
     crate::migrate(&url).await?;
-    let client = crate::connect(&url).await?;
-    client
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS public.orders (id text PRIMARY KEY, total numeric NOT NULL,
-                 created_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .await?;
-
     let kafka = TestKafka::mock(1).map_err(|e| anyhow::anyhow!("embedded broker: {e}"))?;
-    kafka
-        .create_topic("outbox.event.order", 3)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let bootstrap = kafka.bootstrap_servers().to_string();
-    println!("embedded broker: bootstrap.servers={bootstrap}");
-    println!("watch the topic:  kcat -b {bootstrap} -C -t outbox.event.order -f 'key=%k headers=%h value=%s\\n'");
-    println!("database:         psql {url}   (try: SELECT * FROM outbox.receipts LIMIT 5)");
+    Ok(Embedded { pg, url, kafka })
+}
 
-    let cfg = RelayConfig {
-        database_url: Secret::new(url.clone()),
-        slot: "outboxd_demo".into(),
+/// The relay settings the embedded runs use.
+pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfig {
+    RelayConfig {
+        database_url: Secret::new(url),
+        slot: slot.into(),
         publication: crate::config::DEFAULT_PUBLICATION.into(),
         schema: "outbox".into(),
         table: "events".into(),
         sink: KafkaSinkConfig {
-            bootstrap_servers: bootstrap.clone(),
+            bootstrap_servers: bootstrap.into(),
             ..KafkaSinkConfig::default()
         },
         max_in_flight: 10_000,
@@ -62,7 +58,28 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         heartbeat_interval: Duration::from_secs(2),
         resnapshot: false,
         relay_generation: 0,
-    };
+    }
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let Embedded { pg, url, kafka } = embedded("outboxd_demo").await?;
+    let client = crate::connect(&url).await?;
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS public.orders (id text PRIMARY KEY, total numeric NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await?;
+
+    kafka
+        .create_topic("outbox.event.order", 3)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let bootstrap = kafka.bootstrap_servers().to_string();
+    println!("embedded broker: bootstrap.servers={bootstrap}");
+    println!("watch the topic:  kcat -b {bootstrap} -C -t outbox.event.order -f 'key=%k headers=%h value=%s\\n'");
+    println!("database:         psql {url}   (try: SELECT * FROM outbox.receipts LIMIT 5)");
+
+    let cfg = relay_config(&url, &bootstrap, "outboxd_demo");
     cfg.validate()?;
     let progress = Arc::new(Progress::default());
     let (stop_relay, relay_rx) = watch::channel(false);

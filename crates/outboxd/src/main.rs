@@ -1,6 +1,7 @@
 //! `outboxd`: the binary edge. CLI parsing, config resolution, logging, signal handling, and
 //! wiring of the library crates; `anyhow` lives only here.
 
+mod bench;
 mod cli;
 mod config;
 mod demo;
@@ -65,6 +66,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Quarantine(q) => quarantine(q).await,
         Command::DevBroker(a) => dev_broker(a.brokers).await,
         Command::Demo(a) => demo::run(a).await,
+        Command::Bench(a) => bench::run(a).await,
     }
 }
 

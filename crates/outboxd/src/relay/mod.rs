@@ -243,6 +243,7 @@ async fn run_once(
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
     tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)))?;
+    let heads = holds::load_heads(&sql).await?;
     let held = holds::load_held(&sql).await?;
     if !held.is_empty() {
         tracing::warn!(
@@ -256,6 +257,7 @@ async fn run_once(
         ledger_client,
         &cfg.slot,
         cfg.relay_generation,
+        heads,
         held,
     );
 

@@ -70,9 +70,13 @@ impl Pipeline {
         client: Client,
         slot: &str,
         relay_generation: i64,
+        heads: Vec<(AggKey, i64)>,
         held: Vec<AggKey>,
     ) -> Self {
         let mut gate = OrderingGate::new();
+        for (k, v) in heads {
+            gate.set_head(k, v, false);
+        }
         for k in held {
             gate.set_head(k, 0, true);
         }
@@ -115,12 +119,12 @@ impl Pipeline {
         }
     }
 
-    async fn ensure_known(&mut self, key: &AggKey) -> Result<(), RelayError> {
+    /// Every aggregate with an accepted event was loaded at start, and this relay is the only
+    /// writer of heads for its events since; an aggregate the gate does not know has none.
+    fn ensure_known(&mut self, key: &AggKey) {
         if !self.gate.is_known(key) {
-            let head = holds::head(&self.client, key).await?;
-            self.gate.set_head(key.clone(), head, false);
+            self.gate.set_head(key.clone(), 0, false);
         }
-        Ok(())
     }
 
     /// The route stage and the ordering gate for one decoded event.
@@ -131,7 +135,7 @@ impl Pipeline {
         ack: Option<EventToken>,
     ) -> Result<(), RelayError> {
         let key = key_of(&ev);
-        self.ensure_known(&key).await?;
+        self.ensure_known(&key);
         if let Err(r) = route::check(&ev, self.sink.config()) {
             if self.gate.is_held(&key) {
                 // Behind an existing hold the event waits its turn; the release rechecks it.
@@ -521,7 +525,7 @@ impl Pipeline {
                 last = Some(version);
             }
             self.flush(true, durable, progress).await?;
-            if !failed && holds::close(&self.client, &r.key).await? {
+            if !failed && holds::close(&self.client, &r.key, last).await? {
                 let head = holds::head(&self.client, &r.key).await?;
                 let next = last.unwrap_or(head).max(head) + 1;
                 self.gate.release(&r.key, next);
