@@ -140,18 +140,23 @@ impl TestEnv {
             self.kafka.bootstrap_servers(),
             "--slot",
             &self.slot,
-            "--status-interval-ms",
-            "100",
-            "--heartbeat-interval-ms",
-            "300",
-            "--message-timeout-ms",
-            "10000",
-        ])
-        .args(args)
-        .env_remove("OUTBOXD_FAILPOINTS")
-        .env("OUTBOXD_LOG", "info,outboxd=debug,tokio_postgres=warn")
-        .stdout(Stdio::null())
-        .stderr(file);
+        ]);
+        // Test defaults, unless the test sets the flag itself.
+        for (flag, value) in [
+            ("--status-interval-ms", "100"),
+            ("--heartbeat-interval-ms", "300"),
+            ("--message-timeout-ms", "10000"),
+            ("--lease-ttl-ms", "1500"),
+        ] {
+            if !args.contains(&flag) {
+                cmd.args([flag, value]);
+            }
+        }
+        cmd.args(args)
+            .env_remove("OUTBOXD_FAILPOINTS")
+            .env("OUTBOXD_LOG", "info,outboxd=debug,tokio_postgres=warn")
+            .stdout(Stdio::null())
+            .stderr(file);
         for (k, v) in envs {
             cmd.env(k, v);
         }
@@ -230,6 +235,13 @@ pub struct RelayProcess {
 }
 
 impl RelayProcess {
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+
     pub fn kill9(&mut self) {
         // SAFETY: plain kill(2) on our own child's pid.
         unsafe {

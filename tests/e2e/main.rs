@@ -12,5 +12,6 @@ mod bad_input;
 mod cli;
 mod crash;
 mod delivery;
+mod ha;
 mod ordering;
 mod slot_safety;

@@ -181,11 +181,16 @@ SELECT count(*) FROM q
 
 /// Accepts `items` and moves the checkpoint of `slot` to `checkpoint` (never backwards), in one
 /// transaction. On error nothing is recorded and the caller must replay, not skip.
+///
+/// With a `fence`, the checkpoint moves only while `(owner, generation)` holds the slot's lease;
+/// otherwise the records are still committed (the broker has the messages) and
+/// [`LedgerError::LeaseLost`] is returned.
 pub async fn accept_batch(
     client: &mut Client,
     slot: &str,
     items: &[LedgerItem],
     checkpoint: Option<Lsn>,
+    fence: Option<&crate::lease::Fence>,
 ) -> Result<AcceptOutcome, LedgerError> {
     let mut out = AcceptOutcome::default();
     let tx = client
@@ -332,6 +337,8 @@ pub async fn accept_batch(
                  SELECT id, at, ai, av, nullif(l, '0/0')::pg_lsn, $6
                  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[])
                       AS t(id, at, ai, av, l)
+                 -- A replayed event that is already published is not held again.
+                 WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = t.id)
                  ON CONFLICT (event_id) DO NOTHING",
                 &[
                     &held.iter().map(|h| h.event_id).collect::<Vec<_>>(),
@@ -356,11 +363,18 @@ pub async fn accept_batch(
         out.held += n;
     }
 
+    let mut fenced = false;
     if let Some(lsn) = checkpoint {
-        crate::checkpoint::advance_in(&tx, slot, lsn).await?;
+        fenced = !crate::checkpoint::advance_in(&tx, slot, lsn, fence).await?;
     }
     tx.commit()
         .await
         .ctx("committing the receipt acceptance transaction")?;
+    if fenced {
+        return Err(LedgerError::LeaseLost {
+            slot: slot.to_string(),
+            generation: fence.map(|f| f.generation).unwrap_or(0),
+        });
+    }
     Ok(out)
 }

@@ -104,26 +104,44 @@ pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), Ledge
     Ok(())
 }
 
-/// Moves the checkpoint forward (never back) inside the caller's transaction.
+/// Moves the checkpoint forward (never back) inside the caller's transaction. With a fence,
+/// only while the fence holds the slot's lease; returns `false` when fenced off.
 pub async fn advance_in<C: GenericClient>(
     client: &C,
     slot: &str,
     lsn: Lsn,
-) -> Result<(), LedgerError> {
-    let n = client
-        .execute(
-            "UPDATE outbox.checkpoints
-             SET confirmed_lsn = GREATEST(confirmed_lsn, $2::text::pg_lsn),
-                 updated_at = clock_timestamp()
-             WHERE slot_name = $1",
-            &[&slot, &lsn.to_string()],
+    fence: Option<&crate::lease::Fence>,
+) -> Result<bool, LedgerError> {
+    let exists = client
+        .query_opt(
+            "SELECT 1 FROM outbox.checkpoints WHERE slot_name = $1",
+            &[&slot],
         )
         .await
-        .ctx(format!("advancing the checkpoint of slot {slot} to {lsn}"))?;
-    if n != 1 {
+        .ctx(format!("reading the checkpoint of slot {slot}"))?;
+    if exists.is_none() {
         return Err(LedgerError::Invalid(format!(
             "slot {slot} has no checkpoint row; the relay must create it before streaming"
         )));
     }
-    Ok(())
+    let (owner, generation) = match fence {
+        Some(f) => (Some(f.owner.as_str()), Some(f.generation)),
+        None => (None, None),
+    };
+    let n = client
+        .execute(
+            "UPDATE outbox.checkpoints
+             SET confirmed_lsn = GREATEST(confirmed_lsn, $2::text::pg_lsn),
+                 relay_generation = coalesce($4, relay_generation),
+                 updated_at = clock_timestamp()
+             WHERE slot_name = $1
+               AND ($3::text IS NULL OR EXISTS (
+                   SELECT 1 FROM outbox.relay_leases l
+                   WHERE l.slot_name = $1 AND l.owner = $3 AND l.generation = $4
+                     AND l.lease_until > clock_timestamp()))",
+            &[&slot, &lsn.to_string(), &owner, &generation],
+        )
+        .await
+        .ctx(format!("advancing the checkpoint of slot {slot} to {lsn}"))?;
+    Ok(n == 1)
 }

@@ -139,6 +139,16 @@ pub async fn close(client: &Client, key: &AggKey, last: Option<i64>) -> Result<b
             .await
             .ctx(format!("moving the head of {}/{}", key.0, key.1))?;
     }
+    // Held rows of events that are published anyway (a replay recorded them) are done.
+    client
+        .execute(
+            "UPDATE outbox.held_events he SET released_at = clock_timestamp()
+             WHERE he.aggregate_type = $1 AND he.aggregate_id = $2 AND he.released_at IS NULL
+               AND EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = he.event_id)",
+            &[&key.0, &key.1],
+        )
+        .await
+        .ctx(format!("settling the held events of {}/{}", key.0, key.1))?;
     let n = client
         .execute(
             "DELETE FROM outbox.holds h

@@ -5,6 +5,7 @@
 //! * [`accept`] — the single acceptance point: a batch of broker receipts (and quarantine
 //!   records) plus the checkpoint that covers them, in one transaction.
 //! * [`checkpoint`] — the per-slot checkpoint row: the only LSN the relay may confirm.
+//! * [`lease`] — relay leases and generations (one active relay per slot, fenced).
 //! * [`holds`] — held aggregates: loading them, operator release/skip, republishing.
 //! * [`status`] — read-only views for `outboxd status`.
 //!
@@ -16,6 +17,7 @@
 pub mod accept;
 pub mod checkpoint;
 pub mod holds;
+pub mod lease;
 pub mod migrate;
 pub mod producer;
 pub mod status;
@@ -45,6 +47,8 @@ pub enum LedgerError {
     MigrationFromFuture { version: i32 },
     #[error("{0}")]
     Invalid(String),
+    #[error("relay generation {generation} no longer holds the lease of slot {slot}: another relay took over; receipts of requests already sent were recorded, the checkpoint was not moved")]
+    LeaseLost { slot: String, generation: i64 },
 }
 
 /// Attaches `context` to a tokio-postgres error.
@@ -67,6 +71,9 @@ pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => {
             let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+            if matches!(db.code().code(), "42P01" | "3F000" | "42883") {
+                s.push_str("; is the database migrated? run `outboxd migrate --database-url ...`");
+            }
             if let Some(d) = db.detail() {
                 s.push_str(&format!("; detail: {d}"));
             }

@@ -35,6 +35,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "ordering",
         sql: include_str!("../../../migrations/0003_ordering.sql"),
     },
+    Migration {
+        version: 4,
+        name: "leases",
+        sql: include_str!("../../../migrations/0004_leases.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -13,7 +13,7 @@ async fn fresh(name: &str) -> (Client, String) {
     let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
     tokio::spawn(conn);
     let applied = migrate::run(&mut c).await.unwrap();
-    assert_eq!(applied, vec![1, 2, 3]);
+    assert_eq!(applied, vec![1, 2, 3, 4]);
     (c, url)
 }
 
@@ -241,6 +241,7 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
             LedgerItem::Receipt(forged),
         ],
         Some(Lsn(200)),
+        None,
     )
     .await
     .unwrap();
@@ -252,6 +253,7 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         "s1",
         &[LedgerItem::Receipt(receipt(&ev, 3))],
         Some(Lsn(150)),
+        None,
     )
     .await
     .unwrap();
@@ -291,9 +293,15 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         commit_lsn: Lsn(16),
     };
     for _ in 0..2 {
-        accept::accept_batch(&mut c, "s1", &[LedgerItem::Quarantine(rec.clone())], None)
-            .await
-            .unwrap();
+        accept::accept_batch(
+            &mut c,
+            "s1",
+            &[LedgerItem::Quarantine(rec.clone())],
+            None,
+            None,
+        )
+        .await
+        .unwrap();
     }
     let n: i64 = c
         .query_one("SELECT count(*) FROM outbox.quarantine", &[])
@@ -301,4 +309,95 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         .unwrap()
         .get(0);
     assert_eq!(n, 2);
+}
+
+#[tokio::test]
+async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept() {
+    use outbox_ledger::lease::{self, Acquire, Fence};
+    use std::time::Duration;
+    let (mut c, _) = fresh("ledger_lease").await;
+    let ttl = Duration::from_millis(300);
+    let Acquire::Acquired { generation: g1 } = lease::try_acquire(&c, "s", "A", ttl).await.unwrap()
+    else {
+        panic!("A acquires a free lease");
+    };
+    assert!(matches!(
+        lease::try_acquire(&c, "s", "B", ttl).await.unwrap(),
+        Acquire::HeldBy { .. }
+    ));
+    let a = Fence {
+        owner: "A".into(),
+        generation: g1,
+    };
+    assert!(lease::renew(&c, "s", &a, ttl).await.unwrap());
+    checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(10))
+        .await
+        .unwrap();
+
+    tokio::time::sleep(Duration::from_millis(400)).await; // A's lease runs out
+    let Acquire::Acquired { generation: g2 } = lease::try_acquire(&c, "s", "B", ttl).await.unwrap()
+    else {
+        panic!("B takes over an expired lease");
+    };
+    assert!(g2 > g1);
+    assert!(
+        !lease::renew(&c, "s", &a, ttl).await.unwrap(),
+        "A cannot renew"
+    );
+
+    let id = enqueue(
+        &c,
+        "order",
+        "o-1",
+        "x",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&c, id).await;
+    let err = accept::accept_batch(
+        &mut c,
+        "s",
+        &[LedgerItem::Receipt(receipt(&ev, 1))],
+        Some(Lsn(99)),
+        Some(&a),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, outbox_ledger::LedgerError::LeaseLost { .. }),
+        "{err}"
+    );
+    let n: i64 = c
+        .query_one("SELECT count(*) FROM outbox.receipts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1, "the zombie's receipt is kept");
+    assert_eq!(
+        checkpoint::load(&c, "s")
+            .await
+            .unwrap()
+            .unwrap()
+            .confirmed_lsn,
+        Lsn(10),
+        "not moved"
+    );
+
+    let b = Fence {
+        owner: "B".into(),
+        generation: g2,
+    };
+    accept::accept_batch(&mut c, "s", &[], Some(Lsn(99)), Some(&b))
+        .await
+        .unwrap();
+    assert_eq!(
+        checkpoint::load(&c, "s")
+            .await
+            .unwrap()
+            .unwrap()
+            .confirmed_lsn,
+        Lsn(99)
+    );
 }

@@ -246,6 +246,24 @@ pub async fn check_wal_level(client: &Client) -> Result<(), SourceError> {
     Ok(())
 }
 
+/// Fails unless the connected role may start logical replication (REPLICATION or superuser).
+pub async fn check_replication_privilege(client: &Client) -> Result<(), SourceError> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(|e| db_err("reading the role's privileges", e))?;
+    if !row.get::<_, bool>(1) {
+        return Err(SourceError::NoReplicationPrivilege {
+            user: row.get(0),
+            message: "the role has neither REPLICATION nor SUPERUSER".into(),
+        });
+    }
+    Ok(())
+}
+
 /// Creates the publication (inserts only) if it does not exist; otherwise verifies that it
 /// includes `schema.table` and publishes inserts.
 pub async fn ensure_publication(

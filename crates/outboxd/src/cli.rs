@@ -191,6 +191,14 @@ pub struct RunArgs {
     /// Heartbeat (pg_logical_emit_message) period, ms, so an idle database releases WAL. [default: 10000]
     #[arg(long, env = "OUTBOXD_HEARTBEAT_INTERVAL_MS")]
     pub heartbeat_interval_ms: Option<u64>,
+    /// How long the slot's lease lasts without renewal. A second `outboxd run` on the same slot
+    /// waits as a hot standby and takes over this long after the active relay stops renewing.
+    /// [default: 10000]
+    #[arg(long, env = "OUTBOXD_LEASE_TTL_MS")]
+    pub lease_ttl_ms: Option<u64>,
+    /// This relay's name in the lease table. [default: host-pid-random]
+    #[arg(long, env = "OUTBOXD_RELAY_ID")]
+    pub relay_id: Option<String>,
     /// Drop and recreate the slot, then publish every outbox row that has no receipt. The
     /// recovery for a slot that was lost, recreated or invalidated; duplicates it causes are
     /// recorded as duplicate receipts.

@@ -90,6 +90,8 @@ pub struct RelayFile {
     pub batch_linger_ms: Option<u64>,
     pub status_interval_ms: Option<u64>,
     pub heartbeat_interval_ms: Option<u64>,
+    pub lease_ttl_ms: Option<u64>,
+    pub relay_id: Option<String>,
 }
 
 impl FileConfig {
@@ -131,7 +133,10 @@ pub struct RelayConfig {
     pub heartbeat_interval: Duration,
     /// Recreate the slot and publish every outbox row without a receipt.
     pub resnapshot: bool,
-    pub relay_generation: i64,
+    /// This relay's identity in the lease table (default: host-pid-random).
+    pub relay_id: String,
+    /// How long a lease lasts without renewal; a standby takes over after it expires.
+    pub lease_ttl: Duration,
 }
 
 pub const DEFAULT_SLOT: &str = "outboxd";
@@ -177,6 +182,12 @@ impl RelayConfig {
         if self.status_interval < Duration::from_millis(10) {
             bail!("relay.status_interval_ms must be at least 10");
         }
+        if self.lease_ttl < Duration::from_millis(300) {
+            bail!("relay.lease_ttl_ms must be at least 300");
+        }
+        if self.relay_id.is_empty() {
+            bail!("relay.relay_id must not be empty");
+        }
         if self.heartbeat_interval < Duration::from_millis(100) {
             bail!("relay.heartbeat_interval_ms must be at least 100");
         }
@@ -205,6 +216,18 @@ pub fn parse_kv(s: &str) -> Result<(String, String), String> {
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
         .filter(|(k, _)| !k.is_empty())
         .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+/// A relay identity that is unique enough for the lease table: host, pid and a random suffix.
+pub fn default_relay_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "host".into());
+    format!(
+        "{host}-{}-{:04x}",
+        std::process::id(),
+        rand::random::<u16>()
+    )
 }
 
 #[cfg(test)]

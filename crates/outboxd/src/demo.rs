@@ -57,7 +57,8 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         status_interval: Duration::from_millis(500),
         heartbeat_interval: Duration::from_secs(2),
         resnapshot: false,
-        relay_generation: 0,
+        relay_id: crate::config::default_relay_id(),
+        lease_ttl: Duration::from_secs(10),
     }
 }
 

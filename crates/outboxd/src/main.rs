@@ -34,9 +34,30 @@ fn main() {
         }
     };
     if let Err(e) = rt.block_on(dispatch(cli.command)) {
-        eprintln!("outboxd: error: {e:#}");
+        eprintln!("outboxd: error: {}", one_line(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes on one line. Database errors are already rendered in full (with
+/// detail and hint) by the error that wraps them, so their own chain is not repeated.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        if cause.downcast_ref::<tokio_postgres::Error>().is_some()
+            || cause
+                .downcast_ref::<tokio_postgres::error::DbError>()
+                .is_some()
+        {
+            break;
+        }
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg.replace('\n', " ")
 }
 
 fn init_logging(format: LogFormat) {
@@ -200,7 +221,14 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .unwrap_or(10_000),
         ),
         resnapshot: a.resnapshot,
-        relay_generation: 0,
+        relay_id: a
+            .relay_id
+            .clone()
+            .or(file.relay.relay_id.clone())
+            .unwrap_or_else(config::default_relay_id),
+        lease_ttl: Duration::from_millis(
+            a.lease_ttl_ms.or(file.relay.lease_ttl_ms).unwrap_or(10_000),
+        ),
     };
     cfg.validate()?;
     Ok(cfg)

@@ -36,6 +36,7 @@ use futures::{pin_mut, StreamExt};
 use outbox_core::ack::AckError;
 use outbox_core::{AckTracker, Lsn, TxnSeq};
 use outbox_ledger::holds;
+use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
 use outbox_sink::{KafkaSink, SinkError};
 use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
@@ -102,7 +103,7 @@ impl RelayError {
     pub fn is_transient(&self) -> bool {
         match self {
             RelayError::Source(e) => e.is_transient(),
-            RelayError::Ledger(LedgerError::Db { .. }) => true,
+            RelayError::Ledger(LedgerError::Db { .. } | LedgerError::LeaseLost { .. }) => true,
             RelayError::Sink(SinkError::Unreachable { .. }) => true,
             RelayError::Sink(SinkError::Enqueue { .. }) => true,
             RelayError::Connect { .. } => true,
@@ -120,10 +121,19 @@ pub async fn run(
     progress: Arc<Progress>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), RelayError> {
+    // Preflight: the settings that no amount of retrying will fix are reported at once.
+    {
+        let client = connect_sql(cfg.database_url.expose()).await?;
+        slot::check_wal_level(&client).await?;
+        slot::check_replication_privilege(&client).await?;
+    }
     let mut resnapshot = cfg.resnapshot;
     let mut backoff = Duration::from_millis(100);
     loop {
-        match run_once(&cfg, &progress, &mut shutdown, resnapshot).await {
+        let Some((fence, deadline)) = acquire_lease(&cfg, &mut shutdown).await? else {
+            return Ok(());
+        };
+        match run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, deadline).await {
             Ok(()) => return Ok(()),
             Err(e) if e.is_transient() && progress.streaming.load(Ordering::Relaxed) => {
                 progress.reconnects.fetch_add(1, Ordering::Relaxed);
@@ -137,6 +147,43 @@ pub async fn run(
             Err(e) => return Err(e),
         }
         resnapshot = false;
+    }
+}
+
+/// Waits as a hot standby until this relay holds the slot's lease. Returns the fence and the
+/// instant until which the lease is certainly ours, or `None` on shutdown.
+async fn acquire_lease(
+    cfg: &RelayConfig,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<Option<(Fence, Instant)>, RelayError> {
+    let client = connect_sql(cfg.database_url.expose()).await?;
+    let mut announced = false;
+    loop {
+        let asked = Instant::now();
+        match lease::try_acquire(&client, &cfg.slot, &cfg.relay_id, cfg.lease_ttl).await? {
+            Acquire::Acquired { generation } => {
+                tracing::info!(slot = %cfg.slot, relay_id = %cfg.relay_id, generation, "lease acquired");
+                let fence = Fence {
+                    owner: cfg.relay_id.clone(),
+                    generation,
+                };
+                return Ok(Some((fence, asked + cfg.lease_ttl * 4 / 5)));
+            }
+            Acquire::HeldBy { owner, remaining } => {
+                if !announced {
+                    tracing::info!(slot = %cfg.slot, %owner, remaining_ms = remaining.as_millis() as u64,
+                        "standby: another relay holds the slot; taking over if its lease expires");
+                    announced = true;
+                }
+                let wait = remaining
+                    .min(cfg.lease_ttl / 3)
+                    .max(Duration::from_millis(50));
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = shutdown.changed() => return Ok(None),
+                }
+            }
+        }
     }
 }
 
@@ -189,8 +236,19 @@ async fn run_once(
     progress: &Arc<Progress>,
     shutdown: &mut watch::Receiver<bool>,
     resnapshot: bool,
+    fence: &Fence,
+    lease_deadline: Instant,
 ) -> Result<(), RelayError> {
     let url = cfg.database_url.expose();
+    // The lease is renewed in the background from here on, through slow start-ups too.
+    let lease_state = Arc::new(LeaseState::new(lease_deadline));
+    let _keeper = spawn_lease_keeper(
+        connect_sql(url).await?,
+        cfg.slot.clone(),
+        fence.clone(),
+        cfg.lease_ttl,
+        lease_state.clone(),
+    );
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
     slot::check_wal_level(&sql).await?;
@@ -256,9 +314,9 @@ async fn run_once(
         reports,
         ledger_client,
         &cfg.slot,
-        cfg.relay_generation,
-        heads,
-        held,
+        fence.clone(),
+        lease_state.clone(),
+        Pipeline::gate(heads, held),
     );
 
     // The ledger row that makes this slot ours, starting at `lsn`.
@@ -309,6 +367,7 @@ async fn run_once(
         tracing::info!(events = n, "initial snapshot published");
     }
 
+    take_over_slot(&sql, &cfg.slot).await?;
     let quoted_pub = cfg.publication.replace('"', "");
     let mut stream = repl
         .start_logical_replication(
@@ -354,7 +413,9 @@ async fn run_once(
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
-                return drain_and_stop(cfg, &mut pipeline, &mut durable, &mut stream, last_received, progress).await;
+                drain_and_stop(cfg, &mut pipeline, &mut durable, &mut stream, last_received, progress).await?;
+                lease::release(&sql, &cfg.slot, fence).await?;
+                return Ok(());
             }
             Some(d) = pipeline.reports.recv() => pipeline.on_report(d).await?,
             msg = stream.next_message(), if can_read => {
@@ -418,6 +479,16 @@ async fn run_once(
                 send_status_now = true;
             }
         }
+        if pipeline.lease_expired {
+            return Err(pipeline.salvage(progress).await);
+        }
+        if lease_state.is_lost() {
+            tracing::warn!(
+                generation = fence.generation,
+                "lease lost to another relay; recording what the broker confirmed and stopping"
+            );
+            return Err(pipeline.salvage(progress).await);
+        }
         if current.is_none() && now >= last_release_poll + RELEASE_POLL {
             last_release_poll = now;
             pipeline
@@ -433,6 +504,96 @@ async fn run_once(
             send_status_now = false;
         }
     }
+}
+
+/// What the lease keeper knows: until when our lease is certainly valid, and whether another
+/// relay has taken it.
+#[derive(Debug)]
+pub(crate) struct LeaseState {
+    deadline: std::sync::Mutex<Instant>,
+    lost: AtomicBool,
+}
+
+impl LeaseState {
+    fn new(deadline: Instant) -> Self {
+        LeaseState {
+            deadline: std::sync::Mutex::new(deadline),
+            lost: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether this relay may still send: the lease is ours and its deadline has not passed by
+    /// the monotonic clock (which keeps counting while the process is paused).
+    pub(crate) fn valid(&self) -> bool {
+        !self.is_lost()
+            && self
+                .deadline
+                .lock()
+                .map(|d| Instant::now() < *d)
+                .unwrap_or(false)
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Relaxed)
+    }
+}
+
+/// Renews the lease every third of its TTL on its own connection.
+fn spawn_lease_keeper(
+    client: Client,
+    slot: String,
+    fence: Fence,
+    ttl: Duration,
+    state: Arc<LeaseState>,
+) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(ttl / 3).await;
+            let asked = Instant::now();
+            match lease::renew(&client, &slot, &fence, ttl).await {
+                Ok(true) => {
+                    if let Ok(mut d) = state.deadline.lock() {
+                        *d = asked + ttl * 4 / 5;
+                    }
+                }
+                Ok(false) => {
+                    state.lost.store(true, Ordering::Relaxed);
+                    return;
+                }
+                // A failed renewal is not a lost lease; the deadline simply is not extended.
+                Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
+            }
+        }
+    }))
+}
+
+/// A walsender still holds the slot: it belongs to a relay whose lease expired (we hold the
+/// lease now), e.g. one that is paused. Terminate it and wait until the slot is free.
+async fn take_over_slot(sql: &Client, slot_name: &str) -> Result<(), RelayError> {
+    for i in 0..200 {
+        let Some(info) = slot::inspect(sql, slot_name).await? else {
+            return Ok(());
+        };
+        let Some(pid) = info.active_pid else {
+            return Ok(());
+        };
+        if i == 0 {
+            tracing::warn!(
+                pid,
+                "slot held by a walsender of a relay without the lease; terminating it"
+            );
+        }
+        sql.execute("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .map_err(|e| LedgerError::Db {
+                context: format!("terminating walsender {pid}"),
+                source: e,
+            })?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(RelayError::Internal(format!(
+        "slot {slot_name} stayed in use for 10 s after its walsender was terminated"
+    )))
 }
 
 /// How often the relay looks for holds an operator released.

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use outbox_core::{AckTracker, Admit, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
 use outbox_ledger::holds::{self, AggKey};
+use outbox_ledger::lease::Fence;
 use outbox_ledger::{
     accept, AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord,
 };
@@ -58,21 +59,18 @@ pub(crate) struct Pipeline {
     batch: Vec<LedgerItem>,
     batch_acks: Vec<EventToken>,
     pub batch_started: Option<Instant>,
-    relay_generation: i64,
+    fence: Fence,
+    /// Our lease, kept by the lease keeper task. Without it, nothing is sent.
+    lease: std::sync::Arc<super::LeaseState>,
+    /// A send was refused because the lease deadline had passed.
+    pub lease_expired: bool,
     slot: String,
 }
 
 impl Pipeline {
-    /// `held` are the aggregates held durably (loaded at start).
-    pub fn new(
-        sink: KafkaSink,
-        reports: UnboundedReceiver<Delivery>,
-        client: Client,
-        slot: &str,
-        relay_generation: i64,
-        heads: Vec<(AggKey, i64)>,
-        held: Vec<AggKey>,
-    ) -> Self {
+    /// The ordering gate as the ledger left it: every aggregate's last accepted version, and
+    /// the aggregates held durably.
+    pub fn gate(heads: Vec<(AggKey, i64)>, held: Vec<AggKey>) -> OrderingGate<AggKey, Pending> {
         let mut gate = OrderingGate::new();
         for (k, v) in heads {
             gate.set_head(k, v, false);
@@ -80,6 +78,18 @@ impl Pipeline {
         for k in held {
             gate.set_head(k, 0, true);
         }
+        gate
+    }
+
+    pub fn new(
+        sink: KafkaSink,
+        reports: UnboundedReceiver<Delivery>,
+        client: Client,
+        slot: &str,
+        fence: Fence,
+        lease: std::sync::Arc<super::LeaseState>,
+        gate: OrderingGate<AggKey, Pending>,
+    ) -> Self {
         Pipeline {
             sink,
             reports,
@@ -91,7 +101,9 @@ impl Pipeline {
             batch: Vec::new(),
             batch_acks: Vec::new(),
             batch_started: None,
-            relay_generation,
+            fence,
+            lease,
+            lease_expired: false,
             slot: slot.to_string(),
         }
     }
@@ -277,6 +289,11 @@ impl Pipeline {
     }
 
     async fn send_tracked(&mut self, p: Pending) -> Result<Option<u64>, RelayError> {
+        if !self.lease.valid() {
+            // A stale generation may not send. The event stays unresolved; the run ends.
+            self.lease_expired = true;
+            return Ok(None);
+        }
         failpoint::hit("before-send");
         let token = self.next_token;
         self.next_token += 1;
@@ -346,7 +363,7 @@ impl Pipeline {
                         offset,
                         timestamp_ms,
                         attempt: 1,
-                        relay_generation: self.relay_generation,
+                        relay_generation: self.fence.generation,
                         commit_lsn: f.commit_lsn,
                     }),
                     f.ack,
@@ -435,8 +452,14 @@ impl Pipeline {
         if self.batch.is_empty() && checkpoint.is_none() {
             return Ok(AcceptOutcome::default());
         }
-        let out =
-            accept::accept_batch(&mut self.client, &self.slot, &self.batch, checkpoint).await?;
+        let out = accept::accept_batch(
+            &mut self.client,
+            &self.slot,
+            &self.batch,
+            checkpoint,
+            Some(&self.fence),
+        )
+        .await?;
         if out.primary + out.duplicates > 0 {
             failpoint::hit("after-accept");
         }
@@ -533,5 +556,25 @@ impl Pipeline {
             }
         }
         Ok(())
+    }
+}
+
+impl Pipeline {
+    /// The lease was lost: record what the broker already confirmed (receipts of requests this
+    /// generation sent are still valid evidence), without moving the checkpoint, then stop.
+    pub async fn salvage(&mut self, progress: &Progress) -> RelayError {
+        while let Ok(d) = self.reports.try_recv() {
+            if let Err(e) = self.on_report(d).await {
+                return e;
+            }
+        }
+        let mut unmoved = Lsn::ZERO;
+        match self.flush(false, &mut unmoved, progress).await {
+            Err(e) => e,
+            Ok(_) => RelayError::Ledger(outbox_ledger::LedgerError::LeaseLost {
+                slot: self.slot.clone(),
+                generation: self.fence.generation,
+            }),
+        }
     }
 }
