@@ -15,3 +15,4 @@ mod delivery;
 mod ha;
 mod ordering;
 mod slot_safety;
+mod unknown;

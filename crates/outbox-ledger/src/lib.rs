@@ -4,6 +4,7 @@
 //! * [`producer`] — the thin Rust helper over `outbox.enqueue(...)`.
 //! * [`accept`] — the single acceptance point: a batch of broker receipts (and quarantine
 //!   records) plus the checkpoint that covers them, in one transaction.
+//! * [`attempts`] — DISPATCH_UNKNOWN attempts and their reconciliation.
 //! * [`checkpoint`] — the per-slot checkpoint row: the only LSN the relay may confirm.
 //! * [`lease`] — relay leases and generations (one active relay per slot, fenced).
 //! * [`holds`] — held aggregates: loading them, operator release/skip, republishing.
@@ -15,6 +16,7 @@
 //! duplicate instead of becoming a second publish slot.
 
 pub mod accept;
+pub mod attempts;
 pub mod checkpoint;
 pub mod holds;
 pub mod lease;

@@ -40,6 +40,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "leases",
         sql: include_str!("../../../migrations/0004_leases.sql"),
     },
+    Migration {
+        version: 5,
+        name: "attempts",
+        sql: include_str!("../../../migrations/0005_attempts.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

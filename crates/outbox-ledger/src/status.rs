@@ -95,3 +95,68 @@ pub async fn read(client: &Client) -> Result<Status, LedgerError> {
             .collect(),
     })
 }
+
+/// One event's full history: its state, every unresolved or reconciled attempt, the primary
+/// receipt, duplicate transport receipts and quarantine records — each as a line of text.
+pub async fn event_history(
+    client: &Client,
+    event_id: uuid::Uuid,
+) -> Result<Option<Vec<String>>, LedgerError> {
+    let Some(s) = client
+        .query_opt(
+            "SELECT state, aggregate_type || '/' || aggregate_id || '@' || aggregate_version,
+                    event_type, dest_topic, occurred_at::text
+             FROM outbox.event_status WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .ctx("reading the event status")?
+    else {
+        return Ok(None);
+    };
+    let mut lines = vec![
+        format!("event      {event_id}"),
+        format!("state      {}", s.get::<_, String>(0)),
+        format!("aggregate  {}", s.get::<_, String>(1)),
+        format!("type       {}", s.get::<_, String>(2)),
+        format!("frozen to  {}", s.get::<_, String>(3)),
+        format!("occurred   {}", s.get::<_, String>(4)),
+    ];
+    let sections: [(&str, &str); 4] = [
+        (
+            "attempt",
+            "SELECT format('relay generation %s, attempt %s: %s at %s (%s/%s), %s%s',
+                           relay_generation, attempt_generation, state, unknown_at, topic, partition,
+                           error, coalesce(', resolved ' || resolved_at || coalesce(' at offset ' || found_offset, ''), ''))
+             FROM outbox.attempts WHERE event_id = $1 ORDER BY id",
+        ),
+        (
+            "receipt",
+            "SELECT format('primary: %s/%s@%s, relay generation %s, attempt %s, accepted %s',
+                           topic, partition, \"offset\", relay_generation, attempt, accepted_at)
+             FROM outbox.receipts WHERE event_id = $1",
+        ),
+        (
+            "duplicate",
+            "SELECT format('%s/%s@%s, relay generation %s, attempt %s, received %s',
+                           topic, partition, \"offset\", relay_generation, attempt, received_at)
+             FROM outbox.duplicate_receipts WHERE event_id = $1 ORDER BY id",
+        ),
+        (
+            "quarantine",
+            "SELECT format('%s: %s (%s)%s', reason_code, reason, quarantined_at,
+                           coalesce(', ' || resolution || ' by ' || released_by || coalesce(': ' || release_note, ''), ''))
+             FROM outbox.quarantine WHERE event_id = $1 ORDER BY id",
+        ),
+    ];
+    for (label, sql) in sections {
+        for r in client
+            .query(sql, &[&event_id])
+            .await
+            .ctx(format!("reading the event's {label} records"))?
+        {
+            lines.push(format!("{label:<10} {}", r.get::<_, String>(0)));
+        }
+    }
+    Ok(Some(lines))
+}

@@ -79,6 +79,8 @@ pub enum DeliveryOutcome {
         error: String,
         persistence: Persistence,
         class: FailureClass,
+        /// The partition librdkafka chose (-1 if none yet): where an UNKNOWN outcome is looked up.
+        partition: i32,
     },
 }
 
@@ -145,6 +147,7 @@ impl ProducerContext for SinkContext {
                     error: err.to_string(),
                     persistence,
                     class: classify(err),
+                    partition: m.partition(),
                 }
             }
         };
@@ -324,4 +327,94 @@ impl KafkaSink {
     pub fn flush(&self, timeout: Duration) {
         let _ = self.producer.flush(timeout);
     }
+}
+
+/// What a partition scan proved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScanResult {
+    /// Offset and timestamp of the first message whose header `id` is the event id.
+    pub found: Option<(i64, Option<i64>)>,
+    pub scanned_from: i64,
+    /// Exclusive: the high watermark when the scan started.
+    pub scanned_to: i64,
+}
+
+/// Reads `topic`/`partition` from `from` up to the high watermark (read at the start) looking
+/// for header `id` = `event_id`. Blocking; run it on a blocking thread. Used to resolve
+/// DISPATCH_UNKNOWN: found means the broker has the event; not found over the whole range,
+/// with the sending producer session closed, means it does not.
+pub fn scan_for_event(
+    config: &KafkaSinkConfig,
+    topic: &str,
+    partition: i32,
+    from: i64,
+    event_id: &str,
+    timeout: Duration,
+) -> Result<ScanResult, SinkError> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::Headers;
+    use rdkafka::{Offset, TopicPartitionList};
+
+    let unreachable = |source: KafkaError| SinkError::Unreachable {
+        bootstrap: config.bootstrap_servers.clone(),
+        source: Box::new(source),
+    };
+    let mut cc = ClientConfig::new();
+    for (k, v) in &config.properties {
+        // Producer-only settings would make the consumer refuse to start.
+        if !k.starts_with("security.") && !k.starts_with("sasl.") && !k.starts_with("ssl.") {
+            continue;
+        }
+        cc.set(k, v);
+    }
+    let consumer: BaseConsumer = cc
+        .set("bootstrap.servers", &config.bootstrap_servers)
+        .set("group.id", format!("outboxd-reconcile-{event_id}"))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .map_err(|e| SinkError::Config(Box::new(e)))?;
+    let (low, high) = consumer
+        .fetch_watermarks(topic, partition, timeout)
+        .map_err(unreachable)?;
+    let start = from.max(low);
+    let mut result = ScanResult {
+        found: None,
+        scanned_from: start,
+        scanned_to: high,
+    };
+    if start >= high {
+        return Ok(result);
+    }
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(start))
+        .map_err(unreachable)?;
+    consumer.assign(&tpl).map_err(unreachable)?;
+    let deadline = std::time::Instant::now() + timeout;
+    let mut next = start;
+    while next < high {
+        if std::time::Instant::now() > deadline {
+            return Err(unreachable(KafkaError::MessageConsumption(
+                RDKafkaErrorCode::OperationTimedOut,
+            )));
+        }
+        let Some(m) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = m.map_err(unreachable)?;
+        next = m.offset() + 1;
+        let is_it = m.headers().is_some_and(|h| {
+            h.iter()
+                .any(|hd| hd.key == "id" && hd.value == Some(event_id.as_bytes()))
+        });
+        if is_it {
+            let ts = match m.timestamp() {
+                Timestamp::NotAvailable => None,
+                Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
+            };
+            result.found = Some((m.offset(), ts));
+            return Ok(result);
+        }
+    }
+    Ok(result)
 }

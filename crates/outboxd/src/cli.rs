@@ -73,6 +73,10 @@ pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Print one event's full history instead: state, attempts, primary receipt, duplicate
+    /// receipts, quarantine records.
+    #[arg(long)]
+    pub event: Option<uuid::Uuid>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -196,6 +200,10 @@ pub struct RunArgs {
     /// [default: 10000]
     #[arg(long, env = "OUTBOXD_LEASE_TTL_MS")]
     pub lease_ttl_ms: Option<u64>,
+    /// How long after a send ended without proof (DISPATCH_UNKNOWN) the partition scan may
+    /// conclude the broker does not have it and allow a retry. [default: 5000]
+    #[arg(long, env = "OUTBOXD_UNKNOWN_SETTLE_MS")]
+    pub unknown_settle_ms: Option<u64>,
     /// This relay's name in the lease table. [default: host-pid-random]
     #[arg(long, env = "OUTBOXD_RELAY_ID")]
     pub relay_id: Option<String>,

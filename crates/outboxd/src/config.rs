@@ -92,6 +92,7 @@ pub struct RelayFile {
     pub heartbeat_interval_ms: Option<u64>,
     pub lease_ttl_ms: Option<u64>,
     pub relay_id: Option<String>,
+    pub unknown_settle_ms: Option<u64>,
 }
 
 impl FileConfig {
@@ -137,6 +138,9 @@ pub struct RelayConfig {
     pub relay_id: String,
     /// How long a lease lasts without renewal; a standby takes over after it expires.
     pub lease_ttl: Duration,
+    /// How long after an attempt became DISPATCH_UNKNOWN (and its producer session was closed)
+    /// the partition scan may conclude that the broker does not have it.
+    pub unknown_settle: Duration,
 }
 
 pub const DEFAULT_SLOT: &str = "outboxd";

@@ -59,6 +59,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         resnapshot: false,
         relay_id: crate::config::default_relay_id(),
         lease_ttl: Duration::from_secs(10),
+        unknown_settle: Duration::from_secs(5),
     }
 }
 

@@ -83,7 +83,10 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
                 .await
                 .map_err(anyhow::Error::from)
         }
-        Command::Status(a) => status(&a.database_url, a.json).await,
+        Command::Status(a) => match a.event {
+            Some(id) => event_status(&a.database_url, id).await,
+            None => status(&a.database_url, a.json).await,
+        },
         Command::Quarantine(q) => quarantine(q).await,
         Command::DevBroker(a) => dev_broker(a.brokers).await,
         Command::Demo(a) => demo::run(a).await,
@@ -229,9 +232,27 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
         lease_ttl: Duration::from_millis(
             a.lease_ttl_ms.or(file.relay.lease_ttl_ms).unwrap_or(10_000),
         ),
+        unknown_settle: Duration::from_millis(
+            a.unknown_settle_ms
+                .or(file.relay.unknown_settle_ms)
+                .unwrap_or(5_000),
+        ),
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+async fn event_status(url: &str, id: uuid::Uuid) -> anyhow::Result<()> {
+    let client = connect(url).await?;
+    match outbox_ledger::status::event_history(&client, id).await? {
+        Some(lines) => {
+            for l in lines {
+                println!("{l}");
+            }
+            Ok(())
+        }
+        None => anyhow::bail!("event {id} is not in the outbox (never committed, or purged)"),
+    }
 }
 
 async fn status(url: &str, json: bool) -> anyhow::Result<()> {

@@ -26,6 +26,7 @@
 //! drop everything in memory, reconnect, replay from the slot. When in doubt, replay.
 
 mod pipeline;
+mod reconcile;
 pub mod route;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -352,6 +353,8 @@ async fn run_once(
             (start, backfill, None)
         }
     };
+
+    reconcile::reconcile_unknown(cfg, &sql, &mut pipeline, fence, &qualified).await?;
 
     if backfill {
         let n = publish_snapshot(

@@ -14,12 +14,13 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use outbox_core::{AckTracker, Admit, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
+use outbox_ledger::attempts;
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{
     accept, AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord,
 };
-use outbox_sink::{Delivery, DeliveryOutcome, FailureClass, KafkaSink, SinkError};
+use outbox_sink::{Delivery, DeliveryOutcome, FailureClass, KafkaSink, Persistence, SinkError};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -36,6 +37,9 @@ pub(crate) struct Pending {
 
 struct InFlight {
     key: AggKey,
+    topic: String,
+    sent_at: std::time::SystemTime,
+    attempt: i32,
     event_id: Uuid,
     aggregate_version: i64,
     payload_digest: String,
@@ -64,6 +68,10 @@ pub(crate) struct Pipeline {
     lease: std::sync::Arc<super::LeaseState>,
     /// A send was refused because the lease deadline had passed.
     pub lease_expired: bool,
+    /// Events whose UNKNOWN attempt reconciliation found on the broker: never sent again.
+    pub found: std::collections::HashSet<Uuid>,
+    /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
+    pub retry_generation: HashMap<Uuid, i32>,
     slot: String,
 }
 
@@ -104,6 +112,8 @@ impl Pipeline {
             fence,
             lease,
             lease_expired: false,
+            found: Default::default(),
+            retry_generation: HashMap::new(),
             slot: slot.to_string(),
         }
     }
@@ -148,6 +158,14 @@ impl Pipeline {
     ) -> Result<(), RelayError> {
         let key = key_of(&ev);
         self.ensure_known(&key);
+        if self.found.contains(&ev.event_id) {
+            // Reconciliation proved the broker has it and recorded the receipt: no resend.
+            self.gate.consume(&key, ev.aggregate_version);
+            if let Some(a) = ack {
+                self.tracker.resolve(a)?;
+            }
+            return Ok(());
+        }
         if let Err(r) = route::check(&ev, self.sink.config()) {
             if self.gate.is_held(&key) {
                 // Behind an existing hold the event waits its turn; the release rechecks it.
@@ -300,10 +318,18 @@ impl Pipeline {
         match self.sink.send(&p.ev, token).await {
             Ok(()) => {
                 let ev = p.ev;
+                let attempt = self
+                    .retry_generation
+                    .get(&ev.event_id)
+                    .copied()
+                    .unwrap_or(1);
                 self.in_flight.insert(
                     token,
                     InFlight {
                         key: key_of(&ev),
+                        topic: ev.destination.topic.clone(),
+                        sent_at: std::time::SystemTime::now(),
+                        attempt,
                         event_id: ev.event_id,
                         aggregate_version: ev.aggregate_version,
                         payload_digest: ev.payload_digest,
@@ -362,7 +388,7 @@ impl Pipeline {
                         partition,
                         offset,
                         timestamp_ms,
-                        attempt: 1,
+                        attempt: f.attempt,
                         relay_generation: self.fence.generation,
                         commit_lsn: f.commit_lsn,
                     }),
@@ -405,13 +431,33 @@ impl Pipeline {
                 }
             }
             DeliveryOutcome::Failed {
-                error, persistence, ..
+                error,
+                persistence,
+                partition,
+                ..
             } => {
+                if persistence != Persistence::NotPersisted && partition >= 0 {
+                    // The broker may have it. Record that before anything else happens to
+                    // the event; the next start reconciles it by scanning the partition.
+                    attempts::record_unknown(
+                        &self.client,
+                        &self.slot,
+                        f.event_id,
+                        self.fence.generation,
+                        f.attempt,
+                        &f.topic,
+                        partition,
+                        f.sent_at,
+                        &error,
+                    )
+                    .await?;
+                    tracing::warn!(event_id = %f.event_id, %error, topic = %f.topic, partition, "DISPATCH_UNKNOWN recorded");
+                }
                 return Err(RelayError::Delivery {
                     event_id: f.event_id,
                     error,
                     persistence: format!("{persistence:?}"),
-                })
+                });
             }
         }
         if let Some(next) = self.gate.done(&f.key) {

@@ -1,0 +1,129 @@
+//! Attempts that ended without proof (DISPATCH_UNKNOWN) and their reconciliation records.
+//!
+//! Unknown stays unknown until proven: an attempt moves to FOUND only with the broker offset
+//! the scan found, and to ABSENT only after the whole range was scanned with the producer
+//! session that sent it closed. Every resolution records when it happened, so the time from
+//! UNKNOWN to resolution is measurable per attempt.
+
+use std::time::SystemTime;
+
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::{Context, LedgerError};
+
+/// An attempt the broker may or may not have.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnknownAttempt {
+    pub id: i64,
+    pub event_id: Uuid,
+    pub relay_generation: i64,
+    pub attempt_generation: i32,
+    pub topic: String,
+    pub partition: i32,
+    /// Seconds the attempt has been unknown.
+    pub unknown_for_s: f64,
+    /// A lower bound for its offset: the highest offset of that partition accepted (with a
+    /// clock-skew margin) before the attempt was sent; -1 if none.
+    pub scan_from: i64,
+}
+
+/// Records an attempt that ended without proof. Durable before the relay does anything else.
+#[allow(clippy::too_many_arguments)]
+pub async fn record_unknown(
+    client: &Client,
+    slot: &str,
+    event_id: Uuid,
+    relay_generation: i64,
+    attempt_generation: i32,
+    topic: &str,
+    partition: i32,
+    sent_at: SystemTime,
+    error: &str,
+) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                          topic, partition, sent_at, error)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (event_id, relay_generation, attempt_generation) DO NOTHING",
+            &[
+                &event_id,
+                &relay_generation,
+                &attempt_generation,
+                &slot,
+                &topic,
+                &partition,
+                &sent_at,
+                &error,
+            ],
+        )
+        .await
+        .ctx(format!("recording DISPATCH_UNKNOWN for event {event_id}"))?;
+    Ok(())
+}
+
+/// Open UNKNOWN attempts of `slot`, oldest first, with their scan lower bounds.
+pub async fn open_unknown(client: &Client, slot: &str) -> Result<Vec<UnknownAttempt>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT a.id, a.event_id, a.relay_generation, a.attempt_generation, a.topic, a.partition,
+                    extract(epoch FROM clock_timestamp() - a.unknown_at)::float8,
+                    coalesce((SELECT max(r.\"offset\") FROM outbox.receipts r
+                              WHERE r.topic = a.topic AND r.partition = a.partition
+                                AND r.accepted_at < a.sent_at - interval '60 seconds'), -1)
+             FROM outbox.attempts a
+             WHERE a.slot_name = $1 AND a.state = 'DISPATCH_UNKNOWN'
+             ORDER BY a.id",
+            &[&slot],
+        )
+        .await
+        .ctx("reading DISPATCH_UNKNOWN attempts")?;
+    Ok(rows
+        .iter()
+        .map(|r| UnknownAttempt {
+            id: r.get(0),
+            event_id: r.get(1),
+            relay_generation: r.get(2),
+            attempt_generation: r.get(3),
+            topic: r.get(4),
+            partition: r.get(5),
+            unknown_for_s: r.get(6),
+            scan_from: r.get(7),
+        })
+        .collect())
+}
+
+/// The scan proved the outcome.
+pub async fn resolve(
+    client: &Client,
+    id: i64,
+    found_offset: Option<i64>,
+    scanned_from: i64,
+    scanned_to: i64,
+) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "UPDATE outbox.attempts
+             SET state = CASE WHEN $2::int8 IS NULL THEN 'ABSENT' ELSE 'FOUND' END,
+                 found_offset = $2, scanned_from = $3, scanned_to = $4,
+                 resolved_at = clock_timestamp()
+             WHERE id = $1 AND state = 'DISPATCH_UNKNOWN'",
+            &[&id, &found_offset, &scanned_from, &scanned_to],
+        )
+        .await
+        .ctx(format!("resolving attempt {id}"))?;
+    Ok(())
+}
+
+/// The highest attempt generation recorded for `event_id` (0 if none).
+pub async fn last_generation(client: &Client, event_id: Uuid) -> Result<i32, LedgerError> {
+    let r = client
+        .query_one(
+            "SELECT coalesce(max(attempt_generation), 0) FROM outbox.attempts WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .ctx("reading attempt generations")?;
+    Ok(r.get(0))
+}
