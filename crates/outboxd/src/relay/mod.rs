@@ -399,6 +399,7 @@ async fn run_once(
     let mut send_status_now = true;
     let max_in_flight = cfg.max_in_flight;
 
+    let result: Result<(), RelayError> = async {
     loop {
         // Timers: the batch linger, the periodic status update, the idle checkpoint write.
         let now = Instant::now();
@@ -482,15 +483,15 @@ async fn run_once(
                 send_status_now = true;
             }
         }
-        if pipeline.lease_expired {
-            return Err(pipeline.salvage(progress).await);
-        }
-        if lease_state.is_lost() {
+        if pipeline.lease_expired || lease_state.is_lost() {
             tracing::warn!(
                 generation = fence.generation,
                 "lease lost to another relay; recording what the broker confirmed and stopping"
             );
-            return Err(pipeline.salvage(progress).await);
+            return Err(RelayError::Ledger(LedgerError::LeaseLost {
+                slot: cfg.slot.clone(),
+                generation: fence.generation,
+            }));
         }
         if current.is_none() && now >= last_release_poll + RELEASE_POLL {
             last_release_poll = now;
@@ -507,7 +508,20 @@ async fn run_once(
             send_status_now = false;
         }
     }
+    }
+    .await;
+    if let Err(e) = result {
+        // Whatever ended the run, ACKs the broker already gave are evidence worth keeping.
+        if let Some(secondary) = pipeline.salvage(progress, SALVAGE_GRACE).await {
+            tracing::debug!(error = %secondary, "could not record outstanding receipts");
+        }
+        return Err(e);
+    }
+    Ok(())
 }
+
+/// How long a relay whose run is ending waits for outstanding delivery reports to record them.
+const SALVAGE_GRACE: Duration = Duration::from_secs(2);
 
 /// What the lease keeper knows: until when our lease is certainly valid, and whether another
 /// relay has taken it.

@@ -68,6 +68,8 @@ pub(crate) struct Pipeline {
     lease: std::sync::Arc<super::LeaseState>,
     /// A send was refused because the lease deadline had passed.
     pub lease_expired: bool,
+    /// The run is ending: record reports, send nothing.
+    salvaging: bool,
     /// Events whose UNKNOWN attempt reconciliation found on the broker: never sent again.
     pub found: std::collections::HashSet<Uuid>,
     /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
@@ -112,6 +114,7 @@ impl Pipeline {
             fence,
             lease,
             lease_expired: false,
+            salvaging: false,
             found: Default::default(),
             retry_generation: HashMap::new(),
             slot: slot.to_string(),
@@ -307,7 +310,7 @@ impl Pipeline {
     }
 
     async fn send_tracked(&mut self, p: Pending) -> Result<Option<u64>, RelayError> {
-        if !self.lease.valid() {
+        if self.salvaging || !self.lease.valid() {
             // A stale generation may not send. The event stays unresolved; the run ends.
             self.lease_expired = true;
             return Ok(None);
@@ -606,21 +609,28 @@ impl Pipeline {
 }
 
 impl Pipeline {
-    /// The lease was lost: record what the broker already confirmed (receipts of requests this
-    /// generation sent are still valid evidence), without moving the checkpoint, then stop.
-    pub async fn salvage(&mut self, progress: &Progress) -> RelayError {
-        while let Ok(d) = self.reports.try_recv() {
-            if let Err(e) = self.on_report(d).await {
-                return e;
+    /// The run is ending (lease lost, stream broken): record what the broker already confirmed
+    /// — receipts of requests this generation sent are valid evidence — without sending
+    /// anything more and without moving the checkpoint. Waits at most `grace` for outstanding
+    /// delivery reports. Returns the error that recording hit, if any.
+    pub async fn salvage(
+        &mut self,
+        progress: &Progress,
+        grace: std::time::Duration,
+    ) -> Option<RelayError> {
+        self.salvaging = true;
+        let deadline = tokio::time::Instant::now() + grace;
+        while !self.in_flight.is_empty() {
+            match tokio::time::timeout_at(deadline, self.reports.recv()).await {
+                Ok(Some(d)) => {
+                    if let Err(e) = self.on_report(d).await {
+                        return Some(e);
+                    }
+                }
+                Ok(None) | Err(_) => break,
             }
         }
         let mut unmoved = Lsn::ZERO;
-        match self.flush(false, &mut unmoved, progress).await {
-            Err(e) => e,
-            Ok(_) => RelayError::Ledger(outbox_ledger::LedgerError::LeaseLost {
-                slot: self.slot.clone(),
-                generation: self.fence.generation,
-            }),
-        }
+        self.flush(false, &mut unmoved, progress).await.err()
     }
 }
