@@ -63,13 +63,8 @@ impl TestPostgres {
             if let Ok(url) = std::env::var("OUTBOXD_TEST_DATABASE_URL") {
                 return TestPostgres::external(&url);
             }
-            let pg = TestPostgres::start_throwaway(None)
-                .unwrap_or_else(|e| panic!("cannot start test PostgreSQL: {e}"));
-            // SAFETY: registering a plain `extern "C" fn()` with no captured state.
-            unsafe {
-                libc::atexit(stop_registered_clusters);
-            }
-            pg
+            TestPostgres::start_throwaway(None)
+                .unwrap_or_else(|e| panic!("cannot start test PostgreSQL: {e}"))
         })
     }
 
@@ -159,11 +154,18 @@ impl TestPostgres {
             .arg(root.join("server.log"))
             .args(["-w", "-t", "60", "start"]);
         run(&mut start, run_as, "pg_ctl start")?;
-        TO_STOP
-            .lock()
-            .map_err(|_| HarnessError::Kafka("poisoned".into()))
-            .map(|mut l| l.push((bin.clone(), data.clone(), run_as)))
-            .ok();
+        if let Ok(mut l) = TO_STOP.lock() {
+            l.push((bin.clone(), data.clone(), run_as));
+        }
+        // Whatever happens to this process (a failed test, a demo that errors out), the
+        // cluster is stopped when it exits.
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        AT_EXIT.call_once(|| {
+            // SAFETY: registering a plain `extern "C" fn()` with no captured state.
+            unsafe {
+                libc::atexit(stop_registered_clusters);
+            }
+        });
 
         Ok(TestPostgres {
             base_url: format!("postgres://postgres@127.0.0.1:{port}"),
