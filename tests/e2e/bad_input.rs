@@ -159,3 +159,70 @@ async fn wrong_wal_level_is_named_with_the_fix() {
         "{err}"
     );
 }
+
+fn check(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .arg("check")
+        .args(args)
+        .env_remove("OUTBOXD_DATABASE_URL")
+        .env_remove("OUTBOXD_BOOTSTRAP_SERVERS")
+        .output()
+        .expect("run outboxd check");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_passes_a_ready_setup_and_names_each_problem_with_its_fix() {
+    let env = TestEnv::new("check").await;
+    let (ok, out) = check(&[
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+        "--slot",
+        &env.slot,
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("ok    wal_level") && out.contains("ok    kafka"),
+        "{out}"
+    );
+
+    let role = format!("nocheck_{}", std::process::id());
+    env.db
+        .batch_execute(&format!(
+            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN;"
+        ))
+        .await
+        .unwrap();
+    let url = env
+        .url
+        .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let (ok, out) = check(&["--database-url", &url]);
+    assert!(!ok);
+    assert!(
+        out.contains("FAIL  REPLICATION privilege")
+            && out.contains(&format!("ALTER ROLE {role} REPLICATION")),
+        "{out}"
+    );
+    assert!(out.contains("GRANT USAGE ON SCHEMA outbox"), "{out}");
+
+    let nonlogical = std::env::var("OUTBOXD_TEST_NONLOGICAL_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let (_, out) = check(&["--database-url", &nonlogical]);
+    if out.contains("ok    wal_level") || out.contains("FAIL  database connection") {
+        println!("skipped the wal_level case: {nonlogical} is logical or unreachable");
+    } else {
+        assert!(
+            out.contains("FAIL  wal_level") && out.contains("ALTER SYSTEM SET wal_level = logical"),
+            "{out}"
+        );
+    }
+}

@@ -48,6 +48,10 @@ pub enum Command {
     /// Quarantined events and held aggregates: list them, release or skip one.
     #[command(subcommand)]
     Quarantine(QuarantineCommand),
+    /// Verify everything a relay needs (wal_level, slots and senders, REPLICATION, schema,
+    /// privileges, publication, slot state, broker) and name each problem with its fix.
+    /// Exits non-zero when anything would stop the relay.
+    Check(CheckArgs),
     /// Run an embedded Kafka-protocol broker (librdkafka's mock cluster) for development.
     /// Prints `bootstrap.servers=HOST:PORT`, then serves until killed. Nothing is persisted.
     DevBroker(DevBrokerArgs),
@@ -114,6 +118,21 @@ pub enum QuarantineCommand {
         #[arg(long)]
         by: Option<String>,
     },
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    #[arg(long, env = "OUTBOXD_BOOTSTRAP_SERVERS")]
+    pub bootstrap_servers: Option<String>,
+    #[arg(long, env = "OUTBOXD_SLOT")]
+    pub slot: Option<String>,
+    #[arg(long, env = "OUTBOXD_PUBLICATION")]
+    pub publication: Option<String>,
+    /// The relay's TOML config file (its keys are checked too).
+    #[arg(long, env = "OUTBOXD_CONFIG")]
+    pub config: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

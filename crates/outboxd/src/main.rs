@@ -2,6 +2,7 @@
 //! wiring of the library crates; `anyhow` lives only here.
 
 mod bench;
+mod check;
 mod cli;
 mod config;
 mod demo;
@@ -21,7 +22,9 @@ use config::{redact_url, FileConfig, RelayConfig, Secret};
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // `check` reports in its own lines; library logs would only repeat them noisily.
+    let quiet = matches!(cli.command, Command::Check(_));
+    init_logging(cli.log_format, quiet);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -60,9 +63,14 @@ fn one_line(e: &anyhow::Error) -> String {
     msg.replace('\n', " ")
 }
 
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, quiet: bool) {
+    let default = if quiet {
+        "off"
+    } else {
+        "info,tokio_postgres=warn"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOXD_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -91,6 +99,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::DevBroker(a) => dev_broker(a.brokers).await,
         Command::Demo(a) => demo::run(a).await,
         Command::Bench(a) => bench::run(a).await,
+        Command::Check(a) => check::run(a).await,
     }
 }
 
