@@ -13,6 +13,7 @@ mod cli;
 mod crash;
 mod delivery;
 mod ha;
+mod migration;
 mod ordering;
 mod slot_safety;
 mod unknown;

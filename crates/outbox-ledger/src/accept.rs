@@ -1,7 +1,8 @@
 //! The single acceptance point.
 //!
 //! One transaction per batch: every receipt of the batch is matched against its frozen
-//! outbox row (event id, payload digest, destination digest) and then
+//! outbox row (event id, payload digest, destination digest — of the latest destination
+//! migration, if an operator migrated it) and then
 //!
 //! * becomes the event's **primary receipt** if the event has none (the publish slot is the
 //!   primary key of `outbox.receipts`, so two concurrent acceptors cannot both win);
@@ -109,7 +110,7 @@ matched AS (
            e.event_id IS NOT NULL AS row_exists,
            e.aggregate_type, e.aggregate_id, e.aggregate_version
     FROM input i
-    LEFT JOIN outbox.events e ON e.event_id = i.event_id
+    LEFT JOIN outbox.events_current e ON e.event_id = i.event_id
 ),
 prim AS (
     INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic, partition, "offset",

@@ -5,6 +5,7 @@
 //! * [`accept`] — the single acceptance point: a batch of broker receipts (and quarantine
 //!   records) plus the checkpoint that covers them, in one transaction.
 //! * [`attempts`] — DISPATCH_UNKNOWN attempts and their reconciliation.
+//! * [`destination`] — explicit destination migration (new envelope generation, with proof).
 //! * [`checkpoint`] — the per-slot checkpoint row: the only LSN the relay may confirm.
 //! * [`lease`] — relay leases and generations (one active relay per slot, fenced).
 //! * [`holds`] — held aggregates: loading them, operator release/skip, republishing.
@@ -18,6 +19,7 @@
 pub mod accept;
 pub mod attempts;
 pub mod checkpoint;
+pub mod destination;
 pub mod holds;
 pub mod lease;
 pub mod migrate;

@@ -45,6 +45,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "attempts",
         sql: include_str!("../../../migrations/0005_attempts.sql"),
     },
+    Migration {
+        version: 6,
+        name: "destination_migrations",
+        sql: include_str!("../../../migrations/0006_destination_migrations.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -418,3 +418,28 @@ pub fn scan_for_event(
     }
     Ok(result)
 }
+
+/// The partition ids of `topic` (for scanning a whole topic).
+pub fn topic_partitions(
+    config: &KafkaSinkConfig,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<i32>, SinkError> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &config.bootstrap_servers)
+        .create()
+        .map_err(|e| SinkError::Config(Box::new(e)))?;
+    let md = consumer
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|source| SinkError::Unreachable {
+            bootstrap: config.bootstrap_servers.clone(),
+            source: Box::new(source),
+        })?;
+    Ok(md
+        .topics()
+        .iter()
+        .filter(|t| t.name() == topic && t.error().is_none())
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect())
+}

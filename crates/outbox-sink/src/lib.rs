@@ -16,6 +16,6 @@
 pub mod kafka;
 
 pub use kafka::{
-    event_headers, scan_for_event, Delivery, DeliveryOutcome, FailureClass, KafkaSink,
-    KafkaSinkConfig, Persistence, ScanResult, SinkError,
+    event_headers, scan_for_event, topic_partitions, Delivery, DeliveryOutcome, FailureClass,
+    KafkaSink, KafkaSinkConfig, Persistence, ScanResult, SinkError,
 };

@@ -48,6 +48,10 @@ pub enum Command {
     /// Quarantined events and held aggregates: list them, release or skip one.
     #[command(subcommand)]
     Quarantine(QuarantineCommand),
+    /// Move unpublished events to another destination: a new envelope generation, recorded
+    /// with the proof that the old target did not accept them. Refused while the old target's
+    /// outcome is UNKNOWN and for published events.
+    MigrateDestination(MigrateDestinationArgs),
     /// Verify everything a relay needs (wal_level, slots and senders, REPLICATION, schema,
     /// privileges, publication, slot state, broker) and name each problem with its fix.
     /// Exits non-zero when anything would stop the relay.
@@ -118,6 +122,34 @@ pub enum QuarantineCommand {
         #[arg(long)]
         by: Option<String>,
     },
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateDestinationArgs {
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Event to migrate; repeat for a batch.
+    #[arg(long, required = true)]
+    pub event: Vec<uuid::Uuid>,
+    /// The new topic.
+    #[arg(long)]
+    pub topic: String,
+    /// The new broker cluster identity.
+    #[arg(long, default_value = "default")]
+    pub cluster: String,
+    /// The new broker kind.
+    #[arg(long, default_value = "kafka")]
+    pub kind: String,
+    /// Why (recorded in the migration receipt).
+    #[arg(long)]
+    pub reason: String,
+    /// Bootstrap servers of the OLD cluster, to prove by scanning that it does not have the
+    /// event when the ledger alone cannot prove it.
+    #[arg(long)]
+    pub old_bootstrap_servers: Option<String>,
+    /// Who migrates (recorded). [default: $USER]
+    #[arg(long)]
+    pub by: Option<String>,
 }
 
 #[derive(Debug, Args)]

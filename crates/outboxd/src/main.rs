@@ -7,6 +7,7 @@ mod cli;
 mod config;
 mod demo;
 mod failpoint;
+mod migrate_destination;
 mod relay;
 
 use std::sync::Arc;
@@ -100,6 +101,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Demo(a) => demo::run(a).await,
         Command::Bench(a) => bench::run(a).await,
         Command::Check(a) => check::run(a).await,
+        Command::MigrateDestination(a) => migrate_destination::run(a).await,
     }
 }
 

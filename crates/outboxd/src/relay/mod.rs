@@ -259,6 +259,13 @@ async fn run_once(
         slot::quote_ident(&cfg.schema),
         slot::quote_ident(&cfg.table)
     );
+    // Released and reconciled events are read as the relay must publish them now: with their
+    // latest explicit destination migration, if any.
+    let current_rows = if (cfg.schema.as_str(), cfg.table.as_str()) == ("outbox", "events") {
+        "outbox.events_current".to_string()
+    } else {
+        qualified.clone()
+    };
 
     let pg_cfg: tokio_postgres::Config = url
         .parse()
@@ -354,7 +361,7 @@ async fn run_once(
         }
     };
 
-    reconcile::reconcile_unknown(cfg, &sql, &mut pipeline, fence, &qualified).await?;
+    reconcile::reconcile_unknown(cfg, &sql, &mut pipeline, fence, &current_rows).await?;
 
     if backfill {
         let n = publish_snapshot(
@@ -496,7 +503,7 @@ async fn run_once(
         if current.is_none() && now >= last_release_poll + RELEASE_POLL {
             last_release_poll = now;
             pipeline
-                .process_releases(&sql, &qualified, &mut durable, progress)
+                .process_releases(&sql, &current_rows, &mut durable, progress)
                 .await?;
         }
         if send_status_now || now >= last_status + cfg.status_interval {

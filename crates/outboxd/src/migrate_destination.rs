@@ -1,0 +1,123 @@
+//! `outboxd migrate-destination`: move unpublished events to another destination, explicitly.
+//!
+//! Refused while the old target's outcome is DISPATCH_UNKNOWN, refused for a published event,
+//! and done only with a proof that the old target did not accept the event: it was quarantined
+//! before anything was sent, the old target rejected it, or a scan of the whole old topic did
+//! not find it. The migration is a new envelope generation with its own frozen destination; the
+//! event's quarantine / hold is then released so the running relay publishes it there.
+
+use std::time::Duration;
+
+use outbox_ledger::destination::{self, PRE_SEND_CODES};
+use outbox_ledger::holds::{self, Resolution};
+use outbox_sink::KafkaSinkConfig;
+use uuid::Uuid;
+
+use crate::cli::MigrateDestinationArgs;
+
+pub async fn run(a: MigrateDestinationArgs) -> anyhow::Result<()> {
+    if a.reason.trim().is_empty() {
+        anyhow::bail!("--reason must say why the destination changes; it is recorded in the migration receipt");
+    }
+    let by =
+        a.by.clone()
+            .or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "operator".into());
+    let mut client = crate::connect(&a.database_url).await?;
+    let mut refused = 0;
+    for id in &a.event {
+        match migrate_one(&mut client, &a, *id, &by).await {
+            Ok(line) => println!("{line}"),
+            Err(e) => {
+                refused += 1;
+                println!("refused {id}: {e:#}");
+            }
+        }
+    }
+    if refused > 0 {
+        anyhow::bail!("{refused} event(s) not migrated; see the lines above");
+    }
+    Ok(())
+}
+
+async fn migrate_one(
+    client: &mut tokio_postgres::Client,
+    a: &MigrateDestinationArgs,
+    id: Uuid,
+    by: &str,
+) -> anyhow::Result<String> {
+    let Some(f) = destination::facts(client, id).await? else {
+        anyhow::bail!("not in the outbox");
+    };
+    if let Some(at) = &f.published {
+        anyhow::bail!(
+            "already published at {at}; a second destination is a delivery set, not a migration"
+        );
+    }
+    if f.unknown_open {
+        anyhow::bail!(
+            "its outcome at {}/{} is DISPATCH_UNKNOWN; run the relay so it reconciles the attempt first",
+            f.dest_cluster, f.dest_topic
+        );
+    }
+    let proof = match &f.quarantine {
+        Some((code, reason)) if PRE_SEND_CODES.contains(&code.as_str()) && f.attempts == 0 => {
+            format!("never sent: quarantined before sending ({code}: {reason})")
+        }
+        Some((code, reason)) if code == "broker_rejected" => {
+            format!("the old target rejected it: {reason}")
+        }
+        _ => {
+            let Some(bootstrap) = &a.old_bootstrap_servers else {
+                anyhow::bail!(
+                    "cannot prove that {}/{} did not accept it: pass --old-bootstrap-servers of that cluster so its topic can be scanned",
+                    f.dest_cluster, f.dest_topic
+                );
+            };
+            scan_old_target(bootstrap, &f.dest_topic, id).await?
+        }
+    };
+    let generation = destination::record(
+        client, id, &a.kind, &a.cluster, &a.topic, &proof, &a.reason, by,
+    )
+    .await?;
+    // Let the relay publish it: release its quarantine and the hold it blocks, if any.
+    let released = holds::resolve(client, id, Resolution::Release, by, Some(&a.reason))
+        .await
+        .is_ok();
+    Ok(format!(
+        "migrated {id}: {}/{} -> {}/{} (envelope generation {generation}); proof: {proof}{}",
+        f.dest_cluster,
+        f.dest_topic,
+        a.cluster,
+        a.topic,
+        if released {
+            "; released for publishing"
+        } else {
+            "; published when its aggregate's hold is released"
+        }
+    ))
+}
+
+async fn scan_old_target(bootstrap: &str, topic: &str, id: Uuid) -> anyhow::Result<String> {
+    let cfg = KafkaSinkConfig {
+        bootstrap_servers: bootstrap.to_string(),
+        ..KafkaSinkConfig::default()
+    };
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<String> {
+        let partitions = outbox_sink::topic_partitions(&cfg, &topic, Duration::from_secs(10))
+            .map_err(|e| anyhow::anyhow!("cannot query the old target: {e}"))?;
+        let mut ranges = Vec::new();
+        for p in partitions {
+            let r = outbox_sink::scan_for_event(&cfg, &topic, p, 0, &id.to_string(), Duration::from_secs(60))
+                .map_err(|e| anyhow::anyhow!("cannot query the old target: {e}"))?;
+            if let Some((offset, _)) = r.found {
+                anyhow::bail!("the old target has it at {topic}/{p}@{offset}: it is published there; let the relay record that receipt");
+            }
+            ranges.push(format!("{p}:[{},{})", r.scanned_from, r.scanned_to));
+        }
+        Ok(format!("absent from {topic} (scanned partitions {})", ranges.join(" ")))
+    })
+    .await?
+}
