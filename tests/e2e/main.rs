@@ -12,6 +12,7 @@ mod bad_input;
 mod cli;
 mod crash;
 mod delivery;
+mod delivery_sets;
 mod ha;
 mod migration;
 mod ordering;

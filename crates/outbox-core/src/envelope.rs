@@ -93,6 +93,9 @@ pub struct OutboxEvent {
     pub created_xid: Option<String>,
     pub destination: Destination,
     pub destination_digest: String,
+    /// Set when this event is one member of a delivery set (one event, several destinations,
+    /// declared at enqueue).
+    pub delivery_set_id: Option<Uuid>,
 }
 
 /// Why a row cannot be published as it stands. Each variant names the field at fault.
@@ -203,6 +206,7 @@ pub(crate) mod tests {
             created_xid: None,
             destination_digest: destination.digest(),
             destination,
+            delivery_set_id: None,
         }
     }
 
@@ -275,6 +279,7 @@ pub const EVENT_COLUMNS: &[&str] = &[
     "dest_serializer",
     "dest_acks",
     "destination_digest",
+    "delivery_set_id",
 ];
 
 impl OutboxEvent {
@@ -338,6 +343,14 @@ impl OutboxEvent {
                 acks: required("dest_acks")?.to_string(),
             },
             destination_digest: required("destination_digest")?.to_string(),
+            // Absent before migration 0007; NULL for ordinary events.
+            delivery_set_id: match get("delivery_set_id").ok().flatten() {
+                None => None,
+                Some(t) => Some(Uuid::parse_str(t).map_err(|e| RowError {
+                    column: "delivery_set_id".into(),
+                    problem: format!("{t:?} is not a UUID: {e}"),
+                })?),
+            },
         })
     }
 }
@@ -378,6 +391,7 @@ mod row_tests {
             ("dest_serializer", Some(d.serializer.clone())),
             ("dest_acks", Some(d.acks.clone())),
             ("destination_digest", Some(ev.destination_digest.clone())),
+            ("delivery_set_id", None),
         ])
     }
 

@@ -50,6 +50,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "destination_migrations",
         sql: include_str!("../../../migrations/0006_destination_migrations.sql"),
     },
+    Migration {
+        version: 7,
+        name: "delivery_sets",
+        sql: include_str!("../../../migrations/0007_delivery_sets.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

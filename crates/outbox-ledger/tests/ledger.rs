@@ -13,7 +13,7 @@ async fn fresh(name: &str) -> (Client, String) {
     let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
     tokio::spawn(conn);
     let applied = migrate::run(&mut c).await.unwrap();
-    assert_eq!(applied, vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(applied, vec![1, 2, 3, 4, 5, 6, 7]);
     (c, url)
 }
 

@@ -210,6 +210,9 @@ pub fn event_headers(ev: &OutboxEvent) -> Vec<(String, Vec<u8>)> {
     if let Some(t) = &ev.tenant {
         h.push(("tenant".into(), t.clone().into_bytes()));
     }
+    if let Some(s) = &ev.delivery_set_id {
+        h.push(("delivery_set_id".into(), s.to_string().into_bytes()));
+    }
     if let Some(extra) = ev.headers.as_deref() {
         if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(extra) {
             for (k, v) in map {
