@@ -161,21 +161,7 @@ async fn wrong_wal_level_is_named_with_the_fix() {
 }
 
 fn check(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .arg("check")
-        .args(args)
-        .env_remove("OUTBOXD_DATABASE_URL")
-        .env_remove("OUTBOXD_BOOTSTRAP_SERVERS")
-        .output()
-        .expect("run outboxd check");
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    crate::harness::outboxd(&[&["check"], args].concat())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -103,6 +103,20 @@ impl TestEnv {
         .await
     }
 
+    /// Records the state a lost ACK leaves: an attempt of `event_id` at the frozen topic,
+    /// partition 0, whose outcome is DISPATCH_UNKNOWN (sent by relay generation 0).
+    pub async fn record_unknown_attempt(&self, event_id: uuid::Uuid) {
+        self.db
+            .execute(
+                "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                              topic, partition, sent_at, error)
+                 VALUES ($1, 0, 1, $2, $3, 0, clock_timestamp(), 'Local: Message timed out')",
+                &[&event_id, &self.slot, &self.topic],
+            )
+            .await
+            .expect("record an UNKNOWN attempt");
+    }
+
     /// Starts a relay without failpoints and waits for `n` primary receipts.
     pub async fn restart_until_receipts(&self, n: i64) -> RelayProcess {
         let relay = self.relay(&[], &[]);
@@ -361,4 +375,23 @@ pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
         }
     }
     out
+}
+
+/// Runs `outboxd ARGS` without the relay's environment variables; returns success and
+/// stdout + stderr.
+pub fn outboxd(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(args)
+        .env_remove("OUTBOXD_DATABASE_URL")
+        .env_remove("OUTBOXD_BOOTSTRAP_SERVERS")
+        .output()
+        .expect("run outboxd");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }

@@ -1,25 +1,11 @@
 //! Explicit destination migration: proof first, never while UNKNOWN, a new envelope generation.
 
-use std::process::Command;
-
 use serde_json::json;
 
 use crate::harness::TestEnv;
 
 fn migrate(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .arg("migrate-destination")
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    crate::harness::outboxd(&[&["migrate-destination"], args].concat())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,15 +38,7 @@ async fn an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unkn
     )
     .await;
     // e2's last attempt at the old target ended without proof.
-    env.db
-        .execute(
-            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
-                                          topic, partition, sent_at, error)
-             VALUES ($1, 0, 1, $2, $3, 0, clock_timestamp(), 'Local: Message timed out')",
-            &[&e2, &env.slot, &env.topic],
-        )
-        .await
-        .unwrap();
+    env.record_unknown_attempt(e2).await;
 
     let (e1s, e2s) = (e1.to_string(), e2.to_string());
     let (ok, out) = migrate(&[

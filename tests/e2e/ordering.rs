@@ -144,16 +144,9 @@ async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() 
 }
 
 fn outboxd(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "outboxd {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let (ok, out) = crate::harness::outboxd(args);
+    assert!(ok, "outboxd {args:?}: {out}");
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -36,15 +36,7 @@ async fn an_ack_lost_after_the_append_is_found_by_the_partition_scan_and_not_res
         .map_err(|(e, _)| e)
         .unwrap();
     producer.flush(Duration::from_secs(10)).unwrap();
-    env.db
-        .execute(
-            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
-                                          topic, partition, sent_at, error)
-             VALUES ($1, 0, 1, $2, $3, 0, clock_timestamp(), 'Local: Message timed out')",
-            &[&id, &env.slot, &env.topic],
-        )
-        .await
-        .unwrap();
+    env.record_unknown_attempt(id).await;
 
     let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
     env.wait_count(
@@ -198,15 +190,7 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
     // An event frozen to the default topic, whose only attempt ended UNKNOWN (the relay that
     // sent it is gone) and never reached the broker.
     let id = env.enqueue("r-1", json!({"v": 1})).await;
-    env.db
-        .execute(
-            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
-                                          topic, partition, sent_at, error)
-             VALUES ($1, 0, 1, $2, $3, 0, clock_timestamp(), 'Local: Message timed out')",
-            &[&id, &env.slot, &env.topic],
-        )
-        .await
-        .unwrap();
+    env.record_unknown_attempt(id).await;
     // The route policy changes while the event is UNKNOWN.
     let moved = format!("{}.moved", env.topic);
     env.kafka.create_topic(&moved, 1).unwrap();
