@@ -20,7 +20,11 @@ async fn lease_owner(env: &TestEnv) -> Option<(String, i64)> {
 }
 
 async fn wait_owner(env: &TestEnv, owner: &str) -> i64 {
-    wait_for(&format!("{owner} to hold the lease"), LONG, || async {
+    wait_owner_within(env, owner, LONG).await
+}
+
+async fn wait_owner_within(env: &TestEnv, owner: &str, within: Duration) -> i64 {
+    wait_for(&format!("{owner} to hold the lease"), within, || async {
         match lease_owner(env).await {
             Some((o, g)) if o == owner => Ok(g),
             other => Err(format!("{other:?}")),
@@ -215,4 +219,41 @@ async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are
         .get(0);
     assert!(!checkpoint_after.is_empty() && !checkpoint_before.is_empty());
     assert_eq!(lease_owner(&env).await.unwrap().0, "relay-b");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_confirms_and_hands_the_lease_over() {
+    let env = TestEnv::new("graceful").await;
+    let mut a = env.relay(&[], &["--relay-id", "relay-a", "--lease-ttl-ms", "30000"]);
+    env.wait_streaming().await;
+    let b = env.relay(&[], &["--relay-id", "relay-b", "--lease-ttl-ms", "30000"]);
+    wait_log(&b, "standby").await;
+    for i in 0..20 {
+        env.enqueue(&format!("g{}", i % 3), json!({"i": i})).await;
+    }
+    env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 20)
+        .await;
+    a.signal(libc::SIGTERM);
+    let status = a.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        status.success(),
+        "a graceful stop exits 0: {}",
+        a.log_text()
+    );
+    // A gave the lease up instead of letting it run out (30 s): B takes over long before.
+    wait_owner_within(&env, "relay-b", Duration::from_secs(15)).await;
+    env.enqueue("g0", json!({"after": true})).await;
+    env.wait_count("B publishes", "SELECT count(*) FROM outbox.receipts", 21)
+        .await;
+    let confirmed_matches = env
+        .count(&format!(
+            "SELECT count(*) FROM outbox.checkpoints c JOIN pg_replication_slots s USING (slot_name)
+             WHERE c.slot_name = '{}' AND s.confirmed_flush_lsn <= c.confirmed_lsn",
+            env.slot
+        ))
+        .await;
+    assert_eq!(
+        confirmed_matches, 1,
+        "the slot never passes the ledger checkpoint"
+    );
 }
