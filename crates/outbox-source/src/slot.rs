@@ -191,11 +191,13 @@ pub fn plan(
                             checkpoint: l.checkpoint,
                         });
                     }
-                    // Start from the slot's own position: PostgreSQL resumes there anyway,
-                    // and everything between it and the checkpoint is re-read and
-                    // recognised as duplicates.
+                    // Start from the ledger checkpoint: it is proven (every event before it
+                    // is durably resolved), and PostgreSQL streams from the later of the
+                    // requested position and the slot's own, so what the slot had not been
+                    // told yet is not sent again. The slot catches up with the first status
+                    // update.
                     Ok(StartPlan::Resume {
-                        start: slot_lsn,
+                        start: slot_lsn.max(l.checkpoint),
                         backfill: !l.snapshot_done,
                     })
                 }
@@ -395,7 +397,7 @@ mod tests {
     }
 
     #[test]
-    fn healthy_slot_resumes_from_its_own_position() {
+    fn healthy_slot_resumes_from_the_proven_checkpoint() {
         let p = plan(
             "s",
             "app",
@@ -407,7 +409,7 @@ mod tests {
         assert_eq!(
             p.unwrap(),
             StartPlan::Resume {
-                start: Lsn(100),
+                start: Lsn(150),
                 backfill: false
             }
         );
