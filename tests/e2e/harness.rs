@@ -160,7 +160,7 @@ impl TestEnv {
             ("--status-interval-ms", "100"),
             ("--heartbeat-interval-ms", "300"),
             ("--message-timeout-ms", "10000"),
-            ("--lease-ttl-ms", "1500"),
+            ("--lease-ttl-ms", "3000"),
         ] {
             if !args.contains(&flag) {
                 cmd.args([flag, value]);
