@@ -252,7 +252,7 @@ async fn run_once(
     );
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
-    slot::check_wal_level(&sql).await?;
+    // wal_level and the REPLICATION privilege were checked once, before the first run.
     slot::ensure_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table).await?;
     let qualified = format!(
         "{}.{}",

@@ -248,15 +248,27 @@ impl Pipeline {
         commit_lsn: Option<Lsn>,
         ack: Option<EventToken>,
     ) {
-        tracing::warn!(event_id = %ev.event_id, aggregate = %format!("{}/{}", ev.aggregate_type, ev.aggregate_id),
-            version = ev.aggregate_version, code, %reason, "event quarantined; aggregate held");
+        let blocking = (ev.event_id, ev.aggregate_version, commit_lsn, ack);
+        self.poison_key(&key_of(ev), blocking, code, reason);
+    }
+
+    /// [`Self::poison`] for an event known by its key, id, version, commit LSN and ack token.
+    fn poison_key(
+        &mut self,
+        key: &AggKey,
+        (event_id, version, commit_lsn, ack): (Uuid, i64, Option<Lsn>, Option<EventToken>),
+        code: &str,
+        reason: String,
+    ) {
+        tracing::warn!(%event_id, aggregate = %format!("{}/{}", key.0, key.1),
+            version, code, %reason, "event quarantined; aggregate held");
         self.push(
             LedgerItem::Quarantine(QuarantineRecord {
-                key: ev.event_id.to_string(),
-                event_id: Some(ev.event_id),
-                aggregate_type: Some(ev.aggregate_type.clone()),
-                aggregate_id: Some(ev.aggregate_id.clone()),
-                aggregate_version: Some(ev.aggregate_version),
+                key: event_id.to_string(),
+                event_id: Some(event_id),
+                aggregate_type: Some(key.0.clone()),
+                aggregate_id: Some(key.1.clone()),
+                aggregate_version: Some(version),
                 reason_code: code.to_string(),
                 reason: reason.clone(),
                 commit_lsn: commit_lsn.unwrap_or(Lsn::ZERO),
@@ -265,17 +277,16 @@ impl Pipeline {
         );
         self.push(
             LedgerItem::Hold(HoldRecord {
-                aggregate_type: ev.aggregate_type.clone(),
-                aggregate_id: ev.aggregate_id.clone(),
+                aggregate_type: key.0.clone(),
+                aggregate_id: key.1.clone(),
                 reason_code: code.to_string(),
                 reason,
-                blocking_event_id: Some(ev.event_id),
-                blocking_version: Some(ev.aggregate_version),
+                blocking_event_id: Some(event_id),
+                blocking_version: Some(version),
             }),
             None,
         );
-        let key = key_of(ev);
-        for p in self.gate.hold(&key) {
+        for p in self.gate.hold(key) {
             self.record_held(p);
         }
     }
@@ -403,35 +414,12 @@ impl Pipeline {
                 class: FailureClass::Permanent,
                 ..
             } => {
-                tracing::warn!(event_id = %f.event_id, %error, "broker rejected event permanently");
-                let reason = format!("the broker rejected the message permanently: {error}");
-                self.push(
-                    LedgerItem::Quarantine(QuarantineRecord {
-                        key: f.event_id.to_string(),
-                        event_id: Some(f.event_id),
-                        aggregate_type: Some(f.key.0.clone()),
-                        aggregate_id: Some(f.key.1.clone()),
-                        aggregate_version: Some(f.aggregate_version),
-                        reason_code: "broker_rejected".into(),
-                        reason: reason.clone(),
-                        commit_lsn: f.commit_lsn.unwrap_or(Lsn::ZERO),
-                    }),
-                    f.ack,
+                self.poison_key(
+                    &f.key,
+                    (f.event_id, f.aggregate_version, f.commit_lsn, f.ack),
+                    "broker_rejected",
+                    format!("the broker rejected the message permanently: {error}"),
                 );
-                self.push(
-                    LedgerItem::Hold(HoldRecord {
-                        aggregate_type: f.key.0.clone(),
-                        aggregate_id: f.key.1.clone(),
-                        reason_code: "broker_rejected".into(),
-                        reason,
-                        blocking_event_id: Some(f.event_id),
-                        blocking_version: Some(f.aggregate_version),
-                    }),
-                    None,
-                );
-                for p in self.gate.hold(&f.key) {
-                    self.record_held(p);
-                }
             }
             DeliveryOutcome::Failed {
                 error,
