@@ -14,12 +14,17 @@ use outbox_core::{OutboxEvent, RowError, EVENT_COLUMNS};
 use tokio_postgres::Row;
 
 /// The query that lists unpublished rows, oldest version first per aggregate.
-pub fn pending_rows_sql(qualified_table: &str) -> String {
-    let cols = EVENT_COLUMNS
+/// `e.<column>::text, ...` for every envelope column, in [`EVENT_COLUMNS`] order.
+fn text_columns() -> String {
+    EVENT_COLUMNS
         .iter()
         .map(|c| format!("e.{c}::text"))
         .collect::<Vec<_>>()
-        .join(", ");
+        .join(", ")
+}
+
+pub fn pending_rows_sql(qualified_table: &str) -> String {
+    let cols = text_columns();
     format!(
         "SELECT {cols} FROM {qualified_table} e
          WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
@@ -52,11 +57,7 @@ pub fn event_from_row(row: &Row) -> Result<OutboxEvent, RowError> {
 /// The query that loads given events (`$1::uuid[]`) in version order, for republishing a
 /// released aggregate.
 pub fn rows_by_id_sql(qualified_table: &str) -> String {
-    let cols = EVENT_COLUMNS
-        .iter()
-        .map(|c| format!("e.{c}::text"))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let cols = text_columns();
     format!(
         "SELECT {cols} FROM {qualified_table} e WHERE e.event_id = ANY($1::uuid[])
          ORDER BY e.aggregate_version"

@@ -115,16 +115,9 @@ async fn check_database(r: &mut Report, url: &str, slot: &str, publication: &str
         let client = &client;
         async move { client.query_one(sql, &[]).await }
     };
-    match one("SHOW wal_level").await {
-        Ok(row) if row.get::<_, String>(0) == "logical" => r.add(Level::Ok, "wal_level", "logical"),
-        Ok(row) => r.add(
-            Level::Fail,
-            "wal_level",
-            format!(
-                "is '{}': run ALTER SYSTEM SET wal_level = logical; and restart PostgreSQL",
-                row.get::<_, String>(0)
-            ),
-        ),
+    // The same checks `outboxd run` stops on, reported instead of raised.
+    match outbox_source::slot::check_wal_level(&client).await {
+        Ok(()) => r.add(Level::Ok, "wal_level", "logical"),
         Err(e) => r.add(Level::Fail, "wal_level", e.to_string()),
     }
     if let Ok(row) = one("SELECT current_setting('max_replication_slots')::int,
@@ -148,20 +141,8 @@ async fn check_database(r: &mut Report, url: &str, slot: &str, publication: &str
         };
         r.add(level, "max_wal_senders", format!("{busy} of {senders} in use (the relay needs one; raise max_wal_senders and restart)"));
     }
-    match one(
-        "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
-    )
-    .await
-    {
-        Ok(row) if row.get::<_, bool>(1) => r.add(Level::Ok, "REPLICATION privilege", row.get::<_, String>(0)),
-        Ok(row) => {
-            let user: String = row.get(0);
-            r.add(
-                Level::Fail,
-                "REPLICATION privilege",
-                format!("role {user} has neither REPLICATION nor SUPERUSER: run ALTER ROLE {user} REPLICATION;"),
-            )
-        }
+    match outbox_source::slot::check_replication_privilege(&client).await {
+        Ok(()) => r.add(Level::Ok, "REPLICATION privilege", "granted"),
         Err(e) => r.add(Level::Fail, "REPLICATION privilege", e.to_string()),
     }
     let latest = outbox_ledger::migrate::MIGRATIONS
