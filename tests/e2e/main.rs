@@ -10,11 +10,13 @@ mod harness;
 
 mod bad_input;
 mod cli;
+mod console;
 mod crash;
 mod delivery;
 mod delivery_sets;
 mod ha;
 mod migration;
+mod observability;
 mod ordering;
 mod slot_safety;
 mod unknown;

@@ -281,9 +281,8 @@ fn resolve_admin(a: &RunArgs) -> anyhow::Result<config::AdminConfig> {
         None => config::AdminFile::default(),
     };
     let f = &a.admin;
-    let addr = |what: &str, v: Option<&String>| {
-        v.map(|s| config::parse_listen_addr(what, s)).transpose()
-    };
+    let addr =
+        |what: &str, v: Option<&String>| v.map(|s| config::parse_listen_addr(what, s)).transpose();
     let cfg = config::AdminConfig {
         http_addr: addr(
             "admin address",

@@ -99,7 +99,10 @@ impl Metrics {
             )
         };
         let fgauge = |name: &str, help: &str| {
-            reg(&registry, Gauge::new(name, help).expect("valid metric name"))
+            reg(
+                &registry,
+                Gauge::new(name, help).expect("valid metric name"),
+            )
         };
         let slot_gauge = |name: &str, help: &str| {
             reg(
@@ -294,7 +297,8 @@ pub fn receipts_accepted(batch: &[LedgerItem]) {
 /// resolved, so its commit time is no longer needed.
 pub fn checkpoint(lsn: Lsn) {
     let m = get();
-    m.checkpoint_lsn.set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
+    m.checkpoint_lsn
+        .set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
     if let Ok(mut t) = m.commit_times.lock() {
         *t = t.split_off(&lsn.0);
     }
@@ -312,22 +316,22 @@ fn pg_now_micros() -> i64 {
 mod tests {
     use super::*;
 
-/// The families docs/operations.md documents and the e2e test checks.
-const REQUIRED_FAMILIES: &[&str] = &[
-    "outboxd_replication_lag_bytes",
-    "outboxd_slot_retained_wal_bytes",
-    "outboxd_oldest_pending_age_seconds",
-    "outboxd_events_accepted_total",
-    "outboxd_commit_to_receipt_seconds",
-    "outboxd_in_flight_events",
-    "outboxd_unknown_attempts",
-    "outboxd_oldest_unknown_age_seconds",
-    "outboxd_quarantined_events",
-    "outboxd_held_aggregates",
-    "outboxd_held_events",
-    "outboxd_duplicate_receipts_total",
-    "outboxd_reconnects_total",
-];
+    /// The families docs/operations.md documents and the e2e test checks.
+    const REQUIRED_FAMILIES: &[&str] = &[
+        "outboxd_replication_lag_bytes",
+        "outboxd_slot_retained_wal_bytes",
+        "outboxd_oldest_pending_age_seconds",
+        "outboxd_events_accepted_total",
+        "outboxd_commit_to_receipt_seconds",
+        "outboxd_in_flight_events",
+        "outboxd_unknown_attempts",
+        "outboxd_oldest_unknown_age_seconds",
+        "outboxd_quarantined_events",
+        "outboxd_held_aggregates",
+        "outboxd_held_events",
+        "outboxd_duplicate_receipts_total",
+        "outboxd_reconnects_total",
+    ];
 
     #[test]
     fn every_family_renders_with_the_prefix() {

@@ -131,7 +131,11 @@ struct Startup {
 
 #[async_trait]
 impl StartupHandler for Startup {
-    async fn on_startup<C>(&self, client: &mut C, message: PgWireFrontendMessage) -> PgWireResult<()>
+    async fn on_startup<C>(
+        &self,
+        client: &mut C,
+        message: PgWireFrontendMessage,
+    ) -> PgWireResult<()>
     where
         C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send,
         C::Error: Debug,
@@ -242,11 +246,15 @@ impl Command {
             ["SHOW", "HELP"] | ["HELP"] => Ok(Command::Help),
             ["SHOW", "RECEIPT", arg] => {
                 let raw = words[2].trim_matches('\'').trim_matches('"');
-                uuid::Uuid::parse_str(raw).map(Command::Receipt).map_err(|_| {
-                    format!("SHOW RECEIPT needs an event id (a UUID in quotes), got {arg}")
-                })
+                uuid::Uuid::parse_str(raw)
+                    .map(Command::Receipt)
+                    .map_err(|_| {
+                        format!("SHOW RECEIPT needs an event id (a UUID in quotes), got {arg}")
+                    })
             }
-            ["SHOW", "RECEIPT"] => Err("SHOW RECEIPT needs an event id: SHOW RECEIPT '<event id>'".into()),
+            ["SHOW", "RECEIPT"] => {
+                Err("SHOW RECEIPT needs an event id: SHOW RECEIPT '<event id>'".into())
+            }
             _ => Err(format!("unsupported command {q:?}: {USAGE}")),
         }
     }
@@ -367,10 +375,16 @@ impl Console {
                 ]);
                 if let Some(sl) = st.slots.iter().find(|sl| sl.slot_name == self.slot) {
                     t.kv("checkpoint_lsn", &sl.checkpoint_lsn);
-                    t.push(vec![Some("slot_confirmed_lsn".into()), sl.slot_confirmed_lsn.clone()]);
+                    t.push(vec![
+                        Some("slot_confirmed_lsn".into()),
+                        sl.slot_confirmed_lsn.clone(),
+                    ]);
                     t.push(vec![Some("wal_status".into()), sl.wal_status.clone()]);
                     t.push(vec![Some("lag_bytes".into()), s(sl.lag_bytes)]);
-                    t.push(vec![Some("retained_wal_bytes".into()), s(sl.retained_wal_bytes)]);
+                    t.push(vec![
+                        Some("retained_wal_bytes".into()),
+                        s(sl.retained_wal_bytes),
+                    ]);
                 }
                 t
             }
@@ -490,7 +504,11 @@ impl Console {
                     "at",
                 ]);
                 if receipts.is_empty() {
-                    let mut row = vec![Some(id.to_string()), Some(state.clone()), Some("none".into())];
+                    let mut row = vec![
+                        Some(id.to_string()),
+                        Some(state.clone()),
+                        Some("none".into()),
+                    ];
                     row.resize(11, None);
                     t.push(row);
                 }

@@ -45,7 +45,11 @@ async fn handle(mut sock: TcpStream) -> std::io::Result<()> {
         }
     }
     let reply = if head.len() > MAX_HEAD {
-        Reply::text(431, "Request Header Fields Too Large", "request head too large\n")
+        Reply::text(
+            431,
+            "Request Header Fields Too Large",
+            "request head too large\n",
+        )
     } else {
         let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
         let line = String::from_utf8_lossy(line);

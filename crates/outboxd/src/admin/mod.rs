@@ -66,6 +66,8 @@ pub async fn start(admin: &AdminConfig, relay: &RelayConfig) -> anyhow::Result<A
 
 async fn bind(addr: std::net::SocketAddr, flag: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr).await.with_context(|| {
-        format!("cannot listen on {addr} ({flag}): is another process using it? choose another port")
+        format!(
+            "cannot listen on {addr} ({flag}): is another process using it? choose another port"
+        )
     })
 }

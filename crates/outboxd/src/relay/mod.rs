@@ -34,7 +34,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{pin_mut, StreamExt};
-use tracing::Instrument;
 use outbox_core::ack::AckError;
 use outbox_core::{AckTracker, Lsn, TxnSeq};
 use outbox_ledger::holds;
@@ -47,6 +46,7 @@ use outbox_source::transport::{ReplicationConnection, ReplicationMessage};
 use outbox_source::{Decoded, Decoder};
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::{Client, NoTls};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{redact_url, RelayConfig};
