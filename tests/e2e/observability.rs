@@ -269,3 +269,37 @@ async fn readyz_flips_when_the_broker_or_the_database_goes_away_and_back() {
     );
     relay.assert_running();
 }
+
+#[test]
+fn admin_settings_that_cannot_work_are_refused_with_the_fix() {
+    let base = [
+        "run",
+        "--database-url",
+        "postgres://u:pw@127.0.0.1:1/db",
+        "--bootstrap-servers",
+        "127.0.0.1:9",
+    ];
+    // A console reachable from other hosts without a password.
+    let mut args = base.to_vec();
+    args.extend(["--console-addr", "0.0.0.0:6433"]);
+    let (ok, out) = crate::harness::outboxd(&args);
+    assert!(!ok && out.contains("OUTBOXD_CONSOLE_PASSWORD"), "{out}");
+    // A taken port is named, before the relay starts.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let mut args = base.to_vec();
+    args.extend(["--admin-addr", &addr]);
+    let (ok, out) = crate::harness::outboxd(&args);
+    assert!(
+        !ok && out.contains("cannot listen on") && out.contains(&addr),
+        "{out}"
+    );
+    // A misspelt key in [admin] is named.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("outboxd.toml");
+    std::fs::write(&cfg, "[admin]\nport = 9187\n").unwrap();
+    let mut args = base.to_vec();
+    args.extend(["--config", cfg.to_str().unwrap()]);
+    let (ok, out) = crate::harness::outboxd(&args);
+    assert!(!ok && out.contains("port"), "{out}");
+}

@@ -224,8 +224,6 @@ pub struct RunArgs {
     /// TOML config file (see README "Configuration"). Unknown keys are errors.
     #[arg(long, env = "OUTBOXD_CONFIG")]
     pub config: Option<PathBuf>,
-    #[command(flatten)]
-    pub admin: AdminArgs,
     /// Broker cluster identity this relay serves; events frozen for another cluster are
     /// quarantined. [default: default]
     #[arg(long, env = "OUTBOXD_CLUSTER_NAME")]
@@ -268,6 +266,9 @@ pub struct RunArgs {
     /// recorded as duplicate receipts.
     #[arg(long)]
     pub resnapshot: bool,
+    // Last: a flattened group's help heading also applies to the flags declared after it.
+    #[command(flatten)]
+    pub admin: AdminArgs,
 }
 
 /// Observability and the admin console (see docs/operations.md). Everything is off unless an

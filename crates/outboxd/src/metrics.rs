@@ -252,9 +252,14 @@ pub fn reconnect() {
     get().reconnects.inc();
 }
 
-/// The relay started (true) or stopped (false) streaming from its slot.
+/// The relay started (true) or stopped (false) streaming from its slot. A run that ended
+/// dropped its in-memory state, so nothing is in flight any more.
 pub fn streaming(on: bool) {
-    get().streaming.set(i64::from(on));
+    let m = get();
+    m.streaming.set(i64::from(on));
+    if !on {
+        m.in_flight.set(0);
+    }
 }
 
 /// Events read and not yet resolved.

@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use outbox_ledger::status;
 use outbox_sink::KafkaSinkConfig;
-use rdkafka::producer::{BaseProducer, Producer};
-use rdkafka::ClientConfig;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::error::KafkaError;
+use rdkafka::producer::{BaseProducer, DeliveryResult, Producer, ProducerContext};
+use rdkafka::{ClientConfig, ClientContext};
 use tokio_postgres::Client;
 
 use crate::metrics;
@@ -97,7 +99,21 @@ async fn sample(c: &Client, slot: &str) -> anyhow::Result<()> {
 /// Asks the broker for metadata on a client of its own (the relay's producer may be busy or
 /// between sessions), with the relay's connection properties (TLS, SASL).
 pub(super) struct BrokerProbe {
-    client: std::sync::Arc<BaseProducer>,
+    client: std::sync::Arc<BaseProducer<Quiet>>,
+}
+
+/// The probe's own librdkafka logs and errors are dropped: while the broker is away the
+/// relay's producer already logs it, and the probe reports its result once, above.
+struct Quiet;
+
+impl ClientContext for Quiet {
+    fn log(&self, _level: RDKafkaLogLevel, _fac: &str, _log_message: &str) {}
+    fn error(&self, _error: KafkaError, _reason: &str) {}
+}
+
+impl ProducerContext for Quiet {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _result: &DeliveryResult<'_>, _opaque: ()) {}
 }
 
 impl BrokerProbe {
@@ -110,7 +126,7 @@ impl BrokerProbe {
         for (k, v) in &sink.properties {
             cfg.set(k, v);
         }
-        let client: BaseProducer = cfg.create().map_err(|e| {
+        let client: BaseProducer<Quiet> = cfg.create_with_context(Quiet).map_err(|e| {
             anyhow::anyhow!(
                 "creating the broker probe for /readyz ({}): {e}",
                 sink.bootstrap_servers
