@@ -166,7 +166,7 @@ async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
     assert!(sample(&after, "outboxd_duplicate_receipts_total").is_some());
 
     // Sampled gauges move too: a quarantined event and its held aggregate.
-    insert_corrupt_copy(&env, first.unwrap(), 100).await;
+    let corrupt = insert_corrupt_copy(&env, first.unwrap(), 100).await;
     wait_for("the quarantine and hold gauges", LONG, || async {
         let text = scrape(port).await;
         match (
@@ -183,14 +183,27 @@ async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
     // --log-format json: every line is a JSON object; the relay's lines carry the slot.
     let log = relay.log_text();
     let mut with_slot = 0;
+    let mut quarantine_line = None;
     for line in log.lines().filter(|l| !l.trim().is_empty()) {
         let v: serde_json::Value = serde_json::from_str(line)
             .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
         if v["span"]["slot"] == env.slot.as_str() {
             with_slot += 1;
         }
+        if v["fields"]["event_id"] == corrupt.to_string().as_str() {
+            quarantine_line = Some(v);
+        }
     }
     assert!(with_slot > 0, "no log line carries the slot span:\n{log}");
+    // The quarantine is logged with the event id, inside the relay span (slot, resume LSN).
+    let q = quarantine_line.unwrap_or_else(|| panic!("no line names event {corrupt}:\n{log}"));
+    assert_eq!(q["span"]["slot"], env.slot.as_str(), "{q}");
+    assert!(
+        q["span"]["start_lsn"]
+            .as_str()
+            .is_some_and(|l| l.contains('/')),
+        "{q}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -143,7 +143,7 @@ pub async fn run(
         let outcome = match lease {
             Ok(None) => return Ok(()),
             Ok(Some((fence, deadline))) => {
-                let span = tracing::info_span!("relay", slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty);
+                let span = tracing::info_span!("relay", slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
                 run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, deadline)
                     .instrument(span)
                     .await
@@ -411,6 +411,7 @@ async fn run_once(
     crate::metrics::streaming(true);
     progress.set_checkpoint(start);
     tracing::info!(start = %start, "streaming");
+    tracing::Span::current().record("start_lsn", tracing::field::display(start));
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
 
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
