@@ -183,6 +183,7 @@ async fn psql_as_typed_by_an_operator_against_a_trusting_console() {
         out.contains("streaming") && out.contains(&env.slot),
         "{out}"
     );
+    println!("{out}"); // shown with --nocapture: what an operator sees
     for sql in ["SHOW LAG", "SHOW UNKNOWN", "SHOW QUARANTINE", "SHOW HELP"] {
         let (ok, out) = psql(port, None, &[], sql);
         assert!(ok, "{sql}: {out}");
