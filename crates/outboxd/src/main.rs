@@ -123,19 +123,18 @@ fn spawn_signal_handler(tx: watch::Sender<bool>) {
 
 /// Connects for ordinary SQL, with an error that names the server and the fix.
 pub(crate) async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot connect to PostgreSQL at {}: {}; check the URL, that the server is up, and pg_hba.conf",
-                redact_url(url),
-                outbox_ledger::describe_db_error(&e)
-            )
-        })?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
+    let opts = outbox_source::tls::PgConnectOptions::parse(url)
+        .map_err(|e| anyhow::anyhow!("database URL {}: {e}", redact_url(url)))?;
+    opts.connect_sql().await.map_err(|e| {
+        let why = match e {
+            outbox_source::tls::ConnectError::Db(e) => outbox_ledger::describe_db_error(&e),
+            outbox_source::tls::ConnectError::Tls(e) => e.to_string(),
+        };
+        anyhow::anyhow!(
+            "cannot connect to PostgreSQL at {}: {why}; check the URL, that the server is up, pg_hba.conf, and sslmode/sslrootcert",
+            redact_url(url)
+        )
+    })
 }
 
 pub(crate) async fn migrate(url: &str) -> anyhow::Result<()> {
