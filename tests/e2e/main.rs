@@ -17,4 +17,5 @@ mod ha;
 mod migration;
 mod ordering;
 mod slot_safety;
+mod tls;
 mod unknown;
