@@ -11,6 +11,7 @@ mod harness;
 mod bad_input;
 mod cli;
 mod crash;
+mod debezium;
 mod delivery;
 mod delivery_sets;
 mod ha;

@@ -71,6 +71,14 @@ pub struct MigrateArgs {
     /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/app
     #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
+    /// Debezium-compatible mode: capture inserts into this Debezium-style outbox table
+    /// (`schema.table` with columns id uuid, aggregatetype, aggregateid, type, payload) as
+    /// outbox events with event id = the row's id, published to outbox.event.<aggregatetype>
+    /// with key aggregateid and header `id`. Producers and consumers stay as they are
+    /// (insert-then-delete keeps working). Repeatable. Other column names: call
+    /// outbox.install_debezium_capture(...) in SQL; see docs/debezium.md.
+    #[arg(long, value_name = "SCHEMA.TABLE")]
+    pub debezium_table: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -225,9 +233,20 @@ pub struct RunArgs {
     /// quarantined. [default: default]
     #[arg(long, env = "OUTBOXD_CLUSTER_NAME")]
     pub cluster_name: Option<String>,
-    /// librdkafka property passed through, KEY=VALUE; repeatable (e.g. security.protocol=SSL).
+    /// librdkafka property passed through, KEY=VALUE; repeatable (e.g. security.protocol=SASL_SSL,
+    /// sasl.mechanism=SCRAM-SHA-512, ssl.ca.location=/etc/kafka/ca.pem). Put secret values
+    /// (sasl.password) in the config file's [kafka.properties] instead: command lines are
+    /// visible to other users. See docs/security.md.
     #[arg(long = "kafka-property", value_parser = parse_kv)]
     pub kafka_properties: Vec<(String, String)>,
+    /// Add the CloudEvents 1.0 Kafka binary-mode headers (ce_specversion, ce_id, ce_type,
+    /// ce_source, ce_time, ce_subject, content-type); the value stays the payload.
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS")]
+    pub cloudevents: bool,
+    /// CloudEvents `source` ({aggregate_type} is replaced). Implies --cloudevents.
+    /// [default: /outboxd/{aggregate_type}]
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS_SOURCE")]
+    pub cloudevents_source: Option<String>,
     /// Kafka message.timeout.ms: how long librdkafka retries one message. [default: 30000]
     #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
     pub message_timeout_ms: Option<u64>,

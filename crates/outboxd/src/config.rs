@@ -130,6 +130,11 @@ pub struct KafkaFile {
     pub partitioner: Option<String>,
     pub message_timeout_ms: Option<u64>,
     pub linger_ms: Option<u64>,
+    /// CloudEvents 1.0 binary-mode headers on every message. Default false.
+    pub cloudevents: Option<bool>,
+    /// CloudEvents `source`; `{aggregate_type}` is replaced. Default
+    /// `/outboxd/{aggregate_type}`. Setting it turns CloudEvents on.
+    pub cloudevents_source: Option<String>,
     /// librdkafka properties passed through verbatim (e.g. `"security.protocol" = "SSL"`).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,

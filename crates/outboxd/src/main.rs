@@ -83,7 +83,13 @@ fn init_logging(format: LogFormat, quiet: bool) {
 
 async fn dispatch(cmd: Command) -> anyhow::Result<()> {
     match cmd {
-        Command::Migrate(a) => migrate(&a.database_url).await,
+        Command::Migrate(a) => {
+            migrate(&a.database_url).await?;
+            for t in &a.debezium_table {
+                install_debezium(&a.database_url, t).await?;
+            }
+            Ok(())
+        }
         Command::Run(a) => {
             let cfg = resolve_run(&a)?;
             let (tx, rx) = watch::channel(false);
@@ -152,6 +158,31 @@ pub(crate) async fn migrate(url: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Installs the Debezium-compatible capture trigger on `table` (migration 0009).
+async fn install_debezium(url: &str, table: &str) -> anyhow::Result<()> {
+    let (schema, name) = config::split_table(table)?;
+    let client = connect(url).await?;
+    let qualified = format!(
+        "{}.{}",
+        outbox_source::slot::quote_ident(&schema),
+        outbox_source::slot::quote_ident(&name)
+    );
+    let row = client
+        .query_one(
+            "SELECT outbox.install_debezium_capture($1::text::regclass)",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "installing the Debezium capture on {table}: {}",
+                outbox_ledger::describe_db_error(&e)
+            )
+        })?;
+    println!("{}", row.get::<_, String>(0));
+    Ok(())
+}
+
 fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
     let file = match &a.config {
         Some(p) => FileConfig::load(p)?,
@@ -212,6 +243,9 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .map(Duration::from_millis)
                 .unwrap_or(defaults.linger),
             properties,
+            headers: outbox_sink::HeaderOptions {
+                cloudevents: cloudevents_source(a, &file),
+            },
         },
         max_in_flight: a
             .max_in_flight
@@ -250,6 +284,16 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// `Some(source)` when CloudEvents headers are on (flag, variable or file; a source implies on).
+fn cloudevents_source(a: &RunArgs, file: &FileConfig) -> Option<String> {
+    let source = a
+        .cloudevents_source
+        .clone()
+        .or(file.kafka.cloudevents_source.clone());
+    let on = a.cloudevents || file.kafka.cloudevents.unwrap_or(false) || source.is_some();
+    on.then(|| source.unwrap_or_else(|| outbox_sink::headers::DEFAULT_CLOUDEVENTS_SOURCE.into()))
 }
 
 async fn event_status(url: &str, id: uuid::Uuid) -> anyhow::Result<()> {
