@@ -10,6 +10,7 @@ mod harness;
 
 mod bad_input;
 mod cli;
+mod cloudevents;
 mod crash;
 mod debezium;
 mod delivery;
