@@ -43,7 +43,10 @@ async fn cloudevents_headers_and_traceparent_reach_the_topic() {
     // RFC 3339 (`T`, numeric offset with a colon), and the same instant as occurred_at.
     let time = h("ce_time").unwrap_or_default().to_string();
     assert_eq!(time.as_bytes().get(10), Some(&b'T'), "ce_time {time:?}");
-    let offset = time.rfind(['+', '-', 'Z']).map(|i| &time[i..]).unwrap_or("");
+    let offset = time
+        .rfind(['+', '-', 'Z'])
+        .map(|i| &time[i..])
+        .unwrap_or("");
     assert!(
         offset == "Z" || (offset.len() == 6 && offset.as_bytes()[3] == b':'),
         "ce_time {time:?} has no RFC 3339 offset"
@@ -61,5 +64,8 @@ async fn cloudevents_headers_and_traceparent_reach_the_topic() {
     assert_eq!(h("traceparent"), Some(traceparent));
     assert_eq!(h("tracestate"), Some(tracestate));
     let value: serde_json::Value = serde_json::from_str(m.payload.as_deref().unwrap()).unwrap();
-    assert_eq!(value, payload, "binary mode: the value is the payload itself");
+    assert_eq!(
+        value, payload,
+        "binary mode: the value is the payload itself"
+    );
 }

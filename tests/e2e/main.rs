@@ -18,6 +18,7 @@ mod delivery_sets;
 mod ha;
 mod migration;
 mod ordering;
+mod security;
 mod slot_safety;
 mod tls;
 mod unknown;
