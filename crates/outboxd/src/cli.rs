@@ -208,7 +208,7 @@ pub struct DemoArgs {
     pub rollback_ratio: f64,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Default, Args)]
 pub struct RunArgs {
     /// PostgreSQL URL of the database holding the outbox. The role needs REPLICATION (or
     /// superuser), SELECT on the outbox table and write access to the outbox schema.
