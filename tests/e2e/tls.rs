@@ -28,7 +28,8 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
-/// A CA, and a server certificate it signed for 127.0.0.1 / localhost. Returns
+/// A CA, and a server certificate it signed for 127.0.0.1 and db.outboxd.test (not
+/// `localhost`, so that name is a host name mismatch). Returns
 /// (ca.pem, server.pem, server.key).
 fn make_ca_and_server_cert(dir: &Path, ca_name: &str) -> (PathBuf, PathBuf, PathBuf) {
     let ca_key = format!("{ca_name}.key");
@@ -53,7 +54,7 @@ fn make_ca_and_server_cert(dir: &Path, ca_name: &str) -> (PathBuf, PathBuf, Path
     );
     std::fs::write(
         dir.join("san.ext"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        "subjectAltName=IP:127.0.0.1,DNS:db.outboxd.test\n",
     )
     .unwrap();
     let key = format!("{ca_name}-server.key");
@@ -191,4 +192,28 @@ async fn relay_streams_over_tls_and_refuses_an_untrusted_server() {
         .await
         .expect("replication connection with verify-full");
     c.close().await;
+
+    // The right CA but a name the certificate does not carry: verify-full refuses (host name
+    // check), verify-ca accepts (chain only) — on both connection kinds.
+    let by_name = verify_full.replacen("127.0.0.1", "localhost", 1);
+    let opts = PgConnectOptions::parse(&by_name).unwrap();
+    let err = opts.connect_sql().await.unwrap_err().to_string();
+    assert!(err.contains("certificate verify failed"), "{err}");
+    let err = ReplicationConnection::connect_with_tls(&opts.config, &opts.tls)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TransportError::Tls(m) if m.contains("hostname mismatch")),
+        "{err}"
+    );
+    let verify_ca = by_name.replacen("sslmode=verify-full", "sslmode=verify-ca", 1);
+    let opts = PgConnectOptions::parse(&verify_ca).unwrap();
+    opts.connect_sql()
+        .await
+        .expect("verify-ca ignores the host name");
+    ReplicationConnection::connect_with_tls(&opts.config, &opts.tls)
+        .await
+        .expect("verify-ca ignores the host name (replication)")
+        .close()
+        .await;
 }

@@ -218,8 +218,21 @@ impl PgConnectOptions {
 pub enum ConnectError {
     #[error(transparent)]
     Tls(#[from] TlsError),
-    #[error(transparent)]
+    /// Displayed with its causes (e.g. the OpenSSL verification error behind "error performing
+    /// TLS handshake").
+    #[error("{}", with_causes(.0))]
     Db(#[from] tokio_postgres::Error),
+}
+
+fn with_causes(e: &tokio_postgres::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
 }
 
 type Split = (String, Option<String>, Option<String>);
