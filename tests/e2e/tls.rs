@@ -173,6 +173,17 @@ async fn relay_streams_over_tls_and_refuses_an_untrusted_server() {
         log.contains("certificate verify failed"),
         "the error does not name the certificate: {log}"
     );
+    // check reports how the session is protected.
+    let (_, out) = outboxd(&["check", "--database-url", &verify_full]);
+    assert!(
+        out.contains("ok    database TLS") && out.contains("host name verified"),
+        "{out}"
+    );
+    let (_, out) = outboxd(&["check", "--database-url", &require]);
+    assert!(
+        out.contains("WARN  database TLS") && out.contains("sslmode=verify-full"),
+        "{out}"
+    );
     let (ok, out) = outboxd(&["check", "--database-url", &wrong]);
     assert!(!ok, "check passed against an untrusted server: {out}");
     assert!(out.contains("certificate verify failed"), "{out}");

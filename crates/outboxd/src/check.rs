@@ -225,6 +225,7 @@ async fn check_database(
     let client = match crate::connect(url).await {
         Ok(c) => {
             r.add(Level::Ok, "database connection", redact_url(url));
+            check_tls(r, &c, url).await;
             c
         }
         Err(e) => {
@@ -321,6 +322,48 @@ async fn check_database(
     check_publication(r, &client, publication, schema, table).await;
     check_slot(r, &client, slot).await;
     Some(client)
+}
+
+/// Whether the session is encrypted, and how the server is verified. Plain text to a
+/// non-loopback host is a warning: the relay's role has REPLICATION.
+async fn check_tls(r: &mut Report, client: &tokio_postgres::Client, url: &str) {
+    let Ok(opts) = outbox_source::tls::PgConnectOptions::parse(url) else {
+        return;
+    };
+    let ssl = client
+        .query_one(
+            "SELECT coalesce((SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()), false)",
+            &[],
+        )
+        .await
+        .map(|row| row.get::<_, bool>(0))
+        .unwrap_or(false);
+    let loopback = opts.config.get_hosts().iter().all(|h| match h {
+        tokio_postgres::config::Host::Tcp(h) => {
+            h == "localhost"
+                || h.parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        }
+        #[cfg(unix)]
+        tokio_postgres::config::Host::Unix(_) => true,
+    });
+    let mode = opts.tls.mode.as_str();
+    match (ssl, opts.tls.mode) {
+        (true, outbox_source::tls::SslMode::VerifyFull) => {
+            r.add(Level::Ok, "database TLS", "encrypted, server certificate and host name verified")
+        }
+        (true, _) => r.add(
+            Level::Warn,
+            "database TLS",
+            format!("encrypted, but sslmode={mode} does not verify the server's host name: use sslmode=verify-full&sslrootcert=CA.pem"),
+        ),
+        (false, _) if loopback => r.add(Level::Ok, "database TLS", "not used (loopback)"),
+        (false, _) => r.add(
+            Level::Warn,
+            "database TLS",
+            format!("not used (sslmode={mode}): the password and every event cross the network in plain text; enable ssl on the server and use sslmode=verify-full&sslrootcert=CA.pem (docs/security.md)"),
+        ),
+    }
 }
 
 /// SELECT on the outbox table; SELECT, INSERT, UPDATE, DELETE on each ledger table; USAGE on
