@@ -40,7 +40,12 @@ pub async fn connect(url: &str) -> Client {
 impl TestEnv {
     /// A fresh database (migrated), a mock broker with the test's topic, unique names.
     pub async fn new(name: &str) -> TestEnv {
-        let url = TestPostgres::shared()
+        TestEnv::new_on(TestPostgres::shared(), name).await
+    }
+
+    /// [`TestEnv::new`] on another server (e.g. one with TLS).
+    pub async fn new_on(pg: &TestPostgres, name: &str) -> TestEnv {
+        let url = pg
             .create_database(name)
             .await
             .expect("create test database");

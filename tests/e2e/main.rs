@@ -10,13 +10,17 @@ mod harness;
 
 mod bad_input;
 mod cli;
+mod cloudevents;
 mod console;
 mod crash;
+mod debezium;
 mod delivery;
 mod delivery_sets;
 mod ha;
 mod migration;
 mod observability;
 mod ordering;
+mod security;
 mod slot_safety;
+mod tls;
 mod unknown;

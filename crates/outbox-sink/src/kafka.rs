@@ -23,7 +23,8 @@ use tokio::sync::mpsc::UnboundedSender;
 
 /// Sink settings. `properties` are passed to librdkafka verbatim (after ours, so they win,
 /// except `enable.idempotence` and `acks`, which the relay's guarantees depend on).
-#[derive(Debug, Clone)]
+/// Its `Debug` hides secret property values (see [`crate::redact`]).
+#[derive(Clone)]
 pub struct KafkaSinkConfig {
     pub bootstrap_servers: String,
     /// The broker cluster identity this relay publishes to; must equal each event's frozen
@@ -33,6 +34,8 @@ pub struct KafkaSinkConfig {
     pub message_timeout: Duration,
     pub linger: Duration,
     pub properties: Vec<(String, String)>,
+    /// Optional header families (CloudEvents), see [`crate::headers`].
+    pub headers: crate::HeaderOptions,
 }
 
 impl Default for KafkaSinkConfig {
@@ -44,6 +47,7 @@ impl Default for KafkaSinkConfig {
             message_timeout: Duration::from_secs(30),
             linger: Duration::from_millis(2),
             properties: Vec::new(),
+            headers: crate::HeaderOptions::default(),
         }
     }
 }
@@ -291,7 +295,8 @@ impl KafkaSink {
     /// Enqueues one event; its delivery report arrives later with `token`. Waits (async)
     /// while librdkafka's queue is full.
     pub async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
-        let headers = event_headers(ev);
+        let mut headers = event_headers(ev);
+        crate::headers::add_optional_headers(&mut headers, ev, &self.config.headers);
         loop {
             let mut oh = OwnedHeaders::new_with_capacity(headers.len());
             for (k, v) in &headers {

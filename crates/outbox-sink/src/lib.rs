@@ -13,7 +13,11 @@
 //! large, invalid or unauthorised topic) or [`FailureClass::Transient`]; the pipeline
 //! quarantines the former and replays the latter.
 
+pub mod headers;
 pub mod kafka;
+pub mod redact;
+
+pub use headers::HeaderOptions;
 
 pub use kafka::{
     event_headers, scan_for_event, topic_partitions, Delivery, DeliveryOutcome, FailureClass,

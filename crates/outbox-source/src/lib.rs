@@ -8,11 +8,14 @@
 //!   decision that refuses to run on a slot that is missing, recreated, moved or invalidated.
 //! * [`decode`] — pgoutput messages (from `outbox-pgoutput`) to [`outbox_core::OutboxEvent`]s,
 //!   with transaction boundaries and commit LSNs.
+//! * [`tls`] — libpq's `sslmode` / `sslrootcert` for both the SQL and the replication
+//!   connections.
 //! * [`snapshot`] — the initial snapshot: outbox rows committed before the slot existed.
 
 pub mod decode;
 pub mod slot;
 pub mod snapshot;
+pub mod tls;
 pub mod transport;
 
 pub use decode::{Decoded, Decoder};

@@ -90,6 +90,20 @@ impl TestPostgres {
     /// Starts a new cluster. With `dir = None` it lives in a temporary directory removed on
     /// drop; the cluster is registered to be stopped at process exit as well.
     pub fn start_throwaway(dir: Option<&Path>) -> Result<TestPostgres, HarnessError> {
+        Self::start_throwaway_with(dir, None)
+    }
+
+    /// A separate throwaway cluster with `ssl = on`, serving the given PEM certificate
+    /// (chain) and key; plain-text connections stay allowed, so `sslmode` decides. The
+    /// shared cluster never has TLS.
+    pub fn start_throwaway_tls(cert: &Path, key: &Path) -> Result<TestPostgres, HarnessError> {
+        Self::start_throwaway_with(None, Some((cert, key)))
+    }
+
+    fn start_throwaway_with(
+        dir: Option<&Path>,
+        tls: Option<(&Path, &Path)>,
+    ) -> Result<TestPostgres, HarnessError> {
         let bin = find_bindir()?;
         let run_as = if unsafe_geteuid() == 0 {
             Some(postgres_ids()?)
@@ -140,6 +154,21 @@ impl TestPostgres {
             ),
         )
         .map_err(|e| io("writing pg_hba.conf", e))?;
+        let mut conf = conf;
+        if let Some((cert, key)) = tls {
+            // The server refuses a key readable by others or owned by another user.
+            for (src, name, mode) in [(cert, "server.crt", 0o644), (key, "server.key", 0o600)] {
+                let dst = data.join(name);
+                std::fs::copy(src, &dst).map_err(|e| io("copying the TLS certificate", e))?;
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(mode))
+                    .map_err(|e| io("setting TLS file permissions", e))?;
+                if let Some((uid, gid)) = run_as {
+                    chown(&dst, uid, gid)?;
+                }
+            }
+            conf.push_str("ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+        }
         let conf_path = data.join("postgresql.conf");
         let mut existing =
             std::fs::read_to_string(&conf_path).map_err(|e| io("reading postgresql.conf", e))?;

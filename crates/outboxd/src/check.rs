@@ -1,12 +1,21 @@
 //! `outboxd check`: everything a relay needs, verified before it runs. Each problem is named
 //! with its fix; the exit code is non-zero when anything would stop the relay.
+//!
+//! What is checked, in order: the config (file keys, values, Kafka properties, exactly as
+//! `outboxd run` would resolve them), the database connection (including TLS), wal_level,
+//! free replication slots and WAL senders, the REPLICATION attribute, the schema version, the
+//! privileges on the outbox and on each ledger table, the publication, the slot (plugin,
+//! database, wal_status, retained WAL against `max_slot_wal_keep_size`), the broker, and the
+//! topics the pending events and known aggregate types route to.
 
 use std::time::Duration;
 
 use outbox_sink::{KafkaSink, KafkaSinkConfig};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::ClientConfig;
 
-use crate::cli::CheckArgs;
-use crate::config::{self, redact_url, FileConfig};
+use crate::cli::{CheckArgs, RunArgs};
+use crate::config::{self, redact_url, FileConfig, RelayConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Level {
@@ -28,25 +37,51 @@ impl Report {
     }
 }
 
+/// Tables the relay writes (the ledger), as granted by `docs/least_privilege.sql`.
+const LEDGER_TABLES: &[&str] = &[
+    "receipts",
+    "duplicate_receipts",
+    "quarantine",
+    "checkpoints",
+    "aggregate_heads",
+    "holds",
+    "held_events",
+    "relay_leases",
+    "attempts",
+];
+
+/// Sequences behind the ledger tables' ids.
+const LEDGER_SEQUENCES: &[&str] = &[
+    "duplicate_receipts_id_seq",
+    "quarantine_id_seq",
+    "attempts_id_seq",
+];
+
+/// Stand-in for a missing `--bootstrap-servers` while the rest of the config is validated.
+const NO_BOOTSTRAP: &str = "bootstrap-servers-not-given:9092";
+
 pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
     let mut r = Report { lines: Vec::new() };
     let file = match &a.config {
         Some(p) => match FileConfig::load(p) {
-            Ok(f) => {
-                r.add(Level::Ok, "config file", p.display().to_string());
-                f
-            }
+            Ok(f) => Some(f),
             Err(e) => {
                 r.add(
                     Level::Fail,
                     "config file",
                     format!("{e:#}; fix the key or value it names"),
                 );
-                FileConfig::default()
+                None
             }
         },
-        None => FileConfig::default(),
+        None => Some(FileConfig::default()),
     };
+    // The config as `outboxd run` would resolve and validate it.
+    let cfg = match &file {
+        Some(file) => resolve(&a, file, &mut r),
+        None => None,
+    };
+    let file = file.unwrap_or_default();
     let url = a
         .database_url
         .clone()
@@ -61,26 +96,43 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
         .clone()
         .or(file.publication.clone())
         .unwrap_or_else(|| config::DEFAULT_PUBLICATION.into());
+    let (schema, table) = cfg
+        .as_ref()
+        .map(|c| (c.schema.clone(), c.table.clone()))
+        .unwrap_or_else(|| ("outbox".into(), "events".into()));
+    let mut db = None;
     match url {
         None => r.add(
             Level::Fail,
             "database",
             "no URL: pass --database-url, set OUTBOXD_DATABASE_URL, or database_url in the config file",
         ),
-        Some(url) => check_database(&mut r, &url, &slot, &publication).await,
+        Some(url) => {
+            db = check_database(&mut r, &url, &slot, &publication, &schema, &table).await;
+        }
     }
     let bootstrap = a
         .bootstrap_servers
         .clone()
         .or(file.kafka.bootstrap_servers.clone());
-    if let Some(b) = bootstrap {
-        check_broker(&mut r, &b, &file).await;
-    } else {
-        r.add(
+    match (bootstrap, &cfg) {
+        (Some(b), Some(cfg)) => {
+            let sink = KafkaSinkConfig {
+                bootstrap_servers: b,
+                ..cfg.sink.clone()
+            };
+            check_broker(&mut r, &sink, db.as_ref()).await;
+        }
+        (Some(_), None) => r.add(
             Level::Warn,
             "kafka",
-            "not checked: pass --bootstrap-servers to check the broker",
-        );
+            "not checked: fix the configuration first",
+        ),
+        (None, _) => r.add(
+            Level::Warn,
+            "kafka",
+            "not checked: pass --bootstrap-servers to check the broker and the topics",
+        ),
     }
 
     for (level, what, detail) in &r.lines {
@@ -100,15 +152,85 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn check_database(r: &mut Report, url: &str, slot: &str, publication: &str) {
+/// Resolves flags + file exactly as `outboxd run` does and reports what `validate` refuses.
+/// A missing URL or bootstrap list is reported by its own line, not here.
+fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<RelayConfig> {
+    let has_bootstrap = a.bootstrap_servers.is_some() || file.kafka.bootstrap_servers.is_some();
+    let has_url = a.database_url.is_some() || file.database_url.is_some();
+    let args = RunArgs {
+        database_url: a
+            .database_url
+            .clone()
+            .or_else(|| (!has_url).then(|| "postgres://placeholder@localhost/db".into())),
+        bootstrap_servers: a
+            .bootstrap_servers
+            .clone()
+            .or_else(|| (!has_bootstrap).then(|| NO_BOOTSTRAP.into())),
+        slot: a.slot.clone(),
+        publication: a.publication.clone(),
+        config: a.config.clone(),
+        ..RunArgs::default()
+    };
+    let what = if a.config.is_some() {
+        "config"
+    } else {
+        "settings"
+    };
+    let cfg = match crate::resolve_run(&args) {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            r.add(
+                Level::Fail,
+                what,
+                format!(
+                    "{}; fix it in the flags or the config file",
+                    crate::one_line(&e)
+                ),
+            );
+            return None;
+        }
+    };
+    // librdkafka validates property names and values when a client is created; nothing is
+    // sent until it is used.
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    match KafkaSink::new(cfg.sink.clone(), tx) {
+        Ok(_) => r.add(
+            Level::Ok,
+            what,
+            match &a.config {
+                Some(p) => format!("{} is valid", p.display()),
+                None => "valid".to_string(),
+            },
+        ),
+        Err(e) => {
+            r.add(
+                Level::Fail,
+                "kafka properties",
+                format!("{e}; see https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md"),
+            );
+            return None;
+        }
+    }
+    Some(cfg)
+}
+
+async fn check_database(
+    r: &mut Report,
+    url: &str,
+    slot: &str,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) -> Option<tokio_postgres::Client> {
     let client = match crate::connect(url).await {
         Ok(c) => {
             r.add(Level::Ok, "database connection", redact_url(url));
+            check_tls(r, &c, url).await;
             c
         }
         Err(e) => {
             r.add(Level::Fail, "database connection", format!("{e:#}"));
-            return;
+            return None;
         }
     };
     let one = |sql: &'static str| {
@@ -120,26 +242,45 @@ async fn check_database(r: &mut Report, url: &str, slot: &str, publication: &str
         Ok(()) => r.add(Level::Ok, "wal_level", "logical"),
         Err(e) => r.add(Level::Fail, "wal_level", e.to_string()),
     }
-    if let Ok(row) = one("SELECT current_setting('max_replication_slots')::int,
-                (SELECT count(*) FROM pg_replication_slots)::int,
-                current_setting('max_wal_senders')::int,
-                (SELECT count(*) FROM pg_stat_replication)::int")
-    .await
+    if let Ok(row) = client
+        .query_one(
+            "SELECT current_setting('max_replication_slots')::int,
+                    (SELECT count(*) FROM pg_replication_slots)::int,
+                    current_setting('max_wal_senders')::int,
+                    (SELECT count(*) FROM pg_stat_replication)::int,
+                    EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+            &[&slot],
+        )
+        .await
     {
-        let (slots, used, senders, busy): (i32, i32, i32, i32) =
-            (row.get(0), row.get(1), row.get(2), row.get(3));
-        let level = if used >= slots {
-            Level::Warn
+        let (slots, used, senders, busy, ours): (i32, i32, i32, i32, bool) =
+            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+        let (level, note) = if ours {
+            (Level::Ok, "slot exists")
+        } else if used >= slots {
+            (Level::Fail, "none free for the new slot")
         } else {
-            Level::Ok
+            (Level::Ok, "one is free for the new slot")
         };
-        r.add(level, "max_replication_slots", format!("{used} of {slots} in use (a new slot needs a free one; raise max_replication_slots and restart)"));
+        r.add(
+            level,
+            "max_replication_slots",
+            format!("{used} of {slots} in use, {note}{}", if level == Level::Fail {
+                "; raise max_replication_slots (ALTER SYSTEM SET max_replication_slots = ...) and restart PostgreSQL, or drop an unused slot (pg_drop_replication_slot)"
+            } else { "" }),
+        );
         let level = if busy >= senders {
             Level::Fail
         } else {
             Level::Ok
         };
-        r.add(level, "max_wal_senders", format!("{busy} of {senders} in use (the relay needs one; raise max_wal_senders and restart)"));
+        r.add(
+            level,
+            "max_wal_senders",
+            format!("{busy} of {senders} in use{}", if level == Level::Fail {
+                "; the relay needs one: raise max_wal_senders (ALTER SYSTEM SET max_wal_senders = ...) and restart PostgreSQL"
+            } else { "" }),
+        );
     }
     match outbox_source::slot::check_replication_privilege(&client).await {
         Ok(()) => r.add(Level::Ok, "REPLICATION privilege", "granted"),
@@ -150,22 +291,24 @@ async fn check_database(r: &mut Report, url: &str, slot: &str, publication: &str
         .map(|m| m.version)
         .max()
         .unwrap_or(0);
+    let mut schema_ok = false;
     match one("SELECT coalesce(max(version), 0) FROM outbox.schema_migrations").await {
         Ok(row) if row.get::<_, i32>(0) == latest => {
+            schema_ok = true;
             r.add(Level::Ok, "schema outbox", format!("migration {latest}"))
         }
         Ok(row) => r.add(
             Level::Fail,
             "schema outbox",
             format!(
-                "at migration {} of {latest}: run outboxd migrate --database-url ...",
+                "at migration {} of {latest}: run outboxd migrate --database-url ... (as the schema owner)",
                 row.get::<_, i32>(0)
             ),
         ),
         Err(e) if e.code().map(|c| c.code()) == Some("42501") => r.add(
             Level::Fail,
             "schema outbox",
-            "the role may not read it: GRANT USAGE ON SCHEMA outbox and the ledger tables to the relay's role",
+            "the role may not read it: run docs/least_privilege.sql as a superuser (GRANT USAGE ON SCHEMA outbox, SELECT on the outbox, write on the ledger tables)",
         ),
         Err(_) => r.add(
             Level::Fail,
@@ -173,63 +316,239 @@ async fn check_database(r: &mut Report, url: &str, slot: &str, publication: &str
             "not migrated: run outboxd migrate --database-url ...",
         ),
     }
-    if let Ok(row) = one("SELECT has_table_privilege('outbox.events', 'SELECT'),
-                has_table_privilege('outbox.receipts', 'INSERT'),
-                has_table_privilege('outbox.checkpoints', 'UPDATE'),
-                has_table_privilege('outbox.relay_leases', 'UPDATE')")
-    .await
+    if schema_ok {
+        check_privileges(r, &client, schema, table).await;
+    }
+    check_publication(r, &client, publication, schema, table).await;
+    check_slot(r, &client, slot).await;
+    Some(client)
+}
+
+/// Whether the session is encrypted, and how the server is verified. Plain text to a
+/// non-loopback host is a warning: the relay's role has REPLICATION.
+async fn check_tls(r: &mut Report, client: &tokio_postgres::Client, url: &str) {
+    let Ok(opts) = outbox_source::tls::PgConnectOptions::parse(url) else {
+        return;
+    };
+    let ssl = client
+        .query_one(
+            "SELECT coalesce((SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()), false)",
+            &[],
+        )
+        .await
+        .map(|row| row.get::<_, bool>(0))
+        .unwrap_or(false);
+    let loopback = opts.config.get_hosts().iter().all(|h| match h {
+        tokio_postgres::config::Host::Tcp(h) => {
+            h == "localhost"
+                || h.parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        }
+        #[cfg(unix)]
+        tokio_postgres::config::Host::Unix(_) => true,
+    });
+    let mode = opts.tls.mode.as_str();
+    match (ssl, opts.tls.mode) {
+        (true, outbox_source::tls::SslMode::VerifyFull) => {
+            r.add(Level::Ok, "database TLS", "encrypted, server certificate and host name verified")
+        }
+        (true, _) => r.add(
+            Level::Warn,
+            "database TLS",
+            format!("encrypted, but sslmode={mode} does not verify the server's host name: use sslmode=verify-full&sslrootcert=CA.pem"),
+        ),
+        (false, _) if loopback => r.add(Level::Ok, "database TLS", "not used (loopback)"),
+        (false, _) => r.add(
+            Level::Warn,
+            "database TLS",
+            format!("not used (sslmode={mode}): the password and every event cross the network in plain text; enable ssl on the server and use sslmode=verify-full&sslrootcert=CA.pem (docs/security.md)"),
+        ),
+    }
+}
+
+/// SELECT on the outbox table; SELECT, INSERT, UPDATE, DELETE on each ledger table; USAGE on
+/// the ledger sequences. The fix is the exact GRANT.
+async fn check_privileges(
+    r: &mut Report,
+    client: &tokio_postgres::Client,
+    schema: &str,
+    table: &str,
+) {
+    let quoted = format!(
+        "{}.{}",
+        outbox_source::slot::quote_ident(schema),
+        outbox_source::slot::quote_ident(table)
+    );
+    let outbox = format!("{schema}.{table}");
+    match client
+        .query_one(
+            "SELECT has_table_privilege($1, 'SELECT'), current_user::text",
+            &[&quoted],
+        )
+        .await
     {
-        let missing: Vec<&str> = [
-            (0, "SELECT on outbox.events"),
-            (1, "INSERT on outbox.receipts"),
-            (2, "UPDATE on outbox.checkpoints"),
-            (3, "UPDATE on outbox.relay_leases"),
-        ]
-        .iter()
-        .filter(|(i, _)| !row.get::<_, bool>(*i))
-        .map(|(_, n)| *n)
-        .collect();
-        if missing.is_empty() {
-            r.add(Level::Ok, "ledger privileges", "read outbox, write ledger");
-        } else {
-            r.add(
-                Level::Fail,
-                "ledger privileges",
-                format!(
-                    "missing {}: GRANT them to the relay's role (see docs)",
-                    missing.join(", ")
-                ),
-            );
+        Ok(row) if row.get::<_, bool>(0) => r.add(
+            Level::Ok,
+            "outbox privileges",
+            format!("SELECT on {outbox}"),
+        ),
+        Ok(row) => r.add(
+            Level::Fail,
+            "outbox privileges",
+            format!(
+                "missing SELECT on {outbox}: GRANT SELECT ON {outbox} TO {}",
+                row.get::<_, String>(1)
+            ),
+        ),
+        Err(e) => r.add(
+            Level::Fail,
+            "outbox privileges",
+            format!(
+                "{}: is --table right?",
+                outbox_ledger::describe_db_error(&e)
+            ),
+        ),
+    }
+    let mut missing = Vec::new();
+    let mut user = String::new();
+    for t in LEDGER_TABLES {
+        let name = format!("outbox.{t}");
+        if let Ok(row) = client
+            .query_one(
+                "SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT'),
+                        has_table_privilege($1, 'UPDATE'), has_table_privilege($1, 'DELETE'),
+                        current_user::text",
+                &[&name],
+            )
+            .await
+        {
+            user = row.get(4);
+            let privs: Vec<&str> = ["SELECT", "INSERT", "UPDATE", "DELETE"]
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !row.get::<_, bool>(*i))
+                .map(|(_, p)| *p)
+                .collect();
+            if !privs.is_empty() {
+                missing.push(format!("GRANT {} ON {name} TO {user}", privs.join(", ")));
+            }
         }
     }
+    for s in LEDGER_SEQUENCES {
+        let name = format!("outbox.{s}");
+        if let Ok(row) = client
+            .query_one(
+                "SELECT has_sequence_privilege($1, 'USAGE'), current_user::text",
+                &[&name],
+            )
+            .await
+        {
+            user = row.get(1);
+            if !row.get::<_, bool>(0) {
+                missing.push(format!("GRANT USAGE ON SEQUENCE {name} TO {user}"));
+            }
+        }
+    }
+    if missing.is_empty() {
+        r.add(
+            Level::Ok,
+            "ledger privileges",
+            "read and write on every ledger table",
+        );
+    } else {
+        r.add(
+            Level::Fail,
+            "ledger privileges",
+            format!(
+                "the relay cannot write its ledger: {}; (or run docs/least_privilege.sql for role {user})",
+                missing.join("; ")
+            ),
+        );
+    }
+}
+
+async fn check_publication(
+    r: &mut Report,
+    client: &tokio_postgres::Client,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) {
     match client
         .query_opt(
-            "SELECT pubinsert, puballtables OR EXISTS (SELECT 1 FROM pg_publication_tables t
-                    WHERE t.pubname = p.pubname AND t.schemaname = 'outbox' AND t.tablename = 'events')
-             FROM pg_publication p WHERE pubname = $1",
-            &[&publication],
+            "SELECT p.pubinsert, p.puballtables OR EXISTS (SELECT 1 FROM pg_publication_tables t
+                    WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3),
+                    p.pubupdate OR p.pubdelete
+             FROM pg_publication p WHERE p.pubname = $1",
+            &[&publication, &schema, &table],
         )
         .await
     {
         Ok(Some(row)) if row.get::<_, bool>(0) && row.get::<_, bool>(1) => {
-            r.add(Level::Ok, "publication", format!("{publication} publishes inserts of outbox.events"))
+            if row.get::<_, bool>(2) {
+                r.add(
+                    Level::Warn,
+                    "publication",
+                    format!("{publication} also publishes updates/deletes of {schema}.{table}: the relay ignores them, but a purge then costs WAL decoding; ALTER PUBLICATION {publication} SET (publish = 'insert')"),
+                )
+            } else {
+                r.add(
+                    Level::Ok,
+                    "publication",
+                    format!("{publication} publishes inserts of {schema}.{table}"),
+                )
+            }
         }
         Ok(Some(_)) => r.add(
             Level::Fail,
             "publication",
-            format!("{publication} does not publish inserts of outbox.events: ALTER PUBLICATION {publication} ADD TABLE outbox.events; SET (publish = 'insert')"),
+            format!("{publication} does not publish inserts of {schema}.{table}: ALTER PUBLICATION {publication} ADD TABLE {schema}.{table}; ALTER PUBLICATION {publication} SET (publish = 'insert')"),
         ),
-        Ok(None) => r.add(
-            Level::Warn,
-            "publication",
-            format!("{publication} does not exist; the relay creates it (needs ownership of outbox.events)"),
-        ),
+        Ok(None) => {
+            let owner = client
+                .query_one(
+                    "SELECT pg_has_role(current_user, c.relowner, 'USAGE')
+                     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                     WHERE n.nspname = $1 AND c.relname = $2",
+                    &[&schema, &table],
+                )
+                .await
+                .map(|row| row.get::<_, bool>(0))
+                .unwrap_or(false);
+            if owner {
+                r.add(
+                    Level::Warn,
+                    "publication",
+                    format!("{publication} does not exist; the relay creates it (inserts of {schema}.{table})"),
+                )
+            } else {
+                r.add(
+                    Level::Fail,
+                    "publication",
+                    format!("{publication} does not exist and this role cannot create it (it does not own {schema}.{table}): as the owner, CREATE PUBLICATION {publication} FOR TABLE {schema}.{table} WITH (publish = 'insert')"),
+                )
+            }
+        }
         Err(e) => r.add(Level::Fail, "publication", e.to_string()),
     }
+}
+
+async fn check_slot(r: &mut Report, client: &tokio_postgres::Client, slot: &str) {
+    let keep = client
+        .query_one(
+            "SELECT current_setting('max_slot_wal_keep_size'),
+                    pg_size_bytes(current_setting('max_slot_wal_keep_size') ||
+                        CASE WHEN current_setting('max_slot_wal_keep_size') ~ '^-?[0-9]+$' THEN 'MB' ELSE '' END)",
+            &[],
+        )
+        .await
+        .ok()
+        .map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1)));
     match client
         .query_opt(
             "SELECT s.wal_status, pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::int8,
-                    current_setting('max_slot_wal_keep_size'), s.plugin
+                    s.plugin, s.slot_type, s.database = current_database(), s.database,
+                    s.temporary
              FROM pg_replication_slots s WHERE s.slot_name = $1",
             &[&slot],
         )
@@ -243,59 +562,219 @@ async fn check_database(r: &mut Report, url: &str, slot: &str, publication: &str
         Ok(Some(row)) => {
             let status: Option<String> = row.get(0);
             let retained: Option<i64> = row.get(1);
-            let keep: String = row.get(2);
-            let plugin: Option<String> = row.get(3);
-            if plugin.as_deref() != Some("pgoutput") {
+            let plugin: Option<String> = row.get(2);
+            let slot_type: String = row.get(3);
+            let here: Option<bool> = row.get(4);
+            let database: Option<String> = row.get(5);
+            let temporary: bool = row.get(6);
+            if slot_type != "logical" || plugin.as_deref() != Some("pgoutput") {
                 r.add(
                     Level::Fail,
                     "slot",
-                    format!("{slot} uses plugin {plugin:?}, not pgoutput: choose another --slot"),
+                    format!("{slot} is a {slot_type} slot with plugin {}, not a pgoutput logical slot: choose another --slot, or drop it (SELECT pg_drop_replication_slot('{slot}')) if it is unused", plugin.as_deref().unwrap_or("none")),
+                );
+            } else if here != Some(true) {
+                r.add(
+                    Level::Fail,
+                    "slot",
+                    format!("{slot} belongs to database {}, not this one: choose another --slot or connect to that database", database.unwrap_or_default()),
+                );
+            } else if temporary {
+                r.add(
+                    Level::Fail,
+                    "slot",
+                    format!("{slot} is a temporary slot of another session: choose another --slot"),
                 );
             } else if status.as_deref() == Some("lost") {
                 r.add(
                     Level::Fail,
                     "slot",
-                    format!(
-                        "{slot} is invalidated (wal_status lost): run outboxd run --resnapshot"
-                    ),
+                    format!("{slot} is invalidated (wal_status lost, its WAL was removed): run outboxd run --resnapshot (recreates the slot and publishes every outbox row without a receipt)"),
                 );
-            } else {
-                r.add(
-                    Level::Ok,
-                    "slot",
-                    format!(
-                        "{slot} wal_status {}, retaining {} bytes of WAL",
-                        status.unwrap_or_default(),
-                        retained.unwrap_or(0)
-                    ),
-                );
-            }
-            if keep == "-1" {
+            } else if status.as_deref() == Some("unreserved") {
                 r.add(
                     Level::Warn,
-                    "max_slot_wal_keep_size",
-                    "unlimited: a stopped relay's slot can fill the disk; set a limit",
+                    "slot",
+                    format!("{slot} retains {} bytes, past max_slot_wal_keep_size (wal_status unreserved): it is invalidated at the next checkpoint unless the relay catches up now; start the relay or raise max_slot_wal_keep_size", retained.unwrap_or(0)),
                 );
+            } else {
+                let retained = retained.unwrap_or(0);
+                match keep {
+                    Some((_, limit)) if limit > 0 && retained.saturating_mul(10) >= limit.saturating_mul(8) => r.add(
+                        Level::Warn,
+                        "slot",
+                        format!("{slot} retains {retained} bytes of WAL, {}% of max_slot_wal_keep_size ({limit} bytes): at 100% PostgreSQL invalidates the slot; start the relay or raise the limit", retained.saturating_mul(100) / limit),
+                    ),
+                    _ => r.add(
+                        Level::Ok,
+                        "slot",
+                        format!(
+                            "{slot} wal_status {}, retaining {retained} bytes of WAL",
+                            status.unwrap_or_default()
+                        ),
+                    ),
+                }
             }
         }
         Err(e) => r.add(Level::Fail, "slot", e.to_string()),
     }
+    match keep {
+        Some((text, _)) if text == "-1" => r.add(
+            Level::Warn,
+            "max_slot_wal_keep_size",
+            "unlimited: a stopped relay's slot retains WAL until the disk is full; set a limit (ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT pg_reload_conf()) and alert on slot lag (docs/operations.md)",
+        ),
+        Some((text, limit)) => r.add(
+            Level::Ok,
+            "max_slot_wal_keep_size",
+            format!("{text} ({limit} bytes)"),
+        ),
+        None => {}
+    }
 }
 
-async fn check_broker(r: &mut Report, bootstrap: &str, file: &FileConfig) {
+async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_postgres::Client>) {
+    let bootstrap = sink.bootstrap_servers.clone();
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-    let cfg = KafkaSinkConfig {
-        bootstrap_servers: bootstrap.to_string(),
-        properties: file.kafka.properties.clone().into_iter().collect(),
-        ..KafkaSinkConfig::default()
-    };
-    match KafkaSink::new(cfg, tx) {
+    match KafkaSink::new(sink.clone(), tx) {
         Err(e) => r.add(Level::Fail, "kafka configuration", e.to_string()),
-        Ok(sink) => {
-            match tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10))) {
-                Ok(n) => r.add(Level::Ok, "kafka", format!("{bootstrap}: {n} broker(s)")),
-                Err(e) => r.add(Level::Fail, "kafka", e.to_string()),
+        Ok(s) => match tokio::task::block_in_place(|| s.check_reachable(Duration::from_secs(10))) {
+            Ok(n) => r.add(Level::Ok, "kafka", format!("{bootstrap}: {n} broker(s)")),
+            Err(e) => {
+                r.add(Level::Fail, "kafka", e.to_string());
+                return;
+            }
+        },
+    }
+    let Some(db) = db else { return };
+    // The topics the relay will publish to: those of unpublished events for this cluster,
+    // and those the routes give the aggregate types seen so far.
+    let topics: Vec<String> = match db
+        .query(
+            "SELECT DISTINCT topic FROM (
+                 (SELECT e.dest_topic AS topic FROM outbox.events e
+                  WHERE e.dest_kind = 'kafka' AND e.dest_cluster = $1
+                    AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
+                  LIMIT 10000)
+                 UNION
+                 (SELECT rr.topic FROM (SELECT aggregate_type FROM outbox.aggregate_versions
+                                        GROUP BY aggregate_type LIMIT 1000) a,
+                         LATERAL outbox.resolve_route(a.aggregate_type, '') rr
+                  WHERE rr.kind = 'kafka' AND rr.cluster = $1)
+             ) t ORDER BY 1 LIMIT 200",
+            &[&sink.cluster_name],
+        )
+        .await
+    {
+        Ok(rows) => rows.iter().map(|row| row.get(0)).collect(),
+        Err(_) => return, // reported by the schema / privilege lines
+    };
+    if topics.is_empty() {
+        r.add(
+            Level::Ok,
+            "topics",
+            "no pending events or known aggregate types yet",
+        );
+        return;
+    }
+    let sink = sink.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        missing_topics(&sink, &topics).map(|(n, missing)| {
+            let auto = if missing.is_empty() {
+                None
+            } else {
+                broker_auto_create(&sink)
+            };
+            (n, missing, auto)
+        })
+    })
+    .await;
+    let create = "create them with the partition count you want (kafka-topics.sh --create --topic ... --partitions N)";
+    match result {
+        Ok(Ok((n, missing, _))) if missing.is_empty() => {
+            r.add(Level::Ok, "topics", format!("all {n} exist"))
+        }
+        Ok(Ok((n, missing, auto))) => {
+            let list = missing.join(", ");
+            let m = missing.len();
+            match auto {
+                Some(true) => r.add(
+                    Level::Warn,
+                    "topics",
+                    format!("{m} of {n} do not exist: {list}; the broker auto-creates them with its default partition count; better {create}"),
+                ),
+                Some(false) => r.add(
+                    Level::Fail,
+                    "topics",
+                    format!("{m} of {n} do not exist and the broker does not auto-create topics (auto.create.topics.enable=false): {list}; {create}"),
+                ),
+                None => r.add(
+                    Level::Warn,
+                    "topics",
+                    format!("{m} of {n} do not exist: {list}; the broker's auto.create.topics.enable could not be read; {create}, unless you know auto-creation is on"),
+                ),
             }
         }
+        Ok(Err(e)) => r.add(Level::Fail, "topics", e),
+        Err(e) => r.add(Level::Fail, "topics", e.to_string()),
     }
+}
+
+/// A metadata/admin client config: the bootstrap list plus the security settings.
+fn metadata_config(sink: &KafkaSinkConfig) -> ClientConfig {
+    let mut cc = ClientConfig::new();
+    for (k, v) in &sink.properties {
+        if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
+            cc.set(k, v);
+        }
+    }
+    cc.set("bootstrap.servers", &sink.bootstrap_servers);
+    cc
+}
+
+/// Which of `topics` the cluster does not have. Uses a metadata request that does not
+/// auto-create anything (`allow.auto.create.topics=false`).
+fn missing_topics(
+    sink: &KafkaSinkConfig,
+    topics: &[String],
+) -> Result<(usize, Vec<String>), String> {
+    let consumer: BaseConsumer = metadata_config(sink)
+        .set("allow.auto.create.topics", "false")
+        .create()
+        .map_err(|e| format!("cannot create a metadata client: {e}"))?;
+    let mut missing = Vec::new();
+    for t in topics {
+        let md = consumer
+            .fetch_metadata(Some(t), Duration::from_secs(10))
+            .map_err(|e| format!("reading metadata of topic {t}: {e}"))?;
+        let exists = md
+            .topics()
+            .iter()
+            .any(|mt| mt.name() == t && mt.error().is_none() && !mt.partitions().is_empty());
+        if !exists {
+            missing.push(t.clone());
+        }
+    }
+    Ok((topics.len(), missing))
+}
+
+/// The broker's `auto.create.topics.enable`, if it can be read (DescribeConfigs).
+fn broker_auto_create(sink: &KafkaSinkConfig) -> Option<bool> {
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = metadata_config(sink).create().ok()?;
+    let md = admin
+        .inner()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .ok()?;
+    let broker = md.brokers().first()?.id();
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    let spec = ResourceSpecifier::Broker(broker);
+    let res = futures::executor::block_on(admin.describe_configs([&spec], &opts)).ok()?;
+    let resource = res.into_iter().next()?.ok()?;
+    let entry = resource
+        .entries
+        .iter()
+        .find(|e| e.name == "auto.create.topics.enable")?;
+    entry.value.as_deref().map(|v| v == "true")
 }

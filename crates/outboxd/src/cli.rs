@@ -74,6 +74,14 @@ pub struct MigrateArgs {
     /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/app
     #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
+    /// Debezium-compatible mode: capture inserts into this Debezium-style outbox table
+    /// (`schema.table` with columns id uuid, aggregatetype, aggregateid, type, payload) as
+    /// outbox events with event id = the row's id, published to outbox.event.<aggregatetype>
+    /// with key aggregateid and header `id`. Producers and consumers stay as they are
+    /// (insert-then-delete keeps working). Repeatable. Other column names: call
+    /// outbox.install_debezium_capture(...) in SQL; see docs/debezium.md.
+    #[arg(long, value_name = "SCHEMA.TABLE")]
+    pub debezium_table: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -203,7 +211,7 @@ pub struct DemoArgs {
     pub rollback_ratio: f64,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Default, Args)]
 pub struct RunArgs {
     /// PostgreSQL URL of the database holding the outbox. The role needs REPLICATION (or
     /// superuser), SELECT on the outbox table and write access to the outbox schema.
@@ -228,9 +236,20 @@ pub struct RunArgs {
     /// quarantined. [default: default]
     #[arg(long, env = "OUTBOXD_CLUSTER_NAME")]
     pub cluster_name: Option<String>,
-    /// librdkafka property passed through, KEY=VALUE; repeatable (e.g. security.protocol=SSL).
+    /// librdkafka property passed through, KEY=VALUE; repeatable (e.g. security.protocol=SASL_SSL,
+    /// sasl.mechanism=SCRAM-SHA-512, ssl.ca.location=/etc/kafka/ca.pem). Put secret values
+    /// (sasl.password) in the config file's [kafka.properties] instead: command lines are
+    /// visible to other users. See docs/security.md.
     #[arg(long = "kafka-property", value_parser = parse_kv)]
     pub kafka_properties: Vec<(String, String)>,
+    /// Add the CloudEvents 1.0 Kafka binary-mode headers (ce_specversion, ce_id, ce_type,
+    /// ce_source, ce_time, ce_subject, content-type); the value stays the payload.
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS")]
+    pub cloudevents: bool,
+    /// CloudEvents `source` ({aggregate_type} is replaced). Implies --cloudevents.
+    /// [default: /outboxd/{aggregate_type}]
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS_SOURCE")]
+    pub cloudevents_source: Option<String>,
     /// Kafka message.timeout.ms: how long librdkafka retries one message. [default: 30000]
     #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
     pub message_timeout_ms: Option<u64>,
@@ -273,7 +292,7 @@ pub struct RunArgs {
 
 /// Observability and the admin console (see docs/operations.md). Everything is off unless an
 /// address is given; a bare port binds 127.0.0.1.
-#[derive(Debug, Args)]
+#[derive(Debug, Default, Args)]
 #[command(next_help_heading = "Metrics, health and admin console")]
 pub struct AdminArgs {
     /// Serve Prometheus `/metrics`, `/healthz` (the process answers) and `/readyz` (streaming

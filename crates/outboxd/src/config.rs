@@ -34,16 +34,70 @@ impl fmt::Debug for Secret {
     }
 }
 
-/// Renders a PostgreSQL URL without its password, for messages.
+/// Renders a PostgreSQL connection string without its password, for messages: the password
+/// of a URL's user info, a `password=` URL parameter, and a `password=` key of the key=value
+/// form are all dropped.
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let userinfo = &url[s + 3..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{}{}@{}", &url[..s + 3], user, &url[at + 1..])
+    if !url.contains("://") {
+        // key=value form: drop the password pair (quoted or not).
+        let mut out = String::new();
+        let mut rest = url;
+        while let Some(i) = rest.find("password") {
+            let (before, after) = rest.split_at(i);
+            out.push_str(before);
+            let after_key = after["password".len()..].trim_start();
+            let at_word_start = before.is_empty() || before.ends_with(char::is_whitespace);
+            match after_key.strip_prefix('=') {
+                Some(v) if at_word_start => {
+                    let v = v.trim_start();
+                    let end = if let Some(q) = v.strip_prefix('\'') {
+                        let mut esc = false;
+                        q.char_indices()
+                            .find(|&(_, c)| {
+                                let end = c == '\'' && !esc;
+                                esc = c == '\\' && !esc;
+                                end
+                            })
+                            .map(|(j, _)| j + 2)
+                            .unwrap_or(v.len())
+                    } else {
+                        v.find(char::is_whitespace).unwrap_or(v.len())
+                    };
+                    out.push_str("password=***");
+                    rest = &v[end..];
+                }
+                _ => {
+                    out.push_str("password");
+                    rest = &after["password".len()..];
+                }
+            }
         }
-        _ => url.to_string(),
+        out.push_str(rest);
+        return out;
     }
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let mut out = match (base.find("://"), base.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let userinfo = &base[s + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{}@{}", &base[..s + 3], user, &base[at + 1..])
+        }
+        _ => base.to_string(),
+    };
+    if let Some(q) = query {
+        let kept: Vec<&str> = q
+            .split('&')
+            .filter(|p| !p.starts_with("password="))
+            .collect();
+        if !kept.is_empty() {
+            out.push('?');
+            out.push_str(&kept.join("&"));
+        }
+    }
+    out
 }
 
 /// The config file (`--config FILE`). Every key is optional.
@@ -101,6 +155,11 @@ pub struct KafkaFile {
     pub partitioner: Option<String>,
     pub message_timeout_ms: Option<u64>,
     pub linger_ms: Option<u64>,
+    /// CloudEvents 1.0 binary-mode headers on every message. Default false.
+    pub cloudevents: Option<bool>,
+    /// CloudEvents `source`; `{aggregate_type}` is replaced. Default
+    /// `/outboxd/{aggregate_type}`. Setting it turns CloudEvents on.
+    pub cloudevents_source: Option<String>,
     /// librdkafka properties passed through verbatim (e.g. `"security.protocol" = "SSL"`).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
@@ -235,7 +294,7 @@ impl RelayConfig {
         if url.is_empty() {
             bail!("database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or set database_url in the config file");
         }
-        url.parse::<tokio_postgres::Config>()
+        outbox_source::tls::PgConnectOptions::parse(url)
             .map_err(|e| anyhow::anyhow!("database URL {} is invalid: {e}", redact_url(url)))?;
         let ident_ok = |s: &str| {
             !s.is_empty()
@@ -336,6 +395,18 @@ mod tests {
             "postgres://u@h:5/db"
         );
         assert_eq!(redact_url("postgres://h/db"), "postgres://h/db");
+        assert_eq!(
+            redact_url("postgres://u@h/db?password=hunter2&sslmode=require"),
+            "postgres://u@h/db?sslmode=require"
+        );
+        assert_eq!(
+            redact_url("host=h password=hunter2 dbname=d"),
+            "host=h password=*** dbname=d"
+        );
+        assert_eq!(
+            redact_url("host=h password='hun ter\\'2' user=u"),
+            "host=h password=*** user=u"
+        );
     }
 
     #[test]

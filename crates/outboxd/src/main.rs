@@ -102,7 +102,13 @@ fn init_logging(format: LogFormat, quiet: bool) {
 
 async fn dispatch(cmd: Command) -> anyhow::Result<()> {
     match cmd {
-        Command::Migrate(a) => migrate(&a.database_url).await,
+        Command::Migrate(a) => {
+            migrate(&a.database_url).await?;
+            for t in &a.debezium_table {
+                install_debezium(&a.database_url, t).await?;
+            }
+            Ok(())
+        }
         Command::Run(a) => {
             let cfg = resolve_run(&a)?;
             let admin_cfg = resolve_admin(&a)?;
@@ -145,19 +151,18 @@ fn spawn_signal_handler(tx: watch::Sender<bool>) {
 
 /// Connects for ordinary SQL, with an error that names the server and the fix.
 pub(crate) async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot connect to PostgreSQL at {}: {}; check the URL, that the server is up, and pg_hba.conf",
-                redact_url(url),
-                outbox_ledger::describe_db_error(&e)
-            )
-        })?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
+    let opts = outbox_source::tls::PgConnectOptions::parse(url)
+        .map_err(|e| anyhow::anyhow!("database URL {}: {e}", redact_url(url)))?;
+    opts.connect_sql().await.map_err(|e| {
+        let why = match e {
+            outbox_source::tls::ConnectError::Db(e) => outbox_ledger::describe_db_error(&e),
+            outbox_source::tls::ConnectError::Tls(e) => e.to_string(),
+        };
+        anyhow::anyhow!(
+            "cannot connect to PostgreSQL at {}: {why}; check the URL, that the server is up, pg_hba.conf, and sslmode/sslrootcert",
+            redact_url(url)
+        )
+    })
 }
 
 pub(crate) async fn migrate(url: &str) -> anyhow::Result<()> {
@@ -172,6 +177,31 @@ pub(crate) async fn migrate(url: &str) -> anyhow::Result<()> {
             println!("applied migration {v:04}");
         }
     }
+    Ok(())
+}
+
+/// Installs the Debezium-compatible capture trigger on `table` (migration 0009).
+async fn install_debezium(url: &str, table: &str) -> anyhow::Result<()> {
+    let (schema, name) = config::split_table(table)?;
+    let client = connect(url).await?;
+    let qualified = format!(
+        "{}.{}",
+        outbox_source::slot::quote_ident(&schema),
+        outbox_source::slot::quote_ident(&name)
+    );
+    let row = client
+        .query_one(
+            "SELECT outbox.install_debezium_capture($1::text::regclass)",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "installing the Debezium capture on {table}: {}",
+                outbox_ledger::describe_db_error(&e)
+            )
+        })?;
+    println!("{}", row.get::<_, String>(0));
     Ok(())
 }
 
@@ -235,6 +265,9 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .map(Duration::from_millis)
                 .unwrap_or(defaults.linger),
             properties,
+            headers: outbox_sink::HeaderOptions {
+                cloudevents: cloudevents_source(a, &file),
+            },
         },
         max_in_flight: a
             .max_in_flight
@@ -310,6 +343,16 @@ fn resolve_admin(a: &RunArgs) -> anyhow::Result<config::AdminConfig> {
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// `Some(source)` when CloudEvents headers are on (flag, variable or file; a source implies on).
+fn cloudevents_source(a: &RunArgs, file: &FileConfig) -> Option<String> {
+    let source = a
+        .cloudevents_source
+        .clone()
+        .or(file.kafka.cloudevents_source.clone());
+    let on = a.cloudevents || file.kafka.cloudevents.unwrap_or(false) || source.is_some();
+    on.then(|| source.unwrap_or_else(|| outbox_sink::headers::DEFAULT_CLOUDEVENTS_SOURCE.into()))
 }
 
 async fn event_status(url: &str, id: uuid::Uuid) -> anyhow::Result<()> {

@@ -34,6 +34,7 @@ use super::{
     format_lsn, parse_lsn, Config, CreatedSlot, ReplicationMessage, SimpleRow, SystemIdentity,
     TransportError,
 };
+use crate::tls::TlsSettings;
 
 /// Sent as `application_name` when the config does not set one.
 const DEFAULT_APPLICATION_NAME: &str = "outboxd";
@@ -42,10 +43,11 @@ const DEFAULT_APPLICATION_NAME: &str = "outboxd";
 /// while a busy stream is being drained.
 const READ_CHUNK: usize = 64 * 1024;
 
-/// A connected socket, TCP or Unix.
+/// A connected socket, TCP (plain or TLS) or Unix.
 #[derive(Debug)]
 enum Socket {
     Tcp(TcpStream),
+    Tls(Box<tokio_openssl::SslStream<TcpStream>>),
     #[cfg(unix)]
     Unix(UnixStream),
 }
@@ -58,6 +60,7 @@ impl AsyncRead for Socket {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Socket::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Socket::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
             #[cfg(unix)]
             Socket::Unix(s) => Pin::new(s).poll_read(cx, buf),
         }
@@ -72,6 +75,7 @@ impl AsyncWrite for Socket {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             Socket::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Socket::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
             #[cfg(unix)]
             Socket::Unix(s) => Pin::new(s).poll_write(cx, buf),
         }
@@ -80,6 +84,7 @@ impl AsyncWrite for Socket {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Socket::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Socket::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
             #[cfg(unix)]
             Socket::Unix(s) => Pin::new(s).poll_flush(cx),
         }
@@ -88,6 +93,7 @@ impl AsyncWrite for Socket {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             Socket::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Socket::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             #[cfg(unix)]
             Socket::Unix(s) => Pin::new(s).poll_shutdown(cx),
         }
@@ -183,6 +189,76 @@ async fn connect_socket(target: &Target, cfg: &Config) -> Result<Socket, Transpo
             Ok(Socket::Unix(stream))
         }
     }
+}
+
+/// The SSLRequest exchange and the TLS handshake (see
+/// [`ReplicationConnection::connect_with_tls`]). The server's one-byte answer is read before
+/// anything else is sent, so no plain-text byte can be mistaken for TLS or the reverse.
+async fn negotiate_tls(
+    socket: Socket,
+    target: &Target,
+    tls: &TlsSettings,
+) -> Result<Socket, TransportError> {
+    let Socket::Tcp(mut tcp) = socket else {
+        return Ok(socket);
+    };
+    let Target::Tcp { host, .. } = target else {
+        return Ok(Socket::Tcp(tcp));
+    };
+    if tls.mode == crate::tls::SslMode::Disable {
+        return Ok(Socket::Tcp(tcp));
+    }
+    let tls_err = |what: String| TransportError::Tls(format!("{target}: {what}"));
+    // Build the context first: a bad sslrootcert is a configuration error, whatever the server.
+    let connector = tls.connector().map_err(|e| tls_err(e.to_string()))?;
+    let mut req = BytesMut::new();
+    frontend::ssl_request(&mut req);
+    tcp.write_all(&req)
+        .await
+        .map_err(io_err(format!("writing to {target}")))?;
+    let answer = tcp
+        .read_u8()
+        .await
+        .map_err(io_err(format!("reading from {target}")))?;
+    match answer {
+        b'S' => {}
+        b'N' if tls.mode.requires_tls() => {
+            return Err(tls_err(format!(
+                "the server does not accept TLS connections but sslmode={} requires TLS; \
+                 enable ssl on the server or lower sslmode",
+                tls.mode.as_str()
+            )))
+        }
+        b'N' => return Ok(Socket::Tcp(tcp)),
+        other => {
+            return Err(TransportError::Protocol(format!(
+                "unexpected answer {other:#04x} to SSLRequest from {target}"
+            )))
+        }
+    }
+    let ssl = connector
+        .configure()
+        .and_then(|mut c| {
+            c.set_verify_hostname(tls.verify_hostname());
+            c.into_ssl(host)
+        })
+        .map_err(|e| tls_err(format!("setting up TLS: {e}")))?;
+    let mut stream = tokio_openssl::SslStream::new(ssl, tcp)
+        .map_err(|e| tls_err(format!("setting up TLS: {e}")))?;
+    Pin::new(&mut stream).connect().await.map_err(|e| {
+        let verify = stream.ssl().verify_result();
+        let why = if verify == openssl::x509::X509VerifyResult::OK {
+            e.to_string()
+        } else {
+            format!("certificate verify failed: {}", verify.error_string())
+        };
+        tls_err(format!(
+            "TLS handshake failed (sslmode={}): {why}; check sslrootcert and that the server's certificate names this host",
+            tls.mode.as_str()
+        ))
+    })?;
+    tracing::debug!(peer = %target, sslmode = tls.mode.as_str(), "TLS established");
+    Ok(Socket::Tls(Box::new(stream)))
 }
 
 /// TCP_NODELAY (standby status updates are tiny and latency-sensitive) plus the keepalive
@@ -359,22 +435,34 @@ impl ReplicationConnection {
     /// or a Unix socket directory -> `<dir>/.s.PGSQL.<port>`), authenticates (trust,
     /// cleartext password, md5, SCRAM-SHA-256 without channel binding) and waits for
     /// ReadyForQuery. `application_name` comes from `cfg`, else `"outboxd"`.
-    /// `connect_timeout` from `cfg` bounds the whole attempt. No TLS: `sslmode=require` is
-    /// refused, `prefer` connects in plain text.
+    /// `connect_timeout` from `cfg` bounds the whole attempt. TLS follows `cfg`'s
+    /// `ssl_mode` without certificate checks (`prefer` tries TLS, `require` insists); use
+    /// [`ReplicationConnection::connect_with_tls`] for `verify-ca` / `verify-full`.
     pub async fn connect(cfg: &Config) -> Result<Self, TransportError> {
-        if cfg.get_ssl_mode() == SslMode::Require {
-            return Err(TransportError::Protocol(
-                "TLS is not supported yet by the replication connection; use sslmode=disable \
-                 or prefer"
-                    .into(),
-            ));
-        }
+        let tls = TlsSettings {
+            mode: match cfg.get_ssl_mode() {
+                SslMode::Disable => crate::tls::SslMode::Disable,
+                SslMode::Require => crate::tls::SslMode::Require,
+                _ => crate::tls::SslMode::Prefer,
+            },
+            root_cert: None,
+        };
+        Self::connect_with_tls(cfg, &tls).await
+    }
+
+    /// [`ReplicationConnection::connect`] with libpq's TLS modes (see [`crate::tls`]): over
+    /// TCP, unless the mode is `disable`, the client sends SSLRequest first and upgrades the
+    /// socket to TLS when the server answers `S`; a server that answers `N` is refused for
+    /// `require` and stronger, used in plain text for `prefer`. Unix sockets never use TLS
+    /// (as in libpq).
+    pub async fn connect_with_tls(cfg: &Config, tls: &TlsSettings) -> Result<Self, TransportError> {
         let user = cfg
             .get_user()
             .ok_or_else(|| TransportError::Auth("the connection config names no user".into()))?;
         let target = Target::from_config(cfg)?;
         let attempt = async {
             let socket = connect_socket(&target, cfg).await?;
+            let socket = negotiate_tls(socket, &target, tls).await?;
             let mut conn = Conn::new(socket, target.to_string());
             startup(&mut conn, cfg, user).await?;
             Ok::<_, TransportError>(conn)
@@ -821,15 +909,46 @@ mod tests {
         (l, cfg)
     }
 
+    /// A server without TLS answers SSLRequest with `N`: `require` refuses it with a message
+    /// that says so, `prefer` carries on in plain text.
     #[tokio::test]
-    async fn sslmode_require_is_refused() {
-        let mut cfg = Config::new();
-        cfg.host("127.0.0.1").user("u").ssl_mode(SslMode::Require);
-        let err = ReplicationConnection::connect(&cfg).await.unwrap_err();
-        assert!(
-            matches!(&err, TransportError::Protocol(m) if m.contains("TLS is not supported")),
-            "{err}"
-        );
+    async fn sslrequest_answered_no() {
+        for (mode, ok) in [(SslMode::Require, false), (SslMode::Prefer, true)] {
+            let (l, mut cfg) = listener().await;
+            cfg.ssl_mode(mode);
+            let server = tokio::spawn(async move {
+                let (mut s, _) = l.accept().await.unwrap();
+                assert_eq!(s.read_i32().await.unwrap(), 8);
+                assert_eq!(s.read_i32().await.unwrap(), 80_877_103);
+                s.write_all(b"N").await.unwrap();
+                if ok {
+                    read_startup(&mut s).await;
+                    s.write_all(&auth_ok_and_ready()).await.unwrap();
+                    let (tag, _) = read_frontend(&mut s).await;
+                    assert_eq!(tag, b'X');
+                }
+            });
+            let res = tokio::time::timeout(TEST_TIMEOUT, ReplicationConnection::connect(&cfg))
+                .await
+                .unwrap();
+            match res {
+                Ok(c) => {
+                    assert!(ok);
+                    c.close().await;
+                }
+                Err(err) => {
+                    assert!(!ok, "{err}");
+                    assert!(
+                        matches!(&err, TransportError::Tls(m) if m.contains("does not accept TLS")),
+                        "{err}"
+                    );
+                }
+            }
+            tokio::time::timeout(TEST_TIMEOUT, server)
+                .await
+                .unwrap()
+                .unwrap();
+        }
     }
 
     #[tokio::test]

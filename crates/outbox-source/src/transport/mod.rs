@@ -10,7 +10,7 @@
 //!
 //! * [`ReplicationConnection::connect`] opens a walsender connection (`replication=database`)
 //!   over TCP or a Unix socket and authenticates (trust, cleartext, md5, SCRAM-SHA-256
-//!   without channel binding; no TLS yet).
+//!   without channel binding), with TLS as libpq's `sslmode` says (see [`crate::tls`]).
 //! * [`ReplicationConnection::simple_query`] runs SQL and replication commands with the
 //!   simple query protocol; [`identify_system`](ReplicationConnection::identify_system) and
 //!   [`create_logical_slot`](ReplicationConnection::create_logical_slot) are typed wrappers.
@@ -65,9 +65,13 @@ pub enum TransportError {
     #[error("authentication failed: {0}")]
     Auth(String),
     /// The server sent something we did not expect at this point, or a malformed message;
-    /// also used for configurations this client cannot honour (e.g. `sslmode=require`).
+    /// also used for configurations this client cannot honour.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// TLS could not be negotiated or verified (server without TLS under `sslmode=require`,
+    /// untrusted certificate, wrong host name, unreadable `sslrootcert`).
+    #[error("TLS: {0}")]
+    Tls(String),
     /// The server closed the connection (EOF on the socket).
     #[error("the server closed the connection")]
     Closed,

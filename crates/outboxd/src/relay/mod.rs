@@ -42,10 +42,11 @@ use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
 use outbox_sink::{KafkaSink, SinkError};
 use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
 use outbox_source::snapshot;
+use outbox_source::tls::{ConnectError, PgConnectOptions};
 use outbox_source::transport::{ReplicationConnection, ReplicationMessage};
 use outbox_source::{Decoded, Decoder};
 use tokio::sync::{mpsc, watch};
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -207,19 +208,15 @@ async fn acquire_lease(
 }
 
 async fn connect_sql(url: &str) -> Result<Client, RelayError> {
-    let (client, conn) =
-        tokio_postgres::connect(url, NoTls)
-            .await
-            .map_err(|e| RelayError::Connect {
-                url: redact_url(url),
-                message: outbox_ledger::describe_db_error(&e),
-            })?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "SQL connection closed");
-        }
-    });
-    Ok(client)
+    let fail = |message: String| RelayError::Connect {
+        url: redact_url(url),
+        message,
+    };
+    let opts = PgConnectOptions::parse(url).map_err(|e| fail(e.to_string()))?;
+    opts.connect_sql().await.map_err(|e| match e {
+        ConnectError::Db(e) => fail(outbox_ledger::describe_db_error(&e)),
+        ConnectError::Tls(e) => fail(e.to_string()),
+    })
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -285,19 +282,17 @@ async fn run_once(
         qualified.clone()
     };
 
-    let pg_cfg: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e: tokio_postgres::Error| RelayError::Internal(e.to_string()))?;
-    let mut repl =
-        ReplicationConnection::connect(&pg_cfg)
-            .await
-            .map_err(|e| match e.sqlstate() {
-                Some("42501") => SourceError::NoReplicationPrivilege {
-                    user: pg_cfg.get_user().unwrap_or("?").to_string(),
-                    message: e.to_string(),
-                },
-                _ => SourceError::from(e),
-            })?;
+    let opts = PgConnectOptions::parse(url).map_err(|e| RelayError::Internal(e.to_string()))?;
+    let pg_cfg = &opts.config;
+    let mut repl = ReplicationConnection::connect_with_tls(pg_cfg, &opts.tls)
+        .await
+        .map_err(|e| match e.sqlstate() {
+            Some("42501") => SourceError::NoReplicationPrivilege {
+                user: pg_cfg.get_user().unwrap_or("?").to_string(),
+                message: e.to_string(),
+            },
+            _ => SourceError::from(e),
+        })?;
     let ident = repl.identify_system().await.map_err(SourceError::from)?;
     let dbname = ident
         .dbname

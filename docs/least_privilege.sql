@@ -1,0 +1,71 @@
+-- Least-privilege role for `outboxd run`.
+--
+-- Run it as a superuser (or the owner of schema outbox), in the database that holds the
+-- outbox, AFTER `outboxd migrate` (run migrations as the schema owner, not as this role):
+--
+--     psql "$ADMIN_URL" -v ON_ERROR_STOP=1 -f docs/least_privilege.sql
+--     psql "$ADMIN_URL" -c "ALTER ROLE outboxd_relay PASSWORD 'from-your-secret-store'"
+--
+-- then run the relay as outboxd_relay. Re-running the script is harmless. Re-run it after a
+-- later `outboxd migrate` that adds ledger tables (`outboxd check` names any missing grant).
+--
+-- What the role can do, and why each grant is needed:
+--   * REPLICATION: open the walsender connection, create/drop the logical slot, emit the
+--     heartbeat (pg_logical_emit_message). It does NOT make the role a superuser and gives no
+--     access to other tables' data except through the publication it reads.
+--   * SELECT on outbox.events (+ the views over it): the initial snapshot, released and
+--     reconciled events. No INSERT/UPDATE/DELETE: the relay can never alter an event.
+--   * SELECT/INSERT/UPDATE/DELETE on the ledger tables only (receipts, duplicate receipts,
+--     quarantine, checkpoints, ordering heads, holds, leases, attempts), USAGE on their id
+--     sequences.
+--   * Nothing on route_policy, aggregate_versions, destination_migrations, delivery_sets or
+--     schema_migrations beyond reading: routing and enqueueing belong to producers and operators.
+--   * The publication (outbox_pub) is created by `outboxd migrate`; this role does not own
+--     outbox.events, so it could not create one itself.
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outboxd_relay') THEN
+        CREATE ROLE outboxd_relay LOGIN REPLICATION;
+    END IF;
+END
+$$;
+ALTER ROLE outboxd_relay LOGIN REPLICATION NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS;
+
+DO $$
+BEGIN
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO outboxd_relay', current_database());
+END
+$$;
+
+GRANT USAGE ON SCHEMA outbox TO outboxd_relay;
+
+-- Read-only: the outbox and what describes it.
+GRANT SELECT ON
+    outbox.events,
+    outbox.events_current,
+    outbox.event_status,
+    outbox.schema_migrations,
+    outbox.route_policy,
+    outbox.destination_migrations,
+    outbox.delivery_sets
+TO outboxd_relay;
+
+-- Read-write: the ledger.
+GRANT SELECT, INSERT, UPDATE, DELETE ON
+    outbox.receipts,
+    outbox.duplicate_receipts,
+    outbox.quarantine,
+    outbox.checkpoints,
+    outbox.aggregate_heads,
+    outbox.holds,
+    outbox.held_events,
+    outbox.relay_leases,
+    outbox.attempts
+TO outboxd_relay;
+
+GRANT USAGE ON SEQUENCE
+    outbox.duplicate_receipts_id_seq,
+    outbox.quarantine_id_seq,
+    outbox.attempts_id_seq
+TO outboxd_relay;
