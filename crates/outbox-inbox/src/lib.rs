@@ -109,7 +109,7 @@ pub type HandlerFuture<'a> = BoxFuture<'a, Result<Option<serde_json::Value>, Han
 /// give `key` to every external call.
 ///
 /// Any `Fn(&Transaction, &InboxMessage, &IdempotencyKey) -> HandlerFuture` closure is a
-/// handler: `|tx, ev, key| Box::pin(async move { ...; Ok(None) })`.
+/// handler: `handler_fn(|tx, ev, key| Box::pin(async move { ...; Ok(None) }))`.
 pub trait Handler: Send + Sync {
     fn handle<'a>(
         &'a self,
@@ -137,6 +137,28 @@ where
     ) -> HandlerFuture<'a> {
         self(tx, event, key)
     }
+}
+
+/// Turns a closure into a [`Handler`], so that the compiler infers the higher-ranked
+/// lifetimes (a closure stored in a `let` first does not get them):
+///
+/// ```ignore
+/// let h = handler_fn(|tx, ev, key| Box::pin(async move {
+///     tx.execute("UPDATE accounts SET balance = balance - 10 WHERE id = $1", &[&ev.aggregate_id]).await?;
+///     Ok(None)
+/// }));
+/// ```
+pub fn handler_fn<F>(f: F) -> F
+where
+    F: for<'a> Fn(
+            &'a tokio_postgres::Transaction<'a>,
+            &'a InboxMessage,
+            &'a IdempotencyKey,
+        ) -> HandlerFuture<'a>
+        + Send
+        + Sync,
+{
+    f
 }
 
 /// One outbox event as it arrived from the broker (header `id` and the envelope headers).
