@@ -61,6 +61,10 @@ pub struct FileConfig {
     pub kafka: KafkaFile,
     #[serde(default)]
     pub relay: RelayFile,
+    #[serde(default)]
+    pub reconcile: ReconcileFile,
+    #[serde(default)]
+    pub retention: RetentionFile,
 }
 
 /// `[kafka]` section.
@@ -93,6 +97,34 @@ pub struct RelayFile {
     pub lease_ttl_ms: Option<u64>,
     pub relay_id: Option<String>,
     pub unknown_settle_ms: Option<u64>,
+}
+
+/// `[reconcile]` section (`outboxd reconcile`). Durations are text: `30s`, `5m`, `12h`, `7d`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileFile {
+    /// PENDING older than this is reported. Default `5m`.
+    pub pending_after: Option<String>,
+    /// DISPATCH_UNKNOWN older than this is reported. Default `15m`.
+    pub unknown_after: Option<String>,
+    /// Published but not applied by a mandatory consumer after this is reported. Default `1h`.
+    pub unconsumed_after: Option<String>,
+    /// Extra topics to scan for bypass publishes (the outbox's own topics are always scanned).
+    #[serde(default)]
+    pub topics: Vec<String>,
+}
+
+/// `[retention]` section (`outboxd purge`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionFile {
+    /// Events published within this window are kept. Default `7d`.
+    pub replay_window: Option<String>,
+    /// Inbox rows consumed within this window are kept; at least the replay window, and
+    /// should cover the broker's retention of the topics. Default: the replay window.
+    pub inbox_retention: Option<String>,
+    /// Rows per delete transaction. Default 1000.
+    pub batch_size: Option<i64>,
 }
 
 impl FileConfig {

@@ -8,6 +8,8 @@ mod config;
 mod demo;
 mod failpoint;
 mod migrate_destination;
+mod purge;
+mod reconcile;
 mod relay;
 
 use std::sync::Arc;
@@ -102,6 +104,67 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(a).await,
         Command::Check(a) => check::run(a).await,
         Command::MigrateDestination(a) => migrate_destination::run(a).await,
+        Command::Reconcile(a) => reconcile::run(a).await,
+        Command::Purge(a) => purge::run(a).await,
+        Command::Consumers(c) => consumers(c).await,
+    }
+}
+
+async fn consumers(cmd: cli::ConsumersCommand) -> anyhow::Result<()> {
+    use outbox_ledger::consumers;
+    match cmd {
+        cli::ConsumersCommand::List { database_url, json } => {
+            let client = connect(&database_url).await?;
+            let list = consumers::list(&client).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+                return Ok(());
+            }
+            println!(
+                "{:<24} {:<10} {:>10} {:>10} {:>12}  TOPICS",
+                "CONSUMER", "KIND", "PARTITIONS", "INBOX", "IDLE"
+            );
+            for c in &list {
+                println!(
+                    "{:<24} {:<10} {:>10} {:>10} {:>12}  {}",
+                    c.consumer_id,
+                    if c.mandatory { "mandatory" } else { "optional" },
+                    c.partitions,
+                    c.inbox_rows,
+                    c.idle_seconds
+                        .map(|i| format!("{i:.0}s"))
+                        .unwrap_or_else(|| "never".into()),
+                    c.topics
+                        .as_ref()
+                        .map(|t| t.join(","))
+                        .unwrap_or_else(|| "*".into())
+                );
+            }
+            Ok(())
+        }
+        cli::ConsumersCommand::Register {
+            database_url,
+            id,
+            mandatory,
+            topics,
+            description,
+        } => {
+            let client = connect(&database_url).await?;
+            let topics = (!topics.is_empty()).then_some(topics);
+            consumers::register(
+                &client,
+                &id,
+                mandatory,
+                topics.as_deref(),
+                description.as_deref(),
+            )
+            .await?;
+            println!(
+                "registered consumer {id} as {}",
+                if mandatory { "mandatory" } else { "optional" }
+            );
+            Ok(())
+        }
     }
 }
 
