@@ -302,7 +302,10 @@ pub enum Outcome {
     /// A new id at or below the aggregate's applied version: recorded, handler not run.
     Stale(ConsumeReceipt),
     /// Applied across a version gap (policy report); the gap is in `outbox.consumer_gaps`.
-    AppliedWithGap { receipt: ConsumeReceipt, expected: i64 },
+    AppliedWithGap {
+        receipt: ConsumeReceipt,
+        expected: i64,
+    },
     /// Held until the missing versions arrive (policy buffer); nothing committed.
     Buffered { event_id: uuid::Uuid, expected: i64 },
 }

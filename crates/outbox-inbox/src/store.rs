@@ -11,9 +11,7 @@ use std::time::Duration;
 use tokio_postgres::{Client, Transaction};
 
 use crate::gap::{self, Action, Dedup, GapPolicy};
-use crate::{
-    ConsumeReceipt, Context, Handler, IdempotencyKey, InboxError, InboxMessage, Outcome,
-};
+use crate::{ConsumeReceipt, Context, Handler, IdempotencyKey, InboxError, InboxMessage, Outcome};
 
 /// The inbox tables (`outbox.inbox`, `outbox.consumer_watermarks`,
 /// `outbox.consumer_aggregate_heads`, `outbox.consumer_gaps`), idempotent.
@@ -137,16 +135,18 @@ pub async fn process(
             }
             let key = IdempotencyKey::new(consumer_id, msg.event_id);
             // A handler error drops `tx`: the inbox row and the effect roll back together.
-            let result = handler.handle(&tx, msg, &key).await.map_err(|source| {
-                InboxError::Handler {
-                    consumer_id: consumer_id.to_string(),
-                    event_id: msg.event_id,
-                    topic: msg.topic.clone(),
-                    partition: msg.partition,
-                    offset: msg.offset,
-                    source,
-                }
-            })?;
+            let result =
+                handler
+                    .handle(&tx, msg, &key)
+                    .await
+                    .map_err(|source| InboxError::Handler {
+                        consumer_id: consumer_id.to_string(),
+                        event_id: msg.event_id,
+                        topic: msg.topic.clone(),
+                        partition: msg.partition,
+                        offset: msg.offset,
+                        source,
+                    })?;
             let label = if gap.is_some() {
                 "GAP_REPORTED"
             } else {

@@ -155,7 +155,14 @@ async fn gap_policies_reject_buffer_report_and_stale_versions() {
         .await
         .unwrap_err();
     assert!(
-        matches!(e, InboxError::Gap { expected: 2, got: 3, .. }),
+        matches!(
+            e,
+            InboxError::Gap {
+                expected: 2,
+                got: 3,
+                ..
+            }
+        ),
         "{e}"
     );
     assert!(find_receipt(&c, "c", v3.event_id).await.unwrap().is_none());

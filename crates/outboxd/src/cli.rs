@@ -335,10 +335,12 @@ pub struct ReconcileArgs {
 }
 
 #[derive(Debug, Args)]
-#[command(after_help = "An event is deleted only when its receipt is older than the replay window, every \
+#[command(
+    after_help = "An event is deleted only when its receipt is older than the replay window, every \
 mandatory consumer reading its topic covers it (watermark past its offset, or in its inbox), and it has no \
 open quarantine, hold or UNKNOWN attempt. A tombstone (id, digests, receipt position) stays in \
-outbox.purged_events. Schedule it with cron or a systemd timer; concurrent runs are safe.")]
+outbox.purged_events. Schedule it with cron or a systemd timer; concurrent runs are safe."
+)]
 pub struct PurgeArgs {
     #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,

@@ -25,7 +25,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let n: f64 = num.parse().map_err(|_| {
-        format!("{s:?} is not a duration: expected a number and a unit, e.g. 500ms, 30s, 5m, 12h, 7d")
+        format!(
+            "{s:?} is not a duration: expected a number and a unit, e.g. 500ms, 30s, 5m, 12h, 7d"
+        )
     })?;
     let secs = match unit.trim() {
         "ms" => n / 1000.0,
@@ -82,8 +84,9 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
     };
     let inbox_retention = match a.inbox_retention {
         Some(d) => d,
-        None => from_file(&file.retention.inbox_retention, "inbox_retention")?
-            .unwrap_or(replay_window),
+        None => {
+            from_file(&file.retention.inbox_retention, "inbox_retention")?.unwrap_or(replay_window)
+        }
     };
     let settings = PurgeSettings {
         replay_window,
@@ -94,7 +97,9 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
     };
     settings.validate()?;
     let client = crate::connect(&url).await?;
-    let report = retention::purge(&client, &settings).await.context("purge")?;
+    let report = retention::purge(&client, &settings)
+        .await
+        .context("purge")?;
     if a.json {
         println!(
             "{}",

@@ -115,16 +115,14 @@ fn resolve(a: &ReconcileArgs) -> anyhow::Result<Settings> {
         Some(p) => FileConfig::load(p)?,
         None => FileConfig::default(),
     };
-    let dur = |flag: Option<Duration>, key: &str, v: &Option<String>, default: u64| {
-        match flag {
-            Some(d) => Ok(d),
-            None => v
-                .as_deref()
-                .map(parse_duration)
-                .transpose()
-                .map_err(|e| anyhow::anyhow!("config file reconcile.{key}: {e}"))
-                .map(|d| d.unwrap_or(Duration::from_secs(default))),
-        }
+    let dur = |flag: Option<Duration>, key: &str, v: &Option<String>, default: u64| match flag {
+        Some(d) => Ok(d),
+        None => v
+            .as_deref()
+            .map(parse_duration)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("config file reconcile.{key}: {e}"))
+            .map(|d| d.unwrap_or(Duration::from_secs(default))),
     };
     let mut topics = file.reconcile.topics.clone();
     topics.extend(a.topics.iter().cloned());
@@ -325,7 +323,10 @@ fn scan_topics_blocking(
     }
     let consumer: BaseConsumer = cc
         .set("bootstrap.servers", bootstrap)
-        .set("group.id", format!("outboxd-reconcile-{}", uuid::Uuid::new_v4()))
+        .set(
+            "group.id",
+            format!("outboxd-reconcile-{}", uuid::Uuid::new_v4()),
+        )
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
         .create()
@@ -407,7 +408,10 @@ fn table(r: &Report) -> String {
         (
             "aged_pending",
             r.aged_pending.total,
-            format!("PENDING longer than {}: the relay is not publishing it", r.pending_after),
+            format!(
+                "PENDING longer than {}: the relay is not publishing it",
+                r.pending_after
+            ),
         ),
         (
             "aged_unknown",
@@ -506,7 +510,10 @@ fn table(r: &Report) -> String {
             if r.broker.topics_missing.is_empty() {
                 String::new()
             } else {
-                format!("; not on the broker: {}", r.broker.topics_missing.join(", "))
+                format!(
+                    "; not on the broker: {}",
+                    r.broker.topics_missing.join(", ")
+                )
             }
         );
     } else {
@@ -565,8 +572,14 @@ fn prometheus(r: &Report) -> String {
         s,
         "# HELP outboxd_reconcile_oldest_aged_pending_seconds Age of the oldest aged PENDING event (0 if none)."
     );
-    let _ = writeln!(s, "# TYPE outboxd_reconcile_oldest_aged_pending_seconds gauge");
-    let _ = writeln!(s, "outboxd_reconcile_oldest_aged_pending_seconds {oldest:.3}");
+    let _ = writeln!(
+        s,
+        "# TYPE outboxd_reconcile_oldest_aged_pending_seconds gauge"
+    );
+    let _ = writeln!(
+        s,
+        "outboxd_reconcile_oldest_aged_pending_seconds {oldest:.3}"
+    );
     let _ = writeln!(
         s,
         "# HELP outboxd_reconcile_broker_messages_scanned Broker messages read by the bypass scan."
@@ -600,7 +613,10 @@ fn prometheus(r: &Report) -> String {
         s,
         "# HELP outboxd_reconcile_last_run_timestamp_seconds When this report was made (Unix time)."
     );
-    let _ = writeln!(s, "# TYPE outboxd_reconcile_last_run_timestamp_seconds gauge");
+    let _ = writeln!(
+        s,
+        "# TYPE outboxd_reconcile_last_run_timestamp_seconds gauge"
+    );
     let _ = writeln!(s, "outboxd_reconcile_last_run_timestamp_seconds {now:.3}");
     s
 }
