@@ -399,11 +399,7 @@ fn scan_topics_blocking(
 
 fn table(r: &Report) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{:<14} {:>7}  {}",
-        "FINDING", "COUNT", "MEANING (threshold)"
-    );
+    let _ = writeln!(s, "{:<14} {:>7}  MEANING (threshold)", "FINDING", "COUNT");
     let rows = [
         (
             "aged_pending",
