@@ -50,7 +50,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// Renders a duration the way it is written on the command line.
 pub fn show_duration(d: Duration) -> String {
     let s = d.as_secs();
-    if d.subsec_millis() != 0 || s == 0 {
+    if d.is_zero() {
+        return "0s".into();
+    }
+    if d.subsec_millis() != 0 {
         return format!("{}ms", d.as_millis());
     }
     for (unit, n) in [("d", 86_400), ("h", 3600), ("m", 60)] {
@@ -164,6 +167,7 @@ mod tests {
         assert!(parse_duration("soon").is_err());
         assert_eq!(show_duration(Duration::from_secs(604_800)), "7d");
         assert_eq!(show_duration(Duration::from_secs(90)), "90s");
-        assert_eq!(show_duration(Duration::ZERO), "0ms");
+        assert_eq!(show_duration(Duration::ZERO), "0s");
+        assert_eq!(show_duration(Duration::from_millis(1500)), "1500ms");
     }
 }
