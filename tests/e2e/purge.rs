@@ -213,3 +213,52 @@ async fn purge_respects_window_and_mandatory_watermark_and_replay_stays_deduplic
     assert_eq!(env.count("SELECT count(*) FROM outbox.events").await, 0);
     assert_eq!(purged_uncovered(&env).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_purges_in_the_background_when_configured() {
+    let env = TestEnv::new("purge_bg").await;
+    env.db
+        .execute(
+            "SELECT outbox.register_consumer('billing', true, ARRAY[$1])",
+            &[&env.topic],
+        )
+        .await
+        .unwrap();
+    let config = env.dir.path().join("outboxd.toml");
+    std::fs::write(
+        &config,
+        "[retention]\nreplay_window = \"0s\"\ninbox_retention = \"1h\"\npurge_interval = \"200ms\"\n",
+    )
+    .unwrap();
+    let mut relay = env.relay(&[], &["--config", config.to_str().unwrap()]);
+    let a = env.enqueue("o-1", json!({"n": 1})).await;
+    let b = env.enqueue("o-2", json!({"n": 2})).await;
+    env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+    // billing covers `a` only (its inbox has it); the schedule purges `a` and keeps `b`.
+    env.db
+        .execute(
+            "INSERT INTO outbox.inbox (consumer_id, event_id, topic, partition, \"offset\")
+             SELECT 'billing', event_id, topic, partition, \"offset\" FROM outbox.receipts
+             WHERE event_id = $1",
+            &[&a],
+        )
+        .await
+        .unwrap();
+    env.wait_count(
+        "the background purge of the covered event",
+        &format!("SELECT count(*) FROM outbox.purged_events WHERE event_id = '{a}'"),
+        1,
+    )
+    .await;
+    relay.assert_running();
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM outbox.events WHERE event_id = '{b}'"
+        ))
+        .await,
+        1,
+        "an event the mandatory consumer has not covered was purged"
+    );
+    assert_eq!(purged_uncovered(&env).await, 0);
+}

@@ -125,6 +125,9 @@ pub struct RetentionFile {
     pub inbox_retention: Option<String>,
     /// Rows per delete transaction. Default 1000.
     pub batch_size: Option<i64>,
+    /// When set, `outboxd run` purges with these settings on this schedule (e.g. `1h`).
+    /// Default: no background purge (run `outboxd purge` from cron instead).
+    pub purge_interval: Option<String>,
 }
 
 impl FileConfig {

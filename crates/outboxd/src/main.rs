@@ -47,7 +47,7 @@ fn main() {
 
 /// The error and its causes on one line. Database errors are already rendered in full (with
 /// detail and hint) by the error that wraps them, so their own chain is not repeated.
-fn one_line(e: &anyhow::Error) -> String {
+pub(crate) fn one_line(e: &anyhow::Error) -> String {
     let mut msg = e.to_string();
     for cause in e.chain().skip(1) {
         if cause.downcast_ref::<tokio_postgres::Error>().is_some()
@@ -88,6 +88,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Migrate(a) => migrate(&a.database_url).await,
         Command::Run(a) => {
             let cfg = resolve_run(&a)?;
+            purge::spawn_schedule(a.config.as_deref(), cfg.database_url.expose())?;
             let (tx, rx) = watch::channel(false);
             spawn_signal_handler(tx);
             relay::run(cfg, Arc::new(relay::Progress::default()), rx)

@@ -2,10 +2,12 @@
 //! replay window, in batches. The rules (what may never go) live with the SQL in
 //! `outbox_ledger::retention`; this is the command around them.
 //!
-//! There is no background schedule inside `outboxd run`: purge is a short, idempotent command,
-//! so run it from cron or a systemd timer (`outboxd purge --replay-window 7d`). Several runs
-//! at once are safe (`FOR UPDATE SKIP LOCKED`).
+//! Run it from cron or a systemd timer (`outboxd purge --replay-window 7d`), or let
+//! `outboxd run` do it: `[retention] purge_interval = "1h"` in its config file starts a
+//! background task with the same settings ([`spawn_schedule`]). Several runs at once are safe
+//! (`FOR UPDATE SKIP LOCKED`), so a standby relay purging too does no harm.
 
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -64,22 +66,15 @@ pub fn show_duration(d: Duration) -> String {
     format!("{s}s")
 }
 
-pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
-    let file = match &a.config {
-        Some(p) => FileConfig::load(p)?,
-        None => FileConfig::default(),
-    };
-    let url = a
-        .database_url
-        .clone()
-        .or_else(|| file.database_url.as_ref().map(|s| s.expose().to_string()))
-        .context("database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or set database_url in the config file")?;
-    let from_file = |v: &Option<String>, key: &str| -> anyhow::Result<Option<Duration>> {
-        v.as_deref()
-            .map(parse_duration)
-            .transpose()
-            .map_err(|e| anyhow::anyhow!("config file retention.{key}: {e}"))
-    };
+fn from_file(v: &Option<String>, key: &str) -> anyhow::Result<Option<Duration>> {
+    v.as_deref()
+        .map(parse_duration)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("config file retention.{key}: {e}"))
+}
+
+/// Flags over the config file's `[retention]` over the defaults.
+fn settings(a: &PurgeArgs, file: &FileConfig) -> anyhow::Result<PurgeSettings> {
     let replay_window = match a.replay_window {
         Some(d) => d,
         None => from_file(&file.retention.replay_window, "replay_window")?
@@ -99,6 +94,87 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
         dry_run: a.dry_run,
     };
     settings.validate()?;
+    Ok(settings)
+}
+
+/// Starts the background purge of `outboxd run` when its config file sets
+/// `[retention] purge_interval`; otherwise does nothing. Settings are read (and validated)
+/// now, so a bad value stops the relay at start rather than failing silently later. A failed
+/// purge is logged and tried again at the next interval; it never stops the relay.
+pub fn spawn_schedule(config: Option<&Path>, database_url: &str) -> anyhow::Result<()> {
+    let Some(path) = config else {
+        return Ok(());
+    };
+    let file = FileConfig::load(path)?;
+    let Some(interval) = from_file(&file.retention.purge_interval, "purge_interval")? else {
+        return Ok(());
+    };
+    if interval < Duration::from_millis(100) {
+        anyhow::bail!("config file retention.purge_interval must be at least 100ms");
+    }
+    let args = PurgeArgs {
+        database_url: None,
+        config: None,
+        replay_window: None,
+        inbox_retention: None,
+        batch_size: None,
+        max_batches: None,
+        dry_run: false,
+        json: false,
+    };
+    let settings = settings(&args, &file)?;
+    let url = database_url.to_string();
+    tracing::info!(
+        interval = %show_duration(interval),
+        replay_window = %show_duration(settings.replay_window),
+        inbox_retention = %show_duration(settings.inbox_retention),
+        "background purge scheduled"
+    );
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let result = async {
+                let client = crate::connect(&url).await?;
+                retention::purge(&client, &settings)
+                    .await
+                    .map_err(anyhow::Error::from)
+            }
+            .await;
+            match result {
+                Ok(r) if r.events > 0 || r.inbox_rows > 0 || r.marked_retained > 0 => {
+                    tracing::info!(
+                        retained = r.marked_retained,
+                        purged_events = r.events,
+                        purged_inbox_rows = r.inbox_rows,
+                        kept_awaiting_consumers = r.kept_awaiting_consumers,
+                        "background purge"
+                    )
+                }
+                Ok(_) => tracing::debug!("background purge: nothing to do"),
+                Err(e) => tracing::warn!(
+                    error = %crate::one_line(&e),
+                    "background purge failed; trying again at the next interval"
+                ),
+            }
+        }
+    });
+    Ok(())
+}
+
+pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
+    let file = match &a.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let url = a
+        .database_url
+        .clone()
+        .or_else(|| file.database_url.as_ref().map(|s| s.expose().to_string()))
+        .context("database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or set database_url in the config file")?;
+    let settings = settings(&a, &file)?;
+    let (replay_window, inbox_retention) = (settings.replay_window, settings.inbox_retention);
     let client = crate::connect(&url).await?;
     let report = retention::purge(&client, &settings)
         .await
