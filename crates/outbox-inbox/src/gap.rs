@@ -251,6 +251,95 @@ impl<P: Eq + Hash + Clone> OffsetTracker<P> {
     }
 }
 
+/// The whole consumer recipe as an in-memory model, for the deterministic simulator: the inbox
+/// (event ids), the aggregate watermarks and the gap buffer. [`deliver`](Self::deliver) is one
+/// message's transaction (atomic, as the database makes it); [`crash`](Self::crash) loses what
+/// only lives in memory (the buffer) and keeps what was committed.
+#[derive(Debug)]
+pub struct ConsumerModel<E, K> {
+    policy: GapPolicy,
+    inbox: std::collections::HashSet<E>,
+    heads: HashMap<K, i64>,
+    buffer: GapBuffer<K, E>,
+    versions: HashMap<E, (K, i64)>,
+    /// Handler runs per event id (the simulator asserts each is 1).
+    pub effects: HashMap<E, u32>,
+}
+
+impl<E: Eq + Hash + Clone, K: Eq + Hash + Clone> ConsumerModel<E, K> {
+    pub fn new(policy: GapPolicy, max_buffered: usize) -> Self {
+        ConsumerModel {
+            policy,
+            inbox: std::collections::HashSet::new(),
+            heads: HashMap::new(),
+            buffer: GapBuffer::new(max_buffered),
+            versions: HashMap::new(),
+            effects: HashMap::new(),
+        }
+    }
+
+    /// Delivers one message (`id`, aggregate `key`, `version`). Returns the action taken for it
+    /// and for every buffered message it released, in order. A full buffer is reported as
+    /// `Reject` (the consumer would stop).
+    pub fn deliver(&mut self, id: E, key: K, version: i64) -> Vec<(E, Action)> {
+        let mut out = Vec::new();
+        let mut next = Some((id, version));
+        while let Some((id, version)) = next.take() {
+            let dedup = Dedup::from_inserted(!self.inbox.contains(&id));
+            let last = self.heads.get(&key).copied();
+            let action = decide(dedup, self.policy, last, version);
+            match action {
+                Action::Apply | Action::ApplyReportingGap { .. } => {
+                    self.inbox.insert(id.clone());
+                    *self.effects.entry(id.clone()).or_default() += 1;
+                    let head = self.heads.entry(key.clone()).or_insert(version);
+                    *head = (*head).max(version);
+                }
+                Action::Stale { .. } => {
+                    self.inbox.insert(id.clone());
+                }
+                Action::Buffer { expected } => {
+                    self.versions.insert(id.clone(), (key.clone(), version));
+                    if self.buffer.push(key.clone(), version, id.clone()).is_err() {
+                        out.push((id, Action::Reject { expected }));
+                        return out;
+                    }
+                }
+                Action::Duplicate | Action::Reject { .. } => {}
+            }
+            let released = matches!(
+                action,
+                Action::Apply
+                    | Action::ApplyReportingGap { .. }
+                    | Action::Duplicate
+                    | Action::Stale { .. }
+            );
+            out.push((id, action));
+            if released {
+                if let Some(last) = self.heads.get(&key).copied() {
+                    if let Some(held) = self.buffer.take_next(&key, last) {
+                        let v = self.versions.remove(&held).map_or(last + 1, |(_, v)| v);
+                        next = Some((held, v));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The process died: the buffer (memory) is gone; the inbox and watermarks (committed)
+    /// stay. Buffered messages were never committed, so the broker delivers them again.
+    pub fn crash(&mut self) {
+        self.buffer.clear();
+        self.versions.clear();
+    }
+
+    /// Events whose effect ran more than once (must be 0).
+    pub fn duplicate_effects(&self) -> usize {
+        self.effects.values().filter(|n| **n > 1).count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,40 +421,69 @@ mod tests {
         assert_eq!(t.committable(&0), Some(5));
     }
 
-    // Model: a consumer that applies through `decide` + buffer sees each aggregate's versions
-    // in any order with duplicates; every version is applied exactly once, in order.
+    #[test]
+    fn model_crash_and_redelivery_apply_once() {
+        let mut m: ConsumerModel<u32, &str> = ConsumerModel::new(GapPolicy::Buffer, 10);
+        assert_eq!(m.deliver(2, "a", 2)[0].1, Action::Buffer { expected: 1 });
+        m.crash();
+        let acts = m.deliver(1, "a", 1);
+        assert_eq!(
+            acts,
+            vec![(1, Action::Apply)],
+            "the buffer died with the process"
+        );
+        let acts = m.deliver(2, "a", 2);
+        assert_eq!(acts, vec![(2, Action::Apply)]);
+        assert_eq!(m.deliver(1, "a", 1), vec![(1, Action::Duplicate)]);
+        assert_eq!(m.duplicate_effects(), 0);
+        // Buffered, then released by the missing version.
+        assert_eq!(m.deliver(4, "a", 4)[0].1, Action::Buffer { expected: 3 });
+        assert_eq!(
+            m.deliver(3, "a", 3),
+            vec![(3, Action::Apply), (4, Action::Apply)]
+        );
+        assert_eq!(m.effects.len(), 4);
+    }
+
+    // The model under policy buffer, with duplicates, any arrival order and crashes (after a
+    // crash the broker redelivers what was only buffered): every version is applied exactly
+    // once, in version order.
     proptest! {
         #[test]
-        fn buffer_policy_applies_each_version_once_in_order(
+        fn buffer_policy_applies_each_version_once_in_order_across_crashes(
             arrivals in proptest::collection::vec(1..=8i64, 0..6).prop_flat_map(|dups| {
                 let mut all: Vec<i64> = (1..=8).collect();
                 all.extend(dups);
                 Just(all).prop_shuffle()
             }),
+            crashes in proptest::collection::btree_set(0..16usize, 0..3),
         ) {
-            let mut seen = std::collections::HashSet::new();
-            let mut last: Option<i64> = None;
+            // Event id = version (one aggregate).
+            let mut m: ConsumerModel<i64, ()> = ConsumerModel::new(GapPolicy::Buffer, 100);
+            let mut queue: std::collections::VecDeque<i64> = arrivals.into();
+            let mut held = Vec::new();
             let mut applied = Vec::new();
-            let mut buf: GapBuffer<(), i64> = GapBuffer::new(100);
-            for v in arrivals {
-                let dedup = Dedup::from_inserted(!seen.contains(&v));
-                match decide(dedup, GapPolicy::Buffer, last, v) {
-                    Action::Apply => {
-                        seen.insert(v);
-                        applied.push(v);
-                        last = Some(v);
-                        while let Some(n) = buf.take_next(&(), last.unwrap()) {
-                            seen.insert(n);
-                            applied.push(n);
-                            last = Some(n);
+            let mut step = 0;
+            while let Some(v) = queue.pop_front() {
+                if crashes.contains(&step) {
+                    m.crash();
+                    queue.extend(held.drain(..));
+                }
+                step += 1;
+                for (id, action) in m.deliver(v, (), v) {
+                    match action {
+                        Action::Apply => {
+                            held.retain(|h| *h != id);
+                            applied.push(id);
                         }
+                        Action::Buffer { .. } => held.push(id),
+                        Action::Duplicate | Action::Stale { .. } => {}
+                        other => prop_assert!(false, "unexpected {other:?}"),
                     }
-                    Action::Buffer { .. } => buf.push((), v, v).unwrap(),
-                    Action::Duplicate | Action::Stale { .. } => {}
-                    other => prop_assert!(false, "unexpected {other:?}"),
                 }
             }
             prop_assert_eq!(applied, (1..=8).collect::<Vec<_>>());
+            prop_assert_eq!(m.duplicate_effects(), 0);
         }
     }
 }
