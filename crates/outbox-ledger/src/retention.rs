@@ -7,7 +7,11 @@
 //!   offset, or the event in that consumer's inbox) — `outbox.covered_by_mandatory`;
 //! * it has no open quarantine record, no open held-event record and no DISPATCH_UNKNOWN
 //!   attempt (those are open questions, not history);
-//! * if it belongs to a delivery set, every member satisfies the above.
+//! * if it belongs to a delivery set, every member satisfies the above;
+//! * the relay's ledger checkpoint of the slot that published it is past its commit LSN, so no
+//!   relay restart can replay it (a replayed event without its row and receipt would get a
+//!   second primary receipt). Receipts without a commit LSN (initial snapshot) need no such
+//!   proof: a snapshot only publishes rows that exist.
 //!
 //! Marking comes first: every published event its mandatory consumers cover becomes RETAINED
 //! (`receipts.retained_at`). Deleting removes the row, its receipts, attempts, migrations and
@@ -80,6 +84,9 @@ pub struct PurgeReport {
     pub kept_inside_window: i64,
     /// Published, not yet covered by every mandatory consumer (whatever their age).
     pub kept_awaiting_consumers: i64,
+    /// Published, past the window, but the relay's checkpoint is not past them yet (a relay
+    /// restart could replay them).
+    pub kept_relay_may_replay: i64,
     /// True when `max_batches` stopped the run with more to do.
     pub stopped_early: bool,
 }
@@ -88,6 +95,9 @@ pub struct PurgeReport {
 /// `$1` is the replay window in seconds.
 const ELIGIBLE: &str = "
     r.accepted_at < clock_timestamp() - make_interval(secs => $1)
+    AND (r.commit_lsn IS NULL OR EXISTS (
+            SELECT 1 FROM outbox.checkpoints c
+            WHERE c.slot_name = r.slot_name AND c.confirmed_lsn > r.commit_lsn))
     AND outbox.covered_by_mandatory(r.event_id, r.topic, r.partition, r.\"offset\")
     AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
                     WHERE q.event_id = e.event_id AND q.released_at IS NULL)
@@ -252,7 +262,12 @@ pub async fn purge(client: &Client, s: &PurgeSettings) -> Result<PurgeReport, Le
         .query_one(
             "SELECT count(*) FILTER (WHERE r.accepted_at >= clock_timestamp() - make_interval(secs => $1)
                                        AND outbox.covered_by_mandatory(r.event_id, r.topic, r.partition, r.\"offset\")),
-                    count(*) FILTER (WHERE NOT outbox.covered_by_mandatory(r.event_id, r.topic, r.partition, r.\"offset\"))
+                    count(*) FILTER (WHERE NOT outbox.covered_by_mandatory(r.event_id, r.topic, r.partition, r.\"offset\")),
+                    count(*) FILTER (WHERE r.accepted_at < clock_timestamp() - make_interval(secs => $1)
+                                       AND r.commit_lsn IS NOT NULL
+                                       AND NOT EXISTS (SELECT 1 FROM outbox.checkpoints c
+                                                       WHERE c.slot_name = r.slot_name
+                                                         AND c.confirmed_lsn > r.commit_lsn))
              FROM outbox.receipts r",
             &[&window],
         )
@@ -260,5 +275,6 @@ pub async fn purge(client: &Client, s: &PurgeSettings) -> Result<PurgeReport, Le
         .ctx("counting retained events")?;
     report.kept_inside_window = kept.get(0);
     report.kept_awaiting_consumers = kept.get(1);
+    report.kept_relay_may_replay = kept.get(2);
     Ok(report)
 }

@@ -220,8 +220,8 @@ fn print_report(r: &PurgeReport, window: Duration, inbox: Duration) {
         println!("batches             {:>10}", r.batches);
     }
     println!(
-        "kept: inside window {:>10}  awaiting mandatory consumers {}",
-        r.kept_inside_window, r.kept_awaiting_consumers
+        "kept: inside window {:>10}  awaiting mandatory consumers {}  relay checkpoint not past them {}",
+        r.kept_inside_window, r.kept_awaiting_consumers, r.kept_relay_may_replay
     );
     if r.stopped_early {
         println!("stopped after --max-batches; run again to continue");
