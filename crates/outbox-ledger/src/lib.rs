@@ -10,6 +10,9 @@
 //! * [`lease`] — relay leases and generations (one active relay per slot, fenced).
 //! * [`holds`] — held aggregates: loading them, operator release/skip, republishing.
 //! * [`status`] — read-only views for `outboxd status`.
+//! * [`consumers`] — the consumer registry (mandatory/optional) and what consumers applied.
+//! * [`audit`] — the ledger side of `outboxd reconcile` (aged PENDING/UNKNOWN, conflicts).
+//! * [`retention`] — PUBLISHED -> RETAINED -> PURGED (`outboxd purge`).
 //!
 //! Why a ledger in PostgreSQL at all: the slot's confirmed LSN is a single number that can
 //! only say "everything before here is done". The ledger is where "done" is proven per event
@@ -18,12 +21,15 @@
 
 pub mod accept;
 pub mod attempts;
+pub mod audit;
 pub mod checkpoint;
+pub mod consumers;
 pub mod destination;
 pub mod holds;
 pub mod lease;
 pub mod migrate;
 pub mod producer;
+pub mod retention;
 pub mod status;
 
 pub use accept::{

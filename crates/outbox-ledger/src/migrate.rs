@@ -56,6 +56,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/0007_delivery_sets.sql"),
     },
     Migration {
+        version: 8,
+        name: "consumers_retention",
+        sql: include_str!("../../../migrations/0008_consumers_retention.sql"),
+    },
+    Migration {
         version: 9,
         name: "debezium",
         sql: include_str!("../../../migrations/0009_debezium.sql"),

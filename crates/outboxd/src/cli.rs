@@ -67,6 +67,19 @@ pub enum Command {
     /// The embedded default: throwaway PostgreSQL + embedded broker + an order workload,
     /// with live progress. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
     Demo(DemoArgs),
+    /// Where is every event? Compares outbox rows, receipts, consumer inboxes/watermarks and
+    /// the broker's topics; reports aged PENDING, aged UNKNOWN, events no mandatory consumer
+    /// applied, bypass publishes and id conflicts. Read-only.
+    /// Exit status: 0 all is well, 2 something was found, 1 the check itself failed.
+    Reconcile(ReconcileArgs),
+    /// Retention: mark covered published events RETAINED, then delete events, receipts and
+    /// inbox rows past the replay window in batches. Never deletes what a mandatory consumer
+    /// has not covered, nor anything inside the window. Try --dry-run first.
+    Purge(PurgeArgs),
+    /// The consumer registry: which consumers retention waits for (mandatory) and which it
+    /// does not (optional).
+    #[command(subcommand)]
+    Consumers(ConsumersCommand),
 }
 
 #[derive(Debug, Args)]
@@ -318,4 +331,122 @@ pub struct AdminArgs {
     /// quarantine, holds) and the broker probe behind /readyz are refreshed, ms. [default: 5000]
     #[arg(long, env = "OUTBOXD_SAMPLE_INTERVAL_MS")]
     pub sample_interval_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ReconcileFormat {
+    /// A summary table and one line per finding.
+    Table,
+    Json,
+    /// Prometheus text exposition format, for node_exporter's textfile collector.
+    Prometheus,
+}
+
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:\n  \
+outboxd reconcile --database-url postgres://... --bootstrap-servers kafka:9092\n  \
+outboxd reconcile --format prometheus > /var/lib/node_exporter/outboxd.prom.tmp; \
+mv /var/lib/node_exporter/outboxd.prom.tmp /var/lib/node_exporter/outboxd.prom")]
+pub struct ReconcileArgs {
+    /// PostgreSQL URL of the database holding the outbox (and the inboxes of consumers that
+    /// share it).
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Kafka bootstrap servers, for the bypass and conflict scan of the outbox's topics.
+    #[arg(long, env = "OUTBOXD_BOOTSTRAP_SERVERS")]
+    pub bootstrap_servers: Option<String>,
+    /// TOML config file (`database_url`, `[kafka]`, `[reconcile]`).
+    #[arg(long, env = "OUTBOXD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Report PENDING events older than this (30s, 5m, 2h, 1d). [default: 5m]
+    #[arg(long, env = "OUTBOXD_RECONCILE_PENDING_AFTER", value_parser = crate::purge::parse_duration)]
+    pub pending_after: Option<std::time::Duration>,
+    /// Report attempts DISPATCH_UNKNOWN for longer than this. [default: 15m]
+    #[arg(long, env = "OUTBOXD_RECONCILE_UNKNOWN_AFTER", value_parser = crate::purge::parse_duration)]
+    pub unknown_after: Option<std::time::Duration>,
+    /// Report events published longer ago than this that a mandatory consumer has not
+    /// applied. [default: 1h]
+    #[arg(long, env = "OUTBOXD_RECONCILE_UNCONSUMED_AFTER", value_parser = crate::purge::parse_duration)]
+    pub unconsumed_after: Option<std::time::Duration>,
+    /// Also scan this topic for bypass publishes (the outbox's topics are always scanned);
+    /// repeatable.
+    #[arg(long = "topic")]
+    pub topics: Vec<String>,
+    /// Skip the broker scan (no bypass or broker-side conflict detection).
+    #[arg(long)]
+    pub no_broker: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ReconcileFormat::Table)]
+    pub format: ReconcileFormat,
+    /// Same as --format json.
+    #[arg(long)]
+    pub json: bool,
+    /// Findings listed per kind (the counts are always complete).
+    #[arg(long, default_value_t = 100)]
+    pub limit: i64,
+    /// librdkafka property for the scan consumer, KEY=VALUE (security.*, sasl.*, ssl.*).
+    #[arg(long = "kafka-property", value_parser = parse_kv)]
+    pub kafka_properties: Vec<(String, String)>,
+}
+
+#[derive(Debug, Args)]
+#[command(
+    after_help = "An event is deleted only when its receipt is older than the replay window, every \
+mandatory consumer reading its topic covers it (watermark past its offset, or in its inbox), and it has no \
+open quarantine, hold or UNKNOWN attempt. A tombstone (id, digests, receipt position) stays in \
+outbox.purged_events. Schedule it with cron or a systemd timer; concurrent runs are safe."
+)]
+pub struct PurgeArgs {
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// TOML config file (`database_url`, `[retention]`).
+    #[arg(long, env = "OUTBOXD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Keep events published within this window (30s, 12h, 7d; 0s = no window). [default: 7d]
+    #[arg(long, env = "OUTBOXD_REPLAY_WINDOW", value_parser = crate::purge::parse_duration)]
+    pub replay_window: Option<std::time::Duration>,
+    /// Keep inbox rows consumed within this window. At least the replay window; make it
+    /// cover the broker's retention of the topics, since a replay from the broker is
+    /// deduplicated only while the row exists. [default: the replay window]
+    #[arg(long, env = "OUTBOXD_INBOX_RETENTION", value_parser = crate::purge::parse_duration)]
+    pub inbox_retention: Option<std::time::Duration>,
+    /// Rows per delete transaction. [default: 1000]
+    #[arg(long)]
+    pub batch_size: Option<i64>,
+    /// Stop after this many event batches.
+    #[arg(long)]
+    pub max_batches: Option<u64>,
+    /// Count what would be marked and deleted; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConsumersCommand {
+    /// Registered consumers and their progress.
+    List {
+        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Declare (or re-declare) a consumer. Mandatory: purge waits for its watermark and
+    /// reconcile reports what it has not applied. Optional: neither.
+    Register {
+        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        /// The consumer id it uses in its inbox (InboxConfig::consumer_id).
+        #[arg(long)]
+        id: String,
+        /// Mandatory (true) or optional (false).
+        #[arg(long, action = clap::ArgAction::Set)]
+        mandatory: bool,
+        /// A topic it reads; repeatable. [default: every topic]
+        #[arg(long = "topic")]
+        topics: Vec<String>,
+        #[arg(long)]
+        description: Option<String>,
+    },
 }

@@ -121,6 +121,10 @@ pub struct FileConfig {
     pub log_format: Option<crate::cli::LogFormat>,
     #[serde(default)]
     pub admin: AdminFile,
+    #[serde(default)]
+    pub reconcile: ReconcileFile,
+    #[serde(default)]
+    pub retention: RetentionFile,
 }
 
 /// `[admin]` section: the HTTP endpoints (`/metrics`, `/healthz`, `/readyz`) and the
@@ -177,6 +181,37 @@ pub struct RelayFile {
     pub lease_ttl_ms: Option<u64>,
     pub relay_id: Option<String>,
     pub unknown_settle_ms: Option<u64>,
+}
+
+/// `[reconcile]` section (`outboxd reconcile`). Durations are text: `30s`, `5m`, `12h`, `7d`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileFile {
+    /// PENDING older than this is reported. Default `5m`.
+    pub pending_after: Option<String>,
+    /// DISPATCH_UNKNOWN older than this is reported. Default `15m`.
+    pub unknown_after: Option<String>,
+    /// Published but not applied by a mandatory consumer after this is reported. Default `1h`.
+    pub unconsumed_after: Option<String>,
+    /// Extra topics to scan for bypass publishes (the outbox's own topics are always scanned).
+    #[serde(default)]
+    pub topics: Vec<String>,
+}
+
+/// `[retention]` section (`outboxd purge`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionFile {
+    /// Events published within this window are kept. Default `7d`.
+    pub replay_window: Option<String>,
+    /// Inbox rows consumed within this window are kept; at least the replay window, and
+    /// should cover the broker's retention of the topics. Default: the replay window.
+    pub inbox_retention: Option<String>,
+    /// Rows per delete transaction. Default 1000.
+    pub batch_size: Option<i64>,
+    /// When set, `outboxd run` purges with these settings on this schedule (e.g. `1h`).
+    /// Default: no background purge (run `outboxd purge` from cron instead).
+    pub purge_interval: Option<String>,
 }
 
 impl FileConfig {

@@ -10,6 +10,8 @@ mod demo;
 mod failpoint;
 mod metrics;
 mod migrate_destination;
+mod purge;
+mod reconcile;
 mod relay;
 
 use std::sync::Arc;
@@ -47,7 +49,7 @@ fn main() {
 
 /// The error and its causes on one line. Database errors are already rendered in full (with
 /// detail and hint) by the error that wraps them, so their own chain is not repeated.
-fn one_line(e: &anyhow::Error) -> String {
+pub(crate) fn one_line(e: &anyhow::Error) -> String {
     let mut msg = e.to_string();
     for cause in e.chain().skip(1) {
         if cause.downcast_ref::<tokio_postgres::Error>().is_some()
@@ -114,6 +116,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
             let admin_cfg = resolve_admin(&a)?;
             // Bound before the relay starts, so a taken port fails fast; serves until exit.
             let _admin = admin::start(&admin_cfg, &cfg).await?;
+            purge::spawn_schedule(a.config.as_deref(), cfg.database_url.expose())?;
             let (tx, rx) = watch::channel(false);
             spawn_signal_handler(tx);
             relay::run(cfg, Arc::new(relay::Progress::default()), rx)
@@ -130,6 +133,67 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(a).await,
         Command::Check(a) => check::run(a).await,
         Command::MigrateDestination(a) => migrate_destination::run(a).await,
+        Command::Reconcile(a) => reconcile::run(a).await,
+        Command::Purge(a) => purge::run(a).await,
+        Command::Consumers(c) => consumers(c).await,
+    }
+}
+
+async fn consumers(cmd: cli::ConsumersCommand) -> anyhow::Result<()> {
+    use outbox_ledger::consumers;
+    match cmd {
+        cli::ConsumersCommand::List { database_url, json } => {
+            let client = connect(&database_url).await?;
+            let list = consumers::list(&client).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+                return Ok(());
+            }
+            println!(
+                "{:<24} {:<10} {:>10} {:>10} {:>12}  TOPICS",
+                "CONSUMER", "KIND", "PARTITIONS", "INBOX", "IDLE"
+            );
+            for c in &list {
+                println!(
+                    "{:<24} {:<10} {:>10} {:>10} {:>12}  {}",
+                    c.consumer_id,
+                    if c.mandatory { "mandatory" } else { "optional" },
+                    c.partitions,
+                    c.inbox_rows,
+                    c.idle_seconds
+                        .map(|i| format!("{i:.0}s"))
+                        .unwrap_or_else(|| "never".into()),
+                    c.topics
+                        .as_ref()
+                        .map(|t| t.join(","))
+                        .unwrap_or_else(|| "*".into())
+                );
+            }
+            Ok(())
+        }
+        cli::ConsumersCommand::Register {
+            database_url,
+            id,
+            mandatory,
+            topics,
+            description,
+        } => {
+            let client = connect(&database_url).await?;
+            let topics = (!topics.is_empty()).then_some(topics);
+            consumers::register(
+                &client,
+                &id,
+                mandatory,
+                topics.as_deref(),
+                description.as_deref(),
+            )
+            .await?;
+            println!(
+                "registered consumer {id} as {}",
+                if mandatory { "mandatory" } else { "optional" }
+            );
+            Ok(())
+        }
     }
 }
 

@@ -1,0 +1,249 @@
+//! `outboxd purge`: moves covered published events to RETAINED and deletes what is past the
+//! replay window, in batches. The rules (what may never go) live with the SQL in
+//! `outbox_ledger::retention`; this is the command around them.
+//!
+//! Run it from cron or a systemd timer (`outboxd purge --replay-window 7d`), or let
+//! `outboxd run` do it: `[retention] purge_interval = "1h"` in its config file starts a
+//! background task with the same settings ([`spawn_schedule`]). Several runs at once are safe
+//! (`FOR UPDATE SKIP LOCKED`), so a standby relay purging too does no harm.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use outbox_ledger::retention::{self, PurgeReport, PurgeSettings};
+
+use crate::cli::PurgeArgs;
+use crate::config::FileConfig;
+
+/// Default replay window when neither flag, variable nor config file sets one.
+pub const DEFAULT_REPLAY_WINDOW: Duration = Duration::from_secs(7 * 86_400);
+
+/// Parses `500ms`, `30s`, `5m`, `12h`, `7d` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| {
+        format!(
+            "{s:?} is not a duration: expected a number and a unit, e.g. 500ms, 30s, 5m, 12h, 7d"
+        )
+    })?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        "d" => n * 86_400.0,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?}; use ms, s, m, h or d"
+            ))
+        }
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("{s:?} is not a non-negative duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Renders a duration the way it is written on the command line.
+pub fn show_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    if d.is_zero() {
+        return "0s".into();
+    }
+    if d.subsec_millis() != 0 {
+        return format!("{}ms", d.as_millis());
+    }
+    for (unit, n) in [("d", 86_400), ("h", 3600), ("m", 60)] {
+        if s % n == 0 {
+            return format!("{}{unit}", s / n);
+        }
+    }
+    format!("{s}s")
+}
+
+fn from_file(v: &Option<String>, key: &str) -> anyhow::Result<Option<Duration>> {
+    v.as_deref()
+        .map(parse_duration)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("config file retention.{key}: {e}"))
+}
+
+/// Flags over the config file's `[retention]` over the defaults.
+fn settings(a: &PurgeArgs, file: &FileConfig) -> anyhow::Result<PurgeSettings> {
+    let replay_window = match a.replay_window {
+        Some(d) => d,
+        None => from_file(&file.retention.replay_window, "replay_window")?
+            .unwrap_or(DEFAULT_REPLAY_WINDOW),
+    };
+    let inbox_retention = match a.inbox_retention {
+        Some(d) => d,
+        None => {
+            from_file(&file.retention.inbox_retention, "inbox_retention")?.unwrap_or(replay_window)
+        }
+    };
+    let settings = PurgeSettings {
+        replay_window,
+        inbox_retention,
+        batch_size: a.batch_size.or(file.retention.batch_size).unwrap_or(1000),
+        max_batches: a.max_batches,
+        dry_run: a.dry_run,
+    };
+    settings.validate()?;
+    Ok(settings)
+}
+
+/// Starts the background purge of `outboxd run` when its config file sets
+/// `[retention] purge_interval`; otherwise does nothing. Settings are read (and validated)
+/// now, so a bad value stops the relay at start rather than failing silently later. A failed
+/// purge is logged and tried again at the next interval; it never stops the relay.
+pub fn spawn_schedule(config: Option<&Path>, database_url: &str) -> anyhow::Result<()> {
+    let Some(path) = config else {
+        return Ok(());
+    };
+    let file = FileConfig::load(path)?;
+    let Some(interval) = from_file(&file.retention.purge_interval, "purge_interval")? else {
+        return Ok(());
+    };
+    if interval < Duration::from_millis(100) {
+        anyhow::bail!("config file retention.purge_interval must be at least 100ms");
+    }
+    let args = PurgeArgs {
+        database_url: None,
+        config: None,
+        replay_window: None,
+        inbox_retention: None,
+        batch_size: None,
+        max_batches: None,
+        dry_run: false,
+        json: false,
+    };
+    let settings = settings(&args, &file)?;
+    let url = database_url.to_string();
+    tracing::info!(
+        interval = %show_duration(interval),
+        replay_window = %show_duration(settings.replay_window),
+        inbox_retention = %show_duration(settings.inbox_retention),
+        "background purge scheduled"
+    );
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let result = async {
+                let client = crate::connect(&url).await?;
+                retention::purge(&client, &settings)
+                    .await
+                    .map_err(anyhow::Error::from)
+            }
+            .await;
+            match result {
+                Ok(r) if r.events > 0 || r.inbox_rows > 0 || r.marked_retained > 0 => {
+                    tracing::info!(
+                        retained = r.marked_retained,
+                        purged_events = r.events,
+                        purged_inbox_rows = r.inbox_rows,
+                        kept_awaiting_consumers = r.kept_awaiting_consumers,
+                        "background purge"
+                    )
+                }
+                Ok(_) => tracing::debug!("background purge: nothing to do"),
+                Err(e) => tracing::warn!(
+                    error = %crate::one_line(&e),
+                    "background purge failed; trying again at the next interval"
+                ),
+            }
+        }
+    });
+    Ok(())
+}
+
+pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
+    let file = match &a.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let url = a
+        .database_url
+        .clone()
+        .or_else(|| file.database_url.as_ref().map(|s| s.expose().to_string()))
+        .context("database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or set database_url in the config file")?;
+    let settings = settings(&a, &file)?;
+    let (replay_window, inbox_retention) = (settings.replay_window, settings.inbox_retention);
+    let client = crate::connect(&url).await?;
+    let report = retention::purge(&client, &settings)
+        .await
+        .context("purge")?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "replay_window": show_duration(replay_window),
+                "inbox_retention": show_duration(inbox_retention),
+                "report": report,
+            }))?
+        );
+    } else {
+        print_report(&report, replay_window, inbox_retention);
+    }
+    Ok(())
+}
+
+fn print_report(r: &PurgeReport, window: Duration, inbox: Duration) {
+    let verb = if r.dry_run { "would " } else { "" };
+    if r.dry_run {
+        println!("dry run: nothing was changed");
+    }
+    println!(
+        "replay window {}, inbox retention {}",
+        show_duration(window),
+        show_duration(inbox)
+    );
+    println!(
+        "{verb}mark RETAINED       {:>10}  (published, covered by every mandatory consumer)",
+        r.marked_retained
+    );
+    println!(
+        "{verb}purge events        {:>10}  (tombstones kept in outbox.purged_events)",
+        r.events
+    );
+    println!("{verb}purge receipts      {:>10}", r.receipts);
+    println!("{verb}purge duplicates    {:>10}", r.duplicate_receipts);
+    println!("{verb}purge attempts      {:>10}", r.attempts);
+    println!("{verb}purge inbox rows    {:>10}", r.inbox_rows);
+    if !r.dry_run {
+        println!("batches             {:>10}", r.batches);
+    }
+    println!(
+        "kept: inside window {:>10}  awaiting mandatory consumers {}  relay checkpoint not past them {}",
+        r.kept_inside_window, r.kept_awaiting_consumers, r.kept_relay_may_replay
+    );
+    if r.stopped_early {
+        println!("stopped after --max-batches; run again to continue");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
+        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
+        assert!(parse_duration("7 weeks").is_err());
+        assert!(parse_duration("soon").is_err());
+        assert_eq!(show_duration(Duration::from_secs(604_800)), "7d");
+        assert_eq!(show_duration(Duration::from_secs(90)), "90s");
+        assert_eq!(show_duration(Duration::ZERO), "0s");
+        assert_eq!(show_duration(Duration::from_millis(1500)), "1500ms");
+    }
+}

@@ -1,0 +1,243 @@
+//! `outboxd reconcile`: each kind of finding it must report, its exit status (2 when anything
+//! is found, 0 when all is well), and its JSON and Prometheus outputs.
+
+use std::process::Command;
+use std::time::Duration;
+
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::ClientConfig;
+use serde_json::json;
+
+use crate::harness::TestEnv;
+use crate::inbox::{consumer, create_effects_table, effect_handler, next};
+
+/// Runs `outboxd reconcile` against the test's database and broker with `extra` flags;
+/// returns the exit code and stdout (stderr is appended when the run failed outright).
+pub fn reconcile(env: &TestEnv, extra: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args([
+            "reconcile",
+            "--database-url",
+            &env.url,
+            "--bootstrap-servers",
+            env.kafka.bootstrap_servers(),
+        ])
+        .args(extra)
+        .env_remove("OUTBOXD_DATABASE_URL")
+        .env_remove("OUTBOXD_BOOTSTRAP_SERVERS")
+        .env_remove("OUTBOXD_CONFIG")
+        .output()
+        .expect("run outboxd reconcile");
+    let code = out.status.code().unwrap_or(-1);
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if code == 1 {
+        text.push_str(&String::from_utf8_lossy(&out.stderr));
+    }
+    (code, text)
+}
+
+/// `reconcile --json`: exit code and the parsed report.
+pub fn reconcile_json(env: &TestEnv, extra: &[&str]) -> (i32, serde_json::Value) {
+    let mut args = vec!["--json"];
+    args.extend_from_slice(extra);
+    let (code, text) = reconcile(env, &args);
+    assert_ne!(code, 1, "reconcile failed: {text}");
+    (
+        code,
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+    )
+}
+
+fn produce_raw(env: &TestEnv, id: Option<&str>, payload: &str) {
+    let p: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", env.kafka.bootstrap_servers())
+        .create()
+        .unwrap();
+    let mut headers = OwnedHeaders::new();
+    if let Some(id) = id {
+        headers = headers.insert(Header {
+            key: "id",
+            value: Some(id),
+        });
+    }
+    p.send(
+        BaseRecord::to(&env.topic)
+            .key("rogue")
+            .payload(payload)
+            .headers(headers),
+    )
+    .map_err(|(e, _)| e)
+    .unwrap();
+    p.flush(Duration::from_secs(10)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_is_well_exits_zero_and_a_bypass_publish_is_reported() {
+    let env = TestEnv::new("rec_bypass").await;
+    create_effects_table(&env).await;
+    env.db
+        .execute(
+            "SELECT outbox.register_consumer('ledger', true, ARRAY[$1])",
+            &[&env.topic],
+        )
+        .await
+        .unwrap();
+    let _relay = env.relay(&[], &[]);
+    for i in 0..3 {
+        env.enqueue(&format!("o-{i}"), json!({"i": i})).await;
+    }
+    env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 3)
+        .await;
+    let h = effect_handler();
+    let mut c = consumer(&env, "ledger", None).await;
+    let mut applied = 0;
+    while applied < 3 {
+        let p = next(&mut c, &h).await;
+        applied += p.outcomes.iter().filter(|o| o.ran_handler()).count();
+        c.commit(&p).unwrap();
+    }
+
+    let (code, text) = reconcile(&env, &["--pending-after", "0s", "--unconsumed-after", "0s"]);
+    assert_eq!(code, 0, "all is well, yet: {text}");
+    assert!(text.contains("all is well"), "{text}");
+
+    // Someone publishes around the outbox: an unknown id, and no id at all.
+    let rogue = uuid::Uuid::new_v4().to_string();
+    produce_raw(&env, Some(&rogue), "{\"fake\": true}");
+    produce_raw(&env, None, "{}");
+    let (code, report) = reconcile_json(&env, &["--unconsumed-after", "0s"]);
+    assert_eq!(code, 2, "{report:#}");
+    assert_eq!(report["bypass"]["total"], 2, "{report:#}");
+    let ids: Vec<&serde_json::Value> = report["bypass"]["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| &b["id"])
+        .collect();
+    assert!(ids.contains(&&json!(rogue)), "{report:#}");
+    assert!(ids.contains(&&serde_json::Value::Null), "{report:#}");
+    // The relay's own messages are not bypasses, and nothing else is reported.
+    assert_eq!(report["broker"]["messages"], 5);
+    for kind in ["aged_pending", "aged_unknown", "unconsumed", "conflicts"] {
+        assert_eq!(report[kind]["total"], 0, "{kind}: {report:#}");
+    }
+
+    let (code, prom) = reconcile(&env, &["--format", "prometheus"]);
+    assert_eq!(code, 2);
+    assert!(
+        prom.contains("outboxd_reconcile_findings{kind=\"bypass\"} 2"),
+        "{prom}"
+    );
+    assert!(
+        prom.contains("outboxd_reconcile_findings{kind=\"aged_pending\"} 0"),
+        "{prom}"
+    );
+    assert!(prom.contains("# TYPE outboxd_reconcile_findings gauge"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_enqueued_while_the_relay_is_stopped_is_reported_as_aged_pending() {
+    let env = TestEnv::new("rec_pending").await;
+    let id = env.enqueue("o-1", json!({"late": true})).await;
+    env.wait_count(
+        "the event to be older than the threshold",
+        "SELECT count(*) FROM outbox.events WHERE occurred_at < clock_timestamp() - interval '1 second'",
+        1,
+    )
+    .await;
+    let (code, report) = reconcile_json(&env, &["--pending-after", "1s"]);
+    assert_eq!(code, 2, "{report:#}");
+    assert_eq!(report["aged_pending"]["total"], 1);
+    assert_eq!(
+        report["aged_pending"]["items"][0]["event_id"],
+        json!(id.to_string())
+    );
+    let (code, text) = reconcile(&env, &["--pending-after", "1s"]);
+    assert_eq!(code, 2);
+    assert!(text.contains(&id.to_string()), "{text}");
+
+    // The relay publishes it: all is well again.
+    let _relay = env.relay(&[], &[]);
+    env.wait_count("the receipt", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    let (code, report) = reconcile_json(&env, &["--pending-after", "1s"]);
+    assert_eq!(code, 0, "{report:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_no_mandatory_consumer_applied_is_reported() {
+    let env = TestEnv::new("rec_unconsumed").await;
+    create_effects_table(&env).await;
+    env.db
+        .batch_execute(&format!(
+            "SELECT outbox.register_consumer('ledger', true, ARRAY['{t}']);
+             SELECT outbox.register_consumer('analytics', false);
+             SELECT outbox.register_consumer('elsewhere', true, ARRAY['some.other.topic']);",
+            t = env.topic
+        ))
+        .await
+        .unwrap();
+    let _relay = env.relay(&[], &[]);
+    let a = env.enqueue("o-1", json!({"n": 1})).await;
+    let b = env.enqueue("o-2", json!({"n": 2})).await;
+    env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+
+    // `ledger` applies one of the two.
+    let h = effect_handler();
+    let mut c = consumer(&env, "ledger", None).await;
+    let p = next(&mut c, &h).await;
+    c.commit(&p).unwrap();
+    let first = p.outcomes[0].receipt().unwrap().event_id;
+    let missing = if first == a { b } else { a };
+
+    let (code, report) = reconcile_json(&env, &["--unconsumed-after", "0s"]);
+    assert_eq!(code, 2, "{report:#}");
+    assert_eq!(report["unconsumed"]["total"], 1, "{report:#}");
+    let item = &report["unconsumed"]["items"][0];
+    assert_eq!(item["event_id"], json!(missing.to_string()));
+    assert_eq!(item["consumer_id"], "ledger");
+    // Within the threshold it is not a finding yet.
+    let (code, report) = reconcile_json(&env, &["--unconsumed-after", "1h"]);
+    assert_eq!(code, 0, "{report:#}");
+
+    let p = next(&mut c, &h).await;
+    c.commit(&p).unwrap();
+    let (code, report) = reconcile_json(&env, &["--unconsumed-after", "0s"]);
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(report["consumers"].as_array().unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aged_unknown_and_a_second_payload_under_one_id_are_reported() {
+    let env = TestEnv::new("rec_conflict").await;
+    let id = env.enqueue("o-1", json!({"total": 1})).await;
+    env.record_unknown_attempt(id).await;
+    // Another copy of the same id with a different payload reaches the topic.
+    produce_raw(&env, Some(&id.to_string()), "{\"total\": 1000}");
+    env.wait_count(
+        "the attempt to be older than the threshold",
+        "SELECT count(*) FROM outbox.attempts WHERE unknown_at < clock_timestamp() - interval '1 second'",
+        1,
+    )
+    .await;
+    let (code, report) = reconcile_json(&env, &["--unknown-after", "1s"]);
+    assert_eq!(code, 2, "{report:#}");
+    assert_eq!(report["aged_unknown"]["total"], 1, "{report:#}");
+    assert_eq!(
+        report["aged_unknown"]["items"][0]["event_id"],
+        json!(id.to_string())
+    );
+    assert_eq!(report["conflicts"]["total"], 1, "{report:#}");
+    let c = &report["conflicts"]["broker"][0];
+    assert_eq!(c["id"], json!(id.to_string()));
+    assert!(
+        c["detail"].as_str().unwrap().contains("payload differs"),
+        "{report:#}"
+    );
+    assert_eq!(report["bypass"]["total"], 0, "{report:#}");
+    // UNKNOWN is not PENDING: it is not reported twice.
+    let (_, report) = reconcile_json(&env, &["--unknown-after", "1h", "--pending-after", "0s"]);
+    assert_eq!(report["aged_pending"]["total"], 0, "{report:#}");
+}
