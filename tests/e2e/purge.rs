@@ -166,6 +166,14 @@ async fn purge_respects_window_and_mandatory_watermark_and_replay_stays_deduplic
     );
     assert_eq!(purged_uncovered(&env).await, 0);
     assert_eq!(env.count("SELECT count(*) FROM outbox.inbox").await, 3);
+    // A purged event still answers `status --event` from its purge record.
+    let gone = covered.iter().next().unwrap().to_string();
+    let (ok, text) =
+        crate::harness::outboxd(&["status", "--database-url", &env.url, "--event", &gone]);
+    assert!(
+        ok && text.contains("PURGED") && text.contains(&env.topic),
+        "{text}"
+    );
 
     // Replay: billing re-reads the whole topic (a new group, i.e. offsets reset). The purged
     // events are deduplicated by their retained inbox rows; the fourth is applied once.

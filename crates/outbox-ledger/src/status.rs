@@ -112,7 +112,7 @@ pub async fn event_history(
         .await
         .ctx("reading the event status")?
     else {
-        return Ok(None);
+        return purged_history(client, event_id).await;
     };
     let mut lines = vec![
         format!("event      {event_id}"),
@@ -371,4 +371,33 @@ pub async fn receipts(
             })
             .collect(),
     )))
+}
+
+/// A purged event keeps a small record (`outbox.purged_events`): where its primary receipt put
+/// it and when it was purged, so `status --event` still answers after retention ran.
+async fn purged_history(
+    client: &Client,
+    event_id: uuid::Uuid,
+) -> Result<Option<Vec<String>>, LedgerError> {
+    let row = client
+        .query_opt(
+            "SELECT aggregate_type || '/' || aggregate_id || '@' || aggregate_version,
+                    format('%s/%s@%s, accepted %s', topic, partition, \"offset\", accepted_at),
+                    occurred_at::text, purged_at::text, payload_digest
+             FROM outbox.purged_events WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .ctx("reading the purge record")?;
+    Ok(row.map(|r| {
+        vec![
+            format!("event      {event_id}"),
+            "state      PURGED (published, covered by every mandatory consumer, past the replay window)".to_string(),
+            format!("aggregate  {}", r.get::<_, String>(0)),
+            format!("receipt    primary: {}", r.get::<_, String>(1)),
+            format!("occurred   {}", r.get::<_, String>(2)),
+            format!("purged     {}", r.get::<_, String>(3)),
+            format!("payload    {}", r.get::<_, String>(4)),
+        ]
+    }))
 }
