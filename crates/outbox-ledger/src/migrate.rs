@@ -55,6 +55,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "delivery_sets",
         sql: include_str!("../../../migrations/0007_delivery_sets.sql"),
     },
+    Migration {
+        version: 10,
+        name: "nats_routes",
+        sql: include_str!("../../../migrations/0010_nats_routes.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -73,13 +73,24 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
         .bootstrap_servers
         .clone()
         .or(file.kafka.bootstrap_servers.clone());
+    let bootstrap_missing = bootstrap.is_none();
     if let Some(b) = bootstrap {
         check_broker(&mut r, &b, &file).await;
-    } else {
+    }
+    let nats_url = a.nats_url.clone().or(file.nats.url.clone());
+    if let Some(u) = &nats_url {
+        let stream = a
+            .nats_stream
+            .clone()
+            .or(file.nats.stream.clone())
+            .unwrap_or_else(|| outbox_sink::JetStreamSinkConfig::default().stream);
+        check_nats(&mut r, u, &stream, &file).await;
+    }
+    if bootstrap_missing && nats_url.is_none() {
         r.add(
             Level::Warn,
-            "kafka",
-            "not checked: pass --bootstrap-servers to check the broker",
+            "broker",
+            "not checked: pass --bootstrap-servers (Kafka) or --nats-url (JetStream) to check the broker",
         );
     }
 
@@ -297,5 +308,94 @@ async fn check_broker(r: &mut Report, bootstrap: &str, file: &FileConfig) {
                 Err(e) => r.add(Level::Fail, "kafka", e.to_string()),
             }
         }
+    }
+}
+
+/// The JetStream part: server identity, JetStream enabled, the stream, and its duplicate window
+/// against the relay's retry budget (re-sends later than the window are not deduplicated by
+/// the broker; the ledger still records them as duplicates).
+async fn check_nats(r: &mut Report, url: &str, stream: &str, file: &FileConfig) {
+    let facts = match outbox_sink::jetstream::inspect(url, stream).await {
+        Ok(f) => f,
+        Err(e) => {
+            r.add(Level::Fail, "nats", e.to_string());
+            return;
+        }
+    };
+    let cluster = file.nats.cluster_name.clone();
+    match cluster {
+        Some(c) if c != facts.server_identity => r.add(
+            Level::Fail,
+            "nats server",
+            format!(
+                "{url} identifies as {:?}, but nats.cluster_name is {c:?}: the relay refuses to publish events frozen for {c:?} there",
+                facts.server_identity
+            ),
+        ),
+        _ => r.add(
+            Level::Ok,
+            "nats server",
+            format!(
+                "{url}: {} (nats-server {}); the relay's --cluster-name must be {:?}",
+                facts.server_identity, facts.server_version, facts.server_identity
+            ),
+        ),
+    }
+    if !facts.jetstream {
+        r.add(
+            Level::Fail,
+            "jetstream",
+            "disabled on the server: start nats-server with -js (or a jetstream block in its config)",
+        );
+        return;
+    }
+    let Some(s) = facts.stream else {
+        let level = if file.nats.create_stream == Some(true) {
+            Level::Warn
+        } else {
+            Level::Fail
+        };
+        r.add(
+            level,
+            "jetstream stream",
+            format!("{stream} does not exist: create it (nats stream add {stream} --subjects 'outbox.>') or run the relay with --nats-create-stream"),
+        );
+        return;
+    };
+    r.add(
+        Level::Ok,
+        "jetstream stream",
+        format!(
+            "{stream}: subjects {:?}, {} message(s)",
+            s.subjects, s.messages
+        ),
+    );
+    let ms = |v: Option<u64>, d: u64| Duration::from_millis(v.unwrap_or(d));
+    let budget = config::retry_budget(
+        ms(file.nats.ack_timeout_ms, 5_000),
+        ms(file.relay.unknown_settle_ms, 5_000),
+        ms(file.relay.lease_ttl_ms, 10_000),
+    );
+    if s.duplicate_window < budget {
+        r.add(
+            Level::Warn,
+            "duplicate window",
+            format!(
+                "{} s is shorter than the relay's retry budget of {} s (ack timeout + unknown settle + lease TTL + {} s backoff): later re-sends are stored again (the ledger records them as duplicates, consumers dedupe by event id); raise the stream's duplicate_window (nats stream edit {stream} --dupe-window ...)",
+                s.duplicate_window.as_secs_f64(),
+                budget.as_secs_f64(),
+                config::MAX_BACKOFF.as_secs()
+            ),
+        );
+    } else {
+        r.add(
+            Level::Ok,
+            "duplicate window",
+            format!(
+                "{} s covers the relay's retry budget of {} s",
+                s.duplicate_window.as_secs_f64(),
+                budget.as_secs_f64()
+            ),
+        );
     }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use outbox_sink::KafkaSinkConfig;
+use outbox_sink::{JetStreamSinkConfig, KafkaSinkConfig};
 use tokio::sync::watch;
 
 use cli::{Cli, Command, LogFormat, QuarantineCommand, RunArgs};
@@ -167,6 +167,43 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
     let mut properties: Vec<(String, String)> = file.kafka.properties.clone().into_iter().collect();
     properties.extend(a.kafka_properties.iter().cloned());
     let defaults = KafkaSinkConfig::default();
+    let cluster_name = a.cluster_name.clone();
+    let nats = match a.sink.or(file.sink).unwrap_or(config::SinkKind::Kafka) {
+        config::SinkKind::Kafka => None,
+        config::SinkKind::Nats => {
+            let d = JetStreamSinkConfig::default();
+            let n = &file.nats;
+            Some(JetStreamSinkConfig {
+                url: a.nats_url.clone().or(n.url.clone()).unwrap_or_default(),
+                cluster_name: cluster_name
+                    .clone()
+                    .or(n.cluster_name.clone())
+                    .unwrap_or(d.cluster_name),
+                stream: a.nats_stream.clone().or(n.stream.clone()).unwrap_or(d.stream),
+                create_stream: a.nats_create_stream || n.create_stream.unwrap_or(false),
+                stream_subjects: if a.nats_stream_subjects.is_empty() {
+                    n.stream_subjects.clone().unwrap_or(d.stream_subjects)
+                } else {
+                    a.nats_stream_subjects.clone()
+                },
+                duplicate_window: a
+                    .nats_duplicate_window_ms
+                    .or(n.duplicate_window_ms)
+                    .map(Duration::from_millis)
+                    .unwrap_or(d.duplicate_window),
+                ack_timeout: a
+                    .message_timeout_ms
+                    .or(n.ack_timeout_ms)
+                    .map(Duration::from_millis)
+                    .unwrap_or(d.ack_timeout),
+                max_in_flight: a
+                    .max_in_flight
+                    .or(file.relay.max_in_flight)
+                    .map(|m| usize::try_from(m).unwrap_or(usize::MAX))
+                    .unwrap_or(d.max_in_flight),
+            })
+        }
+    };
     let cfg = RelayConfig {
         database_url: a
             .database_url
@@ -214,6 +251,7 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .unwrap_or(defaults.linger),
             properties,
         },
+        nats,
         max_in_flight: a
             .max_in_flight
             .or(file.relay.max_in_flight)

@@ -2,12 +2,12 @@
 //!
 //! The destination was resolved and frozen at enqueue; the relay never re-resolves it. It
 //! only checks that the frozen destination is one this relay actually serves (same broker
-//! kind, cluster identity and partitioner). Publishing an event frozen for cluster A to
+//! kind, cluster identity and, for Kafka, partitioner). Publishing an event frozen for cluster A to
 //! cluster B would be a cross-destination delivery (invariant 4), so such an event is
 //! quarantined with the reason, not sent.
 
 use outbox_core::OutboxEvent;
-use outbox_sink::KafkaSinkConfig;
+use outbox_sink::Served;
 
 /// Why an event was refused: a stable code and a sentence naming the field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,7 +17,7 @@ pub struct Refusal {
 }
 
 /// Verifies the envelope (digests, generation) and that the destination is served here.
-pub fn check(ev: &OutboxEvent, served: &KafkaSinkConfig) -> Result<(), Refusal> {
+pub fn check(ev: &OutboxEvent, served: &Served) -> Result<(), Refusal> {
     ev.verify().map_err(|e| Refusal {
         code: e.reason_code(),
         reason: e.to_string(),
@@ -32,18 +32,17 @@ pub fn check(ev: &OutboxEvent, served: &KafkaSinkConfig) -> Result<(), Refusal> 
         ),
     }
     };
-    if d.kind != "kafka" {
-        return Err(refuse("broker kind", &d.kind, "kafka"));
+    if d.kind != served.kind {
+        return Err(refuse("broker kind", &d.kind, served.kind));
     }
-    if d.cluster != served.cluster_name {
-        return Err(refuse("dest_cluster", &d.cluster, &served.cluster_name));
+    if d.cluster != served.cluster {
+        return Err(refuse("dest_cluster", &d.cluster, &served.cluster));
     }
-    if d.partitioner != served.partitioner {
-        return Err(refuse(
-            "dest_partitioner",
-            &d.partitioner,
-            &served.partitioner,
-        ));
+    // A JetStream stream has no partitions (`None`): its partitioner field is not compared.
+    if let Some(p) = &served.partitioner {
+        if d.partitioner != *p {
+            return Err(refuse("dest_partitioner", &d.partitioner, p));
+        }
     }
     Ok(())
 }
