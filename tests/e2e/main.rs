@@ -14,6 +14,7 @@ mod crash;
 mod delivery;
 mod delivery_sets;
 mod ha;
+mod jetstream;
 mod migration;
 mod ordering;
 mod slot_safety;

@@ -31,13 +31,11 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_nats::header::{HeaderName, NATS_MESSAGE_ID};
-use async_nats::jetstream::context::{
-    ContextBuilder, GetStreamErrorKind, PublishErrorKind,
-};
+use async_nats::jetstream::context::{ContextBuilder, GetStreamErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::stream::{Config as StreamConfig, RawMessageErrorKind, StorageType};
 use async_nats::jetstream::Context;
+use async_nats::jetstream::ErrorCode;
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use outbox_core::OutboxEvent;
@@ -93,8 +91,9 @@ impl Default for JetStreamSinkConfig {
 /// What `outboxd check` learns about the server and the stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamCheck {
-    /// The server's cluster name, or its server name when it is not clustered.
-    pub server_identity: String,
+    /// The server's cluster name, or its server name when it is not clustered; `None` when the
+    /// server has no name (then the relay cannot verify which cluster it talks to).
+    pub server_identity: Option<String>,
     pub server_version: String,
     pub jetstream: bool,
     /// `None` when the stream does not exist.
@@ -145,11 +144,13 @@ async fn connect(url: &str) -> Result<async_nats::Client, SinkError> {
         .map_err(|e| nats_err(url, "connecting", e))
 }
 
-/// The identity a server reports: its cluster name, or its server name when unclustered.
-fn server_identity(info: &async_nats::ServerInfo) -> String {
+/// The identity a server reports: its cluster name, or its server name when unclustered;
+/// `None` for an unnamed server (its "name" is then its random per-start server id).
+fn server_identity(info: &async_nats::ServerInfo) -> Option<String> {
     match &info.cluster {
-        Some(c) if !c.is_empty() => c.clone(),
-        _ => info.server_name.clone(),
+        Some(c) if !c.is_empty() => Some(c.clone()),
+        _ if info.server_name.is_empty() || info.server_name == info.server_id => None,
+        _ => Some(info.server_name.clone()),
     }
 }
 
@@ -204,12 +205,17 @@ impl JetStreamSink {
         let client = connect(&url).await?;
         let info = client.server_info();
         let identity = server_identity(&info);
-        if identity != config.cluster_name {
-            return Err(SinkError::WrongCluster {
-                url,
-                server: identity,
-                configured: config.cluster_name.clone(),
-            });
+        match &identity {
+            Some(name) if *name != config.cluster_name => {
+                return Err(SinkError::WrongCluster {
+                    url,
+                    server: name.clone(),
+                    configured: config.cluster_name.clone(),
+                })
+            }
+            Some(_) => {}
+            None => tracing::warn!(%url, cluster = %config.cluster_name,
+                "the NATS server has no name (server_name / -n) and no cluster name, so the relay cannot verify that it is cluster {}; name it", config.cluster_name),
         }
         if !info.jetstream {
             return Err(nats_err(
@@ -258,7 +264,7 @@ impl JetStreamSink {
             .map_err(|e| nats_err(&url, &format!("reading stream {}", config.stream), e))?
             .config
             .duplicate_window;
-        tracing::info!(%url, server = %identity, stream = %config.stream,
+        tracing::info!(%url, server = ?identity, stream = %config.stream,
             duplicate_window_ms = duplicate_window.as_millis() as u64, "JetStream sink ready");
         Ok(JetStreamSink {
             max_payload: info.max_payload,

@@ -305,7 +305,14 @@ impl Sink for KafkaSink {
             q.event.event_id.to_string(),
         );
         let scan = tokio::task::spawn_blocking(move || {
-            scan_for_event(&config, &topic, partition, from, &id, Duration::from_secs(30))
+            scan_for_event(
+                &config,
+                &topic,
+                partition,
+                from,
+                &id,
+                Duration::from_secs(30),
+            )
         })
         .await
         .map_err(|_| SinkError::Closed)??;

@@ -227,7 +227,12 @@ pub async fn read_stream(url: &str, stream: &str) -> Result<Vec<StoredMessage>, 
         .get_stream(stream)
         .await
         .map_err(|e| err("get stream", &e))?;
-    let state = s.info().await.map_err(|e| err("stream info", &e))?.state.clone();
+    let state = s
+        .info()
+        .await
+        .map_err(|e| err("stream info", &e))?
+        .state
+        .clone();
     let mut out = Vec::new();
     if state.messages == 0 {
         return Ok(out);
@@ -238,10 +243,7 @@ pub async fn read_stream(url: &str, stream: &str) -> Result<Vec<StoredMessage>, 
                 let headers = m
                     .headers
                     .iter()
-                    .filter_map(|(k, v)| {
-                        v.first()
-                            .map(|v| (k.to_string(), v.as_str().to_string()))
-                    })
+                    .filter_map(|(k, v)| v.first().map(|v| (k.to_string(), v.as_str().to_string())))
                     .collect();
                 out.push(StoredMessage {
                     sequence: m.sequence,

@@ -323,21 +323,28 @@ async fn check_nats(r: &mut Report, url: &str, stream: &str, file: &FileConfig) 
         }
     };
     let cluster = file.nats.cluster_name.clone();
-    match cluster {
-        Some(c) if c != facts.server_identity => r.add(
+    match (&facts.server_identity, cluster) {
+        (Some(id), Some(c)) if *id != c => r.add(
             Level::Fail,
             "nats server",
             format!(
-                "{url} identifies as {:?}, but nats.cluster_name is {c:?}: the relay refuses to publish events frozen for {c:?} there",
-                facts.server_identity
+                "{url} identifies as {id:?}, but nats.cluster_name is {c:?}: the relay refuses to publish events frozen for {c:?} there"
             ),
         ),
-        _ => r.add(
+        (Some(id), _) => r.add(
             Level::Ok,
             "nats server",
             format!(
-                "{url}: {} (nats-server {}); the relay's --cluster-name must be {:?}",
-                facts.server_identity, facts.server_version, facts.server_identity
+                "{url}: {id} (nats-server {}); the relay's --cluster-name must be {id:?}",
+                facts.server_version
+            ),
+        ),
+        (None, _) => r.add(
+            Level::Warn,
+            "nats server",
+            format!(
+                "{url} (nats-server {}) has no server or cluster name, so the relay cannot verify which cluster it publishes to: set server_name (-n) or a cluster name",
+                facts.server_version
             ),
         ),
     }

@@ -266,7 +266,11 @@ impl RelayConfig {
 /// an ACK timeout, the UNKNOWN settle time, a lease handover to a standby, and the longest
 /// reconnect backoff. A JetStream stream whose duplicate window is shorter cannot deduplicate
 /// all of those re-sends on the broker (the ledger still does).
-pub fn retry_budget(ack_timeout: Duration, unknown_settle: Duration, lease_ttl: Duration) -> Duration {
+pub fn retry_budget(
+    ack_timeout: Duration,
+    unknown_settle: Duration,
+    lease_ttl: Duration,
+) -> Duration {
     ack_timeout + unknown_settle + lease_ttl + MAX_BACKOFF
 }
 

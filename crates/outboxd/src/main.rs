@@ -179,7 +179,11 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                     .clone()
                     .or(n.cluster_name.clone())
                     .unwrap_or(d.cluster_name),
-                stream: a.nats_stream.clone().or(n.stream.clone()).unwrap_or(d.stream),
+                stream: a
+                    .nats_stream
+                    .clone()
+                    .or(n.stream.clone())
+                    .unwrap_or(d.stream),
                 create_stream: a.nats_create_stream || n.create_stream.unwrap_or(false),
                 stream_subjects: if a.nats_stream_subjects.is_empty() {
                     n.stream_subjects.clone().unwrap_or(d.stream_subjects)

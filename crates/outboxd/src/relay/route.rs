@@ -46,3 +46,66 @@ pub fn check(ev: &OutboxEvent, served: &Served) -> Result<(), Refusal> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: &str, cluster: &str, partitioner: &str) -> OutboxEvent {
+        let destination = outbox_core::Destination {
+            kind: kind.into(),
+            cluster: cluster.into(),
+            topic: "outbox.order.o-42".into(),
+            key: "o-42".into(),
+            partitioner: partitioner.into(),
+            route_generation: 1,
+            serializer: "json".into(),
+            acks: "all".into(),
+        };
+        let payload = bytes::Bytes::from_static(b"{}");
+        OutboxEvent {
+            event_id: uuid::Uuid::now_v7(),
+            envelope_generation: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: "o-42".into(),
+            aggregate_version: 1,
+            event_type: "order.created".into(),
+            payload_schema: None,
+            payload_digest: outbox_core::envelope::sha256_digest(&payload),
+            payload,
+            tenant: None,
+            headers: None,
+            occurred_at: "2026-11-30 00:00:00+00".into(),
+            created_xid: None,
+            destination_digest: destination.digest(),
+            destination,
+            delivery_set_id: None,
+        }
+    }
+
+    #[test]
+    fn a_relay_serves_only_its_broker_kind_and_cluster() {
+        let nats = Served {
+            kind: "nats",
+            cluster: "n1".into(),
+            partitioner: None,
+        };
+        let kafka = Served {
+            kind: "kafka",
+            cluster: "default".into(),
+            partitioner: Some("murmur2_random".into()),
+        };
+        // A stream has no partitions: the frozen partitioner is not compared for NATS.
+        assert_eq!(check(&event("nats", "n1", "none"), &nats), Ok(()));
+        assert_eq!(check(&event("nats", "n1", "murmur2_random"), &nats), Ok(()));
+        for (ev, served) in [
+            (event("kafka", "n1", "none"), &nats),
+            (event("nats", "n2", "none"), &nats),
+            (event("nats", "default", "murmur2_random"), &kafka),
+            (event("kafka", "default", "consistent"), &kafka),
+        ] {
+            let r = check(&ev, served).unwrap_err();
+            assert_eq!(r.code, "destination_not_served", "{}", r.reason);
+        }
+    }
+}
