@@ -254,7 +254,8 @@ pub trait Sink {
 #[derive(Debug)]
 pub enum AnySink {
     Kafka(KafkaSink),
-    JetStream(JetStreamSink),
+    /// Boxed: the JetStream client state is much larger than the Kafka handle.
+    JetStream(Box<JetStreamSink>),
 }
 
 impl Sink for AnySink {

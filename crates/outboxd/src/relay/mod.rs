@@ -315,7 +315,7 @@ async fn run_once(
                     retry_budget_ms = budget.as_millis() as u64,
                     "the stream's duplicate window is shorter than the relay's retry budget: some re-sends will not be deduplicated by the broker (the ledger still records them as duplicates); raise the stream's duplicate_window");
             }
-            AnySink::JetStream(sink)
+            AnySink::JetStream(Box::new(sink))
         }
         None => {
             let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
