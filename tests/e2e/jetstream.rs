@@ -11,6 +11,7 @@ use outbox_testkit::nats::{read_stream, StoredMessage, TestNats};
 use outbox_testkit::wait::wait_for;
 use serde_json::json;
 use std::collections::HashMap;
+use std::time::Duration;
 
 use crate::harness::{outboxd, RelayProcess, TestEnv, LONG};
 
@@ -450,4 +451,77 @@ async fn a_missing_stream_or_another_cluster_stops_the_relay_with_the_fix() {
         log.contains("identifies as") && log.contains("\"other\""),
         "{log}"
     );
+}
+
+/// Outside the duplicate window the relay cannot ask the broker by Msg-Id: it reads the stream
+/// by subject. Found → the stored copy becomes the receipt, nothing is re-sent; absent over the
+/// whole range → a retry (attempt 2) to the same subject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outside_the_duplicate_window_an_unknown_attempt_is_resolved_by_a_subject_scan() {
+    let js = Js::new("js_scan").await;
+    let url = js.nats.url();
+    // A 1 s window: every UNKNOWN attempt is older than the window minus the safety margin.
+    outbox_testkit::nats::create_stream(&url, STREAM, &["outbox.>"], Duration::from_secs(1))
+        .await
+        .expect("create the stream");
+    let stored = js.env.enqueue("x-1", json!({"v": 1})).await;
+    let absent = js.env.enqueue("x-2", json!({"v": 1})).await;
+    let subject = |agg: &str| format!("outbox.{}.{agg}", js.env.aggregate_type);
+    // The state a lost PubAck leaves: one event is in the stream (stored by an earlier relay
+    // generation, after an unrelated message on the same subject), the other is not; the
+    // ledger has only DISPATCH_UNKNOWN attempts for both.
+    outbox_testkit::nats::publish(&url, &subject("x-1"), "unrelated", "{}")
+        .await
+        .unwrap();
+    let seq = outbox_testkit::nats::publish(&url, &subject("x-1"), &stored.to_string(), "{}")
+        .await
+        .unwrap();
+    for (id, agg) in [(stored, "x-1"), (absent, "x-2")] {
+        js.env
+            .db
+            .execute(
+                "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                              topic, partition, sent_at, error)
+                 VALUES ($1, 0, 1, $2, $3, 0, clock_timestamp(), 'timed out: didn''t receive ack in time')",
+                &[&id, &js.env.slot, &subject(agg)],
+            )
+            .await
+            .unwrap();
+    }
+    let _relay = js.relay(&[], &["--unknown-settle-ms", "300"]);
+    js.env
+        .wait_count("both receipts", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+    let rows = js
+        .env
+        .db
+        .query(
+            "SELECT a.event_id, a.state, a.found_offset, r.\"offset\", r.attempt
+             FROM outbox.attempts a JOIN outbox.receipts r USING (event_id)",
+            &[],
+        )
+        .await
+        .unwrap();
+    for r in rows {
+        let id: uuid::Uuid = r.get(0);
+        let state: String = r.get(1);
+        if id == stored {
+            assert_eq!(state, "FOUND");
+            assert_eq!(r.get::<_, Option<i64>>(2), Some(seq as i64));
+            assert_eq!(
+                r.get::<_, i64>(3),
+                seq as i64,
+                "the stored copy is the receipt"
+            );
+            assert_eq!(r.get::<_, i32>(4), 1);
+        } else {
+            assert_eq!(state, "ABSENT");
+            assert_eq!(r.get::<_, i32>(4), 2, "the retry is attempt 2");
+        }
+    }
+    let msgs = js.stream().await;
+    for id in [stored, absent] {
+        let copies = msgs.iter().filter(|m| m.msg_id() == id.to_string()).count();
+        assert_eq!(copies, 1, "one copy of {id}");
+    }
 }

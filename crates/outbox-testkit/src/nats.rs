@@ -262,3 +262,57 @@ pub async fn read_stream(url: &str, stream: &str) -> Result<Vec<StoredMessage>, 
     }
     Ok(out)
 }
+
+/// Creates `stream` (file storage) capturing `subjects`, with the given duplicate window.
+pub async fn create_stream(
+    url: &str,
+    stream: &str,
+    subjects: &[&str],
+    duplicate_window: Duration,
+) -> Result<(), HarnessError> {
+    let err = |e: &dyn std::fmt::Display| HarnessError::Command {
+        command: format!("creating JetStream stream {stream} at {url}"),
+        detail: e.to_string(),
+    };
+    let client = async_nats::connect(url).await.map_err(|e| err(&e))?;
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: stream.to_string(),
+            subjects: subjects.iter().map(|s| s.to_string()).collect(),
+            duplicate_window,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err(&e))?;
+    Ok(())
+}
+
+/// Publishes one message with `Nats-Msg-Id` = `msg_id` and header `id` = `msg_id` (what an
+/// earlier relay generation would have stored); returns its stream sequence.
+pub async fn publish(
+    url: &str,
+    subject: &str,
+    msg_id: &str,
+    payload: &str,
+) -> Result<u64, HarnessError> {
+    let err = |e: &dyn std::fmt::Display| HarnessError::Command {
+        command: format!("publishing to {subject} at {url}"),
+        detail: e.to_string(),
+    };
+    let client = async_nats::connect(url).await.map_err(|e| err(&e))?;
+    let js = async_nats::jetstream::new(client);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(async_nats::header::NATS_MESSAGE_ID, msg_id);
+    headers.insert("id", msg_id);
+    let ack = js
+        .publish_with_headers(
+            subject.to_string(),
+            headers,
+            payload.to_string().into_bytes().into(),
+        )
+        .await
+        .map_err(|e| err(&e))?
+        .await
+        .map_err(|e| err(&e))?;
+    Ok(ack.sequence)
+}
