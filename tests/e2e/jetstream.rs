@@ -373,7 +373,7 @@ async fn check_reports_the_stream_and_warns_when_its_duplicate_window_is_short()
             "--nats-stream",
             STREAM,
         ]);
-        if out.contains("jetstream stream") && out.contains("subjects") {
+        if out.contains(&format!("{STREAM}: subjects")) {
             Ok(())
         } else {
             Err(format!("ok={ok}: {out}"))

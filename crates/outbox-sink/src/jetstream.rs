@@ -51,6 +51,9 @@ use crate::{
 /// round trip).
 pub const WINDOW_MARGIN: Duration = Duration::from_secs(10);
 
+/// Timeout of JetStream API requests (not publishes).
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Sink settings.
 #[derive(Debug, Clone)]
 pub struct JetStreamSinkConfig {
@@ -110,7 +113,11 @@ pub struct StreamFacts {
 /// Publishes to one JetStream stream; PubAcks become delivery reports on a channel.
 pub struct JetStreamSink {
     config: JetStreamSinkConfig,
+    /// Publishes: its timeout is the ACK timeout.
     js: Context,
+    /// JetStream API requests (stream lookup, creation, reads): a longer timeout, so a short ACK
+    /// timeout does not make start-up or reconciliation fail on a busy server.
+    api: Context,
     reports: UnboundedSender<Delivery>,
     duplicate_window: Duration,
     max_payload: usize,
@@ -228,8 +235,10 @@ impl JetStreamSink {
             .timeout(config.ack_timeout)
             .max_ack_inflight(config.max_in_flight.max(1))
             .backpressure_on_inflight(true)
-            .build(client);
-        let mut stream = match js.get_stream(&config.stream).await {
+            .build(client.clone());
+        let mut api = async_nats::jetstream::new(client);
+        api.set_timeout(API_TIMEOUT.max(config.ack_timeout));
+        let mut stream = match api.get_stream(&config.stream).await {
             Ok(s) => s,
             Err(e) if is_stream_not_found(&e.kind()) => {
                 if !config.create_stream {
@@ -240,7 +249,7 @@ impl JetStreamSink {
                 }
                 tracing::info!(stream = %config.stream, subjects = ?config.stream_subjects,
                     duplicate_window_ms = config.duplicate_window.as_millis() as u64, "creating JetStream stream");
-                js.create_stream(StreamConfig {
+                api.create_stream(StreamConfig {
                     name: config.stream.clone(),
                     subjects: config.stream_subjects.clone(),
                     duplicate_window: config.duplicate_window,
@@ -270,6 +279,7 @@ impl JetStreamSink {
             max_payload: info.max_payload,
             config,
             js,
+            api,
             reports,
             duplicate_window,
         })
@@ -354,7 +364,7 @@ impl JetStreamSink {
         let name = &self.config.stream;
         let id = q.event.event_id.to_string();
         let mut stream = self
-            .js
+            .api
             .get_stream(name)
             .await
             .map_err(|e| nats_err(url, &format!("looking up stream {name}"), e))?;
