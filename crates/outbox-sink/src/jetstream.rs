@@ -361,8 +361,20 @@ impl JetStreamSink {
     /// Whole-range read by subject (outside the duplicate window).
     async fn scan(&self, q: &UnknownLookup<'_>) -> Result<Lookup, SinkError> {
         let url = &self.config.url;
-        let name = &self.config.stream;
         let id = q.event.event_id.to_string();
+        // The subject determines the stream (one stream captures a subject); read the one that
+        // captures it now, not only the configured one.
+        let name = &self
+            .api
+            .stream_by_subject(q.topic.to_string())
+            .await
+            .map_err(|e| {
+                nats_err(
+                    url,
+                    &format!("finding the stream of subject {}", q.topic),
+                    e,
+                )
+            })?;
         let mut stream = self
             .api
             .get_stream(name)
@@ -447,6 +459,29 @@ fn failed(e: &async_nats::jetstream::context::PublishError) -> DeliveryOutcome {
     }
 }
 
+/// "No responders": nothing took the publish. If JetStream answers that no stream captures the
+/// subject, no retry can ever succeed (the route names a subject outside every stream): a
+/// permanent refusal, so the event is quarantined with the fix instead of replayed forever.
+/// Anything else (JetStream not ready after a restart) is transient.
+async fn no_stream(
+    api: &Context,
+    subject: &str,
+    e: &async_nats::jetstream::context::PublishError,
+) -> DeliveryOutcome {
+    use async_nats::jetstream::context::GetStreamByNameErrorKind as K;
+    match api.stream_by_subject(subject.to_string()).await {
+        Err(lookup) if matches!(lookup.kind(), K::NotFound) => DeliveryOutcome::Failed {
+            error: format!(
+                "no JetStream stream captures subject {subject:?}: add it to the stream's subjects (or fix the route policy), then release the event"
+            ),
+            persistence: Persistence::NotPersisted,
+            class: FailureClass::Permanent,
+            partition: 0,
+        },
+        _ => failed(e),
+    }
+}
+
 impl Sink for JetStreamSink {
     fn served(&self) -> Served {
         Served {
@@ -459,15 +494,29 @@ impl Sink for JetStreamSink {
     async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
         let (subject, fut) = self.publish(ev).await?;
         let tx = self.reports.clone();
+        let expected = self.config.stream.clone();
+        let api = self.api.clone();
         tokio::spawn(async move {
             let outcome = match fut.await {
-                Ok(ack) => DeliveryOutcome::Persisted {
-                    topic: subject,
-                    partition: 0,
-                    offset: ack.sequence as i64,
-                    timestamp_ms: None,
-                    duplicate: ack.duplicate,
-                },
+                Ok(ack) => {
+                    if ack.stream != expected {
+                        tracing::warn!(%subject, stream = %ack.stream, configured = %expected,
+                            "subject captured by another stream than --nats-stream; the receipt stands, but check the stream layout");
+                    }
+                    if ack.duplicate {
+                        tracing::debug!(%subject, sequence = ack.sequence, "PubAck duplicate: the broker already had this Nats-Msg-Id");
+                    }
+                    DeliveryOutcome::Persisted {
+                        topic: subject,
+                        partition: 0,
+                        offset: ack.sequence as i64,
+                        timestamp_ms: None,
+                        duplicate: ack.duplicate,
+                    }
+                }
+                Err(e) if matches!(e.kind(), PublishErrorKind::StreamNotFound) => {
+                    no_stream(&api, &subject, &e).await
+                }
                 Err(e) => failed(&e),
             };
             // A closed channel means the pipeline is gone; the event is unresolved and will be

@@ -8,8 +8,8 @@ use bytes::Bytes;
 use outbox_core::envelope::sha256_digest;
 use outbox_core::{Destination, OutboxEvent};
 use outbox_sink::{
-    Delivery, DeliveryOutcome, JetStreamSink, JetStreamSinkConfig, Lookup, Sink, SinkError,
-    UnknownLookup,
+    Delivery, DeliveryOutcome, FailureClass, JetStreamSink, JetStreamSinkConfig, Lookup,
+    Persistence, Sink, SinkError, UnknownLookup,
 };
 use outbox_testkit::nats::TestNats;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -150,6 +150,18 @@ async fn lookup_proves_absence_by_scan_or_stores_the_probe_and_refuses_bad_subje
         s.lookup(probe).await.unwrap(),
         Lookup::StoredByProbe { offset: 2, .. }
     ));
+    // No stream captures the subject: JetStream can never take it, so it is permanent.
+    let outside = event("elsewhere.order.o-3", "o-3", 1);
+    s.send(&outside, 4).await.unwrap();
+    match report(&mut rx).await {
+        DeliveryOutcome::Failed {
+            persistence: Persistence::NotPersisted,
+            class: FailureClass::Permanent,
+            error,
+            ..
+        } => assert!(error.contains("no JetStream stream captures"), "{error}"),
+        other => panic!("expected a permanent refusal, got {other:?}"),
+    }
     let bad = event("outbox.order.a b", "a b", 1);
     match s.send(&bad, 3).await {
         Err(e @ SinkError::Publish { .. }) => {
