@@ -453,3 +453,60 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> RunArgs {
+        let mut argv = vec!["outboxd", "run", "--database-url", "postgres://h/db"];
+        argv.extend(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Run(a) => *a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn the_nats_sink_comes_from_the_config_file_and_flags_win() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("outboxd.toml");
+        std::fs::write(
+            &file,
+            "sink = \"nats\"\n[nats]\nurl = \"nats://n:4222\"\ncluster_name = \"nats-a\"\nstream = \"EVENTS\"\nack_timeout_ms = 750\n",
+        )
+        .unwrap();
+        let path = file.to_str().unwrap();
+        let cfg = resolve_run(&run_args(&["--config", path])).unwrap();
+        let n = cfg.nats.expect("sink = nats");
+        assert_eq!(
+            (n.url.as_str(), n.cluster_name.as_str(), n.stream.as_str()),
+            ("nats://n:4222", "nats-a", "EVENTS")
+        );
+        assert_eq!(n.ack_timeout, Duration::from_millis(750));
+        assert!(!n.create_stream);
+
+        let cfg = resolve_run(&run_args(&[
+            "--config",
+            path,
+            "--nats-stream",
+            "OTHER",
+            "--nats-create-stream",
+            "--cluster-name",
+            "nats-b",
+        ]))
+        .unwrap();
+        let n = cfg.nats.unwrap();
+        assert_eq!(
+            (n.stream.as_str(), n.cluster_name.as_str()),
+            ("OTHER", "nats-b")
+        );
+        assert!(n.create_stream);
+
+        // Kafka stays the default and still needs its bootstrap servers.
+        let e = resolve_run(&run_args(&[])).unwrap_err();
+        assert!(e.to_string().contains("--sink nats"), "{e}");
+        let e = resolve_run(&run_args(&["--sink", "nats"])).unwrap_err();
+        assert!(e.to_string().contains("--nats-url"), "{e}");
+    }
+}
