@@ -10,12 +10,14 @@ mod harness;
 
 mod bad_input;
 mod cli;
+mod console;
 mod crash;
 mod delivery;
 mod delivery_sets;
 mod ha;
 mod jetstream;
 mod migration;
+mod observability;
 mod ordering;
 mod slot_safety;
 mod unknown;

@@ -160,3 +160,215 @@ pub async fn event_history(
     }
     Ok(Some(lines))
 }
+
+/// Where one slot stands, for `SHOW LAG` and the lag/retention gauges.
+#[derive(Debug, Clone, Serialize)]
+pub struct SlotLag {
+    pub slot_name: String,
+    /// Ledger checkpoint: what the relay has proven and may confirm.
+    pub checkpoint_lsn: String,
+    /// `confirmed_flush_lsn` of the slot; `None` when the slot is missing.
+    pub confirmed_flush_lsn: Option<String>,
+    pub current_wal_lsn: String,
+    pub active: Option<bool>,
+    /// `reserved`, `extended`, `unreserved` or `lost` (invalidated).
+    pub wal_status: Option<String>,
+    /// WAL written since the slot's confirmed position (what the relay has not confirmed).
+    pub lag_bytes: Option<i64>,
+    /// WAL the server keeps for the slot (from its `restart_lsn`).
+    pub retained_wal_bytes: Option<i64>,
+    /// WAL that can still be written before the slot is invalidated by
+    /// `max_slot_wal_keep_size`; `None` when that limit is off (-1).
+    pub safe_wal_size_bytes: Option<i64>,
+}
+
+/// Every slot the ledger knows, with PostgreSQL's view of it.
+pub async fn lag(client: &Client) -> Result<Vec<SlotLag>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT c.slot_name, c.confirmed_lsn::text, s.confirmed_flush_lsn::text,
+                    pg_current_wal_lsn()::text, s.active, s.wal_status,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::int8,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::int8,
+                    s.safe_wal_size
+             FROM outbox.checkpoints c
+             LEFT JOIN pg_replication_slots s ON s.slot_name = c.slot_name
+             ORDER BY c.slot_name",
+            &[],
+        )
+        .await
+        .ctx("reading slot lag (is the database migrated? run `outboxd migrate`)")?;
+    Ok(rows
+        .iter()
+        .map(|r| SlotLag {
+            slot_name: r.get(0),
+            checkpoint_lsn: r.get(1),
+            confirmed_flush_lsn: r.get(2),
+            current_wal_lsn: r.get(3),
+            active: r.get(4),
+            wal_status: r.get(5),
+            lag_bytes: r.get(6),
+            retained_wal_bytes: r.get(7),
+            safe_wal_size_bytes: r.get(8),
+        })
+        .collect())
+}
+
+/// The gauges the metrics sampler reads every few seconds, so the relay's hot path does not
+/// have to carry them. One statement, one snapshot.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Sample {
+    /// Events with neither a primary receipt nor an open quarantine record.
+    pub pending: i64,
+    pub oldest_pending_age_seconds: Option<f64>,
+    /// Open quarantine records.
+    pub quarantined: i64,
+    /// Aggregates held (quarantine or version gap), and the events waiting behind them.
+    pub held_aggregates: i64,
+    pub held_events: i64,
+    /// Attempts still DISPATCH_UNKNOWN, and the age of the oldest.
+    pub unknown_attempts: i64,
+    pub oldest_unknown_age_seconds: Option<f64>,
+}
+
+/// Reads a [`Sample`]. The pending count is an anti-join over `outbox.events`: its cost grows
+/// with the table until purge keeps it short (see docs/operations.md, Sizing).
+pub async fn sample(client: &Client) -> Result<Sample, LedgerError> {
+    let r = client
+        .query_one(
+            "SELECT p.n, p.age,
+                    (SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL),
+                    (SELECT count(*) FROM outbox.holds),
+                    (SELECT count(*) FROM outbox.held_events WHERE released_at IS NULL),
+                    u.n, u.age
+             FROM (SELECT count(*) AS n,
+                          extract(epoch FROM clock_timestamp() - min(e.occurred_at))::float8 AS age
+                   FROM outbox.events e
+                   WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
+                     AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
+                                     WHERE q.event_id = e.event_id AND q.released_at IS NULL)) p,
+                  (SELECT count(*) AS n,
+                          extract(epoch FROM clock_timestamp() - min(unknown_at))::float8 AS age
+                   FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN') u",
+            &[],
+        )
+        .await
+        .ctx("sampling ledger gauges (is the database migrated? run `outboxd migrate`)")?;
+    Ok(Sample {
+        pending: r.get(0),
+        oldest_pending_age_seconds: r.get(1),
+        quarantined: r.get(2),
+        held_aggregates: r.get(3),
+        held_events: r.get(4),
+        unknown_attempts: r.get(5),
+        oldest_unknown_age_seconds: r.get(6),
+    })
+}
+
+/// An attempt whose outcome nobody knows yet (`SHOW UNKNOWN`).
+#[derive(Debug, Clone, Serialize)]
+pub struct UnknownAttempt {
+    pub event_id: uuid::Uuid,
+    pub slot_name: String,
+    pub relay_generation: i64,
+    pub attempt_generation: i32,
+    pub topic: String,
+    pub partition: i32,
+    pub sent_at: String,
+    pub unknown_at: String,
+    pub age_seconds: f64,
+    pub error: String,
+}
+
+/// Every attempt still DISPATCH_UNKNOWN, oldest first.
+pub async fn unknown_attempts(client: &Client) -> Result<Vec<UnknownAttempt>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT event_id, slot_name, relay_generation, attempt_generation, topic, partition,
+                    sent_at::text, unknown_at::text,
+                    extract(epoch FROM clock_timestamp() - unknown_at)::float8, error
+             FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN' ORDER BY unknown_at, id",
+            &[],
+        )
+        .await
+        .ctx("listing DISPATCH_UNKNOWN attempts")?;
+    Ok(rows
+        .iter()
+        .map(|r| UnknownAttempt {
+            event_id: r.get(0),
+            slot_name: r.get(1),
+            relay_generation: r.get(2),
+            attempt_generation: r.get(3),
+            topic: r.get(4),
+            partition: r.get(5),
+            sent_at: r.get(6),
+            unknown_at: r.get(7),
+            age_seconds: r.get(8),
+            error: r.get(9),
+        })
+        .collect())
+}
+
+/// One broker receipt of an event (`SHOW RECEIPT`): the primary one, or a duplicate.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReceiptRow {
+    /// `primary` (the publish slot) or `duplicate` (a transport duplicate, kept as evidence).
+    pub kind: String,
+    pub broker_cluster: String,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub attempt: i32,
+    pub relay_generation: i64,
+    pub commit_lsn: Option<String>,
+    /// When the ledger accepted (primary) or recorded (duplicate) it.
+    pub at: String,
+}
+
+/// The event's state and its receipts, primary first; `None` if the event is not in the
+/// outbox (never committed, or purged).
+pub async fn receipts(
+    client: &Client,
+    event_id: uuid::Uuid,
+) -> Result<Option<(String, Vec<ReceiptRow>)>, LedgerError> {
+    let Some(state) = client
+        .query_opt(
+            "SELECT state FROM outbox.event_status WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .ctx("reading the event status")?
+    else {
+        return Ok(None);
+    };
+    let rows = client
+        .query(
+            "SELECT 'primary', broker_cluster, topic, partition, \"offset\", attempt,
+                    relay_generation, commit_lsn::text, accepted_at::text, 0::int8 AS ord
+             FROM outbox.receipts WHERE event_id = $1
+             UNION ALL
+             SELECT 'duplicate', broker_cluster, topic, partition, \"offset\", attempt,
+                    relay_generation, commit_lsn::text, received_at::text, id
+             FROM outbox.duplicate_receipts WHERE event_id = $1
+             ORDER BY ord",
+            &[&event_id],
+        )
+        .await
+        .ctx("reading the event's receipts")?;
+    Ok(Some((
+        state.get(0),
+        rows.iter()
+            .map(|r| ReceiptRow {
+                kind: r.get(0),
+                broker_cluster: r.get(1),
+                topic: r.get(2),
+                partition: r.get(3),
+                offset: r.get(4),
+                attempt: r.get(5),
+                relay_generation: r.get(6),
+                commit_lsn: r.get(7),
+                at: r.get(8),
+            })
+            .collect(),
+    )))
+}

@@ -19,7 +19,12 @@ use crate::slot::SourceError;
 pub enum Decoded {
     /// A transaction starts; `commit_lsn` is the LSN of its commit record (pgoutput sends it
     /// up front as `final_lsn`).
-    Begin { commit_lsn: Lsn, xid: u32 },
+    Begin {
+        commit_lsn: Lsn,
+        xid: u32,
+        /// Commit timestamp, microseconds since 2000-01-01 UTC (the PostgreSQL epoch).
+        commit_time: i64,
+    },
     /// An insert into the outbox table; `Err` when the row is not a readable envelope.
     Event(Box<Result<OutboxEvent, RowError>>),
     /// The transaction ended; `end_lsn` is the position to confirm once all its events are
@@ -58,6 +63,7 @@ impl Decoder {
             LogicalMessage::Begin(b) => Decoded::Begin {
                 commit_lsn: Lsn(b.final_lsn),
                 xid: b.xid,
+                commit_time: b.commit_time,
             },
             LogicalMessage::Commit(c) => Decoded::Commit {
                 commit_lsn: Lsn(c.commit_lsn),

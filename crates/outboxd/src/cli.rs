@@ -24,14 +24,17 @@ Producers call `SELECT outbox.enqueue('order', 'o-42', 'order.created', '{...}':
 business transaction."
 )]
 pub struct Cli {
-    /// Log format.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "OUTBOXD_LOG_FORMAT")]
-    pub log_format: LogFormat,
+    /// Log format: `text`, or `json` (one object per line; the relay's span fields slot, db and
+    /// generation, and event ids and LSNs where a line has them, are JSON fields).
+    /// [default: text, or log_format in the `run` config file]
+    #[arg(long, global = true, value_enum, env = "OUTBOXD_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
     #[command(subcommand)]
     pub command: Command,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Text,
     Json,
@@ -297,4 +300,37 @@ pub struct RunArgs {
     /// recorded as duplicate receipts.
     #[arg(long)]
     pub resnapshot: bool,
+    // Last: a flattened group's help heading also applies to the flags declared after it.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// Observability and the admin console (see docs/operations.md). Everything is off unless an
+/// address is given; a bare port binds 127.0.0.1.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Metrics, health and admin console")]
+pub struct AdminArgs {
+    /// Serve Prometheus `/metrics`, `/healthz` (the process answers) and `/readyz` (streaming
+    /// from the slot and the broker reachable; 503 with the reason otherwise) over HTTP on
+    /// HOST:PORT, e.g. 127.0.0.1:9187. A bare port binds 127.0.0.1.
+    #[arg(long, env = "OUTBOXD_ADMIN_ADDR", value_name = "HOST:PORT")]
+    pub admin_addr: Option<String>,
+    /// Serve the read-only admin console (PostgreSQL wire protocol) on HOST:PORT, e.g.
+    /// `--console-addr 6433` then `psql -h 127.0.0.1 -p 6433 -U outboxd -c 'SHOW STATUS'`.
+    /// Commands: SHOW STATUS | LAG | UNKNOWN | QUARANTINE | RECEIPT '<event id>' | HELP.
+    /// A bare port binds 127.0.0.1; other addresses need a console password.
+    #[arg(long, env = "OUTBOXD_CONSOLE_ADDR", value_name = "HOST:PORT")]
+    pub console_addr: Option<String>,
+    /// User name the console accepts. [default: outboxd]
+    #[arg(long, env = "OUTBOXD_CONSOLE_USER")]
+    pub console_user: Option<String>,
+    /// Console password (md5 authentication). Without one, the console trusts every
+    /// connection to its (loopback) address. Prefer the environment variable: flags are
+    /// visible in `ps`.
+    #[arg(long, env = "OUTBOXD_CONSOLE_PASSWORD", hide_env_values = true)]
+    pub console_password: Option<String>,
+    /// How often gauges read from PostgreSQL (slot lag, retained WAL, pending, UNKNOWN,
+    /// quarantine, holds) and the broker probe behind /readyz are refreshed, ms. [default: 5000]
+    #[arg(long, env = "OUTBOXD_SAMPLE_INTERVAL_MS")]
+    pub sample_interval_ms: Option<u64>,
 }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::Path;
 use std::time::Duration;
 
@@ -65,6 +66,30 @@ pub struct FileConfig {
     pub nats: NatsFile,
     #[serde(default)]
     pub relay: RelayFile,
+    /// `text` (default) or `json` (one JSON object per line, with the span fields slot, db,
+    /// generation). `--log-format` wins.
+    pub log_format: Option<crate::cli::LogFormat>,
+    #[serde(default)]
+    pub admin: AdminFile,
+}
+
+/// `[admin]` section: the HTTP endpoints (`/metrics`, `/healthz`, `/readyz`) and the
+/// read-only admin console (PostgreSQL wire protocol). Both are off unless an address is set.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminFile {
+    /// HTTP address, `HOST:PORT` (or a bare port, bound on 127.0.0.1).
+    pub addr: Option<String>,
+    /// Admin console address, `HOST:PORT` (or a bare port, bound on 127.0.0.1).
+    pub console_addr: Option<String>,
+    /// The user name the console accepts. Default `outboxd`.
+    pub console_user: Option<String>,
+    /// The console password (md5 authentication); without one the console trusts every
+    /// local connection. Required when the console listens on a non-loopback address.
+    pub console_password: Option<Secret>,
+    /// How often the gauges read from PostgreSQL (lag, pending, UNKNOWN, holds) and the broker
+    /// probe behind `/readyz` are refreshed, ms. Default 5000.
+    pub sample_interval_ms: Option<u64>,
 }
 
 /// Which broker the relay publishes to.
@@ -179,6 +204,62 @@ pub struct RelayConfig {
     /// How long after an attempt became DISPATCH_UNKNOWN (and its producer session was closed)
     /// the partition scan may conclude that the broker does not have it.
     pub unknown_settle: Duration,
+}
+
+/// The admin endpoints, resolved (flags > environment > `[admin]` in the file > defaults).
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    pub http_addr: Option<SocketAddr>,
+    pub console_addr: Option<SocketAddr>,
+    pub console_user: String,
+    pub console_password: Option<Secret>,
+    pub sample_interval: Duration,
+}
+
+pub const DEFAULT_CONSOLE_USER: &str = "outboxd";
+pub const DEFAULT_SAMPLE_INTERVAL_MS: u64 = 5000;
+
+impl AdminConfig {
+    /// Whether anything is served at all.
+    pub fn enabled(&self) -> bool {
+        self.http_addr.is_some() || self.console_addr.is_some()
+    }
+
+    /// Checks the combination; the error names the setting and the fix.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if let Some(a) = self.console_addr {
+            if !a.ip().is_loopback() && self.console_password.is_none() {
+                bail!("admin console address {a} is reachable from other hosts but no console password is set: set OUTBOXD_CONSOLE_PASSWORD (or admin.console_password), or bind the console to 127.0.0.1");
+            }
+            if Some(a) == self.http_addr && a.port() != 0 {
+                bail!("--admin-addr and --console-addr are both {a}: give each its own port");
+            }
+        }
+        if self.console_user.is_empty() {
+            bail!("admin.console_user must not be empty");
+        }
+        if self.sample_interval < Duration::from_millis(50) {
+            bail!("admin.sample_interval_ms must be at least 50");
+        }
+        Ok(())
+    }
+}
+
+/// Parses a listen address: `HOST:PORT`, `[v6]:PORT`, or a bare `PORT` (bound on 127.0.0.1,
+/// so nothing is exposed beyond the host unless asked for).
+pub fn parse_listen_addr(what: &str, s: &str) -> anyhow::Result<SocketAddr> {
+    let s = s.trim();
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    s.to_socket_addrs()
+        .ok()
+        .and_then(|mut it| it.next())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{what} {s:?} is invalid: expected HOST:PORT (e.g. 127.0.0.1:9187) or a port"
+            )
+        })
 }
 
 pub const DEFAULT_SLOT: &str = "outboxd";
@@ -355,6 +436,33 @@ mod tests {
             ),
             Duration::from_secs(25)
         );
+    }
+
+    #[test]
+    fn listen_addresses_default_to_loopback() {
+        assert_eq!(
+            parse_listen_addr("x", "9187").unwrap(),
+            "127.0.0.1:9187".parse().unwrap()
+        );
+        assert_eq!(
+            parse_listen_addr("x", "0.0.0.0:1").unwrap(),
+            "0.0.0.0:1".parse().unwrap()
+        );
+        assert!(parse_listen_addr("x", "nope").is_err());
+        let open = AdminConfig {
+            http_addr: None,
+            console_addr: Some("0.0.0.0:6433".parse().unwrap()),
+            console_user: DEFAULT_CONSOLE_USER.into(),
+            console_password: None,
+            sample_interval: Duration::from_secs(5),
+        };
+        let e = open.validate().unwrap_err().to_string();
+        assert!(e.contains("OUTBOXD_CONSOLE_PASSWORD"), "{e}");
+        let toml = "log_format = \"json\"\n[admin]\naddr = \"9187\"\nconsole_password = \"pw\"\n";
+        let f: FileConfig = toml::from_str(toml).unwrap();
+        assert_eq!(f.admin.addr.as_deref(), Some("9187"));
+        assert!(!format!("{f:?}").contains("pw\""));
+        assert!(toml::from_str::<FileConfig>("[admin]\nport = 1\n").is_err());
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! `outboxd`: the binary edge. CLI parsing, config resolution, logging, signal handling, and
 //! wiring of the library crates; `anyhow` lives only here.
 
+mod admin;
 mod bench;
 mod check;
 mod cli;
 mod config;
 mod demo;
 mod failpoint;
+mod metrics;
 mod migrate_destination;
 mod relay;
 
@@ -25,7 +27,7 @@ fn main() {
     let cli = Cli::parse();
     // `check` reports in its own lines; library logs would only repeat them noisily.
     let quiet = matches!(cli.command, Command::Check(_));
-    init_logging(cli.log_format, quiet);
+    init_logging(log_format(&cli), quiet);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -64,6 +66,23 @@ fn one_line(e: &anyhow::Error) -> String {
     msg.replace('\n', " ")
 }
 
+/// `--log-format`, else `log_format` in the `run` config file, else text. A config file that
+/// does not load is reported later, by the command itself.
+fn log_format(cli: &Cli) -> LogFormat {
+    if let Some(f) = cli.log_format {
+        return f;
+    }
+    match &cli.command {
+        Command::Run(a) => a
+            .config
+            .as_deref()
+            .and_then(|p| FileConfig::load(p).ok())
+            .and_then(|f| f.log_format)
+            .unwrap_or(LogFormat::Text),
+        _ => LogFormat::Text,
+    }
+}
+
 fn init_logging(format: LogFormat, quiet: bool) {
     let default = if quiet {
         "off"
@@ -86,6 +105,9 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Migrate(a) => migrate(&a.database_url).await,
         Command::Run(a) => {
             let cfg = resolve_run(&a)?;
+            let admin_cfg = resolve_admin(&a)?;
+            // Bound before the relay starts, so a taken port fails fast; serves until exit.
+            let _admin = admin::start(&admin_cfg, &cfg).await?;
             let (tx, rx) = watch::channel(false);
             spawn_signal_handler(tx);
             relay::run(cfg, Arc::new(relay::Progress::default()), rx)
@@ -289,6 +311,43 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
             a.unknown_settle_ms
                 .or(file.relay.unknown_settle_ms)
                 .unwrap_or(5_000),
+        ),
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn resolve_admin(a: &RunArgs) -> anyhow::Result<config::AdminConfig> {
+    let file = match &a.config {
+        Some(p) => FileConfig::load(p)?.admin,
+        None => config::AdminFile::default(),
+    };
+    let f = &a.admin;
+    let addr =
+        |what: &str, v: Option<&String>| v.map(|s| config::parse_listen_addr(what, s)).transpose();
+    let cfg = config::AdminConfig {
+        http_addr: addr(
+            "admin address",
+            f.admin_addr.as_ref().or(file.addr.as_ref()),
+        )?,
+        console_addr: addr(
+            "console address",
+            f.console_addr.as_ref().or(file.console_addr.as_ref()),
+        )?,
+        console_user: f
+            .console_user
+            .clone()
+            .or(file.console_user)
+            .unwrap_or_else(|| config::DEFAULT_CONSOLE_USER.into()),
+        console_password: f
+            .console_password
+            .clone()
+            .map(Secret::new)
+            .or(file.console_password),
+        sample_interval: Duration::from_millis(
+            f.sample_interval_ms
+                .or(file.sample_interval_ms)
+                .unwrap_or(config::DEFAULT_SAMPLE_INTERVAL_MS),
         ),
     };
     cfg.validate()?;

@@ -46,6 +46,7 @@ use outbox_source::transport::{ReplicationConnection, ReplicationMessage};
 use outbox_source::{Decoded, Decoder};
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::{Client, NoTls};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{redact_url, RelayConfig};
@@ -64,12 +65,14 @@ pub struct Progress {
 
 impl Progress {
     fn record(&self, o: &AcceptOutcome) {
+        crate::metrics::accepted(o);
         self.published.fetch_add(o.primary, Ordering::Relaxed);
         self.duplicates.fetch_add(o.duplicates, Ordering::Relaxed);
         self.quarantined
             .fetch_add(o.quarantined + o.conflicts, Ordering::Relaxed);
     }
     fn set_checkpoint(&self, l: Lsn) {
+        crate::metrics::checkpoint(l);
         self.checkpoint.store(l.0, Ordering::Relaxed);
     }
 }
@@ -130,13 +133,28 @@ pub async fn run(
     let mut resnapshot = cfg.resnapshot;
     let mut backoff = Duration::from_millis(100);
     loop {
-        let Some((fence, deadline)) = acquire_lease(&cfg, &mut shutdown).await? else {
-            return Ok(());
+        // Once the relay has streamed, a database that is away (restart, failover, network)
+        // is waited for like any other transient failure.
+        let lease = match acquire_lease(&cfg, &mut shutdown).await {
+            Err(e) if e.is_transient() && progress.streaming.load(Ordering::Relaxed) => Err(e),
+            other => Ok(other?),
         };
-        match run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, deadline).await {
+        let outcome = match lease {
+            Ok(None) => return Ok(()),
+            Ok(Some((fence, deadline))) => {
+                let span = tracing::info_span!("relay", slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
+                run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, deadline)
+                    .instrument(span)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        crate::metrics::streaming(false);
+        match outcome {
             Ok(()) => return Ok(()),
             Err(e) if e.is_transient() && progress.streaming.load(Ordering::Relaxed) => {
                 progress.reconnects.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::reconnect();
                 tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "relay interrupted; replaying from the last checkpoint");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
@@ -285,8 +303,7 @@ async fn run_once(
         .clone()
         .ok_or_else(|| RelayError::Internal("IDENTIFY_SYSTEM returned no database".into()))?;
 
-    let span = tracing::info_span!("relay", slot = %cfg.slot, db = %dbname);
-    let _enter = span.enter();
+    tracing::Span::current().record("db", dbname.as_str());
 
     let slot_info = slot::inspect(&sql, &cfg.slot).await?;
     let ledger = checkpoint::load(&sql, &cfg.slot).await?;
@@ -405,8 +422,10 @@ async fn run_once(
         .await
         .map_err(SourceError::from)?;
     progress.streaming.store(true, Ordering::Relaxed);
+    crate::metrics::streaming(true);
     progress.set_checkpoint(start);
     tracing::info!(start = %start, "streaming");
+    tracing::Span::current().record("start_lsn", tracing::field::display(start));
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
 
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
@@ -457,7 +476,8 @@ async fn run_once(
                     Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
                         last_received = last_received.max(Lsn(wal_start));
                         match decoder.decode(data)? {
-                            Decoded::Begin { commit_lsn, .. } => {
+                            Decoded::Begin { commit_lsn, commit_time, .. } => {
+                                crate::metrics::txn_begin(commit_lsn, commit_time);
                                 current = Some((pipeline.tracker.begin()?, commit_lsn, 0));
                             }
                             Decoded::Event(res) => {
@@ -489,6 +509,7 @@ async fn run_once(
         }
 
         let now = Instant::now();
+        crate::metrics::in_flight(pipeline.tracker.in_flight());
         let batch_due = pipeline.batch_len() >= cfg.batch_size
             || pipeline
                 .batch_started

@@ -515,6 +515,7 @@ impl Pipeline {
         if out.primary + out.duplicates > 0 {
             failpoint::hit("after-accept");
         }
+        crate::metrics::receipts_accepted(&self.batch);
         self.batch.clear();
         self.batch_started = None;
         if let Some(c) = checkpoint {
