@@ -161,18 +161,11 @@ impl TestNats {
 
     /// SIGKILL and wait (the server is down until [`Self::restart`]).
     pub fn kill(&mut self) {
+        // No SIGCONT first: a paused server must die without reading what sits in its sockets
+        // (SIGKILL ends a stopped process too).
         if let Some(mut c) = self.child.take() {
-            self.resume_pid(&c);
             let _ = c.kill();
             let _ = c.wait();
-        }
-    }
-
-    fn resume_pid(&self, c: &Child) {
-        // SAFETY: plain kill(2) on our own child's pid (a stopped process is killed anyway;
-        // this only keeps the order of events obvious).
-        unsafe {
-            libc::kill(c.id() as i32, libc::SIGCONT);
         }
     }
 
