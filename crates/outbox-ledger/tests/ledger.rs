@@ -13,7 +13,8 @@ async fn fresh(name: &str) -> (Client, String) {
     let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
     tokio::spawn(conn);
     let applied = migrate::run(&mut c).await.unwrap();
-    assert_eq!(applied, vec![1, 2, 3, 4, 5, 6, 7]);
+    let all: Vec<i32> = migrate::MIGRATIONS.iter().map(|m| m.version).collect();
+    assert_eq!(applied, all);
     (c, url)
 }
 
@@ -209,6 +210,43 @@ async fn route_policy_generations_are_frozen_into_the_row() {
         ..ea.destination.clone()
     };
     assert_ne!(moved.digest(), ea.destination_digest);
+}
+
+#[tokio::test]
+async fn a_nats_route_freezes_one_subject_per_aggregate() {
+    let (c, _) = fresh("ledger_nats_route").await;
+    c.execute("SELECT outbox.set_nats_route('order', NULL, 'nats-a')", &[])
+        .await
+        .unwrap();
+    let id = enqueue(
+        &c,
+        "order",
+        "o-42",
+        "order.created",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&c, id).await;
+    let d = &ev.destination;
+    assert_eq!(
+        (
+            d.kind.as_str(),
+            d.cluster.as_str(),
+            d.topic.as_str(),
+            d.partitioner.as_str()
+        ),
+        ("nats", "nats-a", "outbox.order.o-42", "none")
+    );
+    // The SQL digest of the substituted subject equals the Rust one.
+    assert_eq!(ev.verify(), Ok(()));
+    let e = c
+        .execute("SELECT outbox.set_nats_route('order', NULL, '')", &[])
+        .await
+        .unwrap_err();
+    let msg = e.as_db_error().map(|d| d.message().to_string());
+    assert!(msg.as_deref().unwrap_or("").contains("cluster"), "{e:?}");
 }
 
 #[tokio::test]
