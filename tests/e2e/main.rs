@@ -18,6 +18,7 @@ mod delivery;
 mod delivery_sets;
 mod ha;
 mod inbox;
+mod jetstream;
 mod migration;
 mod observability;
 mod ordering;

@@ -65,6 +65,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "debezium",
         sql: include_str!("../../../migrations/0009_debezium.sql"),
     },
+    Migration {
+        version: 10,
+        name: "nats_routes",
+        sql: include_str!("../../../migrations/0010_nats_routes.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -216,6 +216,43 @@ async fn route_policy_generations_are_frozen_into_the_row() {
 }
 
 #[tokio::test]
+async fn a_nats_route_freezes_one_subject_per_aggregate() {
+    let (c, _) = fresh("ledger_nats_route").await;
+    c.execute("SELECT outbox.set_nats_route('order', NULL, 'nats-a')", &[])
+        .await
+        .unwrap();
+    let id = enqueue(
+        &c,
+        "order",
+        "o-42",
+        "order.created",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&c, id).await;
+    let d = &ev.destination;
+    assert_eq!(
+        (
+            d.kind.as_str(),
+            d.cluster.as_str(),
+            d.topic.as_str(),
+            d.partitioner.as_str()
+        ),
+        ("nats", "nats-a", "outbox.order.o-42", "none")
+    );
+    // The SQL digest of the substituted subject equals the Rust one.
+    assert_eq!(ev.verify(), Ok(()));
+    let e = c
+        .execute("SELECT outbox.set_nats_route('order', NULL, '')", &[])
+        .await
+        .unwrap_err();
+    let msg = e.as_db_error().map(|d| d.message().to_string());
+    assert!(msg.as_deref().unwrap_or("").contains("cluster"), "{e:?}");
+}
+
+#[tokio::test]
 async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatches() {
     let (mut c, _) = fresh("ledger_accept").await;
     let id = enqueue(

@@ -21,6 +21,10 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::{ClientContext, Message, Timestamp};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::{
+    Delivery, DeliveryOutcome, FailureClass, Lookup, Persistence, Sink, SinkError, UnknownLookup,
+};
+
 /// Sink settings. `properties` are passed to librdkafka verbatim (after ours, so they win,
 /// except `enable.idempotence` and `acks`, which the relay's guarantees depend on).
 /// Its `Debug` hides secret property values (see [`crate::redact`]).
@@ -52,71 +56,6 @@ impl Default for KafkaSinkConfig {
     }
 }
 
-/// What the broker has, as far as librdkafka knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Persistence {
-    NotPersisted,
-    PossiblyPersisted,
-    Persisted,
-}
-
-/// Whether retrying can ever help.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureClass {
-    /// Will never succeed as frozen (too large, invalid/unauthorised topic): quarantine.
-    Permanent,
-    /// May succeed later: replay.
-    Transient,
-}
-
-/// The result of one send, reported once.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DeliveryOutcome {
-    Persisted {
-        topic: String,
-        partition: i32,
-        offset: i64,
-        /// Broker (or create) timestamp, milliseconds since the Unix epoch.
-        timestamp_ms: Option<i64>,
-    },
-    Failed {
-        error: String,
-        persistence: Persistence,
-        class: FailureClass,
-        /// The partition librdkafka chose (-1 if none yet): where an UNKNOWN outcome is looked up.
-        partition: i32,
-    },
-}
-
-/// A delivery report with the caller's token.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Delivery {
-    pub token: u64,
-    pub outcome: DeliveryOutcome,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum SinkError {
-    #[error("invalid Kafka producer configuration: {0}; check --bootstrap-servers and kafka.* properties")]
-    Config(#[source] Box<KafkaError>),
-    #[error("cannot reach Kafka at {bootstrap}: {source}; check --bootstrap-servers / OUTBOXD_BOOTSTRAP_SERVERS and that the broker is up")]
-    Unreachable {
-        bootstrap: String,
-        #[source]
-        source: Box<KafkaError>,
-    },
-    #[error("librdkafka refused to enqueue event {event_id} for topic {topic}: {source}")]
-    Enqueue {
-        event_id: String,
-        topic: String,
-        class: FailureClass,
-        #[source]
-        source: Box<KafkaError>,
-    },
-    #[error("the delivery channel is closed (pipeline shutting down)")]
-    Closed,
-}
-
 struct SinkContext {
     tx: UnboundedSender<Delivery>,
 }
@@ -136,6 +75,8 @@ impl ProducerContext for SinkContext {
                     Timestamp::NotAvailable => None,
                     Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
                 },
+                // The idempotent producer never reports a broker-side duplicate as such.
+                duplicate: false,
             },
             Err((err, m)) => {
                 // SAFETY: `m` is the message librdkafka passed to the delivery callback; its
@@ -334,6 +275,65 @@ impl KafkaSink {
     /// Waits for outstanding deliveries (used at shutdown).
     pub fn flush(&self, timeout: Duration) {
         let _ = self.producer.flush(timeout);
+    }
+}
+
+impl Sink for KafkaSink {
+    fn served(&self) -> crate::Served {
+        crate::Served {
+            kind: "kafka",
+            cluster: self.config.cluster_name.clone(),
+            partitioner: Some(self.config.partitioner.clone()),
+        }
+    }
+
+    fn send(
+        &self,
+        ev: &OutboxEvent,
+        token: u64,
+    ) -> impl std::future::Future<Output = Result<(), SinkError>> + Send {
+        // The inherent method (it takes precedence over this trait method).
+        KafkaSink::send(self, ev, token)
+    }
+
+    fn ack_timeout(&self) -> Duration {
+        self.config.message_timeout
+    }
+
+    /// Scans the frozen partition for header `id` = event id (on a blocking thread).
+    async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
+        let config = self.config.clone();
+        let (topic, partition, from, id) = (
+            q.topic.to_string(),
+            q.partition,
+            q.from,
+            q.event.event_id.to_string(),
+        );
+        let scan = tokio::task::spawn_blocking(move || {
+            scan_for_event(
+                &config,
+                &topic,
+                partition,
+                from,
+                &id,
+                Duration::from_secs(30),
+            )
+        })
+        .await
+        .map_err(|_| SinkError::Closed)??;
+        Ok(match scan.found {
+            Some((offset, timestamp_ms)) => Lookup::Found {
+                partition: q.partition,
+                offset,
+                timestamp_ms,
+                scanned_from: scan.scanned_from,
+                scanned_to: scan.scanned_to,
+            },
+            None => Lookup::Absent {
+                scanned_from: scan.scanned_from,
+                scanned_to: scan.scanned_to,
+            },
+        })
     }
 }
 

@@ -1,10 +1,12 @@
-//! The sink: hands events to the broker and reports what the broker said.
+//! The sink: hands events to a broker and reports what the broker said.
 //!
 //! The relay never trusts "I called send". It trusts a delivery report, and a delivery report
 //! carries the broker's *message persistence status*, because that is what decides the next
 //! state of the event:
 //!
-//! * `Persisted` with partition/offset — a transport receipt, ready for the ledger.
+//! * `Persisted` with a position (Kafka: partition/offset; JetStream: stream sequence) — a
+//!   transport receipt, ready for the ledger. A broker that recognised the message as one it
+//!   already stored (JetStream's `duplicate: true`) says so, with the *original* position.
 //! * `NotPersisted` — the broker certainly does not have it; safe to send again.
 //! * `PossiblyPersisted` — e.g. the request timed out in flight. The broker may or may not
 //!   have appended it. This is DISPATCH_UNKNOWN: it must be reconciled, never guessed.
@@ -12,14 +14,280 @@
 //! Failures are also classified [`FailureClass::Permanent`] (will never succeed: message too
 //! large, invalid or unauthorised topic) or [`FailureClass::Transient`]; the pipeline
 //! quarantines the former and replays the latter.
+//!
+//! # One abstraction, two brokers
+//! The pipeline, the ledger, ordering and UNKNOWN reconciliation talk to a [`Sink`]; they do
+//! not know which broker is behind it. [`KafkaSink`] (librdkafka) and [`JetStreamSink`]
+//! (async-nats) implement it; [`AnySink`] is the relay's choice between them at start. A
+//! sink names what it serves (broker kind, cluster identity, partitioner) so that the route
+//! stage can refuse events frozen for another destination, sends events with their metadata
+//! headers, and resolves an UNKNOWN attempt with [`Sink::lookup`] — by a partition scan on
+//! Kafka; by an idempotent re-publish (same `Nats-Msg-Id`) inside the stream's duplicate
+//! window, or a subject scan outside it, on JetStream.
+
+use std::future::Future;
+use std::time::Duration;
+
+use outbox_core::OutboxEvent;
+use rdkafka::error::KafkaError;
 
 pub mod headers;
+pub mod jetstream;
 pub mod kafka;
 pub mod redact;
 
 pub use headers::HeaderOptions;
 
+pub use jetstream::{JetStreamSink, JetStreamSinkConfig, StreamCheck};
 pub use kafka::{
-    event_headers, scan_for_event, topic_partitions, Delivery, DeliveryOutcome, FailureClass,
-    KafkaSink, KafkaSinkConfig, Persistence, ScanResult, SinkError,
+    event_headers, scan_for_event, topic_partitions, KafkaSink, KafkaSinkConfig, ScanResult,
 };
+
+/// What the broker has, as far as the client knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persistence {
+    NotPersisted,
+    PossiblyPersisted,
+    Persisted,
+}
+
+/// Whether retrying can ever help.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureClass {
+    /// Will never succeed as frozen (too large, invalid/unauthorised topic): quarantine.
+    Permanent,
+    /// May succeed later: replay.
+    Transient,
+}
+
+/// The result of one send, reported once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeliveryOutcome {
+    Persisted {
+        /// Kafka topic, or JetStream subject.
+        topic: String,
+        /// Kafka partition; 0 on JetStream (a stream has one sequence).
+        partition: i32,
+        /// Kafka offset, or JetStream stream sequence.
+        offset: i64,
+        /// Broker (or create) timestamp, milliseconds since the Unix epoch.
+        timestamp_ms: Option<i64>,
+        /// The broker said it already had this message (JetStream `duplicate: true`, by
+        /// `Nats-Msg-Id`) and answered with the original position: nothing new was stored.
+        duplicate: bool,
+    },
+    Failed {
+        error: String,
+        persistence: Persistence,
+        class: FailureClass,
+        /// The partition the client chose (-1 if none yet): where an UNKNOWN outcome is looked
+        /// up. Always 0 on JetStream.
+        partition: i32,
+    },
+}
+
+/// A delivery report with the caller's token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    pub token: u64,
+    pub outcome: DeliveryOutcome,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("invalid Kafka producer configuration: {0}; check --bootstrap-servers and kafka.* properties")]
+    Config(#[source] Box<KafkaError>),
+    #[error("cannot reach Kafka at {bootstrap}: {source}; check --bootstrap-servers / OUTBOXD_BOOTSTRAP_SERVERS and that the broker is up")]
+    Unreachable {
+        bootstrap: String,
+        #[source]
+        source: Box<KafkaError>,
+    },
+    #[error("librdkafka refused to enqueue event {event_id} for topic {topic}: {source}")]
+    Enqueue {
+        event_id: String,
+        topic: String,
+        class: FailureClass,
+        #[source]
+        source: Box<KafkaError>,
+    },
+    #[error("NATS at {url}: {what}: {message}; check --nats-url / OUTBOXD_NATS_URL and that nats-server runs with JetStream enabled (-js)")]
+    Nats {
+        url: String,
+        what: String,
+        message: String,
+    },
+    #[error("JetStream stream {stream} does not exist at {url}: create it (e.g. `nats stream add {stream} --subjects 'outbox.>' --dupe-window 2m`) or start the relay with --nats-create-stream")]
+    StreamMissing { stream: String, url: String },
+    #[error("the NATS server at {url} identifies as {server:?} but this relay serves cluster {configured:?}: events frozen for {configured:?} must not go to another cluster; pass --cluster-name {server} if this is the cluster the route policy names")]
+    WrongCluster {
+        url: String,
+        server: String,
+        configured: String,
+    },
+    #[error("the NATS client refused event {event_id} for subject {subject:?}: {message}")]
+    Publish {
+        event_id: String,
+        subject: String,
+        class: FailureClass,
+        message: String,
+    },
+    #[error("cannot prove whether event {event_id} is in stream {stream}: {reason}; reconcile it by hand (`outboxd status --event {event_id}`), the relay will not guess")]
+    Unprovable {
+        event_id: String,
+        stream: String,
+        reason: String,
+    },
+    #[error("the delivery channel is closed (pipeline shutting down)")]
+    Closed,
+}
+
+impl SinkError {
+    /// The client refused the message in a way no retry can fix (too large, invalid topic or
+    /// subject): the reason, for the quarantine record.
+    pub fn permanent_refusal(&self) -> Option<String> {
+        match self {
+            SinkError::Enqueue {
+                class: FailureClass::Permanent,
+                source,
+                ..
+            } => Some(source.to_string()),
+            SinkError::Publish {
+                class: FailureClass::Permanent,
+                message,
+                ..
+            } => Some(message.clone()),
+            _ => None,
+        }
+    }
+
+    /// Whether reconnecting and replaying can fix it.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            SinkError::Unreachable { .. }
+                | SinkError::Enqueue { .. }
+                | SinkError::Nats { .. }
+                | SinkError::Publish {
+                    class: FailureClass::Transient,
+                    ..
+                }
+        )
+    }
+}
+
+/// What a sink serves: events whose frozen destination differs are refused by the route stage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served {
+    /// `destination.v1` kind: `kafka` or `nats`.
+    pub kind: &'static str,
+    /// Broker cluster identity (the name the route policy uses).
+    pub cluster: String,
+    /// The partitioner the frozen destination must name; `None` where the broker has no
+    /// partitions (JetStream: one sequence per stream, order per subject).
+    pub partitioner: Option<String>,
+}
+
+/// An attempt whose outcome is unknown, as the ledger recorded it.
+#[derive(Debug, Clone, Copy)]
+pub struct UnknownLookup<'a> {
+    /// The event exactly as frozen (a JetStream probe re-publishes it byte for byte).
+    pub event: &'a OutboxEvent,
+    /// Frozen topic / subject and the partition the attempt went to.
+    pub topic: &'a str,
+    pub partition: i32,
+    /// First position that may hold the attempt's copy (everything before it was accepted
+    /// long before the attempt was sent).
+    pub from: i64,
+    /// How long ago the attempt was sent.
+    pub sent_ago: Duration,
+}
+
+/// What [`Sink::lookup`] proved about an UNKNOWN attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// The broker has the attempt's copy at this position: it becomes the primary receipt of
+    /// the attempt that sent it; nothing is sent again.
+    Found {
+        partition: i32,
+        offset: i64,
+        timestamp_ms: Option<i64>,
+        scanned_from: i64,
+        scanned_to: i64,
+    },
+    /// The whole range that could hold it was read and it is not there (with the sending
+    /// session closed): a retry to the same frozen destination is allowed.
+    Absent { scanned_from: i64, scanned_to: i64 },
+    /// The broker proved it did not have the attempt's copy *by storing the probe*: an
+    /// idempotent re-publish (same `Nats-Msg-Id`, inside the duplicate window) was not a
+    /// duplicate. The probe is the retry; this is its receipt.
+    StoredByProbe {
+        partition: i32,
+        offset: i64,
+        timestamp_ms: Option<i64>,
+    },
+}
+
+/// A broker the relay publishes to. Delivery reports go to the channel given at construction,
+/// one per successful [`Sink::send`], with the caller's token.
+pub trait Sink {
+    /// What this sink serves (the route stage compares it with each frozen destination).
+    fn served(&self) -> Served;
+
+    /// Hands one event to the broker; its delivery report arrives later with `token`. Waits
+    /// (async) under backpressure. An error means nothing was handed over.
+    fn send(
+        &self,
+        ev: &OutboxEvent,
+        token: u64,
+    ) -> impl Future<Output = Result<(), SinkError>> + Send;
+
+    /// How long a send may wait for the broker's acknowledgement before its outcome is
+    /// reported as failed (possibly persisted).
+    fn ack_timeout(&self) -> Duration;
+
+    /// Resolves an UNKNOWN attempt. Found and Absent are proofs; anything short of a proof is
+    /// an error (the attempt stays UNKNOWN).
+    fn lookup(
+        &self,
+        q: UnknownLookup<'_>,
+    ) -> impl Future<Output = Result<Lookup, SinkError>> + Send;
+}
+
+/// The relay's sink, chosen at start (`--sink kafka|nats`).
+#[derive(Debug)]
+pub enum AnySink {
+    Kafka(KafkaSink),
+    /// Boxed: the JetStream client state is much larger than the Kafka handle.
+    JetStream(Box<JetStreamSink>),
+}
+
+impl Sink for AnySink {
+    fn served(&self) -> Served {
+        match self {
+            AnySink::Kafka(s) => s.served(),
+            AnySink::JetStream(s) => s.served(),
+        }
+    }
+
+    async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.send(ev, token).await,
+            AnySink::JetStream(s) => s.send(ev, token).await,
+        }
+    }
+
+    fn ack_timeout(&self) -> Duration {
+        match self {
+            AnySink::Kafka(s) => s.ack_timeout(),
+            AnySink::JetStream(s) => s.ack_timeout(),
+        }
+    }
+
+    async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.lookup(q).await,
+            AnySink::JetStream(s) => s.lookup(q).await,
+        }
+    }
+}

@@ -6,11 +6,14 @@
 //!   gets its own database.
 //! * [`kafka`] gives each test librdkafka's in-process mock cluster (real TCP listener, fault
 //!   injection) unless `OUTBOXD_TEST_KAFKA` names real bootstrap servers.
+//! * [`nats`] starts a throwaway `nats-server -js` (own port, store and name) for a test that
+//!   injects broker faults: pause (SIGSTOP), resume, kill and restart on the same store.
 //! * [`wait`] polls a condition until a deadline — tests wait for states, never for sleeps.
 //!
 //! `outboxd demo` uses the same code to run the embedded default.
 
 pub mod kafka;
+pub mod nats;
 pub mod postgres;
 pub mod wait;
 

@@ -115,6 +115,7 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
         .bootstrap_servers
         .clone()
         .or(file.kafka.bootstrap_servers.clone());
+    let nats_url = a.nats_url.clone().or(file.nats.url.clone());
     match (bootstrap, &cfg) {
         (Some(b), Some(cfg)) => {
             let sink = KafkaSinkConfig {
@@ -128,11 +129,20 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
             "kafka",
             "not checked: fix the configuration first",
         ),
-        (None, _) => r.add(
+        (None, _) if nats_url.is_none() => r.add(
             Level::Warn,
-            "kafka",
-            "not checked: pass --bootstrap-servers to check the broker and the topics",
+            "broker",
+            "not checked: pass --bootstrap-servers (Kafka) or --nats-url (JetStream) to check the broker and the topics",
         ),
+        (None, _) => {}
+    }
+    if let Some(u) = &nats_url {
+        let stream = a
+            .nats_stream
+            .clone()
+            .or(file.nats.stream.clone())
+            .unwrap_or_else(|| outbox_sink::JetStreamSinkConfig::default().stream);
+        check_nats(&mut r, u, &stream, &file).await;
     }
 
     for (level, what, detail) in &r.lines {
@@ -777,4 +787,100 @@ fn broker_auto_create(sink: &KafkaSinkConfig) -> Option<bool> {
         .iter()
         .find(|e| e.name == "auto.create.topics.enable")?;
     entry.value.as_deref().map(|v| v == "true")
+}
+
+/// The JetStream part: server identity, JetStream enabled, the stream, and its duplicate window
+/// against the relay's retry budget (re-sends later than the window are not deduplicated by
+/// the broker; the ledger still records them as duplicates).
+async fn check_nats(r: &mut Report, url: &str, stream: &str, file: &FileConfig) {
+    let facts = match outbox_sink::jetstream::inspect(url, stream).await {
+        Ok(f) => f,
+        Err(e) => {
+            r.add(Level::Fail, "nats", e.to_string());
+            return;
+        }
+    };
+    let cluster = file.nats.cluster_name.clone();
+    match (&facts.server_identity, cluster) {
+        (Some(id), Some(c)) if *id != c => r.add(
+            Level::Fail,
+            "nats server",
+            format!(
+                "{url} identifies as {id:?}, but nats.cluster_name is {c:?}: the relay refuses to publish events frozen for {c:?} there"
+            ),
+        ),
+        (Some(id), _) => r.add(
+            Level::Ok,
+            "nats server",
+            format!(
+                "{url}: {id} (nats-server {}); the relay's --cluster-name must be {id:?}",
+                facts.server_version
+            ),
+        ),
+        (None, _) => r.add(
+            Level::Warn,
+            "nats server",
+            format!(
+                "{url} (nats-server {}) has no server or cluster name, so the relay cannot verify which cluster it publishes to: set server_name (-n) or a cluster name",
+                facts.server_version
+            ),
+        ),
+    }
+    if !facts.jetstream {
+        r.add(
+            Level::Fail,
+            "jetstream",
+            "disabled on the server: start nats-server with -js (or a jetstream block in its config)",
+        );
+        return;
+    }
+    let Some(s) = facts.stream else {
+        let level = if file.nats.create_stream == Some(true) {
+            Level::Warn
+        } else {
+            Level::Fail
+        };
+        r.add(
+            level,
+            "jetstream stream",
+            format!("{stream} does not exist: create it (nats stream add {stream} --subjects 'outbox.>') or run the relay with --nats-create-stream"),
+        );
+        return;
+    };
+    r.add(
+        Level::Ok,
+        "jetstream stream",
+        format!(
+            "{stream}: subjects {:?}, {} message(s)",
+            s.subjects, s.messages
+        ),
+    );
+    let ms = |v: Option<u64>, d: u64| Duration::from_millis(v.unwrap_or(d));
+    let budget = config::retry_budget(
+        ms(file.nats.ack_timeout_ms, 5_000),
+        ms(file.relay.unknown_settle_ms, 5_000),
+        ms(file.relay.lease_ttl_ms, 10_000),
+    );
+    if s.duplicate_window < budget {
+        r.add(
+            Level::Warn,
+            "duplicate window",
+            format!(
+                "{} s is shorter than the relay's retry budget of {} s (ack timeout + unknown settle + lease TTL + {} s backoff): later re-sends are stored again (the ledger records them as duplicates, consumers dedupe by event id); raise the stream's duplicate_window (nats stream edit {stream} --dupe-window ...)",
+                s.duplicate_window.as_secs_f64(),
+                budget.as_secs_f64(),
+                config::MAX_BACKOFF.as_secs()
+            ),
+        );
+    } else {
+        r.add(
+            Level::Ok,
+            "duplicate window",
+            format!(
+                "{} s covers the relay's retry budget of {} s",
+                s.duplicate_window.as_secs_f64(),
+                budget.as_secs_f64()
+            ),
+        );
+    }
 }

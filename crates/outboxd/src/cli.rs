@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::config::parse_kv;
+use crate::config::{parse_kv, SinkKind};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -182,6 +182,13 @@ pub struct CheckArgs {
     pub database_url: Option<String>,
     #[arg(long, env = "OUTBOXD_BOOTSTRAP_SERVERS")]
     pub bootstrap_servers: Option<String>,
+    /// NATS server URL: check the server identity, JetStream, the stream and its duplicate
+    /// window (warned about when shorter than the relay's retry budget).
+    #[arg(long, env = "OUTBOXD_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// The JetStream stream to check. [default: OUTBOX]
+    #[arg(long, env = "OUTBOXD_NATS_STREAM")]
+    pub nats_stream: Option<String>,
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
     #[arg(long, env = "OUTBOXD_PUBLICATION")]
@@ -233,6 +240,31 @@ pub struct RunArgs {
     /// Kafka bootstrap servers, e.g. kafka-1:9092,kafka-2:9092.
     #[arg(long, env = "OUTBOXD_BOOTSTRAP_SERVERS")]
     pub bootstrap_servers: Option<String>,
+    /// The broker to publish to. `nats` publishes to a NATS JetStream stream (subject = the
+    /// frozen topic, header Nats-Msg-Id = event id); route those events with
+    /// `SELECT outbox.set_nats_route('order', NULL, '<cluster name>')`. [default: kafka]
+    #[arg(long, env = "OUTBOXD_SINK", value_enum)]
+    pub sink: Option<SinkKind>,
+    /// NATS server URL(s) for --sink nats, e.g. nats://nats-1:4222. The server's cluster name
+    /// (its server name, `-n`, when unclustered) must equal --cluster-name.
+    #[arg(long, env = "OUTBOXD_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// JetStream stream that captures the events' subjects. It is verified at start; a missing
+    /// stream stops the relay unless --nats-create-stream. [default: OUTBOX]
+    #[arg(long, env = "OUTBOXD_NATS_STREAM")]
+    pub nats_stream: Option<String>,
+    /// Create the stream at start when it is missing (file storage, the subjects of
+    /// --nats-stream-subject, the duplicate window of --nats-duplicate-window-ms).
+    #[arg(long)]
+    pub nats_create_stream: bool,
+    /// Subject filter of a stream the relay creates; repeatable. [default: outbox.>]
+    #[arg(long = "nats-stream-subject")]
+    pub nats_stream_subjects: Vec<String>,
+    /// Duplicate window of a stream the relay creates, ms: how long JetStream remembers an
+    /// event id and answers a re-send with the original sequence. Keep it longer than the
+    /// retry budget (`outboxd check` warns). [default: 120000]
+    #[arg(long, env = "OUTBOXD_NATS_DUPLICATE_WINDOW_MS")]
+    pub nats_duplicate_window_ms: Option<u64>,
     /// Logical replication slot (created on first run). [default: outboxd]
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
@@ -263,7 +295,9 @@ pub struct RunArgs {
     /// [default: /outboxd/{aggregate_type}]
     #[arg(long, env = "OUTBOXD_CLOUDEVENTS_SOURCE")]
     pub cloudevents_source: Option<String>,
-    /// Kafka message.timeout.ms: how long librdkafka retries one message. [default: 30000]
+    /// How long one send may wait for the broker's ACK before its outcome is UNKNOWN (Kafka:
+    /// message.timeout.ms, how long librdkafka retries one message). [default: 30000 for
+    /// Kafka, 5000 for NATS]
     #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
     pub message_timeout_ms: Option<u64>,
     /// Events in flight (sent, receipt not yet accepted) before reading pauses. [default: 10000]

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use outbox_sink::KafkaSinkConfig;
+use outbox_sink::{JetStreamSinkConfig, KafkaSinkConfig};
 use serde::Deserialize;
 
 /// A string that must never reach a log line or an error message.
@@ -112,8 +112,12 @@ pub struct FileConfig {
     pub publication: Option<String>,
     /// The outbox table, `schema.table`. Default `outbox.events`.
     pub table: Option<String>,
+    /// The broker: `kafka` (default) or `nats` (JetStream).
+    pub sink: Option<SinkKind>,
     #[serde(default)]
     pub kafka: KafkaFile,
+    #[serde(default)]
+    pub nats: NatsFile,
     #[serde(default)]
     pub relay: RelayFile,
     /// `text` (default) or `json` (one JSON object per line, with the span fields slot, db,
@@ -144,6 +148,37 @@ pub struct AdminFile {
     /// How often the gauges read from PostgreSQL (lag, pending, UNKNOWN, holds) and the broker
     /// probe behind `/readyz` are refreshed, ms. Default 5000.
     pub sample_interval_ms: Option<u64>,
+}
+
+/// Which broker the relay publishes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkKind {
+    /// Kafka through librdkafka (idempotent producer, acks=all).
+    Kafka,
+    /// NATS JetStream (Nats-Msg-Id = event id, PubAck = receipt).
+    Nats,
+}
+
+/// `[nats]` section (used with `sink = "nats"`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsFile {
+    /// Server URL(s), e.g. `nats://nats-1:4222`.
+    pub url: Option<String>,
+    /// Cluster identity this relay serves: the server's cluster name (its server name when
+    /// unclustered), and the `dest_cluster` events are frozen with. Default `default`.
+    pub cluster_name: Option<String>,
+    /// The JetStream stream capturing the frozen subjects. Default `OUTBOX`.
+    pub stream: Option<String>,
+    /// Create the stream at start when missing. Default false (a missing stream is an error).
+    pub create_stream: Option<bool>,
+    /// Subjects of a stream the relay creates. Default `["outbox.>"]`.
+    pub stream_subjects: Option<Vec<String>>,
+    /// Duplicate window of a stream the relay creates, ms. Default 120000.
+    pub duplicate_window_ms: Option<u64>,
+    /// How long a publish waits for its PubAck before the outcome is UNKNOWN, ms. Default 5000.
+    pub ack_timeout_ms: Option<u64>,
 }
 
 /// `[kafka]` section.
@@ -240,7 +275,10 @@ pub struct RelayConfig {
     pub publication: String,
     pub schema: String,
     pub table: String,
+    /// Kafka settings (used unless `nats` is set).
     pub sink: KafkaSinkConfig,
+    /// JetStream settings: when set, the relay publishes to NATS JetStream instead of Kafka.
+    pub nats: Option<JetStreamSinkConfig>,
     /// Events sent and not yet resolved before the relay stops reading the slot.
     pub max_in_flight: u64,
     /// Receipts per ledger transaction.
@@ -349,8 +387,28 @@ impl RelayConfig {
                 self.publication
             );
         }
-        if self.sink.bootstrap_servers.trim().is_empty() {
-            bail!("Kafka bootstrap servers are missing: pass --bootstrap-servers, set OUTBOXD_BOOTSTRAP_SERVERS, or kafka.bootstrap_servers in the config file");
+        if let Some(n) = &self.nats {
+            if n.url.trim().is_empty() {
+                bail!("NATS URL is missing: pass --nats-url, set OUTBOXD_NATS_URL, or nats.url in the config file");
+            }
+            if n.stream.is_empty()
+                || n.stream
+                    .chars()
+                    .any(|c| c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\'))
+            {
+                bail!(
+                    "nats.stream {:?} is invalid: a JetStream stream name has no spaces, '.', '*', '>', '/' or '\\'",
+                    n.stream
+                );
+            }
+            if n.duplicate_window < Duration::from_secs(1) {
+                bail!("nats.duplicate_window_ms must be at least 1000");
+            }
+            if n.ack_timeout < Duration::from_millis(100) {
+                bail!("the NATS ack timeout (--message-timeout-ms / nats.ack_timeout_ms) must be at least 100 ms");
+            }
+        } else if self.sink.bootstrap_servers.trim().is_empty() {
+            bail!("Kafka bootstrap servers are missing: pass --bootstrap-servers, set OUTBOXD_BOOTSTRAP_SERVERS, or kafka.bootstrap_servers in the config file (or choose --sink nats)");
         }
         if self.max_in_flight == 0 {
             bail!("relay.max_in_flight must be at least 1");
@@ -376,6 +434,28 @@ impl RelayConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// The longest a relay may keep re-sending one event with the same id in ordinary operation:
+/// an ACK timeout, the UNKNOWN settle time, a lease handover to a standby, and the longest
+/// reconnect backoff. A JetStream stream whose duplicate window is shorter cannot deduplicate
+/// all of those re-sends on the broker (the ledger still does).
+pub fn retry_budget(
+    ack_timeout: Duration,
+    unknown_settle: Duration,
+    lease_ttl: Duration,
+) -> Duration {
+    ack_timeout + unknown_settle + lease_ttl + MAX_BACKOFF
+}
+
+/// The relay's longest reconnect backoff.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+impl RelayConfig {
+    /// [`retry_budget`] with this relay's settings.
+    pub fn retry_budget(&self, ack_timeout: Duration) -> Duration {
+        retry_budget(ack_timeout, self.unknown_settle, self.lease_ttl)
     }
 }
 
@@ -441,6 +521,26 @@ mod tests {
         assert_eq!(
             redact_url("host=h password='hun ter\\'2' user=u"),
             "host=h password=*** user=u"
+        );
+    }
+
+    #[test]
+    fn nats_section_parses() {
+        let f = toml::from_str::<FileConfig>(
+            "sink = \"nats\"\n[nats]\nurl = \"nats://h:4222\"\nstream = \"S\"\nduplicate_window_ms = 60000\n",
+        )
+        .unwrap();
+        assert_eq!(f.sink, Some(SinkKind::Nats));
+        assert_eq!(f.nats.duplicate_window_ms, Some(60000));
+        let e = toml::from_str::<FileConfig>("[nats]\nwindow = 1\n").unwrap_err();
+        assert!(e.to_string().contains("window"), "{e}");
+        assert_eq!(
+            retry_budget(
+                Duration::from_secs(5),
+                Duration::from_secs(5),
+                Duration::from_secs(10)
+            ),
+            Duration::from_secs(25)
         );
     }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use outbox_sink::KafkaSinkConfig;
+use outbox_sink::{JetStreamSinkConfig, KafkaSinkConfig};
 use tokio::sync::watch;
 
 use cli::{Cli, Command, LogFormat, QuarantineCommand, RunArgs};
@@ -283,6 +283,47 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
     let mut properties: Vec<(String, String)> = file.kafka.properties.clone().into_iter().collect();
     properties.extend(a.kafka_properties.iter().cloned());
     let defaults = KafkaSinkConfig::default();
+    let cluster_name = a.cluster_name.clone();
+    let nats = match a.sink.or(file.sink).unwrap_or(config::SinkKind::Kafka) {
+        config::SinkKind::Kafka => None,
+        config::SinkKind::Nats => {
+            let d = JetStreamSinkConfig::default();
+            let n = &file.nats;
+            Some(JetStreamSinkConfig {
+                url: a.nats_url.clone().or(n.url.clone()).unwrap_or_default(),
+                cluster_name: cluster_name
+                    .clone()
+                    .or(n.cluster_name.clone())
+                    .unwrap_or(d.cluster_name),
+                stream: a
+                    .nats_stream
+                    .clone()
+                    .or(n.stream.clone())
+                    .unwrap_or(d.stream),
+                create_stream: a.nats_create_stream || n.create_stream.unwrap_or(false),
+                stream_subjects: if a.nats_stream_subjects.is_empty() {
+                    n.stream_subjects.clone().unwrap_or(d.stream_subjects)
+                } else {
+                    a.nats_stream_subjects.clone()
+                },
+                duplicate_window: a
+                    .nats_duplicate_window_ms
+                    .or(n.duplicate_window_ms)
+                    .map(Duration::from_millis)
+                    .unwrap_or(d.duplicate_window),
+                ack_timeout: a
+                    .message_timeout_ms
+                    .or(n.ack_timeout_ms)
+                    .map(Duration::from_millis)
+                    .unwrap_or(d.ack_timeout),
+                max_in_flight: a
+                    .max_in_flight
+                    .or(file.relay.max_in_flight)
+                    .map(|m| usize::try_from(m).unwrap_or(usize::MAX))
+                    .unwrap_or(d.max_in_flight),
+            })
+        }
+    };
     let cfg = RelayConfig {
         database_url: a
             .database_url
@@ -333,6 +374,7 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 cloudevents: cloudevents_source(a, &file),
             },
         },
+        nats,
         max_in_flight: a
             .max_in_flight
             .or(file.relay.max_in_flight)
@@ -575,5 +617,62 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             println!("skipped {event} (reason recorded); the running relay publishes the held events behind it");
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> RunArgs {
+        let mut argv = vec!["outboxd", "run", "--database-url", "postgres://h/db"];
+        argv.extend(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Run(a) => *a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn the_nats_sink_comes_from_the_config_file_and_flags_win() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("outboxd.toml");
+        std::fs::write(
+            &file,
+            "sink = \"nats\"\n[nats]\nurl = \"nats://n:4222\"\ncluster_name = \"nats-a\"\nstream = \"EVENTS\"\nack_timeout_ms = 750\n",
+        )
+        .unwrap();
+        let path = file.to_str().unwrap();
+        let cfg = resolve_run(&run_args(&["--config", path])).unwrap();
+        let n = cfg.nats.expect("sink = nats");
+        assert_eq!(
+            (n.url.as_str(), n.cluster_name.as_str(), n.stream.as_str()),
+            ("nats://n:4222", "nats-a", "EVENTS")
+        );
+        assert_eq!(n.ack_timeout, Duration::from_millis(750));
+        assert!(!n.create_stream);
+
+        let cfg = resolve_run(&run_args(&[
+            "--config",
+            path,
+            "--nats-stream",
+            "OTHER",
+            "--nats-create-stream",
+            "--cluster-name",
+            "nats-b",
+        ]))
+        .unwrap();
+        let n = cfg.nats.unwrap();
+        assert_eq!(
+            (n.stream.as_str(), n.cluster_name.as_str()),
+            ("OTHER", "nats-b")
+        );
+        assert!(n.create_stream);
+
+        // Kafka stays the default and still needs its bootstrap servers.
+        let e = resolve_run(&run_args(&[])).unwrap_err();
+        assert!(e.to_string().contains("--sink nats"), "{e}");
+        let e = resolve_run(&run_args(&["--sink", "nats"])).unwrap_err();
+        assert!(e.to_string().contains("--nats-url"), "{e}");
     }
 }

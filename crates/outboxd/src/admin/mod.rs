@@ -59,7 +59,7 @@ pub async fn start(admin: &AdminConfig, relay: &RelayConfig) -> anyhow::Result<A
         relay.slot.clone(),
         admin.sample_interval,
     )));
-    let probe = sampler::BrokerProbe::new(&relay.sink)?;
+    let probe = sampler::BrokerProbe::for_relay(relay)?;
     tasks.push(tokio::spawn(probe.run(admin.sample_interval)));
     Ok(Admin { tasks })
 }

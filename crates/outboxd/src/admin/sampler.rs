@@ -97,14 +97,19 @@ async fn sample(c: &Client, slot: &str) -> anyhow::Result<()> {
 }
 
 /// Asks the broker for metadata on a client of its own (the relay's producer may be busy or
-/// between sessions), with the relay's connection properties (TLS, SASL).
-pub(super) struct BrokerProbe {
-    client: std::sync::Arc<BaseProducer<Quiet>>,
+/// between sessions), with the relay's connection properties (TLS, SASL). For JetStream: the
+/// account info request, which only a server with JetStream up answers.
+pub(super) enum BrokerProbe {
+    Kafka(std::sync::Arc<BaseProducer<Quiet>>),
+    Nats {
+        url: String,
+        client: Option<async_nats::Client>,
+    },
 }
 
 /// The probe's own librdkafka logs and errors are dropped: while the broker is away the
 /// relay's producer already logs it, and the probe reports its result once, above.
-struct Quiet;
+pub(super) struct Quiet;
 
 impl ClientContext for Quiet {
     fn log(&self, _level: RDKafkaLogLevel, _fac: &str, _log_message: &str) {}
@@ -117,6 +122,17 @@ impl ProducerContext for Quiet {
 }
 
 impl BrokerProbe {
+    /// The probe for the relay's sink.
+    pub fn for_relay(relay: &crate::config::RelayConfig) -> anyhow::Result<BrokerProbe> {
+        match &relay.nats {
+            Some(n) => Ok(BrokerProbe::Nats {
+                url: n.url.clone(),
+                client: None,
+            }),
+            None => BrokerProbe::new(&relay.sink),
+        }
+    }
+
     pub fn new(sink: &KafkaSinkConfig) -> anyhow::Result<BrokerProbe> {
         let mut cfg = ClientConfig::new();
         cfg.set("bootstrap.servers", &sink.bootstrap_servers)
@@ -132,41 +148,69 @@ impl BrokerProbe {
                 sink.bootstrap_servers
             )
         })?;
-        Ok(BrokerProbe {
-            client: std::sync::Arc::new(client),
-        })
+        Ok(BrokerProbe::Kafka(std::sync::Arc::new(client)))
     }
 
-    pub async fn run(self, every: Duration) {
+    /// One probe: the number of brokers that answered, or why none did.
+    async fn probe(&mut self, timeout: Duration) -> Result<usize, String> {
+        match self {
+            BrokerProbe::Kafka(client) => {
+                let client = client.clone();
+                match tokio::task::spawn_blocking(move || {
+                    client
+                        .client()
+                        .fetch_metadata(None, timeout)
+                        .map(|md| md.brokers().len())
+                })
+                .await
+                {
+                    Ok(Ok(0)) => Err("no brokers in the metadata".into()),
+                    Ok(Ok(n)) => Ok(n),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            BrokerProbe::Nats { url, client } => {
+                if client.is_none() {
+                    let c = async_nats::ConnectOptions::new()
+                        .name("outboxd-admin-probe")
+                        .connection_timeout(timeout)
+                        .connect(url.as_str())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    *client = Some(c);
+                }
+                let Some(c) = client.as_ref() else {
+                    return Err("not connected".into());
+                };
+                let mut js = async_nats::jetstream::new(c.clone());
+                js.set_timeout(timeout);
+                js.query_account()
+                    .await
+                    .map(|_| 1)
+                    .map_err(|e| format!("JetStream: {e}"))
+            }
+        }
+    }
+
+    pub async fn run(mut self, every: Duration) {
         let m = metrics::get();
         let timeout = every.clamp(Duration::from_millis(500), Duration::from_secs(5));
         let mut failing = false;
         loop {
-            let client = self.client.clone();
-            let result = tokio::task::spawn_blocking(move || {
-                client
-                    .client()
-                    .fetch_metadata(None, timeout)
-                    .map(|md| md.brokers().len())
-            })
-            .await;
+            let result = self.probe(timeout).await;
             match result {
-                Ok(Ok(n)) if n > 0 => {
+                Ok(n) => {
                     m.broker_reachable.set(1);
                     if failing {
                         tracing::info!(brokers = n, "broker reachable again");
                     }
                     failing = false;
                 }
-                other => {
+                Err(why) => {
                     m.broker_reachable.set(0);
                     m.sampler_errors.inc();
                     if !failing {
-                        let why = match other {
-                            Ok(Err(e)) => e.to_string(),
-                            Ok(Ok(_)) => "no brokers in the metadata".into(),
-                            Err(e) => e.to_string(),
-                        };
                         tracing::warn!(error = %why, "broker probe failed; /readyz reports not ready");
                     }
                     failing = true;

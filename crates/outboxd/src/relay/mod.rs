@@ -1,7 +1,7 @@
 //! The relay: one direction, no back and forth.
 //!
 //! ```text
-//! slot (pgoutput) -> decode -> route (envelope check) -> sink (Kafka) -> delivery report
+//! slot (pgoutput) -> decode -> route (envelope check) -> sink (Kafka | JetStream) -> report
 //!      ^                                                                     |
 //!      |                                                                     v
 //!  LSN feedback <- checkpoint (ack tracker) <- ledger (accept batch, one transaction)
@@ -39,7 +39,7 @@ use outbox_core::{AckTracker, Lsn, TxnSeq};
 use outbox_ledger::holds;
 use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
-use outbox_sink::{KafkaSink, SinkError};
+use outbox_sink::{AnySink, JetStreamSink, KafkaSink, Sink, SinkError};
 use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
 use outbox_source::snapshot;
 use outbox_source::tls::{ConnectError, PgConnectOptions};
@@ -85,7 +85,7 @@ pub enum RelayError {
     Source(#[from] SourceError),
     #[error("ledger: {0}")]
     Ledger(#[from] LedgerError),
-    #[error("Kafka: {0}")]
+    #[error("broker: {0}")]
     Sink(#[from] SinkError),
     #[error("cannot connect to PostgreSQL at {url}: {message}; check the URL, that the server is up, and pg_hba.conf")]
     Connect { url: String, message: String },
@@ -109,8 +109,7 @@ impl RelayError {
         match self {
             RelayError::Source(e) => e.is_transient(),
             RelayError::Ledger(LedgerError::Db { .. } | LedgerError::LeaseLost { .. }) => true,
-            RelayError::Sink(SinkError::Unreachable { .. }) => true,
-            RelayError::Sink(SinkError::Enqueue { .. }) => true,
+            RelayError::Sink(e) => e.is_transient(),
             RelayError::Connect { .. } => true,
             RelayError::Delivery { .. } | RelayError::StreamEnded => true,
             _ => false,
@@ -162,7 +161,7 @@ pub async fn run(
                     _ = tokio::time::sleep(backoff) => {}
                     _ = shutdown.changed() => return Ok(()),
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+                backoff = (backoff * 2).min(crate::config::MAX_BACKOFF);
             }
             Err(e) => return Err(e),
         }
@@ -319,8 +318,23 @@ async fn run_once(
     tracing::info!(?plan, "start plan");
 
     let (reports_tx, reports) = mpsc::unbounded_channel();
-    let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
-    tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)))?;
+    let sink = match &cfg.nats {
+        Some(nats) => {
+            let sink = JetStreamSink::connect(nats.clone(), reports_tx).await?;
+            let budget = cfg.retry_budget(sink.ack_timeout());
+            if sink.duplicate_window() < budget {
+                tracing::warn!(stream = %nats.stream, duplicate_window_ms = sink.duplicate_window().as_millis() as u64,
+                    retry_budget_ms = budget.as_millis() as u64,
+                    "the stream's duplicate window is shorter than the relay's retry budget: some re-sends will not be deduplicated by the broker (the ledger still records them as duplicates); raise the stream's duplicate_window");
+            }
+            AnySink::JetStream(Box::new(sink))
+        }
+        None => {
+            let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
+            tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)))?;
+            AnySink::Kafka(sink)
+        }
+    };
     let heads = holds::load_heads(&sql).await?;
     let held = holds::load_held(&sql).await?;
     if !held.is_empty() {
@@ -438,7 +452,7 @@ async fn run_once(
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
-                drain_and_stop(cfg, &mut pipeline, &mut durable, &mut stream, last_received, progress).await?;
+                drain_and_stop(&mut pipeline, &mut durable, &mut stream, last_received, progress).await?;
                 lease::release(&sql, &cfg.slot, fence).await?;
                 return Ok(());
             }
@@ -641,14 +655,13 @@ const RELEASE_POLL: Duration = Duration::from_secs(1);
 
 /// Graceful stop: wait (bounded) for outstanding delivery reports, accept them, confirm.
 async fn drain_and_stop(
-    cfg: &RelayConfig,
     pipeline: &mut Pipeline,
     durable: &mut Lsn,
     stream: &mut outbox_source::transport::ReplicationStream,
     last_received: Lsn,
     progress: &Progress,
 ) -> Result<(), RelayError> {
-    let deadline = Instant::now() + cfg.sink.message_timeout.min(Duration::from_secs(10));
+    let deadline = Instant::now() + pipeline.sink().ack_timeout().min(Duration::from_secs(10));
     while pipeline.in_flight() > 0 && Instant::now() < deadline {
         match tokio::time::timeout(Duration::from_millis(100), pipeline.reports.recv()).await {
             Ok(Some(d)) => pipeline.on_report(d).await?,

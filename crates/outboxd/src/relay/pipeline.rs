@@ -20,7 +20,7 @@ use outbox_ledger::lease::Fence;
 use outbox_ledger::{
     accept, AcceptOutcome, HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord,
 };
-use outbox_sink::{Delivery, DeliveryOutcome, FailureClass, KafkaSink, Persistence, SinkError};
+use outbox_sink::{AnySink, Delivery, DeliveryOutcome, FailureClass, Persistence, Served, Sink};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -53,7 +53,10 @@ fn key_of(ev: &OutboxEvent) -> AggKey {
 }
 
 pub(crate) struct Pipeline {
-    sink: KafkaSink,
+    sink: AnySink,
+    /// What the sink serves (kind, cluster, partitioner): checked against every frozen
+    /// destination, and written into every receipt.
+    served: Served,
     pub reports: UnboundedReceiver<Delivery>,
     pub client: Client,
     pub tracker: AckTracker,
@@ -92,7 +95,7 @@ impl Pipeline {
     }
 
     pub fn new(
-        sink: KafkaSink,
+        sink: AnySink,
         reports: UnboundedReceiver<Delivery>,
         client: Client,
         slot: &str,
@@ -101,6 +104,7 @@ impl Pipeline {
         gate: OrderingGate<AggKey, Pending>,
     ) -> Self {
         Pipeline {
+            served: sink.served(),
             sink,
             reports,
             client,
@@ -119,6 +123,15 @@ impl Pipeline {
             retry_generation: HashMap::new(),
             slot: slot.to_string(),
         }
+    }
+
+    /// The broker this relay publishes to (reconciliation asks it about UNKNOWN attempts).
+    pub fn sink(&self) -> &AnySink {
+        &self.sink
+    }
+
+    pub fn served(&self) -> &Served {
+        &self.served
     }
 
     /// Sent, or waiting behind an aggregate's in-flight event.
@@ -169,7 +182,7 @@ impl Pipeline {
             }
             return Ok(());
         }
-        if let Err(r) = route::check(&ev, self.sink.config()) {
+        if let Err(r) = route::check(&ev, &self.served) {
             if self.gate.is_held(&key) {
                 // Behind an existing hold the event waits its turn; the release rechecks it.
                 self.record_held(Pending {
@@ -354,23 +367,21 @@ impl Pipeline {
                 );
                 Ok(Some(token))
             }
-            Err(SinkError::Enqueue {
-                class: FailureClass::Permanent,
-                source,
-                ..
-            }) => {
-                let key = key_of(&p.ev);
-                self.poison(
-                    &p.ev,
-                    "broker_rejected",
-                    format!("the producer refused the message permanently: {source}"),
-                    p.commit_lsn,
-                    p.ack,
-                );
-                self.gate.done(&key);
-                Ok(None)
-            }
-            Err(e) => Err(e.into()),
+            Err(e) => match e.permanent_refusal() {
+                Some(why) => {
+                    let key = key_of(&p.ev);
+                    self.poison(
+                        &p.ev,
+                        "broker_rejected",
+                        format!("the producer refused the message permanently: {why}"),
+                        p.commit_lsn,
+                        p.ack,
+                    );
+                    self.gate.done(&key);
+                    Ok(None)
+                }
+                None => Err(e.into()),
+            },
         }
     }
 
@@ -388,16 +399,20 @@ impl Pipeline {
                 partition,
                 offset,
                 timestamp_ms,
+                duplicate,
             } => {
                 failpoint::hit("after-broker-ack");
-                tracing::trace!(event_id = %f.event_id, %topic, partition, offset, "broker ack");
+                // A broker-side duplicate (JetStream answered a repeated Nats-Msg-Id with the
+                // original sequence) is the same copy, not a new one: the acceptance point
+                // keeps it as a duplicate transport receipt when the event has its primary.
+                tracing::trace!(event_id = %f.event_id, %topic, partition, offset, duplicate, "broker ack");
                 self.push(
                     LedgerItem::Receipt(ReceiptRecord {
                         event_id: f.event_id,
                         payload_digest: f.payload_digest,
                         destination_digest: f.destination_digest,
-                        broker_kind: "kafka".into(),
-                        broker_cluster: self.sink.config().cluster_name.clone(),
+                        broker_kind: self.served.kind.into(),
+                        broker_cluster: self.served.cluster.clone(),
                         topic,
                         partition,
                         offset,
@@ -558,7 +573,7 @@ impl Pipeline {
                 };
                 let version = ev.aggregate_version;
                 let commit_lsn = lsns.get(&ev.event_id).copied().flatten();
-                if let Err(refusal) = route::check(&ev, self.sink.config()) {
+                if let Err(refusal) = route::check(&ev, &self.served) {
                     self.poison(&ev, refusal.code, refusal.reason, commit_lsn, None);
                     failed = true;
                     break;

@@ -2,20 +2,26 @@
 //!
 //! An attempt whose delivery report said "possibly persisted" ended the previous run (or
 //! process). Its producer session is gone now, so nothing more of it can reach the broker after
-//! a short settle time. The frozen partition is then scanned from a lower bound (the highest
-//! offset of that partition accepted before the attempt was sent, minus a clock margin) to the
-//! high watermark, looking for header `id` = the event id:
+//! a short settle time. The sink then looks the attempt up ([`Sink::lookup`]) from a lower bound
+//! (the highest position of that topic/partition accepted before the attempt was sent, minus a
+//! clock margin): Kafka scans the frozen partition for header `id` = the event id; JetStream
+//! re-publishes with the same `Nats-Msg-Id` inside the stream's duplicate window, or reads the
+//! stream by subject outside it. The outcome is one of:
 //!
-//! * found — the broker has it: that offset becomes the primary receipt (attempt generation of
-//!   the attempt that sent it), and the replay will not send it again;
+//! * found — the broker has it: that position becomes the primary receipt (attempt generation
+//!   of the attempt that sent it), and the replay will not send it again;
 //! * absent over the whole range — the next send is a retry with attempt generation + 1, to the
-//!   same frozen destination (the relay never re-resolves a destination).
+//!   same frozen destination (the relay never re-resolves a destination);
+//! * stored by the probe (JetStream only) — the broker's duplicate detection proved the
+//!   original absent by storing the re-publish: that is the retry (generation + 1), recorded
+//!   with its receipt; nothing is sent again.
 //!
 //! The checkpoint cannot pass the event meanwhile: it is unresolved until one of the two.
 
 use std::time::{Duration, Instant};
 
 use outbox_ledger::{accept, attempts, LedgerError, LedgerItem, ReceiptRecord};
+use outbox_sink::{Lookup, Sink, UnknownLookup};
 use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
@@ -55,62 +61,105 @@ pub(crate) async fn reconcile_unknown(
         };
         let ev = outbox_source::snapshot::event_from_row(row)
             .map_err(|e| RelayError::Internal(e.to_string()))?;
-        let sink_cfg = cfg.sink.clone();
-        let (topic, partition, from, id) = (
-            a.topic.clone(),
-            a.partition,
-            a.scan_from + 1,
-            a.event_id.to_string(),
-        );
-        let scan = tokio::task::spawn_blocking(move || {
-            outbox_sink::scan_for_event(
-                &sink_cfg,
-                &topic,
-                partition,
-                from,
-                &id,
-                Duration::from_secs(30),
+        // When it was sent, by the database clock (what the broker's duplicate window counts
+        // from, give or take clock skew, which the sink's margin covers).
+        let sent_ago: f64 = sql
+            .query_one(
+                "SELECT extract(epoch FROM clock_timestamp() - sent_at)::float8 FROM outbox.attempts WHERE id = $1",
+                &[&a.id],
             )
-        })
-        .await
-        .map_err(|e| RelayError::Internal(format!("scan task: {e}")))??;
+            .await
+            .map_err(|e| LedgerError::Db {
+                context: format!("reading attempt {}", a.id),
+                source: e,
+            })?
+            .get(0);
+        let lookup = pipeline
+            .sink()
+            .lookup(UnknownLookup {
+                event: &ev,
+                topic: &a.topic,
+                partition: a.partition,
+                from: a.scan_from + 1,
+                sent_ago: Duration::from_secs_f64(sent_ago.max(0.0)),
+            })
+            .await?;
         let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
-        match scan.found {
-            Some((offset, timestamp_ms)) => {
+        let served = pipeline.served().clone();
+        let receipt = |attempt: i32, relay_generation: i64, offset: i64, timestamp_ms| {
+            LedgerItem::Receipt(ReceiptRecord {
+                event_id: ev.event_id,
+                payload_digest: ev.payload_digest.clone(),
+                destination_digest: ev.destination_digest.clone(),
+                broker_kind: served.kind.into(),
+                broker_cluster: served.cluster.clone(),
+                topic: a.topic.clone(),
+                partition: a.partition,
+                offset,
+                timestamp_ms,
+                attempt,
+                relay_generation,
+                commit_lsn: None,
+            })
+        };
+        match lookup {
+            Lookup::Found {
+                offset,
+                timestamp_ms,
+                scanned_from,
+                scanned_to,
+                ..
+            } => {
                 accept::accept_batch(
                     &mut pipeline.client,
                     &cfg.slot,
-                    &[LedgerItem::Receipt(ReceiptRecord {
-                        event_id: ev.event_id,
-                        payload_digest: ev.payload_digest.clone(),
-                        destination_digest: ev.destination_digest.clone(),
-                        broker_kind: "kafka".into(),
-                        broker_cluster: cfg.sink.cluster_name.clone(),
-                        topic: a.topic.clone(),
-                        partition: a.partition,
+                    &[receipt(
+                        a.attempt_generation,
+                        a.relay_generation,
                         offset,
                         timestamp_ms,
-                        attempt: a.attempt_generation,
-                        relay_generation: a.relay_generation,
-                        commit_lsn: None,
-                    })],
+                    )],
                     None,
                     Some(fence),
                 )
                 .await?;
-                attempts::resolve(sql, a.id, Some(offset), scan.scanned_from, scan.scanned_to)
-                    .await?;
+                attempts::resolve(sql, a.id, Some(offset), scanned_from, scanned_to).await?;
                 pipeline.found.insert(a.event_id);
                 tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
                     unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
             }
-            None => {
-                attempts::resolve(sql, a.id, None, scan.scanned_from, scan.scanned_to).await?;
+            Lookup::Absent {
+                scanned_from,
+                scanned_to,
+            } => {
+                attempts::resolve(sql, a.id, None, scanned_from, scanned_to).await?;
                 let next = attempts::last_generation(sql, a.event_id).await? + 1;
                 pipeline.retry_generation.insert(a.event_id, next);
                 tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
-                    scanned_from = scan.scanned_from, scanned_to = scan.scanned_to, next_attempt = next,
+                    scanned_from, scanned_to, next_attempt = next,
                     unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
+            }
+            Lookup::StoredByProbe {
+                offset,
+                timestamp_ms,
+                ..
+            } => {
+                // The broker's duplicate detection said it had no copy of this Nats-Msg-Id:
+                // the original attempt is proven absent, and the probe (the retry, attempt
+                // generation + 1) is the one copy. Its receipt is recorded like any other.
+                attempts::resolve(sql, a.id, None, offset, offset).await?;
+                let next = attempts::last_generation(sql, a.event_id).await? + 1;
+                accept::accept_batch(
+                    &mut pipeline.client,
+                    &cfg.slot,
+                    &[receipt(next, fence.generation, offset, timestamp_ms)],
+                    None,
+                    Some(fence),
+                )
+                .await?;
+                pipeline.found.insert(a.event_id);
+                tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
+                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry");
             }
         }
     }

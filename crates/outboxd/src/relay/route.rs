@@ -2,12 +2,12 @@
 //!
 //! The destination was resolved and frozen at enqueue; the relay never re-resolves it. It
 //! only checks that the frozen destination is one this relay actually serves (same broker
-//! kind, cluster identity and partitioner). Publishing an event frozen for cluster A to
+//! kind, cluster identity and, for Kafka, partitioner). Publishing an event frozen for cluster A to
 //! cluster B would be a cross-destination delivery (invariant 4), so such an event is
 //! quarantined with the reason, not sent.
 
 use outbox_core::OutboxEvent;
-use outbox_sink::KafkaSinkConfig;
+use outbox_sink::Served;
 
 /// Why an event was refused: a stable code and a sentence naming the field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,7 +17,7 @@ pub struct Refusal {
 }
 
 /// Verifies the envelope (digests, generation) and that the destination is served here.
-pub fn check(ev: &OutboxEvent, served: &KafkaSinkConfig) -> Result<(), Refusal> {
+pub fn check(ev: &OutboxEvent, served: &Served) -> Result<(), Refusal> {
     ev.verify().map_err(|e| Refusal {
         code: e.reason_code(),
         reason: e.to_string(),
@@ -32,18 +32,80 @@ pub fn check(ev: &OutboxEvent, served: &KafkaSinkConfig) -> Result<(), Refusal> 
         ),
     }
     };
-    if d.kind != "kafka" {
-        return Err(refuse("broker kind", &d.kind, "kafka"));
+    if d.kind != served.kind {
+        return Err(refuse("broker kind", &d.kind, served.kind));
     }
-    if d.cluster != served.cluster_name {
-        return Err(refuse("dest_cluster", &d.cluster, &served.cluster_name));
+    if d.cluster != served.cluster {
+        return Err(refuse("dest_cluster", &d.cluster, &served.cluster));
     }
-    if d.partitioner != served.partitioner {
-        return Err(refuse(
-            "dest_partitioner",
-            &d.partitioner,
-            &served.partitioner,
-        ));
+    // A JetStream stream has no partitions (`None`): its partitioner field is not compared.
+    if let Some(p) = &served.partitioner {
+        if d.partitioner != *p {
+            return Err(refuse("dest_partitioner", &d.partitioner, p));
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: &str, cluster: &str, partitioner: &str) -> OutboxEvent {
+        let destination = outbox_core::Destination {
+            kind: kind.into(),
+            cluster: cluster.into(),
+            topic: "outbox.order.o-42".into(),
+            key: "o-42".into(),
+            partitioner: partitioner.into(),
+            route_generation: 1,
+            serializer: "json".into(),
+            acks: "all".into(),
+        };
+        let payload = bytes::Bytes::from_static(b"{}");
+        OutboxEvent {
+            event_id: uuid::Uuid::now_v7(),
+            envelope_generation: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: "o-42".into(),
+            aggregate_version: 1,
+            event_type: "order.created".into(),
+            payload_schema: None,
+            payload_digest: outbox_core::envelope::sha256_digest(&payload),
+            payload,
+            tenant: None,
+            headers: None,
+            occurred_at: "2026-11-30 00:00:00+00".into(),
+            created_xid: None,
+            destination_digest: destination.digest(),
+            destination,
+            delivery_set_id: None,
+        }
+    }
+
+    #[test]
+    fn a_relay_serves_only_its_broker_kind_and_cluster() {
+        let nats = Served {
+            kind: "nats",
+            cluster: "n1".into(),
+            partitioner: None,
+        };
+        let kafka = Served {
+            kind: "kafka",
+            cluster: "default".into(),
+            partitioner: Some("murmur2_random".into()),
+        };
+        // A stream has no partitions: the frozen partitioner is not compared for NATS.
+        assert_eq!(check(&event("nats", "n1", "none"), &nats), Ok(()));
+        assert_eq!(check(&event("nats", "n1", "murmur2_random"), &nats), Ok(()));
+        for (ev, served) in [
+            (event("kafka", "n1", "none"), &nats),
+            (event("nats", "n2", "none"), &nats),
+            (event("nats", "default", "murmur2_random"), &kafka),
+            (event("kafka", "default", "consistent"), &kafka),
+        ] {
+            let r = check(&ev, served).unwrap_err();
+            assert_eq!(r.code, "destination_not_served", "{}", r.reason);
+        }
+    }
 }

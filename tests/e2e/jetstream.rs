@@ -1,0 +1,527 @@
+//! The JetStream sink against a real `nats-server -js`, started by the harness per test (own
+//! port, store and name) so faults can be injected into it: pause (SIGSTOP) longer than the ACK
+//! timeout, kill and restart on the same store, and SIGKILL of the relay after a PubAck before
+//! its receipt is recorded.
+//!
+//! Invariants, as counts that must be 0: events without a primary receipt (lost), events with
+//! more than one copy in the stream, events missing from the stream, receipts whose sequence is
+//! not the stream's copy, and per-subject order violations (a version stored after a later one).
+
+use outbox_testkit::nats::{read_stream, StoredMessage, TestNats};
+use outbox_testkit::wait::wait_for;
+use serde_json::json;
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::harness::{outboxd, RelayProcess, TestEnv, LONG};
+
+const STREAM: &str = "OUTBOX";
+
+struct Js {
+    env: TestEnv,
+    nats: TestNats,
+}
+
+impl Js {
+    /// A test environment whose aggregate type is routed to this test's own nats-server.
+    async fn new(name: &str) -> Js {
+        let env = TestEnv::new(name).await;
+        let nats = TestNats::start(&format!("nats_{name}")).expect("start nats-server");
+        env.db
+            .execute(
+                "SELECT outbox.set_nats_route($1, NULL, $2)",
+                &[&env.aggregate_type, &nats.name()],
+            )
+            .await
+            .expect("route the test's aggregate type to NATS");
+        Js { env, nats }
+    }
+
+    /// Starts the relay with `--sink nats` (and the stream created on first start).
+    fn relay(&self, envs: &[(&str, &str)], extra: &[&str]) -> RelayProcess {
+        let url = self.nats.url();
+        let mut args = vec![
+            "--sink",
+            "nats",
+            "--nats-url",
+            &url,
+            "--nats-stream",
+            STREAM,
+            "--nats-create-stream",
+            "--cluster-name",
+            self.nats.name(),
+        ];
+        if !extra.contains(&"--message-timeout-ms") {
+            args.extend(["--message-timeout-ms", "2000"]);
+        }
+        args.extend(extra);
+        self.env.relay(envs, &args)
+    }
+
+    async fn enqueue_round_robin(&self, aggregates: usize, per_aggregate: usize) {
+        for v in 0..per_aggregate {
+            for a in 0..aggregates {
+                self.env
+                    .enqueue(&format!("a-{a}"), json!({"a": a, "v": v}))
+                    .await;
+            }
+        }
+    }
+
+    async fn stream(&self) -> Vec<StoredMessage> {
+        read_stream(&self.nats.url(), STREAM)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\nserver log:\n{}", self.nats.log_text()))
+    }
+
+    /// The invariant counts; every one must be 0.
+    async fn invariants(&self) -> Invariants {
+        let env = &self.env;
+        let msgs = self.stream().await;
+        let mut copies: HashMap<String, Vec<&StoredMessage>> = HashMap::new();
+        for m in &msgs {
+            copies.entry(m.msg_id().to_string()).or_default().push(m);
+        }
+        let rows = env
+            .db
+            .query(
+                "SELECT e.event_id::text, 'outbox.' || e.aggregate_type || '.' || e.aggregate_id,
+                        r.\"offset\", r.broker_kind, r.partition
+                 FROM outbox.events e LEFT JOIN outbox.receipts r USING (event_id)",
+                &[],
+            )
+            .await
+            .unwrap();
+        let mut inv = Invariants::default();
+        for r in &rows {
+            let id: String = r.get(0);
+            let subject: String = r.get(1);
+            let offset: Option<i64> = r.get(2);
+            match offset {
+                None => inv.lost += 1,
+                Some(o) => {
+                    let kind: String = r.get(3);
+                    let partition: i32 = r.get(4);
+                    let stored = copies.get(&id).map(|c| c[0].sequence as i64);
+                    if stored != Some(o) || kind != "nats" || partition != 0 {
+                        inv.receipt_mismatches += 1;
+                    }
+                }
+            }
+            match copies.get(&id) {
+                None => inv.missing_in_stream += 1,
+                Some(c) => {
+                    inv.extra_copies += c.len() as i64 - 1;
+                    if c.iter().any(|m| m.subject != subject) {
+                        inv.wrong_subject += 1;
+                    }
+                }
+            }
+        }
+        // Per subject, versions in stream order must increase.
+        let mut last: HashMap<&str, i64> = HashMap::new();
+        for m in &msgs {
+            let v: i64 = m.headers["aggregate_version"].parse().unwrap();
+            if let Some(prev) = last.insert(m.subject.as_str(), v) {
+                if v <= prev {
+                    inv.order_violations += 1;
+                }
+            }
+        }
+        inv.second_primaries = env
+            .count("SELECT count(*) - count(DISTINCT event_id) FROM outbox.receipts")
+            .await;
+        inv
+    }
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Invariants {
+    lost: i64,
+    missing_in_stream: i64,
+    extra_copies: i64,
+    wrong_subject: i64,
+    receipt_mismatches: i64,
+    order_violations: i64,
+    second_primaries: i64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_reach_the_stream_with_msg_id_and_headers_and_pubacks_become_receipts() {
+    let js = Js::new("js_happy").await;
+    let _relay = js.relay(&[], &[]);
+    js.env.wait_streaming().await;
+    js.enqueue_round_robin(3, 10).await;
+    js.env
+        .wait_count(
+            "30 receipts from PubAcks",
+            "SELECT count(*) FROM outbox.receipts",
+            30,
+        )
+        .await;
+    assert_eq!(js.invariants().await, Invariants::default());
+    let msgs = js.stream().await;
+    assert_eq!(msgs.len(), 30);
+    let m = &msgs[0];
+    for h in ["id", "aggregate_type", "aggregate_version", "event_type"] {
+        assert!(m.headers.contains_key(h), "header {h} missing: {m:?}");
+    }
+    assert_eq!(m.headers["id"], m.msg_id(), "Nats-Msg-Id is the event id");
+    assert!(
+        m.subject
+            .starts_with(&format!("outbox.{}.a-", js.env.aggregate_type)),
+        "default subject outbox.<aggregate_type>.<aggregate_id>: {}",
+        m.subject
+    );
+    let cluster: String = js
+        .env
+        .db
+        .query_one("SELECT DISTINCT broker_cluster FROM outbox.receipts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(cluster, js.nats.name());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_server_loses_the_ack_and_the_msg_id_republish_resolves_it_with_one_copy() {
+    let js = Js::new("js_sigstop").await;
+    let _relay = js.relay(
+        &[],
+        &["--message-timeout-ms", "1000", "--unknown-settle-ms", "300"],
+    );
+    js.env.wait_streaming().await;
+    js.env.enqueue("w-0", json!({"warm": true})).await;
+    js.env
+        .wait_count(
+            "the warm-up receipt",
+            "SELECT count(*) FROM outbox.receipts",
+            1,
+        )
+        .await;
+    // SIGSTOP for longer than the ACK timeout: the publish reaches the server's socket, the
+    // PubAck cannot come back, the relay records DISPATCH_UNKNOWN.
+    js.nats.pause();
+    let id = js.env.enqueue("s-1", json!({"v": 1})).await;
+    js.env
+        .wait_count(
+            "the attempt recorded as DISPATCH_UNKNOWN",
+            "SELECT count(*) FROM outbox.attempts",
+            1,
+        )
+        .await;
+    js.nats.resume();
+    js.env
+        .wait_count(
+            "the UNKNOWN event accepted",
+            "SELECT count(*) FROM outbox.receipts",
+            2,
+        )
+        .await;
+    let row = js
+        .env
+        .db
+        .query_one(
+            "SELECT a.state, r.attempt, a.found_offset, r.\"offset\",
+                    extract(epoch FROM a.resolved_at - a.unknown_at)::float8 * 1000
+             FROM outbox.attempts a JOIN outbox.receipts r USING (event_id) WHERE a.event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let state: String = row.get(0);
+    println!("UNKNOWN -> {state} in {:.0} ms", row.get::<_, f64>(4));
+    match state.as_str() {
+        // The original publish was stored: the re-publish was answered `duplicate: true` with
+        // its sequence.
+        "FOUND" => {
+            assert_eq!(row.get::<_, i32>(1), 1);
+            assert_eq!(row.get::<_, Option<i64>>(2), Some(row.get::<_, i64>(3)));
+        }
+        // The server took the re-publish first: it is the retry, and the original (same
+        // Msg-Id) was then dropped as a duplicate.
+        "ABSENT" => assert_eq!(row.get::<_, i32>(1), 2),
+        other => panic!("unresolved attempt state {other}"),
+    }
+    let copies = js
+        .stream()
+        .await
+        .iter()
+        .filter(|m| m.msg_id() == id.to_string())
+        .count();
+    assert_eq!(copies, 1, "exactly one copy in the stream");
+    assert_eq!(js.invariants().await, Invariants::default());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_restart_mid_stream_loses_nothing_and_stores_each_event_once() {
+    let mut js = Js::new("js_restart").await;
+    let mut relay = js.relay(
+        &[],
+        &["--message-timeout-ms", "1000", "--unknown-settle-ms", "300"],
+    );
+    js.env.wait_streaming().await;
+    js.enqueue_round_robin(4, 5).await;
+    js.env
+        .wait_count(
+            "the first 20 receipts",
+            "SELECT count(*) FROM outbox.receipts",
+            20,
+        )
+        .await;
+    // Publishes in flight when the server dies: it is paused first, so they sit unread in its
+    // sockets, and the kill discards them. Their ACK never comes (DISPATCH_UNKNOWN).
+    js.nats.pause();
+    js.enqueue_round_robin(4, 1).await;
+    js.env
+        .wait_count(
+            "an in-flight publish recorded as DISPATCH_UNKNOWN",
+            "SELECT count(*) FROM outbox.attempts",
+            1,
+        )
+        .await;
+    js.nats
+        .restart()
+        .expect("restart nats-server on the same store");
+    js.enqueue_round_robin(4, 5).await;
+    js.env
+        .wait_count(
+            "all 44 receipts after the restart",
+            "SELECT count(*) FROM outbox.receipts",
+            44,
+        )
+        .await;
+    relay.assert_running();
+    assert_eq!(js.invariants().await, Invariants::default());
+    assert_eq!(js.stream().await.len(), 44, "one copy per event");
+    assert_eq!(
+        js.env
+            .count("SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'")
+            .await,
+        0,
+        "every UNKNOWN attempt resolved"
+    );
+    // The killed server never stored the paused publishes: the Msg-Id re-publish was not a
+    // duplicate, so the original attempt is proven ABSENT and the re-publish is attempt 2.
+    let absent = js
+        .env
+        .count(
+            "SELECT count(*) FROM outbox.attempts a JOIN outbox.receipts r USING (event_id)
+             WHERE a.state = 'ABSENT' AND r.attempt = a.attempt_generation + 1",
+        )
+        .await;
+    assert!(absent >= 1, "{}", relay.log_text());
+    println!(
+        "server restart: {} relay interruption(s), {} UNKNOWN attempt(s), {absent} proven absent and re-published, {} duplicate receipt(s)",
+        relay.log_text().matches("replaying from the last checkpoint").count(),
+        js.env.count("SELECT count(*) FROM outbox.attempts").await,
+        js.env
+            .count("SELECT count(*) FROM outbox.duplicate_receipts")
+            .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_after_the_puback_before_its_receipt_replays_into_broker_duplicates() {
+    let js = Js::new("js_kill").await;
+    let mut relay = js.relay(&[("OUTBOXD_FAILPOINTS", "after-broker-ack=abort@12")], &[]);
+    js.env.wait_streaming().await;
+    js.enqueue_round_robin(4, 5).await;
+    let status = relay.wait_exit(LONG).await;
+    assert!(!status.success(), "the failpoint aborted the relay");
+    let stored_before = js.stream().await.len() as i64;
+    let accepted_before = js.env.count("SELECT count(*) FROM outbox.receipts").await;
+    assert!(
+        stored_before > accepted_before,
+        "the 12th PubAck was never recorded: stored {stored_before}, accepted {accepted_before}"
+    );
+    let _relay = js.relay(&[], &[]);
+    js.env
+        .wait_count(
+            "all 20 receipts after the restart",
+            "SELECT count(*) FROM outbox.receipts",
+            20,
+        )
+        .await;
+    assert_eq!(js.invariants().await, Invariants::default());
+    // The replay re-published what the broker already had (at least the events stored but not
+    // accepted); JetStream answered with the original sequence (duplicate: true) instead of
+    // storing a second copy.
+    assert_eq!(js.stream().await.len(), 20);
+    println!(
+        "relay SIGKILL: {stored_before} stored, {accepted_before} accepted before the kill; {} duplicate receipt(s) after",
+        js.env
+            .count("SELECT count(*) FROM outbox.duplicate_receipts")
+            .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_the_stream_and_warns_when_its_duplicate_window_is_short() {
+    let js = Js::new("js_check").await;
+    // The relay creates the stream with a duplicate window of 20 s.
+    let _relay = js.relay(&[], &["--nats-duplicate-window-ms", "20000"]);
+    let url = js.nats.url();
+    let db = js.env.url.as_str();
+    wait_for("the stream to exist", LONG, || async {
+        let (ok, out) = outboxd(&[
+            "check",
+            "--database-url",
+            db,
+            "--nats-url",
+            &url,
+            "--nats-stream",
+            STREAM,
+        ]);
+        if out.contains(&format!("{STREAM}: subjects")) {
+            Ok(())
+        } else {
+            Err(format!("ok={ok}: {out}"))
+        }
+    })
+    .await;
+    let (ok, out) = outboxd(&[
+        "check",
+        "--database-url",
+        db,
+        "--nats-url",
+        &url,
+        "--nats-stream",
+        STREAM,
+    ]);
+    assert!(ok, "warnings only: {out}");
+    assert!(out.contains(js.nats.name()), "{out}");
+    // 20 s < 5 s ack + 5 s settle + 10 s lease + 5 s backoff.
+    let line = out
+        .lines()
+        .find(|l| l.contains("duplicate window"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(line.starts_with("WARN"), "{line}");
+    assert!(line.contains("retry budget"), "{line}");
+
+    let (ok, out) = outboxd(&[
+        "check",
+        "--database-url",
+        db,
+        "--nats-url",
+        &url,
+        "--nats-stream",
+        "NOPE",
+    ]);
+    assert!(!ok, "a missing stream fails the check: {out}");
+    assert!(out.contains("NOPE does not exist"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_stream_or_another_cluster_stops_the_relay_with_the_fix() {
+    let js = Js::new("js_nostream").await;
+    let url = js.nats.url();
+    let base = [
+        "--sink",
+        "nats",
+        "--nats-url",
+        &url,
+        "--nats-stream",
+        "ABSENT",
+    ];
+    let mut relay = js.env.relay(
+        &[],
+        &[&base[..], &["--cluster-name", js.nats.name()]].concat(),
+    );
+    let status = relay.wait_exit(LONG).await;
+    assert!(!status.success());
+    let log = relay.log_text();
+    assert!(
+        log.contains("ABSENT does not exist") && log.contains("--nats-create-stream"),
+        "{log}"
+    );
+
+    let mut relay = js.env.relay(
+        &[],
+        &[
+            &base[..],
+            &["--nats-create-stream", "--cluster-name", "other"],
+        ]
+        .concat(),
+    );
+    let status = relay.wait_exit(LONG).await;
+    assert!(!status.success());
+    let log = relay.log_text();
+    assert!(
+        log.contains("identifies as") && log.contains("\"other\""),
+        "{log}"
+    );
+}
+
+/// Outside the duplicate window the relay cannot ask the broker by Msg-Id: it reads the stream
+/// by subject. Found → the stored copy becomes the receipt, nothing is re-sent; absent over the
+/// whole range → a retry (attempt 2) to the same subject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outside_the_duplicate_window_an_unknown_attempt_is_resolved_by_a_subject_scan() {
+    let js = Js::new("js_scan").await;
+    let url = js.nats.url();
+    // A 1 s window: every UNKNOWN attempt is older than the window minus the safety margin.
+    outbox_testkit::nats::create_stream(&url, STREAM, &["outbox.>"], Duration::from_secs(1))
+        .await
+        .expect("create the stream");
+    let stored = js.env.enqueue("x-1", json!({"v": 1})).await;
+    let absent = js.env.enqueue("x-2", json!({"v": 1})).await;
+    let subject = |agg: &str| format!("outbox.{}.{agg}", js.env.aggregate_type);
+    // The state a lost PubAck leaves: one event is in the stream (stored by an earlier relay
+    // generation, after an unrelated message on the same subject), the other is not; the
+    // ledger has only DISPATCH_UNKNOWN attempts for both.
+    outbox_testkit::nats::publish(&url, &subject("x-1"), "unrelated", "{}")
+        .await
+        .unwrap();
+    let seq = outbox_testkit::nats::publish(&url, &subject("x-1"), &stored.to_string(), "{}")
+        .await
+        .unwrap();
+    for (id, agg) in [(stored, "x-1"), (absent, "x-2")] {
+        js.env
+            .db
+            .execute(
+                "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                              topic, partition, sent_at, error)
+                 VALUES ($1, 0, 1, $2, $3, 0, clock_timestamp(), 'timed out: didn''t receive ack in time')",
+                &[&id, &js.env.slot, &subject(agg)],
+            )
+            .await
+            .unwrap();
+    }
+    let _relay = js.relay(&[], &["--unknown-settle-ms", "300"]);
+    js.env
+        .wait_count("both receipts", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+    let rows = js
+        .env
+        .db
+        .query(
+            "SELECT a.event_id, a.state, a.found_offset, r.\"offset\", r.attempt
+             FROM outbox.attempts a JOIN outbox.receipts r USING (event_id)",
+            &[],
+        )
+        .await
+        .unwrap();
+    for r in rows {
+        let id: uuid::Uuid = r.get(0);
+        let state: String = r.get(1);
+        if id == stored {
+            assert_eq!(state, "FOUND");
+            assert_eq!(r.get::<_, Option<i64>>(2), Some(seq as i64));
+            assert_eq!(
+                r.get::<_, i64>(3),
+                seq as i64,
+                "the stored copy is the receipt"
+            );
+            assert_eq!(r.get::<_, i32>(4), 1);
+        } else {
+            assert_eq!(state, "ABSENT");
+            assert_eq!(r.get::<_, i32>(4), 2, "the retry is attempt 2");
+        }
+    }
+    let msgs = js.stream().await;
+    for id in [stored, absent] {
+        let copies = msgs.iter().filter(|m| m.msg_id() == id.to_string()).count();
+        assert_eq!(copies, 1, "one copy of {id}");
+    }
+}
