@@ -12,6 +12,9 @@ use crate::{Context, LedgerError};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigrationFacts {
     pub envelope_generation: i32,
+    /// Broker kind of the current frozen destination (`kafka`, `nats`): which broker a proof
+    /// of absence must come from.
+    pub dest_kind: String,
     pub dest_cluster: String,
     pub dest_topic: String,
     pub destination_digest: String,
@@ -46,7 +49,8 @@ pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFa
                      WHERE q.event_id = c.event_id AND q.released_at IS NULL ORDER BY q.id DESC LIMIT 1),
                     (SELECT q.reason FROM outbox.quarantine q
                      WHERE q.event_id = c.event_id AND q.released_at IS NULL ORDER BY q.id DESC LIMIT 1),
-                    (SELECT count(*) FROM outbox.attempts a WHERE a.event_id = c.event_id)
+                    (SELECT count(*) FROM outbox.attempts a WHERE a.event_id = c.event_id),
+                    c.dest_kind
              FROM outbox.events_current c WHERE c.event_id = $1",
             &[&event_id],
         )
@@ -66,6 +70,7 @@ pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFa
         unknown_open: r.get(5),
         quarantine: code.zip(reason),
         attempts: r.get(8),
+        dest_kind: r.get(9),
     }))
 }
 

@@ -67,6 +67,16 @@ async fn migrate_one(
         Some((code, reason)) if code == "broker_rejected" => {
             format!("the old target rejected it: {reason}")
         }
+        // A Kafka scan proves nothing about another broker: a subject that is not a Kafka topic
+        // would read as "absent" and the event could then be published twice.
+        _ if f.dest_kind != "kafka" => anyhow::bail!(
+            "cannot prove that {kind} {}/{} did not accept it: this command scans Kafka topics only; \
+             check the old target yourself (for JetStream: the stream that captures the subject, by Nats-Msg-Id), \
+             or let the relay resolve it against that broker",
+            f.dest_cluster,
+            f.dest_topic,
+            kind = f.dest_kind
+        ),
         _ => {
             let Some(bootstrap) = &a.old_bootstrap_servers else {
                 anyhow::bail!(
