@@ -1,0 +1,267 @@
+//! The polling baseline: the relay design a CDC relay replaces (seed 001). A worker claims a
+//! small batch in a short transaction (`FOR UPDATE SKIP LOCKED`, setting a claim lease),
+//! publishes outside any lock, waits for the broker's acknowledgements, then marks the rows
+//! `published_at`. It publishes to the same broker with the same producer settings as the
+//! relay (idempotent, `acks=all`, key = aggregate id, header `id`), one worker so each
+//! aggregate keeps one ordered lane. It runs inside the bench process; what is compared is
+//! its throughput, its latency and the PostgreSQL CPU it costs per event.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use uuid::Uuid;
+
+use super::procstat::ClusterCpu;
+use super::workload::{self, Target};
+use super::{epoch_now, Ctx, Phase, Scenario, Steady, MIB};
+
+const SCHEMA: &str = "
+CREATE SCHEMA bench_poll;
+CREATE TABLE bench_poll.events (
+    seq          bigserial PRIMARY KEY,
+    event_id     uuid NOT NULL DEFAULT gen_random_uuid() UNIQUE,
+    aggregate_id text NOT NULL,
+    payload      jsonb NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+    claimed_by   text,
+    claim_until  timestamptz,
+    published_at timestamptz
+);
+CREATE INDEX bench_poll_pending ON bench_poll.events (seq) WHERE published_at IS NULL;
+";
+
+const CLAIM: &str = "
+UPDATE bench_poll.events SET claimed_by = 'bench', claim_until = clock_timestamp() + interval '30 seconds'
+WHERE seq IN (SELECT seq FROM bench_poll.events
+              WHERE published_at IS NULL AND (claim_until IS NULL OR claim_until < clock_timestamp())
+              ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+RETURNING seq, event_id, aggregate_id, payload::text";
+
+const MARK: &str =
+    "UPDATE bench_poll.events SET published_at = clock_timestamp() WHERE seq = ANY($1)";
+
+/// Messages in `topic` (sum of high watermarks), as the broker reports them.
+pub fn topic_messages(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<u64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "outboxd-bench-watermarks")
+        .create()
+        .context("creating a watermark client")?;
+    let mut n = 0u64;
+    for p in 0..partitions {
+        let (low, high) = c
+            .fetch_watermarks(topic, p, Duration::from_secs(10))
+            .with_context(|| format!("watermarks of {topic}/{p}"))?;
+        n += (high - low).max(0) as u64;
+    }
+    Ok(n)
+}
+
+/// Drain of the same backlog, then the same steady rate; returns (drain, steady, drain series).
+pub async fn baseline(
+    ctx: &Ctx,
+    sc: &Scenario,
+) -> anyhow::Result<(Phase, Steady, Vec<(f64, f64)>)> {
+    let a = &ctx.args;
+    let url = ctx.pg.create_database("bench_poll").await?;
+    let client = crate::connect(&url).await?;
+    client
+        .batch_execute(SCHEMA)
+        .await
+        .context("creating the polling table")?;
+    let topic = "outbox.event.bench_poll".to_string();
+    ctx.kafka
+        .create_topic(&topic, a.partitions)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    // The same backlog: as many events, the same payload size and aggregate spread.
+    let chunk = 100_000u64;
+    let mut done = 0u64;
+    while done < sc.events {
+        let n = chunk.min(sc.events - done);
+        client
+            .execute(
+                &format!(
+                    "INSERT INTO bench_poll.events (aggregate_id, payload)
+                     SELECT 'a' || (i % {aggs}), jsonb_build_object('i', i, 'pad', repeat('x', {pad}))
+                     FROM generate_series({from}, {to}) i",
+                    aggs = sc.aggregates.max(1),
+                    pad = workload::pad_len(sc.payload),
+                    from = done,
+                    to = done + n - 1,
+                ),
+                &[],
+            )
+            .await
+            .context("enqueuing the polling backlog")?;
+        done += n;
+    }
+    client
+        .batch_execute("VACUUM ANALYZE bench_poll.events")
+        .await?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut cpu = ClusterCpu::start(ctx.postmaster);
+    let started_epoch = epoch_now();
+    let t = Instant::now();
+    let poller = tokio::spawn(run_poller(
+        crate::connect(&url).await?,
+        ctx.bootstrap.clone(),
+        topic,
+        a.poll_batch,
+        Duration::from_millis(a.poll_interval_ms),
+        stop.clone(),
+    ));
+    let pending = || async {
+        let r = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM bench_poll.events WHERE published_at IS NULL)",
+                &[],
+            )
+            .await?;
+        anyhow::Ok(r.get::<_, bool>(0))
+    };
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        cpu.sample();
+        if poller.is_finished() {
+            break;
+        }
+        if !pending().await? {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(a.timeout_secs) {
+            anyhow::bail!("the polling relay did not drain its backlog in time");
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    cpu.sample();
+    let drain = Phase {
+        events: sc.events,
+        secs,
+        rate: sc.events as f64 / secs,
+        relay_cpu_s: 0.0,
+        pg_cpu_s: cpu.secs(),
+        started_epoch,
+        wal_retained_peak_mib: 0.0,
+    };
+    let series = workload::series(&client, "bench_poll.events.published_at", started_epoch).await?;
+
+    let mut cpu = ClusterCpu::start(ctx.postmaster);
+    let started_epoch = epoch_now();
+    let t = Instant::now();
+    let writers = workload::Writers::start(
+        ctx,
+        &url,
+        Target::Poll,
+        sc,
+        a.rate as f64,
+        Duration::from_secs_f64(a.steady_secs),
+    )
+    .await?;
+    while !writers.finished() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        cpu.sample();
+    }
+    let committed = writers.join().await?;
+    let produced_secs = t.elapsed().as_secs_f64();
+    while pending().await? && !poller.is_finished() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cpu.sample();
+    stop.store(true, Ordering::Relaxed);
+    poller.await??;
+    let accepted = workload::accepted_times(&client, &committed, Target::Poll).await?;
+    let n = committed.len() as u64;
+    let steady = Steady {
+        target_rate: a.rate as f64,
+        achieved_rate: n as f64 / produced_secs,
+        phase: Phase {
+            events: n,
+            secs: produced_secs,
+            rate: n as f64 / produced_secs,
+            relay_cpu_s: 0.0,
+            pg_cpu_s: cpu.secs(),
+            started_epoch,
+            wal_retained_peak_mib: 0.0 / MIB,
+        },
+        latency: workload::latencies(&committed, &accepted),
+        rss_steady_mib: 0.0,
+    };
+    Ok((drain, steady, series))
+}
+
+async fn run_poller(
+    client: tokio_postgres::Client,
+    bootstrap: String,
+    topic: String,
+    batch: i64,
+    interval: Duration,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("linger.ms", "2")
+        .set("queue.buffering.max.messages", "200000")
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .create()
+        .context("creating the polling relay's producer")?;
+    let claim = client.prepare(CLAIM).await?;
+    let mark = client.prepare(MARK).await?;
+    while !stop.load(Ordering::Relaxed) {
+        let mut rows = client
+            .query(&claim, &[&batch])
+            .await
+            .context("claiming a batch")?;
+        if rows.is_empty() {
+            tokio::time::sleep(interval).await;
+            continue;
+        }
+        rows.sort_by_key(|r| r.get::<_, i64>(0));
+        let mut acks = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let id = r.get::<_, Uuid>(1).to_string();
+            let key: &str = r.get(2);
+            let payload: &str = r.get(3);
+            loop {
+                let rec = FutureRecord::to(&topic).key(key).payload(payload).headers(
+                    OwnedHeaders::new().insert(Header {
+                        key: "id",
+                        value: Some(&id),
+                    }),
+                );
+                match producer.send_result(rec) {
+                    Ok(f) => {
+                        acks.push(f);
+                        break;
+                    }
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    Err((e, _)) => return Err(e).context("polling relay: enqueue"),
+                }
+            }
+        }
+        for f in acks {
+            match f.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((e, _))) => return Err(e).context("polling relay: delivery"),
+                Err(_) => anyhow::bail!("polling relay: delivery report lost"),
+            }
+        }
+        let seqs: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        client
+            .execute(&mark, &[&seqs])
+            .await
+            .context("marking published")?;
+    }
+    Ok(())
+}
