@@ -240,6 +240,10 @@ pub struct BenchArgs {
     /// Where to write the SVG chart (latency distribution, throughput over time).
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Keep the relays' logs in this directory (default: a temporary one, removed at the end).
+    /// `OUTBOXD_LOG` sets their filter (default `warn`).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
     /// Extra arguments for every `outboxd run` the bench starts (e.g. --batch-size=2000).
     #[arg(long = "relay-arg", allow_hyphen_values = true)]
     pub relay_args: Vec<String>,

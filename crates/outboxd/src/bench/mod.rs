@@ -173,6 +173,9 @@ pub(crate) struct Phase {
     pub rate: f64,
     pub relay_cpu_s: f64,
     pub pg_cpu_s: f64,
+    /// CPU of this process: the embedded broker (librdkafka's mock cluster), the writers and
+    /// the polling relay when they run, the sampling.
+    pub bench_cpu_s: f64,
     /// Wall-clock start (seconds since the Unix epoch), to align ledger timestamps.
     pub started_epoch: f64,
     pub wal_retained_peak_mib: f64,
@@ -184,6 +187,9 @@ impl Phase {
     }
     pub fn pg_us_per_event(&self) -> f64 {
         1e6 * self.pg_cpu_s / self.events.max(1) as f64
+    }
+    pub fn bench_us_per_event(&self) -> f64 {
+        1e6 * self.bench_cpu_s / self.events.max(1) as f64
     }
 }
 
@@ -244,6 +250,11 @@ pub(crate) struct Crash {
     pub recovery_s: f64,
 }
 
+/// CPU seconds this process (the bench, with the embedded broker) has used so far.
+pub(crate) fn own_cpu() -> f64 {
+    procstat::cpu_secs(std::process::id() as i32).unwrap_or(0.0)
+}
+
 fn epoch_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -291,10 +302,15 @@ impl Ctx {
         // reaches the walsender only when the WAL writer flushes (every wal_writer_delay,
         // 200 ms), which would dominate every latency measured here; PostgreSQL's default
         // flushes at commit. fsync stays off: the disk of this machine is not what we measure.
-        admin
-            .batch_execute("ALTER SYSTEM SET synchronous_commit = on; SELECT pg_reload_conf()")
-            .await
-            .context("setting synchronous_commit = on")?;
+        for sql in [
+            "ALTER SYSTEM SET synchronous_commit = on",
+            "SELECT pg_reload_conf()",
+        ] {
+            admin
+                .batch_execute(sql)
+                .await
+                .with_context(|| format!("setting synchronous_commit = on: {sql}"))?;
+        }
         let data: String = admin.query_one("SHOW data_directory", &[]).await?.get(0);
         let pid_file = Path::new(&data).join("postmaster.pid");
         let postmaster = std::fs::read_to_string(&pid_file)
@@ -379,6 +395,7 @@ impl Ctx {
     /// `pg_recvlogical` over the second slot, up to `end`.
     async fn decode_limit(&self, db: &Db, end: String, events: u64) -> anyhow::Result<Phase> {
         let mut cpu = ClusterCpu::start(self.postmaster);
+        let own0 = own_cpu();
         let started_epoch = epoch_now();
         let t = Instant::now();
         let mut child = tokio::process::Command::new(self.bindir.join("pg_recvlogical"))
@@ -424,6 +441,7 @@ impl Ctx {
             rate: events as f64 / secs,
             relay_cpu_s: 0.0,
             pg_cpu_s: cpu.secs(),
+            bench_cpu_s: own_cpu() - own0,
             started_epoch,
             wal_retained_peak_mib: 0.0,
         })
@@ -437,6 +455,7 @@ impl Ctx {
         events: u64,
     ) -> anyhow::Result<(RelayChild, Phase)> {
         let mut cpu = ClusterCpu::start(self.postmaster);
+        let own0 = own_cpu();
         let started_epoch = epoch_now();
         let t = Instant::now();
         let relay = RelayChild::spawn(self, &db.url, &db.slot)?;
@@ -470,6 +489,7 @@ impl Ctx {
                 rate: events as f64 / secs,
                 relay_cpu_s,
                 pg_cpu_s: cpu.secs(),
+                bench_cpu_s: own_cpu() - own0,
                 started_epoch,
                 wal_retained_peak_mib: 0.0,
             },
@@ -486,6 +506,7 @@ impl Ctx {
         let a = &self.args;
         let mut cpu = ClusterCpu::start(self.postmaster);
         let relay_cpu0 = relay.cpu_secs();
+        let own0 = own_cpu();
         let started_epoch = epoch_now();
         let t = Instant::now();
         let writers = workload::Writers::start(
@@ -545,6 +566,7 @@ impl Ctx {
                 rate: n as f64 / produced_secs,
                 relay_cpu_s: relay.cpu_secs() - relay_cpu0,
                 pg_cpu_s: cpu.secs(),
+                bench_cpu_s: own_cpu() - own0,
                 started_epoch,
                 wal_retained_peak_mib: wal_peak / MIB,
             },
@@ -616,7 +638,9 @@ impl RelayChild {
     fn spawn(ctx: &Ctx, url: &str, slot: &str) -> anyhow::Result<RelayChild> {
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let log = ctx.dir.path().join(format!("relay-{slot}-{n}.log"));
+        let dir = ctx.args.log_dir.as_deref().unwrap_or(ctx.dir.path());
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let log = dir.join(format!("relay-{slot}-{n}.log"));
         let file = std::fs::File::create(&log).context("creating the relay log file")?;
         let mut cmd = Command::new(&ctx.exe);
         cmd.args([

@@ -20,7 +20,7 @@ use uuid::Uuid;
 
 use super::procstat::ClusterCpu;
 use super::workload::{self, Target};
-use super::{epoch_now, Ctx, Phase, Scenario, Steady, MIB};
+use super::{epoch_now, Ctx, Phase, Scenario, Steady};
 
 const SCHEMA: &str = "
 CREATE SCHEMA bench_poll;
@@ -109,6 +109,7 @@ pub async fn baseline(
 
     let stop = Arc::new(AtomicBool::new(false));
     let mut cpu = ClusterCpu::start(ctx.postmaster);
+    let own0 = super::own_cpu();
     let started_epoch = epoch_now();
     let t = Instant::now();
     let poller = tokio::spawn(run_poller(
@@ -149,12 +150,14 @@ pub async fn baseline(
         rate: sc.events as f64 / secs,
         relay_cpu_s: 0.0,
         pg_cpu_s: cpu.secs(),
+        bench_cpu_s: super::own_cpu() - own0,
         started_epoch,
         wal_retained_peak_mib: 0.0,
     };
     let series = workload::series(&client, "bench_poll.events.published_at", started_epoch).await?;
 
     let mut cpu = ClusterCpu::start(ctx.postmaster);
+    let own0 = super::own_cpu();
     let started_epoch = epoch_now();
     let t = Instant::now();
     let writers = workload::Writers::start(
@@ -189,8 +192,9 @@ pub async fn baseline(
             rate: n as f64 / produced_secs,
             relay_cpu_s: 0.0,
             pg_cpu_s: cpu.secs(),
+            bench_cpu_s: super::own_cpu() - own0,
             started_epoch,
-            wal_retained_peak_mib: 0.0 / MIB,
+            wal_retained_peak_mib: 0.0,
         },
         latency: workload::latencies(&committed, &accepted),
         rss_steady_mib: 0.0,

@@ -45,6 +45,8 @@ fn phase_json(p: &Phase) -> serde_json::Value {
         "relay_cpu_s": p.relay_cpu_s, "pg_cpu_s": p.pg_cpu_s,
         "relay_cpu_us_per_event": p.relay_us_per_event(),
         "pg_cpu_us_per_event": p.pg_us_per_event(),
+        "bench_cpu_s": p.bench_cpu_s,
+        "bench_cpu_us_per_event": p.bench_us_per_event(),
         "wal_retained_peak_mib": p.wal_retained_peak_mib,
     })
 }
@@ -106,19 +108,20 @@ impl Report {
             "outboxd bench: {} events, payload {} B, {} aggregates; steady {:.0} events/s target ({} writers, {} events per transaction)",
             sc.events, sc.payload, sc.aggregates, self.rate, self.writers, self.events_per_txn
         );
-        println!("{:-<104}", "");
+        println!("{:-<112}", "");
         println!(
-            "{:<34} {:>12} {:>9} {:>14} {:>14} {:>16}",
-            "phase", "events/s", "seconds", "relay µs/ev", "PG µs/ev", "note"
+            "{:<34} {:>11} {:>8} {:>12} {:>10} {:>12} {:>20}",
+            "phase", "events/s", "seconds", "relay µs/ev", "PG µs/ev", "bench µs/ev", "note"
         );
         let row = |name: &str, p: &Phase, note: String| {
             println!(
-                "{:<34} {:>12.0} {:>9.2} {:>14.1} {:>14.1} {:>16}",
+                "{:<34} {:>11.0} {:>8.2} {:>12.1} {:>10.1} {:>12.1} {:>20}",
                 name,
                 p.rate,
                 p.secs,
                 p.relay_us_per_event(),
                 p.pg_us_per_event(),
+                p.bench_us_per_event(),
                 note
             );
         };
@@ -140,18 +143,18 @@ impl Report {
             );
         }
         row(
-            "relay steady (incl. producers)",
+            "relay steady (PG incl. writers)",
             &self.steady.phase,
             format!("{:.0}/s achieved", self.steady.achieved_rate),
         );
         if let Some(s) = &self.poll_steady {
             row(
-                "polling steady (incl. producers)",
+                "polling steady (PG incl. writers)",
                 &s.phase,
                 format!("{:.0}/s achieved", s.achieved_rate),
             );
         }
-        println!("{:-<104}", "");
+        println!("{:-<112}", "");
         println!(
             "{:<34} {:>10} {:>10} {:>10} {:>10} {:>10}",
             "commit -> accepted latency (ms)", "events", "p50", "p99", "p99.9", "max"
@@ -166,7 +169,7 @@ impl Report {
         if let Some(s) = &self.poll_steady {
             lat("polling relay (published_at)", &s.latency);
         }
-        println!("{:-<104}", "");
+        println!("{:-<112}", "");
         println!(
             "relay RSS: peak {:.1} MiB (drain + steady), steady {:.1} MiB;  WAL retained: backlog {:.1} MiB, steady peak {:.1} MiB",
             self.rss_peak_mib,
@@ -181,7 +184,7 @@ impl Report {
             );
         }
         if !self.variants.is_empty() {
-            println!("{:-<104}", "");
+            println!("{:-<112}", "");
             println!(
                 "{:<24} {:>9} {:>12} {:>12} {:>8} {:>12} {:>10}",
                 "variant", "events", "decode/s", "drain/s", "ratio", "relay µs/ev", "RSS MiB"
