@@ -309,7 +309,8 @@ pub struct RunArgs {
     /// Kafka message.timeout.ms: how long librdkafka retries one message. [default: 30000]
     #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
     pub message_timeout_ms: Option<u64>,
-    /// Events in flight (sent, receipt not yet accepted) before reading pauses. [default: 10000]
+    /// Events in flight (sent, receipt not yet accepted) before reading pauses. Each costs
+    /// about 2 KiB of memory (the event, its librdkafka copy, its receipt). [default: 5000]
     #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT")]
     pub max_in_flight: Option<u64>,
     /// Receipts per ledger transaction. [default: 1000]

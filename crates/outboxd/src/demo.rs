@@ -51,7 +51,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
             bootstrap_servers: bootstrap.into(),
             ..KafkaSinkConfig::default()
         },
-        max_in_flight: 10_000,
+        max_in_flight: 5_000,
         batch_size: 1000,
         batch_linger: Duration::from_millis(5),
         status_interval: Duration::from_millis(500),

@@ -74,7 +74,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let ctx = Ctx::start(args).await?;
     let result = run_all(&ctx).await;
     ctx.pg.stop();
-    let report = result?;
+    let report = result.map_err(with_db_detail)?;
     report.print_table();
     report.write_json(&ctx.args.json)?;
     if let Some(svg) = &ctx.args.svg {
@@ -164,6 +164,18 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
 }
 
 pub(crate) const MIB: f64 = 1024.0 * 1024.0;
+
+/// The bench lets database errors through with `?`; say what PostgreSQL said.
+fn with_db_detail(e: anyhow::Error) -> anyhow::Error {
+    let detail = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<tokio_postgres::Error>())
+        .map(outbox_ledger::describe_db_error);
+    match detail {
+        Some(d) => e.context(format!("PostgreSQL: {d}")),
+        None => e,
+    }
+}
 
 /// A timed phase: rate, CPU of the relay and of PostgreSQL, per event.
 #[derive(Debug, Clone, Default)]

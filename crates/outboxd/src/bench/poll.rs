@@ -1,10 +1,15 @@
 //! The polling baseline: the relay design a CDC relay replaces (seed 001). A worker claims a
 //! small batch in a short transaction (`FOR UPDATE SKIP LOCKED`, setting a claim lease),
 //! publishes outside any lock, waits for the broker's acknowledgements, then marks the rows
-//! `published_at`. It publishes to the same broker with the same producer settings as the
-//! relay (idempotent, `acks=all`, key = aggregate id, header `id`), one worker so each
-//! aggregate keeps one ordered lane. It runs inside the bench process; what is compared is
-//! its throughput, its latency and the PostgreSQL CPU it costs per event.
+//! `published_at`.
+//!
+//! Same workload: its database is migrated like the relay's, the producers call the same
+//! `outbox.enqueue`, and the poller reads `outbox.events` itself, with the columns a polling
+//! design adds (`seq`, claim lease, `published_at`) and its partial index of pending rows. It
+//! publishes to the same broker with the relay's producer settings (idempotent, `acks=all`,
+//! key = aggregate id, the same envelope headers), one worker so each aggregate keeps one
+//! ordered lane. It runs inside the bench process; what is compared is its throughput, its
+//! latency and the PostgreSQL CPU it costs per event.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -22,30 +27,24 @@ use super::procstat::ClusterCpu;
 use super::workload::{self, Target};
 use super::{epoch_now, Ctx, Phase, Scenario, Steady};
 
+/// What a polling design adds to the outbox table (no slot exists in this database, so the
+/// publication costs nothing here).
 const SCHEMA: &str = "
-CREATE SCHEMA bench_poll;
-CREATE TABLE bench_poll.events (
-    seq          bigserial PRIMARY KEY,
-    event_id     uuid NOT NULL DEFAULT gen_random_uuid() UNIQUE,
-    aggregate_id text NOT NULL,
-    payload      jsonb NOT NULL,
-    created_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
-    claimed_by   text,
-    claim_until  timestamptz,
-    published_at timestamptz
-);
-CREATE INDEX bench_poll_pending ON bench_poll.events (seq) WHERE published_at IS NULL;
+ALTER TABLE outbox.events ADD COLUMN seq bigserial, ADD COLUMN claimed_by text,
+    ADD COLUMN claim_until timestamptz, ADD COLUMN published_at timestamptz;
+CREATE INDEX events_pending_idx ON outbox.events (seq) WHERE published_at IS NULL;
 ";
 
 const CLAIM: &str = "
-UPDATE bench_poll.events SET claimed_by = 'bench', claim_until = clock_timestamp() + interval '30 seconds'
-WHERE seq IN (SELECT seq FROM bench_poll.events
+UPDATE outbox.events SET claimed_by = 'bench', claim_until = clock_timestamp() + interval '30 seconds'
+WHERE seq IN (SELECT seq FROM outbox.events
               WHERE published_at IS NULL AND (claim_until IS NULL OR claim_until < clock_timestamp())
               ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
-RETURNING seq, event_id, aggregate_id, payload::text";
+RETURNING seq, event_id, dest_topic, dest_key, payload::text, aggregate_type, aggregate_id,
+          aggregate_version::text, event_type, envelope_generation::text, payload_digest,
+          occurred_at::text";
 
-const MARK: &str =
-    "UPDATE bench_poll.events SET published_at = clock_timestamp() WHERE seq = ANY($1)";
+const MARK: &str = "UPDATE outbox.events SET published_at = clock_timestamp() WHERE seq = ANY($1)";
 
 /// Messages in `topic` (sum of high watermarks), as the broker reports them.
 pub fn topic_messages(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<u64> {
@@ -70,42 +69,32 @@ pub async fn baseline(
     sc: &Scenario,
 ) -> anyhow::Result<(Phase, Steady, Vec<(f64, f64)>)> {
     let a = &ctx.args;
-    let url = ctx.pg.create_database("bench_poll").await?;
+    let url = ctx
+        .pg
+        .create_database(&format!("bench_poll_{}", sc.name))
+        .await?;
+    crate::migrate(&url).await?;
     let client = crate::connect(&url).await?;
     client
         .batch_execute(SCHEMA)
         .await
-        .context("creating the polling table")?;
-    let topic = "outbox.event.bench_poll".to_string();
+        .context("adding the polling columns")?;
+    let agg_type = format!("poll_{}", sc.name);
     ctx.kafka
-        .create_topic(&topic, a.partitions)
+        .create_topic(&format!("outbox.event.{agg_type}"), a.partitions)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
 
-    // The same backlog: as many events, the same payload size and aggregate spread.
-    let chunk = 100_000u64;
-    let mut done = 0u64;
-    while done < sc.events {
-        let n = chunk.min(sc.events - done);
-        client
-            .execute(
-                &format!(
-                    "INSERT INTO bench_poll.events (aggregate_id, payload)
-                     SELECT 'a' || (i % {aggs}), jsonb_build_object('i', i, 'pad', repeat('x', {pad}))
-                     FROM generate_series({from}, {to}) i",
-                    aggs = sc.aggregates.max(1),
-                    pad = workload::pad_len(sc.payload),
-                    from = done,
-                    to = done + n - 1,
-                ),
-                &[],
-            )
-            .await
-            .context("enqueuing the polling backlog")?;
-        done += n;
-    }
-    client
-        .batch_execute("VACUUM ANALYZE bench_poll.events")
-        .await?;
+    // The same backlog, enqueued the same way.
+    let db = super::Db {
+        url: url.clone(),
+        client,
+        slot: String::new(),
+        recv_slot: String::new(),
+        agg_type: agg_type.clone(),
+    };
+    workload::enqueue_backlog(&db, sc, a.txn_size).await?;
+    let client = db.client;
+    client.batch_execute("VACUUM ANALYZE outbox.events").await?;
 
     let stop = Arc::new(AtomicBool::new(false));
     let mut cpu = ClusterCpu::start(ctx.postmaster);
@@ -115,7 +104,6 @@ pub async fn baseline(
     let poller = tokio::spawn(run_poller(
         crate::connect(&url).await?,
         ctx.bootstrap.clone(),
-        topic,
         a.poll_batch,
         Duration::from_millis(a.poll_interval_ms),
         stop.clone(),
@@ -123,7 +111,7 @@ pub async fn baseline(
     let pending = || async {
         let r = client
             .query_one(
-                "SELECT EXISTS (SELECT 1 FROM bench_poll.events WHERE published_at IS NULL)",
+                "SELECT EXISTS (SELECT 1 FROM outbox.events WHERE published_at IS NULL)",
                 &[],
             )
             .await?;
@@ -154,7 +142,7 @@ pub async fn baseline(
         started_epoch,
         wal_retained_peak_mib: 0.0,
     };
-    let series = workload::series(&client, "bench_poll.events.published_at", started_epoch).await?;
+    let series = workload::series(&client, "outbox.events.published_at", started_epoch).await?;
 
     let mut cpu = ClusterCpu::start(ctx.postmaster);
     let own0 = super::own_cpu();
@@ -163,7 +151,7 @@ pub async fn baseline(
     let writers = workload::Writers::start(
         ctx,
         &url,
-        Target::Poll,
+        Target::Poll(agg_type.clone()),
         sc,
         a.rate as f64,
         Duration::from_secs_f64(a.steady_secs),
@@ -181,7 +169,7 @@ pub async fn baseline(
     cpu.sample();
     stop.store(true, Ordering::Relaxed);
     poller.await??;
-    let accepted = workload::accepted_times(&client, &committed, Target::Poll).await?;
+    let accepted = workload::accepted_times(&client, &committed, Target::Poll(agg_type)).await?;
     let n = committed.len() as u64;
     let steady = Steady {
         target_rate: a.rate as f64,
@@ -205,7 +193,6 @@ pub async fn baseline(
 async fn run_poller(
     client: tokio_postgres::Client,
     bootstrap: String,
-    topic: String,
     batch: i64,
     interval: Duration,
     stop: Arc<AtomicBool>,
@@ -233,15 +220,37 @@ async fn run_poller(
         let mut acks = Vec::with_capacity(rows.len());
         for r in &rows {
             let id = r.get::<_, Uuid>(1).to_string();
-            let key: &str = r.get(2);
-            let payload: &str = r.get(3);
+            let topic: &str = r.get(2);
+            let key: &str = r.get(3);
+            let payload: &str = r.get(4);
+            // The relay's envelope headers (outbox_sink::event_headers), from the row.
+            let mut headers = OwnedHeaders::new_with_capacity(8).insert(Header {
+                key: "id",
+                value: Some(&id),
+            });
+            for (i, name) in [
+                "aggregate_type",
+                "aggregate_id",
+                "aggregate_version",
+                "event_type",
+                "envelope_generation",
+                "payload_digest",
+                "occurred_at",
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let v: &str = r.get(5 + i);
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(v),
+                });
+            }
             loop {
-                let rec = FutureRecord::to(&topic).key(key).payload(payload).headers(
-                    OwnedHeaders::new().insert(Header {
-                        key: "id",
-                        value: Some(&id),
-                    }),
-                );
+                let rec = FutureRecord::to(topic)
+                    .key(key)
+                    .payload(payload)
+                    .headers(headers.clone());
                 match producer.send_result(rec) {
                     Ok(f) => {
                         acks.push(f);

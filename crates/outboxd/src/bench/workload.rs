@@ -81,21 +81,17 @@ pub async fn backlog_end(client: &Client) -> anyhow::Result<String> {
 pub enum Target {
     /// `outbox.enqueue` with this aggregate type; accepted = `outbox.receipts.accepted_at`.
     Outbox(String),
-    /// The polling relay's table; accepted = `published_at`.
-    Poll,
+    /// `outbox.enqueue` too, into the polling relay's database; accepted = `published_at`.
+    Poll(String),
 }
 
 impl Target {
     fn insert_sql(&self) -> String {
         match self {
-            Target::Outbox(agg) => format!(
+            Target::Outbox(agg) | Target::Poll(agg) => format!(
                 "SELECT outbox.enqueue('{agg}', a, 'bench.tick', jsonb_build_object('i', 0, 'pad', $1::text))
                  FROM unnest($2::text[]) a"
             ),
-            Target::Poll => "INSERT INTO bench_poll.events (aggregate_id, payload)
-                 SELECT a, jsonb_build_object('i', 0, 'pad', $1::text) FROM unnest($2::text[]) a
-                 RETURNING event_id"
-                .into(),
         }
     }
 
@@ -105,8 +101,8 @@ impl Target {
                 "SELECT event_id, extract(epoch FROM accepted_at)::float8 FROM outbox.receipts
                  WHERE event_id = ANY($1)"
             }
-            Target::Poll => {
-                "SELECT event_id, extract(epoch FROM published_at)::float8 FROM bench_poll.events
+            Target::Poll(_) => {
+                "SELECT event_id, extract(epoch FROM published_at)::float8 FROM outbox.events
                  WHERE event_id = ANY($1) AND published_at IS NOT NULL"
             }
         }
