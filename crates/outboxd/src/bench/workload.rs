@@ -109,9 +109,12 @@ impl Target {
     }
 }
 
+/// Events a writer committed, each with its commit time (seconds since the epoch).
+type Committed = Vec<(Uuid, f64)>;
+
 /// Concurrent writers at a constant total rate until a deadline.
 pub struct Writers {
-    tasks: Vec<JoinHandle<anyhow::Result<Vec<(Uuid, f64)>>>>,
+    tasks: Vec<JoinHandle<anyhow::Result<Committed>>>,
     deadline: Instant,
 }
 
@@ -171,7 +174,7 @@ impl Writers {
     }
 
     /// Every committed event with its commit time (seconds since the epoch).
-    pub async fn join(self) -> anyhow::Result<Vec<(Uuid, f64)>> {
+    pub async fn join(self) -> anyhow::Result<Committed> {
         let mut all = Vec::new();
         for t in self.tasks {
             all.extend(t.await??);

@@ -103,6 +103,9 @@ pub(crate) async fn accept_finished(
     }
 }
 
+/// A batch taken for acceptance, with the checkpoint it justifies.
+type TakenBatch = (Vec<LedgerItem>, Option<Lsn>);
+
 pub(crate) type AcceptDone = (
     Client,
     Vec<LedgerItem>,
@@ -511,11 +514,7 @@ impl Pipeline {
 
     /// Resolves the batch's events (when `track`) and takes the batch with the checkpoint the
     /// tracker then allows; `None` when there is nothing to record.
-    fn take_batch(
-        &mut self,
-        track: bool,
-        durable: Lsn,
-    ) -> Result<Option<(Vec<LedgerItem>, Option<Lsn>)>, RelayError> {
+    fn take_batch(&mut self, track: bool, durable: Lsn) -> Result<Option<TakenBatch>, RelayError> {
         let mut checkpoint = None;
         if track {
             for a in self.batch_acks.drain(..) {
