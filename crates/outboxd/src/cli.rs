@@ -313,10 +313,12 @@ pub struct RunArgs {
     /// about 2 KiB of memory (the event, its librdkafka copy, its receipt). [default: 5000]
     #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT")]
     pub max_in_flight: Option<u64>,
-    /// Receipts per ledger transaction. [default: 1000]
+    /// Receipts per ledger transaction when no acceptance transaction is running; while one
+    /// runs, the next batch grows until it is done. [default: 1000]
     #[arg(long, env = "OUTBOXD_BATCH_SIZE")]
     pub batch_size: Option<usize>,
-    /// Longest wait for a receipt batch to fill, ms. [default: 5]
+    /// Longest wait for a receipt batch to fill, ms, when no acceptance transaction is
+    /// running (a running one already makes the next batch wait). [default: 1]
     #[arg(long, env = "OUTBOXD_BATCH_LINGER_MS")]
     pub batch_linger_ms: Option<u64>,
     /// Standby status update period, ms. [default: 1000]

@@ -222,7 +222,7 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
         batch_linger: Duration::from_millis(
             a.batch_linger_ms
                 .or(file.relay.batch_linger_ms)
-                .unwrap_or(5),
+                .unwrap_or(1),
         ),
         status_interval: Duration::from_millis(
             a.status_interval_ms
