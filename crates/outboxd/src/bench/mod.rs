@@ -105,14 +105,19 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         main.events
     );
 
+    let load = |phase: &str, r: &mut Report| r.load.push((phase.into(), procstat::loadavg()));
+    load("decode", &mut report);
     report.decode = ctx.decode_limit(&db, end.clone(), main.events).await?;
+    load("drain", &mut report);
     eprintln!("bench: pg_recvlogical {:.0} events/s", report.decode.rate);
     let (mut relay, drain) = ctx.drain(&db, end, main.events).await?;
     report.drain = drain;
     report.drain_series = workload::receipt_series(&db.client, report.drain.started_epoch).await?;
     eprintln!("bench: relay drain {:.0} events/s", report.drain.rate);
 
+    load("steady", &mut report);
     report.steady = ctx.steady(&db, &main, &mut relay).await?;
+    load("steady end", &mut report);
     eprintln!(
         "bench: steady {:.0} events/s, p99 {:.1} ms",
         report.steady.achieved_rate, report.steady.latency.p99
@@ -126,6 +131,7 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     relay.terminate()?;
 
     if !a.no_poll {
+        load("polling", &mut report);
         let (drain, steady, series) = poll::baseline(ctx, &main).await?;
         eprintln!(
             "bench: polling drain {:.0} events/s, steady p99 {:.1} ms",
@@ -136,6 +142,7 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         report.poll_series = series;
     }
 
+    load("variants", &mut report);
     for v in a.variants.iter().filter(|v| v.0 > 0) {
         let (payload, aggregates) = *v;
         let budget = (a.variant_mib * MIB) as u64 / payload.max(1) as u64;
@@ -215,6 +222,8 @@ pub(crate) struct Latency {
     pub max: f64,
     /// (latency ms, cumulative fraction) points for the chart.
     pub cdf: Vec<(f64, f64)>,
+    /// (seconds since the phase started, worst latency ms of events committed in that 250 ms).
+    pub worst_by_commit_time: Vec<(f64, f64)>,
 }
 
 impl Latency {
@@ -238,6 +247,7 @@ impl Latency {
             p999: q(0.999),
             max: v[n - 1],
             cdf,
+            worst_by_commit_time: Vec::new(),
         }
     }
 }
@@ -566,7 +576,7 @@ impl Ctx {
             workload::Target::Outbox(String::new()),
         )
         .await?;
-        let latency = workload::latencies(&committed, &accepted);
+        let latency = workload::latencies(&committed, &accepted, started_epoch);
         rss.sort_by(f64::total_cmp);
         let n = committed.len() as u64;
         Ok(Steady {

@@ -184,7 +184,7 @@ pub async fn baseline(
             started_epoch,
             wal_retained_peak_mib: 0.0,
         },
-        latency: workload::latencies(&committed, &accepted),
+        latency: workload::latencies(&committed, &accepted, started_epoch),
         rss_steady_mib: 0.0,
     };
     Ok((drain, steady, series))

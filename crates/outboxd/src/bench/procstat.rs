@@ -44,6 +44,14 @@ pub fn rss(pid: i32) -> Option<(u64, u64)> {
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
 
+/// The 1-minute load average of the machine: on a shared machine, how much else was running.
+pub fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// CPU used by a PostgreSQL cluster over an interval. Processes come and go (a walsender per
 /// replication connection, autovacuum workers), so every sample records each process's
 /// cumulative ticks; a process first seen after the start counts from zero. A process that

@@ -37,6 +37,8 @@ pub(crate) struct Report {
     pub poll_steady: Option<Steady>,
     pub poll_series: Vec<(f64, f64)>,
     pub variants: Vec<VariantResult>,
+    /// 1-minute load average sampled at each phase boundary (name, load).
+    pub load: Vec<(String, f64)>,
 }
 
 fn phase_json(p: &Phase) -> serde_json::Value {
@@ -52,7 +54,10 @@ fn phase_json(p: &Phase) -> serde_json::Value {
 }
 
 fn latency_json(l: &Latency) -> serde_json::Value {
-    json!({ "count": l.count, "p50_ms": l.p50, "p99_ms": l.p99, "p999_ms": l.p999, "max_ms": l.max })
+    json!({
+        "count": l.count, "p50_ms": l.p50, "p99_ms": l.p99, "p999_ms": l.p999, "max_ms": l.max,
+        "worst_ms_by_commit_time_250ms": l.worst_by_commit_time,
+    })
 }
 
 fn steady_json(s: &Steady) -> serde_json::Value {
@@ -183,6 +188,20 @@ impl Report {
                 c.rate, c.republished, c.produced, c.republished_ms, c.recovery_s
             );
         }
+        if !self.load.is_empty() {
+            let loads: Vec<String> = self
+                .load
+                .iter()
+                .map(|(phase, l)| format!("{phase} {l:.1}"))
+                .collect();
+            println!(
+                "machine load average (1 min; {} CPUs) at: {}",
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(0),
+                loads.join(", ")
+            );
+        }
         if !self.variants.is_empty() {
             println!("{:-<112}", "");
             println!(
@@ -227,6 +246,7 @@ impl Report {
                 "steady": self.poll_steady.as_ref().map(steady_json),
                 "drain_series": self.poll_series,
             })),
+            "load_average_1m": self.load,
             "variants": self.variants.iter().map(|v| json!({
                 "payload_bytes": v.scenario.payload, "aggregates": v.scenario.aggregates,
                 "events": v.scenario.events, "decode_limit": phase_json(&v.decode),

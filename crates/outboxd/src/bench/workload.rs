@@ -203,13 +203,25 @@ pub async fn accepted_times(
     Ok(out)
 }
 
-/// Commit -> accepted, milliseconds, of every event that was accepted.
-pub fn latencies(committed: &[(Uuid, f64)], accepted: &HashMap<Uuid, f64>) -> Latency {
+/// Commit -> accepted, milliseconds, of every event that was accepted; plus, per 250 ms of
+/// commit time from `start` (epoch seconds), the worst latency (where stalls happened).
+pub fn latencies(committed: &[(Uuid, f64)], accepted: &HashMap<Uuid, f64>, start: f64) -> Latency {
+    let mut worst: Vec<(f64, f64)> = Vec::new();
     let v: Vec<f64> = committed
         .iter()
-        .filter_map(|(id, c)| accepted.get(id).map(|a| ((a - c) * 1000.0).max(0.0)))
+        .filter_map(|(id, c)| {
+            let ms = ((accepted.get(id)? - c) * 1000.0).max(0.0);
+            let bucket = ((c - start) * 4.0).floor().max(0.0) as usize;
+            if worst.len() <= bucket {
+                worst.resize(bucket + 1, (0.0, 0.0));
+            }
+            worst[bucket] = (bucket as f64 / 4.0, worst[bucket].1.max(ms));
+            Some(ms)
+        })
         .collect();
-    Latency::from_samples(v)
+    let mut l = Latency::from_samples(v);
+    l.worst_by_commit_time = worst;
+    l
 }
 
 /// Events accepted per second over time (0.5 s buckets), from `start` (epoch seconds).
