@@ -115,6 +115,25 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     report.drain_series = workload::receipt_series(&db.client, report.drain.started_epoch).await?;
     eprintln!("bench: relay drain {:.0} events/s", report.drain.rate);
 
+    // The drain's own ledger writes (receipts, aggregate heads, checkpoints) are WAL after the
+    // backlog, in the same database: the walsender decodes all of it before anything newer.
+    // Measured on its own, so the steady phase starts from a caught-up relay.
+    let wal_mib = wal_retained(&db.client, &db.slot).await? / MIB;
+    let t = Instant::now();
+    let end = workload::backlog_end(&db.client).await?;
+    while !confirmed_past(&db.client, &db.slot, &end).await? {
+        relay.check_alive()?;
+        if t.elapsed() > Duration::from_secs(a.timeout_secs) {
+            bail!("the relay did not catch up with the ledger's WAL after the drain");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    report.catchup = (wal_mib, t.elapsed().as_secs_f64());
+    eprintln!(
+        "bench: ledger WAL after the drain: {wal_mib:.0} MiB, caught up in {:.1} s",
+        report.catchup.1
+    );
+
     load("steady", &mut report);
     report.steady = ctx.steady(&db, &main, &mut relay).await?;
     load("steady end", &mut report);

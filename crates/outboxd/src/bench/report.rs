@@ -30,6 +30,8 @@ pub(crate) struct Report {
     pub decode: Phase,
     pub drain: Phase,
     pub drain_series: Vec<(f64, f64)>,
+    /// After the drain: (WAL the slot still retained, MiB; seconds until confirmed past it).
+    pub catchup: (f64, f64),
     pub steady: Steady,
     pub rss_peak_mib: f64,
     pub crash: Option<Crash>,
@@ -182,6 +184,10 @@ impl Report {
             self.wal_backlog_mib,
             self.steady.phase.wal_retained_peak_mib
         );
+        println!(
+            "after the drain the slot still retained {:.0} MiB of WAL (the drain's own ledger writes); the relay confirmed past it in {:.1} s",
+            self.catchup.0, self.catchup.1
+        );
         if let Some(c) = &self.crash {
             println!(
                 "SIGKILL under {:.0} events/s: {} of {} events re-published on restart = {:.0} ms of traffic; caught up {:.1} s after the kill",
@@ -235,6 +241,8 @@ impl Report {
             "decode_limit": phase_json(&self.decode),
             "drain": phase_json(&self.drain),
             "drain_series": self.drain_series,
+            "after_drain_wal_retained_mib": self.catchup.0,
+            "after_drain_catch_up_s": self.catchup.1,
             "steady": steady_json(&self.steady),
             "rss_peak_mib": self.rss_peak_mib,
             "crash": self.crash.as_ref().map(|c| json!({

@@ -183,7 +183,7 @@ impl Writers {
     }
 }
 
-/// Acceptance time (seconds since the epoch) of each committed event that has one.
+/// Acceptance time (seconds since the epoch) of each committed event that was accepted.
 pub async fn accepted_times(
     client: &Client,
     committed: &[(Uuid, f64)],
