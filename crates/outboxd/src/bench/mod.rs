@@ -279,6 +279,9 @@ pub(crate) struct Steady {
     pub phase: Phase,
     pub latency: Latency,
     pub rss_steady_mib: f64,
+    /// WAL written but not yet sent by the relay's walsender (median, max MiB over 100 ms
+    /// samples): how far PostgreSQL's decoding, not the relay, is behind.
+    pub walsender_unsent_mib: (f64, f64),
 }
 
 /// The SIGKILL phase.
@@ -314,6 +317,20 @@ async fn wal_retained(client: &Client, slot: &str) -> anyhow::Result<f64> {
         .await
         .context("reading WAL retained by the slot")?;
     Ok(row.get(0))
+}
+
+/// WAL the walsender serving `slot` has not sent yet, bytes (0 when none serves it).
+async fn walsender_unsent(client: &Client, slot: &str) -> anyhow::Result<f64> {
+    let row = client
+        .query_opt(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), r.sent_lsn)::float8
+             FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+             WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .context("reading the walsender's position")?;
+    Ok(row.and_then(|r| r.get::<_, Option<f64>>(0)).unwrap_or(0.0))
 }
 
 /// Whether `slot` has confirmed `lsn` (text form).
@@ -560,6 +577,7 @@ impl Ctx {
         )
         .await?;
         let mut rss = Vec::new();
+        let mut unsent = Vec::new();
         let mut wal_peak = 0.0f64;
         let mut i = 0u64;
         while !writers.finished() {
@@ -573,6 +591,7 @@ impl Ctx {
             if i % 5 == 0 {
                 wal_peak = wal_peak.max(wal_retained(&db.client, &db.slot).await?);
             }
+            unsent.push(walsender_unsent(&db.client, &db.slot).await? / MIB);
         }
         let committed = writers.join().await?;
         let produced_secs = t.elapsed().as_secs_f64();
@@ -613,6 +632,13 @@ impl Ctx {
             },
             latency,
             rss_steady_mib: rss.get(rss.len() / 2).copied().unwrap_or(0.0),
+            walsender_unsent_mib: {
+                unsent.sort_by(f64::total_cmp);
+                (
+                    unsent.get(unsent.len() / 2).copied().unwrap_or(0.0),
+                    unsent.last().copied().unwrap_or(0.0),
+                )
+            },
         })
     }
 

@@ -186,6 +186,7 @@ pub async fn baseline(
         },
         latency: workload::latencies(&committed, &accepted, started_epoch),
         rss_steady_mib: 0.0,
+        walsender_unsent_mib: (0.0, 0.0),
     };
     Ok((drain, steady, series))
 }

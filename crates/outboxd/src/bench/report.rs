@@ -67,6 +67,8 @@ fn steady_json(s: &Steady) -> serde_json::Value {
         "target_events_per_s": s.target_rate, "achieved_events_per_s": s.achieved_rate,
         "phase": phase_json(&s.phase), "latency": latency_json(&s.latency),
         "rss_steady_mib": s.rss_steady_mib,
+        "walsender_unsent_mib_median": s.walsender_unsent_mib.0,
+        "walsender_unsent_mib_max": s.walsender_unsent_mib.1,
     })
 }
 
@@ -173,6 +175,12 @@ impl Report {
             );
         };
         lat("relay", &self.steady.latency);
+        println!(
+            "{:<34} median {:.2} MiB, max {:.2} MiB of WAL written but not yet sent by the relay's walsender",
+            "  (PostgreSQL decoding behind by)",
+            self.steady.walsender_unsent_mib.0,
+            self.steady.walsender_unsent_mib.1
+        );
         if let Some(s) = &self.poll_steady {
             lat("polling relay (published_at)", &s.latency);
         }

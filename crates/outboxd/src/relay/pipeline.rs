@@ -79,6 +79,9 @@ pub(crate) struct Pipeline {
     /// transaction runs (the connection is inside [`Self::accepting`]) or when not enabled.
     accept_client: Option<Client>,
     pub accepting: Option<Accepting>,
+    /// Send -> delivery report times since the last acceptance (count, sum ms, max ms), for
+    /// the acceptance debug line.
+    report_ms: (u64, f64, f64),
 }
 
 /// An acceptance transaction running on its own task while the relay goes on reading the
@@ -155,6 +158,7 @@ impl Pipeline {
             slot: slot.to_string(),
             accept_client: None,
             accepting: None,
+            report_ms: (0, 0.0, 0.0),
         }
     }
 
@@ -433,6 +437,11 @@ impl Pipeline {
                 timestamp_ms,
             } => {
                 failpoint::hit("after-broker-ack");
+                if let Ok(d) = f.sent_at.elapsed() {
+                    let ms = d.as_secs_f64() * 1000.0;
+                    let r = &mut self.report_ms;
+                    *r = (r.0 + 1, r.1 + ms, r.2.max(ms));
+                }
                 tracing::trace!(event_id = %f.event_id, %topic, partition, offset, "broker ack");
                 self.push(
                     LedgerItem::Receipt(ReceiptRecord {
@@ -648,8 +657,11 @@ impl Pipeline {
             items = items.len(),
             ms = started.map(|s| s.elapsed().as_secs_f64() * 1000.0),
             in_flight = self.in_flight.len(),
+            report_avg_ms = self.report_ms.1 / self.report_ms.0.max(1) as f64,
+            report_max_ms = self.report_ms.2,
             "acceptance transaction done"
         );
+        self.report_ms = (0, 0.0, 0.0);
         self.accept_client = Some(client);
         match result {
             Ok(out) => {
