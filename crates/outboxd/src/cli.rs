@@ -212,6 +212,10 @@ pub struct BenchArgs {
     /// Skip the polling baseline.
     #[arg(long)]
     pub no_poll: bool,
+    /// Polling baseline: backlog size (at most --events). Its cost per event grows with the
+    /// dead tuples its own claim and mark UPDATEs leave, so a smaller backlog flatters it.
+    #[arg(long, default_value_t = 200_000)]
+    pub poll_events: u64,
     /// Polling baseline: rows claimed per batch.
     #[arg(long, default_value_t = 500)]
     pub poll_batch: i64,

@@ -130,7 +130,7 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     }
     report.catchup = (wal_mib, t.elapsed().as_secs_f64());
     eprintln!(
-        "bench: ledger WAL after the drain: {wal_mib:.0} MiB, caught up in {:.1} s",
+        "bench: WAL retained at the drain's end: {wal_mib:.0} MiB; caught up with the ledger's own WAL in {:.1} s",
         report.catchup.1
     );
 

@@ -69,6 +69,10 @@ pub async fn baseline(
     sc: &Scenario,
 ) -> anyhow::Result<(Phase, Steady, Vec<(f64, f64)>)> {
     let a = &ctx.args;
+    let sc = &Scenario {
+        events: sc.events.min(a.poll_events.max(1)),
+        ..sc.clone()
+    };
     let url = ctx
         .pg
         .create_database(&format!("bench_poll_{}", sc.name))

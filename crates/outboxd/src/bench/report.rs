@@ -146,7 +146,7 @@ impl Report {
         );
         if let Some(p) = &self.poll_drain {
             row(
-                "polling relay drain",
+                &format!("polling relay drain ({} events)", p.events),
                 p,
                 format!("relay {:.2}x", self.poll_ratio()),
             );
@@ -193,7 +193,7 @@ impl Report {
             self.steady.phase.wal_retained_peak_mib
         );
         println!(
-            "after the drain the slot still retained {:.0} MiB of WAL (the drain's own ledger writes); the relay confirmed past it in {:.1} s",
+            "at the end of the drain the slot retained {:.0} MiB of WAL; the relay confirmed past the WAL its own ledger wrote meanwhile {:.1} s later",
             self.catchup.0, self.catchup.1
         );
         if let Some(c) = &self.crash {
