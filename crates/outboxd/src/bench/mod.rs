@@ -282,6 +282,10 @@ pub(crate) struct Steady {
     /// WAL written but not yet sent by the relay's walsender (median, max MiB over 100 ms
     /// samples): how far PostgreSQL's decoding, not the relay, is behind.
     pub walsender_unsent_mib: (f64, f64),
+    /// Seconds (0.5 s samples) during which an autovacuum worker ran, and checkpoints started:
+    /// background work competing for the CPUs while latency was measured.
+    pub autovacuum_s: f64,
+    pub checkpoints: i64,
 }
 
 /// The SIGKILL phase.
@@ -316,6 +320,18 @@ async fn wal_retained(client: &Client, slot: &str) -> anyhow::Result<f64> {
         )
         .await
         .context("reading WAL retained by the slot")?;
+    Ok(row.get(0))
+}
+
+/// Checkpoints the cluster has started so far.
+async fn checkpoints(client: &Client) -> anyhow::Result<i64> {
+    let row = client
+        .query_one(
+            "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter",
+            &[],
+        )
+        .await
+        .context("reading pg_stat_bgwriter")?;
     Ok(row.get(0))
 }
 
@@ -576,6 +592,8 @@ impl Ctx {
             Duration::from_secs_f64(a.steady_secs),
         )
         .await?;
+        let checkpoints0 = checkpoints(&db.client).await?;
+        let mut autovacuum_samples = 0u64;
         let mut rss = Vec::new();
         let mut unsent = Vec::new();
         let mut wal_peak = 0.0f64;
@@ -590,6 +608,15 @@ impl Ctx {
             }
             if i % 5 == 0 {
                 wal_peak = wal_peak.max(wal_retained(&db.client, &db.slot).await?);
+                let av: i64 = db
+                    .client
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'",
+                        &[],
+                    )
+                    .await?
+                    .get(0);
+                autovacuum_samples += u64::from(av > 0);
             }
             unsent.push(walsender_unsent(&db.client, &db.slot).await? / MIB);
         }
@@ -632,6 +659,8 @@ impl Ctx {
             },
             latency,
             rss_steady_mib: rss.get(rss.len() / 2).copied().unwrap_or(0.0),
+            autovacuum_s: autovacuum_samples as f64 * 0.5,
+            checkpoints: checkpoints(&db.client).await? - checkpoints0,
             walsender_unsent_mib: {
                 unsent.sort_by(f64::total_cmp);
                 (

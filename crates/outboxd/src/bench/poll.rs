@@ -35,16 +35,20 @@ ALTER TABLE outbox.events ADD COLUMN seq bigserial, ADD COLUMN claimed_by text,
 CREATE INDEX events_pending_idx ON outbox.events (seq) WHERE published_at IS NULL;
 ";
 
+/// The claim: a short transaction of its own (autocommit). The batch is chosen through the
+/// partial index of pending rows; the rows are updated through the primary key.
 const CLAIM: &str = "
 UPDATE outbox.events SET claimed_by = 'bench', claim_until = clock_timestamp() + interval '30 seconds'
-WHERE seq IN (SELECT seq FROM outbox.events
-              WHERE published_at IS NULL AND (claim_until IS NULL OR claim_until < clock_timestamp())
-              ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+WHERE event_id = ANY(ARRAY(
+    SELECT event_id FROM outbox.events
+    WHERE published_at IS NULL AND (claim_until IS NULL OR claim_until < clock_timestamp())
+    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED))
 RETURNING seq, event_id, dest_topic, dest_key, payload::text, aggregate_type, aggregate_id,
           aggregate_version::text, event_type, envelope_generation::text, payload_digest,
           occurred_at::text";
 
-const MARK: &str = "UPDATE outbox.events SET published_at = clock_timestamp() WHERE seq = ANY($1)";
+const MARK: &str =
+    "UPDATE outbox.events SET published_at = clock_timestamp() WHERE event_id = ANY($1)";
 
 /// Messages in `topic` (sum of high watermarks), as the broker reports them.
 pub fn topic_messages(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<u64> {
@@ -191,6 +195,8 @@ pub async fn baseline(
         latency: workload::latencies(&committed, &accepted, started_epoch),
         rss_steady_mib: 0.0,
         walsender_unsent_mib: (0.0, 0.0),
+        autovacuum_s: 0.0,
+        checkpoints: 0,
     };
     Ok((drain, steady, series))
 }
@@ -275,9 +281,9 @@ async fn run_poller(
                 Err(_) => anyhow::bail!("polling relay: delivery report lost"),
             }
         }
-        let seqs: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.get(1)).collect();
         client
-            .execute(&mark, &[&seqs])
+            .execute(&mark, &[&ids])
             .await
             .context("marking published")?;
     }

@@ -69,6 +69,8 @@ fn steady_json(s: &Steady) -> serde_json::Value {
         "rss_steady_mib": s.rss_steady_mib,
         "walsender_unsent_mib_median": s.walsender_unsent_mib.0,
         "walsender_unsent_mib_max": s.walsender_unsent_mib.1,
+        "autovacuum_running_s": s.autovacuum_s,
+        "checkpoints": s.checkpoints,
     })
 }
 
@@ -180,6 +182,10 @@ impl Report {
             "  (PostgreSQL decoding behind by)",
             self.steady.walsender_unsent_mib.0,
             self.steady.walsender_unsent_mib.1
+        );
+        println!(
+            "{:<34} autovacuum ran during {:.1} s of it; {} checkpoint(s) started",
+            "  (background work meanwhile)", self.steady.autovacuum_s, self.steady.checkpoints
         );
         if let Some(s) = &self.poll_steady {
             lat("polling relay (published_at)", &s.latency);
