@@ -212,9 +212,8 @@ pub struct BenchArgs {
     /// Skip the polling baseline.
     #[arg(long)]
     pub no_poll: bool,
-    /// Polling baseline: backlog size (at most --events). Its cost per event grows with the
-    /// dead tuples its own claim and mark UPDATEs leave, so a smaller backlog flatters it.
-    #[arg(long, default_value_t = 200_000)]
+    /// Polling baseline: backlog size (at most --events, the same backlog by default).
+    #[arg(long, default_value_t = 1_000_000)]
     pub poll_events: u64,
     /// Polling baseline: rows claimed per batch.
     #[arg(long, default_value_t = 500)]
