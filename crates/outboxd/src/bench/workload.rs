@@ -20,6 +20,18 @@ pub fn pad_len(payload: usize) -> usize {
     payload.saturating_sub(JSON_OVERHEAD)
 }
 
+/// SQL for `len` characters of random hex: a payload TOAST cannot compress to nothing (a
+/// 16 KiB run of one character would be stored, logged and decoded as a few bytes).
+fn pad_sql(len: usize) -> String {
+    if len == 0 {
+        return "''".into();
+    }
+    format!(
+        "(SELECT left(string_agg(md5(random()::text || g::text), ''), {len}) FROM generate_series(1, {}) g)",
+        len.div_ceil(32)
+    )
+}
+
 /// Enqueues the scenario's backlog with `outbox.enqueue`, in transactions of `txn_size`, on two
 /// connections at once (the machine has two cores). Returns the seconds it took.
 pub async fn enqueue_backlog(db: &Db, sc: &Scenario, txn_size: u64) -> anyhow::Result<f64> {
@@ -34,7 +46,7 @@ pub async fn enqueue_backlog(db: &Db, sc: &Scenario, txn_size: u64) -> anyhow::R
                FOR t IN 0..{last} LOOP
                  IF t % {CONNS} = {w} THEN
                    PERFORM outbox.enqueue('{agg}', 'a' || ((t * {size} + i) % {aggs}), 'bench.tick',
-                       jsonb_build_object('i', t * {size} + i, 'pad', repeat('x', {pad})))
+                       jsonb_build_object('i', t * {size} + i, 'pad', {pad_sql}))
                    FROM generate_series(1, least({size}, {events} - t * {size})) i;
                    COMMIT;
                  END IF;
@@ -44,7 +56,7 @@ pub async fn enqueue_backlog(db: &Db, sc: &Scenario, txn_size: u64) -> anyhow::R
             agg = db.agg_type,
             size = txn_size,
             aggs = sc.aggregates,
-            pad = pad_len(sc.payload),
+            pad_sql = pad_sql(pad_len(sc.payload)),
             events = sc.events,
         );
         tasks.push(tokio::spawn(async move {

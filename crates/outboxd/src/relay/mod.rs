@@ -423,7 +423,8 @@ async fn run_once(
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline.max(now)));
         // Backpressure: stop reading the slot while too much is unresolved; reports, batches
         // and status updates keep flowing.
-        let can_read = pipeline.tracker.in_flight() < max_in_flight;
+        let can_read = pipeline.tracker.in_flight() < max_in_flight
+            && pipeline.in_flight_bytes() < pipeline::MAX_IN_FLIGHT_BYTES;
         tokio::select! {
             biased;
             _ = shutdown.changed() => {

@@ -46,7 +46,14 @@ struct InFlight {
     destination_digest: String,
     commit_lsn: Option<Lsn>,
     ack: Option<EventToken>,
+    /// Payload bytes, counted in [`Pipeline::in_flight_bytes`].
+    bytes: usize,
 }
+
+/// Payload bytes sent and not yet reported on, beyond which the relay stops reading the slot
+/// (with `max_in_flight`): librdkafka holds a copy of each, so large payloads would otherwise
+/// grow the relay's memory with `max_in_flight` × payload size.
+pub(crate) const MAX_IN_FLIGHT_BYTES: usize = 16 * 1024 * 1024;
 
 fn key_of(ev: &OutboxEvent) -> AggKey {
     (ev.aggregate_type.clone(), ev.aggregate_id.clone())
@@ -79,6 +86,7 @@ pub(crate) struct Pipeline {
     /// transaction runs (the connection is inside [`Self::accepting`]) or when not enabled.
     accept_client: Option<Client>,
     pub accepting: Option<Accepting>,
+    in_flight_bytes: usize,
     /// Send -> delivery report times since the last acceptance (count, sum ms, max ms), for
     /// the acceptance debug line.
     report_ms: (u64, f64, f64),
@@ -159,6 +167,7 @@ impl Pipeline {
             accept_client: None,
             accepting: None,
             report_ms: (0, 0.0, 0.0),
+            in_flight_bytes: 0,
         }
     }
 
@@ -175,6 +184,11 @@ impl Pipeline {
 
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
+    }
+
+    /// Payload bytes of the events sent and not yet reported on.
+    pub fn in_flight_bytes(&self) -> usize {
+        self.in_flight_bytes
     }
 
     pub fn batch_len(&self) -> usize {
@@ -379,6 +393,8 @@ impl Pipeline {
         match self.sink.send(&p.ev, token).await {
             Ok(()) => {
                 let ev = p.ev;
+                let bytes = ev.payload.len();
+                self.in_flight_bytes += bytes;
                 let attempt = self
                     .retry_generation
                     .get(&ev.event_id)
@@ -397,6 +413,7 @@ impl Pipeline {
                         destination_digest: ev.destination_digest,
                         commit_lsn: p.commit_lsn,
                         ack: p.ack,
+                        bytes,
                     },
                 );
                 Ok(Some(token))
@@ -429,6 +446,7 @@ impl Pipeline {
                 d.token
             )));
         };
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.bytes);
         match d.outcome {
             DeliveryOutcome::Persisted {
                 topic,
