@@ -84,7 +84,7 @@ pub(crate) struct Pipeline {
     slot: String,
     /// The connection for pipelined acceptance ([`Self::flush_pipelined`]); `None` while its
     /// transaction runs (the connection is inside [`Self::accepting`]) or when not enabled.
-    accept_client: Option<Client>,
+    accept_client: Option<(Client, accept::Prepared)>,
     pub accepting: Option<Accepting>,
     in_flight_bytes: usize,
     /// Send -> delivery report times since the last acceptance (count, sum ms, max ms), for
@@ -118,7 +118,7 @@ pub(crate) async fn accept_finished(
 type TakenBatch = (Vec<LedgerItem>, Option<Lsn>);
 
 pub(crate) type AcceptDone = (
-    Client,
+    (Client, accept::Prepared),
     Vec<LedgerItem>,
     Result<AcceptOutcome, outbox_ledger::LedgerError>,
 );
@@ -174,7 +174,7 @@ impl Pipeline {
     /// Gives the pipeline a second ledger connection, so that acceptance transactions run
     /// concurrently with streaming ([`Self::flush_pipelined`]).
     pub fn enable_pipelined_accept(&mut self, client: Client) {
-        self.accept_client = Some(client);
+        self.accept_client = Some((client, accept::Prepared::default()));
     }
 
     /// Sent, or waiting behind an aggregate's in-flight event.
@@ -622,18 +622,25 @@ impl Pipeline {
         if self.accepting.is_some() {
             return Ok(());
         }
-        let Some(mut client) = self.accept_client.take() else {
+        let Some((mut client, mut prepared)) = self.accept_client.take() else {
             return self.flush(true, durable, progress).await.map(|_| ());
         };
         let Some((items, checkpoint)) = self.take_batch(true, *durable)? else {
-            self.accept_client = Some(client);
+            self.accept_client = Some((client, prepared));
             return Ok(());
         };
         let (slot, fence) = (self.slot.clone(), self.fence.clone());
         let task = tokio::spawn(async move {
-            let r =
-                accept::accept_batch(&mut client, &slot, &items, checkpoint, Some(&fence)).await;
-            (client, items, r)
+            let r = accept::accept_batch_prepared(
+                &mut client,
+                &mut prepared,
+                &slot,
+                &items,
+                checkpoint,
+                Some(&fence),
+            )
+            .await;
+            ((client, prepared), items, r)
         });
         self.accepting = Some(Accepting {
             task,
