@@ -182,7 +182,7 @@ SELECT count(*) FROM q
 
 /// The acceptance statement prepared on one connection, for [`accept_batch_prepared`]: parsed
 /// once, and after a few executions PostgreSQL reuses a generic plan instead of planning the
-/// statement for every batch (a third of a small batch's cost in the benchmark). The generic
+/// statement for every batch (~0.5 ms of a ~2.5 ms acceptance of 100 receipts). The generic
 /// plan is safe for any batch size: its joins are hash joins or index probes.
 #[derive(Debug, Default)]
 pub struct Prepared {
