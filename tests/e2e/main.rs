@@ -9,6 +9,7 @@
 mod harness;
 
 mod bad_input;
+mod bench;
 mod cli;
 mod cloudevents;
 mod console;

@@ -16,7 +16,7 @@
 //! resolved. Only after COMMIT does the relay tell the slot.
 
 use outbox_core::Lsn;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Statement};
 use uuid::Uuid;
 
 use crate::{Context, LedgerError};
@@ -180,6 +180,15 @@ WITH q AS (
 SELECT count(*) FROM q
 "#;
 
+/// The acceptance statement prepared on one connection, for [`accept_batch_prepared`]: parsed
+/// once, and after a few executions PostgreSQL reuses a generic plan instead of planning the
+/// statement for every batch (~0.5 ms of a ~2.5 ms acceptance of 100 receipts). The generic
+/// plan is safe for any batch size: its joins are hash joins or index probes.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    accept: Option<Statement>,
+}
+
 /// Accepts `items` and moves the checkpoint of `slot` to `checkpoint` (never backwards), in one
 /// transaction. On error nothing is recorded and the caller must replay, not skip.
 ///
@@ -188,6 +197,27 @@ SELECT count(*) FROM q
 /// [`LedgerError::LeaseLost`] is returned.
 pub async fn accept_batch(
     client: &mut Client,
+    slot: &str,
+    items: &[LedgerItem],
+    checkpoint: Option<Lsn>,
+    fence: Option<&crate::lease::Fence>,
+) -> Result<AcceptOutcome, LedgerError> {
+    accept_batch_prepared(
+        client,
+        &mut Prepared::default(),
+        slot,
+        items,
+        checkpoint,
+        fence,
+    )
+    .await
+}
+
+/// [`accept_batch`] with the statement prepared once per connection in `prepared` (which must
+/// belong to `client`'s connection).
+pub async fn accept_batch_prepared(
+    client: &mut Client,
+    prepared: &mut Prepared,
     slot: &str,
     items: &[LedgerItem],
     checkpoint: Option<Lsn>,
@@ -217,9 +247,20 @@ pub async fn accept_batch(
             if round.is_empty() {
                 continue;
             }
+            let stmt = match &prepared.accept {
+                Some(s) => s.clone(),
+                None => {
+                    let s = tx
+                        .prepare(ACCEPT_SQL)
+                        .await
+                        .ctx("preparing the receipt acceptance statement")?;
+                    prepared.accept = Some(s.clone());
+                    s
+                }
+            };
             let row = tx
                 .query_one(
-                    ACCEPT_SQL,
+                    &stmt,
                     &[
                         &round.iter().map(|r| r.event_id).collect::<Vec<_>>(),
                         &round

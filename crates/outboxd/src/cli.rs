@@ -62,7 +62,12 @@ pub enum Command {
     /// Run an embedded Kafka-protocol broker (librdkafka's mock cluster) for development.
     /// Prints `bootstrap.servers=HOST:PORT`, then serves until killed. Nothing is persisted.
     DevBroker(DevBrokerArgs),
-    /// Drain-rate benchmark on the embedded default, per aggregate count (prints figures).
+    /// Benchmark on the embedded default (throwaway PostgreSQL + mock broker), in one run:
+    /// pg_recvlogical's decode rate, the relay's backlog drain, commit -> accepted latency at a
+    /// steady rate, relay RSS and CPU, PostgreSQL CPU per event, WAL retained, replay after a
+    /// SIGKILL, and a polling (FOR UPDATE SKIP LOCKED) relay on the same workload. Prints a
+    /// table and, last, `decode_ratio=.. drain_events_per_s=.. p99_ms=.. rss_mib=.. poll_ratio=..`;
+    /// writes JSON (--json) and an SVG chart (--svg). See docs/benchmarks.md.
     Bench(BenchArgs),
     /// The embedded default: throwaway PostgreSQL + embedded broker + an order workload,
     /// with live progress. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
@@ -207,15 +212,91 @@ pub struct DevBrokerArgs {
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Backlog size.
-    #[arg(long, default_value_t = 20_000)]
+    /// Backlog size of the main scenario (drain, decode limit, polling drain).
+    #[arg(long, default_value_t = 1_000_000)]
     pub events: u64,
-    /// Events per producing transaction.
+    /// Payload size of the main scenario, bytes (a JSON object padded to about this size).
+    #[arg(long, default_value_t = 100)]
+    pub payload: usize,
+    /// Distinct aggregates of the main scenario. The relay keeps one event per aggregate in
+    /// flight, so few aggregates bound throughput by the broker round trip.
+    #[arg(long, default_value_t = 100_000)]
+    pub aggregates: u64,
+    /// Events per producing transaction of the backlog.
     #[arg(long, default_value_t = 100)]
     pub txn_size: u64,
-    /// Aggregate counts to compare (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "10,10000")]
-    pub aggregates: Vec<u64>,
+    /// Steady phase: total events per second, over all writers.
+    #[arg(long, default_value_t = 10_000)]
+    pub rate: u64,
+    /// Steady phase: duration, seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub steady_secs: f64,
+    /// Steady phase: concurrent writers (one connection each).
+    #[arg(long, default_value_t = 4)]
+    pub writers: u64,
+    /// Steady phase: events per business transaction (one autocommit statement).
+    #[arg(long, default_value_t = 10)]
+    pub events_per_txn: u64,
+    /// Crash phase: seconds of steady writes with a SIGKILL of the relay halfway (0: skip).
+    #[arg(long, default_value_t = 4.0)]
+    pub crash_secs: f64,
+    /// Skip the polling baseline.
+    #[arg(long)]
+    pub no_poll: bool,
+    /// Polling baseline: backlog size (at most --events, the same backlog by default).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub poll_events: u64,
+    /// Polling baseline: rows claimed per batch.
+    #[arg(long, default_value_t = 500)]
+    pub poll_batch: i64,
+    /// Polling baseline: sleep when a poll finds nothing, ms.
+    #[arg(long, default_value_t = 100)]
+    pub poll_interval_ms: u64,
+    /// Variants, each PAYLOAD_BYTESxAGGREGATES (decode limit + drain only), comma-separated;
+    /// `none` for no variants.
+    #[arg(long, value_delimiter = ',', default_value = "1024x100000,16384x100000,100x10", value_parser = parse_variant)]
+    pub variants: Vec<(usize, u64)>,
+    /// Backlog size of each variant (capped by --variant-mib of payload).
+    #[arg(long, default_value_t = 100_000)]
+    pub variant_events: u64,
+    /// Payload budget of one variant's backlog, MiB.
+    #[arg(long, default_value_t = 256.0)]
+    pub variant_mib: f64,
+    /// Topic partitions on the embedded broker.
+    #[arg(long, default_value_t = 3)]
+    pub partitions: i32,
+    /// Give up on a phase after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_secs: u64,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "bench-results.json")]
+    pub json: PathBuf,
+    /// Where to write the SVG chart (latency distribution, throughput over time).
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Keep the relays' logs in this directory (default: a temporary one, removed at the end).
+    /// `OUTBOXD_LOG` sets their filter (default `warn`).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// Extra arguments for every `outboxd run` the bench starts (e.g. --batch-size=2000).
+    #[arg(long = "relay-arg", allow_hyphen_values = true)]
+    pub relay_args: Vec<String>,
+}
+
+fn parse_variant(s: &str) -> Result<(usize, u64), String> {
+    if s == "none" || s.is_empty() {
+        return Ok((0, 0));
+    }
+    let (p, a) = s.split_once('x').ok_or_else(|| {
+        format!("variant `{s}`: expected PAYLOAD_BYTESxAGGREGATES, e.g. 1024x100000")
+    })?;
+    let p = p
+        .parse()
+        .map_err(|e| format!("variant `{s}`: payload: {e}"))?;
+    let a = a
+        .parse()
+        .map_err(|e| format!("variant `{s}`: aggregates: {e}"))?;
+    Ok((p, a))
 }
 
 #[derive(Debug, Args)]
@@ -300,13 +381,16 @@ pub struct RunArgs {
     /// Kafka, 5000 for NATS]
     #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
     pub message_timeout_ms: Option<u64>,
-    /// Events in flight (sent, receipt not yet accepted) before reading pauses. [default: 10000]
+    /// Events in flight (sent, receipt not yet accepted) before reading pauses. Each costs
+    /// about 2 KiB of memory (the event, its librdkafka copy, its receipt). [default: 5000]
     #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT")]
     pub max_in_flight: Option<u64>,
-    /// Receipts per ledger transaction. [default: 1000]
+    /// Receipts per ledger transaction when no acceptance transaction is running; while one
+    /// runs, the next batch grows until it is done. [default: 1000]
     #[arg(long, env = "OUTBOXD_BATCH_SIZE")]
     pub batch_size: Option<usize>,
-    /// Longest wait for a receipt batch to fill, ms. [default: 5]
+    /// Longest wait for a receipt batch to fill, ms, when no acceptance transaction is
+    /// running (a running one already makes the next batch wait). [default: 1]
     #[arg(long, env = "OUTBOXD_BATCH_LINGER_MS")]
     pub batch_linger_ms: Option<u64>,
     /// Standby status update period, ms. [default: 1000]

@@ -52,9 +52,9 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
             ..KafkaSinkConfig::default()
         },
         nats: None,
-        max_in_flight: 10_000,
+        max_in_flight: 5_000,
         batch_size: 1000,
-        batch_linger: Duration::from_millis(5),
+        batch_linger: Duration::from_millis(1),
         status_interval: Duration::from_millis(500),
         heartbeat_interval: Duration::from_secs(2),
         resnapshot: false,

@@ -378,12 +378,12 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
         max_in_flight: a
             .max_in_flight
             .or(file.relay.max_in_flight)
-            .unwrap_or(10_000),
+            .unwrap_or(5_000),
         batch_size: a.batch_size.or(file.relay.batch_size).unwrap_or(1000),
         batch_linger: Duration::from_millis(
             a.batch_linger_ms
                 .or(file.relay.batch_linger_ms)
-                .unwrap_or(5),
+                .unwrap_or(1),
         ),
         status_interval: Duration::from_millis(
             a.status_interval_ms

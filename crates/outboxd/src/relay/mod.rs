@@ -423,6 +423,7 @@ async fn run_once(
     tracing::Span::current().record("start_lsn", tracing::field::display(start));
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
 
+    pipeline.enable_pipelined_accept(connect_sql(url).await?);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
     pipeline.tracker = AckTracker::new(start);
     let mut durable = start;
@@ -439,16 +440,19 @@ async fn run_once(
         // Timers: the batch linger, the periodic status update, the idle checkpoint write.
         let now = Instant::now();
         let mut deadline = last_status + cfg.status_interval;
-        if let Some(b) = pipeline.batch_started {
+        // While an acceptance transaction runs, the next batch waits for it (and grows).
+        let accepting = pipeline.accepting.is_some();
+        if let Some(b) = pipeline.batch_started.filter(|_| !accepting) {
             deadline = deadline.min(b + cfg.batch_linger);
         }
-        if pipeline.tracker.watermark() > durable {
+        if pipeline.tracker.watermark() > durable && !accepting {
             deadline = deadline.min(last_checkpoint_write + cfg.status_interval);
         }
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline.max(now)));
         // Backpressure: stop reading the slot while too much is unresolved; reports, batches
         // and status updates keep flowing.
-        let can_read = pipeline.tracker.in_flight() < max_in_flight;
+        let can_read = pipeline.tracker.in_flight() < max_in_flight
+            && pipeline.in_flight_bytes() < pipeline::MAX_IN_FLIGHT_BYTES;
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
@@ -457,6 +461,13 @@ async fn run_once(
                 return Ok(());
             }
             Some(d) = pipeline.reports.recv() => pipeline.on_report(d).await?,
+            joined = pipeline::accept_finished(&mut pipeline.accepting), if accepting => {
+                let before = durable;
+                pipeline.finish_accept(joined, &mut durable, progress)?;
+                if durable > before && Instant::now().duration_since(last_status) >= Duration::from_millis(100) {
+                    send_status_now = true;
+                }
+            }
             msg = stream.next_message(), if can_read => {
                 match msg.map_err(SourceError::from)? {
                     None => return Err(RelayError::StreamEnded),
@@ -505,20 +516,19 @@ async fn run_once(
 
         let now = Instant::now();
         crate::metrics::in_flight(pipeline.tracker.in_flight());
-        let batch_due = pipeline.batch_len() >= cfg.batch_size
-            || pipeline
-                .batch_started
-                .is_some_and(|b| now >= b + cfg.batch_linger);
-        let idle_due = pipeline.batch_len() == 0
+        let accepting = pipeline.accepting.is_some();
+        let batch_due = !accepting
+            && (pipeline.batch_len() >= cfg.batch_size
+                || pipeline
+                    .batch_started
+                    .is_some_and(|b| now >= b + cfg.batch_linger));
+        let idle_due = !accepting
+            && pipeline.batch_len() == 0
             && pipeline.tracker.watermark() > durable
             && now >= last_checkpoint_write + cfg.status_interval;
         if batch_due || idle_due {
-            let before = durable;
-            pipeline.flush(true, &mut durable, progress).await?;
+            pipeline.flush_pipelined(&mut durable, progress).await?;
             last_checkpoint_write = now;
-            if durable > before && now.duration_since(last_status) >= Duration::from_millis(100) {
-                send_status_now = true;
-            }
         }
         if pipeline.lease_expired || lease_state.is_lost() {
             tracing::warn!(

@@ -46,7 +46,14 @@ struct InFlight {
     destination_digest: String,
     commit_lsn: Option<Lsn>,
     ack: Option<EventToken>,
+    /// Payload bytes, counted in [`Pipeline::in_flight_bytes`].
+    bytes: usize,
 }
+
+/// Payload bytes sent and not yet reported on, beyond which the relay stops reading the slot
+/// (with `max_in_flight`): librdkafka holds a copy of each, so large payloads would otherwise
+/// grow the relay's memory with `max_in_flight` × payload size.
+pub(crate) const MAX_IN_FLIGHT_BYTES: usize = 16 * 1024 * 1024;
 
 fn key_of(ev: &OutboxEvent) -> AggKey {
     (ev.aggregate_type.clone(), ev.aggregate_id.clone())
@@ -78,7 +85,46 @@ pub(crate) struct Pipeline {
     /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
     pub retry_generation: HashMap<Uuid, i32>,
     slot: String,
+    /// The connection for pipelined acceptance ([`Self::flush_pipelined`]); `None` while its
+    /// transaction runs (the connection is inside [`Self::accepting`]) or when not enabled.
+    accept_client: Option<(Client, accept::Prepared)>,
+    pub accepting: Option<Accepting>,
+    in_flight_bytes: usize,
+    /// Send -> delivery report times since the last acceptance (count, sum ms, max ms), for
+    /// the acceptance debug line.
+    report_ms: (u64, f64, f64),
 }
+
+/// An acceptance transaction running on its own task while the relay goes on reading the
+/// slot, sending and collecting reports. At most one runs at a time, and no other acceptance
+/// starts before it is settled, so acceptance transactions commit in the order they were
+/// built: a checkpoint never commits before the receipts of an earlier batch.
+pub(crate) struct Accepting {
+    task: tokio::task::JoinHandle<AcceptDone>,
+    checkpoint: Option<Lsn>,
+    started: Instant,
+}
+
+/// Completes when the pipelined acceptance transaction in `a` has finished (never, if none
+/// runs). Cancel-safe; takes the field, not the pipeline, so it can sit in a `select!` next
+/// to `pipeline.reports`. Hand the result to [`Pipeline::finish_accept`].
+pub(crate) async fn accept_finished(
+    a: &mut Option<Accepting>,
+) -> Result<AcceptDone, tokio::task::JoinError> {
+    match a {
+        Some(a) => (&mut a.task).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A batch taken for acceptance, with the checkpoint it justifies.
+type TakenBatch = (Vec<LedgerItem>, Option<Lsn>);
+
+pub(crate) type AcceptDone = (
+    (Client, accept::Prepared),
+    Vec<LedgerItem>,
+    Result<AcceptOutcome, outbox_ledger::LedgerError>,
+);
 
 impl Pipeline {
     /// The ordering gate as the ledger left it: every aggregate's last accepted version, and
@@ -122,6 +168,10 @@ impl Pipeline {
             found: Default::default(),
             retry_generation: HashMap::new(),
             slot: slot.to_string(),
+            accept_client: None,
+            accepting: None,
+            report_ms: (0, 0.0, 0.0),
+            in_flight_bytes: 0,
         }
     }
 
@@ -134,6 +184,12 @@ impl Pipeline {
         &self.served
     }
 
+    /// Gives the pipeline a second ledger connection, so that acceptance transactions run
+    /// concurrently with streaming ([`Self::flush_pipelined`]).
+    pub fn enable_pipelined_accept(&mut self, client: Client) {
+        self.accept_client = Some((client, accept::Prepared::default()));
+    }
+
     /// Sent, or waiting behind an aggregate's in-flight event.
     pub fn outstanding(&self) -> usize {
         self.in_flight.len() + self.gate.queued()
@@ -141,6 +197,11 @@ impl Pipeline {
 
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
+    }
+
+    /// Payload bytes of the events sent and not yet reported on.
+    pub fn in_flight_bytes(&self) -> usize {
+        self.in_flight_bytes
     }
 
     pub fn batch_len(&self) -> usize {
@@ -345,6 +406,8 @@ impl Pipeline {
         match self.sink.send(&p.ev, token).await {
             Ok(()) => {
                 let ev = p.ev;
+                let bytes = ev.payload.len();
+                self.in_flight_bytes += bytes;
                 let attempt = self
                     .retry_generation
                     .get(&ev.event_id)
@@ -363,6 +426,7 @@ impl Pipeline {
                         destination_digest: ev.destination_digest,
                         commit_lsn: p.commit_lsn,
                         ack: p.ack,
+                        bytes,
                     },
                 );
                 Ok(Some(token))
@@ -393,6 +457,7 @@ impl Pipeline {
                 d.token
             )));
         };
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.bytes);
         match d.outcome {
             DeliveryOutcome::Persisted {
                 topic,
@@ -402,6 +467,11 @@ impl Pipeline {
                 duplicate,
             } => {
                 failpoint::hit("after-broker-ack");
+                if let Ok(d) = f.sent_at.elapsed() {
+                    let ms = d.as_secs_f64() * 1000.0;
+                    let r = &mut self.report_ms;
+                    *r = (r.0 + 1, r.1 + ms, r.2.max(ms));
+                }
                 // A broker-side duplicate (JetStream answered a repeated Nats-Msg-Id with the
                 // original sequence) is the same copy, not a new one: the acceptance point
                 // keeps it as a duplicate transport receipt when the event has its primary.
@@ -484,46 +554,170 @@ impl Pipeline {
         }
     }
 
+    /// Resolves the batch's events (when `track`) and takes the batch with the checkpoint the
+    /// tracker then allows; `None` when there is nothing to record.
+    fn take_batch(&mut self, track: bool, durable: Lsn) -> Result<Option<TakenBatch>, RelayError> {
+        let mut checkpoint = None;
+        if track {
+            for a in self.batch_acks.drain(..) {
+                self.tracker.resolve(a)?;
+            }
+            if self.tracker.watermark() > durable {
+                checkpoint = Some(self.tracker.watermark());
+            }
+        }
+        if self.batch.is_empty() && checkpoint.is_none() {
+            return Ok(None);
+        }
+        self.batch_started = None;
+        Ok(Some((std::mem::take(&mut self.batch), checkpoint)))
+    }
+
+    /// After a committed acceptance transaction: failpoint, checkpoint, counters.
+    fn accepted(
+        &mut self,
+        items: &[LedgerItem],
+        out: &AcceptOutcome,
+        checkpoint: Option<Lsn>,
+        durable: &mut Lsn,
+        progress: &Progress,
+    ) {
+        if out.primary + out.duplicates > 0 {
+            failpoint::hit("after-accept");
+        }
+        if let Some(c) = checkpoint {
+            *durable = (*durable).max(c);
+            progress.set_checkpoint(c);
+        }
+        progress.record(out);
+        crate::metrics::receipts_accepted(items);
+    }
+
     /// One acceptance transaction: the batch, plus (when `track`) the checkpoint the tracker
-    /// allows after resolving it. `durable` is updated only after COMMIT.
+    /// allows after resolving it. `durable` is updated only after COMMIT. A pipelined
+    /// transaction still running is settled first.
     pub async fn flush(
         &mut self,
         track: bool,
         durable: &mut Lsn,
         progress: &Progress,
     ) -> Result<AcceptOutcome, RelayError> {
-        let mut checkpoint = None;
-        if track {
-            for a in self.batch_acks.drain(..) {
-                self.tracker.resolve(a)?;
-            }
-            if self.tracker.watermark() > *durable {
-                checkpoint = Some(self.tracker.watermark());
-            }
-        }
-        if self.batch.is_empty() && checkpoint.is_none() {
+        self.settle(durable, progress).await?;
+        let Some((items, checkpoint)) = self.take_batch(track, *durable)? else {
             return Ok(AcceptOutcome::default());
-        }
-        let out = accept::accept_batch(
+        };
+        match accept::accept_batch(
             &mut self.client,
             &self.slot,
-            &self.batch,
+            &items,
             checkpoint,
             Some(&self.fence),
         )
-        .await?;
-        if out.primary + out.duplicates > 0 {
-            failpoint::hit("after-accept");
+        .await
+        {
+            Ok(out) => {
+                self.accepted(&items, &out, checkpoint, durable, progress);
+                Ok(out)
+            }
+            Err(e) => {
+                // Kept for salvage: the receipts in it are still evidence worth recording.
+                self.batch = items;
+                Err(e.into())
+            }
         }
-        crate::metrics::receipts_accepted(&self.batch);
-        self.batch.clear();
-        self.batch_started = None;
-        if let Some(c) = checkpoint {
-            *durable = c;
-            progress.set_checkpoint(c);
+    }
+
+    /// Starts the acceptance transaction of the batch on its own task and returns at once;
+    /// [`Self::settle`] collects it. Falls back to [`Self::flush`] without a second ledger
+    /// connection. Does nothing while another pipelined transaction runs: the batch keeps
+    /// growing meanwhile, so batches grow with the ledger's latency.
+    pub async fn flush_pipelined(
+        &mut self,
+        durable: &mut Lsn,
+        progress: &Progress,
+    ) -> Result<(), RelayError> {
+        if self.accepting.is_some() {
+            return Ok(());
         }
-        progress.record(&out);
-        Ok(out)
+        let Some((mut client, mut prepared)) = self.accept_client.take() else {
+            return self.flush(true, durable, progress).await.map(|_| ());
+        };
+        let Some((items, checkpoint)) = self.take_batch(true, *durable)? else {
+            self.accept_client = Some((client, prepared));
+            return Ok(());
+        };
+        let (slot, fence) = (self.slot.clone(), self.fence.clone());
+        let task = tokio::spawn(async move {
+            let r = accept::accept_batch_prepared(
+                &mut client,
+                &mut prepared,
+                &slot,
+                &items,
+                checkpoint,
+                Some(&fence),
+            )
+            .await;
+            ((client, prepared), items, r)
+        });
+        self.accepting = Some(Accepting {
+            task,
+            checkpoint,
+            started: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// Waits for the pipelined acceptance transaction, if one runs, and applies its result
+    /// (`durable` moves only after its COMMIT).
+    pub async fn settle(
+        &mut self,
+        durable: &mut Lsn,
+        progress: &Progress,
+    ) -> Result<(), RelayError> {
+        if self.accepting.is_none() {
+            return Ok(());
+        }
+        let joined = accept_finished(&mut self.accepting).await;
+        self.finish_accept(joined, durable, progress)
+    }
+
+    /// Applies the result of the pipelined acceptance transaction that
+    /// [`accept_finished`] reported.
+    pub fn finish_accept(
+        &mut self,
+        joined: Result<AcceptDone, tokio::task::JoinError>,
+        durable: &mut Lsn,
+        progress: &Progress,
+    ) -> Result<(), RelayError> {
+        let (checkpoint, started) = match self.accepting.take() {
+            Some(a) => (a.checkpoint, Some(a.started)),
+            None => (None, None),
+        };
+        let (client, items, result) =
+            joined.map_err(|e| RelayError::Internal(format!("acceptance task: {e}")))?;
+        tracing::debug!(
+            items = items.len(),
+            ms = started.map(|s| s.elapsed().as_secs_f64() * 1000.0),
+            in_flight = self.in_flight.len(),
+            report_avg_ms = self.report_ms.1 / self.report_ms.0.max(1) as f64,
+            report_max_ms = self.report_ms.2,
+            "acceptance transaction done"
+        );
+        self.report_ms = (0, 0.0, 0.0);
+        self.accept_client = Some(client);
+        match result {
+            Ok(out) => {
+                self.accepted(&items, &out, checkpoint, durable, progress);
+                Ok(())
+            }
+            Err(e) => {
+                // Kept for salvage: the receipts in it are still evidence worth recording.
+                let mut items = items;
+                items.append(&mut self.batch);
+                self.batch = items;
+                Err(e.into())
+            }
+        }
     }
 
     /// Republishes aggregates an operator released, in version order, one event at a time.

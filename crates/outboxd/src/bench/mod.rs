@@ -1,0 +1,830 @@
+//! `outboxd bench`: how fast the relay is, measured against PostgreSQL's own decoder and a
+//! polling relay, in one run on one machine, on the embedded default (a throwaway PostgreSQL
+//! cluster and librdkafka's mock broker in this process).
+//!
+//! Phases of the main scenario (every number is from the same run):
+//! 1. **Backlog**: N events are enqueued with `outbox.enqueue` while the relay is stopped (its
+//!    slot exists). A second slot, created just before, covers the same WAL range.
+//! 2. **Decode limit**: `pg_recvlogical` (pgoutput, `proto_version=1`, to `/dev/null`) drains
+//!    the second slot up to the backlog's end: the physical limit of logical decoding here.
+//! 3. **Drain**: the relay runs as a child process (`outboxd run`, so its RSS and CPU are its
+//!    own) and is timed from spawn until the slot's `confirmed_flush_lsn` passes the backlog
+//!    end — every event published, its receipt accepted, the LSN confirmed.
+//! 4. **Steady**: concurrent writers commit at a constant rate; per event, commit (producer
+//!    side, when COMMIT returned) to receipt accepted (`outbox.receipts.accepted_at`).
+//! 5. **Crash**: the relay is SIGKILLed under load and restarted; events the broker got twice
+//!    (topic growth minus events produced) are the replay cost, in milliseconds of traffic.
+//! 6. **Polling baseline** ([`poll`]): a `FOR UPDATE SKIP LOCKED` claim-and-mark relay
+//!    drains the same backlog and the same steady rate to the same broker.
+//!
+//! Variants (payload size, aggregate count) repeat phases 1-3 with fewer events. Output: a
+//! table, a JSON file, an SVG chart, and a last line that scripts can parse. Nothing here
+//! asserts anything about speed; CI runs a tiny configuration to prove the tool works.
+
+mod poll;
+mod procstat;
+mod report;
+mod workload;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use outbox_testkit::kafka::TestKafka;
+use outbox_testkit::postgres::TestPostgres;
+use tokio_postgres::Client;
+
+use crate::cli::BenchArgs;
+use procstat::ClusterCpu;
+pub(crate) use report::Report;
+
+/// Everything one bench run shares: the cluster, the broker, where logs go.
+pub(crate) struct Ctx {
+    pg: TestPostgres,
+    kafka: TestKafka,
+    bootstrap: String,
+    bindir: PathBuf,
+    postmaster: i32,
+    exe: PathBuf,
+    dir: tempfile::TempDir,
+    args: BenchArgs,
+}
+
+/// One workload shape.
+#[derive(Debug, Clone)]
+pub(crate) struct Scenario {
+    pub name: String,
+    pub payload: usize,
+    pub aggregates: u64,
+    pub events: u64,
+}
+
+/// A database prepared for one scenario: migrated, the relay's slot created (by a first relay
+/// run, so the ledger knows it), a second slot for `pg_recvlogical`, a topic.
+pub(crate) struct Db {
+    pub url: String,
+    pub client: Client,
+    pub slot: String,
+    pub recv_slot: String,
+    pub agg_type: String,
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let ctx = Ctx::start(args).await?;
+    let result = run_all(&ctx).await;
+    ctx.pg.stop();
+    let report = result.map_err(with_db_detail)?;
+    report.print_table();
+    report.write_json(&ctx.args.json)?;
+    if let Some(svg) = &ctx.args.svg {
+        report.write_svg(svg)?;
+    }
+    println!("{}", report.last_line());
+    Ok(())
+}
+
+async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
+    let a = &ctx.args;
+    let main = Scenario {
+        name: format!("p{}_a{}", a.payload, a.aggregates),
+        payload: a.payload,
+        aggregates: a.aggregates,
+        events: a.events,
+    };
+    let mut report = Report::new(&main, a);
+    eprintln!("bench: main scenario {main:?}");
+    let db = ctx.prepare(&main).await?;
+
+    let enqueue_s = workload::enqueue_backlog(&db, &main, a.txn_size).await?;
+    let end = workload::backlog_end(&db.client).await?;
+    report.enqueue_events_per_s = main.events as f64 / enqueue_s;
+    report.wal_backlog_mib = wal_retained(&db.client, &db.slot).await? / MIB;
+    eprintln!(
+        "bench: backlog of {} events enqueued in {enqueue_s:.1} s",
+        main.events
+    );
+
+    let load = |phase: &str, r: &mut Report| r.load.push((phase.into(), procstat::loadavg()));
+    load("decode", &mut report);
+    report.decode = ctx.decode_limit(&db, end.clone(), main.events).await?;
+    load("drain", &mut report);
+    eprintln!("bench: pg_recvlogical {:.0} events/s", report.decode.rate);
+    let (mut relay, drain) = ctx.drain(&db, end, main.events).await?;
+    report.drain = drain;
+    report.drain_series = workload::receipt_series(&db.client, report.drain.started_epoch).await?;
+    eprintln!("bench: relay drain {:.0} events/s", report.drain.rate);
+
+    // The drain's own ledger writes (receipts, aggregate heads, checkpoints) are WAL after the
+    // backlog, in the same database: the walsender decodes all of it before anything newer.
+    // Measured on its own, so the steady phase starts from a caught-up relay.
+    let wal_mib = wal_retained(&db.client, &db.slot).await? / MIB;
+    let t = Instant::now();
+    let end = workload::backlog_end(&db.client).await?;
+    while !confirmed_past(&db.client, &db.slot, &end).await? {
+        relay.check_alive()?;
+        if t.elapsed() > Duration::from_secs(a.timeout_secs) {
+            bail!("the relay did not catch up with the ledger's WAL after the drain");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    report.catchup = (wal_mib, t.elapsed().as_secs_f64());
+    eprintln!(
+        "bench: WAL retained at the drain's end: {wal_mib:.0} MiB; caught up with the ledger's own WAL in {:.1} s",
+        report.catchup.1
+    );
+
+    load("steady", &mut report);
+    report.steady = ctx.steady(&db, &main, &mut relay).await?;
+    load("steady end", &mut report);
+    eprintln!(
+        "bench: steady {:.0} events/s, p99 {:.1} ms",
+        report.steady.achieved_rate, report.steady.latency.p99
+    );
+    report.rss_peak_mib = relay.rss().map(|(_, hwm)| hwm as f64 / MIB).unwrap_or(0.0);
+    if a.crash_secs > 0.0 {
+        let (r, crash) = ctx.crash(&db, &main, relay).await?;
+        relay = r;
+        report.crash = Some(crash);
+    }
+    relay.terminate()?;
+
+    if !a.no_poll {
+        load("polling", &mut report);
+        let (drain, steady, series) = poll::baseline(ctx, &main).await?;
+        eprintln!(
+            "bench: polling drain {:.0} events/s, steady p99 {:.1} ms",
+            drain.rate, steady.latency.p99
+        );
+        report.poll_drain = Some(drain);
+        report.poll_steady = Some(steady);
+        report.poll_series = series;
+    }
+
+    load("variants", &mut report);
+    for v in a.variants.iter().filter(|v| v.0 > 0) {
+        let (payload, aggregates) = *v;
+        let budget = (a.variant_mib * MIB) as u64 / payload.max(1) as u64;
+        let sc = Scenario {
+            name: format!("p{payload}_a{aggregates}"),
+            payload,
+            aggregates,
+            events: a.variant_events.min(budget.max(1000)),
+        };
+        eprintln!("bench: variant {sc:?}");
+        let db = ctx.prepare(&sc).await?;
+        workload::enqueue_backlog(&db, &sc, a.txn_size).await?;
+        let end = workload::backlog_end(&db.client).await?;
+        let decode = ctx.decode_limit(&db, end.clone(), sc.events).await?;
+        let (relay, drain) = ctx.drain(&db, end, sc.events).await?;
+        let rss = relay.rss().map(|(_, hwm)| hwm as f64 / MIB).unwrap_or(0.0);
+        relay.terminate()?;
+        report.variants.push(report::VariantResult {
+            scenario: sc,
+            decode,
+            drain,
+            rss_peak_mib: rss,
+        });
+    }
+    Ok(report)
+}
+
+pub(crate) const MIB: f64 = 1024.0 * 1024.0;
+
+/// The bench lets database errors through with `?`; say what PostgreSQL said.
+fn with_db_detail(e: anyhow::Error) -> anyhow::Error {
+    let detail = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<tokio_postgres::Error>())
+        .map(outbox_ledger::describe_db_error);
+    match detail {
+        Some(d) => e.context(format!("PostgreSQL: {d}")),
+        None => e,
+    }
+}
+
+/// A timed phase: rate, CPU of the relay and of PostgreSQL, per event.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Phase {
+    pub events: u64,
+    pub secs: f64,
+    pub rate: f64,
+    pub relay_cpu_s: f64,
+    pub pg_cpu_s: f64,
+    /// CPU of this process: the embedded broker (librdkafka's mock cluster), the writers and
+    /// the polling relay when they run, the sampling.
+    pub bench_cpu_s: f64,
+    /// Wall-clock start (seconds since the Unix epoch), to align ledger timestamps.
+    pub started_epoch: f64,
+    pub wal_retained_peak_mib: f64,
+}
+
+impl Phase {
+    pub fn relay_us_per_event(&self) -> f64 {
+        1e6 * self.relay_cpu_s / self.events.max(1) as f64
+    }
+    pub fn pg_us_per_event(&self) -> f64 {
+        1e6 * self.pg_cpu_s / self.events.max(1) as f64
+    }
+    pub fn bench_us_per_event(&self) -> f64 {
+        1e6 * self.bench_cpu_s / self.events.max(1) as f64
+    }
+}
+
+/// Latency percentiles, milliseconds.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Latency {
+    pub count: usize,
+    pub p50: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+    /// (latency ms, cumulative fraction) points for the chart.
+    pub cdf: Vec<(f64, f64)>,
+    /// (seconds since the phase started, worst latency ms of events committed in that 250 ms).
+    pub worst_by_commit_time: Vec<(f64, f64)>,
+}
+
+impl Latency {
+    pub fn from_samples(mut v: Vec<f64>) -> Latency {
+        if v.is_empty() {
+            return Latency::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        let n = v.len();
+        let step = (n / 400).max(1);
+        let mut cdf: Vec<(f64, f64)> = (0..n)
+            .step_by(step)
+            .map(|i| (v[i], (i + 1) as f64 / n as f64))
+            .collect();
+        cdf.push((v[n - 1], 1.0));
+        Latency {
+            count: n,
+            p50: q(0.50),
+            p99: q(0.99),
+            p999: q(0.999),
+            max: v[n - 1],
+            cdf,
+            worst_by_commit_time: Vec::new(),
+        }
+    }
+}
+
+/// A steady-rate phase.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Steady {
+    pub target_rate: f64,
+    pub achieved_rate: f64,
+    pub phase: Phase,
+    pub latency: Latency,
+    pub rss_steady_mib: f64,
+    /// WAL written but not yet sent by the relay's walsender (median, max MiB over 100 ms
+    /// samples): how far PostgreSQL's decoding, not the relay, is behind.
+    pub walsender_unsent_mib: (f64, f64),
+    /// Seconds (0.5 s samples) during which an autovacuum worker ran, and checkpoints started:
+    /// background work competing for the CPUs while latency was measured.
+    pub autovacuum_s: f64,
+    pub checkpoints: i64,
+}
+
+/// The SIGKILL phase.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Crash {
+    pub rate: f64,
+    pub produced: u64,
+    pub republished: u64,
+    pub republished_ms: f64,
+    pub recovery_s: f64,
+}
+
+/// CPU seconds this process (the bench, with the embedded broker) has used so far.
+pub(crate) fn own_cpu() -> f64 {
+    procstat::cpu_secs(std::process::id() as i32).unwrap_or(0.0)
+}
+
+fn epoch_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// `restart_lsn` of `slot` to the current WAL insert position, bytes.
+async fn wal_retained(client: &Client, slot: &str) -> anyhow::Result<f64> {
+    let row = client
+        .query_one(
+            "SELECT coalesce(pg_wal_lsn_diff(pg_current_wal_insert_lsn(), restart_lsn), 0)::float8
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .context("reading WAL retained by the slot")?;
+    Ok(row.get(0))
+}
+
+/// Checkpoints the cluster has started so far.
+async fn checkpoints(client: &Client) -> anyhow::Result<i64> {
+    let row = client
+        .query_one(
+            "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter",
+            &[],
+        )
+        .await
+        .context("reading pg_stat_bgwriter")?;
+    Ok(row.get(0))
+}
+
+/// WAL the walsender serving `slot` has not sent yet, bytes (0 when none serves it).
+async fn walsender_unsent(client: &Client, slot: &str) -> anyhow::Result<f64> {
+    let row = client
+        .query_opt(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), r.sent_lsn)::float8
+             FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+             WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .context("reading the walsender's position")?;
+    Ok(row.and_then(|r| r.get::<_, Option<f64>>(0)).unwrap_or(0.0))
+}
+
+/// Whether `slot` has confirmed `lsn` (text form).
+async fn confirmed_past(client: &Client, slot: &str, lsn: &str) -> anyhow::Result<bool> {
+    let row = client
+        .query_one(
+            "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false)
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot, &lsn],
+        )
+        .await
+        .context("reading the slot's confirmed position")?;
+    Ok(row.get(0))
+}
+
+impl Ctx {
+    async fn start(args: BenchArgs) -> anyhow::Result<Ctx> {
+        eprintln!("bench: starting a throwaway PostgreSQL cluster (wal_level=logical) ...");
+        let pg = tokio::task::spawn_blocking(|| TestPostgres::start_throwaway(None))
+            .await?
+            .context("starting the throwaway PostgreSQL")?;
+        let bindir = outbox_testkit::postgres::find_bindir()?;
+        let kafka = TestKafka::mock(1).map_err(|e| anyhow::anyhow!("embedded broker: {e}"))?;
+        let bootstrap = kafka.bootstrap_servers().to_string();
+        let admin = crate::connect(&pg.url("postgres")).await?;
+        // The throwaway cluster runs with synchronous_commit=off (fast tests). Then a commit
+        // reaches the walsender only when the WAL writer flushes (every wal_writer_delay,
+        // 200 ms), which would dominate every latency measured here; PostgreSQL's default
+        // flushes at commit. fsync stays off: the disk of this machine is not what we measure.
+        for sql in [
+            "ALTER SYSTEM SET synchronous_commit = on",
+            "SELECT pg_reload_conf()",
+        ] {
+            admin
+                .batch_execute(sql)
+                .await
+                .with_context(|| format!("setting synchronous_commit = on: {sql}"))?;
+        }
+        let data: String = admin.query_one("SHOW data_directory", &[]).await?.get(0);
+        let pid_file = Path::new(&data).join("postmaster.pid");
+        let postmaster = std::fs::read_to_string(&pid_file)
+            .with_context(|| format!("reading {}", pid_file.display()))?
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .with_context(|| format!("no pid in {}", pid_file.display()))?;
+        let exe = std::env::current_exe().context("locating the outboxd binary")?;
+        let dir = tempfile::Builder::new()
+            .prefix("outboxd-bench-")
+            .tempdir()
+            .context("creating a temporary directory for relay logs")?;
+        Ok(Ctx {
+            pg,
+            kafka,
+            bootstrap,
+            bindir,
+            postmaster,
+            exe,
+            dir,
+            args,
+        })
+    }
+
+    async fn prepare(&self, sc: &Scenario) -> anyhow::Result<Db> {
+        let url = self
+            .pg
+            .create_database(&format!("bench_{}", sc.name))
+            .await?;
+        crate::migrate(&url).await?;
+        let client = crate::connect(&url).await?;
+        let agg_type = format!("bench_{}", sc.name);
+        self.kafka
+            .create_topic(&format!("outbox.event.{agg_type}"), self.args.partitions)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let slot = format!("bench_{}", sc.name);
+        // The relay creates its slot (and the ledger row that makes it its own); the backlog
+        // enqueued after it stops goes through the stream, not the initial snapshot.
+        let relay = RelayChild::spawn(self, &url, &slot)?;
+        let t = Instant::now();
+        loop {
+            let active: Option<bool> = client
+                .query_opt(
+                    "SELECT s.active FROM pg_replication_slots s
+                     JOIN outbox.checkpoints c ON c.slot_name = s.slot_name
+                     WHERE s.slot_name = $1 AND c.snapshot_done",
+                    &[&slot],
+                )
+                .await?
+                .map(|r| r.get(0));
+            if active == Some(true) {
+                break;
+            }
+            relay.check_alive()?;
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!(
+                    "the relay did not start streaming within 60 s; see {}",
+                    relay.log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        relay.terminate()?;
+        let recv_slot = format!("{slot}_recv");
+        client
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&recv_slot],
+            )
+            .await
+            .context("creating the pg_recvlogical slot")?;
+        Ok(Db {
+            url,
+            client,
+            slot,
+            recv_slot,
+            agg_type,
+        })
+    }
+
+    /// `pg_recvlogical` over the second slot, up to `end`.
+    async fn decode_limit(&self, db: &Db, end: String, events: u64) -> anyhow::Result<Phase> {
+        let mut cpu = ClusterCpu::start(self.postmaster);
+        let own0 = own_cpu();
+        let started_epoch = epoch_now();
+        let t = Instant::now();
+        let mut child = tokio::process::Command::new(self.bindir.join("pg_recvlogical"))
+            .args([
+                "-d",
+                &db.url,
+                "--slot",
+                &db.recv_slot,
+                "--start",
+                "--no-loop",
+            ])
+            .args([
+                "-o",
+                "proto_version=1",
+                "-o",
+                "publication_names=outbox_pub",
+            ])
+            .args(["-E", &end, "-f", "/dev/null", "-s", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("running pg_recvlogical")?;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let status = loop {
+            tokio::select! {
+                s = child.wait() => break s?,
+                _ = tick.tick() => cpu.sample(),
+            }
+        };
+        let secs = t.elapsed().as_secs_f64();
+        cpu.sample();
+        if !status.success() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                use tokio::io::AsyncReadExt;
+                let _ = e.read_to_string(&mut err).await;
+            }
+            bail!("pg_recvlogical failed ({status}): {err}");
+        }
+        Ok(Phase {
+            events,
+            secs,
+            rate: events as f64 / secs,
+            relay_cpu_s: 0.0,
+            pg_cpu_s: cpu.secs(),
+            bench_cpu_s: own_cpu() - own0,
+            started_epoch,
+            wal_retained_peak_mib: 0.0,
+        })
+    }
+
+    /// Starts the relay on the backlog and times it until the slot confirmed `end`.
+    async fn drain(
+        &self,
+        db: &Db,
+        end: String,
+        events: u64,
+    ) -> anyhow::Result<(RelayChild, Phase)> {
+        let mut cpu = ClusterCpu::start(self.postmaster);
+        let own0 = own_cpu();
+        let started_epoch = epoch_now();
+        let t = Instant::now();
+        let relay = RelayChild::spawn(self, &db.url, &db.slot)?;
+        let mut n = 0u64;
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            n += 1;
+            if n % 2 == 0 {
+                cpu.sample();
+            }
+            relay.check_alive()?;
+            if confirmed_past(&db.client, &db.slot, &end).await? {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(self.args.timeout_secs) {
+                bail!(
+                    "the relay did not drain {events} events within {} s; see {}",
+                    self.args.timeout_secs,
+                    relay.log.display()
+                );
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        cpu.sample();
+        let relay_cpu_s = relay.cpu_secs();
+        Ok((
+            relay,
+            Phase {
+                events,
+                secs,
+                rate: events as f64 / secs,
+                relay_cpu_s,
+                pg_cpu_s: cpu.secs(),
+                bench_cpu_s: own_cpu() - own0,
+                started_epoch,
+                wal_retained_peak_mib: 0.0,
+            },
+        ))
+    }
+
+    /// Constant-rate writers with the relay running; latency per event from the ledger.
+    async fn steady(
+        &self,
+        db: &Db,
+        sc: &Scenario,
+        relay: &mut RelayChild,
+    ) -> anyhow::Result<Steady> {
+        let a = &self.args;
+        let mut cpu = ClusterCpu::start(self.postmaster);
+        let relay_cpu0 = relay.cpu_secs();
+        let own0 = own_cpu();
+        let started_epoch = epoch_now();
+        let t = Instant::now();
+        let writers = workload::Writers::start(
+            self,
+            &db.url,
+            workload::Target::Outbox(db.agg_type.clone()),
+            sc,
+            a.rate as f64,
+            Duration::from_secs_f64(a.steady_secs),
+        )
+        .await?;
+        let checkpoints0 = checkpoints(&db.client).await?;
+        let mut autovacuum_samples = 0u64;
+        let mut rss = Vec::new();
+        let mut unsent = Vec::new();
+        let mut wal_peak = 0.0f64;
+        let mut i = 0u64;
+        while !writers.finished() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            i += 1;
+            cpu.sample();
+            relay.check_alive()?;
+            if let Some((r, _)) = relay.rss() {
+                rss.push(r as f64 / MIB);
+            }
+            if i % 5 == 0 {
+                wal_peak = wal_peak.max(wal_retained(&db.client, &db.slot).await?);
+                let av: i64 = db
+                    .client
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'",
+                        &[],
+                    )
+                    .await?
+                    .get(0);
+                autovacuum_samples += u64::from(av > 0);
+            }
+            unsent.push(walsender_unsent(&db.client, &db.slot).await? / MIB);
+        }
+        let committed = writers.join().await?;
+        let produced_secs = t.elapsed().as_secs_f64();
+        let end = workload::backlog_end(&db.client).await?;
+        let wait = Instant::now();
+        while !confirmed_past(&db.client, &db.slot, &end).await? {
+            relay.check_alive()?;
+            if wait.elapsed() > Duration::from_secs(a.timeout_secs) {
+                bail!(
+                    "the relay did not catch up after the steady phase; see {}",
+                    relay.log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cpu.sample();
+        let accepted = workload::accepted_times(
+            &db.client,
+            &committed,
+            workload::Target::Outbox(String::new()),
+        )
+        .await?;
+        let latency = workload::latencies(&committed, &accepted, started_epoch);
+        rss.sort_by(f64::total_cmp);
+        let n = committed.len() as u64;
+        Ok(Steady {
+            target_rate: a.rate as f64,
+            achieved_rate: n as f64 / produced_secs,
+            phase: Phase {
+                events: n,
+                secs: produced_secs,
+                rate: n as f64 / produced_secs,
+                relay_cpu_s: relay.cpu_secs() - relay_cpu0,
+                pg_cpu_s: cpu.secs(),
+                bench_cpu_s: own_cpu() - own0,
+                started_epoch,
+                wal_retained_peak_mib: wal_peak / MIB,
+            },
+            latency,
+            rss_steady_mib: rss.get(rss.len() / 2).copied().unwrap_or(0.0),
+            autovacuum_s: autovacuum_samples as f64 * 0.5,
+            checkpoints: checkpoints(&db.client).await? - checkpoints0,
+            walsender_unsent_mib: {
+                unsent.sort_by(f64::total_cmp);
+                (
+                    unsent.get(unsent.len() / 2).copied().unwrap_or(0.0),
+                    unsent.last().copied().unwrap_or(0.0),
+                )
+            },
+        })
+    }
+
+    /// SIGKILL under load, immediate restart; what the broker got twice.
+    async fn crash(
+        &self,
+        db: &Db,
+        sc: &Scenario,
+        relay: RelayChild,
+    ) -> anyhow::Result<(RelayChild, Crash)> {
+        let a = &self.args;
+        let topic = format!("outbox.event.{}", db.agg_type);
+        let before = poll::topic_messages(&self.bootstrap, &topic, a.partitions)?;
+        let writers = workload::Writers::start(
+            self,
+            &db.url,
+            workload::Target::Outbox(db.agg_type.clone()),
+            sc,
+            a.rate as f64,
+            Duration::from_secs_f64(a.crash_secs),
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_secs_f64(a.crash_secs / 2.0)).await;
+        relay.kill9()?;
+        let killed = Instant::now();
+        let relay = RelayChild::spawn(self, &db.url, &db.slot)?;
+        let committed = writers.join().await?;
+        let end = workload::backlog_end(&db.client).await?;
+        while !confirmed_past(&db.client, &db.slot, &end).await? {
+            relay.check_alive()?;
+            if killed.elapsed() > Duration::from_secs(a.timeout_secs) {
+                bail!(
+                    "the restarted relay did not catch up; see {}",
+                    relay.log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let recovery_s = killed.elapsed().as_secs_f64();
+        let after = poll::topic_messages(&self.bootstrap, &topic, a.partitions)?;
+        let produced = committed.len() as u64;
+        let republished = (after - before).saturating_sub(produced);
+        let rate = produced as f64 / a.crash_secs;
+        Ok((
+            relay,
+            Crash {
+                rate,
+                produced,
+                republished,
+                republished_ms: 1000.0 * republished as f64 / rate.max(1.0),
+                recovery_s,
+            },
+        ))
+    }
+}
+
+/// `outboxd run` as a child process, logging to a file.
+pub(crate) struct RelayChild {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl RelayChild {
+    fn spawn(ctx: &Ctx, url: &str, slot: &str) -> anyhow::Result<RelayChild> {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = ctx.args.log_dir.as_deref().unwrap_or(ctx.dir.path());
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let log = dir.join(format!("relay-{slot}-{n}.log"));
+        let file = std::fs::File::create(&log).context("creating the relay log file")?;
+        let mut cmd = Command::new(&ctx.exe);
+        cmd.args([
+            "run",
+            "--database-url",
+            url,
+            "--bootstrap-servers",
+            &ctx.bootstrap,
+        ])
+        .args(["--slot", slot, "--relay-id", "outboxd-bench"])
+        .args(&ctx.args.relay_args)
+        .env(
+            "OUTBOXD_LOG",
+            std::env::var("OUTBOXD_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file);
+        let child = cmd.spawn().context("starting `outboxd run`")?;
+        Ok(RelayChild { child, log })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn cpu_secs(&self) -> f64 {
+        procstat::cpu_secs(self.pid()).unwrap_or(0.0)
+    }
+
+    pub fn rss(&self) -> Option<(u64, u64)> {
+        procstat::rss(self.pid())
+    }
+
+    fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Fails with the log's tail if the relay exited.
+    pub fn check_alive(&self) -> anyhow::Result<()> {
+        // `/proc/<pid>/stat` of a zombie still exists; its state field is 'Z'.
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
+        let state = stat.rfind(')').and_then(|i| stat[i + 2..].chars().next());
+        if matches!(state, None | Some('Z') | Some('X')) {
+            bail!("the relay exited early:\n{}", self.log_tail());
+        }
+        Ok(())
+    }
+
+    /// SIGTERM and wait (the relay drains, confirms and releases its lease).
+    pub fn terminate(mut self) -> anyhow::Result<()> {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.pid(), libc::SIGTERM);
+        }
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(30) {
+            if let Some(status) = self.child.try_wait()? {
+                if !status.success() {
+                    bail!("the relay exited with {status}:\n{}", self.log_tail());
+                }
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        bail!(
+            "the relay did not stop within 30 s of SIGTERM; see {}",
+            self.log.display()
+        )
+    }
+
+    pub fn kill9(mut self) -> anyhow::Result<()> {
+        self.child.kill().context("SIGKILL of the relay")?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for RelayChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

@@ -1,0 +1,435 @@
+//! The bench's output: a table, a JSON file, an SVG chart (latency distribution and
+//! throughput over time, drawn with `plotters`), and one last line for scripts:
+//! `decode_ratio=X drain_events_per_s=Y p99_ms=Z rss_mib=W poll_ratio=V`.
+
+use std::path::Path;
+
+use anyhow::Context;
+use serde_json::json;
+
+use super::{Crash, Latency, Phase, Scenario, Steady};
+use crate::cli::BenchArgs;
+
+#[derive(Debug, Clone)]
+pub(crate) struct VariantResult {
+    pub scenario: Scenario,
+    pub decode: Phase,
+    pub drain: Phase,
+    pub rss_peak_mib: f64,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Report {
+    pub scenario: Option<Scenario>,
+    pub rate: f64,
+    pub writers: u64,
+    pub events_per_txn: u64,
+    pub enqueue_events_per_s: f64,
+    pub wal_backlog_mib: f64,
+    pub decode: Phase,
+    pub drain: Phase,
+    pub drain_series: Vec<(f64, f64)>,
+    /// After the drain: (WAL the slot still retained, MiB; seconds until confirmed past it).
+    pub catchup: (f64, f64),
+    pub steady: Steady,
+    pub rss_peak_mib: f64,
+    pub crash: Option<Crash>,
+    pub poll_drain: Option<Phase>,
+    pub poll_steady: Option<Steady>,
+    pub poll_series: Vec<(f64, f64)>,
+    pub variants: Vec<VariantResult>,
+    /// 1-minute load average sampled at each phase boundary (name, load).
+    pub load: Vec<(String, f64)>,
+}
+
+fn phase_json(p: &Phase) -> serde_json::Value {
+    json!({
+        "events": p.events, "seconds": p.secs, "events_per_s": p.rate,
+        "relay_cpu_s": p.relay_cpu_s, "pg_cpu_s": p.pg_cpu_s,
+        "relay_cpu_us_per_event": p.relay_us_per_event(),
+        "pg_cpu_us_per_event": p.pg_us_per_event(),
+        "bench_cpu_s": p.bench_cpu_s,
+        "bench_cpu_us_per_event": p.bench_us_per_event(),
+        "wal_retained_peak_mib": p.wal_retained_peak_mib,
+    })
+}
+
+fn latency_json(l: &Latency) -> serde_json::Value {
+    json!({
+        "count": l.count, "p50_ms": l.p50, "p99_ms": l.p99, "p999_ms": l.p999, "max_ms": l.max,
+        "worst_ms_by_commit_time_250ms": l.worst_by_commit_time,
+    })
+}
+
+fn steady_json(s: &Steady) -> serde_json::Value {
+    json!({
+        "target_events_per_s": s.target_rate, "achieved_events_per_s": s.achieved_rate,
+        "phase": phase_json(&s.phase), "latency": latency_json(&s.latency),
+        "rss_steady_mib": s.rss_steady_mib,
+        "walsender_unsent_mib_median": s.walsender_unsent_mib.0,
+        "walsender_unsent_mib_max": s.walsender_unsent_mib.1,
+        "autovacuum_running_s": s.autovacuum_s,
+        "checkpoints": s.checkpoints,
+    })
+}
+
+impl Report {
+    pub fn new(main: &Scenario, a: &BenchArgs) -> Report {
+        Report {
+            scenario: Some(main.clone()),
+            rate: a.rate as f64,
+            writers: a.writers,
+            events_per_txn: a.events_per_txn,
+            ..Report::default()
+        }
+    }
+
+    pub fn decode_ratio(&self) -> f64 {
+        self.drain.rate / self.decode.rate.max(f64::MIN_POSITIVE)
+    }
+
+    pub fn poll_ratio(&self) -> f64 {
+        match &self.poll_drain {
+            Some(p) => self.drain.rate / p.rate.max(f64::MIN_POSITIVE),
+            None => 0.0,
+        }
+    }
+
+    pub fn last_line(&self) -> String {
+        format!(
+            "decode_ratio={:.2} drain_events_per_s={:.0} p99_ms={:.1} rss_mib={:.1} poll_ratio={:.2}",
+            self.decode_ratio(),
+            self.drain.rate,
+            self.steady.latency.p99,
+            self.rss_peak_mib,
+            self.poll_ratio()
+        )
+    }
+
+    pub fn print_table(&self) {
+        let sc = self.scenario.clone().unwrap_or(Scenario {
+            name: String::new(),
+            payload: 0,
+            aggregates: 0,
+            events: 0,
+        });
+        println!();
+        println!(
+            "outboxd bench: {} events, payload {} B, {} aggregates; steady {:.0} events/s target ({} writers, {} events per transaction)",
+            sc.events, sc.payload, sc.aggregates, self.rate, self.writers, self.events_per_txn
+        );
+        println!("{:-<112}", "");
+        println!(
+            "{:<34} {:>11} {:>8} {:>12} {:>10} {:>12} {:>20}",
+            "phase", "events/s", "seconds", "relay µs/ev", "PG µs/ev", "bench µs/ev", "note"
+        );
+        let row = |name: &str, p: &Phase, note: String| {
+            println!(
+                "{:<34} {:>11.0} {:>8.2} {:>12.1} {:>10.1} {:>12.1} {:>20}",
+                name,
+                p.rate,
+                p.secs,
+                p.relay_us_per_event(),
+                p.pg_us_per_event(),
+                p.bench_us_per_event(),
+                note
+            );
+        };
+        println!(
+            "{:<34} {:>12.0}",
+            "enqueue backlog (outbox.enqueue)", self.enqueue_events_per_s
+        );
+        row("decode limit (pg_recvlogical)", &self.decode, String::new());
+        row(
+            "relay drain (confirmed LSN)",
+            &self.drain,
+            format!("{:.2}x decode", self.decode_ratio()),
+        );
+        if let Some(p) = &self.poll_drain {
+            row(
+                &format!("polling relay drain ({} events)", p.events),
+                p,
+                format!("relay {:.2}x", self.poll_ratio()),
+            );
+        }
+        row(
+            "relay steady (PG incl. writers)",
+            &self.steady.phase,
+            format!("{:.0}/s achieved", self.steady.achieved_rate),
+        );
+        if let Some(s) = &self.poll_steady {
+            row(
+                "polling steady (PG incl. writers)",
+                &s.phase,
+                format!("{:.0}/s achieved", s.achieved_rate),
+            );
+        }
+        println!("{:-<112}", "");
+        println!(
+            "{:<34} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "commit -> accepted latency (ms)", "events", "p50", "p99", "p99.9", "max"
+        );
+        let lat = |name: &str, l: &Latency| {
+            println!(
+                "{:<34} {:>10} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                name, l.count, l.p50, l.p99, l.p999, l.max
+            );
+        };
+        lat("relay", &self.steady.latency);
+        println!(
+            "{:<34} median {:.2} MiB, max {:.2} MiB of WAL written but not yet sent by the relay's walsender",
+            "  (PostgreSQL decoding behind by)",
+            self.steady.walsender_unsent_mib.0,
+            self.steady.walsender_unsent_mib.1
+        );
+        println!(
+            "{:<34} autovacuum ran during {:.1} s of it; {} checkpoint(s) started",
+            "  (background work meanwhile)", self.steady.autovacuum_s, self.steady.checkpoints
+        );
+        if let Some(s) = &self.poll_steady {
+            lat("polling relay (published_at)", &s.latency);
+        }
+        println!("{:-<112}", "");
+        println!(
+            "relay RSS: peak {:.1} MiB (drain + steady), steady {:.1} MiB;  WAL retained: backlog {:.1} MiB, steady peak {:.1} MiB",
+            self.rss_peak_mib,
+            self.steady.rss_steady_mib,
+            self.wal_backlog_mib,
+            self.steady.phase.wal_retained_peak_mib
+        );
+        println!(
+            "at the end of the drain the slot retained {:.0} MiB of WAL; the relay confirmed past the WAL its own ledger wrote meanwhile {:.1} s later",
+            self.catchup.0, self.catchup.1
+        );
+        if let Some(c) = &self.crash {
+            println!(
+                "SIGKILL under {:.0} events/s: {} of {} events re-published on restart = {:.0} ms of traffic; caught up {:.1} s after the kill",
+                c.rate, c.republished, c.produced, c.republished_ms, c.recovery_s
+            );
+        }
+        if !self.load.is_empty() {
+            let loads: Vec<String> = self
+                .load
+                .iter()
+                .map(|(phase, l)| format!("{phase} {l:.1}"))
+                .collect();
+            println!(
+                "machine load average (1 min; {} CPUs) at: {}",
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(0),
+                loads.join(", ")
+            );
+        }
+        if !self.variants.is_empty() {
+            println!("{:-<112}", "");
+            println!(
+                "{:<24} {:>9} {:>12} {:>12} {:>8} {:>12} {:>10}",
+                "variant", "events", "decode/s", "drain/s", "ratio", "relay µs/ev", "RSS MiB"
+            );
+            for v in &self.variants {
+                println!(
+                    "{:<24} {:>9} {:>12.0} {:>12.0} {:>8.2} {:>12.1} {:>10.1}",
+                    format!("{} B, {} aggs", v.scenario.payload, v.scenario.aggregates),
+                    v.scenario.events,
+                    v.decode.rate,
+                    v.drain.rate,
+                    v.drain.rate / v.decode.rate.max(f64::MIN_POSITIVE),
+                    v.drain.relay_us_per_event(),
+                    v.rss_peak_mib
+                );
+            }
+        }
+        println!();
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({
+            "scenario": self.scenario.as_ref().map(|s| json!({
+                "events": s.events, "payload_bytes": s.payload, "aggregates": s.aggregates,
+            })),
+            "machine_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "enqueue_events_per_s": self.enqueue_events_per_s,
+            "wal_retained_backlog_mib": self.wal_backlog_mib,
+            "decode_limit": phase_json(&self.decode),
+            "drain": phase_json(&self.drain),
+            "drain_series": self.drain_series,
+            "after_drain_wal_retained_mib": self.catchup.0,
+            "after_drain_catch_up_s": self.catchup.1,
+            "steady": steady_json(&self.steady),
+            "rss_peak_mib": self.rss_peak_mib,
+            "crash": self.crash.as_ref().map(|c| json!({
+                "events_per_s": c.rate, "produced": c.produced, "republished": c.republished,
+                "republished_ms_of_traffic": c.republished_ms, "caught_up_s": c.recovery_s,
+            })),
+            "polling": self.poll_drain.as_ref().map(|d| json!({
+                "drain": phase_json(d),
+                "steady": self.poll_steady.as_ref().map(steady_json),
+                "drain_series": self.poll_series,
+            })),
+            "load_average_1m": self.load,
+            "variants": self.variants.iter().map(|v| json!({
+                "payload_bytes": v.scenario.payload, "aggregates": v.scenario.aggregates,
+                "events": v.scenario.events, "decode_limit": phase_json(&v.decode),
+                "drain": phase_json(&v.drain), "rss_peak_mib": v.rss_peak_mib,
+                "decode_ratio": v.drain.rate / v.decode.rate.max(f64::MIN_POSITIVE),
+            })).collect::<Vec<_>>(),
+            "summary": {
+                "decode_ratio": self.decode_ratio(),
+                "drain_events_per_s": self.drain.rate,
+                "p99_ms": self.steady.latency.p99,
+                "rss_mib": self.rss_peak_mib,
+                "poll_ratio": self.poll_ratio(),
+            },
+        })
+    }
+
+    pub fn write_json(&self, path: &Path) -> anyhow::Result<()> {
+        let text = serde_json::to_string_pretty(&self.to_json())?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// Two panels: commit -> accepted latency distribution (CDF, log scale) of the relay and
+    /// the polling relay; events per second over time while each drains the backlog, with
+    /// `pg_recvlogical`'s average rate as a reference line.
+    pub fn write_svg(&self, path: &Path) -> anyhow::Result<()> {
+        use plotters::prelude::*;
+        let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing {}: {e}", path.display());
+        let root = SVGBackend::new(path, (1100, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let (left, right) = root.split_horizontally(550);
+        let relay_color = RGBColor(31, 119, 180);
+        let poll_color = RGBColor(214, 39, 40);
+        let decode_color = RGBColor(90, 90, 90);
+
+        let mut series: Vec<(&str, &Latency, RGBColor)> =
+            vec![("outboxd (CDC)", &self.steady.latency, relay_color)];
+        if let Some(p) = &self.poll_steady {
+            series.push(("polling relay", &p.latency, poll_color));
+        }
+        let max_ms = series
+            .iter()
+            .map(|s| s.1.max)
+            .fold(1.0f64, f64::max)
+            .max(1.0)
+            * 1.2;
+        let min_ms = series
+            .iter()
+            .filter_map(|s| s.1.cdf.first().map(|p| p.0))
+            .fold(max_ms, f64::min)
+            .max(0.1);
+        let mut chart = ChartBuilder::on(&left)
+            .caption(
+                format!(
+                    "commit -> accepted receipt at {:.0} events/s",
+                    self.steady.achieved_rate
+                ),
+                ("sans-serif", 16),
+            )
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(48)
+            .build_cartesian_2d((min_ms * 0.8..max_ms).log_scale(), 0f64..1f64)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("latency (ms, log scale)")
+            .y_desc("fraction of events")
+            .draw()
+            .map_err(|e| err(&e))?;
+        for (name, lat, color) in series {
+            chart
+                .draw_series(LineSeries::new(
+                    lat.cdf.iter().map(|&(ms, f)| (ms.max(min_ms * 0.8), f)),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| err(&e))?
+                .label(format!(
+                    "{name}: p50 {:.1} / p99 {:.1} / p99.9 {:.1} ms",
+                    lat.p50, lat.p99, lat.p999
+                ))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+
+        let max_t = self
+            .drain_series
+            .iter()
+            .chain(self.poll_series.iter())
+            .map(|p| p.0 + 0.5)
+            .fold(1.0f64, f64::max);
+        let max_rate = self
+            .drain_series
+            .iter()
+            .chain(self.poll_series.iter())
+            .map(|p| p.1)
+            .fold(self.decode.rate, f64::max)
+            * 1.15;
+        let mut chart = ChartBuilder::on(&right)
+            .caption(
+                format!(
+                    "draining a backlog of {} events",
+                    self.scenario.as_ref().map(|s| s.events).unwrap_or(0)
+                ),
+                ("sans-serif", 16),
+            )
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0f64..max_t, 0f64..max_rate.max(1.0))
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds since start")
+            .y_desc("events/s")
+            .draw()
+            .map_err(|e| err(&e))?;
+        let step = |s: &[(f64, f64)]| -> Vec<(f64, f64)> {
+            s.iter()
+                .flat_map(|&(t, r)| [(t, r), (t + 0.5, r)])
+                .collect()
+        };
+        chart
+            .draw_series(LineSeries::new(
+                step(&self.drain_series),
+                relay_color.stroke_width(2),
+            ))
+            .map_err(|e| err(&e))?
+            .label(format!("outboxd: {:.0} events/s", self.drain.rate))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], relay_color));
+        if let Some(p) = &self.poll_drain {
+            chart
+                .draw_series(LineSeries::new(
+                    step(&self.poll_series),
+                    poll_color.stroke_width(2),
+                ))
+                .map_err(|e| err(&e))?
+                .label(format!("polling relay: {:.0} events/s", p.rate))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], poll_color));
+        }
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, self.decode.rate), (max_t, self.decode.rate)],
+                decode_color.stroke_width(1),
+            ))
+            .map_err(|e| err(&e))?
+            .label(format!("pg_recvlogical: {:.0} events/s", self.decode.rate))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], decode_color));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,267 @@
+//! The bench's producers: the backlog (enqueued with the relay stopped) and constant-rate
+//! writers (one connection each, one autocommit statement per business transaction, so the
+//! time the statement returns is the commit time seen by the producer).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::Rng;
+use tokio::task::JoinHandle;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use super::{epoch_now, Ctx, Db, Latency, Scenario};
+
+/// Characters of `{"i": 0, "pad": ""}` around the padding, so a payload is about `payload` bytes.
+const JSON_OVERHEAD: usize = 24;
+
+pub fn pad_len(payload: usize) -> usize {
+    payload.saturating_sub(JSON_OVERHEAD)
+}
+
+/// SQL for `len` characters of random hex: a payload TOAST cannot compress to nothing (a
+/// 16 KiB run of one character would be stored, logged and decoded as a few bytes).
+fn pad_sql(len: usize) -> String {
+    if len == 0 {
+        return "''".into();
+    }
+    format!(
+        "(SELECT left(string_agg(md5(random()::text || g::text), ''), {len}) FROM generate_series(1, {}) g)",
+        len.div_ceil(32)
+    )
+}
+
+/// Enqueues the scenario's backlog with `outbox.enqueue`, in transactions of `txn_size`, on two
+/// connections at once (the machine has two cores). Returns the seconds it took.
+pub async fn enqueue_backlog(db: &Db, sc: &Scenario, txn_size: u64) -> anyhow::Result<f64> {
+    const CONNS: u64 = 2;
+    let txns = sc.events.div_ceil(txn_size);
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..CONNS {
+        let client = crate::connect(&db.url).await?;
+        let sql = format!(
+            "DO $$ BEGIN
+               FOR t IN 0..{last} LOOP
+                 IF t % {CONNS} = {w} THEN
+                   PERFORM outbox.enqueue('{agg}', 'a' || ((t * {size} + i) % {aggs}), 'bench.tick',
+                       jsonb_build_object('i', t * {size} + i, 'pad', {pad_sql}))
+                   FROM generate_series(1, least({size}, {events} - t * {size})) i;
+                   COMMIT;
+                 END IF;
+               END LOOP;
+             END $$;",
+            last = txns - 1,
+            agg = db.agg_type,
+            size = txn_size,
+            aggs = sc.aggregates,
+            pad_sql = pad_sql(pad_len(sc.payload)),
+            events = sc.events,
+        );
+        tasks.push(tokio::spawn(async move {
+            client
+                .batch_execute(&sql)
+                .await
+                .context("enqueuing the backlog")
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// The WAL position after everything committed so far; then a logical message moves the WAL
+/// past it, so `pg_recvlogical --endpos` sees a position beyond it and exits.
+pub async fn backlog_end(client: &Client) -> anyhow::Result<String> {
+    let end: String = client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await?
+        .get(0);
+    client
+        .execute(
+            "SELECT pg_logical_emit_message(false, 'outboxd.bench', '')",
+            &[],
+        )
+        .await?;
+    Ok(end)
+}
+
+/// Where the steady writers write, and where acceptance is read back.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// `outbox.enqueue` with this aggregate type; accepted = `outbox.receipts.accepted_at`.
+    Outbox(String),
+    /// `outbox.enqueue` too, into the polling relay's database; accepted = `published_at`.
+    Poll(String),
+}
+
+impl Target {
+    fn insert_sql(&self) -> String {
+        match self {
+            Target::Outbox(agg) | Target::Poll(agg) => format!(
+                "SELECT outbox.enqueue('{agg}', a, 'bench.tick', jsonb_build_object('i', 0, 'pad', $1::text))
+                 FROM unnest($2::text[]) a"
+            ),
+        }
+    }
+
+    fn accepted_sql(&self) -> &'static str {
+        match self {
+            Target::Outbox(_) => {
+                "SELECT event_id, extract(epoch FROM accepted_at)::float8 FROM outbox.receipts
+                 WHERE event_id = ANY($1)"
+            }
+            Target::Poll(_) => {
+                "SELECT event_id, extract(epoch FROM published_at)::float8 FROM outbox.events
+                 WHERE event_id = ANY($1) AND published_at IS NOT NULL"
+            }
+        }
+    }
+}
+
+/// Events a writer committed, each with its commit time (seconds since the epoch).
+type Committed = Vec<(Uuid, f64)>;
+
+/// Concurrent writers at a constant total rate until a deadline.
+pub struct Writers {
+    tasks: Vec<JoinHandle<anyhow::Result<Committed>>>,
+    deadline: Instant,
+}
+
+impl Writers {
+    pub async fn start(
+        ctx: &Ctx,
+        url: &str,
+        target: Target,
+        sc: &Scenario,
+        rate: f64,
+        duration: Duration,
+    ) -> anyhow::Result<Writers> {
+        let a = &ctx.args;
+        let writers = a.writers.max(1);
+        let per_txn = a.events_per_txn.max(1);
+        let period = Duration::from_secs_f64(writers as f64 * per_txn as f64 / rate.max(1.0));
+        let deadline = Instant::now() + duration;
+        let pad = "x".repeat(pad_len(sc.payload));
+        let aggregates = sc.aggregates.max(1);
+        let mut tasks = Vec::new();
+        for w in 0..writers {
+            let client = crate::connect(url).await?;
+            let stmt = client
+                .prepare(&target.insert_sql())
+                .await
+                .context("preparing the writers' statement")?;
+            let pad = pad.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut committed = Vec::new();
+                let mut tick = tokio::time::interval(period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+                // Writers start out of phase, so commits spread over the period.
+                tokio::time::sleep(period * w as u32 / writers as u32).await;
+                while Instant::now() < deadline {
+                    tick.tick().await;
+                    let ids: Vec<String> = {
+                        let mut rng = rand::thread_rng();
+                        (0..per_txn)
+                            .map(|_| format!("a{}", rng.gen_range(0..aggregates)))
+                            .collect()
+                    };
+                    let rows = client
+                        .query(&stmt, &[&pad, &ids])
+                        .await
+                        .context("a steady-rate writer's transaction")?;
+                    let at = epoch_now();
+                    committed.extend(rows.iter().map(|r| (r.get::<_, Uuid>(0), at)));
+                }
+                Ok(committed)
+            }));
+        }
+        Ok(Writers { tasks, deadline })
+    }
+
+    pub fn finished(&self) -> bool {
+        Instant::now() >= self.deadline
+    }
+
+    /// Every committed event with its commit time (seconds since the epoch).
+    pub async fn join(self) -> anyhow::Result<Committed> {
+        let mut all = Vec::new();
+        for t in self.tasks {
+            all.extend(t.await??);
+        }
+        Ok(all)
+    }
+}
+
+/// Acceptance time (seconds since the epoch) of each committed event that was accepted.
+pub async fn accepted_times(
+    client: &Client,
+    committed: &[(Uuid, f64)],
+    target: Target,
+) -> anyhow::Result<HashMap<Uuid, f64>> {
+    let mut out = HashMap::with_capacity(committed.len());
+    for chunk in committed.chunks(20_000) {
+        let ids: Vec<Uuid> = chunk.iter().map(|(id, _)| *id).collect();
+        for row in client
+            .query(target.accepted_sql(), &[&ids])
+            .await
+            .context("reading acceptance times")?
+        {
+            out.insert(row.get::<_, Uuid>(0), row.get::<_, f64>(1));
+        }
+    }
+    Ok(out)
+}
+
+/// Commit -> accepted, milliseconds, of every event that was accepted; plus, per 250 ms of
+/// commit time from `start` (epoch seconds), the worst latency (where stalls happened).
+pub fn latencies(committed: &[(Uuid, f64)], accepted: &HashMap<Uuid, f64>, start: f64) -> Latency {
+    let mut worst: Vec<(f64, f64)> = Vec::new();
+    let v: Vec<f64> = committed
+        .iter()
+        .filter_map(|(id, c)| {
+            let ms = ((accepted.get(id)? - c) * 1000.0).max(0.0);
+            let bucket = ((c - start) * 4.0).floor().max(0.0) as usize;
+            if worst.len() <= bucket {
+                worst.resize(bucket + 1, (0.0, 0.0));
+            }
+            worst[bucket] = (bucket as f64 / 4.0, worst[bucket].1.max(ms));
+            Some(ms)
+        })
+        .collect();
+    let mut l = Latency::from_samples(v);
+    l.worst_by_commit_time = worst;
+    l
+}
+
+/// Events accepted per second over time (0.5 s buckets), from `start` (epoch seconds).
+pub async fn series(
+    client: &Client,
+    sql_column: &str,
+    start: f64,
+) -> anyhow::Result<Vec<(f64, f64)>> {
+    let (table, col) = sql_column
+        .rsplit_once('.')
+        .context("series column must be table.column")?;
+    let rows = client
+        .query(
+            &format!(
+                "SELECT floor((extract(epoch FROM {col})::float8 - $1::float8) * 2) / 2 AS t, count(*)
+                 FROM {table} WHERE {col} IS NOT NULL GROUP BY 1 ORDER BY 1"
+            ),
+            &[&start],
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("reading throughput over time: {}", outbox_ledger::describe_db_error(&e)))?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get::<_, f64>(0), 2.0 * r.get::<_, i64>(1) as f64))
+        .collect())
+}
+
+/// The relay's drain: receipts accepted per second since `start`.
+pub async fn receipt_series(client: &Client, start: f64) -> anyhow::Result<Vec<(f64, f64)>> {
+    series(client, "outbox.receipts.accepted_at", start).await
+}

@@ -1,0 +1,60 @@
+//! `outboxd bench` in a tiny configuration: it proves the tool runs every phase and prints
+//! its summary line with parseable numbers. Nothing here asserts anything about speed.
+
+use std::process::Command;
+
+#[test]
+fn bench_tiny_configuration_prints_a_parseable_summary_json_and_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let svg = dir.path().join("bench.svg");
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["bench", "--events", "2000", "--aggregates", "500"])
+        .args(["--steady-secs", "1", "--rate", "1000", "--crash-secs", "1"])
+        .args(["--variants", "1024x50", "--variant-events", "500"])
+        .arg("--json")
+        .arg(&json)
+        .arg("--svg")
+        .arg(&svg)
+        .env_remove("OUTBOXD_DATABASE_URL")
+        .env_remove("OUTBOXD_BOOTSTRAP_SERVERS")
+        .output()
+        .expect("run outboxd bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "outboxd bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    let keys = [
+        "decode_ratio",
+        "drain_events_per_s",
+        "p99_ms",
+        "rss_mib",
+        "poll_ratio",
+    ];
+    let fields: Vec<(&str, f64)> = last
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k, v.parse::<f64>().unwrap_or(f64::NAN)))
+        .collect();
+    assert_eq!(
+        fields.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+        keys,
+        "last line: {last}"
+    );
+    let unparseable: Vec<_> = fields.iter().filter(|(_, v)| !v.is_finite()).collect();
+    assert!(unparseable.is_empty(), "last line: {last}");
+    // Every event of the tiny backlog was drained and measured.
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["drain"]["events"], 2000);
+    assert_eq!(v["variants"].as_array().map(|a| a.len()), Some(1));
+    assert!(v["steady"]["latency"]["count"].as_u64().unwrap_or(0) > 0);
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        chart.starts_with("<svg") && chart.contains("polyline"),
+        "{chart:.200}"
+    );
+}
