@@ -585,12 +585,13 @@ impl Pipeline {
         if out.primary + out.duplicates > 0 {
             failpoint::hit("after-accept");
         }
+        // Before the checkpoint moves: that drops the commit times these receipts are matched to.
+        crate::metrics::receipts_accepted(items);
         if let Some(c) = checkpoint {
             *durable = (*durable).max(c);
             progress.set_checkpoint(c);
         }
         progress.record(out);
-        crate::metrics::receipts_accepted(items);
     }
 
     /// One acceptance transaction: the batch, plus (when `track`) the checkpoint the tracker
