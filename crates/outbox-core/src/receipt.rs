@@ -69,6 +69,23 @@ pub fn classify(row: Option<Digests<'_>>, has_primary: bool, receipt: Digests<'_
     }
 }
 
+/// The envelope to send for a row read from the WAL (or a snapshot) whose event was migrated:
+/// the latest migration's envelope generation and destination replace the ones frozen at
+/// enqueue. The WAL keeps the original row forever, so a replay after a migration must not
+/// send it to the pre-migration destination (that would be a cross-destination retry).
+pub fn apply_migration(
+    ev: &mut crate::OutboxEvent,
+    envelope_generation: i32,
+    destination: crate::Destination,
+    destination_digest: String,
+) {
+    if envelope_generation > ev.envelope_generation {
+        ev.envelope_generation = envelope_generation;
+        ev.destination = destination;
+        ev.destination_digest = destination_digest;
+    }
+}
+
 /// What a scan of the frozen partition for the event id showed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scan {
@@ -141,6 +158,13 @@ pub struct MigrationFacts<'a> {
     pub quarantine_code: Option<&'a str>,
     /// Dispatch attempts ever recorded for it.
     pub attempts: i64,
+    /// It was migrated before (envelope generation > 1): it may have been sent to its current
+    /// destination since, so neither "quarantined before sending" nor "rejected" (possibly a
+    /// stale record about the previous destination) proves anything any more.
+    pub migrated: bool,
+    /// Its transaction is not yet behind the ledger checkpoint: a relay may still replay the
+    /// WAL row (with the old destination) or have it queued.
+    pub replayable: bool,
 }
 
 /// The proof recorded in the migration receipt.
@@ -165,6 +189,9 @@ pub enum MigrationRefusal {
     FoundAtOldTarget,
     /// The old target cannot be read, so its absence cannot be proven.
     OldTargetUnavailable,
+    /// The relay has not passed the event's transaction yet: it could still send the WAL row
+    /// to the old destination. Retry once the checkpoint has passed it.
+    Replayable,
 }
 
 impl fmt::Display for MigrationRefusal {
@@ -182,6 +209,9 @@ impl fmt::Display for MigrationRefusal {
             MigrationRefusal::OldTargetUnavailable => {
                 "the old target cannot be queried, so its absence there cannot be proven"
             }
+            MigrationRefusal::Replayable => {
+                "the relay's checkpoint has not passed the event's transaction yet, so a replay could still send it to the old destination; retry in a moment"
+            }
         })
     }
 }
@@ -196,6 +226,14 @@ pub fn migration_precheck(
     }
     if f.unknown_open {
         return Err(MigrationRefusal::Unknown);
+    }
+    if f.replayable {
+        return Err(MigrationRefusal::Replayable);
+    }
+    if f.migrated {
+        // A refusal on record may be a stale one (decided for the previous generation by a
+        // relay that paused); only a scan of the current destination proves absence there.
+        return Ok(None);
     }
     match f.quarantine_code {
         Some(code) if PRE_SEND_CODES.contains(&code) && f.attempts == 0 => {
@@ -279,6 +317,8 @@ mod tests {
             unknown_open: false,
             quarantine_code: Some("destination_not_served"),
             attempts: 0,
+            migrated: false,
+            replayable: false,
         };
         assert_eq!(
             migration_precheck(base),
@@ -297,6 +337,21 @@ mod tests {
                 ..base
             }),
             Err(MigrationRefusal::Unknown)
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                replayable: true,
+                ..base
+            }),
+            Err(MigrationRefusal::Replayable)
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                migrated: true,
+                ..base
+            }),
+            Ok(None),
+            "released after an earlier migration: it may have been sent since"
         );
         assert_eq!(
             migration_precheck(MigrationFacts {

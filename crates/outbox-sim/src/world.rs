@@ -36,6 +36,28 @@ pub enum Mutant {
     PurgeEarly,
     /// A producer retry after a lost commit ACK enqueues the event again (a second id).
     ProducerNewId,
+    /// Product bug found by the simulator (seed 1, trace 143): the route check poisons an
+    /// event while an earlier event of its aggregate is in flight; when that one is rejected
+    /// too, the hold names only the later one and the earlier is never republished.
+    BugPoisonBeforeGate,
+    /// Product bug found by the simulator (seed 1, trace 44): an UNKNOWN attempt a zombie
+    /// recorded after its successor started stays open until the next relay start.
+    BugUnknownOnlyAtStart,
+    /// Product bug found by the simulator (seed 1, trace 195): a zombie's salvaged batch
+    /// quarantines and holds an event that a migration published meanwhile (a stale refusal
+    /// blocks the aggregate).
+    BugStaleQuarantine,
+    /// Product bug found by the simulator (seed 1, traces 114, 60 and 3522): a migration
+    /// recorded while the event's WAL row was still ahead of the ledger checkpoint. A replay
+    /// (after a crash, or by a run that had it queued) decodes the row as frozen at enqueue and
+    /// sends it to the pre-migration destination (a cross-destination retry), or quarantines
+    /// and holds it again although the migration published it.
+    BugMigrateReplayable,
+    /// Product bug found by the simulator (seed 2, trace 40186; seed 3, trace 25240):
+    /// "quarantined before sending" or "rejected by the old target" was accepted as migration
+    /// proof for an event that an earlier migration had released and the relay had sent since
+    /// (a paused relay's stale refusal, decided for the previous destination, re-quarantined it).
+    BugProofAfterMigration,
 }
 
 impl Mutant {
@@ -48,6 +70,11 @@ impl Mutant {
         ("migrate-while-unknown", Mutant::MigrateWhileUnknown),
         ("purge-early", Mutant::PurgeEarly),
         ("producer-new-id", Mutant::ProducerNewId),
+        ("bug-poison-before-gate", Mutant::BugPoisonBeforeGate),
+        ("bug-unknown-only-at-start", Mutant::BugUnknownOnlyAtStart),
+        ("bug-stale-quarantine", Mutant::BugStaleQuarantine),
+        ("bug-migrate-replayable", Mutant::BugMigrateReplayable),
+        ("bug-proof-after-migration", Mutant::BugProofAfterMigration),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -1048,11 +1075,31 @@ impl World {
         self.ledger.lease_gen == r.gen && self.now < r.deadline
     }
 
+    /// `relay/reconcile.rs`, while running: UNKNOWN attempts another generation recorded after
+    /// this run started (a zombie's late report), once their settle time has passed.
+    fn reconcile_settled(&mut self, i: usize) -> Result<(), End> {
+        let gen = self.relays[i].gen;
+        let open: Vec<usize> = (0..self.ledger.attempts.len())
+            .filter(|a| {
+                let at = &self.ledger.attempts[*a];
+                at.state == AttemptState::Unknown
+                    && at.relay_gen != gen
+                    && (self.is(Mutant::NoSettle) || self.now >= at.unknown_at + SETTLE)
+                    && self.now >= self.down_until[at.topic]
+            })
+            .collect();
+        self.reconcile_attempts(i, open)
+    }
+
     /// `relay/reconcile.rs`: every open UNKNOWN attempt, before streaming.
     fn reconcile(&mut self, i: usize) -> Result<(), End> {
         let open: Vec<usize> = (0..self.ledger.attempts.len())
             .filter(|a| self.ledger.attempts[*a].state == AttemptState::Unknown)
             .collect();
+        self.reconcile_attempts(i, open)
+    }
+
+    fn reconcile_attempts(&mut self, i: usize, open: Vec<usize>) -> Result<(), End> {
         for a in open {
             let (row, topic, partition, attempt, relay_gen, unknown_at) = {
                 let at = &self.ledger.attempts[a];
@@ -1198,14 +1245,16 @@ impl World {
             }
             return Ok(());
         }
-        if let Err(code) = Self::route_check(&ev) {
-            if self.relays[i].gate.is_held(&agg) {
-                self.record_held(i, row, ack);
-            } else {
-                self.relays[i].gate.consume(&agg, ev.aggregate_version);
-                self.poison(i, row, code, ack);
+        if self.is(Mutant::BugPoisonBeforeGate) {
+            if let Err(code) = Self::route_check(&ev) {
+                if self.relays[i].gate.is_held(&agg) {
+                    self.record_held(i, row, ack);
+                } else {
+                    self.relays[i].gate.consume(&agg, ev.aggregate_version);
+                    self.poison(i, row, code, ack);
+                }
+                return Ok(());
             }
-            return Ok(());
         }
         let version = ev.aggregate_version;
         match self.relays[i]
@@ -1269,6 +1318,16 @@ impl World {
             return Ok(None);
         }
         let row = p.row;
+        if !self.is(Mutant::BugPoisonBeforeGate) {
+            if let Err(code) = Self::route_check(&p.ev) {
+                // Refused at the head of its aggregate: nothing of it is in flight, and what
+                // queues behind it is held.
+                let agg = self.rows[row].agg;
+                self.poison(i, row, code, p.ack);
+                self.relays[i].gate.done(&agg);
+                return Ok(None);
+            }
+        }
         let mut ev = p.ev;
         if self.is(Mutant::RetryReresolvesRoute) && self.relays[i].retry_gen.contains_key(&row) {
             ev.destination = self.destination(self.rows[row].agg, self.route_topic, self.route_gen);
@@ -1553,7 +1612,9 @@ impl World {
                 } => {
                     let row = *row;
                     let cur = self.rows[row].current();
-                    let frozen = (!self.rows[row].purged).then_some(Digests {
+                    // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of
+                    // a purged event is still recognised as a duplicate, not a conflict.
+                    let frozen = Some(Digests {
                         payload: &cur.payload_digest,
                         destination: &cur.destination_digest,
                     });
@@ -1606,11 +1667,21 @@ impl World {
                             && after == Some(before.unwrap_or(*rc));
                         if converged {
                             self.c.late_acks_converged += 1;
+                        } else {
+                            log!(
+                                self,
+                                "LATE ACK of {} did not converge ({class:?})",
+                                cur.event_id
+                            );
                         }
                     }
                 }
                 Item::Quarantine { row, code } => {
-                    if self.ledger.open_quarantine(*row).is_none() {
+                    // A published event is never quarantined afterwards (a zombie's batch
+                    // may carry a refusal decided before a migration published it).
+                    let stale = self.ledger.primary.contains_key(row)
+                        && !self.is(Mutant::BugStaleQuarantine);
+                    if self.ledger.open_quarantine(*row).is_none() && !stale {
                         if self.ledger.primary.contains_key(row) {
                             log!(
                                 self,
@@ -1626,6 +1697,9 @@ impl World {
                         });
                     }
                 }
+                Item::Hold { blocking, .. }
+                    if self.ledger.primary.contains_key(blocking)
+                        && !self.is(Mutant::BugStaleQuarantine) => {}
                 Item::Hold { agg, blocking } => match self.ledger.holds.get_mut(agg) {
                     None => {
                         self.ledger.holds.insert(
@@ -1696,6 +1770,9 @@ impl World {
 
     /// `Pipeline::process_releases`.
     fn process_releases(&mut self, i: usize) -> Result<(), End> {
+        if !self.is(Mutant::BugUnknownOnlyAtStart) {
+            self.reconcile_settled(i)?;
+        }
         let mut aggs: Vec<Agg> = self
             .ledger
             .holds
@@ -1831,6 +1908,13 @@ impl World {
             unknown_open: self.ledger.unknown_open(row) && !self.is(Mutant::MigrateWhileUnknown),
             quarantine_code: q,
             attempts,
+            migrated: !self.rows[row].migrations.is_empty()
+                && !self.is(Mutant::BugProofAfterMigration),
+            replayable: self
+                .ledger
+                .checkpoint
+                .map_or(true, |c| self.rows[row].commit_end > c)
+                && !self.is(Mutant::BugMigrateReplayable),
         };
         let cur = self.rows[row].current();
         let old = topic_index(&cur.destination);
@@ -2076,17 +2160,11 @@ impl World {
                 }
                 continue;
             }
-            if self
-                .ledger
-                .holds
-                .values()
-                .any(|h| h.state == HoldState::Releasing)
-            {
-                let before = self.ledger.holds.len();
-                self.relay_call(Some(i), Self::process_releases);
-                if self.ledger.holds.len() < before {
-                    continue;
-                }
+            // The relay's periodic poll: releases, and UNKNOWN attempts of other generations.
+            let before = (self.ledger.holds.len(), self.open_unknown());
+            self.relay_call(Some(i), Self::process_releases);
+            if (self.ledger.holds.len(), self.open_unknown()) != before {
+                continue;
             }
             // Held aggregates whose blocking event is published: release them.
             let stuck: Vec<usize> = self
@@ -2110,7 +2188,7 @@ impl World {
             }
             let all_published = (0..self.rows.len())
                 .all(|r| self.rows[r].purged || self.ledger.primary.contains_key(&r));
-            if all_published {
+            if all_published && self.open_unknown() == 0 {
                 break;
             }
             // Something is still unresolved without anything to do: let time pass.
@@ -2125,6 +2203,14 @@ impl World {
                 }
             }
         }
+    }
+
+    fn open_unknown(&self) -> usize {
+        self.ledger
+            .attempts
+            .iter()
+            .filter(|a| a.state == AttemptState::Unknown)
+            .count()
     }
 
     // ------------------------------------------------------------------------------ judging
@@ -2162,6 +2248,12 @@ impl World {
         let mut cross = self.cross_sends.clone();
         for m in self.broker.iter().flatten().flatten() {
             if m.dest_digest != self.rows[m.row].current_digest() {
+                if self.verbose {
+                    self.log.push(format!(
+                        "CROSS: copy of {} frozen for another destination (gen {} attempt {})",
+                        self.rows[m.row].ev.event_id, m.relay_gen, m.attempt
+                    ));
+                }
                 cross.insert(m.row);
             }
         }
