@@ -8,7 +8,8 @@
 
 use std::time::Duration;
 
-use outbox_ledger::destination::{self, PRE_SEND_CODES};
+use outbox_core::receipt::{self, MigrationProof};
+use outbox_ledger::destination;
 use outbox_ledger::holds::{self, Resolution};
 use outbox_sink::KafkaSinkConfig;
 use uuid::Uuid;
@@ -54,20 +55,30 @@ async fn migrate_one(
             "already published at {at}; a second destination is a delivery set, not a migration"
         );
     }
-    if f.unknown_open {
-        anyhow::bail!(
-            "its outcome at {}/{} is DISPATCH_UNKNOWN; run the relay so it reconciles the attempt first",
-            f.dest_cluster, f.dest_topic
-        );
-    }
-    let proof = match &f.quarantine {
-        Some((code, reason)) if PRE_SEND_CODES.contains(&code.as_str()) && f.attempts == 0 => {
-            format!("never sent: quarantined before sending ({code}: {reason})")
-        }
-        Some((code, reason)) if code == "broker_rejected" => {
+    // The rule is outbox_core::receipt::migration_precheck (driven by outbox-sim).
+    let facts = receipt::MigrationFacts {
+        published: false,
+        unknown_open: f.unknown_open,
+        quarantine_code: f.quarantine.as_ref().map(|(c, _)| c.as_str()),
+        attempts: f.attempts,
+        migrated: f.envelope_generation > 1,
+        replayable: f.replayable,
+    };
+    let reason = f.quarantine.as_ref().map(|(_, r)| r.as_str()).unwrap_or("");
+    let proof = match receipt::migration_precheck(facts) {
+        Err(refusal) => anyhow::bail!(
+            "{refusal} (destination {}/{})",
+            f.dest_cluster,
+            f.dest_topic
+        ),
+        Ok(Some(MigrationProof::NeverSent)) => format!(
+            "never sent: quarantined before sending ({}: {reason})",
+            facts.quarantine_code.unwrap_or("")
+        ),
+        Ok(Some(MigrationProof::RejectedByOldTarget)) => {
             format!("the old target rejected it: {reason}")
         }
-        _ => {
+        Ok(Some(MigrationProof::AbsentFromOldTarget) | None) => {
             let Some(bootstrap) = &a.old_bootstrap_servers else {
                 anyhow::bail!(
                     "cannot prove that {}/{} did not accept it: pass --old-bootstrap-servers of that cluster so its topic can be scanned",
