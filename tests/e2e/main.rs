@@ -9,6 +9,7 @@
 mod harness;
 
 mod bad_input;
+mod chaos;
 mod cli;
 mod crash;
 mod delivery;
