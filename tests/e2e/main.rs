@@ -17,5 +17,6 @@ mod delivery_sets;
 mod ha;
 mod migration;
 mod ordering;
+mod sim_regressions;
 mod slot_safety;
 mod unknown;
