@@ -30,7 +30,10 @@ struct Args {
     trace: Option<u64>,
     /// Run a deliberately broken variant, to see the simulator catch it. One of:
     /// confirm-before-accept, skip-dedup, retry-reresolves-route, no-settle, last-ack-wins,
-    /// migrate-while-unknown, purge-early, producer-new-id.
+    /// migrate-while-unknown, purge-early, producer-new-id; or the product as it was before a
+    /// bug the simulator found was fixed: bug-poison-before-gate, bug-unknown-only-at-start,
+    /// bug-stale-quarantine, bug-migrate-replayable, bug-proof-after-migration
+    /// (docs/simulation.md).
     #[arg(long)]
     mutant: Option<String>,
     /// Worker threads; each trace runs single-threaded and alone, so the counts do not depend
