@@ -15,6 +15,8 @@
 //! * [`migration_precheck`] / [`migration_after_scan`] — a destination migration needs proof
 //!   that the old target did not accept the event, and is refused while the old target's
 //!   outcome is unknown. Used by `outboxd migrate-destination`.
+//! * [`may_purge`] — retention: nothing is purged while anything can still bring the event
+//!   back. The simulator drives it; the purge of issue 5 is meant to call it.
 
 use std::fmt;
 
@@ -253,6 +255,57 @@ pub fn migration_after_scan(scan: Scan) -> Result<MigrationProof, MigrationRefus
     }
 }
 
+/// What retention knows about one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgeFacts {
+    /// It has a primary receipt.
+    pub published: bool,
+    /// Its transaction is not behind both the ledger checkpoint and the slot's confirmed LSN:
+    /// a restart would stream it again.
+    pub replayable: bool,
+    /// An attempt of it is DISPATCH_UNKNOWN.
+    pub unknown_open: bool,
+    /// Time since it was last handed to the broker, and the replay window (which must exceed
+    /// the longest a request can still be appended after it was sent).
+    pub since_last_send_ms: u64,
+    pub replay_window_ms: u64,
+    /// Every mandatory consumer's watermark is past every copy of it on the broker.
+    pub consumed_by_all: bool,
+}
+
+/// Why an event may not be purged yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PurgeBlock {
+    Unpublished,
+    Replayable,
+    Unknown,
+    WithinReplayWindow,
+    NotConsumed,
+}
+
+/// The retention rule (DESIGN invariant 9): the row, its receipts and the consumers' inbox rows
+/// go only when nothing can bring the event back — no replay from the slot, no append still on
+/// the wire, no consumer still to read a copy. Purge keeps a tombstone (event id, digests,
+/// publish slot) so a late ACK after it is still recognised as a duplicate.
+pub fn may_purge(f: PurgeFacts) -> Result<(), PurgeBlock> {
+    if !f.published {
+        return Err(PurgeBlock::Unpublished);
+    }
+    if f.replayable {
+        return Err(PurgeBlock::Replayable);
+    }
+    if f.unknown_open {
+        return Err(PurgeBlock::Unknown);
+    }
+    if f.since_last_send_ms < f.replay_window_ms {
+        return Err(PurgeBlock::WithinReplayWindow);
+    }
+    if !f.consumed_by_all {
+        return Err(PurgeBlock::NotConsumed);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +361,58 @@ mod tests {
             resolve_unknown(2, 2, true, Scan::Unavailable),
             UnknownResolution::StillUnknown
         );
+    }
+
+    #[test]
+    fn purge_waits_for_every_way_back() {
+        let ok = PurgeFacts {
+            published: true,
+            replayable: false,
+            unknown_open: false,
+            since_last_send_ms: 10_000,
+            replay_window_ms: 10_000,
+            consumed_by_all: true,
+        };
+        assert_eq!(may_purge(ok), Ok(()));
+        for (f, block) in [
+            (
+                PurgeFacts {
+                    published: false,
+                    ..ok
+                },
+                PurgeBlock::Unpublished,
+            ),
+            (
+                PurgeFacts {
+                    replayable: true,
+                    ..ok
+                },
+                PurgeBlock::Replayable,
+            ),
+            (
+                PurgeFacts {
+                    unknown_open: true,
+                    ..ok
+                },
+                PurgeBlock::Unknown,
+            ),
+            (
+                PurgeFacts {
+                    since_last_send_ms: 9_999,
+                    ..ok
+                },
+                PurgeBlock::WithinReplayWindow,
+            ),
+            (
+                PurgeFacts {
+                    consumed_by_all: false,
+                    ..ok
+                },
+                PurgeBlock::NotConsumed,
+            ),
+        ] {
+            assert_eq!(may_purge(f), Err(block));
+        }
     }
 
     #[test]

@@ -2029,10 +2029,10 @@ impl World {
 
     // -------------------------------------------------------------------------------- purge
 
-    /// Retention: an event's row, receipts and inbox entries go only when it is published, the
-    /// checkpoint and slot are past it (no replay can bring it back), its last send is older
-    /// than the replay window (no append can still land), and every consumer's committed
-    /// offset is past every copy of it.
+    /// Retention (`outbox_core::receipt::may_purge`): an event's row, receipts and inbox
+    /// entries go only when it is published, the checkpoint and slot are past it (no replay
+    /// can bring it back), its last send is older than the replay window (no append can still
+    /// land), and every consumer's committed offset is past every copy of it.
     fn purge(&mut self) {
         let early = self.is(Mutant::PurgeEarly);
         let mut purged = Vec::new();
@@ -2043,25 +2043,25 @@ impl World {
             }
             let replayable = self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
                 || self.slot_confirmed.map_or(true, |c| row.commit_end > c);
-            if replayable || self.ledger.unknown_open(r) {
+            let consumed_by_all = self.consumers.iter().all(|c| {
+                (0..TOPICS.len() * PARTITIONS).all(|tp| {
+                    let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];
+                    msgs.iter()
+                        .enumerate()
+                        .filter(|(_, m)| m.row == r)
+                        .all(|(o, _)| c.committed[tp] > o)
+                })
+            });
+            let facts = receipt::PurgeFacts {
+                published: true,
+                replayable,
+                unknown_open: self.ledger.unknown_open(r),
+                since_last_send_ms: self.now - row.last_send,
+                replay_window_ms: if early { 0 } else { REPLAY_WINDOW },
+                consumed_by_all: consumed_by_all || early,
+            };
+            if receipt::may_purge(facts).is_err() {
                 continue;
-            }
-            if !early {
-                if self.now < row.last_send + REPLAY_WINDOW {
-                    continue;
-                }
-                let consumed = self.consumers.iter().all(|c| {
-                    (0..TOPICS.len() * PARTITIONS).all(|tp| {
-                        let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];
-                        msgs.iter()
-                            .enumerate()
-                            .filter(|(_, m)| m.row == r)
-                            .all(|(o, _)| c.committed[tp] > o)
-                    })
-                });
-                if !consumed {
-                    continue;
-                }
             }
             purged.push(r);
         }
