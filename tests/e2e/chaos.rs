@@ -27,6 +27,7 @@ use outbox_testkit::kafka::TestKafka;
 use outbox_testkit::wait::wait_for;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::Headers;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
@@ -58,6 +59,7 @@ async fn inbox_consumer(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xc0_115e);
     let db = connect(&url).await;
     let mut crashes = 0;
+    let mut restarts = 0u64;
     'restart: loop {
         let rows = db
             .query(
@@ -87,9 +89,30 @@ async fn inbox_consumer(
             }
             let m = match tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await {
                 Err(_) => continue,
-                // Broker faults reach the consumer too (transport failures, offsets out of
-                // range on a new leader): start again from the stored offsets.
-                Ok(Err(_)) => continue 'restart,
+                // Broker faults reach the consumer too. Transport failures are reported and
+                // recovered by librdkafka itself; an offset error restarts from the stored
+                // offsets (never a jump).
+                Ok(Err(e)) => {
+                    if e.rdkafka_error_code() != Some(RDKafkaErrorCode::OffsetOutOfRange) {
+                        continue;
+                    }
+                    restarts += 1;
+                    if restarts.is_power_of_two() {
+                        let marks: Vec<String> = (0..PARTITIONS)
+                            .map(|p| {
+                                consumer
+                                    .fetch_watermarks(&topic, p, Duration::from_secs(2))
+                                    .map(|(lo, hi)| format!("{p}:[{lo},{hi})"))
+                                    .unwrap_or_else(|e| format!("{p}:{e}"))
+                            })
+                            .collect();
+                        eprintln!(
+                            "chaos consumer: {e} (restart {restarts}; watermarks {})",
+                            marks.join(" ")
+                        );
+                    }
+                    continue 'restart;
+                }
                 Ok(Ok(m)) => m,
             };
             let id = m
