@@ -55,11 +55,13 @@ async fn inbox_consumer(
     topic: String,
     seed: u64,
     stop: Arc<AtomicBool>,
-) -> u64 {
+) -> (u64, u64) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xc0_115e);
     let db = connect(&url).await;
     let mut crashes = 0;
     let mut restarts = 0u64;
+    let mut stalls = 0u64;
+    let mut last_message = Instant::now();
     'restart: loop {
         let rows = db
             .query(
@@ -83,12 +85,35 @@ async fn inbox_consumer(
                 .expect("tpl");
         }
         consumer.assign(&tpl).expect("assign");
+        // Next offset to read per partition.
+        let mut next = [0i64; PARTITIONS as usize];
+        for r in &rows {
+            next[r.get::<_, i32>(0) as usize] = r.get(1);
+        }
         loop {
             if stop.load(Ordering::Relaxed) {
-                return crashes;
+                return (crashes, stalls);
             }
             let m = match tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await {
-                Err(_) => continue,
+                Err(_) => {
+                    // A watchdog: a fresh consumer of the mock cluster can sit on a stale
+                    // leader after broker faults and never fetch. If nothing arrived for a
+                    // while although the log is longer than what was stored, start again.
+                    if last_message.elapsed() > Duration::from_secs(5) {
+                        let behind = (0..PARTITIONS).any(|p| {
+                            consumer
+                                .fetch_watermarks(&topic, p, Duration::from_secs(2))
+                                .is_ok_and(|(_, hi)| hi > next[p as usize])
+                        });
+                        if behind {
+                            stalls += 1;
+                            eprintln!("chaos consumer: stalled for 5 s behind the log; restarting ({stalls})");
+                            last_message = Instant::now();
+                            continue 'restart;
+                        }
+                    }
+                    continue;
+                }
                 // Broker faults reach the consumer too. Transport failures are reported and
                 // recovered by librdkafka itself; an offset error restarts from the stored
                 // offsets (never a jump).
@@ -122,6 +147,8 @@ async fn inbox_consumer(
                 .map(|v| String::from_utf8_lossy(v).into_owned())
                 .unwrap_or_default();
             let (partition, offset) = (m.partition(), m.offset());
+            last_message = Instant::now();
+            next[partition as usize] = offset + 1;
             drop(m);
             // One statement, one transaction: the inbox row, and the effect only if the row
             // is new.
@@ -380,7 +407,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
     )
     .await;
     stop.store(true, Ordering::Relaxed);
-    let consumer_crashes = consumer.await.unwrap();
+    let (consumer_crashes, consumer_stalls) = consumer.await.unwrap();
 
     // ---- the invariant counts, from the database and the topic ----
     let msgs = env.read_topic();
@@ -506,6 +533,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
         ("unknown_attempts", unknown_attempts),
         ("broker_messages", msgs.len() as i64),
         ("consumer_crashes", consumer_crashes as i64),
+        ("consumer_stall_restarts", consumer_stalls as i64),
         ("invariant5_samples", samples as i64),
     ] {
         report.push_str(&format!("{name:<28} {v}\n"));
