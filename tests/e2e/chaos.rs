@@ -39,9 +39,14 @@ use crate::harness::{connect, TestEnv};
 const BROKERS: i32 = 3;
 
 /// The mock cluster keeps about 5 MB per partition and drops older messages (librdkafka's
-/// mock log limit); one partition per 5,000 events keeps every copy readable to the end.
+/// mock log limit); one partition per 2,500 events (and enough aggregates to spread them)
+/// keeps every copy readable to the end.
 fn partitions_for(events: u64) -> i32 {
-    (events / 5_000).clamp(3, 64) as i32
+    (events / 2_500).clamp(3, 128) as i32
+}
+
+fn aggregates_for(events: u64) -> u64 {
+    (events / 200).max(50)
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -244,6 +249,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
 
     // Writers: transactions of 1-3 events on 50 aggregates, ~10% rolled back.
     const WRITERS: u64 = 4;
+    let aggregates = aggregates_for(events);
     let mut writers = Vec::new();
     for w in 0..WRITERS {
         let url = env.url.clone();
@@ -269,7 +275,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
                             "SELECT outbox.enqueue($1, $2, 'chaos.tick', $3)",
                             &[
                                 &agg,
-                                &format!("a{}", wrng.gen_range(0..50)),
+                                &format!("a{}", wrng.gen_range(0..aggregates)),
                                 &json!({"key": key}),
                             ],
                         )
