@@ -10,6 +10,7 @@ mod harness;
 
 mod bad_input;
 mod bench;
+mod chaos;
 mod cli;
 mod cloudevents;
 mod console;
@@ -26,6 +27,7 @@ mod ordering;
 mod purge;
 mod reconcile;
 mod security;
+mod sim_regressions;
 mod slot_safety;
 mod tls;
 mod unknown;

@@ -11,11 +11,14 @@
 //!   the only LSN the relay may ever confirm to the slot (invariant 5).
 //! * [`ordering`] — the ordering gate: one in-flight event per aggregate, gaps hold the
 //!   aggregate (invariant 7).
+//! * [`receipt`] — the acceptance decisions: primary / duplicate / conflicting receipt, the
+//!   DISPATCH_UNKNOWN resolution rule, and when a destination migration is allowed.
 
 pub mod ack;
 pub mod envelope;
 pub mod lsn;
 pub mod ordering;
+pub mod receipt;
 pub mod state;
 
 pub use ack::{AckTracker, EventToken, TxnSeq};

@@ -174,6 +174,9 @@ WITH q AS (
     SELECT k, id, at, ai, av, rc, r, nullif(l, '0/0')::pg_lsn, $9
     FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::int8[],
                 $6::text[], $7::text[], $8::text[]) AS t(k, id, at, ai, av, rc, r, l)
+    -- A published event is never quarantined afterwards: a relay that paused may commit a
+    -- refusal it decided before a migration published the event (found by outbox-sim).
+    WHERE t.id IS NULL OR NOT EXISTS (SELECT 1 FROM outbox.receipts rc WHERE rc.event_id = t.id)
     ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
 )
@@ -341,7 +344,10 @@ pub async fn accept_batch_prepared(
             tx.execute(
                 "INSERT INTO outbox.holds (aggregate_type, aggregate_id, reason_code, reason,
                                            blocking_event_id, blocking_version)
-                 VALUES ($1, $2, $3, $4, $5, $6)
+                 SELECT $1, $2, $3, $4, $5::uuid, $6::int8
+                 -- Nothing to hold for once the blocking event is published (a stale refusal).
+                 WHERE $5::uuid IS NULL
+                    OR NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = $5::uuid)
                  ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET
                      state = 'HELD', reason_code = EXCLUDED.reason_code, reason = EXCLUDED.reason,
                      blocking_event_id = EXCLUDED.blocking_event_id,

@@ -26,16 +26,13 @@ pub struct MigrationFacts {
     pub quarantine: Option<(String, String)>,
     /// Dispatch attempts ever recorded for it.
     pub attempts: i64,
+    /// Its open quarantine's transaction is not yet behind its slot's checkpoint: a relay may
+    /// still replay the WAL row, frozen for the old destination.
+    pub replayable: bool,
 }
 
 /// Reason codes of quarantines decided before anything was sent to the broker.
-pub const PRE_SEND_CODES: &[&str] = &[
-    "destination_not_served",
-    "payload_digest_mismatch",
-    "destination_digest_mismatch",
-    "unsupported_envelope_generation",
-    "empty_field",
-];
+pub use outbox_core::receipt::PRE_SEND_CODES;
 
 pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFacts>, LedgerError> {
     let Some(r) = client
@@ -50,6 +47,11 @@ pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFa
                     (SELECT q.reason FROM outbox.quarantine q
                      WHERE q.event_id = c.event_id AND q.released_at IS NULL ORDER BY q.id DESC LIMIT 1),
                     (SELECT count(*) FROM outbox.attempts a WHERE a.event_id = c.event_id),
+                    EXISTS (SELECT 1 FROM outbox.quarantine q2
+                            JOIN outbox.checkpoints cp ON cp.slot_name = q2.slot_name
+                            WHERE q2.event_id = c.event_id AND q2.released_at IS NULL
+                              AND q2.commit_lsn IS NOT NULL AND q2.commit_lsn <> '0/0'::pg_lsn
+                              AND q2.commit_lsn >= cp.confirmed_lsn),
                     c.dest_kind
              FROM outbox.events_current c WHERE c.event_id = $1",
             &[&event_id],
@@ -70,7 +72,8 @@ pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFa
         unknown_open: r.get(5),
         quarantine: code.zip(reason),
         attempts: r.get(8),
-        dest_kind: r.get(9),
+        replayable: r.get(9),
+        dest_kind: r.get(10),
     }))
 }
 

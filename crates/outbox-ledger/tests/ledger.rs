@@ -442,3 +442,105 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
         Lsn(99)
     );
 }
+
+/// `ACCEPT_SQL` implements `outbox_core::receipt::classify` set-wise (the rule the simulator
+/// drives): the same inputs give the same verdicts. And a refusal arriving after the event was
+/// published (a paused relay's stale batch) records neither a quarantine nor a hold.
+#[tokio::test]
+async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals() {
+    use outbox_core::receipt::{classify, Digests, ReceiptClass};
+    use outbox_ledger::HoldRecord;
+
+    let (mut c, _) = fresh("ledger_classify").await;
+    let tx = c.transaction().await.unwrap();
+    let id = enqueue(
+        &tx,
+        "order",
+        "o-9",
+        "order.created",
+        &json!({"a": 1}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let ev = event(&c, id).await;
+    let frozen = Digests {
+        payload: &ev.payload_digest,
+        destination: &ev.destination_digest,
+    };
+    let mut mismatched = receipt(&ev, 9);
+    mismatched.destination_digest = "sha256:elsewhere".into();
+    let mut orphan = receipt(&ev, 10);
+    orphan.event_id = uuid::Uuid::now_v7();
+
+    // (receipt, the row it is matched against, publish slot already taken)
+    let cases = [
+        (receipt(&ev, 1), Some(frozen), false),
+        (receipt(&ev, 2), Some(frozen), true),
+        (mismatched.clone(), Some(frozen), true),
+        (orphan.clone(), None, false),
+    ];
+    for (r, row, has_primary) in cases {
+        let expected = classify(
+            row,
+            has_primary,
+            Digests {
+                payload: &r.payload_digest,
+                destination: &r.destination_digest,
+            },
+        );
+        let out = accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(r)], None, None)
+            .await
+            .unwrap();
+        let got = match (out.primary, out.duplicates, out.conflicts) {
+            (1, 0, 0) => "primary",
+            (0, 1, 0) => "duplicate",
+            (0, 0, 1) => "conflict",
+            other => panic!("unexpected outcome {other:?}"),
+        };
+        let want = match expected {
+            ReceiptClass::Primary => "primary",
+            ReceiptClass::Duplicate => "duplicate",
+            ReceiptClass::Conflict(_) => "conflict",
+        };
+        assert_eq!(got, want);
+    }
+
+    let stale = [
+        LedgerItem::Quarantine(QuarantineRecord {
+            key: id.to_string(),
+            event_id: Some(id),
+            aggregate_type: Some("order".into()),
+            aggregate_id: Some("o-9".into()),
+            aggregate_version: Some(1),
+            reason_code: "destination_not_served".into(),
+            reason: "decided before a migration published it".into(),
+            commit_lsn: Lsn(100),
+        }),
+        LedgerItem::Hold(HoldRecord {
+            aggregate_type: "order".into(),
+            aggregate_id: "o-9".into(),
+            reason_code: "destination_not_served".into(),
+            reason: "stale".into(),
+            blocking_event_id: Some(id),
+            blocking_version: Some(1),
+        }),
+    ];
+    accept::accept_batch(&mut c, "s", &stale, None, None)
+        .await
+        .unwrap();
+    let count = |sql: &'static str| {
+        let c = &c;
+        async move { c.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    assert_eq!(
+        count(
+            "SELECT count(*) FROM outbox.quarantine WHERE reason_code = 'destination_not_served'"
+        )
+        .await,
+        0,
+        "a published event is never quarantined afterwards"
+    );
+    assert_eq!(count("SELECT count(*) FROM outbox.holds").await, 0);
+}

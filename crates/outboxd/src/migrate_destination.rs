@@ -8,7 +8,8 @@
 
 use std::time::Duration;
 
-use outbox_ledger::destination::{self, PRE_SEND_CODES};
+use outbox_core::receipt::{self, MigrationProof};
+use outbox_ledger::destination;
 use outbox_ledger::holds::{self, Resolution};
 use outbox_sink::KafkaSinkConfig;
 use uuid::Uuid;
@@ -54,22 +55,32 @@ async fn migrate_one(
             "already published at {at}; a second destination is a delivery set, not a migration"
         );
     }
-    if f.unknown_open {
-        anyhow::bail!(
-            "its outcome at {}/{} is DISPATCH_UNKNOWN; run the relay so it reconciles the attempt first",
-            f.dest_cluster, f.dest_topic
-        );
-    }
-    let proof = match &f.quarantine {
-        Some((code, reason)) if PRE_SEND_CODES.contains(&code.as_str()) && f.attempts == 0 => {
-            format!("never sent: quarantined before sending ({code}: {reason})")
-        }
-        Some((code, reason)) if code == "broker_rejected" => {
+    // The rule is outbox_core::receipt::migration_precheck (driven by outbox-sim).
+    let facts = receipt::MigrationFacts {
+        published: false,
+        unknown_open: f.unknown_open,
+        quarantine_code: f.quarantine.as_ref().map(|(c, _)| c.as_str()),
+        attempts: f.attempts,
+        migrated: f.envelope_generation > 1,
+        replayable: f.replayable,
+    };
+    let reason = f.quarantine.as_ref().map(|(_, r)| r.as_str()).unwrap_or("");
+    let proof = match receipt::migration_precheck(facts) {
+        Err(refusal) => anyhow::bail!(
+            "{refusal} (destination {}/{})",
+            f.dest_cluster,
+            f.dest_topic
+        ),
+        Ok(Some(MigrationProof::NeverSent)) => format!(
+            "never sent: quarantined before sending ({}: {reason})",
+            facts.quarantine_code.unwrap_or("")
+        ),
+        Ok(Some(MigrationProof::RejectedByOldTarget)) => {
             format!("the old target rejected it: {reason}")
         }
         // A Kafka scan proves nothing about another broker: a subject that is not a Kafka topic
         // would read as "absent" and the event could then be published twice.
-        _ if f.dest_kind != "kafka" => anyhow::bail!(
+        Ok(Some(MigrationProof::AbsentFromOldTarget) | None) if f.dest_kind != "kafka" => anyhow::bail!(
             "cannot prove that {kind} {}/{} did not accept it: this command scans Kafka topics only; \
              check the old target yourself (for JetStream: the stream that captures the subject, by Nats-Msg-Id), \
              or let the relay resolve it against that broker",
@@ -77,7 +88,7 @@ async fn migrate_one(
             f.dest_topic,
             kind = f.dest_kind
         ),
-        _ => {
+        Ok(Some(MigrationProof::AbsentFromOldTarget) | None) => {
             let Some(bootstrap) = &a.old_bootstrap_servers else {
                 anyhow::bail!(
                     "cannot prove that {}/{} did not accept it: pass --old-bootstrap-servers of that cluster so its topic can be scanned",

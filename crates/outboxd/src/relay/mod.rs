@@ -387,7 +387,15 @@ async fn run_once(
         }
     };
 
-    reconcile::reconcile_unknown(cfg, &sql, &mut pipeline, fence, &current_rows).await?;
+    reconcile::reconcile_unknown(
+        cfg,
+        &sql,
+        &mut pipeline,
+        fence,
+        &current_rows,
+        reconcile::When::Start,
+    )
+    .await?;
 
     if backfill {
         let n = publish_snapshot(
@@ -545,6 +553,15 @@ async fn run_once(
             pipeline
                 .process_releases(&sql, &current_rows, &mut durable, progress)
                 .await?;
+            reconcile::reconcile_unknown(
+                cfg,
+                &sql,
+                &mut pipeline,
+                fence,
+                &current_rows,
+                reconcile::When::Running,
+            )
+            .await?;
         }
         if send_status_now || now >= last_status + cfg.status_interval {
             stream

@@ -243,20 +243,10 @@ impl Pipeline {
             }
             return Ok(());
         }
-        if let Err(r) = route::check(&ev, &self.served) {
-            if self.gate.is_held(&key) {
-                // Behind an existing hold the event waits its turn; the release rechecks it.
-                self.record_held(Pending {
-                    ev,
-                    commit_lsn,
-                    ack,
-                });
-            } else {
-                self.gate.consume(&key, ev.aggregate_version);
-                self.poison(&ev, r.code, r.reason, commit_lsn, ack);
-            }
-            return Ok(());
-        }
+        // The route check runs at the head of the aggregate (in `send_tracked`), not here: an
+        // event refused while an earlier one of its aggregate is still in flight would
+        // otherwise open a hold naming itself, and if the earlier one is then rejected too,
+        // nothing would ever republish that earlier one (found by `outbox-sim`).
         let version = ev.aggregate_version;
         match self.gate.offer(
             &key,
@@ -398,6 +388,14 @@ impl Pipeline {
         if self.salvaging || !self.lease.valid() {
             // A stale generation may not send. The event stays unresolved; the run ends.
             self.lease_expired = true;
+            return Ok(None);
+        }
+        if let Err(r) = route::check(&p.ev, &self.served) {
+            // Refused at the head of its aggregate: nothing of it is in flight, and what is
+            // queued behind it is held.
+            let key = key_of(&p.ev);
+            self.poison(&p.ev, r.code, r.reason, p.commit_lsn, p.ack);
+            self.gate.done(&key);
             return Ok(None);
         }
         failpoint::hit("before-send");

@@ -16,10 +16,17 @@
 //!   original absent by storing the re-publish: that is the retry (generation + 1), recorded
 //!   with its receipt; nothing is sent again.
 //!
-//! The checkpoint cannot pass the event meanwhile: it is unresolved until one of the two.
+//! The checkpoint cannot pass the event meanwhile: it is unresolved until one of these.
+//! The rule itself is `outbox_core::receipt::resolve_unknown` (driven by the simulator).
+//!
+//! While running, the relay also reconciles, at every release poll, the settled UNKNOWN
+//! attempts that *another* generation recorded after this run started: a paused relay (a
+//! zombie) that resumes salvages its delivery reports and may record one then. Reconciling
+//! only at start left such an attempt open until the next restart (found by `outbox-sim`).
 
 use std::time::{Duration, Instant};
 
+use outbox_core::receipt::{self, Scan, UnknownResolution};
 use outbox_ledger::{accept, attempts, LedgerError, LedgerItem, ReceiptRecord};
 use outbox_sink::{Lookup, Sink, UnknownLookup};
 use tokio_postgres::Client;
@@ -29,17 +36,32 @@ use super::RelayError;
 use crate::config::RelayConfig;
 use outbox_ledger::lease::Fence;
 
+/// Which open attempts to reconcile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum When {
+    /// At start, before streaming: every open attempt, sleeping out its settle time.
+    Start,
+    /// While running: settled attempts of other generations; a failed scan is retried at the
+    /// next poll instead of ending the run.
+    Running,
+}
+
 pub(crate) async fn reconcile_unknown(
     cfg: &RelayConfig,
     sql: &Client,
     pipeline: &mut Pipeline,
     fence: &Fence,
     qualified_table: &str,
+    when: When,
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
     for a in open {
         let settle = cfg.unknown_settle.as_secs_f64() - a.unknown_for_s;
-        if settle > 0.0 {
+        if when == When::Running {
+            if a.relay_generation == fence.generation || settle > 0.0 {
+                continue;
+            }
+        } else if settle > 0.0 {
             tokio::time::sleep(Duration::from_secs_f64(settle)).await;
         }
         let started = Instant::now();
@@ -83,10 +105,19 @@ pub(crate) async fn reconcile_unknown(
                 from: a.scan_from + 1,
                 sent_ago: Duration::from_secs_f64(sent_ago.max(0.0)),
             })
-            .await?;
+            .await;
+        let lookup = match lookup {
+            Ok(l) => l,
+            Err(e) if when == When::Running => {
+                tracing::warn!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, error = %e,
+                    "DISPATCH_UNKNOWN look-up failed; retrying at the next poll");
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
         let served = pipeline.served().clone();
-        let receipt = |attempt: i32, relay_generation: i64, offset: i64, timestamp_ms| {
+        let receipt_of = |attempt: i32, relay_generation: i64, offset: i64, timestamp_ms| {
             LedgerItem::Receipt(ReceiptRecord {
                 event_id: ev.event_id,
                 payload_digest: ev.payload_digest.clone(),
@@ -102,19 +133,44 @@ pub(crate) async fn reconcile_unknown(
                 commit_lsn: None,
             })
         };
-        match lookup {
+        // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
+        // JetStream probe that was *stored* proves the original absent and is itself the retry.
+        let (proof, (scanned_from, scanned_to), timestamp_ms, probe_offset) = match lookup {
             Lookup::Found {
                 offset,
                 timestamp_ms,
                 scanned_from,
                 scanned_to,
                 ..
+            } => (
+                Scan::Found { offset },
+                (scanned_from, scanned_to),
+                timestamp_ms,
+                None,
+            ),
+            Lookup::Absent {
+                scanned_from,
+                scanned_to,
+            } => (Scan::Absent, (scanned_from, scanned_to), None, None),
+            Lookup::StoredByProbe {
+                offset,
+                timestamp_ms,
+                ..
+            } => (Scan::Absent, (offset, offset), timestamp_ms, Some(offset)),
+        };
+        let last = attempts::last_generation(sql, a.event_id).await?;
+        // Settled: the settle time has passed (slept out at start, filtered while running).
+        match receipt::resolve_unknown(a.attempt_generation, last, true, proof) {
+            UnknownResolution::StillUnknown => continue,
+            UnknownResolution::Found {
+                offset,
+                attempt_generation,
             } => {
                 accept::accept_batch(
                     &mut pipeline.client,
                     &cfg.slot,
-                    &[receipt(
-                        a.attempt_generation,
+                    &[receipt_of(
+                        attempt_generation,
                         a.relay_generation,
                         offset,
                         timestamp_ms,
@@ -128,38 +184,30 @@ pub(crate) async fn reconcile_unknown(
                 tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
                     unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
             }
-            Lookup::Absent {
-                scanned_from,
-                scanned_to,
+            UnknownResolution::Retry {
+                attempt_generation: next,
             } => {
                 attempts::resolve(sql, a.id, None, scanned_from, scanned_to).await?;
-                let next = attempts::last_generation(sql, a.event_id).await? + 1;
-                pipeline.retry_generation.insert(a.event_id, next);
-                tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
-                    scanned_from, scanned_to, next_attempt = next,
-                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
-            }
-            Lookup::StoredByProbe {
-                offset,
-                timestamp_ms,
-                ..
-            } => {
-                // The broker's duplicate detection said it had no copy of this Nats-Msg-Id:
-                // the original attempt is proven absent, and the probe (the retry, attempt
-                // generation + 1) is the one copy. Its receipt is recorded like any other.
-                attempts::resolve(sql, a.id, None, offset, offset).await?;
-                let next = attempts::last_generation(sql, a.event_id).await? + 1;
-                accept::accept_batch(
-                    &mut pipeline.client,
-                    &cfg.slot,
-                    &[receipt(next, fence.generation, offset, timestamp_ms)],
-                    None,
-                    Some(fence),
-                )
-                .await?;
-                pipeline.found.insert(a.event_id);
-                tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
-                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry");
+                if let Some(offset) = probe_offset {
+                    // The broker's duplicate detection said it had no copy of this
+                    // Nats-Msg-Id: the probe (the retry) is the one copy; record its receipt.
+                    accept::accept_batch(
+                        &mut pipeline.client,
+                        &cfg.slot,
+                        &[receipt_of(next, fence.generation, offset, timestamp_ms)],
+                        None,
+                        Some(fence),
+                    )
+                    .await?;
+                    pipeline.found.insert(a.event_id);
+                    tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
+                        unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry");
+                } else {
+                    pipeline.retry_generation.insert(a.event_id, next);
+                    tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
+                        scanned_from, scanned_to, next_attempt = next,
+                        unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
+                }
             }
         }
     }

@@ -1,0 +1,490 @@
+//! The acceptance decisions, as pure functions: what a transport receipt is, how a
+//! DISPATCH_UNKNOWN attempt is resolved, and when a destination migration is allowed.
+//!
+//! These rules used to live only inside SQL and the relay's I/O code. They are here so that
+//! one statement of each rule is unit-tested, driven by the deterministic simulator
+//! (`outbox-sim`) through millions of fault traces, and used by the I/O code:
+//!
+//! * [`classify`] — the single acceptance point (DESIGN invariant 6). `outbox-ledger`'s
+//!   `ACCEPT_SQL` implements the same decision set-wise (the publish slot is the primary key of
+//!   `outbox.receipts`); a change to one is a change to both.
+//! * [`resolve_unknown`] — UNKNOWN stays unknown until proven: found on the broker → that copy is
+//!   the primary receipt of the attempt that sent it, no resend; absent over a complete scan after
+//!   the producer session closed → retry with attempt generation + 1 to the *same* frozen
+//!   destination; anything else → still unknown. Used by `outboxd`'s reconciler.
+//! * [`migration_precheck`] / [`migration_after_scan`] — a destination migration needs proof
+//!   that the old target did not accept the event, and is refused while the old target's
+//!   outcome is unknown. Used by `outboxd migrate-destination`.
+//! * [`may_purge`] — retention: nothing is purged while anything can still bring the event
+//!   back. The simulator drives it; the purge of issue 5 is meant to call it.
+
+use std::fmt;
+
+/// The two digests a receipt carries (from the send) and a frozen row holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Digests<'a> {
+    pub payload: &'a str,
+    pub destination: &'a str,
+}
+
+/// What the acceptance point does with one transport receipt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReceiptClass {
+    /// It fills the event's publish slot: the primary receipt.
+    Primary,
+    /// The publish slot is taken: evidence, kept as a duplicate transport receipt.
+    Duplicate,
+    /// Never accepted: quarantined with the reason.
+    Conflict(Conflict),
+}
+
+/// Why a receipt was quarantined instead of accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conflict {
+    /// Its payload or destination digest differs from the frozen row (of the latest envelope
+    /// generation, when the event was migrated).
+    DigestMismatch,
+    /// No outbox row has its event id.
+    WithoutRow,
+}
+
+impl Conflict {
+    /// The reason code stored in `outbox.quarantine`.
+    pub fn reason_code(self) -> &'static str {
+        match self {
+            Conflict::DigestMismatch => "receipt_digest_mismatch",
+            Conflict::WithoutRow => "receipt_without_row",
+        }
+    }
+}
+
+/// The acceptance decision for one receipt. `row` is the current frozen row (`None` if there is
+/// none), `has_primary` whether its publish slot is already filled. It does not matter which
+/// attempt, relay generation or lease produced the ACK: a late valid ACK of an old attempt
+/// competes for the same slot as the newest one, and a mismatching one is never accepted.
+pub fn classify(row: Option<Digests<'_>>, has_primary: bool, receipt: Digests<'_>) -> ReceiptClass {
+    match row {
+        None => ReceiptClass::Conflict(Conflict::WithoutRow),
+        Some(r) if r != receipt => ReceiptClass::Conflict(Conflict::DigestMismatch),
+        Some(_) if has_primary => ReceiptClass::Duplicate,
+        Some(_) => ReceiptClass::Primary,
+    }
+}
+
+/// The envelope to send for a row read from the WAL (or a snapshot) whose event was migrated:
+/// the latest migration's envelope generation and destination replace the ones frozen at
+/// enqueue. The WAL keeps the original row forever, so a replay after a migration must not
+/// send it to the pre-migration destination (that would be a cross-destination retry).
+pub fn apply_migration(
+    ev: &mut crate::OutboxEvent,
+    envelope_generation: i32,
+    destination: crate::Destination,
+    destination_digest: String,
+) {
+    if envelope_generation > ev.envelope_generation {
+        ev.envelope_generation = envelope_generation;
+        ev.destination = destination;
+        ev.destination_digest = destination_digest;
+    }
+}
+
+/// What a scan of the frozen partition for the event id showed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scan {
+    /// The event id is at this offset.
+    Found { offset: i64 },
+    /// The whole range was read and the event id is not in it.
+    Absent,
+    /// The partition could not be read (broker down, leader unknown, timeout).
+    Unavailable,
+}
+
+/// How an UNKNOWN attempt ends (or does not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownResolution {
+    /// The broker has it: accept `offset` as the receipt of the attempt that sent it
+    /// (`attempt_generation`), and do not send the event again.
+    Found {
+        offset: i64,
+        attempt_generation: i32,
+    },
+    /// Proven absent: the next send is `attempt_generation`, to the same frozen destination.
+    Retry { attempt_generation: i32 },
+    /// Not proven either way: stays DISPATCH_UNKNOWN (the checkpoint cannot pass the event).
+    StillUnknown,
+}
+
+/// The UNKNOWN resolution rule.
+///
+/// * `attempt_generation` — of the UNKNOWN attempt; `last_generation` — the highest recorded
+///   for the event (a retry is always newer than every attempt so far).
+/// * `settled` — the producer session that sent the attempt is closed and the settle time (at
+///   least the longest round trip a request can still be in flight) has passed. Before that an
+///   absence proves nothing: the request may still be appended.
+pub fn resolve_unknown(
+    attempt_generation: i32,
+    last_generation: i32,
+    settled: bool,
+    scan: Scan,
+) -> UnknownResolution {
+    match scan {
+        // A copy found is proof whenever it is found.
+        Scan::Found { offset } => UnknownResolution::Found {
+            offset,
+            attempt_generation,
+        },
+        Scan::Absent if settled => UnknownResolution::Retry {
+            attempt_generation: last_generation.max(attempt_generation) + 1,
+        },
+        Scan::Absent | Scan::Unavailable => UnknownResolution::StillUnknown,
+    }
+}
+
+/// Reason codes of quarantines decided before anything was sent to the broker.
+pub const PRE_SEND_CODES: &[&str] = &[
+    "destination_not_served",
+    "payload_digest_mismatch",
+    "destination_digest_mismatch",
+    "unsupported_envelope_generation",
+    "empty_field",
+];
+
+/// The ledger's facts about an event an operator wants to move to another destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrationFacts<'a> {
+    /// It has a primary receipt.
+    pub published: bool,
+    /// An attempt of it is DISPATCH_UNKNOWN.
+    pub unknown_open: bool,
+    /// Reason code of its open quarantine record.
+    pub quarantine_code: Option<&'a str>,
+    /// Dispatch attempts ever recorded for it.
+    pub attempts: i64,
+    /// It was migrated before (envelope generation > 1): it may have been sent to its current
+    /// destination since, so neither "quarantined before sending" nor "rejected" (possibly a
+    /// stale record about the previous destination) proves anything any more.
+    pub migrated: bool,
+    /// Its transaction is not yet behind the ledger checkpoint: a relay may still replay the
+    /// WAL row (with the old destination) or have it queued.
+    pub replayable: bool,
+}
+
+/// The proof recorded in the migration receipt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigrationProof {
+    /// Quarantined before anything was sent.
+    NeverSent,
+    /// The old target rejected it permanently.
+    RejectedByOldTarget,
+    /// A scan of the whole old topic did not find it.
+    AbsentFromOldTarget,
+}
+
+/// Why a migration is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigrationRefusal {
+    /// Already published: a second destination is a delivery set, not a migration.
+    Published,
+    /// The old target's outcome is DISPATCH_UNKNOWN: reconcile first.
+    Unknown,
+    /// The old target has it: it is published there.
+    FoundAtOldTarget,
+    /// The old target cannot be read, so its absence cannot be proven.
+    OldTargetUnavailable,
+    /// The relay has not passed the event's transaction yet: it could still send the WAL row
+    /// to the old destination. Retry once the checkpoint has passed it.
+    Replayable,
+}
+
+impl fmt::Display for MigrationRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MigrationRefusal::Published => {
+                "already published; a second destination is a delivery set, not a migration"
+            }
+            MigrationRefusal::Unknown => {
+                "its outcome at the old target is DISPATCH_UNKNOWN; run the relay so it reconciles the attempt first"
+            }
+            MigrationRefusal::FoundAtOldTarget => {
+                "the old target has it: it is published there; let the relay record that receipt"
+            }
+            MigrationRefusal::OldTargetUnavailable => {
+                "the old target cannot be queried, so its absence there cannot be proven"
+            }
+            MigrationRefusal::Replayable => {
+                "the relay's checkpoint has not passed the event's transaction yet, so a replay could still send it to the old destination; retry in a moment"
+            }
+        })
+    }
+}
+
+/// First half of the migration rule: refusals and the proofs that need no scan.
+/// `Ok(None)` means "scan the whole old topic, then call [`migration_after_scan`]".
+pub fn migration_precheck(
+    f: MigrationFacts<'_>,
+) -> Result<Option<MigrationProof>, MigrationRefusal> {
+    if f.published {
+        return Err(MigrationRefusal::Published);
+    }
+    if f.unknown_open {
+        return Err(MigrationRefusal::Unknown);
+    }
+    if f.replayable {
+        return Err(MigrationRefusal::Replayable);
+    }
+    if f.migrated {
+        // A refusal on record may be a stale one (decided for the previous generation by a
+        // relay that paused); only a scan of the current destination proves absence there.
+        return Ok(None);
+    }
+    match f.quarantine_code {
+        Some(code) if PRE_SEND_CODES.contains(&code) && f.attempts == 0 => {
+            Ok(Some(MigrationProof::NeverSent))
+        }
+        Some("broker_rejected") => Ok(Some(MigrationProof::RejectedByOldTarget)),
+        _ => Ok(None),
+    }
+}
+
+/// Second half: the scan of every partition of the old topic.
+pub fn migration_after_scan(scan: Scan) -> Result<MigrationProof, MigrationRefusal> {
+    match scan {
+        Scan::Absent => Ok(MigrationProof::AbsentFromOldTarget),
+        Scan::Found { .. } => Err(MigrationRefusal::FoundAtOldTarget),
+        Scan::Unavailable => Err(MigrationRefusal::OldTargetUnavailable),
+    }
+}
+
+/// What retention knows about one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgeFacts {
+    /// It has a primary receipt.
+    pub published: bool,
+    /// Its transaction is not behind both the ledger checkpoint and the slot's confirmed LSN:
+    /// a restart would stream it again.
+    pub replayable: bool,
+    /// An attempt of it is DISPATCH_UNKNOWN.
+    pub unknown_open: bool,
+    /// Time since it was last handed to the broker, and the replay window (which must exceed
+    /// the longest a request can still be appended after it was sent).
+    pub since_last_send_ms: u64,
+    pub replay_window_ms: u64,
+    /// Every mandatory consumer's watermark is past every copy of it on the broker.
+    pub consumed_by_all: bool,
+}
+
+/// Why an event may not be purged yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PurgeBlock {
+    Unpublished,
+    Replayable,
+    Unknown,
+    WithinReplayWindow,
+    NotConsumed,
+}
+
+/// The retention rule (DESIGN invariant 9): the row, its receipts and the consumers' inbox rows
+/// go only when nothing can bring the event back — no replay from the slot, no append still on
+/// the wire, no consumer still to read a copy. Purge keeps a tombstone (event id, digests,
+/// publish slot) so a late ACK after it is still recognised as a duplicate.
+pub fn may_purge(f: PurgeFacts) -> Result<(), PurgeBlock> {
+    if !f.published {
+        return Err(PurgeBlock::Unpublished);
+    }
+    if f.replayable {
+        return Err(PurgeBlock::Replayable);
+    }
+    if f.unknown_open {
+        return Err(PurgeBlock::Unknown);
+    }
+    if f.since_last_send_ms < f.replay_window_ms {
+        return Err(PurgeBlock::WithinReplayWindow);
+    }
+    if !f.consumed_by_all {
+        return Err(PurgeBlock::NotConsumed);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: Digests<'static> = Digests {
+        payload: "sha256:p",
+        destination: "sha256:d",
+    };
+
+    #[test]
+    fn one_publish_slot_and_mismatches_are_never_accepted() {
+        assert_eq!(classify(Some(A), false, A), ReceiptClass::Primary);
+        assert_eq!(classify(Some(A), true, A), ReceiptClass::Duplicate);
+        let other = Digests {
+            payload: "sha256:p",
+            destination: "sha256:elsewhere",
+        };
+        assert_eq!(
+            classify(Some(A), false, other),
+            ReceiptClass::Conflict(Conflict::DigestMismatch)
+        );
+        assert_eq!(
+            classify(None, false, A),
+            ReceiptClass::Conflict(Conflict::WithoutRow)
+        );
+        assert_eq!(
+            Conflict::DigestMismatch.reason_code(),
+            "receipt_digest_mismatch"
+        );
+    }
+
+    #[test]
+    fn unknown_is_resolved_only_by_proof() {
+        assert_eq!(
+            resolve_unknown(1, 1, false, Scan::Found { offset: 7 }),
+            UnknownResolution::Found {
+                offset: 7,
+                attempt_generation: 1
+            }
+        );
+        assert_eq!(
+            resolve_unknown(1, 1, false, Scan::Absent),
+            UnknownResolution::StillUnknown,
+            "an absence before the settle time proves nothing"
+        );
+        assert_eq!(
+            resolve_unknown(1, 3, true, Scan::Absent),
+            UnknownResolution::Retry {
+                attempt_generation: 4
+            }
+        );
+        assert_eq!(
+            resolve_unknown(2, 2, true, Scan::Unavailable),
+            UnknownResolution::StillUnknown
+        );
+    }
+
+    #[test]
+    fn purge_waits_for_every_way_back() {
+        let ok = PurgeFacts {
+            published: true,
+            replayable: false,
+            unknown_open: false,
+            since_last_send_ms: 10_000,
+            replay_window_ms: 10_000,
+            consumed_by_all: true,
+        };
+        assert_eq!(may_purge(ok), Ok(()));
+        for (f, block) in [
+            (
+                PurgeFacts {
+                    published: false,
+                    ..ok
+                },
+                PurgeBlock::Unpublished,
+            ),
+            (
+                PurgeFacts {
+                    replayable: true,
+                    ..ok
+                },
+                PurgeBlock::Replayable,
+            ),
+            (
+                PurgeFacts {
+                    unknown_open: true,
+                    ..ok
+                },
+                PurgeBlock::Unknown,
+            ),
+            (
+                PurgeFacts {
+                    since_last_send_ms: 9_999,
+                    ..ok
+                },
+                PurgeBlock::WithinReplayWindow,
+            ),
+            (
+                PurgeFacts {
+                    consumed_by_all: false,
+                    ..ok
+                },
+                PurgeBlock::NotConsumed,
+            ),
+        ] {
+            assert_eq!(may_purge(f), Err(block));
+        }
+    }
+
+    #[test]
+    fn migration_needs_proof_and_waits_for_unknown() {
+        let base = MigrationFacts {
+            published: false,
+            unknown_open: false,
+            quarantine_code: Some("destination_not_served"),
+            attempts: 0,
+            migrated: false,
+            replayable: false,
+        };
+        assert_eq!(
+            migration_precheck(base),
+            Ok(Some(MigrationProof::NeverSent))
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                published: true,
+                ..base
+            }),
+            Err(MigrationRefusal::Published)
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                unknown_open: true,
+                ..base
+            }),
+            Err(MigrationRefusal::Unknown)
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                replayable: true,
+                ..base
+            }),
+            Err(MigrationRefusal::Replayable)
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                migrated: true,
+                ..base
+            }),
+            Ok(None),
+            "released after an earlier migration: it may have been sent since"
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                attempts: 1,
+                ..base
+            }),
+            Ok(None),
+            "sent before: only a scan proves the old target lacks it"
+        );
+        assert_eq!(
+            migration_precheck(MigrationFacts {
+                quarantine_code: Some("broker_rejected"),
+                attempts: 1,
+                ..base
+            }),
+            Ok(Some(MigrationProof::RejectedByOldTarget))
+        );
+        assert_eq!(
+            migration_after_scan(Scan::Unavailable),
+            Err(MigrationRefusal::OldTargetUnavailable)
+        );
+        assert_eq!(
+            migration_after_scan(Scan::Found { offset: 0 }),
+            Err(MigrationRefusal::FoundAtOldTarget)
+        );
+        assert_eq!(
+            migration_after_scan(Scan::Absent),
+            Ok(MigrationProof::AbsentFromOldTarget)
+        );
+    }
+}

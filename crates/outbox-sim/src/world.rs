@@ -1,0 +1,2314 @@
+//! One simulated world: producers, PostgreSQL (outbox rows, WAL, slot, ledger tables), relay
+//! incarnations, a broker with two clusters, consumers with an inbox, an operator — and the
+//! invariant counters computed at the end of the trace from the world's ground truth.
+//!
+//! The relay incarnation mirrors `outboxd/src/relay/pipeline.rs` (admit → route check → gate →
+//! send → delivery report → batch → accept → checkpoint → standby status) and
+//! `relay/reconcile.rs`, calling the real `outbox-core` types at every decision.
+
+use std::collections::{HashMap, HashSet};
+
+use bytes::Bytes;
+use outbox_core::envelope::sha256_digest;
+use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, UnknownResolution};
+use outbox_core::{AckTracker, Admit, Destination, EventToken, Lsn, OrderingGate, OutboxEvent};
+use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
+use uuid::Uuid;
+
+use crate::rng::SplitMix64;
+
+/// A deliberately broken variant, to prove the simulator can see each class of bug.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mutant {
+    /// Confirms the LSN to the slot when the broker ACKs, before the receipt is accepted.
+    ConfirmBeforeAccept,
+    /// The consumer applies effects without looking at its inbox.
+    SkipDedup,
+    /// A retry re-resolves the route policy instead of using the frozen destination.
+    RetryReresolvesRoute,
+    /// Reconciliation scans without waiting for the settle time (UNKNOWN racing the retry).
+    NoSettle,
+    /// A late ACK replaces the primary receipt ("last ACK wins").
+    LastAckWins,
+    /// Destination migration does not wait for an UNKNOWN attempt to be reconciled.
+    MigrateWhileUnknown,
+    /// Purge ignores the consumers' watermarks and the replay window.
+    PurgeEarly,
+    /// A producer retry after a lost commit ACK enqueues the event again (a second id).
+    ProducerNewId,
+    /// Product bug found by the simulator (seed 1, trace 143): the route check poisons an
+    /// event while an earlier event of its aggregate is in flight; when that one is rejected
+    /// too, the hold names only the later one and the earlier is never republished.
+    BugPoisonBeforeGate,
+    /// Product bug found by the simulator (seed 1, trace 44): an UNKNOWN attempt a zombie
+    /// recorded after its successor started stays open until the next relay start.
+    BugUnknownOnlyAtStart,
+    /// Product bug found by the simulator (seed 1, trace 195): a zombie's salvaged batch
+    /// quarantines and holds an event that a migration published meanwhile (a stale refusal
+    /// blocks the aggregate).
+    BugStaleQuarantine,
+    /// Product bug found by the simulator (seed 1, traces 114, 60 and 3522): a migration
+    /// recorded while the event's WAL row was still ahead of the ledger checkpoint. A replay
+    /// (after a crash, or by a run that had it queued) decodes the row as frozen at enqueue and
+    /// sends it to the pre-migration destination (a cross-destination retry), or quarantines
+    /// and holds it again although the migration published it.
+    BugMigrateReplayable,
+    /// Product bug found by the simulator (seed 2, trace 40186; seed 3, trace 25240):
+    /// "quarantined before sending" or "rejected by the old target" was accepted as migration
+    /// proof for an event that an earlier migration had released and the relay had sent since
+    /// (a paused relay's stale refusal, decided for the previous destination, re-quarantined it).
+    BugProofAfterMigration,
+}
+
+impl Mutant {
+    pub const ALL: &'static [(&'static str, Mutant)] = &[
+        ("confirm-before-accept", Mutant::ConfirmBeforeAccept),
+        ("skip-dedup", Mutant::SkipDedup),
+        ("retry-reresolves-route", Mutant::RetryReresolvesRoute),
+        ("no-settle", Mutant::NoSettle),
+        ("last-ack-wins", Mutant::LastAckWins),
+        ("migrate-while-unknown", Mutant::MigrateWhileUnknown),
+        ("purge-early", Mutant::PurgeEarly),
+        ("producer-new-id", Mutant::ProducerNewId),
+        ("bug-poison-before-gate", Mutant::BugPoisonBeforeGate),
+        ("bug-unknown-only-at-start", Mutant::BugUnknownOnlyAtStart),
+        ("bug-stale-quarantine", Mutant::BugStaleQuarantine),
+        ("bug-migrate-replayable", Mutant::BugMigrateReplayable),
+        ("bug-proof-after-migration", Mutant::BugProofAfterMigration),
+    ];
+
+    pub fn parse(name: &str) -> Option<Mutant> {
+        Mutant::ALL
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, m)| *m)
+    }
+}
+
+/// Invariant counters (must be 0) and what happened (for the report).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub traces: u64,
+    // --- invariants: every one must be 0 ---
+    /// Committed events never published (no primary receipt, or no copy at their destination).
+    pub lost: u64,
+    /// Business facts with more than one event id, or broker copies of an id no committed row has.
+    pub second_ids: u64,
+    /// Events sent to a destination other than their current frozen one, or present at two
+    /// destinations.
+    pub cross_destination_retries: u64,
+    /// Effects a consumer applied more than once for one event id.
+    pub duplicate_effects: u64,
+    /// UNKNOWN attempts resolved wrongly (ABSENT while the broker has that attempt's copy) or
+    /// still open after the world healed.
+    pub unknown_untraced: u64,
+    /// Per aggregate and partition, a version first seen after a later version.
+    pub order_violations: u64,
+    /// The slot confirmed past an event whose ledger record was not committed.
+    pub confirmed_past_unaccepted: u64,
+    /// A quarantine or hold recorded for an event that already had a primary receipt.
+    pub spurious_quarantines: u64,
+    /// A relay start refused by `slot::plan` (the slot was moved past the ledger).
+    pub start_refused: u64,
+    /// A copy of a purged event reached the broker or a consumer after the purge.
+    pub purged_early: u64,
+    /// Late valid ACKs accepted, and how many of them converged to the publish slot.
+    pub late_acks: u64,
+    pub late_acks_converged: u64,
+    // --- what happened ---
+    pub events: u64,
+    pub rolled_back: u64,
+    pub relay_crashes: u64,
+    pub relay_pauses: u64,
+    pub unknown_attempts: u64,
+    pub broker_copies: u64,
+    pub duplicate_receipts: u64,
+    pub conflicts: u64,
+    pub migrations: u64,
+    pub migrations_refused: u64,
+    pub purges: u64,
+    pub consumer_crashes: u64,
+    pub receipt_rollbacks: u64,
+}
+
+impl Counts {
+    /// Sum of the invariant counters, plus unconverged late ACKs.
+    pub fn violations(&self) -> u64 {
+        self.lost
+            + self.second_ids
+            + self.cross_destination_retries
+            + self.duplicate_effects
+            + self.unknown_untraced
+            + self.order_violations
+            + self.confirmed_past_unaccepted
+            + self.spurious_quarantines
+            + self.start_refused
+            + self.purged_early
+            + (self.late_acks - self.late_acks_converged)
+    }
+
+    /// Late valid ACKs that converged to the publish slot, in percent (100 when there were none).
+    pub fn late_ack_convergence(&self) -> f64 {
+        if self.late_acks == 0 {
+            100.0
+        } else {
+            self.late_acks_converged as f64 * 100.0 / self.late_acks as f64
+        }
+    }
+
+    pub fn add(&mut self, o: &Counts) {
+        macro_rules! sum {
+            ($($f:ident),*) => { $( self.$f += o.$f; )* };
+        }
+        sum!(
+            traces,
+            lost,
+            second_ids,
+            cross_destination_retries,
+            duplicate_effects,
+            unknown_untraced,
+            order_violations,
+            confirmed_past_unaccepted,
+            spurious_quarantines,
+            start_refused,
+            purged_early,
+            late_acks,
+            late_acks_converged,
+            events,
+            rolled_back,
+            relay_crashes,
+            relay_pauses,
+            unknown_attempts,
+            broker_copies,
+            duplicate_receipts,
+            conflicts,
+            migrations,
+            migrations_refused,
+            purges,
+            consumer_crashes,
+            receipt_rollbacks
+        );
+    }
+
+    /// `name value` pairs, invariants first, for printing.
+    pub fn lines(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("lost", self.lost.to_string()),
+            ("second_ids", self.second_ids.to_string()),
+            (
+                "cross_destination_retries",
+                self.cross_destination_retries.to_string(),
+            ),
+            ("duplicate_effects", self.duplicate_effects.to_string()),
+            (
+                "late_ack_convergence",
+                format!(
+                    "{:.2}% ({} of {})",
+                    self.late_ack_convergence(),
+                    self.late_acks_converged,
+                    self.late_acks
+                ),
+            ),
+            ("unknown_untraced", self.unknown_untraced.to_string()),
+            ("order_violations", self.order_violations.to_string()),
+            (
+                "confirmed_past_unaccepted",
+                self.confirmed_past_unaccepted.to_string(),
+            ),
+            (
+                "spurious_quarantines",
+                self.spurious_quarantines.to_string(),
+            ),
+            ("start_refused", self.start_refused.to_string()),
+            ("purged_early", self.purged_early.to_string()),
+            ("events_committed", self.events.to_string()),
+            ("transactions_rolled_back", self.rolled_back.to_string()),
+            ("relay_sigkills", self.relay_crashes.to_string()),
+            ("relay_pauses_zombies", self.relay_pauses.to_string()),
+            ("unknown_attempts", self.unknown_attempts.to_string()),
+            ("broker_copies", self.broker_copies.to_string()),
+            ("duplicate_receipts", self.duplicate_receipts.to_string()),
+            ("receipt_conflicts_quarantined", self.conflicts.to_string()),
+            ("receipt_txn_rollbacks", self.receipt_rollbacks.to_string()),
+            ("migrations", self.migrations.to_string()),
+            ("migrations_refused", self.migrations_refused.to_string()),
+            ("purges", self.purges.to_string()),
+            ("consumer_crashes", self.consumer_crashes.to_string()),
+        ]
+    }
+
+    /// The summary line of the CLI contract.
+    pub fn summary(&self) -> String {
+        format!(
+            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={}",
+            self.traces,
+            self.lost,
+            self.second_ids,
+            self.cross_destination_retries,
+            self.duplicate_effects,
+            self.late_ack_convergence(),
+            self.unknown_untraced
+        )
+    }
+}
+
+/// One trace's counts, and its event log when asked for.
+#[derive(Debug, Clone)]
+pub struct TraceResult {
+    pub counts: Counts,
+    pub log: Vec<String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Constants of the simulated world (milliseconds of simulated time).
+
+const LEASE_TTL: u64 = 3_000;
+/// The longest a produce request can still be appended after it was sent.
+const MAX_RTT: u64 = 1_500;
+/// `--unknown-settle-ms`: at least MAX_RTT.
+const SETTLE: u64 = 2_000;
+/// Retention: nothing is purged before this long after its last send.
+const REPLAY_WINDOW: u64 = 10_000;
+const AGGREGATES: u32 = 3;
+const PARTITIONS: usize = 2;
+const CONSUMERS: usize = 2;
+const SERVED_CLUSTER: &str = "A";
+
+/// Topics: 0 and 1 on cluster A (served), 2 on cluster A but it rejects every message
+/// (unauthorised), 3 on cluster B (not served by this relay).
+const TOPICS: [(&str, &str); 4] = [("A", "t1"), ("A", "t2"), ("A", "t3"), ("B", "b1")];
+const REJECTING_TOPIC: usize = 2;
+
+fn topic_index(d: &Destination) -> usize {
+    TOPICS
+        .iter()
+        .position(|(c, t)| *c == d.cluster && *t == d.topic)
+        .expect("destinations only name simulated topics")
+}
+
+type Agg = u32;
+
+/// A committed outbox row.
+struct Row {
+    /// The row as the WAL carries it (generation 1, the destination frozen at enqueue).
+    ev: OutboxEvent,
+    agg: Agg,
+    commit_end: Lsn,
+    business: u64,
+    /// Destination migrations (envelope generation 2, 3, …), latest last.
+    migrations: Vec<(Destination, String)>,
+    purged: bool,
+    last_send: u64,
+}
+
+impl Row {
+    /// `outbox.events_current`: the row with its latest migration applied.
+    fn current(&self) -> OutboxEvent {
+        let mut ev = self.ev.clone();
+        if let Some((d, digest)) = self.migrations.last() {
+            ev.destination = d.clone();
+            ev.destination_digest = digest.clone();
+            ev.envelope_generation += self.migrations.len() as i32;
+        }
+        ev
+    }
+    fn current_digest(&self) -> &str {
+        self.migrations
+            .last()
+            .map(|(_, d)| d.as_str())
+            .unwrap_or(&self.ev.destination_digest)
+    }
+}
+
+#[derive(Clone)]
+struct Msg {
+    row: usize,
+    dest_digest: String,
+    relay_gen: i64,
+    attempt: i32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Receipt {
+    topic: usize,
+    partition: usize,
+    offset: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum AttemptState {
+    Unknown,
+    Found,
+    Absent,
+}
+
+struct Attempt {
+    row: usize,
+    relay_gen: i64,
+    attempt: i32,
+    topic: usize,
+    partition: usize,
+    unknown_at: u64,
+    state: AttemptState,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HoldState {
+    Held,
+    Releasing,
+}
+
+struct Hold {
+    state: HoldState,
+    blocking: Option<usize>,
+    publish_blocking: bool,
+}
+
+struct Quarantine {
+    row: usize,
+    code: &'static str,
+    released: bool,
+}
+
+/// The ledger tables of `migrations/`.
+#[derive(Default)]
+struct Ledger {
+    primary: HashMap<usize, Receipt>,
+    duplicates: Vec<(usize, Receipt)>,
+    quarantine: Vec<Quarantine>,
+    holds: HashMap<Agg, Hold>,
+    /// `held_events`: row → released.
+    held: HashMap<usize, bool>,
+    heads: HashMap<Agg, i64>,
+    attempts: Vec<Attempt>,
+    checkpoint: Option<Lsn>,
+    lease_gen: i64,
+    lease_until: u64,
+}
+
+impl Ledger {
+    fn open_quarantine(&self, row: usize) -> Option<&Quarantine> {
+        self.quarantine.iter().find(|q| q.row == row && !q.released)
+    }
+    fn unknown_open(&self, row: usize) -> bool {
+        self.attempts
+            .iter()
+            .any(|a| a.row == row && a.state == AttemptState::Unknown)
+    }
+    /// Whether the relay's record for `row` is durable (what lets the checkpoint pass it).
+    fn resolved(&self, row: usize) -> bool {
+        self.primary.contains_key(&row)
+            || self.duplicates.iter().any(|(r, _)| *r == row)
+            || self.quarantine.iter().any(|q| q.row == row)
+            || self.held.contains_key(&row)
+    }
+}
+
+/// What the broker will report for one send (decided when it is sent).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Report {
+    Persisted(Receipt),
+    /// Request timed out or the transport failed after sending: possibly persisted.
+    PossiblyPersisted,
+    NotPersisted,
+    Rejected,
+}
+
+struct Pend {
+    row: usize,
+    ev: OutboxEvent,
+    ack: Option<EventToken>,
+}
+
+struct Flight {
+    token: u64,
+    row: usize,
+    agg: Agg,
+    topic: usize,
+    partition: usize,
+    attempt: i32,
+    sent_at: u64,
+    payload_digest: String,
+    dest_digest: String,
+    ack: Option<EventToken>,
+    report: Report,
+}
+
+enum Item {
+    Receipt {
+        row: usize,
+        rc: Receipt,
+        payload_digest: String,
+        dest_digest: String,
+        late: bool,
+    },
+    Quarantine {
+        row: usize,
+        code: &'static str,
+    },
+    Hold {
+        agg: Agg,
+        blocking: usize,
+    },
+    Held {
+        row: usize,
+    },
+}
+
+/// One relay run (`outboxd run` between two errors), with everything it keeps in memory.
+struct Relay {
+    gen: i64,
+    /// SIGKILLed: removed at the end of the step (indices stay valid within a step).
+    killed: bool,
+    /// A send was refused because the lease deadline had passed: the run ends.
+    lease_expired: bool,
+    deadline: u64,
+    paused: bool,
+    /// The new lease holder terminated this run's walsender.
+    stream_cut: bool,
+    salvaging: bool,
+    tracker: AckTracker,
+    gate: OrderingGate<Agg, Pend>,
+    /// Next WAL transaction to stream.
+    cursor: usize,
+    durable: Lsn,
+    in_flight: Vec<Flight>,
+    batch: Vec<Item>,
+    batch_acks: Vec<EventToken>,
+    found: HashSet<usize>,
+    retry_gen: HashMap<usize, i32>,
+    next_token: u64,
+}
+
+/// Why a relay run ended.
+#[derive(Debug)]
+enum End {
+    Error(&'static str),
+}
+
+struct Consumer {
+    committed: Vec<usize>,
+    pos: Vec<usize>,
+    inbox: HashSet<Uuid>,
+    effects: HashMap<Uuid, u32>,
+}
+
+struct World {
+    rng: SplitMix64,
+    mutant: Option<Mutant>,
+    verbose: bool,
+    log: Vec<String>,
+    now: u64,
+    faults: bool,
+    c: Counts,
+
+    rows: Vec<Row>,
+    by_id: HashMap<Uuid, usize>,
+    /// Committed transactions: (commit end LSN, rows).
+    wal: Vec<(Lsn, Vec<usize>)>,
+    next_lsn: u64,
+    agg_version: Vec<i64>,
+    business_next: u64,
+    route_gen: i64,
+    route_topic: usize,
+
+    slot_confirmed: Option<Lsn>,
+    ledger: Ledger,
+
+    /// `[topic][partition]` → messages in offset order.
+    broker: Vec<Vec<Vec<Msg>>>,
+    /// Appends still on the wire: (due time, topic, partition, message).
+    late_appends: Vec<(u64, usize, usize, Msg)>,
+    /// A topic's partitions cannot be read or written until this time.
+    down_until: [u64; 4],
+
+    relays: Vec<Relay>,
+    /// The lease holder was SIGKILLed: a successor waits for the lease to expire.
+    holder_killed: bool,
+    consumers: Vec<Consumer>,
+    /// Truth: the send of every (row, relay gen, attempt) proven ABSENT.
+    absent_attempts: HashSet<(usize, i64, i32)>,
+    /// Events sent to a destination that is not their current one.
+    cross_sends: HashSet<usize>,
+}
+
+macro_rules! log {
+    ($w:expr, $($arg:tt)*) => {
+        if $w.verbose {
+            let line = format!("t={:>6} {}", $w.now, format!($($arg)*));
+            $w.log.push(line);
+        }
+    };
+}
+
+/// Runs trace `trace` of `seed`.
+pub fn run_trace(seed: u64, trace: u64, mutant: Option<Mutant>, verbose: bool) -> TraceResult {
+    let mut w = World::new(SplitMix64::for_trace(seed, trace), mutant, verbose);
+    w.run();
+    w.c.traces = 1;
+    TraceResult {
+        counts: w.c,
+        log: w.log,
+    }
+}
+
+impl World {
+    fn new(rng: SplitMix64, mutant: Option<Mutant>, verbose: bool) -> World {
+        World {
+            rng,
+            mutant,
+            verbose,
+            log: Vec::new(),
+            now: 0,
+            faults: true,
+            c: Counts::default(),
+            rows: Vec::new(),
+            by_id: HashMap::new(),
+            wal: Vec::new(),
+            next_lsn: 0x100,
+            agg_version: vec![0; AGGREGATES as usize],
+            business_next: 0,
+            route_gen: 1,
+            route_topic: 0,
+            slot_confirmed: None,
+            ledger: Ledger::default(),
+            broker: (0..TOPICS.len())
+                .map(|_| (0..PARTITIONS).map(|_| Vec::new()).collect())
+                .collect(),
+            late_appends: Vec::new(),
+            down_until: [0; 4],
+            relays: Vec::new(),
+            holder_killed: false,
+            consumers: (0..CONSUMERS)
+                .map(|_| Consumer {
+                    committed: vec![0; TOPICS.len() * PARTITIONS],
+                    pos: vec![0; TOPICS.len() * PARTITIONS],
+                    inbox: HashSet::new(),
+                    effects: HashMap::new(),
+                })
+                .collect(),
+            absent_attempts: HashSet::new(),
+            cross_sends: HashSet::new(),
+        }
+    }
+
+    fn is(&self, m: Mutant) -> bool {
+        self.mutant == Some(m)
+    }
+
+    fn run(&mut self) {
+        let steps = self.rng.range(60, 260);
+        let max_events = self.rng.range(4, 30);
+        // The first start creates the slot, before anything is committed (a snapshot publish
+        // of earlier rows is not modelled).
+        self.start_relay();
+        for _ in 0..steps {
+            self.step(max_events);
+        }
+        self.drain();
+        self.judge();
+    }
+
+    // ----------------------------------------------------------------------------- the loop
+
+    /// The running relay that holds the lease.
+    fn active(&self) -> Option<usize> {
+        self.relays
+            .iter()
+            .position(|r| !r.paused && !r.salvaging && !r.killed && r.gen == self.ledger.lease_gen)
+    }
+
+    /// Runs whose lease was taken over find out at their next renewal and end.
+    fn end_stale_runs(&mut self) {
+        for i in 0..self.relays.len() {
+            let r = &self.relays[i];
+            if !r.paused && !r.salvaging && !r.killed && r.gen != self.ledger.lease_gen {
+                self.end_run(i, End::Error("lease taken by a newer generation"));
+            }
+        }
+    }
+
+    fn step(&mut self, max_events: u64) {
+        self.land_late_appends();
+        self.end_stale_runs();
+        let active = self.active();
+        let has_next = active.is_some_and(|i| {
+            let r = &self.relays[i];
+            !r.stream_cut && r.cursor < self.wal.len()
+        });
+        let reports = self
+            .relays
+            .iter()
+            .any(|r| !r.paused && !r.in_flight.is_empty());
+        let weights = [
+            if (self.rows.len() as u64) < max_events {
+                14
+            } else {
+                0
+            }, // 0 producer txn
+            if has_next { 14 } else { 0 },        // 1 decode
+            if reports { 16 } else { 0 },         // 2 delivery report
+            if active.is_some() { 6 } else { 0 }, // 3 accept batch
+            if active.is_some() { 3 } else { 0 }, // 4 standby status
+            if active.is_some() { 2 } else { 0 }, // 5 releases
+            if active.is_some() { 4 } else { 0 }, // 6 renew lease
+            6,                                    // 7 time passes
+            if active.is_some() { 1 } else { 0 }, // 8 SIGKILL relay
+            if active.is_some() { 1 } else { 0 }, // 9 pause relay
+            if self.relays.iter().any(|r| r.paused) {
+                2
+            } else {
+                0
+            }, // 10 resume zombie
+            if active.is_none() { 6 } else { 0 }, // 11 start relay
+            1,                                    // 12 broker topic down
+            1,                                    // 13 route policy change
+            2,                                    // 14 operator migration
+            8,                                    // 15 consumer
+            1,                                    // 16 consumer crash
+            1,                                    // 17 purge
+            1,                                    // 18 producer retry
+            if self.relays.iter().any(|r| r.salvaging) {
+                6
+            } else {
+                0
+            }, // 19 salvage
+        ];
+        match self.rng.weighted(&weights) {
+            0 => self.producer_txn(),
+            1 => self.relay_call(active, Self::decode_next),
+            2 => {
+                let cands: Vec<usize> = (0..self.relays.len())
+                    .filter(|i| !self.relays[*i].paused && !self.relays[*i].in_flight.is_empty())
+                    .collect();
+                let i = cands[self.rng.below(cands.len() as u64) as usize];
+                let k = self.rng.below(self.relays[i].in_flight.len() as u64) as usize;
+                let token = self.relays[i].in_flight[k].token;
+                self.relay_call(Some(i), |w, i| w.on_report(i, token));
+            }
+            3 => self.relay_call(active, |w, i| w.flush(i, true)),
+            4 => self.relay_call(active, |w, i| {
+                w.status_update(i);
+                Ok(())
+            }),
+            5 => self.relay_call(active, Self::process_releases),
+            6 => self.relay_call(active, |w, i| {
+                w.renew(i);
+                Ok(())
+            }),
+            7 => self.now += self.rng.range(1, 400),
+            8 => self.sigkill(active.expect("weighted")),
+            9 => {
+                let i = active.expect("weighted");
+                log!(
+                    self,
+                    "relay gen {} paused (SIGSTOP / GC)",
+                    self.relays[i].gen
+                );
+                self.relays[i].paused = true;
+                self.c.relay_pauses += 1;
+            }
+            10 => {
+                let i = self.relays.iter().position(|r| r.paused).expect("weighted");
+                log!(self, "relay gen {} resumes", self.relays[i].gen);
+                self.relays[i].paused = false;
+                if self.now >= self.relays[i].deadline {
+                    // Its own monotonic clock says the lease is gone: it sends nothing more.
+                    self.end_run(i, End::Error("lease deadline passed while paused"));
+                }
+            }
+            11 => self.start_relay(),
+            12 => {
+                let t = self.rng.below(2) as usize;
+                self.down_until[t] = self.now + self.rng.range(200, 5_000);
+                log!(
+                    self,
+                    "topic {} unavailable until {}",
+                    TOPICS[t].1,
+                    self.down_until[t]
+                );
+            }
+            13 => self.route_change(),
+            14 => self.operator_migrate(false),
+            15 => {
+                let c = self.rng.below(CONSUMERS as u64) as usize;
+                self.consume(c);
+            }
+            16 => {
+                let c = self.rng.below(CONSUMERS as u64) as usize;
+                self.consumer_crash(c);
+            }
+            17 => self.purge(),
+            18 => self.producer_retry(),
+            19 => {
+                let i = self
+                    .relays
+                    .iter()
+                    .position(|r| r.salvaging)
+                    .expect("weighted");
+                self.salvage(i);
+            }
+            _ => unreachable!(),
+        }
+        self.relays.retain(|r| !r.killed);
+    }
+
+    /// Runs a relay operation; an error ends that run (salvage, then a new run may start).
+    fn relay_call(
+        &mut self,
+        i: Option<usize>,
+        f: impl FnOnce(&mut World, usize) -> Result<(), End>,
+    ) {
+        let Some(i) = i else { return };
+        match f(self, i) {
+            Err(e) => self.end_run(i, e),
+            Ok(()) if self.relays[i].lease_expired => self.end_run(
+                i,
+                End::Error("lease expired: a stale generation may not send"),
+            ),
+            Ok(()) => {}
+        }
+    }
+
+    fn end_run(&mut self, i: usize, why: End) {
+        let r = &mut self.relays[i];
+        if r.salvaging || r.killed {
+            return;
+        }
+        let End::Error(why) = why;
+        log!(
+            self,
+            "relay gen {} run ends: {why}; salvaging",
+            self.relays[i].gen
+        );
+        self.relays[i].salvaging = true;
+    }
+
+    /// `Pipeline::salvage`: record what the broker already confirmed, send nothing, do not move
+    /// the checkpoint. Outstanding reports arrive within the grace period, or not at all.
+    fn salvage(&mut self, i: usize) {
+        while !self.relays[i].in_flight.is_empty() && !self.relays[i].paused {
+            if self.faults && self.rng.chance(150) {
+                break; // grace period over
+            }
+            let token = self.relays[i].in_flight[0].token;
+            if self.on_report(i, token).is_err() {
+                log!(self, "salvage stopped by an error");
+                self.relays.remove(i);
+                return;
+            }
+            if self.relays[i].killed {
+                self.relays.remove(i);
+                return;
+            }
+        }
+        if !self.relays[i].paused {
+            let _ = self.flush(i, false);
+            log!(self, "relay gen {} ended", self.relays[i].gen);
+            self.relays.remove(i);
+        }
+    }
+
+    fn sigkill(&mut self, i: usize) {
+        log!(
+            self,
+            "SIGKILL relay gen {} ({} in flight)",
+            self.relays[i].gen,
+            self.relays[i].in_flight.len()
+        );
+        self.relays[i].killed = true;
+        if self.relays[i].gen == self.ledger.lease_gen {
+            self.holder_killed = true;
+        }
+        self.c.relay_crashes += 1;
+    }
+
+    // -------------------------------------------------------------------------- producers
+
+    fn destination(&self, agg: Agg, topic: usize, route_gen: i64) -> Destination {
+        Destination {
+            kind: "kafka".into(),
+            cluster: TOPICS[topic].0.into(),
+            topic: TOPICS[topic].1.into(),
+            key: format!("o-{agg}"),
+            partitioner: "murmur2_random".into(),
+            route_generation: route_gen,
+            serializer: "json".into(),
+            acks: "all".into(),
+        }
+    }
+
+    fn new_id(&mut self) -> Uuid {
+        uuid::Builder::from_random_bytes(
+            (u128::from(self.rng.next_u64()) << 64 | u128::from(self.rng.next_u64())).to_be_bytes(),
+        )
+        .into_uuid()
+    }
+
+    fn enqueue(&mut self, agg: Agg, business: u64, version: i64) -> OutboxEvent {
+        let destination = self.destination(agg, self.route_topic, self.route_gen);
+        let payload = Bytes::from(format!("{{\"business\": {business}}}"));
+        OutboxEvent {
+            event_id: self.new_id(),
+            envelope_generation: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: format!("o-{agg}"),
+            aggregate_version: version,
+            event_type: "order.changed".into(),
+            payload_schema: None,
+            payload_digest: sha256_digest(&payload),
+            payload,
+            tenant: None,
+            headers: None,
+            occurred_at: "2026-11-30 00:00:00+00".into(),
+            created_xid: None,
+            destination_digest: destination.digest(),
+            destination,
+            delivery_set_id: None,
+        }
+    }
+
+    /// One business transaction: 1–3 events, committed or rolled back (a crash before COMMIT
+    /// is a rollback). Versions are allocated under the aggregate's lock, so only committed
+    /// transactions consume them.
+    fn producer_txn(&mut self) {
+        let n = self.rng.range(1, 4);
+        let mut versions = self.agg_version.clone();
+        let mut evs = Vec::new();
+        for _ in 0..n {
+            let agg = self.rng.below(u64::from(AGGREGATES)) as Agg;
+            versions[agg as usize] += 1;
+            let business = self.business_next;
+            self.business_next += 1;
+            let ev = self.enqueue(agg, business, versions[agg as usize]);
+            evs.push((agg, business, ev));
+        }
+        self.next_lsn += self.rng.range(16, 200);
+        if self.faults && self.rng.chance(120) {
+            log!(self, "producer txn of {n} events rolled back");
+            self.c.rolled_back += 1;
+            return;
+        }
+        self.agg_version = versions;
+        let end = Lsn(self.next_lsn);
+        let mut ids = Vec::new();
+        for (agg, business, ev) in evs {
+            ids.push(self.rows.len());
+            self.by_id.insert(ev.event_id, self.rows.len());
+            log!(
+                self,
+                "commit {} o-{agg} v{} -> {}/{} at {end}",
+                ev.event_id,
+                ev.aggregate_version,
+                ev.destination.cluster,
+                ev.destination.topic
+            );
+            self.rows.push(Row {
+                ev,
+                agg,
+                commit_end: end,
+                business,
+                migrations: Vec::new(),
+                purged: false,
+                last_send: 0,
+            });
+            self.c.events += 1;
+        }
+        self.wal.push((end, ids));
+        self.next_lsn += 8;
+    }
+
+    /// The commit ACK was lost; the business command is retried with the same business key.
+    /// The business row exists, so nothing is enqueued again (the mutant enqueues anew).
+    fn producer_retry(&mut self) {
+        if self.rows.is_empty() {
+            return;
+        }
+        let r = self.rng.below(self.rows.len() as u64) as usize;
+        if !self.is(Mutant::ProducerNewId) {
+            return;
+        }
+        let agg = self.rows[r].agg;
+        let business = self.rows[r].business;
+        self.agg_version[agg as usize] += 1;
+        let ev = self.enqueue(agg, business, self.agg_version[agg as usize]);
+        self.next_lsn += 64;
+        let end = Lsn(self.next_lsn);
+        self.by_id.insert(ev.event_id, self.rows.len());
+        self.wal.push((end, vec![self.rows.len()]));
+        self.rows.push(Row {
+            ev,
+            agg,
+            commit_end: end,
+            business,
+            migrations: Vec::new(),
+            purged: false,
+            last_send: 0,
+        });
+        self.c.events += 1;
+    }
+
+    fn route_change(&mut self) {
+        self.route_gen += 1;
+        self.route_topic = if self.faults {
+            [0, 1, 1, 2, 3][self.rng.below(5) as usize]
+        } else {
+            0
+        };
+        log!(
+            self,
+            "route policy generation {} -> {}/{}",
+            self.route_gen,
+            TOPICS[self.route_topic].0,
+            TOPICS[self.route_topic].1
+        );
+    }
+
+    // ---------------------------------------------------------------------------- the relay
+
+    fn start_relay(&mut self) {
+        if self.active().is_some() {
+            return;
+        }
+        // Take the lease by CAS: free, expired, or our own (a new run of the process whose run
+        // ended). A paused or SIGKILLed holder keeps it until it expires: standbys wait.
+        let holder_alive = self.relays.iter().any(|r| r.gen == self.ledger.lease_gen);
+        if self.now <= self.ledger.lease_until && (holder_alive || self.holder_killed) {
+            self.now = self.ledger.lease_until + 1;
+            self.land_late_appends();
+        }
+        self.holder_killed = false;
+        self.ledger.lease_gen += 1;
+        self.ledger.lease_until = self.now + LEASE_TTL;
+        let gen = self.ledger.lease_gen;
+        // The new holder terminates any walsender still attached to the slot.
+        for r in &mut self.relays {
+            r.stream_cut = true;
+        }
+        let slot_info = self.slot_confirmed.map(|c| SlotInfo {
+            plugin: "pgoutput".into(),
+            database: "sim".into(),
+            active_pid: None,
+            wal_status: Some("reserved".into()),
+            confirmed_flush: Some(c),
+        });
+        let ledger_view = self.ledger.checkpoint.map(|c| LedgerView {
+            checkpoint: c,
+            snapshot_done: true,
+            system_identifier: Some("sim".into()),
+        });
+        let start = match slot::plan(
+            "sim_slot",
+            "sim",
+            "sim",
+            slot_info.as_ref(),
+            ledger_view.as_ref(),
+            false,
+        ) {
+            Ok(StartPlan::Create) => {
+                let at = Lsn(self.next_lsn);
+                // Only the very first start creates; nothing was committed before it.
+                self.slot_confirmed = Some(at);
+                self.ledger.checkpoint = Some(at);
+                at
+            }
+            Ok(StartPlan::Resume { start, .. }) => start,
+            Ok(StartPlan::Recreate) => unreachable!("never asked for --resnapshot"),
+            Err(e) => {
+                log!(self, "relay refused to start: {e}");
+                self.c.start_refused = 1;
+                return;
+            }
+        };
+        // The gate as the ledger left it.
+        let mut gate = OrderingGate::new();
+        for (k, v) in &self.ledger.heads {
+            gate.set_head(*k, *v, false);
+        }
+        for k in self.ledger.holds.keys() {
+            gate.set_head(*k, 0, true);
+        }
+        let cursor = self
+            .wal
+            .iter()
+            .position(|(end, _)| *end > start)
+            .unwrap_or(self.wal.len());
+        log!(
+            self,
+            "relay gen {gen} starts at {start} (WAL txn #{cursor})"
+        );
+        self.relays.push(Relay {
+            gen,
+            killed: false,
+            lease_expired: false,
+            deadline: self.now + LEASE_TTL,
+            paused: false,
+            stream_cut: false,
+            salvaging: false,
+            tracker: AckTracker::new(start),
+            gate,
+            cursor,
+            durable: start,
+            in_flight: Vec::new(),
+            batch: Vec::new(),
+            batch_acks: Vec::new(),
+            found: HashSet::new(),
+            retry_gen: HashMap::new(),
+            next_token: 0,
+        });
+        let i = self.relays.len() - 1;
+        if let Err(e) = self.reconcile(i) {
+            self.end_run(i, e);
+        }
+    }
+
+    fn renew(&mut self, i: usize) {
+        let r = &mut self.relays[i];
+        if self.ledger.lease_gen == r.gen && self.now <= self.ledger.lease_until {
+            self.ledger.lease_until = self.now + LEASE_TTL;
+            r.deadline = self.now + LEASE_TTL;
+        }
+    }
+
+    fn lease_valid(&self, i: usize) -> bool {
+        let r = &self.relays[i];
+        self.ledger.lease_gen == r.gen && self.now < r.deadline
+    }
+
+    /// `relay/reconcile.rs`, while running: UNKNOWN attempts another generation recorded after
+    /// this run started (a zombie's late report), once their settle time has passed.
+    fn reconcile_settled(&mut self, i: usize) -> Result<(), End> {
+        let gen = self.relays[i].gen;
+        let open: Vec<usize> = (0..self.ledger.attempts.len())
+            .filter(|a| {
+                let at = &self.ledger.attempts[*a];
+                at.state == AttemptState::Unknown
+                    && at.relay_gen != gen
+                    && (self.is(Mutant::NoSettle) || self.now >= at.unknown_at + SETTLE)
+                    && self.now >= self.down_until[at.topic]
+            })
+            .collect();
+        self.reconcile_attempts(i, open)
+    }
+
+    /// `relay/reconcile.rs`: every open UNKNOWN attempt, before streaming.
+    fn reconcile(&mut self, i: usize) -> Result<(), End> {
+        let open: Vec<usize> = (0..self.ledger.attempts.len())
+            .filter(|a| self.ledger.attempts[*a].state == AttemptState::Unknown)
+            .collect();
+        self.reconcile_attempts(i, open)
+    }
+
+    fn reconcile_attempts(&mut self, i: usize, open: Vec<usize>) -> Result<(), End> {
+        for a in open {
+            let (row, topic, partition, attempt, relay_gen, unknown_at) = {
+                let at = &self.ledger.attempts[a];
+                (
+                    at.row,
+                    at.topic,
+                    at.partition,
+                    at.attempt,
+                    at.relay_gen,
+                    at.unknown_at,
+                )
+            };
+            let settled = if self.is(Mutant::NoSettle) {
+                true
+            } else {
+                // The reconciler sleeps out the settle time.
+                self.now = self.now.max(unknown_at + SETTLE);
+                self.land_late_appends();
+                true
+            };
+            let scan = if self.now < self.down_until[topic] {
+                Scan::Unavailable
+            } else {
+                match self.broker[topic][partition]
+                    .iter()
+                    .position(|m| m.row == row)
+                {
+                    Some(o) => Scan::Found { offset: o as i64 },
+                    None => Scan::Absent,
+                }
+            };
+            let last = self
+                .ledger
+                .attempts
+                .iter()
+                .filter(|x| x.row == row)
+                .map(|x| x.attempt)
+                .max()
+                .unwrap_or(0);
+            match receipt::resolve_unknown(attempt, last, settled, scan) {
+                UnknownResolution::Found { offset, .. } => {
+                    let ev = self.rows[row].current();
+                    let rc = Receipt {
+                        topic,
+                        partition,
+                        offset: offset as usize,
+                    };
+                    let items = vec![Item::Receipt {
+                        row,
+                        rc,
+                        payload_digest: ev.payload_digest.clone(),
+                        dest_digest: ev.destination_digest.clone(),
+                        late: false,
+                    }];
+                    self.accept(i, items, None)?;
+                    self.ledger.attempts[a].state = AttemptState::Found;
+                    self.relays[i].found.insert(row);
+                    log!(
+                        self,
+                        "UNKNOWN {} FOUND at {}/{partition}@{offset}",
+                        self.rows[row].ev.event_id,
+                        TOPICS[topic].1
+                    );
+                }
+                UnknownResolution::Retry { attempt_generation } => {
+                    self.ledger.attempts[a].state = AttemptState::Absent;
+                    self.absent_attempts.insert((row, relay_gen, attempt));
+                    self.relays[i].retry_gen.insert(row, attempt_generation);
+                    log!(
+                        self,
+                        "UNKNOWN {} ABSENT: retry as attempt {attempt_generation}",
+                        self.rows[row].ev.event_id
+                    );
+                }
+                UnknownResolution::StillUnknown => {
+                    log!(
+                        self,
+                        "UNKNOWN {} cannot be scanned: relay start fails",
+                        self.rows[row].ev.event_id
+                    );
+                    return Err(End::Error("reconciliation scan failed"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One WAL transaction through decode → admit, then its Commit.
+    fn decode_next(&mut self, i: usize) -> Result<(), End> {
+        let (end, rows) = self.wal[self.relays[i].cursor].clone();
+        self.relays[i].cursor += 1;
+        let seq = self.relays[i]
+            .tracker
+            .begin()
+            .map_err(|_| End::Error("tracker begin"))?;
+        for row in rows {
+            let ev = self.rows[row].ev.clone();
+            let ack = self.relays[i]
+                .tracker
+                .add_event(seq)
+                .map_err(|_| End::Error("tracker add"))?;
+            self.admit(i, row, ev, Some(ack))?;
+        }
+        self.relays[i]
+            .tracker
+            .commit(seq, end)
+            .map_err(|_| End::Error("tracker commit"))?;
+        if self.relays[i].cursor == self.wal.len() {
+            // A keepalive: nothing committed after the last transaction.
+            self.relays[i].tracker.idle_position(Lsn(self.next_lsn));
+        }
+        Ok(())
+    }
+
+    /// `route::check`: the real envelope verification, and the served-cluster check.
+    fn route_check(ev: &OutboxEvent) -> Result<(), &'static str> {
+        ev.verify().map_err(|e| e.reason_code())?;
+        if ev.destination.cluster != SERVED_CLUSTER {
+            return Err("destination_not_served");
+        }
+        Ok(())
+    }
+
+    /// `Pipeline::admit`.
+    fn admit(
+        &mut self,
+        i: usize,
+        row: usize,
+        ev: OutboxEvent,
+        ack: Option<EventToken>,
+    ) -> Result<(), End> {
+        let agg = self.rows[row].agg;
+        if !self.relays[i].gate.is_known(&agg) {
+            self.relays[i].gate.set_head(agg, 0, false);
+        }
+        if self.relays[i].found.contains(&row) {
+            self.relays[i].gate.consume(&agg, ev.aggregate_version);
+            if let Some(a) = ack {
+                self.relays[i]
+                    .tracker
+                    .resolve(a)
+                    .map_err(|_| End::Error("tracker resolve"))?;
+            }
+            return Ok(());
+        }
+        if self.is(Mutant::BugPoisonBeforeGate) {
+            if let Err(code) = Self::route_check(&ev) {
+                if self.relays[i].gate.is_held(&agg) {
+                    self.record_held(i, row, ack);
+                } else {
+                    self.relays[i].gate.consume(&agg, ev.aggregate_version);
+                    self.poison(i, row, code, ack);
+                }
+                return Ok(());
+            }
+        }
+        let version = ev.aggregate_version;
+        match self.relays[i]
+            .gate
+            .offer(&agg, version, Pend { row, ev, ack })
+        {
+            Admit::Send(p) => self.send(i, p).map(|_| ()),
+            Admit::Queued => Ok(()),
+            Admit::Held(p) => {
+                self.record_held(i, p.row, p.ack);
+                Ok(())
+            }
+            Admit::Hold(p, _) => {
+                self.push(
+                    i,
+                    Item::Hold {
+                        agg,
+                        blocking: p.row,
+                    },
+                    None,
+                );
+                self.record_held(i, p.row, p.ack);
+                Ok(())
+            }
+            Admit::NeedHead(_) => Err(End::Error("gate asked for a head it was given")),
+        }
+    }
+
+    fn push(&mut self, i: usize, item: Item, ack: Option<EventToken>) {
+        let r = &mut self.relays[i];
+        r.batch.push(item);
+        if let Some(a) = ack {
+            r.batch_acks.push(a);
+        }
+    }
+
+    fn record_held(&mut self, i: usize, row: usize, ack: Option<EventToken>) {
+        self.push(i, Item::Held { row }, ack);
+    }
+
+    /// `Pipeline::poison`: quarantine, hold the aggregate, hold what queued behind it.
+    fn poison(&mut self, i: usize, row: usize, code: &'static str, ack: Option<EventToken>) {
+        let agg = self.rows[row].agg;
+        log!(
+            self,
+            "quarantine {} ({code}); hold o-{agg}",
+            self.rows[row].ev.event_id
+        );
+        self.push(i, Item::Quarantine { row, code }, ack);
+        self.push(i, Item::Hold { agg, blocking: row }, None);
+        for p in self.relays[i].gate.hold(&agg) {
+            self.record_held(i, p.row, p.ack);
+        }
+    }
+
+    /// `Pipeline::send_tracked`. Returns the token of the send, if it was sent.
+    fn send(&mut self, i: usize, p: Pend) -> Result<Option<u64>, End> {
+        if self.relays[i].salvaging || !self.lease_valid(i) {
+            // A stale generation may not send. The event stays unresolved; the run ends.
+            self.relays[i].lease_expired = true;
+            return Ok(None);
+        }
+        let row = p.row;
+        if !self.is(Mutant::BugPoisonBeforeGate) {
+            if let Err(code) = Self::route_check(&p.ev) {
+                // Refused at the head of its aggregate: nothing of it is in flight, and what
+                // queues behind it is held.
+                let agg = self.rows[row].agg;
+                self.poison(i, row, code, p.ack);
+                self.relays[i].gate.done(&agg);
+                return Ok(None);
+            }
+        }
+        let mut ev = p.ev;
+        if self.is(Mutant::RetryReresolvesRoute) && self.relays[i].retry_gen.contains_key(&row) {
+            ev.destination = self.destination(self.rows[row].agg, self.route_topic, self.route_gen);
+            ev.destination_digest = ev.destination.digest();
+        }
+        let topic = topic_index(&ev.destination);
+        let partition = (self.rows[row].agg as usize) % PARTITIONS;
+        let attempt = self.relays[i].retry_gen.get(&row).copied().unwrap_or(1);
+        if ev.destination_digest != self.rows[row].current_digest() {
+            log!(
+                self,
+                "CROSS-DESTINATION send of {} to {}/{}",
+                ev.event_id,
+                ev.destination.cluster,
+                ev.destination.topic
+            );
+            self.cross_sends.insert(row);
+        }
+        if self.rows[row].purged {
+            self.c.purged_early += 1;
+        }
+        self.rows[row].last_send = self.now;
+        let msg = Msg {
+            row,
+            dest_digest: ev.destination_digest.clone(),
+            relay_gen: self.relays[i].gen,
+            attempt,
+        };
+        let report = self.broker_send(topic, partition, msg);
+        let token = self.relays[i].next_token;
+        self.relays[i].next_token += 1;
+        log!(
+            self,
+            "send {} v{} attempt {attempt} gen {} -> {}/{partition}",
+            ev.event_id,
+            ev.aggregate_version,
+            self.relays[i].gen,
+            TOPICS[topic].1
+        );
+        self.relays[i].in_flight.push(Flight {
+            token,
+            row,
+            agg: self.rows[row].agg,
+            topic,
+            partition,
+            attempt,
+            sent_at: self.now,
+            payload_digest: ev.payload_digest,
+            dest_digest: ev.destination_digest,
+            ack: p.ack,
+            report,
+        });
+        Ok(Some(token))
+    }
+
+    /// The broker's side of a send; decides now what the delivery report will say.
+    fn broker_send(&mut self, topic: usize, partition: usize, msg: Msg) -> Report {
+        if topic == REJECTING_TOPIC {
+            return Report::Rejected;
+        }
+        let append = |w: &mut World, m: Msg| {
+            w.broker[topic][partition].push(m);
+            Receipt {
+                topic,
+                partition,
+                offset: w.broker[topic][partition].len() - 1,
+            }
+        };
+        if self.now < self.down_until[topic] {
+            if self.rng.chance(500) {
+                let due = self.now + self.rng.range(1, MAX_RTT);
+                self.late_appends.push((due, topic, partition, msg));
+                return Report::PossiblyPersisted;
+            }
+            return Report::NotPersisted;
+        }
+        if !self.faults {
+            return Report::Persisted(append(self, msg));
+        }
+        match self.rng.weighted(&[860, 30, 40, 30, 20, 20]) {
+            0 => Report::Persisted(append(self, msg)),
+            1 => {
+                // A broker-side duplicate (producer retry after a lost response).
+                let rc = append(self, msg.clone());
+                append(self, msg);
+                Report::Persisted(rc)
+            }
+            2 => {
+                append(self, msg);
+                Report::PossiblyPersisted // appended, ACK lost
+            }
+            3 => {
+                let due = self.now + self.rng.range(1, MAX_RTT);
+                self.late_appends.push((due, topic, partition, msg));
+                Report::PossiblyPersisted // round trip longer than the message timeout
+            }
+            4 => Report::PossiblyPersisted, // timed out, never appended
+            _ => Report::NotPersisted,      // leader change: not written
+        }
+    }
+
+    fn land_late_appends(&mut self) {
+        let now = self.now;
+        let mut k = 0;
+        while k < self.late_appends.len() {
+            if self.late_appends[k].0 <= now {
+                let (_, t, p, m) = self.late_appends.swap_remove(k);
+                if self.rows[m.row].purged {
+                    self.c.purged_early += 1;
+                }
+                self.broker[t][p].push(m);
+            } else {
+                k += 1;
+            }
+        }
+    }
+
+    /// `Pipeline::on_report`.
+    fn on_report(&mut self, i: usize, token: u64) -> Result<(), End> {
+        let k = self.relays[i]
+            .in_flight
+            .iter()
+            .position(|f| f.token == token)
+            .expect("in flight");
+        let f = self.relays[i].in_flight.remove(k);
+        match f.report {
+            Report::Persisted(rc) => {
+                let late = self.relays[i].salvaging
+                    || self.relays[i].gen != self.ledger.lease_gen
+                    || self.ledger.primary.contains_key(&f.row);
+                if self.is(Mutant::ConfirmBeforeAccept) {
+                    if let Some(a) = f.ack {
+                        let _ = self.relays[i].tracker.resolve(a);
+                    }
+                    let wm = self.relays[i].tracker.watermark();
+                    self.slot_confirmed = self.slot_confirmed.max(Some(wm));
+                    self.check_confirmed();
+                    self.push(
+                        i,
+                        Item::Receipt {
+                            row: f.row,
+                            rc,
+                            payload_digest: f.payload_digest,
+                            dest_digest: f.dest_digest,
+                            late,
+                        },
+                        None,
+                    );
+                } else {
+                    self.push(
+                        i,
+                        Item::Receipt {
+                            row: f.row,
+                            rc,
+                            payload_digest: f.payload_digest,
+                            dest_digest: f.dest_digest,
+                            late,
+                        },
+                        f.ack,
+                    );
+                }
+            }
+            Report::Rejected => {
+                self.poison(i, f.row, "broker_rejected", f.ack);
+            }
+            Report::PossiblyPersisted => {
+                if self.faults && self.rng.chance(30) {
+                    // The process dies before the attempt is durable: the same boundary as a
+                    // SIGKILL with the send in flight (nothing learned, nothing recorded).
+                    self.sigkill(i);
+                    return Err(End::Error("killed"));
+                }
+                log!(
+                    self,
+                    "DISPATCH_UNKNOWN {} (gen {} attempt {})",
+                    self.rows[f.row].ev.event_id,
+                    self.relays[i].gen,
+                    f.attempt
+                );
+                self.ledger.attempts.push(Attempt {
+                    row: f.row,
+                    relay_gen: self.relays[i].gen,
+                    attempt: f.attempt,
+                    topic: f.topic,
+                    partition: f.partition,
+                    unknown_at: self.now.max(f.sent_at),
+                    state: AttemptState::Unknown,
+                });
+                self.c.unknown_attempts += 1;
+                return Err(End::Error("delivery possibly persisted"));
+            }
+            Report::NotPersisted => return Err(End::Error("delivery not persisted")),
+        }
+        if let Some(next) = self.relays[i].gate.done(&f.agg) {
+            self.send(i, next)?;
+        }
+        Ok(())
+    }
+
+    /// `Pipeline::flush`: resolve the batch in the tracker, one acceptance transaction with
+    /// the checkpoint it allows.
+    fn flush(&mut self, i: usize, track: bool) -> Result<(), End> {
+        let mut checkpoint = None;
+        if track {
+            let acks: Vec<EventToken> = self.relays[i].batch_acks.drain(..).collect();
+            for a in acks {
+                self.relays[i]
+                    .tracker
+                    .resolve(a)
+                    .map_err(|_| End::Error("tracker resolve"))?;
+            }
+            let wm = self.relays[i].tracker.watermark();
+            if wm > self.relays[i].durable {
+                checkpoint = Some(wm);
+            }
+        }
+        if self.relays[i].batch.is_empty() && checkpoint.is_none() {
+            return Ok(());
+        }
+        let items = std::mem::take(&mut self.relays[i].batch);
+        let fenced = self.accept(i, items, checkpoint)?;
+        if let Some(c) = checkpoint {
+            if !fenced {
+                self.relays[i].durable = c;
+            }
+        }
+        if fenced {
+            return Err(End::Error("lease lost: checkpoint fenced"));
+        }
+        if self.faults && self.rng.chance(20) {
+            self.sigkill(i); // after the ledger, before the slot is told
+            return Err(End::Error("killed"));
+        }
+        Ok(())
+    }
+
+    /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
+    fn accept(&mut self, i: usize, items: Vec<Item>, checkpoint: Option<Lsn>) -> Result<bool, End> {
+        if self.faults && self.rng.chance(15) {
+            log!(self, "receipt transaction rolled back");
+            self.c.receipt_rollbacks += 1;
+            return Err(End::Error("receipt transaction failed"));
+        }
+        // Receipts in two rounds (first occurrence of an event, then the rest), then
+        // quarantines, holds, held events, checkpoint — as the SQL does.
+        let mut order: Vec<&Item> = Vec::new();
+        let mut seen = HashSet::new();
+        let mut rest = Vec::new();
+        for it in &items {
+            if let Item::Receipt { row, .. } = it {
+                if seen.insert(*row) {
+                    order.push(it);
+                } else {
+                    rest.push(it);
+                }
+            }
+        }
+        order.extend(rest);
+        for it in &items {
+            if matches!(it, Item::Quarantine { .. }) {
+                order.push(it);
+            }
+        }
+        for it in &items {
+            if matches!(it, Item::Hold { .. }) {
+                order.push(it);
+            }
+        }
+        for it in &items {
+            if matches!(it, Item::Held { .. }) {
+                order.push(it);
+            }
+        }
+        for it in order {
+            match it {
+                Item::Receipt {
+                    row,
+                    rc,
+                    payload_digest,
+                    dest_digest,
+                    late,
+                } => {
+                    let row = *row;
+                    let cur = self.rows[row].current();
+                    // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of
+                    // a purged event is still recognised as a duplicate, not a conflict.
+                    let frozen = Some(Digests {
+                        payload: &cur.payload_digest,
+                        destination: &cur.destination_digest,
+                    });
+                    let before = self.ledger.primary.get(&row).copied();
+                    let class = receipt::classify(
+                        frozen,
+                        before.is_some(),
+                        Digests {
+                            payload: payload_digest,
+                            destination: dest_digest,
+                        },
+                    );
+                    match class {
+                        ReceiptClass::Primary => {
+                            self.ledger.primary.insert(row, *rc);
+                            let agg = self.rows[row].agg;
+                            let v = self.rows[row].ev.aggregate_version;
+                            let h = self.ledger.heads.entry(agg).or_insert(0);
+                            *h = (*h).max(v);
+                            if let Some(released) = self.ledger.held.get_mut(&row) {
+                                *released = true;
+                            }
+                        }
+                        ReceiptClass::Duplicate => {
+                            self.ledger.duplicates.push((row, *rc));
+                            self.c.duplicate_receipts += 1;
+                            if self.is(Mutant::LastAckWins) && *late {
+                                self.ledger.primary.insert(row, *rc);
+                            }
+                        }
+                        ReceiptClass::Conflict(c) => {
+                            log!(
+                                self,
+                                "receipt of {} quarantined: {}",
+                                cur.event_id,
+                                c.reason_code()
+                            );
+                            self.c.conflicts += 1;
+                            self.ledger.quarantine.push(Quarantine {
+                                row,
+                                code: c.reason_code(),
+                                released: false,
+                            });
+                        }
+                    }
+                    if *late {
+                        self.c.late_acks += 1;
+                        let after = self.ledger.primary.get(&row).copied();
+                        let converged = !matches!(class, ReceiptClass::Conflict(_))
+                            && after == Some(before.unwrap_or(*rc));
+                        if converged {
+                            self.c.late_acks_converged += 1;
+                        } else {
+                            log!(
+                                self,
+                                "LATE ACK of {} did not converge ({class:?})",
+                                cur.event_id
+                            );
+                        }
+                    }
+                }
+                Item::Quarantine { row, code } => {
+                    // A published event is never quarantined afterwards (a zombie's batch
+                    // may carry a refusal decided before a migration published it).
+                    let stale = self.ledger.primary.contains_key(row)
+                        && !self.is(Mutant::BugStaleQuarantine);
+                    if self.ledger.open_quarantine(*row).is_none() && !stale {
+                        if self.ledger.primary.contains_key(row) {
+                            log!(
+                                self,
+                                "SPURIOUS quarantine of published {}",
+                                self.rows[*row].ev.event_id
+                            );
+                            self.c.spurious_quarantines += 1;
+                        }
+                        self.ledger.quarantine.push(Quarantine {
+                            row: *row,
+                            code,
+                            released: false,
+                        });
+                    }
+                }
+                Item::Hold { blocking, .. }
+                    if self.ledger.primary.contains_key(blocking)
+                        && !self.is(Mutant::BugStaleQuarantine) => {}
+                Item::Hold { agg, blocking } => match self.ledger.holds.get_mut(agg) {
+                    None => {
+                        self.ledger.holds.insert(
+                            *agg,
+                            Hold {
+                                state: HoldState::Held,
+                                blocking: Some(*blocking),
+                                publish_blocking: true,
+                            },
+                        );
+                    }
+                    Some(h) if h.state == HoldState::Releasing => {
+                        *h = Hold {
+                            state: HoldState::Held,
+                            blocking: Some(*blocking),
+                            publish_blocking: true,
+                        };
+                    }
+                    Some(_) => {}
+                },
+                Item::Held { row } => {
+                    if !self.ledger.primary.contains_key(row) {
+                        self.ledger.held.entry(*row).or_insert(false);
+                    }
+                }
+            }
+        }
+        let mut fenced = false;
+        if let Some(c) = checkpoint {
+            let gen = self.relays[i].gen;
+            if self.ledger.lease_gen == gen && self.now <= self.ledger.lease_until {
+                let cp = self.ledger.checkpoint.get_or_insert(c);
+                *cp = (*cp).max(c);
+            } else {
+                fenced = true;
+            }
+        }
+        Ok(fenced)
+    }
+
+    /// The standby status update: `flush` = the committed checkpoint.
+    fn status_update(&mut self, i: usize) {
+        let r = &self.relays[i];
+        if r.stream_cut {
+            return;
+        }
+        let d = r.durable;
+        if self.slot_confirmed.is_some_and(|s| d > s) {
+            self.slot_confirmed = Some(d);
+            self.check_confirmed();
+        }
+    }
+
+    /// Invariant 5 at the slot: every event committed before the confirmed LSN is durably
+    /// resolved in the ledger.
+    fn check_confirmed(&mut self) {
+        let Some(c) = self.slot_confirmed else { return };
+        let bad = (0..self.rows.len())
+            .filter(|r| {
+                self.rows[*r].commit_end <= c && !self.rows[*r].purged && !self.ledger.resolved(*r)
+            })
+            .count() as u64;
+        if bad > 0 {
+            log!(self, "slot confirmed {c} past {bad} unaccepted events");
+        }
+        self.c.confirmed_past_unaccepted += bad;
+    }
+
+    /// `Pipeline::process_releases`.
+    fn process_releases(&mut self, i: usize) -> Result<(), End> {
+        if !self.is(Mutant::BugUnknownOnlyAtStart) {
+            self.reconcile_settled(i)?;
+        }
+        let mut aggs: Vec<Agg> = self
+            .ledger
+            .holds
+            .iter()
+            .filter(|(_, h)| h.state == HoldState::Releasing)
+            .map(|(a, _)| *a)
+            .collect();
+        aggs.sort();
+        for agg in aggs {
+            if self.relays[i].gate.in_flight(&agg) {
+                continue;
+            }
+            self.flush(i, true)?;
+            let Some(h) = self.ledger.holds.get(&agg) else {
+                continue;
+            };
+            let (blocking, publish_blocking) = (h.blocking, h.publish_blocking);
+            let mut set: Vec<usize> = (0..self.rows.len())
+                .filter(|r| {
+                    self.rows[*r].agg == agg
+                        && !self.rows[*r].purged
+                        && !self.ledger.primary.contains_key(r)
+                        && self.ledger.open_quarantine(*r).is_none()
+                        && (self.ledger.held.get(r) == Some(&false)
+                            || (publish_blocking && blocking == Some(*r)))
+                })
+                .collect();
+            set.sort_by_key(|r| self.rows[*r].ev.aggregate_version);
+            let mut last = if publish_blocking {
+                None
+            } else {
+                blocking.map(|b| self.rows[b].ev.aggregate_version)
+            };
+            let mut failed = false;
+            log!(self, "republishing released o-{agg}: {} events", set.len());
+            for row in set {
+                let ev = self.rows[row].current();
+                let version = ev.aggregate_version;
+                if let Err(code) = Self::route_check(&ev) {
+                    self.poison(i, row, code, None);
+                    failed = true;
+                    break;
+                }
+                let Some(token) = self.send(i, Pend { row, ev, ack: None })? else {
+                    failed = true;
+                    break;
+                };
+                self.on_report(i, token)?;
+                if self.relays[i]
+                    .batch
+                    .iter()
+                    .any(|it| matches!(it, Item::Hold { agg: a, .. } if *a == agg))
+                {
+                    failed = true;
+                    break;
+                }
+                last = Some(version);
+            }
+            self.flush(i, true)?;
+            if !failed && self.close_hold(agg, last) {
+                let head = self.ledger.heads.get(&agg).copied().unwrap_or(0);
+                let next = last.unwrap_or(head).max(head) + 1;
+                self.relays[i].gate.release(&agg, next);
+                log!(self, "hold of o-{agg} released; next version {next}");
+            }
+        }
+        Ok(())
+    }
+
+    /// `holds::close`.
+    fn close_hold(&mut self, agg: Agg, last: Option<i64>) -> bool {
+        if let Some(v) = last {
+            let h = self.ledger.heads.entry(agg).or_insert(0);
+            *h = (*h).max(v);
+        }
+        let rows: Vec<usize> = self
+            .ledger
+            .held
+            .keys()
+            .copied()
+            .filter(|r| self.rows[*r].agg == agg)
+            .collect();
+        for r in &rows {
+            if self.ledger.primary.contains_key(r) {
+                self.ledger.held.insert(*r, true);
+            }
+        }
+        let open = rows.iter().any(|r| self.ledger.held.get(r) == Some(&false));
+        if !open
+            && self
+                .ledger
+                .holds
+                .get(&agg)
+                .is_some_and(|h| h.state == HoldState::Releasing)
+        {
+            self.ledger.holds.remove(&agg);
+            true
+        } else {
+            false
+        }
+    }
+
+    // ----------------------------------------------------------------------------- operator
+
+    /// `outboxd migrate-destination` on a quarantined event (or, with `any`, on any
+    /// unpublished one), to the served cluster's current topic.
+    fn operator_migrate(&mut self, drain: bool) {
+        let cands: Vec<usize> = (0..self.rows.len())
+            .filter(|r| {
+                !self.rows[*r].purged
+                    && !self.ledger.primary.contains_key(r)
+                    && (self.ledger.open_quarantine(*r).is_some() || self.ledger.unknown_open(*r))
+            })
+            .collect();
+        if cands.is_empty() {
+            return;
+        }
+        let picks: Vec<usize> = if drain {
+            cands
+        } else {
+            vec![cands[self.rng.below(cands.len() as u64) as usize]]
+        };
+        for row in picks {
+            self.migrate_one(row);
+        }
+    }
+
+    fn migrate_one(&mut self, row: usize) {
+        let q = self.ledger.open_quarantine(row).map(|q| q.code);
+        let attempts = self.ledger.attempts.iter().filter(|a| a.row == row).count() as i64;
+        let facts = receipt::MigrationFacts {
+            published: self.ledger.primary.contains_key(&row),
+            unknown_open: self.ledger.unknown_open(row) && !self.is(Mutant::MigrateWhileUnknown),
+            quarantine_code: q,
+            attempts,
+            migrated: !self.rows[row].migrations.is_empty()
+                && !self.is(Mutant::BugProofAfterMigration),
+            replayable: self
+                .ledger
+                .checkpoint
+                .map_or(true, |c| self.rows[row].commit_end > c)
+                && !self.is(Mutant::BugMigrateReplayable),
+        };
+        let cur = self.rows[row].current();
+        let old = topic_index(&cur.destination);
+        let proof = match receipt::migration_precheck(facts) {
+            Ok(Some(p)) => Ok(p),
+            Ok(None) => {
+                let scan = if self.now < self.down_until[old] {
+                    if self.is(Mutant::MigrateWhileUnknown) {
+                        Scan::Absent // "cannot read it, so it is not there"
+                    } else {
+                        Scan::Unavailable
+                    }
+                } else if self.broker[old]
+                    .iter()
+                    .any(|p| p.iter().any(|m| m.row == row))
+                {
+                    Scan::Found { offset: 0 }
+                } else {
+                    Scan::Absent
+                };
+                receipt::migration_after_scan(scan)
+            }
+            Err(e) => Err(e),
+        };
+        match proof {
+            Err(e) => {
+                log!(self, "migration of {} refused: {e}", cur.event_id);
+                self.c.migrations_refused += 1;
+            }
+            Ok(p) => {
+                let to = if old == 0 { 1 } else { 0 };
+                let d = self.destination(self.rows[row].agg, to, self.route_gen);
+                let digest = d.digest();
+                log!(
+                    self,
+                    "migrated {} {}/{} -> A/{} ({p:?})",
+                    cur.event_id,
+                    cur.destination.cluster,
+                    cur.destination.topic,
+                    TOPICS[to].1
+                );
+                self.rows[row].migrations.push((d, digest));
+                self.c.migrations += 1;
+                if self.is(Mutant::MigrateWhileUnknown) {
+                    for a in self.ledger.attempts.iter_mut().filter(|a| a.row == row) {
+                        if a.state == AttemptState::Unknown {
+                            a.state = AttemptState::Absent;
+                        }
+                    }
+                }
+                self.release(row, true);
+            }
+        }
+    }
+
+    /// `holds::resolve(Release)`: close the quarantine, mark the hold RELEASING.
+    fn release(&mut self, row: usize, publish: bool) {
+        for q in self
+            .ledger
+            .quarantine
+            .iter_mut()
+            .filter(|q| q.row == row && !q.released)
+        {
+            q.released = true;
+        }
+        for h in self.ledger.holds.values_mut() {
+            if h.blocking == Some(row) {
+                h.state = HoldState::Releasing;
+                h.publish_blocking = publish;
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------- consumers
+
+    /// One message through the inbox: effect and inbox row in one transaction, then the
+    /// offset commit (sometimes several messages later).
+    fn consume(&mut self, c: usize) {
+        let parts: Vec<usize> = (0..TOPICS.len() * PARTITIONS)
+            .filter(|tp| {
+                self.consumers[c].pos[*tp] < self.broker[tp / PARTITIONS][tp % PARTITIONS].len()
+            })
+            .collect();
+        if parts.is_empty() {
+            return;
+        }
+        let tp = parts[self.rng.below(parts.len() as u64) as usize];
+        let m = self.broker[tp / PARTITIONS][tp % PARTITIONS][self.consumers[c].pos[tp]].clone();
+        if self.faults && self.rng.chance(20) {
+            self.consumer_crash(c); // before the transaction commits
+            return;
+        }
+        let id = self.rows[m.row].ev.event_id;
+        let skip = self.is(Mutant::SkipDedup);
+        let con = &mut self.consumers[c];
+        if skip || !con.inbox.contains(&id) {
+            *con.effects.entry(id).or_insert(0) += 1;
+            con.inbox.insert(id);
+        }
+        con.pos[tp] += 1;
+        if !self.faults || self.rng.chance(600) {
+            let con = &mut self.consumers[c];
+            con.committed[tp] = con.pos[tp];
+        }
+    }
+
+    fn consumer_crash(&mut self, c: usize) {
+        let con = &mut self.consumers[c];
+        con.pos = con.committed.clone();
+        self.c.consumer_crashes += 1;
+    }
+
+    // -------------------------------------------------------------------------------- purge
+
+    /// Retention (`outbox_core::receipt::may_purge`): an event's row, receipts and inbox
+    /// entries go only when it is published, the checkpoint and slot are past it (no replay
+    /// can bring it back), its last send is older than the replay window (no append can still
+    /// land), and every consumer's committed offset is past every copy of it.
+    fn purge(&mut self) {
+        let early = self.is(Mutant::PurgeEarly);
+        let mut purged = Vec::new();
+        for r in 0..self.rows.len() {
+            let row = &self.rows[r];
+            if row.purged || !self.ledger.primary.contains_key(&r) {
+                continue;
+            }
+            let replayable = self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
+                || self.slot_confirmed.map_or(true, |c| row.commit_end > c);
+            let consumed_by_all = self.consumers.iter().all(|c| {
+                (0..TOPICS.len() * PARTITIONS).all(|tp| {
+                    let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];
+                    msgs.iter()
+                        .enumerate()
+                        .filter(|(_, m)| m.row == r)
+                        .all(|(o, _)| c.committed[tp] > o)
+                })
+            });
+            let facts = receipt::PurgeFacts {
+                published: true,
+                replayable,
+                unknown_open: self.ledger.unknown_open(r),
+                since_last_send_ms: self.now - row.last_send,
+                replay_window_ms: if early { 0 } else { REPLAY_WINDOW },
+                consumed_by_all: consumed_by_all || early,
+            };
+            if receipt::may_purge(facts).is_err() {
+                continue;
+            }
+            purged.push(r);
+        }
+        for r in purged {
+            log!(self, "purge {}", self.rows[r].ev.event_id);
+            self.rows[r].purged = true;
+            self.c.purges += 1;
+            let id = self.rows[r].ev.event_id;
+            for c in &mut self.consumers {
+                c.inbox.remove(&id);
+            }
+        }
+    }
+
+    // -------------------------------------------------------------------------------- drain
+
+    /// The world heals: no new faults, every paused relay resumes, every late append lands,
+    /// the operator migrates or releases every quarantined event; then the relay and the
+    /// consumers run until everything committed is published and consumed.
+    fn drain(&mut self) {
+        self.faults = false;
+        self.down_until = [0; 4];
+        self.now += MAX_RTT + 1;
+        self.land_late_appends();
+        if self.route_topic != 0 {
+            self.route_change();
+        }
+        for r in &mut self.relays {
+            r.paused = false;
+        }
+        for _ in 0..5_000 {
+            self.relays.retain(|r| !r.killed);
+            self.end_stale_runs();
+            self.now += 1;
+            if let Some(i) = self.relays.iter().position(|r| r.salvaging) {
+                self.salvage(i);
+                continue;
+            }
+            if let Some(i) = self
+                .relays
+                .iter()
+                .position(|r| self.now >= r.deadline && !r.salvaging && !r.killed)
+            {
+                self.end_run(i, End::Error("lease deadline passed while paused"));
+                continue;
+            }
+            let Some(i) = self.active() else {
+                if self.ledger.checkpoint.is_some() && self.c.start_refused > 0 {
+                    break; // the relay cannot start: whatever is unpublished is lost
+                }
+                self.start_relay();
+                continue;
+            };
+            self.renew(i);
+            if !self.relays[i].stream_cut && self.relays[i].cursor < self.wal.len() {
+                self.relay_call(Some(i), Self::decode_next);
+                continue;
+            }
+            if let Some(f) = self.relays[i].in_flight.first() {
+                let token = f.token;
+                self.relay_call(Some(i), |w, i| w.on_report(i, token));
+                continue;
+            }
+            if !self.relays[i].batch.is_empty()
+                || self.relays[i].tracker.watermark() > self.relays[i].durable
+            {
+                self.relay_call(Some(i), |w, i| w.flush(i, true));
+                self.relay_call(Some(i), |w, i| {
+                    w.status_update(i);
+                    Ok(())
+                });
+                continue;
+            }
+            // Operator: every open quarantine is migrated (unpublished) or released (published).
+            let open: Vec<usize> = self
+                .ledger
+                .quarantine
+                .iter()
+                .filter(|q| !q.released)
+                .map(|q| q.row)
+                .collect();
+            if !open.is_empty() {
+                for row in open {
+                    if self.ledger.primary.contains_key(&row) {
+                        self.release(row, false);
+                    } else {
+                        let cur = self.rows[row].current();
+                        if Self::route_check(&cur).is_ok()
+                            && topic_index(&cur.destination) != REJECTING_TOPIC
+                        {
+                            self.release(row, true);
+                        } else {
+                            self.migrate_one(row);
+                        }
+                    }
+                }
+                continue;
+            }
+            // The relay's periodic poll: releases, and UNKNOWN attempts of other generations.
+            let before = (self.ledger.holds.len(), self.open_unknown());
+            self.relay_call(Some(i), Self::process_releases);
+            if (self.ledger.holds.len(), self.open_unknown()) != before {
+                continue;
+            }
+            // Held aggregates whose blocking event is published: release them.
+            let stuck: Vec<usize> = self
+                .ledger
+                .holds
+                .values()
+                .filter(|h| h.state == HoldState::Held)
+                .filter_map(|h| h.blocking)
+                .collect();
+            if !stuck.is_empty() {
+                for b in stuck {
+                    let published = self.ledger.primary.contains_key(&b);
+                    for h in self.ledger.holds.values_mut() {
+                        if h.blocking == Some(b) {
+                            h.state = HoldState::Releasing;
+                            h.publish_blocking = !published;
+                        }
+                    }
+                }
+                continue;
+            }
+            let all_published = (0..self.rows.len())
+                .all(|r| self.rows[r].purged || self.ledger.primary.contains_key(&r));
+            if all_published && self.open_unknown() == 0 {
+                break;
+            }
+            // Something is still unresolved without anything to do: let time pass.
+            self.now += 500;
+        }
+        for c in 0..CONSUMERS {
+            loop {
+                let before: usize = self.consumers[c].pos.iter().sum();
+                self.consume(c);
+                if self.consumers[c].pos.iter().sum::<usize>() == before {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn open_unknown(&self) -> usize {
+        self.ledger
+            .attempts
+            .iter()
+            .filter(|a| a.state == AttemptState::Unknown)
+            .count()
+    }
+
+    // ------------------------------------------------------------------------------ judging
+
+    fn judge(&mut self) {
+        let mut lost = 0;
+        for (r, row) in self.rows.iter().enumerate() {
+            if row.purged {
+                continue;
+            }
+            let dest = topic_index(&row.current().destination);
+            let on_broker = self.broker[dest]
+                .iter()
+                .any(|p| p.iter().any(|m| m.row == r));
+            if !self.ledger.primary.contains_key(&r) || !on_broker {
+                log!(self, "LOST {}", row.ev.event_id);
+                lost += 1;
+            }
+        }
+        self.c.lost = lost;
+
+        // Second ids: business facts with more than one committed event id.
+        let mut per_business: HashMap<u64, u32> = HashMap::new();
+        for row in &self.rows {
+            *per_business.entry(row.business).or_insert(0) += 1;
+        }
+        self.c.second_ids = per_business
+            .values()
+            .filter(|n| **n > 1)
+            .map(|n| u64::from(*n - 1))
+            .sum();
+
+        // Cross-destination: sent to a non-current destination, or a copy on the broker frozen
+        // for a destination the event no longer has (a migration without a valid proof).
+        let mut cross = self.cross_sends.clone();
+        for m in self.broker.iter().flatten().flatten() {
+            if m.dest_digest != self.rows[m.row].current_digest() {
+                if self.verbose {
+                    self.log.push(format!(
+                        "CROSS: copy of {} frozen for another destination (gen {} attempt {})",
+                        self.rows[m.row].ev.event_id, m.relay_gen, m.attempt
+                    ));
+                }
+                cross.insert(m.row);
+            }
+        }
+        self.c.cross_destination_retries = cross.len() as u64;
+
+        // Duplicate effects, per consumer.
+        self.c.duplicate_effects = self
+            .consumers
+            .iter()
+            .flat_map(|c| c.effects.values())
+            .map(|n| u64::from(n.saturating_sub(1)))
+            .sum();
+
+        // UNKNOWN: wrongly proven absent, or never resolved.
+        let mut untraced = 0;
+        for t in 0..TOPICS.len() {
+            for p in &self.broker[t] {
+                for m in p {
+                    if self
+                        .absent_attempts
+                        .contains(&(m.row, m.relay_gen, m.attempt))
+                    {
+                        untraced += 1;
+                    }
+                }
+            }
+        }
+        untraced += self
+            .ledger
+            .attempts
+            .iter()
+            .filter(|a| a.state == AttemptState::Unknown)
+            .count() as u64;
+        self.c.unknown_untraced = untraced;
+
+        // Order: per partition and aggregate, first occurrences in version order.
+        let mut order = 0;
+        for t in 0..TOPICS.len() {
+            for p in &self.broker[t] {
+                let mut seen = HashSet::new();
+                let mut last: HashMap<Agg, i64> = HashMap::new();
+                for m in p {
+                    if seen.insert(m.row) {
+                        let v = self.rows[m.row].ev.aggregate_version;
+                        let agg = self.rows[m.row].agg;
+                        if last.get(&agg).is_some_and(|l| *l > v) {
+                            order += 1;
+                        }
+                        last.insert(agg, v);
+                    }
+                }
+            }
+        }
+        self.c.order_violations = order;
+
+        self.c.broker_copies = self.broker.iter().flatten().map(|p| p.len() as u64).sum();
+    }
+}
