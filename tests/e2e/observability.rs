@@ -166,7 +166,9 @@ async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
     assert!(sample(&after, "outboxd_duplicate_receipts_total").is_some());
 
     // Sampled gauges move too: a quarantined event and its held aggregate.
-    let corrupt = insert_corrupt_copy(&env, first.unwrap(), 100).await;
+    // Version 6 follows the aggregate's 5 events, so the copy reaches the head of its aggregate,
+    // where the digest is checked (a gap would hold it before any check).
+    let corrupt = insert_corrupt_copy(&env, first.unwrap(), 6).await;
     wait_for("the quarantine and hold gauges", LONG, || async {
         let text = scrape(port).await;
         match (

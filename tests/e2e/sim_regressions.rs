@@ -141,7 +141,7 @@ async fn a_migration_waits_until_the_checkpoint_has_passed_the_event() {
     );
     env.db
         .execute(
-            "UPDATE outbox.checkpoints SET confirmed_lsn = pg_current_wal_lsn() WHERE slot_name = $1",
+            "UPDATE outbox.checkpoints SET confirmed_lsn = pg_current_wal_insert_lsn() WHERE slot_name = $1",
             &[&env.slot],
         )
         .await
