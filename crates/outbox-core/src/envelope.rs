@@ -134,6 +134,39 @@ impl EnvelopeError {
 }
 
 impl OutboxEvent {
+    /// A first-generation event frozen as `outbox.enqueue` freezes one: both digests computed
+    /// from the payload and the destination, optional fields empty (set them with struct
+    /// update syntax). For the simulator, tests and fixtures; the relay reads rows instead.
+    pub fn frozen(
+        event_id: Uuid,
+        aggregate: (&str, &str, i64),
+        event_type: &str,
+        payload: Bytes,
+        destination: Destination,
+    ) -> Self {
+        let (aggregate_type, aggregate_id, aggregate_version) = aggregate;
+        OutboxEvent {
+            event_id,
+            envelope_generation: ENVELOPE_GENERATION,
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_version,
+            event_type: event_type.into(),
+            payload_schema: None,
+            payload_digest: sha256_digest(&payload),
+            payload,
+            tenant: None,
+            headers: None,
+            occurred_at: "2026-11-30 00:00:00+00".into(),
+            created_xid: None,
+            destination_digest: destination.digest(),
+            destination,
+            delivery_set_id: None,
+        }
+    }
+}
+
+impl OutboxEvent {
     /// Proves the row is the one `outbox.enqueue` froze: generation known, required fields
     /// present, both digests recomputed and equal.
     pub fn verify(&self) -> Result<(), EnvelopeError> {
@@ -190,24 +223,13 @@ pub(crate) mod tests {
             acks: "all".into(),
         };
         let payload = Bytes::from_static(br#"{"total": 10}"#);
-        OutboxEvent {
-            event_id: Uuid::now_v7(),
-            envelope_generation: 1,
-            aggregate_type: "order".into(),
-            aggregate_id: "o-42".into(),
-            aggregate_version: 1,
-            event_type: "order.created".into(),
-            payload_schema: None,
-            payload_digest: sha256_digest(&payload),
+        OutboxEvent::frozen(
+            Uuid::now_v7(),
+            ("order", "o-42", 1),
+            "order.created",
             payload,
-            tenant: None,
-            headers: None,
-            occurred_at: "2026-11-30 00:00:00+00".into(),
-            created_xid: None,
-            destination_digest: destination.digest(),
             destination,
-            delivery_set_id: None,
-        }
+        )
     }
 
     #[test]

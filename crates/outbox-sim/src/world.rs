@@ -9,7 +9,6 @@
 use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
-use outbox_core::envelope::sha256_digest;
 use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, UnknownResolution};
 use outbox_core::{AckTracker, Admit, Destination, EventToken, Lsn, OrderingGate, OutboxEvent};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
@@ -848,24 +847,13 @@ impl World {
     fn enqueue(&mut self, agg: Agg, business: u64, version: i64) -> OutboxEvent {
         let destination = self.destination(agg, self.route_topic, self.route_gen);
         let payload = Bytes::from(format!("{{\"business\": {business}}}"));
-        OutboxEvent {
-            event_id: self.new_id(),
-            envelope_generation: 1,
-            aggregate_type: "order".into(),
-            aggregate_id: format!("o-{agg}"),
-            aggregate_version: version,
-            event_type: "order.changed".into(),
-            payload_schema: None,
-            payload_digest: sha256_digest(&payload),
+        OutboxEvent::frozen(
+            self.new_id(),
+            ("order", &format!("o-{agg}"), version),
+            "order.changed",
             payload,
-            tenant: None,
-            headers: None,
-            occurred_at: "2026-11-30 00:00:00+00".into(),
-            created_xid: None,
-            destination_digest: destination.digest(),
             destination,
-            delivery_set_id: None,
-        }
+        )
     }
 
     /// One business transaction: 1–3 events, committed or rolled back (a crash before COMMIT

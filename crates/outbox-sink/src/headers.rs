@@ -132,26 +132,18 @@ mod tests {
         };
         let payload = br#"{"total": 10}"#.to_vec();
         OutboxEvent {
-            event_id: "0193a1b2-0000-7000-8000-000000000001".parse().unwrap(),
-            envelope_generation: 1,
-            aggregate_type: "order".into(),
-            aggregate_id: "o-42".into(),
-            aggregate_version: 1,
-            event_type: "order.created".into(),
-            payload_schema: None,
-            payload_digest: outbox_core::envelope::sha256_digest(&payload),
-            payload: payload.into(),
-            tenant: None,
-            headers: Some(
+headers: Some(
                 r#"{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01","ce_type":"spoofed"}"#
                     .into(),
             ),
-            occurred_at: "2026-11-30 00:00:00+00".into(),
-            created_xid: None,
-            destination_digest: destination.digest(),
-            destination,
-            delivery_set_id: None,
-        }
+..OutboxEvent::frozen(
+"0193a1b2-0000-7000-8000-000000000001".parse().unwrap(),
+("order", "o-42", 1),
+"order.created",
+payload.into(),
+destination,
+)
+}
     }
 
     #[test]

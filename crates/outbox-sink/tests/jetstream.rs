@@ -5,7 +5,6 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use outbox_core::envelope::sha256_digest;
 use outbox_core::{Destination, OutboxEvent};
 use outbox_sink::{
     Delivery, DeliveryOutcome, FailureClass, JetStreamSink, JetStreamSinkConfig, Lookup,
@@ -27,22 +26,14 @@ fn event(subject: &str, aggregate_id: &str, version: i64) -> OutboxEvent {
     };
     let payload = Bytes::from(format!("{{\"v\": {version}}}"));
     OutboxEvent {
-        event_id: uuid::Uuid::now_v7(),
-        envelope_generation: 1,
-        aggregate_type: "order".into(),
-        aggregate_id: aggregate_id.into(),
-        aggregate_version: version,
-        event_type: "order.created".into(),
-        payload_schema: None,
-        payload_digest: sha256_digest(&payload),
-        payload,
-        tenant: None,
         headers: Some(r#"{"trace": "t-1"}"#.into()),
-        occurred_at: "2026-11-30 00:00:00+00".into(),
-        created_xid: None,
-        destination_digest: destination.digest(),
-        destination,
-        delivery_set_id: None,
+        ..OutboxEvent::frozen(
+            uuid::Uuid::now_v7(),
+            ("order", aggregate_id, version),
+            "order.created",
+            payload,
+            destination,
+        )
     }
 }
 

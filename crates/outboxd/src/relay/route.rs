@@ -63,24 +63,13 @@ mod tests {
             acks: "all".into(),
         };
         let payload = bytes::Bytes::from_static(b"{}");
-        OutboxEvent {
-            event_id: uuid::Uuid::now_v7(),
-            envelope_generation: 1,
-            aggregate_type: "order".into(),
-            aggregate_id: "o-42".into(),
-            aggregate_version: 1,
-            event_type: "order.created".into(),
-            payload_schema: None,
-            payload_digest: outbox_core::envelope::sha256_digest(&payload),
+        OutboxEvent::frozen(
+            uuid::Uuid::now_v7(),
+            ("order", "o-42", 1),
+            "order.created",
             payload,
-            tenant: None,
-            headers: None,
-            occurred_at: "2026-11-30 00:00:00+00".into(),
-            created_xid: None,
-            destination_digest: destination.digest(),
             destination,
-            delivery_set_id: None,
-        }
+        )
     }
 
     #[test]
