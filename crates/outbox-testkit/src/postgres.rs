@@ -28,15 +28,20 @@ struct OwnedCluster {
 }
 
 static SHARED: OnceLock<TestPostgres> = OnceLock::new();
-/// (bin dir, data dir, run-as uid/gid) of clusters to stop at process exit.
-type Registered = (PathBuf, PathBuf, Option<(u32, u32)>);
+/// (bin dir, data dir, run-as uid/gid, temporary root to delete) of clusters to stop at
+/// process exit. The shared cluster lives in a static that is never dropped, so its temporary
+/// directory is removed here, or every test process would leave a cluster's files behind.
+type Registered = (PathBuf, PathBuf, Option<(u32, u32)>, Option<PathBuf>);
 static TO_STOP: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
 static DB_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn stop_registered_clusters() {
     if let Ok(list) = TO_STOP.lock() {
-        for (bin, data, run_as) in list.iter() {
+        for (bin, data, run_as, temp_root) in list.iter() {
             let _ = pg_ctl_stop(bin, data, *run_as);
+            if let Some(root) = temp_root {
+                let _ = std::fs::remove_dir_all(root);
+            }
         }
     }
 }
@@ -184,7 +189,8 @@ impl TestPostgres {
             .args(["-w", "-t", "60", "start"]);
         run(&mut start, run_as, "pg_ctl start")?;
         if let Ok(mut l) = TO_STOP.lock() {
-            l.push((bin.clone(), data.clone(), run_as));
+            let temp_root = tmp.as_ref().map(|t| t.path().to_path_buf());
+            l.push((bin.clone(), data.clone(), run_as, temp_root));
         }
         // Whatever happens to this process (a failed test, a demo that errors out), the
         // cluster is stopped when it exits.
