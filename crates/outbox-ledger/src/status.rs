@@ -25,6 +25,15 @@ pub struct SlotStatus {
     pub snapshot_done: bool,
 }
 
+/// Pending events (no primary receipt, no open quarantine): their count `n` and the age of the
+/// oldest in seconds `age`. One definition for `status` and the metrics sampler.
+const PENDING: &str = "(SELECT count(*) AS n,
+        extract(epoch FROM clock_timestamp() - min(e.occurred_at))::float8 AS age
+    FROM outbox.events e
+    WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
+      AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
+                      WHERE q.event_id = e.event_id AND q.released_at IS NULL))";
+
 /// Whole-ledger counts.
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
@@ -42,17 +51,14 @@ pub struct Status {
 pub async fn read(client: &Client) -> Result<Status, LedgerError> {
     let counts = client
         .query_one(
-            "SELECT (SELECT count(*) FROM outbox.events),
-                    (SELECT count(*) FROM outbox.receipts),
-                    (SELECT count(*) FROM outbox.duplicate_receipts),
-                    (SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL),
-                    p.n, p.age
-             FROM (SELECT count(*) AS n,
-                          extract(epoch FROM clock_timestamp() - min(e.occurred_at))::float8 AS age
-                   FROM outbox.events e
-                   WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
-                     AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
-                                     WHERE q.event_id = e.event_id AND q.released_at IS NULL)) p",
+            &format!(
+                "SELECT (SELECT count(*) FROM outbox.events),
+                        (SELECT count(*) FROM outbox.receipts),
+                        (SELECT count(*) FROM outbox.duplicate_receipts),
+                        (SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL),
+                        p.n, p.age
+                 FROM {PENDING} p"
+            ),
             &[],
         )
         .await
@@ -236,20 +242,17 @@ pub struct Sample {
 pub async fn sample(client: &Client) -> Result<Sample, LedgerError> {
     let r = client
         .query_one(
-            "SELECT p.n, p.age,
-                    (SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL),
-                    (SELECT count(*) FROM outbox.holds),
-                    (SELECT count(*) FROM outbox.held_events WHERE released_at IS NULL),
-                    u.n, u.age
-             FROM (SELECT count(*) AS n,
-                          extract(epoch FROM clock_timestamp() - min(e.occurred_at))::float8 AS age
-                   FROM outbox.events e
-                   WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
-                     AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
-                                     WHERE q.event_id = e.event_id AND q.released_at IS NULL)) p,
+            &format!(
+                "SELECT p.n, p.age,
+                        (SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL),
+                        (SELECT count(*) FROM outbox.holds),
+                        (SELECT count(*) FROM outbox.held_events WHERE released_at IS NULL),
+                        u.n, u.age
+                 FROM {PENDING} p,
                   (SELECT count(*) AS n,
                           extract(epoch FROM clock_timestamp() - min(unknown_at))::float8 AS age
-                   FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN') u",
+                   FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN') u"
+            ),
             &[],
         )
         .await
