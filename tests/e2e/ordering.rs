@@ -135,6 +135,40 @@ async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() 
         if order.get(&format!("a{a}")) != Some(&expected) {
             out_of_order += 1;
             println!("a{a}: {:?}", order.get(&format!("a{a}")));
+            // Where the ledger says each version went, to tell a broker that lost an
+            // acknowledged message from a receipt that points at nothing.
+            for r in env
+                .db
+                .query(
+                    "SELECT e.aggregate_version, r.partition, r.\"offset\", r.attempt, r.relay_generation
+                     FROM outbox.events e JOIN outbox.receipts r USING (event_id)
+                     WHERE e.aggregate_id = $1 AND e.aggregate_version <= 2 ORDER BY 1",
+                    &[&format!("a{a}")],
+                )
+                .await
+                .unwrap()
+            {
+                println!(
+                    "  v{} receipt {}@{} attempt {} generation {}",
+                    r.get::<_, i64>(0),
+                    r.get::<_, i32>(1),
+                    r.get::<_, i64>(2),
+                    r.get::<_, i32>(3),
+                    r.get::<_, i64>(4)
+                );
+            }
+        }
+    }
+    if out_of_order > 0 {
+        let msgs = env.read_topic();
+        for p in 0..3 {
+            let offs: Vec<i64> = msgs
+                .iter()
+                .filter(|m| m.partition == p)
+                .map(|m| m.offset)
+                .take(3)
+                .collect();
+            println!("partition {p}: first offsets read {offs:?}");
         }
     }
     assert_eq!(
