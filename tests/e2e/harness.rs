@@ -319,6 +319,8 @@ pub struct TopicMessage {
     pub key: Option<String>,
     pub headers: HashMap<String, String>,
     pub payload: Option<String>,
+    /// sha256 of the payload bytes, as `outbox.enqueue` computes `payload_digest`.
+    pub payload_digest: String,
     pub partition: i32,
     pub offset: i64,
 }
@@ -329,7 +331,10 @@ impl TopicMessage {
     }
 }
 
-/// Reads every partition of `topic` from the beginning to its current high watermark.
+/// Reads every partition of `topic` from its low watermark to its high watermark (both read
+/// before the first fetch). Honest about what it read: it fails if a partition's offsets are
+/// not contiguous (nothing here writes transactions or compacts, so every offset between the
+/// watermarks is a message), and it prints every message without an `id` header, one by one.
 pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -342,24 +347,37 @@ pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
         .fetch_metadata(Some(topic), Duration::from_secs(10))
         .expect("metadata");
     let partitions: Vec<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
+    assert!(!partitions.is_empty(), "topic {topic} has no partitions");
     let mut tpl = TopicPartitionList::new();
-    let mut high = HashMap::new();
+    let mut bounds = HashMap::new();
     for p in &partitions {
-        let (_, h) = consumer
+        let (low, high) = consumer
             .fetch_watermarks(topic, *p, Duration::from_secs(10))
             .expect("watermarks");
-        high.insert(*p, h);
-        tpl.add_partition_offset(topic, *p, Offset::Beginning)
+        bounds.insert(*p, (low, high));
+        tpl.add_partition_offset(topic, *p, Offset::Offset(low))
             .expect("tpl");
     }
     consumer.assign(&tpl).expect("assign");
     let mut out = Vec::new();
-    let mut next: HashMap<i32, i64> = partitions.iter().map(|p| (*p, 0)).collect();
+    let mut next: HashMap<i32, i64> = bounds.iter().map(|(p, (low, _))| (*p, *low)).collect();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while partitions.iter().any(|p| next[p] < high[p]) {
-        assert!(Instant::now() < deadline, "reading {topic} timed out");
+    while partitions.iter().any(|p| next[p] < bounds[p].1) {
+        assert!(
+            Instant::now() < deadline,
+            "reading {topic} timed out at {next:?} (low/high watermarks {bounds:?})"
+        );
         if let Some(r) = consumer.poll(Duration::from_millis(100)) {
             let m = r.expect("consume");
+            let expected = next[&m.partition()];
+            assert_eq!(
+                m.offset(),
+                expected,
+                "{topic}/{}: read offset {} where {expected} was next: the partition is not contiguous (watermarks {:?})",
+                m.partition(),
+                m.offset(),
+                bounds[&m.partition()]
+            );
             let mut headers = HashMap::new();
             if let Some(h) = m.headers() {
                 for hd in h.iter() {
@@ -369,17 +387,150 @@ pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
                     );
                 }
             }
+            if !headers.contains_key("id") {
+                println!(
+                    "{topic}/{}@{}: message without an `id` header",
+                    m.partition(),
+                    m.offset()
+                );
+            }
             next.insert(m.partition(), m.offset() + 1);
             out.push(TopicMessage {
                 key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
                 headers,
                 payload: m.payload().map(|p| String::from_utf8_lossy(p).into_owned()),
+                payload_digest: outbox_core::envelope::sha256_digest(
+                    m.payload().unwrap_or_default(),
+                ),
                 partition: m.partition(),
                 offset: m.offset(),
             });
         }
     }
     out
+}
+
+/// What [`TestEnv::verify_receipts`] compared.
+#[derive(Debug)]
+pub struct ReceiptCheck {
+    /// Primary and duplicate receipts checked against a message.
+    pub receipts: usize,
+    /// Messages read from the topics.
+    pub messages: Vec<TopicMessage>,
+}
+
+impl TestEnv {
+    /// Checks every Kafka receipt in the ledger, primary and duplicate, against the broker:
+    /// the message at (topic, partition, offset) exists, carries header `id` = the event id,
+    /// and its payload (and `payload_digest` header) matches the frozen row's digest. Also:
+    /// every event id sits only in its key's partition, and no receipt names a topic outside
+    /// `topics`. Panics with every problem found; returns what it read.
+    pub async fn verify_receipts(&self, topics: &[&str]) -> ReceiptCheck {
+        let mut messages = Vec::new();
+        for t in topics {
+            messages.extend(
+                read_topic(self.kafka.bootstrap_servers(), t)
+                    .into_iter()
+                    .map(|m| (t.to_string(), m)),
+            );
+        }
+        let at: HashMap<(&str, i32, i64), &TopicMessage> = messages
+            .iter()
+            .map(|(t, m)| ((t.as_str(), m.partition, m.offset), m))
+            .collect();
+        let rows = self
+            .db
+            .query(
+                "SELECT 'primary', r.event_id::text, r.topic, r.partition, r.\"offset\", r.attempt,
+                        r.relay_generation, e.payload_digest
+                 FROM outbox.receipts r LEFT JOIN outbox.events_current e USING (event_id)
+                 WHERE r.broker_kind = 'kafka'
+                 UNION ALL
+                 SELECT 'duplicate', d.event_id::text, d.topic, d.partition, d.\"offset\", d.attempt,
+                        d.relay_generation, e.payload_digest
+                 FROM outbox.duplicate_receipts d LEFT JOIN outbox.events_current e USING (event_id)
+                 WHERE d.broker_kind = 'kafka'",
+                &[],
+            )
+            .await
+            .expect("read receipts");
+        let mut problems = Vec::new();
+        for r in &rows {
+            let (kind, id, topic): (&str, &str, &str) = (r.get(0), r.get(1), r.get(2));
+            let (partition, offset, attempt, generation): (i32, i64, i32, i64) =
+                (r.get(3), r.get(4), r.get(5), r.get(6));
+            let digest: Option<&str> = r.get(7);
+            let what = format!(
+                "{kind} receipt of {id} at {topic}/{partition}@{offset} (attempt {attempt}, relay generation {generation})"
+            );
+            if !topics.contains(&topic) {
+                problems.push(format!("{what}: topic not among those read ({topics:?})"));
+                continue;
+            }
+            let Some(m) = at.get(&(topic, partition, offset)) else {
+                problems.push(format!("{what}: the broker has no message there"));
+                continue;
+            };
+            if m.id() != id {
+                problems.push(format!("{what}: the message there has id {:?}", m.id()));
+            }
+            match digest {
+                None => problems.push(format!("{what}: no outbox row")),
+                Some(d) => {
+                    if m.payload_digest != d {
+                        problems.push(format!(
+                            "{what}: payload digest {} there, frozen {d}",
+                            m.payload_digest
+                        ));
+                    }
+                    if m.headers.get("payload_digest").map(String::as_str) != Some(d) {
+                        problems.push(format!(
+                            "{what}: header payload_digest {:?}, frozen {d}",
+                            m.headers.get("payload_digest")
+                        ));
+                    }
+                }
+            }
+        }
+        // Every id only in its key's partition.
+        let mut key_partitions: HashMap<(&str, Option<&str>), std::collections::BTreeSet<i32>> =
+            HashMap::new();
+        let mut id_partitions: HashMap<(&str, &str), std::collections::BTreeSet<i32>> =
+            HashMap::new();
+        for (t, m) in &messages {
+            key_partitions
+                .entry((t.as_str(), m.key.as_deref()))
+                .or_default()
+                .insert(m.partition);
+            if !m.id().is_empty() {
+                id_partitions
+                    .entry((t.as_str(), m.id()))
+                    .or_default()
+                    .insert(m.partition);
+            }
+        }
+        for ((t, key), ps) in &key_partitions {
+            if ps.len() > 1 {
+                problems.push(format!("{t}: key {key:?} is in partitions {ps:?}"));
+            }
+        }
+        for ((t, id), ps) in &id_partitions {
+            if ps.len() > 1 {
+                problems.push(format!("{t}: event {id} is in partitions {ps:?}"));
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "{} of {} receipts or messages do not match the broker:\n{}",
+            problems.len(),
+            rows.len(),
+            problems.join("\n")
+        );
+        ReceiptCheck {
+            receipts: rows.len(),
+            messages: messages.into_iter().map(|(_, m)| m).collect(),
+        }
+    }
 }
 
 /// Runs `outboxd ARGS` without the relay's environment variables; returns success and

@@ -250,3 +250,127 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
         .get(0);
     assert_eq!(status, "PUBLISHED");
 }
+
+/// librdkafka's implicit ack through the relay (the mock cluster is the only way to fail
+/// exactly one Produce request at an exact round trip). A's request fails with a retriable
+/// error while B, on the same partition, is in flight; B succeeds and librdkafka reports A as
+/// delivered at offset -1001 although the partition never stored it. Before the fix the relay
+/// accepted that report as A's receipt and confirmed the slot past A: a silent loss. Now the
+/// report is DISPATCH_UNKNOWN, the scan proves A absent, and A is sent again (attempt 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_receipt() {
+    let env = TestEnv::new("implicit_ack").await;
+    let Some(mock) = env.kafka.mock_cluster() else {
+        panic!("implicit_ack needs librdkafka's mock cluster to inject one Produce error at an exact round trip; unset OUTBOXD_TEST_KAFKA to run it");
+    };
+    // One partition, so that A and B share it whatever their keys hash to.
+    let topic = format!("{}.one", env.topic);
+    env.kafka.create_topic(&topic, 1).unwrap();
+    env.db
+        .query_one(
+            "SELECT outbox.set_route($1, NULL, $2)",
+            &[&env.aggregate_type, &topic],
+        )
+        .await
+        .unwrap();
+    let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
+    env.wait_streaming().await;
+    env.enqueue("warm", json!({"warm": true})).await;
+    env.wait_count(
+        "the warm-up receipt",
+        "SELECT count(*) FROM outbox.receipts",
+        1,
+    )
+    .await;
+
+    mock.broker_round_trip_time(1, Duration::from_millis(200))
+        .unwrap();
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION],
+    );
+    let a = env.enqueue("a", json!({"v": "a"})).await;
+    tokio::time::sleep(Duration::from_millis(30)).await; // B in its own, later batch
+    let b = env.enqueue("b", json!({"v": "b"})).await;
+    env.wait_count(
+        "receipts of A and B",
+        "SELECT count(*) FROM outbox.receipts",
+        3,
+    )
+    .await;
+    mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
+
+    let check = env.verify_receipts(&[&topic]).await;
+    let copies = |id: uuid::Uuid| {
+        check
+            .messages
+            .iter()
+            .filter(|m| m.id() == id.to_string())
+            .count()
+    };
+    assert_eq!(
+        (copies(a), copies(b)),
+        (1, 1),
+        "one copy each on the broker"
+    );
+    // The relay settles everything it sent before its next restart.
+    env.wait_count(
+        "A's attempt resolved",
+        &format!("SELECT count(*) FROM outbox.attempts WHERE event_id = '{a}' AND state <> 'DISPATCH_UNKNOWN'"),
+        1,
+    )
+    .await;
+    let row = env
+        .db
+        .query_one(
+            "SELECT a.state, a.error, r.attempt FROM outbox.attempts a
+             JOIN outbox.receipts r USING (event_id) WHERE a.event_id = $1",
+            &[&a],
+        )
+        .await
+        .unwrap();
+    let (state, error, attempt): (String, String, i32) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(
+        state, "ABSENT",
+        "the scan proved A was never stored ({error})"
+    );
+    assert!(error.contains("no proof of publication"), "{error}");
+    assert_eq!(attempt, 2, "A's receipt is the retry's");
+}
+
+/// A retry that a proven absence allowed keeps its attempt generation when the relay restarts
+/// between the proof and the send (it lived only in memory: the resend went out as attempt 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_keeps_its_attempt_generation_when_the_relay_restarts_before_sending_it() {
+    let env = TestEnv::new("retry_generation").await;
+    let id = env.enqueue("g-1", json!({"v": 1})).await;
+    env.record_unknown_attempt(id).await;
+    // Run 1 proves the attempt absent, then dies before it sends anything.
+    let mut first = env.relay(
+        &[("OUTBOXD_FAILPOINTS", "before-send=abort")],
+        &["--unknown-settle-ms", "300"],
+    );
+    let status = first.wait_exit(crate::harness::LONG).await;
+    assert!(!status.success(), "run 1 aborts at the failpoint");
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.attempts WHERE state = 'ABSENT'")
+            .await,
+        1,
+        "run 1 proved the attempt absent: {}",
+        first.log_text()
+    );
+    assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 0);
+    // Run 2 sends the retry.
+    let _second = env.restart_until_receipts(1).await;
+    let attempt: i32 = env
+        .db
+        .query_one(
+            "SELECT attempt FROM outbox.receipts WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(attempt, 2, "the retry after a proven absence is attempt 2");
+    env.verify_receipts(&[&env.topic]).await;
+}

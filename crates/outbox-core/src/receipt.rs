@@ -5,6 +5,12 @@
 //! one statement of each rule is unit-tested, driven by the deterministic simulator
 //! (`outbox-sim`) through millions of fault traces, and used by the I/O code:
 //!
+//! * [`position_proof`] — when a broker's *success* report is evidence at all: only with a real
+//!   position (partition ≥ 0, offset ≥ 0) in the container the event was sent to. librdkafka
+//!   reports success without a stored message (an "implicit ack" of a failed batch once a later
+//!   batch of the partition succeeds, offset -1001); such a report is DISPATCH_UNKNOWN, resolved
+//!   by a scan like any other. Used by both sinks; the ledger's CHECK constraints are the
+//!   backstop.
 //! * [`classify`] — the single acceptance point (DESIGN invariant 6). `outbox-ledger`'s
 //!   `ACCEPT_SQL` implements the same decision set-wise (the publish slot is the primary key of
 //!   `outbox.receipts`); a change to one is a change to both.
@@ -69,6 +75,62 @@ pub fn classify(row: Option<Digests<'_>>, has_primary: bool, receipt: Digests<'_
         Some(_) if has_primary => ReceiptClass::Duplicate,
         Some(_) => ReceiptClass::Primary,
     }
+}
+
+/// Why a broker's success report does not prove a stored copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotProof {
+    /// No partition (Kafka: -1, the message was never assigned one).
+    NoPartition { partition: i32 },
+    /// No offset / stream sequence (Kafka: -1001 `RD_KAFKA_OFFSET_INVALID`, the implicit ack
+    /// of a failed batch; JetStream: sequence 0).
+    NoOffset { offset: i64 },
+    /// The report names another topic, subject or stream than the one the event was sent to.
+    OtherContainer { sent: String, reported: String },
+}
+
+impl fmt::Display for NotProof {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotProof::NoPartition { partition } => write!(
+                f,
+                "the success report names no partition ({partition}): no position to prove"
+            ),
+            NotProof::NoOffset { offset } => write!(
+                f,
+                "the success report carries no offset ({offset}): the client acknowledged a message \
+                 the broker may never have stored (librdkafka's implicit ack of a failed batch)"
+            ),
+            NotProof::OtherContainer { sent, reported } => write!(
+                f,
+                "the success report is for {reported:?}, but the event was sent to {sent:?}"
+            ),
+        }
+    }
+}
+
+/// Whether a broker's success report for a message sent to `sent` proves that the broker holds
+/// it at (`reported`, `partition`, `offset`). Only a proof becomes a receipt; anything else is
+/// DISPATCH_UNKNOWN, never "published". `partition` is 0 where the broker has none (JetStream).
+pub fn position_proof(
+    sent: &str,
+    reported: &str,
+    partition: i32,
+    offset: i64,
+) -> Result<(), NotProof> {
+    if reported != sent {
+        return Err(NotProof::OtherContainer {
+            sent: sent.to_string(),
+            reported: reported.to_string(),
+        });
+    }
+    if partition < 0 {
+        return Err(NotProof::NoPartition { partition });
+    }
+    if offset < 0 {
+        return Err(NotProof::NoOffset { offset });
+    }
+    Ok(())
 }
 
 /// The envelope to send for a row read from the WAL (or a snapshot) whose event was migrated:
@@ -309,6 +371,27 @@ pub fn may_purge(f: PurgeFacts) -> Result<(), PurgeBlock> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_success_report_is_proof_only_with_a_position_in_the_container_sent_to() {
+        assert_eq!(position_proof("t", "t", 0, 0), Ok(()));
+        assert_eq!(position_proof("t", "t", 2, 41), Ok(()));
+        // librdkafka's implicit ack: success, offset RD_KAFKA_OFFSET_INVALID.
+        assert_eq!(
+            position_proof("t", "t", 0, -1001),
+            Err(NotProof::NoOffset { offset: -1001 })
+        );
+        assert_eq!(
+            position_proof("t", "t", -1, 5),
+            Err(NotProof::NoPartition { partition: -1 })
+        );
+        let other = position_proof("t", "u", 0, 5).unwrap_err();
+        assert!(other.to_string().contains("\"u\""), "{other}");
+        assert!(position_proof("t", "t", 0, -1001)
+            .unwrap_err()
+            .to_string()
+            .contains("implicit ack"));
+    }
 
     const A: Digests<'static> = Digests {
         payload: "sha256:p",

@@ -130,6 +130,14 @@ dup AS (
     SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
            to_timestamp(ts_ms / 1000.0), attempt, relay_generation, commit_lsn::pg_lsn, $13
     FROM matched m WHERE ok AND NOT EXISTS (SELECT 1 FROM prim p WHERE p.event_id = m.event_id)
+      -- The very ACK that is the primary receipt, recorded again, is no new evidence.
+      AND NOT EXISTS (SELECT 1 FROM outbox.receipts r
+                      WHERE r.event_id = m.event_id AND r.broker_cluster = m.broker_cluster
+                        AND r.topic = m.topic AND r.partition = m.partition
+                        AND r."offset" = m."offset" AND r.attempt = m.attempt
+                        AND r.relay_generation = m.relay_generation)
+    ON CONFLICT (event_id, broker_cluster, topic, partition, "offset", attempt, relay_generation)
+    DO NOTHING
     RETURNING 1
 ),
 conflict AS (

@@ -127,3 +127,27 @@ pub async fn last_generation(client: &Client, event_id: Uuid) -> Result<i32, Led
         .ctx("reading attempt generations")?;
     Ok(r.get(0))
 }
+
+/// The attempt generation of the next send of every event of `slot` whose latest UNKNOWN
+/// attempt was proven absent and that has no primary receipt yet: one above the highest
+/// generation recorded for it. The relay loads this at start, so a resend after a restart is
+/// attempt n + 1, not attempt 1 again (the generation is evidence: a late ACK of attempt n must
+/// never be mistaken for the retry's).
+pub async fn retry_generations(
+    client: &Client,
+    slot: &str,
+) -> Result<Vec<(Uuid, i32)>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT a.event_id, max(a.attempt_generation) + 1
+             FROM outbox.attempts a
+             WHERE a.slot_name = $1
+               AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = a.event_id)
+             GROUP BY a.event_id
+             HAVING bool_and(a.state = 'ABSENT')",
+            &[&slot],
+        )
+        .await
+        .ctx("reading the attempt generations of retries")?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}

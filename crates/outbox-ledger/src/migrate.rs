@@ -70,6 +70,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "nats_routes",
         sql: include_str!("../../../migrations/0010_nats_routes.sql"),
     },
+    Migration {
+        version: 11,
+        name: "receipt_positions",
+        sql: include_str!("../../../migrations/0011_receipt_positions.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

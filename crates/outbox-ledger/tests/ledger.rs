@@ -416,6 +416,27 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
         .unwrap()
         .get(0);
     assert_eq!(n, 1, "the zombie's receipt is kept");
+    // The relay used to keep a fenced batch for salvage although it had committed, and record
+    // it again: each receipt became a duplicate of itself. The same ACK is recorded once.
+    let again = accept::accept_batch(
+        &mut c,
+        "s",
+        &[LedgerItem::Receipt(receipt(&ev, 1))],
+        None,
+        Some(&a),
+    )
+    .await
+    .unwrap();
+    assert_eq!((again.primary, again.duplicates), (0, 0), "{again:?}");
+    let dups: i64 = c
+        .query_one("SELECT count(*) FROM outbox.duplicate_receipts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        dups, 0,
+        "a fenced batch recorded twice is not a duplicate receipt"
+    );
     assert_eq!(
         checkpoint::load(&c, "s")
             .await
@@ -543,4 +564,118 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
         "a published event is never quarantined afterwards"
     );
     assert_eq!(count("SELECT count(*) FROM outbox.holds").await, 0);
+}
+
+#[tokio::test]
+async fn a_receipt_without_a_broker_position_is_refused_by_the_database() {
+    let (mut c, _) = fresh("ledger_positions").await;
+    let id = enqueue(
+        &c,
+        "order",
+        "o-1",
+        "x",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&c, id).await;
+    // librdkafka's implicit ack reports offset -1001 (RD_KAFKA_OFFSET_INVALID).
+    for (partition, offset) in [(0, -1001), (-1, 5)] {
+        let bad = ReceiptRecord {
+            partition,
+            ..receipt(&ev, offset)
+        };
+        let err = accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(bad)], None, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("receipts_position_check"), "{err}");
+    }
+    // A primary receipt, then duplicates: -1001 is refused there too.
+    accept::accept_batch(
+        &mut c,
+        "s",
+        &[LedgerItem::Receipt(receipt(&ev, 3))],
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    let err = accept::accept_batch(
+        &mut c,
+        "s",
+        &[LedgerItem::Receipt(receipt(&ev, -1001))],
+        None,
+        None,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("duplicate_receipts_position_check"), "{err}");
+    let n: i64 = c
+        .query_one(
+            "SELECT (SELECT count(*) FROM outbox.receipts) + (SELECT count(*) FROM outbox.duplicate_receipts)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1, "only the receipt with a position was recorded");
+}
+
+#[tokio::test]
+async fn a_retry_keeps_its_attempt_generation_across_restarts() {
+    let (mut c, _) = fresh("ledger_retry_generation").await;
+    let id = enqueue(
+        &c,
+        "order",
+        "o-1",
+        "x",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let sent = std::time::SystemTime::now();
+    outbox_ledger::attempts::record_unknown(&c, "s", id, 1, 1, "t", 0, sent, "timed out")
+        .await
+        .unwrap();
+    assert!(
+        outbox_ledger::attempts::retry_generations(&c, "s")
+            .await
+            .unwrap()
+            .is_empty(),
+        "an open UNKNOWN attempt is not a retry yet"
+    );
+    let open = outbox_ledger::attempts::open_unknown(&c, "s")
+        .await
+        .unwrap();
+    outbox_ledger::attempts::resolve(&c, open[0].id, None, 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        outbox_ledger::attempts::retry_generations(&c, "s")
+            .await
+            .unwrap(),
+        vec![(id, 2)],
+        "proven absent: the next send is attempt 2, whichever process sends it"
+    );
+    let ev = event(&c, id).await;
+    accept::accept_batch(
+        &mut c,
+        "s",
+        &[LedgerItem::Receipt(receipt(&ev, 0))],
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(
+        outbox_ledger::attempts::retry_generations(&c, "s")
+            .await
+            .unwrap()
+            .is_empty(),
+        "published: nothing to retry"
+    );
 }

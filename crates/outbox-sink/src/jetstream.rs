@@ -482,6 +482,41 @@ async fn no_stream(
     }
 }
 
+/// A PubAck, as evidence: only a sequence in the configured stream proves the stream holds the
+/// message. A PubAck from another stream (the subject is captured by a stream other than
+/// `--nats-stream`) or without a sequence is a possibly persisted failure (DISPATCH_UNKNOWN),
+/// never a receipt: the relay cannot read the copy back where it looks for it.
+fn pub_ack_outcome(
+    stream: &str,
+    subject: String,
+    acked_stream: &str,
+    sequence: u64,
+    duplicate: bool,
+) -> DeliveryOutcome {
+    let offset = i64::try_from(sequence).unwrap_or(-1);
+    // A stream sequence starts at 1: 0 is "no sequence".
+    let offset = if offset == 0 { -1 } else { offset };
+    match outbox_core::receipt::position_proof(stream, acked_stream, 0, offset) {
+        Ok(()) => DeliveryOutcome::Persisted {
+            topic: subject,
+            partition: 0,
+            offset,
+            timestamp_ms: None,
+            duplicate,
+        },
+        Err(why) => {
+            tracing::warn!(%subject, stream = %acked_stream, configured = %stream, sequence, reason = %why,
+                "PubAck is no proof of publication: treated as DISPATCH_UNKNOWN");
+            DeliveryOutcome::Failed {
+                error: format!("PubAck is no proof of publication in stream {stream}: {why}"),
+                persistence: Persistence::PossiblyPersisted,
+                class: FailureClass::Transient,
+                partition: 0,
+            }
+        }
+    }
+}
+
 impl Sink for JetStreamSink {
     fn served(&self) -> Served {
         Served {
@@ -499,20 +534,10 @@ impl Sink for JetStreamSink {
         tokio::spawn(async move {
             let outcome = match fut.await {
                 Ok(ack) => {
-                    if ack.stream != expected {
-                        tracing::warn!(%subject, stream = %ack.stream, configured = %expected,
-                            "subject captured by another stream than --nats-stream; the receipt stands, but check the stream layout");
-                    }
                     if ack.duplicate {
                         tracing::debug!(%subject, sequence = ack.sequence, "PubAck duplicate: the broker already had this Nats-Msg-Id");
                     }
-                    DeliveryOutcome::Persisted {
-                        topic: subject,
-                        partition: 0,
-                        offset: ack.sequence as i64,
-                        timestamp_ms: None,
-                        duplicate: ack.duplicate,
-                    }
+                    pub_ack_outcome(&expected, subject, &ack.stream, ack.sequence, ack.duplicate)
                 }
                 Err(e) if matches!(e.kind(), PublishErrorKind::StreamNotFound) => {
                     no_stream(&api, &subject, &e).await
@@ -543,6 +568,22 @@ impl Sink for JetStreamSink {
                     e,
                 )
             })?;
+            if let Err(why) = outbox_core::receipt::position_proof(
+                &self.config.stream,
+                &ack.stream,
+                0,
+                if ack.sequence == 0 {
+                    -1
+                } else {
+                    ack.sequence as i64
+                },
+            ) {
+                return Err(SinkError::Unprovable {
+                    event_id: q.event.event_id.to_string(),
+                    stream: self.config.stream.clone(),
+                    reason: format!("the probe's PubAck is no proof: {why}"),
+                });
+            }
             let offset = ack.sequence as i64;
             return Ok(if ack.duplicate {
                 Lookup::Found {
@@ -567,6 +608,29 @@ impl Sink for JetStreamSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pub_ack_is_a_receipt_only_with_a_sequence_in_the_configured_stream() {
+        let ok = pub_ack_outcome("S", "outbox.a".into(), "S", 7, false);
+        assert!(
+            matches!(ok, DeliveryOutcome::Persisted { offset: 7, .. }),
+            "{ok:?}"
+        );
+        for (stream, seq) in [("OTHER", 7), ("S", 0)] {
+            let out = pub_ack_outcome("S", "outbox.a".into(), stream, seq, false);
+            assert!(
+                matches!(
+                    out,
+                    DeliveryOutcome::Failed {
+                        persistence: Persistence::PossiblyPersisted,
+                        class: FailureClass::Transient,
+                        ..
+                    }
+                ),
+                "{stream}/{seq}: {out:?}"
+            );
+        }
+    }
 
     #[test]
     fn subjects() {

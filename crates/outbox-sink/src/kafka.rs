@@ -10,6 +10,10 @@
 //!   duplicates or reordering within a partition, for as long as `message.timeout.ms`; a
 //!   report that still fails then carries the persistence status that tells whether the
 //!   broker may have the message.
+//! * A *success* report is evidence only with a real position: librdkafka's implicit ack
+//!   reports success at offset -1001 for a message the broker may never have stored. Such a
+//!   report is forwarded as a possibly persisted failure, never as `Persisted`
+//!   ([`outbox_core::receipt::position_proof`]).
 
 use std::time::Duration;
 
@@ -60,24 +64,30 @@ struct SinkContext {
     tx: UnboundedSender<Delivery>,
 }
 
+/// What the delivery callback needs of the send: the caller's token and the topic it was sent
+/// to (a success report is checked against it).
+struct Sent {
+    token: u64,
+    topic: String,
+}
+
 impl ClientContext for SinkContext {}
 
 impl ProducerContext for SinkContext {
-    type DeliveryOpaque = Box<u64>;
+    type DeliveryOpaque = Box<Sent>;
 
-    fn delivery(&self, result: &DeliveryResult<'_>, token: Box<u64>) {
+    fn delivery(&self, result: &DeliveryResult<'_>, sent: Box<Sent>) {
         let outcome = match result {
-            Ok(m) => DeliveryOutcome::Persisted {
-                topic: m.topic().to_string(),
-                partition: m.partition(),
-                offset: m.offset(),
-                timestamp_ms: match m.timestamp() {
+            Ok(m) => success_outcome(
+                &sent.topic,
+                m.topic(),
+                m.partition(),
+                m.offset(),
+                match m.timestamp() {
                     Timestamp::NotAvailable => None,
                     Timestamp::CreateTime(t) | Timestamp::LogAppendTime(t) => Some(t),
                 },
-                // The idempotent producer never reports a broker-side duplicate as such.
-                duplicate: false,
-            },
+            ),
             Err((err, m)) => {
                 // SAFETY: `m` is the message librdkafka passed to the delivery callback; its
                 // pointer is valid for the duration of this call and status only reads it.
@@ -99,9 +109,44 @@ impl ProducerContext for SinkContext {
         // A closed channel means the pipeline is gone; the event is unresolved and will be
         // replayed from the checkpoint, so dropping the report is safe.
         let _ = self.tx.send(Delivery {
-            token: *token,
+            token: sent.token,
             outcome,
         });
+    }
+}
+
+/// A success report from librdkafka, as evidence. librdkafka reports success without a stored
+/// message in at least one case: when a batch fails with a retriable error and a *later* batch
+/// of the same partition succeeds, the idempotent producer "implicitly acks" the failed one
+/// with offset -1001 (`rd_kafka_dr_implicit_ack`; upstream confluent-kafka-go#921). The broker
+/// may not hold that message at all. Such a report is not `Persisted`: it becomes a possibly
+/// persisted failure (DISPATCH_UNKNOWN), which the relay resolves by scanning the partition.
+fn success_outcome(
+    sent_topic: &str,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    timestamp_ms: Option<i64>,
+) -> DeliveryOutcome {
+    match outbox_core::receipt::position_proof(sent_topic, topic, partition, offset) {
+        Ok(()) => DeliveryOutcome::Persisted {
+            topic: topic.to_string(),
+            partition,
+            offset,
+            timestamp_ms,
+            // The idempotent producer never reports a broker-side duplicate as such.
+            duplicate: false,
+        },
+        Err(why) => {
+            tracing::warn!(topic = %sent_topic, partition, offset, reason = %why,
+                "librdkafka reported success without a position: treated as DISPATCH_UNKNOWN");
+            DeliveryOutcome::Failed {
+                error: format!("success report is no proof of publication: {why}"),
+                persistence: Persistence::PossiblyPersisted,
+                class: FailureClass::Transient,
+                partition,
+            }
+        }
     }
 }
 
@@ -246,7 +291,11 @@ impl KafkaSink {
                     value: Some(v.as_slice()),
                 });
             }
-            let record = BaseRecord::with_opaque_to(&ev.destination.topic, Box::new(token))
+            let sent = Box::new(Sent {
+                token,
+                topic: ev.destination.topic.clone(),
+            });
+            let record = BaseRecord::with_opaque_to(&ev.destination.topic, sent)
                 .key(ev.destination.key.as_bytes())
                 .payload(&ev.payload[..])
                 .headers(oh);

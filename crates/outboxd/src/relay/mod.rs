@@ -387,6 +387,10 @@ async fn run_once(
         }
     };
 
+    // Retries proven necessary by an earlier run keep their attempt generation across restarts.
+    pipeline
+        .retry_generation
+        .extend(outbox_ledger::attempts::retry_generations(&sql, &cfg.slot).await?);
     reconcile::reconcile_unknown(
         cfg,
         &sql,

@@ -619,8 +619,7 @@ impl Pipeline {
                 Ok(out)
             }
             Err(e) => {
-                // Kept for salvage: the receipts in it are still evidence worth recording.
-                self.batch = items;
+                self.keep_for_salvage(items, &e);
                 Err(e.into())
             }
         }
@@ -710,13 +709,25 @@ impl Pipeline {
                 Ok(())
             }
             Err(e) => {
-                // Kept for salvage: the receipts in it are still evidence worth recording.
-                let mut items = items;
-                items.append(&mut self.batch);
-                self.batch = items;
+                let rest = std::mem::take(&mut self.batch);
+                self.keep_for_salvage(items, &e);
+                self.batch.extend(rest);
                 Err(e.into())
             }
         }
+    }
+
+    /// After a failed acceptance transaction: the batch goes back in front of the pending
+    /// items, for salvage (its receipts are still evidence worth recording) — unless the
+    /// transaction *committed* and only the checkpoint was fenced (`LeaseLost`): then every
+    /// item is recorded already, and recording it again would store each receipt a second
+    /// time as a duplicate of itself.
+    fn keep_for_salvage(&mut self, items: Vec<LedgerItem>, e: &outbox_ledger::LedgerError) {
+        if matches!(e, outbox_ledger::LedgerError::LeaseLost { .. }) {
+            return;
+        }
+        let rest = std::mem::replace(&mut self.batch, items);
+        self.batch.extend(rest);
     }
 
     /// Republishes aggregates an operator released, in version order, one event at a time.
