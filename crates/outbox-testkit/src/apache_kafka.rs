@@ -234,8 +234,17 @@ pub fn resolve_classpath() -> Result<Vec<PathBuf>, HarnessError> {
         return Ok(jars);
     }
 
-    let staging = root.join(format!("{name}.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staging);
+    // Under the lock no other resolver runs: a partial directory is left over from one that
+    // was killed.
+    let partial = format!("{name}.partial-");
+    if let Ok(entries) = std::fs::read_dir(&root) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&partial) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let staging = root.join(format!("{partial}{}", std::process::id()));
     std::fs::create_dir_all(&staging)
         .map_err(|e| io(format!("creating {}", staging.display()), e))?;
     std::fs::write(staging.join("pom.xml"), pom_xml())

@@ -36,7 +36,9 @@ fn poll<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<T, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_node_produce_and_consume() {
+    let t0 = Instant::now();
     let kafka = apache_kafka::shared().unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("shared node up after {:?}", t0.elapsed());
     assert_eq!(kafka.node_ids(), vec![1]);
     let topic = "testkit-single";
     kafka.create_topic(topic, 1, 1, &[]).unwrap();
@@ -87,11 +89,13 @@ async fn single_node_produce_and_consume() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_survive_a_killed_leader() {
+    let t0 = Instant::now();
     let kafka = tokio::task::spawn_blocking(|| KafkaCluster::start(3))
         .await
         .unwrap()
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(kafka.node_ids(), vec![1, 2, 3]);
+    eprintln!("3 nodes up after {:?}", t0.elapsed());
     let topic = "testkit-failover";
     kafka
         .create_topic(topic, 1, 3, &[("min.insync.replicas", "2")])
@@ -113,6 +117,7 @@ async fn three_nodes_survive_a_killed_leader() {
     .unwrap_or_else(|(e, _)| panic!("produce before the kill: {e}"));
 
     kafka.kill(leader);
+    let killed = Instant::now();
     assert_eq!(kafka.pid(leader), None);
     let new_leader = poll(
         "a new leader after SIGKILL",
@@ -123,6 +128,10 @@ async fn three_nodes_survive_a_killed_leader() {
         },
     );
     assert_ne!(new_leader, leader);
+    eprintln!(
+        "leader {leader} killed; node {new_leader} leads after {:?}",
+        killed.elapsed()
+    );
 
     // acks=all with min.insync.replicas=2: the two survivors are enough.
     let d = p
@@ -134,7 +143,9 @@ async fn three_nodes_survive_a_killed_leader() {
         .unwrap_or_else(|(e, _)| panic!("produce after the kill: {e}"));
     assert_eq!(d.offset, 1);
 
+    let restarting = Instant::now();
     kafka.restart(leader).unwrap();
+    eprintln!("node {leader} back after {:?}", restarting.elapsed());
     assert!(kafka.pid(leader).is_some());
     // Back in the ISR: it caught up from the new leader.
     poll(
