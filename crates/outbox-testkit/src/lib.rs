@@ -6,12 +6,15 @@
 //!   gets its own database.
 //! * [`kafka`] gives each test librdkafka's in-process mock cluster (real TCP listener, fault
 //!   injection) unless `OUTBOXD_TEST_KAFKA` names real bootstrap servers.
+//! * [`apache_kafka`] runs real Apache Kafka brokers (KRaft, 1 or 3 nodes) resolved from
+//!   Maven Central, with per-node pause / kill / restart; also the `outbox-kafka` binary.
 //! * [`nats`] starts a throwaway `nats-server -js` (own port, store and name) for a test that
 //!   injects broker faults: pause (SIGSTOP), resume, kill and restart on the same store.
 //! * [`wait`] polls a condition until a deadline — tests wait for states, never for sleeps.
 //!
 //! `outboxd demo` uses the same code to run the embedded default.
 
+pub mod apache_kafka;
 pub mod kafka;
 pub mod nats;
 pub mod postgres;
@@ -40,4 +43,8 @@ pub enum HarnessError {
     },
     #[error("Kafka mock cluster: {0}")]
     Kafka(String),
+    #[error("`{tool}` is missing ({detail}): the Apache Kafka test brokers need a JDK 17+ and Maven (the broker's jars are resolved from Maven Central once, then cached): install them, e.g. `apt-get install openjdk-17-jre-headless maven`")]
+    NoJavaOrMaven { tool: String, detail: String },
+    #[error("Apache Kafka broker: {0}")]
+    ApacheKafka(String),
 }
