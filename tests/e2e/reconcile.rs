@@ -291,7 +291,8 @@ async fn receipt_audit_reports_a_missing_and_a_mismatched_receipt() {
         }
     };
     let (missing, victim, other) = (ids[0], ids[1], ids[2]);
-    let (missing_partition, _) = position(missing).await;
+    let (missing_partition, missing_offset) = position(missing).await;
+    let (victim_partition, victim_offset) = position(victim).await;
     let (other_partition, other_offset) = position(other).await;
     let high = env
         .read_topic()
@@ -340,6 +341,15 @@ async fn receipt_audit_reports_a_missing_and_a_mismatched_receipt() {
         m["detail"].as_str().unwrap().contains("high watermark"),
         "{report:#}"
     );
+    // Its message is still where the relay put it: the scan says so.
+    assert_eq!(
+        m["copies_elsewhere"],
+        json!([format!(
+            "{}/{missing_partition}@{missing_offset}",
+            env.topic
+        )]),
+        "{report:#}"
+    );
     assert_eq!(report["receipt_mismatch"]["total"], 1, "{report:#}");
     let m = &report["receipt_mismatch"]["items"][0];
     assert_eq!(m["event_id"], json!(victim.to_string()), "{report:#}");
@@ -349,6 +359,11 @@ async fn receipt_audit_reports_a_missing_and_a_mismatched_receipt() {
             .as_str()
             .unwrap()
             .contains(&format!("has id {other}")),
+        "{report:#}"
+    );
+    assert_eq!(
+        m["copies_elsewhere"],
+        json!([format!("{}/{victim_partition}@{victim_offset}", env.topic)]),
         "{report:#}"
     );
     // Nothing else is reported: the messages themselves are all the outbox's.

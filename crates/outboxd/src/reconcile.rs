@@ -30,7 +30,7 @@
 //! topic) from its low to its high watermark, keeping only (id, payload digest) per message:
 //! its cost grows with the topics' retention. `--no-broker` skips it, and with it the audit.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -109,6 +109,9 @@ pub struct ReceiptFinding {
     pub offset: i64,
     /// What is at that position (or why nothing is).
     pub detail: String,
+    /// Where the scan found messages carrying this event's id instead (`topic/partition@offset`,
+    /// at most 5): empty means no copy on the scanned topics, i.e. not proven published.
+    pub copies_elsewhere: Vec<String>,
 }
 
 /// The receipt audit's numbers.
@@ -541,6 +544,7 @@ fn audit_receipts(receipts: &ReceiptsInScope, scan: &ScanResult) -> AuditOutcome
                 partition: r.partition,
                 offset: r.offset,
                 detail,
+                copies_elsewhere: Vec::new(),
             };
             if r.partition < 0 || r.offset < 0 {
                 out.audited += 1;
@@ -611,7 +615,40 @@ fn audit_receipts(receipts: &ReceiptsInScope, scan: &ScanResult) -> AuditOutcome
             }
         }
     }
+    note_copies(&mut out.missing, scan);
+    note_copies(&mut out.mismatch, scan);
     out
+}
+
+/// Fills in where else the scan saw each finding's event id (one pass over the messages).
+fn note_copies(findings: &mut [ReceiptFinding], scan: &ScanResult) {
+    const MAX: usize = 5;
+    if findings.is_empty() {
+        return;
+    }
+    let wanted: HashSet<uuid::Uuid> = findings.iter().map(|f| f.event_id).collect();
+    let mut copies: HashMap<uuid::Uuid, Vec<(&str, i32, i64)>> = HashMap::new();
+    for m in &scan.messages {
+        let Some(id) = m.id.as_deref().and_then(|i| i.parse::<uuid::Uuid>().ok()) else {
+            continue;
+        };
+        if wanted.contains(&id) {
+            copies
+                .entry(id)
+                .or_default()
+                .push((m.topic.as_str(), m.partition, m.offset));
+        }
+    }
+    for f in findings {
+        f.copies_elsewhere = copies
+            .get(&f.event_id)
+            .into_iter()
+            .flatten()
+            .filter(|(t, p, o)| (*t, *p, *o) != (f.topic.as_str(), f.partition, f.offset))
+            .take(MAX)
+            .map(|(t, p, o)| format!("{t}/{p}@{o}"))
+            .collect();
+    }
 }
 
 /// Reads every partition of `topics` from low to high watermark (as of the start of each
@@ -836,13 +873,18 @@ fn table(r: &Report) -> String {
         for f in &list.items {
             let _ = writeln!(
                 s,
-                "{k:<16} {} {}  {}/{}@{}: {}",
+                "{k:<16} {} {}  {}/{}@{}: {}; {}",
                 f.kind.as_str(),
                 f.event_id,
                 f.topic,
                 f.partition,
                 f.offset,
-                f.detail
+                f.detail,
+                if f.copies_elsewhere.is_empty() {
+                    "no copy of the event on the scanned topics".to_string()
+                } else {
+                    format!("the event is at {}", f.copies_elsewhere.join(", "))
+                }
             );
         }
     }
@@ -1113,6 +1155,9 @@ mod tests {
             "{mismatch:?}"
         );
         assert!(mismatch[2].2.contains("no `id` header"), "{mismatch:?}");
+        // Where else a's id is: not at its own position, at 0@10 for the others.
+        assert!(o.mismatch[0].copies_elsewhere.is_empty());
+        assert_eq!(o.mismatch[1].copies_elsewhere, vec!["t/0@10".to_string()]);
         let missing = details(&o.missing);
         assert_eq!(missing.len(), 6, "{missing:?}");
         // Topics in name order: "gone" first.
