@@ -241,3 +241,187 @@ async fn aged_unknown_and_a_second_payload_under_one_id_are_reported() {
     let (_, report) = reconcile_json(&env, &["--unknown-after", "1h", "--pending-after", "0s"]);
     assert_eq!(report["aged_pending"]["total"], 0, "{report:#}");
 }
+
+/// The receipt audit: a clean ledger is proven against the topic; then a receipt moved past
+/// the high watermark (what an implicit ack leaves: the ledger says published, the broker has
+/// nothing there) is `receipt_missing`, and a receipt pointing at another event's message is
+/// `receipt_mismatch`. The scopes audit all, a sample, or nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receipt_audit_reports_a_missing_and_a_mismatched_receipt() {
+    let env = TestEnv::new("rec_audit").await;
+    let mut relay = env.relay(&[], &[]);
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(env.enqueue(&format!("o-{i}"), json!({"i": i})).await);
+    }
+    env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 4)
+        .await;
+
+    let (code, report) = reconcile_json(&env, &["--audit-receipts", "all"]);
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(report["receipts"]["audited"], 4, "{report:#}");
+    assert_eq!(report["receipts"]["performed"], true, "{report:#}");
+    assert_eq!(report["receipt_missing"]["total"], 0, "{report:#}");
+    assert_eq!(report["receipt_mismatch"]["total"], 0, "{report:#}");
+    assert_eq!(report["broker"]["partitions"].as_array().unwrap().len(), 3);
+    let (code, text) = reconcile(&env, &["--audit-receipts", "all"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains(
+            "receipts: 4 audited (scope all, cluster default), 0 expired, 0 not auditable (nats)"
+        ),
+        "{text}"
+    );
+
+    // Stop the relay, so that nothing but the planted rows changes.
+    relay.signal(libc::SIGTERM);
+    relay.wait_exit(crate::harness::LONG).await;
+
+    let position = |id: uuid::Uuid| {
+        let db = &env.db;
+        async move {
+            let r = db
+                .query_one(
+                    "SELECT partition, \"offset\" FROM outbox.receipts WHERE event_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap();
+            (r.get::<_, i32>(0), r.get::<_, i64>(1))
+        }
+    };
+    let (missing, victim, other) = (ids[0], ids[1], ids[2]);
+    let (missing_partition, missing_offset) = position(missing).await;
+    let (victim_partition, victim_offset) = position(victim).await;
+    let (other_partition, other_offset) = position(other).await;
+    let high = env
+        .read_topic()
+        .iter()
+        .filter(|m| m.partition == missing_partition)
+        .map(|m| m.offset + 1)
+        .max()
+        .unwrap();
+    // (a) A receipt at an offset where the partition has no message.
+    env.db
+        .execute(
+            "UPDATE outbox.receipts SET \"offset\" = $2 WHERE event_id = $1",
+            &[&missing, &(high + 100)],
+        )
+        .await
+        .unwrap();
+    // (b) A receipt at another event's message.
+    env.db
+        .execute(
+            "UPDATE outbox.receipts SET partition = $2, \"offset\" = $3 WHERE event_id = $1",
+            &[&victim, &other_partition, &other_offset],
+        )
+        .await
+        .unwrap();
+    // A correct duplicate receipt is audited too, and a NATS receipt is only counted.
+    env.db
+        .execute(
+            "INSERT INTO outbox.duplicate_receipts (event_id, broker_kind, broker_cluster, topic,
+                                                    partition, \"offset\")
+             VALUES ($1, 'kafka', 'default', $2, $3, $4), ($1, 'nats', 'default', $2, 0, 1)",
+            &[&other, &env.topic, &other_partition, &other_offset],
+        )
+        .await
+        .unwrap();
+
+    let (code, report) = reconcile_json(&env, &["--audit-receipts", "all"]);
+    assert_eq!(code, 2, "{report:#}");
+    assert_eq!(report["receipts"]["audited"], 5, "{report:#}");
+    assert_eq!(report["receipts"]["not_auditable_nats"], 1, "{report:#}");
+    assert_eq!(report["receipt_missing"]["total"], 1, "{report:#}");
+    let m = &report["receipt_missing"]["items"][0];
+    assert_eq!(m["event_id"], json!(missing.to_string()), "{report:#}");
+    assert_eq!(m["kind"], "primary");
+    assert_eq!(m["offset"], json!(high + 100));
+    assert!(
+        m["detail"].as_str().unwrap().contains("high watermark"),
+        "{report:#}"
+    );
+    // Its message is still where the relay put it: the scan says so.
+    assert_eq!(
+        m["copies_elsewhere"],
+        json!([format!(
+            "{}/{missing_partition}@{missing_offset}",
+            env.topic
+        )]),
+        "{report:#}"
+    );
+    assert_eq!(report["receipt_mismatch"]["total"], 1, "{report:#}");
+    let m = &report["receipt_mismatch"]["items"][0];
+    assert_eq!(m["event_id"], json!(victim.to_string()), "{report:#}");
+    assert_eq!(m["kind"], "primary");
+    assert!(
+        m["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("has id {other}")),
+        "{report:#}"
+    );
+    assert_eq!(
+        m["copies_elsewhere"],
+        json!([format!("{}/{victim_partition}@{victim_offset}", env.topic)]),
+        "{report:#}"
+    );
+    // Nothing else is reported: the messages themselves are all the outbox's.
+    for kind in [
+        "aged_pending",
+        "aged_unknown",
+        "unconsumed",
+        "bypass",
+        "conflicts",
+    ] {
+        assert_eq!(report[kind]["total"], 0, "{kind}: {report:#}");
+    }
+
+    let (code, text) = reconcile(&env, &["--audit-receipts", "all"]);
+    assert_eq!(code, 2, "{text}");
+    let line = |kind: &str, id: uuid::Uuid| {
+        text.lines()
+            .any(|l| l.starts_with(kind) && l.contains(&format!("primary {id}")))
+    };
+    assert!(line("receipt_missing", missing), "{text}");
+    assert!(line("receipt_mismatch", victim), "{text}");
+    assert!(
+        text.contains(
+            "receipts: 5 audited (scope all, cluster default), 0 expired, 1 not auditable (nats)"
+        ),
+        "{text}"
+    );
+
+    // The default scope (receipts of the last 24h) sees them too.
+    let (code, prom) = reconcile(&env, &["--format", "prometheus"]);
+    assert_eq!(code, 2, "{prom}");
+    for line in [
+        "outboxd_reconcile_findings{kind=\"receipt_missing\"} 1",
+        "outboxd_reconcile_findings{kind=\"receipt_mismatch\"} 1",
+        "outboxd_reconcile_receipts_audited 5",
+        "# TYPE outboxd_reconcile_receipts_audited gauge",
+    ] {
+        assert!(prom.contains(line), "{line}: {prom}");
+    }
+
+    let (_, report) = reconcile_json(&env, &["--audit-receipts", "sample=1"]);
+    assert_eq!(report["receipts"]["audited"], 1, "{report:#}");
+    assert_eq!(report["receipts"]["scope"], "sample=1", "{report:#}");
+    let (code, report) = reconcile_json(&env, &["--audit-receipts", "none"]);
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(report["receipts"]["audited"], 0, "{report:#}");
+    assert_eq!(report["receipts"]["performed"], false, "{report:#}");
+    let (code, text) = reconcile(&env, &["--no-broker"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains("receipts: not audited (--no-broker"),
+        "{text}"
+    );
+
+    let (code, text) = reconcile(&env, &["--audit-receipts", "every"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("--audit-receipts") && text.contains("sample=N"),
+        "{text}"
+    );
+}

@@ -1,6 +1,7 @@
 //! What `outboxd reconcile` reads from the ledger: events the relay should have published by
-//! now, attempts still unknown, and evidence that one event id carries two payloads or two
-//! destinations. Read-only; the broker side of the comparison lives in the binary.
+//! now, attempts still unknown, evidence that one event id carries two payloads or two
+//! destinations, and the receipts to audit against the broker ([`receipts_in_scope`]).
+//! Read-only; the broker side of the comparison lives in the binary.
 
 use std::collections::HashMap;
 
@@ -201,4 +202,166 @@ pub async fn outbox_topics(client: &Client) -> Result<Vec<String>, LedgerError> 
         .await
         .ctx("listing the outbox's topics")?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// Which receipts `outboxd reconcile --audit-receipts` compares with the broker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ReceiptScope {
+    /// Every receipt in the ledger.
+    All,
+    /// No receipt (the audit is off).
+    None,
+    /// This many receipts of the audited cluster, drawn at random from the whole ledger.
+    Sample(i64),
+    /// Receipts accepted (primary) or received (duplicate) within this many seconds.
+    Last(f64),
+}
+
+/// Which receipt table a receipt comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReceiptKind {
+    /// `outbox.receipts`: the receipt that made the event PUBLISHED.
+    Primary,
+    /// `outbox.duplicate_receipts`: another copy the broker acknowledged.
+    Duplicate,
+}
+
+impl ReceiptKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReceiptKind::Primary => "primary",
+            ReceiptKind::Duplicate => "duplicate",
+        }
+    }
+}
+
+/// One receipt to check against the broker (its topic is the key it is filed under).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScopedReceipt {
+    pub kind: ReceiptKind,
+    pub event_id: uuid::Uuid,
+    pub partition: i32,
+    pub offset: i64,
+    /// The frozen row's payload digest (`outbox.events_current`); a primary receipt without
+    /// an event row falls back to the digest it was accepted with; `None` for a duplicate
+    /// receipt without an event row.
+    pub payload_digest: Option<String>,
+}
+
+/// The receipts in one scope: the Kafka receipts of the audited cluster, by topic (each list
+/// sorted by partition, offset), and what is in scope but cannot be audited.
+#[derive(Debug, Clone, Default)]
+pub struct ReceiptsInScope {
+    pub by_topic: std::collections::BTreeMap<String, Vec<ScopedReceipt>>,
+    /// Receipts in `by_topic`.
+    pub kafka: u64,
+    /// Receipts of another broker kind (NATS) in scope (for a sample: in the ledger), which a
+    /// Kafka scan cannot audit.
+    pub nats: i64,
+    /// Kafka receipts in scope (or, for a sample, in the ledger) of another broker cluster.
+    pub other_cluster: i64,
+}
+
+/// Every receipt (primary and duplicate) as one relation: kind, event id, broker kind and
+/// cluster, position, when it was recorded, and the frozen payload digest.
+const RECEIPTS_UNION: &str = "
+    SELECT 'primary' AS kind, r.event_id, r.broker_kind, r.broker_cluster, r.topic, r.partition,
+           r.\"offset\", coalesce(ec.payload_digest, r.payload_digest) AS payload_digest
+    FROM outbox.receipts r
+    LEFT JOIN outbox.events_current ec ON ec.event_id = r.event_id
+    WHERE $1::float8 IS NULL OR r.accepted_at >= clock_timestamp() - make_interval(secs => $1)
+    UNION ALL
+    SELECT 'duplicate', d.event_id, d.broker_kind, d.broker_cluster, d.topic, d.partition,
+           d.\"offset\", ec.payload_digest
+    FROM outbox.duplicate_receipts d
+    LEFT JOIN outbox.events_current ec ON ec.event_id = d.event_id
+    WHERE $1::float8 IS NULL OR d.received_at >= clock_timestamp() - make_interval(secs => $1)";
+
+/// Rows fetched per round trip: the scope is read through a portal, never as one result set.
+const FETCH_ROWS: i32 = 10_000;
+
+/// The receipts in `scope` that a scan of Kafka cluster `cluster` can check (broker kind
+/// `kafka`, that cluster), by topic, and the counts of those it cannot. One query for the
+/// receipts (read in batches), one for the counts, in one read-only snapshot.
+pub async fn receipts_in_scope(
+    client: &mut Client,
+    scope: ReceiptScope,
+    cluster: &str,
+) -> Result<ReceiptsInScope, LedgerError> {
+    let mut out = ReceiptsInScope::default();
+    let (since, limit): (Option<f64>, Option<i64>) = match scope {
+        ReceiptScope::None => return Ok(out),
+        ReceiptScope::All => (None, None),
+        ReceiptScope::Sample(n) => (None, Some(n.max(0))),
+        ReceiptScope::Last(secs) => (Some(secs), None),
+    };
+    let tx = client
+        .build_transaction()
+        .read_only(true)
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .await
+        .ctx("starting the receipt audit's read-only transaction")?;
+    let select = format!(
+        "SELECT kind, event_id, topic, partition, \"offset\", payload_digest
+         FROM ({RECEIPTS_UNION}) s
+         WHERE broker_kind = 'kafka' AND broker_cluster = $2
+         {}",
+        if limit.is_some() {
+            "ORDER BY random() LIMIT $3"
+        } else {
+            ""
+        }
+    );
+    let portal = match limit {
+        Some(n) => tx.bind(select.as_str(), &[&since, &cluster, &n]).await,
+        None => tx.bind(select.as_str(), &[&since, &cluster]).await,
+    }
+    .ctx("selecting the receipts to audit")?;
+    loop {
+        let rows = tx
+            .query_portal(&portal, FETCH_ROWS)
+            .await
+            .ctx("reading the receipts to audit")?;
+        for r in &rows {
+            let kind: &str = r.get(0);
+            let topic: String = r.get(2);
+            out.by_topic.entry(topic).or_default().push(ScopedReceipt {
+                kind: if kind == "primary" {
+                    ReceiptKind::Primary
+                } else {
+                    ReceiptKind::Duplicate
+                },
+                event_id: r.get(1),
+                partition: r.get(3),
+                offset: r.get(4),
+                payload_digest: r.get(5),
+            });
+            out.kafka += 1;
+        }
+        if rows.len() < FETCH_ROWS as usize {
+            break;
+        }
+    }
+    for list in out.by_topic.values_mut() {
+        list.sort_by_key(|r| (r.partition, r.offset, r.kind.as_str(), r.event_id));
+    }
+    let counts = tx
+        .query_one(
+            &format!(
+                "SELECT count(*) FILTER (WHERE broker_kind <> 'kafka'),
+                        count(*) FILTER (WHERE broker_kind = 'kafka' AND broker_cluster <> $2)
+                 FROM ({RECEIPTS_UNION}) s"
+            ),
+            &[&since, &cluster],
+        )
+        .await
+        .ctx("counting the receipts the audit cannot check")?;
+    out.nats = counts.get(0);
+    out.other_cluster = counts.get(1);
+    tx.commit()
+        .await
+        .ctx("ending the receipt audit's transaction")?;
+    Ok(out)
 }

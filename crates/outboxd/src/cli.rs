@@ -464,7 +464,8 @@ pub enum ReconcileFormat {
 #[command(after_help = "Examples:\n  \
 outboxd reconcile --database-url postgres://... --bootstrap-servers kafka:9092\n  \
 outboxd reconcile --format prometheus > /var/lib/node_exporter/outboxd.prom.tmp; \
-mv /var/lib/node_exporter/outboxd.prom.tmp /var/lib/node_exporter/outboxd.prom")]
+mv /var/lib/node_exporter/outboxd.prom.tmp /var/lib/node_exporter/outboxd.prom\n  \
+outboxd reconcile --audit-receipts all    # audit every receipt, not only the last 24h")]
 pub struct ReconcileArgs {
     /// PostgreSQL URL of the database holding the outbox (and the inboxes of consumers that
     /// share it).
@@ -490,9 +491,20 @@ pub struct ReconcileArgs {
     /// repeatable.
     #[arg(long = "topic")]
     pub topics: Vec<String>,
-    /// Skip the broker scan (no bypass or broker-side conflict detection).
+    /// Skip the broker scan (no bypass or broker-side conflict detection, no receipt audit).
     #[arg(long)]
     pub no_broker: bool,
+    /// Which receipts to audit against the broker (each must point at a message carrying its
+    /// event id and the frozen payload): all, none, sample=N (N receipts at random),
+    /// last=DURATION (receipts recorded within DURATION, e.g. last=24h). Only Kafka receipts
+    /// of --cluster-name are audited. [default: last=24h]
+    #[arg(long, env = "OUTBOXD_RECONCILE_AUDIT_RECEIPTS", value_name = "SCOPE")]
+    pub audit_receipts: Option<String>,
+    /// The Kafka cluster identity --bootstrap-servers reaches (the relay's --cluster-name):
+    /// only receipts recorded for it are audited. [default: kafka.cluster_name in the config
+    /// file, else default]
+    #[arg(long, env = "OUTBOXD_CLUSTER_NAME")]
+    pub cluster_name: Option<String>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = ReconcileFormat::Table)]
     pub format: ReconcileFormat,

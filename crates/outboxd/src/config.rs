@@ -231,6 +231,9 @@ pub struct ReconcileFile {
     /// Extra topics to scan for bypass publishes (the outbox's own topics are always scanned).
     #[serde(default)]
     pub topics: Vec<String>,
+    /// Receipts audited against the broker: `all`, `none`, `sample=N`, `last=DURATION`.
+    /// Default `last=24h`.
+    pub audit_receipts: Option<String>,
 }
 
 /// `[retention]` section (`outboxd purge`).

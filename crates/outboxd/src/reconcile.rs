@@ -9,6 +9,15 @@
 //! | `unconsumed` | published, a mandatory consumer has not applied it after `--unconsumed-after`: routing or consumer fault |
 //! | `bypass` | a message on an outbox topic whose header `id` is missing or not an outbox event: someone publishes around the outbox |
 //! | `conflict` | one event id with two payloads or two destinations (broker copy vs frozen row, or ledger evidence) |
+//! | `receipt_missing` | a receipt (primary or duplicate) in the audit scope points at no message: invalid position (e.g. offset -1001, librdkafka's implicit ack), no such topic or partition, at/past the high watermark, or an offset inside [low, high) the scan did not return |
+//! | `receipt_mismatch` | the message at a receipt's position carries another `id` header (or none), or a payload whose digest differs from the frozen row's |
+//!
+//! The receipt audit (`--audit-receipts all|none|sample=N|last=DURATION`, default `last=24h`)
+//! proves that the ledger's receipts are messages on the broker. A receipt below its
+//! partition's low watermark (deleted by retention) is counted as expired, not a finding.
+//! Only Kafka receipts of the audited cluster (`--cluster-name`) are checked; the others in
+//! scope are counted. The receipts are read before the scan, so every receipt accepted by then
+//! is below the high watermark the scan reads up to.
 //!
 //! Not to be confused with `relay/reconcile.rs`, which resolves the relay's own UNKNOWN
 //! attempts at start-up. This command only reads; it changes nothing.
@@ -17,16 +26,18 @@
 //! the check itself failed. `--format prometheus` prints the text exposition format for
 //! node_exporter's textfile collector (all metric names start with `outboxd_reconcile_`).
 //!
-//! The broker scan reads every partition of every outbox topic from its low to its high
-//! watermark, keeping only (id, payload digest) per message: its cost grows with the topics'
-//! retention. `--no-broker` skips it.
+//! The broker scan reads every partition of every outbox topic (and of every audited receipt's
+//! topic) from its low to its high watermark, keeping only (id, payload digest) per message:
+//! its cost grows with the topics' retention. `--no-broker` skips it, and with it the audit.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use outbox_ledger::audit::{self, AgedPending, AgedUnknown, LedgerConflict};
+use outbox_ledger::audit::{
+    self, AgedPending, AgedUnknown, LedgerConflict, ReceiptKind, ReceiptScope, ReceiptsInScope,
+};
 use outbox_ledger::consumers::{self, ConsumerInfo, Unconsumed};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
@@ -73,6 +84,56 @@ pub struct BrokerScan {
     pub topics_missing: Vec<String>,
     pub messages: u64,
     pub seconds: f64,
+    /// Every partition of the scanned topics, with the watermarks the scan used.
+    pub partitions: Vec<PartitionWatermarks>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PartitionWatermarks {
+    pub topic: String,
+    pub partition: i32,
+    /// The log start after the scan (retention may have moved it during the scan).
+    pub low: i64,
+    /// The high watermark when the scan of the topic began: it read up to here.
+    pub high: i64,
+}
+
+/// A receipt that the broker does not back.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReceiptFinding {
+    /// `primary` (outbox.receipts) or `duplicate` (outbox.duplicate_receipts).
+    pub kind: ReceiptKind,
+    pub event_id: uuid::Uuid,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    /// What is at that position (or why nothing is).
+    pub detail: String,
+    /// Where the scan found messages carrying this event's id instead (`topic/partition@offset`,
+    /// at most 5): empty means no copy on the scanned topics, i.e. not proven published.
+    pub copies_elsewhere: Vec<String>,
+}
+
+/// The receipt audit's numbers.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReceiptAudit {
+    /// The scope asked for: `all`, `none`, `sample=N`, `last=DURATION`.
+    pub scope: String,
+    /// Whether receipts were compared with the broker at all (false for scope `none` and
+    /// with `--no-broker`).
+    pub performed: bool,
+    /// Why not, when not performed.
+    pub skipped: Option<String>,
+    /// The Kafka cluster identity audited.
+    pub cluster: String,
+    /// Receipts compared with the message at their position (expired ones excluded).
+    pub audited: u64,
+    /// Receipts below their partition's low watermark: deleted by retention, not checkable.
+    pub expired: u64,
+    /// NATS receipts in scope (for `sample=N`: in the ledger): a Kafka scan cannot audit them.
+    pub not_auditable_nats: i64,
+    /// Kafka receipts in scope (for `sample=N`: in the ledger) of another cluster.
+    pub other_cluster: i64,
 }
 
 /// Everything one run found.
@@ -86,6 +147,9 @@ pub struct Report {
     pub unconsumed: Listed<Unconsumed>,
     pub bypass: Listed<BrokerFinding>,
     pub conflicts: Conflicts,
+    pub receipt_missing: Listed<ReceiptFinding>,
+    pub receipt_mismatch: Listed<ReceiptFinding>,
+    pub receipts: ReceiptAudit,
     pub broker: BrokerScan,
     pub consumers: Vec<ConsumerInfo>,
 }
@@ -97,6 +161,8 @@ impl Report {
             + self.unconsumed.total
             + self.bypass.total
             + self.conflicts.total
+            + self.receipt_missing.total
+            + self.receipt_mismatch.total
     }
 }
 
@@ -108,6 +174,45 @@ struct Settings {
     unconsumed_after: Duration,
     topics: Vec<String>,
     properties: Vec<(String, String)>,
+    audit: ReceiptScope,
+    cluster: String,
+}
+
+/// Parses a receipt audit scope: `all`, `none`, `sample=N`, `last=DURATION`.
+pub fn parse_audit_scope(s: &str) -> Result<ReceiptScope, String> {
+    const FORMS: &str = "use all, none, sample=N (N receipts at random, N >= 1) or last=DURATION (receipts recorded within DURATION, e.g. last=24h)";
+    let t = s.trim();
+    match t {
+        "all" => return Ok(ReceiptScope::All),
+        "none" => return Ok(ReceiptScope::None),
+        _ => {}
+    }
+    if let Some(n) = t.strip_prefix("sample=") {
+        return match n.trim().parse::<i64>() {
+            Ok(n) if n >= 1 => Ok(ReceiptScope::Sample(n)),
+            _ => Err(format!(
+                "{s:?}: sample=N needs a whole number N >= 1; {FORMS}"
+            )),
+        };
+    }
+    if let Some(d) = t.strip_prefix("last=") {
+        return parse_duration(d)
+            .map(|d| ReceiptScope::Last(d.as_secs_f64()))
+            .map_err(|e| format!("{s:?}: {e}; {FORMS}"));
+    }
+    Err(format!("{s:?} is not a receipt audit scope; {FORMS}"))
+}
+
+/// The scope as the flag spells it.
+pub fn show_audit_scope(scope: ReceiptScope) -> String {
+    match scope {
+        ReceiptScope::All => "all".into(),
+        ReceiptScope::None => "none".into(),
+        ReceiptScope::Sample(n) => format!("sample={n}"),
+        ReceiptScope::Last(secs) => {
+            format!("last={}", show_duration(Duration::from_secs_f64(secs)))
+        }
+    }
 }
 
 fn resolve(a: &ReconcileArgs) -> anyhow::Result<Settings> {
@@ -128,6 +233,14 @@ fn resolve(a: &ReconcileArgs) -> anyhow::Result<Settings> {
     topics.extend(a.topics.iter().cloned());
     let mut properties: Vec<(String, String)> = file.kafka.properties.clone().into_iter().collect();
     properties.extend(a.kafka_properties.iter().cloned());
+    let audit = match (&a.audit_receipts, &file.reconcile.audit_receipts) {
+        (Some(v), _) => {
+            parse_audit_scope(v).map_err(|e| anyhow::anyhow!("--audit-receipts: {e}"))?
+        }
+        (None, Some(v)) => parse_audit_scope(v)
+            .map_err(|e| anyhow::anyhow!("config file reconcile.audit_receipts: {e}"))?,
+        (None, None) => ReceiptScope::Last(86_400.0),
+    };
     let s = Settings {
         url: a
             .database_url
@@ -148,6 +261,12 @@ fn resolve(a: &ReconcileArgs) -> anyhow::Result<Settings> {
         )?,
         topics,
         properties,
+        audit,
+        cluster: a
+            .cluster_name
+            .clone()
+            .or(file.kafka.cluster_name.clone())
+            .unwrap_or_else(|| "default".into()),
     };
     if s.bootstrap.is_none() && !a.no_broker {
         anyhow::bail!("Kafka bootstrap servers are missing: pass --bootstrap-servers, set OUTBOXD_BOOTSTRAP_SERVERS, or kafka.bootstrap_servers in the config file (or --no-broker to skip the bypass scan)");
@@ -162,8 +281,8 @@ pub async fn run(a: ReconcileArgs) -> anyhow::Result<()> {
     } else {
         a.format
     };
-    let client = crate::connect(&s.url).await?;
-    let report = reconcile(&client, &s, a.limit, a.no_broker).await?;
+    let mut client = crate::connect(&s.url).await?;
+    let report = reconcile(&mut client, &s, a.limit, a.no_broker).await?;
     let out = match format {
         ReconcileFormat::Table => table(&report),
         ReconcileFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
@@ -180,7 +299,7 @@ pub async fn run(a: ReconcileArgs) -> anyhow::Result<()> {
 }
 
 async fn reconcile(
-    client: &tokio_postgres::Client,
+    client: &mut tokio_postgres::Client,
     s: &Settings,
     limit: i64,
     no_broker: bool,
@@ -194,6 +313,18 @@ async fn reconcile(
     let ledger_conflicts = audit::ledger_conflicts(client).await?;
     let consumer_list = consumers::list(client).await?;
 
+    let mut receipts = ReceiptAudit {
+        scope: show_audit_scope(s.audit),
+        performed: false,
+        skipped: None,
+        cluster: s.cluster.clone(),
+        audited: 0,
+        expired: 0,
+        not_auditable_nats: 0,
+        other_cluster: 0,
+    };
+    let mut missing_receipts = Vec::new();
+    let mut mismatched_receipts = Vec::new();
     let mut bypass = Vec::new();
     let mut broker_conflicts = Vec::new();
     let mut scan = BrokerScan {
@@ -202,10 +333,23 @@ async fn reconcile(
         topics_missing: Vec::new(),
         messages: 0,
         seconds: 0.0,
+        partitions: Vec::new(),
     };
+    if no_broker {
+        receipts.skipped = Some("--no-broker: the broker was not read".into());
+    } else if s.audit == ReceiptScope::None {
+        receipts.skipped = Some("--audit-receipts none".into());
+    }
     if !no_broker {
+        // The receipts first: each one accepted before this read is below the high watermark
+        // that the scan (which starts after it) reads up to.
+        let in_scope = if s.audit == ReceiptScope::None {
+            ReceiptsInScope::default()
+        } else {
+            audit::receipts_in_scope(client, s.audit, &s.cluster).await?
+        };
         let mut topics = audit::outbox_topics(client).await?;
-        for t in &s.topics {
+        for t in s.topics.iter().chain(in_scope.by_topic.keys()) {
             if !topics.contains(t) {
                 topics.push(t.clone());
             }
@@ -214,18 +358,43 @@ async fn reconcile(
         let properties = s.properties.clone();
         let scan_topics = topics.clone();
         let started = Instant::now();
-        let (messages, missing) = tokio::task::spawn_blocking(move || {
+        let mut result = tokio::task::spawn_blocking(move || {
             scan_topics_blocking(&bootstrap, &properties, &scan_topics)
         })
         .await
         .context("the broker scan task panicked")??;
+        result.sort();
+        if s.audit != ReceiptScope::None {
+            let outcome = audit_receipts(&in_scope, &result);
+            receipts.performed = true;
+            receipts.audited = outcome.audited;
+            receipts.expired = outcome.expired;
+            receipts.not_auditable_nats = in_scope.nats;
+            receipts.other_cluster = in_scope.other_cluster;
+            missing_receipts = outcome.missing;
+            mismatched_receipts = outcome.mismatch;
+        }
+        drop(in_scope);
         scan = BrokerScan {
             scanned: true,
             topics,
-            topics_missing: missing,
-            messages: messages.len() as u64,
+            topics_missing: result.missing.clone(),
+            messages: result.messages.len() as u64,
             seconds: started.elapsed().as_secs_f64(),
+            partitions: result
+                .watermarks
+                .iter()
+                .flat_map(|(t, ps)| {
+                    ps.iter().map(|(p, (low, high))| PartitionWatermarks {
+                        topic: t.clone(),
+                        partition: *p,
+                        low: *low,
+                        high: *high,
+                    })
+                })
+                .collect(),
         };
+        let messages = result.messages;
         let ids: Vec<uuid::Uuid> = messages
             .iter()
             .filter_map(|m| m.id.as_deref().and_then(|i| i.parse().ok()))
@@ -269,6 +438,11 @@ async fn reconcile(
     bypass.truncate(limit.max(0) as usize);
     let conflicts_total = (ledger_conflicts.len() + broker_conflicts.len()) as i64;
     broker_conflicts.truncate(limit.max(0) as usize);
+    let listed = |mut items: Vec<ReceiptFinding>| {
+        let total = items.len() as i64;
+        items.truncate(limit.max(0) as usize);
+        Listed { total, items }
+    };
     Ok(Report {
         pending_after: show_duration(s.pending_after),
         unknown_after: show_duration(s.unknown_after),
@@ -294,11 +468,15 @@ async fn reconcile(
             ledger: ledger_conflicts,
             broker: broker_conflicts,
         },
+        receipt_missing: listed(missing_receipts),
+        receipt_mismatch: listed(mismatched_receipts),
+        receipts,
         broker: scan,
         consumers: consumer_list,
     })
 }
 
+#[derive(Debug, Clone)]
 struct ScannedMessage {
     topic: String,
     partition: i32,
@@ -307,12 +485,179 @@ struct ScannedMessage {
     digest: String,
 }
 
-/// Reads every partition of `topics` from low to high watermark (as of the start).
+/// What the broker scan saw.
+#[derive(Debug, Default)]
+struct ScanResult {
+    /// Every message read; after [`ScanResult::sort`], ordered by (topic, partition, offset).
+    messages: Vec<ScannedMessage>,
+    /// Topics the broker does not have.
+    missing: Vec<String>,
+    /// Every partition of every topic found: (low watermark after the scan, high watermark
+    /// the scan read up to).
+    watermarks: BTreeMap<String, BTreeMap<i32, (i64, i64)>>,
+}
+
+impl ScanResult {
+    fn sort(&mut self) {
+        self.messages.sort_unstable_by(|a, b| {
+            (a.topic.as_str(), a.partition, a.offset).cmp(&(
+                b.topic.as_str(),
+                b.partition,
+                b.offset,
+            ))
+        });
+    }
+
+    /// The message at a position (requires [`ScanResult::sort`]).
+    fn at(&self, topic: &str, partition: i32, offset: i64) -> Option<&ScannedMessage> {
+        self.messages
+            .binary_search_by(|m| {
+                (m.topic.as_str(), m.partition, m.offset).cmp(&(topic, partition, offset))
+            })
+            .ok()
+            .map(|i| &self.messages[i])
+    }
+}
+
+/// What the receipt audit found.
+#[derive(Debug, Default)]
+struct AuditOutcome {
+    audited: u64,
+    expired: u64,
+    missing: Vec<ReceiptFinding>,
+    mismatch: Vec<ReceiptFinding>,
+}
+
+/// librdkafka's RD_KAFKA_OFFSET_INVALID: a delivery report that carried no offset.
+const OFFSET_INVALID: i64 = -1001;
+
+/// Compares every receipt in scope with the message at its position (`scan` must be sorted).
+fn audit_receipts(receipts: &ReceiptsInScope, scan: &ScanResult) -> AuditOutcome {
+    let mut out = AuditOutcome::default();
+    for (topic, list) in &receipts.by_topic {
+        let partitions = scan.watermarks.get(topic);
+        for r in list {
+            let finding = |detail: String| ReceiptFinding {
+                kind: r.kind,
+                event_id: r.event_id,
+                topic: topic.clone(),
+                partition: r.partition,
+                offset: r.offset,
+                detail,
+                copies_elsewhere: Vec::new(),
+            };
+            if r.partition < 0 || r.offset < 0 {
+                out.audited += 1;
+                out.missing.push(finding(if r.offset == OFFSET_INVALID {
+                    "offset -1001 is no position: the delivery report carried no offset (librdkafka's implicit ack); the broker may never have stored it".into()
+                } else {
+                    format!(
+                        "partition {} offset {} is no position on the broker",
+                        r.partition, r.offset
+                    )
+                }));
+                continue;
+            }
+            let Some(partitions) = partitions else {
+                out.audited += 1;
+                out.missing.push(finding(format!(
+                    "topic {topic} does not exist on the broker"
+                )));
+                continue;
+            };
+            let Some(&(low, high)) = partitions.get(&r.partition) else {
+                out.audited += 1;
+                out.missing.push(finding(format!(
+                    "topic {topic} has no partition {} (it has {})",
+                    r.partition,
+                    partitions.len()
+                )));
+                continue;
+            };
+            if r.offset < low {
+                out.expired += 1;
+                continue;
+            }
+            out.audited += 1;
+            if r.offset >= high {
+                out.missing.push(finding(format!(
+                    "offset {} is at or past the partition's high watermark {high}: no message there",
+                    r.offset
+                )));
+                continue;
+            }
+            let Some(m) = scan.at(topic, r.partition, r.offset) else {
+                out.missing.push(finding(format!(
+                    "no message at this offset, though the scan read [{low}, {high}): never stored, removed by compaction, or part of an aborted transaction"
+                )));
+                continue;
+            };
+            let mut wrong = Vec::new();
+            let own_id =
+                m.id.as_deref()
+                    .and_then(|i| i.parse::<uuid::Uuid>().ok())
+                    .is_some_and(|i| i == r.event_id);
+            if !own_id {
+                wrong.push(match &m.id {
+                    Some(i) => format!("the message there has id {i}"),
+                    None => "the message there has no `id` header".to_string(),
+                });
+            }
+            match &r.payload_digest {
+                Some(d) if *d != m.digest => wrong.push(format!(
+                    "its payload digest is {}, the frozen row's {d}",
+                    m.digest
+                )),
+                _ => {}
+            }
+            if !wrong.is_empty() {
+                out.mismatch.push(finding(wrong.join("; ")));
+            }
+        }
+    }
+    note_copies(&mut out.missing, scan);
+    note_copies(&mut out.mismatch, scan);
+    out
+}
+
+/// Fills in where else the scan saw each finding's event id (one pass over the messages).
+fn note_copies(findings: &mut [ReceiptFinding], scan: &ScanResult) {
+    const MAX: usize = 5;
+    if findings.is_empty() {
+        return;
+    }
+    let wanted: HashSet<uuid::Uuid> = findings.iter().map(|f| f.event_id).collect();
+    let mut copies: HashMap<uuid::Uuid, Vec<(&str, i32, i64)>> = HashMap::new();
+    for m in &scan.messages {
+        let Some(id) = m.id.as_deref().and_then(|i| i.parse::<uuid::Uuid>().ok()) else {
+            continue;
+        };
+        if wanted.contains(&id) {
+            copies
+                .entry(id)
+                .or_default()
+                .push((m.topic.as_str(), m.partition, m.offset));
+        }
+    }
+    for f in findings {
+        f.copies_elsewhere = copies
+            .get(&f.event_id)
+            .into_iter()
+            .flatten()
+            .filter(|(t, p, o)| (*t, *p, *o) != (f.topic.as_str(), f.partition, f.offset))
+            .take(MAX)
+            .map(|(t, p, o)| format!("{t}/{p}@{o}"))
+            .collect();
+    }
+}
+
+/// Reads every partition of `topics` from low to high watermark (as of the start of each
+/// topic's read), and records every partition's watermarks.
 fn scan_topics_blocking(
     bootstrap: &str,
     properties: &[(String, String)],
     topics: &[String],
-) -> anyhow::Result<(Vec<ScannedMessage>, Vec<String>)> {
+) -> anyhow::Result<ScanResult> {
     const TIMEOUT: Duration = Duration::from_secs(30);
     let mut cc = ClientConfig::new();
     for (k, v) in properties {
@@ -329,10 +674,12 @@ fn scan_topics_blocking(
         )
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
+        // Retention moving the log start during the scan: go on from the new start rather
+        // than jump to the end (which would stall the scan).
+        .set("auto.offset.reset", "earliest")
         .create()
         .with_context(|| format!("creating a Kafka consumer for {bootstrap}"))?;
-    let mut out = Vec::new();
-    let mut missing = Vec::new();
+    let mut out = ScanResult::default();
     for topic in topics {
         let md = consumer
             .fetch_metadata(Some(topic), TIMEOUT)
@@ -344,62 +691,75 @@ fn scan_topics_blocking(
             .flat_map(|t| t.partitions().iter().map(|p| p.id()))
             .collect();
         if partitions.is_empty() {
-            missing.push(topic.clone());
+            out.missing.push(topic.clone());
             continue;
         }
         let mut tpl = TopicPartitionList::new();
         let mut high = HashMap::new();
+        let mut marks = BTreeMap::new();
         for p in &partitions {
             let (low, h) = consumer
                 .fetch_watermarks(topic, *p, TIMEOUT)
                 .with_context(|| format!("reading watermarks of {topic}/{p}"))?;
+            marks.insert(*p, (low, h));
             if h > low {
                 high.insert(*p, (low, h));
                 tpl.add_partition_offset(topic, *p, Offset::Offset(low))?;
             }
         }
-        if high.is_empty() {
-            continue;
-        }
-        consumer
-            .assign(&tpl)
-            .with_context(|| format!("assigning {topic}"))?;
-        let mut next: HashMap<i32, i64> = high.iter().map(|(p, (low, _))| (*p, *low)).collect();
-        let mut last_progress = Instant::now();
-        while high.iter().any(|(p, (_, h))| next[p] < *h) {
-            if last_progress.elapsed() > TIMEOUT {
-                anyhow::bail!(
-                    "reading topic {topic} stalled for {}s (positions {next:?}, high watermarks {high:?}); is the broker healthy?",
-                    TIMEOUT.as_secs()
-                );
+        if !high.is_empty() {
+            consumer
+                .assign(&tpl)
+                .with_context(|| format!("assigning {topic}"))?;
+            let mut next: HashMap<i32, i64> = high.iter().map(|(p, (low, _))| (*p, *low)).collect();
+            let mut last_progress = Instant::now();
+            while high.iter().any(|(p, (_, h))| next[p] < *h) {
+                if last_progress.elapsed() > TIMEOUT {
+                    anyhow::bail!(
+                        "reading topic {topic} stalled for {}s (positions {next:?}, high watermarks {high:?}); is the broker healthy?",
+                        TIMEOUT.as_secs()
+                    );
+                }
+                let Some(r) = consumer.poll(Duration::from_millis(100)) else {
+                    continue;
+                };
+                let m = r.with_context(|| format!("reading topic {topic}"))?;
+                last_progress = Instant::now();
+                next.insert(m.partition(), m.offset() + 1);
+                if m.offset() >= high.get(&m.partition()).map_or(0, |(_, h)| *h) {
+                    // Published after the scan began: outside what it reports on.
+                    continue;
+                }
+                let id = m.headers().and_then(|h| {
+                    h.iter().find(|hd| hd.key == "id").map(|hd| {
+                        String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned()
+                    })
+                });
+                out.messages.push(ScannedMessage {
+                    topic: topic.clone(),
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    id,
+                    digest: outbox_core::envelope::sha256_digest(m.payload().unwrap_or_default()),
+                });
             }
-            let Some(r) = consumer.poll(Duration::from_millis(100)) else {
-                continue;
-            };
-            let m = r.with_context(|| format!("reading topic {topic}"))?;
-            last_progress = Instant::now();
-            next.insert(m.partition(), m.offset() + 1);
-            let id = m.headers().and_then(|h| {
-                h.iter()
-                    .find(|hd| hd.key == "id")
-                    .map(|hd| String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned())
-            });
-            out.push(ScannedMessage {
-                topic: topic.clone(),
-                partition: m.partition(),
-                offset: m.offset(),
-                id,
-                digest: outbox_core::envelope::sha256_digest(m.payload().unwrap_or_default()),
-            });
+            consumer.unassign().ok();
+            // The log start may have moved while the topic was read: an offset below the new
+            // one was deleted by retention, not lost.
+            for (p, (low, _)) in marks.iter_mut() {
+                if let Ok((l, _)) = consumer.fetch_watermarks(topic, *p, TIMEOUT) {
+                    *low = (*low).max(l);
+                }
+            }
         }
-        consumer.unassign().ok();
+        out.watermarks.insert(topic.clone(), marks);
     }
-    Ok((out, missing))
+    Ok(out)
 }
 
 fn table(r: &Report) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "{:<14} {:>7}  MEANING (threshold)", "FINDING", "COUNT");
+    let _ = writeln!(s, "{:<16} {:>7}  MEANING (threshold)", "FINDING", "COUNT");
     let rows = [
         (
             "aged_pending",
@@ -432,9 +792,19 @@ fn table(r: &Report) -> String {
             r.conflicts.total,
             "one event id, two payloads or destinations".to_string(),
         ),
+        (
+            "receipt_missing",
+            r.receipt_missing.total,
+            "a receipt points at no message on the broker: not proven published".to_string(),
+        ),
+        (
+            "receipt_mismatch",
+            r.receipt_mismatch.total,
+            "the message at a receipt's position is another event or payload".to_string(),
+        ),
     ];
     for (k, n, m) in rows {
-        let _ = writeln!(s, "{k:<14} {n:>7}  {m}");
+        let _ = writeln!(s, "{k:<16} {n:>7}  {m}");
     }
     let _ = writeln!(s);
     for p in &r.aged_pending.items {
@@ -496,6 +866,50 @@ fn table(r: &Report) -> String {
             c.detail
         );
     }
+    for (k, list) in [
+        ("receipt_missing", &r.receipt_missing),
+        ("receipt_mismatch", &r.receipt_mismatch),
+    ] {
+        for f in &list.items {
+            let _ = writeln!(
+                s,
+                "{k:<16} {} {}  {}/{}@{}: {}; {}",
+                f.kind.as_str(),
+                f.event_id,
+                f.topic,
+                f.partition,
+                f.offset,
+                f.detail,
+                if f.copies_elsewhere.is_empty() {
+                    "no copy of the event on the scanned topics".to_string()
+                } else {
+                    format!("the event is at {}", f.copies_elsewhere.join(", "))
+                }
+            );
+        }
+    }
+    let a = &r.receipts;
+    match &a.skipped {
+        Some(why) => {
+            let _ = writeln!(s, "receipts: not audited ({why})");
+        }
+        None => {
+            let _ = writeln!(
+                s,
+                "receipts: {} audited (scope {}, cluster {}), {} expired, {} not auditable (nats){}",
+                a.audited,
+                a.scope,
+                a.cluster,
+                a.expired,
+                a.not_auditable_nats,
+                if a.other_cluster > 0 {
+                    format!(", {} of other Kafka clusters not audited", a.other_cluster)
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
     if r.broker.scanned {
         let _ = writeln!(
             s,
@@ -555,6 +969,8 @@ fn prometheus(r: &Report) -> String {
         ("unconsumed", r.unconsumed.total),
         ("bypass", r.bypass.total),
         ("conflict", r.conflicts.total),
+        ("receipt_missing", r.receipt_missing.total),
+        ("receipt_mismatch", r.receipt_mismatch.total),
     ] {
         let _ = writeln!(s, "outboxd_reconcile_findings{{kind=\"{k}\"}} {n}");
     }
@@ -585,6 +1001,26 @@ fn prometheus(r: &Report) -> String {
         s,
         "outboxd_reconcile_broker_messages_scanned {}",
         r.broker.messages
+    );
+    let _ = writeln!(
+        s,
+        "# HELP outboxd_reconcile_receipts_audited Receipts compared with the message at their broker position (0 when the audit is off)."
+    );
+    let _ = writeln!(s, "# TYPE outboxd_reconcile_receipts_audited gauge");
+    let _ = writeln!(
+        s,
+        "outboxd_reconcile_receipts_audited {}",
+        r.receipts.audited
+    );
+    let _ = writeln!(
+        s,
+        "# HELP outboxd_reconcile_receipts_expired Receipts in the audit scope below their partition's low watermark (deleted by retention)."
+    );
+    let _ = writeln!(s, "# TYPE outboxd_reconcile_receipts_expired gauge");
+    let _ = writeln!(
+        s,
+        "outboxd_reconcile_receipts_expired {}",
+        r.receipts.expired
     );
     let _ = writeln!(
         s,
@@ -621,4 +1057,121 @@ fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_ledger::audit::ScopedReceipt;
+
+    #[test]
+    fn audit_scopes_parse_and_errors_name_the_forms() {
+        assert_eq!(parse_audit_scope("all"), Ok(ReceiptScope::All));
+        assert_eq!(parse_audit_scope("none"), Ok(ReceiptScope::None));
+        assert_eq!(parse_audit_scope("sample=25"), Ok(ReceiptScope::Sample(25)));
+        assert_eq!(
+            parse_audit_scope("last=24h"),
+            Ok(ReceiptScope::Last(86_400.0))
+        );
+        for bad in ["", "some", "sample=0", "sample=x", "last=", "last=3 weeks"] {
+            let e = parse_audit_scope(bad).unwrap_err();
+            assert!(e.contains("sample=N") && e.contains("last=DURATION"), "{e}");
+        }
+        for s in ["all", "none", "sample=3", "last=26h", "last=90m"] {
+            assert_eq!(show_audit_scope(parse_audit_scope(s).unwrap()), s);
+        }
+    }
+
+    fn message(partition: i32, offset: i64, id: Option<&str>, digest: &str) -> ScannedMessage {
+        ScannedMessage {
+            topic: "t".into(),
+            partition,
+            offset,
+            id: id.map(String::from),
+            digest: digest.into(),
+        }
+    }
+
+    #[test]
+    fn each_receipt_is_found_expired_missing_or_mismatched() {
+        let a = uuid::Uuid::now_v7();
+        let b = uuid::Uuid::now_v7();
+        let mut scan = ScanResult {
+            // Partition 0 holds [10, 14) with offset 12 not returned; partition 1 is empty.
+            messages: vec![
+                message(0, 13, Some(&b.to_string()), "db"),
+                message(0, 10, Some(&a.to_string()), "da"),
+                message(0, 11, None, "dx"),
+            ],
+            missing: vec!["gone".into()],
+            watermarks: [(
+                "t".to_string(),
+                [(0, (10, 14)), (1, (5, 5))].into_iter().collect(),
+            )]
+            .into_iter()
+            .collect(),
+        };
+        scan.sort();
+        let r = |partition, offset, digest: &str| ScopedReceipt {
+            kind: ReceiptKind::Primary,
+            event_id: a,
+            partition,
+            offset,
+            payload_digest: Some(digest.into()),
+        };
+        let mut receipts = ReceiptsInScope::default();
+        receipts.by_topic.insert(
+            "t".into(),
+            vec![
+                r(0, 10, "da"),             // found, matches
+                r(0, 10, "other"),          // payload differs
+                r(0, 13, "da"),             // b's message
+                r(0, 11, "dx"),             // no id header
+                r(0, 9, "da"),              // expired
+                r(0, 12, "da"),             // gap
+                r(0, 14, "da"),             // at the high watermark
+                r(1, 5, "da"),              // empty partition
+                r(2, 0, "da"),              // no such partition
+                r(0, OFFSET_INVALID, "da"), // implicit ack
+            ],
+        );
+        receipts.by_topic.insert("gone".into(), vec![r(0, 0, "da")]);
+        let o = audit_receipts(&receipts, &scan);
+        assert_eq!(o.expired, 1);
+        assert_eq!(o.audited, 10);
+        let details = |v: &[ReceiptFinding]| -> Vec<(i32, i64, String)> {
+            v.iter()
+                .map(|f| (f.partition, f.offset, f.detail.clone()))
+                .collect()
+        };
+        let mismatch = details(&o.mismatch);
+        assert_eq!(mismatch.len(), 3, "{mismatch:?}");
+        assert!(
+            mismatch[0].2.contains("payload digest is da"),
+            "{mismatch:?}"
+        );
+        assert!(
+            mismatch[1].2.contains(&format!("has id {b}")),
+            "{mismatch:?}"
+        );
+        assert!(mismatch[2].2.contains("no `id` header"), "{mismatch:?}");
+        // Where else a's id is: not at its own position, at 0@10 for the others.
+        assert!(o.mismatch[0].copies_elsewhere.is_empty());
+        assert_eq!(o.mismatch[1].copies_elsewhere, vec!["t/0@10".to_string()]);
+        let missing = details(&o.missing);
+        assert_eq!(missing.len(), 6, "{missing:?}");
+        // Topics in name order: "gone" first.
+        assert!(
+            missing[0].2.contains("topic gone does not exist"),
+            "{missing:?}"
+        );
+        assert!(
+            missing[1].2.contains("though the scan read [10, 14)"),
+            "{missing:?}"
+        );
+        assert!(missing[2].2.contains("high watermark 14"), "{missing:?}");
+        assert!(missing[3].2.contains("high watermark 5"), "{missing:?}");
+        assert!(missing[4].2.contains("no partition 2"), "{missing:?}");
+        assert!(missing[5].2.contains("implicit ack"), "{missing:?}");
+    }
 }
