@@ -273,7 +273,15 @@ async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_
         )
         .await
         .unwrap();
-    let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
+    let relay = env.relay(
+        &[],
+        &[
+            "--unknown-settle-ms",
+            "300",
+            "--kafka-property",
+            "debug=msg,protocol",
+        ],
+    );
     env.wait_streaming().await;
     env.enqueue("warm", json!({"warm": true})).await;
     env.wait_count(
@@ -283,6 +291,12 @@ async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_
     )
     .await;
 
+    // The test cluster runs with synchronous_commit=off: the walsender would then see A and B
+    // only at the WAL writer's next flush, together, and the relay would send them in one batch.
+    env.db
+        .execute("SET synchronous_commit = on", &[])
+        .await
+        .unwrap();
     mock.broker_round_trip_time(1, Duration::from_millis(200))
         .unwrap();
     mock.request_errors(
@@ -308,11 +322,10 @@ async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_
             .filter(|m| m.id() == id.to_string())
             .count()
     };
-    assert_eq!(
-        (copies(a), copies(b)),
-        (1, 1),
-        "one copy each on the broker"
-    );
+    assert_eq!(copies(a), 1, "A: the retry is the one copy on the broker");
+    // B's report came while A's failure ended the run: B may be replayed (a duplicate copy,
+    // kept as a duplicate transport receipt), never lost.
+    assert!(copies(b) >= 1, "B is on the broker");
     // The relay settles everything it sent before its next restart.
     env.wait_count(
         "A's attempt resolved",
