@@ -207,7 +207,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
 
     let mut env = TestEnv::new("chaos").await;
     // Three brokers, so a leader can move and a broker can go down.
-    env.kafka = TestKafka::for_test(BROKERS).expect("kafka");
+    env.kafka = TestKafka::mock(BROKERS).expect("mock cluster");
     let partitions = partitions_for(events);
     env.kafka
         .create_topic(&env.topic, partitions)
@@ -456,7 +456,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
             );
         }
     }
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     let ids: HashSet<&str> = committed.values().map(String::as_str).collect();
     let on_broker: HashSet<&str> = msgs.iter().map(|m| m.id()).collect();
     let lost = ids.difference(&on_broker).count() as i64

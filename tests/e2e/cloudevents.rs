@@ -28,7 +28,7 @@ async fn cloudevents_headers_and_traceparent_reach_the_topic() {
     env.wait_count("the receipt", "SELECT count(*) FROM outbox.receipts", 1)
         .await;
 
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     assert_eq!(msgs.len(), 1, "{msgs:?}");
     let m = &msgs[0];
     let h = |k: &str| m.headers.get(k).map(String::as_str);

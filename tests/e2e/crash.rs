@@ -19,13 +19,13 @@ async fn killed_after_broker_ack_before_acceptance_gets_one_primary_receipt() {
     assert!(relay.log_text().contains("failpoint after-broker-ack"));
     assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 0);
     assert_eq!(
-        env.read_topic().len(),
+        env.read_topic().await.len(),
         1,
         "the broker has the message, the ledger does not"
     );
 
     let _relay = env.restart_until_receipts(1).await;
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     assert!(
         msgs.len() >= 2,
         "replayed after restart: {} copies",
@@ -64,6 +64,7 @@ async fn killed_after_acceptance_before_confirming_resumes_from_the_ledger_check
         .await;
     let copies = env
         .read_topic()
+        .await
         .iter()
         .filter(|m| m.id() == id.to_string())
         .count() as i64;
@@ -94,13 +95,13 @@ async fn killed_before_sending_publishes_after_restart() {
     let id = env.enqueue("s-1", json!({"v": 1})).await;
     relay.wait_exit(Duration::from_secs(60)).await;
     assert_eq!(
-        env.read_topic().len(),
+        env.read_topic().await.len(),
         0,
         "nothing was sent before the crash"
     );
 
     let _relay = env.restart_until_receipts(1).await;
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     assert_eq!(msgs.len(), 1);
     assert_eq!(msgs[0].id(), id.to_string());
 }

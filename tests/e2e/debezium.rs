@@ -140,7 +140,7 @@ async fn debezium_style_table_lands_on_outbox_event_topic_with_id_header() {
         3,
     )
     .await;
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     assert_eq!(env.topic, format!("outbox.event.{agg}"));
     assert_eq!(msgs.len(), 3, "{msgs:?}");
     for (i, id) in ids.iter().enumerate() {

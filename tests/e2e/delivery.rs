@@ -36,7 +36,7 @@ async fn rollback_publishes_nothing_and_commit_is_published_with_id_header_and_k
     )
     .await;
 
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     assert_eq!(msgs.len(), 1, "exactly one message on the topic: {msgs:?}");
     let m = &msgs[0];
     assert_eq!(m.id(), committed.to_string());
@@ -123,7 +123,7 @@ async fn events_enqueued_before_the_relay_ever_started_are_all_published() {
     )
     .await;
 
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     let seen: HashSet<String> = msgs.iter().map(|m| m.id().to_string()).collect();
     let lost = ids.difference(&seen).count();
     assert_eq!(lost, 0, "lost events");
@@ -194,7 +194,7 @@ async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() 
         "{reason}"
     );
 
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     let ids: HashSet<&str> = msgs.iter().map(|m| m.id()).collect();
     assert!(ids.contains(good1.to_string().as_str()) && ids.contains(good2.to_string().as_str()));
     assert_eq!(

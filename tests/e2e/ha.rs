@@ -85,6 +85,7 @@ async fn a_standby_takes_over_when_the_active_relay_is_killed() {
     );
     let on_broker: HashSet<String> = env
         .read_topic()
+        .await
         .iter()
         .map(|m| m.id().to_string())
         .collect();
@@ -101,11 +102,8 @@ async fn a_standby_takes_over_when_the_active_relay_is_killed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded() {
-    let env = TestEnv::new("zombie").await;
-    let Some(mock) = env.kafka.mock_cluster() else {
-        println!("skipped: needs the mock cluster for ACK delays");
-        return;
-    };
+    let env = TestEnv::new_mock("zombie", "delay ACKs by an exact round-trip time").await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
     let slow = ["--message-timeout-ms", "60000"];
     let a = env.relay(&[], &[&["--relay-id", "relay-a"][..], &slow[..]].concat());
     env.wait_streaming().await;
@@ -194,6 +192,7 @@ async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are
     let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
     let broker: std::collections::HashSet<String> = env
         .read_topic()
+        .await
         .iter()
         .map(|m| m.id().to_string())
         .collect();

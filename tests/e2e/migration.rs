@@ -106,7 +106,7 @@ async fn an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unkn
         .iter()
         .all(|m| m.headers["envelope_generation"] == "2"));
     assert_eq!(
-        env.read_topic().len(),
+        env.read_topic().await.len(),
         0,
         "nothing ever reached the old destination"
     );

@@ -10,7 +10,7 @@ use serde_json::json;
 use crate::harness::{connect, TestEnv, TopicMessage};
 
 /// For each message key, the aggregate versions in broker (offset) order, first occurrences only.
-fn first_occurrences(msgs: &[TopicMessage]) -> HashMap<String, Vec<i64>> {
+pub(crate) fn first_occurrences(msgs: &[TopicMessage]) -> HashMap<String, Vec<i64>> {
     let mut by_partition: BTreeMap<i32, Vec<&TopicMessage>> = BTreeMap::new();
     for m in msgs {
         by_partition.entry(m.partition).or_default().push(m);
@@ -63,14 +63,18 @@ async fn eight_writers_on_one_aggregate_get_dense_versions_in_broker_order() {
     assert_eq!(dense, 1000, "versions are exactly 1..1000");
     env.wait_count("all receipts", "SELECT count(*) FROM outbox.receipts", 1000)
         .await;
-    let order = first_occurrences(&env.read_topic());
+    let order = first_occurrences(&env.read_topic().await);
     let expected: Vec<i64> = (1..=1000).collect();
     assert_eq!(order["hot"], expected, "broker order = version order");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() {
-    let env = TestEnv::new("fifty_aggs").await;
+    let env = TestEnv::new_mock(
+        "fifty_aggs",
+        "inject NOT_LEADER_FOR_PARTITION / NOT_ENOUGH_REPLICAS at start-up, the librdkafka implicit-ack path (real-broker leader kills: real_kafka::)",
+    )
+    .await;
     let seed: u64 = std::env::var("OUTBOXD_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -101,14 +105,13 @@ async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() 
     let mut thresholds: Vec<i64> = (0..3).map(|_| rng.gen_range(100..1800)).collect();
     thresholds.sort();
     for (i, t) in thresholds.into_iter().enumerate() {
-        if let Some(m) = env.kafka.mock_cluster() {
-            // Retriable produce errors: librdkafka retries them inside the idempotent session.
-            let errs = [
-                RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
-                RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
-            ];
-            m.request_errors(RDKafkaApiKey::Produce, &errs[..(i % 2 + 1)].repeat(3));
-        }
+        let m = env.kafka.mock_cluster().expect("mock cluster");
+        // Retriable produce errors: librdkafka retries them inside the idempotent session.
+        let errs = [
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+        ];
+        m.request_errors(RDKafkaApiKey::Produce, &errs[..(i % 2 + 1)].repeat(3));
         env.wait_count(
             "progress before the next kill",
             "SELECT count(*) FROM outbox.receipts",
@@ -128,7 +131,7 @@ async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() 
         2000,
     )
     .await;
-    let order = first_occurrences(&env.read_topic());
+    let order = first_occurrences(&env.read_topic().await);
     let expected: Vec<i64> = (1..=40).collect();
     let mut out_of_order = 0;
     for a in 0..50 {
@@ -160,7 +163,7 @@ async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() 
         }
     }
     if out_of_order > 0 {
-        let msgs = env.read_topic();
+        let msgs = env.read_topic().await;
         for p in 0..3 {
             let offs: Vec<i64> = msgs
                 .iter()
@@ -243,7 +246,7 @@ async fn an_oversized_payload_holds_only_its_aggregate_until_released_then_publi
         3,
     )
     .await;
-    let order = first_occurrences(&env.read_topic());
+    let order = first_occurrences(&env.read_topic().await);
     assert_eq!(
         order["p"],
         vec![1],
@@ -273,7 +276,7 @@ async fn an_oversized_payload_holds_only_its_aggregate_until_released_then_publi
         1,
     )
     .await;
-    let order = first_occurrences(&env.read_topic());
+    let order = first_occurrences(&env.read_topic().await);
     assert_eq!(
         order["p"],
         vec![1, 2, 3, 4, 5],
@@ -325,7 +328,7 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     ]);
     env.wait_count("s2 published", "SELECT count(*) FROM outbox.receipts", 1)
         .await;
-    let order = first_occurrences(&env.read_topic());
+    let order = first_occurrences(&env.read_topic().await);
     assert_eq!(order["s"], vec![2], "the skipped event is never published");
     let note: String = env
         .db
@@ -416,7 +419,7 @@ async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
         .unwrap()
         .get(0);
     assert_eq!(blocking, gap);
-    let order = first_occurrences(&env.read_topic());
+    let order = first_occurrences(&env.read_topic().await);
     assert_eq!(order["g"], vec![1], "nothing published past the gap");
 }
 
@@ -455,7 +458,7 @@ async fn events_are_published_as_frozen_across_schema_and_route_changes() {
     let _relay = env.relay(&[], &[]);
     env.wait_count("both published", "SELECT count(*) FROM outbox.receipts", 2)
         .await;
-    let old = env.read_topic();
+    let old = env.read_topic().await;
     assert_eq!(
         old.len(),
         1,
@@ -473,11 +476,12 @@ async fn events_are_published_as_frozen_across_schema_and_route_changes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_side_rejection_never_lets_the_next_version_overtake() {
-    let env = TestEnv::new("overtake").await;
-    let Some(mock) = env.kafka.mock_cluster() else {
-        println!("skipped: needs the mock cluster to inject a broker-side rejection");
-        return;
-    };
+    let env = TestEnv::new_mock(
+        "overtake",
+        "inject a broker-side rejection (MSG_SIZE_TOO_LARGE) on exactly one Produce request",
+    )
+    .await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
     // The broker rejects the next produce request permanently; versions 1 and 2 of the
@@ -511,7 +515,7 @@ async fn a_broker_side_rejection_never_lets_the_next_version_overtake() {
         1,
         "version 2 was never sent, so it cannot have been rejected too"
     );
-    let order = first_occurrences(&env.read_topic());
+    let order = first_occurrences(&env.read_topic().await);
     assert_eq!(
         order.get("o"),
         None,

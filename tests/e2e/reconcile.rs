@@ -296,6 +296,7 @@ async fn receipt_audit_reports_a_missing_and_a_mismatched_receipt() {
     let (other_partition, other_offset) = position(other).await;
     let high = env
         .read_topic()
+        .await
         .iter()
         .filter(|m| m.partition == missing_partition)
         .map(|m| m.offset + 1)

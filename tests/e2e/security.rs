@@ -51,6 +51,7 @@ async fn relay_runs_as_the_least_privilege_role() {
     .await;
     let ids: Vec<String> = env
         .read_topic()
+        .await
         .iter()
         .map(|m| m.id().to_string())
         .collect();

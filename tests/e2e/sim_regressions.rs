@@ -10,11 +10,12 @@ use crate::harness::{outboxd, TestEnv};
 /// The hold named version 2, so migrating version 1 never republished it: lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_behind_an_in_flight_rejection_keeps_the_earlier_event_as_the_blocker() {
-    let env = TestEnv::new("sim_poison_gate").await;
-    let Some(mock) = env.kafka.mock_cluster() else {
-        println!("skipped: needs the mock cluster to inject a broker-side rejection");
-        return;
-    };
+    let env = TestEnv::new_mock(
+        "sim_poison_gate",
+        "inject a broker-side rejection on exactly one Produce request",
+    )
+    .await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
     let moved = format!("{}.moved", env.topic);
     env.kafka.create_topic(&moved, 1).unwrap();
     let _relay = env.relay(&[], &[]);

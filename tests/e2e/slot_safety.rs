@@ -86,6 +86,7 @@ async fn slot_recreated_while_stopped_is_refused_and_resnapshot_recovers() {
     .await;
     let ids: Vec<String> = env
         .read_topic()
+        .await
         .iter()
         .map(|m| m.id().to_string())
         .collect();

@@ -158,7 +158,7 @@ async fn relay_streams_over_tls_and_refuses_an_untrusted_server() {
         let status = relay.wait_exit(Duration::from_secs(30)).await;
         assert!(status.success(), "{}", relay.log_text());
     }
-    assert_eq!(env.read_topic().len(), 2);
+    assert_eq!(env.read_topic().await.len(), 2);
 
     // A CA that did not sign the server's certificate: the relay stops, naming the cause.
     env.url = wrong.clone();

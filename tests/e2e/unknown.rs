@@ -21,10 +21,24 @@ async fn an_ack_lost_after_the_append_is_found_by_the_partition_scan_and_not_res
         .set("bootstrap.servers", env.kafka.bootstrap_servers())
         .create()
         .unwrap();
-    let headers = OwnedHeaders::new().insert(Header {
-        key: "id",
-        value: Some(id.to_string().as_bytes()),
-    });
+    let digest: String = env
+        .db
+        .query_one(
+            "SELECT payload_digest FROM outbox.events WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let headers = OwnedHeaders::new()
+        .insert(Header {
+            key: "id",
+            value: Some(id.to_string().as_bytes()),
+        })
+        .insert(Header {
+            key: "payload_digest",
+            value: Some(digest.as_bytes()),
+        });
     producer
         .send(
             BaseRecord::to(&env.topic)
@@ -45,7 +59,7 @@ async fn an_ack_lost_after_the_append_is_found_by_the_partition_scan_and_not_res
         1,
     )
     .await;
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     assert_eq!(msgs.len(), 1, "found by the scan, never sent again");
     let row = env
         .db
@@ -70,11 +84,12 @@ async fn an_ack_lost_after_the_append_is_found_by_the_partition_scan_and_not_res
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_send_that_ends_without_proof_is_recorded_unknown_then_reconciled() {
-    let env = TestEnv::new("unknown_live").await;
-    let Some(mock) = env.kafka.mock_cluster() else {
-        println!("skipped: needs the mock cluster to inject request timeouts");
-        return;
-    };
+    let env = TestEnv::new_mock(
+        "unknown_live",
+        "make every Produce request time out at the broker, then stop",
+    )
+    .await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
     let _relay = env.relay(
         &[],
         &["--message-timeout-ms", "1500", "--unknown-settle-ms", "300"],
@@ -109,6 +124,7 @@ async fn a_send_that_ends_without_proof_is_recorded_unknown_then_reconciled() {
     .await;
     let copies = env
         .read_topic()
+        .await
         .iter()
         .filter(|m| m.id() == id.to_string())
         .count();
@@ -157,11 +173,12 @@ async fn a_send_that_ends_without_proof_is_recorded_unknown_then_reconciled() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_produce_request_error_is_retried_into_exactly_one_copy() {
-    let env = TestEnv::new("produce_error").await;
-    let Some(mock) = env.kafka.mock_cluster() else {
-        println!("skipped: needs the mock cluster to inject request errors");
-        return;
-    };
+    let env = TestEnv::new_mock(
+        "produce_error",
+        "inject NOT_LEADER_FOR_PARTITION / NOT_ENOUGH_REPLICAS on exactly two Produce requests",
+    )
+    .await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
     mock.request_errors(
@@ -174,7 +191,7 @@ async fn a_produce_request_error_is_retried_into_exactly_one_copy() {
     let id = env.enqueue("e-1", json!({})).await;
     env.wait_count("the receipt", "SELECT count(*) FROM outbox.receipts", 1)
         .await;
-    let msgs = env.read_topic();
+    let msgs = env.read_topic().await;
     assert_eq!(msgs.len(), 1, "not written, retried: exactly one copy");
     assert_eq!(msgs[0].id(), id.to_string());
     assert_eq!(
@@ -238,7 +255,7 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
         .filter(|m| m.id() == id.to_string())
         .count();
     assert_eq!(cross, 0, "cross-destination retries");
-    assert_eq!(env.read_topic().len(), 1);
+    assert_eq!(env.read_topic().await.len(), 1);
     let status: String = env
         .db
         .query_one(
@@ -259,10 +276,12 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
 /// report is DISPATCH_UNKNOWN, the scan proves A absent, and A is sent again (attempt 2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_receipt() {
-    let env = TestEnv::new("implicit_ack").await;
-    let Some(mock) = env.kafka.mock_cluster() else {
-        panic!("implicit_ack needs librdkafka's mock cluster to inject one Produce error at an exact round trip; unset OUTBOXD_TEST_KAFKA to run it");
-    };
+    let env = TestEnv::new_mock(
+        "implicit_ack",
+        "inject one Produce error at an exact round trip (librdkafka implicit ack)",
+    )
+    .await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
     // One partition, so that A and B share it whatever their keys hash to.
     let topic = format!("{}.one", env.topic);
     env.kafka.create_topic(&topic, 1).unwrap();
@@ -273,15 +292,7 @@ async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_
         )
         .await
         .unwrap();
-    let relay = env.relay(
-        &[],
-        &[
-            "--unknown-settle-ms",
-            "300",
-            "--kafka-property",
-            "debug=msg,protocol",
-        ],
-    );
+    let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
     env.wait_streaming().await;
     env.enqueue("warm", json!({"warm": true})).await;
     env.wait_count(

@@ -81,7 +81,7 @@ async fn an_implicitly_acked_message_is_not_reported_persisted() {
     sink.send(&a, 1).await.expect("send A");
     tokio::time::sleep(Duration::from_millis(20)).await; // B goes out in its own batch
     sink.send(&b, 2).await.expect("send B");
-    let mut reports = vec![next(&mut rx).await, next(&mut rx).await];
+    let mut reports = [next(&mut rx).await, next(&mut rx).await];
     reports.sort_by_key(|d| d.token);
     mock.broker_round_trip_time(1, Duration::ZERO).expect("rtt");
 

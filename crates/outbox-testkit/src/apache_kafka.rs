@@ -891,9 +891,8 @@ impl KafkaCluster {
             .unwrap_or_default()
     }
 
-    /// Creates `topic` with the AdminClient and waits until every partition has a leader.
-    /// `configs` are topic configs such as `("min.insync.replicas", "2")`. Blocking (it may
-    /// be called from async tests: the admin future completes on librdkafka's thread).
+    /// Creates `topic` with the AdminClient and waits until every partition has a leader
+    /// ([`create_topic_at`] on this cluster).
     pub fn create_topic(
         &self,
         topic: &str,
@@ -901,49 +900,13 @@ impl KafkaCluster {
         replication: i32,
         configs: &[(&str, &str)],
     ) -> Result<(), HarnessError> {
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", self.bootstrap_servers())
-            .set("log_level", "0")
-            .create()
-            .map_err(|e| kafka_err(format!("admin client: {e}")))?;
-        let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replication));
-        for (k, v) in configs {
-            new = new.set(k, v);
-        }
-        let opts = AdminOptions::new()
-            .request_timeout(Some(Duration::from_secs(30)))
-            .operation_timeout(Some(Duration::from_secs(30)));
-        let results = futures::executor::block_on(admin.create_topics([&new], &opts))
-            .map_err(|e| kafka_err(format!("creating topic {topic}: {e}")))?;
-        for r in results {
-            r.map_err(|(t, code)| kafka_err(format!("creating topic {t}: {code}")))?;
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        self.wait_for(deadline, &format!("leaders for topic {topic}"), |c| {
-            let md = match c.metadata(Some(topic), &c.bootstrap_servers()) {
-                Ok(md) => md,
-                Err(e) => return Ok(Err(e)),
-            };
-            let Some(t) = md.topics().iter().find(|t| t.name() == topic) else {
-                return Ok(Err("topic not in the metadata".into()));
-            };
-            let ready = t.error().is_none()
-                && t.partitions().len() == partitions as usize
-                && t.partitions()
-                    .iter()
-                    .all(|p| p.error().is_none() && p.leader() >= 0);
-            if ready {
-                Ok(Ok(()))
-            } else {
-                Ok(Err(format!(
-                    "leaders {:?}",
-                    t.partitions()
-                        .iter()
-                        .map(|p| p.leader())
-                        .collect::<Vec<_>>()
-                )))
-            }
-        })
+        create_topic_at(
+            &self.bootstrap_servers(),
+            topic,
+            partitions,
+            replication,
+            configs,
+        )
     }
 
     /// Kills every JVM and reaps it (resuming paused ones first). Also done on drop.
@@ -1056,6 +1019,81 @@ pub fn shared() -> Result<&'static KafkaCluster, HarnessError> {
             *failed = Some(e.to_string());
             Err(e)
         }
+    }
+}
+
+/// Creates `topic` on the brokers at `bootstrap` with the AdminClient (an existing topic is left
+/// as it is) and waits until every partition has a leader. `configs` are topic configs such as
+/// `("min.insync.replicas", "2")`. Blocking (it may be called from async tests: the admin future
+/// completes on librdkafka's thread).
+pub fn create_topic_at(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    replication: i32,
+    configs: &[(&str, &str)],
+) -> Result<(), HarnessError> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::types::RDKafkaErrorCode;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("log_level", "0")
+        .create()
+        .map_err(|e| kafka_err(format!("admin client: {e}")))?;
+    let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replication));
+    for (k, v) in configs {
+        new = new.set(k, v);
+    }
+    let opts = AdminOptions::new()
+        .request_timeout(Some(Duration::from_secs(30)))
+        .operation_timeout(Some(Duration::from_secs(30)));
+    let results = futures::executor::block_on(admin.create_topics([&new], &opts))
+        .map_err(|e| kafka_err(format!("creating topic {topic} at {bootstrap}: {e}")))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((t, code)) => {
+                return Err(kafka_err(format!(
+                    "creating topic {t} at {bootstrap}: {code}"
+                )))
+            }
+        }
+    }
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("log_level", "0")
+        .create()
+        .map_err(|e| kafka_err(format!("metadata client: {e}")))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = match consumer.fetch_metadata(Some(topic), Duration::from_secs(5)) {
+            Err(e) => format!("metadata: {e}"),
+            Ok(md) => match md.topics().iter().find(|t| t.name() == topic) {
+                None => "topic not in the metadata".to_string(),
+                Some(t)
+                    if t.error().is_none()
+                        && t.partitions().len() == partitions as usize
+                        && t.partitions()
+                            .iter()
+                            .all(|p| p.error().is_none() && p.leader() >= 0) =>
+                {
+                    return Ok(())
+                }
+                Some(t) => format!(
+                    "leaders {:?}",
+                    t.partitions()
+                        .iter()
+                        .map(|p| p.leader())
+                        .collect::<Vec<_>>()
+                ),
+            },
+        };
+        if Instant::now() > deadline {
+            return Err(kafka_err(format!(
+                "topic {topic} at {bootstrap} has no leader for every partition after 30 s: {state}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

@@ -1,0 +1,250 @@
+//! Faults of a real Apache Kafka broker, which librdkafka's mock cluster cannot show: a broker
+//! process stopped (SIGSTOP) after it received a produce request, a partition leader killed
+//! (SIGKILL) in a 3-node cluster and restarted, and a topic whose `max.message.bytes` refuses
+//! an event. Known limit (see docs/operations.md): the broker refuses a whole record batch, so
+//! an event librdkafka batched with a too-large one is quarantined with it. Each test that
+//! injects faults starts its own brokers (from `outbox_testkit::apache_kafka`), so its
+//! faults hit nobody else; every receipt is checked against the topic.
+
+use std::time::Duration;
+
+use outbox_testkit::apache_kafka::KafkaCluster;
+use outbox_testkit::kafka::TestKafka;
+use outbox_testkit::postgres::TestPostgres;
+use outbox_testkit::wait::wait_for;
+use serde_json::json;
+
+use crate::harness::{TestEnv, LONG};
+use crate::ordering::first_occurrences;
+
+fn cluster(nodes: usize) -> KafkaCluster {
+    KafkaCluster::start(nodes)
+        .unwrap_or_else(|e| panic!("starting {nodes} Apache Kafka node(s): {e}"))
+}
+
+async fn env_on(name: &str, c: &KafkaCluster) -> TestEnv {
+    TestEnv::with_kafka(
+        TestPostgres::shared(),
+        name,
+        TestKafka::external(c.bootstrap_servers()),
+    )
+    .await
+}
+
+/// Written, ACK lost, on a real broker: the broker is stopped while the produce request is in
+/// its socket, librdkafka gives up ("possibly persisted"), the relay records DISPATCH_UNKNOWN;
+/// the broker resumes and appends the request it had received; the partition scan finds the
+/// copy and nothing is sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_stopped_mid_request_appends_it_later_and_the_scan_finds_it_without_a_resend() {
+    let c = cluster(1);
+    let env = env_on("kafka_sigstop", &c).await;
+    let _relay = env.relay(
+        &[],
+        &["--message-timeout-ms", "3000", "--unknown-settle-ms", "500"],
+    );
+    env.wait_streaming().await;
+    env.enqueue("warm", json!({"warm": true})).await;
+    env.wait_count(
+        "the warm-up receipt",
+        "SELECT count(*) FROM outbox.receipts",
+        1,
+    )
+    .await;
+
+    c.pause(1);
+    let id = env.enqueue("lost-ack", json!({"v": 1})).await;
+    env.wait_count(
+        "the attempt recorded DISPATCH_UNKNOWN",
+        "SELECT count(*) FROM outbox.attempts",
+        1,
+    )
+    .await;
+    c.resume(1);
+    env.wait_count(
+        "the attempt resolved",
+        "SELECT count(*) FROM outbox.attempts WHERE state <> 'DISPATCH_UNKNOWN'",
+        1,
+    )
+    .await;
+    env.wait_count("both receipts", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+    let row = env
+        .db
+        .query_one(
+            "SELECT a.state, a.error, r.attempt, a.found_offset, r.\"offset\"
+             FROM outbox.attempts a JOIN outbox.receipts r USING (event_id) WHERE a.event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let (state, error, attempt): (String, String, i32) = (row.get(0), row.get(1), row.get(2));
+    println!("UNKNOWN after {error:?} -> {state}");
+    assert_eq!(
+        state, "FOUND",
+        "the broker appended the request it had received ({error})"
+    );
+    assert_eq!(attempt, 1, "the receipt is the original attempt's");
+    assert_eq!(row.get::<_, Option<i64>>(3), Some(row.get::<_, i64>(4)));
+    let copies = env
+        .read_topic()
+        .await
+        .iter()
+        .filter(|m| m.id() == id.to_string())
+        .count();
+    assert_eq!(copies, 1, "found, never sent again");
+}
+
+/// A partition leader SIGKILLed mid-stream in a 3-node cluster (replication factor 3,
+/// min.insync.replicas 2), then restarted: nothing is lost, every receipt is a message on
+/// the topic, and every aggregate's versions are in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_leader_killed_mid_stream_loses_nothing_and_keeps_each_aggregate_in_order() {
+    let c = cluster(3);
+    let env = env_on("kafka_failover", &c).await;
+    let topic = format!("{}.rf3", env.topic);
+    c.create_topic(&topic, 3, 3, &[("min.insync.replicas", "2")])
+        .unwrap();
+    env.db
+        .query_one(
+            "SELECT outbox.set_route($1, NULL, $2)",
+            &[&env.aggregate_type, &topic],
+        )
+        .await
+        .unwrap();
+    let _relay = env.relay(&[], &["--message-timeout-ms", "30000"]);
+    env.wait_streaming().await;
+
+    const AGGREGATES: usize = 20;
+    const VERSIONS: usize = 30;
+    let url = env.url.clone();
+    let aggregate_type = env.aggregate_type.clone();
+    let writer = tokio::spawn(async move {
+        let db = crate::harness::connect(&url).await;
+        for v in 0..VERSIONS {
+            for a in 0..AGGREGATES {
+                db.query_one(
+                    "SELECT outbox.enqueue($1, $2, 'test.happened', $3)",
+                    &[&aggregate_type, &format!("agg-{a}"), &json!({"v": v})],
+                )
+                .await
+                .unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let total = (AGGREGATES * VERSIONS) as i64;
+    env.wait_count(
+        "a third published",
+        "SELECT count(*) FROM outbox.receipts",
+        total / 3,
+    )
+    .await;
+    let leader = c.leader_of(&topic, 0).expect("partition 0 has a leader");
+    c.kill(leader);
+    println!("killed node {leader}, the leader of {topic}/0");
+    wait_for("a new leader of partition 0", LONG, || async {
+        match c.leader_of(&topic, 0) {
+            Some(l) if l != leader => Ok(()),
+            other => Err(format!("leader {other:?}")),
+        }
+    })
+    .await;
+    env.wait_count(
+        "two thirds published",
+        "SELECT count(*) FROM outbox.receipts",
+        2 * total / 3,
+    )
+    .await;
+    c.restart(leader).unwrap();
+    writer.await.unwrap();
+    env.wait_count(
+        "every event published",
+        "SELECT count(*) FROM outbox.receipts",
+        total,
+    )
+    .await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.events e WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)")
+            .await,
+        0,
+        "lost events"
+    );
+    let check = env.verify_receipts(&[&topic]).await;
+    let order = first_occurrences(&check.messages);
+    let expected: Vec<i64> = (1..=VERSIONS as i64).collect();
+    let out_of_order: Vec<&String> = order
+        .iter()
+        .filter(|(_, vs)| **vs != expected)
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(order.len(), AGGREGATES);
+    assert!(
+        out_of_order.is_empty(),
+        "aggregates out of order: {out_of_order:?}"
+    );
+}
+
+/// A topic whose `max.message.bytes` is smaller than an event: the broker refuses it
+/// (MESSAGE_TOO_LARGE), the event is quarantined with the reason and its aggregate held; the
+/// relay goes on publishing other aggregates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_the_broker_refuses_is_quarantined_and_other_aggregates_go_on() {
+    let env = TestEnv::new("kafka_poison").await;
+    let topic = format!("{}.small", env.topic);
+    env.kafka
+        .create_topic_with(&topic, 1, &[("max.message.bytes", "2048")])
+        .unwrap();
+    env.db
+        .query_one(
+            "SELECT outbox.set_route($1, NULL, $2)",
+            &[&env.aggregate_type, &topic],
+        )
+        .await
+        .unwrap();
+    let _relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    let big = env
+        .enqueue("poison", json!({"pad": "x".repeat(8 * 1024)}))
+        .await;
+    let behind = env.enqueue("poison", json!({"after": true})).await;
+    env.wait_count(
+        "the quarantine record",
+        "SELECT count(*) FROM outbox.quarantine",
+        1,
+    )
+    .await;
+    // Enqueued after the refusal: librdkafka would otherwise put it in the refused event's
+    // record batch, and the broker refuses a batch as a whole (see the note in the module doc).
+    let other = env.enqueue("healthy", json!({"ok": true})).await;
+    env.wait_count(
+        "the healthy receipt",
+        "SELECT count(*) FROM outbox.receipts",
+        1,
+    )
+    .await;
+    let reason: String = env
+        .db
+        .query_one(
+            "SELECT reason_code || ': ' || reason FROM outbox.quarantine WHERE event_id = $1",
+            &[&big],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(reason.starts_with("broker_rejected"), "{reason}");
+    assert!(reason.to_lowercase().contains("too large"), "{reason}");
+    env.wait_count(
+        "the event behind it held",
+        &format!("SELECT count(*) FROM outbox.held_events WHERE event_id = '{behind}'"),
+        1,
+    )
+    .await;
+    let check = env.verify_receipts(&[&topic]).await;
+    let ids: Vec<&str> = check.messages.iter().map(|m| m.id()).collect();
+    assert_eq!(
+        ids,
+        vec![other.to_string().as_str()],
+        "only the healthy aggregate's event"
+    );
+}
