@@ -1,20 +1,24 @@
 //! The chaos suite: real processes and every fault at once, invariants counted at the end.
 //!
-//! Real PostgreSQL, the real `outboxd` binary, a librdkafka mock cluster of three brokers (or
-//! the real broker named by `OUTBOXD_TEST_KAFKA`; broker faults are then skipped), four
+//! Real PostgreSQL, the real `outboxd` binary, three brokers — librdkafka's mock cluster (one
+//! test) and three real Apache Kafka nodes (another) — four
 //! concurrent writers with ~10% rolled-back transactions, and an inbox consumer (the effect and
 //! the inbox row in one transaction, the offset stored afterwards, so a crash between the two
 //! redelivers). At moments drawn from a seeded RNG (as "after the ledger holds k receipts"):
-//! SIGKILL of the relay, `pg_terminate_backend` of its walsender, produce requests timing out
-//! (DISPATCH_UNKNOWN), round trips longer than the message timeout (appended, ACK lost), a
-//! broker down and up, a partition leader change; the consumer crashes between its commit and
-//! its offset store.
+//! SIGKILL of the relay, `pg_terminate_backend` of its walsender; on the mock, produce requests
+//! timing out (DISPATCH_UNKNOWN), round trips longer than the message timeout (appended, ACK
+//! lost), a broker down and up, a partition leader change; on Apache Kafka, a broker SIGSTOPped
+//! past the message timeout and resumed (appended, ACK lost), a broker SIGKILLed and restarted,
+//! a partition's leader SIGKILLed (the leader changes) and restarted. The consumer crashes
+//! between its commit and its offset store.
 //!
 //! At the end the same counts as `outbox-sim` are computed from the database and the topic,
 //! printed, written to a report file, and asserted to be 0 (late ACKs converged: 100%).
 //!
-//! * CI: `cargo test -p outboxd --test e2e chaos::` (2,000 events, 8 faults).
-//! * On demand: `OUTBOXD_CHAOS_EVENTS=100000 OUTBOXD_CHAOS_FAULTS=40` (any size); the report goes
+//! * CI: `cargo test -p outboxd --test e2e chaos::` (mock: 2,000 events, 8 faults; Apache
+//!   Kafka: 1,000 events, 6 faults).
+//! * On demand: `OUTBOXD_CHAOS_EVENTS=100000 OUTBOXD_CHAOS_FAULTS=40` (mock) and
+//!   `OUTBOXD_CHAOS_KAFKA_EVENTS` / `OUTBOXD_CHAOS_KAFKA_FAULTS` (Apache Kafka); the report goes
 //!   to `OUTBOXD_CHAOS_REPORT` or `target/tmp/chaos-report-<seed>.txt`. `OUTBOXD_TEST_SEED`
 //!   replays the same fault schedule.
 
@@ -23,7 +27,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_testkit::apache_kafka::KafkaCluster;
 use outbox_testkit::kafka::TestKafka;
+use outbox_testkit::postgres::TestPostgres;
 use outbox_testkit::wait::wait_for;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -196,22 +202,78 @@ async fn inbox_consumer(
     }
 }
 
+/// Which brokers the chaos runs against.
+enum Brokers {
+    /// librdkafka's mock cluster of three brokers: request errors, exact round trips, leader
+    /// moves on demand.
+    Mock,
+    /// Three real Apache Kafka nodes (replication factor 3, min.insync.replicas 2): SIGSTOP /
+    /// SIGCONT, SIGKILL / restart of a broker and of a partition's leader.
+    Apache(KafkaCluster),
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
-    let events = env_u64("OUTBOXD_CHAOS_EVENTS", 2_000);
-    let faults = env_u64("OUTBOXD_CHAOS_FAULTS", 8);
+    chaos(
+        "chaos",
+        Brokers::Mock,
+        env_u64("OUTBOXD_CHAOS_EVENTS", 2_000),
+        env_u64("OUTBOXD_CHAOS_FAULTS", 8),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_on_three_apache_kafka_brokers_keeps_every_invariant_count_at_zero() {
+    let cluster = KafkaCluster::start(BROKERS as usize)
+        .unwrap_or_else(|e| panic!("starting 3 Apache Kafka nodes: {e}"));
+    chaos(
+        "chaos_kafka",
+        Brokers::Apache(cluster),
+        env_u64("OUTBOXD_CHAOS_KAFKA_EVENTS", 1_000),
+        env_u64("OUTBOXD_CHAOS_KAFKA_FAULTS", 6),
+    )
+    .await;
+}
+
+async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
     let seed = env_u64("OUTBOXD_TEST_SEED", 0xc4a05);
-    println!("chaos: events={events} faults={faults} seed={seed} (OUTBOXD_CHAOS_EVENTS, OUTBOXD_CHAOS_FAULTS, OUTBOXD_TEST_SEED)");
+    let on = match &brokers {
+        Brokers::Mock => "librdkafka's mock cluster (3 brokers)",
+        Brokers::Apache(_) => "Apache Kafka (3 nodes)",
+    };
+    println!("{name}: on {on}, events={events} faults={faults} seed={seed} (OUTBOXD_CHAOS_[KAFKA_]EVENTS, OUTBOXD_CHAOS_[KAFKA_]FAULTS, OUTBOXD_TEST_SEED)");
     let started = Instant::now();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
 
-    let mut env = TestEnv::new("chaos").await;
-    // Three brokers, so a leader can move and a broker can go down.
-    env.kafka = TestKafka::mock(BROKERS).expect("mock cluster");
     let partitions = partitions_for(events);
-    env.kafka
-        .create_topic(&env.topic, partitions)
-        .expect("create topic");
+    // Three brokers, so a leader can move and a broker can go down.
+    let kafka = match &brokers {
+        Brokers::Mock => TestKafka::mock(BROKERS).expect("mock cluster"),
+        Brokers::Apache(c) => TestKafka::external(c.bootstrap_servers()),
+    };
+    let env = TestEnv::with_kafka(TestPostgres::shared(), name, kafka).await;
+    if let Brokers::Apache(c) = &brokers {
+        // The test's topic was created with replication factor 1; route to a replicated one.
+        let topic = format!("{}.rf3", env.topic);
+        c.create_topic(&topic, partitions, BROKERS, &[("min.insync.replicas", "2")])
+            .expect("create the replicated topic");
+        env.db
+            .query_one(
+                "SELECT outbox.set_route($1, NULL, $2)",
+                &[&env.aggregate_type, &topic],
+            )
+            .await
+            .expect("route to the replicated topic");
+    } else {
+        env.kafka
+            .create_topic(&env.topic, partitions)
+            .expect("create topic");
+    }
+    let topic = match &brokers {
+        Brokers::Mock => env.topic.clone(),
+        Brokers::Apache(_) => format!("{}.rf3", env.topic),
+    };
     env.db
         .batch_execute(
             "CREATE TABLE chaos_inbox (event_id text PRIMARY KEY);
@@ -241,7 +303,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
     let consumer = tokio::spawn(inbox_consumer(
         env.url.clone(),
         env.kafka.bootstrap_servers().to_string(),
-        env.topic.clone(),
+        topic.clone(),
         seed,
         partitions,
         stop.clone(),
@@ -316,7 +378,10 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
     let mock = env.kafka.mock_cluster();
     let mut log = Vec::new();
     // Every kind of fault at least once (when there are enough faults), in a seeded order.
-    let kinds = if mock.is_some() { 6 } else { 2 };
+    let kinds = match &brokers {
+        Brokers::Mock => 6,
+        Brokers::Apache(_) => 5,
+    };
     let mut order: Vec<u32> = (0..kinds).collect();
     for k in (1..order.len()).rev() {
         order.swap(k, rng.gen_range(0..=k));
@@ -331,13 +396,13 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
         let hold = Duration::from_millis(rng.gen_range(300..1_500));
         // Longer than the message timeout, so sends end possibly persisted (UNKNOWN).
         let unknown_hold = Duration::from_millis(rng.gen_range(2_000..3_000));
-        match order[j % order.len()] {
-            0 => {
+        match (order[j % order.len()], &brokers) {
+            (0, _) => {
                 relay.kill9();
                 relay = env.relay(&[], &relay_args);
                 log.push(format!("{t}: SIGKILL relay"));
             }
-            1 => {
+            (1, _) => {
                 env.db
                     .execute(
                         "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
@@ -348,7 +413,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
                     .expect("terminate walsender");
                 log.push(format!("{t}: pg_terminate_backend(walsender)"));
             }
-            2 => {
+            (2, Brokers::Mock) => {
                 let m = mock.expect("mock");
                 m.request_errors(
                     RDKafkaApiKey::Produce,
@@ -360,7 +425,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
                     "{t}: produce requests time out for {unknown_hold:?}"
                 ));
             }
-            3 => {
+            (3, Brokers::Mock) => {
                 env.kafka
                     .set_round_trip(BROKERS, Duration::from_millis(2_500))
                     .expect("rtt");
@@ -372,7 +437,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
                     "{t}: round trip 2.5 s (> message timeout) for {unknown_hold:?}"
                 ));
             }
-            4 => {
+            (4, Brokers::Mock) => {
                 let m = mock.expect("mock");
                 let b = rng.gen_range(1..=BROKERS);
                 m.broker_down(b).expect("broker down");
@@ -380,13 +445,56 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
                 m.broker_up(b).expect("broker up");
                 log.push(format!("{t}: broker {b} down for {hold:?}"));
             }
-            _ => {
+            (_, Brokers::Mock) => {
                 let m = mock.expect("mock");
                 let p = rng.gen_range(0..partitions);
                 let b = rng.gen_range(1..=BROKERS);
-                m.partition_leader(&env.topic, p, Some(b))
+                m.partition_leader(&topic, p, Some(b))
                     .expect("leader change");
                 log.push(format!("{t}: partition {p} leader -> broker {b}"));
+            }
+            (2, Brokers::Apache(c)) => {
+                // Requests in its sockets stay unanswered past the message timeout: sends end
+                // possibly persisted, and the broker appends what it had received on SIGCONT.
+                let b = rng.gen_range(1..=BROKERS);
+                c.pause(b);
+                tokio::time::sleep(unknown_hold).await;
+                c.resume(b);
+                log.push(format!(
+                    "{t}: broker {b} SIGSTOP for {unknown_hold:?}, SIGCONT"
+                ));
+            }
+            (3, Brokers::Apache(c)) => {
+                let b = rng.gen_range(1..=BROKERS);
+                c.kill(b);
+                tokio::time::sleep(hold).await;
+                c.restart(b).expect("restart the broker");
+                log.push(format!("{t}: broker {b} SIGKILL, down {hold:?}, restarted"));
+            }
+            (_, Brokers::Apache(c)) => {
+                // A leader change: kill the leader of a partition, wait for the new one.
+                let p = rng.gen_range(0..partitions);
+                let Some(old) = c.leader_of(&topic, p) else {
+                    log.push(format!("{t}: partition {p} had no leader to kill"));
+                    continue;
+                };
+                c.kill(old);
+                wait_for(
+                    "a new partition leader",
+                    Duration::from_secs(60),
+                    || async {
+                        match c.leader_of(&topic, p) {
+                            Some(l) if l != old => Ok(()),
+                            other => Err(format!("leader {other:?}")),
+                        }
+                    },
+                )
+                .await;
+                let new = c.leader_of(&topic, p);
+                c.restart(old).expect("restart the old leader");
+                log.push(format!(
+                    "{t}: partition {p} leader {old} SIGKILL -> leader {new:?}; {old} restarted"
+                ));
             }
         }
     }
@@ -448,7 +556,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
             .expect("watermark client");
         for p in 0..partitions {
             let (lo, _) = c
-                .fetch_watermarks(&env.topic, p, Duration::from_secs(10))
+                .fetch_watermarks(&topic, p, Duration::from_secs(10))
                 .expect("watermarks");
             assert_eq!(
                 lo, 0,
@@ -456,7 +564,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
             );
         }
     }
-    let msgs = env.read_topic().await;
+    let msgs = env.verify_receipts(&[&topic]).await.messages;
     let ids: HashSet<&str> = committed.values().map(String::as_str).collect();
     let on_broker: HashSet<&str> = msgs.iter().map(|m| m.id()).collect();
     let lost = ids.difference(&on_broker).count() as i64
@@ -558,7 +666,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
     );
     let mut report = String::new();
     report.push_str(&format!(
-        "outboxd chaos report\nseed {seed}\nevents_committed {n}\ntransactions_rolled_back_events {}\nfaults {faults}\nwall_time {:.1} s\n",
+        "outboxd chaos report ({on})\nseed {seed}\nevents_committed {n}\ntransactions_rolled_back_events {}\nfaults {faults}\nwall_time {:.1} s\n",
         rolled_back.len(),
         started.elapsed().as_secs_f64()
     ));
@@ -587,7 +695,7 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
     report.push_str(&summary);
     report.push('\n');
     let path = std::env::var("OUTBOXD_CHAOS_REPORT")
-        .unwrap_or_else(|_| format!("{}/chaos-report-{seed}.txt", env!("CARGO_TARGET_TMPDIR")));
+        .unwrap_or_else(|_| format!("{}/{name}-report-{seed}.txt", env!("CARGO_TARGET_TMPDIR")));
     std::fs::write(&path, &report).expect("write the chaos report");
     println!("{report}report: {path}");
 
