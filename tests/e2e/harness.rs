@@ -352,6 +352,14 @@ impl TopicMessage {
 /// not contiguous (nothing here writes transactions or compacts, so every offset between the
 /// watermarks is a message), and it prints every message without an `id` header, one by one.
 pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
+    read_topic_bounds(bootstrap, topic).0
+}
+
+/// [`read_topic`], with each partition's (low, high) watermarks as read before the first fetch.
+pub fn read_topic_bounds(
+    bootstrap: &str,
+    topic: &str,
+) -> (Vec<TopicMessage>, HashMap<i32, (i64, i64)>) {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", format!("reader-{}", uuid::Uuid::new_v4()))
@@ -423,7 +431,18 @@ pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
             });
         }
     }
-    out
+    (out, bounds)
+}
+
+/// A partition's (low, high) watermarks now, for a diagnostic.
+fn read_topic_bounds_now(bootstrap: &str, topic: &str, partition: i32) -> Option<(i64, i64)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .ok()?;
+    consumer
+        .fetch_watermarks(topic, partition, Duration::from_secs(10))
+        .ok()
 }
 
 /// What [`TestEnv::verify_receipts`] compared.
@@ -443,12 +462,13 @@ impl TestEnv {
     /// not checked. Panics with every problem found; returns what it read.
     pub async fn verify_receipts(&self, topics: &[&str]) -> ReceiptCheck {
         let mut messages = Vec::new();
+        let mut bounds = HashMap::new();
         for t in topics {
-            messages.extend(
-                read_topic(self.kafka.bootstrap_servers(), t)
-                    .into_iter()
-                    .map(|m| (t.to_string(), m)),
-            );
+            let (read, b) = read_topic_bounds(self.kafka.bootstrap_servers(), t);
+            for (p, lh) in b {
+                bounds.insert((t.to_string(), p), lh);
+            }
+            messages.extend(read.into_iter().map(|m| (t.to_string(), m)));
         }
         let at: HashMap<(&str, i32, i64), &TopicMessage> = messages
             .iter()
@@ -485,7 +505,11 @@ impl TestEnv {
             }
             checked += 1;
             let Some(m) = at.get(&(topic, partition, offset)) else {
-                problems.push(format!("{what}: the broker has no message there"));
+                let now = read_topic_bounds_now(self.kafka.bootstrap_servers(), topic, partition);
+                problems.push(format!(
+                    "{what}: the broker has no message there (watermarks when read: {:?}, now: {now:?})",
+                    bounds.get(&(topic.to_string(), partition))
+                ));
                 continue;
             };
             if m.id() != id {

@@ -248,3 +248,58 @@ async fn an_event_the_broker_refuses_is_quarantined_and_other_aggregates_go_on()
         "only the healthy aggregate's event"
     );
 }
+
+/// The broker refuses a record *batch* whose size exceeds the topic's `max.message.bytes`, and
+/// librdkafka reports that refusal for every message of the batch: an event batched with a
+/// too-large one would be quarantined with it. With the producer's `message.max.bytes` at the
+/// smallest topic limit (what `outboxd check` asks for), librdkafka refuses the too-large event
+/// alone, at the send, and never builds a batch the broker refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_message_max_bytes_at_the_topic_limit_a_too_large_event_never_takes_its_neighbours_down(
+) {
+    let env = TestEnv::new("kafka_poison_batch").await;
+    let topic = format!("{}.small", env.topic);
+    env.kafka
+        .create_topic_with(&topic, 1, &[("max.message.bytes", "4096")])
+        .unwrap();
+    env.db
+        .query_one(
+            "SELECT outbox.set_route($1, NULL, $2)",
+            &[&env.aggregate_type, &topic],
+        )
+        .await
+        .unwrap();
+    // Committed before the relay starts: its initial snapshot sends them back to back.
+    let mut ids = Vec::new();
+    for (agg, pad) in [("h1", 10), ("poison", 8 * 1024), ("h2", 10), ("h3", 10)] {
+        ids.push(env.enqueue(agg, json!({"pad": "x".repeat(pad)})).await);
+    }
+    let (ok, out) = crate::harness::outboxd(&[
+        "check",
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+    ]);
+    assert!(
+        out.contains("message.max.bytes=4096") && out.contains(&topic),
+        "check names the topic whose limit is below the producer's batches ({ok}):\n{out}"
+    );
+    let _relay = env.relay(&[], &["--kafka-property", "message.max.bytes=4096"]);
+    env.wait_count("3 receipts", "SELECT count(*) FROM outbox.receipts", 3)
+        .await;
+    env.wait_count("1 quarantined", "SELECT count(*) FROM outbox.quarantine", 1)
+        .await;
+    let quarantined: uuid::Uuid = env
+        .db
+        .query_one("SELECT event_id FROM outbox.quarantine", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        quarantined, ids[1],
+        "only the too-large event is quarantined"
+    );
+    let check = env.verify_receipts(&[&topic]).await;
+    assert_eq!(check.messages.len(), 3);
+}

@@ -687,6 +687,30 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
         );
         return;
     }
+    let limits = {
+        let (sink, topics) = (sink.clone(), topics.clone());
+        tokio::task::spawn_blocking(move || topic_size_limits(&sink, &topics)).await
+    };
+    if let Ok(limits) = limits {
+        let producer = producer_max_bytes(sink);
+        let below: Vec<String> = limits
+            .iter()
+            .filter(|(_, l)| *l < producer)
+            .map(|(t, l)| format!("{t} ({l})"))
+            .collect();
+        if let Some(min) = limits
+            .iter()
+            .map(|(_, l)| *l)
+            .min()
+            .filter(|m| *m < producer)
+        {
+            r.add(
+                Level::Warn,
+                "message size",
+                format!("the producer builds record batches of up to message.max.bytes={producer} bytes, but these topics refuse batches over max.message.bytes: {}; the broker refuses a batch as a whole, so an event batched with a too-large one would be quarantined with it: pass --kafka-property message.max.bytes={min} (the smallest topic limit), so that librdkafka refuses a too-large event alone", below.join(", ")),
+            );
+        }
+    }
     let sink = sink.clone();
     let result = tokio::task::spawn_blocking(move || {
         missing_topics(&sink, &topics).map(|(n, missing)| {
@@ -766,6 +790,40 @@ fn missing_topics(
         }
     }
     Ok((topics.len(), missing))
+}
+
+/// librdkafka's `message.max.bytes` as the relay sets it (its default: 1,000,000).
+fn producer_max_bytes(sink: &KafkaSinkConfig) -> i64 {
+    sink.properties
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "message.max.bytes")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(1_000_000)
+}
+
+/// Each existing topic's `max.message.bytes` (DescribeConfigs); topics it cannot read are left
+/// out (their existence is checked separately).
+fn topic_size_limits(sink: &KafkaSinkConfig, topics: &[String]) -> Vec<(String, i64)> {
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    let Ok(admin) = metadata_config(sink).create::<AdminClient<DefaultClientContext>>() else {
+        return Vec::new();
+    };
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    let specs: Vec<ResourceSpecifier> =
+        topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let Ok(res) = futures::executor::block_on(admin.describe_configs(specs.iter(), &opts)) else {
+        return Vec::new();
+    };
+    res.into_iter()
+        .zip(topics)
+        .filter_map(|(r, t)| {
+            let r = r.ok()?;
+            let v = r.get("max.message.bytes")?.value.as_deref()?.parse().ok()?;
+            Some((t.clone(), v))
+        })
+        .collect()
 }
 
 /// The broker's `auto.create.topics.enable`, if it can be read (DescribeConfigs).
