@@ -5,6 +5,16 @@ use std::process::Command;
 
 #[test]
 fn bench_tiny_configuration_prints_a_parseable_summary_json_and_svg() {
+    tiny_bench(&[], "embedded");
+}
+
+/// The same phases on real Apache Kafka: a node the bench starts itself (`--broker apache`).
+#[test]
+fn bench_tiny_configuration_runs_every_phase_on_apache_kafka() {
+    tiny_bench(&["--broker", "apache"], "apache");
+}
+
+fn tiny_bench(extra: &[&str], broker: &str) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     let svg = dir.path().join("bench.svg");
@@ -12,6 +22,7 @@ fn bench_tiny_configuration_prints_a_parseable_summary_json_and_svg() {
         .args(["bench", "--events", "2000", "--aggregates", "500"])
         .args(["--steady-secs", "1", "--rate", "1000", "--crash-secs", "1"])
         .args(["--variants", "1024x50", "--variant-events", "500"])
+        .args(extra)
         .arg("--json")
         .arg(&json)
         .arg("--svg")
@@ -28,27 +39,36 @@ fn bench_tiny_configuration_prints_a_parseable_summary_json_and_svg() {
     );
     let last = stdout.lines().last().unwrap_or_default();
     let keys = [
+        "broker",
         "decode_ratio",
         "drain_events_per_s",
         "p99_ms",
         "rss_mib",
         "poll_ratio",
     ];
-    let fields: Vec<(&str, f64)> = last
+    let fields: Vec<(&str, &str)> = last
         .split_whitespace()
         .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k, v.parse::<f64>().unwrap_or(f64::NAN)))
         .collect();
     assert_eq!(
         fields.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
         keys,
         "last line: {last}"
     );
-    let unparseable: Vec<_> = fields.iter().filter(|(_, v)| !v.is_finite()).collect();
+    assert_eq!(fields[0].1, broker, "last line: {last}");
+    let unparseable: Vec<_> = fields[1..]
+        .iter()
+        .filter(|(_, v)| !v.parse::<f64>().is_ok_and(f64::is_finite))
+        .collect();
     assert!(unparseable.is_empty(), "last line: {last}");
     // Every event of the tiny backlog was drained and measured.
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(
+        v["broker"].as_str().unwrap_or_default().starts_with(broker),
+        "{}",
+        v["broker"]
+    );
     assert_eq!(v["drain"]["events"], 2000);
     assert_eq!(v["variants"].as_array().map(|a| a.len()), Some(1));
     assert!(v["steady"]["latency"]["count"].as_u64().unwrap_or(0) > 0);

@@ -77,11 +77,9 @@ impl Js {
     /// The invariant counts; every one must be 0.
     async fn invariants(&self) -> Invariants {
         let env = &self.env;
-        let msgs = self.stream().await;
-        let mut copies: HashMap<String, Vec<&StoredMessage>> = HashMap::new();
-        for m in &msgs {
-            copies.entry(m.msg_id().to_string()).or_default().push(m);
-        }
+        // The ledger first, then the stream: whatever the ledger holds was acknowledged
+        // before, so the stream read after it holds its message (a running relay keeps
+        // recording receipts).
         let rows = env
             .db
             .query(
@@ -92,6 +90,23 @@ impl Js {
             )
             .await
             .unwrap();
+        let receipts = env
+            .db
+            .query(
+                "SELECT r.event_id::text, r.\"offset\", r.partition, r.broker_kind, e.payload_digest
+                 FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+                 UNION ALL
+                 SELECT d.event_id::text, d.\"offset\", d.partition, d.broker_kind, e.payload_digest
+                 FROM outbox.duplicate_receipts d JOIN outbox.events e USING (event_id)",
+                &[],
+            )
+            .await
+            .unwrap();
+        let msgs = self.stream().await;
+        let mut copies: HashMap<String, Vec<&StoredMessage>> = HashMap::new();
+        for m in &msgs {
+            copies.entry(m.msg_id().to_string()).or_default().push(m);
+        }
         let mut inv = Invariants::default();
         for r in &rows {
             let id: String = r.get(0);
@@ -115,18 +130,6 @@ impl Js {
         // message at that sequence carries the event id and the frozen payload digest.
         let by_seq: HashMap<i64, &StoredMessage> =
             msgs.iter().map(|m| (m.sequence as i64, m)).collect();
-        let receipts = env
-            .db
-            .query(
-                "SELECT r.event_id::text, r.\"offset\", r.partition, r.broker_kind, e.payload_digest
-                 FROM outbox.receipts r JOIN outbox.events e USING (event_id)
-                 UNION ALL
-                 SELECT d.event_id::text, d.\"offset\", d.partition, d.broker_kind, e.payload_digest
-                 FROM outbox.duplicate_receipts d JOIN outbox.events e USING (event_id)",
-                &[],
-            )
-            .await
-            .unwrap();
         for r in &receipts {
             let (id, seq, partition, kind, digest): (String, i64, i32, String, String) =
                 (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4));

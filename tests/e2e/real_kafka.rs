@@ -2,7 +2,8 @@
 //! process stopped (SIGSTOP) after it received a produce request, a partition leader killed
 //! (SIGKILL) in a 3-node cluster and restarted, and a topic whose `max.message.bytes` refuses
 //! an event. Known limit (see docs/operations.md): the broker refuses a whole record batch, so
-//! an event librdkafka batched with a too-large one is quarantined with it. Each test that
+//! an event librdkafka batched with a too-large one is quarantined with it, unless the
+//! producer's `message.max.bytes` is at the topic's limit. Each test that
 //! injects faults starts its own brokers (from `outbox_testkit::apache_kafka`), so its
 //! faults hit nobody else; every receipt is checked against the topic.
 

@@ -161,3 +161,15 @@ async fn three_nodes_survive_a_killed_leader() {
         },
     );
 }
+
+/// docker-compose.yml runs the Kafka version these tests run.
+#[test]
+fn docker_compose_runs_the_kafka_version_the_tests_run() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docker-compose.yml");
+    let compose = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let want = format!("image: apache/kafka:{}", apache_kafka::KAFKA_VERSION);
+    assert!(
+        compose.contains(&want),
+        "{path} must use `{want}` (the version of outbox_testkit::apache_kafka)"
+    );
+}

@@ -262,9 +262,21 @@ pub struct BenchArgs {
     /// Payload budget of one variant's backlog, MiB.
     #[arg(long, default_value_t = 256.0)]
     pub variant_mib: f64,
-    /// Topic partitions on the embedded broker.
+    /// Topic partitions (every topic the bench creates).
     #[arg(long, default_value_t = 3)]
     pub partitions: i32,
+    /// The Kafka the bench publishes to. `embedded`: librdkafka's mock cluster inside the bench
+    /// process (no JVM needed; not Kafka: no disk, no replication). `apache`: a single-node
+    /// Apache Kafka 4.1.0 (KRaft) that the bench starts itself and stops at the end; its jars
+    /// come from Maven Central once (`java` 17+ and `mvn` needed; cached in
+    /// ~/.cache/outboxd). Ignored with --bootstrap-servers.
+    #[arg(long, value_enum, default_value_t = BenchBroker::Embedded)]
+    pub broker: BenchBroker,
+    /// Publish to this running Kafka instead (bootstrap servers, plaintext). The bench creates
+    /// its topics there (`outbox.event.bench_*`, `outbox.event.poll_*`, replication factor 1)
+    /// if missing; give it a broker you can throw away.
+    #[arg(long, value_name = "HOST:PORT,...")]
+    pub bootstrap_servers: Option<String>,
     /// Give up on a phase after this many seconds.
     #[arg(long, default_value_t = 600)]
     pub timeout_secs: u64,
@@ -281,6 +293,13 @@ pub struct BenchArgs {
     /// Extra arguments for every `outboxd run` the bench starts (e.g. --batch-size=2000).
     #[arg(long = "relay-arg", allow_hyphen_values = true)]
     pub relay_args: Vec<String>,
+}
+
+/// Which Kafka `outboxd bench` publishes to (see `--broker`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchBroker {
+    Embedded,
+    Apache,
 }
 
 fn parse_variant(s: &str) -> Result<(usize, u64), String> {

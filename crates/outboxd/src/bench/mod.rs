@@ -1,6 +1,7 @@
 //! `outboxd bench`: how fast the relay is, measured against PostgreSQL's own decoder and a
 //! polling relay, in one run on one machine, on the embedded default (a throwaway PostgreSQL
-//! cluster and librdkafka's mock broker in this process).
+//! cluster and librdkafka's mock broker in this process) or on real Apache Kafka (`--broker
+//! apache`: a node the bench starts; `--bootstrap-servers`: one already running).
 //!
 //! Phases of the main scenario (every number is from the same run):
 //! 1. **Backlog**: N events are enqueued with `outbox.enqueue` while the relay is stopped (its
@@ -31,11 +32,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use outbox_testkit::apache_kafka::KafkaCluster;
 use outbox_testkit::kafka::TestKafka;
 use outbox_testkit::postgres::TestPostgres;
 use tokio_postgres::Client;
 
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, BenchBroker};
 use procstat::ClusterCpu;
 pub(crate) use report::Report;
 
@@ -43,6 +45,8 @@ pub(crate) use report::Report;
 pub(crate) struct Ctx {
     pg: TestPostgres,
     kafka: TestKafka,
+    /// The Apache Kafka node of `--broker apache` (stopped when dropped).
+    _apache: Option<KafkaCluster>,
     bootstrap: String,
     bindir: PathBuf,
     postmaster: i32,
@@ -298,9 +302,18 @@ pub(crate) struct Crash {
     pub recovery_s: f64,
 }
 
-/// CPU seconds this process (the bench, with the embedded broker) has used so far.
+/// The broker JVM of `--broker apache`, whose CPU counts with the bench's own.
+static BROKER_PID: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+
+/// CPU seconds used so far by this process (the bench, with the embedded broker) and by the
+/// Apache Kafka node it started: the "bench+broker" column. An external broker's CPU is not
+/// visible from here and is not counted.
 pub(crate) fn own_cpu() -> f64 {
-    procstat::cpu_secs(std::process::id() as i32).unwrap_or(0.0)
+    let own = procstat::cpu_secs(std::process::id() as i32).unwrap_or(0.0);
+    own + BROKER_PID
+        .get()
+        .and_then(|pid| procstat::cpu_secs(*pid))
+        .unwrap_or(0.0)
 }
 
 fn epoch_now() -> f64 {
@@ -369,7 +382,29 @@ impl Ctx {
             .await?
             .context("starting the throwaway PostgreSQL")?;
         let bindir = outbox_testkit::postgres::find_bindir()?;
-        let kafka = TestKafka::mock(1).map_err(|e| anyhow::anyhow!("embedded broker: {e}"))?;
+        let (kafka, apache) = match (&args.bootstrap_servers, args.broker) {
+            (Some(b), _) => {
+                eprintln!("bench: publishing to the Kafka at {b}");
+                (TestKafka::external(b.clone()), None)
+            }
+            (None, BenchBroker::Embedded) => (
+                TestKafka::mock(1).map_err(|e| anyhow::anyhow!("embedded broker: {e}"))?,
+                None,
+            ),
+            (None, BenchBroker::Apache) => {
+                eprintln!("bench: starting a single-node Apache Kafka (--broker apache) ...");
+                let cluster = tokio::task::spawn_blocking(|| KafkaCluster::start(1))
+                    .await?
+                    .context("starting Apache Kafka for --broker apache")?;
+                if let Some(pid) = cluster.node_ids().first().and_then(|id| cluster.pid(*id)) {
+                    let _ = BROKER_PID.set(pid as i32);
+                }
+                (
+                    TestKafka::external(cluster.bootstrap_servers()),
+                    Some(cluster),
+                )
+            }
+        };
         let bootstrap = kafka.bootstrap_servers().to_string();
         let admin = crate::connect(&pg.url("postgres")).await?;
         // The throwaway cluster runs with synchronous_commit=off (fast tests). Then a commit
@@ -401,6 +436,7 @@ impl Ctx {
         Ok(Ctx {
             pg,
             kafka,
+            _apache: apache,
             bootstrap,
             bindir,
             postmaster,

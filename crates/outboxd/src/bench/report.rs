@@ -8,7 +8,7 @@ use anyhow::Context;
 use serde_json::json;
 
 use super::{Crash, Latency, Phase, Scenario, Steady};
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, BenchBroker};
 
 #[derive(Debug, Clone)]
 pub(crate) struct VariantResult {
@@ -22,6 +22,8 @@ pub(crate) struct VariantResult {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Report {
     pub scenario: Option<Scenario>,
+    /// Which Kafka the run published to (`--broker` / `--bootstrap-servers`).
+    pub broker: String,
     pub rate: f64,
     pub writers: u64,
     pub events_per_txn: u64,
@@ -78,6 +80,7 @@ impl Report {
     pub fn new(main: &Scenario, a: &BenchArgs) -> Report {
         Report {
             scenario: Some(main.clone()),
+            broker: broker_label(a),
             rate: a.rate as f64,
             writers: a.writers,
             events_per_txn: a.events_per_txn,
@@ -98,7 +101,8 @@ impl Report {
 
     pub fn last_line(&self) -> String {
         format!(
-            "decode_ratio={:.2} drain_events_per_s={:.0} p99_ms={:.1} rss_mib={:.1} poll_ratio={:.2}",
+            "broker={} decode_ratio={:.2} drain_events_per_s={:.0} p99_ms={:.1} rss_mib={:.1} poll_ratio={:.2}",
+            self.broker.split(' ').next().unwrap_or(""),
             self.decode_ratio(),
             self.drain.rate,
             self.steady.latency.p99,
@@ -119,10 +123,11 @@ impl Report {
             "outboxd bench: {} events, payload {} B, {} aggregates; steady {:.0} events/s target ({} writers, {} events per transaction)",
             sc.events, sc.payload, sc.aggregates, self.rate, self.writers, self.events_per_txn
         );
+        println!("broker: {}", self.broker);
         println!("{:-<112}", "");
         println!(
             "{:<34} {:>11} {:>8} {:>12} {:>10} {:>12} {:>20}",
-            "phase", "events/s", "seconds", "relay µs/ev", "PG µs/ev", "bench µs/ev", "note"
+            "phase", "events/s", "seconds", "relay µs/ev", "PG µs/ev", "bench+broker", "note"
         );
         let row = |name: &str, p: &Phase, note: String| {
             println!(
@@ -249,6 +254,7 @@ impl Report {
             "scenario": self.scenario.as_ref().map(|s| json!({
                 "events": s.events, "payload_bytes": s.payload, "aggregates": s.aggregates,
             })),
+            "broker": self.broker,
             "machine_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "enqueue_events_per_s": self.enqueue_events_per_s,
             "wal_retained_backlog_mib": self.wal_backlog_mib,
@@ -431,5 +437,20 @@ impl Report {
             .map_err(|e| err(&e))?;
         root.present().map_err(|e| err(&e))?;
         Ok(())
+    }
+}
+
+/// What `--broker` / `--bootstrap-servers` chose, for the table, the JSON and the last line
+/// (its first word: `embedded`, `apache` or `external`).
+fn broker_label(a: &BenchArgs) -> String {
+    match (&a.bootstrap_servers, a.broker) {
+        (Some(b), _) => format!("external Kafka at {b}"),
+        (None, BenchBroker::Embedded) => {
+            "embedded (librdkafka's mock cluster in the bench process)".into()
+        }
+        (None, BenchBroker::Apache) => format!(
+            "apache (Apache Kafka {} KRaft, 1 node started by the bench, -Xmx512m)",
+            outbox_testkit::apache_kafka::KAFKA_VERSION
+        ),
     }
 }
