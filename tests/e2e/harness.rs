@@ -455,6 +455,19 @@ pub struct ReceiptCheck {
 }
 
 impl TestEnv {
+    /// Publishes one event of aggregate `agg` and waits for its receipt (the first receipt of
+    /// the test): the relay streams and its producer has a session with the broker.
+    pub async fn warm_up(&self, agg: &str) -> uuid::Uuid {
+        let id = self.enqueue(agg, serde_json::json!({"warm": true})).await;
+        self.wait_count(
+            "the warm-up receipt",
+            "SELECT count(*) FROM outbox.receipts",
+            1,
+        )
+        .await;
+        id
+    }
+
     /// Checks every Kafka receipt in the ledger, primary and duplicate, against the broker:
     /// the message at (topic, partition, offset) exists, carries header `id` = the event id,
     /// and its payload (and `payload_digest` header) matches the frozen row's digest. Also:

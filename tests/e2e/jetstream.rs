@@ -255,14 +255,7 @@ async fn a_paused_server_loses_the_ack_and_the_msg_id_republish_resolves_it_with
         &["--message-timeout-ms", "1000", "--unknown-settle-ms", "300"],
     );
     js.env.wait_streaming().await;
-    js.env.enqueue("w-0", json!({"warm": true})).await;
-    js.env
-        .wait_count(
-            "the warm-up receipt",
-            "SELECT count(*) FROM outbox.receipts",
-            1,
-        )
-        .await;
+    js.env.warm_up("w-0").await;
     // SIGSTOP for longer than the ACK timeout: the publish reaches the server's socket, the
     // PubAck cannot come back, the relay records DISPATCH_UNKNOWN.
     js.nats.pause();

@@ -32,6 +32,23 @@ async fn env_on(name: &str, c: &KafkaCluster) -> TestEnv {
     .await
 }
 
+/// Routes the test's aggregate type to a new one-partition topic whose `max.message.bytes` is
+/// `limit`; returns the topic.
+async fn route_to_small_topic(env: &TestEnv, limit: u32) -> String {
+    let topic = format!("{}.small", env.topic);
+    env.kafka
+        .create_topic_with(&topic, 1, &[("max.message.bytes", &limit.to_string())])
+        .unwrap();
+    env.db
+        .query_one(
+            "SELECT outbox.set_route($1, NULL, $2)",
+            &[&env.aggregate_type, &topic],
+        )
+        .await
+        .unwrap();
+    topic
+}
+
 /// Written, ACK lost, on a real broker: the broker is stopped while the produce request is in
 /// its socket, librdkafka gives up ("possibly persisted"), the relay records DISPATCH_UNKNOWN;
 /// the broker resumes and appends the request it had received; the partition scan finds the
@@ -45,13 +62,7 @@ async fn a_broker_stopped_mid_request_appends_it_later_and_the_scan_finds_it_wit
         &["--message-timeout-ms", "3000", "--unknown-settle-ms", "500"],
     );
     env.wait_streaming().await;
-    env.enqueue("warm", json!({"warm": true})).await;
-    env.wait_count(
-        "the warm-up receipt",
-        "SELECT count(*) FROM outbox.receipts",
-        1,
-    )
-    .await;
+    env.warm_up("warm").await;
 
     c.pause(1);
     let id = env.enqueue("lost-ack", json!({"v": 1})).await;
@@ -192,17 +203,7 @@ async fn a_partition_leader_killed_mid_stream_loses_nothing_and_keeps_each_aggre
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_the_broker_refuses_is_quarantined_and_other_aggregates_go_on() {
     let env = TestEnv::new("kafka_poison").await;
-    let topic = format!("{}.small", env.topic);
-    env.kafka
-        .create_topic_with(&topic, 1, &[("max.message.bytes", "2048")])
-        .unwrap();
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &topic],
-        )
-        .await
-        .unwrap();
+    let topic = route_to_small_topic(&env, 2048).await;
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
     let big = env
@@ -259,17 +260,7 @@ async fn an_event_the_broker_refuses_is_quarantined_and_other_aggregates_go_on()
 async fn with_message_max_bytes_at_the_topic_limit_a_too_large_event_never_takes_its_neighbours_down(
 ) {
     let env = TestEnv::new("kafka_poison_batch").await;
-    let topic = format!("{}.small", env.topic);
-    env.kafka
-        .create_topic_with(&topic, 1, &[("max.message.bytes", "4096")])
-        .unwrap();
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &topic],
-        )
-        .await
-        .unwrap();
+    let topic = route_to_small_topic(&env, 4096).await;
     // Committed before the relay starts: its initial snapshot sends them back to back.
     let mut ids = Vec::new();
     for (agg, pad) in [("h1", 10), ("poison", 8 * 1024), ("h2", 10), ("h3", 10)] {

@@ -95,13 +95,7 @@ async fn a_send_that_ends_without_proof_is_recorded_unknown_then_reconciled() {
         &["--message-timeout-ms", "1500", "--unknown-settle-ms", "300"],
     );
     env.wait_streaming().await;
-    env.enqueue("w-0", json!({"warm": true})).await;
-    env.wait_count(
-        "the warm-up receipt",
-        "SELECT count(*) FROM outbox.receipts",
-        1,
-    )
-    .await;
+    env.warm_up("w-0").await;
     // Every produce request times out at the broker: the producer cannot tell whether it was
     // written, and gives up when message.timeout.ms expires.
     mock.request_errors(
@@ -294,13 +288,7 @@ async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_
         .unwrap();
     let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
     env.wait_streaming().await;
-    env.enqueue("warm", json!({"warm": true})).await;
-    env.wait_count(
-        "the warm-up receipt",
-        "SELECT count(*) FROM outbox.receipts",
-        1,
-    )
-    .await;
+    env.warm_up("warm").await;
 
     // The test cluster runs with synchronous_commit=off: the walsender would then see A and B
     // only at the WAL writer's next flush, together, and the relay would send them in one batch.

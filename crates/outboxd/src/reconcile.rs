@@ -958,11 +958,11 @@ fn table(r: &Report) -> String {
 /// temporary file and rename it into the collector's directory, so a scrape never reads half.
 fn prometheus(r: &Report) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "# HELP outboxd_reconcile_findings Findings of the last outboxd reconcile run, by kind; 0 when all is well."
+    gauge_header(
+        &mut s,
+        "outboxd_reconcile_findings",
+        "Findings of the last outboxd reconcile run, by kind; 0 when all is well.",
     );
-    let _ = writeln!(s, "# TYPE outboxd_reconcile_findings gauge");
     for (k, n) in [
         ("aged_pending", r.aged_pending.total),
         ("aged_unknown", r.aged_unknown.total),
@@ -980,53 +980,37 @@ fn prometheus(r: &Report) -> String {
         .first()
         .map(|p| p.age_seconds)
         .unwrap_or(0.0);
-    let _ = writeln!(
-        s,
-        "# HELP outboxd_reconcile_oldest_aged_pending_seconds Age of the oldest aged PENDING event (0 if none)."
+    let gauges: [(&str, &str, String); 4] = [
+        (
+            "outboxd_reconcile_oldest_aged_pending_seconds",
+            "Age of the oldest aged PENDING event (0 if none).",
+            format!("{oldest:.3}"),
+        ),
+        (
+            "outboxd_reconcile_broker_messages_scanned",
+            "Broker messages read by the bypass scan.",
+            r.broker.messages.to_string(),
+        ),
+        (
+            "outboxd_reconcile_receipts_audited",
+            "Receipts compared with the message at their broker position (0 when the audit is off).",
+            r.receipts.audited.to_string(),
+        ),
+        (
+            "outboxd_reconcile_receipts_expired",
+            "Receipts in the audit scope below their partition's low watermark (deleted by retention).",
+            r.receipts.expired.to_string(),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        gauge_header(&mut s, name, help);
+        let _ = writeln!(s, "{name} {value}");
+    }
+    gauge_header(
+        &mut s,
+        "outboxd_reconcile_consumer_idle_seconds",
+        "Seconds since a registered consumer last moved a watermark.",
     );
-    let _ = writeln!(
-        s,
-        "# TYPE outboxd_reconcile_oldest_aged_pending_seconds gauge"
-    );
-    let _ = writeln!(
-        s,
-        "outboxd_reconcile_oldest_aged_pending_seconds {oldest:.3}"
-    );
-    let _ = writeln!(
-        s,
-        "# HELP outboxd_reconcile_broker_messages_scanned Broker messages read by the bypass scan."
-    );
-    let _ = writeln!(s, "# TYPE outboxd_reconcile_broker_messages_scanned gauge");
-    let _ = writeln!(
-        s,
-        "outboxd_reconcile_broker_messages_scanned {}",
-        r.broker.messages
-    );
-    let _ = writeln!(
-        s,
-        "# HELP outboxd_reconcile_receipts_audited Receipts compared with the message at their broker position (0 when the audit is off)."
-    );
-    let _ = writeln!(s, "# TYPE outboxd_reconcile_receipts_audited gauge");
-    let _ = writeln!(
-        s,
-        "outboxd_reconcile_receipts_audited {}",
-        r.receipts.audited
-    );
-    let _ = writeln!(
-        s,
-        "# HELP outboxd_reconcile_receipts_expired Receipts in the audit scope below their partition's low watermark (deleted by retention)."
-    );
-    let _ = writeln!(s, "# TYPE outboxd_reconcile_receipts_expired gauge");
-    let _ = writeln!(
-        s,
-        "outboxd_reconcile_receipts_expired {}",
-        r.receipts.expired
-    );
-    let _ = writeln!(
-        s,
-        "# HELP outboxd_reconcile_consumer_idle_seconds Seconds since a registered consumer last moved a watermark."
-    );
-    let _ = writeln!(s, "# TYPE outboxd_reconcile_consumer_idle_seconds gauge");
     for c in &r.consumers {
         if let Some(i) = c.idle_seconds {
             let _ = writeln!(
@@ -1041,16 +1025,18 @@ fn prometheus(r: &Report) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0);
-    let _ = writeln!(
-        s,
-        "# HELP outboxd_reconcile_last_run_timestamp_seconds When this report was made (Unix time)."
-    );
-    let _ = writeln!(
-        s,
-        "# TYPE outboxd_reconcile_last_run_timestamp_seconds gauge"
+    gauge_header(
+        &mut s,
+        "outboxd_reconcile_last_run_timestamp_seconds",
+        "When this report was made (Unix time).",
     );
     let _ = writeln!(s, "outboxd_reconcile_last_run_timestamp_seconds {now:.3}");
     s
+}
+
+fn gauge_header(s: &mut String, name: &str, help: &str) {
+    let _ = writeln!(s, "# HELP {name} {help}");
+    let _ = writeln!(s, "# TYPE {name} gauge");
 }
 
 fn escape_label(v: &str) -> String {
