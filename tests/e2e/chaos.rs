@@ -253,27 +253,23 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         Brokers::Apache(c) => TestKafka::external(c.bootstrap_servers()),
     };
     let env = TestEnv::with_kafka(TestPostgres::shared(), name, kafka).await;
-    if let Brokers::Apache(c) = &brokers {
-        // The test's topic was created with replication factor 1; route to a replicated one.
-        let topic = format!("{}.rf3", env.topic);
-        c.create_topic(&topic, partitions, BROKERS, &[("min.insync.replicas", "2")])
-            .expect("create the replicated topic");
-        env.db
-            .query_one(
-                "SELECT outbox.set_route($1, NULL, $2)",
-                &[&env.aggregate_type, &topic],
-            )
-            .await
-            .expect("route to the replicated topic");
-    } else {
-        env.kafka
-            .create_topic(&env.topic, partitions)
-            .expect("create topic");
+    // The test's own topic has 3 partitions and replication factor 1: route to one sized for
+    // the run (and, on Apache Kafka, replicated on all three nodes).
+    let topic = format!("{}.chaos", env.topic);
+    match &brokers {
+        Brokers::Mock => env.kafka.create_topic(&topic, partitions),
+        Brokers::Apache(c) => {
+            c.create_topic(&topic, partitions, BROKERS, &[("min.insync.replicas", "2")])
+        }
     }
-    let topic = match &brokers {
-        Brokers::Mock => env.topic.clone(),
-        Brokers::Apache(_) => format!("{}.rf3", env.topic),
-    };
+    .unwrap_or_else(|e| panic!("creating {topic} with {partitions} partitions: {e}"));
+    env.db
+        .query_one(
+            "SELECT outbox.set_route($1, NULL, $2)",
+            &[&env.aggregate_type, &topic],
+        )
+        .await
+        .expect("route to the run's topic");
     env.db
         .batch_execute(
             "CREATE TABLE chaos_inbox (event_id text PRIMARY KEY);
