@@ -4,8 +4,9 @@
 //!   port (as root, the server runs as the `postgres` user, since initdb refuses root), once
 //!   per process, unless `OUTBOXD_TEST_DATABASE_URL` names a server to use instead. Each test
 //!   gets its own database.
-//! * [`kafka`] gives each test librdkafka's in-process mock cluster (real TCP listener, fault
-//!   injection) unless `OUTBOXD_TEST_KAFKA` names real bootstrap servers.
+//! * [`kafka`] gives each test the process's shared Apache Kafka node (or the broker that
+//!   `OUTBOXD_TEST_KAFKA` names), or librdkafka's in-process mock cluster for a test that
+//!   injects a fault only the mock can (it says which).
 //! * [`apache_kafka`] runs real Apache Kafka brokers (KRaft, 1 or 3 nodes) resolved from
 //!   Maven Central, with per-node pause / kill / restart; also the `outbox-kafka` binary.
 //! * [`nats`] starts a throwaway `nats-server -js` (own port, store and name) for a test that
