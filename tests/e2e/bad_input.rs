@@ -2,6 +2,8 @@
 
 use std::process::Command;
 
+use outbox_testkit::postgres::TestPostgres;
+
 use crate::harness::TestEnv;
 
 fn run(args: &[&str]) -> (bool, String) {
@@ -129,23 +131,26 @@ async fn unknown_broker_and_missing_replication_privilege_are_named() {
     assert!(err.contains("REPLICATION"), "{err}");
 }
 
+/// A throwaway cluster with `wal_level = replica` (PostgreSQL's default), started once per
+/// test process: what the relay meets on a server nobody prepared.
+fn replica_only_url() -> String {
+    static PG: std::sync::OnceLock<TestPostgres> = std::sync::OnceLock::new();
+    PG.get_or_init(|| {
+        TestPostgres::start_throwaway_configured("wal_level = replica")
+            .unwrap_or_else(|e| panic!("starting a wal_level=replica cluster: {e}"))
+    })
+    .url("postgres")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_wal_level_is_named_with_the_fix() {
-    // The machine's own server may run with wal_level=replica; the throwaway one is logical.
-    // Use a database of the shared cluster and flip nothing: instead check the message of a
-    // server that is not logical when one is available.
-    let url = std::env::var("OUTBOXD_TEST_NONLOGICAL_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let Ok((c, conn)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await else {
-        println!("skipped: no non-logical server at {url}");
-        return;
-    };
+    let url = replica_only_url();
+    let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
     tokio::spawn(conn);
     let level: String = c.query_one("SHOW wal_level", &[]).await.unwrap().get(0);
-    if level == "logical" {
-        println!("skipped: {url} has wal_level=logical");
-        return;
-    }
+    assert_eq!(level, "replica", "the cluster this test needs");
     let (ok, err) = run(&[
         "run",
         "--database-url",
@@ -200,18 +205,12 @@ async fn check_passes_a_ready_setup_and_names_each_problem_with_its_fix() {
     );
     assert!(out.contains("GRANT USAGE ON SCHEMA outbox"), "{out}");
 
-    let nonlogical = std::env::var("OUTBOXD_TEST_NONLOGICAL_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let (ok, out) = check(&["--database-url", &nonlogical]);
-    if out.contains("ok    wal_level") || out.contains("FAIL  database connection") {
-        println!("skipped the wal_level case: {nonlogical} is logical or unreachable");
-    } else {
-        assert!(!ok, "check passed with wal_level != logical: {out}");
-        assert!(
-            out.contains("FAIL  wal_level") && out.contains("ALTER SYSTEM SET wal_level = logical"),
-            "{out}"
-        );
-    }
+    let (ok, out) = check(&["--database-url", &replica_only_url()]);
+    assert!(!ok, "check passed with wal_level = replica: {out}");
+    assert!(
+        out.contains("FAIL  wal_level") && out.contains("ALTER SYSTEM SET wal_level = logical"),
+        "{out}"
+    );
 }
 
 /// The rest of what `check` covers: config values (not only keys), librdkafka properties,

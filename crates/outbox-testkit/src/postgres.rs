@@ -95,19 +95,27 @@ impl TestPostgres {
     /// Starts a new cluster. With `dir = None` it lives in a temporary directory removed on
     /// drop; the cluster is registered to be stopped at process exit as well.
     pub fn start_throwaway(dir: Option<&Path>) -> Result<TestPostgres, HarnessError> {
-        Self::start_throwaway_with(dir, None)
+        Self::start_throwaway_with(dir, None, "")
     }
 
     /// A separate throwaway cluster with `ssl = on`, serving the given PEM certificate
     /// (chain) and key; plain-text connections stay allowed, so `sslmode` decides. The
     /// shared cluster never has TLS.
     pub fn start_throwaway_tls(cert: &Path, key: &Path) -> Result<TestPostgres, HarnessError> {
-        Self::start_throwaway_with(None, Some((cert, key)))
+        Self::start_throwaway_with(None, Some((cert, key)), "")
+    }
+
+    /// A separate throwaway cluster with `settings` (postgresql.conf lines) after the
+    /// harness's own, which they override: e.g. `wal_level = replica` for a test of the
+    /// relay's refusal. Stopped at process exit like the others.
+    pub fn start_throwaway_configured(settings: &str) -> Result<TestPostgres, HarnessError> {
+        Self::start_throwaway_with(None, None, settings)
     }
 
     fn start_throwaway_with(
         dir: Option<&Path>,
         tls: Option<(&Path, &Path)>,
+        settings: &str,
     ) -> Result<TestPostgres, HarnessError> {
         let bin = find_bindir()?;
         let run_as = if unsafe_geteuid() == 0 {
@@ -174,6 +182,8 @@ impl TestPostgres {
             }
             conf.push_str("ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
         }
+        conf.push_str(settings);
+        conf.push('\n');
         let conf_path = data.join("postgresql.conf");
         let mut existing =
             std::fs::read_to_string(&conf_path).map_err(|e| io("reading postgresql.conf", e))?;
