@@ -104,8 +104,32 @@ async fn a_standby_takes_over_when_the_active_relay_is_killed() {
 async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded() {
     let env = TestEnv::new_mock("zombie", "delay ACKs by an exact round-trip time").await;
     let mock = env.kafka.mock_cluster().expect("mock cluster");
+    // Every committed checkpoint write, with the generation that made it: a fenced relay's
+    // write would show up here (its rejected transactions roll back with their trigger rows).
+    env.db
+        .batch_execute(
+            "CREATE TABLE test_checkpoint_writes (
+                 seq bigserial PRIMARY KEY, relay_generation bigint, confirmed_lsn pg_lsn);
+             CREATE FUNCTION test_record_checkpoint() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO test_checkpoint_writes (relay_generation, confirmed_lsn)
+                 VALUES (NEW.relay_generation, NEW.confirmed_lsn);
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER test_record_checkpoint AFTER INSERT OR UPDATE ON outbox.checkpoints
+                 FOR EACH ROW EXECUTE FUNCTION test_record_checkpoint();",
+        )
+        .await
+        .unwrap();
     let slow = ["--message-timeout-ms", "60000"];
-    let a = env.relay(&[], &[&["--relay-id", "relay-a"][..], &slow[..]].concat());
+    // A logs each event it hands to the producer (trace), so the test knows when to pause it.
+    let a = env.relay(
+        &[(
+            "OUTBOXD_LOG",
+            "info,outboxd=debug,outboxd::relay::pipeline=trace,tokio_postgres=warn",
+        )],
+        &[&["--relay-id", "relay-a"][..], &slow[..]].concat(),
+    );
     env.wait_streaming().await;
     let ga = wait_owner(&env, "relay-a").await;
     let b = env.relay(&[], &[&["--relay-id", "relay-b"][..], &slow[..]].concat());
@@ -118,36 +142,34 @@ async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are
     for i in 0..5 {
         ids.push(env.enqueue(&format!("z{i}"), json!({"i": i})).await);
     }
-    let lsn: String = env
-        .db
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let slot = env.slot.clone();
-    wait_for("A's walsender to send the events", LONG, || async {
-        let r = env
-            .db
-            .query_one(
-                "SELECT coalesce(bool_or(r.sent_lsn >= $2::text::pg_lsn), false)
-                 FROM pg_stat_replication r JOIN pg_replication_slots s ON s.active_pid = r.pid
-                 WHERE s.slot_name = $1",
-                &[&slot, &lsn],
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        if r.get::<_, bool>(0) {
+    wait_for("A to hand the 5 events to its producer", LONG, || async {
+        let log = a.log_text();
+        let handed = log
+            .lines()
+            .filter(|l| l.contains("handed to the producer"))
+            .filter(|l| ids.iter().any(|id| l.contains(&id.to_string())))
+            .count();
+        if handed >= ids.len() {
             Ok(())
         } else {
-            Err("not sent".into())
+            Err(format!("{handed} of {} handed over", ids.len()))
         }
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await; // margin for A to hand them to librdkafka
     a.signal(libc::SIGSTOP);
 
     let gb = wait_owner(&env, "relay-b").await;
     assert!(gb > ga);
+    // From here on A is fenced: no checkpoint write of its generation may commit.
+    let fenced_from: i64 = env
+        .db
+        .query_one(
+            "SELECT coalesce(max(seq), 0) FROM test_checkpoint_writes",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     env.wait_count("B's receipts", "SELECT count(*) FROM outbox.receipts", 5)
         .await;
     mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
@@ -207,6 +229,23 @@ async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are
         .unwrap()
         .get(0);
     assert_eq!(gen, gb, "only the current generation moves the checkpoint");
+    let fenced_writes = env
+        .count(&format!(
+            "SELECT count(*) FROM test_checkpoint_writes WHERE seq > {fenced_from} AND relay_generation = {ga}"
+        ))
+        .await;
+    assert_eq!(
+        fenced_writes, 0,
+        "checkpoint writes committed by the fenced generation {ga}"
+    );
+    assert!(
+        env.count(&format!(
+            "SELECT count(*) FROM test_checkpoint_writes WHERE relay_generation = {gb}"
+        ))
+        .await
+            > 0,
+        "B's checkpoint writes are seen (the trigger records)"
+    );
     let checkpoint_after: String = env
         .db
         .query_one(

@@ -411,6 +411,7 @@ impl Pipeline {
                     .get(&ev.event_id)
                     .copied()
                     .unwrap_or(1);
+                tracing::trace!(event_id = %ev.event_id, attempt, "handed to the producer");
                 self.in_flight.insert(
                     token,
                     InFlight {
