@@ -685,3 +685,125 @@ async fn a_retry_keeps_its_attempt_generation_across_restarts() {
         "published: nothing to retry"
     );
 }
+
+/// PostgreSQL writes a commit to WAL before the transaction is visible to other snapshots, so
+/// the relay can hold a broker ACK for an event whose row its ledger connection cannot see yet
+/// (an uncommitted transaction stands in for that window here). The acceptance waits for the
+/// row instead of quarantining a valid receipt as `receipt_without_row`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_waits_for_its_row_to_become_visible_instead_of_quarantining_it() {
+    let (c, url) = fresh("ledger_visibility").await;
+    let (w, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(conn);
+    w.batch_execute("BEGIN").await.unwrap();
+    let id = enqueue(
+        &w,
+        "order",
+        "o-1",
+        "x",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&w, id).await;
+    let rollbacks = || async {
+        c.query_one(
+            "SELECT xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+    };
+    let before = rollbacks().await;
+    let accepting = tokio::spawn({
+        let url = url.clone();
+        let item = LedgerItem::Receipt(receipt(&ev, 7));
+        async move {
+            let (mut a, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+            tokio::spawn(conn);
+            accept::accept_batch(&mut a, "s", &[item], None, None).await
+        }
+    });
+    // The acceptance has met the invisible row at least once (and rolled back) ...
+    outbox_testkit::wait::wait_for(
+        "the acceptance to roll back while the row is invisible",
+        std::time::Duration::from_secs(30),
+        || async {
+            let now = rollbacks().await;
+            if accepting.is_finished() {
+                return Ok(()); // the old behaviour: it did not wait (asserted below)
+            }
+            if now > before {
+                Ok(())
+            } else {
+                Err(format!("{now} rollbacks"))
+            }
+        },
+    )
+    .await;
+    // ... and the row becomes visible.
+    w.batch_execute("COMMIT").await.unwrap();
+    let out = accepting.await.unwrap().unwrap();
+    assert_eq!(
+        (out.primary, out.conflicts),
+        (1, 0),
+        "the receipt is the primary once its row is visible, not a conflict"
+    );
+    let quarantined: i64 = c
+        .query_one("SELECT count(*) FROM outbox.quarantine", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(quarantined, 0);
+}
+
+/// A row that never becomes visible (its transaction rolled back) is quarantined once the
+/// wait is over: the receipt names no event.
+#[tokio::test]
+async fn a_receipt_whose_row_never_appears_is_quarantined_after_the_wait() {
+    let (mut c, url) = fresh("ledger_invisible").await;
+    let (w, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(conn);
+    w.batch_execute("BEGIN").await.unwrap();
+    let id = enqueue(
+        &w,
+        "order",
+        "o-1",
+        "x",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&w, id).await;
+    w.batch_execute("ROLLBACK").await.unwrap();
+    let mut prepared =
+        accept::Prepared::with_visibility_wait(std::time::Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    let out = accept::accept_batch_prepared(
+        &mut c,
+        &mut prepared,
+        "s",
+        &[LedgerItem::Receipt(receipt(&ev, 7))],
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(
+        t.elapsed() >= std::time::Duration::from_millis(300),
+        "it waited"
+    );
+    assert_eq!((out.primary, out.conflicts), (0, 1));
+    let reason: String = c
+        .query_one(
+            "SELECT reason_code FROM outbox.quarantine WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(reason, "receipt_without_row");
+}

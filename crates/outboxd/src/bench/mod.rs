@@ -677,6 +677,7 @@ impl Ctx {
             workload::Target::Outbox(String::new()),
         )
         .await?;
+        workload::all_accepted(&db.client, &committed, &accepted, "steady phase").await?;
         let latency = workload::latencies(&committed, &accepted, started_epoch);
         rss.sort_by(f64::total_cmp);
         let n = committed.len() as u64;

@@ -178,6 +178,7 @@ pub async fn baseline(
     stop.store(true, Ordering::Relaxed);
     poller.await??;
     let accepted = workload::accepted_times(&client, &committed, Target::Poll(agg_type)).await?;
+    workload::all_accepted(&client, &committed, &accepted, "polling steady phase").await?;
     let n = committed.len() as u64;
     let steady = Steady {
         target_rate: a.rate as f64,

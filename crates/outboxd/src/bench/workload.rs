@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use rand::Rng;
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
@@ -213,6 +213,64 @@ pub async fn accepted_times(
         }
     }
     Ok(out)
+}
+
+/// Fails when a committed event has no acceptance time although the relay was waited for
+/// until it confirmed past the last commit: a latency figure that silently drops events would
+/// hide exactly the events that matter. Says what the ledger knows of the missing ones.
+pub async fn all_accepted(
+    client: &Client,
+    committed: &[(Uuid, f64)],
+    accepted: &HashMap<Uuid, f64>,
+    what: &str,
+) -> anyhow::Result<()> {
+    let unique: std::collections::HashSet<Uuid> = committed.iter().map(|(id, _)| *id).collect();
+    let missing: Vec<Uuid> = unique
+        .iter()
+        .filter(|id| !accepted.contains_key(id))
+        .copied()
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let rows = client
+        .query(
+            "SELECT coalesce(s.state, 'no outbox row'), count(*)
+             FROM unnest($1::uuid[]) m(id) LEFT JOIN outbox.event_status s ON s.event_id = m.id
+             GROUP BY 1 ORDER BY 1",
+            &[&missing],
+        )
+        .await
+        .context("reading the state of events without an acceptance time")?;
+    let mut states: Vec<String> = rows
+        .iter()
+        .map(|r| format!("{} {}", r.get::<_, i64>(1), r.get::<_, String>(0)))
+        .collect();
+    for r in client
+        .query(
+            "SELECT reason_code, left(reason, 300), count(*) FROM outbox.quarantine
+             WHERE event_id = ANY($1) GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 5",
+            &[&missing],
+        )
+        .await
+        .context("reading quarantine reasons")?
+    {
+        states.push(format!(
+            "{} quarantined as {}: {}",
+            r.get::<_, i64>(2),
+            r.get::<_, String>(0),
+            r.get::<_, String>(1)
+        ));
+    }
+    bail!(
+        "{what}: {} of {} committed events ({} ids reported by the writers) have no acceptance time \
+         after the relay confirmed past their commits; their states: {}; e.g. {}",
+        missing.len(),
+        unique.len(),
+        committed.len(),
+        states.join(", "),
+        missing.iter().take(3).map(Uuid::to_string).collect::<Vec<_>>().join(", ")
+    )
 }
 
 /// Commit -> accepted, milliseconds, of every event that was accepted; plus, per 250 ms of
