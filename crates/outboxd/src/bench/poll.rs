@@ -50,21 +50,82 @@ RETURNING seq, event_id, dest_topic, dest_key, payload::text, aggregate_type, ag
 const MARK: &str =
     "UPDATE outbox.events SET published_at = clock_timestamp() WHERE event_id = ANY($1)";
 
-/// Messages in `topic` (sum of high watermarks), as the broker reports them.
-pub fn topic_messages(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<u64> {
+/// The high watermark of each partition of `topic`, in partition order.
+pub fn high_watermarks(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<Vec<i64>> {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", "outboxd-bench-watermarks")
         .create()
         .context("creating a watermark client")?;
-    let mut n = 0u64;
-    for p in 0..partitions {
-        let (low, high) = c
-            .fetch_watermarks(topic, p, Duration::from_secs(10))
-            .with_context(|| format!("watermarks of {topic}/{p}"))?;
-        n += (high - low).max(0) as u64;
+    (0..partitions)
+        .map(|p| {
+            c.fetch_watermarks(topic, p, Duration::from_secs(10))
+                .map(|(_, high)| high)
+                .with_context(|| format!("watermarks of {topic}/{p}"))
+        })
+        .collect()
+}
+
+/// Copies of each event id (header `id`) in `topic` from the offsets `from` (one per
+/// partition) up to the high watermarks of now. A message without an `id` header is an error:
+/// the bench's topics hold only the relay's messages.
+pub fn copies_since(
+    bootstrap: &str,
+    topic: &str,
+    from: &[i64],
+) -> anyhow::Result<std::collections::HashMap<Uuid, u32>> {
+    use rdkafka::message::{Headers, Message};
+    use rdkafka::{Offset, TopicPartitionList};
+    let until = high_watermarks(bootstrap, topic, from.len() as i32)?;
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "outboxd-bench-copies")
+        .set("enable.auto.commit", "false")
+        .create()
+        .context("creating a topic reader")?;
+    let mut tpl = TopicPartitionList::new();
+    let mut left = 0i64;
+    for (p, (&f, &u)) in from.iter().zip(&until).enumerate() {
+        if u > f {
+            tpl.add_partition_offset(topic, p as i32, Offset::Offset(f))
+                .context("assigning a partition")?;
+            left += u - f;
+        }
     }
-    Ok(n)
+    let mut copies = std::collections::HashMap::new();
+    if left == 0 {
+        return Ok(copies);
+    }
+    c.assign(&tpl).context("assigning the topic's partitions")?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while left > 0 {
+        if Instant::now() > deadline {
+            anyhow::bail!("reading {topic}: {left} messages not read within 120 s");
+        }
+        let Some(m) = c.poll(Duration::from_millis(500)) else {
+            continue;
+        };
+        let m = m.with_context(|| format!("reading {topic}"))?;
+        if m.offset() >= until[m.partition() as usize] {
+            continue;
+        }
+        left -= 1;
+        let id = m
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == "id"))
+            .and_then(|h| h.value)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|v| v.parse::<Uuid>().ok())
+            .with_context(|| {
+                format!(
+                    "{topic}/{}@{}: a message without an event id header",
+                    m.partition(),
+                    m.offset()
+                )
+            })?;
+        *copies.entry(id).or_insert(0) += 1;
+    }
+    Ok(copies)
 }
 
 /// Drain of the same backlog, then the same steady rate; returns (drain, steady, drain series).
