@@ -1,6 +1,6 @@
 //! The bench's output: a table, a JSON file, an SVG chart (latency distribution and
 //! throughput over time, drawn with `plotters`), and one last line for scripts:
-//! `decode_ratio=X drain_events_per_s=Y p99_ms=Z rss_mib=W poll_ratio=V`.
+//! `broker=embedded|apache|external decode_ratio=X drain_events_per_s=Y p99_ms=Z rss_mib=W poll_ratio=V`.
 
 use std::path::Path;
 
