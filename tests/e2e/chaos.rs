@@ -263,13 +263,7 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         }
     }
     .unwrap_or_else(|e| panic!("creating {topic} with {partitions} partitions: {e}"));
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &topic],
-        )
-        .await
-        .expect("route to the run's topic");
+    env.route_to(&topic).await;
     env.db
         .batch_execute(
             "CREATE TABLE chaos_inbox (event_id text PRIMARY KEY);

@@ -455,6 +455,18 @@ pub struct ReceiptCheck {
 }
 
 impl TestEnv {
+    /// Routes every event of the test's aggregate type to `topic` (a route-policy change, as an
+    /// operator makes it: events already enqueued keep their frozen destination).
+    pub async fn route_to(&self, topic: &str) {
+        self.db
+            .query_one(
+                "SELECT outbox.set_route($1, NULL, $2)",
+                &[&self.aggregate_type, &topic],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("routing {} to {topic}: {e}", self.aggregate_type));
+    }
+
     /// Publishes one event of aggregate `agg` and waits for its receipt (the first receipt of
     /// the test): the relay streams and its producer has a session with the broker.
     pub async fn warm_up(&self, agg: &str) -> uuid::Uuid {

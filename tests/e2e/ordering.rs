@@ -439,13 +439,7 @@ async fn events_are_published_as_frozen_across_schema_and_route_changes() {
     // "Upgrade": a new route policy and a new payload schema.
     let new_topic = format!("{}.v2", env.topic);
     env.kafka.create_topic(&new_topic, 1).unwrap();
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &new_topic],
-        )
-        .await
-        .unwrap();
+    env.route_to(&new_topic).await;
     let v2 = env
         .db
         .query_one(

@@ -39,13 +39,7 @@ async fn route_to_small_topic(env: &TestEnv, limit: u32) -> String {
     env.kafka
         .create_topic_with(&topic, 1, &[("max.message.bytes", &limit.to_string())])
         .unwrap();
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &topic],
-        )
-        .await
-        .unwrap();
+    env.route_to(&topic).await;
     topic
 }
 
@@ -117,13 +111,7 @@ async fn a_partition_leader_killed_mid_stream_loses_nothing_and_keeps_each_aggre
     let topic = format!("{}.rf3", env.topic);
     c.create_topic(&topic, 3, 3, &[("min.insync.replicas", "2")])
         .unwrap();
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &topic],
-        )
-        .await
-        .unwrap();
+    env.route_to(&topic).await;
     let _relay = env.relay(&[], &["--message-timeout-ms", "30000"]);
     env.wait_streaming().await;
 

@@ -205,13 +205,7 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
     // The route policy changes while the event is UNKNOWN.
     let moved = format!("{}.moved", env.topic);
     env.kafka.create_topic(&moved, 1).unwrap();
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &moved],
-        )
-        .await
-        .unwrap();
+    env.route_to(&moved).await;
 
     let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
     env.wait_count(
@@ -279,13 +273,7 @@ async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_
     // One partition, so that A and B share it whatever their keys hash to.
     let topic = format!("{}.one", env.topic);
     env.kafka.create_topic(&topic, 1).unwrap();
-    env.db
-        .query_one(
-            "SELECT outbox.set_route($1, NULL, $2)",
-            &[&env.aggregate_type, &topic],
-        )
-        .await
-        .unwrap();
+    env.route_to(&topic).await;
     let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
     env.wait_streaming().await;
     env.warm_up("warm").await;

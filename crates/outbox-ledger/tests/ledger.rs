@@ -686,14 +686,10 @@ async fn a_retry_keeps_its_attempt_generation_across_restarts() {
     );
 }
 
-/// PostgreSQL writes a commit to WAL before the transaction is visible to other snapshots, so
-/// the relay can hold a broker ACK for an event whose row its ledger connection cannot see yet
-/// (an uncommitted transaction stands in for that window here). The acceptance waits for the
-/// row instead of quarantining a valid receipt as `receipt_without_row`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_receipt_waits_for_its_row_to_become_visible_instead_of_quarantining_it() {
-    let (c, url) = fresh("ledger_visibility").await;
-    let (w, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+/// An event enqueued in a transaction left open on a connection of its own (returned, so the
+/// caller commits or rolls back): its row exists for that connection only.
+async fn uncommitted_event(url: &str) -> (Client, OutboxEvent) {
+    let (w, conn) = tokio_postgres::connect(url, NoTls).await.unwrap();
     tokio::spawn(conn);
     w.batch_execute("BEGIN").await.unwrap();
     let id = enqueue(
@@ -707,6 +703,17 @@ async fn a_receipt_waits_for_its_row_to_become_visible_instead_of_quarantining_i
     .await
     .unwrap();
     let ev = event(&w, id).await;
+    (w, ev)
+}
+
+/// PostgreSQL writes a commit to WAL before the transaction is visible to other snapshots, so
+/// the relay can hold a broker ACK for an event whose row its ledger connection cannot see yet
+/// (an uncommitted transaction stands in for that window here). The acceptance waits for the
+/// row instead of quarantining a valid receipt as `receipt_without_row`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_waits_for_its_row_to_become_visible_instead_of_quarantining_it() {
+    let (c, url) = fresh("ledger_visibility").await;
+    let (w, ev) = uncommitted_event(&url).await;
     let rollbacks = || async {
         c.query_one(
             "SELECT xact_rollback FROM pg_stat_database WHERE datname = current_database()",
@@ -764,20 +771,8 @@ async fn a_receipt_waits_for_its_row_to_become_visible_instead_of_quarantining_i
 #[tokio::test]
 async fn a_receipt_whose_row_never_appears_is_quarantined_after_the_wait() {
     let (mut c, url) = fresh("ledger_invisible").await;
-    let (w, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
-    tokio::spawn(conn);
-    w.batch_execute("BEGIN").await.unwrap();
-    let id = enqueue(
-        &w,
-        "order",
-        "o-1",
-        "x",
-        &json!({}),
-        &EnqueueOptions::default(),
-    )
-    .await
-    .unwrap();
-    let ev = event(&w, id).await;
+    let (w, ev) = uncommitted_event(&url).await;
+    let id = ev.event_id;
     w.batch_execute("ROLLBACK").await.unwrap();
     let mut prepared =
         accept::Prepared::with_visibility_wait(std::time::Duration::from_millis(300));

@@ -266,16 +266,29 @@ impl KafkaSink {
         &self.config
     }
 
-    /// Fetches cluster metadata to prove the broker answers (used at start and by `check`).
+    /// Fetches cluster metadata to prove the brokers answer (used at start and by `check`).
+    /// Blocking. A failed request is asked again until `timeout`: with one of several brokers
+    /// down (a rolling restart), librdkafka can fail a request it had sent to that broker at
+    /// once (for example DestroyBroker when it retires a bootstrap connection) although the
+    /// others answer; only a cluster that does not answer for the whole timeout is unreachable.
     pub fn check_reachable(&self, timeout: Duration) -> Result<usize, SinkError> {
-        self.producer
-            .client()
-            .fetch_metadata(None, timeout)
-            .map(|m| m.brokers().len())
-            .map_err(|source| SinkError::Unreachable {
-                bootstrap: self.config.bootstrap_servers.clone(),
-                source: Box::new(source),
-            })
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.producer.client().fetch_metadata(None, left) {
+                Ok(m) => return Ok(m.brokers().len()),
+                Err(source) if left.is_zero() || left < Duration::from_millis(250) => {
+                    return Err(SinkError::Unreachable {
+                        bootstrap: self.config.bootstrap_servers.clone(),
+                        source: Box::new(source),
+                    })
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "metadata request failed; asking again");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
     }
 
     /// Enqueues one event; its delivery report arrives later with `token`. Waits (async)
