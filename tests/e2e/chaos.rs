@@ -446,12 +446,17 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
             (2, Brokers::Apache(c)) => {
                 // Requests in its sockets stay unanswered past the message timeout: sends end
                 // possibly persisted, and the broker appends what it had received on SIGCONT.
-                let b = rng.gen_range(1..=BROKERS);
+                // A partition's leader: a stopped follower may only leave the ISR, and then
+                // nothing waits for it.
+                let p = rng.gen_range(0..partitions);
+                let b = c
+                    .leader_of(&topic, p)
+                    .unwrap_or_else(|| rng.gen_range(1..=BROKERS));
                 c.pause(b);
                 tokio::time::sleep(unknown_hold).await;
                 c.resume(b);
                 log.push(format!(
-                    "{t}: broker {b} SIGSTOP for {unknown_hold:?}, SIGCONT"
+                    "{t}: broker {b} (leader of partition {p}) SIGSTOP for {unknown_hold:?}, SIGCONT"
                 ));
             }
             (3, Brokers::Apache(c)) => {
@@ -702,4 +707,8 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         confirmed_past_unaccepted, 0,
         "confirmed LSN passed an unaccepted event"
     );
+    // Every scheduled fault was injected. (Whether a fault caught a request in flight depends
+    // on timing: UNKNOWN attempts are 0 in some seeds on Apache Kafka, so they are reported,
+    // not asserted.)
+    assert_eq!(log.len() as u64, faults, "faults injected: {log:?}");
 }
