@@ -44,6 +44,11 @@ async fn event(c: &Client, id: uuid::Uuid) -> OutboxEvent {
     .unwrap()
 }
 
+/// The single number `sql` selects.
+async fn count(c: &Client, sql: &str) -> i64 {
+    c.query_one(sql, &[]).await.unwrap().get(0)
+}
+
 fn receipt(ev: &OutboxEvent, offset: i64) -> ReceiptRecord {
     ReceiptRecord {
         event_id: ev.event_id,
@@ -344,11 +349,7 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         .await
         .unwrap();
     }
-    let n: i64 = c
-        .query_one("SELECT count(*) FROM outbox.quarantine", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n = count(&c, "SELECT count(*) FROM outbox.quarantine").await;
     assert_eq!(n, 2);
 }
 
@@ -410,11 +411,7 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
         matches!(err, outbox_ledger::LedgerError::LeaseLost { .. }),
         "{err}"
     );
-    let n: i64 = c
-        .query_one("SELECT count(*) FROM outbox.receipts", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let n = count(&c, "SELECT count(*) FROM outbox.receipts").await;
     assert_eq!(n, 1, "the zombie's receipt is kept");
     // The relay used to keep a fenced batch for salvage although it had committed, and record
     // it again: each receipt became a duplicate of itself. The same ACK is recorded once.
@@ -428,11 +425,7 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
     .await
     .unwrap();
     assert_eq!((again.primary, again.duplicates), (0, 0), "{again:?}");
-    let dups: i64 = c
-        .query_one("SELECT count(*) FROM outbox.duplicate_receipts", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let dups = count(&c, "SELECT count(*) FROM outbox.duplicate_receipts").await;
     assert_eq!(
         dups, 0,
         "a fenced batch recorded twice is not a duplicate receipt"
@@ -551,19 +544,16 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
     accept::accept_batch(&mut c, "s", &stale, None, None)
         .await
         .unwrap();
-    let count = |sql: &'static str| {
-        let c = &c;
-        async move { c.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
-    };
     assert_eq!(
         count(
+            &c,
             "SELECT count(*) FROM outbox.quarantine WHERE reason_code = 'destination_not_served'"
         )
         .await,
         0,
         "a published event is never quarantined afterwards"
     );
-    assert_eq!(count("SELECT count(*) FROM outbox.holds").await, 0);
+    assert_eq!(count(&c, "SELECT count(*) FROM outbox.holds").await, 0);
 }
 
 #[tokio::test]
@@ -619,14 +609,7 @@ async fn a_receipt_without_a_broker_position_is_refused_by_the_database() {
         err.contains("receipts_position_check") && err.contains("SQLSTATE 23514"),
         "{err}"
     );
-    let n: i64 = c
-        .query_one(
-            "SELECT (SELECT count(*) FROM outbox.receipts) + (SELECT count(*) FROM outbox.duplicate_receipts)",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let n = count(&c, "SELECT (SELECT count(*) FROM outbox.receipts) + (SELECT count(*) FROM outbox.duplicate_receipts)").await;
     assert_eq!(n, 1, "only the receipt with a position was recorded");
 }
 
@@ -758,11 +741,7 @@ async fn a_receipt_waits_for_its_row_to_become_visible_instead_of_quarantining_i
         (1, 0),
         "the receipt is the primary once its row is visible, not a conflict"
     );
-    let quarantined: i64 = c
-        .query_one("SELECT count(*) FROM outbox.quarantine", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let quarantined = count(&c, "SELECT count(*) FROM outbox.quarantine").await;
     assert_eq!(quarantined, 0);
 }
 

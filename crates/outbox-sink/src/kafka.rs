@@ -277,7 +277,7 @@ impl KafkaSink {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.producer.client().fetch_metadata(None, left) {
                 Ok(m) => return Ok(m.brokers().len()),
-                Err(source) if left.is_zero() || left < Duration::from_millis(250) => {
+                Err(source) if left < Duration::from_millis(250) => {
                     return Err(SinkError::Unreachable {
                         bootstrap: self.config.bootstrap_servers.clone(),
                         source: Box::new(source),

@@ -693,21 +693,13 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
     };
     if let Ok(limits) = limits {
         let producer = producer_max_bytes(sink);
-        let below: Vec<String> = limits
-            .iter()
-            .filter(|(_, l)| *l < producer)
-            .map(|(t, l)| format!("{t} ({l})"))
-            .collect();
-        if let Some(min) = limits
-            .iter()
-            .map(|(_, l)| *l)
-            .min()
-            .filter(|m| *m < producer)
-        {
+        let below: Vec<&(String, i64)> = limits.iter().filter(|(_, l)| *l < producer).collect();
+        if let Some(min) = below.iter().map(|(_, l)| *l).min() {
+            let list: Vec<String> = below.iter().map(|(t, l)| format!("{t} ({l})")).collect();
             r.add(
                 Level::Warn,
                 "message size",
-                format!("the producer builds record batches of up to message.max.bytes={producer} bytes, but these topics refuse batches over max.message.bytes: {}; the broker refuses a batch as a whole, so an event batched with a too-large one would be quarantined with it: pass --kafka-property message.max.bytes={min} (the smallest topic limit), so that librdkafka refuses a too-large event alone", below.join(", ")),
+                format!("the producer builds record batches of up to message.max.bytes={producer} bytes, but these topics refuse batches over max.message.bytes: {}; the broker refuses a batch as a whole, so an event batched with a too-large one would be quarantined with it: pass --kafka-property message.max.bytes={min} (the smallest topic limit), so that librdkafka refuses a too-large event alone", list.join(", ")),
             );
         }
     }
@@ -805,15 +797,10 @@ fn producer_max_bytes(sink: &KafkaSinkConfig) -> i64 {
 /// Each existing topic's `max.message.bytes` (DescribeConfigs); topics it cannot read are left
 /// out (their existence is checked separately).
 fn topic_size_limits(sink: &KafkaSinkConfig, topics: &[String]) -> Vec<(String, i64)> {
-    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-    use rdkafka::client::DefaultClientContext;
-    let Ok(admin) = metadata_config(sink).create::<AdminClient<DefaultClientContext>>() else {
-        return Vec::new();
-    };
-    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    use rdkafka::admin::ResourceSpecifier;
     let specs: Vec<ResourceSpecifier> =
         topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
-    let Ok(res) = futures::executor::block_on(admin.describe_configs(specs.iter(), &opts)) else {
+    let Some(res) = admin_client(sink).and_then(|a| describe_configs(&a, &specs)) else {
         return Vec::new();
     };
     res.into_iter()
@@ -826,19 +813,34 @@ fn topic_size_limits(sink: &KafkaSinkConfig, topics: &[String]) -> Vec<(String, 
         .collect()
 }
 
+/// An admin client with the relay's connection settings (`None` if librdkafka refuses them;
+/// the producer check reports that).
+fn admin_client(
+    sink: &KafkaSinkConfig,
+) -> Option<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>> {
+    metadata_config(sink).create().ok()
+}
+
+/// DescribeConfigs of `specs`, one result per specifier in order (blocking, 10 s timeout);
+/// `None` if the request fails as a whole.
+fn describe_configs(
+    admin: &rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>,
+    specs: &[rdkafka::admin::ResourceSpecifier<'_>],
+) -> Option<Vec<rdkafka::admin::ConfigResourceResult>> {
+    let opts = rdkafka::admin::AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    futures::executor::block_on(admin.describe_configs(specs, &opts)).ok()
+}
+
 /// The broker's `auto.create.topics.enable`, if it can be read (DescribeConfigs).
 fn broker_auto_create(sink: &KafkaSinkConfig) -> Option<bool> {
-    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-    use rdkafka::client::DefaultClientContext;
-    let admin: AdminClient<DefaultClientContext> = metadata_config(sink).create().ok()?;
+    use rdkafka::admin::ResourceSpecifier;
+    let admin = admin_client(sink)?;
     let md = admin
         .inner()
         .fetch_metadata(None, Duration::from_secs(10))
         .ok()?;
     let broker = md.brokers().first()?.id();
-    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
-    let spec = ResourceSpecifier::Broker(broker);
-    let res = futures::executor::block_on(admin.describe_configs([&spec], &opts)).ok()?;
+    let res = describe_configs(&admin, &[ResourceSpecifier::Broker(broker)])?;
     let resource = res.into_iter().next()?.ok()?;
     let entry = resource
         .entries
