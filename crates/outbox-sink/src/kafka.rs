@@ -444,9 +444,21 @@ pub fn scan_for_event(
         .set("enable.partition.eof", "false")
         .create()
         .map_err(|e| SinkError::Config(Box::new(e)))?;
-    let (low, high) = consumer
-        .fetch_watermarks(topic, partition, timeout)
-        .map_err(unreachable)?;
+    // One broker of a cluster being down (a restart, a failover) is not a reason to give up:
+    // librdkafka reconnects and re-routes by itself, so errors are asked again until the
+    // deadline, and only the last one is reported.
+    let deadline = std::time::Instant::now() + timeout;
+    let (low, high) = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match consumer.fetch_watermarks(topic, partition, left) {
+            Ok(w) => break w,
+            Err(e) if left < Duration::from_millis(250) => return Err(unreachable(e)),
+            Err(e) => {
+                tracing::debug!(error = %e, topic, partition, "watermark request failed; asking again");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
     let start = from.max(low);
     let mut result = ScanResult {
         found: None,
@@ -460,18 +472,28 @@ pub fn scan_for_event(
     tpl.add_partition_offset(topic, partition, Offset::Offset(start))
         .map_err(unreachable)?;
     consumer.assign(&tpl).map_err(unreachable)?;
-    let deadline = std::time::Instant::now() + timeout;
     let mut next = start;
+    let mut last_error = None;
     while next < high {
         if std::time::Instant::now() > deadline {
-            return Err(unreachable(KafkaError::MessageConsumption(
-                RDKafkaErrorCode::OperationTimedOut,
+            return Err(unreachable(last_error.unwrap_or(
+                KafkaError::MessageConsumption(RDKafkaErrorCode::OperationTimedOut),
             )));
         }
         let Some(m) = consumer.poll(Duration::from_millis(100)) else {
             continue;
         };
-        let m = m.map_err(unreachable)?;
+        // A consumer error here is informational (a broker connection failed, the leader
+        // moved): librdkafka goes on fetching by itself. The deadline bounds the wait; a scan
+        // that cannot finish proves nothing and leaves the attempt UNKNOWN.
+        let m = match m {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!(error = %e, topic, partition, "partition scan: consumer error; still reading");
+                last_error = Some(e);
+                continue;
+            }
+        };
         next = m.offset() + 1;
         let is_it = m.headers().is_some_and(|h| {
             h.iter()
