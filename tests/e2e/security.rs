@@ -289,3 +289,44 @@ async fn database_password_never_appears_in_output() {
         "{wrong_out}"
     );
 }
+
+/// A privilege revoked while the relay runs is not a transient failure: no reconnect brings
+/// it back. The relay stops with the SQLSTATE and the fix instead of replaying forever behind
+/// a growing lag (the policy in `outbox_core::policy`), and the event it could not accept is
+/// published once the grant is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_privilege_stops_the_relay_with_the_fix_and_loses_nothing() {
+    let mut env = TestEnv::new("revoked_privilege").await;
+    env.db.batch_execute(LEAST_PRIVILEGE_SQL).await.unwrap();
+    env.url = env.url.replacen("postgres@", "outboxd_relay@", 1);
+    let mut relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    env.warm_up("warm").await;
+
+    env.db
+        .batch_execute("REVOKE INSERT ON outbox.receipts FROM outboxd_relay")
+        .await
+        .unwrap();
+    let id = env.enqueue("after-revoke", json!({"n": 1})).await;
+    let status = relay.wait_exit(LONG).await;
+    let log = relay.log_text();
+    assert!(!status.success(), "the relay exited cleanly: {log}");
+    assert!(
+        log.contains("SQLSTATE 42501") && log.contains("least_privilege.sql"),
+        "the error names neither the SQLSTATE nor the fix:\n{log}"
+    );
+    assert!(
+        !log.contains("replaying from the last checkpoint"),
+        "the relay retried a permission error:\n{log}"
+    );
+
+    env.db.batch_execute(LEAST_PRIVILEGE_SQL).await.unwrap();
+    let _relay = env.relay(&[], &[]);
+    env.wait_count(
+        "the event held back by the revoked privilege published",
+        &format!("SELECT count(*) FROM outbox.receipts WHERE event_id = '{id}'"),
+        1,
+    )
+    .await;
+    env.verify_receipts(&[&env.topic]).await;
+}

@@ -13,11 +13,13 @@
 //!   aggregate (invariant 7).
 //! * [`receipt`] — the acceptance decisions: primary / duplicate / conflicting receipt, the
 //!   DISPATCH_UNKNOWN resolution rule, and when a destination migration is allowed.
+//! * [`policy`] — which PostgreSQL failures a retry can fix and which stop the relay with a fix.
 
 pub mod ack;
 pub mod envelope;
 pub mod lsn;
 pub mod ordering;
+pub mod policy;
 pub mod receipt;
 pub mod state;
 

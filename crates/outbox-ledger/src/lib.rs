@@ -37,6 +37,8 @@ pub use accept::{
 };
 pub use checkpoint::Checkpoint;
 
+use outbox_core::policy::{recovery, Channel, Recovery};
+
 /// A ledger operation failed. Says which operation; the source carries PostgreSQL's message.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -61,6 +63,21 @@ pub enum LedgerError {
     LeaseLost { slot: String, generation: i64 },
 }
 
+impl LedgerError {
+    /// Whether reconnecting and replaying can fix it: a lost lease (another relay goes on), a
+    /// database error the policy in [`outbox_core::policy`] retries. A missing privilege or
+    /// object, a changed migration, invalid data: no.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            LedgerError::Db { source, .. } => {
+                recovery(source.code().map(|c| c.code()), Channel::Sql).is_retry()
+            }
+            LedgerError::LeaseLost { .. } => true,
+            _ => false,
+        }
+    }
+}
+
 /// Attaches `context` to a tokio-postgres error.
 pub(crate) trait Context<T> {
     fn ctx(self, context: impl Into<String>) -> Result<T, LedgerError>;
@@ -81,8 +98,11 @@ pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => {
             let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
-            if matches!(db.code().code(), "42P01" | "3F000" | "42883") {
-                s.push_str("; is the database migrated? run `outboxd migrate --database-url ...`");
+            if let Recovery::Fatal { fix } = recovery(Some(db.code().code()), Channel::Sql) {
+                if !fix.is_empty() {
+                    s.push_str("; ");
+                    s.push_str(fix);
+                }
             }
             if let Some(d) = db.detail() {
                 s.push_str(&format!("; detail: {d}"));

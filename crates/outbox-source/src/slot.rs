@@ -12,6 +12,7 @@
 //!
 //! The decision is a pure function, [`plan`], so every case is unit-tested.
 
+use outbox_core::policy::{recovery, Channel, Recovery};
 use outbox_core::Lsn;
 use tokio_postgres::Client;
 
@@ -56,7 +57,12 @@ pub enum SourceError {
     #[error("replication connection: {0}")]
     Transport(#[from] TransportError),
     #[error("{context}: {message}")]
-    Db { context: String, message: String },
+    Db {
+        context: String,
+        message: String,
+        /// The server's SQLSTATE, when it named one (what [`outbox_core::policy`] decides on).
+        code: Option<String>,
+    },
     #[error("pgoutput stream: {0}")]
     Decode(#[from] outbox_pgoutput::DecodeError),
     #[error("replication protocol: {0}")]
@@ -68,31 +74,34 @@ impl SourceError {
     pub fn is_transient(&self) -> bool {
         match self {
             SourceError::Transport(t) => {
-                !matches!(t, TransportError::Auth(_)) && {
-                    // Server errors on the replication connection are definite, except the ones
-                    // caused by the walsender going away (admin shutdown, slot briefly in use).
-                    match t.sqlstate() {
-                        None => true,
-                        Some(code) => {
-                            matches!(code, "57P01" | "57P02" | "57P03" | "55006" | "08006")
-                        }
-                    }
-                }
+                !matches!(t, TransportError::Auth(_))
+                    && recovery(t.sqlstate(), Channel::Replication).is_retry()
             }
-            SourceError::Db { .. } => true,
+            SourceError::Db { code, .. } => recovery(code.as_deref(), Channel::Sql).is_retry(),
             _ => false,
         }
     }
 }
 
 pub(crate) fn db_err(context: impl Into<String>, e: tokio_postgres::Error) -> SourceError {
+    let code = e.code().map(|c| c.code().to_string());
     let message = match e.as_db_error() {
-        Some(d) => format!("{} (SQLSTATE {})", d.message(), d.code().code()),
+        Some(d) => {
+            let mut m = format!("{} (SQLSTATE {})", d.message(), d.code().code());
+            if let Recovery::Fatal { fix } = recovery(code.as_deref(), Channel::Sql) {
+                if !fix.is_empty() {
+                    m.push_str("; ");
+                    m.push_str(fix);
+                }
+            }
+            m
+        }
         None => e.to_string(),
     };
     SourceError::Db {
         context: context.into(),
         message,
+        code,
     }
 }
 
@@ -358,6 +367,7 @@ pub async fn drop_slot(client: &Client, slot: &str) -> Result<(), SourceError> {
     Err(SourceError::Db {
         context: format!("dropping slot {slot}"),
         message: "the slot stayed active for 5 s; is another outboxd running on it?".into(),
+        code: None,
     })
 }
 
@@ -369,6 +379,39 @@ pub fn quote_ident(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn server(code: &str) -> SourceError {
+        SourceError::Transport(TransportError::Server {
+            code: code.into(),
+            message: "m".into(),
+            detail: None,
+            hint: None,
+        })
+    }
+
+    fn sql(code: Option<&str>) -> SourceError {
+        SourceError::Db {
+            context: "c".into(),
+            message: "m".into(),
+            code: code.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn errors_are_classified_by_sqlstate_and_connection() {
+        // The walsender going away is retried; an unknown walsender error, a missing slot, or
+        // a missing privilege is not.
+        assert!(server("57P01").is_transient());
+        assert!(server("55006").is_transient());
+        assert!(!server("42704").is_transient());
+        assert!(!server("42501").is_transient());
+        // On the SQL connection a broken connection and an unknown code are retried, a
+        // missing privilege or table is not.
+        assert!(sql(None).is_transient());
+        assert!(sql(Some("40001")).is_transient());
+        assert!(!sql(Some("42501")).is_transient());
+        assert!(!sql(Some("42P01")).is_transient());
+    }
 
     fn slot(lsn: u64) -> SlotInfo {
         SlotInfo {

@@ -108,7 +108,7 @@ impl RelayError {
     pub fn is_transient(&self) -> bool {
         match self {
             RelayError::Source(e) => e.is_transient(),
-            RelayError::Ledger(LedgerError::Db { .. } | LedgerError::LeaseLost { .. }) => true,
+            RelayError::Ledger(e) => e.is_transient(),
             RelayError::Sink(e) => e.is_transient(),
             RelayError::Connect { .. } => true,
             RelayError::Delivery { .. } | RelayError::StreamEnded => true,
