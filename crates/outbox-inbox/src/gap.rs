@@ -1,8 +1,8 @@
 //! The consumer's decisions, without I/O: deduplication, per-aggregate sequence checks, the
 //! buffer that holds events that arrived ahead of a gap, and the contiguous offset watermark.
 //!
-//! The database path ([`crate::store`]) and the deterministic simulator both call these, so the
-//! rules are the same in production and in a million seeded traces.
+//! The database path ([`crate::store`]) calls these; [`ConsumerModel`] runs the same rules in
+//! memory for a simulator (outbox-sim does not link this crate yet: its consumer is its own).
 //!
 //! # The rules
 //! * **Dedup first.** An event id already in this consumer's inbox is a duplicate, whatever its
@@ -251,7 +251,7 @@ impl<P: Eq + Hash + Clone> OffsetTracker<P> {
     }
 }
 
-/// The whole consumer recipe as an in-memory model, for the deterministic simulator: the inbox
+/// The whole consumer recipe as an in-memory model, meant for a deterministic simulator: the inbox
 /// (event ids), the aggregate watermarks and the gap buffer. [`deliver`](Self::deliver) is one
 /// message's transaction (atomic, as the database makes it); [`crash`](Self::crash) loses what
 /// only lives in memory (the buffer) and keeps what was committed.

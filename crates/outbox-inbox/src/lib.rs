@@ -22,8 +22,8 @@
 //! service cannot join it: pass it the [`IdempotencyKey`] (derived from the event id, the same
 //! on every redelivery), so the remote side deduplicates. See `docs/consumers.md`.
 //!
-//! * [`gap`] — pure decisions (dedup, sequence, buffer, offset watermark), shared with the
-//!   deterministic simulator.
+//! * [`gap`] — pure decisions (dedup, sequence, buffer, offset watermark), unit-tested; the
+//!   chaos suite's consumer runs them through [`store::process`].
 //! * [`store`] — the PostgreSQL transaction for one message; schema install; inbox purge.
 //! * [`consumer`] — [`InboxConsumer`], the rdkafka consumer loop around it.
 

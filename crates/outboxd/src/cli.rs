@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::config::{parse_kv, SinkKind};
+use crate::values::{parse_kv, LogFormat, SinkKind};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -31,13 +31,6 @@ pub struct Cli {
     pub log_format: Option<LogFormat>,
     #[command(subcommand)]
     pub command: Command,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    Text,
-    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -497,14 +490,14 @@ pub struct ReconcileArgs {
     #[arg(long, env = "OUTBOXD_CONFIG")]
     pub config: Option<PathBuf>,
     /// Report PENDING events older than this (30s, 5m, 2h, 1d). [default: 5m]
-    #[arg(long, env = "OUTBOXD_RECONCILE_PENDING_AFTER", value_parser = crate::purge::parse_duration)]
+    #[arg(long, env = "OUTBOXD_RECONCILE_PENDING_AFTER", value_parser = crate::values::parse_duration)]
     pub pending_after: Option<std::time::Duration>,
     /// Report attempts DISPATCH_UNKNOWN for longer than this. [default: 15m]
-    #[arg(long, env = "OUTBOXD_RECONCILE_UNKNOWN_AFTER", value_parser = crate::purge::parse_duration)]
+    #[arg(long, env = "OUTBOXD_RECONCILE_UNKNOWN_AFTER", value_parser = crate::values::parse_duration)]
     pub unknown_after: Option<std::time::Duration>,
     /// Report events published longer ago than this that a mandatory consumer has not
     /// applied. [default: 1h]
-    #[arg(long, env = "OUTBOXD_RECONCILE_UNCONSUMED_AFTER", value_parser = crate::purge::parse_duration)]
+    #[arg(long, env = "OUTBOXD_RECONCILE_UNCONSUMED_AFTER", value_parser = crate::values::parse_duration)]
     pub unconsumed_after: Option<std::time::Duration>,
     /// Also scan this topic for bypass publishes (the outbox's topics are always scanned);
     /// repeatable.
@@ -552,12 +545,12 @@ pub struct PurgeArgs {
     #[arg(long, env = "OUTBOXD_CONFIG")]
     pub config: Option<PathBuf>,
     /// Keep events published within this window (30s, 12h, 7d; 0s = no window). [default: 7d]
-    #[arg(long, env = "OUTBOXD_REPLAY_WINDOW", value_parser = crate::purge::parse_duration)]
+    #[arg(long, env = "OUTBOXD_REPLAY_WINDOW", value_parser = crate::values::parse_duration)]
     pub replay_window: Option<std::time::Duration>,
     /// Keep inbox rows consumed within this window. At least the replay window; make it
     /// cover the broker's retention of the topics, since a replay from the broker is
     /// deduplicated only while the row exists. [default: the replay window]
-    #[arg(long, env = "OUTBOXD_INBOX_RETENTION", value_parser = crate::purge::parse_duration)]
+    #[arg(long, env = "OUTBOXD_INBOX_RETENTION", value_parser = crate::values::parse_duration)]
     pub inbox_retention: Option<std::time::Duration>,
     /// Rows per delete transaction. [default: 1000]
     #[arg(long)]

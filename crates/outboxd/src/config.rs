@@ -14,6 +14,8 @@ use anyhow::{bail, Context};
 use outbox_sink::{JetStreamSinkConfig, KafkaSinkConfig};
 use serde::Deserialize;
 
+use crate::values::SinkKind;
+
 /// A string that must never reach a log line or an error message.
 #[derive(Clone, Default, Deserialize)]
 #[serde(transparent)]
@@ -122,7 +124,7 @@ pub struct FileConfig {
     pub relay: RelayFile,
     /// `text` (default) or `json` (one JSON object per line, with the span fields slot, db,
     /// generation). `--log-format` wins.
-    pub log_format: Option<crate::cli::LogFormat>,
+    pub log_format: Option<crate::values::LogFormat>,
     #[serde(default)]
     pub admin: AdminFile,
     #[serde(default)]
@@ -148,16 +150,6 @@ pub struct AdminFile {
     /// How often the gauges read from PostgreSQL (lag, pending, UNKNOWN, holds) and the broker
     /// probe behind `/readyz` are refreshed, ms. Default 5000.
     pub sample_interval_ms: Option<u64>,
-}
-
-/// Which broker the relay publishes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum SinkKind {
-    /// Kafka through librdkafka (idempotent producer, acks=all).
-    Kafka,
-    /// NATS JetStream (Nats-Msg-Id = event id, PubAck = receipt).
-    Nats,
 }
 
 /// `[nats]` section (used with `sink = "nats"`).
@@ -470,14 +462,6 @@ pub fn split_table(t: &str) -> anyhow::Result<(String, String)> {
         }
         _ => bail!("table {t:?} is invalid: expected schema.table, e.g. outbox.events"),
     }
-}
-
-/// Parses `KEY=VALUE`.
-pub fn parse_kv(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .filter(|(k, _)| !k.is_empty())
-        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
 }
 
 /// A relay identity that is unique enough for the lease table: host, pid and a random suffix.

@@ -13,6 +13,7 @@ mod migrate_destination;
 mod purge;
 mod reconcile;
 mod relay;
+mod values;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +23,9 @@ use clap::Parser;
 use outbox_sink::{JetStreamSinkConfig, KafkaSinkConfig};
 use tokio::sync::watch;
 
-use cli::{Cli, Command, LogFormat, QuarantineCommand, RunArgs};
+use cli::{Cli, Command, QuarantineCommand, RunArgs};
 use config::{redact_url, FileConfig, RelayConfig, Secret};
+use values::LogFormat;
 
 fn main() {
     let cli = Cli::parse();
@@ -284,9 +286,9 @@ fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
     properties.extend(a.kafka_properties.iter().cloned());
     let defaults = KafkaSinkConfig::default();
     let cluster_name = a.cluster_name.clone();
-    let nats = match a.sink.or(file.sink).unwrap_or(config::SinkKind::Kafka) {
-        config::SinkKind::Kafka => None,
-        config::SinkKind::Nats => {
+    let nats = match a.sink.or(file.sink).unwrap_or(values::SinkKind::Kafka) {
+        values::SinkKind::Kafka => None,
+        values::SinkKind::Nats => {
             let d = JetStreamSinkConfig::default();
             let n = &file.nats;
             Some(JetStreamSinkConfig {

@@ -15,56 +15,10 @@ use outbox_ledger::retention::{self, PurgeReport, PurgeSettings};
 
 use crate::cli::PurgeArgs;
 use crate::config::FileConfig;
+use crate::values::{parse_duration, show_duration};
 
 /// Default replay window when neither flag, variable nor config file sets one.
 pub const DEFAULT_REPLAY_WINDOW: Duration = Duration::from_secs(7 * 86_400);
-
-/// Parses `500ms`, `30s`, `5m`, `12h`, `7d` (a bare number is seconds).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| {
-        format!(
-            "{s:?} is not a duration: expected a number and a unit, e.g. 500ms, 30s, 5m, 12h, 7d"
-        )
-    })?;
-    let secs = match unit.trim() {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86_400.0,
-        other => {
-            return Err(format!(
-                "{s:?}: unknown unit {other:?}; use ms, s, m, h or d"
-            ))
-        }
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("{s:?} is not a non-negative duration"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// Renders a duration the way it is written on the command line.
-pub fn show_duration(d: Duration) -> String {
-    let s = d.as_secs();
-    if d.is_zero() {
-        return "0s".into();
-    }
-    if d.subsec_millis() != 0 {
-        return format!("{}ms", d.as_millis());
-    }
-    for (unit, n) in [("d", 86_400), ("h", 3600), ("m", 60)] {
-        if s % n == 0 {
-            return format!("{}{unit}", s / n);
-        }
-    }
-    format!("{s}s")
-}
 
 fn from_file(v: &Option<String>, key: &str) -> anyhow::Result<Option<Duration>> {
     v.as_deref()
@@ -225,25 +179,5 @@ fn print_report(r: &PurgeReport, window: Duration, inbox: Duration) {
     );
     if r.stopped_early {
         println!("stopped after --max-batches; run again to continue");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
-        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
-        assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
-        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-        assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
-        assert!(parse_duration("7 weeks").is_err());
-        assert!(parse_duration("soon").is_err());
-        assert_eq!(show_duration(Duration::from_secs(604_800)), "7d");
-        assert_eq!(show_duration(Duration::from_secs(90)), "90s");
-        assert_eq!(show_duration(Duration::ZERO), "0s");
-        assert_eq!(show_duration(Duration::from_millis(1500)), "1500ms");
     }
 }

@@ -46,7 +46,7 @@ use serde::Serialize;
 
 use crate::cli::{ReconcileArgs, ReconcileFormat};
 use crate::config::FileConfig;
-use crate::purge::{parse_duration, show_duration};
+use crate::values::{parse_duration, show_duration};
 
 /// Exit status when anything was found.
 pub const EXIT_FINDINGS: i32 = 2;

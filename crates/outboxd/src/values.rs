@@ -1,0 +1,101 @@
+//! Values the command line, the config file and the commands share: the enums a flag or a
+//! config key can take and the parsers of `KEY=VALUE` and durations.
+//!
+//! A leaf module (it imports nothing from the crate), so that `cli` (the flags), `config`
+//! (the file and the merged settings) and the commands depend on it, never on each other in a
+//! circle.
+
+use std::time::Duration;
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Which broker the relay publishes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkKind {
+    /// Kafka through librdkafka (idempotent producer, acks=all).
+    Kafka,
+    /// NATS JetStream (Nats-Msg-Id = event id, PubAck = receipt).
+    Nats,
+}
+
+/// Parses `KEY=VALUE`.
+pub fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+/// Parses `500ms`, `30s`, `5m`, `12h`, `7d` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| {
+        format!(
+            "{s:?} is not a duration: expected a number and a unit, e.g. 500ms, 30s, 5m, 12h, 7d"
+        )
+    })?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        "d" => n * 86_400.0,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?}; use ms, s, m, h or d"
+            ))
+        }
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("{s:?} is not a non-negative duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Renders a duration the way it is written on the command line.
+pub fn show_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    if d.is_zero() {
+        return "0s".into();
+    }
+    if d.subsec_millis() != 0 {
+        return format!("{}ms", d.as_millis());
+    }
+    for (unit, n) in [("d", 86_400), ("h", 3600), ("m", 60)] {
+        if s % n == 0 {
+            return format!("{}{unit}", s / n);
+        }
+    }
+    format!("{s}s")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
+        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
+        assert!(parse_duration("7 weeks").is_err());
+        assert!(parse_duration("soon").is_err());
+        assert_eq!(show_duration(Duration::from_secs(604_800)), "7d");
+        assert_eq!(show_duration(Duration::from_secs(90)), "90s");
+        assert_eq!(show_duration(Duration::ZERO), "0s");
+        assert_eq!(show_duration(Duration::from_millis(1500)), "1500ms");
+    }
+}
