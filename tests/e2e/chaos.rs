@@ -13,7 +13,12 @@
 //! between its commit and its offset store.
 //!
 //! At the end the same counts as `outbox-sim` are computed from the database and the topic,
-//! printed, written to a report file, and asserted to be 0 (late ACKs converged: 100%).
+//! printed, written to a report file, and asserted to be 0 (late ACKs converged: 100%). The
+//! consumer runs outbox-inbox's own transaction (`store::process`, gap policy `report`), so a
+//! duplicate effect or a version gap it sees is counted. Each fault is asserted to have had
+//! its effect: an UNKNOWN attempt per stalled broker (a canary event makes sure a request was
+//! in flight), a relay generation per SIGKILL, late ACKs after restarts, consumer crashes and
+//! redeliveries.
 //!
 //! * CI: `cargo test -p outboxd --test e2e chaos::` (mock: 2,000 events, 8 faults; Apache
 //!   Kafka: 1,000 events, 6 faults).
@@ -34,7 +39,6 @@ use outbox_testkit::wait::wait_for;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::message::Headers;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde_json::json;
@@ -62,9 +66,40 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// The inbox consumer: reads every partition from its stored offsets; per message, one
-/// transaction inserts the inbox row (`ON CONFLICT DO NOTHING`) and, only if it was new, the
-/// effect; the offset is stored afterwards. A "crash" drops the consumer between the two.
+/// The consumer's id in `outbox.inbox`.
+const CONSUMER: &str = "chaos";
+
+/// Every effect the consumer's handler ran, one row per run (no unique key, so a second run
+/// for one event is counted, not refused).
+const DUPLICATE_EFFECTS_SQL: &str = "SELECT count(*) - count(DISTINCT event_id) FROM chaos_effects";
+
+/// The handler: its effect is one row in `chaos_effects`, in the inbox transaction.
+fn effect_handler() -> impl outbox_inbox::Handler {
+    outbox_inbox::handler_fn(|tx, ev, _key| {
+        Box::pin(async move {
+            tx.execute(
+                "INSERT INTO chaos_effects (event_id) VALUES ($1)",
+                &[&ev.event_id.to_string()],
+            )
+            .await?;
+            Ok(None)
+        })
+    })
+}
+
+/// What the consumer went through.
+#[derive(Debug, Default)]
+struct ConsumerRun {
+    crashes: u64,
+    stalls: u64,
+    /// Messages the inbox recognised as seen before (the handler did not run).
+    redeliveries: u64,
+}
+
+/// The inbox consumer: reads every partition from its stored offsets; each message goes
+/// through outbox-inbox's own transaction (`store::process`: the inbox row, the gap decision
+/// and the handler's effect commit together); the offset is stored afterwards. A "crash"
+/// drops the consumer between the two: once at the 50th message, then at random.
 async fn inbox_consumer(
     url: String,
     bootstrap: String,
@@ -72,12 +107,13 @@ async fn inbox_consumer(
     seed: u64,
     partitions: i32,
     stop: Arc<AtomicBool>,
-) -> (u64, u64) {
+) -> ConsumerRun {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xc0_115e);
-    let db = connect(&url).await;
-    let mut crashes = 0;
+    let mut db = connect(&url).await;
+    let handler = effect_handler();
+    let mut run = ConsumerRun::default();
+    let mut processed = 0u64;
     let mut restarts = 0u64;
-    let mut stalls = 0u64;
     let mut last_message = Instant::now();
     'restart: loop {
         let rows = db
@@ -109,7 +145,7 @@ async fn inbox_consumer(
         }
         loop {
             if stop.load(Ordering::Relaxed) {
-                return (crashes, stalls);
+                return run;
             }
             let m = match tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await {
                 Err(_) => {
@@ -123,8 +159,11 @@ async fn inbox_consumer(
                                 .is_ok_and(|(_, hi)| hi > next[p as usize])
                         });
                         if behind {
-                            stalls += 1;
-                            eprintln!("chaos consumer: stalled for 5 s behind the log; restarting ({stalls})");
+                            run.stalls += 1;
+                            eprintln!(
+                                "chaos consumer: stalled for 5 s behind the log; restarting ({})",
+                                run.stalls
+                            );
                             last_message = Instant::now();
                             continue 'restart;
                         }
@@ -167,29 +206,32 @@ async fn inbox_consumer(
                 }
                 Ok(Ok(m)) => m,
             };
-            let id = m
-                .headers()
-                .and_then(|h| h.iter().find(|h| h.key == "id"))
-                .and_then(|h| h.value)
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default();
+            let msg = outbox_inbox::InboxMessage::from_kafka(&m).unwrap_or_else(|e| {
+                panic!("the chaos topic holds a message that is not an outbox event: {e}")
+            });
             let (partition, offset) = (m.partition(), m.offset());
             last_message = Instant::now();
             next[partition as usize] = offset + 1;
             drop(m);
-            // One statement, one transaction: the inbox row, and the effect only if the row
-            // is new.
-            db.execute(
-                "WITH inbox AS (INSERT INTO chaos_inbox (event_id) VALUES ($1)
-                                ON CONFLICT DO NOTHING RETURNING event_id)
-                 INSERT INTO chaos_effects (event_id) SELECT event_id FROM inbox",
-                &[&id],
+            // Gap policy `report`: a version gap is applied and recorded in
+            // outbox.consumer_gaps, which the end of the run counts.
+            let outcome = outbox_inbox::store::process(
+                &mut db,
+                CONSUMER,
+                outbox_inbox::GapPolicy::Report,
+                &msg,
+                offset + 1,
+                &handler,
             )
             .await
-            .expect("inbox transaction");
-            if rng.gen_bool(0.01) {
+            .unwrap_or_else(|e| panic!("inbox transaction of {}: {e}", msg.event_id));
+            if matches!(outcome, outbox_inbox::Outcome::Duplicate(_)) {
+                run.redeliveries += 1;
+            }
+            processed += 1;
+            if processed == 50 || rng.gen_bool(0.01) {
                 // Crash after the commit, before the offset is stored: redelivered.
-                crashes += 1;
+                run.crashes += 1;
                 continue 'restart;
             }
             db.execute(
@@ -200,6 +242,101 @@ async fn inbox_consumer(
             .expect("store offset");
         }
     }
+}
+
+/// Waits until the relay is warm: it streams, has no DISPATCH_UNKNOWN open (a relay still
+/// resolving one at start-up sends nothing), and its current generation has had a receipt
+/// (its producer has its id and its connections; a fresh producer's first messages time out
+/// unsent, NotPersisted, under a stall). A warm-up event on an aggregate of its own makes
+/// the receipt happen when the writers are done; it is added to `canaries`. Returns how many
+/// attempts the ledger holds.
+async fn warm_relay(env: &TestEnv, canaries: &mut Vec<(String, String)>) -> i64 {
+    let started = Instant::now();
+    loop {
+        let key = format!("warm-{}", canaries.len());
+        let id: uuid::Uuid = env
+            .db
+            .query_one(
+                "SELECT outbox.enqueue($1, $2, 'chaos.tick', $3)",
+                &[&env.aggregate_type, &key, &json!({"key": key})],
+            )
+            .await
+            .expect("enqueue the warm-up event")
+            .get(0);
+        canaries.push((key, id.to_string()));
+        env.wait_count(
+            "the warm-up event's receipt",
+            &format!("SELECT count(*) FROM outbox.receipts WHERE event_id = '{id}'"),
+            1,
+        )
+        .await;
+        let warm = env
+            .count(&format!(
+                "SELECT count(*) FROM outbox.receipts r, outbox.relay_leases l
+                 WHERE r.event_id = '{id}' AND l.slot_name = '{slot}'
+                   AND r.relay_generation = l.generation
+                   AND NOT EXISTS (SELECT 1 FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN')
+                   AND EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = '{slot}' AND active)",
+                slot = env.slot
+            ))
+            .await;
+        if warm == 1 {
+            return env.count("SELECT count(*) FROM outbox.attempts").await;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the relay did not stay up long enough to be warm before a fault"
+        );
+    }
+}
+
+/// Makes a fault that stalls produce requests provably produce a DISPATCH_UNKNOWN attempt:
+/// enqueues one event (a "canary") on an aggregate that lives in `partition` (learned from
+/// its receipts) as soon as the fault starts, so a request to the stalled leader is certainly
+/// in flight even when the writers have finished, and waits while the fault lasts until the
+/// ledger holds more UNKNOWN attempts than `before` (counted before the fault). Returns the
+/// canary's (key, id) for the end-of-run counts.
+async fn until_an_unknown_attempt(
+    env: &TestEnv,
+    topic: &str,
+    partition: i32,
+    before: i64,
+    n: usize,
+) -> (String, String) {
+    let aggregate: String = env
+        .db
+        .query_one(
+            "SELECT e.aggregate_id FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+             WHERE r.topic = $1 AND r.partition = $2 LIMIT 1",
+            &[&topic, &partition],
+        )
+        .await
+        .expect("an aggregate of the partition")
+        .get(0);
+    let key = format!("canary-{n}");
+    let id: uuid::Uuid = env
+        .db
+        .query_one(
+            "SELECT outbox.enqueue($1, $2, 'chaos.tick', $3)",
+            &[&env.aggregate_type, &aggregate, &json!({"key": key})],
+        )
+        .await
+        .expect("enqueue the canary")
+        .get(0);
+    wait_for(
+        "the stalled produce request to become a DISPATCH_UNKNOWN attempt",
+        Duration::from_secs(30),
+        || async {
+            let now = env.count("SELECT count(*) FROM outbox.attempts").await;
+            if now > before {
+                Ok(())
+            } else {
+                Err(format!("{now} attempts, as before the fault"))
+            }
+        },
+    )
+    .await;
+    (key, id.to_string())
 }
 
 /// Which brokers the chaos runs against.
@@ -266,8 +403,7 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
     env.route_to(&topic).await;
     env.db
         .batch_execute(
-            "CREATE TABLE chaos_inbox (event_id text PRIMARY KEY);
-             CREATE TABLE chaos_effects (id bigserial PRIMARY KEY, event_id text NOT NULL);
+            "CREATE TABLE chaos_effects (id bigserial PRIMARY KEY, event_id text NOT NULL);
              CREATE TABLE chaos_offsets (partition int PRIMARY KEY, next_offset bigint NOT NULL);",
         )
         .await
@@ -376,6 +512,8 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
     for k in (1..order.len()).rev() {
         order.swap(k, rng.gen_range(0..=k));
     }
+    // Events enqueued by the test while a fault held the broker (key, id).
+    let mut canaries: Vec<(String, String)> = Vec::new();
     for (j, t) in thresholds.into_iter().enumerate() {
         env.wait_count(
             "progress before the next fault",
@@ -416,9 +554,12 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
                 ));
             }
             (3, Brokers::Mock) => {
+                let before = warm_relay(&env, &mut canaries).await;
                 env.kafka
                     .set_round_trip(BROKERS, Duration::from_millis(2_500))
                     .expect("rtt");
+                canaries
+                    .push(until_an_unknown_attempt(&env, &topic, 0, before, canaries.len()).await);
                 tokio::time::sleep(unknown_hold).await;
                 env.kafka
                     .set_round_trip(BROKERS, Duration::ZERO)
@@ -448,11 +589,14 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
                 // possibly persisted, and the broker appends what it had received on SIGCONT.
                 // A partition's leader: a stopped follower may only leave the ISR, and then
                 // nothing waits for it.
+                let before = warm_relay(&env, &mut canaries).await;
                 let p = rng.gen_range(0..partitions);
                 let b = c
                     .leader_of(&topic, p)
                     .unwrap_or_else(|| rng.gen_range(1..=BROKERS));
                 c.pause(b);
+                canaries
+                    .push(until_an_unknown_attempt(&env, &topic, p, before, canaries.len()).await);
                 tokio::time::sleep(unknown_hold).await;
                 c.resume(b);
                 log.push(format!(
@@ -501,6 +645,7 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         committed.extend(c);
         rolled_back.extend(r.into_iter().map(|(_, id)| id));
     }
+    committed.extend(canaries);
     let n = committed.len() as i64;
     relay.assert_running();
     let deadline = Duration::from_secs(120 + events / 100);
@@ -536,11 +681,11 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
     .await;
     wait_n(
         "the inbox consumer to see every event",
-        "SELECT count(*) FROM chaos_inbox",
+        "SELECT count(*) FROM outbox.inbox WHERE consumer_id = 'chaos'",
     )
     .await;
     stop.store(true, Ordering::Relaxed);
-    let (consumer_crashes, consumer_stalls) = consumer.await.unwrap();
+    let consumer_run = consumer.await.unwrap();
 
     // ---- the invariant counts, from the database and the topic ----
     if env.kafka.mock_cluster().is_some() {
@@ -592,8 +737,9 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         )
         .await
         + msgs.iter().filter(|m| m.key.is_none()).count() as i64;
-    let duplicate_effects = env
-        .count("SELECT count(*) - count(DISTINCT event_id) FROM chaos_effects")
+    let duplicate_effects = env.count(DUPLICATE_EFFECTS_SQL).await;
+    let consumer_gaps = env
+        .count("SELECT count(*) FROM outbox.consumer_gaps WHERE consumer_id = 'chaos'")
         .await;
     let late_acks = env
         .count("SELECT count(*) FROM outbox.duplicate_receipts")
@@ -633,6 +779,12 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
             .filter(|(id, p, o)| at.get(&(*p, *o)) != Some(&id.as_str()))
             .count() as i64;
     let unknown_attempts = env.count("SELECT count(*) FROM outbox.attempts").await;
+    let relay_generations = env
+        .count(&format!(
+            "SELECT coalesce(max(generation), 0) FROM outbox.relay_leases WHERE slot_name = '{}'",
+            env.slot
+        ))
+        .await;
     // Order: per aggregate, first occurrences on the broker in version order.
     let mut seen = HashSet::new();
     let mut last: HashMap<String, i64> = HashMap::new();
@@ -680,9 +832,12 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         ("late_acks", late_acks),
         ("late_acks_converged", late_converged),
         ("unknown_attempts", unknown_attempts),
+        ("relay_generations", relay_generations),
         ("broker_messages", msgs.len() as i64),
-        ("consumer_crashes", consumer_crashes as i64),
-        ("consumer_stall_restarts", consumer_stalls as i64),
+        ("consumer_gaps", consumer_gaps),
+        ("consumer_crashes", consumer_run.crashes as i64),
+        ("consumer_redeliveries", consumer_run.redeliveries as i64),
+        ("consumer_stall_restarts", consumer_run.stalls as i64),
         ("invariant5_samples", samples as i64),
     ] {
         report.push_str(&format!("{name:<28} {v}\n"));
@@ -698,6 +853,7 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
     assert_eq!(second_ids, 0, "second logical event ids");
     assert_eq!(cross, 0, "cross-destination retries");
     assert_eq!(duplicate_effects, 0, "consumer duplicate effects");
+    assert_eq!(consumer_gaps, 0, "version gaps seen by the consumer");
     assert_eq!(late_acks, late_converged, "late ACKs not converged");
     assert_eq!(unknown_untraced, 0, "UNKNOWN attempts not traced");
     assert_eq!(order_violations, 0, "per-aggregate order");
@@ -707,8 +863,106 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         confirmed_past_unaccepted, 0,
         "confirmed LSN passed an unaccepted event"
     );
-    // Every scheduled fault was injected. (Whether a fault caught a request in flight depends
-    // on timing: UNKNOWN attempts are 0 in some seeds on Apache Kafka, so they are reported,
-    // not asserted.)
+    // Every scheduled fault was injected, and had its effect: a stalled broker left an
+    // UNKNOWN attempt (a canary makes sure a request was in flight), a SIGKILL started a new
+    // relay generation, the consumer crashed and was handed a message again.
     assert_eq!(log.len() as u64, faults, "faults injected: {log:?}");
+    let stalls = log
+        .iter()
+        .filter(|l| l.contains("SIGSTOP") || l.contains("round trip"))
+        .count();
+    if stalls > 0 {
+        assert!(
+            unknown_attempts > 0,
+            "{stalls} stalled-broker fault(s) and no DISPATCH_UNKNOWN attempt"
+        );
+    }
+    let kills = log.iter().filter(|l| l.contains("SIGKILL relay")).count() as i64;
+    assert!(
+        relay_generations > kills,
+        "{kills} relay SIGKILL(s) but lease generation {relay_generations}"
+    );
+    // A relay that restarts (SIGKILL, a lost walsender, a replay after UNKNOWN) re-reads the
+    // overlap between the slot's confirmed LSN and what the ledger accepted, and sends it
+    // again: those copies come back as late ACKs (duplicate receipts).
+    let restarts = kills + log.iter().filter(|l| l.contains("walsender")).count() as i64;
+    if restarts > 0 {
+        assert!(
+            late_acks > 0,
+            "{restarts} relay restart(s) and not one duplicate receipt"
+        );
+    }
+    assert!(consumer_run.crashes > 0, "the consumer never crashed");
+    assert!(
+        consumer_run.redeliveries > 0,
+        "the consumer crashed {} time(s) and was never handed a message again",
+        consumer_run.crashes
+    );
+}
+
+/// The consumer-side counts can fail: an inbox that forgets an event (a planted dedup bug)
+/// runs the effect twice, and a version skipped reaches the gap table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_counts_see_a_planted_double_effect_and_a_gap() {
+    let env = TestEnv::new("chaos_counts").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE chaos_effects (id bigserial PRIMARY KEY, event_id text NOT NULL)",
+        )
+        .await
+        .unwrap();
+    let mut db = connect(&env.url).await;
+    let handler = effect_handler();
+    let message = |version: i64, offset: i64| outbox_inbox::InboxMessage {
+        event_id: uuid::Uuid::new_v4(),
+        aggregate_type: "chaos".into(),
+        aggregate_id: "a1".into(),
+        aggregate_version: version,
+        event_type: "chaos.tick".into(),
+        payload: b"{}".to_vec(),
+        topic: env.topic.clone(),
+        partition: 0,
+        offset,
+    };
+    async fn process(
+        db: &mut tokio_postgres::Client,
+        m: &outbox_inbox::InboxMessage,
+        handler: &dyn outbox_inbox::Handler,
+    ) -> outbox_inbox::Outcome {
+        outbox_inbox::store::process(
+            db,
+            CONSUMER,
+            outbox_inbox::GapPolicy::Report,
+            m,
+            m.offset + 1,
+            handler,
+        )
+        .await
+        .unwrap()
+    }
+    let first = message(1, 0);
+    process(&mut db, &first, &handler).await;
+    // Redelivered as it should be: recognised, no second effect.
+    let again = process(&mut db, &first, &handler).await;
+    assert!(matches!(again, outbox_inbox::Outcome::Duplicate(_)));
+    assert_eq!(env.count(DUPLICATE_EFFECTS_SQL).await, 0);
+    // Planted: the inbox forgets the event (its row and the aggregate's watermark, which
+    // would otherwise call the redelivery stale), and the redelivery runs the effect again.
+    env.db
+        .batch_execute(&format!(
+            "DELETE FROM outbox.inbox WHERE event_id = '{}';
+             DELETE FROM outbox.consumer_aggregate_heads WHERE consumer_id = '{CONSUMER}'",
+            first.event_id
+        ))
+        .await
+        .unwrap();
+    process(&mut db, &first, &handler).await;
+    assert_eq!(env.count(DUPLICATE_EFFECTS_SQL).await, 1);
+    // Planted: version 3 after version 1.
+    process(&mut db, &message(3, 1), &handler).await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.consumer_gaps WHERE consumer_id = 'chaos'")
+            .await,
+        1
+    );
 }

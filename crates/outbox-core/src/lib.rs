@@ -13,14 +13,19 @@
 //!   aggregate (invariant 7).
 //! * [`receipt`] — the acceptance decisions: primary / duplicate / conflicting receipt, the
 //!   DISPATCH_UNKNOWN resolution rule, and when a destination migration is allowed.
+//! * [`delivery`] — what a broker said about one send (the sinks' delivery reports), and
+//!   what a sink serves.
+//! * [`records`] — what the relay records durably (receipts, quarantine, holds).
 //! * [`policy`] — which PostgreSQL failures a retry can fix and which stop the relay with a fix.
 
 pub mod ack;
+pub mod delivery;
 pub mod envelope;
 pub mod lsn;
 pub mod ordering;
 pub mod policy;
 pub mod receipt;
+pub mod records;
 pub mod state;
 
 pub use ack::{AckTracker, EventToken, TxnSeq};

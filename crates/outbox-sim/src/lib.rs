@@ -11,9 +11,12 @@
 //! DISPATCH_UNKNOWN attempts are resolved with [`outbox_core::receipt::resolve_unknown`];
 //! destination migrations are allowed or refused by
 //! [`outbox_core::receipt::migration_precheck`]; every relay start runs
-//! `outbox_source::slot::plan`. The world around them — PostgreSQL's WAL and slot, the ledger
-//! tables, the broker, producers, consumers with an inbox, the operator — is modelled, and the
-//! relay's glue (`outboxd/src/relay/pipeline.rs`) is mirrored step for step.
+//! `outbox_source::slot::plan`; and every pipeline decision of a relay run (admit, route check,
+//! gate, what a delivery report means, the batch and the checkpoint it justifies) is made by
+//! the daemon's own [`outbox_relay::PipelineCore`]. The world around them — PostgreSQL's WAL
+//! and slot, the ledger tables, the broker, producers, consumers with an inbox, the operator —
+//! is modelled, and the rest of the relay's loop (start, flush timing, standby status,
+//! releases, salvage, UNKNOWN reconciliation) is mirrored step for step.
 //!
 //! # Reproducing
 //! Trace `i` of seed `s` draws every choice from [`rng::SplitMix64`] seeded with `(s, i)`, so

@@ -2,15 +2,21 @@
 //! incarnations, a broker with two clusters, consumers with an inbox, an operator — and the
 //! invariant counters computed at the end of the trace from the world's ground truth.
 //!
-//! The relay incarnation mirrors `outboxd/src/relay/pipeline.rs` (admit → route check → gate →
-//! send → delivery report → batch → accept → checkpoint → standby status) and
-//! `relay/reconcile.rs`, calling the real `outbox-core` types at every decision.
+//! Each relay incarnation runs the product's pipeline core, `outbox_relay::PipelineCore` (admit
+//! → route check → gate → send → delivery report → batch and its checkpoint), and executes its
+//! commands against the simulated broker and ledger, as the daemon's driver
+//! (`outboxd/src/relay/pipeline.rs`) does against the real ones. The rest of the relay's loop
+//! (start, flush timing, standby status, releases, salvage) and `relay/reconcile.rs` are still
+//! mirrored here, calling the real `outbox-core` types at every decision.
 
 use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
+use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
 use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, UnknownResolution};
-use outbox_core::{AckTracker, Admit, Destination, EventToken, Lsn, OrderingGate, OutboxEvent};
+use outbox_core::records::LedgerItem;
+use outbox_core::{AckTracker, Destination, Lsn, OutboxEvent};
+use outbox_relay::{Command, Now, Pending, PipelineCore, Reported};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
 
@@ -287,6 +293,28 @@ fn topic_index(d: &Destination) -> usize {
 
 type Agg = u32;
 
+/// The product's key of a simulated aggregate (`order` / `o-N`).
+fn agg_key(agg: Agg) -> outbox_relay::AggKey {
+    ("order".into(), format!("o-{agg}"))
+}
+
+/// The simulated aggregate of an aggregate id `o-N`.
+fn agg_of(aggregate_id: &str) -> Agg {
+    aggregate_id
+        .strip_prefix("o-")
+        .and_then(|n| n.parse().ok())
+        .expect("simulated aggregate ids are o-N")
+}
+
+/// What the simulated relay serves: Kafka cluster A.
+fn served() -> Served {
+    Served {
+        kind: "kafka",
+        cluster: SERVED_CLUSTER.into(),
+        partitioner: Some("murmur2_random".into()),
+    }
+}
+
 /// A committed outbox row.
 struct Row {
     /// The row as the WAL carries it (generation 1, the destination frozen at enqueue).
@@ -365,7 +393,7 @@ struct Hold {
 
 struct Quarantine {
     row: usize,
-    code: &'static str,
+    code: String,
     released: bool,
 }
 
@@ -413,23 +441,14 @@ enum Report {
     Rejected,
 }
 
-struct Pend {
-    row: usize,
-    ev: OutboxEvent,
-    ack: Option<EventToken>,
-}
-
+/// A send the core commanded, as the simulated broker took it: what its delivery report
+/// will say was decided when it was sent.
 struct Flight {
     token: u64,
     row: usize,
-    agg: Agg,
     topic: usize,
     partition: usize,
-    attempt: i32,
     sent_at: u64,
-    payload_digest: String,
-    dest_digest: String,
-    ack: Option<EventToken>,
     report: Report,
 }
 
@@ -443,7 +462,7 @@ enum Item {
     },
     Quarantine {
         row: usize,
-        code: &'static str,
+        code: String,
     },
     Hold {
         agg: Agg,
@@ -459,24 +478,21 @@ struct Relay {
     gen: i64,
     /// SIGKILLed: removed at the end of the step (indices stay valid within a step).
     killed: bool,
-    /// A send was refused because the lease deadline had passed: the run ends.
-    lease_expired: bool,
     deadline: u64,
     paused: bool,
     /// The new lease holder terminated this run's walsender.
     stream_cut: bool,
     salvaging: bool,
-    tracker: AckTracker,
-    gate: OrderingGate<Agg, Pend>,
+    /// The product's decisions: gate, ack tracker, in-flight bookkeeping, batch.
+    core: PipelineCore,
     /// Next WAL transaction to stream.
     cursor: usize,
     durable: Lsn,
+    /// The simulated sink's side of the core's sends, in send order.
     in_flight: Vec<Flight>,
-    batch: Vec<Item>,
-    batch_acks: Vec<EventToken>,
-    found: HashSet<usize>,
-    retry_gen: HashMap<usize, i32>,
-    next_token: u64,
+    /// Receipts that were late when their report arrived (a salvaging or superseded run, or
+    /// the event already published), by (event, partition, offset): the judge's late ACKs.
+    late: HashSet<(Uuid, i32, i64)>,
 }
 
 /// Why a relay run ended.
@@ -761,7 +777,7 @@ impl World {
         let Some(i) = i else { return };
         match f(self, i) {
             Err(e) => self.end_run(i, e),
-            Ok(()) if self.relays[i].lease_expired => self.end_run(
+            Ok(()) if self.relays[i].core.lease_expired => self.end_run(
                 i,
                 End::Error("lease expired: a stale generation may not send"),
             ),
@@ -781,6 +797,7 @@ impl World {
             self.relays[i].gen
         );
         self.relays[i].salvaging = true;
+        self.relays[i].core.begin_salvage();
     }
 
     /// `Pipeline::salvage`: record what the broker already confirmed, send nothing, do not move
@@ -950,6 +967,10 @@ impl World {
             TOPICS[self.route_topic].0,
             TOPICS[self.route_topic].1
         );
+        let route = self.current_route();
+        for r in &mut self.relays {
+            r.core.current_route = Some(route.clone());
+        }
     }
 
     // ---------------------------------------------------------------------------- the relay
@@ -1009,13 +1030,17 @@ impl World {
             }
         };
         // The gate as the ledger left it.
-        let mut gate = OrderingGate::new();
-        for (k, v) in &self.ledger.heads {
-            gate.set_head(*k, *v, false);
-        }
-        for k in self.ledger.holds.keys() {
-            gate.set_head(*k, 0, true);
-        }
+        let heads = self
+            .ledger
+            .heads
+            .iter()
+            .map(|(k, v)| (agg_key(*k), *v))
+            .collect();
+        let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
+        let mut core = PipelineCore::new(served(), gen, PipelineCore::gate_from(heads, held));
+        core.tracker = AckTracker::new(start);
+        core.mutant = self.core_mutant();
+        core.current_route = Some(self.current_route());
         let cursor = self
             .wal
             .iter()
@@ -1028,21 +1053,15 @@ impl World {
         self.relays.push(Relay {
             gen,
             killed: false,
-            lease_expired: false,
             deadline: self.now + LEASE_TTL,
             paused: false,
             stream_cut: false,
             salvaging: false,
-            tracker: AckTracker::new(start),
-            gate,
+            core,
             cursor,
             durable: start,
             in_flight: Vec::new(),
-            batch: Vec::new(),
-            batch_acks: Vec::new(),
-            found: HashSet::new(),
-            retry_gen: HashMap::new(),
-            next_token: 0,
+            late: HashSet::new(),
         });
         let i = self.relays.len() - 1;
         if let Err(e) = self.reconcile(i) {
@@ -1144,7 +1163,8 @@ impl World {
                     }];
                     self.accept(i, items, None)?;
                     self.ledger.attempts[a].state = AttemptState::Found;
-                    self.relays[i].found.insert(row);
+                    let id = self.rows[row].ev.event_id;
+                    self.relays[i].core.found.insert(id);
                     log!(
                         self,
                         "UNKNOWN {} FOUND at {}/{partition}@{offset}",
@@ -1155,7 +1175,11 @@ impl World {
                 UnknownResolution::Retry { attempt_generation } => {
                     self.ledger.attempts[a].state = AttemptState::Absent;
                     self.absent_attempts.insert((row, relay_gen, attempt));
-                    self.relays[i].retry_gen.insert(row, attempt_generation);
+                    let id = self.rows[row].ev.event_id;
+                    self.relays[i]
+                        .core
+                        .retry_generation
+                        .insert(id, attempt_generation);
                     log!(
                         self,
                         "UNKNOWN {} ABSENT: retry as attempt {attempt_generation}",
@@ -1180,195 +1204,116 @@ impl World {
         let (end, rows) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
         let seq = self.relays[i]
+            .core
             .tracker
             .begin()
             .map_err(|_| End::Error("tracker begin"))?;
         for row in rows {
             let ev = self.rows[row].ev.clone();
             let ack = self.relays[i]
+                .core
                 .tracker
                 .add_event(seq)
                 .map_err(|_| End::Error("tracker add"))?;
-            self.admit(i, row, ev, Some(ack))?;
+            let now = self.now_for(i);
+            let commands = self.relays[i]
+                .core
+                .admit(ev, Some(end), Some(ack), now)
+                .map_err(|_| End::Error("relay core: admit"))?;
+            self.execute(i, commands)?;
         }
         self.relays[i]
+            .core
             .tracker
             .commit(seq, end)
             .map_err(|_| End::Error("tracker commit"))?;
         if self.relays[i].cursor == self.wal.len() {
             // A keepalive: nothing committed after the last transaction.
-            self.relays[i].tracker.idle_position(Lsn(self.next_lsn));
+            self.relays[i]
+                .core
+                .tracker
+                .idle_position(Lsn(self.next_lsn));
         }
         Ok(())
     }
 
-    /// `route::check`: the real envelope verification, and the served-cluster check.
-    fn route_check(ev: &OutboxEvent) -> Result<(), &'static str> {
-        ev.verify().map_err(|e| e.reason_code())?;
-        if ev.destination.cluster != SERVED_CLUSTER {
-            return Err("destination_not_served");
+    /// What the core may know about now: simulated time, and the lease as this run sees it.
+    fn now_for(&self, i: usize) -> Now {
+        Now {
+            wall: std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(self.now),
+            lease_valid: self.lease_valid(i),
         }
-        Ok(())
     }
 
-    /// `Pipeline::admit`.
-    fn admit(
-        &mut self,
-        i: usize,
-        row: usize,
-        ev: OutboxEvent,
-        ack: Option<EventToken>,
-    ) -> Result<(), End> {
-        let agg = self.rows[row].agg;
-        if !self.relays[i].gate.is_known(&agg) {
-            self.relays[i].gate.set_head(agg, 0, false);
+    /// The planted product mutant, for the mutants that live in `outbox-relay`.
+    fn core_mutant(&self) -> Option<outbox_relay::Mutant> {
+        match self.mutant? {
+            Mutant::ConfirmBeforeAccept => Some(outbox_relay::Mutant::ConfirmBeforeAccept),
+            Mutant::RetryReresolvesRoute => Some(outbox_relay::Mutant::RetryReresolvesRoute),
+            Mutant::BugPoisonBeforeGate => Some(outbox_relay::Mutant::PoisonBeforeGate),
+            _ => None,
         }
-        if self.relays[i].found.contains(&row) {
-            self.relays[i].gate.consume(&agg, ev.aggregate_version);
-            if let Some(a) = ack {
-                self.relays[i]
-                    .tracker
-                    .resolve(a)
-                    .map_err(|_| End::Error("tracker resolve"))?;
-            }
-            return Ok(());
-        }
-        if self.is(Mutant::BugPoisonBeforeGate) {
-            if let Err(code) = Self::route_check(&ev) {
-                if self.relays[i].gate.is_held(&agg) {
-                    self.record_held(i, row, ack);
-                } else {
-                    self.relays[i].gate.consume(&agg, ev.aggregate_version);
-                    self.poison(i, row, code, ack);
-                }
-                return Ok(());
-            }
-        }
-        let version = ev.aggregate_version;
-        match self.relays[i]
-            .gate
-            .offer(&agg, version, Pend { row, ev, ack })
-        {
-            Admit::Send(p) => self.send(i, p).map(|_| ()),
-            Admit::Queued => Ok(()),
-            Admit::Held(p) => {
-                self.record_held(i, p.row, p.ack);
-                Ok(())
-            }
-            Admit::Hold(p, _) => {
-                self.push(
-                    i,
-                    Item::Hold {
-                        agg,
-                        blocking: p.row,
-                    },
-                    None,
+    }
+
+    /// The route policy now: (cluster, topic, route generation).
+    fn current_route(&self) -> outbox_relay::CurrentRoute {
+        (
+            TOPICS[self.route_topic].0.into(),
+            TOPICS[self.route_topic].1.into(),
+            self.route_gen,
+        )
+    }
+
+    /// The driver's side of `Command::Send`: the simulated broker takes the message.
+    fn execute(&mut self, i: usize, commands: Vec<Command>) -> Result<(), End> {
+        for c in commands {
+            let Command::Send {
+                token,
+                attempt,
+                event: ev,
+            } = c;
+            let row = self.by_id[&ev.event_id];
+            let topic = topic_index(&ev.destination);
+            let partition = (self.rows[row].agg as usize) % PARTITIONS;
+            if ev.destination_digest != self.rows[row].current_digest() {
+                log!(
+                    self,
+                    "CROSS-DESTINATION send of {} to {}/{}",
+                    ev.event_id,
+                    ev.destination.cluster,
+                    ev.destination.topic
                 );
-                self.record_held(i, p.row, p.ack);
-                Ok(())
+                self.cross_sends.insert(row);
             }
-            Admit::NeedHead(_) => Err(End::Error("gate asked for a head it was given")),
-        }
-    }
-
-    fn push(&mut self, i: usize, item: Item, ack: Option<EventToken>) {
-        let r = &mut self.relays[i];
-        r.batch.push(item);
-        if let Some(a) = ack {
-            r.batch_acks.push(a);
-        }
-    }
-
-    fn record_held(&mut self, i: usize, row: usize, ack: Option<EventToken>) {
-        self.push(i, Item::Held { row }, ack);
-    }
-
-    /// `Pipeline::poison`: quarantine, hold the aggregate, hold what queued behind it.
-    fn poison(&mut self, i: usize, row: usize, code: &'static str, ack: Option<EventToken>) {
-        let agg = self.rows[row].agg;
-        log!(
-            self,
-            "quarantine {} ({code}); hold o-{agg}",
-            self.rows[row].ev.event_id
-        );
-        self.push(i, Item::Quarantine { row, code }, ack);
-        self.push(i, Item::Hold { agg, blocking: row }, None);
-        for p in self.relays[i].gate.hold(&agg) {
-            self.record_held(i, p.row, p.ack);
-        }
-    }
-
-    /// `Pipeline::send_tracked`. Returns the token of the send, if it was sent.
-    fn send(&mut self, i: usize, p: Pend) -> Result<Option<u64>, End> {
-        if self.relays[i].salvaging || !self.lease_valid(i) {
-            // A stale generation may not send. The event stays unresolved; the run ends.
-            self.relays[i].lease_expired = true;
-            return Ok(None);
-        }
-        let row = p.row;
-        if !self.is(Mutant::BugPoisonBeforeGate) {
-            if let Err(code) = Self::route_check(&p.ev) {
-                // Refused at the head of its aggregate: nothing of it is in flight, and what
-                // queues behind it is held.
-                let agg = self.rows[row].agg;
-                self.poison(i, row, code, p.ack);
-                self.relays[i].gate.done(&agg);
-                return Ok(None);
+            if self.rows[row].purged {
+                self.c.purged_early += 1;
             }
-        }
-        let mut ev = p.ev;
-        if self.is(Mutant::RetryReresolvesRoute) && self.relays[i].retry_gen.contains_key(&row) {
-            ev.destination = self.destination(self.rows[row].agg, self.route_topic, self.route_gen);
-            ev.destination_digest = ev.destination.digest();
-        }
-        let topic = topic_index(&ev.destination);
-        let partition = (self.rows[row].agg as usize) % PARTITIONS;
-        let attempt = self.relays[i].retry_gen.get(&row).copied().unwrap_or(1);
-        if ev.destination_digest != self.rows[row].current_digest() {
+            self.rows[row].last_send = self.now;
+            let msg = Msg {
+                row,
+                dest_digest: ev.destination_digest.clone(),
+                relay_gen: self.relays[i].gen,
+                attempt,
+            };
+            let report = self.broker_send(topic, partition, msg);
             log!(
                 self,
-                "CROSS-DESTINATION send of {} to {}/{}",
+                "send {} v{} attempt {attempt} gen {} -> {}/{partition}",
                 ev.event_id,
-                ev.destination.cluster,
-                ev.destination.topic
+                ev.aggregate_version,
+                self.relays[i].gen,
+                TOPICS[topic].1
             );
-            self.cross_sends.insert(row);
+            self.relays[i].in_flight.push(Flight {
+                token,
+                row,
+                topic,
+                partition,
+                sent_at: self.now,
+                report,
+            });
         }
-        if self.rows[row].purged {
-            self.c.purged_early += 1;
-        }
-        self.rows[row].last_send = self.now;
-        let msg = Msg {
-            row,
-            dest_digest: ev.destination_digest.clone(),
-            relay_gen: self.relays[i].gen,
-            attempt,
-        };
-        let report = self.broker_send(topic, partition, msg);
-        let token = self.relays[i].next_token;
-        self.relays[i].next_token += 1;
-        log!(
-            self,
-            "send {} v{} attempt {attempt} gen {} -> {}/{partition}",
-            ev.event_id,
-            ev.aggregate_version,
-            self.relays[i].gen,
-            TOPICS[topic].1
-        );
-        self.relays[i].in_flight.push(Flight {
-            token,
-            row,
-            agg: self.rows[row].agg,
-            topic,
-            partition,
-            attempt,
-            sent_at: self.now,
-            payload_digest: ev.payload_digest,
-            dest_digest: ev.destination_digest,
-            ack: p.ack,
-            report,
-        });
-        Ok(Some(token))
+        Ok(())
     }
 
     /// The broker's side of a send; decides now what the delivery report will say.
@@ -1433,7 +1378,7 @@ impl World {
         }
     }
 
-    /// `Pipeline::on_report`.
+    /// `Pipeline::on_report`: the simulated broker's report, decided by the core.
     fn on_report(&mut self, i: usize, token: u64) -> Result<(), End> {
         let k = self.relays[i]
             .in_flight
@@ -1441,47 +1386,54 @@ impl World {
             .position(|f| f.token == token)
             .expect("in flight");
         let f = self.relays[i].in_flight.remove(k);
-        match f.report {
+        let failed = |persistence, class| DeliveryOutcome::Failed {
+            error: "simulated".into(),
+            persistence,
+            class,
+            partition: f.partition as i32,
+        };
+        let outcome = match f.report {
             Report::Persisted(rc) => {
                 let late = self.relays[i].salvaging
                     || self.relays[i].gen != self.ledger.lease_gen
                     || self.ledger.primary.contains_key(&f.row);
-                if self.is(Mutant::ConfirmBeforeAccept) {
-                    if let Some(a) = f.ack {
-                        let _ = self.relays[i].tracker.resolve(a);
-                    }
-                    let wm = self.relays[i].tracker.watermark();
-                    self.slot_confirmed = self.slot_confirmed.max(Some(wm));
-                    self.check_confirmed();
-                    self.push(
-                        i,
-                        Item::Receipt {
-                            row: f.row,
-                            rc,
-                            payload_digest: f.payload_digest,
-                            dest_digest: f.dest_digest,
-                            late,
-                        },
-                        None,
-                    );
-                } else {
-                    self.push(
-                        i,
-                        Item::Receipt {
-                            row: f.row,
-                            rc,
-                            payload_digest: f.payload_digest,
-                            dest_digest: f.dest_digest,
-                            late,
-                        },
-                        f.ack,
-                    );
+                if late {
+                    let id = self.rows[f.row].ev.event_id;
+                    self.relays[i]
+                        .late
+                        .insert((id, rc.partition as i32, rc.offset as i64));
+                }
+                DeliveryOutcome::Persisted {
+                    topic: TOPICS[rc.topic].1.into(),
+                    partition: rc.partition as i32,
+                    offset: rc.offset as i64,
+                    timestamp_ms: None,
+                    duplicate: false,
                 }
             }
-            Report::Rejected => {
-                self.poison(i, f.row, "broker_rejected", f.ack);
-            }
+            Report::Rejected => failed(Persistence::NotPersisted, FailureClass::Permanent),
             Report::PossiblyPersisted => {
+                failed(Persistence::PossiblyPersisted, FailureClass::Transient)
+            }
+            Report::NotPersisted => failed(Persistence::NotPersisted, FailureClass::Transient),
+        };
+        let now = self.now_for(i);
+        let reported = self.relays[i]
+            .core
+            .on_report(Delivery { token, outcome }, now)
+            .map_err(|_| End::Error("relay core: report"))?;
+        if self.is(Mutant::ConfirmBeforeAccept) {
+            // The driver's half of the mutant: confirm what the tracker says, at once.
+            let wm = self.relays[i].core.tracker.watermark();
+            self.slot_confirmed = self.slot_confirmed.max(Some(wm));
+            self.check_confirmed();
+        }
+        match reported {
+            Reported::Continue(commands) => self.execute(i, commands),
+            Reported::Failed(failure) => {
+                let Some(u) = failure.unknown else {
+                    return Err(End::Error("delivery not persisted"));
+                };
                 if self.faults && self.rng.chance(30) {
                     // The process dies before the attempt is durable: the same boundary as a
                     // SIGKILL with the send in flight (nothing learned, nothing recorded).
@@ -1493,50 +1445,43 @@ impl World {
                     "DISPATCH_UNKNOWN {} (gen {} attempt {})",
                     self.rows[f.row].ev.event_id,
                     self.relays[i].gen,
-                    f.attempt
+                    u.attempt
                 );
                 self.ledger.attempts.push(Attempt {
                     row: f.row,
                     relay_gen: self.relays[i].gen,
-                    attempt: f.attempt,
+                    attempt: u.attempt,
                     topic: f.topic,
                     partition: f.partition,
                     unknown_at: self.now.max(f.sent_at),
                     state: AttemptState::Unknown,
                 });
                 self.c.unknown_attempts += 1;
-                return Err(End::Error("delivery possibly persisted"));
+                Err(End::Error("delivery possibly persisted"))
             }
-            Report::NotPersisted => return Err(End::Error("delivery not persisted")),
         }
-        if let Some(next) = self.relays[i].gate.done(&f.agg) {
-            self.send(i, next)?;
-        }
-        Ok(())
     }
 
-    /// `Pipeline::flush`: resolve the batch in the tracker, one acceptance transaction with
-    /// the checkpoint it allows.
+    /// `Pipeline::flush`: the core resolves the batch in the tracker and says which
+    /// checkpoint it allows; one acceptance transaction. A failed one puts the batch back
+    /// (`keep_for_salvage`).
     fn flush(&mut self, i: usize, track: bool) -> Result<(), End> {
-        let mut checkpoint = None;
-        if track {
-            let acks: Vec<EventToken> = self.relays[i].batch_acks.drain(..).collect();
-            for a in acks {
-                self.relays[i]
-                    .tracker
-                    .resolve(a)
-                    .map_err(|_| End::Error("tracker resolve"))?;
-            }
-            let wm = self.relays[i].tracker.watermark();
-            if wm > self.relays[i].durable {
-                checkpoint = Some(wm);
-            }
-        }
-        if self.relays[i].batch.is_empty() && checkpoint.is_none() {
+        let durable = self.relays[i].durable;
+        let Some((items, checkpoint)) = self.relays[i]
+            .core
+            .take_batch(track, durable)
+            .map_err(|_| End::Error("tracker resolve"))?
+        else {
             return Ok(());
-        }
-        let items = std::mem::take(&mut self.relays[i].batch);
-        let fenced = self.accept(i, items, checkpoint)?;
+        };
+        let sim_items = self.sim_items(i, &items);
+        let fenced = match self.accept(i, sim_items, checkpoint) {
+            Ok(fenced) => fenced,
+            Err(e) => {
+                self.relays[i].core.restore_batch(items, false);
+                return Err(e);
+            }
+        };
         if let Some(c) = checkpoint {
             if !fenced {
                 self.relays[i].durable = c;
@@ -1550,6 +1495,43 @@ impl World {
             return Err(End::Error("killed"));
         }
         Ok(())
+    }
+
+    /// The core's ledger records, by row index (what the simulated ledger keys on).
+    fn sim_items(&mut self, i: usize, items: &[LedgerItem]) -> Vec<Item> {
+        let row_of = |w: &World, id: &Uuid| w.by_id[id];
+        items
+            .iter()
+            .map(|it| match it {
+                LedgerItem::Receipt(r) => Item::Receipt {
+                    row: row_of(self, &r.event_id),
+                    rc: Receipt {
+                        topic: TOPICS
+                            .iter()
+                            .position(|(_, t)| *t == r.topic)
+                            .expect("a simulated topic"),
+                        partition: r.partition as usize,
+                        offset: r.offset as usize,
+                    },
+                    payload_digest: r.payload_digest.clone(),
+                    dest_digest: r.destination_digest.clone(),
+                    late: self.relays[i]
+                        .late
+                        .remove(&(r.event_id, r.partition, r.offset)),
+                },
+                LedgerItem::Quarantine(q) => Item::Quarantine {
+                    row: row_of(self, &q.event_id.expect("simulated rows are readable")),
+                    code: q.reason_code.clone(),
+                },
+                LedgerItem::Hold(h) => Item::Hold {
+                    agg: agg_of(&h.aggregate_id),
+                    blocking: row_of(self, &h.blocking_event_id.expect("a blocking event")),
+                },
+                LedgerItem::Held(h) => Item::Held {
+                    row: row_of(self, &h.event_id),
+                },
+            })
+            .collect()
     }
 
     /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
@@ -1643,7 +1625,7 @@ impl World {
                             self.c.conflicts += 1;
                             self.ledger.quarantine.push(Quarantine {
                                 row,
-                                code: c.reason_code(),
+                                code: c.reason_code().to_string(),
                                 released: false,
                             });
                         }
@@ -1680,7 +1662,7 @@ impl World {
                         }
                         self.ledger.quarantine.push(Quarantine {
                             row: *row,
-                            code,
+                            code: code.clone(),
                             released: false,
                         });
                     }
@@ -1770,7 +1752,7 @@ impl World {
             .collect();
         aggs.sort();
         for agg in aggs {
-            if self.relays[i].gate.in_flight(&agg) {
+            if self.relays[i].core.aggregate_in_flight(&agg_key(agg)) {
                 continue;
             }
             self.flush(i, true)?;
@@ -1799,21 +1781,26 @@ impl World {
             for row in set {
                 let ev = self.rows[row].current();
                 let version = ev.aggregate_version;
-                if let Err(code) = Self::route_check(&ev) {
-                    self.poison(i, row, code, None);
+                let core = &mut self.relays[i].core;
+                if let Err(r) = outbox_relay::route::check(&ev, core.served()) {
+                    core.poison(&ev, r.code, r.reason, None, None);
                     failed = true;
                     break;
                 }
-                let Some(token) = self.send(i, Pend { row, ev, ack: None })? else {
+                let pending = Pending {
+                    ev,
+                    commit_lsn: None,
+                    ack: None,
+                };
+                let now = self.now_for(i);
+                let Some(send) = self.relays[i].core.send_one(pending, now) else {
                     failed = true;
                     break;
                 };
+                let Command::Send { token, .. } = send;
+                self.execute(i, vec![send])?;
                 self.on_report(i, token)?;
-                if self.relays[i]
-                    .batch
-                    .iter()
-                    .any(|it| matches!(it, Item::Hold { agg: a, .. } if *a == agg))
-                {
+                if self.relays[i].core.batch_holds(&agg_key(agg)) {
                     failed = true;
                     break;
                 }
@@ -1823,7 +1810,7 @@ impl World {
             if !failed && self.close_hold(agg, last) {
                 let head = self.ledger.heads.get(&agg).copied().unwrap_or(0);
                 let next = last.unwrap_or(head).max(head) + 1;
-                self.relays[i].gate.release(&agg, next);
+                self.relays[i].core.release(&agg_key(agg), next);
                 log!(self, "hold of o-{agg} released; next version {next}");
             }
         }
@@ -1889,12 +1876,12 @@ impl World {
     }
 
     fn migrate_one(&mut self, row: usize) {
-        let q = self.ledger.open_quarantine(row).map(|q| q.code);
+        let q = self.ledger.open_quarantine(row).map(|q| q.code.clone());
         let attempts = self.ledger.attempts.iter().filter(|a| a.row == row).count() as i64;
         let facts = receipt::MigrationFacts {
             published: self.ledger.primary.contains_key(&row),
             unknown_open: self.ledger.unknown_open(row) && !self.is(Mutant::MigrateWhileUnknown),
-            quarantine_code: q,
+            quarantine_code: q.as_deref(),
             attempts,
             migrated: !self.rows[row].migrations.is_empty()
                 && !self.is(Mutant::BugProofAfterMigration),
@@ -2113,8 +2100,8 @@ impl World {
                 self.relay_call(Some(i), |w, i| w.on_report(i, token));
                 continue;
             }
-            if !self.relays[i].batch.is_empty()
-                || self.relays[i].tracker.watermark() > self.relays[i].durable
+            if self.relays[i].core.batch_len() > 0
+                || self.relays[i].core.tracker.watermark() > self.relays[i].durable
             {
                 self.relay_call(Some(i), |w, i| w.flush(i, true));
                 self.relay_call(Some(i), |w, i| {
@@ -2137,7 +2124,7 @@ impl World {
                         self.release(row, false);
                     } else {
                         let cur = self.rows[row].current();
-                        if Self::route_check(&cur).is_ok()
+                        if outbox_relay::route::check(&cur, &served()).is_ok()
                             && topic_index(&cur.destination) != REJECTING_TOPIC
                         {
                             self.release(row, true);

@@ -43,55 +43,7 @@ pub use kafka::{
     event_headers, scan_for_event, topic_partitions, KafkaSink, KafkaSinkConfig, ScanResult,
 };
 
-/// What the broker has, as far as the client knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Persistence {
-    NotPersisted,
-    PossiblyPersisted,
-    Persisted,
-}
-
-/// Whether retrying can ever help.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureClass {
-    /// Will never succeed as frozen (too large, invalid/unauthorised topic): quarantine.
-    Permanent,
-    /// May succeed later: replay.
-    Transient,
-}
-
-/// The result of one send, reported once.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DeliveryOutcome {
-    Persisted {
-        /// Kafka topic, or JetStream subject.
-        topic: String,
-        /// Kafka partition; 0 on JetStream (a stream has one sequence).
-        partition: i32,
-        /// Kafka offset, or JetStream stream sequence.
-        offset: i64,
-        /// Broker (or create) timestamp, milliseconds since the Unix epoch.
-        timestamp_ms: Option<i64>,
-        /// The broker said it already had this message (JetStream `duplicate: true`, by
-        /// `Nats-Msg-Id`) and answered with the original position: nothing new was stored.
-        duplicate: bool,
-    },
-    Failed {
-        error: String,
-        persistence: Persistence,
-        class: FailureClass,
-        /// The partition the client chose (-1 if none yet): where an UNKNOWN outcome is looked
-        /// up. Always 0 on JetStream.
-        partition: i32,
-    },
-}
-
-/// A delivery report with the caller's token.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Delivery {
-    pub token: u64,
-    pub outcome: DeliveryOutcome,
-}
+pub use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
@@ -174,18 +126,6 @@ impl SinkError {
                 }
         )
     }
-}
-
-/// What a sink serves: events whose frozen destination differs are refused by the route stage.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Served {
-    /// `destination.v1` kind: `kafka` or `nats`.
-    pub kind: &'static str,
-    /// Broker cluster identity (the name the route policy uses).
-    pub cluster: String,
-    /// The partitioner the frozen destination must name; `None` where the broker has no
-    /// partitions (JetStream: one sequence per stream, order per subject).
-    pub partitioner: Option<String>,
 }
 
 /// An attempt whose outcome is unknown, as the ledger recorded it.

@@ -27,7 +27,6 @@
 
 mod pipeline;
 mod reconcile;
-pub mod route;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -97,6 +96,8 @@ pub enum RelayError {
     },
     #[error("ack tracker: {0}")]
     Ack(#[from] AckError),
+    #[error("relay core: {0}")]
+    Core(#[from] outbox_relay::CoreError),
     #[error("the replication stream ended")]
     StreamEnded,
     #[error("internal error: {0}")]
@@ -350,7 +351,7 @@ async fn run_once(
         &cfg.slot,
         fence.clone(),
         lease_state.clone(),
-        Pipeline::gate(heads, held),
+        outbox_relay::PipelineCore::gate_from(heads, held),
     );
 
     // The ledger row that makes this slot ours, starting at `lsn`.
@@ -389,6 +390,7 @@ async fn run_once(
 
     // Retries proven necessary by an earlier run keep their attempt generation across restarts.
     pipeline
+        .core
         .retry_generation
         .extend(outbox_ledger::attempts::retry_generations(&sql, &cfg.slot).await?);
     reconcile::reconcile_unknown(
@@ -437,7 +439,7 @@ async fn run_once(
 
     pipeline.enable_pipelined_accept(connect_sql(url).await?);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
-    pipeline.tracker = AckTracker::new(start);
+    pipeline.core.tracker = AckTracker::new(start);
     let mut durable = start;
     let mut last_received = start;
     let mut current: Option<(TxnSeq, Lsn, u32)> = None;
@@ -457,13 +459,13 @@ async fn run_once(
         if let Some(b) = pipeline.batch_started.filter(|_| !accepting) {
             deadline = deadline.min(b + cfg.batch_linger);
         }
-        if pipeline.tracker.watermark() > durable && !accepting {
+        if pipeline.core.tracker.watermark() > durable && !accepting {
             deadline = deadline.min(last_checkpoint_write + cfg.status_interval);
         }
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline.max(now)));
         // Backpressure: stop reading the slot while too much is unresolved; reports, batches
         // and status updates keep flowing.
-        let can_read = pipeline.tracker.in_flight() < max_in_flight
+        let can_read = pipeline.core.tracker.in_flight() < max_in_flight
             && pipeline.in_flight_bytes() < pipeline::MAX_IN_FLIGHT_BYTES;
         tokio::select! {
             biased;
@@ -487,7 +489,7 @@ async fn run_once(
                         let wal_end = Lsn(wal_end);
                         last_received = last_received.max(wal_end);
                         if current.is_none() {
-                            pipeline.tracker.idle_position(wal_end);
+                            pipeline.core.tracker.idle_position(wal_end);
                         }
                         send_status_now |= reply_requested;
                     }
@@ -496,7 +498,7 @@ async fn run_once(
                         match decoder.decode(data)? {
                             Decoded::Begin { commit_lsn, commit_time, .. } => {
                                 crate::metrics::txn_begin(commit_lsn, commit_time);
-                                current = Some((pipeline.tracker.begin()?, commit_lsn, 0));
+                                current = Some((pipeline.core.tracker.begin()?, commit_lsn, 0));
                             }
                             Decoded::Event(res) => {
                                 let Some((txn, commit_lsn, n)) = current.as_mut() else {
@@ -504,7 +506,7 @@ async fn run_once(
                                 };
                                 *n += 1;
                                 let (txn, commit_lsn, n) = (*txn, *commit_lsn, *n);
-                                let ack = pipeline.tracker.add_event(txn)?;
+                                let ack = pipeline.core.tracker.add_event(txn)?;
                                 match *res {
                                     Ok(ev) => pipeline.admit(ev, Some(commit_lsn), Some(ack)).await?,
                                     Err(row_err) => pipeline.quarantine_unreadable(
@@ -515,7 +517,7 @@ async fn run_once(
                                 let Some((txn, _, _)) = current.take() else {
                                     return Err(SourceError::Protocol("Commit without Begin".into()).into());
                                 };
-                                pipeline.tracker.commit(txn, end_lsn)?;
+                                pipeline.core.tracker.commit(txn, end_lsn)?;
                                 last_received = last_received.max(end_lsn);
                             }
                             Decoded::Nothing => {}
@@ -527,7 +529,7 @@ async fn run_once(
         }
 
         let now = Instant::now();
-        crate::metrics::in_flight(pipeline.tracker.in_flight());
+        crate::metrics::in_flight(pipeline.core.tracker.in_flight());
         let accepting = pipeline.accepting.is_some();
         let batch_due = !accepting
             && (pipeline.batch_len() >= cfg.batch_size
@@ -536,13 +538,13 @@ async fn run_once(
                     .is_some_and(|b| now >= b + cfg.batch_linger));
         let idle_due = !accepting
             && pipeline.batch_len() == 0
-            && pipeline.tracker.watermark() > durable
+            && pipeline.core.tracker.watermark() > durable
             && now >= last_checkpoint_write + cfg.status_interval;
         if batch_due || idle_due {
             pipeline.flush_pipelined(&mut durable, progress).await?;
             last_checkpoint_write = now;
         }
-        if pipeline.lease_expired || lease_state.is_lost() {
+        if pipeline.core.lease_expired || lease_state.is_lost() {
             tracing::warn!(
                 generation = fence.generation,
                 "lease lost to another relay; recording what the broker confirmed and stopping"

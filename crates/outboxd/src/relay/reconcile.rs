@@ -180,7 +180,7 @@ pub(crate) async fn reconcile_unknown(
                 )
                 .await?;
                 attempts::resolve(sql, a.id, Some(offset), scanned_from, scanned_to).await?;
-                pipeline.found.insert(a.event_id);
+                pipeline.core.found.insert(a.event_id);
                 tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
                     unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
             }
@@ -199,11 +199,11 @@ pub(crate) async fn reconcile_unknown(
                         Some(fence),
                     )
                     .await?;
-                    pipeline.found.insert(a.event_id);
+                    pipeline.core.found.insert(a.event_id);
                     tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
                         unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry");
                 } else {
-                    pipeline.retry_generation.insert(a.event_id, next);
+                    pipeline.core.retry_generation.insert(a.event_id, next);
                     tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
                         scanned_from, scanned_to, next_attempt = next,
                         unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");

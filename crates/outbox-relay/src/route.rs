@@ -6,8 +6,8 @@
 //! cluster B would be a cross-destination delivery (invariant 4), so such an event is
 //! quarantined with the reason, not sent.
 
+use outbox_core::delivery::Served;
 use outbox_core::OutboxEvent;
-use outbox_sink::Served;
 
 /// Why an event was refused: a stable code and a sentence naming the field.
 #[derive(Debug, Clone, PartialEq, Eq)]

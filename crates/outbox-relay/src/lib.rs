@@ -1,0 +1,29 @@
+//! The relay's decisions as a deterministic state machine: no I/O, no clock of its own.
+//!
+//! The daemon (`crates/outboxd/src/relay`) owns the connections, the tasks and the `select!`;
+//! it feeds what happened into this crate (an event decoded, a delivery report, the sink
+//! refusing a message, an acceptance transaction that failed) and executes what comes back
+//! (send this event with this token, record this attempt as DISPATCH_UNKNOWN, accept this
+//! batch with this checkpoint). The time and the lease's validity are inputs ([`Now`]), so
+//! the same code runs under unit tests, property tests and a simulator with the same result
+//! for the same inputs — the style of quinn-proto and TigerBeetle's replica.
+//!
+//! * [`route`] — may this relay publish this event (frozen destination vs what it serves)?
+//! * [`pipeline`] — route → ordering gate → send → delivery report → ledger batch, and the
+//!   checkpoint a batch justifies.
+//!
+//! What still lives in the daemon's loop (the start-up plan, backpressure, when to flush,
+//! the lease keeper, the standby status) is the next part of this crate's job.
+
+pub mod pipeline;
+pub mod route;
+
+pub use pipeline::{
+    AggKey, Command, CoreError, DeliveryFailure, Now, Pending, PipelineCore, Reported,
+    UnknownAttempt, MAX_IN_FLIGHT_BYTES,
+};
+pub use route::Refusal;
+
+#[cfg(feature = "mutants")]
+pub use pipeline::CurrentRoute;
+pub use pipeline::Mutant;

@@ -1,0 +1,695 @@
+//! The middle of the relay: route → ordering gate → send → delivery report → ledger batch.
+//!
+//! An event leaves this state machine in exactly one of these ways, and only the first three
+//! resolve it (let the checkpoint pass it): an accepted receipt, a quarantine record, a
+//! held-event record — or a relay error, which drops all in-memory state and replays from the
+//! slot. Nothing times out into "done".
+//!
+//! Ordering: at most one event per aggregate is in flight ([`OrderingGate`]); the next one is
+//! sent when the broker has reported on the previous. A quarantined event or a version gap
+//! holds its aggregate durably; its later events are recorded as held, not sent, and are
+//! republished in version order when an operator releases the hold.
+//!
+//! The driver's side of the contract:
+//! * every [`Command::Send`] is handed to the sink with its token, and a refusal is reported
+//!   back with [`PipelineCore::send_refused`] (every token gets exactly one delivery report or
+//!   one refusal);
+//! * a [`Reported::Failed`] ends the run, after its [`UnknownAttempt`] (if any) is recorded;
+//! * a batch from [`PipelineCore::take_batch`] is accepted in one transaction, in the order
+//!   the batches were taken; a batch whose transaction failed goes back with
+//!   [`PipelineCore::restore_batch`].
+
+use std::collections::{HashMap, HashSet};
+use std::time::SystemTime;
+
+use outbox_core::ack::AckError;
+use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
+use outbox_core::records::{HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord};
+use outbox_core::{AckTracker, Admit, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
+use uuid::Uuid;
+
+use crate::route;
+
+/// An aggregate: (aggregate type, aggregate id).
+pub type AggKey = (String, String);
+
+/// Payload bytes sent and not yet reported on, beyond which the relay stops reading the slot
+/// (with `max_in_flight`): the producer holds a copy of each, so large payloads would
+/// otherwise grow the relay's memory with `max_in_flight` × payload size.
+pub const MAX_IN_FLIGHT_BYTES: usize = 16 * 1024 * 1024;
+
+/// What the driver knows that the core may not find out by itself.
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    /// Wall-clock time: stamped on sends (the UNKNOWN record's `sent_at`).
+    pub wall: SystemTime,
+    /// Whether this relay's lease is certainly still held: without it, nothing is sent.
+    pub lease_valid: bool,
+}
+
+/// An event waiting for, or in, its send.
+#[derive(Debug, Clone)]
+pub struct Pending {
+    pub ev: OutboxEvent,
+    /// `None` for events published from the initial snapshot or an operator's release.
+    pub commit_lsn: Option<Lsn>,
+    /// The ack tracker's token: resolving it lets the checkpoint pass the event.
+    pub ack: Option<EventToken>,
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone)]
+pub enum Command {
+    /// Hand `event` to the sink with `token`. A refusal goes back through
+    /// [`PipelineCore::send_refused`]; otherwise one delivery report follows.
+    Send {
+        token: u64,
+        attempt: i32,
+        event: OutboxEvent,
+    },
+}
+
+/// A delivery report that ends the run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryFailure {
+    pub event_id: Uuid,
+    pub error: String,
+    pub persistence: Persistence,
+    /// The broker may have the message: record this before anything else happens to the
+    /// event, so that the next start reconciles it (scan the partition) instead of assuming.
+    pub unknown: Option<UnknownAttempt>,
+}
+
+/// An attempt whose outcome is DISPATCH_UNKNOWN.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownAttempt {
+    pub event_id: Uuid,
+    pub attempt: i32,
+    pub topic: String,
+    pub partition: i32,
+    pub sent_at: SystemTime,
+    pub error: String,
+}
+
+/// What a delivery report led to.
+#[derive(Debug, Clone)]
+pub enum Reported {
+    /// Recorded; the commands send the aggregate's next event, if it has one.
+    Continue(Vec<Command>),
+    /// The relay must stop and replay from its checkpoint.
+    Failed(DeliveryFailure),
+}
+
+/// A deliberately broken variant of one decision, so that the simulator can prove its gate
+/// catches bugs in the product's code, not only in a model of it. Only the feature `mutants`
+/// (the simulator's) can plant one; the daemon is built without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mutant {
+    /// Resolves an event in the ack tracker when the broker reports it, before its receipt is
+    /// accepted: a driver that confirms the tracker's watermark confirms unaccepted events.
+    ConfirmBeforeAccept,
+    /// A retry (an attempt generation above 1) is sent to the current route instead of the
+    /// frozen destination ([`PipelineCore::current_route`]).
+    RetryReresolvesRoute,
+    /// The route check runs when an event is decoded, not at the head of its aggregate (the
+    /// bug the simulator found at seed 1, trace 143).
+    PoisonBeforeGate,
+}
+
+/// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
+#[cfg(feature = "mutants")]
+pub type CurrentRoute = (String, String, i64);
+
+/// A broken contract between the driver and the core: never transient.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error("ack tracker: {0}")]
+    Ack(#[from] AckError),
+    #[error("a delivery report or refusal for token {0}, which is not in flight")]
+    UnknownToken(u64),
+    #[error("the ordering gate asked for the head of an aggregate it was given")]
+    NeedHead,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    key: AggKey,
+    topic: String,
+    sent_at: SystemTime,
+    attempt: i32,
+    event_id: Uuid,
+    aggregate_version: i64,
+    payload_digest: String,
+    destination_digest: String,
+    commit_lsn: Option<Lsn>,
+    ack: Option<EventToken>,
+    /// Payload bytes, counted in [`PipelineCore::in_flight_bytes`].
+    bytes: usize,
+}
+
+/// A batch taken for acceptance, with the checkpoint it justifies.
+pub type TakenBatch = (Vec<LedgerItem>, Option<Lsn>);
+
+fn key_of(ev: &OutboxEvent) -> AggKey {
+    (ev.aggregate_type.clone(), ev.aggregate_id.clone())
+}
+
+/// The pipeline's state and decisions. See the module documentation for the contract.
+#[derive(Debug)]
+pub struct PipelineCore {
+    /// What the sink serves (kind, cluster, partitioner): checked against every frozen
+    /// destination, and written into every receipt.
+    served: Served,
+    /// This relay's lease generation, written into every receipt.
+    generation: i64,
+    /// The checkpoint's source: the contiguous low watermark of resolved events.
+    pub tracker: AckTracker,
+    gate: OrderingGate<AggKey, Pending>,
+    next_token: u64,
+    in_flight: HashMap<u64, InFlight>,
+    batch: Vec<LedgerItem>,
+    batch_acks: Vec<EventToken>,
+    /// A send was refused because the lease was not certainly held.
+    pub lease_expired: bool,
+    /// The run is ending: record reports, send nothing.
+    salvaging: bool,
+    /// Events whose UNKNOWN attempt reconciliation found on the broker: never sent again.
+    pub found: HashSet<Uuid>,
+    /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
+    pub retry_generation: HashMap<Uuid, i32>,
+    in_flight_bytes: usize,
+    /// Send -> delivery report times since [`Self::take_report_times`] (count, sum ms, max ms).
+    report_ms: (u64, f64, f64),
+    #[cfg(feature = "mutants")]
+    pub mutant: Option<Mutant>,
+    /// Where [`Mutant::RetryReresolvesRoute`] sends retries.
+    #[cfg(feature = "mutants")]
+    pub current_route: Option<CurrentRoute>,
+}
+
+impl PipelineCore {
+    /// The ordering gate as the ledger left it: every aggregate's last accepted version, and
+    /// the aggregates held durably.
+    pub fn gate_from(
+        heads: Vec<(AggKey, i64)>,
+        held: Vec<AggKey>,
+    ) -> OrderingGate<AggKey, Pending> {
+        let mut gate = OrderingGate::new();
+        for (k, v) in heads {
+            gate.set_head(k, v, false);
+        }
+        for k in held {
+            gate.set_head(k, 0, true);
+        }
+        gate
+    }
+
+    pub fn new(served: Served, generation: i64, gate: OrderingGate<AggKey, Pending>) -> Self {
+        PipelineCore {
+            served,
+            generation,
+            tracker: AckTracker::new(Lsn::ZERO),
+            gate,
+            next_token: 0,
+            in_flight: HashMap::new(),
+            batch: Vec::new(),
+            batch_acks: Vec::new(),
+            lease_expired: false,
+            salvaging: false,
+            found: HashSet::new(),
+            retry_generation: HashMap::new(),
+            in_flight_bytes: 0,
+            report_ms: (0, 0.0, 0.0),
+            #[cfg(feature = "mutants")]
+            mutant: None,
+            #[cfg(feature = "mutants")]
+            current_route: None,
+        }
+    }
+
+    /// Whether the mutant `m` is planted (always false without feature `mutants`).
+    #[allow(unused_variables)]
+    fn planted(&self, m: Mutant) -> bool {
+        #[cfg(feature = "mutants")]
+        {
+            self.mutant == Some(m)
+        }
+        #[cfg(not(feature = "mutants"))]
+        false
+    }
+
+    pub fn served(&self) -> &Served {
+        &self.served
+    }
+
+    /// Sent, or waiting behind an aggregate's in-flight event.
+    pub fn outstanding(&self) -> usize {
+        self.in_flight.len() + self.gate.queued()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Whether `token` was sent and not yet reported on (or refused).
+    pub fn is_in_flight(&self, token: u64) -> bool {
+        self.in_flight.contains_key(&token)
+    }
+
+    /// Whether an event of the aggregate is at the broker.
+    pub fn aggregate_in_flight(&self, key: &AggKey) -> bool {
+        self.gate.in_flight(key)
+    }
+
+    /// Payload bytes of the events sent and not yet reported on.
+    pub fn in_flight_bytes(&self) -> usize {
+        self.in_flight_bytes
+    }
+
+    pub fn batch_len(&self) -> usize {
+        self.batch.len()
+    }
+
+    /// Whether the batch holds a hold record for the aggregate (it was poisoned again).
+    pub fn batch_holds(&self, key: &AggKey) -> bool {
+        self.batch.iter().any(|i| {
+            matches!(i, LedgerItem::Hold(h) if h.aggregate_type == key.0 && h.aggregate_id == key.1)
+        })
+    }
+
+    /// Send -> delivery report times since the last call: (count, sum ms, max ms).
+    pub fn take_report_times(&mut self) -> (u64, f64, f64) {
+        std::mem::take(&mut self.report_ms)
+    }
+
+    fn push(&mut self, item: LedgerItem, ack: Option<EventToken>) {
+        self.batch.push(item);
+        if let Some(a) = ack {
+            self.batch_acks.push(a);
+        }
+    }
+
+    /// Every aggregate with an accepted event was loaded at start, and this relay is the only
+    /// writer of heads for its events since; an aggregate the gate does not know has none.
+    fn ensure_known(&mut self, key: &AggKey) {
+        if !self.gate.is_known(key) {
+            self.gate.set_head(key.clone(), 0, false);
+        }
+    }
+
+    /// The route stage and the ordering gate for one decoded event.
+    pub fn admit(
+        &mut self,
+        ev: OutboxEvent,
+        commit_lsn: Option<Lsn>,
+        ack: Option<EventToken>,
+        now: Now,
+    ) -> Result<Vec<Command>, CoreError> {
+        let key = key_of(&ev);
+        self.ensure_known(&key);
+        if self.found.contains(&ev.event_id) {
+            // Reconciliation proved the broker has it and recorded the receipt: no resend.
+            self.gate.consume(&key, ev.aggregate_version);
+            if let Some(a) = ack {
+                self.tracker.resolve(a)?;
+            }
+            return Ok(Vec::new());
+        }
+        // The route check runs at the head of the aggregate (in `send_one`), not here: an
+        // event refused while an earlier one of its aggregate is still in flight would
+        // otherwise open a hold naming itself, and if the earlier one is then rejected too,
+        // nothing would ever republish that earlier one (found by `outbox-sim`).
+        if self.planted(Mutant::PoisonBeforeGate) {
+            if let Err(r) = route::check(&ev, &self.served) {
+                let p = Pending {
+                    ev,
+                    commit_lsn,
+                    ack,
+                };
+                if self.gate.is_held(&key) {
+                    self.record_held(p);
+                } else {
+                    self.gate.consume(&key, p.ev.aggregate_version);
+                    self.poison(&p.ev, r.code, r.reason, p.commit_lsn, p.ack);
+                }
+                return Ok(Vec::new());
+            }
+        }
+        let version = ev.aggregate_version;
+        match self.gate.offer(
+            &key,
+            version,
+            Pending {
+                ev,
+                commit_lsn,
+                ack,
+            },
+        ) {
+            Admit::Send(p) => Ok(self.send_one(p, now).into_iter().collect()),
+            Admit::Queued => Ok(Vec::new()),
+            Admit::Held(p) => {
+                self.record_held(p);
+                Ok(Vec::new())
+            }
+            Admit::Hold(p, HoldReason::Gap { expected, got }) => {
+                let reason = format!(
+                    "version gap in aggregate {}/{}: expected version {expected}, got {got} (event {}); the aggregate is held instead of publishing past the gap",
+                    key.0, key.1, p.ev.event_id
+                );
+                tracing::error!(aggregate = %format!("{}/{}", key.0, key.1), expected, got, event_id = %p.ev.event_id, "version gap: aggregate held");
+                self.push(
+                    LedgerItem::Hold(HoldRecord {
+                        aggregate_type: key.0.clone(),
+                        aggregate_id: key.1.clone(),
+                        reason_code: "version_gap".into(),
+                        reason,
+                        blocking_event_id: Some(p.ev.event_id),
+                        blocking_version: Some(got),
+                    }),
+                    None,
+                );
+                self.record_held(p);
+                Ok(Vec::new())
+            }
+            Admit::NeedHead(_) => Err(CoreError::NeedHead),
+        }
+    }
+
+    fn record_held(&mut self, p: Pending) {
+        tracing::debug!(event_id = %p.ev.event_id, version = p.ev.aggregate_version, "event held");
+        self.push(
+            LedgerItem::Held(HeldRecord {
+                event_id: p.ev.event_id,
+                aggregate_type: p.ev.aggregate_type,
+                aggregate_id: p.ev.aggregate_id,
+                aggregate_version: p.ev.aggregate_version,
+                commit_lsn: p.commit_lsn,
+            }),
+            p.ack,
+        );
+    }
+
+    /// Quarantines `ev` with its reason and holds its aggregate; what waited behind it is held.
+    pub fn poison(
+        &mut self,
+        ev: &OutboxEvent,
+        code: &str,
+        reason: String,
+        commit_lsn: Option<Lsn>,
+        ack: Option<EventToken>,
+    ) {
+        let blocking = (ev.event_id, ev.aggregate_version, commit_lsn, ack);
+        self.poison_key(&key_of(ev), blocking, code, reason);
+    }
+
+    /// [`Self::poison`] for an event known by its key, id, version, commit LSN and ack token.
+    fn poison_key(
+        &mut self,
+        key: &AggKey,
+        (event_id, version, commit_lsn, ack): (Uuid, i64, Option<Lsn>, Option<EventToken>),
+        code: &str,
+        reason: String,
+    ) {
+        tracing::warn!(%event_id, aggregate = %format!("{}/{}", key.0, key.1),
+            version, code, %reason, "event quarantined; aggregate held");
+        self.push(
+            LedgerItem::Quarantine(QuarantineRecord {
+                key: event_id.to_string(),
+                event_id: Some(event_id),
+                aggregate_type: Some(key.0.clone()),
+                aggregate_id: Some(key.1.clone()),
+                aggregate_version: Some(version),
+                reason_code: code.to_string(),
+                reason: reason.clone(),
+                commit_lsn: commit_lsn.unwrap_or(Lsn::ZERO),
+            }),
+            ack,
+        );
+        self.push(
+            LedgerItem::Hold(HoldRecord {
+                aggregate_type: key.0.clone(),
+                aggregate_id: key.1.clone(),
+                reason_code: code.to_string(),
+                reason,
+                blocking_event_id: Some(event_id),
+                blocking_version: Some(version),
+            }),
+            None,
+        );
+        for p in self.gate.hold(key) {
+            self.record_held(p);
+        }
+    }
+
+    /// Records a row that could not even be read as an envelope (no aggregate to hold).
+    pub fn quarantine_unreadable(
+        &mut self,
+        key: String,
+        reason: String,
+        commit_lsn: Lsn,
+        ack: Option<EventToken>,
+    ) {
+        tracing::warn!(%key, %reason, lsn = %commit_lsn, "unreadable outbox row quarantined");
+        self.push(
+            LedgerItem::Quarantine(QuarantineRecord {
+                key,
+                event_id: None,
+                aggregate_type: None,
+                aggregate_id: None,
+                aggregate_version: None,
+                reason_code: "unreadable_row".into(),
+                reason,
+                commit_lsn,
+            }),
+            ack,
+        );
+    }
+
+    /// Sends the event at the head of its aggregate: the lease and the route are checked
+    /// here, then the event is in flight under a new token. `None` when it was not sent (no
+    /// lease: it stays unresolved and the run ends; refused route: quarantined and held).
+    pub fn send_one(&mut self, p: Pending, now: Now) -> Option<Command> {
+        if self.salvaging || !now.lease_valid {
+            // A stale generation may not send. The event stays unresolved; the run ends.
+            self.lease_expired = true;
+            return None;
+        }
+        let checked = if self.planted(Mutant::PoisonBeforeGate) {
+            Ok(())
+        } else {
+            route::check(&p.ev, &self.served)
+        };
+        if let Err(r) = checked {
+            // Refused at the head of its aggregate: nothing of it is in flight, and what is
+            // queued behind it is held.
+            let key = key_of(&p.ev);
+            self.poison(&p.ev, r.code, r.reason, p.commit_lsn, p.ack);
+            self.gate.done(&key);
+            return None;
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        #[allow(unused_mut)]
+        let mut ev = p.ev;
+        #[cfg(feature = "mutants")]
+        if self.planted(Mutant::RetryReresolvesRoute)
+            && self.retry_generation.contains_key(&ev.event_id)
+        {
+            if let Some((cluster, topic, generation)) = self.current_route.clone() {
+                ev.destination.cluster = cluster;
+                ev.destination.topic = topic;
+                ev.destination.route_generation = generation;
+                ev.destination_digest = ev.destination.digest();
+            }
+        }
+        let bytes = ev.payload.len();
+        self.in_flight_bytes += bytes;
+        let attempt = self
+            .retry_generation
+            .get(&ev.event_id)
+            .copied()
+            .unwrap_or(1);
+        self.in_flight.insert(
+            token,
+            InFlight {
+                key: key_of(&ev),
+                topic: ev.destination.topic.clone(),
+                sent_at: now.wall,
+                attempt,
+                event_id: ev.event_id,
+                aggregate_version: ev.aggregate_version,
+                payload_digest: ev.payload_digest.clone(),
+                destination_digest: ev.destination_digest.clone(),
+                commit_lsn: p.commit_lsn,
+                ack: p.ack,
+                bytes,
+            },
+        );
+        Some(Command::Send {
+            token,
+            attempt,
+            event: ev,
+        })
+    }
+
+    /// The sink did not take the message of `token`. With a permanent reason (too large, an
+    /// invalid topic) the event is quarantined and its aggregate held; without one it stays
+    /// unresolved (the driver ends the run and replays).
+    pub fn send_refused(&mut self, token: u64, permanent: Option<String>) -> Result<(), CoreError> {
+        let f = self
+            .in_flight
+            .remove(&token)
+            .ok_or(CoreError::UnknownToken(token))?;
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.bytes);
+        if let Some(why) = permanent {
+            self.poison_key(
+                &f.key,
+                (f.event_id, f.aggregate_version, f.commit_lsn, f.ack),
+                "broker_rejected",
+                format!("the producer refused the message permanently: {why}"),
+            );
+            self.gate.done(&f.key);
+        }
+        Ok(())
+    }
+
+    /// One delivery report: a receipt, a quarantine, or the end of the run.
+    pub fn on_report(&mut self, d: Delivery, now: Now) -> Result<Reported, CoreError> {
+        let f = self
+            .in_flight
+            .remove(&d.token)
+            .ok_or(CoreError::UnknownToken(d.token))?;
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.bytes);
+        match d.outcome {
+            DeliveryOutcome::Persisted {
+                topic,
+                partition,
+                offset,
+                timestamp_ms,
+                duplicate,
+            } => {
+                if let Ok(d) = now.wall.duration_since(f.sent_at) {
+                    let ms = d.as_secs_f64() * 1000.0;
+                    let r = &mut self.report_ms;
+                    *r = (r.0 + 1, r.1 + ms, r.2.max(ms));
+                }
+                // A broker-side duplicate (JetStream answered a repeated Nats-Msg-Id with the
+                // original sequence) is the same copy, not a new one: the acceptance point
+                // keeps it as a duplicate transport receipt when the event has its primary.
+                tracing::trace!(event_id = %f.event_id, %topic, partition, offset, duplicate, "broker ack");
+                let mut ack = f.ack;
+                if self.planted(Mutant::ConfirmBeforeAccept) {
+                    if let Some(a) = ack.take() {
+                        self.tracker.resolve(a)?;
+                    }
+                }
+                self.push(
+                    LedgerItem::Receipt(ReceiptRecord {
+                        event_id: f.event_id,
+                        payload_digest: f.payload_digest,
+                        destination_digest: f.destination_digest,
+                        broker_kind: self.served.kind.into(),
+                        broker_cluster: self.served.cluster.clone(),
+                        topic,
+                        partition,
+                        offset,
+                        timestamp_ms,
+                        attempt: f.attempt,
+                        relay_generation: self.generation,
+                        commit_lsn: f.commit_lsn,
+                    }),
+                    ack,
+                );
+            }
+            DeliveryOutcome::Failed {
+                error,
+                class: FailureClass::Permanent,
+                ..
+            } => {
+                self.poison_key(
+                    &f.key,
+                    (f.event_id, f.aggregate_version, f.commit_lsn, f.ack),
+                    "broker_rejected",
+                    format!("the broker rejected the message permanently: {error}"),
+                );
+            }
+            DeliveryOutcome::Failed {
+                error,
+                persistence,
+                partition,
+                ..
+            } => {
+                let unknown =
+                    (persistence != Persistence::NotPersisted && partition >= 0).then(|| {
+                        UnknownAttempt {
+                            event_id: f.event_id,
+                            attempt: f.attempt,
+                            topic: f.topic.clone(),
+                            partition,
+                            sent_at: f.sent_at,
+                            error: error.clone(),
+                        }
+                    });
+                return Ok(Reported::Failed(DeliveryFailure {
+                    event_id: f.event_id,
+                    error,
+                    persistence,
+                    unknown,
+                }));
+            }
+        }
+        Ok(Reported::Continue(match self.gate.done(&f.key) {
+            Some(next) => self.send_one(next, now).into_iter().collect(),
+            None => Vec::new(),
+        }))
+    }
+
+    /// Resolves the batch's events (when `track`) and takes the batch with the checkpoint the
+    /// tracker then allows (only past `durable`, the checkpoint already committed); `None`
+    /// when there is nothing to record.
+    pub fn take_batch(
+        &mut self,
+        track: bool,
+        durable: Lsn,
+    ) -> Result<Option<TakenBatch>, CoreError> {
+        let mut checkpoint = None;
+        if track {
+            for a in self.batch_acks.drain(..) {
+                self.tracker.resolve(a)?;
+            }
+            if self.tracker.watermark() > durable {
+                checkpoint = Some(self.tracker.watermark());
+            }
+        }
+        if self.batch.is_empty() && checkpoint.is_none() {
+            return Ok(None);
+        }
+        Ok(Some((std::mem::take(&mut self.batch), checkpoint)))
+    }
+
+    /// After a failed acceptance transaction: the batch goes back in front of the pending
+    /// items, for salvage (its receipts are still evidence worth recording) — unless the
+    /// transaction *committed* and only the checkpoint was fenced (`fenced`): then every
+    /// item is recorded already, and recording it again would store each receipt a second
+    /// time as a duplicate of itself.
+    pub fn restore_batch(&mut self, items: Vec<LedgerItem>, fenced: bool) {
+        if fenced {
+            return;
+        }
+        let rest = std::mem::replace(&mut self.batch, items);
+        self.batch.extend(rest);
+    }
+
+    /// The run is ending: reports are still recorded, nothing more is sent.
+    pub fn begin_salvage(&mut self) {
+        self.salvaging = true;
+    }
+
+    /// An operator released the aggregate: its next event to publish is `next_version`.
+    pub fn release(&mut self, key: &AggKey, next_version: i64) {
+        self.gate.release(key, next_version);
+    }
+}
+
+#[cfg(test)]
+mod tests;

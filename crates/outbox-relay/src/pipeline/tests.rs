@@ -1,0 +1,383 @@
+//! One test per decision of the pipeline core, driven with plain values (no broker, no
+//! database, no clock).
+
+use std::time::{Duration, SystemTime};
+
+use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
+use outbox_core::records::LedgerItem;
+use outbox_core::{Destination, EventToken, Lsn, OutboxEvent, TxnSeq};
+
+use super::*;
+
+fn served() -> Served {
+    Served {
+        kind: "kafka",
+        cluster: "c1".into(),
+        partitioner: Some("murmur2_random".into()),
+    }
+}
+
+fn event(aggregate: &str, version: i64) -> OutboxEvent {
+    event_for(aggregate, version, "c1")
+}
+
+fn event_for(aggregate: &str, version: i64, cluster: &str) -> OutboxEvent {
+    let destination = Destination {
+        kind: "kafka".into(),
+        cluster: cluster.into(),
+        topic: "outbox.order".into(),
+        key: aggregate.into(),
+        partitioner: "murmur2_random".into(),
+        route_generation: 1,
+        serializer: "json".into(),
+        acks: "all".into(),
+    };
+    OutboxEvent::frozen(
+        uuid::Uuid::now_v7(),
+        ("order", aggregate, version),
+        "order.changed",
+        bytes::Bytes::from(format!("{{\"v\":{version}}}")),
+        destination,
+    )
+}
+
+fn now(ms: u64) -> Now {
+    Now {
+        wall: SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
+        lease_valid: true,
+    }
+}
+
+fn core() -> PipelineCore {
+    PipelineCore::new(served(), 7, PipelineCore::gate_from(Vec::new(), Vec::new()))
+}
+
+/// One transaction of `events.len()` events: admits each, returns the commands.
+fn admit_txn(c: &mut PipelineCore, events: &[OutboxEvent], end: u64) -> Vec<Command> {
+    let txn: TxnSeq = c.tracker.begin().unwrap();
+    let tokens: Vec<EventToken> = events
+        .iter()
+        .map(|_| c.tracker.add_event(txn).unwrap())
+        .collect();
+    c.tracker.commit(txn, Lsn(end)).unwrap();
+    let mut cmds = Vec::new();
+    for (ev, tok) in events.iter().zip(tokens) {
+        cmds.extend(
+            c.admit(ev.clone(), Some(Lsn(end)), Some(tok), now(0))
+                .unwrap(),
+        );
+    }
+    cmds
+}
+
+fn token(c: &Command) -> u64 {
+    match c {
+        Command::Send { token, .. } => *token,
+    }
+}
+
+fn persisted(token: u64, offset: i64) -> Delivery {
+    Delivery {
+        token,
+        outcome: DeliveryOutcome::Persisted {
+            topic: "outbox.order".into(),
+            partition: 0,
+            offset,
+            timestamp_ms: None,
+            duplicate: false,
+        },
+    }
+}
+
+fn failed(token: u64, persistence: Persistence, class: FailureClass) -> Delivery {
+    Delivery {
+        token,
+        outcome: DeliveryOutcome::Failed {
+            error: "boom".into(),
+            persistence,
+            class,
+            partition: 2,
+        },
+    }
+}
+
+fn continued(r: Reported) -> Vec<Command> {
+    match r {
+        Reported::Continue(c) => c,
+        Reported::Failed(f) => panic!("failed: {f:?}"),
+    }
+}
+
+fn codes(items: &[LedgerItem]) -> Vec<String> {
+    items
+        .iter()
+        .map(|i| match i {
+            LedgerItem::Receipt(r) => format!("receipt:{}", r.offset),
+            LedgerItem::Quarantine(q) => format!("quarantine:{}", q.reason_code),
+            LedgerItem::Hold(h) => format!("hold:{}", h.reason_code),
+            LedgerItem::Held(h) => format!("held:{}", h.aggregate_version),
+        })
+        .collect()
+}
+
+#[test]
+fn one_event_per_aggregate_is_in_flight_and_the_report_sends_the_next() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2), event("b", 1)], 100);
+    assert_eq!(cmds.len(), 2, "a/1 and b/1 go out, a/2 waits");
+    assert_eq!(c.outstanding(), 3);
+    let next = continued(c.on_report(persisted(token(&cmds[0]), 0), now(5)).unwrap());
+    assert_eq!(next.len(), 1, "a/2 follows a/1's report");
+    let Command::Send { event, attempt, .. } = &next[0];
+    assert_eq!((event.aggregate_version, *attempt), (2, 1));
+}
+
+#[test]
+fn the_checkpoint_passes_a_transaction_only_when_all_its_events_are_resolved() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 100);
+    continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
+    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    assert_eq!(codes(&items), ["receipt:0"]);
+    assert_eq!(checkpoint, None, "b/1 is still in flight");
+    continued(c.on_report(persisted(token(&cmds[1]), 1), now(2)).unwrap());
+    let (_, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    assert_eq!(checkpoint, Some(Lsn(100)));
+    // Nothing new: no batch, and never a checkpoint at or below the durable one.
+    assert!(c.take_batch(true, Lsn(100)).unwrap().is_none());
+}
+
+#[test]
+fn a_receipt_carries_the_generation_the_attempt_and_the_frozen_digests() {
+    let mut c = core();
+    let ev = event("a", 1);
+    c.retry_generation.insert(ev.event_id, 3);
+    let cmds = admit_txn(&mut c, std::slice::from_ref(&ev), 10);
+    continued(c.on_report(persisted(token(&cmds[0]), 41), now(1)).unwrap());
+    let (items, _) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let LedgerItem::Receipt(r) = &items[0] else {
+        panic!("{items:?}")
+    };
+    assert_eq!((r.attempt, r.relay_generation, r.offset), (3, 7, 41));
+    assert_eq!(r.payload_digest, ev.payload_digest);
+    assert_eq!(r.destination_digest, ev.destination_digest);
+    assert_eq!(
+        (r.broker_kind.as_str(), r.broker_cluster.as_str()),
+        ("kafka", "c1")
+    );
+}
+
+#[test]
+fn a_possibly_persisted_failure_is_recorded_unknown_and_ends_the_run() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
+    let Reported::Failed(f) = c
+        .on_report(
+            failed(
+                token(&cmds[0]),
+                Persistence::PossiblyPersisted,
+                FailureClass::Transient,
+            ),
+            now(1500),
+        )
+        .unwrap()
+    else {
+        panic!("continued")
+    };
+    let u = f.unknown.expect("an UNKNOWN attempt to record");
+    assert_eq!((u.partition, u.attempt), (2, 1));
+    assert_eq!(u.sent_at, now(0).wall);
+}
+
+#[test]
+fn a_not_persisted_failure_ends_the_run_without_an_unknown_record() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
+    let Reported::Failed(f) = c
+        .on_report(
+            failed(
+                token(&cmds[0]),
+                Persistence::NotPersisted,
+                FailureClass::Transient,
+            ),
+            now(1),
+        )
+        .unwrap()
+    else {
+        panic!("continued")
+    };
+    assert_eq!(f.unknown, None);
+    assert!(
+        c.take_batch(true, Lsn::ZERO).unwrap().is_none(),
+        "nothing resolved"
+    );
+}
+
+#[test]
+fn a_permanent_rejection_quarantines_the_event_and_holds_what_waits_behind_it() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2)], 10);
+    let next = continued(
+        c.on_report(
+            failed(
+                token(&cmds[0]),
+                Persistence::NotPersisted,
+                FailureClass::Permanent,
+            ),
+            now(1),
+        )
+        .unwrap(),
+    );
+    assert!(next.is_empty(), "a/2 is held, not sent");
+    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    assert_eq!(
+        codes(&items),
+        [
+            "quarantine:broker_rejected",
+            "hold:broker_rejected",
+            "held:2"
+        ]
+    );
+    assert_eq!(
+        checkpoint,
+        Some(Lsn(10)),
+        "quarantined and held events are resolved"
+    );
+    // A later event of the held aggregate is recorded as held too.
+    let later = admit_txn(&mut c, &[event("a", 3)], 20);
+    assert!(later.is_empty());
+    let (items, _) = c.take_batch(true, Lsn(10)).unwrap().unwrap();
+    assert_eq!(codes(&items), ["held:3"]);
+}
+
+#[test]
+fn a_refusal_by_the_producer_quarantines_only_when_permanent() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 10);
+    c.send_refused(token(&cmds[0]), Some("too large".into()))
+        .unwrap();
+    c.send_refused(token(&cmds[1]), None).unwrap();
+    assert_eq!(c.in_flight(), 0);
+    assert_eq!(c.in_flight_bytes(), 0);
+    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    assert_eq!(
+        codes(&items),
+        ["quarantine:broker_rejected", "hold:broker_rejected"]
+    );
+    assert_eq!(checkpoint, None, "b/1 was not resolved: the run replays it");
+    assert!(matches!(
+        c.send_refused(99, None),
+        Err(CoreError::UnknownToken(99))
+    ));
+}
+
+#[test]
+fn without_the_lease_nothing_is_sent_and_the_event_stays_unresolved() {
+    let mut c = core();
+    let txn = c.tracker.begin().unwrap();
+    let tok = c.tracker.add_event(txn).unwrap();
+    c.tracker.commit(txn, Lsn(10)).unwrap();
+    let stale = Now {
+        lease_valid: false,
+        ..now(0)
+    };
+    let cmds = c
+        .admit(event("a", 1), Some(Lsn(10)), Some(tok), stale)
+        .unwrap();
+    assert!(cmds.is_empty());
+    assert!(c.lease_expired);
+    assert!(c.take_batch(true, Lsn::ZERO).unwrap().is_none());
+}
+
+#[test]
+fn a_salvaging_run_records_reports_but_sends_nothing_more() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2)], 10);
+    c.begin_salvage();
+    let next = continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
+    assert!(next.is_empty(), "a/2 is not sent while salvaging");
+    let (items, _) = c.take_batch(false, Lsn::ZERO).unwrap().unwrap();
+    assert_eq!(codes(&items), ["receipt:0"]);
+}
+
+#[test]
+fn an_event_for_another_cluster_is_quarantined_at_the_head_of_its_aggregate() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event_for("a", 2, "elsewhere")], 10);
+    assert_eq!(cmds.len(), 1);
+    // a/2 reaches the head only when a/1 is reported on; then it is refused.
+    let next = continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
+    assert!(next.is_empty());
+    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    assert_eq!(
+        codes(&items),
+        [
+            "receipt:0",
+            "quarantine:destination_not_served",
+            "hold:destination_not_served"
+        ]
+    );
+    assert_eq!(checkpoint, Some(Lsn(10)));
+}
+
+#[test]
+fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
+    let mut c = PipelineCore::new(
+        served(),
+        1,
+        PipelineCore::gate_from(vec![(("order".into(), "a".into()), 4)], Vec::new()),
+    );
+    let cmds = admit_txn(&mut c, &[event("a", 6)], 10);
+    assert!(cmds.is_empty());
+    let (items, _) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    assert_eq!(codes(&items), ["hold:version_gap", "held:6"]);
+}
+
+#[test]
+fn an_event_reconciliation_found_is_never_sent_again() {
+    let mut c = core();
+    let ev = event("a", 1);
+    c.found.insert(ev.event_id);
+    let cmds = admit_txn(&mut c, &[ev, event("a", 2)], 10);
+    assert_eq!(cmds.len(), 1);
+    let Command::Send { event, .. } = &cmds[0];
+    assert_eq!(
+        event.aggregate_version, 2,
+        "a/1 is skipped as found, a/2 goes"
+    );
+}
+
+#[test]
+fn a_failed_acceptance_puts_its_batch_back_unless_it_was_fenced_after_commit() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 10);
+    continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
+    let (first, _) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    continued(c.on_report(persisted(token(&cmds[1]), 1), now(2)).unwrap());
+    c.restore_batch(first.clone(), false);
+    assert_eq!(
+        codes(&c.take_batch(false, Lsn::ZERO).unwrap().unwrap().0),
+        ["receipt:0", "receipt:1"]
+    );
+    // Fenced: the transaction committed, so its items are recorded already.
+    c.restore_batch(first, true);
+    assert!(c.take_batch(false, Lsn::ZERO).unwrap().is_none());
+}
+
+#[test]
+fn in_flight_bytes_follow_sends_and_reports() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 10);
+    let sent: usize = cmds
+        .iter()
+        .map(|Command::Send { event, .. }| event.payload.len())
+        .sum();
+    assert_eq!(c.in_flight_bytes(), sent);
+    continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
+    continued(c.on_report(persisted(token(&cmds[1]), 1), now(1)).unwrap());
+    assert_eq!(c.in_flight_bytes(), 0);
+    assert!(matches!(
+        c.on_report(persisted(token(&cmds[1]), 1), now(1)),
+        Err(CoreError::UnknownToken(_))
+    ));
+}
