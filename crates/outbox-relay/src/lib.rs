@@ -11,12 +11,16 @@
 //! * [`route`] — may this relay publish this event (frozen destination vs what it serves)?
 //! * [`pipeline`] — route → ordering gate → send → delivery report → ledger batch, and the
 //!   checkpoint a batch justifies.
+//! * [`schedule`] — when the loop reads the slot (backpressure), accepts a batch, writes an
+//!   idle checkpoint, polls releases and sends a standby status; and what the standby status
+//!   confirms ([`schedule::standby_status`], the safety argument).
 //!
-//! What still lives in the daemon's loop (the start-up plan, backpressure, when to flush,
-//! the lease keeper, the standby status) is the next part of this crate's job.
+//! What still lives in the daemon (the start-up plan and UNKNOWN reconciliation, the lease
+//! keeper, releases, salvage) is the next part of this crate's job.
 
 pub mod pipeline;
 pub mod route;
+pub mod schedule;
 
 pub use pipeline::{
     AggKey, Command, CoreError, DeliveryFailure, Now, Pending, PipelineCore, Reported,

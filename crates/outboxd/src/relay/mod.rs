@@ -50,6 +50,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{redact_url, RelayConfig};
+use outbox_relay::schedule::{self, Schedule};
 use pipeline::Pipeline;
 
 /// Live counters, for `demo` progress and logs.
@@ -443,30 +444,28 @@ async fn run_once(
     let mut durable = start;
     let mut last_received = start;
     let mut current: Option<(TxnSeq, Lsn, u32)> = None;
-    let mut last_status = Instant::now();
-    let mut last_checkpoint_write = Instant::now();
-    let mut last_release_poll = Instant::now();
-    let mut send_status_now = true;
-    let max_in_flight = cfg.max_in_flight;
+    // When the loop does what is decided by the core's schedule; time is measured from here.
+    let run_started = Instant::now();
+    let since = |i: Instant| i.saturating_duration_since(run_started);
+    let mut schedule = Schedule::new(
+        schedule::Settings {
+            status_interval: cfg.status_interval,
+            batch_linger: cfg.batch_linger,
+            batch_size: cfg.batch_size,
+            max_in_flight: cfg.max_in_flight,
+            max_in_flight_bytes: pipeline::MAX_IN_FLIGHT_BYTES,
+            release_poll: RELEASE_POLL,
+        },
+        Duration::ZERO,
+    );
 
     let result: Result<(), RelayError> = async {
     loop {
-        // Timers: the batch linger, the periodic status update, the idle checkpoint write.
-        let now = Instant::now();
-        let mut deadline = last_status + cfg.status_interval;
-        // While an acceptance transaction runs, the next batch waits for it (and grows).
-        let accepting = pipeline.accepting.is_some();
-        if let Some(b) = pipeline.batch_started.filter(|_| !accepting) {
-            deadline = deadline.min(b + cfg.batch_linger);
-        }
-        if pipeline.core.tracker.watermark() > durable && !accepting {
-            deadline = deadline.min(last_checkpoint_write + cfg.status_interval);
-        }
-        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline.max(now)));
-        // Backpressure: stop reading the slot while too much is unresolved; reports, batches
-        // and status updates keep flowing.
-        let can_read = pipeline.core.tracker.in_flight() < max_in_flight
-            && pipeline.in_flight_bytes() < pipeline::MAX_IN_FLIGHT_BYTES;
+        let load = load_of(&pipeline, durable, current.is_some(), since);
+        let accepting = load.accepting;
+        let wake = run_started + schedule.next_wakeup(&load);
+        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
+        let can_read = schedule.can_read(&load);
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
@@ -478,9 +477,7 @@ async fn run_once(
             joined = pipeline::accept_finished(&mut pipeline.accepting), if accepting => {
                 let before = durable;
                 pipeline.finish_accept(joined, &mut durable, progress)?;
-                if durable > before && Instant::now().duration_since(last_status) >= Duration::from_millis(100) {
-                    send_status_now = true;
-                }
+                schedule.accepted(since(Instant::now()), durable > before);
             }
             msg = stream.next_message(), if can_read => {
                 match msg.map_err(SourceError::from)? {
@@ -491,7 +488,9 @@ async fn run_once(
                         if current.is_none() {
                             pipeline.core.tracker.idle_position(wal_end);
                         }
-                        send_status_now |= reply_requested;
+                        if reply_requested {
+                            schedule.status_requested();
+                        }
                     }
                     Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
                         last_received = last_received.max(Lsn(wal_start));
@@ -528,21 +527,13 @@ async fn run_once(
             _ = sleep => {}
         }
 
-        let now = Instant::now();
         crate::metrics::in_flight(pipeline.core.tracker.in_flight());
-        let accepting = pipeline.accepting.is_some();
-        let batch_due = !accepting
-            && (pipeline.batch_len() >= cfg.batch_size
-                || pipeline
-                    .batch_started
-                    .is_some_and(|b| now >= b + cfg.batch_linger));
-        let idle_due = !accepting
-            && pipeline.batch_len() == 0
-            && pipeline.core.tracker.watermark() > durable
-            && now >= last_checkpoint_write + cfg.status_interval;
-        if batch_due || idle_due {
+        let due = schedule.due(
+            since(Instant::now()),
+            &load_of(&pipeline, durable, current.is_some(), since),
+        );
+        if due.accept {
             pipeline.flush_pipelined(&mut durable, progress).await?;
-            last_checkpoint_write = now;
         }
         if pipeline.core.lease_expired || lease_state.is_lost() {
             tracing::warn!(
@@ -554,8 +545,7 @@ async fn run_once(
                 generation: fence.generation,
             }));
         }
-        if current.is_none() && now >= last_release_poll + RELEASE_POLL {
-            last_release_poll = now;
+        if due.releases {
             pipeline
                 .process_releases(&sql, &current_rows, &mut durable, progress)
                 .await?;
@@ -569,13 +559,8 @@ async fn run_once(
             )
             .await?;
         }
-        if send_status_now || now >= last_status + cfg.status_interval {
-            stream
-                .send_standby_status(last_received.max(durable).0, durable.0, durable.0, false)
-                .await
-                .map_err(SourceError::from)?;
-            last_status = now;
-            send_status_now = false;
+        if due.status {
+            confirm(&mut stream, last_received, durable).await?;
         }
     }
     }
@@ -587,6 +572,40 @@ async fn run_once(
         }
         return Err(e);
     }
+    Ok(())
+}
+
+/// What the schedule needs to know about the pipeline now.
+fn load_of(
+    pipeline: &Pipeline,
+    durable: Lsn,
+    in_transaction: bool,
+    since: impl Fn(Instant) -> Duration,
+) -> schedule::Load {
+    schedule::Load {
+        accepting: pipeline.accepting.is_some(),
+        batch_len: pipeline.batch_len(),
+        batch_started: pipeline.batch_started.map(since),
+        checkpoint_behind: pipeline.core.tracker.watermark() > durable,
+        unresolved: pipeline.core.tracker.in_flight(),
+        in_flight_bytes: pipeline.in_flight_bytes(),
+        in_transaction,
+    }
+}
+
+/// The only place the relay confirms an LSN to the slot. What it confirms is decided by
+/// [`outbox_relay::schedule::standby_status`], whose documentation argues why it is safe:
+/// `durable` is the checkpoint the ledger committed with the receipts that justify it.
+async fn confirm(
+    stream: &mut outbox_source::transport::ReplicationStream,
+    last_received: Lsn,
+    durable: Lsn,
+) -> Result<(), RelayError> {
+    let st = schedule::standby_status(last_received, durable);
+    stream
+        .send_standby_status(st.write.0, st.flush.0, st.apply.0, false)
+        .await
+        .map_err(SourceError::from)?;
     Ok(())
 }
 
@@ -703,10 +722,7 @@ async fn drain_and_stop(
         }
     }
     pipeline.flush(true, durable, progress).await?;
-    stream
-        .send_standby_status(last_received.max(*durable).0, durable.0, durable.0, false)
-        .await
-        .map_err(SourceError::from)?;
+    confirm(stream, last_received, *durable).await?;
     tracing::info!(checkpoint = %durable, unresolved = pipeline.outstanding(), "stopped");
     Ok(())
 }

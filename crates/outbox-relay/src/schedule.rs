@@ -1,0 +1,297 @@
+//! When the relay's loop does what — read the slot or hold back, take a batch for acceptance,
+//! write an idle checkpoint, poll operator releases, send a standby status — and what that
+//! standby status says.
+//!
+//! Pure: time is a [`Duration`] since the run started, given by the driver, so the same
+//! decisions run under unit tests and a simulator. The daemon's loop (`relay/mod.rs`) asks
+//! [`Schedule::can_read`] and [`Schedule::next_wakeup`] before it waits, and [`Schedule::due`]
+//! after anything happened, and does what it is told.
+
+use std::time::Duration;
+
+use outbox_core::Lsn;
+
+/// The loop's settings (`outboxd run` flags).
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// How often a standby status is sent, and an idle checkpoint written, at most.
+    pub status_interval: Duration,
+    /// How long the first item of a batch waits for company before the batch is accepted.
+    pub batch_linger: Duration,
+    /// A batch this long is accepted at once.
+    pub batch_size: usize,
+    /// Events read from the slot and not yet resolved, beyond which the slot is not read.
+    pub max_in_flight: u64,
+    /// Payload bytes sent and not yet reported on, beyond which the slot is not read.
+    pub max_in_flight_bytes: usize,
+    /// How often operator releases (and UNKNOWN attempts of other generations) are polled.
+    pub release_poll: Duration,
+}
+
+/// What the pipeline looks like now.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Load {
+    /// An acceptance transaction is running: the next batch waits for it (and grows).
+    pub accepting: bool,
+    pub batch_len: usize,
+    /// When the batch got its first item.
+    pub batch_started: Option<Duration>,
+    /// The ack tracker's watermark is ahead of the durable checkpoint.
+    pub checkpoint_behind: bool,
+    /// Events read and not yet resolved (the ack tracker's count).
+    pub unresolved: u64,
+    /// Payload bytes sent and not yet reported on.
+    pub in_flight_bytes: usize,
+    /// The stream is inside a transaction (between Begin and Commit).
+    pub in_transaction: bool,
+}
+
+/// What is due now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Due {
+    /// Take the batch (or the idle checkpoint) for acceptance.
+    pub accept: bool,
+    /// Poll operator releases and settled UNKNOWN attempts.
+    pub releases: bool,
+    /// Send a standby status ([`standby_status`]).
+    pub status: bool,
+}
+
+/// The loop's timers.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    settings: Settings,
+    last_status: Duration,
+    last_checkpoint_write: Duration,
+    last_release_poll: Duration,
+    status_now: bool,
+}
+
+/// A standby status is sent right after an acceptance moved the checkpoint, unless one went
+/// out less than this long ago (the periodic one follows soon enough).
+const STATUS_AFTER_ACCEPT_MIN: Duration = Duration::from_millis(100);
+
+impl Schedule {
+    /// A run that starts at `now` sends a standby status at once.
+    pub fn new(settings: Settings, now: Duration) -> Self {
+        Schedule {
+            settings,
+            last_status: now,
+            last_checkpoint_write: now,
+            last_release_poll: now,
+            status_now: true,
+        }
+    }
+
+    /// Backpressure: stop reading the slot while too much is unresolved or in flight;
+    /// reports, acceptance and status updates keep flowing meanwhile.
+    pub fn can_read(&self, load: &Load) -> bool {
+        load.unresolved < self.settings.max_in_flight
+            && load.in_flight_bytes < self.settings.max_in_flight_bytes
+    }
+
+    /// When the loop must wake up even if nothing arrives: the periodic status, the batch
+    /// linger, the idle checkpoint write.
+    pub fn next_wakeup(&self, load: &Load) -> Duration {
+        let mut at = self.last_status + self.settings.status_interval;
+        if let Some(b) = load.batch_started.filter(|_| !load.accepting) {
+            at = at.min(b + self.settings.batch_linger);
+        }
+        if load.checkpoint_behind && !load.accepting {
+            at = at.min(self.last_checkpoint_write + self.settings.status_interval);
+        }
+        at
+    }
+
+    /// The server asked for a reply (a keepalive with `reply_requested`).
+    pub fn status_requested(&mut self) {
+        self.status_now = true;
+    }
+
+    /// An acceptance transaction committed; `moved` says whether it moved the checkpoint.
+    pub fn accepted(&mut self, now: Duration, moved: bool) {
+        if moved && now.saturating_sub(self.last_status) >= STATUS_AFTER_ACCEPT_MIN {
+            self.status_now = true;
+        }
+    }
+
+    /// What is due at `now`; the timers of what is due restart from `now`.
+    pub fn due(&mut self, now: Duration, load: &Load) -> Due {
+        let batch_due = !load.accepting
+            && (load.batch_len >= self.settings.batch_size
+                || load
+                    .batch_started
+                    .is_some_and(|b| now >= b + self.settings.batch_linger));
+        let idle_due = !load.accepting
+            && load.batch_len == 0
+            && load.checkpoint_behind
+            && now >= self.last_checkpoint_write + self.settings.status_interval;
+        let due = Due {
+            accept: batch_due || idle_due,
+            // Releases republish whole aggregates: never in the middle of a transaction.
+            releases: !load.in_transaction
+                && now >= self.last_release_poll + self.settings.release_poll,
+            status: self.status_now || now >= self.last_status + self.settings.status_interval,
+        };
+        if due.accept {
+            self.last_checkpoint_write = now;
+        }
+        if due.releases {
+            self.last_release_poll = now;
+        }
+        if due.status {
+            self.last_status = now;
+            self.status_now = false;
+        }
+        due
+    }
+}
+
+/// A standby status update: the positions the relay reports to the walsender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StandbyStatus {
+    pub write: Lsn,
+    pub flush: Lsn,
+    pub apply: Lsn,
+}
+
+/// The one rule for what the relay confirms to the slot.
+///
+/// PostgreSQL moves the slot's `confirmed_flush_lsn` to the `flush` position a standby status
+/// reports, and from then on never sends a transaction that committed before it again. So
+/// `flush` (and `apply`) is `durable`: the checkpoint the ledger has *committed*, which is the
+/// ack tracker's contiguous low watermark when a batch was taken, written in the same
+/// transaction as the receipts, quarantine and held records of that batch. Every event of every
+/// transaction that ended at or before it is resolved durably — an accepted receipt, a
+/// quarantine or a held record — by this batch or an earlier one (acceptance transactions
+/// commit in the order they were taken). Nothing that is only in flight, only acknowledged by
+/// the broker, or only in memory counts. A replay after a crash restarts at or before this
+/// position, and the overlap is deduplicated by event id.
+///
+/// `write` is the furthest position received, which only tells the server how far the relay
+/// has read (it moves nothing that a crash could lose); it is never below `flush`.
+pub fn standby_status(last_received: Lsn, durable: Lsn) -> StandbyStatus {
+    StandbyStatus {
+        write: last_received.max(durable),
+        flush: durable,
+        apply: durable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn settings() -> Settings {
+        Settings {
+            status_interval: ms(1000),
+            batch_linger: ms(5),
+            batch_size: 100,
+            max_in_flight: 10,
+            max_in_flight_bytes: 1000,
+            release_poll: ms(500),
+        }
+    }
+
+    #[test]
+    fn the_slot_is_not_read_while_too_much_is_unresolved_or_in_flight() {
+        let s = Schedule::new(settings(), ms(0));
+        let mut load = Load {
+            unresolved: 9,
+            in_flight_bytes: 999,
+            ..Load::default()
+        };
+        assert!(s.can_read(&load));
+        load.unresolved = 10;
+        assert!(!s.can_read(&load));
+        load.unresolved = 0;
+        load.in_flight_bytes = 1000;
+        assert!(!s.can_read(&load));
+    }
+
+    #[test]
+    fn a_batch_is_accepted_when_full_or_after_its_linger_but_never_beside_another() {
+        let mut s = Schedule::new(settings(), ms(0));
+        assert!(s.due(ms(0), &Load::default()).status, "the first status");
+        let mut load = Load {
+            batch_len: 1,
+            batch_started: Some(ms(10)),
+            ..Load::default()
+        };
+        assert!(!s.due(ms(12), &load).accept, "lingering");
+        assert_eq!(s.next_wakeup(&load), ms(15));
+        assert!(s.due(ms(15), &load).accept);
+        load.batch_len = 100;
+        load.batch_started = Some(ms(20));
+        assert!(s.due(ms(20), &load).accept, "full");
+        load.accepting = true;
+        assert!(!s.due(ms(40), &load).accept, "one acceptance at a time");
+        assert_eq!(
+            s.next_wakeup(&load),
+            ms(1000),
+            "the linger waits for the running one"
+        );
+    }
+
+    #[test]
+    fn an_idle_checkpoint_is_written_once_per_status_interval() {
+        let mut s = Schedule::new(settings(), ms(0));
+        assert!(s.due(ms(0), &Load::default()).status, "the first status");
+        let load = Load {
+            checkpoint_behind: true,
+            ..Load::default()
+        };
+        assert!(!s.due(ms(999), &load).accept);
+        assert!(s.due(ms(1000), &load).accept);
+        assert!(!s.due(ms(1500), &load).accept, "the timer restarted");
+        assert_eq!(s.next_wakeup(&load), ms(2000));
+    }
+
+    #[test]
+    fn a_status_goes_out_at_start_periodically_on_request_and_after_a_moving_acceptance() {
+        let mut s = Schedule::new(settings(), ms(0));
+        let load = Load::default();
+        assert!(s.due(ms(0), &load).status, "at start");
+        assert!(!s.due(ms(500), &load).status);
+        assert!(s.due(ms(1000), &load).status, "periodic");
+        s.status_requested();
+        assert!(s.due(ms(1001), &load).status, "the server asked");
+        s.accepted(ms(1050), true);
+        assert!(!s.due(ms(1050), &load).status, "one went out 49 ms ago");
+        s.accepted(ms(1200), false);
+        assert!(
+            !s.due(ms(1200), &load).status,
+            "the checkpoint did not move"
+        );
+        s.accepted(ms(1200), true);
+        assert!(s.due(ms(1200), &load).status);
+    }
+
+    #[test]
+    fn releases_are_polled_between_transactions_only() {
+        let mut s = Schedule::new(settings(), ms(0));
+        let mut load = Load {
+            in_transaction: true,
+            ..Load::default()
+        };
+        assert!(!s.due(ms(600), &load).releases);
+        load.in_transaction = false;
+        assert!(s.due(ms(600), &load).releases);
+        assert!(!s.due(ms(700), &load).releases);
+    }
+
+    #[test]
+    fn the_slot_is_confirmed_at_the_durable_checkpoint_only() {
+        let st = standby_status(Lsn(500), Lsn(300));
+        assert_eq!(
+            (st.write, st.flush, st.apply),
+            (Lsn(500), Lsn(300), Lsn(300))
+        );
+        let st = standby_status(Lsn(100), Lsn(300));
+        assert_eq!(st.write, Lsn(300), "write never below flush");
+    }
+}
