@@ -114,6 +114,9 @@ pub enum Mutant {
     /// The route check runs when an event is decoded, not at the head of its aggregate (the
     /// bug the simulator found at seed 1, trace 143).
     PoisonBeforeGate,
+    /// An event that must wait behind its aggregate's in-flight event is sent at once as
+    /// well: two events of one aggregate in flight, so a failed earlier one lands after it.
+    SecondInFlight,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -336,6 +339,7 @@ impl PipelineCore {
             }
         }
         let version = ev.aggregate_version;
+        let copy = self.planted(Mutant::SecondInFlight).then(|| ev.clone());
         match self.gate.offer(
             &key,
             version,
@@ -346,7 +350,17 @@ impl PipelineCore {
             },
         ) {
             Admit::Send(p) => Ok(self.send_one(p, now).into_iter().collect()),
-            Admit::Queued => Ok(Vec::new()),
+            Admit::Queued => Ok(copy
+                .and_then(|ev| {
+                    let p = Pending {
+                        ev,
+                        commit_lsn,
+                        ack: None,
+                    };
+                    self.send_one(p, now)
+                })
+                .into_iter()
+                .collect()),
             Admit::Held(p) => {
                 self.record_held(p);
                 Ok(Vec::new())

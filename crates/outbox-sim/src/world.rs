@@ -58,6 +58,9 @@ pub enum Mutant {
     /// sends it to the pre-migration destination (a cross-destination retry), or quarantines
     /// and holds it again although the migration published it.
     BugMigrateReplayable,
+    /// Two events of one aggregate in flight (the ordering gate bypassed): a product mutant
+    /// in `outbox_relay::PipelineCore`.
+    SecondInFlight,
     /// Product bug found by the simulator (seed 2, trace 40186; seed 3, trace 25240):
     /// "quarantined before sending" or "rejected by the old target" was accepted as migration
     /// proof for an event that an earlier migration had released and the relay had sent since
@@ -75,6 +78,7 @@ impl Mutant {
         ("migrate-while-unknown", Mutant::MigrateWhileUnknown),
         ("purge-early", Mutant::PurgeEarly),
         ("producer-new-id", Mutant::ProducerNewId),
+        ("second-in-flight", Mutant::SecondInFlight),
         ("bug-poison-before-gate", Mutant::BugPoisonBeforeGate),
         ("bug-unknown-only-at-start", Mutant::BugUnknownOnlyAtStart),
         ("bug-stale-quarantine", Mutant::BugStaleQuarantine),
@@ -1251,6 +1255,7 @@ impl World {
             Mutant::ConfirmBeforeAccept => Some(outbox_relay::Mutant::ConfirmBeforeAccept),
             Mutant::RetryReresolvesRoute => Some(outbox_relay::Mutant::RetryReresolvesRoute),
             Mutant::BugPoisonBeforeGate => Some(outbox_relay::Mutant::PoisonBeforeGate),
+            Mutant::SecondInFlight => Some(outbox_relay::Mutant::SecondInFlight),
             _ => None,
         }
     }
