@@ -353,6 +353,8 @@ impl Row {
 
 #[derive(Clone)]
 struct Msg {
+    /// The event id the message carries (header `id`), as sent.
+    id: Uuid,
     row: usize,
     dest_digest: String,
     relay_gen: i64,
@@ -1295,6 +1297,7 @@ impl World {
             }
             self.rows[row].last_send = self.now;
             let msg = Msg {
+                id: ev.event_id,
                 row,
                 dest_digest: ev.destination_digest.clone(),
                 relay_gen: self.relays[i].gen,
@@ -2205,7 +2208,13 @@ impl World {
             let on_broker = self.broker[dest]
                 .iter()
                 .any(|p| p.iter().any(|m| m.row == r));
-            if !self.ledger.primary.contains_key(&r) || !on_broker {
+            // A receipt is evidence only where the broker holds the event.
+            let proven = self.ledger.primary.get(&r).is_some_and(|rc| {
+                self.broker[rc.topic][rc.partition]
+                    .get(rc.offset)
+                    .is_some_and(|m| m.id == row.ev.event_id)
+            });
+            if !proven || !on_broker {
                 log!(self, "LOST {}", row.ev.event_id);
                 lost += 1;
             }
@@ -2217,11 +2226,21 @@ impl World {
         for row in &self.rows {
             *per_business.entry(row.business).or_insert(0) += 1;
         }
+        // And ids on the broker that no committed row has (a copy sent under a new id).
+        let foreign: HashSet<Uuid> = self
+            .broker
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|m| m.id)
+            .filter(|id| !self.by_id.contains_key(id))
+            .collect();
         self.c.second_ids = per_business
             .values()
             .filter(|n| **n > 1)
             .map(|n| u64::from(*n - 1))
-            .sum();
+            .sum::<u64>()
+            + foreign.len() as u64;
 
         // Cross-destination: sent to a non-current destination, or a copy on the broker frozen
         // for a destination the event no longer has (a migration without a valid proof).
@@ -2290,5 +2309,55 @@ impl World {
         self.c.order_violations = order;
 
         self.c.broker_copies = self.broker.iter().flatten().map(|p| p.len() as u64).sum();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A finished, clean trace whose broker and ledger hold published events.
+    fn clean_world() -> World {
+        for trace in 0..50 {
+            let mut w = World::new(SplitMix64::for_trace(1, trace), None, false);
+            w.run();
+            if w.c.violations() == 0 && !w.ledger.primary.is_empty() {
+                return w;
+            }
+        }
+        panic!("no clean trace with a published event in 50");
+    }
+
+    #[test]
+    fn a_broker_copy_under_an_id_no_committed_row_has_is_a_second_id() {
+        let mut w = clean_world();
+        assert_eq!(w.c.second_ids, 0);
+        let (t, p) = (0..TOPICS.len())
+            .flat_map(|t| (0..PARTITIONS).map(move |p| (t, p)))
+            .find(|(t, p)| !w.broker[*t][*p].is_empty())
+            .expect("a message");
+        let mut copy = w.broker[t][p][0].clone();
+        copy.id = Uuid::from_u128(0xdead);
+        w.broker[t][p].push(copy);
+        w.judge();
+        assert_eq!(w.c.second_ids, 1);
+    }
+
+    #[test]
+    fn a_primary_receipt_at_a_position_without_its_event_is_lost() {
+        let mut w = clean_world();
+        assert_eq!(w.c.lost, 0);
+        let (row, rc) = w
+            .ledger
+            .primary
+            .iter()
+            .map(|(r, rc)| (*r, *rc))
+            .min_by_key(|(r, _)| *r)
+            .expect("a primary receipt");
+        let end = w.broker[rc.topic][rc.partition].len();
+        // The event stays on the broker; only the receipt points past the log's end.
+        w.ledger.primary.insert(row, Receipt { offset: end, ..rc });
+        w.judge();
+        assert_eq!(w.c.lost, 1);
     }
 }
