@@ -244,6 +244,19 @@ async fn inbox_consumer(
     }
 }
 
+/// Enqueues one event of `aggregate` whose payload carries the business key `key` (what the
+/// end-of-run counts group by), as the writers do.
+async fn enqueue_keyed(env: &TestEnv, aggregate: &str, key: &str) -> uuid::Uuid {
+    env.db
+        .query_one(
+            "SELECT outbox.enqueue($1, $2, 'chaos.tick', $3)",
+            &[&env.aggregate_type, &aggregate, &json!({ "key": key })],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("enqueue {key}: {e}"))
+        .get(0)
+}
+
 /// Waits until the relay is warm: it streams, has no DISPATCH_UNKNOWN open (a relay still
 /// resolving one at start-up sends nothing), and its current generation has had a receipt
 /// (its producer has its id and its connections; a fresh producer's first messages time out
@@ -254,15 +267,7 @@ async fn warm_relay(env: &TestEnv, canaries: &mut Vec<(String, String)>) -> i64 
     let started = Instant::now();
     loop {
         let key = format!("warm-{}", canaries.len());
-        let id: uuid::Uuid = env
-            .db
-            .query_one(
-                "SELECT outbox.enqueue($1, $2, 'chaos.tick', $3)",
-                &[&env.aggregate_type, &key, &json!({"key": key})],
-            )
-            .await
-            .expect("enqueue the warm-up event")
-            .get(0);
+        let id = enqueue_keyed(env, &key, &key).await;
         canaries.push((key, id.to_string()));
         env.wait_count(
             "the warm-up event's receipt",
@@ -314,15 +319,7 @@ async fn until_an_unknown_attempt(
         .expect("an aggregate of the partition")
         .get(0);
     let key = format!("canary-{n}");
-    let id: uuid::Uuid = env
-        .db
-        .query_one(
-            "SELECT outbox.enqueue($1, $2, 'chaos.tick', $3)",
-            &[&env.aggregate_type, &aggregate, &json!({"key": key})],
-        )
-        .await
-        .expect("enqueue the canary")
-        .get(0);
+    let id = enqueue_keyed(env, &aggregate, &key).await;
     wait_for(
         "the stalled produce request to become a DISPATCH_UNKNOWN attempt",
         Duration::from_secs(30),

@@ -101,6 +101,20 @@ fn failed(token: u64, persistence: Persistence, class: FailureClass) -> Delivery
     }
 }
 
+/// Reports a transient failure of the only event in flight; the run must end.
+fn run_ending(c: &mut PipelineCore, token: u64, persistence: Persistence) -> DeliveryFailure {
+    match c
+        .on_report(
+            failed(token, persistence, FailureClass::Transient),
+            now(1500),
+        )
+        .unwrap()
+    {
+        Reported::Failed(f) => f,
+        Reported::Continue(_) => panic!("the run went on"),
+    }
+}
+
 fn continued(r: Reported) -> Vec<Command> {
     match r {
         Reported::Continue(c) => c,
@@ -171,19 +185,7 @@ fn a_receipt_carries_the_generation_the_attempt_and_the_frozen_digests() {
 fn a_possibly_persisted_failure_is_recorded_unknown_and_ends_the_run() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
-    let Reported::Failed(f) = c
-        .on_report(
-            failed(
-                token(&cmds[0]),
-                Persistence::PossiblyPersisted,
-                FailureClass::Transient,
-            ),
-            now(1500),
-        )
-        .unwrap()
-    else {
-        panic!("continued")
-    };
+    let f = run_ending(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
     let u = f.unknown.expect("an UNKNOWN attempt to record");
     assert_eq!((u.partition, u.attempt), (2, 1));
     assert_eq!(u.sent_at, now(0).wall);
@@ -193,19 +195,7 @@ fn a_possibly_persisted_failure_is_recorded_unknown_and_ends_the_run() {
 fn a_not_persisted_failure_ends_the_run_without_an_unknown_record() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
-    let Reported::Failed(f) = c
-        .on_report(
-            failed(
-                token(&cmds[0]),
-                Persistence::NotPersisted,
-                FailureClass::Transient,
-            ),
-            now(1),
-        )
-        .unwrap()
-    else {
-        panic!("continued")
-    };
+    let f = run_ending(&mut c, token(&cmds[0]), Persistence::NotPersisted);
     assert_eq!(f.unknown, None);
     assert!(
         c.take_batch(true, Lsn::ZERO).unwrap().is_none(),
