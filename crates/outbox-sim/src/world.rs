@@ -814,21 +814,14 @@ impl World {
                 break; // grace period over
             }
             let token = self.relays[i].in_flight[0].token;
-            let reported = self.on_report(i, token);
-            if self.relays[i].killed {
+            if self.on_report(i, token).is_err() {
+                log!(self, "salvage stopped by an error");
                 self.relays.remove(i);
                 return;
             }
-            match reported {
-                // A failed delivery (its UNKNOWN attempt recorded when the broker may have
-                // it) does not stop the salvage: the reports behind it are still evidence.
-                Ok(())
-                | Err(End::Error("delivery not persisted" | "delivery possibly persisted")) => {}
-                Err(_) => {
-                    log!(self, "salvage stopped by an error");
-                    self.relays.remove(i);
-                    return;
-                }
+            if self.relays[i].killed {
+                self.relays.remove(i);
+                return;
             }
         }
         if !self.relays[i].paused {

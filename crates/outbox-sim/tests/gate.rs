@@ -98,7 +98,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 45, Mutant::BugUnknownOnlyAtStart),
         (1, 195, Mutant::BugStaleQuarantine),
         (1, 114, Mutant::BugMigrateReplayable),
-        (1, 362, Mutant::BugMigrateReplayable),
+        (1, 239, Mutant::BugMigrateReplayable),
         (2, 40186, Mutant::BugProofAfterMigration),
         (3, 25240, Mutant::BugProofAfterMigration),
     ];

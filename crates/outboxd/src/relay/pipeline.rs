@@ -518,13 +518,11 @@ impl Pipeline {
         let deadline = tokio::time::Instant::now() + grace;
         while self.core.in_flight() > 0 {
             match tokio::time::timeout_at(deadline, self.reports.recv()).await {
-                Ok(Some(d)) => match self.on_report(d).await {
-                    // A failed delivery ends a run, but this one is ending already: its
-                    // DISPATCH_UNKNOWN attempt (if the broker may have it) is recorded, and
-                    // the reports behind it are still evidence worth recording.
-                    Ok(()) | Err(RelayError::Delivery { .. }) => {}
-                    Err(e) => return Some(e),
-                },
+                Ok(Some(d)) => {
+                    if let Err(e) = self.on_report(d).await {
+                        return Some(e);
+                    }
+                }
                 Ok(None) | Err(_) => break,
             }
         }
