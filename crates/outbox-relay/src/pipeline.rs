@@ -24,6 +24,7 @@ use std::time::SystemTime;
 
 use outbox_core::ack::AckError;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
+use outbox_core::receipt;
 use outbox_core::records::{HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord};
 use outbox_core::{AckTracker, Admit, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
 use uuid::Uuid;
@@ -117,6 +118,9 @@ pub enum Mutant {
     /// An event that must wait behind its aggregate's in-flight event is sent at once as
     /// well: two events of one aggregate in flight, so a failed earlier one lands after it.
     SecondInFlight,
+    /// A success report is taken as a receipt without checking that it names a position
+    /// (librdkafka's implicit ack reports offset -1001 for a message the broker never stored).
+    OkWithoutOffsetIsProof,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -574,7 +578,36 @@ impl PipelineCore {
             .remove(&d.token)
             .ok_or(CoreError::UnknownToken(d.token))?;
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.bytes);
-        match d.outcome {
+        // Only a position is proof. The sinks already turn a success report without one into
+        // PossiblyPersisted; the core checks again, so that no sink can hand it a receipt
+        // that is not evidence.
+        let outcome = match d.outcome {
+            DeliveryOutcome::Persisted {
+                topic,
+                partition,
+                offset,
+                timestamp_ms,
+                duplicate,
+            } => match receipt::position_proof(&f.topic, &topic, partition, offset) {
+                Err(why) if !self.planted(Mutant::OkWithoutOffsetIsProof) => {
+                    DeliveryOutcome::Failed {
+                        error: format!("success report is no proof of publication: {why}"),
+                        persistence: Persistence::PossiblyPersisted,
+                        class: FailureClass::Transient,
+                        partition,
+                    }
+                }
+                _ => DeliveryOutcome::Persisted {
+                    topic,
+                    partition,
+                    offset,
+                    timestamp_ms,
+                    duplicate,
+                },
+            },
+            other => other,
+        };
+        match outcome {
             DeliveryOutcome::Persisted {
                 topic,
                 partition,

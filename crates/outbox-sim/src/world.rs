@@ -61,6 +61,9 @@ pub enum Mutant {
     /// Two events of one aggregate in flight (the ordering gate bypassed): a product mutant
     /// in `outbox_relay::PipelineCore`.
     SecondInFlight,
+    /// A success report without a position (an implicit ack) becomes a receipt: a product
+    /// mutant in `outbox_relay::PipelineCore`.
+    OkWithoutOffsetIsProof,
     /// Product bug found by the simulator (seed 2, trace 40186; seed 3, trace 25240):
     /// "quarantined before sending" or "rejected by the old target" was accepted as migration
     /// proof for an event that an earlier migration had released and the relay had sent since
@@ -79,6 +82,7 @@ impl Mutant {
         ("purge-early", Mutant::PurgeEarly),
         ("producer-new-id", Mutant::ProducerNewId),
         ("second-in-flight", Mutant::SecondInFlight),
+        ("ok-without-offset-is-proof", Mutant::OkWithoutOffsetIsProof),
         ("bug-poison-before-gate", Mutant::BugPoisonBeforeGate),
         ("bug-unknown-only-at-start", Mutant::BugUnknownOnlyAtStart),
         ("bug-stale-quarantine", Mutant::BugStaleQuarantine),
@@ -443,6 +447,9 @@ enum Report {
     Persisted(Receipt),
     /// Request timed out or the transport failed after sending: possibly persisted.
     PossiblyPersisted,
+    /// Not appended, but the client says "delivered" without a position (librdkafka's implicit
+    /// ack, offset -1001).
+    ImplicitAck,
     NotPersisted,
     Rejected,
 }
@@ -1258,6 +1265,7 @@ impl World {
             Mutant::RetryReresolvesRoute => Some(outbox_relay::Mutant::RetryReresolvesRoute),
             Mutant::BugPoisonBeforeGate => Some(outbox_relay::Mutant::PoisonBeforeGate),
             Mutant::SecondInFlight => Some(outbox_relay::Mutant::SecondInFlight),
+            Mutant::OkWithoutOffsetIsProof => Some(outbox_relay::Mutant::OkWithoutOffsetIsProof),
             _ => None,
         }
     }
@@ -1365,8 +1373,11 @@ impl World {
                 self.late_appends.push((due, topic, partition, msg));
                 Report::PossiblyPersisted // round trip longer than the message timeout
             }
-            4 => Report::PossiblyPersisted, // timed out, never appended
-            _ => Report::NotPersisted,      // leader change: not written
+            // Timed out, never appended; for half of the rows (no draw, so that every trace
+            // stays the same) the client reports it delivered anyway, without a position.
+            4 if msg.row % 2 == 0 => Report::ImplicitAck,
+            4 => Report::PossiblyPersisted,
+            _ => Report::NotPersisted, // leader change: not written
         }
     }
 
@@ -1419,6 +1430,13 @@ impl World {
                     duplicate: false,
                 }
             }
+            Report::ImplicitAck => DeliveryOutcome::Persisted {
+                topic: TOPICS[f.topic].1.into(),
+                partition: f.partition as i32,
+                offset: -1001,
+                timestamp_ms: None,
+                duplicate: false,
+            },
             Report::Rejected => failed(Persistence::NotPersisted, FailureClass::Permanent),
             Report::PossiblyPersisted => {
                 failed(Persistence::PossiblyPersisted, FailureClass::Transient)

@@ -74,6 +74,7 @@ fn every_mutant_is_caught() {
         (Mutant::PurgeEarly, |c| c.duplicate_effects),
         (Mutant::ProducerNewId, |c| c.second_ids),
         (Mutant::SecondInFlight, |c| c.order_violations),
+        (Mutant::OkWithoutOffsetIsProof, |c| c.lost),
         (Mutant::BugPoisonBeforeGate, |c| c.lost),
         (Mutant::BugUnknownOnlyAtStart, |c| c.unknown_untraced),
         (Mutant::BugStaleQuarantine, |c| c.spurious_quarantines),

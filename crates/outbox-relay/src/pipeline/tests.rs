@@ -371,3 +371,44 @@ fn in_flight_bytes_follow_sends_and_reports() {
         Err(CoreError::UnknownToken(_))
     ));
 }
+
+#[test]
+fn a_success_report_without_a_position_is_unknown_never_a_receipt() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 10);
+    // librdkafka's implicit ack: "delivered", offset -1001, nothing stored.
+    let implicit = Delivery {
+        token: token(&cmds[0]),
+        outcome: DeliveryOutcome::Persisted {
+            topic: "outbox.order".into(),
+            partition: 0,
+            offset: -1001,
+            timestamp_ms: None,
+            duplicate: false,
+        },
+    };
+    let Reported::Failed(f) = c.on_report(implicit, now(1)).unwrap() else {
+        panic!("an implicit ack became a receipt")
+    };
+    assert_eq!(f.persistence, Persistence::PossiblyPersisted);
+    assert!(f.unknown.is_some(), "the attempt is recorded UNKNOWN");
+    // A report for another topic than the frozen one proves nothing either.
+    let elsewhere = Delivery {
+        token: token(&cmds[1]),
+        outcome: DeliveryOutcome::Persisted {
+            topic: "outbox.other".into(),
+            partition: 0,
+            offset: 5,
+            timestamp_ms: None,
+            duplicate: false,
+        },
+    };
+    assert!(matches!(
+        c.on_report(elsewhere, now(2)).unwrap(),
+        Reported::Failed(_)
+    ));
+    assert!(
+        c.take_batch(true, Lsn::ZERO).unwrap().is_none(),
+        "no receipt"
+    );
+}
