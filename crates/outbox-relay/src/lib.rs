@@ -15,12 +15,16 @@
 //!   idle checkpoint, polls releases and sends a standby status; and what the standby status
 //!   confirms ([`schedule::standby_status`], the safety argument).
 //!
-//! What still lives in the daemon (the start-up plan and UNKNOWN reconciliation, the lease
-//! keeper, releases, salvage) is the next part of this crate's job.
+//! * [`unknown`] — which DISPATCH_UNKNOWN attempts to look up now, and what a look-up means
+//!   for the relay.
+//!
+//! What still lives in the daemon (the start-up plan, the lease keeper, releases, salvage) is
+//! the next part of this crate's job.
 
 pub mod pipeline;
 pub mod route;
 pub mod schedule;
+pub mod unknown;
 
 pub use pipeline::{
     AggKey, Command, CoreError, DeliveryFailure, Now, Pending, PipelineCore, Reported,

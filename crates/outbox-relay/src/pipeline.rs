@@ -732,6 +732,22 @@ impl PipelineCore {
         self.salvaging = true;
     }
 
+    /// What reconciling an UNKNOWN attempt of `event_id` proved: a found (or probe-stored)
+    /// event is never sent again when the replay decodes it; a proven-absent one is sent with
+    /// the next attempt generation.
+    pub fn unknown_resolved(&mut self, event_id: Uuid, resolved: &crate::unknown::Resolved) {
+        use crate::unknown::Resolved;
+        match *resolved {
+            Resolved::Found { .. } | Resolved::StoredByProbe { .. } => {
+                self.found.insert(event_id);
+            }
+            Resolved::Retry { attempt_generation } => {
+                self.retry_generation.insert(event_id, attempt_generation);
+            }
+            Resolved::StillUnknown => {}
+        }
+    }
+
     /// An operator released the aggregate: its next event to publish is `next_version`.
     pub fn release(&mut self, key: &AggKey, next_version: i64) {
         self.gate.release(key, next_version);

@@ -16,7 +16,8 @@
 //! the daemon's own [`outbox_relay::PipelineCore`]. The world around them — PostgreSQL's WAL
 //! and slot, the ledger tables, the broker, producers, consumers with an inbox, the operator —
 //! is modelled, and the rest of the relay's loop (start, flush timing, standby status,
-//! releases, salvage, UNKNOWN reconciliation) is mirrored step for step.
+//! releases, salvage, the I/O of UNKNOWN reconciliation, whose decisions are
+//! `outbox_relay::unknown`) is mirrored step for step.
 //!
 //! # Reproducing
 //! Trace `i` of seed `s` draws every choice from [`rng::SplitMix64`] seeded with `(s, i)`, so

@@ -13,9 +13,10 @@ use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
-use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, UnknownResolution};
+use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
 use outbox_core::records::LedgerItem;
 use outbox_core::{AckTracker, Destination, Lsn, OutboxEvent};
+use outbox_relay::unknown::{self, Resolved, Step, When};
 use outbox_relay::{Command, Now, Pending, PipelineCore, Reported};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
@@ -300,6 +301,11 @@ fn topic_index(d: &Destination) -> usize {
 }
 
 type Agg = u32;
+
+/// Simulated milliseconds as a duration.
+fn ms(n: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(n)
+}
 
 /// The product's key of a simulated aggregate (`order` / `o-N`).
 fn agg_key(agg: Agg) -> outbox_relay::AggKey {
@@ -1095,16 +1101,28 @@ impl World {
         self.ledger.lease_gen == r.gen && self.now < r.deadline
     }
 
+    /// The settle time the reconciler waits out (none with the no-settle mutant).
+    fn settle(&self) -> std::time::Duration {
+        if self.is(Mutant::NoSettle) {
+            std::time::Duration::ZERO
+        } else {
+            ms(SETTLE)
+        }
+    }
+
     /// `relay/reconcile.rs`, while running: UNKNOWN attempts another generation recorded after
     /// this run started (a zombie's late report), once their settle time has passed.
     fn reconcile_settled(&mut self, i: usize) -> Result<(), End> {
         let gen = self.relays[i].gen;
+        let settle = self.settle();
         let open: Vec<usize> = (0..self.ledger.attempts.len())
             .filter(|a| {
                 let at = &self.ledger.attempts[*a];
+                let unknown_for = ms(self.now.saturating_sub(at.unknown_at));
                 at.state == AttemptState::Unknown
-                    && at.relay_gen != gen
-                    && (self.is(Mutant::NoSettle) || self.now >= at.unknown_at + SETTLE)
+                    && unknown::step(When::Running, gen, at.relay_gen, unknown_for, settle)
+                        != Step::Skip
+                    // A look-up that would fail now is retried at the next poll.
                     && self.now >= self.down_until[at.topic]
             })
             .collect();
@@ -1132,14 +1150,17 @@ impl World {
                     at.unknown_at,
                 )
             };
-            let settled = if self.is(Mutant::NoSettle) {
-                true
-            } else {
-                // The reconciler sleeps out the settle time.
-                self.now = self.now.max(unknown_at + SETTLE);
+            // The reconciler sleeps out what is left of the settle time (none with no-settle).
+            let unknown_for = ms(self.now.saturating_sub(unknown_at));
+            let gen = self.relays[i].gen;
+            if let Step::WaitThenLookup(wait) =
+                unknown::step(When::Start, gen, relay_gen, unknown_for, self.settle())
+            {
+                self.now += wait.as_millis() as u64;
+            }
+            if !self.is(Mutant::NoSettle) {
                 self.land_late_appends();
-                true
-            };
+            }
             let scan = if self.now < self.down_until[topic] {
                 Scan::Unavailable
             } else {
@@ -1159,8 +1180,9 @@ impl World {
                 .map(|x| x.attempt)
                 .max()
                 .unwrap_or(0);
-            match receipt::resolve_unknown(attempt, last, settled, scan) {
-                UnknownResolution::Found { offset, .. } => {
+            let resolved = unknown::resolve(attempt, last, scan, None);
+            match resolved {
+                Resolved::Found { offset, .. } => {
                     let ev = self.rows[row].current();
                     let rc = Receipt {
                         topic,
@@ -1177,7 +1199,7 @@ impl World {
                     self.accept(i, items, None)?;
                     self.ledger.attempts[a].state = AttemptState::Found;
                     let id = self.rows[row].ev.event_id;
-                    self.relays[i].core.found.insert(id);
+                    self.relays[i].core.unknown_resolved(id, &resolved);
                     log!(
                         self,
                         "UNKNOWN {} FOUND at {}/{partition}@{offset}",
@@ -1185,21 +1207,19 @@ impl World {
                         TOPICS[topic].1
                     );
                 }
-                UnknownResolution::Retry { attempt_generation } => {
+                Resolved::Retry { attempt_generation } => {
                     self.ledger.attempts[a].state = AttemptState::Absent;
                     self.absent_attempts.insert((row, relay_gen, attempt));
                     let id = self.rows[row].ev.event_id;
-                    self.relays[i]
-                        .core
-                        .retry_generation
-                        .insert(id, attempt_generation);
+                    self.relays[i].core.unknown_resolved(id, &resolved);
                     log!(
                         self,
                         "UNKNOWN {} ABSENT: retry as attempt {attempt_generation}",
                         self.rows[row].ev.event_id
                     );
                 }
-                UnknownResolution::StillUnknown => {
+                // The simulated broker has no probe: a look-up is a scan.
+                Resolved::StoredByProbe { .. } | Resolved::StillUnknown => {
                     log!(
                         self,
                         "UNKNOWN {} cannot be scanned: relay start fails",

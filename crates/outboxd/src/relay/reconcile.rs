@@ -17,7 +17,9 @@
 //!   with its receipt; nothing is sent again.
 //!
 //! The checkpoint cannot pass the event meanwhile: it is unresolved until one of these.
-//! The rule itself is `outbox_core::receipt::resolve_unknown` (driven by the simulator).
+//! The decisions — which attempt to look up when, what a look-up proves, what the pipeline
+//! remembers — are `outbox_relay::unknown` and `PipelineCore::unknown_resolved`, which the
+//! simulator runs too; this module does the I/O around them.
 //!
 //! While running, the relay also reconciles, at every release poll, the settled UNKNOWN
 //! attempts that *another* generation recorded after this run started: a paused relay (a
@@ -26,7 +28,7 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_core::receipt::{self, Scan, UnknownResolution};
+use outbox_core::receipt::Scan;
 use outbox_ledger::{accept, attempts, LedgerError, LedgerItem, ReceiptRecord};
 use outbox_sink::{Lookup, Sink, UnknownLookup};
 use tokio_postgres::Client;
@@ -36,15 +38,8 @@ use super::RelayError;
 use crate::config::RelayConfig;
 use outbox_ledger::lease::Fence;
 
-/// Which open attempts to reconcile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum When {
-    /// At start, before streaming: every open attempt, sleeping out its settle time.
-    Start,
-    /// While running: settled attempts of other generations; a failed scan is retried at the
-    /// next poll instead of ending the run.
-    Running,
-}
+pub(crate) use outbox_relay::unknown::When;
+use outbox_relay::unknown::{self, Resolved, Step};
 
 pub(crate) async fn reconcile_unknown(
     cfg: &RelayConfig,
@@ -56,13 +51,17 @@ pub(crate) async fn reconcile_unknown(
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
     for a in open {
-        let settle = cfg.unknown_settle.as_secs_f64() - a.unknown_for_s;
-        if when == When::Running {
-            if a.relay_generation == fence.generation || settle > 0.0 {
-                continue;
-            }
-        } else if settle > 0.0 {
-            tokio::time::sleep(Duration::from_secs_f64(settle)).await;
+        let unknown_for = Duration::from_secs_f64(a.unknown_for_s.max(0.0));
+        match unknown::step(
+            when,
+            fence.generation,
+            a.relay_generation,
+            unknown_for,
+            cfg.unknown_settle,
+        ) {
+            Step::Skip => continue,
+            Step::WaitThenLookup(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
+            Step::WaitThenLookup(_) => {}
         }
         let started = Instant::now();
         let rows = sql
@@ -160,9 +159,10 @@ pub(crate) async fn reconcile_unknown(
         };
         let last = attempts::last_generation(sql, a.event_id).await?;
         // Settled: the settle time has passed (slept out at start, filtered while running).
-        match receipt::resolve_unknown(a.attempt_generation, last, true, proof) {
-            UnknownResolution::StillUnknown => continue,
-            UnknownResolution::Found {
+        let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
+        match resolved {
+            Resolved::StillUnknown => continue,
+            Resolved::Found {
                 offset,
                 attempt_generation,
             } => {
@@ -180,36 +180,37 @@ pub(crate) async fn reconcile_unknown(
                 )
                 .await?;
                 attempts::resolve(sql, a.id, Some(offset), scanned_from, scanned_to).await?;
-                pipeline.core.found.insert(a.event_id);
                 tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
                     unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
             }
-            UnknownResolution::Retry {
+            Resolved::StoredByProbe {
+                offset,
                 attempt_generation: next,
             } => {
                 attempts::resolve(sql, a.id, None, scanned_from, scanned_to).await?;
-                if let Some(offset) = probe_offset {
-                    // The broker's duplicate detection said it had no copy of this
-                    // Nats-Msg-Id: the probe (the retry) is the one copy; record its receipt.
-                    accept::accept_batch(
-                        &mut pipeline.client,
-                        &cfg.slot,
-                        &[receipt_of(next, fence.generation, offset, timestamp_ms)],
-                        None,
-                        Some(fence),
-                    )
-                    .await?;
-                    pipeline.core.found.insert(a.event_id);
-                    tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
-                        unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry");
-                } else {
-                    pipeline.core.retry_generation.insert(a.event_id, next);
-                    tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
-                        scanned_from, scanned_to, next_attempt = next,
-                        unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
-                }
+                // The broker's duplicate detection said it had no copy of this Nats-Msg-Id:
+                // the probe (the retry) is the one copy; record its receipt.
+                accept::accept_batch(
+                    &mut pipeline.client,
+                    &cfg.slot,
+                    &[receipt_of(next, fence.generation, offset, timestamp_ms)],
+                    None,
+                    Some(fence),
+                )
+                .await?;
+                tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
+                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry");
+            }
+            Resolved::Retry {
+                attempt_generation: next,
+            } => {
+                attempts::resolve(sql, a.id, None, scanned_from, scanned_to).await?;
+                tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
+                    scanned_from, scanned_to, next_attempt = next,
+                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
             }
         }
+        pipeline.core.unknown_resolved(a.event_id, &resolved);
     }
     Ok(())
 }

@@ -1,0 +1,158 @@
+//! DISPATCH_UNKNOWN reconciliation: which open attempts to look up now, and what a look-up
+//! means for the relay.
+//!
+//! The broker-neutral rule (found / retry / still unknown) is `outbox_core::receipt::
+//! resolve_unknown`; this module adds the relay's side: when an attempt is settled enough to be
+//! looked up (at start every open attempt, sleeping out its settle time; while running only
+//! the settled attempts another generation recorded), and what the pipeline must remember
+//! afterwards ([`crate::PipelineCore::unknown_resolved`]): a found event is never sent again,
+//! a proven-absent one is sent again with the next attempt generation. The daemon
+//! (`relay/reconcile.rs`) does the I/O around it; the simulator calls the same functions.
+
+use std::time::Duration;
+
+use outbox_core::receipt::{self, Scan, UnknownResolution};
+
+/// When the relay reconciles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    /// At start, before streaming: every open attempt, after its settle time.
+    Start,
+    /// While running: settled attempts of other generations (a resumed zombie's late report);
+    /// a failed look-up is retried at the next poll instead of ending the run.
+    Running,
+}
+
+/// What to do with one open attempt now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Not now (an attempt of this run, or not settled while running).
+    Skip,
+    /// Wait this long (what is left of the settle time), then look it up.
+    WaitThenLookup(Duration),
+}
+
+/// Whether and when to look up an attempt that `attempt_relay_generation` recorded
+/// `unknown_for` ago, for a run of generation `generation`.
+pub fn step(
+    when: When,
+    generation: i64,
+    attempt_relay_generation: i64,
+    unknown_for: Duration,
+    settle: Duration,
+) -> Step {
+    let left = settle.saturating_sub(unknown_for);
+    match when {
+        When::Running if attempt_relay_generation == generation || !left.is_zero() => Step::Skip,
+        When::Running => Step::WaitThenLookup(Duration::ZERO),
+        When::Start => Step::WaitThenLookup(left),
+    }
+}
+
+/// What a look-up of a settled attempt means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolved {
+    /// The broker has the attempt's copy at `offset`: record it as the primary receipt of
+    /// `attempt_generation`; never send the event again.
+    Found {
+        offset: i64,
+        attempt_generation: i32,
+    },
+    /// JetStream's duplicate detection stored the re-publish at `offset`: that copy is the
+    /// retry (`attempt_generation`); record its receipt; never send the event again.
+    StoredByProbe {
+        offset: i64,
+        attempt_generation: i32,
+    },
+    /// Proven absent: the next send is a retry with `attempt_generation`, to the same frozen
+    /// destination.
+    Retry { attempt_generation: i32 },
+    /// Nothing proven: the attempt stays open (a relay starting up cannot go on).
+    StillUnknown,
+}
+
+/// Applies the rule to a settled attempt: `attempt` is its generation, `last` the highest
+/// generation of the event, `scan` what the look-up proved, `probe_offset` where a JetStream
+/// probe was stored (it proved the original absent and is itself the retry).
+pub fn resolve(attempt: i32, last: i32, scan: Scan, probe_offset: Option<i64>) -> Resolved {
+    match receipt::resolve_unknown(attempt, last, true, scan) {
+        UnknownResolution::StillUnknown => Resolved::StillUnknown,
+        UnknownResolution::Found {
+            offset,
+            attempt_generation,
+        } => Resolved::Found {
+            offset,
+            attempt_generation,
+        },
+        UnknownResolution::Retry { attempt_generation } => match probe_offset {
+            Some(offset) => Resolved::StoredByProbe {
+                offset,
+                attempt_generation,
+            },
+            None => Resolved::Retry { attempt_generation },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    #[test]
+    fn at_start_every_attempt_is_looked_up_after_its_settle_time() {
+        assert_eq!(
+            step(When::Start, 5, 4, s(1), s(3)),
+            Step::WaitThenLookup(s(2))
+        );
+        assert_eq!(
+            step(When::Start, 5, 5, s(9), s(3)),
+            Step::WaitThenLookup(s(0))
+        );
+    }
+
+    #[test]
+    fn while_running_only_settled_attempts_of_other_generations_are_looked_up() {
+        assert_eq!(step(When::Running, 5, 5, s(9), s(3)), Step::Skip, "our own");
+        assert_eq!(
+            step(When::Running, 5, 4, s(1), s(3)),
+            Step::Skip,
+            "not settled"
+        );
+        assert_eq!(
+            step(When::Running, 5, 4, s(3), s(3)),
+            Step::WaitThenLookup(s(0))
+        );
+    }
+
+    #[test]
+    fn a_look_up_is_found_retried_stored_by_the_probe_or_still_unknown() {
+        assert_eq!(
+            resolve(1, 1, Scan::Found { offset: 7 }, None),
+            Resolved::Found {
+                offset: 7,
+                attempt_generation: 1
+            }
+        );
+        assert_eq!(
+            resolve(1, 1, Scan::Absent, None),
+            Resolved::Retry {
+                attempt_generation: 2
+            }
+        );
+        assert_eq!(
+            resolve(1, 1, Scan::Absent, Some(9)),
+            Resolved::StoredByProbe {
+                offset: 9,
+                attempt_generation: 2
+            }
+        );
+        assert_eq!(
+            resolve(1, 1, Scan::Unavailable, None),
+            Resolved::StillUnknown
+        );
+    }
+}
