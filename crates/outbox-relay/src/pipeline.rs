@@ -581,32 +581,28 @@ impl PipelineCore {
         // Only a position is proof. The sinks already turn a success report without one into
         // PossiblyPersisted; the core checks again, so that no sink can hand it a receipt
         // that is not evidence.
-        let outcome = match d.outcome {
+        let mut outcome = d.outcome;
+        let no_proof = match &outcome {
             DeliveryOutcome::Persisted {
                 topic,
                 partition,
                 offset,
-                timestamp_ms,
-                duplicate,
-            } => match receipt::position_proof(&f.topic, &topic, partition, offset) {
-                Err(why) if !self.planted(Mutant::OkWithoutOffsetIsProof) => {
-                    DeliveryOutcome::Failed {
-                        error: format!("success report is no proof of publication: {why}"),
-                        persistence: Persistence::PossiblyPersisted,
-                        class: FailureClass::Transient,
-                        partition,
-                    }
-                }
-                _ => DeliveryOutcome::Persisted {
-                    topic,
-                    partition,
-                    offset,
-                    timestamp_ms,
-                    duplicate,
-                },
-            },
-            other => other,
+                ..
+            } => receipt::position_proof(&f.topic, topic, *partition, *offset)
+                .err()
+                .map(|why| (why, *partition)),
+            DeliveryOutcome::Failed { .. } => None,
         };
+        if let Some((why, partition)) =
+            no_proof.filter(|_| !self.planted(Mutant::OkWithoutOffsetIsProof))
+        {
+            outcome = DeliveryOutcome::Failed {
+                error: format!("success report is no proof of publication: {why}"),
+                persistence: Persistence::PossiblyPersisted,
+                class: FailureClass::Transient,
+                partition,
+            };
+        }
         match outcome {
             DeliveryOutcome::Persisted {
                 topic,
