@@ -87,6 +87,14 @@ pub fn recovery(code: Option<&str>, channel: Channel) -> Recovery {
     }
 }
 
+/// The fix to name beside an error whose SQLSTATE needs an operator, if there is one to say.
+pub fn fix(code: &str, channel: Channel) -> Option<&'static str> {
+    match recovery(Some(code), channel) {
+        Recovery::Fatal { fix } if !fix.is_empty() => Some(fix),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,6 +125,13 @@ mod tests {
             assert!(!recovery(Some("28P01"), ch).is_retry());
             assert!(!recovery(Some("3D000"), ch).is_retry());
         }
+        assert_eq!(fix("42501", Channel::Sql), Some(FIX_GRANT));
+        assert_eq!(
+            fix("58P01", Channel::Replication),
+            None,
+            "fatal, nothing to add"
+        );
+        assert_eq!(fix("40001", Channel::Sql), None, "retried");
     }
 
     #[test]

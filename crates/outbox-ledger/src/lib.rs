@@ -37,7 +37,7 @@ pub use accept::{
 };
 pub use checkpoint::Checkpoint;
 
-use outbox_core::policy::{recovery, Channel, Recovery};
+use outbox_core::policy::{self, recovery, Channel};
 
 /// A ledger operation failed. Says which operation; the source carries PostgreSQL's message.
 #[derive(Debug, thiserror::Error)]
@@ -98,11 +98,9 @@ pub fn describe_db_error(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => {
             let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
-            if let Recovery::Fatal { fix } = recovery(Some(db.code().code()), Channel::Sql) {
-                if !fix.is_empty() {
-                    s.push_str("; ");
-                    s.push_str(fix);
-                }
+            if let Some(fix) = policy::fix(db.code().code(), Channel::Sql) {
+                s.push_str("; ");
+                s.push_str(fix);
             }
             if let Some(d) = db.detail() {
                 s.push_str(&format!("; detail: {d}"));

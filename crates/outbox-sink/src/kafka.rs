@@ -273,22 +273,14 @@ impl KafkaSink {
     /// others answer; only a cluster that does not answer for the whole timeout is unreachable.
     pub fn check_reachable(&self, timeout: Duration) -> Result<usize, SinkError> {
         let deadline = std::time::Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.producer.client().fetch_metadata(None, left) {
-                Ok(m) => return Ok(m.brokers().len()),
-                Err(source) if left < Duration::from_millis(250) => {
-                    return Err(SinkError::Unreachable {
-                        bootstrap: self.config.bootstrap_servers.clone(),
-                        source: Box::new(source),
-                    })
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "metadata request failed; asking again");
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-            }
-        }
+        ask_until(deadline, "metadata", |left| {
+            self.producer.client().fetch_metadata(None, left)
+        })
+        .map(|m| m.brokers().len())
+        .map_err(|source| SinkError::Unreachable {
+            bootstrap: self.config.bootstrap_servers.clone(),
+            source: Box::new(source),
+        })
     }
 
     /// Enqueues one event; its delivery report arrives later with `token`. Waits (async)
@@ -399,6 +391,27 @@ impl Sink for KafkaSink {
     }
 }
 
+/// Asks `request` (a blocking client request, given the time left) again every 200 ms until it
+/// answers; its last error once less than 250 ms are left before `deadline`. A cluster with a
+/// node down fails some requests that the next one, routed elsewhere, answers.
+fn ask_until<T>(
+    deadline: std::time::Instant,
+    what: &str,
+    mut request: impl FnMut(Duration) -> Result<T, KafkaError>,
+) -> Result<T, KafkaError> {
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match request(left) {
+            Ok(v) => return Ok(v),
+            Err(e) if left < Duration::from_millis(250) => return Err(e),
+            Err(e) => {
+                tracing::debug!(error = %e, what, "request failed; asking again");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
 /// What a partition scan proved.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScanResult {
@@ -448,17 +461,10 @@ pub fn scan_for_event(
     // librdkafka reconnects and re-routes by itself, so errors are asked again until the
     // deadline, and only the last one is reported.
     let deadline = std::time::Instant::now() + timeout;
-    let (low, high) = loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match consumer.fetch_watermarks(topic, partition, left) {
-            Ok(w) => break w,
-            Err(e) if left < Duration::from_millis(250) => return Err(unreachable(e)),
-            Err(e) => {
-                tracing::debug!(error = %e, topic, partition, "watermark request failed; asking again");
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
-    };
+    let (low, high) = ask_until(deadline, "watermark", |left| {
+        consumer.fetch_watermarks(topic, partition, left)
+    })
+    .map_err(unreachable)?;
     let start = from.max(low);
     let mut result = ScanResult {
         found: None,

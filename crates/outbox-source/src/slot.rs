@@ -12,7 +12,7 @@
 //!
 //! The decision is a pure function, [`plan`], so every case is unit-tested.
 
-use outbox_core::policy::{recovery, Channel, Recovery};
+use outbox_core::policy::{self, recovery, Channel};
 use outbox_core::Lsn;
 use tokio_postgres::Client;
 
@@ -88,11 +88,9 @@ pub(crate) fn db_err(context: impl Into<String>, e: tokio_postgres::Error) -> So
     let message = match e.as_db_error() {
         Some(d) => {
             let mut m = format!("{} (SQLSTATE {})", d.message(), d.code().code());
-            if let Recovery::Fatal { fix } = recovery(code.as_deref(), Channel::Sql) {
-                if !fix.is_empty() {
-                    m.push_str("; ");
-                    m.push_str(fix);
-                }
+            if let Some(fix) = policy::fix(d.code().code(), Channel::Sql) {
+                m.push_str("; ");
+                m.push_str(fix);
             }
             m
         }
