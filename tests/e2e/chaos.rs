@@ -295,30 +295,37 @@ async fn warm_relay(env: &TestEnv, canaries: &mut Vec<(String, String)>) -> i64 
 }
 
 /// Makes a fault that stalls produce requests provably produce a DISPATCH_UNKNOWN attempt:
-/// enqueues one event (a "canary") on an aggregate that lives in `partition` (learned from
-/// its receipts) as soon as the fault starts, so a request to the stalled leader is certainly
-/// in flight even when the writers have finished, and waits while the fault lasts until the
-/// ledger holds more UNKNOWN attempts than `before` (counted before the fault). Returns the
-/// canary's (key, id) for the end-of-run counts.
+/// as soon as the fault starts, enqueues one event (a "canary") on an aggregate of every
+/// partition that has receipts (learned from them), so a request to the stalled broker is in
+/// flight even when the writers have finished — whichever partitions it leads right now (the
+/// leader a test reads from metadata may already have moved: one canary on one partition was
+/// delivered by another leader in CI). Then waits while the fault lasts until the ledger holds
+/// more attempts than `before` (counted before the fault). Returns the canaries' (key, id) for
+/// the end-of-run counts.
 async fn until_an_unknown_attempt(
     env: &TestEnv,
     topic: &str,
-    partition: i32,
     before: i64,
-    n: usize,
-) -> (String, String) {
-    let aggregate: String = env
+    canaries: &mut Vec<(String, String)>,
+) {
+    let aggregates: Vec<String> = env
         .db
-        .query_one(
-            "SELECT e.aggregate_id FROM outbox.receipts r JOIN outbox.events e USING (event_id)
-             WHERE r.topic = $1 AND r.partition = $2 LIMIT 1",
-            &[&topic, &partition],
+        .query(
+            "SELECT DISTINCT ON (r.partition) e.aggregate_id
+               FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+              WHERE r.topic = $1 ORDER BY r.partition",
+            &[&topic],
         )
         .await
-        .expect("an aggregate of the partition")
-        .get(0);
-    let key = format!("canary-{n}");
-    let id = enqueue_keyed(env, &aggregate, &key).await;
+        .expect("an aggregate per partition")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for aggregate in aggregates {
+        let key = format!("canary-{}", canaries.len());
+        let id = enqueue_keyed(env, &aggregate, &key).await;
+        canaries.push((key, id.to_string()));
+    }
     wait_for(
         "the stalled produce request to become a DISPATCH_UNKNOWN attempt",
         Duration::from_secs(30),
@@ -332,7 +339,6 @@ async fn until_an_unknown_attempt(
         },
     )
     .await;
-    (key, id.to_string())
 }
 
 /// Which brokers the chaos runs against.
@@ -591,8 +597,7 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
                     .leader_of(&topic, p)
                     .unwrap_or_else(|| rng.gen_range(1..=BROKERS));
                 c.pause(b);
-                canaries
-                    .push(until_an_unknown_attempt(&env, &topic, p, before, canaries.len()).await);
+                until_an_unknown_attempt(&env, &topic, before, &mut canaries).await;
                 tokio::time::sleep(unknown_hold).await;
                 c.resume(b);
                 log.push(format!(
