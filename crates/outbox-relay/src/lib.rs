@@ -11,6 +11,10 @@
 //! * [`route`] — may this relay publish this event (frozen destination vs what it serves)?
 //! * [`pipeline`] — route → ordering gate → send → delivery report → ledger batch, and the
 //!   checkpoint a batch justifies.
+//! * [`release`] — republishing an aggregate an operator released: version order, one event
+//!   at a time, when to close the hold.
+//! * [`stream`] — transaction framing (Begin, row, Commit, keepalive), the positions received
+//!   and committed, and the standby status.
 //! * [`schedule`] — when the loop reads the slot (backpressure), accepts a batch, writes an
 //!   idle checkpoint, polls releases and sends a standby status; and what the standby status
 //!   confirms ([`schedule::standby_status`], the safety argument).
@@ -18,12 +22,14 @@
 //! * [`unknown`] — which DISPATCH_UNKNOWN attempts to look up now, and what a look-up means
 //!   for the relay.
 //!
-//! What still lives in the daemon (the start-up plan, the lease keeper, releases, salvage) is
-//! the next part of this crate's job.
+//! The start-up plan is `outbox_source::slot::plan` (pure as well); the lease's timing lives
+//! in the daemon's lease keeper.
 
 pub mod pipeline;
+pub mod release;
 pub mod route;
 pub mod schedule;
+pub mod stream;
 pub mod unknown;
 
 pub use pipeline::{

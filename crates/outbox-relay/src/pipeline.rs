@@ -136,6 +136,8 @@ pub enum CoreError {
     UnknownToken(u64),
     #[error("the ordering gate asked for the head of an aggregate it was given")]
     NeedHead,
+    #[error("replication protocol: {0}")]
+    Protocol(&'static str),
 }
 
 #[derive(Debug)]
@@ -185,6 +187,12 @@ pub struct PipelineCore {
     /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
     pub retry_generation: HashMap<Uuid, i32>,
     in_flight_bytes: usize,
+    /// The transaction being decoded ([`crate::stream`]).
+    pub(crate) txn: Option<crate::stream::OpenTxn>,
+    /// The highest WAL position received from the slot (the standby status's `write`).
+    pub(crate) last_received: Lsn,
+    /// The checkpoint the ledger has committed: the only position ever confirmed to the slot.
+    pub(crate) durable: Lsn,
     /// Send -> delivery report times since [`Self::take_report_times`] (count, sum ms, max ms).
     report_ms: (u64, f64, f64),
     #[cfg(feature = "mutants")]
@@ -226,6 +234,9 @@ impl PipelineCore {
             found: HashSet::new(),
             retry_generation: HashMap::new(),
             in_flight_bytes: 0,
+            txn: None,
+            last_received: Lsn::ZERO,
+            durable: Lsn::ZERO,
             report_ms: (0, 0.0, 0.0),
             #[cfg(feature = "mutants")]
             mutant: None,
@@ -688,13 +699,10 @@ impl PipelineCore {
     }
 
     /// Resolves the batch's events (when `track`) and takes the batch with the checkpoint the
-    /// tracker then allows (only past `durable`, the checkpoint already committed); `None`
-    /// when there is nothing to record.
-    pub fn take_batch(
-        &mut self,
-        track: bool,
-        durable: Lsn,
-    ) -> Result<Option<TakenBatch>, CoreError> {
+    /// tracker then allows (only past [`Self::durable`], the checkpoint already committed);
+    /// `None` when there is nothing to record.
+    pub fn take_batch(&mut self, track: bool) -> Result<Option<TakenBatch>, CoreError> {
+        let durable = self.durable;
         let mut checkpoint = None;
         if track {
             for a in self.batch_acks.drain(..) {

@@ -15,9 +15,10 @@ use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
 use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
 use outbox_core::records::LedgerItem;
-use outbox_core::{AckTracker, Destination, Lsn, OutboxEvent};
+use outbox_core::{Destination, Lsn, OutboxEvent};
+use outbox_relay::release::ReleaseStep;
 use outbox_relay::unknown::{self, Resolved, Step, When};
-use outbox_relay::{Command, Now, Pending, PipelineCore, Reported};
+use outbox_relay::{Command, Now, PipelineCore, Reported};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
 
@@ -506,7 +507,6 @@ struct Relay {
     core: PipelineCore,
     /// Next WAL transaction to stream.
     cursor: usize,
-    durable: Lsn,
     /// The simulated sink's side of the core's sends, in send order.
     in_flight: Vec<Flight>,
     /// Receipts that were late when their report arrived (a salvaging or superseded run, or
@@ -1057,7 +1057,7 @@ impl World {
             .collect();
         let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
         let mut core = PipelineCore::new(served(), gen, PipelineCore::gate_from(heads, held));
-        core.tracker = AckTracker::new(start);
+        core.start_streaming(start);
         core.mutant = self.core_mutant();
         core.current_route = Some(self.current_route());
         let cursor = self
@@ -1078,7 +1078,6 @@ impl World {
             salvaging: false,
             core,
             cursor,
-            durable: start,
             in_flight: Vec::new(),
             late: HashSet::new(),
         });
@@ -1232,40 +1231,30 @@ impl World {
         Ok(())
     }
 
-    /// One WAL transaction through decode → admit, then its Commit.
+    /// One WAL transaction through the core's framing: Begin, each row, Commit.
     fn decode_next(&mut self, i: usize) -> Result<(), End> {
         let (end, rows) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
-        let seq = self.relays[i]
+        self.relays[i]
             .core
-            .tracker
-            .begin()
-            .map_err(|_| End::Error("tracker begin"))?;
+            .on_begin(end)
+            .map_err(|_| End::Error("relay core: begin"))?;
         for row in rows {
             let ev = self.rows[row].ev.clone();
-            let ack = self.relays[i]
-                .core
-                .tracker
-                .add_event(seq)
-                .map_err(|_| End::Error("tracker add"))?;
             let now = self.now_for(i);
             let commands = self.relays[i]
                 .core
-                .admit(ev, Some(end), Some(ack), now)
-                .map_err(|_| End::Error("relay core: admit"))?;
+                .on_row(Ok(ev), now)
+                .map_err(|_| End::Error("relay core: row"))?;
             self.execute(i, commands)?;
         }
         self.relays[i]
             .core
-            .tracker
-            .commit(seq, end)
-            .map_err(|_| End::Error("tracker commit"))?;
+            .on_commit(end)
+            .map_err(|_| End::Error("relay core: commit"))?;
         if self.relays[i].cursor == self.wal.len() {
             // A keepalive: nothing committed after the last transaction.
-            self.relays[i]
-                .core
-                .tracker
-                .idle_position(Lsn(self.next_lsn));
+            self.relays[i].core.on_keepalive(Lsn(self.next_lsn));
         }
         Ok(())
     }
@@ -1512,10 +1501,9 @@ impl World {
     /// checkpoint it allows; one acceptance transaction. A failed one puts the batch back
     /// (`keep_for_salvage`).
     fn flush(&mut self, i: usize, track: bool) -> Result<(), End> {
-        let durable = self.relays[i].durable;
         let Some((items, checkpoint)) = self.relays[i]
             .core
-            .take_batch(track, durable)
+            .take_batch(track)
             .map_err(|_| End::Error("tracker resolve"))?
         else {
             return Ok(());
@@ -1530,7 +1518,7 @@ impl World {
         };
         if let Some(c) = checkpoint {
             if !fenced {
-                self.relays[i].durable = c;
+                self.relays[i].core.checkpoint_committed(c);
             }
         }
         if fenced {
@@ -1762,7 +1750,7 @@ impl World {
         if r.stream_cut {
             return;
         }
-        let d = r.durable;
+        let d = r.core.standby_status().flush;
         if self.slot_confirmed.is_some_and(|s| d > s) {
             self.slot_confirmed = Some(d);
             self.check_confirmed();
@@ -1798,7 +1786,7 @@ impl World {
             .collect();
         aggs.sort();
         for agg in aggs {
-            if self.relays[i].core.aggregate_in_flight(&agg_key(agg)) {
+            if !self.relays[i].core.may_release(&agg_key(agg)) {
                 continue;
             }
             self.flush(i, true)?;
@@ -1806,7 +1794,9 @@ impl World {
                 continue;
             };
             let (blocking, publish_blocking) = (h.blocking, h.publish_blocking);
-            let mut set: Vec<usize> = (0..self.rows.len())
+            // `holds::republish_set`: the blocking event (unless skipped) and every held event
+            // without a receipt or an open quarantine.
+            let set: Vec<(OutboxEvent, Option<Lsn>)> = (0..self.rows.len())
                 .filter(|r| {
                     self.rows[*r].agg == agg
                         && !self.rows[*r].purged
@@ -1815,49 +1805,33 @@ impl World {
                         && (self.ledger.held.get(r) == Some(&false)
                             || (publish_blocking && blocking == Some(*r)))
                 })
+                .map(|r| (self.rows[r].current(), None))
                 .collect();
-            set.sort_by_key(|r| self.rows[*r].ev.aggregate_version);
-            let mut last = if publish_blocking {
-                None
-            } else {
-                blocking.map(|b| self.rows[b].ev.aggregate_version)
-            };
-            let mut failed = false;
             log!(self, "republishing released o-{agg}: {} events", set.len());
-            for row in set {
-                let ev = self.rows[row].current();
-                let version = ev.aggregate_version;
-                let core = &mut self.relays[i].core;
-                if let Err(r) = outbox_relay::route::check(&ev, core.served()) {
-                    core.poison(&ev, r.code, r.reason, None, None);
-                    failed = true;
-                    break;
-                }
-                let pending = Pending {
-                    ev,
-                    commit_lsn: None,
-                    ack: None,
-                };
+            let blocking_version = blocking.map(|b| self.rows[b].ev.aggregate_version);
+            let mut release = self.relays[i].core.start_release(
+                agg_key(agg),
+                blocking_version,
+                publish_blocking,
+                set,
+            );
+            let close = loop {
                 let now = self.now_for(i);
-                let Some(send) = self.relays[i].core.send_one(pending, now) else {
-                    failed = true;
-                    break;
-                };
-                let Command::Send { token, .. } = send;
-                self.execute(i, vec![send])?;
-                self.on_report(i, token)?;
-                if self.relays[i].core.batch_holds(&agg_key(agg)) {
-                    failed = true;
-                    break;
+                match self.relays[i].core.release_step(&mut release, now) {
+                    ReleaseStep::Send(send) => self.execute(i, vec![send])?,
+                    ReleaseStep::Await(token) => self.on_report(i, token)?,
+                    ReleaseStep::Done { close } => break close,
                 }
-                last = Some(version);
-            }
+            };
             self.flush(i, true)?;
-            if !failed && self.close_hold(agg, last) {
-                let head = self.ledger.heads.get(&agg).copied().unwrap_or(0);
-                let next = last.unwrap_or(head).max(head) + 1;
-                self.relays[i].core.release(&agg_key(agg), next);
-                log!(self, "hold of o-{agg} released; next version {next}");
+            if let Some(last) = close {
+                if self.close_hold(agg, last) {
+                    let head = self.ledger.heads.get(&agg).copied().unwrap_or(0);
+                    let next = self.relays[i]
+                        .core
+                        .release_closed(&agg_key(agg), head, last);
+                    log!(self, "hold of o-{agg} released; next version {next}");
+                }
             }
         }
         Ok(())
@@ -2147,7 +2121,7 @@ impl World {
                 continue;
             }
             if self.relays[i].core.batch_len() > 0
-                || self.relays[i].core.tracker.watermark() > self.relays[i].durable
+                || self.relays[i].core.tracker.watermark() > self.relays[i].core.durable()
             {
                 self.relay_call(Some(i), |w, i| w.flush(i, true));
                 self.relay_call(Some(i), |w, i| {

@@ -151,14 +151,15 @@ fn the_checkpoint_passes_a_transaction_only_when_all_its_events_are_resolved() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 100);
     continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
-    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(codes(&items), ["receipt:0"]);
     assert_eq!(checkpoint, None, "b/1 is still in flight");
     continued(c.on_report(persisted(token(&cmds[1]), 1), now(2)).unwrap());
-    let (_, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (_, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(checkpoint, Some(Lsn(100)));
     // Nothing new: no batch, and never a checkpoint at or below the durable one.
-    assert!(c.take_batch(true, Lsn(100)).unwrap().is_none());
+    c.checkpoint_committed(Lsn(100));
+    assert!(c.take_batch(true).unwrap().is_none());
 }
 
 #[test]
@@ -168,7 +169,7 @@ fn a_receipt_carries_the_generation_the_attempt_and_the_frozen_digests() {
     c.retry_generation.insert(ev.event_id, 3);
     let cmds = admit_txn(&mut c, std::slice::from_ref(&ev), 10);
     continued(c.on_report(persisted(token(&cmds[0]), 41), now(1)).unwrap());
-    let (items, _) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (items, _) = c.take_batch(true).unwrap().unwrap();
     let LedgerItem::Receipt(r) = &items[0] else {
         panic!("{items:?}")
     };
@@ -197,10 +198,7 @@ fn a_not_persisted_failure_ends_the_run_without_an_unknown_record() {
     let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
     let f = run_ending(&mut c, token(&cmds[0]), Persistence::NotPersisted);
     assert_eq!(f.unknown, None);
-    assert!(
-        c.take_batch(true, Lsn::ZERO).unwrap().is_none(),
-        "nothing resolved"
-    );
+    assert!(c.take_batch(true).unwrap().is_none(), "nothing resolved");
 }
 
 #[test]
@@ -219,7 +217,7 @@ fn a_permanent_rejection_quarantines_the_event_and_holds_what_waits_behind_it() 
         .unwrap(),
     );
     assert!(next.is_empty(), "a/2 is held, not sent");
-    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(
         codes(&items),
         [
@@ -236,7 +234,8 @@ fn a_permanent_rejection_quarantines_the_event_and_holds_what_waits_behind_it() 
     // A later event of the held aggregate is recorded as held too.
     let later = admit_txn(&mut c, &[event("a", 3)], 20);
     assert!(later.is_empty());
-    let (items, _) = c.take_batch(true, Lsn(10)).unwrap().unwrap();
+    c.checkpoint_committed(Lsn(10));
+    let (items, _) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(codes(&items), ["held:3"]);
 }
 
@@ -249,7 +248,7 @@ fn a_refusal_by_the_producer_quarantines_only_when_permanent() {
     c.send_refused(token(&cmds[1]), None).unwrap();
     assert_eq!(c.in_flight(), 0);
     assert_eq!(c.in_flight_bytes(), 0);
-    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(
         codes(&items),
         ["quarantine:broker_rejected", "hold:broker_rejected"]
@@ -276,7 +275,7 @@ fn without_the_lease_nothing_is_sent_and_the_event_stays_unresolved() {
         .unwrap();
     assert!(cmds.is_empty());
     assert!(c.lease_expired);
-    assert!(c.take_batch(true, Lsn::ZERO).unwrap().is_none());
+    assert!(c.take_batch(true).unwrap().is_none());
 }
 
 #[test]
@@ -286,7 +285,7 @@ fn a_salvaging_run_records_reports_but_sends_nothing_more() {
     c.begin_salvage();
     let next = continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
     assert!(next.is_empty(), "a/2 is not sent while salvaging");
-    let (items, _) = c.take_batch(false, Lsn::ZERO).unwrap().unwrap();
+    let (items, _) = c.take_batch(false).unwrap().unwrap();
     assert_eq!(codes(&items), ["receipt:0"]);
 }
 
@@ -298,7 +297,7 @@ fn an_event_for_another_cluster_is_quarantined_at_the_head_of_its_aggregate() {
     // a/2 reaches the head only when a/1 is reported on; then it is refused.
     let next = continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
     assert!(next.is_empty());
-    let (items, checkpoint) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(
         codes(&items),
         [
@@ -319,7 +318,7 @@ fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
     );
     let cmds = admit_txn(&mut c, &[event("a", 6)], 10);
     assert!(cmds.is_empty());
-    let (items, _) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (items, _) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(codes(&items), ["hold:version_gap", "held:6"]);
 }
 
@@ -342,16 +341,16 @@ fn a_failed_acceptance_puts_its_batch_back_unless_it_was_fenced_after_commit() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 10);
     continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
-    let (first, _) = c.take_batch(true, Lsn::ZERO).unwrap().unwrap();
+    let (first, _) = c.take_batch(true).unwrap().unwrap();
     continued(c.on_report(persisted(token(&cmds[1]), 1), now(2)).unwrap());
     c.restore_batch(first.clone(), false);
     assert_eq!(
-        codes(&c.take_batch(false, Lsn::ZERO).unwrap().unwrap().0),
+        codes(&c.take_batch(false).unwrap().unwrap().0),
         ["receipt:0", "receipt:1"]
     );
     // Fenced: the transaction committed, so its items are recorded already.
     c.restore_batch(first, true);
-    assert!(c.take_batch(false, Lsn::ZERO).unwrap().is_none());
+    assert!(c.take_batch(false).unwrap().is_none());
 }
 
 #[test]
@@ -407,8 +406,5 @@ fn a_success_report_without_a_position_is_unknown_never_a_receipt() {
         c.on_report(elsewhere, now(2)).unwrap(),
         Reported::Failed(_)
     ));
-    assert!(
-        c.take_batch(true, Lsn::ZERO).unwrap().is_none(),
-        "no receipt"
-    );
+    assert!(c.take_batch(true).unwrap().is_none(), "no receipt");
 }

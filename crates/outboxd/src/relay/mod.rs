@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use futures::{pin_mut, StreamExt};
 use outbox_core::ack::AckError;
-use outbox_core::{AckTracker, Lsn, TxnSeq};
+use outbox_core::Lsn;
 use outbox_ledger::holds;
 use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
@@ -440,10 +440,7 @@ async fn run_once(
 
     pipeline.enable_pipelined_accept(connect_sql(url).await?);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
-    pipeline.core.tracker = AckTracker::new(start);
-    let mut durable = start;
-    let mut last_received = start;
-    let mut current: Option<(TxnSeq, Lsn, u32)> = None;
+    pipeline.core.start_streaming(start);
     // When the loop does what is decided by the core's schedule; time is measured from here.
     let run_started = Instant::now();
     let since = |i: Instant| i.saturating_duration_since(run_started);
@@ -461,7 +458,7 @@ async fn run_once(
 
     let result: Result<(), RelayError> = async {
     loop {
-        let load = load_of(&pipeline, durable, current.is_some(), since);
+        let load = load_of(&pipeline, since);
         let accepting = load.accepting;
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
@@ -469,56 +466,36 @@ async fn run_once(
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
-                drain_and_stop(&mut pipeline, &mut durable, &mut stream, last_received, progress).await?;
+                drain_and_stop(&mut pipeline, &mut stream, progress).await?;
                 lease::release(&sql, &cfg.slot, fence).await?;
                 return Ok(());
             }
             Some(d) = pipeline.reports.recv() => pipeline.on_report(d).await?,
             joined = pipeline::accept_finished(&mut pipeline.accepting), if accepting => {
-                let before = durable;
-                pipeline.finish_accept(joined, &mut durable, progress)?;
-                schedule.accepted(since(Instant::now()), durable > before);
+                let before = pipeline.core.durable();
+                pipeline.finish_accept(joined, progress)?;
+                schedule.accepted(since(Instant::now()), pipeline.core.durable() > before);
             }
             msg = stream.next_message(), if can_read => {
                 match msg.map_err(SourceError::from)? {
                     None => return Err(RelayError::StreamEnded),
                     Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
-                        let wal_end = Lsn(wal_end);
-                        last_received = last_received.max(wal_end);
-                        if current.is_none() {
-                            pipeline.core.tracker.idle_position(wal_end);
-                        }
+                        pipeline.core.on_keepalive(Lsn(wal_end));
                         if reply_requested {
                             schedule.status_requested();
                         }
                     }
                     Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
-                        last_received = last_received.max(Lsn(wal_start));
+                        pipeline.core.on_received(Lsn(wal_start));
                         match decoder.decode(data)? {
                             Decoded::Begin { commit_lsn, commit_time, .. } => {
                                 crate::metrics::txn_begin(commit_lsn, commit_time);
-                                current = Some((pipeline.core.tracker.begin()?, commit_lsn, 0));
+                                pipeline.core.on_begin(commit_lsn)?;
                             }
                             Decoded::Event(res) => {
-                                let Some((txn, commit_lsn, n)) = current.as_mut() else {
-                                    return Err(SourceError::Protocol("Insert outside a transaction".into()).into());
-                                };
-                                *n += 1;
-                                let (txn, commit_lsn, n) = (*txn, *commit_lsn, *n);
-                                let ack = pipeline.core.tracker.add_event(txn)?;
-                                match *res {
-                                    Ok(ev) => pipeline.admit(ev, Some(commit_lsn), Some(ack)).await?,
-                                    Err(row_err) => pipeline.quarantine_unreadable(
-                                        format!("lsn:{commit_lsn}:{n}"), row_err.to_string(), commit_lsn, Some(ack)),
-                                }
+                                pipeline.on_row((*res).map_err(|e| e.to_string())).await?;
                             }
-                            Decoded::Commit { end_lsn, .. } => {
-                                let Some((txn, _, _)) = current.take() else {
-                                    return Err(SourceError::Protocol("Commit without Begin".into()).into());
-                                };
-                                pipeline.core.tracker.commit(txn, end_lsn)?;
-                                last_received = last_received.max(end_lsn);
-                            }
+                            Decoded::Commit { end_lsn, .. } => pipeline.core.on_commit(end_lsn)?,
                             Decoded::Nothing => {}
                         }
                     }
@@ -528,12 +505,9 @@ async fn run_once(
         }
 
         crate::metrics::in_flight(pipeline.core.tracker.in_flight());
-        let due = schedule.due(
-            since(Instant::now()),
-            &load_of(&pipeline, durable, current.is_some(), since),
-        );
+        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, since));
         if due.accept {
-            pipeline.flush_pipelined(&mut durable, progress).await?;
+            pipeline.flush_pipelined(progress).await?;
         }
         if pipeline.core.lease_expired || lease_state.is_lost() {
             tracing::warn!(
@@ -547,7 +521,7 @@ async fn run_once(
         }
         if due.releases {
             pipeline
-                .process_releases(&sql, &current_rows, &mut durable, progress)
+                .process_releases(&sql, &current_rows, progress)
                 .await?;
             reconcile::reconcile_unknown(
                 cfg,
@@ -560,7 +534,7 @@ async fn run_once(
             .await?;
         }
         if due.status {
-            confirm(&mut stream, last_received, durable).await?;
+            confirm(&mut stream, &pipeline.core).await?;
         }
     }
     }
@@ -576,32 +550,28 @@ async fn run_once(
 }
 
 /// What the schedule needs to know about the pipeline now.
-fn load_of(
-    pipeline: &Pipeline,
-    durable: Lsn,
-    in_transaction: bool,
-    since: impl Fn(Instant) -> Duration,
-) -> schedule::Load {
+fn load_of(pipeline: &Pipeline, since: impl Fn(Instant) -> Duration) -> schedule::Load {
     schedule::Load {
         accepting: pipeline.accepting.is_some(),
         batch_len: pipeline.batch_len(),
         batch_started: pipeline.batch_started.map(since),
-        checkpoint_behind: pipeline.core.tracker.watermark() > durable,
+        checkpoint_behind: pipeline.core.tracker.watermark() > pipeline.core.durable(),
         unresolved: pipeline.core.tracker.in_flight(),
         in_flight_bytes: pipeline.in_flight_bytes(),
-        in_transaction,
+        in_transaction: pipeline.core.in_transaction(),
     }
 }
 
-/// The only place the relay confirms an LSN to the slot. What it confirms is decided by
-/// [`outbox_relay::schedule::standby_status`], whose documentation argues why it is safe:
-/// `durable` is the checkpoint the ledger committed with the receipts that justify it.
+/// The only place the relay confirms an LSN to the slot. What it confirms is decided by the
+/// core ([`outbox_relay::PipelineCore::standby_status`]; the argument why it is safe is at
+/// [`outbox_relay::schedule::standby_status`]): `flush` is the checkpoint the ledger
+/// committed together with the receipts that justify it, which the core learns only after
+/// that transaction's COMMIT ([`outbox_relay::PipelineCore::checkpoint_committed`]).
 async fn confirm(
     stream: &mut outbox_source::transport::ReplicationStream,
-    last_received: Lsn,
-    durable: Lsn,
+    core: &outbox_relay::PipelineCore,
 ) -> Result<(), RelayError> {
-    let st = schedule::standby_status(last_received, durable);
+    let st = core.standby_status();
     stream
         .send_standby_status(st.write.0, st.flush.0, st.apply.0, false)
         .await
@@ -708,9 +678,7 @@ const RELEASE_POLL: Duration = Duration::from_secs(1);
 /// Graceful stop: wait (bounded) for outstanding delivery reports, accept them, confirm.
 async fn drain_and_stop(
     pipeline: &mut Pipeline,
-    durable: &mut Lsn,
     stream: &mut outbox_source::transport::ReplicationStream,
-    last_received: Lsn,
     progress: &Progress,
 ) -> Result<(), RelayError> {
     let deadline = Instant::now() + pipeline.sink().ack_timeout().min(Duration::from_secs(10));
@@ -721,9 +689,9 @@ async fn drain_and_stop(
             Err(_) => {}
         }
     }
-    pipeline.flush(true, durable, progress).await?;
-    confirm(stream, last_received, *durable).await?;
-    tracing::info!(checkpoint = %durable, unresolved = pipeline.outstanding(), "stopped");
+    pipeline.flush(true, progress).await?;
+    confirm(stream, &pipeline.core).await?;
+    tracing::info!(checkpoint = %pipeline.core.durable(), unresolved = pipeline.outstanding(), "stopped");
     Ok(())
 }
 
@@ -762,7 +730,6 @@ async fn publish_snapshot(
         .map_err(db("reading unpublished outbox rows"))?;
     pin_mut!(rows);
     let mut n: u64 = 0;
-    let mut durable = Lsn::ZERO;
     let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
     while let Some(row) = rows.next().await {
         let row = row.map_err(db("reading unpublished outbox rows"))?;
@@ -783,16 +750,16 @@ async fn publish_snapshot(
             pipeline.drain_one().await?;
         }
         if pipeline.batch_len() >= cfg.batch_size {
-            pipeline.flush(false, &mut durable, progress).await?;
+            pipeline.flush(false, progress).await?;
         }
     }
     while pipeline.outstanding() > 0 {
         pipeline.drain_one().await?;
         if pipeline.batch_len() >= cfg.batch_size {
-            pipeline.flush(false, &mut durable, progress).await?;
+            pipeline.flush(false, progress).await?;
         }
     }
-    pipeline.flush(false, &mut durable, progress).await?;
+    pipeline.flush(false, progress).await?;
     tx.commit()
         .await
         .map_err(db("closing the snapshot transaction"))?;

@@ -14,7 +14,8 @@ use outbox_ledger::attempts;
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
-use outbox_relay::{route, Command, Now, Pending, PipelineCore, Reported};
+use outbox_relay::release::ReleaseStep;
+use outbox_relay::{Command, Now, Pending, PipelineCore, Reported};
 use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Served, Sink};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_postgres::Client;
@@ -157,6 +158,14 @@ impl Pipeline {
         self.execute(commands).await
     }
 
+    /// A decoded row of the open transaction ([`PipelineCore::on_row`]).
+    pub async fn on_row(&mut self, row: Result<OutboxEvent, String>) -> Result<(), RelayError> {
+        let now = self.now();
+        let commands = self.core.on_row(row, now)?;
+        self.note_batch();
+        self.execute(commands).await
+    }
+
     /// Records a row that could not even be read as an envelope (no aggregate to hold).
     pub fn quarantine_unreadable(
         &mut self,
@@ -251,9 +260,8 @@ impl Pipeline {
     fn take_batch(
         &mut self,
         track: bool,
-        durable: Lsn,
     ) -> Result<Option<outbox_relay::pipeline::TakenBatch>, RelayError> {
-        let taken = self.core.take_batch(track, durable)?;
+        let taken = self.core.take_batch(track)?;
         if taken.is_some() {
             self.batch_started = None;
         }
@@ -266,7 +274,6 @@ impl Pipeline {
         items: &[LedgerItem],
         out: &AcceptOutcome,
         checkpoint: Option<Lsn>,
-        durable: &mut Lsn,
         progress: &Progress,
     ) {
         if out.primary + out.duplicates > 0 {
@@ -275,23 +282,22 @@ impl Pipeline {
         // Before the checkpoint moves: that drops the commit times these receipts are matched to.
         crate::metrics::receipts_accepted(items);
         if let Some(c) = checkpoint {
-            *durable = (*durable).max(c);
+            self.core.checkpoint_committed(c);
             progress.set_checkpoint(c);
         }
         progress.record(out);
     }
 
     /// One acceptance transaction: the batch, plus (when `track`) the checkpoint the tracker
-    /// allows after resolving it. `durable` is updated only after COMMIT. A pipelined
-    /// transaction still running is settled first.
+    /// allows after resolving it. The core learns of the checkpoint only after COMMIT. A
+    /// pipelined transaction still running is settled first.
     pub async fn flush(
         &mut self,
         track: bool,
-        durable: &mut Lsn,
         progress: &Progress,
     ) -> Result<AcceptOutcome, RelayError> {
-        self.settle(durable, progress).await?;
-        let Some((items, checkpoint)) = self.take_batch(track, *durable)? else {
+        self.settle(progress).await?;
+        let Some((items, checkpoint)) = self.take_batch(track)? else {
             return Ok(AcceptOutcome::default());
         };
         match accept::accept_batch(
@@ -304,7 +310,7 @@ impl Pipeline {
         .await
         {
             Ok(out) => {
-                self.accepted(&items, &out, checkpoint, durable, progress);
+                self.accepted(&items, &out, checkpoint, progress);
                 Ok(out)
             }
             Err(e) => {
@@ -318,18 +324,14 @@ impl Pipeline {
     /// [`Self::settle`] collects it. Falls back to [`Self::flush`] without a second ledger
     /// connection. Does nothing while another pipelined transaction runs: the batch keeps
     /// growing meanwhile, so batches grow with the ledger's latency.
-    pub async fn flush_pipelined(
-        &mut self,
-        durable: &mut Lsn,
-        progress: &Progress,
-    ) -> Result<(), RelayError> {
+    pub async fn flush_pipelined(&mut self, progress: &Progress) -> Result<(), RelayError> {
         if self.accepting.is_some() {
             return Ok(());
         }
         let Some((mut client, mut prepared)) = self.accept_client.take() else {
-            return self.flush(true, durable, progress).await.map(|_| ());
+            return self.flush(true, progress).await.map(|_| ());
         };
-        let Some((items, checkpoint)) = self.take_batch(true, *durable)? else {
+        let Some((items, checkpoint)) = self.take_batch(true)? else {
             self.accept_client = Some((client, prepared));
             return Ok(());
         };
@@ -355,17 +357,13 @@ impl Pipeline {
     }
 
     /// Waits for the pipelined acceptance transaction, if one runs, and applies its result
-    /// (`durable` moves only after its COMMIT).
-    pub async fn settle(
-        &mut self,
-        durable: &mut Lsn,
-        progress: &Progress,
-    ) -> Result<(), RelayError> {
+    /// (the core learns of its checkpoint only after its COMMIT).
+    pub async fn settle(&mut self, progress: &Progress) -> Result<(), RelayError> {
         if self.accepting.is_none() {
             return Ok(());
         }
         let joined = accept_finished(&mut self.accepting).await;
-        self.finish_accept(joined, durable, progress)
+        self.finish_accept(joined, progress)
     }
 
     /// Applies the result of the pipelined acceptance transaction that
@@ -373,7 +371,6 @@ impl Pipeline {
     pub fn finish_accept(
         &mut self,
         joined: Result<AcceptDone, tokio::task::JoinError>,
-        durable: &mut Lsn,
         progress: &Progress,
     ) -> Result<(), RelayError> {
         let (checkpoint, started) = match self.accepting.take() {
@@ -394,7 +391,7 @@ impl Pipeline {
         self.accept_client = Some(client);
         match result {
             Ok(out) => {
-                self.accepted(&items, &out, checkpoint, durable, progress);
+                self.accepted(&items, &out, checkpoint, progress);
                 Ok(())
             }
             Err(e) => {
@@ -414,22 +411,22 @@ impl Pipeline {
         self.core.restore_batch(items, fenced);
     }
 
-    /// Republishes aggregates an operator released, in version order, one event at a time.
-    /// Runs between stream messages; the stream waits meanwhile (releases are rare).
+    /// Republishes aggregates an operator released ([`outbox_relay::release`] decides what is
+    /// sent when and whether the hold closes). Runs between stream messages; the stream waits
+    /// meanwhile (releases are rare).
     pub async fn process_releases(
         &mut self,
         sql: &Client,
         qualified_table: &str,
-        durable: &mut Lsn,
         progress: &Progress,
     ) -> Result<(), RelayError> {
         let releases = holds::releasing(&self.client).await?;
         for r in releases {
-            if self.core.aggregate_in_flight(&r.key) {
+            if !self.core.may_release(&r.key) {
                 continue; // an earlier event of it is still at the broker; next round
             }
             // Held records of this aggregate may sit in the batch: make them durable first.
-            self.flush(true, durable, progress).await?;
+            self.flush(true, progress).await?;
             let set = holds::republish_set(&self.client, &r).await?;
             let ids: Vec<Uuid> = set.iter().map(|(id, _, _)| *id).collect();
             let lsns: HashMap<Uuid, Option<Lsn>> = set.iter().map(|(id, _, l)| (*id, *l)).collect();
@@ -443,61 +440,37 @@ impl Pipeline {
                     context: "loading released events".into(),
                     source: e,
                 })?;
-            let mut last = if r.publish_blocking {
-                None
-            } else {
-                r.blocking_version
-            };
-            let mut failed = false;
-            tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), events = rows.len(), "republishing a released aggregate");
+            let mut events = Vec::with_capacity(rows.len());
             for row in &rows {
-                let ev = match outbox_source::snapshot::event_from_row(row) {
-                    Ok(ev) => ev,
-                    Err(e) => {
-                        return Err(RelayError::Internal(format!(
-                            "released event unreadable: {e}"
-                        )))
-                    }
-                };
-                let version = ev.aggregate_version;
+                let ev = outbox_source::snapshot::event_from_row(row)
+                    .map_err(|e| RelayError::Internal(format!("released event unreadable: {e}")))?;
                 let commit_lsn = lsns.get(&ev.event_id).copied().flatten();
-                if let Err(refusal) = route::check(&ev, self.core.served()) {
-                    self.core
-                        .poison(&ev, refusal.code, refusal.reason, commit_lsn, None);
-                    self.note_batch();
-                    failed = true;
-                    break;
-                }
-                let now = self.now();
-                let pending = Pending {
-                    ev,
-                    commit_lsn,
-                    ack: None,
-                };
-                let Some(send) = self.core.send_one(pending, now) else {
-                    self.note_batch();
-                    failed = true;
-                    break;
-                };
-                let Command::Send { token, .. } = send;
-                self.execute(vec![send]).await?;
-                if !self.core.is_in_flight(token) {
-                    failed = true; // the producer refused it permanently: quarantined
-                    break;
-                }
-                while self.drain_one().await? != token {}
-                if self.core.batch_holds(&r.key) {
-                    failed = true; // poisoned again: the hold stays
-                    break;
-                }
-                last = Some(version);
+                events.push((ev, commit_lsn));
             }
-            self.flush(true, durable, progress).await?;
-            if !failed && holds::close(&self.client, &r.key, last).await? {
-                let head = holds::head(&self.client, &r.key).await?;
-                let next = last.unwrap_or(head).max(head) + 1;
-                self.core.release(&r.key, next);
-                tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), next_version = next, "hold released");
+            tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), events = events.len(), "republishing a released aggregate");
+            let mut release = self.core.start_release(
+                r.key.clone(),
+                r.blocking_version,
+                r.publish_blocking,
+                events,
+            );
+            let close = loop {
+                let now = self.now();
+                match self.core.release_step(&mut release, now) {
+                    ReleaseStep::Send(send) => self.execute(vec![send]).await?,
+                    ReleaseStep::Await(token) => while self.drain_one().await? != token {},
+                    ReleaseStep::Done { close } => break close,
+                }
+                self.note_batch();
+            };
+            self.note_batch();
+            self.flush(true, progress).await?;
+            if let Some(last) = close {
+                if holds::close(&self.client, &r.key, last).await? {
+                    let head = holds::head(&self.client, &r.key).await?;
+                    let next = self.core.release_closed(&r.key, head, last);
+                    tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), next_version = next, "hold released");
+                }
             }
         }
         Ok(())
@@ -526,7 +499,6 @@ impl Pipeline {
                 Ok(None) | Err(_) => break,
             }
         }
-        let mut unmoved = Lsn::ZERO;
-        self.flush(false, &mut unmoved, progress).await.err()
+        self.flush(false, progress).await.err()
     }
 }

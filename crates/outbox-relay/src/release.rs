@@ -1,0 +1,293 @@
+//! Republishing an aggregate an operator released: in version order, one event at a time,
+//! stopping at the first event that is refused again.
+//!
+//! A hold is durable: the aggregate's quarantined (blocking) event and everything recorded as
+//! held behind it wait in the ledger until `outboxd quarantine release`. The driver then loads
+//! what the release publishes (the ledger's `republish_set`: the blocking event unless the
+//! operator skipped it, and every held event without a receipt) and asks the core, step by
+//! step, what to do ([`PipelineCore::release_step`]). Each event is sent only after the
+//! broker has reported on the previous one, so the aggregate's order holds across the
+//! release. The hold is closed only when every event went out; its next expected version
+//! then follows the last one published ([`next_version`]).
+//!
+//! A release may start only when no event of the aggregate is at the broker
+//! ([`PipelineCore::may_release`]), and after the batch holding its held records is accepted.
+
+use std::collections::VecDeque;
+
+use outbox_core::{Lsn, OutboxEvent};
+
+use crate::pipeline::{AggKey, Command, Now, Pending, PipelineCore};
+use crate::route;
+
+/// One release in progress: the events still to publish, in version order.
+#[derive(Debug)]
+pub struct Release {
+    key: AggKey,
+    events: VecDeque<Pending>,
+    /// The event sent and not yet reported on: (token, version).
+    sent: Option<(u64, i64)>,
+    /// The last version published by this release (or the skipped blocking event's).
+    last: Option<i64>,
+}
+
+/// What the driver does next for a [`Release`]. Rare (one per released event), so the
+/// size of the send does not matter.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum ReleaseStep {
+    /// Execute this send, then ask again.
+    Send(Command),
+    /// Wait for this token's delivery report, hand it to the core, then ask again.
+    Await(u64),
+    /// Nothing more to send. Accept the batch; then, when `close` is `Some(last)`, close the
+    /// hold in the ledger and tell the core with [`PipelineCore::release_closed`]. `None`: an
+    /// event was refused again (quarantined, the hold stays) or the lease is gone.
+    Done { close: Option<Option<i64>> },
+}
+
+/// The next version an aggregate expects after a release whose last published version is
+/// `last`, given its head (the highest version with a receipt) now.
+pub fn next_version(head: i64, last: Option<i64>) -> i64 {
+    last.unwrap_or(head).max(head) + 1
+}
+
+impl PipelineCore {
+    /// Whether a release of `key` may start now: no event of the aggregate is at the broker
+    /// (a report still due would race the republished events).
+    pub fn may_release(&self, key: &AggKey) -> bool {
+        !self.aggregate_in_flight(key)
+    }
+
+    /// Starts the release of `key`. `events` is what the release publishes with each event's
+    /// commit LSN; `blocking_version` is the hold's blocking event, which counts as published
+    /// when the operator skipped it (`publish_blocking == false`).
+    pub fn start_release(
+        &self,
+        key: AggKey,
+        blocking_version: Option<i64>,
+        publish_blocking: bool,
+        events: Vec<(OutboxEvent, Option<Lsn>)>,
+    ) -> Release {
+        let mut events: Vec<Pending> = events
+            .into_iter()
+            .map(|(ev, commit_lsn)| Pending {
+                ev,
+                commit_lsn,
+                ack: None,
+            })
+            .collect();
+        events.sort_by_key(|p| p.ev.aggregate_version);
+        Release {
+            key,
+            events: events.into(),
+            sent: None,
+            last: if publish_blocking {
+                None
+            } else {
+                blocking_version
+            },
+        }
+    }
+
+    /// The next step of release `r`.
+    pub fn release_step(&mut self, r: &mut Release, now: Now) -> ReleaseStep {
+        if let Some((token, version)) = r.sent {
+            if self.is_in_flight(token) {
+                return ReleaseStep::Await(token);
+            }
+            r.sent = None;
+            // Reported (or refused by the producer): refused again means a new hold record.
+            if self.batch_holds(&r.key) {
+                return ReleaseStep::Done { close: None };
+            }
+            r.last = Some(version);
+        }
+        let Some(p) = r.events.pop_front() else {
+            return ReleaseStep::Done {
+                close: Some(r.last),
+            };
+        };
+        // The route may have changed while the aggregate was held.
+        if let Err(refusal) = route::check(&p.ev, self.served()) {
+            self.poison(&p.ev, refusal.code, refusal.reason, p.commit_lsn, None);
+            return ReleaseStep::Done { close: None };
+        }
+        let version = p.ev.aggregate_version;
+        match self.send_one(p, now) {
+            Some(send @ Command::Send { token, .. }) => {
+                r.sent = Some((token, version));
+                ReleaseStep::Send(send)
+            }
+            None => ReleaseStep::Done { close: None },
+        }
+    }
+
+    /// The ledger closed the hold of `key` (whose head is now `head`) after a release whose
+    /// last published version was `last`: the ordering gate lets the aggregate flow again.
+    pub fn release_closed(&mut self, key: &AggKey, head: i64, last: Option<i64>) -> i64 {
+        let next = next_version(head, last);
+        self.release(key, next);
+        next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
+    use outbox_core::records::LedgerItem;
+    use outbox_core::Destination;
+
+    use super::*;
+
+    fn core() -> PipelineCore {
+        let served = Served {
+            kind: "kafka",
+            cluster: "c1".into(),
+            partitioner: Some("murmur2_random".into()),
+        };
+        let key: AggKey = ("order".into(), "a".into());
+        PipelineCore::new(served, 1, PipelineCore::gate_from(vec![], vec![key]))
+    }
+
+    fn key() -> AggKey {
+        ("order".into(), "a".into())
+    }
+
+    fn now() -> Now {
+        Now {
+            wall: SystemTime::UNIX_EPOCH,
+            lease_valid: true,
+        }
+    }
+
+    fn event(version: i64, cluster: &str) -> (OutboxEvent, Option<Lsn>) {
+        let destination = Destination {
+            kind: "kafka".into(),
+            cluster: cluster.into(),
+            topic: "t".into(),
+            key: "a".into(),
+            partitioner: "murmur2_random".into(),
+            route_generation: 1,
+            serializer: "json".into(),
+            acks: "all".into(),
+        };
+        let ev = OutboxEvent::frozen(
+            uuid::Uuid::now_v7(),
+            ("order", "a", version),
+            "order.changed",
+            bytes::Bytes::from_static(b"{}"),
+            destination,
+        );
+        (ev, Some(Lsn(version as u64)))
+    }
+
+    fn persisted(token: u64, offset: i64) -> Delivery {
+        Delivery {
+            token,
+            outcome: DeliveryOutcome::Persisted {
+                topic: "t".into(),
+                partition: 0,
+                offset,
+                timestamp_ms: None,
+                duplicate: false,
+            },
+        }
+    }
+
+    fn sent_version(step: ReleaseStep) -> (u64, i64) {
+        match step {
+            ReleaseStep::Send(Command::Send { token, event, .. }) => {
+                (token, event.aggregate_version)
+            }
+            other => panic!("expected a send, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_release_sends_in_version_order_one_at_a_time_and_closes_at_the_last() {
+        let mut c = core();
+        let mut r = c.start_release(key(), Some(2), true, vec![event(3, "c1"), event(2, "c1")]);
+        let (t2, v) = sent_version(c.release_step(&mut r, now()));
+        assert_eq!(v, 2, "the blocking event first");
+        assert!(matches!(c.release_step(&mut r, now()), ReleaseStep::Await(t) if t == t2));
+        c.on_report(persisted(t2, 0), now()).unwrap();
+        let (t3, v) = sent_version(c.release_step(&mut r, now()));
+        assert_eq!(v, 3);
+        c.on_report(persisted(t3, 1), now()).unwrap();
+        assert!(matches!(
+            c.release_step(&mut r, now()),
+            ReleaseStep::Done {
+                close: Some(Some(3))
+            }
+        ));
+        assert_eq!(c.release_closed(&key(), 3, Some(3)), 4);
+    }
+
+    #[test]
+    fn a_skipped_blocking_event_counts_as_the_last_published_version() {
+        let mut c = core();
+        let mut r = c.start_release(key(), Some(5), false, vec![]);
+        assert!(matches!(
+            c.release_step(&mut r, now()),
+            ReleaseStep::Done {
+                close: Some(Some(5))
+            }
+        ));
+        assert_eq!(next_version(2, Some(5)), 6);
+        assert_eq!(next_version(7, Some(5)), 8, "never behind the head");
+        assert_eq!(next_version(4, None), 5);
+    }
+
+    #[test]
+    fn an_event_rejected_again_keeps_the_hold_and_stops_the_release() {
+        let mut c = core();
+        let mut r = c.start_release(key(), Some(1), true, vec![event(1, "c1"), event(2, "c1")]);
+        let (t, _) = sent_version(c.release_step(&mut r, now()));
+        let rejected = Delivery {
+            token: t,
+            outcome: DeliveryOutcome::Failed {
+                error: "too large".into(),
+                persistence: Persistence::NotPersisted,
+                class: FailureClass::Permanent,
+                partition: 0,
+            },
+        };
+        c.on_report(rejected, now()).unwrap();
+        assert!(matches!(
+            c.release_step(&mut r, now()),
+            ReleaseStep::Done { close: None }
+        ));
+        let (items, _) = c.take_batch(false).unwrap().unwrap();
+        assert!(items.iter().any(|i| matches!(i, LedgerItem::Hold(_))));
+    }
+
+    #[test]
+    fn an_event_whose_route_is_no_longer_served_is_quarantined_not_sent() {
+        let mut c = core();
+        let mut r = c.start_release(key(), Some(1), true, vec![event(1, "other")]);
+        assert!(matches!(
+            c.release_step(&mut r, now()),
+            ReleaseStep::Done { close: None }
+        ));
+        assert_eq!(c.in_flight(), 0);
+        assert!(c.batch_holds(&key()));
+    }
+
+    #[test]
+    fn without_the_lease_nothing_is_sent_and_the_hold_stays() {
+        let mut c = core();
+        let mut r = c.start_release(key(), Some(1), true, vec![event(1, "c1")]);
+        let stale = Now {
+            lease_valid: false,
+            ..now()
+        };
+        assert!(matches!(
+            c.release_step(&mut r, stale),
+            ReleaseStep::Done { close: None }
+        ));
+        assert!(c.lease_expired);
+    }
+}

@@ -1,0 +1,250 @@
+//! The replication stream as the relay core sees it: transaction framing, the positions it
+//! has received and committed, and what the standby status may confirm.
+//!
+//! The driver reads the slot and decodes pgoutput; it hands each decoded message to the core
+//! here ([`PipelineCore::on_begin`], [`PipelineCore::on_row`], [`PipelineCore::on_commit`],
+//! [`PipelineCore::on_keepalive`]) and, after an acceptance transaction committed, the
+//! checkpoint it wrote ([`PipelineCore::checkpoint_committed`]). Two positions live here:
+//! * `last_received` — how far the slot has sent us; reported as the standby status's
+//!   `write`, which confirms nothing;
+//! * `durable` — the checkpoint the ledger committed together with the receipts that justify
+//!   it; the only position ever reported as `flush` ([`PipelineCore::standby_status`]).
+//!
+//! Every event is registered in the ack tracker under its transaction *before* it is admitted,
+//! and a transaction's end LSN is known only at its Commit: so the tracker's watermark can
+//! never pass a transaction whose events the relay has not all seen.
+
+use outbox_core::{AckTracker, Lsn, OutboxEvent, TxnSeq};
+
+use crate::pipeline::{Command, CoreError, Now, PipelineCore};
+use crate::schedule::{standby_status, StandbyStatus};
+
+/// The transaction being decoded: its tracker sequence, its commit LSN (from Begin) and how
+/// many rows it has had so far (an unreadable row is named by its position).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OpenTxn {
+    seq: TxnSeq,
+    commit_lsn: Lsn,
+    rows: u32,
+}
+
+impl PipelineCore {
+    /// Streaming starts at `start` (the position the slot resumes from): nothing before it is
+    /// outstanding, and it is both the last position received and the durable checkpoint.
+    pub fn start_streaming(&mut self, start: Lsn) {
+        self.tracker = AckTracker::new(start);
+        self.txn = None;
+        self.last_received = start;
+        self.durable = start;
+    }
+
+    /// A decoded Begin.
+    pub fn on_begin(&mut self, commit_lsn: Lsn) -> Result<(), CoreError> {
+        if self.txn.is_some() {
+            return Err(CoreError::Protocol("Begin inside an open transaction"));
+        }
+        let seq = self.tracker.begin()?;
+        self.txn = Some(OpenTxn {
+            seq,
+            commit_lsn,
+            rows: 0,
+        });
+        Ok(())
+    }
+
+    /// A decoded outbox row of the open transaction: admitted (route, ordering gate, send),
+    /// or, when it could not be read as an envelope (`Err(why)`), quarantined as
+    /// `unreadable_row` under the key `lsn:<commit LSN>:<row number>`.
+    pub fn on_row(
+        &mut self,
+        row: Result<OutboxEvent, String>,
+        now: Now,
+    ) -> Result<Vec<Command>, CoreError> {
+        let txn = self
+            .txn
+            .as_mut()
+            .ok_or(CoreError::Protocol("a row outside a transaction"))?;
+        txn.rows += 1;
+        let OpenTxn {
+            seq,
+            commit_lsn,
+            rows,
+        } = *txn;
+        let ack = self.tracker.add_event(seq)?;
+        match row {
+            Ok(ev) => self.admit(ev, Some(commit_lsn), Some(ack), now),
+            Err(why) => {
+                self.quarantine_unreadable(
+                    format!("lsn:{commit_lsn}:{rows}"),
+                    why,
+                    commit_lsn,
+                    Some(ack),
+                );
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    /// A decoded Commit: the transaction's end LSN, which the checkpoint may pass once all of
+    /// its events are resolved.
+    pub fn on_commit(&mut self, end_lsn: Lsn) -> Result<(), CoreError> {
+        let txn = self
+            .txn
+            .take()
+            .ok_or(CoreError::Protocol("Commit without Begin"))?;
+        self.tracker.commit(txn.seq, end_lsn)?;
+        self.on_received(end_lsn);
+        Ok(())
+    }
+
+    /// A message from the slot starting at `wal_start` (any XLogData).
+    pub fn on_received(&mut self, wal_start: Lsn) {
+        self.last_received = self.last_received.max(wal_start);
+    }
+
+    /// A keepalive: the server's WAL end. Outside a transaction nothing is outstanding up to
+    /// it, so an idle relay's checkpoint may follow it (past heartbeats and other tables).
+    pub fn on_keepalive(&mut self, wal_end: Lsn) {
+        self.on_received(wal_end);
+        if self.txn.is_none() {
+            self.tracker.idle_position(wal_end);
+        }
+    }
+
+    /// Whether a transaction is being decoded (a Begin without its Commit yet).
+    pub fn in_transaction(&self) -> bool {
+        self.txn.is_some()
+    }
+
+    /// The acceptance transaction that carried checkpoint `c` has committed.
+    pub fn checkpoint_committed(&mut self, c: Lsn) {
+        self.durable = self.durable.max(c);
+    }
+
+    /// The checkpoint the ledger has committed.
+    pub fn durable(&self) -> Lsn {
+        self.durable
+    }
+
+    /// The highest WAL position received from the slot.
+    pub fn last_received(&self) -> Lsn {
+        self.last_received
+    }
+
+    /// The standby status to send now ([`standby_status`]: `flush` is the durable checkpoint).
+    pub fn standby_status(&self) -> StandbyStatus {
+        standby_status(self.last_received, self.durable)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use outbox_core::delivery::Served;
+    use outbox_core::records::LedgerItem;
+    use outbox_core::Destination;
+
+    use super::*;
+
+    fn core() -> PipelineCore {
+        let served = Served {
+            kind: "kafka",
+            cluster: "c1".into(),
+            partitioner: Some("murmur2_random".into()),
+        };
+        let mut c = PipelineCore::new(served, 1, PipelineCore::gate_from(vec![], vec![]));
+        c.start_streaming(Lsn(10));
+        c
+    }
+
+    fn now() -> Now {
+        Now {
+            wall: SystemTime::UNIX_EPOCH,
+            lease_valid: true,
+        }
+    }
+
+    fn event(version: i64) -> OutboxEvent {
+        let destination = Destination {
+            kind: "kafka".into(),
+            cluster: "c1".into(),
+            topic: "t".into(),
+            key: "a".into(),
+            partitioner: "murmur2_random".into(),
+            route_generation: 1,
+            serializer: "json".into(),
+            acks: "all".into(),
+        };
+        OutboxEvent::frozen(
+            uuid::Uuid::now_v7(),
+            ("order", "a", version),
+            "order.changed",
+            bytes::Bytes::from_static(b"{}"),
+            destination,
+        )
+    }
+
+    #[test]
+    fn rows_and_commits_need_a_begin() {
+        let mut c = core();
+        assert!(matches!(
+            c.on_row(Ok(event(1)), now()),
+            Err(CoreError::Protocol(_))
+        ));
+        assert!(matches!(c.on_commit(Lsn(20)), Err(CoreError::Protocol(_))));
+        c.on_begin(Lsn(20)).unwrap();
+        assert!(matches!(c.on_begin(Lsn(30)), Err(CoreError::Protocol(_))));
+    }
+
+    #[test]
+    fn a_transaction_holds_the_watermark_until_its_commit_and_its_events_resolve() {
+        let mut c = core();
+        c.on_begin(Lsn(20)).unwrap();
+        let sent = c.on_row(Ok(event(1)), now()).unwrap();
+        assert_eq!(sent.len(), 1);
+        // A keepalive inside the transaction does not move the idle position past it.
+        c.on_keepalive(Lsn(50));
+        assert_eq!(c.tracker.watermark(), Lsn(10));
+        c.on_commit(Lsn(21)).unwrap();
+        assert_eq!(c.tracker.watermark(), Lsn(10), "the event is in flight");
+        assert_eq!(c.last_received(), Lsn(50));
+        assert!(!c.in_transaction());
+    }
+
+    #[test]
+    fn an_unreadable_row_is_quarantined_by_its_position_and_resolves_its_transaction() {
+        let mut c = core();
+        c.on_begin(Lsn(20)).unwrap();
+        assert!(c
+            .on_row(Err("no payload".into()), now())
+            .unwrap()
+            .is_empty());
+        c.on_commit(Lsn(21)).unwrap();
+        let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
+        let LedgerItem::Quarantine(q) = &items[0] else {
+            panic!("{items:?}")
+        };
+        assert_eq!(
+            (q.key.as_str(), q.reason_code.as_str()),
+            ("lsn:0/14:1", "unreadable_row")
+        );
+        assert_eq!(checkpoint, Some(Lsn(21)));
+    }
+
+    #[test]
+    fn an_idle_keepalive_moves_the_watermark_but_only_a_committed_checkpoint_is_confirmed() {
+        let mut c = core();
+        c.on_keepalive(Lsn(40));
+        assert_eq!(c.tracker.watermark(), Lsn(40));
+        let st = c.standby_status();
+        assert_eq!((st.write, st.flush), (Lsn(40), Lsn(10)));
+        let (_, checkpoint) = c.take_batch(true).unwrap().unwrap();
+        assert_eq!(checkpoint, Some(Lsn(40)));
+        // Not confirmed until the acceptance transaction that wrote it commits.
+        assert_eq!(c.standby_status().flush, Lsn(10));
+        c.checkpoint_committed(Lsn(40));
+        assert_eq!(c.standby_status().flush, Lsn(40));
+        assert!(c.take_batch(true).unwrap().is_none(), "nothing past it");
+    }
+}
