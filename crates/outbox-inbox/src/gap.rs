@@ -2,7 +2,7 @@
 //! buffer that holds events that arrived ahead of a gap, and the contiguous offset watermark.
 //!
 //! The database path ([`crate::store`]) calls these; [`ConsumerModel`] runs the same rules in
-//! memory for a simulator (outbox-sim does not link this crate yet: its consumer is its own).
+//! memory, and is the consumer of outbox-sim's simulated world.
 //!
 //! # The rules
 //! * **Dedup first.** An event id already in this consumer's inbox is a duplicate, whatever its
@@ -332,6 +332,12 @@ impl<E: Eq + Hash + Clone, K: Eq + Hash + Clone> ConsumerModel<E, K> {
     pub fn crash(&mut self) {
         self.buffer.clear();
         self.versions.clear();
+    }
+
+    /// Retention removed the event's inbox row (the aggregate watermark stays): a copy read
+    /// again after this is caught only by the watermark, as a stale event.
+    pub fn purge(&mut self, id: &E) {
+        self.inbox.remove(id);
     }
 
     /// Events whose effect ran more than once (must be 0).

@@ -16,6 +16,7 @@ use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence
 use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
 use outbox_core::records::LedgerItem;
 use outbox_core::{Destination, Lsn, OutboxEvent};
+use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::release::ReleaseStep;
 use outbox_relay::unknown::{self, Resolved, Step, When};
 use outbox_relay::{Command, Now, PipelineCore, Reported};
@@ -520,11 +521,13 @@ enum End {
     Error(&'static str),
 }
 
+/// A consumer group member: its committed and current offsets per (topic, partition), and
+/// outbox-inbox's own decision code ([`ConsumerModel`]: inbox dedup, then the aggregate
+/// watermark, gap policy `report`) deciding whether each message's effect runs.
 struct Consumer {
     committed: Vec<usize>,
     pos: Vec<usize>,
-    inbox: HashSet<Uuid>,
-    effects: HashMap<Uuid, u32>,
+    model: ConsumerModel<Uuid, Agg>,
 }
 
 struct World {
@@ -617,8 +620,7 @@ impl World {
                 .map(|_| Consumer {
                     committed: vec![0; TOPICS.len() * PARTITIONS],
                     pos: vec![0; TOPICS.len() * PARTITIONS],
-                    inbox: HashSet::new(),
-                    effects: HashMap::new(),
+                    model: ConsumerModel::new(GapPolicy::Report, 1_000),
                 })
                 .collect(),
             absent_attempts: HashSet::new(),
@@ -2002,12 +2004,21 @@ impl World {
             self.consumer_crash(c); // before the transaction commits
             return;
         }
-        let id = self.rows[m.row].ev.event_id;
+        let (id, agg, version) = {
+            let row = &self.rows[m.row];
+            (row.ev.event_id, row.agg, row.ev.aggregate_version)
+        };
+        if self.rows[m.row].purged {
+            log!(self, "consumer {c} read a copy of purged {id}");
+            self.c.purged_early += 1;
+        }
         let skip = self.is(Mutant::SkipDedup);
         let con = &mut self.consumers[c];
-        if skip || !con.inbox.contains(&id) {
-            *con.effects.entry(id).or_insert(0) += 1;
-            con.inbox.insert(id);
+        if skip {
+            // The mutant consumer runs the effect without asking its inbox.
+            *con.model.effects.entry(id).or_insert(0) += 1;
+        } else {
+            con.model.deliver(id, agg, version);
         }
         con.pos[tp] += 1;
         if !self.faults || self.rng.chance(600) {
@@ -2019,6 +2030,7 @@ impl World {
     fn consumer_crash(&mut self, c: usize) {
         let con = &mut self.consumers[c];
         con.pos = con.committed.clone();
+        con.model.crash();
         self.c.consumer_crashes += 1;
     }
 
@@ -2066,7 +2078,7 @@ impl World {
             self.c.purges += 1;
             let id = self.rows[r].ev.event_id;
             for c in &mut self.consumers {
-                c.inbox.remove(&id);
+                c.model.purge(&id);
             }
         }
     }
@@ -2274,7 +2286,7 @@ impl World {
         self.c.duplicate_effects = self
             .consumers
             .iter()
-            .flat_map(|c| c.effects.values())
+            .flat_map(|c| c.model.effects.values())
             .map(|n| u64::from(n.saturating_sub(1)))
             .sum();
 

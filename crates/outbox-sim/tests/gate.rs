@@ -71,7 +71,7 @@ fn every_mutant_is_caught() {
         (Mutant::NoSettle, |c| c.unknown_untraced),
         (Mutant::LastAckWins, |c| c.late_acks - c.late_acks_converged),
         (Mutant::MigrateWhileUnknown, |c| c.cross_destination_retries),
-        (Mutant::PurgeEarly, |c| c.duplicate_effects),
+        (Mutant::PurgeEarly, |c| c.purged_early),
         (Mutant::ProducerNewId, |c| c.second_ids),
         (Mutant::SecondInFlight, |c| c.order_violations),
         (Mutant::OkWithoutOffsetIsProof, |c| c.lost),
