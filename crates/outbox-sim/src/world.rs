@@ -534,6 +534,10 @@ struct World {
     rng: SplitMix64,
     mutant: Option<Mutant>,
     verbose: bool,
+    /// The longest a request can still be appended after it was sent: [`MAX_RTT`], which the
+    /// settle time covers. A test raises it past the settle time to show that
+    /// `unknown_untraced` sees an absence proven too early.
+    max_append_delay: u64,
     log: Vec<String>,
     now: u64,
     faults: bool,
@@ -595,6 +599,7 @@ impl World {
             rng,
             mutant,
             verbose,
+            max_append_delay: MAX_RTT,
             log: Vec::new(),
             now: 0,
             faults: true,
@@ -1358,7 +1363,7 @@ impl World {
         };
         if self.now < self.down_until[topic] {
             if self.rng.chance(500) {
-                let due = self.now + self.rng.range(1, MAX_RTT);
+                let due = self.now + self.rng.range(1, self.max_append_delay);
                 self.late_appends.push((due, topic, partition, msg));
                 return Report::PossiblyPersisted;
             }
@@ -1380,7 +1385,7 @@ impl World {
                 Report::PossiblyPersisted // appended, ACK lost
             }
             3 => {
-                let due = self.now + self.rng.range(1, MAX_RTT);
+                let due = self.now + self.rng.range(1, self.max_append_delay);
                 self.late_appends.push((due, topic, partition, msg));
                 Report::PossiblyPersisted // round trip longer than the message timeout
             }
@@ -2091,7 +2096,7 @@ impl World {
     fn drain(&mut self) {
         self.faults = false;
         self.down_until = [0; 4];
-        self.now += MAX_RTT + 1;
+        self.now += self.max_append_delay + 1;
         self.land_late_appends();
         if self.route_topic != 0 {
             self.route_change();
@@ -2365,6 +2370,22 @@ mod tests {
         w.broker[t][p].push(copy);
         w.judge();
         assert_eq!(w.c.second_ids, 1);
+    }
+
+    /// The settle time is the product's assumption that nothing sent is appended later than
+    /// that. A broker that breaks it makes a scan prove an absence too early: the retry and
+    /// the late copy both land, and the judge names the attempt wrongly resolved ABSENT.
+    #[test]
+    fn an_append_later_than_the_settle_time_is_an_untraced_unknown() {
+        let untraced: u64 = (0..200)
+            .map(|trace| {
+                let mut w = World::new(SplitMix64::for_trace(1, trace), None, false);
+                w.max_append_delay = 3 * SETTLE;
+                w.run();
+                w.c.unknown_untraced
+            })
+            .sum();
+        assert!(untraced > 0, "no attempt resolved ABSENT before its late append in 200 traces");
     }
 
     #[test]
