@@ -2,12 +2,16 @@
 //! incarnations, a broker with two clusters, consumers with an inbox, an operator — and the
 //! invariant counters computed at the end of the trace from the world's ground truth.
 //!
-//! Each relay incarnation runs the product's pipeline core, `outbox_relay::PipelineCore` (admit
-//! → route check → gate → send → delivery report → batch and its checkpoint), and executes its
-//! commands against the simulated broker and ledger, as the daemon's driver
-//! (`outboxd/src/relay/pipeline.rs`) does against the real ones. The rest of the relay's loop
-//! (start, flush timing, standby status, releases, salvage) and `relay/reconcile.rs` are still
-//! mirrored here, calling the real `outbox-core` types at every decision.
+//! Each relay incarnation runs the product's relay core, `outbox_relay::PipelineCore`
+//! (transaction framing, admit → route check → gate → send → delivery report → batch and its
+//! checkpoint, the standby status, releases, UNKNOWN resolution) and executes its commands
+//! against the simulated broker and ledger, as the daemon's driver (`outboxd/src/relay`) does
+//! against the real ones. The start plan is `outbox_source::slot::plan`, receipt classes and
+//! retention are `outbox_core::receipt`, consumers are `outbox_inbox::gap::ConsumerModel`.
+//!
+//! By role: this module holds the world, its clock, producers, relay incarnations (the
+//! driver's side of the core) and the operator; [`broker`] the simulated broker; [`ledger`] the
+//! model of the ledger's SQL; [`consumer`] the consumers; [`judge`] the invariant counters.
 
 use std::collections::{HashMap, HashSet};
 
@@ -98,173 +102,6 @@ impl Mutant {
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, m)| *m)
-    }
-}
-
-/// Invariant counters (must be 0) and what happened (for the report).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Counts {
-    pub traces: u64,
-    // --- invariants: every one must be 0 ---
-    /// Committed events never published (no primary receipt, or no copy at their destination).
-    pub lost: u64,
-    /// Business facts with more than one event id, or broker copies of an id no committed row has.
-    pub second_ids: u64,
-    /// Events sent to a destination other than their current frozen one, or present at two
-    /// destinations.
-    pub cross_destination_retries: u64,
-    /// Effects a consumer applied more than once for one event id.
-    pub duplicate_effects: u64,
-    /// UNKNOWN attempts resolved wrongly (ABSENT while the broker has that attempt's copy) or
-    /// still open after the world healed.
-    pub unknown_untraced: u64,
-    /// Per aggregate and partition, a version first seen after a later version.
-    pub order_violations: u64,
-    /// The slot confirmed past an event whose ledger record was not committed.
-    pub confirmed_past_unaccepted: u64,
-    /// A quarantine or hold recorded for an event that already had a primary receipt.
-    pub spurious_quarantines: u64,
-    /// A relay start refused by `slot::plan` (the slot was moved past the ledger).
-    pub start_refused: u64,
-    /// A copy of a purged event reached the broker or a consumer after the purge.
-    pub purged_early: u64,
-    /// Late valid ACKs accepted, and how many of them converged to the publish slot.
-    pub late_acks: u64,
-    pub late_acks_converged: u64,
-    // --- what happened ---
-    pub events: u64,
-    pub rolled_back: u64,
-    pub relay_crashes: u64,
-    pub relay_pauses: u64,
-    pub unknown_attempts: u64,
-    pub broker_copies: u64,
-    pub duplicate_receipts: u64,
-    pub conflicts: u64,
-    pub migrations: u64,
-    pub migrations_refused: u64,
-    pub purges: u64,
-    pub consumer_crashes: u64,
-    pub receipt_rollbacks: u64,
-}
-
-impl Counts {
-    /// Sum of the invariant counters, plus unconverged late ACKs.
-    pub fn violations(&self) -> u64 {
-        self.lost
-            + self.second_ids
-            + self.cross_destination_retries
-            + self.duplicate_effects
-            + self.unknown_untraced
-            + self.order_violations
-            + self.confirmed_past_unaccepted
-            + self.spurious_quarantines
-            + self.start_refused
-            + self.purged_early
-            + (self.late_acks - self.late_acks_converged)
-    }
-
-    /// Late valid ACKs that converged to the publish slot, in percent (100 when there were none).
-    pub fn late_ack_convergence(&self) -> f64 {
-        if self.late_acks == 0 {
-            100.0
-        } else {
-            self.late_acks_converged as f64 * 100.0 / self.late_acks as f64
-        }
-    }
-
-    pub fn add(&mut self, o: &Counts) {
-        macro_rules! sum {
-            ($($f:ident),*) => { $( self.$f += o.$f; )* };
-        }
-        sum!(
-            traces,
-            lost,
-            second_ids,
-            cross_destination_retries,
-            duplicate_effects,
-            unknown_untraced,
-            order_violations,
-            confirmed_past_unaccepted,
-            spurious_quarantines,
-            start_refused,
-            purged_early,
-            late_acks,
-            late_acks_converged,
-            events,
-            rolled_back,
-            relay_crashes,
-            relay_pauses,
-            unknown_attempts,
-            broker_copies,
-            duplicate_receipts,
-            conflicts,
-            migrations,
-            migrations_refused,
-            purges,
-            consumer_crashes,
-            receipt_rollbacks
-        );
-    }
-
-    /// `name value` pairs, invariants first, for printing.
-    pub fn lines(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("lost", self.lost.to_string()),
-            ("second_ids", self.second_ids.to_string()),
-            (
-                "cross_destination_retries",
-                self.cross_destination_retries.to_string(),
-            ),
-            ("duplicate_effects", self.duplicate_effects.to_string()),
-            (
-                "late_ack_convergence",
-                format!(
-                    "{:.2}% ({} of {})",
-                    self.late_ack_convergence(),
-                    self.late_acks_converged,
-                    self.late_acks
-                ),
-            ),
-            ("unknown_untraced", self.unknown_untraced.to_string()),
-            ("order_violations", self.order_violations.to_string()),
-            (
-                "confirmed_past_unaccepted",
-                self.confirmed_past_unaccepted.to_string(),
-            ),
-            (
-                "spurious_quarantines",
-                self.spurious_quarantines.to_string(),
-            ),
-            ("start_refused", self.start_refused.to_string()),
-            ("purged_early", self.purged_early.to_string()),
-            ("events_committed", self.events.to_string()),
-            ("transactions_rolled_back", self.rolled_back.to_string()),
-            ("relay_sigkills", self.relay_crashes.to_string()),
-            ("relay_pauses_zombies", self.relay_pauses.to_string()),
-            ("unknown_attempts", self.unknown_attempts.to_string()),
-            ("broker_copies", self.broker_copies.to_string()),
-            ("duplicate_receipts", self.duplicate_receipts.to_string()),
-            ("receipt_conflicts_quarantined", self.conflicts.to_string()),
-            ("receipt_txn_rollbacks", self.receipt_rollbacks.to_string()),
-            ("migrations", self.migrations.to_string()),
-            ("migrations_refused", self.migrations_refused.to_string()),
-            ("purges", self.purges.to_string()),
-            ("consumer_crashes", self.consumer_crashes.to_string()),
-        ]
-    }
-
-    /// The summary line of the CLI contract.
-    pub fn summary(&self) -> String {
-        format!(
-            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={}",
-            self.traces,
-            self.lost,
-            self.second_ids,
-            self.cross_destination_retries,
-            self.duplicate_effects,
-            self.late_ack_convergence(),
-            self.unknown_untraced
-        )
     }
 }
 
@@ -363,105 +200,6 @@ impl Row {
     }
 }
 
-#[derive(Clone)]
-struct Msg {
-    /// The event id the message carries (header `id`), as sent.
-    id: Uuid,
-    row: usize,
-    dest_digest: String,
-    relay_gen: i64,
-    attempt: i32,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Receipt {
-    topic: usize,
-    partition: usize,
-    offset: usize,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum AttemptState {
-    Unknown,
-    Found,
-    Absent,
-}
-
-struct Attempt {
-    row: usize,
-    relay_gen: i64,
-    attempt: i32,
-    topic: usize,
-    partition: usize,
-    unknown_at: u64,
-    state: AttemptState,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum HoldState {
-    Held,
-    Releasing,
-}
-
-struct Hold {
-    state: HoldState,
-    blocking: Option<usize>,
-    publish_blocking: bool,
-}
-
-struct Quarantine {
-    row: usize,
-    code: String,
-    released: bool,
-}
-
-/// The ledger tables of `migrations/`.
-#[derive(Default)]
-struct Ledger {
-    primary: HashMap<usize, Receipt>,
-    duplicates: Vec<(usize, Receipt)>,
-    quarantine: Vec<Quarantine>,
-    holds: HashMap<Agg, Hold>,
-    /// `held_events`: row → released.
-    held: HashMap<usize, bool>,
-    heads: HashMap<Agg, i64>,
-    attempts: Vec<Attempt>,
-    checkpoint: Option<Lsn>,
-    lease_gen: i64,
-    lease_until: u64,
-}
-
-impl Ledger {
-    fn open_quarantine(&self, row: usize) -> Option<&Quarantine> {
-        self.quarantine.iter().find(|q| q.row == row && !q.released)
-    }
-    fn unknown_open(&self, row: usize) -> bool {
-        self.attempts
-            .iter()
-            .any(|a| a.row == row && a.state == AttemptState::Unknown)
-    }
-    /// Whether the relay's record for `row` is durable (what lets the checkpoint pass it).
-    fn resolved(&self, row: usize) -> bool {
-        self.primary.contains_key(&row)
-            || self.duplicates.iter().any(|(r, _)| *r == row)
-            || self.quarantine.iter().any(|q| q.row == row)
-            || self.held.contains_key(&row)
-    }
-}
-
-/// What the broker will report for one send (decided when it is sent).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Report {
-    Persisted(Receipt),
-    /// Request timed out or the transport failed after sending: possibly persisted.
-    PossiblyPersisted,
-    /// Not appended, but the client says "delivered" without a position (librdkafka's implicit
-    /// ack, offset -1001).
-    ImplicitAck,
-    NotPersisted,
-    Rejected,
-}
-
 /// A send the core commanded, as the simulated broker took it: what its delivery report
 /// will say was decided when it was sent.
 struct Flight {
@@ -471,27 +209,6 @@ struct Flight {
     partition: usize,
     sent_at: u64,
     report: Report,
-}
-
-enum Item {
-    Receipt {
-        row: usize,
-        rc: Receipt,
-        payload_digest: String,
-        dest_digest: String,
-        late: bool,
-    },
-    Quarantine {
-        row: usize,
-        code: String,
-    },
-    Hold {
-        agg: Agg,
-        blocking: usize,
-    },
-    Held {
-        row: usize,
-    },
 }
 
 /// One relay run (`outboxd run` between two errors), with everything it keeps in memory.
@@ -519,15 +236,6 @@ struct Relay {
 #[derive(Debug)]
 enum End {
     Error(&'static str),
-}
-
-/// A consumer group member: its committed and current offsets per (topic, partition), and
-/// outbox-inbox's own decision code ([`ConsumerModel`]: inbox dedup, then the aggregate
-/// watermark, gap policy `report`) deciding whether each message's effect runs.
-struct Consumer {
-    committed: Vec<usize>,
-    pos: Vec<usize>,
-    model: ConsumerModel<Uuid, Agg>,
 }
 
 struct World {
@@ -581,6 +289,17 @@ macro_rules! log {
         }
     };
 }
+
+// By role; declared after `log!` so that they can use it.
+mod broker;
+mod consumer;
+mod judge;
+mod ledger;
+
+use broker::{Msg, Report};
+use consumer::Consumer;
+pub use judge::Counts;
+use ledger::{Attempt, AttemptState, HoldState, Item, Ledger, Receipt};
 
 /// Runs trace `trace` of `seed`.
 pub fn run_trace(seed: u64, trace: u64, mutant: Option<Mutant>, verbose: bool) -> TraceResult {
@@ -1348,71 +1067,6 @@ impl World {
         Ok(())
     }
 
-    /// The broker's side of a send; decides now what the delivery report will say.
-    fn broker_send(&mut self, topic: usize, partition: usize, msg: Msg) -> Report {
-        if topic == REJECTING_TOPIC {
-            return Report::Rejected;
-        }
-        let append = |w: &mut World, m: Msg| {
-            w.broker[topic][partition].push(m);
-            Receipt {
-                topic,
-                partition,
-                offset: w.broker[topic][partition].len() - 1,
-            }
-        };
-        if self.now < self.down_until[topic] {
-            if self.rng.chance(500) {
-                let due = self.now + self.rng.range(1, self.max_append_delay);
-                self.late_appends.push((due, topic, partition, msg));
-                return Report::PossiblyPersisted;
-            }
-            return Report::NotPersisted;
-        }
-        if !self.faults {
-            return Report::Persisted(append(self, msg));
-        }
-        match self.rng.weighted(&[860, 30, 40, 30, 20, 20]) {
-            0 => Report::Persisted(append(self, msg)),
-            1 => {
-                // A broker-side duplicate (producer retry after a lost response).
-                let rc = append(self, msg.clone());
-                append(self, msg);
-                Report::Persisted(rc)
-            }
-            2 => {
-                append(self, msg);
-                Report::PossiblyPersisted // appended, ACK lost
-            }
-            3 => {
-                let due = self.now + self.rng.range(1, self.max_append_delay);
-                self.late_appends.push((due, topic, partition, msg));
-                Report::PossiblyPersisted // round trip longer than the message timeout
-            }
-            // Timed out, never appended; for half of the rows (no draw, so that every trace
-            // stays the same) the client reports it delivered anyway, without a position.
-            4 if msg.row % 2 == 0 => Report::ImplicitAck,
-            4 => Report::PossiblyPersisted,
-            _ => Report::NotPersisted, // leader change: not written
-        }
-    }
-
-    fn land_late_appends(&mut self) {
-        let now = self.now;
-        let mut k = 0;
-        while k < self.late_appends.len() {
-            if self.late_appends[k].0 <= now {
-                let (_, t, p, m) = self.late_appends.swap_remove(k);
-                if self.rows[m.row].purged {
-                    self.c.purged_early += 1;
-                }
-                self.broker[t][p].push(m);
-            } else {
-                k += 1;
-            }
-        }
-    }
-
     /// `Pipeline::on_report`: the simulated broker's report, decided by the core.
     fn on_report(&mut self, i: usize, token: u64) -> Result<(), End> {
         let k = self.relays[i]
@@ -1538,219 +1192,6 @@ impl World {
         Ok(())
     }
 
-    /// The core's ledger records, by row index (what the simulated ledger keys on).
-    fn sim_items(&mut self, i: usize, items: &[LedgerItem]) -> Vec<Item> {
-        let row_of = |w: &World, id: &Uuid| w.by_id[id];
-        items
-            .iter()
-            .map(|it| match it {
-                LedgerItem::Receipt(r) => Item::Receipt {
-                    row: row_of(self, &r.event_id),
-                    rc: Receipt {
-                        topic: TOPICS
-                            .iter()
-                            .position(|(_, t)| *t == r.topic)
-                            .expect("a simulated topic"),
-                        partition: r.partition as usize,
-                        offset: r.offset as usize,
-                    },
-                    payload_digest: r.payload_digest.clone(),
-                    dest_digest: r.destination_digest.clone(),
-                    late: self.relays[i]
-                        .late
-                        .remove(&(r.event_id, r.partition, r.offset)),
-                },
-                LedgerItem::Quarantine(q) => Item::Quarantine {
-                    row: row_of(self, &q.event_id.expect("simulated rows are readable")),
-                    code: q.reason_code.clone(),
-                },
-                LedgerItem::Hold(h) => Item::Hold {
-                    agg: agg_of(&h.aggregate_id),
-                    blocking: row_of(self, &h.blocking_event_id.expect("a blocking event")),
-                },
-                LedgerItem::Held(h) => Item::Held {
-                    row: row_of(self, &h.event_id),
-                },
-            })
-            .collect()
-    }
-
-    /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
-    fn accept(&mut self, i: usize, items: Vec<Item>, checkpoint: Option<Lsn>) -> Result<bool, End> {
-        if self.faults && self.rng.chance(15) {
-            log!(self, "receipt transaction rolled back");
-            self.c.receipt_rollbacks += 1;
-            return Err(End::Error("receipt transaction failed"));
-        }
-        // Receipts in two rounds (first occurrence of an event, then the rest), then
-        // quarantines, holds, held events, checkpoint — as the SQL does.
-        let mut order: Vec<&Item> = Vec::new();
-        let mut seen = HashSet::new();
-        let mut rest = Vec::new();
-        for it in &items {
-            if let Item::Receipt { row, .. } = it {
-                if seen.insert(*row) {
-                    order.push(it);
-                } else {
-                    rest.push(it);
-                }
-            }
-        }
-        order.extend(rest);
-        for it in &items {
-            if matches!(it, Item::Quarantine { .. }) {
-                order.push(it);
-            }
-        }
-        for it in &items {
-            if matches!(it, Item::Hold { .. }) {
-                order.push(it);
-            }
-        }
-        for it in &items {
-            if matches!(it, Item::Held { .. }) {
-                order.push(it);
-            }
-        }
-        for it in order {
-            match it {
-                Item::Receipt {
-                    row,
-                    rc,
-                    payload_digest,
-                    dest_digest,
-                    late,
-                } => {
-                    let row = *row;
-                    let cur = self.rows[row].current();
-                    // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of
-                    // a purged event is still recognised as a duplicate, not a conflict.
-                    let frozen = Some(Digests {
-                        payload: &cur.payload_digest,
-                        destination: &cur.destination_digest,
-                    });
-                    let before = self.ledger.primary.get(&row).copied();
-                    let class = receipt::classify(
-                        frozen,
-                        before.is_some(),
-                        Digests {
-                            payload: payload_digest,
-                            destination: dest_digest,
-                        },
-                    );
-                    match class {
-                        ReceiptClass::Primary => {
-                            self.ledger.primary.insert(row, *rc);
-                            let agg = self.rows[row].agg;
-                            let v = self.rows[row].ev.aggregate_version;
-                            let h = self.ledger.heads.entry(agg).or_insert(0);
-                            *h = (*h).max(v);
-                            if let Some(released) = self.ledger.held.get_mut(&row) {
-                                *released = true;
-                            }
-                        }
-                        ReceiptClass::Duplicate => {
-                            self.ledger.duplicates.push((row, *rc));
-                            self.c.duplicate_receipts += 1;
-                            if self.is(Mutant::LastAckWins) && *late {
-                                self.ledger.primary.insert(row, *rc);
-                            }
-                        }
-                        ReceiptClass::Conflict(c) => {
-                            log!(
-                                self,
-                                "receipt of {} quarantined: {}",
-                                cur.event_id,
-                                c.reason_code()
-                            );
-                            self.c.conflicts += 1;
-                            self.ledger.quarantine.push(Quarantine {
-                                row,
-                                code: c.reason_code().to_string(),
-                                released: false,
-                            });
-                        }
-                    }
-                    if *late {
-                        self.c.late_acks += 1;
-                        let after = self.ledger.primary.get(&row).copied();
-                        let converged = !matches!(class, ReceiptClass::Conflict(_))
-                            && after == Some(before.unwrap_or(*rc));
-                        if converged {
-                            self.c.late_acks_converged += 1;
-                        } else {
-                            log!(
-                                self,
-                                "LATE ACK of {} did not converge ({class:?})",
-                                cur.event_id
-                            );
-                        }
-                    }
-                }
-                Item::Quarantine { row, code } => {
-                    // A published event is never quarantined afterwards (a zombie's batch
-                    // may carry a refusal decided before a migration published it).
-                    let stale = self.ledger.primary.contains_key(row)
-                        && !self.is(Mutant::BugStaleQuarantine);
-                    if self.ledger.open_quarantine(*row).is_none() && !stale {
-                        if self.ledger.primary.contains_key(row) {
-                            log!(
-                                self,
-                                "SPURIOUS quarantine of published {}",
-                                self.rows[*row].ev.event_id
-                            );
-                            self.c.spurious_quarantines += 1;
-                        }
-                        self.ledger.quarantine.push(Quarantine {
-                            row: *row,
-                            code: code.clone(),
-                            released: false,
-                        });
-                    }
-                }
-                Item::Hold { blocking, .. }
-                    if self.ledger.primary.contains_key(blocking)
-                        && !self.is(Mutant::BugStaleQuarantine) => {}
-                Item::Hold { agg, blocking } => match self.ledger.holds.get_mut(agg) {
-                    None => {
-                        self.ledger.holds.insert(
-                            *agg,
-                            Hold {
-                                state: HoldState::Held,
-                                blocking: Some(*blocking),
-                                publish_blocking: true,
-                            },
-                        );
-                    }
-                    Some(h) if h.state == HoldState::Releasing => {
-                        *h = Hold {
-                            state: HoldState::Held,
-                            blocking: Some(*blocking),
-                            publish_blocking: true,
-                        };
-                    }
-                    Some(_) => {}
-                },
-                Item::Held { row } => {
-                    if !self.ledger.primary.contains_key(row) {
-                        self.ledger.held.entry(*row).or_insert(false);
-                    }
-                }
-            }
-        }
-        let mut fenced = false;
-        if let Some(c) = checkpoint {
-            let gen = self.relays[i].gen;
-            if self.ledger.lease_gen == gen && self.now <= self.ledger.lease_until {
-                let cp = self.ledger.checkpoint.get_or_insert(c);
-                *cp = (*cp).max(c);
-            } else {
-                fenced = true;
-            }
-        }
-        Ok(fenced)
-    }
-
     /// The standby status update: `flush` = the committed checkpoint.
     fn status_update(&mut self, i: usize) {
         let r = &self.relays[i];
@@ -1762,21 +1203,6 @@ impl World {
             self.slot_confirmed = Some(d);
             self.check_confirmed();
         }
-    }
-
-    /// Invariant 5 at the slot: every event committed before the confirmed LSN is durably
-    /// resolved in the ledger.
-    fn check_confirmed(&mut self) {
-        let Some(c) = self.slot_confirmed else { return };
-        let bad = (0..self.rows.len())
-            .filter(|r| {
-                self.rows[*r].commit_end <= c && !self.rows[*r].purged && !self.ledger.resolved(*r)
-            })
-            .count() as u64;
-        if bad > 0 {
-            log!(self, "slot confirmed {c} past {bad} unaccepted events");
-        }
-        self.c.confirmed_past_unaccepted += bad;
     }
 
     /// `Pipeline::process_releases`.
@@ -1842,39 +1268,6 @@ impl World {
             }
         }
         Ok(())
-    }
-
-    /// `holds::close`.
-    fn close_hold(&mut self, agg: Agg, last: Option<i64>) -> bool {
-        if let Some(v) = last {
-            let h = self.ledger.heads.entry(agg).or_insert(0);
-            *h = (*h).max(v);
-        }
-        let rows: Vec<usize> = self
-            .ledger
-            .held
-            .keys()
-            .copied()
-            .filter(|r| self.rows[*r].agg == agg)
-            .collect();
-        for r in &rows {
-            if self.ledger.primary.contains_key(r) {
-                self.ledger.held.insert(*r, true);
-            }
-        }
-        let open = rows.iter().any(|r| self.ledger.held.get(r) == Some(&false));
-        if !open
-            && self
-                .ledger
-                .holds
-                .get(&agg)
-                .is_some_and(|h| h.state == HoldState::Releasing)
-        {
-            self.ledger.holds.remove(&agg);
-            true
-        } else {
-            false
-        }
     }
 
     // ----------------------------------------------------------------------------- operator
@@ -1992,101 +1385,7 @@ impl World {
 
     // ---------------------------------------------------------------------------- consumers
 
-    /// One message through the inbox: effect and inbox row in one transaction, then the
-    /// offset commit (sometimes several messages later).
-    fn consume(&mut self, c: usize) {
-        let parts: Vec<usize> = (0..TOPICS.len() * PARTITIONS)
-            .filter(|tp| {
-                self.consumers[c].pos[*tp] < self.broker[tp / PARTITIONS][tp % PARTITIONS].len()
-            })
-            .collect();
-        if parts.is_empty() {
-            return;
-        }
-        let tp = parts[self.rng.below(parts.len() as u64) as usize];
-        let m = self.broker[tp / PARTITIONS][tp % PARTITIONS][self.consumers[c].pos[tp]].clone();
-        if self.faults && self.rng.chance(20) {
-            self.consumer_crash(c); // before the transaction commits
-            return;
-        }
-        let (id, agg, version) = {
-            let row = &self.rows[m.row];
-            (row.ev.event_id, row.agg, row.ev.aggregate_version)
-        };
-        if self.rows[m.row].purged {
-            log!(self, "consumer {c} read a copy of purged {id}");
-            self.c.purged_early += 1;
-        }
-        let skip = self.is(Mutant::SkipDedup);
-        let con = &mut self.consumers[c];
-        if skip {
-            // The mutant consumer runs the effect without asking its inbox.
-            *con.model.effects.entry(id).or_insert(0) += 1;
-        } else {
-            con.model.deliver(id, agg, version);
-        }
-        con.pos[tp] += 1;
-        if !self.faults || self.rng.chance(600) {
-            let con = &mut self.consumers[c];
-            con.committed[tp] = con.pos[tp];
-        }
-    }
-
-    fn consumer_crash(&mut self, c: usize) {
-        let con = &mut self.consumers[c];
-        con.pos = con.committed.clone();
-        con.model.crash();
-        self.c.consumer_crashes += 1;
-    }
-
     // -------------------------------------------------------------------------------- purge
-
-    /// Retention (`outbox_core::receipt::may_purge`): an event's row, receipts and inbox
-    /// entries go only when it is published, the checkpoint and slot are past it (no replay
-    /// can bring it back), its last send is older than the replay window (no append can still
-    /// land), and every consumer's committed offset is past every copy of it.
-    fn purge(&mut self) {
-        let early = self.is(Mutant::PurgeEarly);
-        let mut purged = Vec::new();
-        for r in 0..self.rows.len() {
-            let row = &self.rows[r];
-            if row.purged || !self.ledger.primary.contains_key(&r) {
-                continue;
-            }
-            let replayable = self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
-                || self.slot_confirmed.map_or(true, |c| row.commit_end > c);
-            let consumed_by_all = self.consumers.iter().all(|c| {
-                (0..TOPICS.len() * PARTITIONS).all(|tp| {
-                    let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];
-                    msgs.iter()
-                        .enumerate()
-                        .filter(|(_, m)| m.row == r)
-                        .all(|(o, _)| c.committed[tp] > o)
-                })
-            });
-            let facts = receipt::PurgeFacts {
-                published: true,
-                replayable,
-                unknown_open: self.ledger.unknown_open(r),
-                since_last_send_ms: self.now - row.last_send,
-                replay_window_ms: if early { 0 } else { REPLAY_WINDOW },
-                consumed_by_all: consumed_by_all || early,
-            };
-            if receipt::may_purge(facts).is_err() {
-                continue;
-            }
-            purged.push(r);
-        }
-        for r in purged {
-            log!(self, "purge {}", self.rows[r].ev.event_id);
-            self.rows[r].purged = true;
-            self.c.purges += 1;
-            let id = self.rows[r].ev.event_id;
-            for c in &mut self.consumers {
-                c.model.purge(&id);
-            }
-        }
-    }
 
     // -------------------------------------------------------------------------------- drain
 
@@ -2217,128 +1516,7 @@ impl World {
         }
     }
 
-    fn open_unknown(&self) -> usize {
-        self.ledger
-            .attempts
-            .iter()
-            .filter(|a| a.state == AttemptState::Unknown)
-            .count()
-    }
-
     // ------------------------------------------------------------------------------ judging
-
-    fn judge(&mut self) {
-        let mut lost = 0;
-        for (r, row) in self.rows.iter().enumerate() {
-            if row.purged {
-                continue;
-            }
-            let dest = topic_index(&row.current().destination);
-            let on_broker = self.broker[dest]
-                .iter()
-                .any(|p| p.iter().any(|m| m.row == r));
-            // A receipt is evidence only where the broker holds the event.
-            let proven = self.ledger.primary.get(&r).is_some_and(|rc| {
-                self.broker[rc.topic][rc.partition]
-                    .get(rc.offset)
-                    .is_some_and(|m| m.id == row.ev.event_id)
-            });
-            if !proven || !on_broker {
-                log!(self, "LOST {}", row.ev.event_id);
-                lost += 1;
-            }
-        }
-        self.c.lost = lost;
-
-        // Second ids: business facts with more than one committed event id.
-        let mut per_business: HashMap<u64, u32> = HashMap::new();
-        for row in &self.rows {
-            *per_business.entry(row.business).or_insert(0) += 1;
-        }
-        // And ids on the broker that no committed row has (a copy sent under a new id).
-        let foreign: HashSet<Uuid> = self
-            .broker
-            .iter()
-            .flatten()
-            .flatten()
-            .map(|m| m.id)
-            .filter(|id| !self.by_id.contains_key(id))
-            .collect();
-        self.c.second_ids = per_business
-            .values()
-            .filter(|n| **n > 1)
-            .map(|n| u64::from(*n - 1))
-            .sum::<u64>()
-            + foreign.len() as u64;
-
-        // Cross-destination: sent to a non-current destination, or a copy on the broker frozen
-        // for a destination the event no longer has (a migration without a valid proof).
-        let mut cross = self.cross_sends.clone();
-        for m in self.broker.iter().flatten().flatten() {
-            if m.dest_digest != self.rows[m.row].current_digest() {
-                if self.verbose {
-                    self.log.push(format!(
-                        "CROSS: copy of {} frozen for another destination (gen {} attempt {})",
-                        self.rows[m.row].ev.event_id, m.relay_gen, m.attempt
-                    ));
-                }
-                cross.insert(m.row);
-            }
-        }
-        self.c.cross_destination_retries = cross.len() as u64;
-
-        // Duplicate effects, per consumer.
-        self.c.duplicate_effects = self
-            .consumers
-            .iter()
-            .flat_map(|c| c.model.effects.values())
-            .map(|n| u64::from(n.saturating_sub(1)))
-            .sum();
-
-        // UNKNOWN: wrongly proven absent, or never resolved.
-        let mut untraced = 0;
-        for t in 0..TOPICS.len() {
-            for p in &self.broker[t] {
-                for m in p {
-                    if self
-                        .absent_attempts
-                        .contains(&(m.row, m.relay_gen, m.attempt))
-                    {
-                        untraced += 1;
-                    }
-                }
-            }
-        }
-        untraced += self
-            .ledger
-            .attempts
-            .iter()
-            .filter(|a| a.state == AttemptState::Unknown)
-            .count() as u64;
-        self.c.unknown_untraced = untraced;
-
-        // Order: per partition and aggregate, first occurrences in version order.
-        let mut order = 0;
-        for t in 0..TOPICS.len() {
-            for p in &self.broker[t] {
-                let mut seen = HashSet::new();
-                let mut last: HashMap<Agg, i64> = HashMap::new();
-                for m in p {
-                    if seen.insert(m.row) {
-                        let v = self.rows[m.row].ev.aggregate_version;
-                        let agg = self.rows[m.row].agg;
-                        if last.get(&agg).is_some_and(|l| *l > v) {
-                            order += 1;
-                        }
-                        last.insert(agg, v);
-                    }
-                }
-            }
-        }
-        self.c.order_violations = order;
-
-        self.c.broker_copies = self.broker.iter().flatten().map(|p| p.len() as u64).sum();
-    }
 }
 
 #[cfg(test)]
@@ -2385,7 +1563,10 @@ mod tests {
                 w.c.unknown_untraced
             })
             .sum();
-        assert!(untraced > 0, "no attempt resolved ABSENT before its late append in 200 traces");
+        assert!(
+            untraced > 0,
+            "no attempt resolved ABSENT before its late append in 200 traces"
+        );
     }
 
     #[test]

@@ -1,0 +1,309 @@
+//! The judge: the invariant counters, computed at the end of a trace from the world's ground
+//! truth (the broker's logs, the committed rows, the ledger model, the consumers' effects).
+
+use super::*;
+
+/// Invariant counters (must be 0) and what happened (for the report).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub traces: u64,
+    // --- invariants: every one must be 0 ---
+    /// Committed events never published (no primary receipt, or no copy at their destination).
+    pub lost: u64,
+    /// Business facts with more than one event id, or broker copies of an id no committed row has.
+    pub second_ids: u64,
+    /// Events sent to a destination other than their current frozen one, or present at two
+    /// destinations.
+    pub cross_destination_retries: u64,
+    /// Effects a consumer applied more than once for one event id.
+    pub duplicate_effects: u64,
+    /// UNKNOWN attempts resolved wrongly (ABSENT while the broker has that attempt's copy) or
+    /// still open after the world healed.
+    pub unknown_untraced: u64,
+    /// Per aggregate and partition, a version first seen after a later version.
+    pub order_violations: u64,
+    /// The slot confirmed past an event whose ledger record was not committed.
+    pub confirmed_past_unaccepted: u64,
+    /// A quarantine or hold recorded for an event that already had a primary receipt.
+    pub spurious_quarantines: u64,
+    /// A relay start refused by `slot::plan` (the slot was moved past the ledger).
+    pub start_refused: u64,
+    /// A copy of a purged event reached the broker or a consumer after the purge.
+    pub purged_early: u64,
+    /// Late valid ACKs accepted, and how many of them converged to the publish slot.
+    pub late_acks: u64,
+    pub late_acks_converged: u64,
+    // --- what happened ---
+    pub events: u64,
+    pub rolled_back: u64,
+    pub relay_crashes: u64,
+    pub relay_pauses: u64,
+    pub unknown_attempts: u64,
+    pub broker_copies: u64,
+    pub duplicate_receipts: u64,
+    pub conflicts: u64,
+    pub migrations: u64,
+    pub migrations_refused: u64,
+    pub purges: u64,
+    pub consumer_crashes: u64,
+    pub receipt_rollbacks: u64,
+}
+
+impl Counts {
+    /// Sum of the invariant counters, plus unconverged late ACKs.
+    pub fn violations(&self) -> u64 {
+        self.lost
+            + self.second_ids
+            + self.cross_destination_retries
+            + self.duplicate_effects
+            + self.unknown_untraced
+            + self.order_violations
+            + self.confirmed_past_unaccepted
+            + self.spurious_quarantines
+            + self.start_refused
+            + self.purged_early
+            + (self.late_acks - self.late_acks_converged)
+    }
+
+    /// Late valid ACKs that converged to the publish slot, in percent (100 when there were none).
+    pub fn late_ack_convergence(&self) -> f64 {
+        if self.late_acks == 0 {
+            100.0
+        } else {
+            self.late_acks_converged as f64 * 100.0 / self.late_acks as f64
+        }
+    }
+
+    pub fn add(&mut self, o: &Counts) {
+        macro_rules! sum {
+            ($($f:ident),*) => { $( self.$f += o.$f; )* };
+        }
+        sum!(
+            traces,
+            lost,
+            second_ids,
+            cross_destination_retries,
+            duplicate_effects,
+            unknown_untraced,
+            order_violations,
+            confirmed_past_unaccepted,
+            spurious_quarantines,
+            start_refused,
+            purged_early,
+            late_acks,
+            late_acks_converged,
+            events,
+            rolled_back,
+            relay_crashes,
+            relay_pauses,
+            unknown_attempts,
+            broker_copies,
+            duplicate_receipts,
+            conflicts,
+            migrations,
+            migrations_refused,
+            purges,
+            consumer_crashes,
+            receipt_rollbacks
+        );
+    }
+
+    /// `name value` pairs, invariants first, for printing.
+    pub fn lines(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("lost", self.lost.to_string()),
+            ("second_ids", self.second_ids.to_string()),
+            (
+                "cross_destination_retries",
+                self.cross_destination_retries.to_string(),
+            ),
+            ("duplicate_effects", self.duplicate_effects.to_string()),
+            (
+                "late_ack_convergence",
+                format!(
+                    "{:.2}% ({} of {})",
+                    self.late_ack_convergence(),
+                    self.late_acks_converged,
+                    self.late_acks
+                ),
+            ),
+            ("unknown_untraced", self.unknown_untraced.to_string()),
+            ("order_violations", self.order_violations.to_string()),
+            (
+                "confirmed_past_unaccepted",
+                self.confirmed_past_unaccepted.to_string(),
+            ),
+            (
+                "spurious_quarantines",
+                self.spurious_quarantines.to_string(),
+            ),
+            ("start_refused", self.start_refused.to_string()),
+            ("purged_early", self.purged_early.to_string()),
+            ("events_committed", self.events.to_string()),
+            ("transactions_rolled_back", self.rolled_back.to_string()),
+            ("relay_sigkills", self.relay_crashes.to_string()),
+            ("relay_pauses_zombies", self.relay_pauses.to_string()),
+            ("unknown_attempts", self.unknown_attempts.to_string()),
+            ("broker_copies", self.broker_copies.to_string()),
+            ("duplicate_receipts", self.duplicate_receipts.to_string()),
+            ("receipt_conflicts_quarantined", self.conflicts.to_string()),
+            ("receipt_txn_rollbacks", self.receipt_rollbacks.to_string()),
+            ("migrations", self.migrations.to_string()),
+            ("migrations_refused", self.migrations_refused.to_string()),
+            ("purges", self.purges.to_string()),
+            ("consumer_crashes", self.consumer_crashes.to_string()),
+        ]
+    }
+
+    /// The summary line of the CLI contract.
+    pub fn summary(&self) -> String {
+        format!(
+            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={}",
+            self.traces,
+            self.lost,
+            self.second_ids,
+            self.cross_destination_retries,
+            self.duplicate_effects,
+            self.late_ack_convergence(),
+            self.unknown_untraced
+        )
+    }
+}
+
+impl World {
+    /// Invariant 5 at the slot: every event committed before the confirmed LSN is durably
+    /// resolved in the ledger.
+    pub(super) fn check_confirmed(&mut self) {
+        let Some(c) = self.slot_confirmed else { return };
+        let bad = (0..self.rows.len())
+            .filter(|r| {
+                self.rows[*r].commit_end <= c && !self.rows[*r].purged && !self.ledger.resolved(*r)
+            })
+            .count() as u64;
+        if bad > 0 {
+            log!(self, "slot confirmed {c} past {bad} unaccepted events");
+        }
+        self.c.confirmed_past_unaccepted += bad;
+    }
+
+    pub(super) fn open_unknown(&self) -> usize {
+        self.ledger
+            .attempts
+            .iter()
+            .filter(|a| a.state == AttemptState::Unknown)
+            .count()
+    }
+
+    pub(super) fn judge(&mut self) {
+        let mut lost = 0;
+        for (r, row) in self.rows.iter().enumerate() {
+            if row.purged {
+                continue;
+            }
+            let dest = topic_index(&row.current().destination);
+            let on_broker = self.broker[dest]
+                .iter()
+                .any(|p| p.iter().any(|m| m.row == r));
+            // A receipt is evidence only where the broker holds the event.
+            let proven = self.ledger.primary.get(&r).is_some_and(|rc| {
+                self.broker[rc.topic][rc.partition]
+                    .get(rc.offset)
+                    .is_some_and(|m| m.id == row.ev.event_id)
+            });
+            if !proven || !on_broker {
+                log!(self, "LOST {}", row.ev.event_id);
+                lost += 1;
+            }
+        }
+        self.c.lost = lost;
+
+        // Second ids: business facts with more than one committed event id.
+        let mut per_business: HashMap<u64, u32> = HashMap::new();
+        for row in &self.rows {
+            *per_business.entry(row.business).or_insert(0) += 1;
+        }
+        // And ids on the broker that no committed row has (a copy sent under a new id).
+        let foreign: HashSet<Uuid> = self
+            .broker
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|m| m.id)
+            .filter(|id| !self.by_id.contains_key(id))
+            .collect();
+        self.c.second_ids = per_business
+            .values()
+            .filter(|n| **n > 1)
+            .map(|n| u64::from(*n - 1))
+            .sum::<u64>()
+            + foreign.len() as u64;
+
+        // Cross-destination: sent to a non-current destination, or a copy on the broker frozen
+        // for a destination the event no longer has (a migration without a valid proof).
+        let mut cross = self.cross_sends.clone();
+        for m in self.broker.iter().flatten().flatten() {
+            if m.dest_digest != self.rows[m.row].current_digest() {
+                if self.verbose {
+                    self.log.push(format!(
+                        "CROSS: copy of {} frozen for another destination (gen {} attempt {})",
+                        self.rows[m.row].ev.event_id, m.relay_gen, m.attempt
+                    ));
+                }
+                cross.insert(m.row);
+            }
+        }
+        self.c.cross_destination_retries = cross.len() as u64;
+
+        // Duplicate effects, per consumer.
+        self.c.duplicate_effects = self
+            .consumers
+            .iter()
+            .flat_map(|c| c.model.effects.values())
+            .map(|n| u64::from(n.saturating_sub(1)))
+            .sum();
+
+        // UNKNOWN: wrongly proven absent, or never resolved.
+        let mut untraced = 0;
+        for t in 0..TOPICS.len() {
+            for p in &self.broker[t] {
+                for m in p {
+                    if self
+                        .absent_attempts
+                        .contains(&(m.row, m.relay_gen, m.attempt))
+                    {
+                        untraced += 1;
+                    }
+                }
+            }
+        }
+        untraced += self
+            .ledger
+            .attempts
+            .iter()
+            .filter(|a| a.state == AttemptState::Unknown)
+            .count() as u64;
+        self.c.unknown_untraced = untraced;
+
+        // Order: per partition and aggregate, first occurrences in version order.
+        let mut order = 0;
+        for t in 0..TOPICS.len() {
+            for p in &self.broker[t] {
+                let mut seen = HashSet::new();
+                let mut last: HashMap<Agg, i64> = HashMap::new();
+                for m in p {
+                    if seen.insert(m.row) {
+                        let v = self.rows[m.row].ev.aggregate_version;
+                        let agg = self.rows[m.row].agg;
+                        if last.get(&agg).is_some_and(|l| *l > v) {
+                            order += 1;
+                        }
+                        last.insert(agg, v);
+                    }
+                }
+            }
+        }
+        self.c.order_violations = order;
+
+        self.c.broker_copies = self.broker.iter().flatten().map(|p| p.len() as u64).sum();
+    }
+}

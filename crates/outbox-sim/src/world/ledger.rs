@@ -1,0 +1,402 @@
+//! The ledger model: what `outbox-ledger`'s SQL does with an acceptance batch (receipts in
+//! two rounds, quarantines, holds, held events, the fenced checkpoint), closing a hold, and
+//! retention. A model of SQL the simulator cannot run; the relay's decisions are not here.
+
+use super::*;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) struct Receipt {
+    pub(super) topic: usize,
+    pub(super) partition: usize,
+    pub(super) offset: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum AttemptState {
+    Unknown,
+    Found,
+    Absent,
+}
+
+pub(super) struct Attempt {
+    pub(super) row: usize,
+    pub(super) relay_gen: i64,
+    pub(super) attempt: i32,
+    pub(super) topic: usize,
+    pub(super) partition: usize,
+    pub(super) unknown_at: u64,
+    pub(super) state: AttemptState,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum HoldState {
+    Held,
+    Releasing,
+}
+
+pub(super) struct Hold {
+    pub(super) state: HoldState,
+    pub(super) blocking: Option<usize>,
+    pub(super) publish_blocking: bool,
+}
+
+pub(super) struct Quarantine {
+    pub(super) row: usize,
+    pub(super) code: String,
+    pub(super) released: bool,
+}
+
+/// The ledger tables of `migrations/`.
+#[derive(Default)]
+pub(super) struct Ledger {
+    pub(super) primary: HashMap<usize, Receipt>,
+    pub(super) duplicates: Vec<(usize, Receipt)>,
+    pub(super) quarantine: Vec<Quarantine>,
+    pub(super) holds: HashMap<Agg, Hold>,
+    /// `held_events`: row → released.
+    pub(super) held: HashMap<usize, bool>,
+    pub(super) heads: HashMap<Agg, i64>,
+    pub(super) attempts: Vec<Attempt>,
+    pub(super) checkpoint: Option<Lsn>,
+    pub(super) lease_gen: i64,
+    pub(super) lease_until: u64,
+}
+
+impl Ledger {
+    pub(super) fn open_quarantine(&self, row: usize) -> Option<&Quarantine> {
+        self.quarantine.iter().find(|q| q.row == row && !q.released)
+    }
+    pub(super) fn unknown_open(&self, row: usize) -> bool {
+        self.attempts
+            .iter()
+            .any(|a| a.row == row && a.state == AttemptState::Unknown)
+    }
+    /// Whether the relay's record for `row` is durable (what lets the checkpoint pass it).
+    pub(super) fn resolved(&self, row: usize) -> bool {
+        self.primary.contains_key(&row)
+            || self.duplicates.iter().any(|(r, _)| *r == row)
+            || self.quarantine.iter().any(|q| q.row == row)
+            || self.held.contains_key(&row)
+    }
+}
+
+pub(super) enum Item {
+    Receipt {
+        row: usize,
+        rc: Receipt,
+        payload_digest: String,
+        dest_digest: String,
+        late: bool,
+    },
+    Quarantine {
+        row: usize,
+        code: String,
+    },
+    Hold {
+        agg: Agg,
+        blocking: usize,
+    },
+    Held {
+        row: usize,
+    },
+}
+
+impl World {
+    /// The core's ledger records, by row index (what the simulated ledger keys on).
+    pub(super) fn sim_items(&mut self, i: usize, items: &[LedgerItem]) -> Vec<Item> {
+        let row_of = |w: &World, id: &Uuid| w.by_id[id];
+        items
+            .iter()
+            .map(|it| match it {
+                LedgerItem::Receipt(r) => Item::Receipt {
+                    row: row_of(self, &r.event_id),
+                    rc: Receipt {
+                        topic: TOPICS
+                            .iter()
+                            .position(|(_, t)| *t == r.topic)
+                            .expect("a simulated topic"),
+                        partition: r.partition as usize,
+                        offset: r.offset as usize,
+                    },
+                    payload_digest: r.payload_digest.clone(),
+                    dest_digest: r.destination_digest.clone(),
+                    late: self.relays[i]
+                        .late
+                        .remove(&(r.event_id, r.partition, r.offset)),
+                },
+                LedgerItem::Quarantine(q) => Item::Quarantine {
+                    row: row_of(self, &q.event_id.expect("simulated rows are readable")),
+                    code: q.reason_code.clone(),
+                },
+                LedgerItem::Hold(h) => Item::Hold {
+                    agg: agg_of(&h.aggregate_id),
+                    blocking: row_of(self, &h.blocking_event_id.expect("a blocking event")),
+                },
+                LedgerItem::Held(h) => Item::Held {
+                    row: row_of(self, &h.event_id),
+                },
+            })
+            .collect()
+    }
+
+    /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
+    pub(super) fn accept(
+        &mut self,
+        i: usize,
+        items: Vec<Item>,
+        checkpoint: Option<Lsn>,
+    ) -> Result<bool, End> {
+        if self.faults && self.rng.chance(15) {
+            log!(self, "receipt transaction rolled back");
+            self.c.receipt_rollbacks += 1;
+            return Err(End::Error("receipt transaction failed"));
+        }
+        // Receipts in two rounds (first occurrence of an event, then the rest), then
+        // quarantines, holds, held events, checkpoint — as the SQL does.
+        let mut order: Vec<&Item> = Vec::new();
+        let mut seen = HashSet::new();
+        let mut rest = Vec::new();
+        for it in &items {
+            if let Item::Receipt { row, .. } = it {
+                if seen.insert(*row) {
+                    order.push(it);
+                } else {
+                    rest.push(it);
+                }
+            }
+        }
+        order.extend(rest);
+        for it in &items {
+            if matches!(it, Item::Quarantine { .. }) {
+                order.push(it);
+            }
+        }
+        for it in &items {
+            if matches!(it, Item::Hold { .. }) {
+                order.push(it);
+            }
+        }
+        for it in &items {
+            if matches!(it, Item::Held { .. }) {
+                order.push(it);
+            }
+        }
+        for it in order {
+            match it {
+                Item::Receipt {
+                    row,
+                    rc,
+                    payload_digest,
+                    dest_digest,
+                    late,
+                } => {
+                    let row = *row;
+                    let cur = self.rows[row].current();
+                    // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of
+                    // a purged event is still recognised as a duplicate, not a conflict.
+                    let frozen = Some(Digests {
+                        payload: &cur.payload_digest,
+                        destination: &cur.destination_digest,
+                    });
+                    let before = self.ledger.primary.get(&row).copied();
+                    let class = receipt::classify(
+                        frozen,
+                        before.is_some(),
+                        Digests {
+                            payload: payload_digest,
+                            destination: dest_digest,
+                        },
+                    );
+                    match class {
+                        ReceiptClass::Primary => {
+                            self.ledger.primary.insert(row, *rc);
+                            let agg = self.rows[row].agg;
+                            let v = self.rows[row].ev.aggregate_version;
+                            let h = self.ledger.heads.entry(agg).or_insert(0);
+                            *h = (*h).max(v);
+                            if let Some(released) = self.ledger.held.get_mut(&row) {
+                                *released = true;
+                            }
+                        }
+                        ReceiptClass::Duplicate => {
+                            self.ledger.duplicates.push((row, *rc));
+                            self.c.duplicate_receipts += 1;
+                            if self.is(Mutant::LastAckWins) && *late {
+                                self.ledger.primary.insert(row, *rc);
+                            }
+                        }
+                        ReceiptClass::Conflict(c) => {
+                            log!(
+                                self,
+                                "receipt of {} quarantined: {}",
+                                cur.event_id,
+                                c.reason_code()
+                            );
+                            self.c.conflicts += 1;
+                            self.ledger.quarantine.push(Quarantine {
+                                row,
+                                code: c.reason_code().to_string(),
+                                released: false,
+                            });
+                        }
+                    }
+                    if *late {
+                        self.c.late_acks += 1;
+                        let after = self.ledger.primary.get(&row).copied();
+                        let converged = !matches!(class, ReceiptClass::Conflict(_))
+                            && after == Some(before.unwrap_or(*rc));
+                        if converged {
+                            self.c.late_acks_converged += 1;
+                        } else {
+                            log!(
+                                self,
+                                "LATE ACK of {} did not converge ({class:?})",
+                                cur.event_id
+                            );
+                        }
+                    }
+                }
+                Item::Quarantine { row, code } => {
+                    // A published event is never quarantined afterwards (a zombie's batch
+                    // may carry a refusal decided before a migration published it).
+                    let stale = self.ledger.primary.contains_key(row)
+                        && !self.is(Mutant::BugStaleQuarantine);
+                    if self.ledger.open_quarantine(*row).is_none() && !stale {
+                        if self.ledger.primary.contains_key(row) {
+                            log!(
+                                self,
+                                "SPURIOUS quarantine of published {}",
+                                self.rows[*row].ev.event_id
+                            );
+                            self.c.spurious_quarantines += 1;
+                        }
+                        self.ledger.quarantine.push(Quarantine {
+                            row: *row,
+                            code: code.clone(),
+                            released: false,
+                        });
+                    }
+                }
+                Item::Hold { blocking, .. }
+                    if self.ledger.primary.contains_key(blocking)
+                        && !self.is(Mutant::BugStaleQuarantine) => {}
+                Item::Hold { agg, blocking } => match self.ledger.holds.get_mut(agg) {
+                    None => {
+                        self.ledger.holds.insert(
+                            *agg,
+                            Hold {
+                                state: HoldState::Held,
+                                blocking: Some(*blocking),
+                                publish_blocking: true,
+                            },
+                        );
+                    }
+                    Some(h) if h.state == HoldState::Releasing => {
+                        *h = Hold {
+                            state: HoldState::Held,
+                            blocking: Some(*blocking),
+                            publish_blocking: true,
+                        };
+                    }
+                    Some(_) => {}
+                },
+                Item::Held { row } => {
+                    if !self.ledger.primary.contains_key(row) {
+                        self.ledger.held.entry(*row).or_insert(false);
+                    }
+                }
+            }
+        }
+        let mut fenced = false;
+        if let Some(c) = checkpoint {
+            let gen = self.relays[i].gen;
+            if self.ledger.lease_gen == gen && self.now <= self.ledger.lease_until {
+                let cp = self.ledger.checkpoint.get_or_insert(c);
+                *cp = (*cp).max(c);
+            } else {
+                fenced = true;
+            }
+        }
+        Ok(fenced)
+    }
+
+    /// `holds::close`.
+    pub(super) fn close_hold(&mut self, agg: Agg, last: Option<i64>) -> bool {
+        if let Some(v) = last {
+            let h = self.ledger.heads.entry(agg).or_insert(0);
+            *h = (*h).max(v);
+        }
+        let rows: Vec<usize> = self
+            .ledger
+            .held
+            .keys()
+            .copied()
+            .filter(|r| self.rows[*r].agg == agg)
+            .collect();
+        for r in &rows {
+            if self.ledger.primary.contains_key(r) {
+                self.ledger.held.insert(*r, true);
+            }
+        }
+        let open = rows.iter().any(|r| self.ledger.held.get(r) == Some(&false));
+        if !open
+            && self
+                .ledger
+                .holds
+                .get(&agg)
+                .is_some_and(|h| h.state == HoldState::Releasing)
+        {
+            self.ledger.holds.remove(&agg);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Retention (`outbox_core::receipt::may_purge`): an event's row, receipts and inbox
+    /// entries go only when it is published, the checkpoint and slot are past it (no replay
+    /// can bring it back), its last send is older than the replay window (no append can still
+    /// land), and every consumer's committed offset is past every copy of it.
+    pub(super) fn purge(&mut self) {
+        let early = self.is(Mutant::PurgeEarly);
+        let mut purged = Vec::new();
+        for r in 0..self.rows.len() {
+            let row = &self.rows[r];
+            if row.purged || !self.ledger.primary.contains_key(&r) {
+                continue;
+            }
+            let replayable = self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
+                || self.slot_confirmed.map_or(true, |c| row.commit_end > c);
+            let consumed_by_all = self.consumers.iter().all(|c| {
+                (0..TOPICS.len() * PARTITIONS).all(|tp| {
+                    let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];
+                    msgs.iter()
+                        .enumerate()
+                        .filter(|(_, m)| m.row == r)
+                        .all(|(o, _)| c.committed[tp] > o)
+                })
+            });
+            let facts = receipt::PurgeFacts {
+                published: true,
+                replayable,
+                unknown_open: self.ledger.unknown_open(r),
+                since_last_send_ms: self.now - row.last_send,
+                replay_window_ms: if early { 0 } else { REPLAY_WINDOW },
+                consumed_by_all: consumed_by_all || early,
+            };
+            if receipt::may_purge(facts).is_err() {
+                continue;
+            }
+            purged.push(r);
+        }
+        for r in purged {
+            log!(self, "purge {}", self.rows[r].ev.event_id);
+            self.rows[r].purged = true;
+            self.c.purges += 1;
+            let id = self.rows[r].ev.event_id;
+            for c in &mut self.consumers {
+                c.model.purge(&id);
+            }
+        }
+    }
+}
