@@ -68,3 +68,101 @@ pub enum LedgerItem {
     Hold(HoldRecord),
     Held(HeldRecord),
 }
+
+/// The kinds of refusal record an acceptance batch may carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// A quarantine record of an event.
+    Quarantine,
+    /// A hold of an aggregate, naming its blocking event.
+    Hold,
+    /// An event recorded as held behind its aggregate's hold.
+    Held,
+}
+
+impl LedgerItem {
+    /// The refusal this item records and the event it is about (for a hold, its blocking
+    /// event); `None` for a receipt, and for a refusal about no readable event.
+    pub fn refusal(&self) -> Option<(RefusalKind, Uuid)> {
+        match self {
+            LedgerItem::Receipt(_) => None,
+            LedgerItem::Quarantine(q) => q.event_id.map(|id| (RefusalKind::Quarantine, id)),
+            LedgerItem::Hold(h) => h.blocking_event_id.map(|id| (RefusalKind::Hold, id)),
+            LedgerItem::Held(h) => Some((RefusalKind::Held, h.event_id)),
+        }
+    }
+}
+
+/// Which refusal records of an acceptance batch still stand. A refusal is decided when the
+/// relay sends (or decodes) an event, and committed later; meanwhile the event may have been
+/// published — a paused relay commits a refusal it decided before a destination migration
+/// published the event, a replay decodes an event that was published since. A refusal about a
+/// published event is stale: recording it would quarantine a published event and hold its
+/// aggregate behind an event that is out (found by outbox-sim, seed 1 trace 195). The ledger's
+/// acceptance transaction asks which subjects have a primary receipt (this batch's included)
+/// and records only what [`RefusalFilter::stands`]; the simulator's ledger model asks the same.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RefusalFilter {
+    /// Product mutant (feature `mutants`, the simulator's): quarantines and holds are recorded
+    /// even when their event is published.
+    #[cfg(feature = "mutants")]
+    pub honour_stale: bool,
+}
+
+impl RefusalFilter {
+    /// Whether a refusal of `kind` is recorded when its event is (`published`) or is not
+    /// published yet.
+    pub fn stands(&self, kind: RefusalKind, published: bool) -> bool {
+        #[cfg(feature = "mutants")]
+        if self.honour_stale && kind != RefusalKind::Held {
+            return true;
+        }
+        let _ = kind;
+        !published
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_about_a_published_event_is_stale() {
+        let f = RefusalFilter::default();
+        for kind in [
+            RefusalKind::Quarantine,
+            RefusalKind::Hold,
+            RefusalKind::Held,
+        ] {
+            assert!(f.stands(kind, false), "{kind:?} of an unpublished event");
+            assert!(!f.stands(kind, true), "{kind:?} of a published event");
+        }
+    }
+
+    #[test]
+    fn a_refusal_names_its_event_and_an_unreadable_row_none() {
+        let q = QuarantineRecord {
+            key: "lsn:0/1:1".into(),
+            event_id: None,
+            aggregate_type: None,
+            aggregate_id: None,
+            aggregate_version: None,
+            reason_code: "unreadable_row".into(),
+            reason: "x".into(),
+            commit_lsn: Lsn(1),
+        };
+        assert_eq!(LedgerItem::Quarantine(q).refusal(), None);
+        let id = Uuid::from_u128(7);
+        let held = HeldRecord {
+            event_id: id,
+            aggregate_type: "a".into(),
+            aggregate_id: "1".into(),
+            aggregate_version: 2,
+            commit_lsn: None,
+        };
+        assert_eq!(
+            LedgerItem::Held(held).refusal(),
+            Some((RefusalKind::Held, id))
+        );
+    }
+}

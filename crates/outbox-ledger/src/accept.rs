@@ -12,9 +12,11 @@
 //!   never accepted.
 //!
 //! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
-//! the checkpoint: the LSN stored here covers exactly the events this and earlier batches
+//! the checkpoint. A refusal (quarantine, hold, held event) about an event that is published by
+//! then is stale and not recorded (`outbox_core::records::RefusalFilter`). The checkpoint: the LSN stored here covers exactly the events this and earlier batches
 //! resolved. Only after COMMIT does the relay tell the slot.
 
+use outbox_core::records::RefusalFilter;
 use outbox_core::Lsn;
 use tokio_postgres::{Client, Statement};
 
@@ -123,9 +125,6 @@ WITH q AS (
     SELECT k, id, at, ai, av, rc, r, nullif(l, '0/0')::pg_lsn, $9
     FROM unnest($1::text[], $2::uuid[], $3::text[], $4::text[], $5::int8[],
                 $6::text[], $7::text[], $8::text[]) AS t(k, id, at, ai, av, rc, r, l)
-    -- A published event is never quarantined afterwards: a relay that paused may commit a
-    -- refusal it decided before a migration published the event (found by outbox-sim).
-    WHERE t.id IS NULL OR NOT EXISTS (SELECT 1 FROM outbox.receipts rc WHERE rc.event_id = t.id)
     ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
 )
@@ -228,6 +227,40 @@ pub async fn accept_batch_prepared(
     }
 }
 
+/// For each item of the batch, whether it is recorded: receipts always; a refusal only while
+/// its event has no primary receipt ([`RefusalFilter::stands`]). Asks the ledger only when the
+/// batch holds refusals (rare), inside the acceptance transaction, after its receipts.
+async fn standing_refusals(
+    tx: &tokio_postgres::Transaction<'_>,
+    items: &[LedgerItem],
+) -> Result<Vec<bool>, LedgerError> {
+    let subjects: Vec<uuid::Uuid> = items
+        .iter()
+        .filter_map(|i| i.refusal().map(|(_, id)| id))
+        .collect();
+    let published: std::collections::HashSet<uuid::Uuid> = if subjects.is_empty() {
+        Default::default()
+    } else {
+        tx.query(
+            "SELECT event_id FROM outbox.receipts WHERE event_id = ANY($1)",
+            &[&subjects],
+        )
+        .await
+        .ctx("looking up which refused events are published")?
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    };
+    let filter = RefusalFilter::default();
+    Ok(items
+        .iter()
+        .map(|i| match i.refusal() {
+            Some((kind, id)) => filter.stands(kind, published.contains(&id)),
+            None => true,
+        })
+        .collect())
+}
+
 /// One acceptance transaction. `None`: rolled back because a receipt's row is not visible
 /// yet and `last_try` is false.
 async fn accept_once(
@@ -322,6 +355,15 @@ async fn accept_once(
         }
     }
 
+    // Refusals about events that are published by now (this batch's receipts included) are
+    // stale and not recorded: the decision is `RefusalFilter::stands`, which the simulator's
+    // ledger model runs too.
+    let standing = standing_refusals(&tx, items).await?;
+    let items: Vec<&LedgerItem> = items
+        .iter()
+        .zip(standing)
+        .filter_map(|(i, stands)| stands.then_some(i))
+        .collect();
     let quarantined: Vec<&QuarantineRecord> = items
         .iter()
         .filter_map(|i| match i {
@@ -358,15 +400,12 @@ async fn accept_once(
     }
 
     // Holds before held events: a held event always has its hold row.
-    for item in items {
+    for item in &items {
         if let LedgerItem::Hold(h) = item {
             tx.execute(
                 "INSERT INTO outbox.holds (aggregate_type, aggregate_id, reason_code, reason,
                                            blocking_event_id, blocking_version)
-                 SELECT $1, $2, $3, $4, $5::uuid, $6::int8
-                 -- Nothing to hold for once the blocking event is published (a stale refusal).
-                 WHERE $5::uuid IS NULL
-                    OR NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = $5::uuid)
+                 VALUES ($1, $2, $3, $4, $5::uuid, $6::int8)
                  ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET
                      state = 'HELD', reason_code = EXCLUDED.reason_code, reason = EXCLUDED.reason,
                      blocking_event_id = EXCLUDED.blocking_event_id,
@@ -404,8 +443,6 @@ async fn accept_once(
                  SELECT id, at, ai, av, nullif(l, '0/0')::pg_lsn, $6
                  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[])
                       AS t(id, at, ai, av, l)
-                 -- A replayed event that is already published is not held again.
-                 WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = t.id)
                  ON CONFLICT (event_id) DO NOTHING",
                 &[
                     &held.iter().map(|h| h.event_id).collect::<Vec<_>>(),

@@ -11,6 +11,8 @@
 //! * [`route`] — may this relay publish this event (frozen destination vs what it serves)?
 //! * [`pipeline`] — route → ordering gate → send → delivery report → ledger batch, and the
 //!   checkpoint a batch justifies.
+//! * [`lifecycle`] — the lease's timing, and whether a run that ended with an error reconnects
+//!   (after which backoff) or stops the process.
 //! * [`release`] — republishing an aggregate an operator released: version order, one event
 //!   at a time, when to close the hold.
 //! * [`stream`] — transaction framing (Begin, row, Commit, keepalive), the positions received
@@ -22,9 +24,9 @@
 //! * [`unknown`] — which DISPATCH_UNKNOWN attempts to look up now, and what a look-up means
 //!   for the relay.
 //!
-//! The start-up plan is `outbox_source::slot::plan` (pure as well); the lease's timing lives
-//! in the daemon's lease keeper.
+//! The start-up plan is `outbox_source::slot::plan` (pure as well).
 
+pub mod lifecycle;
 pub mod pipeline;
 pub mod release;
 pub mod route;

@@ -2,6 +2,8 @@
 //! two rounds, quarantines, holds, held events, the fenced checkpoint), closing a hold, and
 //! retention. A model of SQL the simulator cannot run; the relay's decisions are not here.
 
+use outbox_core::records::{RefusalFilter, RefusalKind};
+
 use super::*;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -139,6 +141,13 @@ impl World {
             .collect()
     }
 
+    /// The product's rule for stale refusals, with the planted mutant (if it is this one).
+    fn refusals(&self) -> RefusalFilter {
+        RefusalFilter {
+            honour_stale: self.is(Mutant::BugStaleQuarantine),
+        }
+    }
+
     /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
     pub(super) fn accept(
         &mut self,
@@ -259,9 +268,9 @@ impl World {
                 Item::Quarantine { row, code } => {
                     // A published event is never quarantined afterwards (a zombie's batch
                     // may carry a refusal decided before a migration published it).
-                    let stale = self.ledger.primary.contains_key(row)
-                        && !self.is(Mutant::BugStaleQuarantine);
-                    if self.ledger.open_quarantine(*row).is_none() && !stale {
+                    let published = self.ledger.primary.contains_key(row);
+                    let stands = self.refusals().stands(RefusalKind::Quarantine, published);
+                    if self.ledger.open_quarantine(*row).is_none() && stands {
                         if self.ledger.primary.contains_key(row) {
                             log!(
                                 self,
@@ -278,8 +287,10 @@ impl World {
                     }
                 }
                 Item::Hold { blocking, .. }
-                    if self.ledger.primary.contains_key(blocking)
-                        && !self.is(Mutant::BugStaleQuarantine) => {}
+                    if !self.refusals().stands(
+                        RefusalKind::Hold,
+                        self.ledger.primary.contains_key(blocking),
+                    ) => {}
                 Item::Hold { agg, blocking } => match self.ledger.holds.get_mut(agg) {
                     None => {
                         self.ledger.holds.insert(
@@ -301,7 +312,8 @@ impl World {
                     Some(_) => {}
                 },
                 Item::Held { row } => {
-                    if !self.ledger.primary.contains_key(row) {
+                    let published = self.ledger.primary.contains_key(row);
+                    if self.refusals().stands(RefusalKind::Held, published) {
                         self.ledger.held.entry(*row).or_insert(false);
                     }
                 }

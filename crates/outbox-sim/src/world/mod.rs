@@ -57,7 +57,8 @@ pub enum Mutant {
     BugUnknownOnlyAtStart,
     /// Product bug found by the simulator (seed 1, trace 195): a zombie's salvaged batch
     /// quarantines and holds an event that a migration published meanwhile (a stale refusal
-    /// blocks the aggregate).
+    /// blocks the aggregate). A product mutant in `outbox_core::records::RefusalFilter`, the
+    /// rule the ledger's acceptance transaction applies.
     BugStaleQuarantine,
     /// Product bug found by the simulator (seed 1, traces 114, 60 and 3522): a migration
     /// recorded while the event's WAL row was still ahead of the ledger checkpoint. A replay
@@ -116,6 +117,12 @@ pub struct TraceResult {
 // Constants of the simulated world (milliseconds of simulated time).
 
 const LEASE_TTL: u64 = 3_000;
+
+/// How long after asking the relay counts its lease as certainly its own: the product's rule
+/// (`outbox_relay::lifecycle::certain_for`), shorter than the ledger's TTL.
+fn certain_for_ms() -> u64 {
+    outbox_relay::lifecycle::certain_for(ms(LEASE_TTL)).as_millis() as u64
+}
 /// The longest a produce request can still be appended after it was sent.
 const MAX_RTT: u64 = 1_500;
 /// `--unknown-settle-ms`: at least MAX_RTT.
@@ -798,7 +805,7 @@ impl World {
         self.relays.push(Relay {
             gen,
             killed: false,
-            deadline: self.now + LEASE_TTL,
+            deadline: self.now + certain_for_ms(),
             paused: false,
             stream_cut: false,
             salvaging: false,
@@ -817,7 +824,7 @@ impl World {
         let r = &mut self.relays[i];
         if self.ledger.lease_gen == r.gen && self.now <= self.ledger.lease_until {
             self.ledger.lease_until = self.now + LEASE_TTL;
-            r.deadline = self.now + LEASE_TTL;
+            r.deadline = self.now + certain_for_ms();
         }
     }
 

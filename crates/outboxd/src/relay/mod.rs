@@ -50,6 +50,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{redact_url, RelayConfig};
+use outbox_relay::lifecycle::{self, AfterError, Restarts};
 use outbox_relay::schedule::{self, Schedule};
 use pipeline::Pipeline;
 
@@ -134,15 +135,11 @@ pub async fn run(
         slot::check_replication_privilege(&client).await?;
     }
     let mut resnapshot = cfg.resnapshot;
-    let mut backoff = Duration::from_millis(100);
+    // Whether an ended run reconnects or stops the process: `outbox_relay::lifecycle`.
+    let mut restarts = Restarts::new(Duration::from_millis(100), crate::config::MAX_BACKOFF);
     loop {
-        // Once the relay has streamed, a database that is away (restart, failover, network)
-        // is waited for like any other transient failure.
-        let lease = match acquire_lease(&cfg, &mut shutdown).await {
-            Err(e) if e.is_transient() && progress.streaming.load(Ordering::Relaxed) => Err(e),
-            other => Ok(other?),
-        };
-        let outcome = match lease {
+        let began = Instant::now();
+        let outcome = match acquire_lease(&cfg, &mut shutdown).await {
             Ok(None) => return Ok(()),
             Ok(Some((fence, deadline))) => {
                 let span = tracing::info_span!("relay", slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
@@ -153,19 +150,21 @@ pub async fn run(
             Err(e) => Err(e),
         };
         crate::metrics::streaming(false);
-        match outcome {
-            Ok(()) => return Ok(()),
-            Err(e) if e.is_transient() && progress.streaming.load(Ordering::Relaxed) => {
+        if progress.streaming.load(Ordering::Relaxed) {
+            restarts.streaming();
+        }
+        let Err(e) = outcome else { return Ok(()) };
+        match restarts.after_error(e.is_transient(), began.elapsed()) {
+            AfterError::Stop => return Err(e),
+            AfterError::Retry { after } => {
                 progress.reconnects.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::reconnect();
-                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "relay interrupted; replaying from the last checkpoint");
+                tracing::warn!(error = %e, retry_in_ms = after.as_millis() as u64, "relay interrupted; replaying from the last checkpoint");
                 tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(after) => {}
                     _ = shutdown.changed() => return Ok(()),
                 }
-                backoff = (backoff * 2).min(crate::config::MAX_BACKOFF);
             }
-            Err(e) => return Err(e),
         }
         resnapshot = false;
     }
@@ -188,7 +187,7 @@ async fn acquire_lease(
                     owner: cfg.relay_id.clone(),
                     generation,
                 };
-                return Ok(Some((fence, asked + cfg.lease_ttl * 4 / 5)));
+                return Ok(Some((fence, asked + lifecycle::certain_for(cfg.lease_ttl))));
             }
             Acquire::HeldBy { owner, remaining } => {
                 if !announced {
@@ -196,9 +195,7 @@ async fn acquire_lease(
                         "standby: another relay holds the slot; taking over if its lease expires");
                     announced = true;
                 }
-                let wait = remaining
-                    .min(cfg.lease_ttl / 3)
-                    .max(Duration::from_millis(50));
+                let wait = lifecycle::standby_wait(remaining, cfg.lease_ttl);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = shutdown.changed() => return Ok(None),
@@ -624,12 +621,12 @@ fn spawn_lease_keeper(
 ) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(async move {
         loop {
-            tokio::time::sleep(ttl / 3).await;
+            tokio::time::sleep(lifecycle::renew_every(ttl)).await;
             let asked = Instant::now();
             match lease::renew(&client, &slot, &fence, ttl).await {
                 Ok(true) => {
                     if let Ok(mut d) = state.deadline.lock() {
-                        *d = asked + ttl * 4 / 5;
+                        *d = asked + lifecycle::certain_for(ttl);
                     }
                 }
                 Ok(false) => {

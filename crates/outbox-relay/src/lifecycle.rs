@@ -1,0 +1,152 @@
+//! A relay run's life around the pipeline: the lease's timing, and what a run that ended with
+//! an error leads to (reconnect after a backoff, or stop the process).
+//!
+//! # The lease
+//! A relay sends only while its lease on the slot is *certainly* its own. The ledger's lease
+//! row expires `ttl` after the renewal that the database stamped; the relay cannot know when
+//! that stamp was taken, only when it sent the request. So it counts its validity from the
+//! moment it *asked*, and for less than the TTL ([`certain_for`]): a renewal that took long to
+//! reach the database, or a clock that runs a little slow, still leaves the relay's idea of the
+//! deadline before the ledger's. The deadline is measured on a monotonic clock, which keeps
+//! counting while the process is paused: a relay resumed after SIGSTOP finds its lease over
+//! and sends nothing. Renewals run every third of the TTL ([`renew_every`]), so two can fail
+//! in a row before the lease lapses. A standby asks again after at most a third of the TTL
+//! ([`standby_wait`]).
+//!
+//! # After an error
+//! One rule decides ([`Restarts::after_error`]): an error that reconnecting cannot fix
+//! (`transient == false`: a missing privilege, a slot moved past the ledger, a protocol
+//! violation) stops the process with its message and fix; so does any error before the relay
+//! ever streamed (misconfiguration fails fast instead of retrying forever). Otherwise the relay
+//! drops its in-memory state, waits, and replays from the last checkpoint. The wait doubles per
+//! failed run up to a maximum, and starts over after a run that streamed for a while: one blip
+//! a day does not wait the maximum.
+
+use std::time::Duration;
+
+/// How long after sending a lease request (acquire or renew) the lease is certainly ours.
+pub fn certain_for(ttl: Duration) -> Duration {
+    ttl * 4 / 5
+}
+
+/// How often the lease keeper renews.
+pub fn renew_every(ttl: Duration) -> Duration {
+    ttl / 3
+}
+
+/// How long a standby waits before asking for the lease again, when its holder's lease has
+/// `remaining` left.
+pub fn standby_wait(remaining: Duration, ttl: Duration) -> Duration {
+    remaining.min(ttl / 3).max(Duration::from_millis(50))
+}
+
+/// What a run that ended with an error leads to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterError {
+    /// Reconnect after this pause and replay from the last checkpoint.
+    Retry { after: Duration },
+    /// Stop the process with the error.
+    Stop,
+}
+
+/// The reconnect backoff across the runs of one process.
+#[derive(Debug, Clone)]
+pub struct Restarts {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+    streamed: bool,
+}
+
+/// A run that streamed at least this long was healthy: the next failure starts the backoff
+/// over.
+pub const HEALTHY_RUN: Duration = Duration::from_secs(60);
+
+impl Restarts {
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Restarts {
+            initial,
+            max,
+            next: initial,
+            streamed: false,
+        }
+    }
+
+    /// A run started streaming.
+    pub fn streaming(&mut self) {
+        self.streamed = true;
+    }
+
+    /// Whether any run of this process has streamed.
+    pub fn has_streamed(&self) -> bool {
+        self.streamed
+    }
+
+    /// A run ended with an error; `transient` is the error policy's verdict, `streamed_for`
+    /// how long this run streamed (zero if it never did).
+    pub fn after_error(&mut self, transient: bool, streamed_for: Duration) -> AfterError {
+        if !transient || !self.streamed {
+            return AfterError::Stop;
+        }
+        if streamed_for >= HEALTHY_RUN {
+            self.next = self.initial;
+        }
+        let after = self.next;
+        self.next = (self.next * 2).min(self.max);
+        AfterError::Retry { after }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn the_lease_is_certain_for_less_than_its_ttl_and_renewed_three_times_per_ttl() {
+        assert_eq!(certain_for(ms(9_000)), ms(7_200));
+        assert_eq!(renew_every(ms(9_000)), ms(3_000));
+        assert!(
+            renew_every(ms(300)) * 2 < certain_for(ms(300)),
+            "two renewals may fail"
+        );
+    }
+
+    #[test]
+    fn a_standby_asks_again_within_a_third_of_the_ttl_but_not_in_a_busy_loop() {
+        assert_eq!(standby_wait(ms(8_000), ms(9_000)), ms(3_000));
+        assert_eq!(standby_wait(ms(1_000), ms(9_000)), ms(1_000));
+        assert_eq!(standby_wait(ms(0), ms(9_000)), ms(50));
+    }
+
+    #[test]
+    fn an_error_before_the_first_stream_or_a_fatal_one_stops_the_process() {
+        let mut r = Restarts::new(ms(100), ms(5_000));
+        assert_eq!(
+            r.after_error(true, ms(0)),
+            AfterError::Stop,
+            "never streamed"
+        );
+        r.streaming();
+        assert_eq!(r.after_error(false, ms(1_000)), AfterError::Stop, "fatal");
+    }
+
+    #[test]
+    fn transient_errors_back_off_doubling_to_the_maximum_and_a_healthy_run_resets_it() {
+        let mut r = Restarts::new(ms(100), ms(500));
+        r.streaming();
+        let waits: Vec<_> = (0..5).map(|_| r.after_error(true, ms(10))).collect();
+        let ms_of = |a: &AfterError| match a {
+            AfterError::Retry { after } => after.as_millis(),
+            AfterError::Stop => panic!("stopped"),
+        };
+        assert_eq!(
+            waits.iter().map(ms_of).collect::<Vec<_>>(),
+            [100, 200, 400, 500, 500]
+        );
+        assert_eq!(ms_of(&r.after_error(true, HEALTHY_RUN)), 100);
+    }
+}
