@@ -121,6 +121,9 @@ pub enum Mutant {
     /// A success report is taken as a receipt without checking that it names a position
     /// (librdkafka's implicit ack reports offset -1001 for a message the broker never stored).
     OkWithoutOffsetIsProof,
+    /// A version-gap hold leaves the events queued behind the aggregate's in-flight event in
+    /// the gate, where nothing sends them (the product before the simulator found it).
+    GapHoldStrandsQueue,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -398,6 +401,14 @@ impl PipelineCore {
                     None,
                 );
                 self.record_held(p);
+                // What waits behind the aggregate's in-flight event is held too: nothing would
+                // ever send it now (found by outbox-sim: a snapshot after --resnapshot left it
+                // queued forever, and the snapshot waited for it forever).
+                if !self.planted(Mutant::GapHoldStrandsQueue) {
+                    for queued in self.gate.hold(&key) {
+                        self.record_held(queued);
+                    }
+                }
                 Ok(Vec::new())
             }
             Admit::NeedHead(_) => Err(CoreError::NeedHead),
@@ -749,6 +760,15 @@ impl PipelineCore {
                 self.retry_generation.insert(event_id, attempt_generation);
             }
             Resolved::StillUnknown => {}
+        }
+    }
+
+    /// The ledger's aggregate heads as they are now (after reconciliation at start accepted
+    /// receipts of events it found): the gate expects no version at or below a head. Only
+    /// raises; call it while nothing is in flight.
+    pub fn raise_heads(&mut self, heads: Vec<(AggKey, i64)>) {
+        for (k, v) in heads {
+            self.gate.set_head(k, v, false);
         }
     }
 

@@ -141,6 +141,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 239, Mutant::BugMigrateReplayable),
         (2, 40186, Mutant::BugProofAfterMigration),
         (3, 25240, Mutant::BugProofAfterMigration),
+        (1, 1380, Mutant::BugSnapshotGap),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -408,3 +408,33 @@ fn a_success_report_without_a_position_is_unknown_never_a_receipt() {
     ));
     assert!(c.take_batch(true).unwrap().is_none(), "no receipt");
 }
+
+#[test]
+fn a_version_gap_holds_what_waits_behind_the_in_flight_event_too() {
+    let mut c = core();
+    let sent = admit_txn(&mut c, &[event("a", 1), event("a", 2), event("a", 4)], 100);
+    assert_eq!(sent.len(), 1, "a/1 goes out, a/2 waits, a/4 is past a gap");
+    assert_eq!(c.outstanding(), 1, "a/2 is held, not left queued behind a/1");
+    assert!(continued(c.on_report(persisted(token(&sent[0]), 0), now(1)).unwrap()).is_empty());
+    assert_eq!(c.outstanding(), 0);
+    let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
+    assert_eq!(
+        codes(&items),
+        ["hold:version_gap", "held:4", "held:2", "receipt:0"]
+    );
+    assert_eq!(checkpoint, Some(Lsn(100)), "every event is resolved");
+}
+
+#[test]
+fn heads_raised_after_reconciliation_are_no_gap() {
+    let mut c = core();
+    // Reconciliation found version 3 of `a` on the broker and accepted its receipt.
+    c.raise_heads(vec![(("order".into(), "a".into()), 3)]);
+    let sent = admit_txn(&mut c, &[event("a", 4)], 100);
+    assert_eq!(sent.len(), 1, "version 4 follows the raised head");
+    // Raising never lowers.
+    c.raise_heads(vec![(("order".into(), "a".into()), 1)]);
+    continued(c.on_report(persisted(token(&sent[0]), 0), now(1)).unwrap());
+    let sent = admit_txn(&mut c, &[event("a", 5)], 200);
+    assert_eq!(sent.len(), 1);
+}

@@ -28,6 +28,9 @@ pub struct Counts {
     pub spurious_quarantines: u64,
     /// A relay start refused by `slot::plan` (the slot was moved past the ledger).
     pub start_refused: u64,
+    /// A snapshot that ended with events still waiting in the ordering gate (the daemon's
+    /// snapshot waits for each of them: it would never end).
+    pub snapshot_stalls: u64,
     /// A copy of a purged event reached the broker or a consumer after the purge.
     pub purged_early: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
@@ -47,6 +50,12 @@ pub struct Counts {
     pub purges: u64,
     pub consumer_crashes: u64,
     pub receipt_rollbacks: u64,
+    /// The replication slot was lost (dropped or invalidated), the relay refused to start,
+    /// and the operator restarted it with `--resnapshot`.
+    pub slot_losses: u64,
+    pub resnapshots: u64,
+    /// Events published from a snapshot of the outbox table (after `--resnapshot`).
+    pub snapshot_events: u64,
 }
 
 impl Counts {
@@ -61,6 +70,7 @@ impl Counts {
             + self.confirmed_past_unaccepted
             + self.spurious_quarantines
             + self.start_refused
+            + self.snapshot_stalls
             + self.purged_early
             + (self.late_acks - self.late_acks_converged)
     }
@@ -89,6 +99,7 @@ impl Counts {
             confirmed_past_unaccepted,
             spurious_quarantines,
             start_refused,
+            snapshot_stalls,
             purged_early,
             late_acks,
             late_acks_converged,
@@ -104,7 +115,10 @@ impl Counts {
             migrations_refused,
             purges,
             consumer_crashes,
-            receipt_rollbacks
+            receipt_rollbacks,
+            slot_losses,
+            resnapshots,
+            snapshot_events
         );
     }
 
@@ -138,6 +152,7 @@ impl Counts {
                 self.spurious_quarantines.to_string(),
             ),
             ("start_refused", self.start_refused.to_string()),
+            ("snapshot_stalls", self.snapshot_stalls.to_string()),
             ("purged_early", self.purged_early.to_string()),
             ("events_committed", self.events.to_string()),
             ("transactions_rolled_back", self.rolled_back.to_string()),
@@ -148,6 +163,9 @@ impl Counts {
             ("duplicate_receipts", self.duplicate_receipts.to_string()),
             ("receipt_conflicts_quarantined", self.conflicts.to_string()),
             ("receipt_txn_rollbacks", self.receipt_rollbacks.to_string()),
+            ("slot_losses", self.slot_losses.to_string()),
+            ("resnapshots", self.resnapshots.to_string()),
+            ("snapshot_events", self.snapshot_events.to_string()),
             ("migrations", self.migrations.to_string()),
             ("migrations_refused", self.migrations_refused.to_string()),
             ("purges", self.purges.to_string()),
@@ -175,13 +193,21 @@ impl World {
     /// resolved in the ledger.
     pub(super) fn check_confirmed(&mut self) {
         let Some(c) = self.slot_confirmed else { return };
-        let bad = (0..self.rows.len())
+        let unaccepted: Vec<usize> = (0..self.rows.len())
             .filter(|r| {
                 self.rows[*r].commit_end <= c && !self.rows[*r].purged && !self.ledger.resolved(*r)
             })
-            .count() as u64;
+            .collect();
+        let bad = unaccepted.len() as u64;
         if bad > 0 {
-            log!(self, "slot confirmed {c} past {bad} unaccepted events");
+            let ids: Vec<String> = unaccepted
+                .iter()
+                .map(|r| self.rows[*r].ev.event_id.to_string())
+                .collect();
+            log!(
+                self,
+                "slot confirmed {c} past {bad} unaccepted events: {ids:?}"
+            );
         }
         self.c.confirmed_past_unaccepted += bad;
     }

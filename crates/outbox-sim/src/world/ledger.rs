@@ -60,6 +60,8 @@ pub(super) struct Ledger {
     pub(super) heads: HashMap<Agg, i64>,
     pub(super) attempts: Vec<Attempt>,
     pub(super) checkpoint: Option<Lsn>,
+    /// `checkpoints.snapshot_done`: the rows the slot will not stream were published.
+    pub(super) snapshot_done: bool,
     pub(super) lease_gen: i64,
     pub(super) lease_until: u64,
 }

@@ -72,6 +72,13 @@ pub enum Mutant {
     /// A success report without a position (an implicit ack) becomes a receipt: a product
     /// mutant in `outbox_relay::PipelineCore`.
     OkWithoutOffsetIsProof,
+    /// Product bugs found by the simulator (seed 1, trace 1380) once it lost slots and
+    /// recreated them with `--resnapshot`: the gate's aggregate heads were loaded before
+    /// start-up reconciliation accepted the receipt of an event it found, so the snapshot
+    /// (which skips published rows) saw a version gap where the found event was; and that
+    /// gap hold left the event queued behind the in-flight one in the gate, where nothing sent
+    /// it: the snapshot would wait for it forever, and the checkpoint passed it.
+    BugSnapshotGap,
     /// Product bug found by the simulator (seed 2, trace 40186; seed 3, trace 25240):
     /// "quarantined before sending" or "rejected by the old target" was accepted as migration
     /// proof for an event that an earlier migration had released and the relay had sent since
@@ -96,6 +103,7 @@ impl Mutant {
         ("bug-stale-quarantine", Mutant::BugStaleQuarantine),
         ("bug-migrate-replayable", Mutant::BugMigrateReplayable),
         ("bug-proof-after-migration", Mutant::BugProofAfterMigration),
+        ("bug-snapshot-gap", Mutant::BugSnapshotGap),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -281,6 +289,13 @@ struct World {
     relays: Vec<Relay>,
     /// The lease holder was SIGKILLed: a successor waits for the lease to expire.
     holder_killed: bool,
+    /// The step at which this trace loses its replication slot (5 % of traces), drawn from a
+    /// generator of its own so that the other traces keep every draw.
+    slot_loss_at: Option<u64>,
+    /// The slot is gone and the ledger still names it; the operator has (or has not yet)
+    /// asked for `--resnapshot`.
+    slot_lost: bool,
+    resnapshot: bool,
     consumers: Vec<Consumer>,
     /// Truth: the send of every (row, relay gen, attempt) proven ABSENT.
     absent_attempts: HashSet<(usize, i64, i32)>,
@@ -321,7 +336,12 @@ pub fn run_trace(seed: u64, trace: u64, mutant: Option<Mutant>, verbose: bool) -
 
 impl World {
     fn new(rng: SplitMix64, mutant: Option<Mutant>, verbose: bool) -> World {
+        let mut side = rng.fork(1);
+        let slot_loss_at = side.chance(50).then(|| side.range(20, 200));
         World {
+            slot_loss_at,
+            slot_lost: false,
+            resnapshot: false,
             rng,
             mutant,
             verbose,
@@ -366,10 +386,13 @@ impl World {
     fn run(&mut self) {
         let steps = self.rng.range(60, 260);
         let max_events = self.rng.range(4, 30);
-        // The first start creates the slot, before anything is committed (a snapshot publish
-        // of earlier rows is not modelled).
+        // The first start creates the slot, before anything is committed (its snapshot is
+        // empty); a lost slot later is recreated with --resnapshot and a snapshot of the table.
         self.start_relay();
-        for _ in 0..steps {
+        for step in 0..steps {
+            if self.slot_loss_at == Some(step) {
+                self.lose_slot();
+            }
             self.step(max_events);
         }
         self.drain();
@@ -755,26 +778,43 @@ impl World {
         });
         let ledger_view = self.ledger.checkpoint.map(|c| LedgerView {
             checkpoint: c,
-            snapshot_done: true,
+            snapshot_done: self.ledger.snapshot_done,
             system_identifier: Some("sim".into()),
         });
-        let start = match slot::plan(
+        let (start, backfill) = match slot::plan(
             "sim_slot",
             "sim",
             "sim",
             slot_info.as_ref(),
             ledger_view.as_ref(),
-            false,
+            self.resnapshot,
         ) {
-            Ok(StartPlan::Create) => {
+            Ok(plan @ (StartPlan::Create | StartPlan::Recreate)) => {
+                // The new slot's consistent point: everything committed before it is read
+                // from the table's snapshot, everything after it from the slot.
                 let at = Lsn(self.next_lsn);
-                // Only the very first start creates; nothing was committed before it.
                 self.slot_confirmed = Some(at);
                 self.ledger.checkpoint = Some(at);
-                at
+                self.ledger.snapshot_done = false;
+                if plan == StartPlan::Recreate {
+                    log!(self, "--resnapshot: slot recreated at {at}");
+                    self.resnapshot = false;
+                    self.slot_lost = false;
+                    self.c.resnapshots += 1;
+                }
+                (at, true)
             }
-            Ok(StartPlan::Resume { start, .. }) => start,
-            Ok(StartPlan::Recreate) => unreachable!("never asked for --resnapshot"),
+            Ok(StartPlan::Resume { start, backfill }) => (start, backfill),
+            Err(e) if self.slot_lost => {
+                // The correct refusal: the ledger names a slot that is gone. The operator
+                // reads the error and restarts with --resnapshot.
+                log!(
+                    self,
+                    "relay refused to start: {e}; the operator runs --resnapshot"
+                );
+                self.resnapshot = true;
+                return;
+            }
             Err(e) => {
                 log!(self, "relay refused to start: {e}");
                 self.c.start_refused = 1;
@@ -817,6 +857,92 @@ impl World {
         let i = self.relays.len() - 1;
         if let Err(e) = self.reconcile(i) {
             self.end_run(i, e);
+            return;
+        }
+        // Reconciliation may have accepted receipts: the gate learns the heads as they are now.
+        if self.is(Mutant::BugSnapshotGap) {
+            return self.start_snapshot(i, backfill);
+        }
+        let heads = self
+            .ledger
+            .heads
+            .iter()
+            .map(|(k, v)| (agg_key(*k), *v))
+            .collect();
+        self.relays[i].core.raise_heads(heads);
+        self.start_snapshot(i, backfill);
+    }
+
+    /// After reconciliation at start: the snapshot, when the plan asks for one.
+    fn start_snapshot(&mut self, i: usize, backfill: bool) {
+        if backfill {
+            match self.snapshot(i) {
+                Err(e) => self.end_run(i, e),
+                Ok(()) if self.relays[i].core.lease_expired => {
+                    self.end_run(i, End::Error("lease expired during the snapshot"))
+                }
+                Ok(()) => {}
+            }
+        }
+    }
+
+    /// `publish_snapshot`: every row of the outbox table without a primary receipt or an open
+    /// quarantine, in aggregate and version order, admitted without an ack token (the slot
+    /// will not stream them); every report awaited; the batch accepted without a checkpoint;
+    /// then the ledger marks the snapshot done. The rows are read as the table holds them.
+    fn snapshot(&mut self, i: usize) -> Result<(), End> {
+        let mut pending: Vec<usize> = (0..self.rows.len())
+            .filter(|r| {
+                !self.rows[*r].purged
+                    && !self.ledger.primary.contains_key(r)
+                    && self.ledger.open_quarantine(*r).is_none()
+            })
+            .collect();
+        pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
+        log!(self, "snapshot: {} unpublished rows", pending.len());
+        for row in pending {
+            let ev = self.rows[row].ev.clone();
+            let now = self.now_for(i);
+            let commands = self.relays[i]
+                .core
+                .admit(ev, None, None, now)
+                .map_err(|_| End::Error("relay core: admit"))?;
+            self.c.snapshot_events += 1;
+            self.execute(i, commands)?;
+        }
+        while let Some(f) = self.relays[i].in_flight.first() {
+            let token = f.token;
+            self.on_report(i, token)?;
+        }
+        if self.relays[i].core.outstanding() > 0 {
+            // The daemon's snapshot waits for every outstanding event: it would wait forever.
+            log!(
+                self,
+                "SNAPSHOT STALLED: {} events never sent",
+                self.relays[i].core.outstanding()
+            );
+            self.c.snapshot_stalls += 1;
+        }
+        self.flush(i, false)?;
+        self.ledger.snapshot_done = true;
+        Ok(())
+    }
+
+    /// The replication slot is gone (dropped by hand, or invalidated by
+    /// `max_slot_wal_keep_size`) while the ledger still names it: the walsender's stream ends.
+    fn lose_slot(&mut self) {
+        if self.slot_confirmed.is_none() {
+            return;
+        }
+        log!(self, "replication slot lost");
+        self.slot_confirmed = None;
+        self.slot_lost = true;
+        self.c.slot_losses += 1;
+        // Every walsender streaming from it ends; a paused relay finds its stream ended when
+        // it resumes.
+        for i in 0..self.relays.len() {
+            self.relays[i].stream_cut = true;
+            self.end_run(i, End::Error("the replication stream ended: slot lost"));
         }
     }
 
@@ -1008,6 +1134,7 @@ impl World {
             Mutant::BugPoisonBeforeGate => Some(outbox_relay::Mutant::PoisonBeforeGate),
             Mutant::SecondInFlight => Some(outbox_relay::Mutant::SecondInFlight),
             Mutant::OkWithoutOffsetIsProof => Some(outbox_relay::Mutant::OkWithoutOffsetIsProof),
+            Mutant::BugSnapshotGap => Some(outbox_relay::Mutant::GapHoldStrandsQueue),
             _ => None,
         }
     }

@@ -400,6 +400,10 @@ async fn run_once(
         reconcile::When::Start,
     )
     .await?;
+    // Reconciliation may have accepted receipts of events it found: the gate learns the heads
+    // as they are now, or a snapshot (which skips published rows) would take a found event's
+    // version for a gap (found by outbox-sim, seed 1 trace 1380).
+    pipeline.core.raise_heads(holds::load_heads(&sql).await?);
 
     if backfill {
         let n = publish_snapshot(
