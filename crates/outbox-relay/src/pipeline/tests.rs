@@ -414,7 +414,11 @@ fn a_version_gap_holds_what_waits_behind_the_in_flight_event_too() {
     let mut c = core();
     let sent = admit_txn(&mut c, &[event("a", 1), event("a", 2), event("a", 4)], 100);
     assert_eq!(sent.len(), 1, "a/1 goes out, a/2 waits, a/4 is past a gap");
-    assert_eq!(c.outstanding(), 1, "a/2 is held, not left queued behind a/1");
+    assert_eq!(
+        c.outstanding(),
+        1,
+        "a/2 is held, not left queued behind a/1"
+    );
     assert!(continued(c.on_report(persisted(token(&sent[0]), 0), now(1)).unwrap()).is_empty());
     assert_eq!(c.outstanding(), 0);
     let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();

@@ -889,7 +889,8 @@ impl World {
     /// `publish_snapshot`: every row of the outbox table without a primary receipt or an open
     /// quarantine, in aggregate and version order, admitted without an ack token (the slot
     /// will not stream them); every report awaited; the batch accepted without a checkpoint;
-    /// then the ledger marks the snapshot done. The rows are read as the table holds them.
+    /// then the ledger marks the snapshot done. The rows are read as `outbox.events_current`
+    /// shows them: with their latest destination migration.
     fn snapshot(&mut self, i: usize) -> Result<(), End> {
         let mut pending: Vec<usize> = (0..self.rows.len())
             .filter(|r| {
@@ -901,7 +902,7 @@ impl World {
         pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
         log!(self, "snapshot: {} unpublished rows", pending.len());
         for row in pending {
-            let ev = self.rows[row].ev.clone();
+            let ev = self.rows[row].current();
             let now = self.now_for(i);
             let commands = self.relays[i]
                 .core

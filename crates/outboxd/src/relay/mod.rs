@@ -406,11 +406,12 @@ async fn run_once(
     pipeline.core.raise_heads(holds::load_heads(&sql).await?);
 
     if backfill {
+        // As the relay must publish them now: with their latest destination migration.
         let n = publish_snapshot(
             cfg,
             &mut sql,
             &mut pipeline,
-            &qualified,
+            &current_rows,
             exported.as_deref(),
             progress,
         )
