@@ -79,6 +79,7 @@ pub async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
     })
 }
 
+/// Creates or upgrades schema `outbox` (`outboxd migrate`), printing each migration applied.
 pub async fn migrate(url: &str) -> anyhow::Result<()> {
     let mut client = connect(url).await?;
     let applied = outbox_ledger::migrate::run(&mut client)
