@@ -12,12 +12,12 @@ use anyhow::Context;
 use outbox_sink::KafkaSinkConfig;
 use outbox_testkit::kafka::TestKafka;
 use outbox_testkit::postgres::TestPostgres;
+use outboxd::config::{RelayConfig, Secret};
+use outboxd::relay::{self, Progress};
 use rand::Rng;
 use tokio::sync::watch;
 
 use crate::cli::DemoArgs;
-use outboxd::config::{RelayConfig, Secret};
-use outboxd::relay::{self, Progress};
 
 const WRITERS: u64 = 4;
 

@@ -9,8 +9,9 @@
 //! 2. **Decode limit**: `pg_recvlogical` (pgoutput, `proto_version=1`, to `/dev/null`) drains
 //!    the second slot up to the backlog's end: the physical limit of logical decoding here.
 //! 3. **Drain**: the relay runs as a child process (`outboxd run`, so its RSS and CPU are its
-//!    own; the `outboxd` binary is found by [`outboxd_binary`]) and is timed from spawn until the slot's `confirmed_flush_lsn` passes the backlog
-//!    end — every event published, its receipt accepted, the LSN confirmed.
+//!    own; [`outboxd_binary`] finds the binary) and is timed from spawn until the slot's
+//!    `confirmed_flush_lsn` passes the backlog end — every event published, its receipt
+//!    accepted, the LSN confirmed.
 //! 4. **Steady**: concurrent writers commit at a constant rate; per event, commit (producer
 //!    side, when COMMIT returned) to receipt accepted (`outbox.receipts.accepted_at`).
 //! 5. **Crash**: the relay is SIGKILLed under load and restarted; the topic is read from where
