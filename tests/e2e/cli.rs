@@ -1,11 +1,8 @@
-//! The operator-facing commands: status, dev-broker, demo (the README's first command).
+//! The operator-facing commands: status. (dev-broker and demo, the README's first command, are
+//! `outbox-embedded`'s: crates/outbox-embedded/tests/e2e.)
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::process::Command;
 
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-use rdkafka::ClientConfig;
 use serde_json::json;
 
 use crate::harness::TestEnv;
@@ -51,59 +48,4 @@ async fn status_reports_counts_and_the_slot_in_json_and_as_a_table() {
         text.contains("published") && text.contains(&env.slot),
         "{text}"
     );
-}
-
-#[test]
-fn dev_broker_prints_its_bootstrap_servers_and_accepts_produce() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .arg("dev-broker")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let bootstrap = line
-        .trim()
-        .strip_prefix("bootstrap.servers=")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .set("message.timeout.ms", "10000")
-        .create()
-        .unwrap();
-    producer
-        .send(BaseRecord::to("dev.topic").key("k").payload("v"))
-        .map_err(|(e, _)| e)
-        .unwrap();
-    producer.flush(Duration::from_secs(10)).unwrap();
-    let msgs = crate::harness::read_topic(&bootstrap, "dev.topic");
-    assert_eq!(msgs.len(), 1);
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-#[test]
-fn demo_runs_the_embedded_default_and_publishes_every_committed_event() {
-    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["demo", "--duration-secs", "3", "--rate", "200"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "demo failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(stdout.contains("bootstrap.servers="), "{stdout}");
-    assert!(stdout.contains("kcat -b"), "{stdout}");
-    assert!(stdout.contains("events/s="), "live progress: {stdout}");
-    let done = stdout
-        .lines()
-        .find(|l| l.starts_with("done:"))
-        .expect("summary line");
-    assert!(done.contains("unpublished=0"), "{done}");
 }

@@ -12,7 +12,6 @@
 mod harness;
 
 mod bad_input;
-mod bench;
 mod chaos;
 mod cli;
 mod cloudevents;

@@ -20,7 +20,7 @@ use rdkafka::producer::DefaultProducerContext;
 
 use crate::HarnessError;
 
-/// A Kafka-protocol endpoint for one test (or for `outboxd dev-broker` / `demo`).
+/// A Kafka-protocol endpoint for one test (or for `outbox-embedded dev-broker` / `demo`).
 pub struct TestKafka {
     bootstrap: String,
     mock: Option<SendMock>,

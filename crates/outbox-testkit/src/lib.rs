@@ -13,7 +13,8 @@
 //!   injects broker faults: pause (SIGSTOP), resume, kill and restart on the same store.
 //! * [`wait`] polls a condition until a deadline — tests wait for states, never for sleeps.
 //!
-//! `outboxd demo` uses the same code to run the embedded default.
+//! `outbox-embedded` (demo, bench, dev-broker) uses the same code to run the embedded default;
+//! the daemon, `outboxd`, does not link this crate.
 
 pub mod apache_kafka;
 pub mod kafka;

@@ -17,7 +17,8 @@ replication slot (pgoutput), publishes each event to Kafka (idempotent producer,
 header `id` = event id), records the broker's receipt in a ledger in the same database, and only then confirms \
 the LSN to the slot. After a crash it resumes from the last confirmed LSN; re-read events are recognised by \
 event id and recorded as duplicates, never published as new events.\n\n\
-Quick start:\n  outboxd demo                                    # throwaway PostgreSQL + embedded broker\n  \
+Quick start:\n  \
+cargo run --release -p outbox-embedded -- demo  # try it: throwaway PostgreSQL + embedded broker\n  \
 outboxd migrate --database-url postgres://...   # create schema `outbox`\n  \
 outboxd run --database-url postgres://... --bootstrap-servers kafka:9092\n\n\
 Producers call `SELECT outbox.enqueue('order', 'o-42', 'order.created', '{...}'::jsonb)` inside their \
@@ -52,19 +53,6 @@ pub enum Command {
     /// privileges, publication, slot state, broker) and name each problem with its fix.
     /// Exits non-zero when anything would stop the relay.
     Check(CheckArgs),
-    /// Run an embedded Kafka-protocol broker (librdkafka's mock cluster) for development.
-    /// Prints `bootstrap.servers=HOST:PORT`, then serves until killed. Nothing is persisted.
-    DevBroker(DevBrokerArgs),
-    /// Benchmark on the embedded default (throwaway PostgreSQL + mock broker), in one run:
-    /// pg_recvlogical's decode rate, the relay's backlog drain, commit -> accepted latency at a
-    /// steady rate, relay RSS and CPU, PostgreSQL CPU per event, WAL retained, replay after a
-    /// SIGKILL, and a polling (FOR UPDATE SKIP LOCKED) relay on the same workload. Prints a
-    /// table and, last, `decode_ratio=.. drain_events_per_s=.. p99_ms=.. rss_mib=.. poll_ratio=..`;
-    /// writes JSON (--json) and an SVG chart (--svg). See docs/benchmarks.md.
-    Bench(BenchArgs),
-    /// The embedded default: throwaway PostgreSQL + embedded broker + an order workload,
-    /// with live progress. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
-    Demo(DemoArgs),
     /// Where is every event? Compares outbox rows, receipts, consumer inboxes/watermarks and
     /// the broker's topics; reports aged PENDING, aged UNKNOWN, events no mandatory consumer
     /// applied, bypass publishes and id conflicts. Read-only.
@@ -194,134 +182,6 @@ pub struct CheckArgs {
     /// The relay's TOML config file (its keys are checked too).
     #[arg(long, env = "OUTBOXD_CONFIG")]
     pub config: Option<PathBuf>,
-}
-
-#[derive(Debug, Args)]
-pub struct DevBrokerArgs {
-    /// Number of mock brokers.
-    #[arg(long, default_value_t = 1)]
-    pub brokers: i32,
-}
-
-#[derive(Debug, Args)]
-pub struct BenchArgs {
-    /// Backlog size of the main scenario (drain, decode limit, polling drain).
-    #[arg(long, default_value_t = 1_000_000)]
-    pub events: u64,
-    /// Payload size of the main scenario, bytes (a JSON object padded to about this size).
-    #[arg(long, default_value_t = 100)]
-    pub payload: usize,
-    /// Distinct aggregates of the main scenario. The relay keeps one event per aggregate in
-    /// flight, so few aggregates bound throughput by the broker round trip.
-    #[arg(long, default_value_t = 100_000)]
-    pub aggregates: u64,
-    /// Events per producing transaction of the backlog.
-    #[arg(long, default_value_t = 100)]
-    pub txn_size: u64,
-    /// Steady phase: total events per second, over all writers.
-    #[arg(long, default_value_t = 10_000)]
-    pub rate: u64,
-    /// Steady phase: duration, seconds.
-    #[arg(long, default_value_t = 20.0)]
-    pub steady_secs: f64,
-    /// Steady phase: concurrent writers (one connection each).
-    #[arg(long, default_value_t = 4)]
-    pub writers: u64,
-    /// Steady phase: events per business transaction (one autocommit statement).
-    #[arg(long, default_value_t = 10)]
-    pub events_per_txn: u64,
-    /// Crash phase: seconds of steady writes with a SIGKILL of the relay halfway (0: skip).
-    #[arg(long, default_value_t = 4.0)]
-    pub crash_secs: f64,
-    /// Skip the polling baseline.
-    #[arg(long)]
-    pub no_poll: bool,
-    /// Polling baseline: backlog size (at most --events, the same backlog by default).
-    #[arg(long, default_value_t = 1_000_000)]
-    pub poll_events: u64,
-    /// Polling baseline: rows claimed per batch.
-    #[arg(long, default_value_t = 500)]
-    pub poll_batch: i64,
-    /// Polling baseline: sleep when a poll finds nothing, ms.
-    #[arg(long, default_value_t = 100)]
-    pub poll_interval_ms: u64,
-    /// Variants, each PAYLOAD_BYTESxAGGREGATES (decode limit + drain only), comma-separated;
-    /// `none` for no variants.
-    #[arg(long, value_delimiter = ',', default_value = "1024x100000,16384x100000,100x10", value_parser = parse_variant)]
-    pub variants: Vec<(usize, u64)>,
-    /// Backlog size of each variant (capped by --variant-mib of payload).
-    #[arg(long, default_value_t = 100_000)]
-    pub variant_events: u64,
-    /// Payload budget of one variant's backlog, MiB.
-    #[arg(long, default_value_t = 256.0)]
-    pub variant_mib: f64,
-    /// Topic partitions (every topic the bench creates).
-    #[arg(long, default_value_t = 3)]
-    pub partitions: i32,
-    /// The Kafka the bench publishes to. `embedded`: librdkafka's mock cluster inside the bench
-    /// process (no JVM needed; not Kafka: no disk, no replication). `apache`: a single-node
-    /// Apache Kafka 4.1.0 (KRaft) that the bench starts itself and stops at the end; its jars
-    /// come from Maven Central once (`java` 17+ and `mvn` needed; cached in
-    /// ~/.cache/outboxd). Ignored with --bootstrap-servers.
-    #[arg(long, value_enum, default_value_t = BenchBroker::Embedded)]
-    pub broker: BenchBroker,
-    /// Publish to this running Kafka instead (bootstrap servers, plaintext). The bench creates
-    /// its topics there (`outbox.event.bench_*`, `outbox.event.poll_*`, replication factor 1)
-    /// if missing; give it a broker you can throw away.
-    #[arg(long, value_name = "HOST:PORT,...")]
-    pub bootstrap_servers: Option<String>,
-    /// Give up on a phase after this many seconds.
-    #[arg(long, default_value_t = 600)]
-    pub timeout_secs: u64,
-    /// Where to write the JSON results.
-    #[arg(long, default_value = "bench-results.json")]
-    pub json: PathBuf,
-    /// Where to write the SVG chart (latency distribution, throughput over time).
-    #[arg(long)]
-    pub svg: Option<PathBuf>,
-    /// Keep the relays' logs in this directory (default: a temporary one, removed at the end).
-    /// `OUTBOXD_LOG` sets their filter (default `warn`).
-    #[arg(long)]
-    pub log_dir: Option<PathBuf>,
-    /// Extra arguments for every `outboxd run` the bench starts (e.g. --batch-size=2000).
-    #[arg(long = "relay-arg", allow_hyphen_values = true)]
-    pub relay_args: Vec<String>,
-}
-
-/// Which Kafka `outboxd bench` publishes to (see `--broker`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BenchBroker {
-    Embedded,
-    Apache,
-}
-
-fn parse_variant(s: &str) -> Result<(usize, u64), String> {
-    if s == "none" || s.is_empty() {
-        return Ok((0, 0));
-    }
-    let (p, a) = s.split_once('x').ok_or_else(|| {
-        format!("variant `{s}`: expected PAYLOAD_BYTESxAGGREGATES, e.g. 1024x100000")
-    })?;
-    let p = p
-        .parse()
-        .map_err(|e| format!("variant `{s}`: payload: {e}"))?;
-    let a = a
-        .parse()
-        .map_err(|e| format!("variant `{s}`: aggregates: {e}"))?;
-    Ok((p, a))
-}
-
-#[derive(Debug, Args)]
-pub struct DemoArgs {
-    /// Stop after this many seconds (default: run until Ctrl-C).
-    #[arg(long)]
-    pub duration_secs: Option<u64>,
-    /// Target order events per second.
-    #[arg(long, default_value_t = 500)]
-    pub rate: u64,
-    /// Share of business transactions that roll back (their events must never appear).
-    #[arg(long, default_value_t = 0.1)]
-    pub rollback_ratio: f64,
 }
 
 #[derive(Debug, Default, Args)]

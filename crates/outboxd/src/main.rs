@@ -1,31 +1,20 @@
-//! `outboxd`: the binary edge. CLI parsing, config resolution, logging, signal handling, and
-//! wiring of the library crates; `anyhow` lives only here.
-
-mod admin;
-mod bench;
-mod check;
-mod cli;
-mod config;
-mod demo;
-mod failpoint;
-mod metrics;
-mod migrate_destination;
-mod purge;
-mod reconcile;
-mod relay;
-mod values;
+//! `outboxd`: the binary edge. CLI parsing, logging, signal handling and dispatch to the
+//! commands of the library (`lib.rs`). The tools that start throwaway servers (demo, bench,
+//! dev-broker) are the `outbox-embedded` binary, so this one links neither the test harness
+//! nor the plotting library.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use anyhow::Context;
 use clap::Parser;
-use outbox_sink::{JetStreamSinkConfig, KafkaSinkConfig};
 use tokio::sync::watch;
 
-use cli::{Cli, Command, QuarantineCommand, RunArgs};
-use config::{redact_url, FileConfig, RelayConfig, Secret};
-use values::LogFormat;
+use outboxd::cli::{self, Cli, Command, QuarantineCommand};
+use outboxd::config::FileConfig;
+use outboxd::values::LogFormat;
+use outboxd::{
+    admin, check, config, connect, init_logging, migrate, migrate_destination, one_line, purge,
+    reconcile, relay, resolve_admin, resolve_run,
+};
 
 fn main() {
     let cli = Cli::parse();
@@ -49,27 +38,6 @@ fn main() {
     }
 }
 
-/// The error and its causes on one line. Database errors are already rendered in full (with
-/// detail and hint) by the error that wraps them, so their own chain is not repeated.
-pub(crate) fn one_line(e: &anyhow::Error) -> String {
-    let mut msg = e.to_string();
-    for cause in e.chain().skip(1) {
-        if cause.downcast_ref::<tokio_postgres::Error>().is_some()
-            || cause
-                .downcast_ref::<tokio_postgres::error::DbError>()
-                .is_some()
-        {
-            break;
-        }
-        let c = cause.to_string();
-        if !msg.contains(&c) {
-            msg.push_str(": ");
-            msg.push_str(&c);
-        }
-    }
-    msg.replace('\n', " ")
-}
-
 /// `--log-format`, else `log_format` in the `run` config file, else text. A config file that
 /// does not load is reported later, by the command itself.
 fn log_format(cli: &Cli) -> LogFormat {
@@ -84,23 +52,6 @@ fn log_format(cli: &Cli) -> LogFormat {
             .and_then(|f| f.log_format)
             .unwrap_or(LogFormat::Text),
         _ => LogFormat::Text,
-    }
-}
-
-fn init_logging(format: LogFormat, quiet: bool) {
-    let default = if quiet {
-        "off"
-    } else {
-        "info,tokio_postgres=warn"
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOXD_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
     }
 }
 
@@ -130,9 +81,6 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
             None => status(&a.database_url, a.json).await,
         },
         Command::Quarantine(q) => quarantine(q).await,
-        Command::DevBroker(a) => dev_broker(a.brokers).await,
-        Command::Demo(a) => demo::run(a).await,
-        Command::Bench(a) => bench::run(a).await,
         Command::Check(a) => check::run(a).await,
         Command::MigrateDestination(a) => migrate_destination::run(a).await,
         Command::Reconcile(a) => reconcile::run(a).await,
@@ -215,37 +163,6 @@ fn spawn_signal_handler(tx: watch::Sender<bool>) {
     });
 }
 
-/// Connects for ordinary SQL, with an error that names the server and the fix.
-pub(crate) async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
-    let opts = outbox_source::tls::PgConnectOptions::parse(url)
-        .map_err(|e| anyhow::anyhow!("database URL {}: {e}", redact_url(url)))?;
-    opts.connect_sql().await.map_err(|e| {
-        let why = match e {
-            outbox_source::tls::ConnectError::Db(e) => outbox_ledger::describe_db_error(&e),
-            outbox_source::tls::ConnectError::Tls(e) => e.to_string(),
-        };
-        anyhow::anyhow!(
-            "cannot connect to PostgreSQL at {}: {why}; check the URL, that the server is up, pg_hba.conf, and sslmode/sslrootcert",
-            redact_url(url)
-        )
-    })
-}
-
-pub(crate) async fn migrate(url: &str) -> anyhow::Result<()> {
-    let mut client = connect(url).await?;
-    let applied = outbox_ledger::migrate::run(&mut client)
-        .await
-        .context("migrate")?;
-    if applied.is_empty() {
-        println!("schema outbox is up to date");
-    } else {
-        for v in applied {
-            println!("applied migration {v:04}");
-        }
-    }
-    Ok(())
-}
-
 /// Installs the Debezium-compatible capture trigger on `table` (migration 0009).
 async fn install_debezium(url: &str, table: &str) -> anyhow::Result<()> {
     let (schema, name) = config::split_table(table)?;
@@ -269,198 +186,6 @@ async fn install_debezium(url: &str, table: &str) -> anyhow::Result<()> {
         })?;
     println!("{}", row.get::<_, String>(0));
     Ok(())
-}
-
-fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
-    let file = match &a.config {
-        Some(p) => FileConfig::load(p)?,
-        None => FileConfig::default(),
-    };
-    let table = a
-        .table
-        .clone()
-        .or(file.table.clone())
-        .unwrap_or_else(|| config::DEFAULT_TABLE.into());
-    let (schema, table) = config::split_table(&table)?;
-    let mut properties: Vec<(String, String)> = file.kafka.properties.clone().into_iter().collect();
-    properties.extend(a.kafka_properties.iter().cloned());
-    let defaults = KafkaSinkConfig::default();
-    let cluster_name = a.cluster_name.clone();
-    let nats = match a.sink.or(file.sink).unwrap_or(values::SinkKind::Kafka) {
-        values::SinkKind::Kafka => None,
-        values::SinkKind::Nats => {
-            let d = JetStreamSinkConfig::default();
-            let n = &file.nats;
-            Some(JetStreamSinkConfig {
-                url: a.nats_url.clone().or(n.url.clone()).unwrap_or_default(),
-                cluster_name: cluster_name
-                    .clone()
-                    .or(n.cluster_name.clone())
-                    .unwrap_or(d.cluster_name),
-                stream: a
-                    .nats_stream
-                    .clone()
-                    .or(n.stream.clone())
-                    .unwrap_or(d.stream),
-                create_stream: a.nats_create_stream || n.create_stream.unwrap_or(false),
-                stream_subjects: if a.nats_stream_subjects.is_empty() {
-                    n.stream_subjects.clone().unwrap_or(d.stream_subjects)
-                } else {
-                    a.nats_stream_subjects.clone()
-                },
-                duplicate_window: a
-                    .nats_duplicate_window_ms
-                    .or(n.duplicate_window_ms)
-                    .map(Duration::from_millis)
-                    .unwrap_or(d.duplicate_window),
-                ack_timeout: a
-                    .message_timeout_ms
-                    .or(n.ack_timeout_ms)
-                    .map(Duration::from_millis)
-                    .unwrap_or(d.ack_timeout),
-                max_in_flight: a
-                    .max_in_flight
-                    .or(file.relay.max_in_flight)
-                    .map(|m| usize::try_from(m).unwrap_or(usize::MAX))
-                    .unwrap_or(d.max_in_flight),
-            })
-        }
-    };
-    let cfg = RelayConfig {
-        database_url: a
-            .database_url
-            .clone()
-            .map(Secret::new)
-            .or(file.database_url.clone())
-            .unwrap_or_default(),
-        slot: a
-            .slot
-            .clone()
-            .or(file.slot.clone())
-            .unwrap_or_else(|| config::DEFAULT_SLOT.into()),
-        publication: a
-            .publication
-            .clone()
-            .or(file.publication.clone())
-            .unwrap_or_else(|| config::DEFAULT_PUBLICATION.into()),
-        schema,
-        table,
-        sink: KafkaSinkConfig {
-            bootstrap_servers: a
-                .bootstrap_servers
-                .clone()
-                .or(file.kafka.bootstrap_servers.clone())
-                .unwrap_or_default(),
-            cluster_name: a
-                .cluster_name
-                .clone()
-                .or(file.kafka.cluster_name.clone())
-                .unwrap_or(defaults.cluster_name),
-            partitioner: file
-                .kafka
-                .partitioner
-                .clone()
-                .unwrap_or(defaults.partitioner),
-            message_timeout: a
-                .message_timeout_ms
-                .or(file.kafka.message_timeout_ms)
-                .map(Duration::from_millis)
-                .unwrap_or(defaults.message_timeout),
-            linger: file
-                .kafka
-                .linger_ms
-                .map(Duration::from_millis)
-                .unwrap_or(defaults.linger),
-            properties,
-            headers: outbox_sink::HeaderOptions {
-                cloudevents: cloudevents_source(a, &file),
-            },
-        },
-        nats,
-        max_in_flight: a
-            .max_in_flight
-            .or(file.relay.max_in_flight)
-            .unwrap_or(5_000),
-        batch_size: a.batch_size.or(file.relay.batch_size).unwrap_or(1000),
-        batch_linger: Duration::from_millis(
-            a.batch_linger_ms
-                .or(file.relay.batch_linger_ms)
-                .unwrap_or(1),
-        ),
-        status_interval: Duration::from_millis(
-            a.status_interval_ms
-                .or(file.relay.status_interval_ms)
-                .unwrap_or(1000),
-        ),
-        heartbeat_interval: Duration::from_millis(
-            a.heartbeat_interval_ms
-                .or(file.relay.heartbeat_interval_ms)
-                .unwrap_or(10_000),
-        ),
-        resnapshot: a.resnapshot,
-        relay_id: a
-            .relay_id
-            .clone()
-            .or(file.relay.relay_id.clone())
-            .unwrap_or_else(config::default_relay_id),
-        lease_ttl: Duration::from_millis(
-            a.lease_ttl_ms.or(file.relay.lease_ttl_ms).unwrap_or(10_000),
-        ),
-        unknown_settle: Duration::from_millis(
-            a.unknown_settle_ms
-                .or(file.relay.unknown_settle_ms)
-                .unwrap_or(5_000),
-        ),
-    };
-    cfg.validate()?;
-    Ok(cfg)
-}
-
-fn resolve_admin(a: &RunArgs) -> anyhow::Result<config::AdminConfig> {
-    let file = match &a.config {
-        Some(p) => FileConfig::load(p)?.admin,
-        None => config::AdminFile::default(),
-    };
-    let f = &a.admin;
-    let addr =
-        |what: &str, v: Option<&String>| v.map(|s| config::parse_listen_addr(what, s)).transpose();
-    let cfg = config::AdminConfig {
-        http_addr: addr(
-            "admin address",
-            f.admin_addr.as_ref().or(file.addr.as_ref()),
-        )?,
-        console_addr: addr(
-            "console address",
-            f.console_addr.as_ref().or(file.console_addr.as_ref()),
-        )?,
-        console_user: f
-            .console_user
-            .clone()
-            .or(file.console_user)
-            .unwrap_or_else(|| config::DEFAULT_CONSOLE_USER.into()),
-        console_password: f
-            .console_password
-            .clone()
-            .map(Secret::new)
-            .or(file.console_password),
-        sample_interval: Duration::from_millis(
-            f.sample_interval_ms
-                .or(file.sample_interval_ms)
-                .unwrap_or(config::DEFAULT_SAMPLE_INTERVAL_MS),
-        ),
-    };
-    cfg.validate()?;
-    Ok(cfg)
-}
-
-/// `Some(source)` when CloudEvents headers are on (flag, variable or file; a source implies on).
-fn cloudevents_source(a: &RunArgs, file: &FileConfig) -> Option<String> {
-    let source = a
-        .cloudevents_source
-        .clone()
-        .or(file.kafka.cloudevents_source.clone());
-    let on = a.cloudevents || file.kafka.cloudevents.unwrap_or(false) || source.is_some();
-    on.then(|| source.unwrap_or_else(|| outbox_sink::headers::DEFAULT_CLOUDEVENTS_SOURCE.into()))
 }
 
 async fn event_status(url: &str, id: uuid::Uuid) -> anyhow::Result<()> {
@@ -515,21 +240,6 @@ async fn status(url: &str, json: bool) -> anyhow::Result<()> {
                 .unwrap_or_else(|| "-".into()),
         );
     }
-    Ok(())
-}
-
-async fn dev_broker(brokers: i32) -> anyhow::Result<()> {
-    let kafka = outbox_testkit::kafka::TestKafka::mock(brokers)
-        .map_err(|e| anyhow::anyhow!("starting the embedded broker: {e}"))?;
-    println!("bootstrap.servers={}", kafka.bootstrap_servers());
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    drop(kafka);
     Ok(())
 }
 
@@ -619,62 +329,5 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             println!("skipped {event} (reason recorded); the running relay publishes the held events behind it");
             Ok(())
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn run_args(args: &[&str]) -> RunArgs {
-        let mut argv = vec!["outboxd", "run", "--database-url", "postgres://h/db"];
-        argv.extend(args);
-        match Cli::try_parse_from(argv).unwrap().command {
-            Command::Run(a) => *a,
-            _ => unreachable!(),
-        }
-    }
-
-    #[test]
-    fn the_nats_sink_comes_from_the_config_file_and_flags_win() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("outboxd.toml");
-        std::fs::write(
-            &file,
-            "sink = \"nats\"\n[nats]\nurl = \"nats://n:4222\"\ncluster_name = \"nats-a\"\nstream = \"EVENTS\"\nack_timeout_ms = 750\n",
-        )
-        .unwrap();
-        let path = file.to_str().unwrap();
-        let cfg = resolve_run(&run_args(&["--config", path])).unwrap();
-        let n = cfg.nats.expect("sink = nats");
-        assert_eq!(
-            (n.url.as_str(), n.cluster_name.as_str(), n.stream.as_str()),
-            ("nats://n:4222", "nats-a", "EVENTS")
-        );
-        assert_eq!(n.ack_timeout, Duration::from_millis(750));
-        assert!(!n.create_stream);
-
-        let cfg = resolve_run(&run_args(&[
-            "--config",
-            path,
-            "--nats-stream",
-            "OTHER",
-            "--nats-create-stream",
-            "--cluster-name",
-            "nats-b",
-        ]))
-        .unwrap();
-        let n = cfg.nats.unwrap();
-        assert_eq!(
-            (n.stream.as_str(), n.cluster_name.as_str()),
-            ("OTHER", "nats-b")
-        );
-        assert!(n.create_stream);
-
-        // Kafka stays the default and still needs its bootstrap servers.
-        let e = resolve_run(&run_args(&[])).unwrap_err();
-        assert!(e.to_string().contains("--sink nats"), "{e}");
-        let e = resolve_run(&run_args(&["--sink", "nats"])).unwrap_err();
-        assert!(e.to_string().contains("--nats-url"), "{e}");
     }
 }

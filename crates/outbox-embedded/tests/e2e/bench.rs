@@ -1,4 +1,4 @@
-//! `outboxd bench` in a tiny configuration: it proves the tool runs every phase and prints
+//! `outbox-embedded bench` in a tiny configuration: it proves the tool runs every phase and prints
 //! its summary line with parseable numbers. Nothing here asserts anything about speed.
 
 use std::process::Command;
@@ -18,7 +18,7 @@ fn tiny_bench(extra: &[&str], broker: &str) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     let svg = dir.path().join("bench.svg");
-    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox-embedded"))
         .args(["bench", "--events", "2000", "--aggregates", "500"])
         .args(["--steady-secs", "1", "--rate", "1000", "--crash-secs", "1"])
         .args(["--variants", "1024x50", "--variant-events", "500"])
@@ -30,11 +30,11 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         .env_remove("OUTBOXD_DATABASE_URL")
         .env_remove("OUTBOXD_BOOTSTRAP_SERVERS")
         .output()
-        .expect("run outboxd bench");
+        .expect("run outbox-embedded bench");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "outboxd bench failed:\n{stdout}\n{}",
+        "outbox-embedded bench failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let last = stdout.lines().last().unwrap_or_default();

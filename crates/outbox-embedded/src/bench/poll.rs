@@ -142,8 +142,8 @@ pub async fn baseline(
         .pg
         .create_database(&format!("bench_poll_{}", sc.name))
         .await?;
-    crate::migrate(&url).await?;
-    let client = crate::connect(&url).await?;
+    outboxd::migrate(&url).await?;
+    let client = outboxd::connect(&url).await?;
     client
         .batch_execute(SCHEMA)
         .await
@@ -171,7 +171,7 @@ pub async fn baseline(
     let started_epoch = epoch_now();
     let t = Instant::now();
     let poller = tokio::spawn(run_poller(
-        crate::connect(&url).await?,
+        outboxd::connect(&url).await?,
         ctx.bootstrap.clone(),
         a.poll_batch,
         Duration::from_millis(a.poll_interval_ms),

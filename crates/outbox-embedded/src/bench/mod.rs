@@ -1,4 +1,4 @@
-//! `outboxd bench`: how fast the relay is, measured against PostgreSQL's own decoder and a
+//! `outbox-embedded bench`: how fast the relay is, measured against PostgreSQL's own decoder and a
 //! polling relay, in one run on one machine, on the embedded default (a throwaway PostgreSQL
 //! cluster and librdkafka's mock broker in this process) or on real Apache Kafka (`--broker
 //! apache`: a node the bench starts; `--bootstrap-servers`: one already running).
@@ -9,8 +9,9 @@
 //! 2. **Decode limit**: `pg_recvlogical` (pgoutput, `proto_version=1`, to `/dev/null`) drains
 //!    the second slot up to the backlog's end: the physical limit of logical decoding here.
 //! 3. **Drain**: the relay runs as a child process (`outboxd run`, so its RSS and CPU are its
-//!    own) and is timed from spawn until the slot's `confirmed_flush_lsn` passes the backlog
-//!    end — every event published, its receipt accepted, the LSN confirmed.
+//!    own; [`outboxd_binary`] finds the binary) and is timed from spawn until the slot's
+//!    `confirmed_flush_lsn` passes the backlog end — every event published, its receipt
+//!    accepted, the LSN confirmed.
 //! 4. **Steady**: concurrent writers commit at a constant rate; per event, commit (producer
 //!    side, when COMMIT returned) to receipt accepted (`outbox.receipts.accepted_at`).
 //! 5. **Crash**: the relay is SIGKILLed under load and restarted; the topic is read from where
@@ -379,6 +380,8 @@ async fn confirmed_past(client: &Client, slot: &str, lsn: &str) -> anyhow::Resul
 
 impl Ctx {
     async fn start(args: BenchArgs) -> anyhow::Result<Ctx> {
+        // Before any server starts: a missing relay binary fails at once.
+        let exe = outboxd_binary()?;
         eprintln!("bench: starting a throwaway PostgreSQL cluster (wal_level=logical) ...");
         let pg = tokio::task::spawn_blocking(|| TestPostgres::start_throwaway(None))
             .await?
@@ -408,7 +411,7 @@ impl Ctx {
             }
         };
         let bootstrap = kafka.bootstrap_servers().to_string();
-        let admin = crate::connect(&pg.url("postgres")).await?;
+        let admin = outboxd::connect(&pg.url("postgres")).await?;
         // The throwaway cluster runs with synchronous_commit=off (fast tests). Then a commit
         // reaches the walsender only when the WAL writer flushes (every wal_writer_delay,
         // 200 ms), which would dominate every latency measured here; PostgreSQL's default
@@ -430,7 +433,6 @@ impl Ctx {
             .next()
             .and_then(|l| l.trim().parse().ok())
             .with_context(|| format!("no pid in {}", pid_file.display()))?;
-        let exe = std::env::current_exe().context("locating the outboxd binary")?;
         let dir = tempfile::Builder::new()
             .prefix("outboxd-bench-")
             .tempdir()
@@ -453,8 +455,8 @@ impl Ctx {
             .pg
             .create_database(&format!("bench_{}", sc.name))
             .await?;
-        crate::migrate(&url).await?;
-        let client = crate::connect(&url).await?;
+        outboxd::migrate(&url).await?;
+        let client = outboxd::connect(&url).await?;
         let agg_type = format!("bench_{}", sc.name);
         self.kafka
             .create_topic(&format!("outbox.event.{agg_type}"), self.args.partitions)
@@ -791,6 +793,35 @@ impl Ctx {
     }
 }
 
+/// The `outboxd` binary the bench runs as its relay: `OUTBOXD_BIN`, else the `outboxd` beside
+/// this executable (cargo builds both into the same target directory, e.g. `target/release`).
+fn outboxd_binary() -> anyhow::Result<PathBuf> {
+    let build = if cfg!(debug_assertions) {
+        "cargo build -p outboxd"
+    } else {
+        "cargo build --release -p outboxd"
+    };
+    if let Some(p) = std::env::var_os("OUTBOXD_BIN") {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!(
+                "OUTBOXD_BIN={} is not a file: point it at an outboxd binary (`{build}` builds one)",
+                p.display()
+            );
+        }
+        return Ok(p);
+    }
+    let me = std::env::current_exe().context("locating the outbox-embedded binary")?;
+    let sibling = me.with_file_name("outboxd");
+    if !sibling.is_file() {
+        bail!(
+            "the bench runs the relay as `outboxd run`, and there is no {}: build it with `{build}`, or set OUTBOXD_BIN to an outboxd binary",
+            sibling.display()
+        );
+    }
+    Ok(sibling)
+}
+
 /// `outboxd run` as a child process, logging to a file.
 pub(crate) struct RelayChild {
     child: Child,
@@ -822,7 +853,9 @@ impl RelayChild {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(file);
-        let child = cmd.spawn().context("starting `outboxd run`")?;
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting `{} run`", ctx.exe.display()))?;
         Ok(RelayChild { child, log })
     }
 

@@ -120,7 +120,7 @@ impl Report {
         });
         println!();
         println!(
-            "outboxd bench: {} events, payload {} B, {} aggregates; steady {:.0} events/s target ({} writers, {} events per transaction)",
+            "outbox-embedded bench: {} events, payload {} B, {} aggregates; steady {:.0} events/s target ({} writers, {} events per transaction)",
             sc.events, sc.payload, sc.aggregates, self.rate, self.writers, self.events_per_txn
         );
         println!("broker: {}", self.broker);

@@ -1,4 +1,4 @@
-//! `outboxd demo`: the embedded default. A throwaway PostgreSQL cluster (from the installed
+//! `outbox-embedded demo`: the embedded default. A throwaway PostgreSQL cluster (from the installed
 //! server binaries), librdkafka's mock cluster as the broker, an order workload with
 //! rollbacks, the real relay, and live progress. At the end it checks the invariants it can
 //! see: every committed event has exactly one primary receipt, no rolled-back event was
@@ -12,12 +12,12 @@ use anyhow::Context;
 use outbox_sink::KafkaSinkConfig;
 use outbox_testkit::kafka::TestKafka;
 use outbox_testkit::postgres::TestPostgres;
+use outboxd::config::{RelayConfig, Secret};
+use outboxd::relay::{self, Progress};
 use rand::Rng;
 use tokio::sync::watch;
 
 use crate::cli::DemoArgs;
-use crate::config::{RelayConfig, Secret};
-use crate::relay::{self, Progress};
 
 const WRITERS: u64 = 4;
 
@@ -34,7 +34,7 @@ pub(crate) async fn embedded(db: &str) -> anyhow::Result<Embedded> {
         .await?
         .context("starting the throwaway PostgreSQL")?;
     let url = pg.create_database(db).await?;
-    crate::migrate(&url).await?;
+    outboxd::migrate(&url).await?;
     let kafka = TestKafka::mock(1).map_err(|e| anyhow::anyhow!("embedded broker: {e}"))?;
     Ok(Embedded { pg, url, kafka })
 }
@@ -44,7 +44,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
     RelayConfig {
         database_url: Secret::new(url),
         slot: slot.into(),
-        publication: crate::config::DEFAULT_PUBLICATION.into(),
+        publication: outboxd::config::DEFAULT_PUBLICATION.into(),
         schema: "outbox".into(),
         table: "events".into(),
         sink: KafkaSinkConfig {
@@ -58,7 +58,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         status_interval: Duration::from_millis(500),
         heartbeat_interval: Duration::from_secs(2),
         resnapshot: false,
-        relay_id: crate::config::default_relay_id(),
+        relay_id: outboxd::config::default_relay_id(),
         lease_ttl: Duration::from_secs(10),
         unknown_settle: Duration::from_secs(5),
     }
@@ -66,7 +66,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let Embedded { pg, url, kafka } = embedded("outboxd_demo").await?;
-    let client = crate::connect(&url).await?;
+    let client = outboxd::connect(&url).await?;
     client
         .batch_execute(
             "CREATE TABLE IF NOT EXISTS public.orders (id text PRIMARY KEY, total numeric NOT NULL,
@@ -93,7 +93,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let stop_writers = Arc::new(AtomicBool::new(false));
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let client = crate::connect(&url).await?;
+        let client = outboxd::connect(&url).await?;
         let (committed, rolled_back, stop) =
             (committed.clone(), rolled_back.clone(), stop_writers.clone());
         let period = Duration::from_secs_f64(WRITERS as f64 / args.rate.max(1) as f64);

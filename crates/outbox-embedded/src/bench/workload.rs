@@ -40,7 +40,7 @@ pub async fn enqueue_backlog(db: &Db, sc: &Scenario, txn_size: u64) -> anyhow::R
     let t = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..CONNS {
-        let client = crate::connect(&db.url).await?;
+        let client = outboxd::connect(&db.url).await?;
         let sql = format!(
             "DO $$ BEGIN
                FOR t IN 0..{last} LOOP
@@ -148,7 +148,7 @@ impl Writers {
         let aggregates = sc.aggregates.max(1);
         let mut tasks = Vec::new();
         for w in 0..writers {
-            let client = crate::connect(url).await?;
+            let client = outboxd::connect(url).await?;
             let stmt = client
                 .prepare(&target.insert_sql())
                 .await

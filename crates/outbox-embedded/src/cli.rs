@@ -1,0 +1,172 @@
+//! Command-line interface of `outbox-embedded`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use outboxd::values::LogFormat;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outbox-embedded",
+    version,
+    about = "outboxd on throwaway servers: the demo, the benchmark and a development broker",
+    long_about = "outbox-embedded runs the outboxd relay against servers it starts itself and throws \
+away: a PostgreSQL cluster from the installed server binaries (initdb, pg_ctl), librdkafka's mock Kafka \
+cluster, or a single-node Apache Kafka. The daemon (`outboxd`) links none of this.\n\n\
+Quick start:\n  \
+cargo run --release -p outbox-embedded -- demo\n  \
+cargo build --release -p outboxd -p outbox-embedded && target/release/outbox-embedded bench"
+)]
+pub struct Cli {
+    /// Log format of the relay the demo runs in this process: `text`, or `json`.
+    #[arg(long, global = true, value_enum, env = "OUTBOXD_LOG_FORMAT", default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run an embedded Kafka-protocol broker (librdkafka's mock cluster) for development.
+    /// Prints `bootstrap.servers=HOST:PORT`, then serves until killed. Nothing is persisted.
+    DevBroker(DevBrokerArgs),
+    /// Benchmark on the embedded default (throwaway PostgreSQL + mock broker), in one run:
+    /// pg_recvlogical's decode rate, the relay's backlog drain, commit -> accepted latency at a
+    /// steady rate, relay RSS and CPU, PostgreSQL CPU per event, WAL retained, replay after a
+    /// SIGKILL, and a polling (FOR UPDATE SKIP LOCKED) relay on the same workload. Prints a
+    /// table and, last, `decode_ratio=.. drain_events_per_s=.. p99_ms=.. rss_mib=.. poll_ratio=..`;
+    /// writes JSON (--json) and an SVG chart (--svg). The relay runs as `outboxd run` child
+    /// processes: the `outboxd` binary beside this one, or `OUTBOXD_BIN`. See docs/benchmarks.md.
+    Bench(Box<BenchArgs>),
+    /// The embedded default: throwaway PostgreSQL + embedded broker + an order workload,
+    /// with live progress. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DevBrokerArgs {
+    /// Number of mock brokers.
+    #[arg(long, default_value_t = 1)]
+    pub brokers: i32,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Backlog size of the main scenario (drain, decode limit, polling drain).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub events: u64,
+    /// Payload size of the main scenario, bytes (a JSON object padded to about this size).
+    #[arg(long, default_value_t = 100)]
+    pub payload: usize,
+    /// Distinct aggregates of the main scenario. The relay keeps one event per aggregate in
+    /// flight, so few aggregates bound throughput by the broker round trip.
+    #[arg(long, default_value_t = 100_000)]
+    pub aggregates: u64,
+    /// Events per producing transaction of the backlog.
+    #[arg(long, default_value_t = 100)]
+    pub txn_size: u64,
+    /// Steady phase: total events per second, over all writers.
+    #[arg(long, default_value_t = 10_000)]
+    pub rate: u64,
+    /// Steady phase: duration, seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub steady_secs: f64,
+    /// Steady phase: concurrent writers (one connection each).
+    #[arg(long, default_value_t = 4)]
+    pub writers: u64,
+    /// Steady phase: events per business transaction (one autocommit statement).
+    #[arg(long, default_value_t = 10)]
+    pub events_per_txn: u64,
+    /// Crash phase: seconds of steady writes with a SIGKILL of the relay halfway (0: skip).
+    #[arg(long, default_value_t = 4.0)]
+    pub crash_secs: f64,
+    /// Skip the polling baseline.
+    #[arg(long)]
+    pub no_poll: bool,
+    /// Polling baseline: backlog size (at most --events, the same backlog by default).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub poll_events: u64,
+    /// Polling baseline: rows claimed per batch.
+    #[arg(long, default_value_t = 500)]
+    pub poll_batch: i64,
+    /// Polling baseline: sleep when a poll finds nothing, ms.
+    #[arg(long, default_value_t = 100)]
+    pub poll_interval_ms: u64,
+    /// Variants, each PAYLOAD_BYTESxAGGREGATES (decode limit + drain only), comma-separated;
+    /// `none` for no variants.
+    #[arg(long, value_delimiter = ',', default_value = "1024x100000,16384x100000,100x10", value_parser = parse_variant)]
+    pub variants: Vec<(usize, u64)>,
+    /// Backlog size of each variant (capped by --variant-mib of payload).
+    #[arg(long, default_value_t = 100_000)]
+    pub variant_events: u64,
+    /// Payload budget of one variant's backlog, MiB.
+    #[arg(long, default_value_t = 256.0)]
+    pub variant_mib: f64,
+    /// Topic partitions (every topic the bench creates).
+    #[arg(long, default_value_t = 3)]
+    pub partitions: i32,
+    /// The Kafka the bench publishes to. `embedded`: librdkafka's mock cluster inside the bench
+    /// process (no JVM needed; not Kafka: no disk, no replication). `apache`: a single-node
+    /// Apache Kafka 4.1.0 (KRaft) that the bench starts itself and stops at the end; its jars
+    /// come from Maven Central once (`java` 17+ and `mvn` needed; cached in
+    /// ~/.cache/outboxd). Ignored with --bootstrap-servers.
+    #[arg(long, value_enum, default_value_t = BenchBroker::Embedded)]
+    pub broker: BenchBroker,
+    /// Publish to this running Kafka instead (bootstrap servers, plaintext). The bench creates
+    /// its topics there (`outbox.event.bench_*`, `outbox.event.poll_*`, replication factor 1)
+    /// if missing; give it a broker you can throw away.
+    #[arg(long, value_name = "HOST:PORT,...")]
+    pub bootstrap_servers: Option<String>,
+    /// Give up on a phase after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_secs: u64,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "bench-results.json")]
+    pub json: PathBuf,
+    /// Where to write the SVG chart (latency distribution, throughput over time).
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Keep the relays' logs in this directory (default: a temporary one, removed at the end).
+    /// `OUTBOXD_LOG` sets their filter (default `warn`).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// Extra arguments for every `outboxd run` the bench starts (e.g. --batch-size=2000).
+    #[arg(long = "relay-arg", allow_hyphen_values = true)]
+    pub relay_args: Vec<String>,
+}
+
+/// Which Kafka `outbox-embedded bench` publishes to (see `--broker`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchBroker {
+    Embedded,
+    Apache,
+}
+
+fn parse_variant(s: &str) -> Result<(usize, u64), String> {
+    if s == "none" || s.is_empty() {
+        return Ok((0, 0));
+    }
+    let (p, a) = s.split_once('x').ok_or_else(|| {
+        format!("variant `{s}`: expected PAYLOAD_BYTESxAGGREGATES, e.g. 1024x100000")
+    })?;
+    let p = p
+        .parse()
+        .map_err(|e| format!("variant `{s}`: payload: {e}"))?;
+    let a = a
+        .parse()
+        .map_err(|e| format!("variant `{s}`: aggregates: {e}"))?;
+    Ok((p, a))
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Stop after this many seconds (default: run until Ctrl-C).
+    #[arg(long)]
+    pub duration_secs: Option<u64>,
+    /// Target order events per second.
+    #[arg(long, default_value_t = 500)]
+    pub rate: u64,
+    /// Share of business transactions that roll back (their events must never appear).
+    #[arg(long, default_value_t = 0.1)]
+    pub rollback_ratio: f64,
+}

@@ -1,0 +1,105 @@
+//! The commands that start their own servers: dev-broker, and demo (the README's first
+//! command).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+
+#[test]
+fn dev_broker_prints_its_bootstrap_servers_and_accepts_produce() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-embedded"))
+        .arg("dev-broker")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let bootstrap = line
+        .trim()
+        .strip_prefix("bootstrap.servers=")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_string();
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("message.timeout.ms", "10000")
+        .create()
+        .unwrap();
+    producer
+        .send(BaseRecord::to("dev.topic").key("k").payload("v"))
+        .map_err(|(e, _)| e)
+        .unwrap();
+    producer.flush(Duration::from_secs(10)).unwrap();
+    let msgs = read_topic(&bootstrap, "dev.topic");
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(msgs, ["v"]);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn demo_runs_the_embedded_default_and_publishes_every_committed_event() {
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox-embedded"))
+        .args(["demo", "--duration-secs", "3", "--rate", "200"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("bootstrap.servers="), "{stdout}");
+    assert!(stdout.contains("kcat -b"), "{stdout}");
+    assert!(stdout.contains("events/s="), "live progress: {stdout}");
+    let done = stdout
+        .lines()
+        .find(|l| l.starts_with("done:"))
+        .expect("summary line");
+    assert!(done.contains("unpublished=0"), "{done}");
+}
+
+/// The payloads of every partition of `topic`, from its low to its high watermark (both read
+/// before the first fetch).
+fn read_topic(bootstrap: &str, topic: &str) -> Vec<String> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "outbox-embedded-test-reader")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    let mut tpl = TopicPartitionList::new();
+    let mut expected = 0;
+    for p in md.topics()[0].partitions() {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+            .expect("watermarks");
+        expected += usize::try_from(high - low).expect("high >= low");
+        tpl.add_partition_offset(topic, p.id(), Offset::Offset(low))
+            .expect("tpl");
+    }
+    consumer.assign(&tpl).expect("assign");
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while out.len() < expected {
+        assert!(
+            Instant::now() < deadline,
+            "reading {topic} timed out after {} of {expected} messages",
+            out.len()
+        );
+        if let Some(m) = consumer.poll(Duration::from_millis(100)) {
+            let m = m.expect("consume");
+            out.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
+        }
+    }
+    out
+}
