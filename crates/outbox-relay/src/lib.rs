@@ -34,6 +34,9 @@ pub mod schedule;
 pub mod stream;
 pub mod unknown;
 
+#[cfg(test)]
+pub(crate) mod testing;
+
 pub use pipeline::{
     AggKey, Command, CoreError, DeliveryFailure, Now, Pending, PipelineCore, Reported,
     UnknownAttempt, MAX_IN_FLIGHT_BYTES,

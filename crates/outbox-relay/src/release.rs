@@ -134,67 +134,27 @@ impl PipelineCore {
 
 #[cfg(test)]
 mod tests {
-    use std::time::SystemTime;
-
-    use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
+    use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence};
     use outbox_core::records::LedgerItem;
-    use outbox_core::Destination;
 
     use super::*;
+    use crate::testing::{event_for, now as at, persisted, served};
 
-    fn core() -> PipelineCore {
-        let served = Served {
-            kind: "kafka",
-            cluster: "c1".into(),
-            partitioner: Some("murmur2_random".into()),
-        };
-        let key: AggKey = ("order".into(), "a".into());
-        PipelineCore::new(served, 1, PipelineCore::gate_from(vec![], vec![key]))
+    fn now() -> Now {
+        at(0)
     }
 
     fn key() -> AggKey {
         ("order".into(), "a".into())
     }
 
-    fn now() -> Now {
-        Now {
-            wall: SystemTime::UNIX_EPOCH,
-            lease_valid: true,
-        }
+    /// The aggregate `order/a`, held.
+    fn core() -> PipelineCore {
+        PipelineCore::new(served(), 1, PipelineCore::gate_from(vec![], vec![key()]))
     }
 
     fn event(version: i64, cluster: &str) -> (OutboxEvent, Option<Lsn>) {
-        let destination = Destination {
-            kind: "kafka".into(),
-            cluster: cluster.into(),
-            topic: "t".into(),
-            key: "a".into(),
-            partitioner: "murmur2_random".into(),
-            route_generation: 1,
-            serializer: "json".into(),
-            acks: "all".into(),
-        };
-        let ev = OutboxEvent::frozen(
-            uuid::Uuid::now_v7(),
-            ("order", "a", version),
-            "order.changed",
-            bytes::Bytes::from_static(b"{}"),
-            destination,
-        );
-        (ev, Some(Lsn(version as u64)))
-    }
-
-    fn persisted(token: u64, offset: i64) -> Delivery {
-        Delivery {
-            token,
-            outcome: DeliveryOutcome::Persisted {
-                topic: "t".into(),
-                partition: 0,
-                offset,
-                timestamp_ms: None,
-                duplicate: false,
-            },
-        }
+        (event_for("a", version, cluster), Some(Lsn(version as u64)))
     }
 
     fn sent_version(step: ReleaseStep) -> (u64, i64) {

@@ -139,57 +139,22 @@ impl PipelineCore {
 
 #[cfg(test)]
 mod tests {
-    use std::time::SystemTime;
-
-    use outbox_core::delivery::Served;
     use outbox_core::records::LedgerItem;
-    use outbox_core::Destination;
 
     use super::*;
+    use crate::testing::{core as bare, event, now};
 
     fn core() -> PipelineCore {
-        let served = Served {
-            kind: "kafka",
-            cluster: "c1".into(),
-            partitioner: Some("murmur2_random".into()),
-        };
-        let mut c = PipelineCore::new(served, 1, PipelineCore::gate_from(vec![], vec![]));
+        let mut c = bare();
         c.start_streaming(Lsn(10));
         c
-    }
-
-    fn now() -> Now {
-        Now {
-            wall: SystemTime::UNIX_EPOCH,
-            lease_valid: true,
-        }
-    }
-
-    fn event(version: i64) -> OutboxEvent {
-        let destination = Destination {
-            kind: "kafka".into(),
-            cluster: "c1".into(),
-            topic: "t".into(),
-            key: "a".into(),
-            partitioner: "murmur2_random".into(),
-            route_generation: 1,
-            serializer: "json".into(),
-            acks: "all".into(),
-        };
-        OutboxEvent::frozen(
-            uuid::Uuid::now_v7(),
-            ("order", "a", version),
-            "order.changed",
-            bytes::Bytes::from_static(b"{}"),
-            destination,
-        )
     }
 
     #[test]
     fn rows_and_commits_need_a_begin() {
         let mut c = core();
         assert!(matches!(
-            c.on_row(Ok(event(1)), now()),
+            c.on_row(Ok(event("a", 1)), now(0)),
             Err(CoreError::Protocol(_))
         ));
         assert!(matches!(c.on_commit(Lsn(20)), Err(CoreError::Protocol(_))));
@@ -201,7 +166,7 @@ mod tests {
     fn a_transaction_holds_the_watermark_until_its_commit_and_its_events_resolve() {
         let mut c = core();
         c.on_begin(Lsn(20)).unwrap();
-        let sent = c.on_row(Ok(event(1)), now()).unwrap();
+        let sent = c.on_row(Ok(event("a", 1)), now(0)).unwrap();
         assert_eq!(sent.len(), 1);
         // A keepalive inside the transaction does not move the idle position past it.
         c.on_keepalive(Lsn(50));
@@ -217,7 +182,7 @@ mod tests {
         let mut c = core();
         c.on_begin(Lsn(20)).unwrap();
         assert!(c
-            .on_row(Err("no payload".into()), now())
+            .on_row(Err("no payload".into()), now(0))
             .unwrap()
             .is_empty());
         c.on_commit(Lsn(21)).unwrap();

@@ -1,126 +1,12 @@
 //! One test per decision of the pipeline core, driven with plain values (no broker, no
 //! database, no clock).
 
-use std::time::{Duration, SystemTime};
-
-use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
+use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence};
 use outbox_core::records::LedgerItem;
-use outbox_core::{Destination, EventToken, Lsn, OutboxEvent, TxnSeq};
+use outbox_core::Lsn;
 
 use super::*;
-
-fn served() -> Served {
-    Served {
-        kind: "kafka",
-        cluster: "c1".into(),
-        partitioner: Some("murmur2_random".into()),
-    }
-}
-
-fn event(aggregate: &str, version: i64) -> OutboxEvent {
-    event_for(aggregate, version, "c1")
-}
-
-fn event_for(aggregate: &str, version: i64, cluster: &str) -> OutboxEvent {
-    let destination = Destination {
-        kind: "kafka".into(),
-        cluster: cluster.into(),
-        topic: "outbox.order".into(),
-        key: aggregate.into(),
-        partitioner: "murmur2_random".into(),
-        route_generation: 1,
-        serializer: "json".into(),
-        acks: "all".into(),
-    };
-    OutboxEvent::frozen(
-        uuid::Uuid::now_v7(),
-        ("order", aggregate, version),
-        "order.changed",
-        bytes::Bytes::from(format!("{{\"v\":{version}}}")),
-        destination,
-    )
-}
-
-fn now(ms: u64) -> Now {
-    Now {
-        wall: SystemTime::UNIX_EPOCH + Duration::from_millis(ms),
-        lease_valid: true,
-    }
-}
-
-fn core() -> PipelineCore {
-    PipelineCore::new(served(), 7, PipelineCore::gate_from(Vec::new(), Vec::new()))
-}
-
-/// One transaction of `events.len()` events: admits each, returns the commands.
-fn admit_txn(c: &mut PipelineCore, events: &[OutboxEvent], end: u64) -> Vec<Command> {
-    let txn: TxnSeq = c.tracker.begin().unwrap();
-    let tokens: Vec<EventToken> = events
-        .iter()
-        .map(|_| c.tracker.add_event(txn).unwrap())
-        .collect();
-    c.tracker.commit(txn, Lsn(end)).unwrap();
-    let mut cmds = Vec::new();
-    for (ev, tok) in events.iter().zip(tokens) {
-        cmds.extend(
-            c.admit(ev.clone(), Some(Lsn(end)), Some(tok), now(0))
-                .unwrap(),
-        );
-    }
-    cmds
-}
-
-fn token(c: &Command) -> u64 {
-    match c {
-        Command::Send { token, .. } => *token,
-    }
-}
-
-fn persisted(token: u64, offset: i64) -> Delivery {
-    Delivery {
-        token,
-        outcome: DeliveryOutcome::Persisted {
-            topic: "outbox.order".into(),
-            partition: 0,
-            offset,
-            timestamp_ms: None,
-            duplicate: false,
-        },
-    }
-}
-
-fn failed(token: u64, persistence: Persistence, class: FailureClass) -> Delivery {
-    Delivery {
-        token,
-        outcome: DeliveryOutcome::Failed {
-            error: "boom".into(),
-            persistence,
-            class,
-            partition: 2,
-        },
-    }
-}
-
-/// Reports a transient failure of the only event in flight; the run must end.
-fn run_ending(c: &mut PipelineCore, token: u64, persistence: Persistence) -> DeliveryFailure {
-    match c
-        .on_report(
-            failed(token, persistence, FailureClass::Transient),
-            now(1500),
-        )
-        .unwrap()
-    {
-        Reported::Failed(f) => f,
-        Reported::Continue(_) => panic!("the run went on"),
-    }
-}
-
-fn continued(r: Reported) -> Vec<Command> {
-    match r {
-        Reported::Continue(c) => c,
-        Reported::Failed(f) => panic!("failed: {f:?}"),
-    }
-}
+use crate::testing::*;
 
 fn codes(items: &[LedgerItem]) -> Vec<String> {
     items

@@ -673,8 +673,6 @@ impl World {
         let end = Lsn(self.next_lsn);
         let mut ids = Vec::new();
         for (agg, business, ev) in evs {
-            ids.push(self.rows.len());
-            self.by_id.insert(ev.event_id, self.rows.len());
             log!(
                 self,
                 "commit {} o-{agg} v{} -> {}/{} at {end}",
@@ -683,19 +681,27 @@ impl World {
                 ev.destination.cluster,
                 ev.destination.topic
             );
-            self.rows.push(Row {
-                ev,
-                agg,
-                commit_end: end,
-                business,
-                migrations: Vec::new(),
-                purged: false,
-                last_send: 0,
-            });
-            self.c.events += 1;
+            ids.push(self.commit_row(ev, agg, business, end));
         }
         self.wal.push((end, ids));
         self.next_lsn += 8;
+    }
+
+    /// A committed outbox row; returns its index.
+    fn commit_row(&mut self, ev: OutboxEvent, agg: Agg, business: u64, end: Lsn) -> usize {
+        let row = self.rows.len();
+        self.by_id.insert(ev.event_id, row);
+        self.rows.push(Row {
+            ev,
+            agg,
+            commit_end: end,
+            business,
+            migrations: Vec::new(),
+            purged: false,
+            last_send: 0,
+        });
+        self.c.events += 1;
+        row
     }
 
     /// The commit ACK was lost; the business command is retried with the same business key.
@@ -714,18 +720,8 @@ impl World {
         let ev = self.enqueue(agg, business, self.agg_version[agg as usize]);
         self.next_lsn += 64;
         let end = Lsn(self.next_lsn);
-        self.by_id.insert(ev.event_id, self.rows.len());
-        self.wal.push((end, vec![self.rows.len()]));
-        self.rows.push(Row {
-            ev,
-            agg,
-            commit_end: end,
-            business,
-            migrations: Vec::new(),
-            purged: false,
-            last_send: 0,
-        });
-        self.c.events += 1;
+        let row = self.commit_row(ev, agg, business, end);
+        self.wal.push((end, vec![row]));
     }
 
     fn route_change(&mut self) {
