@@ -80,6 +80,13 @@ pub struct BenchArgs {
     /// Crash phase: seconds of steady writes with a SIGKILL of the relay halfway (0: skip).
     #[arg(long, default_value_t = 4.0)]
     pub crash_secs: f64,
+    /// Producer phase: seconds per pgbench run (two of `outbox.enqueue`, two of a plain outbox
+    /// INSERT, alternating); 0 skips the phase.
+    #[arg(long, default_value_t = 10.0)]
+    pub producer_secs: f64,
+    /// Producer phase: pgbench clients (one event per transaction each).
+    #[arg(long, default_value_t = 4)]
+    pub producer_clients: u32,
     /// Skip the polling baseline.
     #[arg(long)]
     pub no_poll: bool,

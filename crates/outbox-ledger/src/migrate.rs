@@ -75,6 +75,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "receipt_positions",
         sql: include_str!("../../../migrations/0011_receipt_positions.sql"),
     },
+    Migration {
+        version: 12,
+        name: "route_plan_cache",
+        sql: include_str!("../../../migrations/0012_route_plan_cache.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -21,12 +21,17 @@
 //! 6. **Polling baseline** ([`poll`]): a `FOR UPDATE SKIP LOCKED` claim-and-mark relay
 //!    drains the same backlog and the same steady rate to the same broker.
 //!
+//! 0. **Producer** ([`producer`]): `outbox.enqueue` against a plain outbox INSERT under
+//!    pgbench, same payload and clients, one event per transaction: TPS and PostgreSQL CPU per
+//!    event for both.
+//!
 //! Variants (payload size, aggregate count) repeat phases 1-3 with fewer events. Output: a
 //! table, a JSON file, an SVG chart, and a last line that scripts can parse. Nothing here
 //! asserts anything about speed; CI runs a tiny configuration to prove the tool works.
 
 mod poll;
 mod procstat;
+mod producer;
 mod report;
 mod workload;
 
@@ -100,6 +105,16 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         events: a.events,
     };
     let mut report = Report::new(&main, a);
+    if a.producer_secs > 0.0 {
+        let p = producer::run(ctx, &main).await?;
+        eprintln!(
+            "bench: producer: outbox.enqueue {:.0} TPS, plain INSERT {:.0} TPS ({:.2}x)",
+            p.enqueue.tps,
+            p.plain.tps,
+            p.ratio()
+        );
+        report.producer = Some(p);
+    }
     eprintln!("bench: main scenario {main:?}");
     let db = ctx.prepare(&main).await?;
 

@@ -43,6 +43,8 @@ pub(crate) struct Report {
     pub variants: Vec<VariantResult>,
     /// 1-minute load average sampled at each phase boundary (name, load).
     pub load: Vec<(String, f64)>,
+    /// `outbox.enqueue` against a plain outbox INSERT, under pgbench.
+    pub producer: Option<super::producer::Producer>,
 }
 
 fn phase_json(p: &Phase) -> serde_json::Value {
@@ -101,13 +103,14 @@ impl Report {
 
     pub fn last_line(&self) -> String {
         format!(
-            "broker={} decode_ratio={:.2} drain_events_per_s={:.0} p99_ms={:.1} rss_mib={:.1} poll_ratio={:.2}",
+            "broker={} decode_ratio={:.2} drain_events_per_s={:.0} p99_ms={:.1} rss_mib={:.1} poll_ratio={:.2} producer_ratio={:.2}",
             self.broker.split(' ').next().unwrap_or(""),
             self.decode_ratio(),
             self.drain.rate,
             self.steady.latency.p99,
             self.rss_peak_mib,
-            self.poll_ratio()
+            self.poll_ratio(),
+            self.producer.as_ref().map_or(0.0, |p| p.ratio())
         )
     }
 
@@ -145,6 +148,28 @@ impl Report {
             "{:<34} {:>12.0}",
             "enqueue backlog (outbox.enqueue)", self.enqueue_events_per_s
         );
+        if let Some(p) = &self.producer {
+            println!(
+                "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
+                format!("producer: outbox.enqueue ({} cl.)", p.clients),
+                p.enqueue.tps,
+                p.secs,
+                "-",
+                p.enqueue.pg_cpu_us_per_event,
+                "-",
+                format!("{:.2}x plain INSERT", p.ratio())
+            );
+            println!(
+                "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
+                format!("producer: plain INSERT ({} cl.)", p.clients),
+                p.plain.tps,
+                p.secs,
+                "-",
+                p.plain.pg_cpu_us_per_event,
+                "-",
+                ""
+            );
+        }
         row("decode limit (pg_recvlogical)", &self.decode, String::new());
         row(
             "relay drain (confirmed LSN)",
@@ -257,6 +282,13 @@ impl Report {
             "broker": self.broker,
             "machine_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "enqueue_events_per_s": self.enqueue_events_per_s,
+            "producer": self.producer.as_ref().map(|p| json!({
+                "clients": p.clients, "seconds_per_run": p.secs,
+                "enqueue_tps": p.enqueue.tps, "plain_insert_tps": p.plain.tps,
+                "enqueue_over_plain": p.ratio(),
+                "enqueue_pg_cpu_us_per_event": p.enqueue.pg_cpu_us_per_event,
+                "plain_insert_pg_cpu_us_per_event": p.plain.pg_cpu_us_per_event,
+            })),
             "wal_retained_backlog_mib": self.wal_backlog_mib,
             "decode_limit": phase_json(&self.decode),
             "drain": phase_json(&self.drain),

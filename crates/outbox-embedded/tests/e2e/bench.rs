@@ -22,6 +22,7 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         .args(["bench", "--events", "2000", "--aggregates", "500"])
         .args(["--steady-secs", "1", "--rate", "1000", "--crash-secs", "1"])
         .args(["--variants", "1024x50", "--variant-events", "500"])
+        .args(["--producer-secs", "1"])
         .args(extra)
         .arg("--json")
         .arg(&json)
@@ -45,6 +46,7 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         "p99_ms",
         "rss_mib",
         "poll_ratio",
+        "producer_ratio",
     ];
     let fields: Vec<(&str, &str)> = last
         .split_whitespace()
@@ -72,6 +74,19 @@ fn tiny_bench(extra: &[&str], broker: &str) {
     assert_eq!(v["drain"]["events"], 2000);
     assert_eq!(v["variants"].as_array().map(|a| a.len()), Some(1));
     assert!(v["steady"]["latency"]["count"].as_u64().unwrap_or(0) > 0);
+    // The producer phase ran both sides and measured PostgreSQL's CPU for each.
+    for key in [
+        "enqueue_tps",
+        "plain_insert_tps",
+        "enqueue_pg_cpu_us_per_event",
+        "plain_insert_pg_cpu_us_per_event",
+    ] {
+        assert!(
+            v["producer"][key].as_f64().unwrap_or(0.0) > 0.0,
+            "producer.{key}: {}",
+            v["producer"]
+        );
+    }
     let chart = std::fs::read_to_string(&svg).unwrap();
     assert!(
         chart.starts_with("<svg") && chart.contains("polyline"),

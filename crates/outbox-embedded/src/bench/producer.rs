@@ -1,0 +1,193 @@
+//! The producer's side: what `outbox.enqueue` costs a writer, against what a team's producer
+//! pays without outboxd — a Debezium-style outbox row (uuid id, aggregate type, aggregate id,
+//! type, jsonb payload) inserted in its own transaction.
+//!
+//! Both run under `pgbench` (from the server's own bin directory), with the same payload, the
+//! same number of clients, one event per transaction, aggregate ids drawn from the scenario's
+//! aggregate count, in a database of their own with no replication slot (the cost measured is
+//! the producer's, not the decoder's). The two alternate (plain, enqueue, plain, enqueue) so
+//! that a noisy neighbour hits both; the figures are the means. PostgreSQL CPU per event comes
+//! from the cluster's processes (`procstat::ClusterCpu`), and includes the work of every
+//! backend the clients use.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+use super::procstat::ClusterCpu;
+use super::{workload, Ctx, Scenario};
+
+/// One side of the comparison.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ProducerSide {
+    pub tps: f64,
+    pub pg_cpu_us_per_event: f64,
+}
+
+/// The producer phase's result.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Producer {
+    pub clients: u32,
+    pub secs: f64,
+    pub enqueue: ProducerSide,
+    pub plain: ProducerSide,
+}
+
+impl Producer {
+    /// `outbox.enqueue` TPS / plain INSERT TPS (the target is at least 0.8).
+    pub fn ratio(&self) -> f64 {
+        self.enqueue.tps / self.plain.tps.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Runs the producer phase for `sc`'s payload and aggregate count.
+pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
+    let secs = ctx.args.producer_secs;
+    let clients = ctx.args.producer_clients;
+    let url = ctx.pg.create_database("bench_producer").await?;
+    outboxd::migrate(&url).await?;
+    let client = outboxd::connect(&url).await?;
+    client
+        .batch_execute(
+            "CREATE TABLE public.plain_outbox (
+                 id            uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+                 aggregatetype text  NOT NULL,
+                 aggregateid   text  NOT NULL,
+                 type          text  NOT NULL,
+                 payload       jsonb NOT NULL)",
+        )
+        .await
+        .context("creating the plain outbox table")?;
+    let payload = format!(
+        r#"{{"i": 0, "pad": "{}"}}"#,
+        "x".repeat(workload::pad_len(sc.payload))
+    );
+    let aggregates = sc.aggregates.max(1);
+    let enqueue = ctx.dir.path().join("producer-enqueue.sql");
+    std::fs::write(
+        &enqueue,
+        format!(
+            "\\set aid random(1, {aggregates})\n\
+             SELECT outbox.enqueue('bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb);\n"
+        ),
+    )?;
+    let plain = ctx.dir.path().join("producer-plain.sql");
+    std::fs::write(
+        &plain,
+        format!(
+            "\\set aid random(1, {aggregates})\n\
+             INSERT INTO public.plain_outbox (aggregatetype, aggregateid, type, payload) \
+             VALUES ('bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb);\n"
+        ),
+    )?;
+    let mut out = Producer {
+        clients,
+        secs,
+        ..Producer::default()
+    };
+    let rounds = 2.0;
+    for _ in 0..2 {
+        for (script, side) in [(&plain, &mut out.plain), (&enqueue, &mut out.enqueue)] {
+            let (tps, us) = pgbench(ctx, &url, script, clients, secs).await?;
+            side.tps += tps / rounds;
+            side.pg_cpu_us_per_event += us / rounds;
+        }
+    }
+    Ok(out)
+}
+
+/// One pgbench run of `script`: (transactions per second, PostgreSQL CPU µs per transaction).
+async fn pgbench(
+    ctx: &Ctx,
+    url: &str,
+    script: &Path,
+    clients: u32,
+    secs: f64,
+) -> anyhow::Result<(f64, f64)> {
+    let exe = ctx.bindir.join("pgbench");
+    if !exe.exists() {
+        bail!(
+            "the producer phase runs {} and it is not there: install the PostgreSQL server package that provides it (Debian: postgresql), or skip the phase with --producer-secs 0",
+            exe.display()
+        );
+    }
+    let mut cmd = Command::new(&exe);
+    cmd.args(["-n", "-c", &clients.to_string(), "-j"])
+        .arg(clients.min(2).to_string())
+        .args(["-T", &format!("{}", secs.ceil().max(1.0) as u64), "-f"])
+        .arg(script)
+        .arg(url);
+    let mut cpu = ClusterCpu::start(ctx.postmaster);
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let waiting = tokio::task::spawn_blocking(move || child.wait_with_output());
+    tokio::pin!(waiting);
+    let output = loop {
+        tokio::select! {
+            done = &mut waiting => break done??,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => cpu.sample(),
+        }
+    };
+    cpu.sample();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if !output.status.success() {
+        bail!(
+            "pgbench -f {} failed ({}): {stderr}{stdout}",
+            script.display(),
+            output.status
+        );
+    }
+    let tps = parse_tps(&stdout).with_context(|| {
+        format!(
+            "pgbench -f {} printed no tps line:\n{stdout}",
+            script.display()
+        )
+    })?;
+    let processed = parse_processed(&stdout).unwrap_or(0);
+    if processed == 0 {
+        bail!(
+            "pgbench -f {} committed no transaction:\n{stdout}{stderr}",
+            script.display()
+        );
+    }
+    Ok((tps, cpu.secs() * 1e6 / processed as f64))
+}
+
+/// `tps = 1234.5 (without initial connection time)`.
+fn parse_tps(out: &str) -> Option<f64> {
+    out.lines()
+        .find(|l| l.starts_with("tps = "))
+        .and_then(|l| l["tps = ".len()..].split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// `number of transactions actually processed: 1234`.
+fn parse_processed(out: &str) -> Option<u64> {
+    out.lines()
+        .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
+        .and_then(|v| v.split(['/', ' ']).next())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_pgbench_output() {
+        let out = "transaction type: producer-plain.sql\n\
+                   number of transactions actually processed: 452310\n\
+                   number of failed transactions: 0 (0.000%)\n\
+                   latency average = 0.088 ms\n\
+                   tps = 45224.658823 (without initial connection time)\n";
+        assert_eq!(parse_tps(out), Some(45224.658823));
+        assert_eq!(parse_processed(out), Some(452310));
+        assert_eq!(parse_tps("no such line"), None);
+    }
+}
