@@ -78,7 +78,9 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub events_per_txn: u64,
     /// Crash phase: seconds of steady writes with a SIGKILL of the relay halfway (0: skip).
-    #[arg(long, default_value_t = 4.0)]
+    /// The phase counts copies on the topic: on the embedded broker (which keeps 5 MiB per
+    /// partition) keep `rate x crash-secs / partitions` under about 12,000.
+    #[arg(long, default_value_t = 3.0)]
     pub crash_secs: f64,
     /// Producer phase: seconds per pgbench run (two of `outbox.enqueue`, two of a plain outbox
     /// INSERT, alternating); 0 skips the phase.
@@ -87,6 +89,9 @@ pub struct BenchArgs {
     /// Producer phase: pgbench clients (one event per transaction each).
     #[arg(long, default_value_t = 4)]
     pub producer_clients: u32,
+    /// Producer phase: aggregates the events are spread over (each transaction picks one).
+    #[arg(long, default_value_t = 10_000)]
+    pub producer_aggregates: u64,
     /// Skip the polling baseline.
     #[arg(long)]
     pub no_poll: bool,

@@ -52,6 +52,14 @@ const MARK: &str =
 
 /// The high watermark of each partition of `topic`, in partition order.
 pub fn high_watermarks(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<Vec<i64>> {
+    Ok(watermarks(bootstrap, topic, partitions)?
+        .into_iter()
+        .map(|(_, high)| high)
+        .collect())
+}
+
+/// (log start, high watermark) of each partition of `topic`.
+fn watermarks(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<Vec<(i64, i64)>> {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", "outboxd-bench-watermarks")
@@ -60,7 +68,6 @@ pub fn high_watermarks(bootstrap: &str, topic: &str, partitions: i32) -> anyhow:
     (0..partitions)
         .map(|p| {
             c.fetch_watermarks(topic, p, Duration::from_secs(10))
-                .map(|(_, high)| high)
                 .with_context(|| format!("watermarks of {topic}/{p}"))
         })
         .collect()
@@ -76,7 +83,16 @@ pub fn copies_since(
 ) -> anyhow::Result<std::collections::HashMap<Uuid, u32>> {
     use rdkafka::message::{Headers, Message};
     use rdkafka::{Offset, TopicPartitionList};
-    let until = high_watermarks(bootstrap, topic, from.len() as i32)?;
+    let marks = watermarks(bootstrap, topic, from.len() as i32)?;
+    // A broker that deleted part of what is to be counted cannot answer: say so, not "missing".
+    for (p, (&f, &(low, _))) in from.iter().zip(&marks).enumerate() {
+        if low > f {
+            anyhow::bail!(
+                "{topic}/{p}: the messages from offset {f} on are needed and the broker's log starts at {low}: they were deleted. librdkafka's mock cluster (--broker embedded) keeps the last 100,000 messages or 5 MiB per partition; use fewer --crash-secs, more --partitions, or --broker apache"
+            );
+        }
+    }
+    let until: Vec<i64> = marks.iter().map(|(_, high)| *high).collect();
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", "outboxd-bench-copies")

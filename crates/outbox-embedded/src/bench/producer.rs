@@ -3,12 +3,12 @@
 //! type, jsonb payload) inserted in its own transaction.
 //!
 //! Both run under `pgbench` (from the server's own bin directory), with the same payload, the
-//! same number of clients, one event per transaction, aggregate ids drawn from the scenario's
-//! aggregate count, in a database of their own with no replication slot (the cost measured is
-//! the producer's, not the decoder's). The two alternate (plain, enqueue, plain, enqueue) so
-//! that a noisy neighbour hits both; the figures are the means. PostgreSQL CPU per event comes
-//! from the cluster's processes (`procstat::ClusterCpu`), and includes the work of every
-//! backend the clients use.
+//! same number of clients, one event per transaction, aggregate ids drawn from
+//! `--producer-aggregates` (10,000 by default), in a database of their own with no replication
+//! slot (the cost measured is the producer's, not the decoder's). The two alternate (plain,
+//! enqueue, plain, enqueue) so that a noisy neighbour hits both; the figures are the means.
+//! PostgreSQL CPU per event comes from the cluster's processes (`procstat::ClusterCpu`), and
+//! includes the work of every backend the clients use.
 
 use std::path::Path;
 use std::process::Command;
@@ -30,6 +30,7 @@ pub(crate) struct ProducerSide {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Producer {
     pub clients: u32,
+    pub aggregates: u64,
     pub secs: f64,
     pub enqueue: ProducerSide,
     pub plain: ProducerSide,
@@ -42,7 +43,7 @@ impl Producer {
     }
 }
 
-/// Runs the producer phase for `sc`'s payload and aggregate count.
+/// Runs the producer phase with `sc`'s payload, over `--producer-aggregates` aggregates.
 pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
     let secs = ctx.args.producer_secs;
     let clients = ctx.args.producer_clients;
@@ -64,7 +65,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
         r#"{{"i": 0, "pad": "{}"}}"#,
         "x".repeat(workload::pad_len(sc.payload))
     );
-    let aggregates = sc.aggregates.max(1);
+    let aggregates = ctx.args.producer_aggregates.max(1);
     let enqueue = ctx.dir.path().join("producer-enqueue.sql");
     std::fs::write(
         &enqueue,
@@ -84,6 +85,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
     )?;
     let mut out = Producer {
         clients,
+        aggregates,
         secs,
         ..Producer::default()
     };

@@ -283,7 +283,7 @@ impl Report {
             "machine_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "enqueue_events_per_s": self.enqueue_events_per_s,
             "producer": self.producer.as_ref().map(|p| json!({
-                "clients": p.clients, "seconds_per_run": p.secs,
+                "clients": p.clients, "aggregates": p.aggregates, "seconds_per_run": p.secs,
                 "enqueue_tps": p.enqueue.tps, "plain_insert_tps": p.plain.tps,
                 "enqueue_over_plain": p.ratio(),
                 "enqueue_pg_cpu_us_per_event": p.enqueue.pg_cpu_us_per_event,
