@@ -58,6 +58,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox.quarantine,
     outbox.checkpoints,
     outbox.aggregate_heads,
+    outbox.head_journal,
     outbox.holds,
     outbox.held_events,
     outbox.relay_leases,
@@ -67,5 +68,6 @@ TO outboxd_relay;
 GRANT USAGE ON SEQUENCE
     outbox.duplicate_receipts_id_seq,
     outbox.quarantine_id_seq,
-    outbox.attempts_id_seq
+    outbox.attempts_id_seq,
+    outbox.head_journal_id_seq
 TO outboxd_relay;

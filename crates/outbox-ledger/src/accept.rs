@@ -99,13 +99,12 @@ conflict AS (
     RETURNING 1
 ),
 heads AS (
-    INSERT INTO outbox.aggregate_heads AS h (aggregate_type, aggregate_id, last_version)
-    SELECT m.aggregate_type, m.aggregate_id, max(m.aggregate_version)
+    -- One journal row per batch, folded into outbox.aggregate_heads later (migration 0013).
+    INSERT INTO outbox.head_journal (slot_name, aggregate_types, aggregate_ids, versions)
+    SELECT $13, array_agg(m.aggregate_type), array_agg(m.aggregate_id),
+           array_agg(m.aggregate_version)
     FROM matched m JOIN prim p ON p.event_id = m.event_id
-    GROUP BY m.aggregate_type, m.aggregate_id
-    ON CONFLICT (aggregate_type, aggregate_id)
-    DO UPDATE SET last_version = GREATEST(h.last_version, EXCLUDED.last_version),
-                  updated_at = clock_timestamp()
+    HAVING count(*) > 0
     RETURNING 1
 ),
 unheld AS (

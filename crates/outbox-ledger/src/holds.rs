@@ -24,8 +24,21 @@ pub async fn load_held(client: &Client) -> Result<Vec<AggKey>, LedgerError> {
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// Folds the head journal (one row per acceptance, migration 0013) into
+/// `outbox.aggregate_heads`; returns how many aggregates moved. Deletes exactly the journal
+/// rows it folds, so it may run beside acceptances and beside another fold. Every reader of
+/// heads folds first, so a relay that never ran the background fold still reads true heads.
+pub async fn fold_heads(client: &Client) -> Result<u64, LedgerError> {
+    let row = client
+        .query_one("SELECT outbox.fold_heads()", &[])
+        .await
+        .ctx("folding the head journal into outbox.aggregate_heads")?;
+    Ok(row.get::<_, i64>(0) as u64)
+}
+
 /// Every aggregate's last accepted version (the ordering gate's starting point).
 pub async fn load_heads(client: &Client) -> Result<Vec<(AggKey, i64)>, LedgerError> {
+    fold_heads(client).await?;
     let rows = client
         .query(
             "SELECT aggregate_type, aggregate_id, last_version FROM outbox.aggregate_heads",
@@ -41,6 +54,7 @@ pub async fn load_heads(client: &Client) -> Result<Vec<(AggKey, i64)>, LedgerErr
 
 /// The last version of `key` with an accepted primary receipt (0 if none).
 pub async fn head(client: &Client, key: &AggKey) -> Result<i64, LedgerError> {
+    fold_heads(client).await?;
     let row = client
         .query_opt(
             "SELECT last_version FROM outbox.aggregate_heads

@@ -80,6 +80,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "route_plan_cache",
         sql: include_str!("../../../migrations/0012_route_plan_cache.sql"),
     },
+    Migration {
+        version: 13,
+        name: "head_journal",
+        sql: include_str!("../../../migrations/0013_head_journal.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

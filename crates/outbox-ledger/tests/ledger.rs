@@ -781,3 +781,99 @@ async fn a_receipt_whose_row_never_appears_is_quarantined_after_the_wait() {
         .get(0);
     assert_eq!(reason, "receipt_without_row");
 }
+
+/// Heads are journaled per acceptance and folded later (migration 0013): a reader sees the
+/// true head before any fold, a fold moves the journal into `aggregate_heads` exactly once,
+/// and a head never goes backwards (a replayed lower version, an operator's skip above it).
+#[tokio::test]
+async fn heads_are_journaled_per_batch_and_folded_without_losing_a_version() {
+    let (mut c, _) = fresh("ledger_heads").await;
+    checkpoint::create(&c, "s1", "outbox_pub", "sys", 1, Lsn(50))
+        .await
+        .unwrap();
+    let mut evs = Vec::new();
+    for (agg, n) in [("h-1", 3), ("h-2", 1)] {
+        for _ in 0..n {
+            let id = enqueue(
+                &c,
+                "order",
+                agg,
+                "order.created",
+                &json!({"x": 1}),
+                &EnqueueOptions::default(),
+            )
+            .await
+            .unwrap();
+            evs.push(event(&c, id).await);
+        }
+    }
+    let heads_of = |heads: Vec<((String, String), i64)>| {
+        let mut h: Vec<(String, i64)> = heads.into_iter().map(|((_, a), v)| (a, v)).collect();
+        h.sort();
+        h
+    };
+    // Two batches: h-1 v1, v2 + h-2 v1; then h-1 v3.
+    for (batch, lsn) in [(&evs[0..2], 200), (&evs[3..4], 210), (&evs[2..3], 220)] {
+        let items: Vec<LedgerItem> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, e)| LedgerItem::Receipt(receipt(e, lsn + i as i64)))
+            .collect();
+        accept::accept_batch(&mut c, "s1", &items, Some(Lsn(lsn as u64)), None)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        count(&c, "SELECT count(*) FROM outbox.head_journal").await,
+        3,
+        "one journal row per acceptance"
+    );
+    assert_eq!(
+        count(&c, "SELECT count(*) FROM outbox.aggregate_heads").await,
+        0,
+        "the acceptance upserts no head"
+    );
+    // A reader folds first.
+    let key = ("order".to_string(), "h-1".to_string());
+    assert_eq!(outbox_ledger::holds::head(&c, &key).await.unwrap(), 3);
+    assert_eq!(
+        count(&c, "SELECT count(*) FROM outbox.head_journal").await,
+        0
+    );
+    // A replay's duplicate adds nothing; a fold with an empty journal moves nothing.
+    accept::accept_batch(
+        &mut c,
+        "s1",
+        &[LedgerItem::Receipt(receipt(&evs[0], 999))],
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        count(&c, "SELECT count(*) FROM outbox.head_journal").await,
+        0,
+        "a duplicate receipt journals no head"
+    );
+    assert_eq!(outbox_ledger::holds::fold_heads(&c).await.unwrap(), 0);
+    // An operator's skip moved h-2 past a version never published; a late journal row with
+    // a lower version cannot move it back.
+    c.execute(
+        "UPDATE outbox.aggregate_heads SET last_version = 7 WHERE aggregate_id = 'h-2'",
+        &[],
+    )
+    .await
+    .unwrap();
+    c.execute(
+        "INSERT INTO outbox.head_journal (slot_name, aggregate_types, aggregate_ids, versions)
+         VALUES ('s1', ARRAY['order','order'], ARRAY['h-2','h-3'], ARRAY[1,4]::int8[])",
+        &[],
+    )
+    .await
+    .unwrap();
+    let heads = heads_of(outbox_ledger::holds::load_heads(&c).await.unwrap());
+    assert_eq!(
+        heads,
+        vec![("h-1".into(), 3), ("h-2".into(), 7), ("h-3".into(), 4)]
+    );
+}

@@ -44,6 +44,7 @@ const LEDGER_TABLES: &[&str] = &[
     "quarantine",
     "checkpoints",
     "aggregate_heads",
+    "head_journal",
     "holds",
     "held_events",
     "relay_leases",
@@ -55,6 +56,7 @@ const LEDGER_SEQUENCES: &[&str] = &[
     "duplicate_receipts_id_seq",
     "quarantine_id_seq",
     "attempts_id_seq",
+    "head_journal_id_seq",
 ];
 
 /// Stand-in for a missing `--bootstrap-servers` while the rest of the config is validated.

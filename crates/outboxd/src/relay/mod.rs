@@ -245,6 +245,29 @@ fn spawn_heartbeat(client: Client, interval: Duration) -> AbortOnDrop {
     }))
 }
 
+/// How often the relay folds the head journal into `outbox.aggregate_heads` (migration 0013).
+/// Readers fold first, so this only bounds the journal: at 10,000 events/s it holds about
+/// 1,000 batch rows between folds, and a fold upserts each aggregate once however many of its
+/// events it covers (the acceptance used to upsert it once per batch).
+pub const HEADS_FOLD_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Folds the head journal every `interval` on its own connection, beside the acceptances.
+fn spawn_head_fold(client: Client, interval: Duration) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(async move {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match holds::fold_heads(&client).await {
+                Ok(n) => tracing::debug!(aggregates = n, "head journal folded"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "folding the head journal failed; trying again at the next interval (heads stay exact: readers fold first)")
+                }
+            }
+        }
+    }))
+}
+
 async fn run_once(
     cfg: &RelayConfig,
     progress: &Arc<Progress>,
@@ -439,6 +462,7 @@ async fn run_once(
     tracing::info!(start = %start, "streaming");
     tracing::Span::current().record("start_lsn", tracing::field::display(start));
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
+    let _fold = spawn_head_fold(connect_sql(url).await?, HEADS_FOLD_INTERVAL);
 
     pipeline.enable_pipelined_accept(connect_sql(url).await?);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
