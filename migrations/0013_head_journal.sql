@@ -20,12 +20,25 @@ CREATE TABLE outbox.head_journal (
     recorded_at      timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
--- Folds every committed journal row into outbox.aggregate_heads; returns how many aggregates
--- it moved.
-CREATE FUNCTION outbox.fold_heads() RETURNS bigint
+-- Folds committed journal rows with id <= up_to into outbox.aggregate_heads, oldest first, at
+-- most about max_pairs (aggregate, version) pairs (whole journal rows; at least one row); returns
+-- how many journal rows it folded (0: nothing left up to up_to). The caller loops, one
+-- transaction per call: a fold of a whole drain's journal in one transaction would be one
+-- burst of WAL that the relay's walsender must decode before the next outbox commit.
+CREATE FUNCTION outbox.fold_heads(max_pairs bigint, up_to bigint) RETURNS bigint
 LANGUAGE sql AS $$
-    WITH j AS (
-        DELETE FROM outbox.head_journal RETURNING aggregate_types, aggregate_ids, versions
+    WITH pick AS (
+        SELECT id FROM (
+            SELECT id, sum(cardinality(versions)) OVER (ORDER BY id)
+                       - cardinality(versions) AS before
+            FROM outbox.head_journal WHERE id <= up_to
+        ) r
+        WHERE before < max_pairs
+    ),
+    -- A row another fold deleted meanwhile is skipped here (it waits for that fold's commit).
+    j AS (
+        DELETE FROM outbox.head_journal WHERE id IN (SELECT id FROM pick)
+        RETURNING aggregate_types, aggregate_ids, versions
     ),
     pairs AS (
         SELECT t.at, t.ai, max(t.v) AS v
@@ -41,5 +54,6 @@ LANGUAGE sql AS $$
         WHERE h.last_version < EXCLUDED.last_version
         RETURNING 1
     )
-    SELECT count(*) FROM up
+    -- up runs to completion although nothing reads it (PostgreSQL guarantees it).
+    SELECT count(*) FROM j
 $$;

@@ -876,4 +876,25 @@ async fn heads_are_journaled_per_batch_and_folded_without_losing_a_version() {
         heads,
         vec![("h-1".into(), 3), ("h-2".into(), 7), ("h-3".into(), 4)]
     );
+    // A journal larger than one fold transaction is folded in several, all of it.
+    let pairs = outbox_ledger::holds::FOLD_CHUNK_PAIRS * 4 / 5;
+    for round in 1..=3i64 {
+        c.execute(
+            "INSERT INTO outbox.head_journal (slot_name, aggregate_types, aggregate_ids, versions)
+             SELECT 's1', array_agg('bulk'::text), array_agg('b-' || g), array_agg($2::int8)
+             FROM generate_series(1, $1::int8) g",
+            &[&pairs, &round],
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(outbox_ledger::holds::fold_heads(&c).await.unwrap(), 3);
+    assert_eq!(
+        count(
+            &c,
+            "SELECT count(*) FROM outbox.aggregate_heads WHERE aggregate_type = 'bulk' AND last_version = 3"
+        )
+        .await,
+        pairs
+    );
 }

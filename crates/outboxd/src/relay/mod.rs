@@ -259,7 +259,7 @@ fn spawn_head_fold(client: Client, interval: Duration) -> AbortOnDrop {
         loop {
             tick.tick().await;
             match holds::fold_heads(&client).await {
-                Ok(n) => tracing::debug!(aggregates = n, "head journal folded"),
+                Ok(n) => tracing::debug!(journal_rows = n, "head journal folded"),
                 Err(e) => {
                     tracing::warn!(error = %e, "folding the head journal failed; trying again at the next interval (heads stay exact: readers fold first)")
                 }
