@@ -29,28 +29,48 @@ pub async fn load_held(client: &Client) -> Result<Vec<AggKey>, LedgerError> {
 /// about [`FOLD_CHUNK_PAIRS`] pairs. Returns how many journal rows it folded. Deletes exactly
 /// the rows it folds, so it may run beside acceptances and beside another fold. Every reader
 /// of heads folds first, so a relay whose background fold never ran still reads true heads.
-pub async fn fold_heads(client: &Client) -> Result<u64, LedgerError> {
-    let up_to: Option<i64> = client
+///
+/// `paced`: after each chunk, pause as long as it took, so the fold uses at most about half of
+/// one PostgreSQL backend and never takes the CPU the stream needs in a burst (the relay's
+/// background fold); unpaced for a reader that must see the heads now.
+pub async fn fold_heads(client: &Client, paced: bool) -> Result<u64, LedgerError> {
+    let Some(up_to) = journal_end(client).await? else {
+        return Ok(0);
+    };
+    let mut folded = 0;
+    loop {
+        let began = std::time::Instant::now();
+        match fold_chunk(client, up_to).await? {
+            0 => return Ok(folded),
+            n => folded += n,
+        }
+        if paced {
+            tokio::time::sleep(began.elapsed()).await;
+        }
+    }
+}
+
+/// The newest journal row's id (`None`: the journal is empty): what a fold started now covers.
+pub async fn journal_end(client: &Client) -> Result<Option<i64>, LedgerError> {
+    Ok(client
         .query_one("SELECT max(id) FROM outbox.head_journal", &[])
         .await
         .ctx("reading the head journal")?
+        .get(0))
+}
+
+/// One fold transaction: the oldest journal rows with id <= `up_to`, about
+/// [`FOLD_CHUNK_PAIRS`] pairs. Returns how many rows it folded (0: none left up to `up_to`).
+pub async fn fold_chunk(client: &Client, up_to: i64) -> Result<u64, LedgerError> {
+    let n: i64 = client
+        .query_one(
+            "SELECT outbox.fold_heads($1, $2)",
+            &[&FOLD_CHUNK_PAIRS, &up_to],
+        )
+        .await
+        .ctx("folding the head journal into outbox.aggregate_heads")?
         .get(0);
-    let Some(up_to) = up_to else { return Ok(0) };
-    let mut folded = 0;
-    loop {
-        let n: i64 = client
-            .query_one(
-                "SELECT outbox.fold_heads($1, $2)",
-                &[&FOLD_CHUNK_PAIRS, &up_to],
-            )
-            .await
-            .ctx("folding the head journal into outbox.aggregate_heads")?
-            .get(0);
-        if n == 0 {
-            return Ok(folded);
-        }
-        folded += n as u64;
-    }
+    Ok(n as u64)
 }
 
 /// Pairs per fold transaction: small enough that the relay's walsender decodes one fold's WAL
@@ -60,7 +80,7 @@ pub const FOLD_CHUNK_PAIRS: i64 = 5_000;
 
 /// Every aggregate's last accepted version (the ordering gate's starting point).
 pub async fn load_heads(client: &Client) -> Result<Vec<(AggKey, i64)>, LedgerError> {
-    fold_heads(client).await?;
+    fold_heads(client, false).await?;
     let rows = client
         .query(
             "SELECT aggregate_type, aggregate_id, last_version FROM outbox.aggregate_heads",
@@ -76,7 +96,7 @@ pub async fn load_heads(client: &Client) -> Result<Vec<(AggKey, i64)>, LedgerErr
 
 /// The last version of `key` with an accepted primary receipt (0 if none).
 pub async fn head(client: &Client, key: &AggKey) -> Result<i64, LedgerError> {
-    fold_heads(client).await?;
+    fold_heads(client, false).await?;
     let row = client
         .query_opt(
             "SELECT last_version FROM outbox.aggregate_heads
