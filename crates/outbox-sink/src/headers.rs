@@ -36,14 +36,14 @@ pub const DEFAULT_CLOUDEVENTS_SOURCE: &str = "/outboxd/{aggregate_type}";
 /// header already present (e.g. a producer's own `ce_type` row header) is replaced, so each
 /// name appears once and the CloudEvents attributes always describe the outbox event.
 pub fn add_optional_headers(
-    headers: &mut Vec<(String, Vec<u8>)>,
+    headers: &mut crate::kafka::Headers<'_>,
     ev: &OutboxEvent,
     opts: &HeaderOptions,
 ) {
     if let Some(source) = &opts.cloudevents {
         for (k, v) in cloudevents_headers(ev, source) {
             headers.retain(|(name, _)| *name != k);
-            headers.push((k, v));
+            headers.push((k.into(), v.into()));
         }
     }
 }
@@ -158,9 +158,13 @@ destination,
             },
         );
         let get = |k: &str| {
-            let v: Vec<&Vec<u8>> = h.iter().filter(|(n, _)| n == k).map(|(_, v)| v).collect();
+            let v: Vec<&[u8]> = h
+                .iter()
+                .filter(|(n, _)| n == k)
+                .map(|(_, v)| &v[..])
+                .collect();
             assert_eq!(v.len(), 1, "header {k} appears {} times", v.len());
-            String::from_utf8(v[0].clone()).unwrap()
+            String::from_utf8(v[0].to_vec()).unwrap()
         };
         assert_eq!(get("ce_specversion"), "1.0");
         assert_eq!(get("ce_id"), ev.event_id.to_string());

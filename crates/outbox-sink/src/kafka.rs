@@ -15,6 +15,7 @@
 //!   report is forwarded as a possibly persisted failure, never as `Persisted`
 //!   ([`outbox_core::receipt::position_proof`]).
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use outbox_core::OutboxEvent;
@@ -171,37 +172,36 @@ pub fn classify(err: &KafkaError) -> FailureClass {
 /// The Kafka headers of an event: `id` (Debezium outbox-router compatible) and the envelope
 /// metadata, then the producer's own headers (a JSON object of strings; non-string values
 /// are sent as their JSON text). Envelope headers cannot be overridden by row headers.
-pub fn event_headers(ev: &OutboxEvent) -> Vec<(String, Vec<u8>)> {
-    let mut h: Vec<(String, Vec<u8>)> = vec![
-        ("id".into(), ev.event_id.to_string().into_bytes()),
-        (
-            "aggregate_type".into(),
-            ev.aggregate_type.clone().into_bytes(),
-        ),
-        ("aggregate_id".into(), ev.aggregate_id.clone().into_bytes()),
-        (
-            "aggregate_version".into(),
-            ev.aggregate_version.to_string().into_bytes(),
-        ),
-        ("event_type".into(), ev.event_type.clone().into_bytes()),
-        (
-            "envelope_generation".into(),
-            ev.envelope_generation.to_string().into_bytes(),
-        ),
-        (
-            "payload_digest".into(),
-            ev.payload_digest.clone().into_bytes(),
-        ),
-        ("occurred_at".into(), ev.occurred_at.clone().into_bytes()),
-    ];
+pub fn event_headers(ev: &OutboxEvent) -> Headers<'_> {
+    fn b(s: &str) -> Cow<'_, [u8]> {
+        Cow::Borrowed(s.as_bytes())
+    }
+    fn o(s: String) -> Cow<'static, [u8]> {
+        Cow::Owned(s.into_bytes())
+    }
+    let mut h: Headers<'_> = Vec::with_capacity(12);
+    h.push(("id".into(), o(ev.event_id.to_string())));
+    h.push(("aggregate_type".into(), b(&ev.aggregate_type)));
+    h.push(("aggregate_id".into(), b(&ev.aggregate_id)));
+    h.push((
+        "aggregate_version".into(),
+        o(ev.aggregate_version.to_string()),
+    ));
+    h.push(("event_type".into(), b(&ev.event_type)));
+    h.push((
+        "envelope_generation".into(),
+        o(ev.envelope_generation.to_string()),
+    ));
+    h.push(("payload_digest".into(), b(&ev.payload_digest)));
+    h.push(("occurred_at".into(), b(&ev.occurred_at)));
     if let Some(s) = &ev.payload_schema {
-        h.push(("payload_schema".into(), s.clone().into_bytes()));
+        h.push(("payload_schema".into(), b(s)));
     }
     if let Some(t) = &ev.tenant {
-        h.push(("tenant".into(), t.clone().into_bytes()));
+        h.push(("tenant".into(), b(t)));
     }
     if let Some(s) = &ev.delivery_set_id {
-        h.push(("delivery_set_id".into(), s.to_string().into_bytes()));
+        h.push(("delivery_set_id".into(), o(s.to_string())));
     }
     if let Some(extra) = ev.headers.as_deref() {
         if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(extra) {
@@ -213,12 +213,16 @@ pub fn event_headers(ev: &OutboxEvent) -> Vec<(String, Vec<u8>)> {
                     serde_json::Value::String(s) => s.into_bytes(),
                     other => other.to_string().into_bytes(),
                 };
-                h.push((k, bytes));
+                h.push((Cow::Owned(k), Cow::Owned(bytes)));
             }
         }
     }
     h
 }
+
+/// Message headers as (name, value): the envelope's names are static and most values borrow
+/// from the event, so building them for every message allocates little.
+pub type Headers<'a> = Vec<(Cow<'static, str>, Cow<'a, [u8]>)>;
 
 /// An idempotent, `acks=all` Kafka producer whose delivery reports go to a channel.
 pub struct KafkaSink {
@@ -293,7 +297,7 @@ impl KafkaSink {
             for (k, v) in &headers {
                 oh = oh.insert(Header {
                     key: k,
-                    value: Some(v.as_slice()),
+                    value: Some(&v[..]),
                 });
             }
             let sent = Box::new(Sent {

@@ -216,7 +216,9 @@ impl Pipeline {
         let reported = self.core.on_report(d, now)?;
         self.note_batch();
         match reported {
-            Reported::Continue(commands) => Box::pin(self.execute(commands)).await,
+            // Most reports free no queued event: nothing to execute, and no future to build.
+            Reported::Continue(commands) if commands.is_empty() => Ok(()),
+            Reported::Continue(commands) => self.execute(commands).await,
             Reported::Failed(f) => {
                 if let Some(u) = &f.unknown {
                     // The broker may have it. Record that before anything else happens to
