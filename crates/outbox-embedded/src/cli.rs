@@ -129,6 +129,15 @@ pub struct BenchArgs {
     /// if missing; give it a broker you can throw away.
     #[arg(long, value_name = "HOST:PORT,...")]
     pub bootstrap_servers: Option<String>,
+    /// The Debezium phase (docs/benchmarks.md, "Debezium beside it"): Debezium 3.6.1.Final's
+    /// embedded engine (pgoutput, outbox EventRouter) in a Java main the bench builds with Maven
+    /// (`java` and `javac` 17+, `mvn`; cached in ~/.cache/outboxd), on the same backlog and
+    /// steady rate, to the same broker. It needs a real Kafka: Debezium's Java client cannot
+    /// talk to the embedded mock cluster. `auto`: run it on a real Kafka (--broker apache,
+    /// --bootstrap-servers), report it as not run on the embedded broker; `on`: the same, but
+    /// an embedded broker is an error; `off`: skip it (reported as not run).
+    #[arg(long, value_enum, default_value_t = DebeziumMode::Auto)]
+    pub debezium: DebeziumMode,
     /// Give up on a phase after this many seconds.
     #[arg(long, default_value_t = 600)]
     pub timeout_secs: u64,
@@ -152,6 +161,14 @@ pub struct BenchArgs {
 pub enum BenchBroker {
     Embedded,
     Apache,
+}
+
+/// Whether `outbox-embedded bench` runs the Debezium phase (see `--debezium`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DebeziumMode {
+    Auto,
+    On,
+    Off,
 }
 
 fn parse_variant(s: &str) -> Result<(usize, u64), String> {
