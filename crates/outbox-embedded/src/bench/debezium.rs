@@ -96,7 +96,8 @@ pub(crate) struct Results {
 /// Why the embedded broker cannot serve the phase (tried with Debezium 3.6.1.Final's
 /// kafka-clients 4.3.0 against librdkafka's mock cluster: the producer never got usable
 /// metadata and re-bootstrapped until it was stopped).
-const MOCK_REASON: &str = "needs a real Kafka (--broker apache or --bootstrap-servers): Debezium's \
+const MOCK_REASON: &str =
+    "needs a real Kafka (--broker apache or --bootstrap-servers): Debezium's \
      Java Kafka client (kafka-clients 4.3) gets no usable metadata from librdkafka's mock cluster";
 
 /// `Ok(None)` when the phase runs with these arguments, `Ok(Some(why not))` when it reports
@@ -163,7 +164,10 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
 
     let pg: tokio_postgres::Config = url.parse().context("parsing the database URL")?;
     let settings = settings(ctx, &pg, &slot, publication);
-    let props = ctx.dir.path().join(format!("debezium-{}.properties", sc.name));
+    let props = ctx
+        .dir
+        .path()
+        .join(format!("debezium-{}.properties", sc.name));
     write_properties(&props, &settings, ctx.dir.path(), &sc.name)?;
 
     // Drain.
@@ -227,10 +231,6 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
     let first_ms = messages.iter().map(|m| m.timestamp_ms).min().unwrap_or(0);
     let startup_s = (first_ms as f64 / 1000.0 - started_epoch).max(0.0);
     let drain_duplicates = (messages.len() - on_topic.len()) as u64;
-    eprintln!(
-        "bench: Debezium drain {:.0} events/s (first event on the broker {startup_s:.1} s after spawn)",
-        drain.rate
-    );
 
     // Steady, with the same JVM.
     let before = poll::high_watermarks(&ctx.bootstrap, &topic, a.partitions)?;
@@ -293,7 +293,10 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
             .or_insert(ts);
     }
     let unique: HashSet<Uuid> = committed.iter().map(|(id, _)| *id).collect();
-    let missing = unique.iter().filter(|id| !on_broker.contains_key(id)).count();
+    let missing = unique
+        .iter()
+        .filter(|id| !on_broker.contains_key(id))
+        .count();
     if missing > 0 {
         bail!(
             "Debezium steady phase: {missing} of {} committed events are not on {topic} after Debezium confirmed past their commits; see {}",

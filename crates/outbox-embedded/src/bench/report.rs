@@ -115,8 +115,9 @@ impl Report {
 
     /// outboxd's drain rate over Debezium's (0 when Debezium did not run).
     pub fn debezium_ratio(&self) -> f64 {
-        self.debezium_results()
-            .map_or(0.0, |d| self.drain.rate / d.drain.rate.max(f64::MIN_POSITIVE))
+        self.debezium_results().map_or(0.0, |d| {
+            self.drain.rate / d.drain.rate.max(f64::MIN_POSITIVE)
+        })
     }
 
     pub fn last_line(&self) -> String {
@@ -150,7 +151,10 @@ impl Report {
             "Debezium {} beside outboxd (embedded engine, pgoutput, outbox EventRouter; same backlog, rate and broker)",
             super::debezium::DEBEZIUM_VERSION
         );
-        println!("{:<52} {:>14} {:>14} {:>10}", "", "outboxd", "Debezium", "ratio");
+        println!(
+            "{:<52} {:>14} {:>14} {:>10}",
+            "", "outboxd", "Debezium", "outboxd/D"
+        );
         let line = |name: &str, ours: f64, theirs: f64, prec: usize| {
             println!(
                 "{:<52} {:>14.prec$} {:>14.prec$} {:>9.2}x",
