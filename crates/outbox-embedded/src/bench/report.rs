@@ -219,8 +219,9 @@ impl Report {
             1,
         );
         println!(
-            "Debezium: first event on the broker {:.1} s after the JVM was spawned; {} duplicates in the drain; steady latency is {}; {} of {} steady events measured",
+            "Debezium: first event on the broker {:.1} s after the JVM was spawned ({:.0} events/s from then on); {} duplicates in the drain; steady latency is {}; {} of {} steady events measured",
             r.startup_s,
+            r.drain.events as f64 / (r.drain.secs - r.startup_s).max(f64::MIN_POSITIVE),
             r.drain_duplicates,
             r.latency_source,
             r.steady.latency.count,
@@ -437,6 +438,8 @@ impl Report {
                     "version": super::debezium::DEBEZIUM_VERSION,
                     "drain": phase_json(&r.drain),
                     "startup_s": r.startup_s,
+                    "drain_events_per_s_after_startup":
+                        r.drain.events as f64 / (r.drain.secs - r.startup_s).max(f64::MIN_POSITIVE),
                     "drain_duplicates": r.drain_duplicates,
                     "steady": steady_json(&r.steady),
                     "latency_measured_as": r.latency_source,
