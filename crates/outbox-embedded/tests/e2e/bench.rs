@@ -66,7 +66,11 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         .filter(|(_, v)| !v.parse::<f64>().is_ok_and(f64::is_finite))
         .collect();
     assert!(unparseable.is_empty(), "last line: {last}");
-    let debezium_ratio: f64 = fields[8].1.parse().unwrap_or(0.0);
+    let debezium_ratio: f64 = fields
+        .iter()
+        .find(|(k, _)| *k == "debezium_ratio")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(f64::NAN);
     // Every event of the tiny backlog was drained and measured.
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
