@@ -33,8 +33,9 @@ pub enum Command {
     /// Benchmark on the embedded default (throwaway PostgreSQL + mock broker), in one run:
     /// pg_recvlogical's decode rate, the relay's backlog drain, commit -> accepted latency at a
     /// steady rate, relay RSS and CPU, PostgreSQL CPU per event, WAL retained, replay after a
-    /// SIGKILL, and a polling (FOR UPDATE SKIP LOCKED) relay on the same workload. Prints a
-    /// table and, last, `decode_ratio=.. drain_events_per_s=.. p99_ms=.. rss_mib=.. poll_ratio=..`;
+    /// SIGKILL, a polling (FOR UPDATE SKIP LOCKED) relay and, on a real Kafka, Debezium's
+    /// embedded engine on the same workload. Prints a table and, last,
+    /// `decode_ratio=.. drain_events_per_s=.. p99_ms=.. rss_mib=.. poll_ratio=.. producer_ratio=.. debezium_ratio=..`;
     /// writes JSON (--json) and an SVG chart (--svg). The relay runs as `outboxd run` child
     /// processes: the `outboxd` binary beside this one, or `OUTBOXD_BIN`. See docs/benchmarks.md.
     Bench(Box<BenchArgs>),
@@ -129,6 +130,15 @@ pub struct BenchArgs {
     /// if missing; give it a broker you can throw away.
     #[arg(long, value_name = "HOST:PORT,...")]
     pub bootstrap_servers: Option<String>,
+    /// The Debezium phase (docs/benchmarks.md, "Debezium beside it"): Debezium 3.6.1.Final's
+    /// embedded engine (pgoutput, outbox EventRouter) in a Java main the bench builds with Maven
+    /// (`java` and `javac` 17+, `mvn`; cached in ~/.cache/outboxd), on the same backlog and
+    /// steady rate, to the same broker. It needs a real Kafka: Debezium's Java client cannot
+    /// talk to the embedded mock cluster. `auto`: run it on a real Kafka (--broker apache,
+    /// --bootstrap-servers), report it as not run on the embedded broker; `on`: the same, but
+    /// an embedded broker is an error; `off`: skip it (reported as not run).
+    #[arg(long, value_enum, default_value_t = DebeziumMode::Auto)]
+    pub debezium: DebeziumMode,
     /// Give up on a phase after this many seconds.
     #[arg(long, default_value_t = 600)]
     pub timeout_secs: u64,
@@ -152,6 +162,14 @@ pub struct BenchArgs {
 pub enum BenchBroker {
     Embedded,
     Apache,
+}
+
+/// Whether `outbox-embedded bench` runs the Debezium phase (see `--debezium`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DebeziumMode {
+    Auto,
+    On,
+    Off,
 }
 
 fn parse_variant(s: &str) -> Result<(usize, u64), String> {

@@ -21,6 +21,10 @@
 //! 6. **Polling baseline** ([`poll`]): a `FOR UPDATE SKIP LOCKED` claim-and-mark relay
 //!    drains the same backlog and the same steady rate to the same broker.
 //!
+//! 7. **Debezium** ([`debezium`]): Debezium's embedded engine (pgoutput, outbox EventRouter)
+//!    with a Kafka producer, in a JVM, drains the same backlog and the same steady rate from a
+//!    Debezium-style outbox table to the same broker (a real Kafka only, by default).
+//!
 //! 0. **Producer** ([`producer`]): `outbox.enqueue` against a plain outbox INSERT under
 //!    pgbench, same payload and clients, one event per transaction: TPS and PostgreSQL CPU per
 //!    event for both.
@@ -29,6 +33,7 @@
 //! table, a JSON file, an SVG chart, and a last line that scripts can parse. Nothing here
 //! asserts anything about speed; CI runs a tiny configuration to prove the tool works.
 
+mod debezium;
 mod poll;
 mod procstat;
 mod producer;
@@ -115,6 +120,13 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         );
         report.producer = Some(p);
     }
+    let dbz_skipped = debezium::should_run(a.debezium, a.broker, a.bootstrap_servers.is_some())?;
+    if dbz_skipped.is_none() {
+        // Before the long phases: a missing JDK or Maven fails the run now.
+        tokio::task::spawn_blocking(debezium::build)
+            .await?
+            .context("building the Debezium relay (--debezium off skips the phase)")?;
+    }
     eprintln!("bench: main scenario {main:?}");
     let db = ctx.prepare(&main).await?;
 
@@ -181,6 +193,22 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         report.poll_drain = Some(drain);
         report.poll_steady = Some(steady);
         report.poll_series = series;
+    }
+
+    match dbz_skipped {
+        Some(reason) => {
+            eprintln!("bench: Debezium phase {reason}");
+            report.debezium = Some(debezium::Outcome::NotRun(reason));
+        }
+        None => {
+            load("debezium", &mut report);
+            let r = debezium::run(ctx, &main).await?;
+            eprintln!(
+                "bench: Debezium drain {:.0} events/s (first event on the broker {:.1} s after the JVM's spawn), steady p99 {:.1} ms (commit -> on the broker)",
+                r.drain.rate, r.startup_s, r.steady.latency.p99
+            );
+            report.debezium = Some(debezium::Outcome::Ran(Box::new(r)));
+        }
     }
 
     load("variants", &mut report);

@@ -81,7 +81,32 @@ pub fn copies_since(
     topic: &str,
     from: &[i64],
 ) -> anyhow::Result<std::collections::HashMap<Uuid, u32>> {
-    use rdkafka::message::{Headers, Message};
+    let mut copies = std::collections::HashMap::new();
+    for m in messages_since(bootstrap, topic, from)? {
+        *copies.entry(m.id).or_insert(0) += 1;
+    }
+    Ok(copies)
+}
+
+/// One message of a bench topic: its event id (header `id`) and its timestamp.
+#[derive(Debug, Clone, Copy)]
+pub struct TopicMessage {
+    pub id: Uuid,
+    /// Milliseconds since the epoch.
+    pub timestamp_ms: i64,
+    /// Whether the broker set the timestamp when it appended the message
+    /// (`message.timestamp.type=LogAppendTime`), rather than the producer.
+    pub log_append_time: bool,
+}
+
+/// Every message of `topic` from the offsets `from` (one per partition) up to the high
+/// watermarks of now, in no particular order. A message without an `id` header is an error.
+pub fn messages_since(
+    bootstrap: &str,
+    topic: &str,
+    from: &[i64],
+) -> anyhow::Result<Vec<TopicMessage>> {
+    use rdkafka::message::{Headers, Message, Timestamp};
     use rdkafka::{Offset, TopicPartitionList};
     let marks = watermarks(bootstrap, topic, from.len() as i32)?;
     // A broker that deleted part of what is to be counted cannot answer: say so, not "missing".
@@ -108,15 +133,20 @@ pub fn copies_since(
             left += u - f;
         }
     }
-    let mut copies = std::collections::HashMap::new();
+    let mut out = Vec::with_capacity(left.max(0) as usize);
     if left == 0 {
-        return Ok(copies);
+        return Ok(out);
     }
     c.assign(&tpl).context("assigning the topic's partitions")?;
-    let deadline = Instant::now() + Duration::from_secs(120);
+    // About 100,000 messages a second are read; a 1,000,000-event backlog takes ~10 s.
+    let budget = Duration::from_secs(120 + left as u64 / 10_000);
+    let deadline = Instant::now() + budget;
     while left > 0 {
         if Instant::now() > deadline {
-            anyhow::bail!("reading {topic}: {left} messages not read within 120 s");
+            anyhow::bail!(
+                "reading {topic}: {left} messages not read within {} s",
+                budget.as_secs()
+            );
         }
         let Some(m) = c.poll(Duration::from_millis(500)) else {
             continue;
@@ -139,9 +169,18 @@ pub fn copies_since(
                     m.offset()
                 )
             })?;
-        *copies.entry(id).or_insert(0) += 1;
+        let (timestamp_ms, log_append_time) = match m.timestamp() {
+            Timestamp::LogAppendTime(t) => (t, true),
+            Timestamp::CreateTime(t) => (t, false),
+            Timestamp::NotAvailable => (0, false),
+        };
+        out.push(TopicMessage {
+            id,
+            timestamp_ms,
+            log_append_time,
+        });
     }
-    Ok(copies)
+    Ok(out)
 }
 
 /// Drain of the same backlog, then the same steady rate; returns (drain, steady, drain series).

@@ -19,6 +19,20 @@ use anyhow::{bail, Context};
 use super::procstat::ClusterCpu;
 use super::{workload, Ctx, Scenario};
 
+/// A Debezium-style outbox table (Debezium's outbox documentation: `id`, `aggregatetype`,
+/// `aggregateid`, `type`, `payload`): what the producer phase inserts into, and what the
+/// Debezium phase (`debezium`) reads with Debezium's outbox EventRouter.
+pub(crate) fn plain_outbox_ddl(table: &str) -> String {
+    format!(
+        "CREATE TABLE {table} (
+             id            uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+             aggregatetype text  NOT NULL,
+             aggregateid   text  NOT NULL,
+             type          text  NOT NULL,
+             payload       jsonb NOT NULL)"
+    )
+}
+
 /// One side of the comparison.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ProducerSide {
@@ -51,14 +65,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
     outboxd::migrate(&url).await?;
     let client = outboxd::connect(&url).await?;
     client
-        .batch_execute(
-            "CREATE TABLE public.plain_outbox (
-                 id            uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-                 aggregatetype text  NOT NULL,
-                 aggregateid   text  NOT NULL,
-                 type          text  NOT NULL,
-                 payload       jsonb NOT NULL)",
-        )
+        .batch_execute(&plain_outbox_ddl("public.plain_outbox"))
         .await
         .context("creating the plain outbox table")?;
     let payload = format!(

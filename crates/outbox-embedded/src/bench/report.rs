@@ -1,6 +1,8 @@
 //! The bench's output: a table, a JSON file, an SVG chart (latency distribution and
 //! throughput over time, drawn with `plotters`), and one last line for scripts:
-//! `broker=embedded|apache|external decode_ratio=X drain_events_per_s=Y p99_ms=Z rss_mib=W poll_ratio=V`.
+//! `broker=embedded|apache|external decode_ratio=X drain_events_per_s=Y p99_ms=Z rss_mib=W poll_ratio=V
+//! producer_ratio=U debezium_ratio=T` (T: outboxd's drain rate over Debezium's, 0.00 when the
+//! Debezium phase did not run).
 
 use std::path::Path;
 
@@ -45,6 +47,8 @@ pub(crate) struct Report {
     pub load: Vec<(String, f64)>,
     /// `outbox.enqueue` against a plain outbox INSERT, under pgbench.
     pub producer: Option<super::producer::Producer>,
+    /// Debezium on the same workload, or why it did not run.
+    pub debezium: Option<super::debezium::Outcome>,
 }
 
 fn phase_json(p: &Phase) -> serde_json::Value {
@@ -101,17 +105,128 @@ impl Report {
         }
     }
 
+    /// Debezium's results, when the phase ran.
+    pub fn debezium_results(&self) -> Option<&super::debezium::Results> {
+        match &self.debezium {
+            Some(super::debezium::Outcome::Ran(r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// outboxd's drain rate over Debezium's (0 when Debezium did not run).
+    pub fn debezium_ratio(&self) -> f64 {
+        self.debezium_results().map_or(0.0, |d| {
+            self.drain.rate / d.drain.rate.max(f64::MIN_POSITIVE)
+        })
+    }
+
     pub fn last_line(&self) -> String {
         format!(
-            "broker={} decode_ratio={:.2} drain_events_per_s={:.0} p99_ms={:.1} rss_mib={:.1} poll_ratio={:.2} producer_ratio={:.2}",
+            "broker={} decode_ratio={:.2} drain_events_per_s={:.0} p99_ms={:.1} rss_mib={:.1} poll_ratio={:.2} producer_ratio={:.2} debezium_ratio={:.2}",
             self.broker.split(' ').next().unwrap_or(""),
             self.decode_ratio(),
             self.drain.rate,
             self.steady.latency.p99,
             self.rss_peak_mib,
             self.poll_ratio(),
-            self.producer.as_ref().map_or(0.0, |p| p.ratio())
+            self.producer.as_ref().map_or(0.0, |p| p.ratio()),
+            self.debezium_ratio()
         )
+    }
+
+    /// The "Debezium" table: outboxd's and Debezium's figures of this run side by side.
+    fn print_debezium(&self) {
+        let Some(outcome) = &self.debezium else {
+            return;
+        };
+        println!("{:-<112}", "");
+        let r = match outcome {
+            super::debezium::Outcome::NotRun(why) => {
+                println!("Debezium: {why}");
+                return;
+            }
+            super::debezium::Outcome::Ran(r) => r,
+        };
+        println!(
+            "Debezium {} beside outboxd (embedded engine, pgoutput, outbox EventRouter; same backlog, rate and broker)",
+            super::debezium::DEBEZIUM_VERSION
+        );
+        println!(
+            "{:<52} {:>14} {:>14} {:>10}",
+            "", "outboxd", "Debezium", "outboxd/D"
+        );
+        let line = |name: &str, ours: f64, theirs: f64, prec: usize| {
+            println!(
+                "{:<52} {:>14.prec$} {:>14.prec$} {:>9.2}x",
+                name,
+                ours,
+                theirs,
+                ours / theirs.max(f64::MIN_POSITIVE)
+            );
+        };
+        line(
+            &format!("drain of {} events, events/s", r.drain.events),
+            self.drain.rate,
+            r.drain.rate,
+            0,
+        );
+        line(
+            "drain: relay CPU µs/event (Debezium: the JVM)",
+            self.drain.relay_us_per_event(),
+            r.drain.relay_us_per_event(),
+            1,
+        );
+        line(
+            "drain: PostgreSQL CPU µs/event",
+            self.drain.pg_us_per_event(),
+            r.drain.pg_us_per_event(),
+            1,
+        );
+        line(
+            "steady: achieved events/s",
+            self.steady.achieved_rate,
+            r.steady.achieved_rate,
+            0,
+        );
+        line(
+            "steady p50, ms (outboxd: accepted; Debezium: broker)",
+            self.steady.latency.p50,
+            r.steady.latency.p50,
+            1,
+        );
+        line(
+            "steady p99, ms (outboxd: accepted; Debezium: broker)",
+            self.steady.latency.p99,
+            r.steady.latency.p99,
+            1,
+        );
+        line(
+            "steady: relay CPU µs/event (Debezium: the JVM)",
+            self.steady.phase.relay_us_per_event(),
+            r.steady.phase.relay_us_per_event(),
+            1,
+        );
+        line(
+            "steady: PostgreSQL CPU µs/event (incl. writers)",
+            self.steady.phase.pg_us_per_event(),
+            r.steady.phase.pg_us_per_event(),
+            1,
+        );
+        line(
+            "RSS peak, MiB (Debezium: the JVM's VmHWM)",
+            self.rss_peak_mib,
+            r.rss_peak_mib,
+            1,
+        );
+        println!(
+            "Debezium: first event on the broker {:.1} s after the JVM was spawned ({:.0} events/s from then on); {} duplicates in the drain; steady latency is {}; {} of {} steady events measured",
+            r.startup_s,
+            r.drain.events as f64 / (r.drain.secs - r.startup_s).max(f64::MIN_POSITIVE),
+            r.drain_duplicates,
+            r.latency_source,
+            r.steady.latency.count,
+            r.steady.phase.events
+        );
     }
 
     pub fn print_table(&self) {
@@ -252,6 +367,7 @@ impl Report {
                 loads.join(", ")
             );
         }
+        self.print_debezium();
         if !self.variants.is_empty() {
             println!("{:-<112}", "");
             println!(
@@ -313,12 +429,39 @@ impl Report {
                 "drain": phase_json(&v.drain), "rss_peak_mib": v.rss_peak_mib,
                 "decode_ratio": v.drain.rate / v.decode.rate.max(f64::MIN_POSITIVE),
             })).collect::<Vec<_>>(),
+            "debezium": self.debezium.as_ref().map(|o| match o {
+                super::debezium::Outcome::NotRun(why) => json!({
+                    "ran": false, "not_run": why,
+                }),
+                super::debezium::Outcome::Ran(r) => json!({
+                    "ran": true,
+                    "version": super::debezium::DEBEZIUM_VERSION,
+                    "drain": phase_json(&r.drain),
+                    "startup_s": r.startup_s,
+                    "drain_events_per_s_after_startup":
+                        r.drain.events as f64 / (r.drain.secs - r.startup_s).max(f64::MIN_POSITIVE),
+                    "drain_duplicates": r.drain_duplicates,
+                    "steady": steady_json(&r.steady),
+                    "latency_measured_as": r.latency_source,
+                    "rss_peak_mib": r.rss_peak_mib,
+                    "settings": r.settings.iter()
+                        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                        .collect::<serde_json::Map<_, _>>(),
+                    "outboxd_over_debezium": {
+                        "drain_events_per_s": self.debezium_ratio(),
+                        "steady_p99": self.steady.latency.p99 / r.steady.latency.p99.max(f64::MIN_POSITIVE),
+                        "drain_pg_cpu_per_event": self.drain.pg_us_per_event() / r.drain.pg_us_per_event().max(f64::MIN_POSITIVE),
+                        "rss_peak": self.rss_peak_mib / r.rss_peak_mib.max(f64::MIN_POSITIVE),
+                    },
+                }),
+            }),
             "summary": {
                 "decode_ratio": self.decode_ratio(),
                 "drain_events_per_s": self.drain.rate,
                 "p99_ms": self.steady.latency.p99,
                 "rss_mib": self.rss_peak_mib,
                 "poll_ratio": self.poll_ratio(),
+                "debezium_ratio": self.debezium_ratio(),
             },
         })
     }

@@ -35,25 +35,54 @@ fn pad_sql(len: usize) -> String {
 /// Enqueues the scenario's backlog with `outbox.enqueue`, in transactions of `txn_size`, on two
 /// connections at once (the machine has two cores). Returns the seconds it took.
 pub async fn enqueue_backlog(db: &Db, sc: &Scenario, txn_size: u64) -> anyhow::Result<f64> {
+    insert_backlog(&db.url, &db.agg_type, None, sc, txn_size).await
+}
+
+/// The same backlog as [`enqueue_backlog`] (same transactions, keys and payloads), into a
+/// Debezium-style outbox `table` (`producer::plain_outbox_ddl`) with plain INSERTs.
+pub async fn insert_plain_backlog(
+    url: &str,
+    agg_type: &str,
+    table: &str,
+    sc: &Scenario,
+    txn_size: u64,
+) -> anyhow::Result<f64> {
+    insert_backlog(url, agg_type, Some(table), sc, txn_size).await
+}
+
+async fn insert_backlog(
+    url: &str,
+    agg_type: &str,
+    plain_table: Option<&str>,
+    sc: &Scenario,
+    txn_size: u64,
+) -> anyhow::Result<f64> {
     const CONNS: u64 = 2;
     let txns = sc.events.div_ceil(txn_size);
+    let (head, tail) = match plain_table {
+        None => ("PERFORM outbox.enqueue(".to_string(), ")"),
+        Some(t) => (
+            format!("INSERT INTO {t} (aggregatetype, aggregateid, type, payload) SELECT "),
+            "",
+        ),
+    };
     let t = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..CONNS {
-        let client = outboxd::connect(&db.url).await?;
+        let client = outboxd::connect(url).await?;
         let sql = format!(
             "DO $$ BEGIN
                FOR t IN 0..{last} LOOP
                  IF t % {CONNS} = {w} THEN
-                   PERFORM outbox.enqueue('{agg}', 'a' || ((t * {size} + i) % {aggs}), 'bench.tick',
-                       jsonb_build_object('i', t * {size} + i, 'pad', {pad_sql}))
+                   {head}'{agg}', 'a' || ((t * {size} + i) % {aggs}), 'bench.tick',
+                       jsonb_build_object('i', t * {size} + i, 'pad', {pad_sql}){tail}
                    FROM generate_series(1, least({size}, {events} - t * {size})) i;
                    COMMIT;
                  END IF;
                END LOOP;
              END $$;",
             last = txns - 1,
-            agg = db.agg_type,
+            agg = agg_type,
             size = txn_size,
             aggs = sc.aggregates,
             pad_sql = pad_sql(pad_len(sc.payload)),
@@ -95,6 +124,9 @@ pub enum Target {
     Outbox(String),
     /// `outbox.enqueue` too, into the polling relay's database; accepted = `published_at`.
     Poll(String),
+    /// A plain INSERT into a Debezium-style outbox table (aggregate type, table); accepted
+    /// is read from the topic, not from the database (`debezium`).
+    Plain(String, String),
 }
 
 impl Target {
@@ -104,19 +136,25 @@ impl Target {
                 "SELECT outbox.enqueue('{agg}', a, 'bench.tick', jsonb_build_object('i', 0, 'pad', $1::text))
                  FROM unnest($2::text[]) a"
             ),
+            Target::Plain(agg, table) => format!(
+                "INSERT INTO {table} (aggregatetype, aggregateid, type, payload)
+                 SELECT '{agg}', a, 'bench.tick', jsonb_build_object('i', 0, 'pad', $1::text)
+                 FROM unnest($2::text[]) a RETURNING id"
+            ),
         }
     }
 
-    fn accepted_sql(&self) -> &'static str {
+    fn accepted_sql(&self) -> Option<&'static str> {
         match self {
-            Target::Outbox(_) => {
+            Target::Outbox(_) => Some(
                 "SELECT event_id, extract(epoch FROM accepted_at)::float8 FROM outbox.receipts
-                 WHERE event_id = ANY($1)"
-            }
-            Target::Poll(_) => {
+                 WHERE event_id = ANY($1)",
+            ),
+            Target::Poll(_) => Some(
                 "SELECT event_id, extract(epoch FROM published_at)::float8 FROM outbox.events
-                 WHERE event_id = ANY($1) AND published_at IS NOT NULL"
-            }
+                 WHERE event_id = ANY($1) AND published_at IS NOT NULL",
+            ),
+            Target::Plain(..) => None,
         }
     }
 }
@@ -201,11 +239,14 @@ pub async fn accepted_times(
     committed: &[(Uuid, f64)],
     target: Target,
 ) -> anyhow::Result<HashMap<Uuid, f64>> {
+    let sql = target
+        .accepted_sql()
+        .context("this target's acceptance times are not in the database")?;
     let mut out = HashMap::with_capacity(committed.len());
     for chunk in committed.chunks(20_000) {
         let ids: Vec<Uuid> = chunk.iter().map(|(id, _)| *id).collect();
         for row in client
-            .query(target.accepted_sql(), &[&ids])
+            .query(sql, &[&ids])
             .await
             .context("reading acceptance times")?
         {

@@ -8,7 +8,9 @@ fn bench_tiny_configuration_prints_a_parseable_summary_json_and_svg() {
     tiny_bench(&[], "embedded");
 }
 
-/// The same phases on real Apache Kafka: a node the bench starts itself (`--broker apache`).
+/// The same phases on real Apache Kafka: a node the bench starts itself (`--broker apache`),
+/// and the Debezium phase, which runs by default on a real Kafka (its Java main is built with
+/// Maven into ~/.cache/outboxd the first time).
 #[test]
 fn bench_tiny_configuration_runs_every_phase_on_apache_kafka() {
     tiny_bench(&["--broker", "apache"], "apache");
@@ -47,6 +49,7 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         "rss_mib",
         "poll_ratio",
         "producer_ratio",
+        "debezium_ratio",
     ];
     let fields: Vec<(&str, &str)> = last
         .split_whitespace()
@@ -63,6 +66,11 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         .filter(|(_, v)| !v.parse::<f64>().is_ok_and(f64::is_finite))
         .collect();
     assert!(unparseable.is_empty(), "last line: {last}");
+    let debezium_ratio: f64 = fields
+        .iter()
+        .find(|(k, _)| *k == "debezium_ratio")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(f64::NAN);
     // Every event of the tiny backlog was drained and measured.
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
@@ -86,6 +94,39 @@ fn tiny_bench(extra: &[&str], broker: &str) {
             "producer.{key}: {}",
             v["producer"]
         );
+    }
+    // Debezium ran beside outboxd on a real Kafka, every event of its backlog and of its
+    // steady phase measured; on the embedded broker it says why it did not run.
+    let dbz = &v["debezium"];
+    if broker == "apache" {
+        assert_eq!(dbz["ran"], true, "debezium: {dbz}");
+        assert_eq!(dbz["drain"]["events"], 2000, "debezium: {dbz}");
+        assert_eq!(dbz["drain_duplicates"], 0, "debezium: {dbz}");
+        let steady = dbz["steady"]["phase"]["events"].as_u64().unwrap_or(0);
+        assert!(steady > 0, "debezium: {dbz}");
+        assert_eq!(
+            dbz["steady"]["latency"]["count"].as_u64(),
+            Some(steady),
+            "debezium: {dbz}"
+        );
+        assert!(
+            dbz["latency_measured_as"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("commit -> LogAppendTime")),
+            "debezium: {dbz}"
+        );
+        assert!(dbz["rss_peak_mib"].as_f64().unwrap_or(0.0) > 0.0, "{dbz}");
+        assert!(debezium_ratio > 0.0, "last line: {last}");
+    } else {
+        assert_eq!(dbz["ran"], false, "debezium: {dbz}");
+        assert!(
+            dbz["not_run"]
+                .as_str()
+                .is_some_and(|s| s.contains("--broker apache")),
+            "debezium: {dbz}"
+        );
+        assert_eq!(debezium_ratio, 0.0, "last line: {last}");
+        assert!(stdout.contains("Debezium: not run"), "{stdout}");
     }
     let chart = std::fs::read_to_string(&svg).unwrap();
     assert!(
