@@ -200,11 +200,14 @@ impl Writers {
                 tokio::time::sleep(period * w as u32 / writers as u32).await;
                 while Instant::now() < deadline {
                     tick.tick().await;
+                    // Sorted: each enqueue locks its aggregate's version row, and writers that
+                    // lock in one order cannot deadlock (seen with 500 aggregates).
                     let ids: Vec<String> = {
                         let mut rng = rand::thread_rng();
-                        (0..per_txn)
-                            .map(|_| format!("a{}", rng.gen_range(0..aggregates)))
-                            .collect()
+                        let mut ids: Vec<u64> =
+                            (0..per_txn).map(|_| rng.gen_range(0..aggregates)).collect();
+                        ids.sort_unstable();
+                        ids.into_iter().map(|a| format!("a{a}")).collect()
                     };
                     let rows = client
                         .query(&stmt, &[&pad, &ids])
