@@ -310,7 +310,8 @@ pub fn resolve_classpath() -> Result<Vec<PathBuf>, HarnessError> {
     cached_jars(&dir).ok_or_else(|| kafka_err(format!("{} is incomplete", dir.display())))
 }
 
-fn tail(text: &str, lines: usize) -> String {
+/// The last `lines` lines of `text` (a child's output, for an error message).
+pub fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
@@ -321,22 +322,25 @@ fn tail(text: &str, lines: usize) -> String {
 
 type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
 
+/// Spawns `cmd` (a JVM: a Kafka broker here, the bench's Debezium relay) so that it dies with
+/// this process, even when this process is SIGKILLed.
+///
 /// `PR_SET_PDEATHSIG` fires when the *thread* that forked exits, not the process: a JVM
 /// spawned from a test's thread would be killed when that test ends, though the shared
 /// cluster lives on. So every JVM is spawned by this one thread, which lives (blocked on its
 /// channel) until the process exits.
-fn spawn_jvm(mut cmd: Command) -> std::io::Result<Child> {
+pub fn spawn_jvm(mut cmd: Command) -> std::io::Result<Child> {
     static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
     let tx = SPAWNER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<SpawnRequest>();
         std::thread::Builder::new()
-            .name("kafka-jvm-spawner".into())
+            .name("jvm-spawner".into())
             .spawn(move || {
                 for (mut cmd, reply) in rx {
                     let _ = reply.send(cmd.spawn());
                 }
             })
-            .expect("spawning the kafka-jvm-spawner thread");
+            .expect("spawning the jvm-spawner thread");
         Mutex::new(tx)
     });
     // SAFETY: getpid has no preconditions.

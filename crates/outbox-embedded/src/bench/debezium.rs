@@ -37,13 +37,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::os::unix::io::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use outbox_testkit::apache_kafka::{spawn_jvm, tail};
 use uuid::Uuid;
 
 use super::procstat::{self, ClusterCpu};
@@ -675,58 +674,9 @@ fn build_in(staging: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
-}
-
 // ---------------------------------------------------------------------------------------------
 // The JVM
 // ---------------------------------------------------------------------------------------------
-
-type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
-
-/// Spawns `cmd` with `PR_SET_PDEATHSIG = SIGKILL`, so the JVM dies with the bench even when the
-/// bench is killed. The signal fires when the forking *thread* exits, so every JVM is forked by
-/// one thread that lives as long as the process.
-fn spawn_dying_with_us(mut cmd: Command) -> std::io::Result<Child> {
-    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
-    let tx = SPAWNER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<SpawnRequest>();
-        std::thread::Builder::new()
-            .name("debezium-jvm-spawner".into())
-            .spawn(move || {
-                for (mut cmd, reply) in rx {
-                    let _ = reply.send(cmd.spawn());
-                }
-            })
-            .expect("spawning the debezium-jvm-spawner thread");
-        Mutex::new(tx)
-    });
-    // SAFETY: getpid has no preconditions.
-    let parent = unsafe { libc::getpid() };
-    // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (prctl, getppid), allocating nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                return Err(std::io::Error::other("parent exited before exec"));
-            }
-            Ok(())
-        });
-    }
-    let (reply_tx, reply_rx) = mpsc::channel();
-    tx.lock()
-        .map_err(|_| std::io::Error::other("spawner lock poisoned"))?
-        .send((cmd, reply_tx))
-        .map_err(|_| std::io::Error::other("the JVM spawner thread is gone"))?;
-    reply_rx
-        .recv()
-        .map_err(|_| std::io::Error::other("the JVM spawner thread is gone"))?
-}
 
 /// The Debezium relay's JVM, logging (stdout and stderr) to a file.
 struct Jvm {
@@ -749,7 +699,7 @@ impl Jvm {
             .stdin(Stdio::null())
             .stdout(file.try_clone().context("opening the Debezium log file")?)
             .stderr(file);
-        let child = spawn_dying_with_us(cmd).context("starting the Debezium relay (java)")?;
+        let child = spawn_jvm(cmd).context("starting the Debezium relay (java)")?;
         Ok(Jvm { child, log })
     }
 
