@@ -48,8 +48,8 @@ use uuid::Uuid;
 use super::procstat::{self, ClusterCpu};
 use super::workload::{self, Target};
 use super::{
-    confirmed_past, epoch_now, own_cpu, poll, producer, walsender_unsent, Ctx, Latency, Phase,
-    Scenario, Steady, MIB,
+    confirmed_past, epoch_now, own_cpu, poll, producer, wait_confirmed, walsender_unsent, Ctx,
+    Latency, Phase, Scenario, Steady, MIB,
 };
 use crate::cli::{BenchBroker, DebeziumMode};
 
@@ -262,16 +262,21 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
     let produced_secs = t.elapsed().as_secs_f64();
     let end = workload::backlog_end(&client).await?;
     let wait = Instant::now();
-    while !confirmed_past(&client, &slot, &end).await? {
-        jvm.check_alive()?;
-        if wait.elapsed() > Duration::from_secs(a.timeout_secs) {
-            bail!(
+    wait_confirmed(
+        &client,
+        &slot,
+        &end,
+        wait,
+        a.timeout_secs,
+        || jvm.check_alive(),
+        || {
+            format!(
                 "Debezium did not catch up after the steady phase; see {}",
                 jvm.log.display()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+            )
+        },
+    )
+    .await?;
     cpu.sample();
     let jvm_cpu = jvm.cpu_secs() - jvm_cpu0;
     let rss_peak_mib = jvm.rss().map(|(_, hwm)| hwm as f64 / MIB).unwrap_or(0.0);

@@ -155,13 +155,16 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     let wal_mib = wal_retained(&db.client, &db.slot).await? / MIB;
     let t = Instant::now();
     let end = workload::backlog_end(&db.client).await?;
-    while !confirmed_past(&db.client, &db.slot, &end).await? {
-        relay.check_alive()?;
-        if t.elapsed() > Duration::from_secs(a.timeout_secs) {
-            bail!("the relay did not catch up with the ledger's WAL after the drain");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_confirmed(
+        &db.client,
+        &db.slot,
+        &end,
+        t,
+        a.timeout_secs,
+        || relay.check_alive(),
+        || "the relay did not catch up with the ledger's WAL after the drain".to_string(),
+    )
+    .await?;
     report.catchup = (wal_mib, t.elapsed().as_secs_f64());
     eprintln!(
         "bench: WAL retained at the drain's end: {wal_mib:.0} MiB; caught up with the ledger's own WAL in {:.1} s",
@@ -409,6 +412,27 @@ async fn walsender_unsent(client: &Client, slot: &str) -> anyhow::Result<f64> {
 }
 
 /// Whether `slot` has confirmed `lsn` (text form).
+/// Waits until `slot` has confirmed past `lsn`, checking every 50 ms that the process that
+/// confirms is `alive`; fails with `late()` once `timeout_secs` have passed since `since`.
+pub(crate) async fn wait_confirmed(
+    client: &Client,
+    slot: &str,
+    lsn: &str,
+    since: Instant,
+    timeout_secs: u64,
+    mut alive: impl FnMut() -> anyhow::Result<()>,
+    late: impl FnOnce() -> String,
+) -> anyhow::Result<()> {
+    while !confirmed_past(client, slot, lsn).await? {
+        alive()?;
+        if since.elapsed() > Duration::from_secs(timeout_secs) {
+            bail!("{}", late());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
 async fn confirmed_past(client: &Client, slot: &str, lsn: &str) -> anyhow::Result<bool> {
     let row = client
         .query_one(
@@ -721,16 +745,21 @@ impl Ctx {
         let produced_secs = t.elapsed().as_secs_f64();
         let end = workload::backlog_end(&db.client).await?;
         let wait = Instant::now();
-        while !confirmed_past(&db.client, &db.slot, &end).await? {
-            relay.check_alive()?;
-            if wait.elapsed() > Duration::from_secs(a.timeout_secs) {
-                bail!(
+        wait_confirmed(
+            &db.client,
+            &db.slot,
+            &end,
+            wait,
+            a.timeout_secs,
+            || relay.check_alive(),
+            || {
+                format!(
                     "the relay did not catch up after the steady phase; see {}",
                     relay.log.display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+                )
+            },
+        )
+        .await?;
         cpu.sample();
         let accepted = workload::accepted_times(
             &db.client,
@@ -794,16 +823,21 @@ impl Ctx {
         let relay = RelayChild::spawn(self, &db.url, &db.slot)?;
         let committed = writers.join().await?;
         let end = workload::backlog_end(&db.client).await?;
-        while !confirmed_past(&db.client, &db.slot, &end).await? {
-            relay.check_alive()?;
-            if killed.elapsed() > Duration::from_secs(a.timeout_secs) {
-                bail!(
+        wait_confirmed(
+            &db.client,
+            &db.slot,
+            &end,
+            killed,
+            a.timeout_secs,
+            || relay.check_alive(),
+            || {
+                format!(
                     "the restarted relay did not catch up; see {}",
                     relay.log.display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+                )
+            },
+        )
+        .await?;
         let recovery_s = killed.elapsed().as_secs_f64();
         // Copies per event id since the phase began: every committed event at least once;
         // a second copy of one, or any copy of an event of an earlier phase, is re-published.
