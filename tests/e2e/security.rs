@@ -56,9 +56,14 @@ async fn relay_runs_as_the_least_privilege_role() {
         .map(|m| m.id().to_string())
         .collect();
     assert!(ids.contains(&before.to_string()) && ids.contains(&after.to_string()));
+    // This database's walsenders only: the role is cluster-wide, and other tests run relays as
+    // it in their own databases of the shared cluster at the same time.
     assert_eq!(
-        env.count("SELECT count(*) FROM pg_stat_replication WHERE usename = 'outboxd_relay'")
-            .await,
+        env.count(
+            "SELECT count(*) FROM pg_stat_replication r JOIN pg_stat_activity a USING (pid)
+             WHERE r.usename = 'outboxd_relay' AND a.datname = current_database()"
+        )
+        .await,
         1,
         "the walsender is not the least-privilege role's"
     );
