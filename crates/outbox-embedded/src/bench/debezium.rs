@@ -45,11 +45,11 @@ use anyhow::{bail, Context};
 use outbox_testkit::apache_kafka::{spawn_jvm, tail};
 use uuid::Uuid;
 
-use super::procstat::{self, ClusterCpu};
+use super::procstat;
 use super::workload::{self, Target};
 use super::{
-    confirmed_past, epoch_now, own_cpu, poll, producer, wait_confirmed, walsender_unsent, Ctx,
-    Latency, Phase, Scenario, Steady, MIB,
+    confirmed_past, poll, producer, wait_confirmed, walsender_unsent, Ctx, Latency, Phase,
+    PhaseMeter, Scenario, Steady, MIB,
 };
 use crate::cli::{BenchBroker, DebeziumMode};
 
@@ -171,23 +171,20 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
 
     // Drain.
     let before = poll::high_watermarks(&ctx.bootstrap, &topic, a.partitions)?;
-    let mut cpu = ClusterCpu::start(ctx.postmaster);
-    let own0 = own_cpu();
-    let started_epoch = epoch_now();
-    let t = Instant::now();
+    let mut m = PhaseMeter::start(ctx.postmaster);
     let jvm = Jvm::spawn(ctx, &classpath, &props, &sc.name)?;
     let mut n = 0u64;
     loop {
         tokio::time::sleep(Duration::from_millis(50)).await;
         n += 1;
         if n % 2 == 0 {
-            cpu.sample();
+            m.cpu.sample();
         }
         jvm.check_alive()?;
         if confirmed_past(&client, &slot, &end).await? {
             break;
         }
-        if t.elapsed() > Duration::from_secs(a.timeout_secs) {
+        if m.started.elapsed() > Duration::from_secs(a.timeout_secs) {
             bail!(
                 "Debezium did not drain {} events within {} s; see {}",
                 sc.events,
@@ -196,18 +193,9 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
             );
         }
     }
-    let secs = t.elapsed().as_secs_f64();
-    cpu.sample();
-    let drain = Phase {
-        events: sc.events,
-        secs,
-        rate: sc.events as f64 / secs,
-        relay_cpu_s: jvm.cpu_secs(),
-        pg_cpu_s: cpu.secs(),
-        bench_cpu_s: own_cpu() - own0,
-        started_epoch,
-        wal_retained_peak_mib: 0.0,
-    };
+    let secs = m.started.elapsed().as_secs_f64();
+    m.cpu.sample();
+    let drain = m.phase(sc.events, secs, jvm.cpu_secs());
     // Confirmed past the backlog must mean every row is on the topic.
     let messages = poll::messages_since(&ctx.bootstrap, &topic, &before)?;
     let on_topic: HashSet<Uuid> = messages.iter().map(|m| m.id).collect();
@@ -228,16 +216,13 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
         );
     }
     let first_ms = messages.iter().map(|m| m.timestamp_ms).min().unwrap_or(0);
-    let startup_s = (first_ms as f64 / 1000.0 - started_epoch).max(0.0);
+    let startup_s = (first_ms as f64 / 1000.0 - m.started_epoch).max(0.0);
     let drain_duplicates = (messages.len() - on_topic.len()) as u64;
 
     // Steady, with the same JVM.
     let before = poll::high_watermarks(&ctx.bootstrap, &topic, a.partitions)?;
-    let mut cpu = ClusterCpu::start(ctx.postmaster);
+    let mut m = PhaseMeter::start(ctx.postmaster);
     let jvm_cpu0 = jvm.cpu_secs();
-    let own0 = own_cpu();
-    let started_epoch = epoch_now();
-    let t = Instant::now();
     let writers = workload::Writers::start(
         ctx,
         &url,
@@ -251,7 +236,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
     let mut unsent = Vec::new();
     while !writers.finished() {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        cpu.sample();
+        m.cpu.sample();
         jvm.check_alive()?;
         if let Some((r, _)) = jvm.rss() {
             rss.push(r as f64 / MIB);
@@ -259,7 +244,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
         unsent.push(walsender_unsent(&client, &slot).await? / MIB);
     }
     let committed = writers.join().await?;
-    let produced_secs = t.elapsed().as_secs_f64();
+    let produced_secs = m.started.elapsed().as_secs_f64();
     let end = workload::backlog_end(&client).await?;
     let wait = Instant::now();
     wait_confirmed(
@@ -277,7 +262,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
         },
     )
     .await?;
-    cpu.sample();
+    m.cpu.sample();
     let jvm_cpu = jvm.cpu_secs() - jvm_cpu0;
     let rss_peak_mib = jvm.rss().map(|(_, hwm)| hwm as f64 / MIB).unwrap_or(0.0);
     let messages = poll::messages_since(&ctx.bootstrap, &topic, &before)?;
@@ -308,23 +293,14 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
             jvm.log.display()
         );
     }
-    let latency: Latency = workload::latencies(&committed, &on_broker, started_epoch);
+    let latency: Latency = workload::latencies(&committed, &on_broker, m.started_epoch);
     let n = committed.len() as u64;
     rss.sort_by(f64::total_cmp);
     unsent.sort_by(f64::total_cmp);
     let steady = Steady {
         target_rate: a.rate as f64,
         achieved_rate: n as f64 / produced_secs,
-        phase: Phase {
-            events: n,
-            secs: produced_secs,
-            rate: n as f64 / produced_secs,
-            relay_cpu_s: jvm_cpu,
-            pg_cpu_s: cpu.secs(),
-            bench_cpu_s: own_cpu() - own0,
-            started_epoch,
-            wal_retained_peak_mib: 0.0,
-        },
+        phase: m.phase(n, produced_secs, jvm_cpu),
         latency,
         rss_steady_mib: rss.get(rss.len() / 2).copied().unwrap_or(0.0),
         walsender_unsent_mib: (

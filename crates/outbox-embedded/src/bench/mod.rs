@@ -284,6 +284,42 @@ impl Phase {
     }
 }
 
+/// What every timed phase measures from its start: PostgreSQL's CPU (sampled by the phase as it
+/// goes: walsenders come and go), this process's CPU and the wall clock.
+pub(crate) struct PhaseMeter {
+    pub cpu: ClusterCpu,
+    own0: f64,
+    /// Wall-clock start (seconds since the Unix epoch).
+    pub started_epoch: f64,
+    pub started: Instant,
+}
+
+impl PhaseMeter {
+    pub fn start(postmaster: i32) -> PhaseMeter {
+        PhaseMeter {
+            cpu: ClusterCpu::start(postmaster),
+            own0: own_cpu(),
+            started_epoch: epoch_now(),
+            started: Instant::now(),
+        }
+    }
+
+    /// The phase: `events` in `secs`, `relay_cpu_s` of the relay (or its stand-in), PostgreSQL's
+    /// CPU as sampled so far and this process's until now.
+    pub fn phase(&self, events: u64, secs: f64, relay_cpu_s: f64) -> Phase {
+        Phase {
+            events,
+            secs,
+            rate: events as f64 / secs,
+            relay_cpu_s,
+            pg_cpu_s: self.cpu.secs(),
+            bench_cpu_s: own_cpu() - self.own0,
+            started_epoch: self.started_epoch,
+            wal_retained_peak_mib: 0.0,
+        }
+    }
+}
+
 /// Latency percentiles, milliseconds.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Latency {
@@ -575,10 +611,7 @@ impl Ctx {
 
     /// `pg_recvlogical` over the second slot, up to `end`.
     async fn decode_limit(&self, db: &Db, end: String, events: u64) -> anyhow::Result<Phase> {
-        let mut cpu = ClusterCpu::start(self.postmaster);
-        let own0 = own_cpu();
-        let started_epoch = epoch_now();
-        let t = Instant::now();
+        let mut m = PhaseMeter::start(self.postmaster);
         let mut child = tokio::process::Command::new(self.bindir.join("pg_recvlogical"))
             .args([
                 "-d",
@@ -603,11 +636,11 @@ impl Ctx {
         let status = loop {
             tokio::select! {
                 s = child.wait() => break s?,
-                _ = tick.tick() => cpu.sample(),
+                _ = tick.tick() => m.cpu.sample(),
             }
         };
-        let secs = t.elapsed().as_secs_f64();
-        cpu.sample();
+        let secs = m.started.elapsed().as_secs_f64();
+        m.cpu.sample();
         if !status.success() {
             let mut err = String::new();
             if let Some(mut e) = child.stderr.take() {
@@ -616,16 +649,7 @@ impl Ctx {
             }
             bail!("pg_recvlogical failed ({status}): {err}");
         }
-        Ok(Phase {
-            events,
-            secs,
-            rate: events as f64 / secs,
-            relay_cpu_s: 0.0,
-            pg_cpu_s: cpu.secs(),
-            bench_cpu_s: own_cpu() - own0,
-            started_epoch,
-            wal_retained_peak_mib: 0.0,
-        })
+        Ok(m.phase(events, secs, 0.0))
     }
 
     /// Starts the relay on the backlog and times it until the slot confirmed `end`.
@@ -635,23 +659,20 @@ impl Ctx {
         end: String,
         events: u64,
     ) -> anyhow::Result<(RelayChild, Phase)> {
-        let mut cpu = ClusterCpu::start(self.postmaster);
-        let own0 = own_cpu();
-        let started_epoch = epoch_now();
-        let t = Instant::now();
+        let mut m = PhaseMeter::start(self.postmaster);
         let relay = RelayChild::spawn(self, &db.url, &db.slot)?;
         let mut n = 0u64;
         loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
             n += 1;
             if n % 2 == 0 {
-                cpu.sample();
+                m.cpu.sample();
             }
             relay.check_alive()?;
             if confirmed_past(&db.client, &db.slot, &end).await? {
                 break;
             }
-            if t.elapsed() > Duration::from_secs(self.args.timeout_secs) {
+            if m.started.elapsed() > Duration::from_secs(self.args.timeout_secs) {
                 bail!(
                     "the relay did not drain {events} events within {} s; see {}",
                     self.args.timeout_secs,
@@ -659,8 +680,8 @@ impl Ctx {
                 );
             }
         }
-        let secs = t.elapsed().as_secs_f64();
-        cpu.sample();
+        let secs = m.started.elapsed().as_secs_f64();
+        m.cpu.sample();
         let relay_cpu_s = relay.cpu_secs();
         // Confirmed past the backlog means every event was resolved; in a bench each must be
         // resolved by a receipt (no poison events), or the rate counts something else.
@@ -676,19 +697,7 @@ impl Ctx {
                 relay.log.display()
             );
         }
-        Ok((
-            relay,
-            Phase {
-                events,
-                secs,
-                rate: events as f64 / secs,
-                relay_cpu_s,
-                pg_cpu_s: cpu.secs(),
-                bench_cpu_s: own_cpu() - own0,
-                started_epoch,
-                wal_retained_peak_mib: 0.0,
-            },
-        ))
+        Ok((relay, m.phase(events, secs, relay_cpu_s)))
     }
 
     /// Constant-rate writers with the relay running; latency per event from the ledger.
@@ -699,11 +708,8 @@ impl Ctx {
         relay: &mut RelayChild,
     ) -> anyhow::Result<Steady> {
         let a = &self.args;
-        let mut cpu = ClusterCpu::start(self.postmaster);
+        let mut m = PhaseMeter::start(self.postmaster);
         let relay_cpu0 = relay.cpu_secs();
-        let own0 = own_cpu();
-        let started_epoch = epoch_now();
-        let t = Instant::now();
         let writers = workload::Writers::start(
             self,
             &db.url,
@@ -722,7 +728,7 @@ impl Ctx {
         while !writers.finished() {
             tokio::time::sleep(Duration::from_millis(100)).await;
             i += 1;
-            cpu.sample();
+            m.cpu.sample();
             relay.check_alive()?;
             if let Some((r, _)) = relay.rss() {
                 rss.push(r as f64 / MIB);
@@ -742,7 +748,7 @@ impl Ctx {
             unsent.push(walsender_unsent(&db.client, &db.slot).await? / MIB);
         }
         let committed = writers.join().await?;
-        let produced_secs = t.elapsed().as_secs_f64();
+        let produced_secs = m.started.elapsed().as_secs_f64();
         let end = workload::backlog_end(&db.client).await?;
         let wait = Instant::now();
         wait_confirmed(
@@ -760,7 +766,7 @@ impl Ctx {
             },
         )
         .await?;
-        cpu.sample();
+        m.cpu.sample();
         let accepted = workload::accepted_times(
             &db.client,
             &committed,
@@ -768,21 +774,15 @@ impl Ctx {
         )
         .await?;
         workload::all_accepted(&db.client, &committed, &accepted, "steady phase").await?;
-        let latency = workload::latencies(&committed, &accepted, started_epoch);
+        let latency = workload::latencies(&committed, &accepted, m.started_epoch);
         rss.sort_by(f64::total_cmp);
         let n = committed.len() as u64;
         Ok(Steady {
             target_rate: a.rate as f64,
             achieved_rate: n as f64 / produced_secs,
             phase: Phase {
-                events: n,
-                secs: produced_secs,
-                rate: n as f64 / produced_secs,
-                relay_cpu_s: relay.cpu_secs() - relay_cpu0,
-                pg_cpu_s: cpu.secs(),
-                bench_cpu_s: own_cpu() - own0,
-                started_epoch,
                 wal_retained_peak_mib: wal_peak / MIB,
+                ..m.phase(n, produced_secs, relay.cpu_secs() - relay_cpu0)
             },
             latency,
             rss_steady_mib: rss.get(rss.len() / 2).copied().unwrap_or(0.0),

@@ -23,9 +23,8 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use uuid::Uuid;
 
-use super::procstat::ClusterCpu;
 use super::workload::{self, Target};
-use super::{epoch_now, Ctx, Phase, Scenario, Steady};
+use super::{Ctx, Phase, PhaseMeter, Scenario, Steady};
 
 /// What a polling design adds to the outbox table (no slot exists in this database, so the
 /// publication costs nothing here).
@@ -221,10 +220,7 @@ pub async fn baseline(
     client.batch_execute("VACUUM ANALYZE outbox.events").await?;
 
     let stop = Arc::new(AtomicBool::new(false));
-    let mut cpu = ClusterCpu::start(ctx.postmaster);
-    let own0 = super::own_cpu();
-    let started_epoch = epoch_now();
-    let t = Instant::now();
+    let mut m = PhaseMeter::start(ctx.postmaster);
     let poller = tokio::spawn(run_poller(
         outboxd::connect(&url).await?,
         ctx.bootstrap.clone(),
@@ -243,35 +239,23 @@ pub async fn baseline(
     };
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        cpu.sample();
+        m.cpu.sample();
         if poller.is_finished() {
             break;
         }
         if !pending().await? {
             break;
         }
-        if t.elapsed() > Duration::from_secs(a.timeout_secs) {
+        if m.started.elapsed() > Duration::from_secs(a.timeout_secs) {
             anyhow::bail!("the polling relay did not drain its backlog in time");
         }
     }
-    let secs = t.elapsed().as_secs_f64();
-    cpu.sample();
-    let drain = Phase {
-        events: sc.events,
-        secs,
-        rate: sc.events as f64 / secs,
-        relay_cpu_s: 0.0,
-        pg_cpu_s: cpu.secs(),
-        bench_cpu_s: super::own_cpu() - own0,
-        started_epoch,
-        wal_retained_peak_mib: 0.0,
-    };
-    let series = workload::series(&client, "outbox.events.published_at", started_epoch).await?;
+    let secs = m.started.elapsed().as_secs_f64();
+    m.cpu.sample();
+    let drain = m.phase(sc.events, secs, 0.0);
+    let series = workload::series(&client, "outbox.events.published_at", m.started_epoch).await?;
 
-    let mut cpu = ClusterCpu::start(ctx.postmaster);
-    let own0 = super::own_cpu();
-    let started_epoch = epoch_now();
-    let t = Instant::now();
+    let mut m = PhaseMeter::start(ctx.postmaster);
     let writers = workload::Writers::start(
         ctx,
         &url,
@@ -283,14 +267,14 @@ pub async fn baseline(
     .await?;
     while !writers.finished() {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        cpu.sample();
+        m.cpu.sample();
     }
     let committed = writers.join().await?;
-    let produced_secs = t.elapsed().as_secs_f64();
+    let produced_secs = m.started.elapsed().as_secs_f64();
     while pending().await? && !poller.is_finished() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    cpu.sample();
+    m.cpu.sample();
     stop.store(true, Ordering::Relaxed);
     poller.await??;
     let accepted = workload::accepted_times(&client, &committed, Target::Poll(agg_type)).await?;
@@ -299,17 +283,8 @@ pub async fn baseline(
     let steady = Steady {
         target_rate: a.rate as f64,
         achieved_rate: n as f64 / produced_secs,
-        phase: Phase {
-            events: n,
-            secs: produced_secs,
-            rate: n as f64 / produced_secs,
-            relay_cpu_s: 0.0,
-            pg_cpu_s: cpu.secs(),
-            bench_cpu_s: super::own_cpu() - own0,
-            started_epoch,
-            wal_retained_peak_mib: 0.0,
-        },
-        latency: workload::latencies(&committed, &accepted, started_epoch),
+        phase: m.phase(n, produced_secs, 0.0),
+        latency: workload::latencies(&committed, &accepted, m.started_epoch),
         rss_steady_mib: 0.0,
         walsender_unsent_mib: (0.0, 0.0),
         autovacuum_s: 0.0,
