@@ -98,7 +98,7 @@ conflict AS (
     ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
 ),
-heads AS (
+journal AS (
     -- One journal row per batch, folded into outbox.aggregate_heads later (migration 0013).
     INSERT INTO outbox.head_journal (slot_name, aggregate_types, aggregate_ids, versions)
     SELECT $13, array_agg(m.aggregate_type), array_agg(m.aggregate_id),
@@ -112,7 +112,7 @@ unheld AS (
     FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
     RETURNING 1
 )
--- heads and unheld run to completion although nothing reads them (PostgreSQL guarantees it).
+-- journal and unheld run to completion although nothing reads them (PostgreSQL guarantees it).
 SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict),
        (SELECT count(*) FROM matched WHERE NOT row_exists)
 "#;

@@ -51,7 +51,7 @@ pub async fn fold_heads(client: &Client, paced: bool) -> Result<u64, LedgerError
 }
 
 /// The newest journal row's id (`None`: the journal is empty): what a fold started now covers.
-pub async fn journal_end(client: &Client) -> Result<Option<i64>, LedgerError> {
+async fn journal_end(client: &Client) -> Result<Option<i64>, LedgerError> {
     Ok(client
         .query_one("SELECT max(id) FROM outbox.head_journal", &[])
         .await
@@ -61,7 +61,7 @@ pub async fn journal_end(client: &Client) -> Result<Option<i64>, LedgerError> {
 
 /// One fold transaction: the oldest journal rows with id <= `up_to`, about
 /// [`FOLD_CHUNK_PAIRS`] pairs. Returns how many rows it folded (0: none left up to `up_to`).
-pub async fn fold_chunk(client: &Client, up_to: i64) -> Result<u64, LedgerError> {
+async fn fold_chunk(client: &Client, up_to: i64) -> Result<u64, LedgerError> {
     let n: i64 = client
         .query_one(
             "SELECT outbox.fold_heads($1, $2)",

@@ -259,8 +259,7 @@ fn spawn_head_fold(client: Client, interval: Duration) -> AbortOnDrop {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let folded = holds::fold_heads(&client, true).await;
-            match folded {
+            match holds::fold_heads(&client, true).await {
                 Ok(n) => tracing::debug!(journal_rows = n, "head journal folded"),
                 Err(e) => {
                     tracing::warn!(error = %e, "folding the head journal failed; trying again at the next interval (heads stay exact: readers fold first)")
