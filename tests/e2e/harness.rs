@@ -123,6 +123,17 @@ impl TestEnv {
         .await
     }
 
+    /// Waits until `sql` (a count) is 0.
+    pub async fn wait_zero(&self, what: &str, sql: &str) {
+        wait_for(what, LONG, || async {
+            match self.count(sql).await {
+                0 => Ok(()),
+                c => Err(format!("{c} left")),
+            }
+        })
+        .await
+    }
+
     /// Records the state a lost ACK leaves: an attempt of `event_id` at the frozen topic,
     /// partition 0, whose outcome is DISPATCH_UNKNOWN (sent by relay generation 0).
     pub async fn record_unknown_attempt(&self, event_id: uuid::Uuid) {
@@ -270,6 +281,18 @@ pub struct RelayProcess {
 }
 
 impl RelayProcess {
+    /// Starts `cmd` with stderr to `log` (a relay, or another process a test SIGKILLs).
+    pub fn spawn(mut cmd: Command, log: PathBuf) -> RelayProcess {
+        let file = std::fs::File::create(&log).expect("log file");
+        cmd.stdout(Stdio::null()).stderr(file);
+        RelayProcess {
+            child: cmd
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}")),
+            log,
+        }
+    }
+
     pub fn signal(&self, sig: i32) {
         // SAFETY: plain kill(2) on our own child's pid.
         unsafe {
@@ -619,4 +642,31 @@ pub fn outboxd(args: &[&str]) -> (bool, String) {
             String::from_utf8_lossy(&out.stderr)
         ),
     )
+}
+
+/// Publishes one message around the relay (a bypass, a rogue poller): `key`, header `id` when
+/// given, `payload`; flushed before it returns.
+pub fn produce_raw(bootstrap: &str, topic: &str, key: &str, id: Option<&str>, payload: &str) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let p: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .expect("producer");
+    let mut headers = OwnedHeaders::new();
+    if let Some(id) = id {
+        headers = headers.insert(Header {
+            key: "id",
+            value: Some(id),
+        });
+    }
+    p.send(
+        BaseRecord::to(topic)
+            .key(key)
+            .payload(payload)
+            .headers(headers),
+    )
+    .map_err(|(e, _)| e)
+    .expect("produce");
+    p.flush(Duration::from_secs(10)).expect("flush");
 }

@@ -33,5 +33,6 @@ mod reconcile;
 mod security;
 mod sim_regressions;
 mod slot_safety;
+mod takeover;
 mod tls;
 mod unknown;

@@ -2,11 +2,7 @@
 //! is found, 0 when all is well), and its JSON and Prometheus outputs.
 
 use std::process::Command;
-use std::time::Duration;
 
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-use rdkafka::ClientConfig;
 use serde_json::json;
 
 use crate::harness::TestEnv;
@@ -50,26 +46,7 @@ pub fn reconcile_json(env: &TestEnv, extra: &[&str]) -> (i32, serde_json::Value)
 }
 
 fn produce_raw(env: &TestEnv, id: Option<&str>, payload: &str) {
-    let p: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", env.kafka.bootstrap_servers())
-        .create()
-        .unwrap();
-    let mut headers = OwnedHeaders::new();
-    if let Some(id) = id {
-        headers = headers.insert(Header {
-            key: "id",
-            value: Some(id),
-        });
-    }
-    p.send(
-        BaseRecord::to(&env.topic)
-            .key("rogue")
-            .payload(payload)
-            .headers(headers),
-    )
-    .map_err(|(e, _)| e)
-    .unwrap();
-    p.flush(Duration::from_secs(10)).unwrap();
+    crate::harness::produce_raw(env.kafka.bootstrap_servers(), &env.topic, "rogue", id, payload);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

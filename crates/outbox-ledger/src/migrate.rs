@@ -85,6 +85,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "head_journal",
         sql: include_str!("../../../migrations/0013_head_journal.sql"),
     },
+    Migration {
+        version: 14,
+        name: "poller_takeover",
+        sql: include_str!("../../../migrations/0014_poller_takeover.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -66,6 +66,17 @@ pub enum Command {
     /// does not (optional).
     #[command(subcommand)]
     Consumers(ConsumersCommand),
+    /// Replacing a polling relay: who dispatches each aggregate type of an attached poller
+    /// table (`migrate --poller-table`), and the switches between the poller and outboxd.
+    /// See docs/migrating.md.
+    #[command(subcommand)]
+    Share(ShareCommand),
+    /// Watch a polling relay before replacing it: read its topics, find each of its events by
+    /// id, and report what it really does (published or not, duplicates, key and payload as
+    /// committed, latency, events published by both relays). Changes nothing on the broker.
+    /// Exit status: 0 all is well, 2 a lost, mismatched or doubly-owned event was found,
+    /// 1 the check itself failed.
+    Shadow(ShadowArgs),
 }
 
 #[derive(Debug, Args)]
@@ -81,6 +92,109 @@ pub struct MigrateArgs {
     /// outbox.install_debezium_capture(...) in SQL; see docs/debezium.md.
     #[arg(long, value_name = "SCHEMA.TABLE")]
     pub debezium_table: Vec<String>,
+    /// Attach a polling relay's own outbox table (`schema.table`), to replace the poller
+    /// without a flag day: outboxd captures each new row in the producer's transaction (event
+    /// id = the row's id) and the row's owner, the poller or outboxd, is decided by its
+    /// aggregate type (`outboxd share`). Rows already there stay the poller's. Needs
+    /// --published-column or --unpublished-when. See docs/migrating.md.
+    #[arg(long, value_name = "SCHEMA.TABLE")]
+    pub poller_table: Option<String>,
+    #[command(flatten)]
+    pub poller: PollerTableArgs,
+}
+
+/// How to read an attached poller table (`migrate --poller-table`). The column defaults are
+/// Debezium's outbox names.
+#[derive(Debug, Args)]
+pub struct PollerTableArgs {
+    /// The column the poller sets when it has published a row; the row is unpublished while
+    /// it is NULL.
+    #[arg(long, requires = "poller_table")]
+    pub published_column: Option<String>,
+    /// Or: a boolean SQL expression over the table's columns, true while the poller has not
+    /// published the row (e.g. "status = 'NEW'").
+    #[arg(long, requires = "poller_table", conflicts_with = "published_column")]
+    pub unpublished_when: Option<String>,
+    /// The event id column (uuid, or text holding a uuid).
+    #[arg(long, default_value = "id", requires = "poller_table")]
+    pub id_column: String,
+    #[arg(long, default_value = "aggregatetype", requires = "poller_table")]
+    pub aggregatetype_column: String,
+    #[arg(long, default_value = "aggregateid", requires = "poller_table")]
+    pub aggregateid_column: String,
+    /// The event type column.
+    #[arg(long, default_value = "type", requires = "poller_table")]
+    pub type_column: String,
+    /// The payload column (jsonb, json, or text holding JSON).
+    #[arg(long, default_value = "payload", requires = "poller_table")]
+    pub payload_column: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ShareCommand {
+    /// Every share: aggregate type (`*` = every type without its own row), owner (poller,
+    /// handover, outboxd, handback), rows parked for outboxd.
+    List {
+        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Hand aggregate types from the poller to outboxd. New rows are parked until the poller
+    /// has published every row it owns of them, then outboxd publishes them in order. Waits
+    /// for that; interrupted, it loses nothing (run it again, or give-back).
+    Take(ShareArgs),
+    /// Hand aggregate types back to the poller (rollback). New rows are the poller's; events
+    /// outboxd captured stay outboxd's, and the poller's claim waits for their aggregates
+    /// until they have receipts.
+    GiveBack(ShareArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["aggregate_type", "all"])))]
+pub struct ShareArgs {
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// The aggregate type to switch.
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+    /// Every aggregate type.
+    #[arg(long)]
+    pub all: bool,
+    /// How long to wait for the poller and for open producer transactions.
+    #[arg(long, value_parser = crate::values::parse_duration, default_value = "5m")]
+    pub wait: std::time::Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct ShadowArgs {
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    #[arg(long, env = "OUTBOXD_BOOTSTRAP_SERVERS")]
+    pub bootstrap_servers: String,
+    /// A topic the poller publishes to; repeatable. [default: the topics outboxd's routes give
+    /// the captured rows' aggregate and event types]
+    #[arg(long = "topic")]
+    pub topics: Vec<String>,
+    /// The header carrying the event id in the poller's messages.
+    #[arg(long, default_value = "id")]
+    pub id_header: String,
+    /// A row the poller marked published but that is not on the broker is lost only after
+    /// this long (its message may still be in flight).
+    #[arg(long, value_parser = crate::values::parse_duration, default_value = "1m")]
+    pub grace: std::time::Duration,
+    /// Read once up to the high watermarks, report and exit; otherwise read and report every
+    /// --interval until SIGINT/SIGTERM.
+    #[arg(long)]
+    pub once: bool,
+    #[arg(long, value_parser = crate::values::parse_duration, default_value = "30s")]
+    pub interval: std::time::Duration,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// librdkafka property for the consumer, KEY=VALUE (security.*, sasl.*, ssl.*).
+    #[arg(long = "kafka-property", value_parser = parse_kv)]
+    pub kafka_properties: Vec<(String, String)>,
 }
 
 #[derive(Debug, Args)]

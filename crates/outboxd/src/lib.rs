@@ -13,6 +13,9 @@ pub mod migrate_destination;
 pub mod purge;
 pub mod reconcile;
 pub mod relay;
+pub mod shadow;
+pub mod share;
+pub mod topics;
 pub mod values;
 
 use std::time::Duration;

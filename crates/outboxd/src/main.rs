@@ -62,6 +62,9 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
             for t in &a.debezium_table {
                 install_debezium(&a.database_url, t).await?;
             }
+            if let Some(t) = &a.poller_table {
+                outboxd::share::attach(&a.database_url, &a.poller, t).await?;
+            }
             Ok(())
         }
         Command::Run(a) => {
@@ -86,6 +89,23 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Reconcile(a) => reconcile::run(a).await,
         Command::Purge(a) => purge::run(a).await,
         Command::Consumers(c) => consumers(c).await,
+        Command::Share(c) => share(c).await,
+        Command::Shadow(a) => outboxd::shadow::run(a).await,
+    }
+}
+
+async fn share(cmd: cli::ShareCommand) -> anyhow::Result<()> {
+    use outboxd::share::{self, Target};
+    let target = |a: &cli::ShareArgs| match &a.aggregate_type {
+        Some(t) => Target::Type(t.clone()),
+        None => Target::All,
+    };
+    match cmd {
+        cli::ShareCommand::List { database_url, json } => share::list(&database_url, json).await,
+        cli::ShareCommand::Take(a) => share::take(&a.database_url, &target(&a), a.wait).await,
+        cli::ShareCommand::GiveBack(a) => {
+            share::give_back(&a.database_url, &target(&a), a.wait).await
+        }
     }
 }
 

@@ -39,9 +39,7 @@ use outbox_ledger::audit::{
     self, AgedPending, AgedUnknown, LedgerConflict, ReceiptKind, ReceiptScope, ReceiptsInScope,
 };
 use outbox_ledger::consumers::{self, ConsumerInfo, Unconsumed};
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Headers;
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use rdkafka::Message;
 use serde::Serialize;
 
 use crate::cli::{ReconcileArgs, ReconcileFormat};
@@ -658,101 +656,31 @@ fn scan_topics_blocking(
     properties: &[(String, String)],
     topics: &[String],
 ) -> anyhow::Result<ScanResult> {
-    const TIMEOUT: Duration = Duration::from_secs(30);
-    let mut cc = ClientConfig::new();
-    for (k, v) in properties {
-        // Producer-only settings would make the consumer refuse to start.
-        if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
-            cc.set(k, v);
-        }
-    }
-    let consumer: BaseConsumer = cc
-        .set("bootstrap.servers", bootstrap)
-        .set(
-            "group.id",
-            format!("outboxd-reconcile-{}", uuid::Uuid::new_v4()),
-        )
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
-        // Retention moving the log start during the scan: go on from the new start rather
-        // than jump to the end (which would stall the scan).
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .with_context(|| format!("creating a Kafka consumer for {bootstrap}"))?;
+    let consumer = crate::topics::consumer(bootstrap, properties, "reconcile")?;
     let mut out = ScanResult::default();
     for topic in topics {
-        let md = consumer
-            .fetch_metadata(Some(topic), TIMEOUT)
-            .with_context(|| format!("reading metadata of topic {topic} from {bootstrap}; check --bootstrap-servers and that the broker is up"))?;
-        let partitions: Vec<i32> = md
-            .topics()
-            .iter()
-            .filter(|t| t.name() == topic && t.error().is_none())
-            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-            .collect();
-        if partitions.is_empty() {
-            out.missing.push(topic.clone());
-            continue;
-        }
-        let mut tpl = TopicPartitionList::new();
-        let mut high = HashMap::new();
-        let mut marks = BTreeMap::new();
-        for p in &partitions {
-            let (low, h) = consumer
-                .fetch_watermarks(topic, *p, TIMEOUT)
-                .with_context(|| format!("reading watermarks of {topic}/{p}"))?;
-            marks.insert(*p, (low, h));
-            if h > low {
-                high.insert(*p, (low, h));
-                tpl.add_partition_offset(topic, *p, Offset::Offset(low))?;
-            }
-        }
-        if !high.is_empty() {
-            consumer
-                .assign(&tpl)
-                .with_context(|| format!("assigning {topic}"))?;
-            let mut next: HashMap<i32, i64> = high.iter().map(|(p, (low, _))| (*p, *low)).collect();
-            let mut last_progress = Instant::now();
-            while high.iter().any(|(p, (_, h))| next[p] < *h) {
-                if last_progress.elapsed() > TIMEOUT {
-                    anyhow::bail!(
-                        "reading topic {topic} stalled for {}s (positions {next:?}, high watermarks {high:?}); is the broker healthy?",
-                        TIMEOUT.as_secs()
-                    );
-                }
-                let Some(r) = consumer.poll(Duration::from_millis(100)) else {
-                    continue;
-                };
-                let m = r.with_context(|| format!("reading topic {topic}"))?;
-                last_progress = Instant::now();
-                next.insert(m.partition(), m.offset() + 1);
-                if m.offset() >= high.get(&m.partition()).map_or(0, |(_, h)| *h) {
-                    // Published after the scan began: outside what it reports on.
-                    continue;
-                }
-                let id = m.headers().and_then(|h| {
-                    h.iter().find(|hd| hd.key == "id").map(|hd| {
-                        String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned()
-                    })
-                });
+        let marks = crate::topics::read_topic(
+            &consumer,
+            bootstrap,
+            topic,
+            &|_, low| low,
+            &mut |m| {
                 out.messages.push(ScannedMessage {
                     topic: topic.clone(),
                     partition: m.partition(),
                     offset: m.offset(),
-                    id,
+                    id: crate::topics::header(m, "id"),
                     digest: outbox_core::envelope::sha256_digest(m.payload().unwrap_or_default()),
                 });
+                Ok(())
+            },
+        )?;
+        match marks {
+            Some(marks) => {
+                out.watermarks.insert(topic.clone(), marks);
             }
-            consumer.unassign().ok();
-            // The log start may have moved while the topic was read: an offset below the new
-            // one was deleted by retention, not lost.
-            for (p, (low, _)) in marks.iter_mut() {
-                if let Ok((l, _)) = consumer.fetch_watermarks(topic, *p, TIMEOUT) {
-                    *low = (*low).max(l);
-                }
-            }
+            None => out.missing.push(topic.clone()),
         }
-        out.watermarks.insert(topic.clone(), marks);
     }
     Ok(out)
 }

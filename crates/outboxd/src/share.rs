@@ -1,0 +1,298 @@
+//! `outboxd share`: who dispatches each aggregate type of an attached poller table, and the
+//! two switches between the team's poller and outboxd (migration 0014, docs/migrating.md).
+//!
+//! A switch is never a flag day and never leaves an event with two owners or none:
+//! * **take** (poller -> outboxd): the type goes to `handover` (new rows are parked: nobody
+//!   publishes them yet); once every producer transaction that could still capture a row for
+//!   the poller has ended and the poller has published every row it owns of the type, the type
+//!   goes to `outboxd` and the parked rows are enqueued in insertion order. The aggregate's
+//!   order holds: the poller's rows reach the broker before outboxd's.
+//! * **give-back** (outboxd -> poller): the type goes to `handback` (new rows are the poller's
+//!   but not claimable yet); once every producer transaction that could still enqueue for
+//!   outboxd has ended, it goes to `poller`. Events outboxd captured stay outboxd's and are
+//!   published by the relay; `outbox.poller_may_claim` holds an aggregate back from the poller
+//!   until its newest outboxd event has a receipt.
+//!
+//! A switch waits for in-flight producer transactions by their xids, never by locking
+//! producers out, so producers never stall. Interrupted at any point, a switch loses nothing:
+//! the state it left is one of the four, each with a defined owner; run it again.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio_postgres::Client;
+
+use crate::connect;
+
+/// What a share command applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// One aggregate type.
+    Type(String),
+    /// Every aggregate type: the `*` share and every type with a share of its own.
+    All,
+}
+
+/// The `outboxd share list` lines.
+pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
+    let client = connect(url).await?;
+    let rows = client
+        .query(
+            "SELECT s.aggregate_type, s.owner, s.changed_at::text,
+                    (SELECT count(*) FROM outbox.parked_events p
+                     WHERE outbox.dispatch_owner(p.aggregate_type) = s.owner
+                       AND (p.aggregate_type = s.aggregate_type OR s.aggregate_type = '*'))
+             FROM outbox.dispatch_shares s ORDER BY s.aggregate_type = '*' DESC, s.aggregate_type",
+            &[],
+        )
+        .await
+        .map_err(db("reading outbox.dispatch_shares"))?;
+    let tables = client
+        .query(
+            "SELECT source_table::text, unpublished_when FROM outbox.poller_tables ORDER BY 1",
+            &[],
+        )
+        .await
+        .map_err(db("reading outbox.poller_tables"))?;
+    if json {
+        let shares: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "aggregate_type": r.get::<_, String>(0),
+                    "owner": r.get::<_, String>(1),
+                    "changed_at": r.get::<_, String>(2),
+                    "parked": r.get::<_, i64>(3),
+                })
+            })
+            .collect();
+        let tables: Vec<_> = tables
+            .iter()
+            .map(|r| serde_json::json!({"table": r.get::<_, String>(0), "unpublished_when": r.get::<_, String>(1)}))
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"shares": shares, "poller_tables": tables}))?
+        );
+        return Ok(());
+    }
+    if tables.is_empty() {
+        println!("no poller table attached (outboxd migrate --poller-table SCHEMA.TABLE --published-column COLUMN)");
+    }
+    for t in &tables {
+        println!(
+            "poller table {} (unpublished when {})",
+            t.get::<_, String>(0),
+            t.get::<_, String>(1)
+        );
+    }
+    println!("{:<32} {:<10} {:>8}  CHANGED", "AGGREGATE TYPE", "OWNER", "PARKED");
+    for r in &rows {
+        println!(
+            "{:<32} {:<10} {:>8}  {}",
+            r.get::<_, String>(0),
+            r.get::<_, String>(1),
+            r.get::<_, i64>(3),
+            r.get::<_, String>(2)
+        );
+    }
+    Ok(())
+}
+
+/// Hands `target` from the poller to outboxd. Waits up to `wait` for the poller to publish
+/// the rows it owns; on time-out the share stays in `handover` (nothing lost: new rows are
+/// parked) and the error says how to go on or back.
+pub async fn take(url: &str, target: &Target, wait: Duration) -> anyhow::Result<()> {
+    let client = connect(url).await?;
+    let deadline = Instant::now() + wait;
+    let shares = shares_of(&client, target).await?;
+    let snap = switch(&client, &shares, "handover", &["outboxd"]).await?;
+    settle(&client, &snap, deadline, "take").await?;
+    let mut last_print = Instant::now();
+    loop {
+        let n: i64 = client
+            .query_one("SELECT outbox.legacy_unpublished('handover')", &[])
+            .await
+            .map_err(db("counting the poller's unpublished rows"))?
+            .get(0);
+        if n == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "the poller has not published {n} row(s) it owns of {} within {}s; the share stays in handover (new rows are parked for outboxd, nothing is lost). Check that the poller runs and that its claim query has `AND outbox.poller_may_claim(id)`; then run `outboxd share take` again to go on waiting, or `outboxd share give-back` to cancel",
+                describe(target),
+                wait.as_secs()
+            );
+        }
+        if last_print.elapsed() >= Duration::from_secs(5) {
+            println!("waiting for the poller to publish {n} row(s) it owns");
+            last_print = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let snap = switch(&client, &shares, "outboxd", &[]).await?;
+    settle(&client, &snap, deadline + wait, "take").await?;
+    let moved: i64 = client
+        .query_one("SELECT outbox.enqueue_all_parked()", &[])
+        .await
+        .map_err(db("enqueueing the parked rows"))?
+        .get(0);
+    println!(
+        "outboxd owns {}: {moved} parked row(s) enqueued; new rows are enqueued in the producer's transaction",
+        describe(target)
+    );
+    Ok(())
+}
+
+/// Hands `target` from outboxd back to the poller.
+pub async fn give_back(url: &str, target: &Target, wait: Duration) -> anyhow::Result<()> {
+    let client = connect(url).await?;
+    let deadline = Instant::now() + wait;
+    let shares = shares_of(&client, target).await?;
+    let snap = switch(&client, &shares, "handback", &["poller"]).await?;
+    settle(&client, &snap, deadline, "give-back").await?;
+    switch(&client, &shares, "poller", &[]).await?;
+    let pending: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox.events e
+             WHERE outbox.dispatch_owner(e.aggregate_type) = 'poller'
+               AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)",
+            &[],
+        )
+        .await
+        .map_err(db("counting outboxd's pending events"))?
+        .get(0);
+    println!(
+        "the poller owns {}: new rows are its own; {pending} event(s) outboxd captured are still pending and stay outboxd's (the poller's claim waits for their aggregates until they have receipts)",
+        describe(target)
+    );
+    Ok(())
+}
+
+fn describe(target: &Target) -> String {
+    match target {
+        Target::Type(t) => format!("aggregate type {t}"),
+        Target::All => "every aggregate type".into(),
+    }
+}
+
+/// The share rows a target names: one type, or `*` and every type with a share of its own.
+async fn shares_of(client: &Client, target: &Target) -> anyhow::Result<Vec<String>> {
+    let attached: i64 = client
+        .query_one("SELECT count(*) FROM outbox.poller_tables", &[])
+        .await
+        .map_err(db("reading outbox.poller_tables"))?
+        .get(0);
+    if attached == 0 {
+        anyhow::bail!("no poller table is attached: run `outboxd migrate --poller-table SCHEMA.TABLE --published-column COLUMN` first (docs/migrating.md)");
+    }
+    Ok(match target {
+        Target::Type(t) if t == "*" || t.is_empty() => {
+            anyhow::bail!("--aggregate-type must name a type; use --all for every type")
+        }
+        Target::Type(t) => vec![t.clone()],
+        Target::All => client
+            .query("SELECT aggregate_type FROM outbox.dispatch_shares", &[])
+            .await
+            .map_err(db("reading outbox.dispatch_shares"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect(),
+    })
+}
+
+/// Sets every share to `owner` (those already in `done` stay) in one transaction and returns
+/// the snapshot taken after the commit: its in-progress transactions are the producers that
+/// may still capture under the previous owner.
+async fn switch(
+    client: &Client,
+    shares: &[String],
+    owner: &str,
+    done: &[&str],
+) -> anyhow::Result<String> {
+    client
+        .execute(
+            "SELECT outbox.set_dispatch_owner(s, $2)
+             FROM unnest($1::text[]) s
+             WHERE outbox.dispatch_owner(s) <> ALL ($3::text[])",
+            &[&shares, &owner, &done],
+        )
+        .await
+        .map_err(db("switching the share owner"))?;
+    let snap: String = client
+        .query_one("SELECT pg_current_snapshot()::text", &[])
+        .await
+        .map_err(db("reading the snapshot"))?
+        .get(0);
+    Ok(snap)
+}
+
+/// Waits until every transaction in progress in `snap` has ended.
+async fn settle(client: &Client, snap: &str, deadline: Instant, cmd: &str) -> anyhow::Result<()> {
+    loop {
+        let done: bool = client
+            .query_one(
+                "SELECT outbox.snapshot_settled($1::text::pg_snapshot)",
+                &[&snap],
+            )
+            .await
+            .map_err(db("waiting for in-flight producer transactions"))?
+            .get(0);
+        if done {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "producer transactions that began before the switch are still open (snapshot {snap}; see pg_stat_activity for old xact_start); nothing is lost, run `outboxd share {cmd}` again when they end"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> anyhow::Error {
+    move |e| anyhow::anyhow!("{what}: {}", outbox_ledger::describe_db_error(&e))
+}
+
+/// Installs the poller-table capture (migration 0014) on `table`.
+pub async fn attach(url: &str, a: &crate::cli::PollerTableArgs, table: &str) -> anyhow::Result<()> {
+    let unpublished = match (&a.published_column, &a.unpublished_when) {
+        (Some(c), None) => format!("{} IS NULL", outbox_source::slot::quote_ident(c)),
+        (None, Some(w)) => w.clone(),
+        _ => anyhow::bail!(
+            "--poller-table {table} needs exactly one of --published-column COLUMN (the row is unpublished while it is NULL) or --unpublished-when EXPRESSION (e.g. \"status = 'NEW'\")"
+        ),
+    };
+    let (schema, name) = crate::config::split_table(table)?;
+    let qualified = format!(
+        "{}.{}",
+        outbox_source::slot::quote_ident(&schema),
+        outbox_source::slot::quote_ident(&name)
+    );
+    let client = connect(url).await?;
+    let row = client
+        .query_one(
+            "SELECT outbox.install_poller_capture($1::text::regclass, $2, $3, $4, $5, $6, $7)",
+            &[
+                &qualified,
+                &unpublished,
+                &a.id_column,
+                &a.aggregatetype_column,
+                &a.aggregateid_column,
+                &a.type_column,
+                &a.payload_column,
+            ],
+        )
+        .await
+        .with_context(|| format!("attaching poller table {table}"))
+        .map_err(|e| match e.downcast_ref::<tokio_postgres::Error>() {
+            Some(pe) => anyhow::anyhow!(
+                "attaching poller table {table}: {}",
+                outbox_ledger::describe_db_error(pe)
+            ),
+            None => e,
+        })?;
+    println!("{}", row.get::<_, String>(0));
+    Ok(())
+}

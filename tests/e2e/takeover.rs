@@ -1,0 +1,496 @@
+//! Replacing a polling relay without a flag day (docs/migrating.md): a team's own outbox table
+//! and poller (`legacy-poller`, plain SQL), four writers that never change, and outboxd
+//! attaching, shadowing, taking over two aggregate types and then all, and handing one back,
+//! with both relays SIGKILLed along the way. Asserted from the broker's contents and the
+//! writers' own records, never from outboxd's word alone.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::{connect, outboxd, RelayProcess, TestEnv, TopicMessage};
+
+const TABLE_DDL: &str = "CREATE SCHEMA app;
+     CREATE TABLE app.outbox (
+         seq           bigserial,
+         id            uuid PRIMARY KEY,
+         aggregatetype text NOT NULL,
+         aggregateid   text NOT NULL,
+         type          text NOT NULL,
+         payload       jsonb NOT NULL,
+         created_at    timestamptz NOT NULL DEFAULT now(),
+         published_at  timestamptz
+     );
+     CREATE INDEX outbox_unpublished ON app.outbox (seq) WHERE published_at IS NULL;";
+
+const INSERT: &str =
+    "INSERT INTO app.outbox (id, aggregatetype, aggregateid, type, payload) VALUES ($1, $2, $3, $4, $5)";
+
+/// The testkit's `legacy-poller` binary, next to this test binary's directory.
+fn poller_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir");
+    let bin = dir.join("legacy-poller");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p outbox-testkit --bin legacy-poller` (`cargo test --workspace` builds it)",
+        bin.display()
+    );
+    bin
+}
+
+fn start_poller(env: &TestEnv, extra: &[&str]) -> RelayProcess {
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let mut cmd = Command::new(poller_binary());
+    cmd.args([
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+    ])
+    .args(extra);
+    RelayProcess::spawn(cmd, env.dir.path().join(format!("poller-{n}.log")))
+}
+
+/// SIGKILLs the poller and waits until its backend (and the row locks of its open claim) is
+/// gone, as a team's supervisor restarting it would find it. A restart before that would skip
+/// the locked rows and could publish an aggregate's later row first: a property of
+/// SKIP LOCKED pollers, not of the switch under test.
+async fn kill_poller(env: &TestEnv, p: &mut RelayProcess) {
+    p.kill9();
+    env.wait_zero(
+        "the killed poller's backend to end",
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'legacy-poller' AND datname = current_database()",
+    )
+    .await;
+}
+
+async fn outboxd_async(args: Vec<String>) -> (bool, String) {
+    tokio::task::spawn_blocking(move || {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        outboxd(&a)
+    })
+    .await
+    .unwrap()
+}
+
+fn shadow_report(env: &TestEnv, topics: &[String], grace: &str) -> (i32, Value) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outboxd"));
+    cmd.args([
+        "shadow",
+        "--once",
+        "--json",
+        "--grace",
+        grace,
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+    ]);
+    for t in topics {
+        cmd.args(["--topic", t]);
+    }
+    let out = cmd.output().expect("run outboxd shadow");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!(
+            "shadow printed no JSON ({e}): {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), report)
+}
+
+fn by_outboxd(m: &TopicMessage) -> bool {
+    m.headers.contains_key("envelope_generation")
+}
+
+/// One committed row, as its writer recorded it.
+#[derive(Debug, Clone)]
+struct Written {
+    aggregate: String,
+    n: i64,
+}
+
+#[derive(Default)]
+struct Log {
+    committed: HashMap<uuid::Uuid, Written>,
+    rolled_back: Vec<uuid::Uuid>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back() {
+    let env = TestEnv::new("takeover").await;
+    let types: Vec<String> = (0..4).map(|k| format!("{}_{k}", env.aggregate_type)).collect();
+    let topics: Vec<String> = types.iter().map(|t| format!("outbox.event.{t}")).collect();
+    for t in &topics {
+        env.kafka.create_topic(t, 3).expect("create topic");
+    }
+    env.db.batch_execute(TABLE_DDL).await.unwrap();
+
+    // Before outboxd: four rows the poller already published, three it has not.
+    let mut pre_marked = Vec::new();
+    let log = Arc::new(Mutex::new(Log::default()));
+    for i in 0..7 {
+        let id = uuid::Uuid::new_v4();
+        let agg = format!("pre-{i}");
+        env.db
+            .execute(INSERT, &[&id, &types[i % 4], &agg, &"Created", &json!({"n": 1})])
+            .await
+            .unwrap();
+        if i < 4 {
+            env.db
+                .execute("UPDATE app.outbox SET published_at = now() WHERE id = $1", &[&id])
+                .await
+                .unwrap();
+            pre_marked.push(id);
+        } else {
+            log.lock().unwrap().committed.insert(id, Written { aggregate: agg, n: 1 });
+        }
+    }
+
+    // 1. Attach.
+    let (ok, out) = outboxd(&[
+        "migrate",
+        "--database-url",
+        &env.url,
+        "--poller-table",
+        "app.outbox",
+        "--published-column",
+        "published_at",
+    ]);
+    assert!(ok && out.contains("7 existing row(s)"), "{out}");
+    let mut poller = start_poller(&env, &[]);
+    let mut relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+
+    // Four writers, each with its own aggregates (one type each), one in ten transactions
+    // rolled back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..4usize {
+        let (url, types, stop, log) = (env.url.clone(), types.clone(), stop.clone(), log.clone());
+        writers.push(tokio::spawn(async move {
+            let mut c = connect(&url).await;
+            let mut next: BTreeMap<usize, i64> = BTreeMap::new();
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let j = i % 6;
+                let agg = format!("w{w}-a{j}");
+                let ty = &types[(w + j) % 4];
+                let n = next.get(&j).copied().unwrap_or(1);
+                let id = uuid::Uuid::new_v4();
+                let tx = c.transaction().await.unwrap();
+                tx.execute(INSERT, &[&id, ty, &agg, &"Changed", &json!({"w": w, "agg": agg, "n": n})])
+                    .await
+                    .unwrap();
+                if i % 10 == 7 {
+                    tx.rollback().await.unwrap();
+                    log.lock().unwrap().rolled_back.push(id);
+                } else {
+                    tx.commit().await.unwrap();
+                    next.insert(j, n + 1);
+                    log.lock().unwrap().committed.insert(id, Written { aggregate: agg, n });
+                }
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        }));
+    }
+    let committed = || log.lock().unwrap().committed.len();
+    let wait_more = |n: usize| {
+        let log = log.clone();
+        async move {
+            let target = log.lock().unwrap().committed.len() + n;
+            while log.lock().unwrap().committed.len() < target {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // 2. Shadow: the poller owns everything; the shadow sees it publish, with no fault.
+    wait_more(150).await;
+    let (code, report) = shadow_report(&env, &topics, "1h");
+    assert_eq!(code, 0, "{report}");
+    assert_eq!(report["both_owners"], 0, "{report}");
+    assert!(report["published"].as_i64().unwrap() > 0, "{report}");
+    kill_poller(&env, &mut poller).await;
+    wait_more(50).await;
+    poller = start_poller(&env, &[]);
+
+    // 3. Take over two types, with the poller and the writers running.
+    for t in &types[..2] {
+        let (ok, out) = outboxd_async(vec![
+            "share".into(),
+            "take".into(),
+            "--database-url".into(),
+            env.url.clone(),
+            "--aggregate-type".into(),
+            t.clone(),
+            "--wait".into(),
+            "60s".into(),
+        ])
+        .await;
+        assert!(ok && out.contains(&format!("outboxd owns aggregate type {t}")), "{out}");
+    }
+    wait_more(100).await;
+    relay.kill9();
+    wait_more(50).await;
+    relay = env.relay(&[], &[]);
+
+    // 4. Then all of them.
+    let (ok, out) = outboxd_async(vec![
+        "share".into(),
+        "take".into(),
+        "--database-url".into(),
+        env.url.clone(),
+        "--all".into(),
+        "--wait".into(),
+        "60s".into(),
+    ])
+    .await;
+    assert!(ok && out.contains("outboxd owns every aggregate type"), "{out}");
+    wait_more(100).await;
+    kill_poller(&env, &mut poller).await;
+    poller = start_poller(&env, &[]);
+
+    // 5. Hand one back (rollback), relay SIGKILLed right after.
+    let (ok, out) = outboxd_async(vec![
+        "share".into(),
+        "give-back".into(),
+        "--database-url".into(),
+        env.url.clone(),
+        "--aggregate-type".into(),
+        types[1].clone(),
+        "--wait".into(),
+        "60s".into(),
+    ])
+    .await;
+    assert!(ok && out.contains(&format!("the poller owns aggregate type {}", types[1])), "{out}");
+    let handed_back_at = committed();
+    relay.kill9();
+    wait_more(100).await;
+    relay = env.relay(&[], &[]);
+    wait_more(50).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+
+    // Everything committed is published by its owner.
+    env.wait_zero(
+        "every captured row published (poller rows marked, outboxd events with a receipt, nothing parked)",
+        "SELECT (SELECT count(*) FROM app.outbox o JOIN outbox.legacy_events l ON l.event_id = o.id
+                 WHERE o.published_at IS NULL)
+              + (SELECT count(*) FROM outbox.events e
+                 WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id))
+              + (SELECT count(*) FROM outbox.parked_events)",
+    )
+    .await;
+    relay.assert_running();
+    poller.assert_running();
+
+    let topic_refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let check = env.verify_receipts(&topic_refs).await;
+    let msgs = check.messages;
+    let log = log.lock().unwrap();
+    let mut by_id: HashMap<uuid::Uuid, Vec<&TopicMessage>> = HashMap::new();
+    for m in &msgs {
+        let id = uuid::Uuid::parse_str(m.id()).expect("every message carries an id");
+        by_id.entry(id).or_default().push(m);
+    }
+    // Every committed row published; rolled-back and already-published rows never.
+    let unpublished: Vec<uuid::Uuid> = log
+        .committed
+        .keys()
+        .filter(|id| !by_id.contains_key(id))
+        .copied()
+        .collect();
+    if !unpublished.is_empty() {
+        let rows = env
+            .db
+            .query(
+                "SELECT concat_ws(' ', i::text, 'legacy=' || (l.event_id IS NOT NULL), 'outbox=' || e.dest_topic,
+                                  'receipt=' || r.topic || '/' || r.partition || '@' || r.\"offset\")
+                 FROM unnest($1::uuid[]) i
+                 LEFT JOIN outbox.legacy_events l ON l.event_id = i
+                 LEFT JOIN outbox.events e ON e.event_id = i
+                 LEFT JOIN outbox.receipts r ON r.event_id = i LIMIT 5",
+                &[&unpublished],
+            )
+            .await
+            .unwrap();
+        let rows: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+        panic!(
+            "{} committed rows never published, e.g. (id, legacy, outbox topic, receipt): {rows:?}",
+            unpublished.len()
+        );
+    }
+    let rolled: Vec<_> = log.rolled_back.iter().filter(|id| by_id.contains_key(id)).collect();
+    assert_eq!(rolled.len(), 0, "rolled-back rows published: {rolled:?}");
+    let republished: Vec<_> = pre_marked.iter().filter(|id| by_id.contains_key(id)).collect();
+    assert_eq!(republished.len(), 0, "rows published before the attach, again: {republished:?}");
+    let strays: Vec<_> = by_id.keys().filter(|id| !log.committed.contains_key(id)).collect();
+    assert_eq!(strays.len(), 0, "messages for ids no writer committed: {strays:?}");
+
+    // No event owned by both: each id's messages all come from one relay.
+    let both: Vec<_> = by_id
+        .iter()
+        .filter(|(_, ms)| ms.iter().any(|m| by_outboxd(m)) && ms.iter().any(|m| !by_outboxd(m)))
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(both.len(), 0, "events published by both relays: {both:?}");
+    let outboxd_ids: HashSet<_> = by_id
+        .iter()
+        .filter(|(_, ms)| by_outboxd(ms[0]))
+        .map(|(id, _)| *id)
+        .collect();
+    let poller_ids: HashSet<_> = by_id.keys().filter(|id| !outboxd_ids.contains(id)).copied().collect();
+    assert!(
+        outboxd_ids.len() > 100 && poller_ids.len() > 100,
+        "both relays published: outboxd {}, poller {}",
+        outboxd_ids.len(),
+        poller_ids.len()
+    );
+    // The handed-back type went back to the poller: rows written after the give-back.
+    let after_handback: i64 = env
+        .count(&format!(
+            "SELECT count(*) FROM outbox.legacy_events WHERE aggregate_type = '{}' AND NOT before_attach
+               AND captured_at > (SELECT changed_at FROM outbox.dispatch_shares WHERE aggregate_type = '{}')",
+            types[1], types[1]
+        ))
+        .await;
+    assert!(after_handback > 0, "no row of {} went to the poller after the give-back ({handed_back_at} committed then)", types[1]);
+
+    // Per aggregate: one partition, first occurrences in the writer's order, nothing missing.
+    let mut per_agg: HashMap<&str, Vec<&TopicMessage>> = HashMap::new();
+    for m in &msgs {
+        let id = uuid::Uuid::parse_str(m.id()).unwrap();
+        per_agg.entry(log.committed[&id].aggregate.as_str()).or_default().push(m);
+    }
+    for (agg, mut ms) in per_agg {
+        let parts: HashSet<_> = ms.iter().map(|m| (m.key.clone(), m.partition)).collect();
+        assert_eq!(parts.len(), 1, "{agg}: messages under several keys/partitions: {parts:?}");
+        ms.sort_by_key(|m| m.offset);
+        let mut seen = HashSet::new();
+        let firsts: Vec<i64> = ms
+            .iter()
+            .map(|m| log.committed[&uuid::Uuid::parse_str(m.id()).unwrap()].n)
+            .filter(|n| seen.insert(*n))
+            .collect();
+        let expected: Vec<i64> = (1..=firsts.len() as i64).collect();
+        assert_eq!(firsts, expected, "{agg}: first occurrences out of order");
+    }
+
+    // The shadow's figures are the ones counted here from the broker.
+    let (code, report) = shadow_report(&env, &topics, "0s");
+    assert_eq!(code, 0, "{report}");
+    let poller_copies: HashMap<_, usize> = poller_ids
+        .iter()
+        .filter(|id| !log.committed[id].aggregate.starts_with("pre-"))
+        .map(|id| (*id, by_id[id].len()))
+        .collect();
+    let duplicated = poller_copies.values().filter(|c| **c > 1).count();
+    let extra: usize = poller_copies.values().map(|c| c - 1).sum();
+    println!(
+        "takeover: {} committed, outboxd {} events, poller {} ({} duplicated, {} extra copies); shadow {report}",
+        log.committed.len(),
+        outboxd_ids.len(),
+        poller_ids.len(),
+        duplicated,
+        extra
+    );
+    assert_eq!(report["events"], json!(poller_copies.len()), "{report}");
+    assert_eq!(report["published"], json!(poller_copies.len()), "{report}");
+    assert_eq!(report["duplicated"], json!(duplicated), "{report}");
+    assert_eq!(report["extra_copies"], json!(extra), "{report}");
+    assert_eq!(report["before_attach"], json!(7), "{report}");
+    for fault in ["lost", "key_mismatches", "payload_mismatches", "both_owners", "unpublished", "in_flight"] {
+        assert_eq!(report[fault], 0, "{fault}: {report}");
+    }
+}
+
+/// Every fault counter of the shadow report becomes non-zero when its bug is planted: a row
+/// marked published but never sent (lost), a message under the wrong key and payload, and a
+/// poller without the ownership predicate (both relays publish outboxd's events).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shadow_counts_loss_mismatches_and_double_owners_when_they_are_planted() {
+    let env = TestEnv::new("takeover_faults").await;
+    let ty = env.aggregate_type.clone();
+    let topic = env.topic.clone();
+    env.db.batch_execute(TABLE_DDL).await.unwrap();
+    let (ok, out) = outboxd(&[
+        "migrate",
+        "--database-url",
+        &env.url,
+        "--poller-table",
+        "app.outbox",
+        "--published-column",
+        "published_at",
+    ]);
+    assert!(ok, "{out}");
+
+    // A poller that marks a row without publishing it.
+    let lost = uuid::Uuid::new_v4();
+    env.db
+        .execute(INSERT, &[&lost, &ty, &"a-1", &"Created", &json!({"n": 1})])
+        .await
+        .unwrap();
+    // A poller that publishes under another key and payload.
+    let bent = uuid::Uuid::new_v4();
+    env.db
+        .execute(INSERT, &[&bent, &ty, &"a-2", &"Created", &json!({"n": 1})])
+        .await
+        .unwrap();
+    crate::harness::produce_raw(
+        env.kafka.bootstrap_servers(),
+        &topic,
+        "not-a-2",
+        Some(&bent.to_string()),
+        r#"{"n": 2}"#,
+    );
+    env.db
+        .execute("UPDATE app.outbox SET published_at = now() WHERE id = ANY($1)", &[&vec![lost, bent]])
+        .await
+        .unwrap();
+
+    // outboxd takes everything over; the poller leaves out the ownership predicate.
+    let (ok, out) = outboxd(&["share", "take", "--database-url", &env.url, "--all", "--wait", "30s"]);
+    assert!(ok, "{out}");
+    let _relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    let _poller = start_poller(&env, &["--no-ownership-predicate"]);
+    let ids: Vec<uuid::Uuid> = (0..10).map(|_| uuid::Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        env.db
+            .execute(INSERT, &[id, &ty, &format!("b-{i}"), &"Created", &json!({"i": i})])
+            .await
+            .unwrap();
+    }
+    env.wait_count("outboxd's receipts", "SELECT count(*) FROM outbox.receipts", 10)
+        .await;
+    env.wait_count(
+        "the bad poller's marks",
+        "SELECT count(*) FROM app.outbox WHERE published_at IS NOT NULL",
+        12,
+    )
+    .await;
+
+    let (code, report) = shadow_report(&env, &[topic], "0s");
+    assert_eq!(code, 2, "faults found: exit status 2; {report}");
+    assert_eq!(report["lost"], 1, "{report}");
+    assert_eq!(report["key_mismatches"], 1, "{report}");
+    assert_eq!(report["payload_mismatches"], 1, "{report}");
+    assert_eq!(report["both_owners"], 10, "{report}");
+}
