@@ -286,9 +286,7 @@ impl RelayProcess {
         let file = std::fs::File::create(&log).expect("log file");
         cmd.stdout(Stdio::null()).stderr(file);
         RelayProcess {
-            child: cmd
-                .spawn()
-                .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}")),
+            child: cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}")),
             log,
         }
     }

@@ -46,7 +46,13 @@ pub fn reconcile_json(env: &TestEnv, extra: &[&str]) -> (i32, serde_json::Value)
 }
 
 fn produce_raw(env: &TestEnv, id: Option<&str>, payload: &str) {
-    crate::harness::produce_raw(env.kafka.bootstrap_servers(), &env.topic, "rogue", id, payload);
+    crate::harness::produce_raw(
+        env.kafka.bootstrap_servers(),
+        &env.topic,
+        "rogue",
+        id,
+        payload,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,10 +34,7 @@ const INSERT: &str =
 /// The testkit's `legacy-poller` binary, next to this test binary's directory.
 fn poller_binary() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target dir");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
     let bin = dir.join("legacy-poller");
     assert!(
         bin.exists(),
@@ -132,7 +129,9 @@ struct Log {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back() {
     let env = TestEnv::new("takeover").await;
-    let types: Vec<String> = (0..4).map(|k| format!("{}_{k}", env.aggregate_type)).collect();
+    let types: Vec<String> = (0..4)
+        .map(|k| format!("{}_{k}", env.aggregate_type))
+        .collect();
     let topics: Vec<String> = types.iter().map(|t| format!("outbox.event.{t}")).collect();
     for t in &topics {
         env.kafka.create_topic(t, 3).expect("create topic");
@@ -146,17 +145,29 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         let id = uuid::Uuid::new_v4();
         let agg = format!("pre-{i}");
         env.db
-            .execute(INSERT, &[&id, &types[i % 4], &agg, &"Created", &json!({"n": 1})])
+            .execute(
+                INSERT,
+                &[&id, &types[i % 4], &agg, &"Created", &json!({"n": 1})],
+            )
             .await
             .unwrap();
         if i < 4 {
             env.db
-                .execute("UPDATE app.outbox SET published_at = now() WHERE id = $1", &[&id])
+                .execute(
+                    "UPDATE app.outbox SET published_at = now() WHERE id = $1",
+                    &[&id],
+                )
                 .await
                 .unwrap();
             pre_marked.push(id);
         } else {
-            log.lock().unwrap().committed.insert(id, Written { aggregate: agg, n: 1 });
+            log.lock().unwrap().committed.insert(
+                id,
+                Written {
+                    aggregate: agg,
+                    n: 1,
+                },
+            );
         }
     }
 
@@ -192,16 +203,28 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
                 let n = next.get(&j).copied().unwrap_or(1);
                 let id = uuid::Uuid::new_v4();
                 let tx = c.transaction().await.unwrap();
-                tx.execute(INSERT, &[&id, ty, &agg, &"Changed", &json!({"w": w, "agg": agg, "n": n})])
-                    .await
-                    .unwrap();
+                tx.execute(
+                    INSERT,
+                    &[
+                        &id,
+                        ty,
+                        &agg,
+                        &"Changed",
+                        &json!({"w": w, "agg": agg, "n": n}),
+                    ],
+                )
+                .await
+                .unwrap();
                 if i % 10 == 7 {
                     tx.rollback().await.unwrap();
                     log.lock().unwrap().rolled_back.push(id);
                 } else {
                     tx.commit().await.unwrap();
                     next.insert(j, n + 1);
-                    log.lock().unwrap().committed.insert(id, Written { aggregate: agg, n });
+                    log.lock()
+                        .unwrap()
+                        .committed
+                        .insert(id, Written { aggregate: agg, n });
                 }
                 i += 1;
                 tokio::time::sleep(Duration::from_millis(3)).await;
@@ -230,8 +253,11 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     poller = start_poller(&env, &[]);
 
     // 3. Take over two types, with the poller and the writers running.
+    // The poller is paused during each switch, so the handover has both kinds of rows at
+    // once: the poller's unpublished ones and outboxd's parked ones, of the same aggregates.
     for t in &types[..2] {
-        let (ok, out) = outboxd_async(vec![
+        poller.signal(libc::SIGSTOP);
+        let take = tokio::spawn(outboxd_async(vec![
             "share".into(),
             "take".into(),
             "--database-url".into(),
@@ -240,9 +266,26 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
             t.clone(),
             "--wait".into(),
             "60s".into(),
-        ])
+        ]));
+        env.wait_count(
+            "rows parked for outboxd while the poller is paused",
+            &format!("SELECT count(*) FROM outbox.parked_events WHERE aggregate_type = '{t}'"),
+            5,
+        )
         .await;
-        assert!(ok && out.contains(&format!("outboxd owns aggregate type {t}")), "{out}");
+        let behind = env
+            .count(&format!(
+            "SELECT count(*) FROM app.outbox WHERE aggregatetype = '{t}' AND published_at IS NULL
+               AND id IN (SELECT event_id FROM outbox.legacy_events)"
+        ))
+            .await;
+        poller.signal(libc::SIGCONT);
+        let (ok, out) = take.await.unwrap();
+        println!("take {t}: the poller had {behind} row(s) of it to publish when paused");
+        assert!(
+            ok && out.contains(&format!("outboxd owns aggregate type {t}")),
+            "{out}"
+        );
     }
     wait_more(100).await;
     relay.kill9();
@@ -260,7 +303,10 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         "60s".into(),
     ])
     .await;
-    assert!(ok && out.contains("outboxd owns every aggregate type"), "{out}");
+    assert!(
+        ok && out.contains("outboxd owns every aggregate type"),
+        "{out}"
+    );
     wait_more(100).await;
     kill_poller(&env, &mut poller).await;
     poller = start_poller(&env, &[]);
@@ -277,7 +323,10 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         "60s".into(),
     ])
     .await;
-    assert!(ok && out.contains(&format!("the poller owns aggregate type {}", types[1])), "{out}");
+    assert!(
+        ok && out.contains(&format!("the poller owns aggregate type {}", types[1])),
+        "{out}"
+    );
     let handed_back_at = committed();
     relay.kill9();
     wait_more(100).await;
@@ -304,7 +353,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     let topic_refs: Vec<&str> = topics.iter().map(String::as_str).collect();
     let check = env.verify_receipts(&topic_refs).await;
     let msgs = check.messages;
-    let log = log.lock().unwrap();
+    let log = std::mem::take(&mut *log.lock().unwrap());
     let mut by_id: HashMap<uuid::Uuid, Vec<&TopicMessage>> = HashMap::new();
     for m in &msgs {
         let id = uuid::Uuid::parse_str(m.id()).expect("every message carries an id");
@@ -337,12 +386,30 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
             unpublished.len()
         );
     }
-    let rolled: Vec<_> = log.rolled_back.iter().filter(|id| by_id.contains_key(id)).collect();
+    let rolled: Vec<_> = log
+        .rolled_back
+        .iter()
+        .filter(|id| by_id.contains_key(id))
+        .collect();
     assert_eq!(rolled.len(), 0, "rolled-back rows published: {rolled:?}");
-    let republished: Vec<_> = pre_marked.iter().filter(|id| by_id.contains_key(id)).collect();
-    assert_eq!(republished.len(), 0, "rows published before the attach, again: {republished:?}");
-    let strays: Vec<_> = by_id.keys().filter(|id| !log.committed.contains_key(id)).collect();
-    assert_eq!(strays.len(), 0, "messages for ids no writer committed: {strays:?}");
+    let republished: Vec<_> = pre_marked
+        .iter()
+        .filter(|id| by_id.contains_key(id))
+        .collect();
+    assert_eq!(
+        republished.len(),
+        0,
+        "rows published before the attach, again: {republished:?}"
+    );
+    let strays: Vec<_> = by_id
+        .keys()
+        .filter(|id| !log.committed.contains_key(id))
+        .collect();
+    assert_eq!(
+        strays.len(),
+        0,
+        "messages for ids no writer committed: {strays:?}"
+    );
 
     // No event owned by both: each id's messages all come from one relay.
     let both: Vec<_> = by_id
@@ -356,7 +423,11 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         .filter(|(_, ms)| by_outboxd(ms[0]))
         .map(|(id, _)| *id)
         .collect();
-    let poller_ids: HashSet<_> = by_id.keys().filter(|id| !outboxd_ids.contains(id)).copied().collect();
+    let poller_ids: HashSet<_> = by_id
+        .keys()
+        .filter(|id| !outboxd_ids.contains(id))
+        .copied()
+        .collect();
     assert!(
         outboxd_ids.len() > 100 && poller_ids.len() > 100,
         "both relays published: outboxd {}, poller {}",
@@ -371,17 +442,28 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
             types[1], types[1]
         ))
         .await;
-    assert!(after_handback > 0, "no row of {} went to the poller after the give-back ({handed_back_at} committed then)", types[1]);
+    assert!(
+        after_handback > 0,
+        "no row of {} went to the poller after the give-back ({handed_back_at} committed then)",
+        types[1]
+    );
 
     // Per aggregate: one partition, first occurrences in the writer's order, nothing missing.
     let mut per_agg: HashMap<&str, Vec<&TopicMessage>> = HashMap::new();
     for m in &msgs {
         let id = uuid::Uuid::parse_str(m.id()).unwrap();
-        per_agg.entry(log.committed[&id].aggregate.as_str()).or_default().push(m);
+        per_agg
+            .entry(log.committed[&id].aggregate.as_str())
+            .or_default()
+            .push(m);
     }
     for (agg, mut ms) in per_agg {
         let parts: HashSet<_> = ms.iter().map(|m| (m.key.clone(), m.partition)).collect();
-        assert_eq!(parts.len(), 1, "{agg}: messages under several keys/partitions: {parts:?}");
+        assert_eq!(
+            parts.len(),
+            1,
+            "{agg}: messages under several keys/partitions: {parts:?}"
+        );
         ms.sort_by_key(|m| m.offset);
         let mut seen = HashSet::new();
         let firsts: Vec<i64> = ms
@@ -416,7 +498,14 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     assert_eq!(report["duplicated"], json!(duplicated), "{report}");
     assert_eq!(report["extra_copies"], json!(extra), "{report}");
     assert_eq!(report["before_attach"], json!(7), "{report}");
-    for fault in ["lost", "key_mismatches", "payload_mismatches", "both_owners", "unpublished", "in_flight"] {
+    for fault in [
+        "lost",
+        "key_mismatches",
+        "payload_mismatches",
+        "both_owners",
+        "unpublished",
+        "in_flight",
+    ] {
         assert_eq!(report[fault], 0, "{fault}: {report}");
     }
 }
@@ -461,12 +550,23 @@ async fn the_shadow_counts_loss_mismatches_and_double_owners_when_they_are_plant
         r#"{"n": 2}"#,
     );
     env.db
-        .execute("UPDATE app.outbox SET published_at = now() WHERE id = ANY($1)", &[&vec![lost, bent]])
+        .execute(
+            "UPDATE app.outbox SET published_at = now() WHERE id = ANY($1)",
+            &[&vec![lost, bent]],
+        )
         .await
         .unwrap();
 
     // outboxd takes everything over; the poller leaves out the ownership predicate.
-    let (ok, out) = outboxd(&["share", "take", "--database-url", &env.url, "--all", "--wait", "30s"]);
+    let (ok, out) = outboxd(&[
+        "share",
+        "take",
+        "--database-url",
+        &env.url,
+        "--all",
+        "--wait",
+        "30s",
+    ]);
     assert!(ok, "{out}");
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
@@ -474,12 +574,19 @@ async fn the_shadow_counts_loss_mismatches_and_double_owners_when_they_are_plant
     let ids: Vec<uuid::Uuid> = (0..10).map(|_| uuid::Uuid::new_v4()).collect();
     for (i, id) in ids.iter().enumerate() {
         env.db
-            .execute(INSERT, &[id, &ty, &format!("b-{i}"), &"Created", &json!({"i": i})])
+            .execute(
+                INSERT,
+                &[id, &ty, &format!("b-{i}"), &"Created", &json!({"i": i})],
+            )
             .await
             .unwrap();
     }
-    env.wait_count("outboxd's receipts", "SELECT count(*) FROM outbox.receipts", 10)
-        .await;
+    env.wait_count(
+        "outboxd's receipts",
+        "SELECT count(*) FROM outbox.receipts",
+        10,
+    )
+    .await;
     env.wait_count(
         "the bad poller's marks",
         "SELECT count(*) FROM app.outbox WHERE published_at IS NOT NULL",

@@ -659,12 +659,8 @@ fn scan_topics_blocking(
     let consumer = crate::topics::consumer(bootstrap, properties, "reconcile")?;
     let mut out = ScanResult::default();
     for topic in topics {
-        let marks = crate::topics::read_topic(
-            &consumer,
-            bootstrap,
-            topic,
-            &|_, low| low,
-            &mut |m| {
+        let marks =
+            crate::topics::read_topic(&consumer, bootstrap, topic, &|_, low| low, &mut |m| {
                 out.messages.push(ScannedMessage {
                     topic: topic.clone(),
                     partition: m.partition(),
@@ -673,8 +669,7 @@ fn scan_topics_blocking(
                     digest: outbox_core::envelope::sha256_digest(m.payload().unwrap_or_default()),
                 });
                 Ok(())
-            },
-        )?;
+            })?;
         match marks {
             Some(marks) => {
                 out.watermarks.insert(topic.clone(), marks);

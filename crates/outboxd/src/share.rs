@@ -72,7 +72,9 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({"shares": shares, "poller_tables": tables}))?
+            serde_json::to_string_pretty(
+                &serde_json::json!({"shares": shares, "poller_tables": tables})
+            )?
         );
         return Ok(());
     }
@@ -86,7 +88,10 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
             t.get::<_, String>(1)
         );
     }
-    println!("{:<32} {:<10} {:>8}  CHANGED", "AGGREGATE TYPE", "OWNER", "PARKED");
+    println!(
+        "{:<32} {:<10} {:>8}  CHANGED",
+        "AGGREGATE TYPE", "OWNER", "PARKED"
+    );
     for r in &rows {
         println!(
             "{:<32} {:<10} {:>8}  {}",

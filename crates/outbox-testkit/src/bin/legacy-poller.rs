@@ -60,7 +60,11 @@ fn main() -> ExitCode {
 
 async fn run(a: Args) -> Result<(), Box<dyn std::error::Error>> {
     // Named, so a test can wait for a killed poller's backend (and its row locks) to be gone.
-    let sep = if a.database_url.contains('?') { '&' } else { '?' };
+    let sep = if a.database_url.contains('?') {
+        '&'
+    } else {
+        '?'
+    };
     let url = format!("{}{sep}application_name=legacy-poller", a.database_url);
     let (mut client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
     tokio::spawn(conn);
