@@ -71,3 +71,10 @@ GRANT USAGE ON SEQUENCE
     outbox.attempts_id_seq,
     outbox.head_journal_id_seq
 TO outboxd_relay;
+
+-- Replacing a polling relay (docs/migrating.md): the poller's own role needs only the claim
+-- predicate (SECURITY DEFINER), e.g.
+--   GRANT USAGE ON SCHEMA outbox TO app_poller;
+--   GRANT EXECUTE ON FUNCTION outbox.poller_may_claim(uuid) TO app_poller;
+-- The relay needs nothing more: it publishes outbox.events as always. `outboxd share` and
+-- `outboxd shadow` are operator commands; run them as the schema owner.
