@@ -2,8 +2,6 @@
 
 use std::process::Command;
 
-use outbox_testkit::postgres::TestPostgres;
-
 use crate::harness::TestEnv;
 
 fn run(args: &[&str]) -> (bool, String) {
@@ -131,15 +129,8 @@ async fn unknown_broker_and_missing_replication_privilege_are_named() {
     assert!(err.contains("REPLICATION"), "{err}");
 }
 
-/// A throwaway cluster with `wal_level = replica` (PostgreSQL's default), started once per
-/// test process: what the relay meets on a server nobody prepared.
 fn replica_only_url() -> String {
-    static PG: std::sync::OnceLock<TestPostgres> = std::sync::OnceLock::new();
-    PG.get_or_init(|| {
-        TestPostgres::start_throwaway_configured("wal_level = replica")
-            .unwrap_or_else(|e| panic!("starting a wal_level=replica cluster: {e}"))
-    })
-    .url("postgres")
+    crate::harness::replica_only_cluster().url("postgres")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

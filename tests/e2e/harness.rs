@@ -171,6 +171,22 @@ impl TestEnv {
             .await;
     }
 
+    /// Waits until `relay` publishes new commits: streaming from its slot, or (poll mode)
+    /// polling.
+    pub async fn wait_ready(&self, relay: &RelayProcess) {
+        if !relay.poll {
+            return self.wait_streaming().await;
+        }
+        wait_for("the relay to poll", LONG, || async {
+            if relay.log_text().contains("polling") {
+                Ok(())
+            } else {
+                Err("no `polling` line in its log yet".to_string())
+            }
+        })
+        .await
+    }
+
     /// Starts the relay with extra environment (failpoints) and arguments.
     pub fn relay(&self, envs: &[(&str, &str)], args: &[&str]) -> RelayProcess {
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
@@ -208,6 +224,7 @@ impl TestEnv {
         RelayProcess {
             child: cmd.spawn().expect("spawn outboxd"),
             log,
+            poll: args.windows(2).any(|w| w == ["--mode", "poll"]),
         }
     }
 
@@ -278,6 +295,8 @@ impl Sampler {
 pub struct RelayProcess {
     child: Child,
     pub log: PathBuf,
+    /// Started with `--mode poll`.
+    pub poll: bool,
 }
 
 impl RelayProcess {
@@ -288,6 +307,7 @@ impl RelayProcess {
         RelayProcess {
             child: cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}")),
             log,
+            poll: false,
         }
     }
 
@@ -621,6 +641,16 @@ impl TestEnv {
             messages: messages.into_iter().map(|(_, m)| m).collect(),
         }
     }
+}
+
+/// A throwaway cluster with `wal_level = replica` (PostgreSQL's default), started once per
+/// test process: what the relay meets on a server nobody prepared, and where poll mode runs.
+pub fn replica_only_cluster() -> &'static TestPostgres {
+    static PG: std::sync::OnceLock<TestPostgres> = std::sync::OnceLock::new();
+    PG.get_or_init(|| {
+        TestPostgres::start_throwaway_configured("wal_level = replica")
+            .unwrap_or_else(|e| panic!("starting a wal_level=replica cluster: {e}"))
+    })
 }
 
 /// Runs `outboxd ARGS` without the relay's environment variables; returns success and

@@ -26,6 +26,7 @@ mod jetstream;
 mod migration;
 mod observability;
 mod ordering;
+mod poll_mode;
 mod purge;
 mod real_kafka;
 mod receipts;

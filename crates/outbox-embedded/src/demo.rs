@@ -61,6 +61,8 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         relay_id: outboxd::config::default_relay_id(),
         lease_ttl: Duration::from_secs(10),
         unknown_settle: Duration::from_secs(5),
+        mode: outboxd::values::RunMode::Cdc,
+        poll_interval: Duration::from_millis(100),
     }
 }
 

@@ -11,8 +11,11 @@
 //! * [`tls`] — libpq's `sslmode` / `sslrootcert` for both the SQL and the replication
 //!   connections.
 //! * [`snapshot`] — the initial snapshot: outbox rows committed before the slot existed.
+//! * [`poll`] — poll mode's source: the next events without a receipt, by aggregate, for
+//!   databases where logical replication is not allowed.
 
 pub mod decode;
+pub mod poll;
 pub mod slot;
 pub mod snapshot;
 pub mod tls;

@@ -402,6 +402,15 @@ pub struct RunArgs {
     /// recorded as duplicate receipts.
     #[arg(long)]
     pub resnapshot: bool,
+    /// Where new events come from: `cdc` (logical replication, the default) or `poll` (short
+    /// queries for events without a receipt, for databases where logical replication is not
+    /// allowed; no slot, no REPLICATION privilege). See docs/operations.md, "Poll mode".
+    /// [default: cdc, or mode in the `[relay]` section of the config file]
+    #[arg(long, value_enum, env = "OUTBOXD_MODE")]
+    pub mode: Option<crate::values::RunMode>,
+    /// Poll mode: the pause after a round that found nothing new. [default: 100]
+    #[arg(long, env = "OUTBOXD_POLL_INTERVAL_MS")]
+    pub poll_interval_ms: Option<u64>,
     // Last: a flattened group's help heading also applies to the flags declared after it.
     #[command(flatten)]
     pub admin: AdminArgs,

@@ -208,6 +208,8 @@ pub struct RelayFile {
     pub lease_ttl_ms: Option<u64>,
     pub relay_id: Option<String>,
     pub unknown_settle_ms: Option<u64>,
+    pub mode: Option<crate::values::RunMode>,
+    pub poll_interval_ms: Option<u64>,
 }
 
 /// `[reconcile]` section (`outboxd reconcile`). Durations are text: `30s`, `5m`, `12h`, `7d`.
@@ -293,6 +295,10 @@ pub struct RelayConfig {
     /// How long after an attempt became DISPATCH_UNKNOWN (and its producer session was closed)
     /// the partition scan may conclude that the broker does not have it.
     pub unknown_settle: Duration,
+    /// CDC (the slot) or poll (queries); in poll mode `slot` names the lease.
+    pub mode: crate::values::RunMode,
+    /// Poll mode: the pause after a round that found nothing new.
+    pub poll_interval: Duration,
 }
 
 /// The admin endpoints, resolved (flags > environment > `[admin]` in the file > defaults).

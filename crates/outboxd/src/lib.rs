@@ -227,6 +227,12 @@ pub fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .unwrap_or(10_000),
         ),
         resnapshot: a.resnapshot,
+        mode: a.mode.or(file.relay.mode).unwrap_or_default(),
+        poll_interval: Duration::from_millis(
+            a.poll_interval_ms
+                .or(file.relay.poll_interval_ms)
+                .unwrap_or(100),
+        ),
         relay_id: a
             .relay_id
             .clone()

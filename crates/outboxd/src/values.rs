@@ -25,6 +25,20 @@ pub enum SinkKind {
     Nats,
 }
 
+/// Where the relay finds new outbox events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum RunMode {
+    /// Logical replication (pgoutput): commit order, milliseconds, no polling load. Needs
+    /// wal_level=logical and the REPLICATION privilege.
+    #[default]
+    Cdc,
+    /// Short polling queries for events without a receipt, for databases where logical
+    /// replication is not allowed: the same ledger, receipts, ordering and commands; latency
+    /// about --poll-interval, plus a query per round that grows with the number of aggregates.
+    Poll,
+}
+
 /// Parses `KEY=VALUE`.
 pub fn parse_kv(s: &str) -> Result<(String, String), String> {
     s.split_once('=')

@@ -26,6 +26,7 @@
 //! drop everything in memory, reconnect, replay from the slot. When in doubt, replay.
 
 mod pipeline;
+mod poll;
 mod reconcile;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -128,8 +129,9 @@ pub async fn run(
     progress: Arc<Progress>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), RelayError> {
+    let poll = cfg.mode == crate::values::RunMode::Poll;
     // Preflight: the settings that no amount of retrying will fix are reported at once.
-    {
+    if !poll {
         let client = connect_sql(cfg.database_url.expose()).await?;
         slot::check_wal_level(&client).await?;
         slot::check_replication_privilege(&client).await?;
@@ -143,9 +145,15 @@ pub async fn run(
             Ok(None) => return Ok(()),
             Ok(Some((fence, deadline))) => {
                 let span = tracing::info_span!("relay", slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
-                run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, deadline)
-                    .instrument(span)
-                    .await
+                if poll {
+                    poll::run_once(&cfg, &progress, &mut shutdown, &fence, deadline)
+                        .instrument(span)
+                        .await
+                } else {
+                    run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, deadline)
+                        .instrument(span)
+                        .await
+                }
             }
             Err(e) => Err(e),
         };
@@ -340,24 +348,7 @@ async fn run_once(
     )?;
     tracing::info!(?plan, "start plan");
 
-    let (reports_tx, reports) = mpsc::unbounded_channel();
-    let sink = match &cfg.nats {
-        Some(nats) => {
-            let sink = JetStreamSink::connect(nats.clone(), reports_tx).await?;
-            let budget = cfg.retry_budget(sink.ack_timeout());
-            if sink.duplicate_window() < budget {
-                tracing::warn!(stream = %nats.stream, duplicate_window_ms = sink.duplicate_window().as_millis() as u64,
-                    retry_budget_ms = budget.as_millis() as u64,
-                    "the stream's duplicate window is shorter than the relay's retry budget: some re-sends will not be deduplicated by the broker (the ledger still records them as duplicates); raise the stream's duplicate_window");
-            }
-            AnySink::JetStream(Box::new(sink))
-        }
-        None => {
-            let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
-            tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)))?;
-            AnySink::Kafka(sink)
-        }
-    };
+    let (sink, reports) = open_sink(cfg).await?;
     let heads = holds::load_heads(&sql).await?;
     let held = holds::load_held(&sql).await?;
     if !held.is_empty() {
@@ -574,6 +565,31 @@ async fn run_once(
         return Err(e);
     }
     Ok(())
+}
+
+/// The broker client for one run, and the channel its delivery reports arrive on.
+async fn open_sink(
+    cfg: &RelayConfig,
+) -> Result<(AnySink, mpsc::UnboundedReceiver<outbox_sink::Delivery>), RelayError> {
+    let (reports_tx, reports) = mpsc::unbounded_channel();
+    let sink = match &cfg.nats {
+        Some(nats) => {
+            let sink = JetStreamSink::connect(nats.clone(), reports_tx).await?;
+            let budget = cfg.retry_budget(sink.ack_timeout());
+            if sink.duplicate_window() < budget {
+                tracing::warn!(stream = %nats.stream, duplicate_window_ms = sink.duplicate_window().as_millis() as u64,
+                    retry_budget_ms = budget.as_millis() as u64,
+                    "the stream's duplicate window is shorter than the relay's retry budget: some re-sends will not be deduplicated by the broker (the ledger still records them as duplicates); raise the stream's duplicate_window");
+            }
+            AnySink::JetStream(Box::new(sink))
+        }
+        None => {
+            let sink = KafkaSink::new(cfg.sink.clone(), reports_tx)?;
+            tokio::task::block_in_place(|| sink.check_reachable(Duration::from_secs(10)))?;
+            AnySink::Kafka(sink)
+        }
+    };
+    Ok((sink, reports))
 }
 
 /// What the schedule needs to know about the pipeline now.

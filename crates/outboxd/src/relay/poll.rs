@@ -1,0 +1,203 @@
+//! Poll mode (`outboxd run --mode poll`): the same pipeline, ledger, ordering gate, UNKNOWN
+//! reconciliation, releases and lease as CDC mode, fed by short queries instead of a
+//! replication slot, for databases where logical replication is not allowed.
+//!
+//! Each round reads the next pending events ([`outbox_source::poll::pending_sql`]: per
+//! aggregate, the versions above its head, oldest first), admits them to the pipeline, waits
+//! for every delivery report, and accepts the receipts in ledger transactions; the next round
+//! starts only when nothing is outstanding, so a round never offers an event that is still at
+//! the broker. Nothing is confirmed anywhere: the receipts are the only progress, and a relay
+//! that dies mid-round leaves the rest pending for the next holder of the lease, which sends
+//! them again (the broker copies of a SIGKILLed round become duplicate receipts, as after a CDC
+//! replay). `--slot` names the lease: one poll relay per name is active, the others stand by.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::{pin_mut, StreamExt};
+use outbox_core::Lsn;
+use outbox_ledger::holds;
+use outbox_ledger::lease::{self, Fence};
+use outbox_ledger::LedgerError;
+use outbox_source::{poll, snapshot};
+use tokio::sync::watch;
+use tokio_postgres::Client;
+
+use super::pipeline::Pipeline;
+use super::{
+    connect_sql, open_sink, reconcile, spawn_head_fold, spawn_lease_keeper, LeaseState, Progress,
+    RelayError, HEADS_FOLD_INTERVAL, RELEASE_POLL,
+};
+use crate::config::RelayConfig;
+
+/// Events read per round, at most: bounds the query's sort and the round's memory.
+const ROUND_LIMIT: i64 = 10_000;
+
+/// One poll-mode run, while this relay holds the lease.
+pub(super) async fn run_once(
+    cfg: &RelayConfig,
+    progress: &Arc<Progress>,
+    shutdown: &mut watch::Receiver<bool>,
+    fence: &Fence,
+    lease_deadline: Instant,
+) -> Result<(), RelayError> {
+    let url = cfg.database_url.expose();
+    let lease_state = Arc::new(LeaseState::new(lease_deadline));
+    let _keeper = spawn_lease_keeper(
+        connect_sql(url).await?,
+        cfg.slot.clone(),
+        fence.clone(),
+        cfg.lease_ttl,
+        lease_state.clone(),
+    );
+    let ledger_client = connect_sql(url).await?;
+    let sql = connect_sql(url).await?;
+    if (cfg.schema.as_str(), cfg.table.as_str()) != ("outbox", "events") {
+        return Err(RelayError::Internal(format!(
+            "poll mode reads outbox.events (the versions outbox.enqueue gives); {}.{} is not supported: use --mode cdc, or enqueue through outbox.enqueue",
+            cfg.schema, cfg.table
+        )));
+    }
+    // As the relay must publish them now: with their latest destination migration.
+    let current_rows = "outbox.events_current";
+    let (sink, reports) = open_sink(cfg).await?;
+    let heads = holds::load_heads(&sql).await?;
+    let held = holds::load_held(&sql).await?;
+    let mut pipeline = Pipeline::new(
+        sink,
+        reports,
+        ledger_client,
+        &cfg.slot,
+        fence.clone(),
+        lease_state.clone(),
+        outbox_relay::PipelineCore::gate_from(heads, held),
+    );
+    pipeline
+        .core
+        .retry_generation
+        .extend(outbox_ledger::attempts::retry_generations(&sql, &cfg.slot).await?);
+    reconcile::reconcile_unknown(
+        cfg,
+        &sql,
+        &mut pipeline,
+        fence,
+        current_rows,
+        reconcile::When::Start,
+    )
+    .await?;
+    pipeline.core.raise_heads(holds::load_heads(&sql).await?);
+    let _fold = spawn_head_fold(connect_sql(url).await?, HEADS_FOLD_INTERVAL);
+    let pending = sql
+        .prepare(&poll::pending_sql(current_rows))
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: "preparing poll mode's query".into(),
+            source: e,
+        })?;
+    progress.streaming.store(true, Ordering::Relaxed);
+    crate::metrics::streaming(true);
+    tracing::info!(lease = %cfg.slot, interval_ms = cfg.poll_interval.as_millis() as u64, "polling");
+
+    let mut last_releases = Instant::now();
+    loop {
+        if *shutdown.borrow() {
+            lease::release(&sql, &cfg.slot, fence).await?;
+            tracing::info!("stopped");
+            return Ok(());
+        }
+        let n = round(cfg, &sql, &pending, &mut pipeline, progress).await?;
+        if pipeline.core.lease_expired || lease_state.is_lost() {
+            tracing::warn!(
+                generation = fence.generation,
+                "lease lost to another relay; stopping"
+            );
+            return Err(RelayError::Ledger(LedgerError::LeaseLost {
+                slot: cfg.slot.clone(),
+                generation: fence.generation,
+            }));
+        }
+        if last_releases.elapsed() >= RELEASE_POLL {
+            pipeline
+                .process_releases(&sql, current_rows, progress)
+                .await?;
+            reconcile::reconcile_unknown(
+                cfg,
+                &sql,
+                &mut pipeline,
+                fence,
+                current_rows,
+                reconcile::When::Running,
+            )
+            .await?;
+            last_releases = Instant::now();
+        }
+        if n < ROUND_LIMIT as u64 {
+            tokio::select! {
+                _ = tokio::time::sleep(cfg.poll_interval) => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+}
+
+/// One round: read the next pending events, send them, wait for every report, accept them.
+/// Returns how many events it read.
+async fn round(
+    cfg: &RelayConfig,
+    sql: &Client,
+    pending: &tokio_postgres::Statement,
+    pipeline: &mut Pipeline,
+    progress: &Progress,
+) -> Result<u64, RelayError> {
+    // Heads exact before reading what lies above them.
+    holds::fold_heads(sql, false).await?;
+    let rows = sql
+        .query_raw(pending, [ROUND_LIMIT])
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: "reading pending outbox events".into(),
+            source: e,
+        })?;
+    pin_mut!(rows);
+    let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+    let mut n: u64 = 0;
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(|e| LedgerError::Db {
+            context: "reading pending outbox events".into(),
+            source: e,
+        })?;
+        n += 1;
+        match snapshot::event_from_row(&row) {
+            Ok(ev) => pipeline.admit(ev, None, None).await?,
+            // Keyed by the row's id when it has one, so a later round records it once.
+            Err(e) => pipeline.quarantine_unreadable(
+                format!(
+                    "poll:{}",
+                    row.try_get::<_, Option<&str>>(0)
+                        .ok()
+                        .flatten()
+                        .unwrap_or("?")
+                ),
+                e.to_string(),
+                Lsn::ZERO,
+                None,
+            ),
+        }
+        while pipeline.outstanding() >= max_in_flight {
+            pipeline.drain_one().await?;
+        }
+        if pipeline.batch_len() >= cfg.batch_size {
+            pipeline.flush(false, progress).await?;
+        }
+    }
+    // The next round reads what has no receipt: nothing of this one may still be at the broker.
+    while pipeline.outstanding() > 0 {
+        pipeline.drain_one().await?;
+        if pipeline.batch_len() >= cfg.batch_size {
+            pipeline.flush(false, progress).await?;
+        }
+    }
+    pipeline.flush(false, progress).await?;
+    Ok(n)
+}

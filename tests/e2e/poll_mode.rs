@@ -1,0 +1,171 @@
+//! Poll mode (`outboxd run --mode poll`): the same ledger, receipts, ordering and commands as
+//! CDC mode, without a replication slot, on a server where logical replication is not
+//! available (`wal_level = replica`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::{connect, replica_only_cluster, TestEnv};
+use crate::ordering::first_occurrences;
+
+const POLL: [&str; 4] = ["--mode", "poll", "--poll-interval-ms", "20"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_publishes_every_committed_event_in_order_through_sigkills_without_logical_replication(
+) {
+    let env = TestEnv::new_on(replica_only_cluster(), "poll_mode").await;
+    let level: String = env
+        .db
+        .query_one("SHOW wal_level", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(level, "replica", "the cluster this test needs");
+    let mut relay = env.relay(&[], &POLL);
+    env.wait_ready(&relay).await;
+
+    // Four writers, 12 aggregates each shared by all of them, one in eight transactions rolled
+    // back.
+    let stop = Arc::new(AtomicBool::new(false));
+    let committed = Arc::new(Mutex::new(Vec::<uuid::Uuid>::new()));
+    let rolled_back = Arc::new(Mutex::new(Vec::<uuid::Uuid>::new()));
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let (url, agg, stop) = (env.url.clone(), env.aggregate_type.clone(), stop.clone());
+        let (committed, rolled_back) = (committed.clone(), rolled_back.clone());
+        writers.push(tokio::spawn(async move {
+            let mut c = connect(&url).await;
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let tx = c.transaction().await.unwrap();
+                let id: uuid::Uuid = tx
+                    .query_one(
+                        "SELECT outbox.enqueue($1, $2, 'Changed', $3)",
+                        &[&agg, &format!("a{}", i % 12), &json!({"w": w, "i": i})],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                if i % 8 == 5 {
+                    tx.rollback().await.unwrap();
+                    rolled_back.lock().unwrap().push(id);
+                } else {
+                    tx.commit().await.unwrap();
+                    committed.lock().unwrap().push(id);
+                }
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }));
+    }
+    for kill in 0..2 {
+        env.wait_count(
+            "receipts before the SIGKILL",
+            "SELECT count(*) FROM outbox.receipts",
+            150 * (kill + 1),
+        )
+        .await;
+        relay.kill9();
+        relay = env.relay(&[], &POLL);
+        env.wait_ready(&relay).await;
+    }
+    env.wait_count(
+        "receipts after the restarts",
+        "SELECT count(*) FROM outbox.receipts",
+        450,
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+    let committed = std::mem::take(&mut *committed.lock().unwrap());
+    env.wait_count(
+        "a receipt for every committed event",
+        "SELECT count(*) FROM outbox.receipts",
+        committed.len() as i64,
+    )
+    .await;
+    relay.assert_running();
+
+    let msgs = env.read_topic().await;
+    let mut copies: HashMap<String, usize> = HashMap::new();
+    for m in &msgs {
+        *copies.entry(m.id().to_string()).or_default() += 1;
+    }
+    let missing: Vec<_> = committed
+        .iter()
+        .filter(|id| !copies.contains_key(&id.to_string()))
+        .collect();
+    assert_eq!(
+        missing.len(),
+        0,
+        "committed events not on the broker: {missing:?}"
+    );
+    let rolled: Vec<_> = rolled_back
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|id| copies.contains_key(&id.to_string()))
+        .copied()
+        .collect();
+    assert_eq!(rolled.len(), 0, "rolled-back events published: {rolled:?}");
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.receipts").await,
+        committed.len() as i64,
+        "one primary receipt per committed event"
+    );
+    for (agg, versions) in first_occurrences(&msgs) {
+        let expected: Vec<i64> = (1..=versions.len() as i64).collect();
+        assert_eq!(
+            versions, expected,
+            "{agg}: first occurrences out of version order"
+        );
+    }
+    // No slot, no walsender: poll mode never touched logical replication.
+    assert_eq!(
+        env.count("SELECT count(*) FROM pg_replication_slots").await,
+        0
+    );
+    println!(
+        "poll mode: {} committed, {} messages ({} extra copies after 2 SIGKILLs)",
+        committed.len(),
+        msgs.len(),
+        msgs.len() - committed.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_killed_after_the_broker_ack_records_one_primary_receipt_after_restart() {
+    let env = TestEnv::new_on(replica_only_cluster(), "poll_kill_ack").await;
+    let mut relay = env.relay(&[("OUTBOXD_FAILPOINTS", "after-broker-ack=abort")], &POLL);
+    env.wait_ready(&relay).await;
+    let id = env.enqueue("k-1", json!({"v": 1})).await;
+    let status = relay.wait_exit(Duration::from_secs(60)).await;
+    assert!(!status.success(), "the failpoint aborts the relay");
+    assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 0);
+    assert_eq!(
+        env.read_topic().await.len(),
+        1,
+        "the broker has it, the ledger does not"
+    );
+
+    let relay = env.relay(&[], &POLL);
+    env.wait_ready(&relay).await;
+    env.wait_count("the receipt", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    let msgs = env.read_topic().await;
+    assert!(msgs.len() >= 2, "sent again after the restart");
+    assert!(msgs.iter().all(|m| m.id() == id.to_string()));
+    assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_holds_only_the_aggregate_of_an_oversized_payload_until_released() {
+    let env = TestEnv::new_on(replica_only_cluster(), "poll_poison").await;
+    crate::ordering::oversized_payload_holds_only_its_aggregate(&env, &POLL).await;
+}
