@@ -356,10 +356,32 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
     chaos(
         "chaos",
         Brokers::Mock,
+        Mode::Cdc,
         env_u64("OUTBOXD_CHAOS_EVENTS", 2_000),
         env_u64("OUTBOXD_CHAOS_FAULTS", 8),
     )
     .await;
+}
+
+/// The same chaos with the relay in poll mode: the walsender fault becomes the termination
+/// of every backend of the relay, and there is no slot to sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_in_poll_mode_keeps_every_invariant_count_at_zero() {
+    chaos(
+        "chaos_poll",
+        Brokers::Mock,
+        Mode::Poll,
+        env_u64("OUTBOXD_CHAOS_EVENTS", 2_000),
+        env_u64("OUTBOXD_CHAOS_FAULTS", 8),
+    )
+    .await;
+}
+
+/// Where the relay finds new events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Cdc,
+    Poll,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,19 +391,20 @@ async fn chaos_on_three_apache_kafka_brokers_keeps_every_invariant_count_at_zero
     chaos(
         "chaos_kafka",
         Brokers::Apache(cluster),
+        Mode::Cdc,
         env_u64("OUTBOXD_CHAOS_KAFKA_EVENTS", 1_000),
         env_u64("OUTBOXD_CHAOS_KAFKA_FAULTS", 6),
     )
     .await;
 }
 
-async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
+async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u64) {
     let seed = env_u64("OUTBOXD_TEST_SEED", 0xc4a05);
     let on = match &brokers {
         Brokers::Mock => "librdkafka's mock cluster (3 brokers)",
         Brokers::Apache(_) => "Apache Kafka (3 nodes)",
     };
-    println!("{name}: on {on}, events={events} faults={faults} seed={seed} (OUTBOXD_CHAOS_[KAFKA_]EVENTS, OUTBOXD_CHAOS_[KAFKA_]FAULTS, OUTBOXD_TEST_SEED)");
+    println!("{name}: on {on}, {mode:?} mode, events={events} faults={faults} seed={seed} (OUTBOXD_CHAOS_[KAFKA_]EVENTS, OUTBOXD_CHAOS_[KAFKA_]FAULTS, OUTBOXD_TEST_SEED)");
     let started = Instant::now();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
 
@@ -417,15 +440,20 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         )
         .await
         .expect("consumer tables");
-    let relay_args = [
+    let mut relay_args = vec![
         "--message-timeout-ms",
         "1500",
         "--unknown-settle-ms",
         "2500",
     ];
+    if mode == Mode::Poll {
+        relay_args.extend(["--mode", "poll", "--poll-interval-ms", "20"]);
+    }
+    // Named, so that a fault can find the relay's own backends.
+    let relay_url = format!("{}?application_name=outboxd_chaos_relay", env.url);
     let sampler = env.start_sampler();
-    let mut relay = env.relay(&[], &relay_args);
-    env.wait_streaming().await;
+    let mut relay = env.relay_at(&relay_url, &[], &relay_args);
+    env.wait_ready(&relay).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let consumer = tokio::spawn(inbox_consumer(
@@ -529,8 +557,19 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
         match (order[j % order.len()], &brokers) {
             (0, _) => {
                 relay.kill9();
-                relay = env.relay(&[], &relay_args);
+                relay = env.relay_at(&relay_url, &[], &relay_args);
                 log.push(format!("{t}: SIGKILL relay"));
+            }
+            (1, _) if mode == Mode::Poll => {
+                env.db
+                    .execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                         WHERE application_name = 'outboxd_chaos_relay' AND datname = current_database()",
+                        &[],
+                    )
+                    .await
+                    .expect("terminate the relay's backends");
+                log.push(format!("{t}: pg_terminate_backend(every relay backend)"));
             }
             (1, _) => {
                 env.db
@@ -859,7 +898,18 @@ async fn chaos(name: &str, brokers: Brokers, events: u64, faults: u64) {
     assert_eq!(unknown_untraced, 0, "UNKNOWN attempts not traced");
     assert_eq!(order_violations, 0, "per-aggregate order");
     assert_eq!(rolled_back_published, 0, "rolled-back events published");
-    assert!(samples > 0);
+    if mode == Mode::Cdc {
+        assert!(samples > 0);
+    } else {
+        assert_eq!(
+            env.count(
+                "SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
+            )
+            .await,
+            0,
+            "poll mode made a slot"
+        );
+    }
     assert_eq!(
         confirmed_past_unaccepted, 0,
         "confirmed LSN passed an unaccepted event"

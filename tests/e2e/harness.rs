@@ -189,6 +189,12 @@ impl TestEnv {
 
     /// Starts the relay with extra environment (failpoints) and arguments.
     pub fn relay(&self, envs: &[(&str, &str)], args: &[&str]) -> RelayProcess {
+        self.relay_at(&self.url, envs, args)
+    }
+
+    /// [`TestEnv::relay`] with another database URL (e.g. one naming an application, so a
+    /// test can find the relay's own backends).
+    pub fn relay_at(&self, url: &str, envs: &[(&str, &str)], args: &[&str]) -> RelayProcess {
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let log = self.dir.path().join(format!("relay-{n}.log"));
         let file = std::fs::File::create(&log).expect("log file");
@@ -196,7 +202,7 @@ impl TestEnv {
         cmd.args([
             "run",
             "--database-url",
-            &self.url,
+            url,
             "--bootstrap-servers",
             self.kafka.bootstrap_servers(),
             "--slot",
