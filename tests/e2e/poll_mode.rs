@@ -169,3 +169,20 @@ async fn poll_mode_holds_only_the_aggregate_of_an_oversized_payload_until_releas
     let env = TestEnv::new_on(replica_only_cluster(), "poll_poison").await;
     crate::ordering::oversized_payload_holds_only_its_aggregate(&env, &POLL).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_passes_poll_mode_where_cdc_mode_fails_on_wal_level() {
+    let env = TestEnv::new_on(replica_only_cluster(), "poll_check").await;
+    let args = [
+        "check",
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+    ];
+    let (ok, out) = crate::harness::outboxd(&args);
+    assert!(!ok && out.contains("wal_level"), "{out}");
+    let (ok, out) = crate::harness::outboxd(&[&args[..], &["--mode", "poll"]].concat());
+    assert!(ok && out.contains("poll: no slot"), "{out}");
+    assert!(!out.contains("FAIL"), "{out}");
+}

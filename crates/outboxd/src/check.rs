@@ -110,7 +110,8 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
             "no URL: pass --database-url, set OUTBOXD_DATABASE_URL, or database_url in the config file",
         ),
         Some(url) => {
-            db = check_database(&mut r, &url, &slot, &publication, &schema, &table).await;
+            let poll = a.mode.or(file.relay.mode) == Some(crate::values::RunMode::Poll);
+            db = check_database(&mut r, &url, &slot, &publication, &schema, &table, poll).await;
         }
     }
     let bootstrap = a
@@ -233,6 +234,7 @@ async fn check_database(
     publication: &str,
     schema: &str,
     table: &str,
+    poll: bool,
 ) -> Option<tokio_postgres::Client> {
     let client = match crate::connect(url).await {
         Ok(c) => {
@@ -249,8 +251,59 @@ async fn check_database(
         let client = &client;
         async move { client.query_one(sql, &[]).await }
     };
+    if poll {
+        r.add(
+            Level::Ok,
+            "mode",
+            "poll: no slot; wal_level, replication slots, WAL senders, REPLICATION and the publication are not needed",
+        );
+    } else {
+        check_replication(r, &client, slot).await;
+    }
+    let latest = outbox_ledger::migrate::MIGRATIONS
+        .iter()
+        .map(|m| m.version)
+        .max()
+        .unwrap_or(0);
+    let mut schema_ok = false;
+    match one("SELECT coalesce(max(version), 0) FROM outbox.schema_migrations").await {
+        Ok(row) if row.get::<_, i32>(0) == latest => {
+            schema_ok = true;
+            r.add(Level::Ok, "schema outbox", format!("migration {latest}"))
+        }
+        Ok(row) => r.add(
+            Level::Fail,
+            "schema outbox",
+            format!(
+                "at migration {} of {latest}: run outboxd migrate --database-url ... (as the schema owner)",
+                row.get::<_, i32>(0)
+            ),
+        ),
+        Err(e) if e.code().map(|c| c.code()) == Some("42501") => r.add(
+            Level::Fail,
+            "schema outbox",
+            "the role may not read it: run docs/least_privilege.sql as a superuser (GRANT USAGE ON SCHEMA outbox, SELECT on the outbox, write on the ledger tables)",
+        ),
+        Err(_) => r.add(
+            Level::Fail,
+            "schema outbox",
+            "not migrated: run outboxd migrate --database-url ...",
+        ),
+    }
+    if schema_ok {
+        check_privileges(r, &client, schema, table).await;
+    }
+    if !poll {
+        check_publication(r, &client, publication, schema, table).await;
+        check_slot(r, &client, slot).await;
+    }
+    Some(client)
+}
+
+/// CDC mode's server settings: wal_level, a free slot and WAL sender, REPLICATION.
+async fn check_replication(r: &mut Report, client: &tokio_postgres::Client, slot: &str) {
     // The same checks `outboxd run` stops on, reported instead of raised.
-    match outbox_source::slot::check_wal_level(&client).await {
+    match outbox_source::slot::check_wal_level(client).await {
         Ok(()) => r.add(Level::Ok, "wal_level", "logical"),
         Err(e) => r.add(Level::Fail, "wal_level", e.to_string()),
     }
@@ -294,46 +347,10 @@ async fn check_database(
             } else { "" }),
         );
     }
-    match outbox_source::slot::check_replication_privilege(&client).await {
+    match outbox_source::slot::check_replication_privilege(client).await {
         Ok(()) => r.add(Level::Ok, "REPLICATION privilege", "granted"),
         Err(e) => r.add(Level::Fail, "REPLICATION privilege", e.to_string()),
     }
-    let latest = outbox_ledger::migrate::MIGRATIONS
-        .iter()
-        .map(|m| m.version)
-        .max()
-        .unwrap_or(0);
-    let mut schema_ok = false;
-    match one("SELECT coalesce(max(version), 0) FROM outbox.schema_migrations").await {
-        Ok(row) if row.get::<_, i32>(0) == latest => {
-            schema_ok = true;
-            r.add(Level::Ok, "schema outbox", format!("migration {latest}"))
-        }
-        Ok(row) => r.add(
-            Level::Fail,
-            "schema outbox",
-            format!(
-                "at migration {} of {latest}: run outboxd migrate --database-url ... (as the schema owner)",
-                row.get::<_, i32>(0)
-            ),
-        ),
-        Err(e) if e.code().map(|c| c.code()) == Some("42501") => r.add(
-            Level::Fail,
-            "schema outbox",
-            "the role may not read it: run docs/least_privilege.sql as a superuser (GRANT USAGE ON SCHEMA outbox, SELECT on the outbox, write on the ledger tables)",
-        ),
-        Err(_) => r.add(
-            Level::Fail,
-            "schema outbox",
-            "not migrated: run outboxd migrate --database-url ...",
-        ),
-    }
-    if schema_ok {
-        check_privileges(r, &client, schema, table).await;
-    }
-    check_publication(r, &client, publication, schema, table).await;
-    check_slot(r, &client, slot).await;
-    Some(client)
 }
 
 /// Whether the session is encrypted, and how the server is verified. Plain text to a

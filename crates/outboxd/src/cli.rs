@@ -296,6 +296,10 @@ pub struct CheckArgs {
     /// The relay's TOML config file (its keys are checked too).
     #[arg(long, env = "OUTBOXD_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Check for `outboxd run --mode poll`: no slot, wal_level or REPLICATION needed.
+    /// [default: cdc, or mode in the `[relay]` section of the config file]
+    #[arg(long, value_enum, env = "OUTBOXD_MODE")]
+    pub mode: Option<crate::values::RunMode>,
 }
 
 #[derive(Debug, Default, Args)]
