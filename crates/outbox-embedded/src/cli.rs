@@ -93,16 +93,14 @@ pub struct BenchArgs {
     /// Producer phase: aggregates the events are spread over (each transaction picks one).
     #[arg(long, default_value_t = 10_000)]
     pub producer_aggregates: u64,
-    /// Skip the polling baseline.
+    /// Skip the polling baseline (outboxd's poll mode).
     #[arg(long)]
     pub no_poll: bool,
     /// Polling baseline: backlog size (at most --events, the same backlog by default).
     #[arg(long, default_value_t = 1_000_000)]
     pub poll_events: u64,
-    /// Polling baseline: rows claimed per batch.
-    #[arg(long, default_value_t = 500)]
-    pub poll_batch: i64,
-    /// Polling baseline: sleep when a poll finds nothing, ms.
+    /// Polling baseline: `outboxd run --mode poll --poll-interval-ms`, the pause after a round
+    /// that found nothing, ms.
     #[arg(long, default_value_t = 100)]
     pub poll_interval_ms: u64,
     /// Variants, each PAYLOAD_BYTESxAGGREGATES (decode limit + drain only), comma-separated;

@@ -907,6 +907,16 @@ pub(crate) struct RelayChild {
 
 impl RelayChild {
     fn spawn(ctx: &Ctx, url: &str, slot: &str) -> anyhow::Result<RelayChild> {
+        Self::spawn_with(ctx, url, slot, &[])
+    }
+
+    /// [`RelayChild::spawn`] with more arguments (e.g. `--mode poll`).
+    pub(crate) fn spawn_with(
+        ctx: &Ctx,
+        url: &str,
+        slot: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<RelayChild> {
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = ctx.args.log_dir.as_deref().unwrap_or(ctx.dir.path());
@@ -923,6 +933,7 @@ impl RelayChild {
         ])
         .args(["--slot", slot, "--relay-id", "outboxd-bench"])
         .args(&ctx.args.relay_args)
+        .args(extra)
         .env(
             "OUTBOXD_LOG",
             std::env::var("OUTBOXD_LOG").unwrap_or_else(|_| "warn".into()),

@@ -1,53 +1,21 @@
-//! The polling baseline: the relay design a CDC relay replaces (seed 001). A worker claims a
-//! small batch in a short transaction (`FOR UPDATE SKIP LOCKED`, setting a claim lease),
-//! publishes outside any lock, waits for the broker's acknowledgements, then marks the rows
-//! `published_at`.
+//! The polling baseline: outboxd's own poll mode (`outboxd run --mode poll`, the design a CDC
+//! relay replaces, made as safe as the CDC mode: the same ledger, receipts, ordering and
+//! lease), so the comparison is between two modes of one product.
 //!
 //! Same workload: its database is migrated like the relay's, the producers call the same
-//! `outbox.enqueue`, and the poller reads `outbox.events` itself, with the columns a polling
-//! design adds (`seq`, claim lease, `published_at`) and its partial index of pending rows. It
-//! publishes to the same broker with the relay's producer settings (idempotent, `acks=all`,
-//! key = aggregate id, the same envelope headers), one worker so each aggregate keeps one
-//! ordered lane. It runs inside the bench process; what is compared is its throughput, its
-//! latency and the PostgreSQL CPU it costs per event.
+//! `outbox.enqueue`, no slot exists in it, and the relay is the same `outboxd` binary with
+//! `--mode poll --poll-interval-ms` (`--poll-interval-ms` of the bench). What is compared is
+//! its throughput, its latency and the PostgreSQL CPU it costs per event.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
 use uuid::Uuid;
 
 use super::workload::{self, Target};
-use super::{Ctx, Phase, PhaseMeter, Scenario, Steady};
-
-/// What a polling design adds to the outbox table (no slot exists in this database, so the
-/// publication costs nothing here).
-const SCHEMA: &str = "
-ALTER TABLE outbox.events ADD COLUMN seq bigserial, ADD COLUMN claimed_by text,
-    ADD COLUMN claim_until timestamptz, ADD COLUMN published_at timestamptz;
-CREATE INDEX events_pending_idx ON outbox.events (seq) WHERE published_at IS NULL;
-";
-
-/// The claim: a short transaction of its own (autocommit). The batch is chosen through the
-/// partial index of pending rows; the rows are updated through the primary key.
-const CLAIM: &str = "
-UPDATE outbox.events SET claimed_by = 'bench', claim_until = clock_timestamp() + interval '30 seconds'
-WHERE event_id = ANY(ARRAY(
-    SELECT event_id FROM outbox.events
-    WHERE published_at IS NULL AND (claim_until IS NULL OR claim_until < clock_timestamp())
-    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED))
-RETURNING seq, event_id, dest_topic, dest_key, payload::text, aggregate_type, aggregate_id,
-          aggregate_version::text, event_type, envelope_generation::text, payload_digest,
-          occurred_at::text";
-
-const MARK: &str =
-    "UPDATE outbox.events SET published_at = clock_timestamp() WHERE event_id = ANY($1)";
+use super::{Ctx, Phase, PhaseMeter, RelayChild, Scenario, Steady};
 
 /// The high watermark of each partition of `topic`, in partition order.
 pub fn high_watermarks(bootstrap: &str, topic: &str, partitions: i32) -> anyhow::Result<Vec<i64>> {
@@ -198,10 +166,6 @@ pub async fn baseline(
         .await?;
     outboxd::migrate(&url).await?;
     let client = outboxd::connect(&url).await?;
-    client
-        .batch_execute(SCHEMA)
-        .await
-        .context("adding the polling columns")?;
     let agg_type = format!("poll_{}", sc.name);
     ctx.kafka
         .create_topic(&format!("outbox.event.{agg_type}"), a.partitions)
@@ -219,47 +183,48 @@ pub async fn baseline(
     let client = db.client;
     client.batch_execute("VACUUM ANALYZE outbox.events").await?;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut m = PhaseMeter::start(ctx.postmaster);
-    let poller = tokio::spawn(run_poller(
-        outboxd::connect(&url).await?,
-        ctx.bootstrap.clone(),
-        a.poll_batch,
-        Duration::from_millis(a.poll_interval_ms),
-        stop.clone(),
-    ));
-    let pending = || async {
+    let receipts = || async {
         let r = client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM outbox.events WHERE published_at IS NULL)",
-                &[],
-            )
+            .query_one("SELECT count(*) FROM outbox.receipts", &[])
             .await?;
-        anyhow::Ok(r.get::<_, bool>(0))
+        anyhow::Ok(r.get::<_, i64>(0))
     };
-    loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        m.cpu.sample();
-        if poller.is_finished() {
-            break;
+    let interval = a.poll_interval_ms.to_string();
+    let mut m = PhaseMeter::start(ctx.postmaster);
+    let relay = RelayChild::spawn_with(
+        ctx,
+        &url,
+        "bench_poll",
+        &["--mode", "poll", "--poll-interval-ms", &interval],
+    )?;
+    let mut n = 0u64;
+    while receipts().await? < sc.events as i64 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        n += 1;
+        if n % 2 == 0 {
+            m.cpu.sample();
         }
-        if !pending().await? {
-            break;
-        }
+        relay.check_alive()?;
         if m.started.elapsed() > Duration::from_secs(a.timeout_secs) {
-            anyhow::bail!("the polling relay did not drain its backlog in time");
+            anyhow::bail!(
+                "the poll-mode relay did not drain {} events within {} s; see {}",
+                sc.events,
+                a.timeout_secs,
+                relay.log.display()
+            );
         }
     }
     let secs = m.started.elapsed().as_secs_f64();
     m.cpu.sample();
-    let drain = m.phase(sc.events, secs, 0.0);
-    let series = workload::series(&client, "outbox.events.published_at", m.started_epoch).await?;
+    let drain = m.phase(sc.events, secs, relay.cpu_secs());
+    let series = workload::receipt_series(&client, m.started_epoch).await?;
 
     let mut m = PhaseMeter::start(ctx.postmaster);
+    let relay_cpu0 = relay.cpu_secs();
     let writers = workload::Writers::start(
         ctx,
         &url,
-        Target::Poll(agg_type.clone()),
+        Target::Outbox(agg_type.clone()),
         sc,
         a.rate as f64,
         Duration::from_secs_f64(a.steady_secs),
@@ -268,22 +233,32 @@ pub async fn baseline(
     while !writers.finished() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         m.cpu.sample();
+        relay.check_alive()?;
     }
     let committed = writers.join().await?;
     let produced_secs = m.started.elapsed().as_secs_f64();
-    while pending().await? && !poller.is_finished() {
+    let wait = Instant::now();
+    while receipts().await? < (sc.events as usize + committed.len()) as i64 {
         tokio::time::sleep(Duration::from_millis(50)).await;
+        relay.check_alive()?;
+        if wait.elapsed() > Duration::from_secs(a.timeout_secs) {
+            anyhow::bail!(
+                "the poll-mode relay did not catch up after the steady phase; see {}",
+                relay.log.display()
+            );
+        }
     }
     m.cpu.sample();
-    stop.store(true, Ordering::Relaxed);
-    poller.await??;
-    let accepted = workload::accepted_times(&client, &committed, Target::Poll(agg_type)).await?;
-    workload::all_accepted(&client, &committed, &accepted, "polling steady phase").await?;
+    let relay_cpu = relay.cpu_secs() - relay_cpu0;
+    relay.terminate()?;
+    let accepted =
+        workload::accepted_times(&client, &committed, Target::Outbox(agg_type)).await?;
+    workload::all_accepted(&client, &committed, &accepted, "poll-mode steady phase").await?;
     let n = committed.len() as u64;
     let steady = Steady {
         target_rate: a.rate as f64,
         achieved_rate: n as f64 / produced_secs,
-        phase: m.phase(n, produced_secs, 0.0),
+        phase: m.phase(n, produced_secs, relay_cpu),
         latency: workload::latencies(&committed, &accepted, m.started_epoch),
         rss_steady_mib: 0.0,
         walsender_unsent_mib: (0.0, 0.0),
@@ -291,93 +266,4 @@ pub async fn baseline(
         checkpoints: 0,
     };
     Ok((drain, steady, series))
-}
-
-async fn run_poller(
-    client: tokio_postgres::Client,
-    bootstrap: String,
-    batch: i64,
-    interval: Duration,
-    stop: Arc<AtomicBool>,
-) -> anyhow::Result<()> {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .set("linger.ms", "2")
-        .set("queue.buffering.max.messages", "200000")
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .create()
-        .context("creating the polling relay's producer")?;
-    let claim = client.prepare(CLAIM).await?;
-    let mark = client.prepare(MARK).await?;
-    while !stop.load(Ordering::Relaxed) {
-        let mut rows = client
-            .query(&claim, &[&batch])
-            .await
-            .context("claiming a batch")?;
-        if rows.is_empty() {
-            tokio::time::sleep(interval).await;
-            continue;
-        }
-        rows.sort_by_key(|r| r.get::<_, i64>(0));
-        let mut acks = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let id = r.get::<_, Uuid>(1).to_string();
-            let topic: &str = r.get(2);
-            let key: &str = r.get(3);
-            let payload: &str = r.get(4);
-            // The relay's envelope headers (outbox_sink::event_headers), from the row.
-            let mut headers = OwnedHeaders::new_with_capacity(8).insert(Header {
-                key: "id",
-                value: Some(&id),
-            });
-            for (i, name) in [
-                "aggregate_type",
-                "aggregate_id",
-                "aggregate_version",
-                "event_type",
-                "envelope_generation",
-                "payload_digest",
-                "occurred_at",
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let v: &str = r.get(5 + i);
-                headers = headers.insert(Header {
-                    key: name,
-                    value: Some(v),
-                });
-            }
-            loop {
-                let rec = FutureRecord::to(topic)
-                    .key(key)
-                    .payload(payload)
-                    .headers(headers.clone());
-                match producer.send_result(rec) {
-                    Ok(f) => {
-                        acks.push(f);
-                        break;
-                    }
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                    }
-                    Err((e, _)) => return Err(e).context("polling relay: enqueue"),
-                }
-            }
-        }
-        for f in acks {
-            match f.await {
-                Ok(Ok(_)) => {}
-                Ok(Err((e, _))) => return Err(e).context("polling relay: delivery"),
-                Err(_) => anyhow::bail!("polling relay: delivery report lost"),
-            }
-        }
-        let ids: Vec<Uuid> = rows.iter().map(|r| r.get(1)).collect();
-        client
-            .execute(&mark, &[&ids])
-            .await
-            .context("marking published")?;
-    }
-    Ok(())
 }

@@ -122,8 +122,6 @@ pub async fn backlog_end(client: &Client) -> anyhow::Result<String> {
 pub enum Target {
     /// `outbox.enqueue` with this aggregate type; accepted = `outbox.receipts.accepted_at`.
     Outbox(String),
-    /// `outbox.enqueue` too, into the polling relay's database; accepted = `published_at`.
-    Poll(String),
     /// A plain INSERT into a Debezium-style outbox table (aggregate type, table); accepted
     /// is read from the topic, not from the database (`debezium`).
     Plain(String, String),
@@ -132,7 +130,7 @@ pub enum Target {
 impl Target {
     fn insert_sql(&self) -> String {
         match self {
-            Target::Outbox(agg) | Target::Poll(agg) => format!(
+            Target::Outbox(agg) => format!(
                 "SELECT outbox.enqueue('{agg}', a, 'bench.tick', jsonb_build_object('i', 0, 'pad', $1::text))
                  FROM unnest($2::text[]) a"
             ),
@@ -149,10 +147,6 @@ impl Target {
             Target::Outbox(_) => Some(
                 "SELECT event_id, extract(epoch FROM accepted_at)::float8 FROM outbox.receipts
                  WHERE event_id = ANY($1)",
-            ),
-            Target::Poll(_) => Some(
-                "SELECT event_id, extract(epoch FROM published_at)::float8 FROM outbox.events
-                 WHERE event_id = ANY($1) AND published_at IS NOT NULL",
             ),
             Target::Plain(..) => None,
         }
