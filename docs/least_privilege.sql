@@ -20,6 +20,9 @@
 --     sequences.
 --   * Nothing on route_policy, aggregate_versions, destination_migrations, delivery_sets or
 --     schema_migrations beyond reading: routing and enqueueing belong to producers and operators.
+--     (Poll mode reads aggregate_versions to find pending events, and writes its own ledger
+--     tables poll_positions and poll_rounds; it needs no REPLICATION: `ALTER ROLE
+--     outboxd_relay NOREPLICATION` if it only ever polls.)
 --   * The publication (outbox_pub) is created by `outboxd migrate`; this role does not own
 --     outbox.events, so it could not create one itself.
 
@@ -42,6 +45,7 @@ GRANT USAGE ON SCHEMA outbox TO outboxd_relay;
 
 -- Read-only: the outbox and what describes it.
 GRANT SELECT ON
+    outbox.aggregate_versions,
     outbox.events,
     outbox.events_current,
     outbox.event_status,
@@ -62,7 +66,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox.holds,
     outbox.held_events,
     outbox.relay_leases,
-    outbox.attempts
+    outbox.attempts,
+    outbox.poll_positions,
+    outbox.poll_rounds
 TO outboxd_relay;
 
 GRANT USAGE ON SEQUENCE

@@ -27,7 +27,9 @@ pub struct MigrationFacts {
     /// Dispatch attempts ever recorded for it.
     pub attempts: i64,
     /// Its open quarantine's transaction is not yet behind its slot's checkpoint: a relay may
-    /// still replay the WAL row, frozen for the old destination.
+    /// still replay the WAL row, frozen for the old destination. Or (poll mode) the current
+    /// round of a live poll lease read the event without seeing the quarantine, and may still
+    /// hold it (migration 0015).
     pub replayable: bool,
 }
 
@@ -51,7 +53,15 @@ pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFa
                             JOIN outbox.checkpoints cp ON cp.slot_name = q2.slot_name
                             WHERE q2.event_id = c.event_id AND q2.released_at IS NULL
                               AND q2.commit_lsn IS NOT NULL AND q2.commit_lsn <> '0/0'::pg_lsn
-                              AND q2.commit_lsn >= cp.confirmed_lsn),
+                              AND q2.commit_lsn >= cp.confirmed_lsn)
+                    OR EXISTS (SELECT 1 FROM outbox.quarantine q3
+                               JOIN outbox.poll_rounds pr ON true
+                               JOIN outbox.relay_leases l
+                                 ON l.slot_name = pr.slot_name AND l.generation = pr.generation
+                               WHERE q3.event_id = c.event_id AND q3.released_at IS NULL
+                                 AND l.lease_until > clock_timestamp()
+                                 AND q3.recorded_xact IS NOT NULL
+                                 AND NOT pg_visible_in_snapshot(q3.recorded_xact, pr.snapshot)),
                     c.dest_kind
              FROM outbox.events_current c WHERE c.event_id = $1",
             &[&event_id],

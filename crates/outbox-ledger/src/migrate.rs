@@ -90,6 +90,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "poller_takeover",
         sql: include_str!("../../../migrations/0014_poller_takeover.sql"),
     },
+    Migration {
+        version: 15,
+        name: "poll_positions",
+        sql: include_str!("../../../migrations/0015_poll_positions.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -39,6 +39,8 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.migrations > 100 && c.migrations_refused > 10, "{c:?}");
     assert!(c.purges > 100, "{c:?}");
     assert!(c.receipt_rollbacks > 10, "{c:?}");
+    // A quarter of the traces run the relay in poll mode.
+    assert!(c.poll_traces > 300 && c.poll_events > 10_000, "{c:?}");
 }
 
 #[test]
@@ -114,6 +116,9 @@ fn every_mutant_is_caught() {
             Mutant::BugMigrateReplayable,
             &[("cross_destination_retries", |c| c.cross_destination_retries)],
         ),
+        (Mutant::PollAboveHead, &[("lost", |c| c.lost)]),
+        // poll-migrate-held (6 in 100,000 traces) and poll-stale-head (1 in 20,000) are too
+        // rare for 1,500 traces: the_traces_that_found_bugs_stay_fixed replays their traces.
     ];
     for (m, counters) in cases {
         let c = run(1, 1_500, Some(*m));
@@ -134,14 +139,18 @@ fn the_traces_that_found_bugs_stay_fixed() {
     // (seed, trace, the old behaviour). Trace numbers are those of the current simulator;
     // docs/simulation.md lists them with the bug each one found.
     let found: &[(u64, u64, Mutant)] = &[
-        (1, 143, Mutant::BugPoisonBeforeGate),
+        (1, 238, Mutant::BugPoisonBeforeGate),
         (1, 45, Mutant::BugUnknownOnlyAtStart),
         (1, 195, Mutant::BugStaleQuarantine),
         (1, 114, Mutant::BugMigrateReplayable),
         (1, 239, Mutant::BugMigrateReplayable),
         (2, 40186, Mutant::BugProofAfterMigration),
-        (3, 25240, Mutant::BugProofAfterMigration),
+        (3, 7927, Mutant::PollMigrateHeld),
+        (1, 17022, Mutant::PollStaleHead),
         (1, 1380, Mutant::BugSnapshotGap),
+        (1, 317, Mutant::PollAboveHead),
+        (1, 331, Mutant::PollAboveHead),
+        (1, 6292, Mutant::PollMigrateHeld),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -4,13 +4,15 @@
 //!
 //! What is pending is found per aggregate, not per event: `outbox.aggregate_versions` holds
 //! the last version each aggregate was given (by `outbox.enqueue`, under the aggregate's row
-//! lock, so an aggregate's versions become visible in order) and `outbox.aggregate_heads` the
-//! last version with a receipt (folded from the head journal first). An aggregate whose last
-//! version is above its head has pending events: exactly those above the head, read through
-//! the (aggregate type, aggregate id, version) index. So a round costs one pass over the
-//! aggregates (narrow rows) plus the pending events themselves, however many published events
-//! the table holds, and never skips one: there is no cursor over commit order to get wrong.
-//! Held aggregates (a quarantined event, a gap) are left to `outboxd quarantine release`.
+//! lock, so an aggregate's versions become visible in order) and `outbox.poll_positions` a
+//! version at or below which every event has a receipt (advanced over the receipted prefix by
+//! [`ADVANCE_SQL`] before each read; migration 0015 says why the head is not that bound). An
+//! aggregate whose last version is above its position has pending events: those above the
+//! position without a receipt, read through the (aggregate type, aggregate id, version) index.
+//! So a round costs one pass over the aggregates (narrow rows) plus the pending events
+//! themselves, however many published events the table holds, and never skips one: there is no
+//! cursor over commit order to get wrong. Held aggregates (a quarantined event, a gap) are left
+//! to `outboxd quarantine release`.
 //!
 //! Rows come back in [`crate::snapshot::event_from_row`]'s column order, oldest version first
 //! per aggregate.
@@ -22,14 +24,14 @@ pub fn pending_sql(events: &str) -> String {
     format!(
         "SELECT {cols}
          FROM outbox.aggregate_versions v
-         LEFT JOIN outbox.aggregate_heads h
-                ON h.aggregate_type = v.aggregate_type AND h.aggregate_id = v.aggregate_id
+         LEFT JOIN outbox.poll_positions p
+                ON p.aggregate_type = v.aggregate_type AND p.aggregate_id = v.aggregate_id
          CROSS JOIN LATERAL (
              SELECT * FROM {events} x
              WHERE x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
-               AND x.aggregate_version > coalesce(h.last_version, 0)
+               AND x.aggregate_version > coalesce(p.version, 0)
          ) e
-         WHERE v.last_version > coalesce(h.last_version, 0)
+         WHERE v.last_version > coalesce(p.version, 0)
            AND NOT EXISTS (SELECT 1 FROM outbox.holds ho
                            WHERE ho.aggregate_type = v.aggregate_type AND ho.aggregate_id = v.aggregate_id)
            AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
@@ -39,3 +41,14 @@ pub fn pending_sql(events: &str) -> String {
          LIMIT $1"
     )
 }
+
+/// Moves every aggregate's poll position over its receipted prefix (migration 0015).
+pub const ADVANCE_SQL: &str = "SELECT outbox.advance_poll_positions()";
+
+/// Records the snapshot of this round's read for the lease (`$1` its name, `$2` the
+/// generation); the first statement of the round's REPEATABLE READ transaction, so the
+/// snapshot is the read's (migration 0015).
+pub const RECORD_ROUND_SQL: &str = "INSERT INTO outbox.poll_rounds (slot_name, generation, snapshot)
+     VALUES ($1, $2, pg_current_snapshot())
+     ON CONFLICT (slot_name) DO UPDATE
+     SET generation = EXCLUDED.generation, snapshot = EXCLUDED.snapshot, started_at = clock_timestamp()";

@@ -49,6 +49,8 @@ const LEDGER_TABLES: &[&str] = &[
     "held_events",
     "relay_leases",
     "attempts",
+    "poll_positions",
+    "poll_rounds",
 ];
 
 /// Sequences behind the ledger tables' ids.

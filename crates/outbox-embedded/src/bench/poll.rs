@@ -251,8 +251,7 @@ pub async fn baseline(
     m.cpu.sample();
     let relay_cpu = relay.cpu_secs() - relay_cpu0;
     relay.terminate()?;
-    let accepted =
-        workload::accepted_times(&client, &committed, Target::Outbox(agg_type)).await?;
+    let accepted = workload::accepted_times(&client, &committed, Target::Outbox(agg_type)).await?;
     workload::all_accepted(&client, &committed, &accepted, "poll-mode steady phase").await?;
     let n = committed.len() as u64;
     let steady = Steady {

@@ -56,6 +56,10 @@ pub struct Counts {
     pub resnapshots: u64,
     /// Events published from a snapshot of the outbox table (after `--resnapshot`).
     pub snapshot_events: u64,
+    /// Traces whose relay runs in poll mode (`--mode poll`: no slot, rounds of pending events).
+    pub poll_traces: u64,
+    /// Events a poll-mode round admitted.
+    pub poll_events: u64,
 }
 
 impl Counts {
@@ -118,7 +122,9 @@ impl Counts {
             receipt_rollbacks,
             slot_losses,
             resnapshots,
-            snapshot_events
+            snapshot_events,
+            poll_traces,
+            poll_events
         );
     }
 
@@ -166,6 +172,8 @@ impl Counts {
             ("slot_losses", self.slot_losses.to_string()),
             ("resnapshots", self.resnapshots.to_string()),
             ("snapshot_events", self.snapshot_events.to_string()),
+            ("poll_mode_traces", self.poll_traces.to_string()),
+            ("poll_mode_events", self.poll_events.to_string()),
             ("migrations", self.migrations.to_string()),
             ("migrations_refused", self.migrations_refused.to_string()),
             ("purges", self.purges.to_string()),

@@ -46,6 +46,8 @@ pub(super) struct Quarantine {
     pub(super) row: usize,
     pub(super) code: String,
     pub(super) released: bool,
+    /// When it was recorded, on the ledger's clock (`recorded_xact`, migration 0015).
+    pub(super) recorded: u64,
 }
 
 /// The ledger tables of `migrations/`.
@@ -55,6 +57,11 @@ pub(super) struct Ledger {
     pub(super) duplicates: Vec<(usize, Receipt)>,
     pub(super) quarantine: Vec<Quarantine>,
     pub(super) holds: HashMap<Agg, Hold>,
+    /// The ledger's clock: one tick per quarantine recorded and per poll round read, so a
+    /// round's read "sees" exactly the quarantines recorded before it.
+    pub(super) seq: u64,
+    /// `outbox.poll_rounds`: the lease generation of the last poll round, and its read.
+    pub(super) poll_round: Option<(i64, u64)>,
     /// `held_events`: row → released.
     pub(super) held: HashMap<usize, bool>,
     pub(super) heads: HashMap<Agg, i64>,
@@ -67,6 +74,11 @@ pub(super) struct Ledger {
 }
 
 impl Ledger {
+    /// The next tick of the ledger's clock.
+    pub(super) fn tick(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
     pub(super) fn open_quarantine(&self, row: usize) -> Option<&Quarantine> {
         self.quarantine.iter().find(|q| q.row == row && !q.released)
     }
@@ -244,10 +256,12 @@ impl World {
                                 c.reason_code()
                             );
                             self.c.conflicts += 1;
+                            let recorded = self.ledger.tick();
                             self.ledger.quarantine.push(Quarantine {
                                 row,
                                 code: c.reason_code().to_string(),
                                 released: false,
+                                recorded,
                             });
                         }
                     }
@@ -281,10 +295,12 @@ impl World {
                             );
                             self.c.spurious_quarantines += 1;
                         }
+                        let recorded = self.ledger.tick();
                         self.ledger.quarantine.push(Quarantine {
                             row: *row,
                             code: code.clone(),
                             released: false,
+                            recorded,
                         });
                     }
                 }
@@ -379,8 +395,10 @@ impl World {
             if row.purged || !self.ledger.primary.contains_key(&r) {
                 continue;
             }
-            let replayable = self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
-                || self.slot_confirmed.map_or(true, |c| row.commit_end > c);
+            // Poll mode has no WAL to replay: its receipts carry no commit LSN (retention.rs).
+            let replayable = !self.poll
+                && (self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
+                    || self.slot_confirmed.map_or(true, |c| row.commit_end > c));
             let consumed_by_all = self.consumers.iter().all(|c| {
                 (0..TOPICS.len() * PARTITIONS).all(|tp| {
                     let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];

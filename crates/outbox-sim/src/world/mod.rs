@@ -84,6 +84,24 @@ pub enum Mutant {
     /// proof for an event that an earlier migration had released and the relay had sent since
     /// (a paused relay's stale refusal, decided for the previous destination, re-quarantined it).
     BugProofAfterMigration,
+    /// Bug found by the simulator in poll mode's first design (seed 1, traces 0 and 870): the
+    /// poll read events above each aggregate's head, but receipts can be accepted out of
+    /// version order (a later version's UNKNOWN attempt found and accepted while the earlier
+    /// version's ACK was lost with its run), so the earlier one was never sent again and never
+    /// got a receipt. Fixed by the poll positions of migration 0015.
+    PollAboveHead,
+    /// Bug found by the simulator in poll mode's first design (seed 3, trace 7927): a
+    /// destination migration was allowed for a quarantined event that the current poll round
+    /// had read before the quarantine was recorded (by a paused relay's salvage) and still
+    /// held queued; it was then sent to the old destination. Fixed by the round snapshots of
+    /// migration 0015.
+    PollMigrateHeld,
+    /// Bug found by the simulator in poll mode's first design (seed 1, trace 17022): a round
+    /// admitted an aggregate's first pending version while the gate still expected an earlier
+    /// one, whose receipt a paused relay's salvage had accepted after this run loaded the
+    /// heads; the gate took the skipped (published) version for a gap and held the aggregate,
+    /// and the ledger dropped that hold as stale, so nothing ever released it.
+    PollStaleHead,
 }
 
 impl Mutant {
@@ -104,6 +122,9 @@ impl Mutant {
         ("bug-migrate-replayable", Mutant::BugMigrateReplayable),
         ("bug-proof-after-migration", Mutant::BugProofAfterMigration),
         ("bug-snapshot-gap", Mutant::BugSnapshotGap),
+        ("poll-above-head", Mutant::PollAboveHead),
+        ("poll-migrate-held", Mutant::PollMigrateHeld),
+        ("poll-stale-head", Mutant::PollStaleHead),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -296,6 +317,10 @@ struct World {
     /// asked for `--resnapshot`.
     slot_lost: bool,
     resnapshot: bool,
+    /// The relay runs in poll mode (`outboxd run --mode poll`): no slot; each run reads the
+    /// pending events above each aggregate's head in rounds (`relay/poll.rs`). Drawn from a
+    /// generator of its own, like the slot loss, so CDC traces keep every draw.
+    poll: bool,
     consumers: Vec<Consumer>,
     /// Truth: the send of every (row, relay gen, attempt) proven ABSENT.
     absent_attempts: HashSet<(usize, i64, i32)>,
@@ -338,8 +363,12 @@ impl World {
     fn new(rng: SplitMix64, mutant: Option<Mutant>, verbose: bool) -> World {
         let mut side = rng.fork(1);
         let slot_loss_at = side.chance(50).then(|| side.range(20, 200));
+        // A quarter of the traces run the relay in poll mode, where there is no slot to lose.
+        let poll = rng.fork(2).chance(250);
+        let slot_loss_at = slot_loss_at.filter(|_| !poll);
         World {
             slot_loss_at,
+            poll,
             slot_lost: false,
             resnapshot: false,
             rng,
@@ -396,6 +425,7 @@ impl World {
             self.step(max_events);
         }
         self.drain();
+        self.c.poll_traces = u64::from(self.poll);
         self.judge();
     }
 
@@ -424,7 +454,11 @@ impl World {
         let active = self.active();
         let has_next = active.is_some_and(|i| {
             let r = &self.relays[i];
-            !r.stream_cut && r.cursor < self.wal.len()
+            if self.poll {
+                self.round_due(i)
+            } else {
+                !r.stream_cut && r.cursor < self.wal.len()
+            }
         });
         let reports = self
             .relays
@@ -466,6 +500,7 @@ impl World {
         ];
         match self.rng.weighted(&weights) {
             0 => self.producer_txn(),
+            1 if self.poll => self.relay_call(active, Self::poll_round),
             1 => self.relay_call(active, Self::decode_next),
             2 => {
                 let cands: Vec<usize> = (0..self.relays.len())
@@ -476,7 +511,7 @@ impl World {
                 let token = self.relays[i].in_flight[k].token;
                 self.relay_call(Some(i), |w, i| w.on_report(i, token));
             }
-            3 => self.relay_call(active, |w, i| w.flush(i, true)),
+            3 => self.relay_call(active, |w, i| w.flush(i, !w.poll)),
             4 => self.relay_call(active, |w, i| {
                 w.status_update(i);
                 Ok(())
@@ -765,6 +800,9 @@ impl World {
         for r in &mut self.relays {
             r.stream_cut = true;
         }
+        if self.poll {
+            return self.start_poll_relay(gen);
+        }
         let slot_info = self.slot_confirmed.map(|c| SlotInfo {
             plugin: "pgoutput".into(),
             database: "sim".into(),
@@ -880,6 +918,133 @@ impl World {
                 Ok(()) => {}
             }
         }
+    }
+
+    /// A poll-mode run (`relay/poll.rs`): no slot plan, no snapshot (every round reads what
+    /// has no receipt); reconciliation at start, then the heads as they are now.
+    fn start_poll_relay(&mut self, gen: i64) {
+        let heads = self
+            .ledger
+            .heads
+            .iter()
+            .map(|(k, v)| (agg_key(*k), *v))
+            .collect();
+        let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
+        let mut core = PipelineCore::new(served(), gen, PipelineCore::gate_from(heads, held));
+        core.mutant = self.core_mutant();
+        core.current_route = Some(self.current_route());
+        log!(self, "relay gen {gen} starts polling");
+        self.relays.push(Relay {
+            gen,
+            killed: false,
+            deadline: self.now + certain_for_ms(),
+            paused: false,
+            stream_cut: false,
+            salvaging: false,
+            core,
+            cursor: self.wal.len(),
+            in_flight: Vec::new(),
+            late: HashSet::new(),
+        });
+        let i = self.relays.len() - 1;
+        if let Err(e) = self.reconcile(i) {
+            self.end_run(i, e);
+            return;
+        }
+        let heads = self
+            .ledger
+            .heads
+            .iter()
+            .map(|(k, v)| (agg_key(*k), *v))
+            .collect();
+        self.relays[i].core.raise_heads(heads);
+    }
+
+    /// `outbox_source::poll::pending_sql`: rows without a primary receipt or an open
+    /// quarantine, of aggregates without a hold, in aggregate and version order, as
+    /// `outbox.events_current` shows them. (The daemon reads them above each aggregate's poll
+    /// position, which only passes receipted versions, so it reads exactly these. A read above
+    /// the head instead lost events whose receipt was overtaken by a later version's: the
+    /// mutant `poll-above-head`.)
+    fn poll_pending(&self) -> Vec<usize> {
+        let above_head = self.is(Mutant::PollAboveHead);
+        let mut pending: Vec<usize> = (0..self.rows.len())
+            .filter(|r| {
+                let row = &self.rows[*r];
+                !row.purged
+                    && !self.ledger.primary.contains_key(r)
+                    && self.ledger.open_quarantine(*r).is_none()
+                    && !self.ledger.holds.contains_key(&row.agg)
+                    && (!above_head
+                        || row.ev.aggregate_version
+                            > self.ledger.heads.get(&row.agg).copied().unwrap_or(0))
+            })
+            .collect();
+        pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
+        pending
+    }
+
+    /// A round starts only when the previous one is over: nothing outstanding, nothing left
+    /// to accept (the daemon drains and accepts before it reads again). The daemon also runs
+    /// idle rounds every poll interval; of those, the simulator runs the ones that change
+    /// something: a read newer than an open quarantine lets its migration go ahead.
+    fn round_due(&self, i: usize) -> bool {
+        let core = &self.relays[i].core;
+        let read = self.ledger.poll_round.map(|(_, r)| r);
+        core.outstanding() == 0
+            && core.batch_len() == 0
+            && (!self.poll_pending().is_empty()
+                || self
+                    .ledger
+                    .quarantine
+                    .iter()
+                    .any(|q| !q.released && read.map_or(true, |r| r < q.recorded)))
+    }
+
+    /// `MigrationFacts::replayable` in poll mode: the round of the live lease read the events
+    /// before `row`'s open quarantine was recorded, so it may still hold the row.
+    fn poll_round_may_hold(&self, row: usize) -> bool {
+        let Some(q) = self.ledger.open_quarantine(row) else {
+            return false;
+        };
+        self.ledger.poll_round.is_some_and(|(gen, read)| {
+            gen == self.ledger.lease_gen && self.now <= self.ledger.lease_until && read < q.recorded
+        })
+    }
+
+    /// One poll round's reads and sends; its reports and acceptance are later steps.
+    fn poll_round(&mut self, i: usize) -> Result<(), End> {
+        if !self.round_due(i) {
+            return Ok(());
+        }
+        // `poll::RECORD_ROUND_SQL`: the round's read, as the ledger records it.
+        let read = self.ledger.tick();
+        self.ledger.poll_round = Some((self.relays[i].gen, read));
+        let pending = self.poll_pending();
+        log!(self, "poll round: {} pending rows", pending.len());
+        let mut last_agg = None;
+        for row in pending {
+            let ev = self.rows[row].current();
+            // `first_of_aggregate` in relay/poll.rs: every version below an aggregate's first
+            // pending one has a receipt, which the gate learns before the round admits it.
+            if last_agg != Some(self.rows[row].agg) {
+                last_agg = Some(self.rows[row].agg);
+                if !self.is(Mutant::PollStaleHead) {
+                    self.relays[i].core.raise_heads(vec![(
+                        agg_key(self.rows[row].agg),
+                        ev.aggregate_version - 1,
+                    )]);
+                }
+            }
+            let now = self.now_for(i);
+            let commands = self.relays[i]
+                .core
+                .admit(ev, None, None, now)
+                .map_err(|_| End::Error("relay core: admit"))?;
+            self.c.poll_events += 1;
+            self.execute(i, commands)?;
+        }
+        Ok(())
     }
 
     /// `publish_snapshot`: every row of the outbox table without a primary receipt or an open
@@ -1326,7 +1491,7 @@ impl World {
     /// The standby status update: `flush` = the committed checkpoint.
     fn status_update(&mut self, i: usize) {
         let r = &self.relays[i];
-        if r.stream_cut {
+        if r.stream_cut || self.poll {
             return;
         }
         let d = r.core.standby_status().flush;
@@ -1436,11 +1601,16 @@ impl World {
             attempts,
             migrated: !self.rows[row].migrations.is_empty()
                 && !self.is(Mutant::BugProofAfterMigration),
-            replayable: self
-                .ledger
-                .checkpoint
-                .map_or(true, |c| self.rows[row].commit_end > c)
-                && !self.is(Mutant::BugMigrateReplayable),
+            // Poll mode has no WAL row to replay, but the live lease's current round may hold
+            // the event if its read did not see the quarantine (destination.rs, migration 0015).
+            replayable: if self.poll {
+                self.poll_round_may_hold(row) && !self.is(Mutant::PollMigrateHeld)
+            } else {
+                self.ledger
+                    .checkpoint
+                    .map_or(true, |c| self.rows[row].commit_end > c)
+                    && !self.is(Mutant::BugMigrateReplayable)
+            },
         };
         let cur = self.rows[row].current();
         let old = topic_index(&cur.destination);
@@ -1558,7 +1728,11 @@ impl World {
                 continue;
             };
             self.renew(i);
-            if !self.relays[i].stream_cut && self.relays[i].cursor < self.wal.len() {
+            if self.poll && self.round_due(i) {
+                self.relay_call(Some(i), Self::poll_round);
+                continue;
+            }
+            if !self.poll && !self.relays[i].stream_cut && self.relays[i].cursor < self.wal.len() {
                 self.relay_call(Some(i), Self::decode_next);
                 continue;
             }
@@ -1570,7 +1744,7 @@ impl World {
             if self.relays[i].core.batch_len() > 0
                 || self.relays[i].core.tracker.watermark() > self.relays[i].core.durable()
             {
-                self.relay_call(Some(i), |w, i| w.flush(i, true));
+                self.relay_call(Some(i), |w, i| w.flush(i, !w.poll));
                 self.relay_call(Some(i), |w, i| {
                     w.status_update(i);
                     Ok(())

@@ -1,0 +1,61 @@
+-- outboxd migration 0015: where poll mode reads from, per aggregate, and what its round saw.
+--
+-- Poll mode (`outboxd run --mode poll`) reads the pending events of each aggregate above a
+-- lower bound. The head (outbox.aggregate_heads: the highest version with a receipt) is not a
+-- safe bound: receipts can be accepted out of version order — an UNKNOWN attempt of version 8
+-- found on the broker and accepted while version 7's ACK was lost with the run that sent it —
+-- and a read above the head would never send version 7 again, so it would never get a
+-- receipt (found by outbox-sim in poll-mode traces). The bound here only advances over a
+-- contiguous prefix: every version at or below it has a primary receipt (or was purged, which
+-- needs one). It is advanced by the polling relay before each read.
+CREATE TABLE outbox.poll_positions (
+    aggregate_type text NOT NULL,
+    aggregate_id   text NOT NULL,
+    -- Every version <= this one has a primary receipt.
+    version        bigint NOT NULL,
+    PRIMARY KEY (aggregate_type, aggregate_id)
+);
+
+-- Advances every aggregate's position over its receipted prefix: to the version before its
+-- lowest event without a receipt above the position, or to its last version when there is
+-- none. A committed aggregate_versions row means every version up to it is committed too
+-- (versions are given under the row's lock, in the inserting transaction). Returns how many
+-- positions moved.
+CREATE FUNCTION outbox.advance_poll_positions() RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+BEGIN
+    INSERT INTO outbox.poll_positions AS p (aggregate_type, aggregate_id, version)
+    SELECT v.aggregate_type, v.aggregate_id,
+           coalesce((SELECT min(x.aggregate_version) - 1 FROM outbox.events x
+                     WHERE x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
+                       AND x.aggregate_version > coalesce(c.version, 0)
+                       AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = x.event_id)),
+                    v.last_version)
+    FROM outbox.aggregate_versions v
+    LEFT JOIN outbox.poll_positions c
+           ON c.aggregate_type = v.aggregate_type AND c.aggregate_id = v.aggregate_id
+    WHERE v.last_version > coalesce(c.version, 0)
+    ON CONFLICT (aggregate_type, aggregate_id)
+    DO UPDATE SET version = EXCLUDED.version WHERE EXCLUDED.version > p.version;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END
+$$;
+
+-- Which quarantines a polling relay's current round may not have seen. A round reads events
+-- (at most one round is in progress per lease) and may hold them in memory — queued behind an
+-- aggregate's in-flight event, or retried — until it ends. A quarantine recorded meanwhile by
+-- another run (a paused relay's salvage) is not in that read: a destination migration of the
+-- event must wait until a round that sees the quarantine has begun, or the held copy would go
+-- to the old destination (a cross-destination retry; found by outbox-sim, seed 3 trace 7927).
+-- The round stores the snapshot of its read; the quarantine, the transaction that recorded it.
+CREATE TABLE outbox.poll_rounds (
+    slot_name   text PRIMARY KEY,
+    generation  bigint NOT NULL,
+    snapshot    pg_snapshot NOT NULL,
+    started_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+ALTER TABLE outbox.quarantine ADD COLUMN recorded_xact xid8 DEFAULT pg_current_xact_id();
