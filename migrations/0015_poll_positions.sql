@@ -58,4 +58,22 @@ CREATE TABLE outbox.poll_rounds (
     started_at  timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
-ALTER TABLE outbox.quarantine ADD COLUMN recorded_xact xid8 DEFAULT pg_current_xact_id();
+-- The same for purge: a receipt accepted after the round's read (a paused relay's salvage) may
+-- be of an event the round still holds and sends again; the event's row and receipt stay
+-- until a round has seen the receipt (found by outbox-sim, seed 1 trace 608933).
+-- Added without a default first and given one after, so that neither table is rewritten;
+-- rows from before this migration have none and count as seen.
+ALTER TABLE outbox.quarantine ADD COLUMN recorded_xact xid8;
+ALTER TABLE outbox.quarantine ALTER COLUMN recorded_xact SET DEFAULT pg_current_xact_id();
+ALTER TABLE outbox.receipts ADD COLUMN accepted_xact xid8;
+ALTER TABLE outbox.receipts ALTER COLUMN accepted_xact SET DEFAULT pg_current_xact_id();
+
+-- Whether the current round of a live poll lease read before transaction `x` (so it may
+-- hold, and send again, what `x` recorded). NULL (before migration 0015): seen.
+CREATE FUNCTION outbox.poll_round_missed(x xid8) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT x IS NOT NULL AND EXISTS (
+        SELECT 1 FROM outbox.poll_rounds pr
+        JOIN outbox.relay_leases l ON l.slot_name = pr.slot_name AND l.generation = pr.generation
+        WHERE l.lease_until > clock_timestamp() AND NOT pg_visible_in_snapshot(x, pr.snapshot))
+$$;

@@ -55,13 +55,8 @@ pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFa
                               AND q2.commit_lsn IS NOT NULL AND q2.commit_lsn <> '0/0'::pg_lsn
                               AND q2.commit_lsn >= cp.confirmed_lsn)
                     OR EXISTS (SELECT 1 FROM outbox.quarantine q3
-                               JOIN outbox.poll_rounds pr ON true
-                               JOIN outbox.relay_leases l
-                                 ON l.slot_name = pr.slot_name AND l.generation = pr.generation
                                WHERE q3.event_id = c.event_id AND q3.released_at IS NULL
-                                 AND l.lease_until > clock_timestamp()
-                                 AND q3.recorded_xact IS NOT NULL
-                                 AND NOT pg_visible_in_snapshot(q3.recorded_xact, pr.snapshot)),
+                                 AND outbox.poll_round_missed(q3.recorded_xact)),
                     c.dest_kind
              FROM outbox.events_current c WHERE c.event_id = $1",
             &[&event_id],

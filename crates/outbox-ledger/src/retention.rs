@@ -10,8 +10,11 @@
 //! * if it belongs to a delivery set, every member satisfies the above;
 //! * the relay's ledger checkpoint of the slot that published it is past its commit LSN, so no
 //!   relay restart can replay it (a replayed event without its row and receipt would get a
-//!   second primary receipt). Receipts without a commit LSN (initial snapshot) need no such
-//!   proof: a snapshot only publishes rows that exist.
+//!   second primary receipt). Receipts without a commit LSN (initial snapshot, poll mode) need
+//!   no such proof: a snapshot only publishes rows that exist;
+//! * in poll mode, the current round of a live poll lease saw the receipt's transaction (a
+//!   round that read the event before a paused relay's salvage accepted the receipt may still
+//!   send it; migration 0015, `outbox.poll_round_missed`).
 //!
 //! Marking comes first: every published event its mandatory consumers cover becomes RETAINED
 //! (`receipts.retained_at`). Deleting removes the row, its receipts, attempts, migrations and
@@ -98,6 +101,7 @@ const ELIGIBLE: &str = "
     AND (r.commit_lsn IS NULL OR EXISTS (
             SELECT 1 FROM outbox.checkpoints c
             WHERE c.slot_name = r.slot_name AND c.confirmed_lsn > r.commit_lsn))
+    AND NOT outbox.poll_round_missed(r.accepted_xact)
     AND outbox.covered_by_mandatory(r.event_id, r.topic, r.partition, r.\"offset\")
     AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
                     WHERE q.event_id = e.event_id AND q.released_at IS NULL)

@@ -117,8 +117,9 @@ fn every_mutant_is_caught() {
             &[("cross_destination_retries", |c| c.cross_destination_retries)],
         ),
         (Mutant::PollAboveHead, &[("lost", |c| c.lost)]),
-        // poll-migrate-held (6 in 100,000 traces) and poll-stale-head (1 in 20,000) are too
-        // rare for 1,500 traces: the_traces_that_found_bugs_stay_fixed replays their traces.
+        // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000) and
+        // poll-purge-held (1 in 1,000,000) are too rare for 1,500 traces:
+        // the_traces_that_found_bugs_stay_fixed replays their traces.
     ];
     for (m, counters) in cases {
         let c = run(1, 1_500, Some(*m));
@@ -147,6 +148,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (2, 40186, Mutant::BugProofAfterMigration),
         (3, 7927, Mutant::PollMigrateHeld),
         (1, 17022, Mutant::PollStaleHead),
+        (1, 608933, Mutant::PollPurgeHeld),
         (1, 1380, Mutant::BugSnapshotGap),
         (1, 317, Mutant::PollAboveHead),
         (1, 331, Mutant::PollAboveHead),

@@ -62,6 +62,8 @@ pub(super) struct Ledger {
     pub(super) seq: u64,
     /// `outbox.poll_rounds`: the lease generation of the last poll round, and its read.
     pub(super) poll_round: Option<(i64, u64)>,
+    /// When each primary receipt was accepted, on the ledger's clock (`accepted_xact`).
+    pub(super) primary_accepted: HashMap<usize, u64>,
     /// `held_events`: row → released.
     pub(super) held: HashMap<usize, bool>,
     pub(super) heads: HashMap<Agg, i64>,
@@ -233,6 +235,8 @@ impl World {
                     match class {
                         ReceiptClass::Primary => {
                             self.ledger.primary.insert(row, *rc);
+                            let tick = self.ledger.tick();
+                            self.ledger.primary_accepted.insert(row, tick);
                             let agg = self.rows[row].agg;
                             let v = self.rows[row].ev.aggregate_version;
                             let h = self.ledger.heads.entry(agg).or_insert(0);
@@ -395,10 +399,17 @@ impl World {
             if row.purged || !self.ledger.primary.contains_key(&r) {
                 continue;
             }
-            // Poll mode has no WAL to replay: its receipts carry no commit LSN (retention.rs).
-            let replayable = !self.poll
-                && (self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
-                    || self.slot_confirmed.map_or(true, |c| row.commit_end > c));
+            // Poll mode has no WAL to replay (its receipts carry no commit LSN), but the live
+            // lease's round may hold the event if it read before the receipt (retention.rs).
+            let replayable = if self.poll {
+                let accepted = self.ledger.primary_accepted.get(&r).copied();
+                accepted.is_some_and(|t| self.poll_round_missed(t))
+                    && !early
+                    && !self.is(Mutant::PollPurgeHeld)
+            } else {
+                self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
+                    || self.slot_confirmed.map_or(true, |c| row.commit_end > c)
+            };
             let consumed_by_all = self.consumers.iter().all(|c| {
                 (0..TOPICS.len() * PARTITIONS).all(|tp| {
                     let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];

@@ -102,6 +102,11 @@ pub enum Mutant {
     /// heads; the gate took the skipped (published) version for a gap and held the aggregate,
     /// and the ledger dropped that hold as stale, so nothing ever released it.
     PollStaleHead,
+    /// Bug found by the simulator (seed 1, trace 608933, the first million traces with poll
+    /// mode): purge deleted an event whose receipt a paused relay's salvage had accepted after
+    /// the current poll round read the event; the round sent it again, and consumers read a copy
+    /// of a purged event. Fixed by `outbox.poll_round_missed` in purge's rule (migration 0015).
+    PollPurgeHeld,
 }
 
 impl Mutant {
@@ -125,6 +130,7 @@ impl Mutant {
         ("poll-above-head", Mutant::PollAboveHead),
         ("poll-migrate-held", Mutant::PollMigrateHeld),
         ("poll-stale-head", Mutant::PollStaleHead),
+        ("poll-purge-held", Mutant::PollPurgeHeld),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -1004,11 +1010,15 @@ impl World {
     /// `MigrationFacts::replayable` in poll mode: the round of the live lease read the events
     /// before `row`'s open quarantine was recorded, so it may still hold the row.
     fn poll_round_may_hold(&self, row: usize) -> bool {
-        let Some(q) = self.ledger.open_quarantine(row) else {
-            return false;
-        };
+        self.ledger
+            .open_quarantine(row)
+            .is_some_and(|q| self.poll_round_missed(q.recorded))
+    }
+
+    /// `outbox.poll_round_missed`: the current round of the live lease read before `tick`.
+    fn poll_round_missed(&self, tick: u64) -> bool {
         self.ledger.poll_round.is_some_and(|(gen, read)| {
-            gen == self.ledger.lease_gen && self.now <= self.ledger.lease_until && read < q.recorded
+            gen == self.ledger.lease_gen && self.now <= self.ledger.lease_until && read < tick
         })
     }
 
