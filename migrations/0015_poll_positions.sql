@@ -16,29 +16,52 @@ CREATE TABLE outbox.poll_positions (
     PRIMARY KEY (aggregate_type, aggregate_id)
 );
 
--- Advances every aggregate's position over its receipted prefix: to the version before its
+-- Poll mode reads an aggregate's versions by (aggregate type, aggregate id, version). The index
+-- on those is partial (migration 0007: members of a delivery set share their version), so the
+-- reads go in two branches, one per partial index; this is the members' one. Only producers of
+-- delivery sets pay for it.
+CREATE INDEX events_delivery_set_aggregate_idx
+    ON outbox.events (aggregate_type, aggregate_id, aggregate_version)
+    WHERE delivery_set_id IS NOT NULL;
+
+-- Advances each aggregate's position over its receipted prefix (every aggregate, or those of
+-- the arrays: the ones a round just published, which is all a busy round needs): to the version before its
 -- lowest event without a receipt above the position, or to its last version when there is
 -- none. A committed aggregate_versions row means every version up to it is committed too
 -- (versions are given under the row's lock, in the inserting transaction). Returns how many
 -- positions moved.
-CREATE FUNCTION outbox.advance_poll_positions() RETURNS bigint
+CREATE FUNCTION outbox.advance_poll_positions(p_types text[] DEFAULT NULL, p_ids text[] DEFAULT NULL)
+RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     n bigint;
 BEGIN
+    -- EXECUTE: planned anew at every call. A plan cached in the session from the first round
+    -- (receipts and positions still empty: sequential scans in the anti-join) made the second
+    -- round of a 20,000-event backlog take 10 s instead of 0.3 s.
+    EXECUTE $q$
     INSERT INTO outbox.poll_positions AS p (aggregate_type, aggregate_id, version)
     SELECT v.aggregate_type, v.aggregate_id,
-           coalesce((SELECT min(x.aggregate_version) - 1 FROM outbox.events x
-                     WHERE x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
-                       AND x.aggregate_version > coalesce(c.version, 0)
-                       AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = x.event_id)),
-                    v.last_version)
+           coalesce(least(
+               (SELECT min(x.aggregate_version) - 1 FROM outbox.events x
+                WHERE x.delivery_set_id IS NULL
+                  AND x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
+                  AND x.aggregate_version > coalesce(c.version, 0)
+                  AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = x.event_id)),
+               (SELECT min(x.aggregate_version) - 1 FROM outbox.events x
+                WHERE x.delivery_set_id IS NOT NULL
+                  AND x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
+                  AND x.aggregate_version > coalesce(c.version, 0)
+                  AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = x.event_id))),
+               v.last_version)
     FROM outbox.aggregate_versions v
     LEFT JOIN outbox.poll_positions c
            ON c.aggregate_type = v.aggregate_type AND c.aggregate_id = v.aggregate_id
     WHERE v.last_version > coalesce(c.version, 0)
+      AND ($1 IS NULL OR (v.aggregate_type, v.aggregate_id) IN (SELECT * FROM unnest($1, $2)))
     ON CONFLICT (aggregate_type, aggregate_id)
-    DO UPDATE SET version = EXCLUDED.version WHERE EXCLUDED.version > p.version;
+    DO UPDATE SET version = EXCLUDED.version WHERE EXCLUDED.version > p.version
+    $q$ USING p_types, p_ids;
     GET DIAGNOSTICS n = ROW_COUNT;
     RETURN n;
 END

@@ -8,7 +8,8 @@
 //! version at or below which every event has a receipt (advanced over the receipted prefix by
 //! [`ADVANCE_SQL`] before each read; migration 0015 says why the head is not that bound). An
 //! aggregate whose last version is above its position has pending events: those above the
-//! position without a receipt, read through the (aggregate type, aggregate id, version) index.
+//! position without a receipt, read through the (aggregate type, aggregate id, version) indexes
+//! (two partial ones, so two branches: members of a delivery set share their version).
 //! So a round costs one pass over the aggregates (narrow rows) plus the pending events
 //! themselves, however many published events the table holds, and never skips one: there is no
 //! cursor over commit order to get wrong. Held aggregates (a quarantined event, a gap) are left
@@ -28,7 +29,13 @@ pub fn pending_sql(events: &str) -> String {
                 ON p.aggregate_type = v.aggregate_type AND p.aggregate_id = v.aggregate_id
          CROSS JOIN LATERAL (
              SELECT * FROM {events} x
-             WHERE x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
+             WHERE x.delivery_set_id IS NULL
+               AND x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
+               AND x.aggregate_version > coalesce(p.version, 0)
+             UNION ALL
+             SELECT * FROM {events} x
+             WHERE x.delivery_set_id IS NOT NULL
+               AND x.aggregate_type = v.aggregate_type AND x.aggregate_id = v.aggregate_id
                AND x.aggregate_version > coalesce(p.version, 0)
          ) e
          WHERE v.last_version > coalesce(p.version, 0)
@@ -42,8 +49,13 @@ pub fn pending_sql(events: &str) -> String {
     )
 }
 
-/// Moves every aggregate's poll position over its receipted prefix (migration 0015).
+/// Moves every aggregate's poll position over its receipted prefix (migration 0015). Its cost
+/// grows with the number of aggregates with unpublished versions; [`ADVANCE_SOME_SQL`] is for
+/// the aggregates one round published (`$1` types, `$2` ids).
 pub const ADVANCE_SQL: &str = "SELECT outbox.advance_poll_positions()";
+
+/// [`ADVANCE_SQL`] for some aggregates only.
+pub const ADVANCE_SOME_SQL: &str = "SELECT outbox.advance_poll_positions($1::text[], $2::text[])";
 
 /// Records the snapshot of this round's read for the lease (`$1` its name, `$2` the
 /// generation); the first statement of the round's REPEATABLE READ transaction, so the

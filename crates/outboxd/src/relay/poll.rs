@@ -88,25 +88,31 @@ pub(super) async fn run_once(
     .await?;
     pipeline.core.raise_heads(holds::load_heads(&sql).await?);
     let _fold = spawn_head_fold(connect_sql(url).await?, HEADS_FOLD_INTERVAL);
-    let pending = sql
-        .prepare(&poll::pending_sql(current_rows))
-        .await
-        .map_err(|e| LedgerError::Db {
-            context: "preparing poll mode's query".into(),
-            source: e,
-        })?;
+    // Not prepared: planned at every round with the statistics of the moment (receipts and
+    // positions grow from nothing; a plan made for empty tables does not scale).
+    let pending = poll::pending_sql(current_rows);
     progress.streaming.store(true, Ordering::Relaxed);
     crate::metrics::streaming(true);
     tracing::info!(lease = %cfg.slot, interval_ms = cfg.poll_interval.as_millis() as u64, "polling");
 
     let mut last_releases = Instant::now();
+    let mut touched = Touched::default();
     loop {
         if *shutdown.borrow() {
             lease::release(&sql, &cfg.slot, fence).await?;
             tracing::info!("stopped");
             return Ok(());
         }
-        let n = round(cfg, &mut sql, &pending, fence, &mut pipeline, progress).await?;
+        let n = round(
+            cfg,
+            &mut sql,
+            &pending,
+            &mut touched,
+            fence,
+            &mut pipeline,
+            progress,
+        )
+        .await?;
         if pipeline.core.lease_expired || lease_state.is_lost() {
             tracing::warn!(
                 generation = fence.generation,
@@ -141,12 +147,31 @@ pub(super) async fn run_once(
     }
 }
 
+/// The aggregates the last round published, and when every position was last advanced.
+#[derive(Default)]
+struct Touched {
+    types: Vec<String>,
+    ids: Vec<String>,
+    last_full: Option<Instant>,
+}
+
+/// How often every aggregate's poll position is advanced (the first round always does).
+const FULL_ADVANCE_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Touched {
+    fn full_due(&self, now: Instant) -> bool {
+        self.last_full
+            .map_or(true, |t| now.saturating_duration_since(t) >= FULL_ADVANCE_EVERY)
+    }
+}
+
 /// One round: read the next pending events, send them, wait for every report, accept them.
 /// Returns how many events it read.
 async fn round(
     cfg: &RelayConfig,
     sql: &mut Client,
-    pending: &tokio_postgres::Statement,
+    pending: &str,
+    touched: &mut Touched,
     fence: &Fence,
     pipeline: &mut Pipeline,
     progress: &Progress,
@@ -157,10 +182,23 @@ async fn round(
             source: e,
         }
     };
-    // Positions over the receipted prefix before reading what lies above them.
-    sql.execute(poll::ADVANCE_SQL, &[])
-        .await
-        .map_err(db("advancing the poll positions"))?;
+    let started = Instant::now();
+    // Positions over the receipted prefix before reading what lies above them: of every
+    // aggregate at times, else of those the last round published (receipts accepted elsewhere
+    // — reconciliation, a paused relay's salvage, releases — wait for the next full pass; a
+    // position behind only costs the read a few published rows).
+    if touched.full_due(started) {
+        sql.execute(poll::ADVANCE_SQL, &[])
+            .await
+            .map_err(db("advancing the poll positions"))?;
+        touched.last_full = Some(started);
+    } else if !touched.types.is_empty() {
+        sql.execute(poll::ADVANCE_SOME_SQL, &[&touched.types, &touched.ids])
+            .await
+            .map_err(db("advancing the poll positions"))?;
+    }
+    touched.types.clear();
+    touched.ids.clear();
     // The read and the record of its snapshot in one REPEATABLE READ transaction: a
     // destination migration waits while a quarantine is newer than the round's read (the
     // round may hold the event; migration 0015). Committed once every row is admitted.
@@ -196,6 +234,8 @@ async fn round(
                     pipeline
                         .core
                         .raise_heads(vec![(key.clone(), ev.aggregate_version - 1)]);
+                    touched.types.push(key.0.clone());
+                    touched.ids.push(key.1.clone());
                     last_aggregate = Some(key);
                 }
                 pipeline.admit(ev, None, None).await?
@@ -224,6 +264,7 @@ async fn round(
     tx.commit()
         .await
         .map_err(db("ending the poll round's read"))?;
+    let read_ms = started.elapsed().as_secs_f64() * 1e3;
     // The next round reads what has no receipt: nothing of this one may still be at the broker.
     while pipeline.outstanding() > 0 {
         pipeline.drain_one().await?;
@@ -232,5 +273,13 @@ async fn round(
         }
     }
     pipeline.flush(false, progress).await?;
+    if n > 0 {
+        tracing::debug!(
+            events = n,
+            read_ms,
+            round_ms = started.elapsed().as_secs_f64() * 1e3,
+            "poll round done"
+        );
+    }
     Ok(n)
 }
