@@ -33,7 +33,7 @@ pub enum Command {
     /// Benchmark on the embedded default (throwaway PostgreSQL + mock broker), in one run:
     /// pg_recvlogical's decode rate, the relay's backlog drain, commit -> accepted latency at a
     /// steady rate, relay RSS and CPU, PostgreSQL CPU per event, WAL retained, replay after a
-    /// SIGKILL, a polling (FOR UPDATE SKIP LOCKED) relay and, on a real Kafka, Debezium's
+    /// SIGKILL, the polling baseline (outboxd run --mode poll) and, on a real Kafka, Debezium's
     /// embedded engine on the same workload. Prints a table and, last,
     /// `decode_ratio=.. drain_events_per_s=.. p99_ms=.. rss_mib=.. poll_ratio=.. producer_ratio=.. debezium_ratio=..`;
     /// writes JSON (--json) and an SVG chart (--svg). The relay runs as `outboxd run` child

@@ -18,7 +18,7 @@
 //!    the phase began and copies are counted per event id: every committed event must be there,
 //!    and every further copy (a second one, or one of an earlier phase's event) is the replay
 //!    cost, in milliseconds of traffic.
-//! 6. **Polling baseline** ([`poll`]): a `FOR UPDATE SKIP LOCKED` claim-and-mark relay
+//! 6. **Polling baseline** ([`poll`]): outboxd's own poll mode (`outboxd run --mode poll`)
 //!    drains the same backlog and the same steady rate to the same broker.
 //!
 //! 7. **Debezium** ([`debezium`]): Debezium's embedded engine (pgoutput, outbox EventRouter)

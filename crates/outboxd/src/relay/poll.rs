@@ -160,8 +160,9 @@ const FULL_ADVANCE_EVERY: std::time::Duration = std::time::Duration::from_secs(1
 
 impl Touched {
     fn full_due(&self, now: Instant) -> bool {
-        self.last_full
-            .map_or(true, |t| now.saturating_duration_since(t) >= FULL_ADVANCE_EVERY)
+        self.last_full.map_or(true, |t| {
+            now.saturating_duration_since(t) >= FULL_ADVANCE_EVERY
+        })
     }
 }
 
