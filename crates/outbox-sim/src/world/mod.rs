@@ -861,18 +861,6 @@ impl World {
                 return;
             }
         };
-        // The gate as the ledger left it.
-        let heads = self
-            .ledger
-            .heads
-            .iter()
-            .map(|(k, v)| (agg_key(*k), *v))
-            .collect();
-        let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
-        let mut core = PipelineCore::new(served(), gen, PipelineCore::gate_from(heads, held));
-        core.start_streaming(start);
-        core.mutant = self.core_mutant();
-        core.current_route = Some(self.current_route());
         let cursor = self
             .wal
             .iter()
@@ -882,33 +870,14 @@ impl World {
             self,
             "relay gen {gen} starts at {start} (WAL txn #{cursor})"
         );
-        self.relays.push(Relay {
-            gen,
-            killed: false,
-            deadline: self.now + certain_for_ms(),
-            paused: false,
-            stream_cut: false,
-            salvaging: false,
-            core,
-            cursor,
-            in_flight: Vec::new(),
-            late: HashSet::new(),
-        });
-        let i = self.relays.len() - 1;
-        if let Err(e) = self.reconcile(i) {
-            self.end_run(i, e);
+        let Some(i) = self.push_run(gen, Some(start), cursor) else {
             return;
-        }
+        };
         // Reconciliation may have accepted receipts: the gate learns the heads as they are now.
         if self.is(Mutant::BugSnapshotGap) {
             return self.start_snapshot(i, backfill);
         }
-        let heads = self
-            .ledger
-            .heads
-            .iter()
-            .map(|(k, v)| (agg_key(*k), *v))
-            .collect();
+        let heads = self.ledger_heads();
         self.relays[i].core.raise_heads(heads);
         self.start_snapshot(i, backfill);
     }
@@ -929,17 +898,34 @@ impl World {
     /// A poll-mode run (`relay/poll.rs`): no slot plan, no snapshot (every round reads what
     /// has no receipt); reconciliation at start, then the heads as they are now.
     fn start_poll_relay(&mut self, gen: i64) {
-        let heads = self
-            .ledger
+        log!(self, "relay gen {gen} starts polling");
+        let Some(i) = self.push_run(gen, None, self.wal.len()) else {
+            return;
+        };
+        let heads = self.ledger_heads();
+        self.relays[i].core.raise_heads(heads);
+    }
+
+    /// The ledger's heads, as the gate takes them.
+    fn ledger_heads(&self) -> Vec<(outbox_relay::AggKey, i64)> {
+        self.ledger
             .heads
             .iter()
             .map(|(k, v)| (agg_key(*k), *v))
-            .collect();
+            .collect()
+    }
+
+    /// A new run of generation `gen`: its core with the gate as the ledger left it (streaming
+    /// from `start` in CDC mode), then reconciliation at start. `None`: the run ended there.
+    fn push_run(&mut self, gen: i64, start: Option<Lsn>, cursor: usize) -> Option<usize> {
         let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
-        let mut core = PipelineCore::new(served(), gen, PipelineCore::gate_from(heads, held));
+        let gate = PipelineCore::gate_from(self.ledger_heads(), held);
+        let mut core = PipelineCore::new(served(), gen, gate);
+        if let Some(start) = start {
+            core.start_streaming(start);
+        }
         core.mutant = self.core_mutant();
         core.current_route = Some(self.current_route());
-        log!(self, "relay gen {gen} starts polling");
         self.relays.push(Relay {
             gen,
             killed: false,
@@ -948,22 +934,18 @@ impl World {
             stream_cut: false,
             salvaging: false,
             core,
-            cursor: self.wal.len(),
+            cursor,
             in_flight: Vec::new(),
             late: HashSet::new(),
         });
         let i = self.relays.len() - 1;
-        if let Err(e) = self.reconcile(i) {
-            self.end_run(i, e);
-            return;
+        match self.reconcile(i) {
+            Ok(()) => Some(i),
+            Err(e) => {
+                self.end_run(i, e);
+                None
+            }
         }
-        let heads = self
-            .ledger
-            .heads
-            .iter()
-            .map(|(k, v)| (agg_key(*k), *v))
-            .collect();
-        self.relays[i].core.raise_heads(heads);
     }
 
     /// `outbox_source::poll::pending_sql`: rows without a primary receipt or an open

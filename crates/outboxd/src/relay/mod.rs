@@ -286,15 +286,7 @@ async fn run_once(
     lease_deadline: Instant,
 ) -> Result<(), RelayError> {
     let url = cfg.database_url.expose();
-    // The lease is renewed in the background from here on, through slow start-ups too.
-    let lease_state = Arc::new(LeaseState::new(lease_deadline));
-    let _keeper = spawn_lease_keeper(
-        connect_sql(url).await?,
-        cfg.slot.clone(),
-        fence.clone(),
-        cfg.lease_ttl,
-        lease_state.clone(),
-    );
+    let (lease_state, _keeper) = keep_lease(cfg, fence, lease_deadline).await?;
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
     // wal_level and the REPLICATION privilege were checked once, before the first run.
@@ -348,24 +340,7 @@ async fn run_once(
     )?;
     tracing::info!(?plan, "start plan");
 
-    let (sink, reports) = open_sink(cfg).await?;
-    let heads = holds::load_heads(&sql).await?;
-    let held = holds::load_held(&sql).await?;
-    if !held.is_empty() {
-        tracing::warn!(
-            aggregates = held.len(),
-            "held aggregates loaded; see `outboxd quarantine list`"
-        );
-    }
-    let mut pipeline = Pipeline::new(
-        sink,
-        reports,
-        ledger_client,
-        &cfg.slot,
-        fence.clone(),
-        lease_state.clone(),
-        outbox_relay::PipelineCore::gate_from(heads, held),
-    );
+    let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
 
     // The ledger row that makes this slot ours, starting at `lsn`.
     let record_slot = |lsn: Lsn| {
@@ -401,24 +376,7 @@ async fn run_once(
         }
     };
 
-    // Retries proven necessary by an earlier run keep their attempt generation across restarts.
-    pipeline
-        .core
-        .retry_generation
-        .extend(outbox_ledger::attempts::retry_generations(&sql, &cfg.slot).await?);
-    reconcile::reconcile_unknown(
-        cfg,
-        &sql,
-        &mut pipeline,
-        fence,
-        &current_rows,
-        reconcile::When::Start,
-    )
-    .await?;
-    // Reconciliation may have accepted receipts of events it found: the gate learns the heads
-    // as they are now, or a snapshot (which skips published rows) would take a found event's
-    // version for a gap (found by outbox-sim, seed 1 trace 1380).
-    pipeline.core.raise_heads(holds::load_heads(&sql).await?);
+    reconcile_at_start(cfg, &sql, &mut pipeline, fence, &current_rows).await?;
 
     if backfill {
         // As the relay must publish them now: with their latest destination migration.
@@ -564,6 +522,81 @@ async fn run_once(
         }
         return Err(e);
     }
+    Ok(())
+}
+
+/// The lease of this run, renewed in the background from here on (through slow start-ups
+/// too), and what the run knows of it.
+async fn keep_lease(
+    cfg: &RelayConfig,
+    fence: &Fence,
+    lease_deadline: Instant,
+) -> Result<(Arc<LeaseState>, AbortOnDrop), RelayError> {
+    let lease_state = Arc::new(LeaseState::new(lease_deadline));
+    let keeper = spawn_lease_keeper(
+        connect_sql(cfg.database_url.expose()).await?,
+        cfg.slot.clone(),
+        fence.clone(),
+        cfg.lease_ttl,
+        lease_state.clone(),
+    );
+    Ok((lease_state, keeper))
+}
+
+/// The broker client and the pipeline of one run, its gate as the ledger left it.
+async fn open_pipeline(
+    cfg: &RelayConfig,
+    sql: &Client,
+    ledger_client: Client,
+    fence: &Fence,
+    lease_state: &Arc<LeaseState>,
+) -> Result<Pipeline, RelayError> {
+    let (sink, reports) = open_sink(cfg).await?;
+    let heads = holds::load_heads(sql).await?;
+    let held = holds::load_held(sql).await?;
+    if !held.is_empty() {
+        tracing::warn!(
+            aggregates = held.len(),
+            "held aggregates loaded; see `outboxd quarantine list`"
+        );
+    }
+    Ok(Pipeline::new(
+        sink,
+        reports,
+        ledger_client,
+        &cfg.slot,
+        fence.clone(),
+        lease_state.clone(),
+        outbox_relay::PipelineCore::gate_from(heads, held),
+    ))
+}
+
+/// Before the first event of a run: retries proven necessary by an earlier run keep their
+/// attempt generation, UNKNOWN attempts are reconciled, and the gate learns the heads as they
+/// are after that (reconciliation may have accepted receipts of events it found; a snapshot or
+/// a poll round, which skip published rows, would otherwise take a found event's version for a
+/// gap: found by outbox-sim, seed 1 trace 1380).
+async fn reconcile_at_start(
+    cfg: &RelayConfig,
+    sql: &Client,
+    pipeline: &mut Pipeline,
+    fence: &Fence,
+    current_rows: &str,
+) -> Result<(), RelayError> {
+    pipeline
+        .core
+        .retry_generation
+        .extend(outbox_ledger::attempts::retry_generations(sql, &cfg.slot).await?);
+    reconcile::reconcile_unknown(
+        cfg,
+        sql,
+        pipeline,
+        fence,
+        current_rows,
+        reconcile::When::Start,
+    )
+    .await?;
+    pipeline.core.raise_heads(holds::load_heads(sql).await?);
     Ok(())
 }
 

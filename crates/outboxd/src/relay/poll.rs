@@ -17,7 +17,6 @@ use std::time::Instant;
 
 use futures::{pin_mut, StreamExt};
 use outbox_core::Lsn;
-use outbox_ledger::holds;
 use outbox_ledger::lease::{self, Fence};
 use outbox_ledger::LedgerError;
 use outbox_source::{poll, snapshot};
@@ -26,8 +25,8 @@ use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
 use super::{
-    connect_sql, open_sink, reconcile, spawn_head_fold, spawn_lease_keeper, LeaseState, Progress,
-    RelayError, HEADS_FOLD_INTERVAL, RELEASE_POLL,
+    connect_sql, keep_lease, open_pipeline, reconcile, reconcile_at_start, spawn_head_fold,
+    Progress, RelayError, HEADS_FOLD_INTERVAL, RELEASE_POLL,
 };
 use crate::config::RelayConfig;
 
@@ -43,50 +42,19 @@ pub(super) async fn run_once(
     lease_deadline: Instant,
 ) -> Result<(), RelayError> {
     let url = cfg.database_url.expose();
-    let lease_state = Arc::new(LeaseState::new(lease_deadline));
-    let _keeper = spawn_lease_keeper(
-        connect_sql(url).await?,
-        cfg.slot.clone(),
-        fence.clone(),
-        cfg.lease_ttl,
-        lease_state.clone(),
-    );
-    let ledger_client = connect_sql(url).await?;
-    let mut sql = connect_sql(url).await?;
     if (cfg.schema.as_str(), cfg.table.as_str()) != ("outbox", "events") {
         return Err(RelayError::Internal(format!(
             "poll mode reads outbox.events (the versions outbox.enqueue gives); {}.{} is not supported: use --mode cdc, or enqueue through outbox.enqueue",
             cfg.schema, cfg.table
         )));
     }
+    let (lease_state, _keeper) = keep_lease(cfg, fence, lease_deadline).await?;
+    let ledger_client = connect_sql(url).await?;
+    let mut sql = connect_sql(url).await?;
     // As the relay must publish them now: with their latest destination migration.
     let current_rows = "outbox.events_current";
-    let (sink, reports) = open_sink(cfg).await?;
-    let heads = holds::load_heads(&sql).await?;
-    let held = holds::load_held(&sql).await?;
-    let mut pipeline = Pipeline::new(
-        sink,
-        reports,
-        ledger_client,
-        &cfg.slot,
-        fence.clone(),
-        lease_state.clone(),
-        outbox_relay::PipelineCore::gate_from(heads, held),
-    );
-    pipeline
-        .core
-        .retry_generation
-        .extend(outbox_ledger::attempts::retry_generations(&sql, &cfg.slot).await?);
-    reconcile::reconcile_unknown(
-        cfg,
-        &sql,
-        &mut pipeline,
-        fence,
-        current_rows,
-        reconcile::When::Start,
-    )
-    .await?;
-    pipeline.core.raise_heads(holds::load_heads(&sql).await?);
+    let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
+    reconcile_at_start(cfg, &sql, &mut pipeline, fence, current_rows).await?;
     let _fold = spawn_head_fold(connect_sql(url).await?, HEADS_FOLD_INTERVAL);
     // Not prepared: planned at every round with the statistics of the moment (receipts and
     // positions grow from nothing; a plan made for empty tables does not scale).
