@@ -446,8 +446,10 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
         "--unknown-settle-ms",
         "2500",
     ];
-    if mode == Mode::Poll {
-        relay_args.extend(["--mode", "poll", "--poll-interval-ms", "20"]);
+    match mode {
+        Mode::Poll => relay_args.extend(["--mode", "poll", "--poll-interval-ms", "20"]),
+        // Explicit, so that OUTBOXD_TEST_MODE=poll does not turn this run into a poll run.
+        Mode::Cdc => relay_args.extend(["--mode", "cdc"]),
     }
     // Named, so that a fault can find the relay's own backends.
     let relay_url = format!("{}?application_name=outboxd_chaos_relay", env.url);

@@ -9,6 +9,12 @@ use crate::harness::TestEnv;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_counts_and_the_slot_in_json_and_as_a_table() {
+    if crate::harness::cdc_only(
+        "cli::status_reports_counts_and_the_slot_in_json_and_as_a_table",
+        "asserts the slot's position and lag; poll mode has no slot",
+    ) {
+        return;
+    }
     let env = TestEnv::new("status").await;
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;

@@ -37,7 +37,8 @@ async fn killed_after_broker_ack_before_acceptance_gets_one_primary_receipt() {
     );
     assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 1);
     let (violations, samples) = sampler.violations(&env).await;
-    assert!(samples > 0);
+    // No slot to sample in poll mode (OUTBOXD_TEST_MODE=poll).
+    assert!(samples > 0 || crate::harness::poll_mode());
     assert_eq!(
         violations, 0,
         "slot confirmed past an event whose receipt was not accepted"

@@ -128,6 +128,9 @@ async fn events_enqueued_before_the_relay_ever_started_are_all_published() {
     let lost = ids.difference(&seen).count();
     assert_eq!(lost, 0, "lost events");
     assert_eq!(msgs.len(), 51, "each event exactly once in the normal case");
+    if crate::harness::poll_mode() {
+        return; // no snapshot and no stream in poll mode: every round is a read
+    }
     assert_eq!(
         env.count("SELECT count(*) FROM outbox.receipts WHERE commit_lsn IS NULL")
             .await,
@@ -143,6 +146,9 @@ async fn events_enqueued_before_the_relay_ever_started_are_all_published() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() {
+    if crate::harness::cdc_only("delivery::a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow", "inserts a row into outbox.events around outbox.enqueue; poll mode reads only enqueued rows (outbox.aggregate_versions), a known gap (issue 17)") {
+        return;
+    }
     let env = TestEnv::new("malformed").await;
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
@@ -206,6 +212,12 @@ async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_database_does_not_hold_back_the_slot() {
+    if crate::harness::cdc_only(
+        "delivery::an_idle_database_does_not_hold_back_the_slot",
+        "the slot's WAL retention; poll mode has no slot",
+    ) {
+        return;
+    }
     let env = TestEnv::new("idle").await;
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;

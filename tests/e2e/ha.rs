@@ -102,6 +102,9 @@ async fn a_standby_takes_over_when_the_active_relay_is_killed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded() {
+    if crate::harness::cdc_only("ha::a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded", "asserts checkpoint writes; poll mode has no checkpoint (a paused poll relay is in chaos_in_poll_mode and outbox-sim)") {
+        return;
+    }
     let env = TestEnv::new_mock("zombie", "delay ACKs by an exact round-trip time").await;
     let mock = env.kafka.mock_cluster().expect("mock cluster");
     // Every committed checkpoint write, with the generation that made it: a fenced relay's
@@ -261,6 +264,12 @@ async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_confirms_and_hands_the_lease_over() {
+    if crate::harness::cdc_only(
+        "ha::sigterm_drains_confirms_and_hands_the_lease_over",
+        "asserts what SIGTERM confirms to the slot; poll mode has no slot",
+    ) {
+        return;
+    }
     let env = TestEnv::new("graceful").await;
     let mut a = env.relay(&[], &["--relay-id", "relay-a", "--lease-ttl-ms", "30000"]);
     env.wait_streaming().await;

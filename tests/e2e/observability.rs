@@ -92,6 +92,12 @@ pub async fn insert_corrupt_copy(env: &TestEnv, of: uuid::Uuid, version: i64) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
+    if crate::harness::cdc_only(
+        "observability::metrics_move_with_the_workload_and_logs_are_json_with_the_slot",
+        "asserts the slot's metrics (lag, retained WAL)",
+    ) {
+        return;
+    }
     let env = TestEnv::new("metrics").await;
     let port = outbox_testkit::postgres::free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");

@@ -319,6 +319,9 @@ pub async fn oversized_payload_holds_only_its_aggregate(env: &TestEnv, mode: &[&
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
+    if crate::harness::cdc_only("ordering::skip_needs_a_reason_and_publishes_what_was_held_behind", "waits for held records that poll mode writes only for what a round read behind the refusal; not adapted yet") {
+        return;
+    }
     let env = TestEnv::new("skip").await;
     let relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
     env.wait_streaming().await;
@@ -405,6 +408,9 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
+    if crate::harness::cdc_only("ordering::a_version_gap_holds_the_aggregate_instead_of_publishing_past_it", "inserts a version gap into outbox.events around outbox.enqueue; poll mode reads only enqueued rows, a known gap (issue 17)") {
+        return;
+    }
     let env = TestEnv::new("gap").await;
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;

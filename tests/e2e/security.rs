@@ -15,6 +15,12 @@ const LEAST_PRIVILEGE_SQL: &str = include_str!("../../docs/least_privilege.sql")
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_runs_as_the_least_privilege_role() {
+    if crate::harness::cdc_only(
+        "security::relay_runs_as_the_least_privilege_role",
+        "counts the role's walsenders; poll mode opens none",
+    ) {
+        return;
+    }
     let mut env = TestEnv::new("least_privilege").await;
     env.db
         .batch_execute(LEAST_PRIVILEGE_SQL)

@@ -40,6 +40,12 @@ async fn drop_and_recreate(env: &TestEnv) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_dropped_and_recreated_while_running_stops_the_relay() {
+    if crate::harness::cdc_only(
+        "slot_safety::slot_dropped_and_recreated_while_running_stops_the_relay",
+        "the replication slot's safety; poll mode has no slot",
+    ) {
+        return;
+    }
     let env = TestEnv::new("slot_recreated_live").await;
     let mut relay = env.relay(&[], &[]);
     env.enqueue("r-1", json!({})).await;
@@ -59,6 +65,12 @@ async fn slot_dropped_and_recreated_while_running_stops_the_relay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_recreated_while_stopped_is_refused_and_resnapshot_recovers() {
+    if crate::harness::cdc_only(
+        "slot_safety::slot_recreated_while_stopped_is_refused_and_resnapshot_recovers",
+        "the replication slot's safety; poll mode has no slot",
+    ) {
+        return;
+    }
     let env = TestEnv::new("slot_recreated_stopped").await;
     let mut relay = env.relay(&[], &[]);
     env.enqueue("r-1", json!({"n": 1})).await;

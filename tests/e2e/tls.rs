@@ -100,6 +100,12 @@ fn make_ca_and_server_cert(dir: &Path, ca_name: &str) -> (PathBuf, PathBuf, Path
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_streams_over_tls_and_refuses_an_untrusted_server() {
+    if crate::harness::cdc_only(
+        "tls::relay_streams_over_tls_and_refuses_an_untrusted_server",
+        "TLS of the walsender connection; poll mode opens none",
+    ) {
+        return;
+    }
     let certs = tempfile::tempdir().unwrap();
     let (ca, cert, key) = make_ca_and_server_cert(certs.path(), "test-ca");
     let (wrong_ca, _, _) = make_ca_and_server_cert(certs.path(), "other-ca");
