@@ -669,7 +669,7 @@ impl TestEnv {
 
 /// `OUTBOXD_TEST_MODE=poll`: every relay the harness starts runs `--mode poll`, and
 /// [`TestEnv::wait_streaming`] waits for its first round; a test of what only CDC mode has
-/// says so by name ([`cdc_only`]). CI runs the dedicated `poll_mode` and chaos tests.
+/// says so by name ([`cdc_only`]). CI runs the dedicated `poll_mode` and chaos tests only.
 pub fn poll_mode() -> bool {
     std::env::var("OUTBOXD_TEST_MODE").is_ok_and(|m| m == "poll")
 }
