@@ -822,20 +822,11 @@ async fn publish_snapshot(
                 None,
             ),
         }
-        while pipeline.outstanding() >= max_in_flight {
-            pipeline.drain_one().await?;
-        }
-        if pipeline.batch_len() >= cfg.batch_size {
-            pipeline.flush(false, progress).await?;
-        }
+        pipeline
+            .keep_pace(max_in_flight, cfg.batch_size, progress)
+            .await?;
     }
-    while pipeline.outstanding() > 0 {
-        pipeline.drain_one().await?;
-        if pipeline.batch_len() >= cfg.batch_size {
-            pipeline.flush(false, progress).await?;
-        }
-    }
-    pipeline.flush(false, progress).await?;
+    pipeline.drain_all(cfg.batch_size, progress).await?;
     tx.commit()
         .await
         .map_err(db("closing the snapshot transaction"))?;

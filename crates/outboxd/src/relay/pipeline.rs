@@ -246,6 +246,40 @@ impl Pipeline {
         }
     }
 
+    /// After an event admitted outside the stream (a snapshot, a poll round): waits for
+    /// reports while `max_in_flight` events are outstanding, and accepts a full batch.
+    pub async fn keep_pace(
+        &mut self,
+        max_in_flight: usize,
+        batch_size: usize,
+        progress: &Progress,
+    ) -> Result<(), RelayError> {
+        while self.outstanding() >= max_in_flight {
+            self.drain_one().await?;
+        }
+        if self.batch_len() >= batch_size {
+            self.flush(false, progress).await?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every outstanding report, accepting full batches on the way, then accepts
+    /// the rest: nothing admitted so far is still at the broker or unrecorded.
+    pub async fn drain_all(
+        &mut self,
+        batch_size: usize,
+        progress: &Progress,
+    ) -> Result<(), RelayError> {
+        while self.outstanding() > 0 {
+            self.drain_one().await?;
+            if self.batch_len() >= batch_size {
+                self.flush(false, progress).await?;
+            }
+        }
+        self.flush(false, progress).await?;
+        Ok(())
+    }
+
     /// Waits for one delivery report and handles it.
     pub async fn drain_one(&mut self) -> Result<u64, RelayError> {
         match self.reports.recv().await {

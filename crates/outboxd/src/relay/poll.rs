@@ -223,25 +223,16 @@ async fn round(
                 None,
             ),
         }
-        while pipeline.outstanding() >= max_in_flight {
-            pipeline.drain_one().await?;
-        }
-        if pipeline.batch_len() >= cfg.batch_size {
-            pipeline.flush(false, progress).await?;
-        }
+        pipeline
+            .keep_pace(max_in_flight, cfg.batch_size, progress)
+            .await?;
     }
     tx.commit()
         .await
         .map_err(db("ending the poll round's read"))?;
     let read_ms = started.elapsed().as_secs_f64() * 1e3;
     // The next round reads what has no receipt: nothing of this one may still be at the broker.
-    while pipeline.outstanding() > 0 {
-        pipeline.drain_one().await?;
-        if pipeline.batch_len() >= cfg.batch_size {
-            pipeline.flush(false, progress).await?;
-        }
-    }
-    pipeline.flush(false, progress).await?;
+    pipeline.drain_all(cfg.batch_size, progress).await?;
     if n > 0 {
         tracing::debug!(
             events = n,
