@@ -102,6 +102,19 @@ impl TestEnv {
             .get(0)
     }
 
+    /// Enqueues events in one committed transaction: a relay sees them together (CDC mode in
+    /// one transaction, poll mode in one round's read), so an event refused at the broker has
+    /// the next ones queued behind it whatever the timing.
+    pub async fn enqueue_together(&self, events: &[(&str, serde_json::Value)]) -> Vec<uuid::Uuid> {
+        self.db.batch_execute("BEGIN").await.expect("begin");
+        let mut ids = Vec::new();
+        for (aggregate_id, payload) in events {
+            ids.push(self.enqueue(aggregate_id, payload.clone()).await);
+        }
+        self.db.batch_execute("COMMIT").await.expect("commit");
+        ids
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         self.db
             .query_one(sql, &[])

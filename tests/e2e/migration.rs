@@ -10,12 +10,6 @@ fn migrate(args: &[&str]) -> (bool, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unknown() {
-    if crate::harness::cdc_only(
-        "migration::an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unknown",
-        "waits for held records that poll mode writes only for what a round read behind the refusal; not adapted yet",
-    ) {
-        return;
-    }
     let env = TestEnv::new("dest_migration").await;
     // Events of this aggregate type are frozen to a cluster this relay does not serve.
     env.db
@@ -29,8 +23,10 @@ async fn an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unkn
     env.kafka.create_topic(&new_topic, 1).unwrap();
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
-    let e1 = env.enqueue("m", json!({"n": 1})).await;
-    let e2 = env.enqueue("m", json!({"n": 2})).await;
+    let ids = env
+        .enqueue_together(&[("m", json!({"n": 1})), ("m", json!({"n": 2}))])
+        .await;
+    let (e1, e2) = (ids[0], ids[1]);
     env.wait_count(
         "e1 quarantined",
         "SELECT count(*) FROM outbox.quarantine WHERE reason_code = 'destination_not_served'",

@@ -319,14 +319,16 @@ pub async fn oversized_payload_holds_only_its_aggregate(env: &TestEnv, mode: &[&
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
-    if crate::harness::cdc_only("ordering::skip_needs_a_reason_and_publishes_what_was_held_behind", "waits for held records that poll mode writes only for what a round read behind the refusal; not adapted yet") {
-        return;
-    }
     let env = TestEnv::new("skip").await;
     let relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
     env.wait_streaming().await;
-    let big = env.enqueue("s", json!({"blob": "y".repeat(5000)})).await;
-    env.enqueue("s", json!({"n": 2})).await;
+    let ids = env
+        .enqueue_together(&[
+            ("s", json!({"blob": "y".repeat(5000)})),
+            ("s", json!({"n": 2})),
+        ])
+        .await;
+    let big = ids[0];
     env.wait_count("s2 held", "SELECT count(*) FROM outbox.held_events", 1)
         .await;
     let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
@@ -357,6 +359,15 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
         .await;
     let order = first_occurrences(&env.read_topic().await);
     assert_eq!(order["s"], vec![2], "the skipped event is never published");
+    // Nor offered again: a poll round read it again and retried it until migration 0016.
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM outbox.quarantine WHERE event_id = '{big}'"
+        ))
+        .await,
+        1,
+        "the skipped event was offered again"
+    );
     let note: String = env
         .db
         .query_one(
@@ -408,9 +419,6 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
-    if crate::harness::cdc_only("ordering::a_version_gap_holds_the_aggregate_instead_of_publishing_past_it", "inserts a version gap into outbox.events around outbox.enqueue; poll mode reads only enqueued rows, a known gap (issue 17)") {
-        return;
-    }
     let env = TestEnv::new("gap").await;
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
@@ -451,6 +459,30 @@ async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
     assert_eq!(blocking, gap);
     let order = first_occurrences(&env.read_topic().await);
     assert_eq!(order["g"], vec![1], "nothing published past the gap");
+    // Filling the gap around outbox.enqueue is refused by name: version 2 is below the
+    // aggregate's last version now, and would be published out of order (migration 0016).
+    let err = env
+        .db
+        .execute(
+            "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+                 event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
+                 dest_partitioner, dest_route_generation, dest_serializer, dest_acks, destination_digest)
+             SELECT gen_random_uuid(), aggregate_type, aggregate_id, 2, event_type, payload,
+                 payload_digest, dest_kind, dest_cluster, dest_topic, dest_key, dest_partitioner,
+                 dest_route_generation, dest_serializer, dest_acks, destination_digest
+             FROM outbox.events WHERE event_id = $1",
+            &[&first],
+        )
+        .await
+        .expect_err("a reused version is refused");
+    let msg = err
+        .as_db_error()
+        .map(|e| e.message().to_string())
+        .unwrap_or_default();
+    assert!(
+        msg.contains("reuses version 2") && msg.contains("outbox.enqueue"),
+        "{msg}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,7 +35,7 @@ pub async fn aged_pending(
              WHERE e.occurred_at < clock_timestamp() - make_interval(secs => $1)
                AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
                AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
-                               WHERE q.event_id = e.event_id AND q.released_at IS NULL)
+                               WHERE q.event_id = e.event_id AND (q.released_at IS NULL OR q.resolution = 'skipped'))
                AND NOT EXISTS (SELECT 1 FROM outbox.held_events h
                                WHERE h.event_id = e.event_id AND h.released_at IS NULL)
                AND NOT EXISTS (SELECT 1 FROM outbox.attempts a

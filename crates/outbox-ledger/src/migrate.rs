@@ -95,6 +95,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "poll_positions",
         sql: include_str!("../../../migrations/0015_poll_positions.sql"),
     },
+    Migration {
+        version: 16,
+        name: "rows_around_enqueue",
+        sql: include_str!("../../../migrations/0016_rows_around_enqueue.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -32,7 +32,7 @@ const PENDING: &str = "(SELECT count(*) AS n,
     FROM outbox.events e
     WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
       AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
-                      WHERE q.event_id = e.event_id AND q.released_at IS NULL))";
+                      WHERE q.event_id = e.event_id AND (q.released_at IS NULL OR q.resolution = 'skipped')))";
 
 /// Whole-ledger counts.
 #[derive(Debug, Clone, Serialize)]

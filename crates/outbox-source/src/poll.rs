@@ -22,6 +22,7 @@
 /// `events` is the table (or `outbox.events_current`) events are read from.
 pub fn pending_sql(events: &str) -> String {
     let cols = crate::snapshot::text_columns();
+    let quarantined_or_skipped = crate::snapshot::QUARANTINED_OR_SKIPPED;
     format!(
         "SELECT {cols}
          FROM outbox.aggregate_versions v
@@ -42,8 +43,7 @@ pub fn pending_sql(events: &str) -> String {
            AND NOT EXISTS (SELECT 1 FROM outbox.holds ho
                            WHERE ho.aggregate_type = v.aggregate_type AND ho.aggregate_id = v.aggregate_id)
            AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
-           AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
-                           WHERE q.event_id = e.event_id AND q.released_at IS NULL)
+           AND NOT {quarantined_or_skipped}
          ORDER BY v.aggregate_type, v.aggregate_id, e.aggregate_version
          LIMIT $1"
     )

@@ -23,13 +23,18 @@ pub(crate) fn text_columns() -> String {
         .join(", ")
 }
 
+/// An event no relay may offer (`e` its row): one with an open quarantine record (an operator
+/// decides its fate), or one an operator skipped (`outboxd quarantine skip`: never to be
+/// published, not even by a snapshot or a poll round that reads it again).
+pub const QUARANTINED_OR_SKIPPED: &str = "EXISTS (SELECT 1 FROM outbox.quarantine q
+    WHERE q.event_id = e.event_id AND (q.released_at IS NULL OR q.resolution = 'skipped'))";
+
 pub fn pending_rows_sql(qualified_table: &str) -> String {
     let cols = text_columns();
     format!(
         "SELECT {cols} FROM {qualified_table} e
          WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
-           AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
-                           WHERE q.event_id = e.event_id AND q.released_at IS NULL)
+           AND NOT {QUARANTINED_OR_SKIPPED}
          ORDER BY e.aggregate_type, e.aggregate_id, e.aggregate_version"
     )
 }
