@@ -37,7 +37,7 @@ async fn killed_after_broker_ack_before_acceptance_gets_one_primary_receipt() {
     );
     assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 1);
     let (violations, samples) = sampler.violations(&env).await;
-    // No slot to sample in poll mode (OUTBOXD_TEST_MODE=poll).
+    // No slot to sample in poll mode (the e2e_poll target).
     assert!(samples > 0 || crate::harness::poll_mode());
     assert_eq!(
         violations, 0,

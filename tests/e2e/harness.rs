@@ -175,7 +175,7 @@ impl TestEnv {
 
     /// Waits until the relay streams from the slot (the slot exists and a walsender holds it),
     /// i.e. the initial snapshot is behind it and new commits arrive through the WAL. Under
-    /// `OUTBOXD_TEST_MODE=poll`: until the relay has begun a poll round.
+    /// In poll mode (the e2e_poll target): until the relay has begun a poll round.
     pub async fn wait_streaming(&self) {
         if poll_mode() {
             let sql = format!(
@@ -187,7 +187,7 @@ impl TestEnv {
         self.wait_slot_streaming().await
     }
 
-    /// [`TestEnv::wait_streaming`] for a relay in CDC mode, whatever `OUTBOXD_TEST_MODE` says.
+    /// [`TestEnv::wait_streaming`] for a relay in CDC mode, whatever the target.
     async fn wait_slot_streaming(&self) {
         let sql = format!(
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active_pid IS NOT NULL",
@@ -234,7 +234,7 @@ impl TestEnv {
             "--slot",
             &self.slot,
         ]);
-        // The whole suite in poll mode: OUTBOXD_TEST_MODE=poll.
+        // The whole suite in poll mode: the e2e_poll target.
         if poll_mode() && !args.contains(&"--mode") {
             cmd.args(["--mode", "poll", "--poll-interval-ms", "20"]);
         }
@@ -680,11 +680,18 @@ impl TestEnv {
     }
 }
 
-/// `OUTBOXD_TEST_MODE=poll`: every relay the harness starts runs `--mode poll`, and
-/// [`TestEnv::wait_streaming`] waits for its first round; a test of what only CDC mode has
-/// says so by name ([`cdc_only`]). CI runs the dedicated `poll_mode` and chaos tests only.
+/// The `e2e_poll` target (`tests/e2e_poll.rs`: this suite again): every relay the harness starts runs `--mode poll`, and [`TestEnv::wait_streaming`] waits for
+/// its first round; a test of what only CDC mode has, or one that pins its mode and so runs in
+/// the `e2e` target, says so by name ([`cdc_only`]).
 pub fn poll_mode() -> bool {
-    std::env::var("OUTBOXD_TEST_MODE").is_ok_and(|m| m == "poll")
+    static POLL: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        std::env::current_exe().is_ok_and(|exe| {
+            exe.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("e2e_poll-"))
+        })
+    });
+    *POLL
 }
 
 /// Returns true (and says so, by name) when the suite runs in poll mode and `test` exercises
@@ -692,6 +699,18 @@ pub fn poll_mode() -> bool {
 pub fn cdc_only(test: &str, why: &str) -> bool {
     if poll_mode() {
         println!("{test}: not run in poll mode: {why}");
+        return true;
+    }
+    false
+}
+
+/// Returns true (and says so, by name) in the `e2e_poll` target for a test that pins its relay
+/// mode itself (or starts no relay): it runs in the `e2e` target, once.
+pub fn runs_once_in_e2e(test: &str) -> bool {
+    if poll_mode() {
+        println!(
+            "{test}: not run again in poll mode: it pins its relay mode; it runs in the e2e target"
+        );
         return true;
     }
     false

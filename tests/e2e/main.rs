@@ -9,31 +9,31 @@
 //! Crash points are reached with named failpoints (`OUTBOXD_FAILPOINTS`) or by waiting for a
 //! ledger state, never by sleeping and hoping. Invariants are asserted as counts that must be 0.
 
-mod harness;
+pub(crate) mod harness;
 
-mod bad_input;
-mod chaos;
-mod cli;
-mod cloudevents;
-mod console;
-mod crash;
-mod debezium;
-mod delivery;
-mod delivery_sets;
-mod ha;
-mod inbox;
-mod jetstream;
-mod migration;
-mod observability;
-mod ordering;
-mod poll_mode;
-mod purge;
-mod real_kafka;
-mod receipts;
-mod reconcile;
-mod security;
-mod sim_regressions;
-mod slot_safety;
-mod takeover;
-mod tls;
-mod unknown;
+pub(crate) mod bad_input;
+pub(crate) mod chaos;
+pub(crate) mod cli;
+pub(crate) mod cloudevents;
+pub(crate) mod console;
+pub(crate) mod crash;
+pub(crate) mod debezium;
+pub(crate) mod delivery;
+pub(crate) mod delivery_sets;
+pub(crate) mod ha;
+pub(crate) mod inbox;
+pub(crate) mod jetstream;
+pub(crate) mod migration;
+pub(crate) mod observability;
+pub(crate) mod ordering;
+pub(crate) mod poll_mode;
+pub(crate) mod purge;
+pub(crate) mod real_kafka;
+pub(crate) mod receipts;
+pub(crate) mod reconcile;
+pub(crate) mod security;
+pub(crate) mod sim_regressions;
+pub(crate) mod slot_safety;
+pub(crate) mod takeover;
+pub(crate) mod tls;
+pub(crate) mod unknown;

@@ -82,7 +82,10 @@ async fn outboxd_async(args: Vec<String>) -> (bool, String) {
     .unwrap()
 }
 
+/// `outboxd shadow --once --json`: its exit status and report. The report's Prometheus file
+/// (`--metrics-file`) is checked against the JSON, field by field.
 fn shadow_report(env: &TestEnv, topics: &[String], grace: &str) -> (i32, Value) {
+    let metrics = env.dir.path().join("shadow.prom");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_outboxd"));
     cmd.args([
         "shadow",
@@ -94,6 +97,8 @@ fn shadow_report(env: &TestEnv, topics: &[String], grace: &str) -> (i32, Value) 
         &env.url,
         "--bootstrap-servers",
         env.kafka.bootstrap_servers(),
+        "--metrics-file",
+        metrics.to_str().unwrap(),
     ]);
     for t in topics {
         cmd.args(["--topic", t]);
@@ -106,6 +111,31 @@ fn shadow_report(env: &TestEnv, topics: &[String], grace: &str) -> (i32, Value) 
             String::from_utf8_lossy(&out.stderr)
         )
     });
+    let prom = std::fs::read_to_string(&metrics).expect("the shadow's metrics file");
+    let mut faults = 0;
+    for (field, value) in report.as_object().unwrap() {
+        let Some(v) = value.as_i64() else { continue };
+        let series = format!("outboxd_shadow_{field} {v}");
+        assert!(
+            prom.lines().any(|l| l == series),
+            "{series} missing:\n{prom}"
+        );
+        if [
+            "lost",
+            "key_mismatches",
+            "payload_mismatches",
+            "both_owners",
+        ]
+        .contains(&field.as_str())
+        {
+            faults += v;
+        }
+    }
+    assert!(
+        prom.lines()
+            .any(|l| l == format!("outboxd_shadow_faults {faults}")),
+        "{prom}"
+    );
     (out.status.code().unwrap_or(-1), report)
 }
 

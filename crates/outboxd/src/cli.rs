@@ -192,6 +192,11 @@ pub struct ShadowArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// After every report, also write it as Prometheus gauges (`outboxd_shadow_*`, the text
+    /// format) to this file, replaced atomically: point node_exporter's textfile collector at
+    /// its directory (name it `*.prom`) and alert on `outboxd_shadow_faults > 0`.
+    #[arg(long, value_name = "PATH")]
+    pub metrics_file: Option<std::path::PathBuf>,
     /// librdkafka property for the consumer, KEY=VALUE (security.*, sasl.*, ssl.*).
     #[arg(long = "kafka-property", value_parser = parse_kv)]
     pub kafka_properties: Vec<(String, String)>,

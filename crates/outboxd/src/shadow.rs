@@ -141,6 +141,113 @@ impl Report {
         self.lost + self.key_mismatches + self.payload_mismatches + self.both_owners
     }
 
+    /// The report as Prometheus gauges in the text exposition format, one `outboxd_shadow_*`
+    /// gauge per field (latencies in seconds, by quantile; absent until one is measured),
+    /// plus the time of the round: what `--metrics-file` writes for node_exporter's textfile
+    /// collector, so the team alerts on the poller's loss before and during the switch.
+    pub fn prometheus(&self, at_unix_secs: f64) -> String {
+        let counts: [(&str, i64, &str); 12] = [
+            (
+                "events",
+                self.events,
+                "Poller events captured since the attach.",
+            ),
+            (
+                "before_attach",
+                self.before_attach,
+                "Rows already in the poller table at the attach (not judged).",
+            ),
+            (
+                "published",
+                self.published,
+                "Poller events found on the broker by id.",
+            ),
+            (
+                "duplicated",
+                self.duplicated,
+                "Poller events found more than once.",
+            ),
+            (
+                "extra_copies",
+                self.extra_copies,
+                "Copies beyond the first, summed.",
+            ),
+            (
+                "unpublished",
+                self.unpublished,
+                "Poller events neither marked nor found yet.",
+            ),
+            (
+                "in_flight",
+                self.in_flight,
+                "Marked published, not found yet, younger than the grace.",
+            ),
+            (
+                "lost",
+                self.lost,
+                "FAULT: marked published by the poller, not on the broker after the grace.",
+            ),
+            (
+                "key_mismatches",
+                self.key_mismatches,
+                "FAULT: events found under another key than the committed aggregate id.",
+            ),
+            (
+                "payload_mismatches",
+                self.payload_mismatches,
+                "FAULT: events found with another payload than the committed one.",
+            ),
+            (
+                "both_owners",
+                self.both_owners,
+                "FAULT: events published by both relays.",
+            ),
+            (
+                "without_id",
+                self.without_id,
+                "Messages read that carry no event id.",
+            ),
+        ];
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, samples: &[(String, String)]| {
+            out.push_str(&format!(
+                "# HELP outboxd_shadow_{name} {help}\n# TYPE outboxd_shadow_{name} gauge\n"
+            ));
+            for (labels, value) in samples {
+                out.push_str(&format!("outboxd_shadow_{name}{labels} {value}\n"));
+            }
+        };
+        for (name, v, help) in counts {
+            gauge(name, help, &[(String::new(), v.to_string())]);
+        }
+        gauge(
+            "faults",
+            "Sum of the FAULT gauges; must be 0.",
+            &[(String::new(), self.faults().to_string())],
+        );
+        let latencies: Vec<(String, String)> = [
+            ("0.5", self.latency_p50_ms),
+            ("0.99", self.latency_p99_ms),
+            ("1", self.latency_max_ms),
+        ]
+        .into_iter()
+        .filter_map(|(q, ms)| {
+            ms.map(|ms| (format!("{{quantile=\"{q}\"}}"), (ms / 1e3).to_string()))
+        })
+        .collect();
+        gauge(
+            "latency_seconds",
+            "Capture to the first poller copy's broker timestamp, by quantile (1 = max).",
+            &latencies,
+        );
+        gauge(
+            "last_round_timestamp_seconds",
+            "When the shadow last read the topics and reported.",
+            &[(String::new(), format!("{at_unix_secs:.3}"))],
+        );
+        out
+    }
+
     fn table(&self) -> String {
         let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} ms"));
         format!(
@@ -201,6 +308,9 @@ pub async fn run(a: ShadowArgs) -> anyhow::Result<()> {
     let client = connect(&a.database_url).await?;
     loop {
         let report = round(&client, &a).await?;
+        if let Some(path) = &a.metrics_file {
+            write_metrics(path, &report)?;
+        }
         if a.json {
             println!("{}", serde_json::to_string_pretty(&report)?);
         } else {
@@ -217,6 +327,21 @@ pub async fn run(a: ShadowArgs) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => return Ok(()),
         }
     }
+}
+
+/// Writes the report's gauges to `path` atomically (a temporary file beside it, renamed): a
+/// collector never reads half a file.
+fn write_metrics(path: &std::path::Path, report: &Report) -> anyhow::Result<()> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    let tmp = path.with_extension("prom.tmp");
+    std::fs::write(&tmp, report.prometheus(now))
+        .with_context(|| format!("writing the shadow's metrics to {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("moving the shadow's metrics into {}", path.display()))?;
+    Ok(())
 }
 
 /// Reads what is new on the topics, records it, and reports on everything recorded.
@@ -425,6 +550,32 @@ mod tests {
             copies,
             latency_ms: (copies > 0).then_some(10.0 * copies as f64),
             ..LegacyEvent::default()
+        }
+    }
+
+    #[test]
+    fn the_metrics_file_carries_every_count_and_the_faults() {
+        let events = [ev(2, true, 100.0), ev(0, true, 100.0)];
+        let r = Report::from_events(&events, 3, Duration::from_secs(60), 7);
+        let text = r.prometheus(1_700_000_000.5);
+        let value = |series: &str| -> Option<f64> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        };
+        assert_eq!(value("outboxd_shadow_lost"), Some(1.0), "{text}");
+        assert_eq!(value("outboxd_shadow_both_owners"), Some(3.0), "{text}");
+        assert_eq!(value("outboxd_shadow_faults"), Some(4.0), "{text}");
+        assert_eq!(value("outboxd_shadow_without_id"), Some(7.0), "{text}");
+        assert_eq!(value("outboxd_shadow_extra_copies"), Some(1.0), "{text}");
+        assert_eq!(
+            value("outboxd_shadow_latency_seconds{quantile=\"1\"}"),
+            Some(0.02),
+            "{text}"
+        );
+        // Every sample has its HELP and TYPE lines.
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = l.split(['{', ' ']).next().unwrap();
+            assert!(text.contains(&format!("# TYPE {name} gauge")), "{l}");
         }
     }
 
