@@ -283,7 +283,82 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     wait_more(50).await;
     poller = start_poller(&env, &[]);
 
-    // 3. Take over two types, with the poller and the writers running.
+    // 3a. A share of one type's aggregates first: the hash buckets of about half of them.
+    let t1_aggregates: Vec<String> = (0..4usize)
+        .flat_map(|w| {
+            (0..6usize)
+                .filter(move |j| (w + j) % 4 == 1)
+                .map(move |j| format!("w{w}-a{j}"))
+        })
+        .collect();
+    let mut t1_buckets: Vec<i32> = env
+        .db
+        .query(
+            "SELECT DISTINCT outbox.share_bucket(a) FROM unnest($1::text[]) a ORDER BY 1",
+            &[&t1_aggregates],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(t1_buckets.len() > 1, "{t1_aggregates:?} fall in one bucket");
+    t1_buckets.truncate(t1_buckets.len() / 2);
+    let bucket_list = t1_buckets
+        .iter()
+        .map(i32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let (ok, out) = outboxd_async(vec![
+        "share".into(),
+        "take".into(),
+        "--database-url".into(),
+        env.url.clone(),
+        "--aggregate-type".into(),
+        types[1].clone(),
+        "--buckets".into(),
+        bucket_list.clone(),
+        "--wait".into(),
+        "60s".into(),
+    ])
+    .await;
+    assert!(
+        ok && out.contains(&format!(
+            "outboxd owns aggregate type {} buckets {bucket_list} of 16",
+            types[1]
+        )),
+        "{out}"
+    );
+    wait_more(60).await;
+    // Rows of the type captured since: outboxd's exactly when their aggregate is in a bucket
+    // it took (checked before the rest of the type is taken).
+    let split = env
+        .db
+        .query_one(
+            "WITH since AS (SELECT max(changed_at) AS t FROM outbox.dispatch_shares
+                            WHERE aggregate_type = $1 AND bucket >= 0)
+             SELECT (SELECT count(*) FROM outbox.events
+                     WHERE aggregate_type = $1 AND outbox.share_bucket(aggregate_id) = ANY ($2)),
+                    (SELECT count(*) FROM outbox.events
+                     WHERE aggregate_type = $1 AND outbox.share_bucket(aggregate_id) <> ALL ($2)),
+                    (SELECT count(*) FROM outbox.legacy_events, since
+                     WHERE aggregate_type = $1 AND captured_at > since.t
+                       AND outbox.share_bucket(aggregate_id) <> ALL ($2)),
+                    (SELECT count(*) FROM outbox.legacy_events, since
+                     WHERE aggregate_type = $1 AND captured_at > since.t
+                       AND outbox.share_bucket(aggregate_id) = ANY ($2))",
+            &[&types[1], &t1_buckets],
+        )
+        .await
+        .unwrap();
+    let split: Vec<i64> = (0..4).map(|i| split.get(i)).collect();
+    println!("buckets {bucket_list} of {}: outboxd events in / out of them {} / {}, poller rows since out / in {} / {}", types[1], split[0], split[1], split[2], split[3]);
+    assert!(
+        split[0] > 0 && split[1] == 0 && split[2] > 0 && split[3] == 0,
+        "a bucket share's rows go to outboxd, the rest of the type's to the poller: {split:?}"
+    );
+
+    // 3. Take over two types (the rest of the second), with the poller and the writers running.
     // The poller is paused during each switch, so the handover has both kinds of rows at
     // once: the poller's unpublished ones and outboxd's parked ones, of the same aggregates.
     for t in &types[..2] {
@@ -469,7 +544,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     let after_handback: i64 = env
         .count(&format!(
             "SELECT count(*) FROM outbox.legacy_events WHERE aggregate_type = '{}' AND NOT before_attach
-               AND captured_at > (SELECT changed_at FROM outbox.dispatch_shares WHERE aggregate_type = '{}')",
+               AND captured_at > (SELECT changed_at FROM outbox.dispatch_shares WHERE aggregate_type = '{}' AND bucket = -1)",
             types[1], types[1]
         ))
         .await;

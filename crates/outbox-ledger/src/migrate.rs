@@ -100,6 +100,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "rows_around_enqueue",
         sql: include_str!("../../../migrations/0016_rows_around_enqueue.sql"),
     },
+    Migration {
+        version: 17,
+        name: "share_buckets",
+        sql: include_str!("../../../migrations/0017_share_buckets.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

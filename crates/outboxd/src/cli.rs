@@ -158,6 +158,12 @@ pub struct ShareArgs {
     /// The aggregate type to switch.
     #[arg(long)]
     pub aggregate_type: Option<String>,
+    /// Only these of the type's 16 hash buckets of aggregates (`outbox.share_bucket(id)`):
+    /// e.g. `0-3` for a quarter of its aggregates, `0-3,8`. Each aggregate stays in one bucket,
+    /// so it has one owner at a time and its order holds. [default: the whole type, and every
+    /// bucket of it with a share of its own]
+    #[arg(long, requires = "aggregate_type", conflicts_with = "all", value_parser = crate::values::parse_buckets)]
+    pub buckets: Option<crate::values::Buckets>,
     /// Every aggregate type.
     #[arg(long)]
     pub all: bool,
@@ -583,4 +589,49 @@ pub enum ConsumersCommand {
         #[arg(long)]
         description: Option<String>,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn share_buckets_parse_into_one_value() {
+        let cli = Cli::try_parse_from([
+            "outboxd",
+            "share",
+            "take",
+            "--database-url",
+            "postgres://x",
+            "--aggregate-type",
+            "order",
+            "--buckets",
+            "0-3,8",
+        ])
+        .unwrap();
+        let Command::Share(ShareCommand::Take(a)) = cli.command else {
+            panic!("not share take")
+        };
+        assert_eq!(a.buckets.unwrap().0, vec![0, 1, 2, 3, 8]);
+        let err = Cli::try_parse_from([
+            "outboxd",
+            "share",
+            "take",
+            "--database-url",
+            "postgres://x",
+            "--all",
+            "--buckets",
+            "1",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("--all"), "{err}");
+    }
 }

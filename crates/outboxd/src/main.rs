@@ -96,9 +96,10 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
 
 async fn share(cmd: cli::ShareCommand) -> anyhow::Result<()> {
     use outboxd::share::{self, Target};
-    let target = |a: &cli::ShareArgs| match &a.aggregate_type {
-        Some(t) => Target::Type(t.clone()),
-        None => Target::All,
+    let target = |a: &cli::ShareArgs| match (&a.aggregate_type, &a.buckets) {
+        (Some(t), Some(b)) => Target::Buckets(t.clone(), b.0.clone()),
+        (Some(t), None) => Target::Type(t.clone()),
+        (None, _) => Target::All,
     };
     match cmd {
         cli::ShareCommand::List { database_url, json } => share::list(&database_url, json).await,

@@ -1,5 +1,6 @@
 //! `outboxd share`: who dispatches each aggregate type of an attached poller table, and the
-//! two switches between the team's poller and outboxd (migration 0014, docs/migrating.md).
+//! two switches between the team's poller and outboxd (migration 0014, docs/migrating.md). A
+//! share is a whole type, or some of its 16 hash buckets of aggregates (migration 0017).
 //!
 //! A switch is never a flag day and never leaves an event with two owners or none:
 //! * **take** (poller -> outboxd): the type goes to `handover` (new rows are parked: nobody
@@ -27,8 +28,10 @@ use crate::connect;
 /// What a share command applies to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
-    /// One aggregate type.
+    /// One aggregate type: the whole type and every bucket of it with a share of its own.
     Type(String),
+    /// Some hash buckets (0..15) of one aggregate type's aggregates.
+    Buckets(String, Vec<i32>),
     /// Every aggregate type: the `*` share and every type with a share of its own.
     All,
 }
@@ -38,11 +41,22 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
     let client = connect(url).await?;
     let rows = client
         .query(
+            // The parked rows each share decides: the most specific share that exists.
             "SELECT s.aggregate_type, s.owner, s.changed_at::text,
                     (SELECT count(*) FROM outbox.parked_events p
-                     WHERE outbox.dispatch_owner(p.aggregate_type) = s.owner
-                       AND (p.aggregate_type = s.aggregate_type OR s.aggregate_type = '*'))
-             FROM outbox.dispatch_shares s ORDER BY s.aggregate_type = '*' DESC, s.aggregate_type",
+                     WHERE CASE
+                       WHEN EXISTS (SELECT 1 FROM outbox.dispatch_shares d
+                                    WHERE d.aggregate_type = p.aggregate_type
+                                      AND d.bucket = outbox.share_bucket(p.aggregate_id))
+                         THEN s.aggregate_type = p.aggregate_type
+                              AND s.bucket = outbox.share_bucket(p.aggregate_id)
+                       WHEN EXISTS (SELECT 1 FROM outbox.dispatch_shares d
+                                    WHERE d.aggregate_type = p.aggregate_type AND d.bucket = -1)
+                         THEN s.aggregate_type = p.aggregate_type AND s.bucket = -1
+                       ELSE s.aggregate_type = '*' END),
+                    s.bucket
+             FROM outbox.dispatch_shares s
+             ORDER BY s.aggregate_type = '*' DESC, s.aggregate_type, s.bucket",
             &[],
         )
         .await
@@ -60,6 +74,7 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
             .map(|r| {
                 serde_json::json!({
                     "aggregate_type": r.get::<_, String>(0),
+                    "bucket": bucket_text(r.get(4)),
                     "owner": r.get::<_, String>(1),
                     "changed_at": r.get::<_, String>(2),
                     "parked": r.get::<_, i64>(3),
@@ -89,13 +104,14 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
         );
     }
     println!(
-        "{:<32} {:<10} {:>8}  CHANGED",
-        "AGGREGATE TYPE", "OWNER", "PARKED"
+        "{:<32} {:<7} {:<10} {:>8}  CHANGED",
+        "AGGREGATE TYPE", "BUCKET", "OWNER", "PARKED"
     );
     for r in &rows {
         println!(
-            "{:<32} {:<10} {:>8}  {}",
+            "{:<32} {:<7} {:<10} {:>8}  {}",
             r.get::<_, String>(0),
+            bucket_text(r.get(4)),
             r.get::<_, String>(1),
             r.get::<_, i64>(3),
             r.get::<_, String>(2)
@@ -161,7 +177,7 @@ pub async fn give_back(url: &str, target: &Target, wait: Duration) -> anyhow::Re
     let pending: i64 = client
         .query_one(
             "SELECT count(*) FROM outbox.events e
-             WHERE outbox.dispatch_owner(e.aggregate_type) = 'poller'
+             WHERE outbox.dispatch_owner(e.aggregate_type, e.aggregate_id) = 'poller'
                AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)",
             &[],
         )
@@ -178,12 +194,27 @@ pub async fn give_back(url: &str, target: &Target, wait: Duration) -> anyhow::Re
 fn describe(target: &Target) -> String {
     match target {
         Target::Type(t) => format!("aggregate type {t}"),
+        Target::Buckets(t, b) => format!(
+            "aggregate type {t} buckets {} of 16",
+            b.iter().map(i32::to_string).collect::<Vec<_>>().join(",")
+        ),
         Target::All => "every aggregate type".into(),
     }
 }
 
-/// The share rows a target names: one type, or `*` and every type with a share of its own.
-async fn shares_of(client: &Client, target: &Target) -> anyhow::Result<Vec<String>> {
+/// A share's bucket as `share list` shows it.
+fn bucket_text(b: i32) -> String {
+    if b < 0 {
+        "all".into()
+    } else {
+        b.to_string()
+    }
+}
+
+/// The shares a target names, as (aggregate type, bucket; -1 the whole type): one type and
+/// its buckets with a share of their own, some buckets of a type, or every share (`*` and
+/// every type and bucket with a share of its own).
+async fn shares_of(client: &Client, target: &Target) -> anyhow::Result<Vec<(String, i32)>> {
     let attached: i64 = client
         .query_one("SELECT count(*) FROM outbox.poller_tables", &[])
         .await
@@ -193,16 +224,35 @@ async fn shares_of(client: &Client, target: &Target) -> anyhow::Result<Vec<Strin
         anyhow::bail!("no poller table is attached: run `outboxd migrate --poller-table SCHEMA.TABLE --published-column COLUMN` first (docs/migrating.md)");
     }
     Ok(match target {
-        Target::Type(t) if t == "*" || t.is_empty() => {
+        Target::Type(t) | Target::Buckets(t, _) if t == "*" || t.is_empty() => {
             anyhow::bail!("--aggregate-type must name a type; use --all for every type")
         }
-        Target::Type(t) => vec![t.clone()],
+        Target::Type(t) => {
+            let mut shares = vec![(t.clone(), -1)];
+            shares.extend(
+                client
+                    .query(
+                        "SELECT aggregate_type, bucket FROM outbox.dispatch_shares
+                         WHERE aggregate_type = $1 AND bucket >= 0",
+                        &[t],
+                    )
+                    .await
+                    .map_err(db("reading outbox.dispatch_shares"))?
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1))),
+            );
+            shares
+        }
+        Target::Buckets(t, buckets) => buckets.iter().map(|b| (t.clone(), *b)).collect(),
         Target::All => client
-            .query("SELECT aggregate_type FROM outbox.dispatch_shares", &[])
+            .query(
+                "SELECT aggregate_type, bucket FROM outbox.dispatch_shares",
+                &[],
+            )
             .await
             .map_err(db("reading outbox.dispatch_shares"))?
             .iter()
-            .map(|r| r.get(0))
+            .map(|r| (r.get(0), r.get(1)))
             .collect(),
     })
 }
@@ -212,16 +262,18 @@ async fn shares_of(client: &Client, target: &Target) -> anyhow::Result<Vec<Strin
 /// may still capture under the previous owner.
 async fn switch(
     client: &Client,
-    shares: &[String],
+    shares: &[(String, i32)],
     owner: &str,
     done: &[&str],
 ) -> anyhow::Result<String> {
+    let (types, buckets): (Vec<&str>, Vec<i32>) =
+        shares.iter().map(|(t, b)| (t.as_str(), *b)).unzip();
     client
         .execute(
-            "SELECT outbox.set_dispatch_owner(s, $2)
-             FROM unnest($1::text[]) s
-             WHERE outbox.dispatch_owner(s) <> ALL ($3::text[])",
-            &[&shares, &owner, &done],
+            "SELECT outbox.set_dispatch_owner(s.t, s.b, $3)
+             FROM unnest($1::text[], $2::int[]) s(t, b)
+             WHERE outbox.share_owner(s.t, s.b) <> ALL ($4::text[])",
+            &[&types, &buckets, &owner, &done],
         )
         .await
         .map_err(db("switching the share owner"))?;

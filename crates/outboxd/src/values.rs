@@ -48,6 +48,41 @@ pub fn parse_kv(s: &str) -> Result<(String, String), String> {
 }
 
 /// Parses `500ms`, `30s`, `5m`, `12h`, `7d` (a bare number is seconds).
+/// Share buckets (`outboxd share --buckets`), sorted, without repeats. One value for clap
+/// (a `Vec` would be taken for a repeated option).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Buckets(pub Vec<i32>);
+
+/// [`Buckets`] from a comma-separated list of buckets and ranges of 0..15, e.g. `0-3,8`.
+pub fn parse_buckets(s: &str) -> Result<Buckets, String> {
+    let bucket = |t: &str| -> Result<i32, String> {
+        match t.trim().parse::<i32>() {
+            Ok(b) if (0..16).contains(&b) => Ok(b),
+            _ => Err(format!(
+                "{t:?} is not a bucket: buckets are 0 to 15 (e.g. 0-3,8)"
+            )),
+        }
+    };
+    let mut out = std::collections::BTreeSet::new();
+    for part in s.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (bucket(a)?, bucket(b)?);
+                if a > b {
+                    return Err(format!(
+                        "bucket range {part:?} is empty (write it low-high)"
+                    ));
+                }
+                out.extend(a..=b);
+            }
+            None => {
+                out.insert(bucket(part)?);
+            }
+        }
+    }
+    Ok(Buckets(out.into_iter().collect()))
+}
+
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
@@ -100,6 +135,11 @@ mod tests {
 
     #[test]
     fn durations() {
+        assert_eq!(parse_buckets("0-3,8,2").unwrap().0, vec![0, 1, 2, 3, 8]);
+        assert_eq!(parse_buckets("15").unwrap().0, vec![15]);
+        assert!(parse_buckets("16").unwrap_err().contains("0 to 15"));
+        assert!(parse_buckets("3-1").unwrap_err().contains("low-high"));
+        assert!(parse_buckets("a").is_err());
         assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
         assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
         assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
