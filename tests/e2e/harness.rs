@@ -115,6 +115,31 @@ impl TestEnv {
         ids
     }
 
+    /// Inserts a copy of `of`'s row into `outbox.events` around `outbox.enqueue`, as version
+    /// `version` of its aggregate under a new event id (with a payload digest that does not
+    /// match if `corrupt`). Returns the new id, or the database's refusal.
+    pub async fn insert_copy(
+        &self,
+        of: uuid::Uuid,
+        version: i64,
+        corrupt: bool,
+    ) -> Result<uuid::Uuid, tokio_postgres::Error> {
+        self.db
+            .query_one(
+                "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+                     event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
+                     dest_partitioner, dest_route_generation, dest_serializer, dest_acks, destination_digest)
+                 SELECT gen_random_uuid(), aggregate_type, aggregate_id, $2, event_type, payload,
+                     CASE WHEN $3 THEN 'sha256:' || repeat('0', 64) ELSE payload_digest END,
+                     dest_kind, dest_cluster, dest_topic, dest_key, dest_partitioner,
+                     dest_route_generation, dest_serializer, dest_acks, destination_digest
+                 FROM outbox.events WHERE event_id = $1 RETURNING event_id",
+                &[&of, &version, &corrupt],
+            )
+            .await
+            .map(|r| r.get(0))
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         self.db
             .query_one(sql, &[])

@@ -74,20 +74,9 @@ fn admin_args(port: &str) -> Vec<&str> {
 /// Inserts a copy of `of`'s row as version `version` of its aggregate with a payload digest
 /// that does not match: the relay quarantines it and holds the aggregate.
 pub async fn insert_corrupt_copy(env: &TestEnv, of: uuid::Uuid, version: i64) -> uuid::Uuid {
-    env.db
-        .query_one(
-            "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
-                 event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
-                 dest_partitioner, dest_route_generation, dest_serializer, dest_acks, destination_digest)
-             SELECT gen_random_uuid(), aggregate_type, aggregate_id, $2, event_type, payload,
-                 'sha256:' || repeat('0', 64), dest_kind, dest_cluster, dest_topic, dest_key, dest_partitioner,
-                 dest_route_generation, dest_serializer, dest_acks, destination_digest
-             FROM outbox.events WHERE event_id = $1 RETURNING event_id",
-            &[&of, &version],
-        )
+    env.insert_copy(of, version, true)
         .await
         .expect("insert a corrupt copy")
-        .get(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -417,6 +417,62 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     );
 }
 
+/// An event held behind a refused one, then refused itself and skipped, is never sent again
+/// and the hold closes (found by outbox-sim, seed 1 trace 27: it kept its held record, so every
+/// release of the aggregate republished it and was refused again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_event_refused_in_its_turn_and_skipped_is_not_sent_again() {
+    let env = TestEnv::new("skip_held").await;
+    let _relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
+    env.wait_streaming().await;
+    let ids = env
+        .enqueue_together(&[
+            ("k", json!({"blob": "a".repeat(5000)})),
+            ("k", json!({"blob": "b".repeat(5000)})),
+            ("k", json!({"n": 3})),
+        ])
+        .await;
+    env.wait_count(
+        "k2 and k3 held behind k1",
+        "SELECT count(*) FROM outbox.held_events",
+        2,
+    )
+    .await;
+    for (i, id) in ids[..2].iter().enumerate() {
+        env.wait_count(
+            "the event quarantined",
+            &format!("SELECT count(*) FROM outbox.quarantine WHERE event_id = '{id}' AND released_at IS NULL"),
+            1,
+        )
+        .await;
+        outboxd(&[
+            "quarantine",
+            "skip",
+            "--database-url",
+            &env.url,
+            "--event",
+            &id.to_string(),
+            "--reason",
+            &format!("test payload {i}, never needed"),
+        ]);
+    }
+    env.wait_count("k3 published", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    env.wait_zero("the hold closed", "SELECT count(*) FROM outbox.holds")
+        .await;
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM outbox.quarantine WHERE event_id = '{}'",
+            ids[1]
+        ))
+        .await,
+        1,
+        "the skipped held event was sent again"
+    );
+    let order = first_occurrences(&env.read_topic().await);
+    assert_eq!(order["k"], vec![3], "only k3 is published");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
     let env = TestEnv::new("gap").await;
@@ -426,21 +482,7 @@ async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
     env.wait_count("g1", "SELECT count(*) FROM outbox.receipts", 1)
         .await;
     // A row written around outbox.enqueue with version 3: version 2 never existed.
-    let gap: uuid::Uuid = env
-        .db
-        .query_one(
-            "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
-                 event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
-                 dest_partitioner, dest_route_generation, dest_serializer, dest_acks, destination_digest)
-             SELECT gen_random_uuid(), aggregate_type, aggregate_id, 3, event_type, payload,
-                 payload_digest, dest_kind, dest_cluster, dest_topic, dest_key, dest_partitioner,
-                 dest_route_generation, dest_serializer, dest_acks, destination_digest
-             FROM outbox.events WHERE event_id = $1 RETURNING event_id",
-            &[&first],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let gap = env.insert_copy(first, 3, false).await.unwrap();
     env.enqueue("h", json!({"other": true})).await;
     env.wait_count("h1 published", "SELECT count(*) FROM outbox.receipts", 2)
         .await;
@@ -462,17 +504,7 @@ async fn a_version_gap_holds_the_aggregate_instead_of_publishing_past_it() {
     // Filling the gap around outbox.enqueue is refused by name: version 2 is below the
     // aggregate's last version now, and would be published out of order (migration 0016).
     let err = env
-        .db
-        .execute(
-            "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
-                 event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
-                 dest_partitioner, dest_route_generation, dest_serializer, dest_acks, destination_digest)
-             SELECT gen_random_uuid(), aggregate_type, aggregate_id, 2, event_type, payload,
-                 payload_digest, dest_kind, dest_cluster, dest_topic, dest_key, dest_partitioner,
-                 dest_route_generation, dest_serializer, dest_acks, destination_digest
-             FROM outbox.events WHERE event_id = $1",
-            &[&first],
-        )
+        .insert_copy(first, 2, false)
         .await
         .expect_err("a reused version is refused");
     let msg = err

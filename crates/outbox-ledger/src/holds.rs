@@ -139,7 +139,9 @@ pub async fn releasing(client: &Client) -> Result<Vec<Release>, LedgerError> {
 }
 
 /// What a release publishes, in version order: the blocking event (unless skipped) and every
-/// held event without a receipt. Returns `(event id, version, commit lsn)`.
+/// held event without a receipt, an open quarantine or a skip (an event held behind another
+/// one, later refused itself and skipped, keeps its held record: found by outbox-sim, it was
+/// sent again at every release). Returns `(event id, version, commit lsn)`.
 pub async fn republish_set(
     client: &Client,
     r: &Release,
@@ -152,7 +154,8 @@ pub async fn republish_set(
              WHERE e.aggregate_type = $1 AND e.aggregate_id = $2
                AND NOT EXISTS (SELECT 1 FROM outbox.receipts rc WHERE rc.event_id = e.event_id)
                AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
-                               WHERE q.event_id = e.event_id AND q.released_at IS NULL)
+                               WHERE q.event_id = e.event_id
+                                 AND (q.released_at IS NULL OR q.resolution = 'skipped'))
                AND ((he.event_id IS NOT NULL AND he.released_at IS NULL)
                     OR ($4 AND e.event_id = $3))
              ORDER BY e.aggregate_version",
@@ -195,12 +198,15 @@ pub async fn close(client: &Client, key: &AggKey, last: Option<i64>) -> Result<b
             .await
             .ctx(format!("moving the head of {}/{}", key.0, key.1))?;
     }
-    // Held rows of events that are published anyway (a replay recorded them) are done.
+    // Held rows of events that are published anyway (a replay recorded them), or that an
+    // operator skipped, are done.
     client
         .execute(
             "UPDATE outbox.held_events he SET released_at = clock_timestamp()
              WHERE he.aggregate_type = $1 AND he.aggregate_id = $2 AND he.released_at IS NULL
-               AND EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = he.event_id)",
+               AND (EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = he.event_id)
+                    OR EXISTS (SELECT 1 FROM outbox.quarantine q
+                               WHERE q.event_id = he.event_id AND q.resolution = 'skipped'))",
             &[&key.0, &key.1],
         )
         .await

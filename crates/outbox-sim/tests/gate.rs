@@ -117,6 +117,14 @@ fn every_mutant_is_caught() {
             &[("cross_destination_retries", |c| c.cross_destination_retries)],
         ),
         (Mutant::PollAboveHead, &[("lost", |c| c.lost)]),
+        (
+            Mutant::PollOffersSkipped,
+            &[("skipped_offered", |c| c.skipped_offered)],
+        ),
+        (
+            Mutant::BugRepublishSkipped,
+            &[("skipped_offered", |c| c.skipped_offered)],
+        ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000) and
         // poll-purge-held (1 in 1,000,000) are too rare for 1,500 traces:
         // the_traces_that_found_bugs_stay_fixed replays their traces.
@@ -153,6 +161,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 317, Mutant::PollAboveHead),
         (1, 331, Mutant::PollAboveHead),
         (1, 6292, Mutant::PollMigrateHeld),
+        (1, 27, Mutant::BugRepublishSkipped),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -33,6 +33,9 @@ pub struct Counts {
     pub snapshot_stalls: u64,
     /// A copy of a purged event reached the broker or a consumer after the purge.
     pub purged_early: u64,
+    /// Sends of an event after an operator skipped it (`outboxd quarantine skip`: never to be
+    /// published).
+    pub skipped_offered: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
     pub late_acks: u64,
     pub late_acks_converged: u64,
@@ -60,6 +63,8 @@ pub struct Counts {
     pub poll_traces: u64,
     /// Events a poll-mode round admitted.
     pub poll_events: u64,
+    /// Refused events the operator skipped instead of migrating them.
+    pub skips: u64,
 }
 
 impl Counts {
@@ -76,6 +81,7 @@ impl Counts {
             + self.start_refused
             + self.snapshot_stalls
             + self.purged_early
+            + self.skipped_offered
             + (self.late_acks - self.late_acks_converged)
     }
 
@@ -105,6 +111,7 @@ impl Counts {
             start_refused,
             snapshot_stalls,
             purged_early,
+            skipped_offered,
             late_acks,
             late_acks_converged,
             events,
@@ -124,7 +131,8 @@ impl Counts {
             resnapshots,
             snapshot_events,
             poll_traces,
-            poll_events
+            poll_events,
+            skips
         );
     }
 
@@ -160,6 +168,7 @@ impl Counts {
             ("start_refused", self.start_refused.to_string()),
             ("snapshot_stalls", self.snapshot_stalls.to_string()),
             ("purged_early", self.purged_early.to_string()),
+            ("skipped_offered", self.skipped_offered.to_string()),
             ("events_committed", self.events.to_string()),
             ("transactions_rolled_back", self.rolled_back.to_string()),
             ("relay_sigkills", self.relay_crashes.to_string()),
@@ -176,6 +185,7 @@ impl Counts {
             ("poll_mode_events", self.poll_events.to_string()),
             ("migrations", self.migrations.to_string()),
             ("migrations_refused", self.migrations_refused.to_string()),
+            ("operator_skips", self.skips.to_string()),
             ("purges", self.purges.to_string()),
             ("consumer_crashes", self.consumer_crashes.to_string()),
         ]
@@ -231,7 +241,8 @@ impl World {
     pub(super) fn judge(&mut self) {
         let mut lost = 0;
         for (r, row) in self.rows.iter().enumerate() {
-            if row.purged {
+            // Skipped by the operator: never to be published, so not lost.
+            if row.purged || (self.ledger.skipped(r) && !self.ledger.primary.contains_key(&r)) {
                 continue;
             }
             let dest = topic_index(&row.current().destination);

@@ -48,6 +48,8 @@ pub(super) struct Quarantine {
     pub(super) released: bool,
     /// When it was recorded, on the ledger's clock (`recorded_xact`, migration 0015).
     pub(super) recorded: u64,
+    /// Resolved by `outboxd quarantine skip` (resolution `skipped`): never to be published.
+    pub(super) skipped: bool,
 }
 
 /// The ledger tables of `migrations/`.
@@ -83,6 +85,10 @@ impl Ledger {
     }
     pub(super) fn open_quarantine(&self, row: usize) -> Option<&Quarantine> {
         self.quarantine.iter().find(|q| q.row == row && !q.released)
+    }
+    /// `outbox_source::snapshot::QUARANTINED_OR_SKIPPED`'s second half.
+    pub(super) fn skipped(&self, row: usize) -> bool {
+        self.quarantine.iter().any(|q| q.row == row && q.skipped)
     }
     pub(super) fn unknown_open(&self, row: usize) -> bool {
         self.attempts
@@ -266,6 +272,7 @@ impl World {
                                 code: c.reason_code().to_string(),
                                 released: false,
                                 recorded,
+                                skipped: false,
                             });
                         }
                     }
@@ -305,6 +312,7 @@ impl World {
                             code: code.clone(),
                             released: false,
                             recorded,
+                            skipped: false,
                         });
                     }
                 }
@@ -368,7 +376,9 @@ impl World {
             .filter(|r| self.rows[*r].agg == agg)
             .collect();
         for r in &rows {
-            if self.ledger.primary.contains_key(r) {
+            if self.ledger.primary.contains_key(r)
+                || (self.ledger.skipped(*r) && !self.is(Mutant::BugRepublishSkipped))
+            {
                 self.ledger.held.insert(*r, true);
             }
         }

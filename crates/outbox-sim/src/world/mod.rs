@@ -107,6 +107,16 @@ pub enum Mutant {
     /// the current poll round read the event; the round sent it again, and consumers read a copy
     /// of a purged event. Fixed by `outbox.poll_round_missed` in purge's rule (migration 0015).
     PollPurgeHeld,
+    /// Bug found by the poll-mode end-to-end tests (the skip test of `tests/e2e/ordering.rs`):
+    /// a poll round read an event the operator had skipped (its quarantine was closed, so
+    /// the read no longer excluded it) and sent it again. Fixed by
+    /// `outbox_source::snapshot::QUARANTINED_OR_SKIPPED` (and migration 0016's poll positions).
+    PollOffersSkipped,
+    /// Product bug found by the simulator once its operator skipped refused events (seed 1,
+    /// trace 27): an event held behind another one, then released, refused and skipped kept
+    /// its held record, so every later release of its aggregate sent it again (and the hold
+    /// never closed). Fixed in `holds::republish_set` and `holds::close`.
+    BugRepublishSkipped,
 }
 
 impl Mutant {
@@ -131,6 +141,8 @@ impl Mutant {
         ("poll-migrate-held", Mutant::PollMigrateHeld),
         ("poll-stale-head", Mutant::PollStaleHead),
         ("poll-purge-held", Mutant::PollPurgeHeld),
+        ("poll-offers-skipped", Mutant::PollOffersSkipped),
+        ("bug-republish-skipped", Mutant::BugRepublishSkipped),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -962,6 +974,7 @@ impl World {
                 !row.purged
                     && !self.ledger.primary.contains_key(r)
                     && self.ledger.open_quarantine(*r).is_none()
+                    && (self.is(Mutant::PollOffersSkipped) || !self.ledger.skipped(*r))
                     && !self.ledger.holds.contains_key(&row.agg)
                     && (!above_head
                         || row.ev.aggregate_version
@@ -1039,8 +1052,8 @@ impl World {
         Ok(())
     }
 
-    /// `publish_snapshot`: every row of the outbox table without a primary receipt or an open
-    /// quarantine, in aggregate and version order, admitted without an ack token (the slot
+    /// `publish_snapshot`: every row of the outbox table without a primary receipt, an open
+    /// quarantine or a skip, in aggregate and version order, admitted without an ack token (the slot
     /// will not stream them); every report awaited; the batch accepted without a checkpoint;
     /// then the ledger marks the snapshot done. The rows are read as `outbox.events_current`
     /// shows them: with their latest destination migration.
@@ -1050,6 +1063,7 @@ impl World {
                 !self.rows[*r].purged
                     && !self.ledger.primary.contains_key(r)
                     && self.ledger.open_quarantine(*r).is_none()
+                    && !self.ledger.skipped(*r)
             })
             .collect();
         pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
@@ -1326,6 +1340,10 @@ impl World {
             if self.rows[row].purged {
                 self.c.purged_early += 1;
             }
+            if self.ledger.skipped(row) {
+                log!(self, "SKIPPED {} sent again", ev.event_id);
+                self.c.skipped_offered += 1;
+            }
             self.rows[row].last_send = self.now;
             let msg = Msg {
                 id: ev.event_id,
@@ -1523,6 +1541,7 @@ impl World {
                         && !self.rows[*r].purged
                         && !self.ledger.primary.contains_key(r)
                         && self.ledger.open_quarantine(*r).is_none()
+                        && (self.is(Mutant::BugRepublishSkipped) || !self.ledger.skipped(*r))
                         && (self.ledger.held.get(r) == Some(&false)
                             || (publish_blocking && blocking == Some(*r)))
                 })
@@ -1658,6 +1677,22 @@ impl World {
         }
     }
 
+    /// `holds::resolve(Skip)`: close the quarantine as skipped, mark the hold RELEASING
+    /// without its blocking event. The event is never to be published.
+    fn skip(&mut self, row: usize) {
+        log!(self, "operator skips {}", self.rows[row].ev.event_id);
+        for q in self
+            .ledger
+            .quarantine
+            .iter_mut()
+            .filter(|q| q.row == row && !q.released)
+        {
+            q.skipped = true;
+        }
+        self.c.skips += 1;
+        self.release(row, false);
+    }
+
     /// `holds::resolve(Release)`: close the quarantine, mark the hold RELEASING.
     fn release(&mut self, row: usize, publish: bool) {
         for q in self
@@ -1757,10 +1792,13 @@ impl World {
                         self.release(row, false);
                     } else {
                         let cur = self.rows[row].current();
-                        if outbox_relay::route::check(&cur, &served()).is_ok()
-                            && topic_index(&cur.destination) != REJECTING_TOPIC
-                        {
+                        let routable = outbox_relay::route::check(&cur, &served()).is_ok();
+                        if routable && topic_index(&cur.destination) != REJECTING_TOPIC {
                             self.release(row, true);
+                        } else if routable && cur.event_id.as_u128() % 3 == 0 {
+                            // A third of the refused events (by id, no draw from the trace's
+                            // generator) are skipped instead of migrated.
+                            self.skip(row);
                         } else {
                             self.migrate_one(row);
                         }
@@ -1794,8 +1832,11 @@ impl World {
                 }
                 continue;
             }
-            let all_published = (0..self.rows.len())
-                .all(|r| self.rows[r].purged || self.ledger.primary.contains_key(&r));
+            let all_published = (0..self.rows.len()).all(|r| {
+                self.rows[r].purged
+                    || self.ledger.primary.contains_key(&r)
+                    || self.ledger.skipped(r)
+            });
             if all_published && self.open_unknown() == 0 {
                 break;
             }
