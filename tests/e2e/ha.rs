@@ -44,13 +44,17 @@ async fn wait_log(relay: &crate::harness::RelayProcess, needle: &str) {
     .await
 }
 
+/// A SIGKILLed holder's lease is taken at once, not at its expiry: its session lock and its
+/// walsender went with its process (migration 0018). The lease lasts 10 minutes here, so a
+/// takeover within the test's wait can only be the early one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_active_relay_is_killed() {
     let env = TestEnv::new("standby").await;
-    let mut a = env.relay(&[], &["--relay-id", "relay-a"]);
+    let ttl = ["--lease-ttl-ms", "600000"];
+    let mut a = env.relay(&[], &[&["--relay-id", "relay-a"][..], &ttl[..]].concat());
     env.wait_streaming().await;
     wait_owner(&env, "relay-a").await;
-    let b = env.relay(&[], &["--relay-id", "relay-b"]);
+    let b = env.relay(&[], &[&["--relay-id", "relay-b"][..], &ttl[..]].concat());
     wait_log(&b, "standby").await;
 
     let mut ids = HashSet::new();
@@ -73,6 +77,11 @@ async fn a_standby_takes_over_when_the_active_relay_is_killed() {
         );
     }
     let gb = wait_owner(&env, "relay-b").await;
+    let took_over = killed.elapsed();
+    assert!(
+        b.log_text().contains("lease taken over before it expired"),
+        "the standby took the lease early"
+    );
     env.wait_count(
         "second half, by the standby",
         "SELECT count(*) FROM outbox.receipts",
@@ -80,7 +89,7 @@ async fn a_standby_takes_over_when_the_active_relay_is_killed() {
     )
     .await;
     println!(
-        "takeover: all events accepted {:?} after the kill (lease ttl 3 s)",
+        "takeover: lease taken {took_over:?} and all events accepted {:?} after the kill (lease ttl 10 min)",
         killed.elapsed()
     );
     let on_broker: HashSet<String> = env
@@ -163,6 +172,11 @@ async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are
 
     let gb = wait_owner(&env, "relay-b").await;
     assert!(gb > ga);
+    // A paused holder keeps its session and walsender, so its lease is taken only at expiry.
+    assert!(
+        !b.log_text().contains("taken over before it expired"),
+        "a paused holder's lease was taken early"
+    );
     // From here on A is fenced: no checkpoint write of its generation may commit.
     let fenced_from: i64 = env
         .db

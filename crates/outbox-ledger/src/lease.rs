@@ -6,6 +6,12 @@
 //! checkpoint update in the acceptance transaction is fenced by `(owner, generation,
 //! lease_until > now())`, and the relay stops sending as soon as its own lease deadline has
 //! passed by its monotonic clock.
+//!
+//! A lease is taken before it expires only when its holder is provably gone (migration 0018):
+//! the holder keeps a session advisory lock on the connection it renews with, so a free lock
+//! means its session ended, and in CDC mode its slot has no walsender either. A SIGKILLed
+//! relay's successor streams within a second instead of waiting out the lease; a paused one
+//! keeps both and its lease until it expires.
 
 use std::time::Duration;
 
@@ -23,39 +29,92 @@ pub struct Fence {
 /// The outcome of an acquisition attempt.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Acquire {
-    Acquired { generation: i64 },
-    HeldBy { owner: String, remaining: Duration },
+    /// Ours, with this generation; `early`: taken from a holder that was provably gone before
+    /// its lease expired.
+    Acquired {
+        generation: i64,
+        early: bool,
+    },
+    HeldBy {
+        owner: String,
+        remaining: Duration,
+    },
 }
 
 fn ttl_ms(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Tries to take the lease of `slot` for `owner`.
+/// The advisory lock class of lease sessions ("outb"); the key is the hash of the lease name.
+/// Two names with the same hash only make an early takeover impossible, never wrong: the
+/// second relay cannot take the lock, so its lease is taken only when it expires.
+const LOCK_CLASS: i32 = 0x6f75_7462;
+
+/// Takes the session advisory lock of lease `slot` on this connection, if it is free. The
+/// relay holds it, on the connection it renews with, for as long as it holds the lease: a
+/// free lock means no live session of the holder (migration 0018).
+pub async fn try_lock(client: &Client, slot: &str) -> Result<bool, LedgerError> {
+    Ok(client
+        .query_one(
+            "SELECT pg_try_advisory_lock($1, hashtext('outboxd.lease:' || $2))",
+            &[&LOCK_CLASS, &slot],
+        )
+        .await
+        .ctx(format!("taking the session lock of lease {slot}"))?
+        .get(0))
+}
+
+/// Gives the session lock of lease `slot` back (a standby that could not take the lease).
+pub async fn unlock(client: &Client, slot: &str) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "SELECT pg_advisory_unlock($1, hashtext('outboxd.lease:' || $2))",
+            &[&LOCK_CLASS, &slot],
+        )
+        .await
+        .ctx(format!("giving back the session lock of lease {slot}"))?;
+    Ok(())
+}
+
+/// Tries to take the lease of `slot` for `owner`: free, expired, already ours, or — when
+/// `locked` (this connection holds the lease's session lock, see [`try_lock`]) — held by a
+/// relay that took the lock too and whose slot has no walsender: that holder is gone, and the
+/// lease is taken at once instead of at its expiry (migration 0018).
 pub async fn try_acquire(
     client: &Client,
     slot: &str,
     owner: &str,
     ttl: Duration,
+    locked: bool,
 ) -> Result<Acquire, LedgerError> {
     let row = client
         .query_opt(
-            "INSERT INTO outbox.relay_leases AS l (slot_name, owner, generation, lease_until)
-             VALUES ($1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond')
-             ON CONFLICT (slot_name) DO UPDATE SET
-                 owner = EXCLUDED.owner,
-                 generation = l.generation + 1,
-                 lease_until = EXCLUDED.lease_until,
-                 acquired_at = clock_timestamp()
-             WHERE l.lease_until < clock_timestamp() OR l.owner = EXCLUDED.owner
-             RETURNING generation",
-            &[&slot, &owner, &(ttl_ms(ttl) as f64)],
+            "WITH before AS (
+                 SELECT lease_until > clock_timestamp() AND owner <> $2 AS live
+                 FROM outbox.relay_leases WHERE slot_name = $1),
+             taken AS (
+                 INSERT INTO outbox.relay_leases AS l (slot_name, owner, generation, lease_until, holder_locks)
+                 VALUES ($1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond', $4)
+                 ON CONFLICT (slot_name) DO UPDATE SET
+                     owner = EXCLUDED.owner,
+                     generation = l.generation + 1,
+                     lease_until = EXCLUDED.lease_until,
+                     holder_locks = EXCLUDED.holder_locks,
+                     acquired_at = clock_timestamp()
+                 WHERE l.lease_until < clock_timestamp() OR l.owner = EXCLUDED.owner
+                    OR ($4 AND l.holder_locks
+                        AND NOT EXISTS (SELECT 1 FROM pg_replication_slots s
+                                        WHERE s.slot_name = $1 AND s.active))
+                 RETURNING generation)
+             SELECT generation, coalesce((SELECT live FROM before), false) FROM taken",
+            &[&slot, &owner, &(ttl_ms(ttl) as f64), &locked],
         )
         .await
         .ctx(format!("acquiring the lease of slot {slot}"))?;
     if let Some(r) = row {
         return Ok(Acquire::Acquired {
             generation: r.get(0),
+            early: r.get(1),
         });
     }
     let r = client
@@ -70,6 +129,21 @@ pub async fn try_acquire(
         owner: r.get(0),
         remaining: Duration::from_secs_f64(r.get::<_, f64>(1)),
     })
+}
+
+/// Records that the holder of `fence` took the lease's session lock after it took the lease
+/// (the lock was still held by an earlier holder's session then): its lease may now be taken
+/// early if it dies.
+pub async fn mark_locked(client: &Client, slot: &str, fence: &Fence) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "UPDATE outbox.relay_leases SET holder_locks = true
+             WHERE slot_name = $1 AND owner = $2 AND generation = $3",
+            &[&slot, &fence.owner, &fence.generation],
+        )
+        .await
+        .ctx(format!("recording the session lock of lease {slot}"))?;
+    Ok(())
 }
 
 /// Extends our lease. `false`: we no longer hold it (another relay took over).

@@ -105,6 +105,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "share_buckets",
         sql: include_str!("../../../migrations/0017_share_buckets.sql"),
     },
+    Migration {
+        version: 18,
+        name: "lease_early_takeover",
+        sql: include_str!("../../../migrations/0018_lease_early_takeover.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -353,18 +353,91 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
     assert_eq!(n, 2);
 }
 
+/// A lease is taken before it expires only from a holder whose session lock is free (its
+/// session ended) and who had taken that lock (migration 0018).
+#[tokio::test]
+async fn a_lease_is_taken_early_only_when_its_holders_session_lock_is_free() {
+    use outbox_ledger::lease::{self, Acquire};
+    use std::time::Duration;
+    let (c, url) = fresh("ledger_early_lease").await;
+    let connect = || async {
+        let (client, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+        let task = tokio::spawn(conn);
+        (client, task)
+    };
+    let ttl = Duration::from_secs(60);
+    // A takes the lock and the lease on its own session.
+    let (a, a_conn) = connect().await;
+    assert!(lease::try_lock(&a, "s").await.unwrap());
+    let Acquire::Acquired {
+        generation: g1,
+        early,
+    } = lease::try_acquire(&a, "s", "A", ttl, true).await.unwrap()
+    else {
+        panic!("A acquires a free lease");
+    };
+    assert!(!early);
+    // B: the lock is A's while A's session lives, so B waits for the lease to expire.
+    let (b, _b_conn) = connect().await;
+    assert!(
+        !lease::try_lock(&b, "s").await.unwrap(),
+        "A's session holds the lock"
+    );
+    assert!(matches!(
+        lease::try_acquire(&b, "s", "B", ttl, false).await.unwrap(),
+        Acquire::HeldBy { .. }
+    ));
+    // A lock without the holder's own (an older holder, or one that found it taken) proves
+    // nothing: C holds a lock that A never took under its own name.
+    assert!(lease::try_lock(&c, "t").await.unwrap());
+    let Acquire::Acquired { .. } = lease::try_acquire(&b, "t", "B", ttl, false).await.unwrap()
+    else {
+        panic!("B takes lease t without its lock");
+    };
+    lease::unlock(&c, "t").await.unwrap();
+    assert!(lease::try_lock(&c, "t").await.unwrap());
+    assert!(
+        matches!(
+            lease::try_acquire(&c, "t", "C", ttl, true).await.unwrap(),
+            Acquire::HeldBy { .. }
+        ),
+        "B never took the lock of t: its lease is taken only when it expires"
+    );
+    // A's session ends (its process died): B takes the lock and the lease at once.
+    drop(a);
+    a_conn.await.unwrap().unwrap();
+    let mut locked = false;
+    for _ in 0..100 {
+        locked = lease::try_lock(&b, "s").await.unwrap();
+        if locked {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(locked, "A's lock is freed with its session");
+    let Acquire::Acquired {
+        generation: g2,
+        early,
+    } = lease::try_acquire(&b, "s", "B", ttl, true).await.unwrap()
+    else {
+        panic!("B takes the lease of a holder whose session is gone");
+    };
+    assert!(early && g2 == g1 + 1, "early {early}, generation {g2}");
+}
+
 #[tokio::test]
 async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept() {
     use outbox_ledger::lease::{self, Acquire, Fence};
     use std::time::Duration;
     let (mut c, _) = fresh("ledger_lease").await;
     let ttl = Duration::from_millis(300);
-    let Acquire::Acquired { generation: g1 } = lease::try_acquire(&c, "s", "A", ttl).await.unwrap()
+    let Acquire::Acquired { generation: g1, .. } =
+        lease::try_acquire(&c, "s", "A", ttl, false).await.unwrap()
     else {
         panic!("A acquires a free lease");
     };
     assert!(matches!(
-        lease::try_acquire(&c, "s", "B", ttl).await.unwrap(),
+        lease::try_acquire(&c, "s", "B", ttl, false).await.unwrap(),
         Acquire::HeldBy { .. }
     ));
     let a = Fence {
@@ -377,11 +450,14 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
         .unwrap();
 
     tokio::time::sleep(Duration::from_millis(400)).await; // A's lease runs out
-    let Acquire::Acquired { generation: g2 } = lease::try_acquire(&c, "s", "B", ttl).await.unwrap()
+    let Acquire::Acquired {
+        generation: g2,
+        early,
+    } = lease::try_acquire(&c, "s", "B", ttl, false).await.unwrap()
     else {
         panic!("B takes over an expired lease");
     };
-    assert!(g2 > g1);
+    assert!(g2 > g1 && !early);
     assert!(
         !lease::renew(&c, "s", &a, ttl).await.unwrap(),
         "A cannot renew"

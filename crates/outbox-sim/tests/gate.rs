@@ -125,6 +125,10 @@ fn every_mutant_is_caught() {
             Mutant::BugRepublishSkipped,
             &[("skipped_offered", |c| c.skipped_offered)],
         ),
+        (
+            Mutant::EarlyTakeoverOfLiveHolder,
+            &[("stale_sends", |c| c.stale_sends)],
+        ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000) and
         // poll-purge-held (1 in 1,000,000) are too rare for 1,500 traces:
         // the_traces_that_found_bugs_stay_fixed replays their traces.
@@ -151,11 +155,11 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 238, Mutant::BugPoisonBeforeGate),
         (1, 45, Mutant::BugUnknownOnlyAtStart),
         (1, 195, Mutant::BugStaleQuarantine),
-        (1, 114, Mutant::BugMigrateReplayable),
+        (1, 362, Mutant::BugMigrateReplayable),
         (1, 239, Mutant::BugMigrateReplayable),
         (2, 40186, Mutant::BugProofAfterMigration),
         (3, 7927, Mutant::PollMigrateHeld),
-        (1, 17022, Mutant::PollStaleHead),
+        (1, 27570, Mutant::PollStaleHead),
         (1, 608933, Mutant::PollPurgeHeld),
         (1, 1380, Mutant::BugSnapshotGap),
         (1, 317, Mutant::PollAboveHead),

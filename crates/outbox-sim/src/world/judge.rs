@@ -36,6 +36,9 @@ pub struct Counts {
     /// Sends of an event after an operator skipped it (`outboxd quarantine skip`: never to be
     /// published).
     pub skipped_offered: u64,
+    /// Sends by a relay run after a newer generation took the lease (two generations sending
+    /// at once).
+    pub stale_sends: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
     pub late_acks: u64,
     pub late_acks_converged: u64,
@@ -65,6 +68,8 @@ pub struct Counts {
     pub poll_events: u64,
     /// Refused events the operator skipped instead of migrating them.
     pub skips: u64,
+    /// Leases taken from a SIGKILLed holder at once, without waiting for it to expire.
+    pub early_takeovers: u64,
 }
 
 impl Counts {
@@ -82,6 +87,7 @@ impl Counts {
             + self.snapshot_stalls
             + self.purged_early
             + self.skipped_offered
+            + self.stale_sends
             + (self.late_acks - self.late_acks_converged)
     }
 
@@ -112,6 +118,7 @@ impl Counts {
             snapshot_stalls,
             purged_early,
             skipped_offered,
+            stale_sends,
             late_acks,
             late_acks_converged,
             events,
@@ -132,7 +139,8 @@ impl Counts {
             snapshot_events,
             poll_traces,
             poll_events,
-            skips
+            skips,
+            early_takeovers
         );
     }
 
@@ -169,9 +177,11 @@ impl Counts {
             ("snapshot_stalls", self.snapshot_stalls.to_string()),
             ("purged_early", self.purged_early.to_string()),
             ("skipped_offered", self.skipped_offered.to_string()),
+            ("stale_sends", self.stale_sends.to_string()),
             ("events_committed", self.events.to_string()),
             ("transactions_rolled_back", self.rolled_back.to_string()),
             ("relay_sigkills", self.relay_crashes.to_string()),
+            ("early_takeovers", self.early_takeovers.to_string()),
             ("relay_pauses_zombies", self.relay_pauses.to_string()),
             ("unknown_attempts", self.unknown_attempts.to_string()),
             ("broker_copies", self.broker_copies.to_string()),

@@ -112,6 +112,10 @@ pub enum Mutant {
     /// the read no longer excluded it) and sent it again. Fixed by
     /// `outbox_source::snapshot::QUARANTINED_OR_SKIPPED` (and migration 0016's poll positions).
     PollOffersSkipped,
+    /// The early takeover of a lease without the proof that its holder is gone (its lease
+    /// session's advisory lock is free and the slot has no walsender): a paused holder loses
+    /// its lease before it expires, and resumed before its own deadline it still sends.
+    EarlyTakeoverOfLiveHolder,
     /// Product bug found by the simulator once its operator skipped refused events (seed 1,
     /// trace 27): an event held behind another one, then released, refused and skipped kept
     /// its held record, so every later release of its aggregate sent it again (and the hold
@@ -142,6 +146,10 @@ impl Mutant {
         ("poll-stale-head", Mutant::PollStaleHead),
         ("poll-purge-held", Mutant::PollPurgeHeld),
         ("poll-offers-skipped", Mutant::PollOffersSkipped),
+        (
+            "early-takeover-of-live-holder",
+            Mutant::EarlyTakeoverOfLiveHolder,
+        ),
         ("bug-republish-skipped", Mutant::BugRepublishSkipped),
     ];
 
@@ -456,11 +464,18 @@ impl World {
             .position(|r| !r.paused && !r.salvaging && !r.killed && r.gen == self.ledger.lease_gen)
     }
 
-    /// Runs whose lease was taken over find out at their next renewal and end.
+    /// Runs whose lease was taken over stop by their own clock once their deadline has passed,
+    /// else find out at their next renewal (a quarter of the steps) and end; until then they
+    /// still act. No run is ever in that window unless a lease is taken from a live holder
+    /// before its deadline (the mutant `early-takeover-of-live-holder`): leases are taken
+    /// only once expired, or from a SIGKILLed holder.
     fn end_stale_runs(&mut self) {
         for i in 0..self.relays.len() {
             let r = &self.relays[i];
             if !r.paused && !r.salvaging && !r.killed && r.gen != self.ledger.lease_gen {
+                if self.now < r.deadline && self.rng.below(4) != 0 {
+                    continue;
+                }
                 self.end_run(i, End::Error("lease taken by a newer generation"));
             }
         }
@@ -804,11 +819,21 @@ impl World {
             return;
         }
         // Take the lease by CAS: free, expired, or our own (a new run of the process whose run
-        // ended). A paused or SIGKILLed holder keeps it until it expires: standbys wait.
+        // ended). A paused holder keeps it until it expires: standbys wait. A SIGKILLed
+        // holder's lease session (its advisory lock) and walsender went with its process: the
+        // lease is taken at once (`lease::try_acquire`'s early takeover, migration 0018).
         let holder_alive = self.relays.iter().any(|r| r.gen == self.ledger.lease_gen);
-        if self.now <= self.ledger.lease_until && (holder_alive || self.holder_killed) {
+        let live = self.now <= self.ledger.lease_until;
+        if live && holder_alive && !self.is(Mutant::EarlyTakeoverOfLiveHolder) {
             self.now = self.ledger.lease_until + 1;
             self.land_late_appends();
+        } else if live && (self.holder_killed || holder_alive) {
+            log!(
+                self,
+                "lease taken over early from gen {}",
+                self.ledger.lease_gen
+            );
+            self.c.early_takeovers += 1;
         }
         self.holder_killed = false;
         self.ledger.lease_gen += 1;
@@ -1122,9 +1147,10 @@ impl World {
         }
     }
 
+    /// `LeaseState::valid`: by the run's own deadline. That another generation took the lease
+    /// is learned only at a renewal (`end_stale_runs`), as in the daemon.
     fn lease_valid(&self, i: usize) -> bool {
-        let r = &self.relays[i];
-        self.ledger.lease_gen == r.gen && self.now < r.deadline
+        self.now < self.relays[i].deadline
     }
 
     /// The settle time the reconciler waits out (none with the no-settle mutant).
@@ -1343,6 +1369,16 @@ impl World {
             if self.ledger.skipped(row) {
                 log!(self, "SKIPPED {} sent again", ev.event_id);
                 self.c.skipped_offered += 1;
+            }
+            if self.relays[i].gen < self.ledger.lease_gen {
+                log!(
+                    self,
+                    "STALE send of {} by gen {} while gen {} holds the lease",
+                    ev.event_id,
+                    self.relays[i].gen,
+                    self.ledger.lease_gen
+                );
+                self.c.stale_sends += 1;
             }
             self.rows[row].last_send = self.now;
             let msg = Msg {

@@ -143,14 +143,14 @@ pub async fn run(
         let began = Instant::now();
         let outcome = match acquire_lease(&cfg, &mut shutdown).await {
             Ok(None) => return Ok(()),
-            Ok(Some((fence, deadline))) => {
+            Ok(Some((fence, held))) => {
                 let span = tracing::info_span!("relay", slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
                 if poll {
-                    poll::run_once(&cfg, &progress, &mut shutdown, &fence, deadline)
+                    poll::run_once(&cfg, &progress, &mut shutdown, &fence, held)
                         .instrument(span)
                         .await
                 } else {
-                    run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, deadline)
+                    run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, held)
                         .instrument(span)
                         .await
                 }
@@ -178,32 +178,59 @@ pub async fn run(
     }
 }
 
+/// The lease a run holds: until when it is certainly ours, and the session that took it, which
+/// holds its advisory lock (if `locked`) and renews it for the whole run (migration 0018).
+pub(super) struct HeldLease {
+    deadline: Instant,
+    session: Client,
+    locked: bool,
+}
+
+/// How often a standby asks for the lease: a holder that is provably gone (SIGKILLed: its
+/// session lock is free and its walsender has left) is replaced this soon, not at expiry.
+const EARLY_TAKEOVER_POLL: Duration = Duration::from_millis(200);
+
 /// Waits as a hot standby until this relay holds the slot's lease. Returns the fence and the
-/// instant until which the lease is certainly ours, or `None` on shutdown.
+/// held lease, or `None` on shutdown.
 async fn acquire_lease(
     cfg: &RelayConfig,
     shutdown: &mut watch::Receiver<bool>,
-) -> Result<Option<(Fence, Instant)>, RelayError> {
+) -> Result<Option<(Fence, HeldLease)>, RelayError> {
     let client = connect_sql(cfg.database_url.expose()).await?;
     let mut announced = false;
     loop {
         let asked = Instant::now();
-        match lease::try_acquire(&client, &cfg.slot, &cfg.relay_id, cfg.lease_ttl).await? {
-            Acquire::Acquired { generation } => {
-                tracing::info!(slot = %cfg.slot, relay_id = %cfg.relay_id, generation, "lease acquired");
+        let locked = lease::try_lock(&client, &cfg.slot).await?;
+        match lease::try_acquire(&client, &cfg.slot, &cfg.relay_id, cfg.lease_ttl, locked).await? {
+            Acquire::Acquired { generation, early } => {
+                if early {
+                    tracing::warn!(slot = %cfg.slot, relay_id = %cfg.relay_id, generation,
+                        "lease taken over before it expired: its holder's session and walsender are gone");
+                } else {
+                    tracing::info!(slot = %cfg.slot, relay_id = %cfg.relay_id, generation, locked, "lease acquired");
+                }
                 let fence = Fence {
                     owner: cfg.relay_id.clone(),
                     generation,
                 };
-                return Ok(Some((fence, asked + lifecycle::certain_for(cfg.lease_ttl))));
+                let held = HeldLease {
+                    deadline: asked + lifecycle::certain_for(cfg.lease_ttl),
+                    session: client,
+                    locked,
+                };
+                return Ok(Some((fence, held)));
             }
             Acquire::HeldBy { owner, remaining } => {
+                if locked {
+                    lease::unlock(&client, &cfg.slot).await?;
+                }
                 if !announced {
                     tracing::info!(slot = %cfg.slot, %owner, remaining_ms = remaining.as_millis() as u64,
-                        "standby: another relay holds the slot; taking over if its lease expires");
+                        "standby: another relay holds the slot; taking over when its lease expires or its holder is gone");
                     announced = true;
                 }
-                let wait = lifecycle::standby_wait(remaining, cfg.lease_ttl);
+                let wait =
+                    lifecycle::standby_wait(remaining, cfg.lease_ttl).min(EARLY_TAKEOVER_POLL);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = shutdown.changed() => return Ok(None),
@@ -283,10 +310,10 @@ async fn run_once(
     shutdown: &mut watch::Receiver<bool>,
     resnapshot: bool,
     fence: &Fence,
-    lease_deadline: Instant,
+    held: HeldLease,
 ) -> Result<(), RelayError> {
     let url = cfg.database_url.expose();
-    let (lease_state, _keeper) = keep_lease(cfg, fence, lease_deadline).await?;
+    let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
     // wal_level and the REPLICATION privilege were checked once, before the first run.
@@ -526,21 +553,17 @@ async fn run_once(
 }
 
 /// The lease of this run, renewed in the background from here on (through slow start-ups
-/// too), and what the run knows of it.
-async fn keep_lease(
-    cfg: &RelayConfig,
-    fence: &Fence,
-    lease_deadline: Instant,
-) -> Result<(Arc<LeaseState>, AbortOnDrop), RelayError> {
-    let lease_state = Arc::new(LeaseState::new(lease_deadline));
+/// too) on the session that took it, and what the run knows of it.
+fn keep_lease(cfg: &RelayConfig, fence: &Fence, held: HeldLease) -> (Arc<LeaseState>, AbortOnDrop) {
+    let lease_state = Arc::new(LeaseState::new(held.deadline));
     let keeper = spawn_lease_keeper(
-        connect_sql(cfg.database_url.expose()).await?,
+        held,
         cfg.slot.clone(),
         fence.clone(),
         cfg.lease_ttl,
         lease_state.clone(),
     );
-    Ok((lease_state, keeper))
+    (lease_state, keeper)
 }
 
 /// The broker client and the pipeline of one run, its gate as the ledger left it.
@@ -690,17 +713,53 @@ impl LeaseState {
     }
 }
 
-/// Renews the lease every third of its TTL on its own connection.
+/// How often the keeper looks at its session: a closed one has freed the lease's session lock,
+/// so a standby may take the lease at once; the run must stop sending before that.
+const SESSION_CHECK: Duration = Duration::from_millis(20);
+
+/// Renews the lease every third of its TTL on the session that took it. That session holds
+/// the lease's advisory lock: when it closes (the server ended it, or the network did), a
+/// standby may take the lease early, so the lease is lost here at once.
 fn spawn_lease_keeper(
-    client: Client,
+    held: HeldLease,
     slot: String,
     fence: Fence,
     ttl: Duration,
     state: Arc<LeaseState>,
 ) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(async move {
+        let HeldLease {
+            session: client,
+            mut locked,
+            ..
+        } = held;
+        let mut next_renewal = Instant::now() + lifecycle::renew_every(ttl);
         loop {
-            tokio::time::sleep(lifecycle::renew_every(ttl)).await;
+            tokio::time::sleep(SESSION_CHECK).await;
+            if client.is_closed() {
+                tracing::warn!(slot = %slot, generation = fence.generation,
+                    "the lease's session closed (its lock is free for a standby): lease lost, sending stops");
+                state.lost.store(true, Ordering::Relaxed);
+                return;
+            }
+            if Instant::now() < next_renewal {
+                continue;
+            }
+            next_renewal = Instant::now() + lifecycle::renew_every(ttl);
+            // The lock was still held by an earlier holder's session when this relay took the
+            // lease: take it now, so that this relay's lease may be taken early if it dies.
+            if !locked {
+                match lease::try_lock(&client, &slot).await {
+                    Ok(true) => {
+                        locked = true;
+                        if let Err(e) = lease::mark_locked(&client, &slot, &fence).await {
+                            tracing::warn!(error = %e, "recording the lease's session lock failed");
+                        }
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(error = %e, "taking the lease's session lock failed"),
+                }
+            }
             let asked = Instant::now();
             match lease::renew(&client, &slot, &fence, ttl).await {
                 Ok(true) => {

@@ -39,7 +39,7 @@ pub(super) async fn run_once(
     progress: &Arc<Progress>,
     shutdown: &mut watch::Receiver<bool>,
     fence: &Fence,
-    lease_deadline: Instant,
+    held: super::HeldLease,
 ) -> Result<(), RelayError> {
     let url = cfg.database_url.expose();
     if (cfg.schema.as_str(), cfg.table.as_str()) != ("outbox", "events") {
@@ -48,7 +48,7 @@ pub(super) async fn run_once(
             cfg.schema, cfg.table
         )));
     }
-    let (lease_state, _keeper) = keep_lease(cfg, fence, lease_deadline).await?;
+    let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
     // As the relay must publish them now: with their latest destination migration.

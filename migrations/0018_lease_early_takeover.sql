@@ -1,0 +1,18 @@
+-- outboxd migration 0018: a lease is taken over at once when its holder is provably gone.
+--
+-- A relay restarted after a SIGKILL used to wait out the dead holder's whole lease (10 s by
+-- default) before it streamed. A lease can only be taken early with a proof that no process
+-- of the holder can still act on it:
+--
+-- * the holder keeps a session advisory lock (`lease::try_lock`: class "outb", the hash of the
+--   lease name) on the connection that took the lease and renews it, for as long as its run
+--   lasts; PostgreSQL frees it only when that backend ends — the holder's process died, or
+--   its connection was closed. A SIGSTOPped or partitioned holder keeps it (its backend lives
+--   on until TCP gives up, long after the lease expired);
+-- * in CDC mode the slot also has no walsender: the holder's stream has ended too;
+-- * `holder_locks` says the holder took the lock at all (an older outboxd, or a holder that
+--   found the lock taken, does not: its lease is only ever taken when it expires).
+--
+-- A holder whose lock connection closes while it lives treats its lease as lost at once and
+-- sends nothing more (`LeaseState`); the generation fences everything it might still record.
+ALTER TABLE outbox.relay_leases ADD COLUMN holder_locks boolean NOT NULL DEFAULT false;
