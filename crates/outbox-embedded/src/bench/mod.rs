@@ -385,6 +385,10 @@ pub(crate) struct Crash {
     pub republished: u64,
     pub republished_ms: f64,
     pub recovery_s: f64,
+    /// From the SIGKILL to the restarted relay (another relay id) holding the lease, and to
+    /// its first accepted receipt.
+    pub takeover_ms: f64,
+    pub first_receipt_ms: f64,
 }
 
 /// The broker JVM of `--broker apache`, whose CPU counts with the bench's own.
@@ -820,7 +824,22 @@ impl Ctx {
         tokio::time::sleep(Duration::from_secs_f64(a.crash_secs / 2.0)).await;
         relay.kill9()?;
         let killed = Instant::now();
-        let relay = RelayChild::spawn(self, &db.url, &db.slot)?;
+        // Another relay id, as a restarted process on another host would have: the lease is
+        // not ours by name, so this measures the takeover from a dead holder (migration 0018).
+        let relay = RelayChild::spawn_with(
+            self,
+            &db.url,
+            &db.slot,
+            &["--relay-id", "outboxd-bench-restarted"],
+        )?;
+        let (takeover_ms, first_receipt_ms) = takeover(
+            &db.client,
+            &db.slot,
+            "outboxd-bench-restarted",
+            killed,
+            a.timeout_secs,
+        )
+        .await?;
         let committed = writers.join().await?;
         let end = workload::backlog_end(&db.client).await?;
         wait_confirmed(
@@ -865,6 +884,8 @@ impl Ctx {
                 republished,
                 republished_ms: 1000.0 * republished as f64 / rate.max(1.0),
                 recovery_s,
+                takeover_ms,
+                first_receipt_ms,
             },
         ))
     }
@@ -899,6 +920,51 @@ fn outboxd_binary() -> anyhow::Result<PathBuf> {
     Ok(sibling)
 }
 
+/// Milliseconds from `killed` until `owner` holds the lease of `slot`, and until its generation
+/// has a receipt accepted.
+async fn takeover(
+    client: &tokio_postgres::Client,
+    slot: &str,
+    owner: &str,
+    killed: Instant,
+    timeout_secs: u64,
+) -> anyhow::Result<(f64, f64)> {
+    let deadline = killed + Duration::from_secs(timeout_secs);
+    let mut lease: Option<(i64, f64)> = None;
+    loop {
+        if Instant::now() > deadline {
+            bail!("the restarted relay did not take the lease of {slot} and publish within {timeout_secs} s");
+        }
+        match lease {
+            None => {
+                let row = client
+                    .query_opt(
+                        "SELECT generation FROM outbox.relay_leases WHERE slot_name = $1 AND owner = $2",
+                        &[&slot, &owner],
+                    )
+                    .await?;
+                if let Some(r) = row {
+                    lease = Some((r.get(0), killed.elapsed().as_secs_f64() * 1e3));
+                }
+            }
+            Some((generation, taken_ms)) => {
+                let n: i64 = client
+                    .query_one(
+                        "SELECT count(*) FROM (SELECT 1 FROM outbox.receipts
+                                               WHERE relay_generation = $1 LIMIT 1) r",
+                        &[&generation],
+                    )
+                    .await?
+                    .get(0);
+                if n > 0 {
+                    return Ok((taken_ms, killed.elapsed().as_secs_f64() * 1e3));
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// `outboxd run` as a child process, logging to a file.
 pub(crate) struct RelayChild {
     child: Child,
@@ -931,7 +997,12 @@ impl RelayChild {
             "--bootstrap-servers",
             &ctx.bootstrap,
         ])
-        .args(["--slot", slot, "--relay-id", "outboxd-bench"])
+        .args(["--slot", slot])
+        .args(if extra.contains(&"--relay-id") {
+            &[][..]
+        } else {
+            &["--relay-id", "outboxd-bench"][..]
+        })
         .args(&ctx.args.relay_args)
         .args(extra)
         .env(

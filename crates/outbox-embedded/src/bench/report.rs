@@ -352,6 +352,10 @@ impl Report {
                 "SIGKILL under {:.0} events/s: {} of {} events re-published on restart = {:.0} ms of traffic; caught up {:.1} s after the kill",
                 c.rate, c.republished, c.produced, c.republished_ms, c.recovery_s
             );
+            println!(
+                "takeover by a restarted relay (another relay id): lease held {:.0} ms, first receipt {:.0} ms after the kill",
+                c.takeover_ms, c.first_receipt_ms
+            );
         }
         if !self.load.is_empty() {
             let loads: Vec<String> = self
@@ -416,6 +420,7 @@ impl Report {
             "crash": self.crash.as_ref().map(|c| json!({
                 "events_per_s": c.rate, "produced": c.produced, "republished": c.republished,
                 "republished_ms_of_traffic": c.republished_ms, "caught_up_s": c.recovery_s,
+                "takeover_ms": c.takeover_ms, "first_receipt_ms": c.first_receipt_ms,
             })),
             "polling": self.poll_drain.as_ref().map(|d| json!({
                 "drain": phase_json(d),
