@@ -56,6 +56,7 @@ pub struct Metrics {
     pub retained_wal_bytes: IntGaugeVec,
     pub safe_wal_size_bytes: IntGaugeVec,
     pub slot_active: IntGaugeVec,
+    pub lease_generation: IntGaugeVec,
     pub pending: IntGauge,
     pub oldest_pending_age: Gauge,
     pub unknown: IntGauge,
@@ -173,6 +174,10 @@ impl Metrics {
             slot_active: slot_gauge(
                 "outboxd_slot_active",
                 "1 if a walsender holds the slot, 0 if not; -1 if the slot is missing.",
+            ),
+            lease_generation: slot_gauge(
+                "outboxd_lease_generation",
+                "Generation of the slot's lease: it grows by one at every takeover (lease churn).",
             ),
             pending: gauge(
                 "outboxd_pending_events",
@@ -345,13 +350,14 @@ mod tests {
         m.retained_wal_bytes.with_label_values(&["s"]).set(1);
         m.safe_wal_size_bytes.with_label_values(&["s"]).set(1);
         m.slot_active.with_label_values(&["s"]).set(1);
+        m.lease_generation.with_label_values(&["s"]).set(1);
         let text = m.render();
         let families: Vec<&str> = text
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .map(|l| l.split(' ').next().unwrap())
             .collect();
-        assert_eq!(families.len(), 22, "{text}");
+        assert_eq!(families.len(), 23, "{text}");
         assert!(families.iter().all(|f| f.starts_with("outboxd_")));
         // The families the operations guide promises (docs/operations.md).
         for f in REQUIRED_FAMILIES {

@@ -93,6 +93,17 @@ async fn sample(c: &Client, slot: &str) -> anyhow::Result<()> {
         // Not created yet, or dropped: the relay refuses to guess (see `outboxd run --help`).
         _ => m.slot_active.with_label_values(&labels).set(-1),
     }
+    if let Some(r) = c
+        .query_opt(
+            "SELECT generation FROM outbox.relay_leases WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?
+    {
+        m.lease_generation
+            .with_label_values(&labels)
+            .set(r.get::<_, i64>(0));
+    }
     Ok(())
 }
 
