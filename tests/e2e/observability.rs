@@ -23,6 +23,7 @@ const FAMILIES: &[&str] = &[
     "outboxd_held_events",
     "outboxd_duplicate_receipts_total",
     "outboxd_reconnects_total",
+    "outboxd_lease_generation",
 ];
 
 /// GET `path` on 127.0.0.1:`port`: status and body, or `None` if nothing answers.
@@ -120,6 +121,11 @@ async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
     }
     let retained_series = format!("outboxd_slot_retained_wal_bytes{{slot=\"{}\"}}", env.slot);
     assert!(sample(&before, &retained_series).is_some(), "{before}");
+    let generation = format!("outboxd_lease_generation{{slot=\"{}\"}}", env.slot);
+    assert!(
+        sample(&before, &generation).is_some_and(|g| g >= 1.0),
+        "{before}"
+    );
     let accepted0 = sample(&before, "outboxd_events_accepted_total").unwrap();
     let latency0 = sample(&before, "outboxd_commit_to_receipt_seconds_count").unwrap();
     let checkpoint0 = sample(&before, "outboxd_checkpoint_lsn").unwrap();
