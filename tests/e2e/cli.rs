@@ -44,6 +44,19 @@ async fn status_reports_counts_and_the_slot_in_json_and_as_a_table() {
         .expect("our slot is listed");
     assert_eq!(slot["slot_exists"], true);
     assert_eq!(slot["snapshot_done"], true);
+    // The relay holding the slot's lease, and that it keeps the session lock (migration 0018).
+    let lease = v["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["slot_name"] == env.slot.as_str())
+        .expect("our lease is listed");
+    assert!(lease["generation"].as_i64().unwrap() >= 1, "{lease}");
+    assert!(
+        lease["expires_in_seconds"].as_f64().unwrap() > 0.0,
+        "{lease}"
+    );
+    assert_eq!(lease["holder_locks"], true, "{lease}");
 
     let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
         .args(["status", "--database-url", &env.url])
@@ -52,6 +65,10 @@ async fn status_reports_counts_and_the_slot_in_json_and_as_a_table() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("published") && text.contains(&env.slot),
+        "{text}"
+    );
+    assert!(
+        text.contains("HELD BY") && text.contains("if it dies"),
         "{text}"
     );
 }

@@ -45,6 +45,22 @@ pub struct Status {
     pub pending: i64,
     pub oldest_pending_age_seconds: Option<f64>,
     pub slots: Vec<SlotStatus>,
+    /// Every lease (one per slot, or per poll-mode lease name): the relays and who holds what.
+    pub leases: Vec<LeaseStatus>,
+}
+
+/// One lease of `outbox.relay_leases`, as `outboxd status` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeaseStatus {
+    pub slot_name: String,
+    pub owner: String,
+    pub generation: i64,
+    /// Seconds until it expires; negative: expired (free for any relay).
+    pub expires_in_seconds: f64,
+    pub acquired_at: String,
+    /// The holder keeps the lease's session lock: its lease is taken at once if it dies
+    /// (migration 0018), else only when it expires.
+    pub holder_locks: bool,
 }
 
 /// Reads the status. Fails with a clear error if the schema is not migrated.
@@ -77,7 +93,28 @@ pub async fn read(client: &Client) -> Result<Status, LedgerError> {
         )
         .await
         .ctx("reading slot status")?;
+    let leases = client
+        .query(
+            "SELECT slot_name, owner, generation,
+                    extract(epoch FROM lease_until - clock_timestamp())::float8,
+                    acquired_at::text, holder_locks
+             FROM outbox.relay_leases ORDER BY slot_name",
+            &[],
+        )
+        .await
+        .ctx("reading the relay leases")?
+        .iter()
+        .map(|r| LeaseStatus {
+            slot_name: r.get(0),
+            owner: r.get(1),
+            generation: r.get(2),
+            expires_in_seconds: r.get(3),
+            acquired_at: r.get(4),
+            holder_locks: r.get(5),
+        })
+        .collect();
     Ok(Status {
+        leases,
         events: counts.get(0),
         published: counts.get(1),
         duplicate_receipts: counts.get(2),

@@ -261,6 +261,32 @@ async fn status(url: &str, json: bool) -> anyhow::Result<()> {
                 .unwrap_or_else(|| "-".into()),
         );
     }
+    if !s.leases.is_empty() {
+        println!();
+        println!(
+            "{:<24} {:<32} {:>10} {:<22} {:<14}",
+            "LEASE", "HELD BY", "GENERATION", "STATE", "EARLY TAKEOVER"
+        );
+        for l in &s.leases {
+            let state = if l.expires_in_seconds > 0.0 {
+                format!("held, {:.1}s left", l.expires_in_seconds)
+            } else {
+                "expired (free)".to_string()
+            };
+            println!(
+                "{:<24} {:<32} {:>10} {:<22} {:<14}",
+                l.slot_name,
+                l.owner,
+                l.generation,
+                state,
+                if l.holder_locks {
+                    "if it dies"
+                } else {
+                    "at expiry"
+                }
+            );
+        }
+    }
     Ok(())
 }
 
