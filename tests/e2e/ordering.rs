@@ -186,6 +186,20 @@ fn outboxd(args: &[&str]) -> String {
     out
 }
 
+/// `outboxd quarantine skip --event ID --reason REASON`, which must succeed.
+fn skip(env: &TestEnv, event: uuid::Uuid, reason: &str) -> String {
+    outboxd(&[
+        "quarantine",
+        "skip",
+        "--database-url",
+        &env.url,
+        "--event",
+        &event.to_string(),
+        "--reason",
+        reason,
+    ])
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversized_payload_holds_only_its_aggregate_until_released_then_publishes_in_order() {
     let env = TestEnv::new("poison").await;
@@ -345,16 +359,7 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
         .output()
         .unwrap();
     assert!(!out.status.success(), "an empty reason is refused");
-    outboxd(&[
-        "quarantine",
-        "skip",
-        "--database-url",
-        &env.url,
-        "--event",
-        &big.to_string(),
-        "--reason",
-        "test payload, never needed",
-    ]);
+    skip(&env, big, "test payload, never needed");
     env.wait_count("s2 published", "SELECT count(*) FROM outbox.receipts", 1)
         .await;
     let order = first_occurrences(&env.read_topic().await);
@@ -384,16 +389,7 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     let only = env.enqueue("t", json!({"blob": "z".repeat(5000)})).await;
     env.wait_count("t1 quarantined", "SELECT count(*) FROM outbox.holds", 1)
         .await;
-    outboxd(&[
-        "quarantine",
-        "skip",
-        "--database-url",
-        &env.url,
-        "--event",
-        &only.to_string(),
-        "--reason",
-        "obsolete",
-    ]);
+    skip(&env, only, "obsolete");
     env.wait_count(
         "the hold closed",
         "SELECT 1 - count(*) FROM outbox.holds",
@@ -445,16 +441,7 @@ async fn a_held_event_refused_in_its_turn_and_skipped_is_not_sent_again() {
             1,
         )
         .await;
-        outboxd(&[
-            "quarantine",
-            "skip",
-            "--database-url",
-            &env.url,
-            "--event",
-            &id.to_string(),
-            "--reason",
-            &format!("test payload {i}, never needed"),
-        ]);
+        skip(&env, *id, &format!("test payload {i}, never needed"));
     }
     env.wait_count("k3 published", "SELECT count(*) FROM outbox.receipts", 1)
         .await;
