@@ -401,7 +401,9 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOXD_HEARTBEAT_INTERVAL_MS")]
     pub heartbeat_interval_ms: Option<u64>,
     /// How long the slot's lease lasts without renewal. A second `outboxd run` on the same slot
-    /// waits as a hot standby and takes over this long after the active relay stops renewing.
+    /// waits as a hot standby and takes over this long after the active relay stops renewing
+    /// (a paused or partitioned relay), or within 200 ms when the active relay is provably gone
+    /// (its process died: its lease session and walsender are gone; see docs/scaling.md).
     /// [default: 10000]
     #[arg(long, env = "OUTBOXD_LEASE_TTL_MS")]
     pub lease_ttl_ms: Option<u64>,
