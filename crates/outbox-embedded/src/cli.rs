@@ -113,6 +113,13 @@ pub struct BenchArgs {
     /// Payload budget of one variant's backlog, MiB.
     #[arg(long, default_value_t = 256.0)]
     pub variant_mib: f64,
+    /// Slot fan-out, for each N of the list (e.g. `2,4`; docs/scaling.md): N slots on the main
+    /// database, each with a publication of 1/N of the aggregates (a row filter on the hash of
+    /// the aggregate id, as a sharded outbox would have), decoded at once by N pg_recvlogical;
+    /// then N databases holding 1/N of the backlog each, one slot each. Every walsender decodes
+    /// all of its database's WAL: this measures what that costs. Empty: skipped.
+    #[arg(long, value_delimiter = ',')]
+    pub fanout: Vec<usize>,
     /// Topic partitions (every topic the bench creates).
     #[arg(long, default_value_t = 3)]
     pub partitions: i32,

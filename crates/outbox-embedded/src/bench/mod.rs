@@ -129,6 +129,11 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     }
     eprintln!("bench: main scenario {main:?}");
     let db = ctx.prepare(&main).await?;
+    // The fan-out slots must exist before the backlog is written to decode it.
+    let fanout: Vec<usize> = a.fanout.iter().copied().filter(|n| *n > 0).collect();
+    for n in &fanout {
+        ctx.fanout_slots(&db, *n).await?;
+    }
 
     let enqueue_s = workload::enqueue_backlog(&db, &main, a.txn_size).await?;
     let end = workload::backlog_end(&db.client).await?;
@@ -142,6 +147,14 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     let load = |phase: &str, r: &mut Report| r.load.push((phase.into(), procstat::loadavg()));
     load("decode", &mut report);
     report.decode = ctx.decode_limit(&db, end.clone(), main.events).await?;
+    for n in &fanout {
+        let p = ctx.fanout_one_db(&db, *n, &end, main.events).await?;
+        eprintln!(
+            "bench: {n} row-filtered slots on one database: {:.0} events/s",
+            p.rate
+        );
+        report.fanout.push(("slots_on_one_database".into(), *n, p));
+    }
     load("drain", &mut report);
     eprintln!("bench: pg_recvlogical {:.0} events/s", report.decode.rate);
     let (mut relay, drain) = ctx.drain(&db, end, main.events).await?;
@@ -212,6 +225,15 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
             );
             report.debezium = Some(debezium::Outcome::Ran(Box::new(r)));
         }
+    }
+
+    for n in &fanout {
+        let p = ctx.fanout_databases(&main, *n).await?;
+        eprintln!(
+            "bench: {n} databases, one slot each: {:.0} events/s",
+            p.rate
+        );
+        report.fanout.push(("databases".into(), *n, p));
     }
 
     load("variants", &mut report);
@@ -615,45 +637,129 @@ impl Ctx {
 
     /// `pg_recvlogical` over the second slot, up to `end`.
     async fn decode_limit(&self, db: &Db, end: String, events: u64) -> anyhow::Result<Phase> {
+        self.recvlogical(
+            &[(
+                db.url.clone(),
+                db.recv_slot.clone(),
+                "outbox_pub".into(),
+                end,
+            )],
+            events,
+        )
+        .await
+    }
+
+    /// `pg_recvlogical` (pgoutput, to /dev/null) over every `(url, slot, publication, end)` at
+    /// once, timed until the last one reaches its end; `events` is what they deliver in all.
+    async fn recvlogical(
+        &self,
+        streams: &[(String, String, String, String)],
+        events: u64,
+    ) -> anyhow::Result<Phase> {
         let mut m = PhaseMeter::start(self.postmaster);
-        let mut child = tokio::process::Command::new(self.bindir.join("pg_recvlogical"))
-            .args([
-                "-d",
-                &db.url,
-                "--slot",
-                &db.recv_slot,
-                "--start",
-                "--no-loop",
-            ])
-            .args([
-                "-o",
-                "proto_version=1",
-                "-o",
-                "publication_names=outbox_pub",
-            ])
-            .args(["-E", &end, "-f", "/dev/null", "-s", "1"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("running pg_recvlogical")?;
+        let mut children = Vec::new();
+        for (url, slot, publication, end) in streams {
+            let child = tokio::process::Command::new(self.bindir.join("pg_recvlogical"))
+                .args(["-d", url, "--slot", slot, "--start", "--no-loop"])
+                .args([
+                    "-o",
+                    "proto_version=1",
+                    "-o",
+                    &format!("publication_names={publication}"),
+                ])
+                .args(["-E", end, "-f", "/dev/null", "-s", "1"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("running pg_recvlogical")?;
+            children.push(child);
+        }
         let mut tick = tokio::time::interval(Duration::from_millis(100));
-        let status = loop {
-            tokio::select! {
-                s = child.wait() => break s?,
-                _ = tick.tick() => m.cpu.sample(),
+        for child in &mut children {
+            let status = loop {
+                tokio::select! {
+                    s = child.wait() => break s?,
+                    _ = tick.tick() => m.cpu.sample(),
+                }
+            };
+            if !status.success() {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    use tokio::io::AsyncReadExt;
+                    let _ = e.read_to_string(&mut err).await;
+                }
+                bail!("pg_recvlogical failed ({status}): {err}");
             }
-        };
+        }
         let secs = m.started.elapsed().as_secs_f64();
         m.cpu.sample();
-        if !status.success() {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                use tokio::io::AsyncReadExt;
-                let _ = e.read_to_string(&mut err).await;
-            }
-            bail!("pg_recvlogical failed ({status}): {err}");
-        }
         Ok(m.phase(events, secs, 0.0))
+    }
+
+    /// `n` slots on `db`, each with a publication of the aggregates whose id hashes to it
+    /// (`abs(hashtext(aggregate_id)) % n`), as the shards of a sharded outbox would be.
+    async fn fanout_slots(&self, db: &Db, n: usize) -> anyhow::Result<()> {
+        for i in 0..n {
+            // Two statements: a slot cannot be created in a transaction that wrote.
+            db.client
+                .batch_execute(&format!(
+                    "CREATE PUBLICATION bench_fan{n}_{i} FOR TABLE outbox.events
+                         WHERE (abs(hashtext(aggregate_id)) % {n} = {i}) WITH (publish = 'insert')"
+                ))
+                .await
+                .with_context(|| format!("creating fan-out publication {i} of {n}"))?;
+            db.client
+                .execute(
+                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&format!("{}_fan{n}_{i}", db.slot)],
+                )
+                .await
+                .with_context(|| format!("creating fan-out slot {i} of {n}"))?;
+        }
+        Ok(())
+    }
+
+    /// The `n` fan-out slots of `db` decoded at once up to `end`.
+    async fn fanout_one_db(
+        &self,
+        db: &Db,
+        n: usize,
+        end: &str,
+        events: u64,
+    ) -> anyhow::Result<Phase> {
+        let streams: Vec<_> = (0..n)
+            .map(|i| {
+                (
+                    db.url.clone(),
+                    format!("{}_fan{n}_{i}", db.slot),
+                    format!("bench_fan{n}_{i}"),
+                    end.to_string(),
+                )
+            })
+            .collect();
+        self.recvlogical(&streams, events).await
+    }
+
+    /// `n` databases holding 1/n of `main`'s backlog each, their slots decoded at once.
+    async fn fanout_databases(&self, main: &Scenario, n: usize) -> anyhow::Result<Phase> {
+        let mut streams = Vec::new();
+        let each = Scenario {
+            name: String::new(),
+            payload: main.payload,
+            aggregates: (main.aggregates / n as u64).max(1),
+            events: main.events / n as u64,
+        };
+        for i in 0..n {
+            let sc = Scenario {
+                name: format!("fan{n}_db{i}"),
+                ..each.clone()
+            };
+            let db = self.prepare(&sc).await?;
+            workload::enqueue_backlog(&db, &sc, self.args.txn_size).await?;
+            let end = workload::backlog_end(&db.client).await?;
+            streams.push((db.url, db.recv_slot, "outbox_pub".to_string(), end));
+        }
+        self.recvlogical(&streams, each.events * n as u64).await
     }
 
     /// Starts the relay on the backlog and times it until the slot confirmed `end`.

@@ -49,6 +49,8 @@ pub(crate) struct Report {
     pub producer: Option<super::producer::Producer>,
     /// Debezium on the same workload, or why it did not run.
     pub debezium: Option<super::debezium::Outcome>,
+    /// `--fanout`: (kind, N, the N decoders at once): `slots_on_one_database` or `databases`.
+    pub fanout: Vec<(String, usize, Phase)>,
 }
 
 fn phase_json(p: &Phase) -> serde_json::Value {
@@ -347,6 +349,20 @@ impl Report {
             "at the end of the drain the slot retained {:.0} MiB of WAL; the relay confirmed past the WAL its own ledger wrote meanwhile {:.1} s later",
             self.catchup.0, self.catchup.1
         );
+        for (kind, n, p) in &self.fanout {
+            let what = if kind == "databases" {
+                format!("{n} databases, one slot each (1/{n} of the backlog each)")
+            } else {
+                format!("{n} row-filtered slots on one database (each decodes all of its WAL)")
+            };
+            println!(
+                "fan-out: {what}: {:.0} events/s delivered in all, {:.1} s, PostgreSQL CPU {:.1} s ({:.0} us/event)",
+                p.rate,
+                p.secs,
+                p.pg_cpu_s,
+                p.pg_us_per_event()
+            );
+        }
         if let Some(c) = &self.crash {
             println!(
                 "SIGKILL under {:.0} events/s: {} of {} events re-published on restart = {:.0} ms of traffic; caught up {:.1} s after the kill",
@@ -417,6 +433,9 @@ impl Report {
             "after_drain_catch_up_s": self.catchup.1,
             "steady": steady_json(&self.steady),
             "rss_peak_mib": self.rss_peak_mib,
+            "fanout": self.fanout.iter().map(|(kind, n, p)| json!({
+                "kind": kind, "n": n, "decode": phase_json(p),
+            })).collect::<Vec<_>>(),
             "crash": self.crash.as_ref().map(|c| json!({
                 "events_per_s": c.rate, "produced": c.produced, "republished": c.republished,
                 "republished_ms_of_traffic": c.republished_ms, "caught_up_s": c.recovery_s,
