@@ -308,12 +308,18 @@ async fn until_an_unknown_attempt(
     before: i64,
     canaries: &mut Vec<(String, String)>,
 ) {
+    // An aggregate per partition that nothing holds back (a held aggregate's canary would be
+    // recorded as held, never sent: no request to stall).
     let aggregates: Vec<String> = env
         .db
         .query(
             "SELECT DISTINCT ON (r.partition) e.aggregate_id
                FROM outbox.receipts r JOIN outbox.events e USING (event_id)
-              WHERE r.topic = $1 ORDER BY r.partition",
+              WHERE r.topic = $1
+                AND NOT EXISTS (SELECT 1 FROM outbox.holds h
+                                WHERE h.aggregate_type = e.aggregate_type
+                                  AND h.aggregate_id = e.aggregate_id)
+              ORDER BY r.partition, r.accepted_at DESC",
             &[&topic],
         )
         .await
@@ -335,7 +341,30 @@ async fn until_an_unknown_attempt(
             if now > before {
                 Ok(())
             } else {
-                Err(format!("{now} attempts, as before the fault"))
+                // What the relay did with the canaries, for a run that times out here.
+                let state = env
+                    .db
+                    .query_one(
+                        "SELECT (SELECT count(*) FROM outbox.events e
+                                 WHERE e.payload ->> 'key' LIKE 'canary-%'
+                                   AND EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)),
+                                (SELECT count(*) FROM outbox.holds),
+                                (SELECT count(*) FROM outbox.held_events WHERE released_at IS NULL),
+                                (SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active)",
+                        &[&env.slot],
+                    )
+                    .await
+                    .map(|r| {
+                        format!(
+                            "canaries with a receipt {}, holds {}, held events {}, slot active {}",
+                            r.get::<_, i64>(0),
+                            r.get::<_, i64>(1),
+                            r.get::<_, i64>(2),
+                            r.get::<_, i64>(3)
+                        )
+                    })
+                    .unwrap_or_else(|e| e.to_string());
+                Err(format!("{now} attempts, as before the fault; {state}"))
             }
         },
     )
