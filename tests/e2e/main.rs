@@ -32,6 +32,7 @@ pub(crate) mod real_kafka;
 pub(crate) mod receipts;
 pub(crate) mod reconcile;
 pub(crate) mod security;
+pub(crate) mod shards;
 pub(crate) mod sim_regressions;
 pub(crate) mod slot_safety;
 pub(crate) mod takeover;

@@ -63,6 +63,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         unknown_settle: Duration::from_secs(5),
         mode: outboxd::values::RunMode::Cdc,
         poll_interval: Duration::from_millis(100),
+        shard: None,
     }
 }
 

@@ -118,11 +118,20 @@ pub struct Release {
 }
 
 /// Holds an operator has released and the relay has not finished republishing.
-pub async fn releasing(client: &Client) -> Result<Vec<Release>, LedgerError> {
+///
+/// `of_shard`: a condition on `aggregate_id` (`outbox_source::shard::Shard::filter_sql`) that
+/// keeps only the aggregates of one shard: the relay of a shard releases only its own.
+pub async fn releasing(
+    client: &Client,
+    of_shard: Option<&str>,
+) -> Result<Vec<Release>, LedgerError> {
+    let of_shard = of_shard.map(|f| format!("AND {f}")).unwrap_or_default();
     let rows = client
         .query(
-            "SELECT aggregate_type, aggregate_id, blocking_event_id, blocking_version, publish_blocking
-             FROM outbox.holds WHERE state = 'RELEASING' ORDER BY release_requested_at",
+            &format!(
+                "SELECT aggregate_type, aggregate_id, blocking_event_id, blocking_version, publish_blocking
+                 FROM outbox.holds WHERE state = 'RELEASING' {of_shard} ORDER BY release_requested_at"
+            ),
             &[],
         )
         .await

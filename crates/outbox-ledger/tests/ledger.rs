@@ -977,3 +977,36 @@ async fn heads_are_journaled_per_batch_and_folded_without_losing_a_version() {
         pairs
     );
 }
+
+/// The relay of one shard releases only the holds of its own aggregates.
+#[tokio::test]
+async fn a_shard_relay_sees_only_its_shards_releases() {
+    use outbox_ledger::holds;
+    let (c, _) = fresh("ledger_shard_releases").await;
+    for agg in ["a", "b", "c", "d", "e", "f"] {
+        c.execute(
+            "INSERT INTO outbox.holds (aggregate_type, aggregate_id, state, reason_code, reason)
+             VALUES ('order', $1, 'RELEASING', 'test', 'test')",
+            &[&agg],
+        )
+        .await
+        .unwrap();
+    }
+    let all = holds::releasing(&c, None).await.unwrap();
+    assert_eq!(all.len(), 6);
+    let mut seen = 0;
+    for i in 0..2 {
+        let filter = format!("(get_byte(decode(md5(aggregate_id), 'hex'), 0) % 2 = {i})");
+        let mine = holds::releasing(&c, Some(&filter)).await.unwrap();
+        for r in &mine {
+            let key: i32 = c
+                .query_one("SELECT get_byte(decode(md5($1), 'hex'), 0)", &[&r.key.1])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(key % 2, i, "{} released by shard {i}", r.key.1);
+        }
+        seen += mine.len();
+    }
+    assert_eq!(seen, 6, "every hold is some shard's");
+}

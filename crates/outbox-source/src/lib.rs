@@ -11,11 +11,13 @@
 //! * [`tls`] — libpq's `sslmode` / `sslrootcert` for both the SQL and the replication
 //!   connections.
 //! * [`snapshot`] — the initial snapshot: outbox rows committed before the slot existed.
+//! * [`shard`] — a sharded outbox: which aggregates a shard's publication and relay carry.
 //! * [`poll`] — poll mode's source: the next events without a receipt, by aggregate, for
 //!   databases where logical replication is not allowed.
 
 pub mod decode;
 pub mod poll;
+pub mod shard;
 pub mod slot;
 pub mod snapshot;
 pub mod tls;

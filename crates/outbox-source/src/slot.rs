@@ -281,6 +281,18 @@ pub async fn ensure_publication(
     schema: &str,
     table: &str,
 ) -> Result<(), SourceError> {
+    ensure_shard_publication(client, publication, schema, table, None).await
+}
+
+/// [`ensure_publication`] for one shard of a sharded outbox: the publication carries only the
+/// shard's aggregates (a row filter, PostgreSQL 15+), and an existing one must have that filter.
+pub async fn ensure_shard_publication(
+    client: &Client,
+    publication: &str,
+    schema: &str,
+    table: &str,
+    shard: Option<crate::shard::Shard>,
+) -> Result<(), SourceError> {
     let pub_err = |problem: String| SourceError::Publication {
         publication: publication.into(),
         problem,
@@ -294,8 +306,11 @@ pub async fn ensure_publication(
         .map_err(|e| db_err(format!("reading publication {publication}"), e))?;
     match row {
         None => {
+            let filter = shard
+                .map(|s| format!(" WHERE {}", s.filter_sql("aggregate_id")))
+                .unwrap_or_default();
             let sql = format!(
-                "CREATE PUBLICATION {} FOR TABLE {}.{} WITH (publish = 'insert')",
+                "CREATE PUBLICATION {} FOR TABLE {}.{}{filter} WITH (publish = 'insert')",
                 quote_ident(publication),
                 quote_ident(schema),
                 quote_ident(table)
@@ -328,6 +343,27 @@ pub async fn ensure_publication(
                 if has.get::<_, i64>(0) == 0 {
                     return Err(pub_err(format!(
                         "does not include {schema}.{table}; run ALTER PUBLICATION {publication} ADD TABLE {schema}.{table}"
+                    )));
+                }
+            }
+            if let Some(s) = shard {
+                let filter: Option<String> = client
+                    .query_opt(
+                        "SELECT rowfilter FROM pg_publication_tables
+                         WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                        &[&publication, &schema, &table],
+                    )
+                    .await
+                    .map_err(|e| db_err("reading the publication's row filter", e))?
+                    .and_then(|r| r.get(0));
+                let want = format!("% {}) = {})", s.count, s.index);
+                let ok = filter
+                    .as_deref()
+                    .is_some_and(|f| f.contains("md5(aggregate_id)") && f.ends_with(&want));
+                if !ok {
+                    return Err(pub_err(format!(
+                        "is not the publication of shard {s}: its row filter is {filter:?}; run `outboxd migrate --shards {}`",
+                        s.count
                     )));
                 }
             }

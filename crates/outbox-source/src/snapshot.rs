@@ -29,12 +29,18 @@ pub(crate) fn text_columns() -> String {
 pub const QUARANTINED_OR_SKIPPED: &str = "EXISTS (SELECT 1 FROM outbox.quarantine q
     WHERE q.event_id = e.event_id AND (q.released_at IS NULL OR q.resolution = 'skipped'))";
 
-pub fn pending_rows_sql(qualified_table: &str) -> String {
+/// Every row without a receipt that a relay may offer, in aggregate and version order; only
+/// `shard`'s aggregates for the relay of one shard.
+pub fn pending_rows_sql(qualified_table: &str, shard: Option<crate::shard::Shard>) -> String {
     let cols = text_columns();
+    let of_shard = shard
+        .map(|s| format!("AND {}", s.filter_sql("e.aggregate_id")))
+        .unwrap_or_default();
     format!(
         "SELECT {cols} FROM {qualified_table} e
          WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
            AND NOT {QUARANTINED_OR_SKIPPED}
+           {of_shard}
          ORDER BY e.aggregate_type, e.aggregate_id, e.aggregate_version"
     )
 }

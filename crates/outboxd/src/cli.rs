@@ -101,6 +101,16 @@ pub struct MigrateArgs {
     pub poller_table: Option<String>,
     #[command(flatten)]
     pub poller: PollerTableArgs,
+    /// Lay outbox.events out in N shards (a power of two, 1-256; needs PostgreSQL 15+): one
+    /// publication per shard (`<publication>_shard<I>of<N>`, a row filter on the hash of the
+    /// aggregate id), one `outboxd run --shard I/N` per shard. Changing N (4 -> 8) is refused
+    /// while a relay of the old layout runs; stop them (SIGTERM), migrate, start the new ones:
+    /// what the old ones did not publish, the new ones do, in order. See docs/scaling.md.
+    #[arg(long, value_name = "N")]
+    pub shards: Option<String>,
+    /// The base publication name the shards' publications are named after.
+    #[arg(long, default_value = "outbox_pub", requires = "shards")]
+    pub publication: String,
 }
 
 /// How to read an attached poller table (`migrate --poller-table`). The column defaults are
@@ -428,6 +438,13 @@ pub struct RunArgs {
     /// Poll mode: the pause after a round that found nothing new. [default: 100]
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL_MS")]
     pub poll_interval_ms: Option<u64>,
+    /// Publish one shard of a sharded outbox (`outboxd migrate --shards N` first): INDEX/COUNT,
+    /// e.g. 3/8. The relay's slot and publication are `<slot>_shard3of8` and
+    /// `<publication>_shard3of8`, and it publishes, snapshots and releases only the aggregates
+    /// of that shard. Run one relay (and standbys) per shard. CDC mode only. See
+    /// docs/scaling.md.
+    #[arg(long, env = "OUTBOXD_SHARD", value_parser = outbox_source::shard::Shard::parse)]
+    pub shard: Option<outbox_source::shard::Shard>,
     // Last: a flattened group's help heading also applies to the flags declared after it.
     #[command(flatten)]
     pub admin: AdminArgs,

@@ -299,6 +299,9 @@ pub struct RelayConfig {
     pub mode: crate::values::RunMode,
     /// Poll mode: the pause after a round that found nothing new.
     pub poll_interval: Duration,
+    /// The shard this relay publishes, in a sharded outbox (`--shard I/N`); `slot` and
+    /// `publication` are then the shard's (`<name>_shard<I>of<N>`).
+    pub shard: Option<outbox_source::shard::Shard>,
 }
 
 /// The admin endpoints, resolved (flags > environment > `[admin]` in the file > defaults).
@@ -410,6 +413,18 @@ impl RelayConfig {
             }
         } else if self.sink.bootstrap_servers.trim().is_empty() {
             bail!("Kafka bootstrap servers are missing: pass --bootstrap-servers, set OUTBOXD_BOOTSTRAP_SERVERS, or kafka.bootstrap_servers in the config file (or choose --sink nats)");
+        }
+        if let Some(s) = self.shard {
+            if self.mode == crate::values::RunMode::Poll {
+                bail!("--shard {s} needs --mode cdc: a poll-mode relay reads every aggregate");
+            }
+            if (self.schema.as_str(), self.table.as_str()) != ("outbox", "events") {
+                bail!(
+                    "--shard {s}: a sharded outbox is outbox.events, not {}.{}",
+                    self.schema,
+                    self.table
+                );
+            }
         }
         if self.max_in_flight == 0 {
             bail!("relay.max_in_flight must be at least 1");

@@ -14,6 +14,7 @@ pub mod purge;
 pub mod reconcile;
 pub mod relay;
 pub mod shadow;
+pub mod shards;
 pub mod share;
 pub mod topics;
 pub mod values;
@@ -233,6 +234,7 @@ pub fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .or(file.relay.poll_interval_ms)
                 .unwrap_or(100),
         ),
+        shard: a.shard,
         relay_id: a
             .relay_id
             .clone()
@@ -247,6 +249,11 @@ pub fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .unwrap_or(5_000),
         ),
     };
+    let mut cfg = cfg;
+    if let Some(s) = cfg.shard {
+        cfg.slot = s.name(&cfg.slot);
+        cfg.publication = s.name(&cfg.publication);
+    }
     cfg.validate()?;
     Ok(cfg)
 }

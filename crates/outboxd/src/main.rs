@@ -65,6 +65,9 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
             if let Some(t) = &a.poller_table {
                 outboxd::share::attach(&a.database_url, &a.poller, t).await?;
             }
+            if let Some(n) = &a.shards {
+                outboxd::shards::run(&a.database_url, &a.publication, n).await?;
+            }
             Ok(())
         }
         Command::Run(a) => {

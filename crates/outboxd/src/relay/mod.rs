@@ -317,7 +317,8 @@ async fn run_once(
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
     // wal_level and the REPLICATION privilege were checked once, before the first run.
-    slot::ensure_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table).await?;
+    slot::ensure_shard_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table, cfg.shard)
+        .await?;
     let qualified = format!(
         "{}.{}",
         slot::quote_ident(&cfg.schema),
@@ -583,7 +584,7 @@ async fn open_pipeline(
             "held aggregates loaded; see `outboxd quarantine list`"
         );
     }
-    Ok(Pipeline::new(
+    let mut pipeline = Pipeline::new(
         sink,
         reports,
         ledger_client,
@@ -591,7 +592,9 @@ async fn open_pipeline(
         fence.clone(),
         lease_state.clone(),
         outbox_relay::PipelineCore::gate_from(heads, held),
-    ))
+    );
+    pipeline.shard_filter = cfg.shard.map(|s| s.filter_sql("aggregate_id"));
+    Ok(pipeline)
 }
 
 /// Before the first event of a run: retries proven necessary by an earlier run keep their
@@ -860,7 +863,10 @@ async fn publish_snapshot(
         .map_err(db("importing the slot's exported snapshot"))?;
     }
     let rows = tx
-        .query_raw(&snapshot::pending_rows_sql(qualified), Vec::<String>::new())
+        .query_raw(
+            &snapshot::pending_rows_sql(qualified, cfg.shard),
+            Vec::<String>::new(),
+        )
         .await
         .map_err(db("reading unpublished outbox rows"))?;
     pin_mut!(rows);

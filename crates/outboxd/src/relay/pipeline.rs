@@ -43,6 +43,9 @@ pub(crate) struct Pipeline {
     /// transaction runs (the connection is inside [`Self::accepting`]) or when not enabled.
     accept_client: Option<(Client, accept::Prepared)>,
     pub accepting: Option<Accepting>,
+    /// For the relay of one shard: the condition on `aggregate_id` of its aggregates, the only
+    /// ones whose releases it publishes.
+    pub shard_filter: Option<String>,
 }
 
 /// An acceptance transaction running on its own task while the relay goes on reading the
@@ -94,6 +97,7 @@ impl Pipeline {
             slot: slot.to_string(),
             accept_client: None,
             accepting: None,
+            shard_filter: None,
         }
     }
 
@@ -456,7 +460,7 @@ impl Pipeline {
         qualified_table: &str,
         progress: &Progress,
     ) -> Result<(), RelayError> {
-        let releases = holds::releasing(&self.client).await?;
+        let releases = holds::releasing(&self.client, self.shard_filter.as_deref()).await?;
         for r in releases {
             if !self.core.may_release(&r.key) {
                 continue; // an earlier event of it is still at the broker; next round

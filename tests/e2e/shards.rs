@@ -1,0 +1,178 @@
+//! A sharded outbox (`outboxd migrate --shards N`, `outboxd run --shard I/N`): every
+//! committed event published once by the relay of its aggregate's shard, in order per
+//! aggregate, through a SIGKILL and a change from 2 to 4 shards while writers keep writing.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::harness::{connect, outboxd, RelayProcess, TestEnv, LONG};
+use crate::ordering::first_occurrences;
+use outbox_testkit::wait::wait_for;
+
+/// The relay of shard `i` of `n`, in CDC mode (a sharded outbox has no poll mode yet).
+fn shard_relay(env: &TestEnv, i: u16, n: u16, id: &str) -> RelayProcess {
+    let shard = format!("{i}/{n}");
+    env.relay(&[], &["--mode", "cdc", "--shard", &shard, "--relay-id", id])
+}
+
+/// Until every shard slot of the `n`-shard layout has a walsender.
+async fn wait_shards_streaming(env: &TestEnv, n: u16) {
+    let like = format!("{}_shard%of{n}", env.slot);
+    wait_for(&format!("{n} shard slots streaming"), LONG, || async {
+        let active = env
+            .count(&format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '{like}' AND active"
+            ))
+            .await;
+        if active == i64::from(n) {
+            Ok(())
+        } else {
+            Err(format!("{active} of {n}"))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_reshard() {
+    if crate::harness::runs_once_in_e2e(
+        "shards::a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_reshard",
+    ) {
+        return;
+    }
+    let env = TestEnv::new("shards").await;
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "2"]);
+    assert!(ok && out.contains("2 shard(s)"), "{out}");
+    let mut relays: Vec<RelayProcess> = (0..2)
+        .map(|i| shard_relay(&env, i, 2, &format!("r2-{i}")))
+        .collect();
+    wait_shards_streaming(&env, 2).await;
+
+    // Two writers over 16 aggregates, ~300 events/s in all.
+    let committed: Arc<Mutex<HashMap<uuid::Uuid, (String, i64)>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..2usize {
+        let (url, ty, stop, committed) = (
+            env.url.clone(),
+            env.aggregate_type.clone(),
+            stop.clone(),
+            committed.clone(),
+        );
+        writers.push(tokio::spawn(async move {
+            let c = connect(&url).await;
+            let mut next: HashMap<String, i64> = HashMap::new();
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let agg = format!("w{w}-a{}", i % 8);
+                let n = *next.entry(agg.clone()).or_insert(1);
+                let id: uuid::Uuid = c
+                    .query_one(
+                        "SELECT outbox.enqueue($1, $2, 'test.happened', jsonb_build_object('n', $3::int8))",
+                        &[&ty, &agg, &n],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                next.insert(agg.clone(), n + 1);
+                committed.lock().unwrap().insert(id, (agg, n));
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(6)).await;
+            }
+        }));
+    }
+    let wait_more = |n: usize| {
+        let committed = committed.clone();
+        async move {
+            let target = committed.lock().unwrap().len() + n;
+            while committed.lock().unwrap().len() < target {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    wait_more(200).await;
+    // A relay dies; its restart (another relay id) takes its shard over at once.
+    relays[1].kill9();
+    wait_more(100).await;
+    relays[1] = shard_relay(&env, 1, 2, "r2-1-restarted");
+    wait_shards_streaming(&env, 2).await;
+    wait_more(150).await;
+
+    // 2 -> 4 shards: refused while the old layout runs.
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
+    assert!(!ok && out.contains("held by a running relay"), "{out}");
+    for r in &relays {
+        r.signal(libc::SIGTERM);
+    }
+    for r in &mut relays {
+        assert!(r.wait_exit(LONG).await.success(), "{}", r.log_text());
+    }
+    // Written while no relay runs: the new shards' first snapshots publish these.
+    wait_more(100).await;
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
+    assert!(
+        ok && out.contains("4 shard(s)") && out.contains("dropped slot"),
+        "{out}"
+    );
+    let _new: Vec<RelayProcess> = (0..4)
+        .map(|i| shard_relay(&env, i, 4, &format!("r4-{i}")))
+        .collect();
+    wait_shards_streaming(&env, 4).await;
+    wait_more(200).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+
+    let committed = std::mem::take(&mut *committed.lock().unwrap());
+    env.wait_count(
+        "every committed event has a receipt",
+        "SELECT count(*) FROM outbox.receipts",
+        committed.len() as i64,
+    )
+    .await;
+    // Each receipt from the relay of its aggregate's shard (a slot of the layout of its time).
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+             WHERE r.slot_name NOT IN (
+                 '{slot}_shard' || get_byte(decode(md5(e.aggregate_id), 'hex'), 0) % 2 || 'of2',
+                 '{slot}_shard' || get_byte(decode(md5(e.aggregate_id), 'hex'), 0) % 4 || 'of4')",
+            slot = env.slot
+        ))
+        .await,
+        0,
+        "an event published by another shard's relay"
+    );
+    let check = env.verify_receipts(&[&env.topic]).await;
+    let on_broker: std::collections::HashSet<String> =
+        check.messages.iter().map(|m| m.id().to_string()).collect();
+    let missing = committed
+        .keys()
+        .filter(|id| !on_broker.contains(&id.to_string()))
+        .count();
+    assert_eq!(missing, 0, "committed events not on the broker");
+    // Order per aggregate: first occurrences 1, 2, 3, ... on the broker.
+    let order = first_occurrences(&check.messages);
+    let mut per_agg: HashMap<&str, i64> = HashMap::new();
+    for (agg, _) in committed.values() {
+        *per_agg.entry(agg.as_str()).or_default() += 1;
+    }
+    for (agg, n) in per_agg {
+        let expected: Vec<i64> = (1..=n).collect();
+        assert_eq!(
+            order[agg], expected,
+            "{agg}: first occurrences out of order"
+        );
+    }
+    let slots_used = env
+        .count("SELECT count(DISTINCT slot_name) FROM outbox.receipts")
+        .await;
+    println!(
+        "shards: {} committed events, published by {slots_used} shard slots (2, then 4)",
+        committed.len()
+    );
+    assert_eq!(slots_used, 6, "every shard of both layouts published");
+}
