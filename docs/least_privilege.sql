@@ -68,7 +68,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox.relay_leases,
     outbox.attempts,
     outbox.poll_positions,
-    outbox.poll_rounds
+    outbox.poll_rounds,
+    outbox.relay_members
 TO outboxd_relay;
 
 GRANT USAGE ON SEQUENCE

@@ -176,3 +176,180 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
     );
     assert_eq!(slots_used, 6, "every shard of both layouts published");
 }
+
+/// `outboxd run --fleet`: a member of the relay fleet sharing every shard.
+fn fleet_member(env: &TestEnv, id: &str) -> RelayProcess {
+    env.relay(&[], &["--mode", "cdc", "--fleet", "--relay-id", id])
+}
+
+/// Until the live leases of the `n` shards are held as `ok` accepts (owner -> shards), and
+/// every shard slot streams.
+async fn wait_holdings(
+    env: &TestEnv,
+    n: u16,
+    what: &str,
+    ok: impl Fn(&HashMap<String, i64>) -> bool,
+) -> HashMap<String, i64> {
+    let like = format!("{}_shard%of{n}", env.slot);
+    wait_for(what, LONG, || async {
+        let rows = env
+            .db
+            .query(
+                "SELECT owner, count(*) FROM outbox.relay_leases
+                 WHERE slot_name LIKE $1 AND lease_until > clock_timestamp() GROUP BY owner",
+                &[&like],
+            )
+            .await
+            .unwrap();
+        let held: HashMap<String, i64> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let active = env
+            .count(&format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '{like}' AND active"
+            ))
+            .await;
+        if active == i64::from(n) && held.values().sum::<i64>() == i64::from(n) && ok(&held) {
+            Ok(held)
+        } else {
+            Err(format!("{active} of {n} slots streaming; leases {held:?}"))
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause() {
+    if crate::harness::runs_once_in_e2e(
+        "shards::a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause",
+    ) {
+        return;
+    }
+    let env = TestEnv::new("fleet").await;
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "8"]);
+    assert!(ok, "{out}");
+    let a = fleet_member(&env, "fleet-a");
+    let b = fleet_member(&env, "fleet-b");
+    let mut c = fleet_member(&env, "fleet-c");
+    let fair = |h: &HashMap<String, i64>| h.len() == 3 && h.values().all(|n| *n <= 3);
+    wait_holdings(&env, 8, "3 members holding 8 shards, at most 3 each", fair).await;
+
+    let committed: Arc<Mutex<HashMap<uuid::Uuid, (String, i64)>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..2usize {
+        let (url, ty, stop, committed) = (
+            env.url.clone(),
+            env.aggregate_type.clone(),
+            stop.clone(),
+            committed.clone(),
+        );
+        writers.push(tokio::spawn(async move {
+            let c = connect(&url).await;
+            let mut next: HashMap<String, i64> = HashMap::new();
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let agg = format!("w{w}-a{}", i % 16);
+                let n = *next.entry(agg.clone()).or_insert(1);
+                let id: uuid::Uuid = c
+                    .query_one(
+                        "SELECT outbox.enqueue($1, $2, 'test.happened', jsonb_build_object('n', $3::int8))",
+                        &[&ty, &agg, &n],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                next.insert(agg.clone(), n + 1);
+                committed.lock().unwrap().insert(id, (agg, n));
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(6)).await;
+            }
+        }));
+    }
+    let wait_more = |n: usize| {
+        let committed = committed.clone();
+        async move {
+            let target = committed.lock().unwrap().len() + n;
+            while committed.lock().unwrap().len() < target {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    wait_more(150).await;
+
+    // A member dies: the other two take its shards (at once: its lease sessions are gone).
+    c.kill9();
+    wait_holdings(&env, 8, "2 members holding all 8 shards", |h| {
+        h.len() == 2 && !h.contains_key("fleet-c")
+    })
+    .await;
+    wait_more(100).await;
+    // It comes back under another id: the others hand shards over to it.
+    let _c2 = fleet_member(&env, "fleet-c2");
+    wait_holdings(&env, 8, "3 members again, at most 3 shards each", fair).await;
+    wait_more(100).await;
+
+    // A member pauses past its lease: its shards move; resumed, it gets its share back.
+    b.signal(libc::SIGSTOP);
+    wait_holdings(&env, 8, "the paused member's shards taken over", |h| {
+        !h.contains_key("fleet-b")
+    })
+    .await;
+    wait_more(100).await;
+    b.signal(libc::SIGCONT);
+    wait_holdings(&env, 8, "the resumed member holding its share again", |h| {
+        fair(h) && h.contains_key("fleet-b")
+    })
+    .await;
+    wait_more(100).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+
+    let committed = std::mem::take(&mut *committed.lock().unwrap());
+    env.wait_count(
+        "every committed event has a receipt",
+        "SELECT count(*) FROM outbox.receipts",
+        committed.len() as i64,
+    )
+    .await;
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+             WHERE r.slot_name <> '{slot}_shard' || get_byte(decode(md5(e.aggregate_id), 'hex'), 0) % 8 || 'of8'",
+            slot = env.slot
+        ))
+        .await,
+        0,
+        "an event published by another shard's relay"
+    );
+    let check = env.verify_receipts(&[&env.topic]).await;
+    let on_broker: std::collections::HashSet<String> =
+        check.messages.iter().map(|m| m.id().to_string()).collect();
+    let missing = committed
+        .keys()
+        .filter(|id| !on_broker.contains(&id.to_string()))
+        .count();
+    assert_eq!(missing, 0, "committed events not on the broker");
+    let order = first_occurrences(&check.messages);
+    let mut per_agg: HashMap<&str, i64> = HashMap::new();
+    for (agg, _) in committed.values() {
+        *per_agg.entry(agg.as_str()).or_default() += 1;
+    }
+    for (agg, n) in per_agg {
+        let expected: Vec<i64> = (1..=n).collect();
+        assert_eq!(
+            order[agg], expected,
+            "{agg}: first occurrences out of order"
+        );
+    }
+    let (ok, out) = outboxd(&["status", "--database-url", &env.url]);
+    assert!(
+        ok && out.contains("FLEET MEMBER") && out.contains("fleet-b"),
+        "{out}"
+    );
+    println!(
+        "fleet: {} committed events over 8 shards and 3 members (one killed, one paused)",
+        committed.len()
+    );
+    drop(a);
+}

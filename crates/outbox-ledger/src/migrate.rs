@@ -110,6 +110,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "lease_early_takeover",
         sql: include_str!("../../../migrations/0018_lease_early_takeover.sql"),
     },
+    Migration {
+        version: 19,
+        name: "relay_members",
+        sql: include_str!("../../../migrations/0019_relay_members.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

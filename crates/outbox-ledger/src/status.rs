@@ -47,6 +47,9 @@ pub struct Status {
     pub slots: Vec<SlotStatus>,
     /// Every lease (one per slot, or per poll-mode lease name): the relays and who holds what.
     pub leases: Vec<LeaseStatus>,
+    /// The members of a relay fleet (`outboxd run --fleet`) and how long ago each wrote its
+    /// row (seconds).
+    pub members: Vec<(String, f64)>,
 }
 
 /// One lease of `outbox.relay_leases`, as `outboxd status` shows it.
@@ -113,7 +116,19 @@ pub async fn read(client: &Client) -> Result<Status, LedgerError> {
             holder_locks: r.get(5),
         })
         .collect();
+    let members = client
+        .query(
+            "SELECT relay_id, extract(epoch FROM clock_timestamp() - seen_at)::float8
+             FROM outbox.relay_members ORDER BY relay_id",
+            &[],
+        )
+        .await
+        .ctx("reading the fleet's members")?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
     Ok(Status {
+        members,
         leases,
         events: counts.get(0),
         published: counts.get(1),

@@ -51,6 +51,7 @@ const LEDGER_TABLES: &[&str] = &[
     "attempts",
     "poll_positions",
     "poll_rounds",
+    "relay_members",
 ];
 
 /// Sequences behind the ledger tables' ids.

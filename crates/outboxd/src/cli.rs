@@ -445,6 +445,15 @@ pub struct RunArgs {
     /// docs/scaling.md.
     #[arg(long, env = "OUTBOXD_SHARD", value_parser = outbox_source::shard::Shard::parse)]
     pub shard: Option<outbox_source::shard::Shard>,
+    /// Be one member of a relay fleet sharing every shard of the sharded outbox (`outboxd
+    /// migrate --shards N` first): start as many `outboxd run --fleet` as you like, on any
+    /// hosts, each with its own --relay-id. Each holds its fair share of the shards (the shard
+    /// count over the live members, rounded up), takes the shards of a member that died (at
+    /// once) or paused (when its lease expires), and hands shards over when members join.
+    /// `outboxd status` shows which relay holds which shard. CDC mode only. See
+    /// docs/scaling.md.
+    #[arg(long, env = "OUTBOXD_FLEET", conflicts_with = "shard")]
+    pub fleet: bool,
     // Last: a flattened group's help heading also applies to the flags declared after it.
     #[command(flatten)]
     pub admin: AdminArgs,

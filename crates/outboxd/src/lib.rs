@@ -250,6 +250,9 @@ pub fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
         ),
     };
     let mut cfg = cfg;
+    if a.fleet && cfg.mode == crate::values::RunMode::Poll {
+        anyhow::bail!("--fleet needs --mode cdc: a poll-mode relay reads every aggregate");
+    }
     if let Some(s) = cfg.shard {
         cfg.slot = s.name(&cfg.slot);
         cfg.publication = s.name(&cfg.publication);

@@ -78,6 +78,11 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
             purge::spawn_schedule(a.config.as_deref(), cfg.database_url.expose())?;
             let (tx, rx) = watch::channel(false);
             spawn_signal_handler(tx);
+            if a.fleet {
+                return relay::fleet::run(cfg, rx)
+                    .await
+                    .map_err(anyhow::Error::from);
+            }
             relay::run(cfg, Arc::new(relay::Progress::default()), rx)
                 .await
                 .map_err(anyhow::Error::from)
@@ -288,6 +293,18 @@ async fn status(url: &str, json: bool) -> anyhow::Result<()> {
                     "at expiry"
                 }
             );
+        }
+    }
+    if !s.members.is_empty() {
+        println!();
+        println!("{:<32} {:>14}  LEASES", "FLEET MEMBER", "SEEN (S AGO)");
+        for (id, ago) in &s.members {
+            let held = s
+                .leases
+                .iter()
+                .filter(|l| &l.owner == id && l.expires_in_seconds > 0.0)
+                .count();
+            println!("{id:<32} {ago:>14.1}  {held}");
         }
     }
     Ok(())

@@ -25,6 +25,7 @@
 //! Transient failures (connection lost, a delivery not confirmed) are handled the same way:
 //! drop everything in memory, reconnect, replay from the slot. When in doubt, replay.
 
+pub mod fleet;
 mod pipeline;
 mod poll;
 mod reconcile;

@@ -1,0 +1,206 @@
+//! `outboxd run --fleet`: one of several relay processes, on any hosts, that share the shards
+//! of a sharded outbox (`outboxd migrate --shards N`) without a coordinator: PostgreSQL holds
+//! the members (`outbox.relay_members`, migration 0019) and the shards' leases.
+//!
+//! Every half second a member writes its row and counts the live members; its fair share is
+//! the shard count over them, rounded up. Under its share it starts a shard's relay (the same
+//! `run` as `--shard I/N`) for free shards: a lease missing, expired, released, or held by a
+//! relay that is no live member (SIGKILLed: its lease is taken at once; paused: at expiry).
+//! Over its share it stops one of its shards gracefully (drained, confirmed, lease released),
+//! which another member then takes. The leases alone decide who sends: two members can never
+//! both hold a shard, whatever the members' view of each other.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outbox_source::shard::Shard;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::{connect_sql, Progress, RelayError};
+use crate::config::RelayConfig;
+
+/// How often a member writes its row and balances.
+const TICK: Duration = Duration::from_millis(500);
+
+/// A shard relay this member started.
+struct Task {
+    stop: watch::Sender<bool>,
+    handle: JoinHandle<Result<(), RelayError>>,
+    started: Instant,
+}
+
+/// The shard count of the current layout, from the shards' publications.
+async fn layout(client: &tokio_postgres::Client, publication: &str) -> Result<u16, RelayError> {
+    let rows = client
+        .query(
+            "SELECT pubname FROM pg_publication WHERE starts_with(pubname, $1)",
+            &[&format!("{publication}_shard")],
+        )
+        .await
+        .map_err(|e| RelayError::Internal(format!("reading the shards' publications: {e}")))?;
+    let mut counts: Vec<u16> = rows
+        .iter()
+        .filter_map(|r| {
+            let name: String = r.get(0);
+            let rest = name.strip_prefix(&format!("{publication}_shard"))?;
+            let (i, n) = rest.split_once("of")?;
+            Shard::parse(&format!("{i}/{n}")).ok().map(|s| s.count)
+        })
+        .collect();
+    counts.sort_unstable();
+    counts.dedup();
+    match counts.as_slice() {
+        [n] => Ok(*n),
+        [] => Err(RelayError::Internal(format!(
+            "no shard publications {publication}_shard*: run `outboxd migrate --shards N` first (docs/scaling.md)"
+        ))),
+        many => Err(RelayError::Internal(format!(
+            "publications of several shard layouts exist ({many:?} shards): run `outboxd migrate --shards N` for the one you want"
+        ))),
+    }
+}
+
+/// Runs this member until `shutdown`; then stops its shards gracefully.
+pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
+    let url = base.database_url.expose().to_string();
+    let client = connect_sql(&url).await?;
+    let count = layout(&client, &base.publication).await?;
+    let me = base.relay_id.clone();
+    let base_slot = base.slot.clone();
+    let base_pub = base.publication.clone();
+    let ttl_ms = i64::try_from(base.lease_ttl.as_millis()).unwrap_or(i64::MAX) as f64;
+    tracing::info!(relay_id = %me, shards = count, "fleet member: sharing {count} shards");
+    let mut tasks: BTreeMap<u16, Task> = BTreeMap::new();
+    let db = |what: &'static str| {
+        move |e: tokio_postgres::Error| RelayError::Internal(format!("{what}: {e}"))
+    };
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        client
+            .execute(
+                "INSERT INTO outbox.relay_members (relay_id) VALUES ($1)
+                 ON CONFLICT (relay_id) DO UPDATE SET seen_at = clock_timestamp()",
+                &[&me],
+            )
+            .await
+            .map_err(db("writing this fleet member's row"))?;
+        let members: Vec<String> = client
+            .query(
+                "SELECT relay_id FROM outbox.relay_members
+                 WHERE seen_at > clock_timestamp() - $1 * interval '1 millisecond'",
+                &[&ttl_ms],
+            )
+            .await
+            .map_err(db("reading the fleet's members"))?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let target = usize::from(count).div_ceil(members.len().max(1));
+        // Each shard's lease: its holder, if live.
+        let mut holder: BTreeMap<u16, String> = BTreeMap::new();
+        for s in Shard::all(count) {
+            let row = client
+                .query_opt(
+                    "SELECT owner FROM outbox.relay_leases
+                     WHERE slot_name = $1 AND lease_until > clock_timestamp()",
+                    &[&s.name(&base_slot)],
+                )
+                .await
+                .map_err(db("reading the shards' leases"))?;
+            if let Some(r) = row {
+                holder.insert(s.index, r.get(0));
+            }
+        }
+        // Finished tasks (an error the relay does not retry, or a stop) leave.
+        let done: Vec<u16> = tasks
+            .iter()
+            .filter(|(_, t)| t.handle.is_finished())
+            .map(|(i, _)| *i)
+            .collect();
+        for i in done {
+            if let Some(t) = tasks.remove(&i) {
+                match t.handle.await {
+                    Ok(Err(e)) => tracing::warn!(shard = i, error = %e, "shard relay ended"),
+                    Err(e) => tracing::warn!(shard = i, error = %e, "shard relay panicked"),
+                    Ok(Ok(())) => {}
+                }
+            }
+        }
+        // A task that has waited long for a shard another member holds gives up.
+        let give_up = base.lease_ttl + Duration::from_secs(2);
+        let waiting: Vec<u16> = tasks
+            .iter()
+            .filter(|(i, t)| holder.get(i) != Some(&me) && t.started.elapsed() > give_up)
+            .map(|(i, _)| *i)
+            .collect();
+        for i in waiting {
+            if let Some(t) = tasks.remove(&i) {
+                let _ = t.stop.send(true);
+                let _ = t.handle.await;
+            }
+        }
+        let mine = holder.values().filter(|h| **h == me).count();
+        if mine > target {
+            // Over the share: hand the highest shard back.
+            if let Some((&i, _)) = tasks.iter().rev().find(|(i, _)| holder.get(i) == Some(&me)) {
+                tracing::info!(
+                    shard = i,
+                    mine,
+                    target,
+                    members = members.len(),
+                    "fleet: handing a shard over"
+                );
+                if let Some(t) = tasks.remove(&i) {
+                    let _ = t.stop.send(true);
+                    let _ = t.handle.await;
+                }
+            }
+        } else if tasks.len() < target {
+            let free: Vec<u16> = Shard::all(count)
+                .map(|s| s.index)
+                .filter(|i| !tasks.contains_key(i))
+                .filter(|i| holder.get(i).map_or(true, |h| !members.contains(h)))
+                .take(target - tasks.len())
+                .collect();
+            for i in free {
+                let shard = Shard { index: i, count };
+                let mut cfg = base.clone();
+                cfg.shard = Some(shard);
+                cfg.slot = shard.name(&base_slot);
+                cfg.publication = shard.name(&base_pub);
+                let (stop, rx) = watch::channel(false);
+                tracing::info!(shard = %shard, target, members = members.len(), "fleet: taking a shard");
+                let handle = tokio::spawn(super::run(cfg, Arc::new(Progress::default()), rx));
+                tasks.insert(
+                    i,
+                    Task {
+                        stop,
+                        handle,
+                        started: Instant::now(),
+                    },
+                );
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(TICK) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+    for t in tasks.values() {
+        let _ = t.stop.send(true);
+    }
+    for (_, t) in tasks {
+        let _ = t.handle.await;
+    }
+    let _ = client
+        .execute(
+            "DELETE FROM outbox.relay_members WHERE relay_id = $1",
+            &[&me],
+        )
+        .await;
+    Ok(())
+}
