@@ -120,6 +120,12 @@ pub struct BenchArgs {
     /// all of its database's WAL: this measures what that costs. Empty: skipped.
     #[arg(long, value_delimiter = ',')]
     pub fanout: Vec<usize>,
+    /// Sharded drain, for each N of the list (e.g. `1,2,4`; docs/scaling.md): the main
+    /// backlog in a database laid out in N shards (`outboxd migrate --shards N`), drained by N
+    /// relays (`outboxd run --shard I/N`) at once, timed until every shard's slot confirmed
+    /// past the backlog. Empty: skipped.
+    #[arg(long, value_delimiter = ',')]
+    pub shard_drain: Vec<u16>,
     /// Topic partitions (every topic the bench creates).
     #[arg(long, default_value_t = 3)]
     pub partitions: i32,

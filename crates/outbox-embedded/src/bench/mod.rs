@@ -227,6 +227,11 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         }
     }
 
+    for n in a.shard_drain.clone() {
+        let p = ctx.sharded_drain(&main, n).await?;
+        eprintln!("bench: {n} shard relays drained {:.0} events/s", p.rate);
+        report.shard_drain.push((n, p));
+    }
     for n in &fanout {
         let p = ctx.fanout_databases(&main, *n).await?;
         eprintln!(
@@ -738,6 +743,96 @@ impl Ctx {
             })
             .collect();
         self.recvlogical(&streams, events).await
+    }
+
+    /// `main`'s backlog in a database laid out in `n` shards, drained by `n` shard relays at
+    /// once: timed from their spawn until every shard's slot confirmed past the backlog.
+    async fn sharded_drain(&self, main: &Scenario, n: u16) -> anyhow::Result<Phase> {
+        let sc = Scenario {
+            name: format!("shards{n}"),
+            ..main.clone()
+        };
+        let url = self
+            .pg
+            .create_database(&format!("bench_{}", sc.name))
+            .await?;
+        outboxd::migrate(&url).await?;
+        outboxd::shards::run(&url, "outbox_pub", &n.to_string()).await?;
+        let client = outboxd::connect(&url).await?;
+        let agg_type = format!("bench_{}", sc.name);
+        self.kafka
+            .create_topic(&format!("outbox.event.{agg_type}"), self.args.partitions)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let slot = format!("bench_{}", sc.name);
+        let spawn_all = || -> anyhow::Result<Vec<RelayChild>> {
+            (0..n)
+                .map(|i| {
+                    RelayChild::spawn_with(self, &url, &slot, &["--shard", &format!("{i}/{n}")])
+                })
+                .collect()
+        };
+        let slots: Vec<String> = (0..n).map(|i| format!("{slot}_shard{i}of{n}")).collect();
+        // The shard relays create their slots; the backlog then goes through the streams.
+        let relays = spawn_all()?;
+        let t = Instant::now();
+        loop {
+            let ready: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots s
+                     JOIN outbox.checkpoints c ON c.slot_name = s.slot_name
+                     WHERE s.slot_name = ANY($1) AND s.active AND c.snapshot_done",
+                    &[&slots],
+                )
+                .await?
+                .get(0);
+            if ready == i64::from(n) {
+                break;
+            }
+            for r in &relays {
+                r.check_alive()?;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!("the {n} shard relays did not all stream within 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for r in relays {
+            r.terminate()?;
+        }
+        let db = Db {
+            url: url.clone(),
+            client,
+            slot: slot.clone(),
+            recv_slot: String::new(),
+            agg_type,
+        };
+        workload::enqueue_backlog(&db, &sc, self.args.txn_size).await?;
+        let end = workload::backlog_end(&db.client).await?;
+        let mut m = PhaseMeter::start(self.postmaster);
+        let relays = spawn_all()?;
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            m.cpu.sample();
+            for r in &relays {
+                r.check_alive()?;
+            }
+            let mut all = true;
+            for s in &slots {
+                all &= confirmed_past(&db.client, s, &end).await?;
+            }
+            if all {
+                break;
+            }
+            if m.started.elapsed() > Duration::from_secs(self.args.timeout_secs) {
+                bail!("the {n} shard relays did not drain the backlog within --timeout-secs");
+            }
+        }
+        let secs = m.started.elapsed().as_secs_f64();
+        let relay_cpu: f64 = relays.iter().map(|r| r.cpu_secs()).sum();
+        for r in relays {
+            r.terminate()?;
+        }
+        Ok(m.phase(sc.events, secs, relay_cpu))
     }
 
     /// `n` databases holding 1/n of `main`'s backlog each, their slots decoded at once.

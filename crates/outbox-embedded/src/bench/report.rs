@@ -51,6 +51,8 @@ pub(crate) struct Report {
     pub debezium: Option<super::debezium::Outcome>,
     /// `--fanout`: (kind, N, the N decoders at once): `slots_on_one_database` or `databases`.
     pub fanout: Vec<(String, usize, Phase)>,
+    /// `--shard-drain`: (N, the backlog drained by N shard relays).
+    pub shard_drain: Vec<(u16, Phase)>,
 }
 
 fn phase_json(p: &Phase) -> serde_json::Value {
@@ -349,6 +351,12 @@ impl Report {
             "at the end of the drain the slot retained {:.0} MiB of WAL; the relay confirmed past the WAL its own ledger wrote meanwhile {:.1} s later",
             self.catchup.0, self.catchup.1
         );
+        for (n, p) in &self.shard_drain {
+            println!(
+                "sharded drain: {n} shard relay(s): {:.0} events/s, {:.1} s, relays' CPU {:.1} s, PostgreSQL CPU {:.1} s",
+                p.rate, p.secs, p.relay_cpu_s, p.pg_cpu_s
+            );
+        }
         for (kind, n, p) in &self.fanout {
             let what = if kind == "databases" {
                 format!("{n} databases, one slot each (1/{n} of the backlog each)")
@@ -433,6 +441,9 @@ impl Report {
             "after_drain_catch_up_s": self.catchup.1,
             "steady": steady_json(&self.steady),
             "rss_peak_mib": self.rss_peak_mib,
+            "shard_drain": self.shard_drain.iter().map(|(n, p)| json!({
+                "shards": n, "drain": phase_json(p),
+            })).collect::<Vec<_>>(),
             "fanout": self.fanout.iter().map(|(kind, n, p)| json!({
                 "kind": kind, "n": n, "decode": phase_json(p),
             })).collect::<Vec<_>>(),
