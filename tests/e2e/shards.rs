@@ -35,6 +35,130 @@ async fn wait_shards_streaming(env: &TestEnv, n: u16) {
     .await;
 }
 
+/// Writers enqueueing through `outbox.enqueue`, each over its own aggregates, recording every
+/// committed event (id -> aggregate, its n-th event).
+struct Writers {
+    committed: Arc<Mutex<HashMap<uuid::Uuid, (String, i64)>>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Writers {
+    /// `writers` writers over `aggregates` aggregates each, ~150 events/s per writer.
+    fn start(env: &TestEnv, writers: usize, aggregates: usize) -> Writers {
+        let committed: Arc<Mutex<HashMap<uuid::Uuid, (String, i64)>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..writers)
+            .map(|w| {
+                let (url, ty, stop, committed) = (
+                    env.url.clone(),
+                    env.aggregate_type.clone(),
+                    stop.clone(),
+                    committed.clone(),
+                );
+                tokio::spawn(async move {
+                    let c = connect(&url).await;
+                    let mut next: HashMap<String, i64> = HashMap::new();
+                    let mut i = 0usize;
+                    while !stop.load(Ordering::Relaxed) {
+                        let agg = format!("w{w}-a{}", i % aggregates);
+                        let n = *next.entry(agg.clone()).or_insert(1);
+                        let id: uuid::Uuid = c
+                            .query_one(
+                                "SELECT outbox.enqueue($1, $2, 'test.happened', jsonb_build_object('n', $3::int8))",
+                                &[&ty, &agg, &n],
+                            )
+                            .await
+                            .unwrap()
+                            .get(0);
+                        next.insert(agg.clone(), n + 1);
+                        committed.lock().unwrap().insert(id, (agg, n));
+                        i += 1;
+                        tokio::time::sleep(Duration::from_millis(6)).await;
+                    }
+                })
+            })
+            .collect();
+        Writers {
+            committed,
+            stop,
+            tasks,
+        }
+    }
+
+    /// Until `n` more events are committed.
+    async fn wait_more(&self, n: usize) {
+        let target = self.committed.lock().unwrap().len() + n;
+        while self.committed.lock().unwrap().len() < target {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the writers; what they committed.
+    async fn finish(self) -> HashMap<uuid::Uuid, (String, i64)> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        std::mem::take(&mut *self.committed.lock().unwrap())
+    }
+}
+
+/// Every committed event has a receipt from the slot of its aggregate's shard in one of
+/// `layouts` (shard counts), is on the broker where its receipt says, and each aggregate's
+/// first occurrences are 1, 2, 3, ...
+async fn assert_published_by_their_shards(
+    env: &TestEnv,
+    committed: &HashMap<uuid::Uuid, (String, i64)>,
+    layouts: &[u16],
+) {
+    env.wait_count(
+        "every committed event has a receipt",
+        "SELECT count(*) FROM outbox.receipts",
+        committed.len() as i64,
+    )
+    .await;
+    let slots: Vec<String> = layouts
+        .iter()
+        .map(|n| {
+            format!(
+                "'{}_shard' || get_byte(decode(md5(e.aggregate_id), 'hex'), 0) % {n} || 'of{n}'",
+                env.slot
+            )
+        })
+        .collect();
+    assert_eq!(
+        env.count(&format!(
+            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+             WHERE r.slot_name NOT IN ({})",
+            slots.join(", ")
+        ))
+        .await,
+        0,
+        "an event published by another shard's relay"
+    );
+    let check = env.verify_receipts(&[&env.topic]).await;
+    let on_broker: std::collections::HashSet<String> =
+        check.messages.iter().map(|m| m.id().to_string()).collect();
+    let missing = committed
+        .keys()
+        .filter(|id| !on_broker.contains(&id.to_string()))
+        .count();
+    assert_eq!(missing, 0, "committed events not on the broker");
+    let order = first_occurrences(&check.messages);
+    let mut per_agg: HashMap<&str, i64> = HashMap::new();
+    for (agg, _) in committed.values() {
+        *per_agg.entry(agg.as_str()).or_default() += 1;
+    }
+    for (agg, n) in per_agg {
+        let expected: Vec<i64> = (1..=n).collect();
+        assert_eq!(
+            order[agg], expected,
+            "{agg}: first occurrences out of order"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_reshard() {
     if crate::harness::runs_once_in_e2e(
@@ -50,55 +174,14 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
         .collect();
     wait_shards_streaming(&env, 2).await;
 
-    // Two writers over 16 aggregates, ~300 events/s in all.
-    let committed: Arc<Mutex<HashMap<uuid::Uuid, (String, i64)>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut writers = Vec::new();
-    for w in 0..2usize {
-        let (url, ty, stop, committed) = (
-            env.url.clone(),
-            env.aggregate_type.clone(),
-            stop.clone(),
-            committed.clone(),
-        );
-        writers.push(tokio::spawn(async move {
-            let c = connect(&url).await;
-            let mut next: HashMap<String, i64> = HashMap::new();
-            let mut i = 0usize;
-            while !stop.load(Ordering::Relaxed) {
-                let agg = format!("w{w}-a{}", i % 8);
-                let n = *next.entry(agg.clone()).or_insert(1);
-                let id: uuid::Uuid = c
-                    .query_one(
-                        "SELECT outbox.enqueue($1, $2, 'test.happened', jsonb_build_object('n', $3::int8))",
-                        &[&ty, &agg, &n],
-                    )
-                    .await
-                    .unwrap()
-                    .get(0);
-                next.insert(agg.clone(), n + 1);
-                committed.lock().unwrap().insert(id, (agg, n));
-                i += 1;
-                tokio::time::sleep(Duration::from_millis(6)).await;
-            }
-        }));
-    }
-    let wait_more = |n: usize| {
-        let committed = committed.clone();
-        async move {
-            let target = committed.lock().unwrap().len() + n;
-            while committed.lock().unwrap().len() < target {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
-    wait_more(200).await;
+    let writers = Writers::start(&env, 2, 8);
+    writers.wait_more(200).await;
     // A relay dies; its restart (another relay id) takes its shard over at once.
     relays[1].kill9();
-    wait_more(100).await;
+    writers.wait_more(100).await;
     relays[1] = shard_relay(&env, 1, 2, "r2-1-restarted");
     wait_shards_streaming(&env, 2).await;
-    wait_more(150).await;
+    writers.wait_more(150).await;
 
     // 2 -> 4 shards: refused while the old layout runs.
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
@@ -110,7 +193,7 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
         assert!(r.wait_exit(LONG).await.success(), "{}", r.log_text());
     }
     // Written while no relay runs: the new shards' first snapshots publish these.
-    wait_more(100).await;
+    writers.wait_more(100).await;
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
     assert!(
         ok && out.contains("4 shard(s)") && out.contains("dropped slot"),
@@ -120,53 +203,10 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
         .map(|i| shard_relay(&env, i, 4, &format!("r4-{i}")))
         .collect();
     wait_shards_streaming(&env, 4).await;
-    wait_more(200).await;
-    stop.store(true, Ordering::Relaxed);
-    for w in writers {
-        w.await.unwrap();
-    }
-
-    let committed = std::mem::take(&mut *committed.lock().unwrap());
-    env.wait_count(
-        "every committed event has a receipt",
-        "SELECT count(*) FROM outbox.receipts",
-        committed.len() as i64,
-    )
-    .await;
-    // Each receipt from the relay of its aggregate's shard (a slot of the layout of its time).
-    assert_eq!(
-        env.count(&format!(
-            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
-             WHERE r.slot_name NOT IN (
-                 '{slot}_shard' || get_byte(decode(md5(e.aggregate_id), 'hex'), 0) % 2 || 'of2',
-                 '{slot}_shard' || get_byte(decode(md5(e.aggregate_id), 'hex'), 0) % 4 || 'of4')",
-            slot = env.slot
-        ))
-        .await,
-        0,
-        "an event published by another shard's relay"
-    );
-    let check = env.verify_receipts(&[&env.topic]).await;
-    let on_broker: std::collections::HashSet<String> =
-        check.messages.iter().map(|m| m.id().to_string()).collect();
-    let missing = committed
-        .keys()
-        .filter(|id| !on_broker.contains(&id.to_string()))
-        .count();
-    assert_eq!(missing, 0, "committed events not on the broker");
-    // Order per aggregate: first occurrences 1, 2, 3, ... on the broker.
-    let order = first_occurrences(&check.messages);
-    let mut per_agg: HashMap<&str, i64> = HashMap::new();
-    for (agg, _) in committed.values() {
-        *per_agg.entry(agg.as_str()).or_default() += 1;
-    }
-    for (agg, n) in per_agg {
-        let expected: Vec<i64> = (1..=n).collect();
-        assert_eq!(
-            order[agg], expected,
-            "{agg}: first occurrences out of order"
-        );
-    }
+    writers.wait_more(200).await;
+    let committed = writers.finish().await;
+    // Each receipt from the relay of its aggregate's shard, in the layout of its time.
+    assert_published_by_their_shards(&env, &committed, &[2, 4]).await;
     let slots_used = env
         .count("SELECT count(DISTINCT slot_name) FROM outbox.receipts")
         .await;
@@ -232,48 +272,8 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
     let fair = |h: &HashMap<String, i64>| h.len() == 3 && h.values().all(|n| *n <= 3);
     wait_holdings(&env, 8, "3 members holding 8 shards, at most 3 each", fair).await;
 
-    let committed: Arc<Mutex<HashMap<uuid::Uuid, (String, i64)>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut writers = Vec::new();
-    for w in 0..2usize {
-        let (url, ty, stop, committed) = (
-            env.url.clone(),
-            env.aggregate_type.clone(),
-            stop.clone(),
-            committed.clone(),
-        );
-        writers.push(tokio::spawn(async move {
-            let c = connect(&url).await;
-            let mut next: HashMap<String, i64> = HashMap::new();
-            let mut i = 0usize;
-            while !stop.load(Ordering::Relaxed) {
-                let agg = format!("w{w}-a{}", i % 16);
-                let n = *next.entry(agg.clone()).or_insert(1);
-                let id: uuid::Uuid = c
-                    .query_one(
-                        "SELECT outbox.enqueue($1, $2, 'test.happened', jsonb_build_object('n', $3::int8))",
-                        &[&ty, &agg, &n],
-                    )
-                    .await
-                    .unwrap()
-                    .get(0);
-                next.insert(agg.clone(), n + 1);
-                committed.lock().unwrap().insert(id, (agg, n));
-                i += 1;
-                tokio::time::sleep(Duration::from_millis(6)).await;
-            }
-        }));
-    }
-    let wait_more = |n: usize| {
-        let committed = committed.clone();
-        async move {
-            let target = committed.lock().unwrap().len() + n;
-            while committed.lock().unwrap().len() < target {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
-    wait_more(150).await;
+    let writers = Writers::start(&env, 2, 16);
+    writers.wait_more(150).await;
 
     // A member dies: the other two take its shards (at once: its lease sessions are gone).
     c.kill9();
@@ -281,11 +281,11 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
         h.len() == 2 && !h.contains_key("fleet-c")
     })
     .await;
-    wait_more(100).await;
+    writers.wait_more(100).await;
     // It comes back under another id: the others hand shards over to it.
     let _c2 = fleet_member(&env, "fleet-c2");
     wait_holdings(&env, 8, "3 members again, at most 3 shards each", fair).await;
-    wait_more(100).await;
+    writers.wait_more(100).await;
 
     // A member pauses past its lease: its shards move; resumed, it gets its share back.
     b.signal(libc::SIGSTOP);
@@ -293,55 +293,15 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
         !h.contains_key("fleet-b")
     })
     .await;
-    wait_more(100).await;
+    writers.wait_more(100).await;
     b.signal(libc::SIGCONT);
     wait_holdings(&env, 8, "the resumed member holding its share again", |h| {
         fair(h) && h.contains_key("fleet-b")
     })
     .await;
-    wait_more(100).await;
-    stop.store(true, Ordering::Relaxed);
-    for w in writers {
-        w.await.unwrap();
-    }
-
-    let committed = std::mem::take(&mut *committed.lock().unwrap());
-    env.wait_count(
-        "every committed event has a receipt",
-        "SELECT count(*) FROM outbox.receipts",
-        committed.len() as i64,
-    )
-    .await;
-    assert_eq!(
-        env.count(&format!(
-            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
-             WHERE r.slot_name <> '{slot}_shard' || get_byte(decode(md5(e.aggregate_id), 'hex'), 0) % 8 || 'of8'",
-            slot = env.slot
-        ))
-        .await,
-        0,
-        "an event published by another shard's relay"
-    );
-    let check = env.verify_receipts(&[&env.topic]).await;
-    let on_broker: std::collections::HashSet<String> =
-        check.messages.iter().map(|m| m.id().to_string()).collect();
-    let missing = committed
-        .keys()
-        .filter(|id| !on_broker.contains(&id.to_string()))
-        .count();
-    assert_eq!(missing, 0, "committed events not on the broker");
-    let order = first_occurrences(&check.messages);
-    let mut per_agg: HashMap<&str, i64> = HashMap::new();
-    for (agg, _) in committed.values() {
-        *per_agg.entry(agg.as_str()).or_default() += 1;
-    }
-    for (agg, n) in per_agg {
-        let expected: Vec<i64> = (1..=n).collect();
-        assert_eq!(
-            order[agg], expected,
-            "{agg}: first occurrences out of order"
-        );
-    }
+    writers.wait_more(100).await;
+    let committed = writers.finish().await;
+    assert_published_by_their_shards(&env, &committed, &[8]).await;
     let (ok, out) = outboxd(&["status", "--database-url", &env.url]);
     assert!(
         ok && out.contains("FLEET MEMBER") && out.contains("fleet-b"),
