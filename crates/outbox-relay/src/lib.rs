@@ -21,11 +21,13 @@
 //!   idle checkpoint, polls releases and sends a standby status; and what the standby status
 //!   confirms ([`schedule::standby_status`], the safety argument).
 //!
+//! * [`fleet`] — a fleet member's share of the shards: which to take, hand over or give up.
 //! * [`unknown`] — which DISPATCH_UNKNOWN attempts to look up now, and what a look-up means
 //!   for the relay.
 //!
 //! The start-up plan is `outbox_source::slot::plan` (pure as well).
 
+pub mod fleet;
 pub mod lifecycle;
 pub mod pipeline;
 pub mod release;

@@ -1,6 +1,8 @@
 //! `outboxd run --fleet`: one of several relay processes, on any hosts, that share the shards
 //! of a sharded outbox (`outboxd migrate --shards N`) without a coordinator: PostgreSQL holds
-//! the members (`outbox.relay_members`, migration 0019) and the shards' leases.
+//! the members (`outbox.relay_members`, migration 0019) and the shards' leases. What to take
+//! and what to hand over is decided by `outbox_relay::fleet::plan` (pure); this loop reads the
+//! members and leases and starts or stops the shard relays it says.
 //!
 //! Every half second a member writes its row and counts the live members; its fair share is
 //! the shard count over them, rounded up. Under its share it starts a shard's relay (the same
@@ -14,6 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_relay::fleet::{self, Step};
 use outbox_source::shard::Shard;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -99,9 +102,8 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
             .iter()
             .map(|r| r.get(0))
             .collect();
-        let target = usize::from(count).div_ceil(members.len().max(1));
         // Each shard's lease: its holder, if live.
-        let mut holder: BTreeMap<u16, String> = BTreeMap::new();
+        let mut holders: BTreeMap<u16, String> = BTreeMap::new();
         for s in Shard::all(count) {
             let row = client
                 .query_opt(
@@ -112,7 +114,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                 .await
                 .map_err(db("reading the shards' leases"))?;
             if let Some(r) = row {
-                holder.insert(s.index, r.get(0));
+                holders.insert(s.index, r.get(0));
             }
         }
         // Finished tasks (an error the relay does not retry, or a stop) leave.
@@ -130,59 +132,51 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                 }
             }
         }
-        // A task that has waited long for a shard another member holds gives up.
-        let give_up = base.lease_ttl + Duration::from_secs(2);
-        let waiting: Vec<u16> = tasks
+        let running: BTreeMap<u16, Duration> = tasks
             .iter()
-            .filter(|(i, t)| holder.get(i) != Some(&me) && t.started.elapsed() > give_up)
-            .map(|(i, _)| *i)
+            .map(|(i, t)| (*i, t.started.elapsed()))
             .collect();
-        for i in waiting {
-            if let Some(t) = tasks.remove(&i) {
-                let _ = t.stop.send(true);
-                let _ = t.handle.await;
-            }
-        }
-        let mine = holder.values().filter(|h| **h == me).count();
-        if mine > target {
-            // Over the share: hand the highest shard back.
-            if let Some((&i, _)) = tasks.iter().rev().find(|(i, _)| holder.get(i) == Some(&me)) {
-                tracing::info!(
-                    shard = i,
-                    mine,
-                    target,
-                    members = members.len(),
-                    "fleet: handing a shard over"
-                );
-                if let Some(t) = tasks.remove(&i) {
-                    let _ = t.stop.send(true);
-                    let _ = t.handle.await;
+        let steps = fleet::plan(&fleet::View {
+            count,
+            me: &me,
+            members: &members,
+            holders: &holders,
+            running: &running,
+            give_up: base.lease_ttl + Duration::from_secs(2),
+        });
+        for step in steps {
+            match step {
+                Step::GiveUp(i) | Step::HandOver(i) => {
+                    if matches!(step, Step::HandOver(_)) {
+                        tracing::info!(
+                            shard = i,
+                            members = members.len(),
+                            "fleet: handing a shard over"
+                        );
+                    }
+                    if let Some(t) = tasks.remove(&i) {
+                        let _ = t.stop.send(true);
+                        let _ = t.handle.await;
+                    }
                 }
-            }
-        } else if tasks.len() < target {
-            let free: Vec<u16> = Shard::all(count)
-                .map(|s| s.index)
-                .filter(|i| !tasks.contains_key(i))
-                .filter(|i| holder.get(i).map_or(true, |h| !members.contains(h)))
-                .take(target - tasks.len())
-                .collect();
-            for i in free {
-                let shard = Shard { index: i, count };
-                let mut cfg = base.clone();
-                cfg.shard = Some(shard);
-                cfg.slot = shard.name(&base_slot);
-                cfg.publication = shard.name(&base_pub);
-                let (stop, rx) = watch::channel(false);
-                tracing::info!(shard = %shard, target, members = members.len(), "fleet: taking a shard");
-                let handle = tokio::spawn(super::run(cfg, Arc::new(Progress::default()), rx));
-                tasks.insert(
-                    i,
-                    Task {
-                        stop,
-                        handle,
-                        started: Instant::now(),
-                    },
-                );
+                Step::Take(i) => {
+                    let shard = Shard { index: i, count };
+                    let mut cfg = base.clone();
+                    cfg.shard = Some(shard);
+                    cfg.slot = shard.name(&base_slot);
+                    cfg.publication = shard.name(&base_pub);
+                    let (stop, rx) = watch::channel(false);
+                    tracing::info!(shard = %shard, members = members.len(), "fleet: taking a shard");
+                    let handle = tokio::spawn(super::run(cfg, Arc::new(Progress::default()), rx));
+                    tasks.insert(
+                        i,
+                        Task {
+                            stop,
+                            handle,
+                            started: Instant::now(),
+                        },
+                    );
+                }
             }
         }
         tokio::select! {
