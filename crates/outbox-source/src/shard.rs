@@ -59,6 +59,14 @@ impl Shard {
         format!("{base}_shard{}of{}", self.index, self.count)
     }
 
+    /// The shard whose publication or slot is `name`, from the unsharded `base` name (the
+    /// inverse of [`Shard::name`]); `None` when `name` is not a shard's.
+    pub fn from_name(name: &str, base: &str) -> Option<Shard> {
+        let rest = name.strip_prefix(base)?.strip_prefix("_shard")?;
+        let (i, n) = rest.split_once("of")?;
+        Shard::parse(&format!("{i}/{n}")).ok()
+    }
+
     /// Every shard of `count`.
     pub fn all(count: u16) -> impl Iterator<Item = Shard> {
         (0..count).map(move |index| Shard { index, count })
@@ -109,5 +117,12 @@ mod tests {
             "(get_byte(decode(md5(aggregate_id), 'hex'), 0) % 8 = 5)"
         );
         assert_eq!(Shard::all(4).count(), 4);
+        assert_eq!(
+            Shard::from_name("outbox_pub_shard5of8", "outbox_pub"),
+            Some(s)
+        );
+        assert_eq!(Shard::from_name("outbox_pub_shard8of8", "outbox_pub"), None);
+        assert_eq!(Shard::from_name("outbox_pub", "outbox_pub"), None);
+        assert_eq!(Shard::from_name("other_shard1of2", "outbox_pub"), None);
     }
 }

@@ -21,10 +21,7 @@ fn layout_of(publication: &str, base: &str) -> Option<Option<u16>> {
     if publication == base {
         return Some(None);
     }
-    let rest = publication.strip_prefix(base)?.strip_prefix("_shard")?;
-    let (i, n) = rest.split_once("of")?;
-    let shard = Shard::parse(&format!("{i}/{n}")).ok()?;
-    Some(Some(shard.count))
+    Some(Some(Shard::from_name(publication, base)?.count))
 }
 
 /// Lays the outbox out in `count` shards (publications `<publication>_shard<I>of<N>`).

@@ -585,57 +585,98 @@ impl Ctx {
     }
 
     async fn prepare(&self, sc: &Scenario) -> anyhow::Result<Db> {
-        let url = self
-            .pg
-            .create_database(&format!("bench_{}", sc.name))
-            .await?;
-        outboxd::migrate(&url).await?;
-        let client = outboxd::connect(&url).await?;
-        let agg_type = format!("bench_{}", sc.name);
-        self.kafka
-            .create_topic(&format!("outbox.event.{agg_type}"), self.args.partitions)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let slot = format!("bench_{}", sc.name);
-        // The relay creates its slot (and the ledger row that makes it its own); the backlog
-        // enqueued after it stops goes through the stream, not the initial snapshot.
-        let relay = RelayChild::spawn(self, &url, &slot)?;
-        let t = Instant::now();
-        loop {
-            let active: Option<bool> = client
-                .query_opt(
-                    "SELECT s.active FROM pg_replication_slots s
-                     JOIN outbox.checkpoints c ON c.slot_name = s.slot_name
-                     WHERE s.slot_name = $1 AND c.snapshot_done",
-                    &[&slot],
-                )
-                .await?
-                .map(|r| r.get(0));
-            if active == Some(true) {
-                break;
-            }
-            relay.check_alive()?;
-            if t.elapsed() > Duration::from_secs(60) {
-                bail!(
-                    "the relay did not start streaming within 60 s; see {}",
-                    relay.log.display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        relay.terminate()?;
-        let recv_slot = format!("{slot}_recv");
-        client
+        let mut db = self.prepare_layout(sc, None).await?;
+        let recv_slot = format!("{}_recv", db.slot);
+        db.client
             .execute(
                 "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
                 &[&recv_slot],
             )
             .await
             .context("creating the pg_recvlogical slot")?;
+        db.recv_slot = recv_slot;
+        Ok(db)
+    }
+
+    /// The relays of `sc`'s database: one, or one per shard of `shards` (`--shard I/N`).
+    fn spawn_layout(
+        &self,
+        url: &str,
+        slot: &str,
+        shards: Option<u16>,
+    ) -> anyhow::Result<Vec<RelayChild>> {
+        match shards {
+            None => Ok(vec![RelayChild::spawn(self, url, slot)?]),
+            Some(n) => (0..n)
+                .map(|i| RelayChild::spawn_with(self, url, slot, &["--shard", &format!("{i}/{n}")]))
+                .collect(),
+        }
+    }
+
+    /// The slots of `slot`'s layout: itself, or one per shard.
+    fn layout_slots(slot: &str, shards: Option<u16>) -> Vec<String> {
+        match shards {
+            None => vec![slot.to_string()],
+            Some(n) => (0..n).map(|i| format!("{slot}_shard{i}of{n}")).collect(),
+        }
+    }
+
+    /// A database for `sc`: migrated (laid out in `shards` shards if given), its topic, and its
+    /// relays' slots created by a first run of them (with the ledger rows that make them
+    /// theirs), so the backlog enqueued after they stop goes through the streams, not the
+    /// initial snapshots. No `pg_recvlogical` slot.
+    async fn prepare_layout(&self, sc: &Scenario, shards: Option<u16>) -> anyhow::Result<Db> {
+        let url = self
+            .pg
+            .create_database(&format!("bench_{}", sc.name))
+            .await?;
+        outboxd::migrate(&url).await?;
+        if let Some(n) = shards {
+            outboxd::shards::run(&url, "outbox_pub", &n.to_string()).await?;
+        }
+        let client = outboxd::connect(&url).await?;
+        let agg_type = format!("bench_{}", sc.name);
+        self.kafka
+            .create_topic(&format!("outbox.event.{agg_type}"), self.args.partitions)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let slot = format!("bench_{}", sc.name);
+        let slots = Self::layout_slots(&slot, shards);
+        let relays = self.spawn_layout(&url, &slot, shards)?;
+        let t = Instant::now();
+        loop {
+            let ready: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots s
+                     JOIN outbox.checkpoints c ON c.slot_name = s.slot_name
+                     WHERE s.slot_name = ANY($1) AND s.active AND c.snapshot_done",
+                    &[&slots],
+                )
+                .await?
+                .get(0);
+            if ready == slots.len() as i64 {
+                break;
+            }
+            for r in &relays {
+                r.check_alive()?;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                let logs: Vec<String> =
+                    relays.iter().map(|r| r.log.display().to_string()).collect();
+                bail!(
+                    "the relay did not start streaming within 60 s; see {}",
+                    logs.join(", ")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for r in relays {
+            r.terminate()?;
+        }
         Ok(Db {
             url,
             client,
             slot,
-            recv_slot,
+            recv_slot: String::new(),
             agg_type,
         })
     }
@@ -752,64 +793,12 @@ impl Ctx {
             name: format!("shards{n}"),
             ..main.clone()
         };
-        let url = self
-            .pg
-            .create_database(&format!("bench_{}", sc.name))
-            .await?;
-        outboxd::migrate(&url).await?;
-        outboxd::shards::run(&url, "outbox_pub", &n.to_string()).await?;
-        let client = outboxd::connect(&url).await?;
-        let agg_type = format!("bench_{}", sc.name);
-        self.kafka
-            .create_topic(&format!("outbox.event.{agg_type}"), self.args.partitions)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let slot = format!("bench_{}", sc.name);
-        let spawn_all = || -> anyhow::Result<Vec<RelayChild>> {
-            (0..n)
-                .map(|i| {
-                    RelayChild::spawn_with(self, &url, &slot, &["--shard", &format!("{i}/{n}")])
-                })
-                .collect()
-        };
-        let slots: Vec<String> = (0..n).map(|i| format!("{slot}_shard{i}of{n}")).collect();
-        // The shard relays create their slots; the backlog then goes through the streams.
-        let relays = spawn_all()?;
-        let t = Instant::now();
-        loop {
-            let ready: i64 = client
-                .query_one(
-                    "SELECT count(*) FROM pg_replication_slots s
-                     JOIN outbox.checkpoints c ON c.slot_name = s.slot_name
-                     WHERE s.slot_name = ANY($1) AND s.active AND c.snapshot_done",
-                    &[&slots],
-                )
-                .await?
-                .get(0);
-            if ready == i64::from(n) {
-                break;
-            }
-            for r in &relays {
-                r.check_alive()?;
-            }
-            if t.elapsed() > Duration::from_secs(60) {
-                bail!("the {n} shard relays did not all stream within 60 s");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        for r in relays {
-            r.terminate()?;
-        }
-        let db = Db {
-            url: url.clone(),
-            client,
-            slot: slot.clone(),
-            recv_slot: String::new(),
-            agg_type,
-        };
+        let db = self.prepare_layout(&sc, Some(n)).await?;
+        let slots = Self::layout_slots(&db.slot, Some(n));
         workload::enqueue_backlog(&db, &sc, self.args.txn_size).await?;
         let end = workload::backlog_end(&db.client).await?;
         let mut m = PhaseMeter::start(self.postmaster);
-        let relays = spawn_all()?;
+        let relays = self.spawn_layout(&db.url, &db.slot, Some(n))?;
         loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
             m.cpu.sample();

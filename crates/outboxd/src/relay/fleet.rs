@@ -45,12 +45,7 @@ async fn layout(client: &tokio_postgres::Client, publication: &str) -> Result<u1
         .map_err(|e| RelayError::Internal(format!("reading the shards' publications: {e}")))?;
     let mut counts: Vec<u16> = rows
         .iter()
-        .filter_map(|r| {
-            let name: String = r.get(0);
-            let rest = name.strip_prefix(&format!("{publication}_shard"))?;
-            let (i, n) = rest.split_once("of")?;
-            Shard::parse(&format!("{i}/{n}")).ok().map(|s| s.count)
-        })
+        .filter_map(|r| Some(Shard::from_name(r.get(0), publication)?.count))
         .collect();
     counts.sort_unstable();
     counts.dedup();
@@ -75,6 +70,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     let base_pub = base.publication.clone();
     let ttl_ms = i64::try_from(base.lease_ttl.as_millis()).unwrap_or(i64::MAX) as f64;
     tracing::info!(relay_id = %me, shards = count, "fleet member: sharing {count} shards");
+    let shard_slots: Vec<String> = Shard::all(count).map(|s| s.name(&base_slot)).collect();
     let mut tasks: BTreeMap<u16, Task> = BTreeMap::new();
     let db = |what: &'static str| {
         move |e: tokio_postgres::Error| RelayError::Internal(format!("{what}: {e}"))
@@ -103,20 +99,17 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
             .map(|r| r.get(0))
             .collect();
         // Each shard's lease: its holder, if live.
-        let mut holders: BTreeMap<u16, String> = BTreeMap::new();
-        for s in Shard::all(count) {
-            let row = client
-                .query_opt(
-                    "SELECT owner FROM outbox.relay_leases
-                     WHERE slot_name = $1 AND lease_until > clock_timestamp()",
-                    &[&s.name(&base_slot)],
-                )
-                .await
-                .map_err(db("reading the shards' leases"))?;
-            if let Some(r) = row {
-                holders.insert(s.index, r.get(0));
-            }
-        }
+        let holders: BTreeMap<u16, String> = client
+            .query(
+                "SELECT slot_name, owner FROM outbox.relay_leases
+                 WHERE slot_name = ANY($1) AND lease_until > clock_timestamp()",
+                &[&shard_slots],
+            )
+            .await
+            .map_err(db("reading the shards' leases"))?
+            .iter()
+            .filter_map(|r| Some((Shard::from_name(r.get(0), &base_slot)?.index, r.get(1))))
+            .collect();
         // Finished tasks (an error the relay does not retry, or a stop) leave.
         let done: Vec<u16> = tasks
             .iter()
