@@ -294,20 +294,17 @@ async fn warm_relay(env: &TestEnv, canaries: &mut Vec<(String, String)>) -> i64 
     }
 }
 
-/// Makes a fault that stalls produce requests provably produce a DISPATCH_UNKNOWN attempt:
-/// as soon as the fault starts, enqueues one event (a "canary") on an aggregate of every
-/// partition that has receipts (learned from them), so a request to the stalled broker is in
-/// flight even when the writers have finished — whichever partitions it leads right now (the
-/// leader a test reads from metadata may already have moved: one canary on one partition was
-/// delivered by another leader in CI). Then waits while the fault lasts until the ledger holds
-/// more attempts than `before` (counted before the fault). Returns the canaries' (key, id) for
+/// Enqueues one event (a "canary") on an aggregate of every partition that has receipts
+/// (learned from them), so a request to a stalled broker is in flight even when the writers
+/// have finished — whichever partitions it leads right now (the leader a test reads from
+/// metadata may already have moved: one canary on one partition was delivered by another
+/// leader in CI). Returns the ids of this round's canaries; each is added to `canaries` for
 /// the end-of-run counts.
-async fn until_an_unknown_attempt(
+async fn send_canaries(
     env: &TestEnv,
     topic: &str,
-    before: i64,
     canaries: &mut Vec<(String, String)>,
-) {
+) -> Vec<uuid::Uuid> {
     // An aggregate per partition that nothing holds back (a held aggregate's canary would be
     // recorded as held, never sent: no request to stall).
     let aggregates: Vec<String> = env
@@ -327,48 +324,72 @@ async fn until_an_unknown_attempt(
         .iter()
         .map(|r| r.get(0))
         .collect();
+    let mut ids = Vec::new();
     for aggregate in aggregates {
         let key = format!("canary-{}", canaries.len());
         let id = enqueue_keyed(env, &aggregate, &key).await;
         canaries.push((key, id.to_string()));
+        ids.push(id);
     }
+    ids
+}
+
+/// How one try of a stalling fault ended.
+enum StallTry {
+    /// The ledger holds more attempts than before the fault: a send ended possibly persisted.
+    Unknown,
+    /// Every canary of the try was accepted and no attempt was recorded: no request reached
+    /// the stalled broker (it led none of the canaries' partitions, or the relay's producer
+    /// had no connection to it and sent after the leadership moved). What was seen.
+    Missed(String),
+}
+
+/// Waits, while a fault stalls produce requests, until the ledger holds more attempts than
+/// `before` (counted before the fault), or until every canary in `ids` has a receipt without
+/// one (this try cannot produce an UNKNOWN attempt any more).
+async fn until_an_unknown_attempt(env: &TestEnv, before: i64, ids: &[uuid::Uuid]) -> StallTry {
     wait_for(
-        "the stalled produce request to become a DISPATCH_UNKNOWN attempt",
+        "the stalled produce request to become a DISPATCH_UNKNOWN attempt (or every canary accepted)",
         // Generous: the suite runs other tests meanwhile (CI's 2 CPUs once took longer than 30 s).
         Duration::from_secs(90),
         || async {
             let now = env.count("SELECT count(*) FROM outbox.attempts").await;
             if now > before {
-                Ok(())
-            } else {
-                // What the relay did with the canaries, for a run that times out here.
-                let state = env
-                    .db
-                    .query_one(
-                        "SELECT (SELECT count(*) FROM outbox.events e
-                                 WHERE e.payload ->> 'key' LIKE 'canary-%'
-                                   AND EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)),
-                                (SELECT count(*) FROM outbox.holds),
-                                (SELECT count(*) FROM outbox.held_events WHERE released_at IS NULL),
-                                (SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active)",
-                        &[&env.slot],
-                    )
-                    .await
-                    .map(|r| {
-                        format!(
-                            "canaries with a receipt {}, holds {}, held events {}, slot active {}",
-                            r.get::<_, i64>(0),
-                            r.get::<_, i64>(1),
-                            r.get::<_, i64>(2),
-                            r.get::<_, i64>(3)
-                        )
-                    })
-                    .unwrap_or_else(|e| e.to_string());
-                Err(format!("{now} attempts, as before the fault; {state}"))
+                return Ok(StallTry::Unknown);
             }
+            // What the relay did with the canaries: a try whose canaries are all accepted
+            // ends; a run that times out here prints it.
+            let state = env
+                .db
+                .query_one(
+                    "SELECT (SELECT count(*) FROM outbox.receipts WHERE event_id = ANY($2)),
+                            (SELECT count(*) FROM outbox.holds),
+                            (SELECT count(*) FROM outbox.held_events WHERE released_at IS NULL),
+                            (SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active)",
+                    &[&env.slot, &ids],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let accepted: i64 = state.get(0);
+            let seen = format!(
+                "{now} attempts, as before the fault; canaries with a receipt {accepted} of {}, \
+                 holds {}, held events {}, slot active {}",
+                ids.len(),
+                state.get::<_, i64>(1),
+                state.get::<_, i64>(2),
+                state.get::<_, i64>(3)
+            );
+            // Counted again after the receipts: an attempt recorded between the two reads
+            // is an UNKNOWN, not a miss.
+            if accepted == ids.len() as i64
+                && env.count("SELECT count(*) FROM outbox.attempts").await == before
+            {
+                return Ok(StallTry::Missed(seen));
+            }
+            Err(seen)
         },
     )
-    .await;
+    .await
 }
 
 /// Which brokers the chaos runs against.
@@ -676,19 +697,43 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
                 // Requests in its sockets stay unanswered past the message timeout: sends end
                 // possibly persisted, and the broker appends what it had received on SIGCONT.
                 // A partition's leader: a stopped follower may only leave the ISR, and then
-                // nothing waits for it.
-                let before = warm_relay(&env, &mut canaries).await;
-                let p = rng.gen_range(0..partitions);
-                let b = c
-                    .leader_of(&topic, p)
-                    .unwrap_or_else(|| rng.gen_range(1..=BROKERS));
-                c.pause(b);
-                until_an_unknown_attempt(&env, &topic, before, &mut canaries).await;
-                tokio::time::sleep(unknown_hold).await;
-                c.resume(b);
-                log.push(format!(
-                    "{t}: broker {b} (leader of partition {p}) SIGSTOP for {unknown_hold:?}, SIGCONT"
-                ));
+                // nothing waits for it. A try whose canaries all went elsewhere is undone
+                // (SIGCONT) and made again on a fresh leader, a bounded number of times.
+                let mut tries = Vec::new();
+                loop {
+                    let before = warm_relay(&env, &mut canaries).await;
+                    let p = rng.gen_range(0..partitions);
+                    let b = c
+                        .leader_of(&topic, p)
+                        .unwrap_or_else(|| rng.gen_range(1..=BROKERS));
+                    c.pause(b);
+                    let ids = send_canaries(&env, &topic, &mut canaries).await;
+                    match until_an_unknown_attempt(&env, before, &ids).await {
+                        StallTry::Unknown => {
+                            tokio::time::sleep(unknown_hold).await;
+                            c.resume(b);
+                            log.push(format!(
+                                "{t}: broker {b} (leader of partition {p}) SIGSTOP for {unknown_hold:?}, SIGCONT{}",
+                                if tries.is_empty() {
+                                    String::new()
+                                } else {
+                                    format!(" (after {} tries without an UNKNOWN send: {})", tries.len(), tries.join("; "))
+                                }
+                            ));
+                            break;
+                        }
+                        StallTry::Missed(seen) => {
+                            c.resume(b);
+                            tries.push(format!("broker {b}: {seen}"));
+                            assert!(
+                                tries.len() < 5,
+                                "no try of stalling a partition's leader made a send end \
+                                 possibly persisted: {}",
+                                tries.join("; ")
+                            );
+                        }
+                    }
+                }
             }
             (3, Brokers::Apache(c)) => {
                 let b = rng.gen_range(1..=BROKERS);
