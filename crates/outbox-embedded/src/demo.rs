@@ -42,6 +42,7 @@ pub(crate) async fn embedded(db: &str) -> anyhow::Result<Embedded> {
 /// The relay settings the embedded runs use.
 pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfig {
     RelayConfig {
+        database: outboxd::config::database_name(url),
         database_url: Secret::new(url),
         slot: slot.into(),
         publication: outboxd::config::DEFAULT_PUBLICATION.into(),
@@ -87,7 +88,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 
     let cfg = relay_config(&url, &bootstrap, "outboxd_demo");
     cfg.validate()?;
-    let progress = Arc::new(Progress::default());
+    let progress = Arc::new(Progress::new(&cfg));
     let (stop_relay, relay_rx) = watch::channel(false);
     let relay_task = tokio::spawn(relay::run(cfg, progress.clone(), relay_rx));
 

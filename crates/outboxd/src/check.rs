@@ -82,11 +82,12 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
         None => Some(FileConfig::default()),
     };
     // The config as `outboxd run` would resolve and validate it.
-    let cfg = match &file {
+    let cfgs = match &file {
         Some(file) => resolve(&a, file, &mut r),
         None => None,
     };
     let file = file.unwrap_or_default();
+    let cfg = cfgs.as_ref().map(|c| c[0].clone());
     let url = a
         .database_url
         .clone()
@@ -106,14 +107,31 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
         .map(|c| (c.schema.clone(), c.table.clone()))
         .unwrap_or_else(|| ("outbox".into(), "events".into()));
     let mut db = None;
+    let poll = a.mode.or(file.relay.mode) == Some(crate::values::RunMode::Poll);
     match url {
+        // `[[databases]]`: each entry, with its own slot, publication and table.
+        None if !file.databases.is_empty() => {
+            for c in cfgs.iter().flatten() {
+                r.add(Level::Ok, "database", format!("[[databases]] entry {}", c.database));
+                let client = check_database(
+                    &mut r,
+                    c.database_url.expose(),
+                    &c.slot,
+                    &c.publication,
+                    &c.schema,
+                    &c.table,
+                    poll,
+                )
+                .await;
+                db = db.or(client);
+            }
+        }
         None => r.add(
             Level::Fail,
             "database",
             "no URL: pass --database-url, set OUTBOXD_DATABASE_URL, or database_url in the config file",
         ),
         Some(url) => {
-            let poll = a.mode.or(file.relay.mode) == Some(crate::values::RunMode::Poll);
             db = check_database(&mut r, &url, &slot, &publication, &schema, &table, poll).await;
         }
     }
@@ -170,9 +188,10 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
 
 /// Resolves flags + file exactly as `outboxd run` does and reports what `validate` refuses.
 /// A missing URL or bootstrap list is reported by its own line, not here.
-fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<RelayConfig> {
+fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<Vec<RelayConfig>> {
     let has_bootstrap = a.bootstrap_servers.is_some() || file.kafka.bootstrap_servers.is_some();
-    let has_url = a.database_url.is_some() || file.database_url.is_some();
+    let has_url =
+        a.database_url.is_some() || file.database_url.is_some() || !file.databases.is_empty();
     let args = RunArgs {
         database_url: a
             .database_url
@@ -192,8 +211,8 @@ fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<RelayConf
     } else {
         "settings"
     };
-    let cfg = match crate::resolve_run(&args) {
-        Ok(cfg) => cfg,
+    let cfgs = match crate::resolve_runs(&args) {
+        Ok(cfgs) => cfgs,
         Err(e) => {
             r.add(
                 Level::Fail,
@@ -209,7 +228,7 @@ fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<RelayConf
     // librdkafka validates property names and values when a client is created; nothing is
     // sent until it is used.
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-    match KafkaSink::new(cfg.sink.clone(), tx) {
+    match KafkaSink::new(cfgs[0].sink.clone(), tx) {
         Ok(_) => r.add(
             Level::Ok,
             what,
@@ -227,7 +246,7 @@ fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<RelayConf
             return None;
         }
     }
-    Some(cfg)
+    Some(cfgs)
 }
 
 async fn check_database(

@@ -131,6 +131,28 @@ pub struct FileConfig {
     pub reconcile: ReconcileFile,
     #[serde(default)]
     pub retention: RetentionFile,
+    /// `[[databases]]`: several databases relayed by one process, each with its own slot,
+    /// ledger and lease; everything else (broker, `[relay]`) is shared. Instead of
+    /// `database_url` (and `--database-url`).
+    #[serde(default)]
+    pub databases: Vec<DatabaseFile>,
+}
+
+/// One `[[databases]]` entry.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseFile {
+    /// The `database` label of its metrics and the name in its log lines. Default: the URL's
+    /// database name.
+    pub name: Option<String>,
+    /// PostgreSQL URL of the database (needs the REPLICATION attribute).
+    pub database_url: Option<Secret>,
+    /// Its slot (the lease's name in poll mode). Default: the top-level `slot`, else `outboxd`.
+    pub slot: Option<String>,
+    /// Its publication. Default: the top-level `publication`, else `outbox_pub`.
+    pub publication: Option<String>,
+    /// Its outbox table. Default: the top-level `table`, else `outbox.events`.
+    pub table: Option<String>,
 }
 
 /// `[admin]` section: the HTTP endpoints (`/metrics`, `/healthz`, `/readyz`) and the
@@ -267,6 +289,9 @@ impl FileConfig {
 /// Everything the relay needs, resolved and validated.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
+    /// The `database` label of the metrics and the `database` field of the log lines: the
+    /// `[[databases]]` entry's name, else the URL's database name.
+    pub database: String,
     pub database_url: Secret,
     pub slot: String,
     pub publication: String,
@@ -373,6 +398,17 @@ impl RelayConfig {
         }
         outbox_source::tls::PgConnectOptions::parse(url)
             .map_err(|e| anyhow::anyhow!("database URL {} is invalid: {e}", redact_url(url)))?;
+        if self.database.is_empty()
+            || !self
+                .database
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        {
+            bail!(
+                "database name {:?} is invalid: 1 or more characters of a-z, A-Z, 0-9, '_', '-' and '.' (it labels the metrics)",
+                self.database
+            );
+        }
         let ident_ok = |s: &str| {
             !s.is_empty()
                 && s.len() <= 63
@@ -451,6 +487,39 @@ impl RelayConfig {
         }
         Ok(())
     }
+}
+
+/// The database name of a PostgreSQL URL (either form), for the `database` label: the
+/// `dbname`, else the user's name (PostgreSQL's own default), else `postgres`.
+pub fn database_name(url: &str) -> String {
+    let parsed: Option<tokio_postgres::Config> = url.parse().ok();
+    parsed
+        .and_then(|c| c.get_dbname().or(c.get_user()).map(|s| s.to_string()))
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "postgres".into())
+}
+
+/// Checks a process's list of relays (several `[[databases]]`): names and (URL, slot) pairs
+/// are unique, so no two relays of the process take the same lease and no two share labels.
+pub fn validate_databases(cfgs: &[RelayConfig]) -> anyhow::Result<()> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut slots = std::collections::BTreeSet::new();
+    for c in cfgs {
+        if !names.insert(c.database.as_str()) {
+            bail!(
+                "two [[databases]] entries are named {:?}: give each a unique name (it labels the metrics)",
+                c.database
+            );
+        }
+        if !slots.insert((c.database_url.expose(), c.slot.as_str())) {
+            bail!(
+                "two [[databases]] entries use slot {:?} of {}: one relay per slot; give one of them another slot",
+                c.slot,
+                redact_url(c.database_url.expose())
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The longest a relay may keep re-sending one event with the same id in ordinary operation:

@@ -99,13 +99,67 @@ pub async fn migrate(url: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The relay configuration of `outboxd run`: flags (and their `OUTBOXD_*` variables), then
-/// the config file, then the defaults.
+/// The relay configuration of `outboxd run` for one database: flags (and their `OUTBOXD_*`
+/// variables), then the config file, then the defaults. A config file with `[[databases]]`
+/// is refused here: see [`resolve_runs`].
 pub fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
+    let mut runs = resolve_runs(a)?;
+    match runs.len() {
+        1 => Ok(runs.remove(0)),
+        n => anyhow::bail!("the config file lists {n} [[databases]]; this command relays one"),
+    }
+}
+
+/// The relays of `outboxd run`: one per `[[databases]]` entry of the config file (each with
+/// its URL, slot, publication and table; the rest shared), else the one database of
+/// `--database-url` / `database_url`.
+pub fn resolve_runs(a: &RunArgs) -> anyhow::Result<Vec<RelayConfig>> {
     let file = match &a.config {
         Some(p) => FileConfig::load(p)?,
         None => FileConfig::default(),
     };
+    let base = build_run(a, &file)?;
+    if file.databases.is_empty() {
+        return Ok(vec![finish_run(a, base)?]);
+    }
+    if a.database_url.is_some() || file.database_url.is_some() {
+        anyhow::bail!(
+            "the config file lists [[databases]], and a database URL is also given (--database-url, OUTBOXD_DATABASE_URL or database_url): give each database's URL in its [[databases]] entry only"
+        );
+    }
+    let mut runs = Vec::new();
+    for (i, d) in file.databases.iter().enumerate() {
+        let entry = d
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("number {}", i + 1));
+        let Some(url) = d.database_url.clone() else {
+            anyhow::bail!("[[databases]] entry {entry} has no database_url");
+        };
+        let mut cfg = base.clone();
+        cfg.database = d
+            .name
+            .clone()
+            .unwrap_or_else(|| config::database_name(url.expose()));
+        cfg.database_url = url;
+        // The entry's own names win over the shared ones (flags, then the top level).
+        if let Some(slot) = &d.slot {
+            cfg.slot = slot.clone();
+        }
+        if let Some(p) = &d.publication {
+            cfg.publication = p.clone();
+        }
+        if let Some(t) = &d.table {
+            (cfg.schema, cfg.table) = config::split_table(t)?;
+        }
+        runs.push(finish_run(a, cfg).with_context(|| format!("[[databases]] entry {entry}"))?);
+    }
+    config::validate_databases(&runs)?;
+    Ok(runs)
+}
+
+/// The settings every database of the process shares, and the top-level database, unchecked.
+fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
     let table = a
         .table
         .clone()
@@ -156,13 +210,15 @@ pub fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
             })
         }
     };
-    let cfg = RelayConfig {
-        database_url: a
-            .database_url
-            .clone()
-            .map(Secret::new)
-            .or(file.database_url.clone())
-            .unwrap_or_default(),
+    let database_url = a
+        .database_url
+        .clone()
+        .map(Secret::new)
+        .or(file.database_url.clone())
+        .unwrap_or_default();
+    Ok(RelayConfig {
+        database: config::database_name(database_url.expose()),
+        database_url,
         slot: a
             .slot
             .clone()
@@ -248,8 +304,11 @@ pub fn resolve_run(a: &RunArgs) -> anyhow::Result<RelayConfig> {
                 .or(file.relay.unknown_settle_ms)
                 .unwrap_or(5_000),
         ),
-    };
-    let mut cfg = cfg;
+    })
+}
+
+/// Checks one relay's settings, after naming a shard's slot and publication.
+fn finish_run(a: &RunArgs, mut cfg: RelayConfig) -> anyhow::Result<RelayConfig> {
     if a.fleet && cfg.mode == crate::values::RunMode::Poll {
         anyhow::bail!("--fleet needs --mode cdc: a poll-mode relay reads every aggregate");
     }
@@ -317,7 +376,14 @@ mod tests {
     use crate::cli::{Cli, Command};
 
     fn run_args(args: &[&str]) -> RunArgs {
-        let mut argv = vec!["outboxd", "run", "--database-url", "postgres://h/db"];
+        let mut a = vec!["--database-url", "postgres://h/db"];
+        a.extend(args);
+        bare_run_args(&a)
+    }
+
+    /// `outboxd run` with `args` only.
+    fn bare_run_args(args: &[&str]) -> RunArgs {
+        let mut argv = vec!["outboxd", "run"];
         argv.extend(args);
         match Cli::try_parse_from(argv).unwrap().command {
             Command::Run(a) => *a,
@@ -366,5 +432,95 @@ mod tests {
         assert!(e.to_string().contains("--sink nats"), "{e}");
         let e = resolve_run(&run_args(&["--sink", "nats"])).unwrap_err();
         assert!(e.to_string().contains("--nats-url"), "{e}");
+    }
+
+    #[test]
+    fn databases_each_get_a_relay_with_their_own_names_and_the_shared_settings() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let file = dir.path().join(name);
+            std::fs::write(&file, text).unwrap();
+            file.to_str().unwrap().to_string()
+        };
+        let path = write(
+            "many.toml",
+            "slot = \"shared_slot\"\n[kafka]\nbootstrap_servers = \"k:9092\"\n[relay]\nlease_ttl_ms = 4000\n\
+             [[databases]]\nname = \"orders\"\ndatabase_url = \"postgres://u:secret@h/orders_prod\"\n\
+             [[databases]]\ndatabase_url = \"postgres://u@h/billing\"\nslot = \"billing_slot\"\ntable = \"app.outbox\"\n",
+        );
+        let runs = resolve_runs(&bare_run_args(&["--config", &path])).unwrap();
+        let got: Vec<_> = runs
+            .iter()
+            .map(|c| {
+                (
+                    c.database.as_str(),
+                    c.slot.as_str(),
+                    c.schema.as_str(),
+                    c.table.as_str(),
+                    c.lease_ttl,
+                    c.sink.bootstrap_servers.as_str(),
+                )
+            })
+            .collect();
+        let ttl = Duration::from_millis(4000);
+        assert_eq!(
+            got,
+            vec![
+                ("orders", "shared_slot", "outbox", "events", ttl, "k:9092"),
+                ("billing", "billing_slot", "app", "outbox", ttl, "k:9092"),
+            ]
+        );
+        // One database: `resolve_run` refuses a list.
+        let e = resolve_run(&bare_run_args(&["--config", &path])).unwrap_err();
+        assert!(e.to_string().contains("2 [[databases]]"), "{e}");
+        // The URL's database name labels a single database too.
+        let one = resolve_run(&bare_run_args(&[
+            "--database-url",
+            "postgres://u@h:5432/shop?sslmode=disable",
+            "--bootstrap-servers",
+            "k:9092",
+        ]))
+        .unwrap();
+        assert_eq!(one.database, "shop");
+
+        let refused = |text: &str, args: &[&str]| {
+            let path = write("bad.toml", text);
+            let mut all = vec!["--config", path.as_str()];
+            all.extend(args);
+            crate::one_line(&resolve_runs(&bare_run_args(&all)).unwrap_err())
+        };
+        let entry = "[kafka]\nbootstrap_servers = \"k\"\n[[databases]]\ndatabase_url = \"postgres://u@h/a\"\n";
+        let e = refused(entry, &["--database-url", "postgres://u@h/b"]);
+        assert!(e.contains("also given (--database-url"), "{e}");
+        let e = refused(&format!("{entry}[[databases]]\nname = \"x\"\n"), &[]);
+        assert!(e.contains("entry x has no database_url"), "{e}");
+        let e = refused(
+            &format!(
+                "{entry}[[databases]]\ndatabase_url = \"postgres://u@h2/a\"\nslot = \"other\"\n"
+            ),
+            &[],
+        );
+        assert!(
+            e.contains("two [[databases]] entries are named \"a\""),
+            "{e}"
+        );
+        let e = refused(
+            &format!("{entry}[[databases]]\nname = \"b\"\ndatabase_url = \"postgres://u@h/a\"\n"),
+            &[],
+        );
+        assert!(
+            e.contains("use slot \"outboxd\" of postgres://u@h/a"),
+            "{e}"
+        );
+        let e = refused(&format!("{entry}name = \"a b\"\n"), &[]);
+        assert!(
+            e.contains("entry a b: database name \"a b\" is invalid"),
+            "{e}"
+        );
+        let e = refused(&format!("{entry}slot = \"Bad-Slot\"\n"), &[]);
+        assert!(
+            e.contains("entry number 1: slot \"Bad-Slot\" is invalid"),
+            "{e}"
+        );
     }
 }

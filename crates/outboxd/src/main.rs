@@ -13,7 +13,7 @@ use outboxd::config::FileConfig;
 use outboxd::values::LogFormat;
 use outboxd::{
     admin, check, config, connect, init_logging, migrate, migrate_destination, one_line, purge,
-    reconcile, relay, resolve_admin, resolve_run,
+    reconcile, relay, resolve_admin, resolve_runs,
 };
 
 fn main() {
@@ -71,19 +71,31 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Run(a) => {
-            let cfg = resolve_run(&a)?;
+            let cfgs = resolve_runs(&a)?;
             let admin_cfg = resolve_admin(&a)?;
-            // Bound before the relay starts, so a taken port fails fast; serves until exit.
-            let _admin = admin::start(&admin_cfg, &cfg).await?;
-            purge::spawn_schedule(a.config.as_deref(), cfg.database_url.expose())?;
+            // Bound before the relays start, so a taken port fails fast; serves until exit.
+            let _admin = admin::start(&admin_cfg, &cfgs).await?;
+            for cfg in &cfgs {
+                purge::spawn_schedule(a.config.as_deref(), cfg.database_url.expose())?;
+            }
             let (tx, rx) = watch::channel(false);
             spawn_signal_handler(tx);
+            if cfgs.len() > 1 {
+                // Several databases: one failing never stops the others (relay::databases).
+                relay::databases::run(cfgs, a.fleet, rx).await;
+                return Ok(());
+            }
+            let cfg = cfgs
+                .into_iter()
+                .next()
+                .expect("resolve_runs returns one or more");
             if a.fleet {
                 return relay::fleet::run(cfg, rx)
                     .await
                     .map_err(anyhow::Error::from);
             }
-            relay::run(cfg, Arc::new(relay::Progress::default()), rx)
+            let progress = Arc::new(relay::Progress::new(&cfg));
+            relay::run(cfg, progress, rx)
                 .await
                 .map_err(anyhow::Error::from)
         }

@@ -14,15 +14,15 @@
 //! Readiness (`/readyz`) is derived from two gauges here: the relay is streaming from its slot
 //! and the broker answered the sampler's last metadata request.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{LazyLock, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use outbox_core::Lsn;
 use outbox_ledger::{AcceptOutcome, LedgerItem};
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Upper bounds of the commit → receipt latency buckets, seconds. The design target is a p99
@@ -38,37 +38,46 @@ const MAX_COMMIT_TIMES: usize = 1_000_000;
 /// Microseconds between the Unix epoch and the PostgreSQL epoch (2000-01-01 UTC).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
-/// The registry and every metric in it.
+/// The registry and every metric in it. Every family but the broker's is labelled with the
+/// `database` it is about (the name given in the config's `[[databases]]`, or the URL's
+/// database name), and the relay's own and the slot's with the `slot` (a shard's slot, for a
+/// fleet member), so that one process relaying several databases, or several shards, keeps
+/// their figures apart.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    pub accepted: IntCounter,
-    pub duplicates: IntCounter,
-    pub quarantined_total: IntCounter,
-    pub reconnects: IntCounter,
-    pub commit_to_receipt: Histogram,
-    pub in_flight: IntGauge,
-    pub streaming: IntGauge,
+    pub accepted: IntCounterVec,
+    pub duplicates: IntCounterVec,
+    pub quarantined_total: IntCounterVec,
+    pub reconnects: IntCounterVec,
+    pub commit_to_receipt: HistogramVec,
+    pub in_flight: IntGaugeVec,
+    pub streaming: IntGaugeVec,
     pub broker_reachable: IntGauge,
-    pub database_reachable: IntGauge,
-    pub checkpoint_lsn: IntGauge,
+    pub database_reachable: IntGaugeVec,
+    pub checkpoint_lsn: IntGaugeVec,
     pub lag_bytes: IntGaugeVec,
     pub retained_wal_bytes: IntGaugeVec,
     pub safe_wal_size_bytes: IntGaugeVec,
     pub slot_active: IntGaugeVec,
     pub lease_generation: IntGaugeVec,
-    pub pending: IntGauge,
-    pub oldest_pending_age: Gauge,
-    pub unknown: IntGauge,
-    pub oldest_unknown_age: Gauge,
-    pub quarantined: IntGauge,
-    pub held_aggregates: IntGauge,
-    pub held_events: IntGauge,
+    pub pending: IntGaugeVec,
+    pub oldest_pending_age: GaugeVec,
+    pub unknown: IntGaugeVec,
+    pub oldest_unknown_age: GaugeVec,
+    pub quarantined: IntGaugeVec,
+    pub held_aggregates: IntGaugeVec,
+    pub held_events: IntGaugeVec,
     pub sampler_errors: IntCounter,
-    /// Commit LSN → commit time (µs since the PostgreSQL epoch) of transactions streamed and
-    /// not yet passed by the checkpoint.
-    commit_times: Mutex<BTreeMap<u64, i64>>,
+    /// The databases this process relays, with the slots whose relay streams now: readiness
+    /// asks for one streaming slot per database.
+    databases: Mutex<BTreeMap<String, BTreeSet<String>>>,
 }
+
+/// The labels of the relay's own figures.
+const RELAY_LABELS: &[&str] = &["database", "slot"];
+/// The labels of the figures the sampler reads from a database.
+const DATABASE_LABELS: &[&str] = &["database"];
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
 
@@ -90,25 +99,26 @@ impl Metrics {
         let counter = |name: &str, help: &str| {
             reg(
                 &registry,
-                IntCounter::new(name, help).expect("valid metric name"),
+                IntCounterVec::new(Opts::new(name, help), RELAY_LABELS).expect("valid metric name"),
             )
         };
-        let gauge = |name: &str, help: &str| {
+        let relay_gauge = |name: &str, help: &str| {
             reg(
                 &registry,
-                IntGauge::new(name, help).expect("valid metric name"),
+                IntGaugeVec::new(Opts::new(name, help), RELAY_LABELS).expect("valid metric name"),
             )
         };
-        let fgauge = |name: &str, help: &str| {
+        let db_gauge = |name: &str, help: &str| {
             reg(
                 &registry,
-                Gauge::new(name, help).expect("valid metric name"),
+                IntGaugeVec::new(Opts::new(name, help), DATABASE_LABELS)
+                    .expect("valid metric name"),
             )
         };
-        let slot_gauge = |name: &str, help: &str| {
+        let db_fgauge = |name: &str, help: &str| {
             reg(
                 &registry,
-                IntGaugeVec::new(Opts::new(name, help), &["slot"]).expect("valid metric name"),
+                GaugeVec::new(Opts::new(name, help), DATABASE_LABELS).expect("valid metric name"),
             )
         };
         Metrics {
@@ -130,88 +140,97 @@ impl Metrics {
             ),
             commit_to_receipt: reg(
                 &registry,
-                Histogram::with_opts(
+                HistogramVec::new(
                     HistogramOpts::new(
                         "outboxd_commit_to_receipt_seconds",
                         "From the producing transaction's commit (WAL commit timestamp) to the ledger accepting the broker receipt.",
                     )
                     .buckets(LATENCY_BUCKETS.to_vec()),
+                    RELAY_LABELS,
                 )
                 .expect("valid histogram"),
             ),
-            in_flight: gauge(
+            in_flight: relay_gauge(
                 "outboxd_in_flight_events",
                 "Events read from the slot whose receipt is not yet accepted (sent, or waiting behind their aggregate).",
             ),
-            streaming: gauge(
+            streaming: relay_gauge(
                 "outboxd_streaming",
-                "1 while the relay streams from its replication slot, else 0.",
+                "1 while the relay streams from its replication slot (or polls), else 0.",
             ),
-            broker_reachable: gauge(
-                "outboxd_broker_reachable",
-                "1 if the broker answered the last metadata request, else 0.",
+            broker_reachable: reg(
+                &registry,
+                IntGauge::new(
+                    "outboxd_broker_reachable",
+                    "1 if the broker answered the last metadata request, else 0.",
+                )
+                .expect("valid metric name"),
             ),
-            database_reachable: gauge(
+            database_reachable: db_gauge(
                 "outboxd_database_reachable",
-                "1 if the last ledger sample succeeded, else 0.",
+                "1 if the last ledger sample of the database succeeded, else 0.",
             ),
-            checkpoint_lsn: gauge(
+            checkpoint_lsn: relay_gauge(
                 "outboxd_checkpoint_lsn",
                 "The ledger checkpoint this relay last committed (an LSN as a number).",
             ),
-            lag_bytes: slot_gauge(
+            lag_bytes: relay_gauge(
                 "outboxd_replication_lag_bytes",
                 "WAL written since the slot's confirmed_flush_lsn: what the relay has not yet confirmed.",
             ),
-            retained_wal_bytes: slot_gauge(
+            retained_wal_bytes: relay_gauge(
                 "outboxd_slot_retained_wal_bytes",
                 "WAL the server keeps for the slot (current WAL position minus the slot's restart_lsn).",
             ),
-            safe_wal_size_bytes: slot_gauge(
+            safe_wal_size_bytes: relay_gauge(
                 "outboxd_slot_safe_wal_size_bytes",
                 "WAL that can still be written before max_slot_wal_keep_size invalidates the slot (absent when unlimited).",
             ),
-            slot_active: slot_gauge(
+            slot_active: relay_gauge(
                 "outboxd_slot_active",
                 "1 if a walsender holds the slot, 0 if not; -1 if the slot is missing.",
             ),
-            lease_generation: slot_gauge(
+            lease_generation: relay_gauge(
                 "outboxd_lease_generation",
                 "Generation of the slot's lease: it grows by one at every takeover (lease churn).",
             ),
-            pending: gauge(
+            pending: db_gauge(
                 "outboxd_pending_events",
                 "Outbox rows with no primary receipt and no open quarantine record.",
             ),
-            oldest_pending_age: fgauge(
+            oldest_pending_age: db_fgauge(
                 "outboxd_oldest_pending_age_seconds",
                 "Age of the oldest pending outbox row (0 when none is pending).",
             ),
-            unknown: gauge(
+            unknown: db_gauge(
                 "outboxd_unknown_attempts",
                 "Send attempts whose outcome is DISPATCH_UNKNOWN (awaiting reconciliation).",
             ),
-            oldest_unknown_age: fgauge(
+            oldest_unknown_age: db_fgauge(
                 "outboxd_oldest_unknown_age_seconds",
                 "Age of the oldest DISPATCH_UNKNOWN attempt (0 when there is none).",
             ),
-            quarantined: gauge(
+            quarantined: db_gauge(
                 "outboxd_quarantined_events",
                 "Open quarantine records (see `outboxd quarantine list`).",
             ),
-            held_aggregates: gauge(
+            held_aggregates: db_gauge(
                 "outboxd_held_aggregates",
                 "Aggregates held by a quarantined event or a version gap.",
             ),
-            held_events: gauge(
+            held_events: db_gauge(
                 "outboxd_held_events",
                 "Events waiting behind a held aggregate.",
             ),
-            sampler_errors: counter(
-                "outboxd_sampler_errors_total",
-                "Ledger or broker samples that failed (the gauges keep their last value).",
+            sampler_errors: reg(
+                &registry,
+                IntCounter::new(
+                    "outboxd_sampler_errors_total",
+                    "Ledger or broker samples that failed (the gauges keep their last value).",
+                )
+                .expect("valid metric name"),
             ),
-            commit_times: Mutex::new(BTreeMap::new()),
+            databases: Mutex::new(BTreeMap::new()),
             registry,
         }
     }
@@ -225,14 +244,36 @@ impl Metrics {
         String::from_utf8(buf).unwrap_or_default()
     }
 
-    /// Ready means: streaming from the slot, and the broker answers. Otherwise, why not.
+    /// Registers a database this process relays: readiness waits for a slot of it to stream,
+    /// and its series exist (at zero) before its first sample.
+    pub fn expect_database(&self, database: &str) {
+        if let Ok(mut d) = self.databases.lock() {
+            d.entry(database.to_string()).or_default();
+        }
+        self.database_reachable.with_label_values(&[database]);
+    }
+
+    /// Ready means: every database this process relays streams from a slot (or polls), and
+    /// the broker answers. Otherwise, why not, naming the databases.
     pub fn readiness(&self) -> Result<(), String> {
         let mut why = Vec::new();
-        if self.streaming.get() != 1 {
-            why.push("not streaming from the replication slot");
+        if let Ok(d) = self.databases.lock() {
+            let idle: Vec<&str> = d
+                .iter()
+                .filter(|(_, slots)| slots.is_empty())
+                .map(|(db, _)| db.as_str())
+                .collect();
+            match (idle.len(), d.len()) {
+                (0, _) => {}
+                (_, 1) => why.push("not streaming from the replication slot".to_string()),
+                _ => why.push(format!(
+                    "not streaming from a replication slot of database {}",
+                    idle.join(", ")
+                )),
+            }
         }
         if self.broker_reachable.get() != 1 {
-            why.push("broker not reachable");
+            why.push("broker not reachable".into());
         }
         if why.is_empty() {
             Ok(())
@@ -240,77 +281,159 @@ impl Metrics {
             Err(why.join("; "))
         }
     }
-}
 
-// ---- One-line calls from the relay -------------------------------------------------------
-
-/// A ledger batch committed with this outcome.
-pub fn accepted(o: &AcceptOutcome) {
-    let m = get();
-    m.accepted.inc_by(o.primary);
-    m.duplicates.inc_by(o.duplicates);
-    m.quarantined_total.inc_by(o.quarantined + o.conflicts);
-}
-
-/// The relay lost its stream or broker and resumes from the checkpoint.
-pub fn reconnect() {
-    get().reconnects.inc();
-}
-
-/// The relay started (true) or stopped (false) streaming from its slot. A run that ended
-/// dropped its in-memory state, so nothing is in flight any more.
-pub fn streaming(on: bool) {
-    let m = get();
-    m.streaming.set(i64::from(on));
-    if !on {
-        m.in_flight.set(0);
+    /// Whether the relay of (`database`, `slot`) streams now.
+    pub fn is_streaming(&self, database: &str, slot: &str) -> bool {
+        self.databases
+            .lock()
+            .map(|d| d.get(database).is_some_and(|s| s.contains(slot)))
+            .unwrap_or(false)
     }
-}
 
-/// Events read and not yet resolved.
-pub fn in_flight(n: u64) {
-    get().in_flight.set(i64::try_from(n).unwrap_or(i64::MAX));
-}
-
-/// A transaction began in the stream: remember its commit time for the latency histogram.
-pub fn txn_begin(commit_lsn: Lsn, commit_time_pg_micros: i64) {
-    if let Ok(mut t) = get().commit_times.lock() {
-        if t.len() >= MAX_COMMIT_TIMES {
-            t.pop_first();
+    /// The figures of the relay of `slot` in `database`: what it counts as it works.
+    pub fn relay(&self, database: &str, slot: &str) -> RelayMetrics {
+        self.expect_database(database);
+        let l = [database, slot];
+        RelayMetrics {
+            database: database.to_string(),
+            slot: slot.to_string(),
+            accepted: self.accepted.with_label_values(&l),
+            duplicates: self.duplicates.with_label_values(&l),
+            quarantined_total: self.quarantined_total.with_label_values(&l),
+            reconnects: self.reconnects.with_label_values(&l),
+            commit_to_receipt: self.commit_to_receipt.with_label_values(&l),
+            in_flight: self.in_flight.with_label_values(&l),
+            streaming: self.streaming.with_label_values(&l),
+            checkpoint_lsn: self.checkpoint_lsn.with_label_values(&l),
+            commit_times: Mutex::new(BTreeMap::new()),
         }
-        t.insert(commit_lsn.0, commit_time_pg_micros);
     }
-}
 
-/// A ledger batch committed: observe commit → receipt latency for every receipt in it whose
-/// transaction came through the stream (snapshot rows have no commit time).
-pub fn receipts_accepted(batch: &[LedgerItem]) {
-    let m = get();
-    let Ok(t) = m.commit_times.lock() else {
-        return;
-    };
-    if t.is_empty() {
-        return;
+    /// The sum of a family's series about `database` (all its slots: a fleet member's shards).
+    pub fn total(&self, family: &impl prometheus::core::Collector, database: &str) -> f64 {
+        family
+            .collect()
+            .iter()
+            .flat_map(|f| f.get_metric())
+            .filter(|m| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.get_name() == "database" && l.get_value() == database)
+            })
+            // A counter's gauge part reads 0 and the other way round.
+            .map(|m| m.get_counter().get_value() + m.get_gauge().get_value())
+            .sum()
     }
-    let now = pg_now_micros();
-    for item in batch {
-        if let LedgerItem::Receipt(r) = item {
-            if let Some(commit) = r.commit_lsn.and_then(|l| t.get(&l.0)) {
-                m.commit_to_receipt
-                    .observe((now - commit).max(0) as f64 / 1e6);
+
+    fn set_streaming(&self, database: &str, slot: &str, on: bool) {
+        if let Ok(mut d) = self.databases.lock() {
+            let slots = d.entry(database.to_string()).or_default();
+            if on {
+                slots.insert(slot.to_string());
+            } else {
+                slots.remove(slot);
             }
         }
     }
 }
 
-/// The ledger checkpoint moved to `lsn`: every transaction that committed before it is fully
-/// resolved, so its commit time is no longer needed.
-pub fn checkpoint(lsn: Lsn) {
-    let m = get();
-    m.checkpoint_lsn
-        .set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
-    if let Ok(mut t) = m.commit_times.lock() {
-        *t = t.split_off(&lsn.0);
+// ---- The relay's handle: one line at each point of the hot path ---------------------------
+
+/// What one relay (one slot of one database) counts as it works, bound to its labels once.
+#[derive(Debug)]
+pub struct RelayMetrics {
+    database: String,
+    slot: String,
+    accepted: IntCounter,
+    duplicates: IntCounter,
+    quarantined_total: IntCounter,
+    reconnects: IntCounter,
+    commit_to_receipt: Histogram,
+    in_flight: IntGauge,
+    streaming: IntGauge,
+    checkpoint_lsn: IntGauge,
+    /// Commit LSN → commit time (µs since the PostgreSQL epoch) of transactions streamed and
+    /// not yet passed by the checkpoint (LSNs are per database: one map per relay).
+    commit_times: Mutex<BTreeMap<u64, i64>>,
+}
+
+impl RelayMetrics {
+    /// A ledger batch committed with this outcome.
+    pub fn accepted(&self, o: &AcceptOutcome) {
+        self.accepted.inc_by(o.primary);
+        self.duplicates.inc_by(o.duplicates);
+        self.quarantined_total.inc_by(o.quarantined + o.conflicts);
+    }
+
+    /// The relay lost its stream or broker and resumes from the checkpoint.
+    pub fn reconnect(&self) {
+        self.reconnects.inc();
+    }
+
+    /// The relay started (true) or stopped (false) streaming from its slot. A run that ended
+    /// dropped its in-memory state, so nothing is in flight any more.
+    pub fn streaming(&self, on: bool) {
+        self.streaming.set(i64::from(on));
+        if !on {
+            self.in_flight.set(0);
+        }
+        get().set_streaming(&self.database, &self.slot, on);
+    }
+
+    /// This relay stopped for good in this process (a fleet member handed its shard over):
+    /// its gauges leave the exposition, so no alert waits for a slot another process streams.
+    pub fn retire(&self) {
+        let m = get();
+        m.set_streaming(&self.database, &self.slot, false);
+        let l = [self.database.as_str(), self.slot.as_str()];
+        let _ = m.streaming.remove_label_values(&l);
+        let _ = m.in_flight.remove_label_values(&l);
+        let _ = m.checkpoint_lsn.remove_label_values(&l);
+    }
+
+    /// Events read and not yet resolved.
+    pub fn in_flight(&self, n: u64) {
+        self.in_flight.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// A transaction began in the stream: remember its commit time for the latency histogram.
+    pub fn txn_begin(&self, commit_lsn: Lsn, commit_time_pg_micros: i64) {
+        if let Ok(mut t) = self.commit_times.lock() {
+            if t.len() >= MAX_COMMIT_TIMES {
+                t.pop_first();
+            }
+            t.insert(commit_lsn.0, commit_time_pg_micros);
+        }
+    }
+
+    /// A ledger batch committed: observe commit → receipt latency for every receipt in it
+    /// whose transaction came through the stream (snapshot rows have no commit time).
+    pub fn receipts_accepted(&self, batch: &[LedgerItem]) {
+        let Ok(t) = self.commit_times.lock() else {
+            return;
+        };
+        if t.is_empty() {
+            return;
+        }
+        let now = pg_now_micros();
+        for item in batch {
+            if let LedgerItem::Receipt(r) = item {
+                if let Some(commit) = r.commit_lsn.and_then(|l| t.get(&l.0)) {
+                    self.commit_to_receipt
+                        .observe((now - commit).max(0) as f64 / 1e6);
+                }
+            }
+        }
+    }
+
+    /// The ledger checkpoint moved to `lsn`: every transaction that committed before it is
+    /// fully resolved, so its commit time is no longer needed.
+    pub fn checkpoint(&self, lsn: Lsn) {
+        self.checkpoint_lsn
+            .set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
+        if let Ok(mut t) = self.commit_times.lock() {
+            *t = t.split_off(&lsn.0);
+        }
     }
 }
 
@@ -346,11 +469,33 @@ mod tests {
     #[test]
     fn every_family_renders_with_the_prefix() {
         let m = get();
-        m.lag_bytes.with_label_values(&["s"]).set(1);
-        m.retained_wal_bytes.with_label_values(&["s"]).set(1);
-        m.safe_wal_size_bytes.with_label_values(&["s"]).set(1);
-        m.slot_active.with_label_values(&["s"]).set(1);
-        m.lease_generation.with_label_values(&["s"]).set(1);
+        let r = m.relay("d", "s");
+        r.streaming(false);
+        r.in_flight(0);
+        r.checkpoint(Lsn(1));
+        r.accepted(&AcceptOutcome::default());
+        r.reconnect();
+        r.commit_to_receipt.observe(0.0);
+        for g in [
+            &m.lag_bytes,
+            &m.retained_wal_bytes,
+            &m.safe_wal_size_bytes,
+            &m.slot_active,
+            &m.lease_generation,
+        ] {
+            g.with_label_values(&["d", "s"]).set(1);
+        }
+        for g in [
+            &m.pending,
+            &m.unknown,
+            &m.quarantined,
+            &m.held_aggregates,
+            &m.held_events,
+        ] {
+            g.with_label_values(&["d"]).set(1);
+        }
+        m.oldest_pending_age.with_label_values(&["d"]).set(1.0);
+        m.oldest_unknown_age.with_label_values(&["d"]).set(1.0);
         let text = m.render();
         let families: Vec<&str> = text
             .lines()
@@ -363,13 +508,50 @@ mod tests {
         for f in REQUIRED_FAMILIES {
             assert!(families.contains(f), "{f} missing");
         }
+        // Every sample but the broker's and the sampler's error count names its database.
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            assert!(
+                l.contains("database=\"")
+                    || l.starts_with("outboxd_broker_reachable")
+                    || l.starts_with("outboxd_sampler_errors_total"),
+                "{l}"
+            );
+        }
+    }
+
+    #[test]
+    fn readiness_names_each_database_without_a_streaming_slot() {
+        let m = Metrics::new();
+        m.broker_reachable.set(1);
+        m.expect_database("orders");
+        assert_eq!(
+            m.readiness(),
+            Err("not streaming from the replication slot".into())
+        );
+        m.expect_database("billing");
+        m.set_streaming("orders", "s1", true);
+        assert_eq!(
+            m.readiness(),
+            Err("not streaming from a replication slot of database billing".into())
+        );
+        m.set_streaming("billing", "s1", true);
+        assert_eq!(m.readiness(), Ok(()));
+        m.set_streaming("orders", "s1", false);
+        m.broker_reachable.set(0);
+        assert_eq!(
+            m.readiness(),
+            Err(
+                "not streaming from a replication slot of database orders; broker not reachable"
+                    .into()
+            )
+        );
     }
 
     #[test]
     fn latency_is_observed_once_per_streamed_receipt_and_forgotten_at_the_checkpoint() {
-        let before = get().commit_to_receipt.get_sample_count();
+        let r = get().relay("latency", "s");
         let lsn = Lsn(0xdead_0000);
-        txn_begin(lsn, pg_now_micros() - 5_000);
+        r.txn_begin(lsn, pg_now_micros() - 5_000);
         let receipt = |commit_lsn| {
             LedgerItem::Receipt(outbox_ledger::ReceiptRecord {
                 event_id: uuid::Uuid::nil(),
@@ -386,10 +568,9 @@ mod tests {
                 commit_lsn,
             })
         };
-        receipts_accepted(&[receipt(Some(lsn)), receipt(None)]);
-        // Other tests in this process may observe too; ours added at least one.
-        assert!(get().commit_to_receipt.get_sample_count() > before);
-        checkpoint(Lsn(lsn.0 + 1));
-        assert!(!get().commit_times.lock().unwrap().contains_key(&lsn.0));
+        r.receipts_accepted(&[receipt(Some(lsn)), receipt(None)]);
+        assert_eq!(r.commit_to_receipt.get_sample_count(), 1);
+        r.checkpoint(Lsn(lsn.0 + 1));
+        assert!(!r.commit_times.lock().unwrap().contains_key(&lsn.0));
     }
 }

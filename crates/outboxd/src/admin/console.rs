@@ -45,6 +45,8 @@ use crate::metrics;
 /// What every console connection shares: the ledger connection and the relay's identity.
 pub(super) struct Console {
     url: Secret,
+    /// The database's `database` label (the first `[[databases]]` entry's, when several).
+    database: String,
     slot: String,
     relay_id: String,
     user: String,
@@ -58,6 +60,7 @@ impl Console {
     pub fn new(admin: &AdminConfig, relay: &RelayConfig) -> Arc<Console> {
         Arc::new(Console {
             url: relay.database_url.clone(),
+            database: relay.database.clone(),
             slot: relay.slot.clone(),
             relay_id: relay.relay_id.clone(),
             user: admin.console_user.clone(),
@@ -343,6 +346,7 @@ impl Console {
                 let sm = status::sample(c).await?;
                 let mut t = Table::new(&["name", "value"]);
                 t.kv("relay_id", &self.relay_id);
+                t.kv("database", &self.database);
                 t.kv("slot", &self.slot);
                 t.kv(
                     "ready",
@@ -351,12 +355,13 @@ impl Console {
                         Err(why) => format!("no: {why}"),
                     },
                 );
-                t.kv("streaming", m.streaming.get() == 1);
+                let db = self.database.as_str();
+                t.kv("streaming", m.total(&m.streaming, db) >= 1.0);
                 t.kv("broker_reachable", m.broker_reachable.get() == 1);
-                t.kv("in_flight", m.in_flight.get());
-                t.kv("accepted_since_start", m.accepted.get());
-                t.kv("duplicate_receipts_since_start", m.duplicates.get());
-                t.kv("reconnects_since_start", m.reconnects.get());
+                t.kv("in_flight", m.total(&m.in_flight, db));
+                t.kv("accepted_since_start", m.total(&m.accepted, db));
+                t.kv("duplicate_receipts_since_start", m.total(&m.duplicates, db));
+                t.kv("reconnects_since_start", m.total(&m.reconnects, db));
                 t.kv("events", st.events);
                 t.kv("published", st.published);
                 t.kv("pending", st.pending);

@@ -132,6 +132,8 @@ mod tests {
         assert_eq!(route("GET", "/healthz").status, 200);
         assert_eq!(route("POST", "/healthz").status, 405);
         assert_eq!(route("GET", "/nope").status, 404);
+        // A relay's series exist once it has its handle.
+        let _relay = crate::metrics::get().relay("routes", "s");
         let m = route("GET", "/metrics?x=1");
         assert_eq!(m.status, 200);
         assert!(m.body.contains("outboxd_events_accepted_total"));

@@ -36,7 +36,14 @@ impl Drop for Admin {
 
 /// Binds the configured addresses (failing fast, with the address, when one is taken) and
 /// starts serving. Returns an empty [`Admin`] when nothing is configured.
-pub async fn start(admin: &AdminConfig, relay: &RelayConfig) -> anyhow::Result<Admin> {
+/// `relays` are the process's relays, one per database (the console answers for the first).
+pub async fn start(admin: &AdminConfig, relays: &[RelayConfig]) -> anyhow::Result<Admin> {
+    let relay = relays
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no database to relay"))?;
+    for r in relays {
+        crate::metrics::get().expect_database(&r.database);
+    }
     let mut tasks = Vec::new();
     if !admin.enabled() {
         return Ok(Admin { tasks });
@@ -54,11 +61,12 @@ pub async fn start(admin: &AdminConfig, relay: &RelayConfig) -> anyhow::Result<A
         let console = console::Console::new(admin, relay);
         tasks.push(tokio::spawn(console::serve(listener, console)));
     }
-    tasks.push(tokio::spawn(sampler::ledger(
-        relay.database_url.expose().to_string(),
-        relay.slot.clone(),
-        admin.sample_interval,
-    )));
+    for r in relays {
+        tasks.push(tokio::spawn(sampler::ledger(
+            r.clone(),
+            admin.sample_interval,
+        )));
+    }
     let probe = sampler::BrokerProbe::for_relay(relay)?;
     tasks.push(tokio::spawn(probe.run(admin.sample_interval)));
     Ok(Admin { tasks })

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use outbox_ledger::status;
 use outbox_sink::KafkaSinkConfig;
+use outbox_source::shard::Shard;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{BaseProducer, DeliveryResult, Producer, ProducerContext};
@@ -17,9 +18,14 @@ use tokio_postgres::Client;
 
 use crate::metrics;
 
-/// Refreshes the ledger and slot gauges of `slot` forever.
-pub(super) async fn ledger(url: String, slot: String, every: Duration) {
+/// Refreshes the ledger and slot gauges of `relay`'s database forever: its slot, or a fleet
+/// member's shard slots (`<slot>_shard<I>of<N>`). One sampler per database, each with its
+/// own connection: a database that is away only stops its own gauges.
+pub(super) async fn ledger(relay: crate::config::RelayConfig, every: Duration) {
     let m = metrics::get();
+    let url = relay.database_url.expose().to_string();
+    let (database, slot) = (relay.database.clone(), relay.slot.clone());
+    let reachable = m.database_reachable.with_label_values(&[&database]);
     let mut client: Option<Client> = None;
     let mut failing = false;
     loop {
@@ -27,10 +33,10 @@ pub(super) async fn ledger(url: String, slot: String, every: Duration) {
             client = None;
         }
         let result = match &client {
-            Some(c) => sample(c, &slot).await,
+            Some(c) => sample(c, &database, &slot).await,
             None => match crate::connect(&url).await {
                 Ok(c) => {
-                    let r = sample(&c, &slot).await;
+                    let r = sample(&c, &database, &slot).await;
                     client = Some(c);
                     r
                 }
@@ -39,17 +45,17 @@ pub(super) async fn ledger(url: String, slot: String, every: Duration) {
         };
         match result {
             Ok(()) => {
-                m.database_reachable.set(1);
+                reachable.set(1);
                 if failing {
-                    tracing::info!("ledger sampling recovered");
+                    tracing::info!(%database, "ledger sampling recovered");
                 }
                 failing = false;
             }
             Err(e) => {
-                m.database_reachable.set(0);
+                reachable.set(0);
                 m.sampler_errors.inc();
                 if !failing {
-                    tracing::warn!(error = %crate::one_line(&e), "sampling ledger gauges failed; gauges keep their last values");
+                    tracing::warn!(%database, error = %crate::one_line(&e), "sampling ledger gauges failed; gauges keep their last values");
                 }
                 failing = true;
             }
@@ -58,51 +64,72 @@ pub(super) async fn ledger(url: String, slot: String, every: Duration) {
     }
 }
 
-async fn sample(c: &Client, slot: &str) -> anyhow::Result<()> {
+async fn sample(c: &Client, database: &str, slot: &str) -> anyhow::Result<()> {
     let m = metrics::get();
     let s = status::sample(c).await?;
-    m.pending.set(s.pending);
+    let db = [database];
+    m.pending.with_label_values(&db).set(s.pending);
     m.oldest_pending_age
+        .with_label_values(&db)
         .set(s.oldest_pending_age_seconds.unwrap_or(0.0));
-    m.quarantined.set(s.quarantined);
-    m.held_aggregates.set(s.held_aggregates);
-    m.held_events.set(s.held_events);
-    m.unknown.set(s.unknown_attempts);
+    m.quarantined.with_label_values(&db).set(s.quarantined);
+    m.held_aggregates
+        .with_label_values(&db)
+        .set(s.held_aggregates);
+    m.held_events.with_label_values(&db).set(s.held_events);
+    m.unknown.with_label_values(&db).set(s.unknown_attempts);
     m.oldest_unknown_age
+        .with_label_values(&db)
         .set(s.oldest_unknown_age_seconds.unwrap_or(0.0));
     let lag = status::lag(c).await?;
-    let labels = [slot];
-    match lag.iter().find(|l| l.slot_name == slot) {
-        Some(l) if l.confirmed_flush_lsn.is_some() => {
-            m.slot_active
-                .with_label_values(&labels)
-                .set(i64::from(l.active.unwrap_or(false)));
-            if let Some(b) = l.lag_bytes {
-                m.lag_bytes.with_label_values(&labels).set(b);
-            }
-            if let Some(b) = l.retained_wal_bytes {
-                m.retained_wal_bytes.with_label_values(&labels).set(b);
-            }
-            match l.safe_wal_size_bytes {
-                Some(b) => m.safe_wal_size_bytes.with_label_values(&labels).set(b),
-                None => {
-                    let _ = m.safe_wal_size_bytes.remove_label_values(&labels);
+    // The relay's slot, and the shard slots of a sharded outbox (a fleet member relays any).
+    let ours = |name: &str| name == slot || Shard::from_name(name, slot).is_some();
+    let mut slots: Vec<&str> = lag
+        .iter()
+        .map(|l| l.slot_name.as_str())
+        .filter(|n| ours(n))
+        .collect();
+    if slots.is_empty() {
+        slots.push(slot);
+    }
+    for name in slots {
+        let labels = [database, name];
+        match lag.iter().find(|l| l.slot_name == name) {
+            Some(l) if l.confirmed_flush_lsn.is_some() => {
+                m.slot_active
+                    .with_label_values(&labels)
+                    .set(i64::from(l.active.unwrap_or(false)));
+                if let Some(b) = l.lag_bytes {
+                    m.lag_bytes.with_label_values(&labels).set(b);
+                }
+                if let Some(b) = l.retained_wal_bytes {
+                    m.retained_wal_bytes.with_label_values(&labels).set(b);
+                }
+                match l.safe_wal_size_bytes {
+                    Some(b) => m.safe_wal_size_bytes.with_label_values(&labels).set(b),
+                    None => {
+                        let _ = m.safe_wal_size_bytes.remove_label_values(&labels);
+                    }
                 }
             }
+            // Not created yet, or dropped: the relay refuses to guess (see `outboxd run --help`).
+            _ => m.slot_active.with_label_values(&labels).set(-1),
         }
-        // Not created yet, or dropped: the relay refuses to guess (see `outboxd run --help`).
-        _ => m.slot_active.with_label_values(&labels).set(-1),
     }
-    if let Some(r) = c
-        .query_opt(
-            "SELECT generation FROM outbox.relay_leases WHERE slot_name = $1",
+    for r in c
+        .query(
+            "SELECT slot_name, generation FROM outbox.relay_leases
+             WHERE slot_name = $1 OR starts_with(slot_name, $1 || '_shard')",
             &[&slot],
         )
         .await?
     {
-        m.lease_generation
-            .with_label_values(&labels)
-            .set(r.get::<_, i64>(0));
+        let name: String = r.get(0);
+        if ours(&name) {
+            m.lease_generation
+                .with_label_values(&[database, &name])
+                .set(r.get::<_, i64>(1));
+        }
     }
     Ok(())
 }

@@ -30,6 +30,7 @@ const TICK: Duration = Duration::from_millis(500);
 /// A shard relay this member started.
 struct Task {
     stop: watch::Sender<bool>,
+    progress: Arc<Progress>,
     handle: JoinHandle<Result<(), RelayError>>,
     started: Instant,
 }
@@ -123,6 +124,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                     Err(e) => tracing::warn!(shard = i, error = %e, "shard relay panicked"),
                     Ok(Ok(())) => {}
                 }
+                t.progress.metrics.retire();
             }
         }
         let running: BTreeMap<u16, Duration> = tasks
@@ -150,6 +152,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                     if let Some(t) = tasks.remove(&i) {
                         let _ = t.stop.send(true);
                         let _ = t.handle.await;
+                        t.progress.metrics.retire();
                     }
                 }
                 Step::Take(i) => {
@@ -160,11 +163,13 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                     cfg.publication = shard.name(&base_pub);
                     let (stop, rx) = watch::channel(false);
                     tracing::info!(shard = %shard, members = members.len(), "fleet: taking a shard");
-                    let handle = tokio::spawn(super::run(cfg, Arc::new(Progress::default()), rx));
+                    let progress = Arc::new(Progress::new(&cfg));
+                    let handle = tokio::spawn(super::run(cfg, progress.clone(), rx));
                     tasks.insert(
                         i,
                         Task {
                             stop,
+                            progress,
                             handle,
                             started: Instant::now(),
                         },
@@ -182,6 +187,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     }
     for (_, t) in tasks {
         let _ = t.handle.await;
+        t.progress.metrics.retire();
     }
     let _ = client
         .execute(

@@ -25,6 +25,7 @@
 //! Transient failures (connection lost, a delivery not confirmed) are handled the same way:
 //! drop everything in memory, reconnect, replay from the slot. When in doubt, replay.
 
+pub mod databases;
 pub mod fleet;
 mod pipeline;
 mod poll;
@@ -56,8 +57,9 @@ use outbox_relay::lifecycle::{self, AfterError, Restarts};
 use outbox_relay::schedule::{self, Schedule};
 use pipeline::Pipeline;
 
-/// Live counters, for `demo` progress and logs.
-#[derive(Debug, Default)]
+/// Live counters, for `demo` progress and logs, and the relay's metrics (labelled with its
+/// database and slot).
+#[derive(Debug)]
 pub struct Progress {
     pub published: AtomicU64,
     pub duplicates: AtomicU64,
@@ -65,18 +67,32 @@ pub struct Progress {
     pub checkpoint: AtomicU64,
     pub streaming: AtomicBool,
     pub reconnects: AtomicU64,
+    pub metrics: crate::metrics::RelayMetrics,
 }
 
 impl Progress {
+    /// The counters of the relay `cfg` describes, at zero.
+    pub fn new(cfg: &RelayConfig) -> Progress {
+        Progress {
+            published: AtomicU64::new(0),
+            duplicates: AtomicU64::new(0),
+            quarantined: AtomicU64::new(0),
+            checkpoint: AtomicU64::new(0),
+            streaming: AtomicBool::new(false),
+            reconnects: AtomicU64::new(0),
+            metrics: crate::metrics::get().relay(&cfg.database, &cfg.slot),
+        }
+    }
+
     fn record(&self, o: &AcceptOutcome) {
-        crate::metrics::accepted(o);
+        self.metrics.accepted(o);
         self.published.fetch_add(o.primary, Ordering::Relaxed);
         self.duplicates.fetch_add(o.duplicates, Ordering::Relaxed);
         self.quarantined
             .fetch_add(o.quarantined + o.conflicts, Ordering::Relaxed);
     }
     fn set_checkpoint(&self, l: Lsn) {
-        crate::metrics::checkpoint(l);
+        self.metrics.checkpoint(l);
         self.checkpoint.store(l.0, Ordering::Relaxed);
     }
 }
@@ -145,7 +161,7 @@ pub async fn run(
         let outcome = match acquire_lease(&cfg, &mut shutdown).await {
             Ok(None) => return Ok(()),
             Ok(Some((fence, held))) => {
-                let span = tracing::info_span!("relay", slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
+                let span = tracing::info_span!("relay", database = %cfg.database, slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
                 if poll {
                     poll::run_once(&cfg, &progress, &mut shutdown, &fence, held)
                         .instrument(span)
@@ -158,7 +174,7 @@ pub async fn run(
             }
             Err(e) => Err(e),
         };
-        crate::metrics::streaming(false);
+        progress.metrics.streaming(false);
         if progress.streaming.load(Ordering::Relaxed) {
             restarts.streaming();
         }
@@ -167,7 +183,7 @@ pub async fn run(
             AfterError::Stop => return Err(e),
             AfterError::Retry { after } => {
                 progress.reconnects.fetch_add(1, Ordering::Relaxed);
-                crate::metrics::reconnect();
+                progress.metrics.reconnect();
                 tracing::warn!(error = %e, retry_in_ms = after.as_millis() as u64, "relay interrupted; replaying from the last checkpoint");
                 tokio::select! {
                     _ = tokio::time::sleep(after) => {}
@@ -436,7 +452,7 @@ async fn run_once(
         .await
         .map_err(SourceError::from)?;
     progress.streaming.store(true, Ordering::Relaxed);
-    crate::metrics::streaming(true);
+    progress.metrics.streaming(true);
     progress.set_checkpoint(start);
     tracing::info!(start = %start, "streaming");
     tracing::Span::current().record("start_lsn", tracing::field::display(start));
@@ -494,7 +510,7 @@ async fn run_once(
                         pipeline.core.on_received(Lsn(wal_start));
                         match decoder.decode(data)? {
                             Decoded::Begin { commit_lsn, commit_time, .. } => {
-                                crate::metrics::txn_begin(commit_lsn, commit_time);
+                                progress.metrics.txn_begin(commit_lsn, commit_time);
                                 pipeline.core.on_begin(commit_lsn)?;
                             }
                             Decoded::Event(res) => {
@@ -509,7 +525,7 @@ async fn run_once(
             _ = sleep => {}
         }
 
-        crate::metrics::in_flight(pipeline.core.tracker.in_flight());
+        progress.metrics.in_flight(pipeline.core.tracker.in_flight());
         let due = schedule.due(since(Instant::now()), &load_of(&pipeline, since));
         if due.accept {
             pipeline.flush_pipelined(progress).await?;

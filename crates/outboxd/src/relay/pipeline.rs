@@ -320,7 +320,7 @@ impl Pipeline {
             failpoint::hit("after-accept");
         }
         // Before the checkpoint moves: that drops the commit times these receipts are matched to.
-        crate::metrics::receipts_accepted(items);
+        progress.metrics.receipts_accepted(items);
         if let Some(c) = checkpoint {
             self.core.checkpoint_committed(c);
             progress.set_checkpoint(c);

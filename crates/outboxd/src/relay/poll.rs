@@ -60,7 +60,7 @@ pub(super) async fn run_once(
     // positions grow from nothing; a plan made for empty tables does not scale).
     let pending = poll::pending_sql(current_rows);
     progress.streaming.store(true, Ordering::Relaxed);
-    crate::metrics::streaming(true);
+    progress.metrics.streaming(true);
     tracing::info!(lease = %cfg.slot, interval_ms = cfg.poll_interval.as_millis() as u64, "polling");
 
     let mut last_releases = Instant::now();
