@@ -246,19 +246,36 @@ impl TestEnv {
     /// [`TestEnv::relay`] with another database URL (e.g. one naming an application, so a
     /// test can find the relay's own backends).
     pub fn relay_at(&self, url: &str, envs: &[(&str, &str)], args: &[&str]) -> RelayProcess {
+        self.relay_from(
+            &[
+                "--database-url",
+                url,
+                "--bootstrap-servers",
+                self.kafka.bootstrap_servers(),
+                "--slot",
+                &self.slot,
+            ],
+            envs,
+            args,
+        )
+    }
+
+    /// `outboxd run --config FILE` with `args`: the databases, slots and brokers are the
+    /// file's (e.g. `[[databases]]`), the test defaults and the suite's mode are added.
+    pub fn relay_with_config(&self, config: &std::path::Path, args: &[&str]) -> RelayProcess {
+        self.relay_from(
+            &["--config", config.to_str().expect("utf-8 path")],
+            &[],
+            args,
+        )
+    }
+
+    fn relay_from(&self, head: &[&str], envs: &[(&str, &str)], args: &[&str]) -> RelayProcess {
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let log = self.dir.path().join(format!("relay-{n}.log"));
         let file = std::fs::File::create(&log).expect("log file");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_outboxd"));
-        cmd.args([
-            "run",
-            "--database-url",
-            url,
-            "--bootstrap-servers",
-            self.kafka.bootstrap_servers(),
-            "--slot",
-            &self.slot,
-        ]);
+        cmd.arg("run").args(head);
         // The whole suite in poll mode: the e2e_poll target.
         if poll_mode() && !args.contains(&"--mode") {
             cmd.args(["--mode", "poll", "--poll-interval-ms", "20"]);

@@ -17,6 +17,7 @@ pub(crate) mod cli;
 pub(crate) mod cloudevents;
 pub(crate) mod console;
 pub(crate) mod crash;
+pub(crate) mod databases;
 pub(crate) mod debezium;
 pub(crate) mod delivery;
 pub(crate) mod delivery_sets;

@@ -38,14 +38,34 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, body))
 }
 
-/// The value of the sample `series` (a name, with its labels if it has any) in `text`.
+/// The sum of the samples of `series` in `text`: a name, optionally with labels
+/// (`name{k="v"}`) that a sample must carry among its own (it may have more, such as
+/// `database`).
 pub fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
+    let (name, want) = match series.split_once('{') {
+        Some((n, l)) => (n, l.trim_end_matches('}')),
+        None => (series, ""),
+    };
+    let want: Vec<&str> = want.split(',').filter(|l| !l.is_empty()).collect();
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (head, value) = l.rsplit_once(' ')?;
+            let (n, labels) = match head.split_once('{') {
+                Some((n, l)) => (n, l.trim_end_matches('}')),
+                None => (head, ""),
+            };
+            let have: Vec<&str> = labels.split(',').collect();
+            (n == name && want.iter().all(|w| have.contains(w)))
+                .then(|| value.trim().parse().ok())
+                .flatten()
+        })
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
 }
 
-async fn scrape(port: u16) -> String {
+pub(crate) async fn scrape(port: u16) -> String {
     let (status, body) = tokio::task::spawn_blocking(move || http_get(port, "/metrics"))
         .await
         .unwrap()
@@ -56,12 +76,23 @@ async fn scrape(port: u16) -> String {
 
 /// Waits until `/readyz` answers `want` (200 or 503); returns its body.
 async fn wait_ready(port: u16, want: u16, what: &str) -> String {
+    wait_ready_with(port, want, what, |_| true).await
+}
+
+/// Waits until `/readyz` answers `want` with a body that `body_ok` accepts; returns the body.
+pub(crate) async fn wait_ready_with(
+    port: u16,
+    want: u16,
+    what: &str,
+    body_ok: impl Fn(&str) -> bool,
+) -> String {
+    let body_ok = &body_ok;
     wait_for(what, LONG, || async move {
         match tokio::task::spawn_blocking(move || http_get(port, "/readyz"))
             .await
             .unwrap()
         {
-            Some((s, body)) if s == want => Ok(body),
+            Some((s, body)) if s == want && body_ok(&body) => Ok(body),
             other => Err(format!("{other:?}")),
         }
     })

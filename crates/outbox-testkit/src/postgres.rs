@@ -245,11 +245,35 @@ impl TestPostgres {
         Ok(self.url(&name))
     }
 
-    /// Stops an owned cluster now (also happens at drop / process exit).
+    /// Stops an owned cluster now (also happens at drop / process exit): `pg_ctl stop -m
+    /// immediate`, as a crash would.
     pub fn stop(&self) {
         if let Some(o) = &self.owned {
             let _ = pg_ctl_stop(&o.bin, &o.data, o.run_as);
         }
+    }
+
+    /// Starts a stopped owned cluster again, on the same port and data (crash recovery runs
+    /// first). An external server cannot be started: that is an error naming it.
+    pub fn start_again(&self) -> Result<(), HarnessError> {
+        let Some(o) = &self.owned else {
+            return Err(HarnessError::Command {
+                command: "pg_ctl start".into(),
+                detail: format!(
+                    "{} is an external server, not one the harness started",
+                    self.base_url
+                ),
+            });
+        };
+        let log = o.data.with_file_name("server.log");
+        let mut start = Command::new(o.bin.join("pg_ctl"));
+        start
+            .arg("-D")
+            .arg(&o.data)
+            .arg("-l")
+            .arg(log)
+            .args(["-w", "-t", "60", "start"]);
+        run(&mut start, o.run_as, "pg_ctl start")
     }
 }
 

@@ -58,9 +58,12 @@ async fn supervise(cfg: RelayConfig, fleet: bool, mut shutdown: watch::Receiver<
         } else {
             Duration::ZERO
         };
-        let after = match restarts.after_error(true, streamed_for) {
-            AfterError::Retry { after } => after,
-            AfterError::Stop => crate::config::MAX_BACKOFF,
+        // `Restarts` stops a process whose relay never streamed; here a database that was
+        // never reached (down when the process started) is retried like any other, with
+        // the same growing pause.
+        restarts.streaming();
+        let AfterError::Retry { after } = restarts.after_error(true, streamed_for) else {
+            unreachable!("a transient error after streaming is always retried")
         };
         tracing::error!(database = %cfg.database, slot = %cfg.slot, error = %e,
             retry_in_ms = after.as_millis() as u64,
