@@ -366,7 +366,10 @@ pub struct RunArgs {
     /// The outbox table. [default: outbox.events]
     #[arg(long, env = "OUTBOXD_TABLE")]
     pub table: Option<String>,
-    /// TOML config file (see README "Configuration"). Unknown keys are errors.
+    /// TOML config file (see README "Configuration"). Unknown keys are errors. Its
+    /// `[[databases]]` entries (name, database_url, slot, publication, table) make this process
+    /// relay several databases, one relay each, the other settings shared; a database that is
+    /// down stops only its own relay (docs/scaling.md).
     #[arg(long, env = "OUTBOXD_CONFIG")]
     pub config: Option<PathBuf>,
     /// Broker cluster identity this relay serves; events frozen for another cluster are

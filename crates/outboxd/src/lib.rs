@@ -259,7 +259,7 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
                 .unwrap_or(defaults.linger),
             properties,
             headers: outbox_sink::HeaderOptions {
-                cloudevents: cloudevents_source(a, &file),
+                cloudevents: cloudevents_source(a, file),
             },
         },
         nats,

@@ -3,16 +3,17 @@
 //!
 //! The values come from two places, on purpose:
 //! * **counted by the relay as it works** — events accepted, duplicate transport receipts,
-//!   quarantines, reconnects, in-flight events, commit → receipt latency. The relay calls the
-//!   small functions at the bottom of this module (one line at each point); each is a few
-//!   atomic operations, cheap enough for the hot path.
+//!   quarantines, reconnects, in-flight events, commit → receipt latency. The relay calls its
+//!   [`RelayMetrics`] handle, bound once to its `database` and `slot` labels (one line at each
+//!   point); each call is a few atomic operations, cheap enough for the hot path.
 //! * **read from PostgreSQL by the admin sampler** (`admin::sampler`) every few seconds —
 //!   slot lag, WAL retained by the slot, pending events and the oldest one's age, UNKNOWN
 //!   attempts, quarantined events and holds. These are facts of the database, true whichever
 //!   relay (or none) is running, so they are queried rather than threaded through the relay.
 //!
-//! Readiness (`/readyz`) is derived from two gauges here: the relay is streaming from its slot
-//! and the broker answered the sampler's last metadata request.
+//! Readiness (`/readyz`) is derived from what is kept here: every database this process relays
+//! has a relay streaming from a slot, and the broker answered the sampler's last metadata
+//! request.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{LazyLock, Mutex};
