@@ -745,6 +745,23 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
             (_, Brokers::Apache(c)) => {
                 // A leader change: kill the leader of a partition, wait for the new one.
                 let p = rng.gen_range(0..partitions);
+                // Only a replica in sync can be elected (unclean election is off): a node
+                // restarted by an earlier fault may still be catching up, and killing the
+                // leader of a partition whose only in-sync replica it is leaves the partition
+                // without a leader until it restarts (seen in CI: "leader None" for 60 s).
+                wait_for(
+                    "every replica of the partition in sync before its leader is killed",
+                    Duration::from_secs(90),
+                    || async {
+                        let isr = c.isr_of(&topic, p);
+                        if isr.len() == BROKERS as usize {
+                            Ok(())
+                        } else {
+                            Err(format!("in-sync replicas of partition {p}: {isr:?}"))
+                        }
+                    },
+                )
+                .await;
                 let Some(old) = c.leader_of(&topic, p) else {
                     log.push(format!("{t}: partition {p} had no leader to kill"));
                     continue;
