@@ -32,11 +32,13 @@ use outbox_core::OutboxEvent;
 use rdkafka::error::KafkaError;
 
 pub mod headers;
+pub mod http;
 pub mod jetstream;
 pub mod kafka;
 pub mod redact;
 
 pub use headers::HeaderOptions;
+pub use http::{HttpReceipt, HttpSink, HttpSinkConfig};
 
 pub use jetstream::{JetStreamSink, JetStreamSinkConfig, StreamCheck};
 pub use kafka::{
@@ -89,6 +91,12 @@ pub enum SinkError {
         event_id: String,
         stream: String,
         reason: String,
+    },
+    #[error("HTTP endpoint {endpoint}: {what}: {message}")]
+    Http {
+        endpoint: String,
+        what: String,
+        message: String,
     },
     #[error("the delivery channel is closed (pipeline shutting down)")]
     Closed,

@@ -17,6 +17,7 @@
 //! the daemon, `outboxd`, does not link this crate.
 
 pub mod apache_kafka;
+pub mod http_target;
 pub mod kafka;
 pub mod nats;
 pub mod postgres;

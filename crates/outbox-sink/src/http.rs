@@ -1,0 +1,610 @@
+//! HTTP sink: webhooks, one request per event, with the event id as the idempotency key.
+//!
+//! # Semantics of the layer underneath
+//! An HTTP endpoint is not a log: nothing can be scanned afterwards to learn whether it applied
+//! a request. So the receipt is the answer itself, and the key is what makes a second request
+//! harmless:
+//! * Every request carries the event id in the idempotency header (`Idempotency-Key` by
+//!   default), the envelope as `Outbox-*` headers (`Outbox-Id`, `Outbox-Aggregate-Type`, ...),
+//!   and the frozen payload as its body. The URL is the frozen destination's topic.
+//! * **2xx** is the receipt: the status, the response id header if the endpoint names one, and
+//!   the sha256 of the body ([`HttpReceipt`]).
+//! * **408, 429, 503**: the endpoint says it did not process the request. The sink waits
+//!   (`Retry-After` if given, else a growing pause) and asks again with the same key, inside
+//!   the send's deadline (the ACK timeout); past it the event is *not persisted*, and the relay
+//!   replays.
+//! * **Any other 4xx** is a refusal: the frozen request will never succeed. The event is
+//!   quarantined and its aggregate held, as for a poison event on a broker.
+//! * **500, 502, 504 and other 5xx**, a **timeout** or a **connection lost** after the request
+//!   may have been written: nobody knows whether the endpoint applied it. The outcome is
+//!   *possibly persisted*: DISPATCH_UNKNOWN.
+//! * A connection refused (nothing written) is not persisted; it is tried again while the
+//!   deadline allows.
+//!
+//! # Resolving an UNKNOWN attempt ([`Sink::lookup`])
+//! There is nothing to scan. As seed 000 prescribes, the attempt is resolved by a retry to the
+//! same frozen endpoint with the same key: its 2xx is the receipt
+//! ([`Lookup::StoredByProbe`]). An endpoint that declares how long it keeps idempotency keys
+//! (`idempotency_window`) makes that retry a proof that the event was applied once; without a
+//! declaration, or past the window, it is the best that can be done, and the sink says so in
+//! the log (the endpoint must deduplicate by key).
+//!
+//! Order: the relay's ordering gate keeps one event per aggregate in flight, so an endpoint sees
+//! an aggregate's events one after the other, each acknowledged before the next is sent.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use outbox_core::OutboxEvent;
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::Semaphore;
+
+use crate::{
+    Delivery, DeliveryOutcome, FailureClass, Lookup, Persistence, Served, Sink, SinkError,
+    UnknownLookup,
+};
+
+/// Sink settings.
+#[derive(Clone)]
+pub struct HttpSinkConfig {
+    /// The endpoint's identity: must equal each event's frozen `dest_cluster` (the name the
+    /// route policy gives the endpoint).
+    pub endpoint: String,
+    /// `POST` (default) or `PUT`.
+    pub method: String,
+    /// The header carrying the event id. Default `Idempotency-Key`.
+    pub idempotency_header: String,
+    /// Headers added to every request (e.g. `Authorization`). Their values never print.
+    pub headers: Vec<(String, String)>,
+    /// A header of the endpoint's answer that names what it created (recorded in the receipt).
+    pub response_id_header: Option<String>,
+    /// How long one request may take before its outcome is unknown.
+    pub request_timeout: Duration,
+    /// How long a send may keep asking again after 408/429/503 (and a refused connection)
+    /// before it reports the event not persisted.
+    pub deadline: Duration,
+    /// Requests in flight at once (each aggregate has at most one).
+    pub max_concurrency: usize,
+    /// How long the endpoint declares it keeps idempotency keys (a retry with the same key
+    /// inside it is answered without being applied again). `None`: not declared.
+    pub idempotency_window: Option<Duration>,
+}
+
+impl Default for HttpSinkConfig {
+    fn default() -> Self {
+        HttpSinkConfig {
+            endpoint: "default".into(),
+            method: "POST".into(),
+            idempotency_header: "Idempotency-Key".into(),
+            headers: Vec::new(),
+            response_id_header: None,
+            request_timeout: Duration::from_secs(10),
+            deadline: Duration::from_secs(30),
+            max_concurrency: 64,
+            idempotency_window: None,
+        }
+    }
+}
+
+impl fmt::Debug for HttpSinkConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let headers: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .map(|(k, _)| (k.as_str(), "***"))
+            .collect();
+        f.debug_struct("HttpSinkConfig")
+            .field("endpoint", &self.endpoint)
+            .field("method", &self.method)
+            .field("idempotency_header", &self.idempotency_header)
+            .field("headers", &headers)
+            .field("response_id_header", &self.response_id_header)
+            .field("request_timeout", &self.request_timeout)
+            .field("deadline", &self.deadline)
+            .field("max_concurrency", &self.max_concurrency)
+            .field("idempotency_window", &self.idempotency_window)
+            .finish()
+    }
+}
+
+/// What a 2xx answer proves: the endpoint took the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpReceipt {
+    pub status: u16,
+    /// The value of the configured response id header, if the endpoint sent it.
+    pub response_id: Option<String>,
+    /// sha256 of the response body, hex.
+    pub body_digest: String,
+}
+
+/// What one answer means (pure: [`classify`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// 2xx: applied.
+    Applied { status: u16 },
+    /// 408, 429, 503: not processed; ask again after `after` (from `Retry-After`), if given.
+    NotNow {
+        status: u16,
+        after: Option<Duration>,
+    },
+    /// Another 4xx: the frozen request will never succeed.
+    Refused { status: u16 },
+    /// Another 5xx (or 1xx/3xx, which a webhook never answers): it may have been applied.
+    Ambiguous { status: u16 },
+}
+
+/// Classifies an answer's status; `retry_after` is its `Retry-After` header (seconds, or an
+/// HTTP date compared with `now`).
+pub fn classify(status: u16, retry_after: Option<&str>, now: SystemTime) -> Answer {
+    match status {
+        200..=299 => Answer::Applied { status },
+        408 | 429 | 503 => Answer::NotNow {
+            status,
+            after: retry_after.and_then(|v| parse_retry_after(v, now)),
+        },
+        400..=499 => Answer::Refused { status },
+        _ => Answer::Ambiguous { status },
+    }
+}
+
+/// `Retry-After`: delay-seconds, or an IMF-fixdate (`Wed, 21 Oct 2015 07:28:00 GMT`).
+pub fn parse_retry_after(v: &str, now: SystemTime) -> Option<Duration> {
+    let v = v.trim();
+    if let Ok(s) = v.parse::<u64>() {
+        return Some(Duration::from_secs(s));
+    }
+    let at = parse_http_date(v)?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// An IMF-fixdate, the only form a sender may generate (RFC 9110, 5.6.7).
+fn parse_http_date(v: &str) -> Option<SystemTime> {
+    let rest = v.split_once(", ")?.1;
+    let mut parts = rest.split(' ');
+    let day: u64 = parts.next()?.parse().ok()?;
+    let month = match parts.next()? {
+        "Jan" => 1,
+        "Feb" => 2,
+        "Mar" => 3,
+        "Apr" => 4,
+        "May" => 5,
+        "Jun" => 6,
+        "Jul" => 7,
+        "Aug" => 8,
+        "Sep" => 9,
+        "Oct" => 10,
+        "Nov" => 11,
+        "Dec" => 12,
+        _ => return None,
+    };
+    let year: i64 = parts.next()?.parse().ok()?;
+    let mut hms = parts.next()?.split(':').map(|x| x.parse::<u64>().ok());
+    let (h, m, s) = (hms.next()??, hms.next()??, hms.next()??);
+    if parts.next()? != "GMT" || !(1..=31).contains(&day) || h > 23 || m > 59 || s > 60 {
+        return None;
+    }
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let (y, mo) = if month <= 2 {
+        (year - 1, month + 9)
+    } else {
+        (year, month - 3)
+    };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * mo as i64 + 2) / 5 + day as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = u64::try_from(days).ok()? * 86_400 + h * 3600 + m * 60 + s;
+    Some(UNIX_EPOCH + Duration::from_secs(secs))
+}
+
+/// The longest pause between two tries of one send, when the endpoint gives no `Retry-After`
+/// (and the longest `Retry-After` obeyed: the deadline bounds the whole send anyway).
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+
+/// The pause before try `n` (1-based) without a `Retry-After`: 100 ms, doubling.
+fn pause(n: u32) -> Duration {
+    Duration::from_millis(100)
+        .saturating_mul(2u32.saturating_pow(n.saturating_sub(1)))
+        .min(MAX_PAUSE)
+}
+
+/// How one send (all its tries) ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exchange {
+    Receipt(HttpReceipt),
+    /// No try may have been applied (refused connections, 408/429/503): safe to send again.
+    NotPersisted(String),
+    /// The endpoint refused the request (another 4xx).
+    Refused {
+        status: u16,
+        body: String,
+    },
+    /// A try may have been applied: DISPATCH_UNKNOWN.
+    Unknown(String),
+}
+
+/// Publishes to one HTTP endpoint.
+pub struct HttpSink {
+    config: Arc<HttpSinkConfig>,
+    client: reqwest::Client,
+    method: reqwest::Method,
+    reports: UnboundedSender<Delivery>,
+    permits: Arc<Semaphore>,
+}
+
+impl fmt::Debug for HttpSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpSink")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpSink {
+    /// Builds the client. Delivery reports are sent to `reports`.
+    pub fn new(
+        config: HttpSinkConfig,
+        reports: UnboundedSender<Delivery>,
+    ) -> Result<HttpSink, SinkError> {
+        let fail = |message: String| SinkError::Http {
+            endpoint: config.endpoint.clone(),
+            what: "building the HTTP client".into(),
+            message,
+        };
+        let method = match config.method.to_ascii_uppercase().as_str() {
+            "POST" => reqwest::Method::POST,
+            "PUT" => reqwest::Method::PUT,
+            other => {
+                return Err(fail(format!(
+                    "method {other:?} is not supported: use POST or PUT"
+                )))
+            }
+        };
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.request_timeout)
+            .user_agent(concat!("outboxd/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| fail(e.to_string()))?;
+        let permits = Arc::new(Semaphore::new(config.max_concurrency.max(1)));
+        Ok(HttpSink {
+            config: Arc::new(config),
+            client,
+            method,
+            reports,
+            permits,
+        })
+    }
+
+    pub fn config(&self) -> &HttpSinkConfig {
+        &self.config
+    }
+
+    /// One request of `ev`, with its headers.
+    fn request(&self, ev: &OutboxEvent, timeout: Duration) -> reqwest::RequestBuilder {
+        let c = &self.config;
+        let mut r = self
+            .client
+            .request(self.method.clone(), &ev.destination.topic)
+            .timeout(timeout)
+            .header(c.idempotency_header.as_str(), ev.event_id.to_string())
+            .header(reqwest::header::CONTENT_TYPE, "application/json");
+        for (k, v) in crate::event_headers(ev) {
+            r = r.header(http_header_name(&k), v.into_owned());
+        }
+        for (k, v) in &c.headers {
+            r = r.header(k.as_str(), v.as_str());
+        }
+        r.body(ev.payload.clone())
+    }
+
+    /// Sends `ev` until an answer settles it or the deadline passes.
+    pub async fn exchange(&self, ev: &OutboxEvent) -> Exchange {
+        exchange(self, ev).await
+    }
+}
+
+/// `aggregate_type` → `Outbox-Aggregate-Type`.
+fn http_header_name(key: &str) -> String {
+    let mut out = String::from("Outbox-");
+    for (i, word) in key.split('_').enumerate() {
+        if i > 0 {
+            out.push('-');
+        }
+        let mut cs = word.chars();
+        if let Some(f) = cs.next() {
+            out.extend(f.to_uppercase());
+            out.extend(cs);
+        }
+    }
+    out
+}
+
+async fn exchange(sink: &HttpSink, ev: &OutboxEvent) -> Exchange {
+    let c = &sink.config;
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        let left = c.deadline.saturating_sub(started.elapsed());
+        let timeout = c.request_timeout.min(left.max(Duration::from_millis(1)));
+        let wait = match sink.request(ev, timeout).send().await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let header = |name: &str| {
+                    resp.headers()
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string)
+                };
+                let retry_after = header("retry-after");
+                let response_id = c.response_id_header.as_deref().and_then(header);
+                let answer = classify(status, retry_after.as_deref(), SystemTime::now());
+                // The body is read for every answer: an error reading it after a 2xx leaves
+                // the outcome unknown (the endpoint answered; the receipt is incomplete).
+                let body = match resp.bytes().await {
+                    Ok(b) => b,
+                    Err(e) if matches!(answer, Answer::Applied { .. }) => {
+                        return Exchange::Unknown(format!(
+                            "{status} answered, but its body could not be read: {e}"
+                        ))
+                    }
+                    Err(_) => Default::default(),
+                };
+                match answer {
+                    Answer::Applied { status } => {
+                        return Exchange::Receipt(HttpReceipt {
+                            status,
+                            response_id,
+                            body_digest: hex::encode(Sha256::digest(&body)),
+                        })
+                    }
+                    Answer::Refused { status } => {
+                        return Exchange::Refused {
+                            status,
+                            body: String::from_utf8_lossy(&body[..body.len().min(500)])
+                                .into_owned(),
+                        }
+                    }
+                    Answer::Ambiguous { status } => {
+                        return Exchange::Unknown(format!(
+                            "the endpoint answered {status}: it may have applied the request"
+                        ))
+                    }
+                    Answer::NotNow { status, after } => (
+                        format!("{status}"),
+                        after.unwrap_or(pause(tries)).min(MAX_PAUSE),
+                    ),
+                }
+            }
+            // Nothing was written: the connection was never made.
+            Err(e) if e.is_connect() && !e.is_timeout() => {
+                (format!("connection failed: {e}"), pause(tries))
+            }
+            Err(e) => {
+                return Exchange::Unknown(format!(
+                    "no answer ({}): the request may have been applied",
+                    describe(&e)
+                ))
+            }
+        };
+        let (why, after) = wait;
+        if started.elapsed() + after >= c.deadline {
+            return Exchange::NotPersisted(format!(
+                "{why} after {tries} tries in {:?}; the endpoint did not take it before the deadline",
+                started.elapsed()
+            ));
+        }
+        tracing::debug!(event_id = %ev.event_id, %why, retry_in_ms = after.as_millis() as u64, "endpoint asks to try again");
+        tokio::time::sleep(after).await;
+    }
+}
+
+/// A transport error in one phrase, with its cause.
+fn describe(e: &reqwest::Error) -> String {
+    let what = if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "connecting"
+    } else if e.is_body() || e.is_request() {
+        "connection lost"
+    } else {
+        "error"
+    };
+    let mut out = what.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// The delivery report of an exchange. An HTTP receipt has no broker position: partition 0,
+/// offset 0 (what proves it is the answer, [`HttpReceipt`]).
+fn outcome(ev: &OutboxEvent, x: Exchange) -> DeliveryOutcome {
+    let failed = |error: String, persistence, class| DeliveryOutcome::Failed {
+        error,
+        persistence,
+        class,
+        partition: 0,
+    };
+    match x {
+        Exchange::Receipt(r) => {
+            tracing::debug!(event_id = %ev.event_id, status = r.status, response_id = ?r.response_id, body_digest = %r.body_digest, "endpoint applied the event");
+            DeliveryOutcome::Persisted {
+                topic: ev.destination.topic.clone(),
+                partition: 0,
+                offset: 0,
+                timestamp_ms: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_millis() as i64),
+                duplicate: false,
+            }
+        }
+        Exchange::NotPersisted(why) => {
+            failed(why, Persistence::NotPersisted, FailureClass::Transient)
+        }
+        Exchange::Refused { status, body } => failed(
+            format!("the endpoint refused the request with {status}: {body}"),
+            Persistence::NotPersisted,
+            FailureClass::Permanent,
+        ),
+        Exchange::Unknown(why) => {
+            failed(why, Persistence::PossiblyPersisted, FailureClass::Transient)
+        }
+    }
+}
+
+impl Sink for HttpSink {
+    fn served(&self) -> Served {
+        Served {
+            kind: "http",
+            cluster: self.config.endpoint.clone(),
+            partitioner: None,
+        }
+    }
+
+    async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
+        // Backpressure: at most `max_concurrency` requests in flight.
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| SinkError::Closed)?;
+        let sink = HttpSink {
+            config: self.config.clone(),
+            client: self.client.clone(),
+            method: self.method.clone(),
+            reports: self.reports.clone(),
+            permits: self.permits.clone(),
+        };
+        let ev = ev.clone();
+        tokio::spawn(async move {
+            let x = exchange(&sink, &ev).await;
+            drop(permit);
+            // A closed channel means the pipeline is gone; the event is unresolved and will be
+            // replayed from the checkpoint, so dropping the report is safe.
+            let _ = sink.reports.send(Delivery {
+                token,
+                outcome: outcome(&ev, x),
+            });
+        });
+        Ok(())
+    }
+
+    fn ack_timeout(&self) -> Duration {
+        self.config.deadline
+    }
+
+    async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
+        let proof = self
+            .config
+            .idempotency_window
+            .is_some_and(|w| q.sent_ago < w);
+        if !proof {
+            tracing::warn!(event_id = %q.event.event_id, endpoint = %self.config.endpoint,
+                sent_ago_ms = q.sent_ago.as_millis() as u64,
+                "retrying an UNKNOWN send with the same idempotency key outside a declared idempotency window: the endpoint must deduplicate by key");
+        }
+        match exchange(self, q.event).await {
+            Exchange::Receipt(r) => {
+                tracing::info!(event_id = %q.event.event_id, status = r.status, proof,
+                    "the retry with the same key was answered: its answer is the receipt");
+                Ok(Lookup::StoredByProbe {
+                    partition: 0,
+                    offset: 0,
+                    timestamp_ms: None,
+                })
+            }
+            other => Err(SinkError::Unprovable {
+                event_id: q.event.event_id.to_string(),
+                stream: self.config.endpoint.clone(),
+                reason: format!(
+                    "the retry with the same key was not answered with 2xx ({other:?})"
+                ),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_are_receipts_waits_refusals_or_unknown() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_445_412_480);
+        assert_eq!(classify(201, None, now), Answer::Applied { status: 201 });
+        for s in [408, 429, 503] {
+            assert_eq!(
+                classify(s, Some("2"), now),
+                Answer::NotNow {
+                    status: s,
+                    after: Some(Duration::from_secs(2))
+                }
+            );
+        }
+        for s in [400, 401, 403, 404, 409, 410, 413, 422] {
+            assert_eq!(classify(s, None, now), Answer::Refused { status: s });
+        }
+        for s in [500, 502, 504, 599, 302] {
+            assert_eq!(classify(s, None, now), Answer::Ambiguous { status: s });
+        }
+    }
+
+    #[test]
+    fn retry_after_takes_seconds_or_an_http_date() {
+        // 2015-10-21T07:28:00Z = 1445412480.
+        let now = UNIX_EPOCH + Duration::from_secs(1_445_412_470);
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:27:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(
+            parse_retry_after(" 120 ", now),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(
+            parse_retry_after("Wed, 32 Oct 2015 07:28:00 GMT", now),
+            None
+        );
+        assert_eq!(
+            parse_http_date("Thu, 01 Jan 1970 00:00:00 GMT"),
+            Some(UNIX_EPOCH)
+        );
+        assert_eq!(
+            parse_http_date("Tue, 29 Feb 2000 12:00:00 GMT"),
+            Some(UNIX_EPOCH + Duration::from_secs(951_825_600))
+        );
+    }
+
+    #[test]
+    fn pauses_grow_to_a_cap_and_headers_are_named_for_http() {
+        assert_eq!(pause(1), Duration::from_millis(100));
+        assert_eq!(pause(3), Duration::from_millis(400));
+        assert_eq!(pause(40), MAX_PAUSE);
+        assert_eq!(http_header_name("aggregate_type"), "Outbox-Aggregate-Type");
+        assert_eq!(http_header_name("id"), "Outbox-Id");
+    }
+
+    #[test]
+    fn auth_header_values_never_print() {
+        let c = HttpSinkConfig {
+            headers: vec![("Authorization".into(), "Bearer s3cret".into())],
+            ..HttpSinkConfig::default()
+        };
+        let s = format!("{c:?}");
+        assert!(s.contains("Authorization") && !s.contains("s3cret"), "{s}");
+    }
+}

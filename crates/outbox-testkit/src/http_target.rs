@@ -1,0 +1,290 @@
+//! A real HTTP/1.1 server for the HTTP sink's tests: a webhook endpoint that stores what it
+//! applies by idempotency key, and misbehaves on demand, as endpoints do.
+//!
+//! It is a server on a TCP socket, not a mock of the client: the sink's requests cross the
+//! loopback and are parsed here. What it can do, per request, in the order the test queues
+//! [`Behavior`]s (then [`Behavior::Normal`]):
+//! * apply and answer 201 (`X-Response-Id`, a JSON body);
+//! * apply, then answer late (after the client's timeout);
+//! * read the request and drop the connection, applied or not;
+//! * answer a status (429, 503, 500, ...) with an optional `Retry-After`, without applying;
+//! * refuse one poison payload with 400, always.
+//!
+//! With `dedupe` on (an endpoint that keeps idempotency keys), a request whose key was applied
+//! before is answered 200 with the first answer's response id and is not applied again.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What the server does with the next request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Behavior {
+    /// Apply (unless it is a duplicate key with `dedupe` on) and answer 201.
+    Normal,
+    /// Apply, then answer after this delay.
+    Late(Duration),
+    /// Read the request and close the connection without answering; apply it first if `true`.
+    Drop { applied: bool },
+    /// Answer `status` without applying, with `Retry-After: retry_after` if given.
+    Status {
+        status: u16,
+        retry_after: Option<String>,
+    },
+}
+
+/// One request as the server read it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    /// Header names lower-cased.
+    pub headers: HashMap<String, String>,
+    pub body: Vec<u8>,
+    pub at: Instant,
+    pub behavior: Behavior,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    queue: VecDeque<Behavior>,
+    requests: Vec<Request>,
+    /// key → how many times it was applied, and the response id of its first application.
+    applied: HashMap<String, (u32, String)>,
+    /// Keys in the order they were first applied.
+    order: Vec<String>,
+    next_id: u64,
+}
+
+/// The running server; dropping it stops it.
+#[derive(Debug)]
+pub struct HttpTarget {
+    addr: std::net::SocketAddr,
+    state: Arc<Mutex<State>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HttpTarget {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// How the endpoint behaves throughout.
+#[derive(Debug, Clone)]
+pub struct TargetSettings {
+    /// The idempotency header it reads (lower-case).
+    pub key_header: String,
+    /// Whether it keeps keys: a repeat is answered without being applied again.
+    pub dedupe: bool,
+    /// A body containing this is refused with 400, never applied.
+    pub poison: Option<String>,
+}
+
+impl Default for TargetSettings {
+    fn default() -> Self {
+        TargetSettings {
+            key_header: "idempotency-key".into(),
+            dedupe: true,
+            poison: None,
+        }
+    }
+}
+
+impl HttpTarget {
+    /// Listens on 127.0.0.1, on a free port.
+    pub async fn start(settings: TargetSettings) -> std::io::Result<HttpTarget> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(Mutex::new(State::default()));
+        let settings = Arc::new(settings);
+        let s = state.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                tokio::spawn(serve(sock, s.clone(), settings.clone()));
+            }
+        });
+        Ok(HttpTarget { addr, state, task })
+    }
+
+    /// `http://127.0.0.1:PORT` + `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Queues what the next requests meet, in order.
+    pub fn then(&self, b: Behavior) {
+        self.state.lock().unwrap().queue.push_back(b);
+    }
+
+    /// Every request read so far.
+    pub fn requests(&self) -> Vec<Request> {
+        self.state.lock().unwrap().requests.clone()
+    }
+
+    /// How many times the request with idempotency key `key` was applied.
+    pub fn applied(&self, key: &str) -> u32 {
+        self.state
+            .lock()
+            .unwrap()
+            .applied
+            .get(key)
+            .map_or(0, |a| a.0)
+    }
+
+    /// Keys in the order they were first applied.
+    pub fn applied_order(&self) -> Vec<String> {
+        self.state.lock().unwrap().order.clone()
+    }
+}
+
+async fn serve(mut sock: TcpStream, state: Arc<Mutex<State>>, settings: Arc<TargetSettings>) {
+    let mut buf = Vec::new();
+    loop {
+        let Some(req) = read_request(&mut sock, &mut buf).await else {
+            return;
+        };
+        let key = req
+            .headers
+            .get(&settings.key_header)
+            .cloned()
+            .unwrap_or_default();
+        let poison = settings
+            .poison
+            .as_ref()
+            .is_some_and(|p| String::from_utf8_lossy(&req.body).contains(p.as_str()));
+        let (behavior, answer) = {
+            let mut st = state.lock().unwrap();
+            let behavior = if poison {
+                Behavior::Status {
+                    status: 400,
+                    retry_after: None,
+                }
+            } else {
+                st.queue.pop_front().unwrap_or(Behavior::Normal)
+            };
+            let apply = matches!(
+                behavior,
+                Behavior::Normal | Behavior::Late(_) | Behavior::Drop { applied: true }
+            );
+            let mut answer = None;
+            if apply {
+                let seen = st.applied.get(&key).cloned();
+                match seen {
+                    Some((_, id)) if settings.dedupe => answer = Some((200, id)),
+                    _ => {
+                        st.next_id += 1;
+                        let id = format!("r{}", st.next_id);
+                        let st = &mut *st;
+                        let e = st.applied.entry(key.clone()).or_insert((0, id));
+                        e.0 += 1;
+                        if e.0 == 1 {
+                            st.order.push(key.clone());
+                        }
+                        answer = Some((201, e.1.clone()));
+                    }
+                }
+            }
+            st.requests.push(Request {
+                behavior: behavior.clone(),
+                ..req
+            });
+            (behavior, answer)
+        };
+        let reply = match (&behavior, answer) {
+            (Behavior::Drop { .. }, _) => return,
+            (
+                Behavior::Status {
+                    status,
+                    retry_after,
+                },
+                _,
+            ) => {
+                let extra = retry_after
+                    .as_ref()
+                    .map(|r| format!("Retry-After: {r}\r\n"))
+                    .unwrap_or_default();
+                response(*status, &extra, &format!("{{\"status\":{status}}}"))
+            }
+            (_, Some((status, id))) => response(
+                status,
+                &format!("X-Response-Id: {id}\r\n"),
+                &format!("{{\"id\":\"{id}\"}}"),
+            ),
+            (_, None) => response(500, "", "{}"),
+        };
+        if let Behavior::Late(d) = behavior {
+            tokio::time::sleep(d).await;
+        }
+        if sock.write_all(reply.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn response(status: u16, extra_headers: &str, body: &str) -> String {
+    let reason = match status {
+        200 => "OK",
+        201 => "Created",
+        400 => "Bad Request",
+        408 => "Request Timeout",
+        429 => "Too Many Requests",
+        500 => "Internal Server Error",
+        503 => "Service Unavailable",
+        _ => "Status",
+    };
+    format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra_headers}\r\n{body}",
+        body.len()
+    )
+}
+
+/// Reads one request (headers and a `Content-Length` body) from `sock`; `None` at the end of
+/// the connection or on a request it cannot parse.
+async fn read_request(sock: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Request> {
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = sock.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let mut first = lines.next()?.split(' ');
+    let (method, path) = (first.next()?.to_string(), first.next()?.to_string());
+    let headers: HashMap<String, String> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let len: usize = headers
+        .get("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let start = head_end + 4;
+    while buf.len() < start + len {
+        let mut chunk = [0u8; 4096];
+        let n = sock.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let body = buf[start..start + len].to_vec();
+    buf.drain(..start + len);
+    Some(Request {
+        method,
+        path,
+        headers,
+        body,
+        at: Instant::now(),
+        behavior: Behavior::Normal,
+    })
+}
