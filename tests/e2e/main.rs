@@ -22,6 +22,7 @@ pub(crate) mod debezium;
 pub(crate) mod delivery;
 pub(crate) mod delivery_sets;
 pub(crate) mod ha;
+pub(crate) mod http;
 pub(crate) mod inbox;
 pub(crate) mod jetstream;
 pub(crate) mod migration;

@@ -53,6 +53,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
             ..KafkaSinkConfig::default()
         },
         nats: None,
+        http: None,
         max_in_flight: 5_000,
         batch_size: 1000,
         batch_linger: Duration::from_millis(1),

@@ -115,6 +115,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "relay_members",
         sql: include_str!("../../../migrations/0019_relay_members.sql"),
     },
+    Migration {
+        version: 20,
+        name: "http_routes",
+        sql: include_str!("../../../migrations/0020_http_routes.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -202,12 +202,13 @@ pub trait Sink {
     ) -> impl Future<Output = Result<Lookup, SinkError>> + Send;
 }
 
-/// The relay's sink, chosen at start (`--sink kafka|nats`).
+/// The relay's sink, chosen at start (`--sink kafka|nats|http`).
 #[derive(Debug)]
 pub enum AnySink {
     Kafka(KafkaSink),
     /// Boxed: the JetStream client state is much larger than the Kafka handle.
     JetStream(Box<JetStreamSink>),
+    Http(HttpSink),
 }
 
 impl Sink for AnySink {
@@ -215,6 +216,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.served(),
             AnySink::JetStream(s) => s.served(),
+            AnySink::Http(s) => s.served(),
         }
     }
 
@@ -222,6 +224,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.send(ev, token).await,
             AnySink::JetStream(s) => s.send(ev, token).await,
+            AnySink::Http(s) => s.send(ev, token).await,
         }
     }
 
@@ -229,6 +232,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.ack_timeout(),
             AnySink::JetStream(s) => s.ack_timeout(),
+            AnySink::Http(s) => s.ack_timeout(),
         }
     }
 
@@ -236,6 +240,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.lookup(q).await,
             AnySink::JetStream(s) => s.lookup(q).await,
+            AnySink::Http(s) => s.lookup(q).await,
         }
     }
 }

@@ -334,9 +334,18 @@ pub struct RunArgs {
     pub bootstrap_servers: Option<String>,
     /// The broker to publish to. `nats` publishes to a NATS JetStream stream (subject = the
     /// frozen topic, header Nats-Msg-Id = event id); route those events with
-    /// `SELECT outbox.set_nats_route('order', NULL, '<cluster name>')`. [default: kafka]
+    /// `SELECT outbox.set_nats_route('order', NULL, '<cluster name>')`. `http` sends one
+    /// request per event to an HTTP endpoint (URL = the frozen topic, header Idempotency-Key =
+    /// event id, settings in the config file's [http]); route those events with
+    /// `SELECT outbox.set_http_route('order', NULL, '<endpoint>', 'https://host/hooks')`.
+    /// [default: kafka]
     #[arg(long, env = "OUTBOXD_SINK", value_enum)]
     pub sink: Option<SinkKind>,
+    /// The HTTP endpoint this relay serves, for --sink http: the name its routes give it
+    /// (events frozen for another endpoint are quarantined). [default: http.endpoint in the
+    /// config file, else default]
+    #[arg(long, env = "OUTBOXD_HTTP_ENDPOINT")]
+    pub http_endpoint: Option<String>,
     /// NATS server URL(s) for --sink nats, e.g. nats://nats-1:4222. The server's cluster name
     /// (its server name, `-n`, when unclustered) must equal --cluster-name.
     #[arg(long, env = "OUTBOXD_NATS_URL")]

@@ -121,6 +121,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub nats: NatsFile,
     #[serde(default)]
+    pub http: HttpFile,
+    #[serde(default)]
     pub relay: RelayFile,
     /// `text` (default) or `json` (one JSON object per line, with the span fields slot, db,
     /// generation). `--log-format` wins.
@@ -193,6 +195,33 @@ pub struct NatsFile {
     pub duplicate_window_ms: Option<u64>,
     /// How long a publish waits for its PubAck before the outcome is UNKNOWN, ms. Default 5000.
     pub ack_timeout_ms: Option<u64>,
+}
+
+/// `[http]` section (used with `sink = "http"`): one HTTP endpoint (webhooks).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpFile {
+    /// The endpoint's name in its routes (`outbox.set_http_route`). Default `default`.
+    pub endpoint: Option<String>,
+    /// `POST` (default) or `PUT`.
+    pub method: Option<String>,
+    /// The header carrying the event id. Default `Idempotency-Key`.
+    pub idempotency_header: Option<String>,
+    /// A header of the endpoint's answer naming what it created (logged with the receipt).
+    pub response_id_header: Option<String>,
+    /// How long one request may take before its outcome is unknown, ms. Default 10000.
+    pub request_timeout_ms: Option<u64>,
+    /// How long one send may keep asking again after 408/429/503 before the event is replayed,
+    /// ms (`--message-timeout-ms`). Default 30000.
+    pub deadline_ms: Option<u64>,
+    /// Requests in flight at once. Default 64.
+    pub max_concurrency: Option<usize>,
+    /// How long the endpoint keeps idempotency keys, ms, if it declares it: a retry of an
+    /// UNKNOWN send with the same key inside it proves the event applied once.
+    pub idempotency_window_ms: Option<u64>,
+    /// Headers added to every request, e.g. `Authorization = "Bearer ..."`. Never logged.
+    #[serde(default)]
+    pub headers: BTreeMap<String, Secret>,
 }
 
 /// `[kafka]` section.
@@ -301,6 +330,8 @@ pub struct RelayConfig {
     pub sink: KafkaSinkConfig,
     /// JetStream settings: when set, the relay publishes to NATS JetStream instead of Kafka.
     pub nats: Option<JetStreamSinkConfig>,
+    /// HTTP settings: when set, the relay sends to an HTTP endpoint instead of Kafka.
+    pub http: Option<outbox_sink::HttpSinkConfig>,
     /// Events sent and not yet resolved before the relay stops reading the slot.
     pub max_in_flight: u64,
     /// Receipts per ledger transaction.
@@ -427,7 +458,41 @@ impl RelayConfig {
                 self.publication
             );
         }
-        if let Some(n) = &self.nats {
+        if let Some(h) = &self.http {
+            if h.endpoint.trim().is_empty() {
+                bail!("http.endpoint must name the endpoint (the name its routes give it)");
+            }
+            if !matches!(h.method.to_ascii_uppercase().as_str(), "POST" | "PUT") {
+                bail!(
+                    "http.method {:?} is not supported: use POST or PUT",
+                    h.method
+                );
+            }
+            if h.request_timeout < Duration::from_millis(100) {
+                bail!("http.request_timeout_ms must be at least 100");
+            }
+            if h.deadline < h.request_timeout {
+                bail!("the HTTP deadline (--message-timeout-ms / http.deadline_ms) must be at least http.request_timeout_ms");
+            }
+            if h.max_concurrency == 0 {
+                bail!("http.max_concurrency must be at least 1");
+            }
+            let token = |s: &str| {
+                !s.is_empty()
+                    && s.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c))
+            };
+            for name in h
+                .headers
+                .iter()
+                .map(|(k, _)| k)
+                .chain([&h.idempotency_header])
+            {
+                if !token(name) {
+                    bail!("HTTP header name {name:?} is invalid (http.headers / http.idempotency_header)");
+                }
+            }
+        } else if let Some(n) = &self.nats {
             if n.url.trim().is_empty() {
                 bail!("NATS URL is missing: pass --nats-url, set OUTBOXD_NATS_URL, or nats.url in the config file");
             }

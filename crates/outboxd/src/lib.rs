@@ -170,8 +170,37 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
     properties.extend(a.kafka_properties.iter().cloned());
     let defaults = KafkaSinkConfig::default();
     let cluster_name = a.cluster_name.clone();
-    let nats = match a.sink.or(file.sink).unwrap_or(values::SinkKind::Kafka) {
-        values::SinkKind::Kafka => None,
+    let kind = a.sink.or(file.sink).unwrap_or(values::SinkKind::Kafka);
+    let http = (kind == values::SinkKind::Http).then(|| {
+        let d = outbox_sink::HttpSinkConfig::default();
+        let h = &file.http;
+        let ms = Duration::from_millis;
+        outbox_sink::HttpSinkConfig {
+            endpoint: a
+                .http_endpoint
+                .clone()
+                .or(h.endpoint.clone())
+                .unwrap_or(d.endpoint),
+            method: h.method.clone().unwrap_or(d.method),
+            idempotency_header: h.idempotency_header.clone().unwrap_or(d.idempotency_header),
+            headers: h
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.expose().to_string()))
+                .collect(),
+            response_id_header: h.response_id_header.clone(),
+            request_timeout: h.request_timeout_ms.map(ms).unwrap_or(d.request_timeout),
+            deadline: a
+                .message_timeout_ms
+                .or(h.deadline_ms)
+                .map(ms)
+                .unwrap_or(d.deadline),
+            max_concurrency: h.max_concurrency.unwrap_or(d.max_concurrency),
+            idempotency_window: h.idempotency_window_ms.map(ms),
+        }
+    });
+    let nats = match kind {
+        values::SinkKind::Kafka | values::SinkKind::Http => None,
         values::SinkKind::Nats => {
             let d = JetStreamSinkConfig::default();
             let n = &file.nats;
@@ -263,6 +292,7 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
             },
         },
         nats,
+        http,
         max_in_flight: a
             .max_in_flight
             .or(file.relay.max_in_flight)

@@ -23,6 +23,8 @@ pub enum SinkKind {
     Kafka,
     /// NATS JetStream (Nats-Msg-Id = event id, PubAck = receipt).
     Nats,
+    /// HTTP endpoints (webhooks): event id = idempotency key, a 2xx answer = receipt.
+    Http,
 }
 
 /// Where the relay finds new outbox events.

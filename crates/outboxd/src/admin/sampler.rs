@@ -143,6 +143,9 @@ pub(super) enum BrokerProbe {
         url: String,
         client: Option<async_nats::Client>,
     },
+    /// An HTTP endpoint has no metadata to ask for: its answers to the relay's requests are
+    /// the only test (a refused connection or a 503 shows as a relay that replays).
+    Http,
 }
 
 /// The probe's own librdkafka logs and errors are dropped: while the broker is away the
@@ -162,6 +165,9 @@ impl ProducerContext for Quiet {
 impl BrokerProbe {
     /// The probe for the relay's sink.
     pub fn for_relay(relay: &crate::config::RelayConfig) -> anyhow::Result<BrokerProbe> {
+        if relay.http.is_some() {
+            return Ok(BrokerProbe::Http);
+        }
         match &relay.nats {
             Some(n) => Ok(BrokerProbe::Nats {
                 url: n.url.clone(),
@@ -208,6 +214,7 @@ impl BrokerProbe {
                     Err(e) => Err(e.to_string()),
                 }
             }
+            BrokerProbe::Http => Ok(1),
             BrokerProbe::Nats { url, client } => {
                 if client.is_none() {
                     let c = async_nats::ConnectOptions::new()

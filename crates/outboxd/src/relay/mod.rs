@@ -41,7 +41,7 @@ use outbox_core::Lsn;
 use outbox_ledger::holds;
 use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
-use outbox_sink::{AnySink, JetStreamSink, KafkaSink, Sink, SinkError};
+use outbox_sink::{AnySink, HttpSink, JetStreamSink, KafkaSink, Sink, SinkError};
 use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
 use outbox_source::snapshot;
 use outbox_source::tls::{ConnectError, PgConnectOptions};
@@ -648,6 +648,12 @@ async fn open_sink(
     cfg: &RelayConfig,
 ) -> Result<(AnySink, mpsc::UnboundedReceiver<outbox_sink::Delivery>), RelayError> {
     let (reports_tx, reports) = mpsc::unbounded_channel();
+    if let Some(http) = &cfg.http {
+        return Ok((
+            AnySink::Http(HttpSink::new(http.clone(), reports_tx)?),
+            reports,
+        ));
+    }
     let sink = match &cfg.nats {
         Some(nats) => {
             let sink = JetStreamSink::connect(nats.clone(), reports_tx).await?;

@@ -531,11 +531,13 @@ impl Pipeline {
         let deadline = tokio::time::Instant::now() + grace;
         while self.core.in_flight() > 0 {
             match tokio::time::timeout_at(deadline, self.reports.recv()).await {
-                Ok(Some(d)) => {
-                    if let Err(e) = self.on_report(d).await {
-                        return Some(e);
-                    }
-                }
+                Ok(Some(d)) => match self.on_report(d).await {
+                    // Another failed send: its UNKNOWN attempt (if possibly persisted) is
+                    // recorded; keep collecting, so that every send outstanding when the run
+                    // ended has its outcome recorded, not only the first failure's.
+                    Ok(()) | Err(RelayError::Delivery { .. }) => {}
+                    Err(e) => return Some(e),
+                },
                 Ok(None) | Err(_) => break,
             }
         }

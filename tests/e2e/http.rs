@@ -1,0 +1,193 @@
+//! The relay publishing to an HTTP endpoint (`--sink http`): a real HTTP/1.1 server
+//! (`outbox_testkit::http_target`) that stores what it applies by idempotency key, answers
+//! late, drops connections, bursts 429/503 and refuses one poison payload with 400.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use outbox_testkit::http_target::{Behavior, HttpTarget, TargetSettings};
+use serde_json::json;
+
+use crate::harness::TestEnv;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_one_is_held() {
+    let env = TestEnv::new("http_sink").await;
+    let target = HttpTarget::start(TargetSettings {
+        poison: Some("poison".into()),
+        ..TargetSettings::default()
+    })
+    .await
+    .expect("start the HTTP endpoint");
+    env.db
+        .query_one(
+            "SELECT outbox.set_http_route($1, NULL, 'billing-api', $2)",
+            &[&env.aggregate_type, &target.url("/hooks/{aggregate_type}")],
+        )
+        .await
+        .expect("route the test's events to the endpoint");
+    // What the first requests meet, in order (a retry of an UNKNOWN send is a request too).
+    for b in [
+        Behavior::Late(Duration::from_millis(1_200)),
+        Behavior::Status {
+            status: 429,
+            retry_after: Some("1".into()),
+        },
+        Behavior::Drop { applied: true },
+        Behavior::Status {
+            status: 503,
+            retry_after: None,
+        },
+        Behavior::Drop { applied: false },
+        Behavior::Status {
+            status: 500,
+            retry_after: None,
+        },
+    ] {
+        target.then(b);
+    }
+    let config = env.dir.path().join("outboxd.toml");
+    std::fs::write(
+        &config,
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 400\n\
+         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n\
+         [http.headers]\nAuthorization = \"Bearer t0ken\"\n",
+    )
+    .unwrap();
+    let mut relay = env.relay(
+        &[],
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--message-timeout-ms",
+            "4000",
+            "--unknown-settle-ms",
+            "200",
+        ],
+    );
+    env.wait_streaming().await;
+
+    // Six aggregates of five events each; aggregate "p" has a poison event at version 2 and
+    // one more behind it.
+    let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+    for v in 1..=5i64 {
+        for a in 0..6 {
+            let agg = format!("a{a}");
+            let id = env.enqueue(&agg, json!({"n": v})).await;
+            committed.insert(id, (agg, v));
+        }
+    }
+    let p1 = env.enqueue("p", json!({"n": 1})).await;
+    let poison = env.enqueue("p", json!({"poison": true})).await;
+    let p3 = env.enqueue("p", json!({"n": 3})).await;
+    committed.insert(p1, ("p".into(), 1));
+
+    env.wait_count(
+        "a receipt for every event but the poison one and the one behind it",
+        "SELECT count(*) FROM outbox.receipts",
+        committed.len() as i64,
+    )
+    .await;
+    env.wait_count(
+        "the poison event quarantined, its aggregate held",
+        &format!(
+            "SELECT count(*) FROM outbox.quarantine q JOIN outbox.holds h
+               ON h.aggregate_type = q.aggregate_type AND h.aggregate_id = q.aggregate_id
+             WHERE q.event_id = '{poison}' AND q.released_at IS NULL AND q.reason LIKE '%400%'"
+        ),
+        1,
+    )
+    .await;
+    env.wait_zero(
+        "every DISPATCH_UNKNOWN attempt resolved",
+        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+    )
+    .await;
+    relay.assert_running();
+
+    // Applied exactly once by key; nothing of the held aggregate past the poison event.
+    let twice: Vec<_> = committed
+        .keys()
+        .filter(|id| target.applied(&id.to_string()) != 1)
+        .map(|id| (id, target.applied(&id.to_string())))
+        .collect();
+    assert!(twice.is_empty(), "not applied exactly once: {twice:?}");
+    assert_eq!(target.applied(&poison.to_string()), 0);
+    assert_eq!(
+        target.applied(&p3.to_string()),
+        0,
+        "sent past a held aggregate"
+    );
+    // Every receipt is evidence: the endpoint applied that event.
+    let receipts = env
+        .db
+        .query(
+            "SELECT event_id, broker_kind, broker_cluster, topic FROM outbox.receipts",
+            &[],
+        )
+        .await
+        .unwrap();
+    for r in &receipts {
+        let id: uuid::Uuid = r.get(0);
+        assert_eq!(
+            (r.get::<_, &str>(1), r.get::<_, &str>(2)),
+            ("http", "billing-api")
+        );
+        assert_eq!(
+            r.get::<_, String>(3),
+            target.url(&format!("/hooks/{}", env.aggregate_type))
+        );
+        assert!(
+            target.applied(&id.to_string()) >= 1,
+            "receipt of {id}, which the endpoint never applied"
+        );
+    }
+    // Order per aggregate: the endpoint's first applications are versions 1, 2, 3, ...
+    let mut per_agg: HashMap<&str, Vec<i64>> = HashMap::new();
+    for key in target.applied_order() {
+        let id: uuid::Uuid = key.parse().unwrap();
+        if let Some((agg, v)) = committed.get(&id) {
+            per_agg.entry(agg).or_default().push(*v);
+        }
+    }
+    for (agg, versions) in &per_agg {
+        let n = committed.values().filter(|(a, _)| a == agg).count() as i64;
+        assert_eq!(
+            versions,
+            &(1..=n).collect::<Vec<_>>(),
+            "{agg}: out of order"
+        );
+    }
+    // Every event that met an ambiguous answer has a traced attempt, resolved by a retry with
+    // the same key (a retry that meets one too stays the same attempt).
+    let requests = target.requests();
+    let ambiguous: std::collections::BTreeSet<String> = requests
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.behavior,
+                Behavior::Late(_) | Behavior::Drop { .. } | Behavior::Status { status: 500, .. }
+            )
+        })
+        .map(|r| r.headers["idempotency-key"].clone())
+        .collect();
+    assert!(!ambiguous.is_empty(), "no request met an ambiguous answer");
+    for key in &ambiguous {
+        assert_eq!(
+            env.count(&format!(
+                "SELECT count(*) FROM outbox.attempts WHERE event_id = '{key}' AND state <> 'DISPATCH_UNKNOWN'"
+            ))
+            .await,
+            1,
+            "event {key} met an ambiguous answer: one resolved attempt"
+        );
+    }
+    // The requests carried the key, the envelope and the configured auth header.
+    let first = &requests[0];
+    assert!(first.headers.contains_key("idempotency-key"));
+    assert!(first.headers.contains_key("outbox-aggregate-version"));
+    assert_eq!(
+        first.headers.get("authorization").map(String::as_str),
+        Some("Bearer t0ken")
+    );
+}
