@@ -7,7 +7,12 @@
 -- no partitions; order is per aggregate, one request in flight each).
 --
 -- A receipt of an HTTP endpoint has no broker position: partition 0, offset 0. What proves it
--- is the endpoint's 2xx answer to a request carrying the event id as its idempotency key.
+-- is the endpoint's 2xx answer to a request carrying the event id as its idempotency key, kept
+-- in the receipt's `evidence`: {"status": 201, "response_id": "...", "body_sha256": "..."}.
+-- Brokers' receipts leave it NULL (their position is the proof).
+
+ALTER TABLE outbox.receipts ADD COLUMN evidence jsonb;
+ALTER TABLE outbox.duplicate_receipts ADD COLUMN evidence jsonb;
 
 CREATE FUNCTION outbox.set_http_route(
     p_aggregate_type text, p_event_type text, p_endpoint text, p_url text

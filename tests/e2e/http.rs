@@ -122,7 +122,9 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
     let receipts = env
         .db
         .query(
-            "SELECT event_id, broker_kind, broker_cluster, topic FROM outbox.receipts",
+            "SELECT event_id, broker_kind, broker_cluster, topic, (evidence ->> 'status')::int,
+                    evidence ->> 'response_id', evidence ->> 'body_sha256'
+             FROM outbox.receipts",
             &[],
         )
         .await
@@ -141,6 +143,18 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
             target.applied(&id.to_string()) >= 1,
             "receipt of {id}, which the endpoint never applied"
         );
+        // The endpoint's answer is kept: a 2xx, its response id for that key, a body digest.
+        let status: Option<i32> = r.get(4);
+        assert!(
+            status.is_some_and(|s| (200..300).contains(&s)),
+            "{id}: {status:?}"
+        );
+        assert_eq!(
+            r.get::<_, Option<String>>(5),
+            target.response_id(&id.to_string()),
+            "{id}"
+        );
+        assert_eq!(r.get::<_, Option<String>>(6).map(|d| d.len()), Some(64));
     }
     // Order per aggregate: the endpoint's first applications are versions 1, 2, 3, ...
     let mut per_agg: HashMap<&str, Vec<i64>> = HashMap::new();

@@ -34,6 +34,9 @@ pub enum DeliveryOutcome {
         /// The broker said it already had this message (JetStream `duplicate: true`, by
         /// `Nats-Msg-Id`) and answered with the original position: nothing new was stored.
         duplicate: bool,
+        /// What proves it beyond a position, as JSON: an HTTP endpoint's answer (status,
+        /// response id, body digest). `None` for brokers, whose position is the proof.
+        evidence: Option<String>,
     },
     Failed {
         error: String,

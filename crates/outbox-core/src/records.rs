@@ -23,6 +23,9 @@ pub struct ReceiptRecord {
     /// Commit LSN of the producing transaction; `None` for events published from the
     /// initial snapshot (they predate the slot).
     pub commit_lsn: Option<Lsn>,
+    /// What proves it beyond the position, as JSON (an HTTP endpoint's answer); `None` for
+    /// brokers.
+    pub evidence: Option<String>,
 }
 
 /// An event the relay refuses to publish, with its reason.

@@ -40,9 +40,10 @@ pub struct AcceptOutcome {
 const ACCEPT_SQL: &str = r#"
 WITH input AS (
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
-                         $7::int4[], $8::int8[], $9::int8[], $10::int4[], $11::int8[], $12::text[])
+                         $7::int4[], $8::int8[], $9::int8[], $10::int4[], $11::int8[], $12::text[],
+                         $14::text[])
         AS t(event_id, payload_digest, destination_digest, broker_kind, broker_cluster, topic,
-             partition, "offset", ts_ms, attempt, relay_generation, commit_lsn)
+             partition, "offset", ts_ms, attempt, relay_generation, commit_lsn, evidence)
 ),
 matched AS (
     SELECT i.*,
@@ -57,10 +58,10 @@ matched AS (
 prim AS (
     INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic, partition, "offset",
                                  broker_timestamp, attempt, relay_generation, commit_lsn, slot_name,
-                                 payload_digest, destination_digest)
+                                 payload_digest, destination_digest, evidence)
     SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
            to_timestamp(ts_ms / 1000.0), attempt, relay_generation, commit_lsn::pg_lsn, $13,
-           payload_digest, destination_digest
+           payload_digest, destination_digest, evidence::jsonb
     FROM matched WHERE ok
     ON CONFLICT (event_id) DO NOTHING
     RETURNING event_id
@@ -68,9 +69,10 @@ prim AS (
 dup AS (
     INSERT INTO outbox.duplicate_receipts (event_id, broker_kind, broker_cluster, topic, partition,
                                            "offset", broker_timestamp, attempt, relay_generation,
-                                           commit_lsn, slot_name)
+                                           commit_lsn, slot_name, evidence)
     SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
-           to_timestamp(ts_ms / 1000.0), attempt, relay_generation, commit_lsn::pg_lsn, $13
+           to_timestamp(ts_ms / 1000.0), attempt, relay_generation, commit_lsn::pg_lsn, $13,
+           evidence::jsonb
     FROM matched m WHERE ok AND NOT EXISTS (SELECT 1 FROM prim p WHERE p.event_id = m.event_id)
       -- The very ACK that is the primary receipt, recorded again, is no new evidence.
       AND NOT EXISTS (SELECT 1 FROM outbox.receipts r
@@ -338,6 +340,10 @@ async fn accept_once(
                             .map(|r| r.commit_lsn.map(|l| l.to_string()))
                             .collect::<Vec<_>>(),
                         &slot,
+                        &round
+                            .iter()
+                            .map(|r| r.evidence.as_deref())
+                            .collect::<Vec<_>>(),
                     ],
                 )
                 .await

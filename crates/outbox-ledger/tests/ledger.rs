@@ -63,6 +63,7 @@ fn receipt(ev: &OutboxEvent, offset: i64) -> ReceiptRecord {
         attempt: 1,
         relay_generation: 0,
         commit_lsn: Some(Lsn(100)),
+        evidence: None,
     }
 }
 

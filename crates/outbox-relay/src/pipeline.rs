@@ -632,6 +632,7 @@ impl PipelineCore {
                 offset,
                 timestamp_ms,
                 duplicate,
+                evidence,
             } => {
                 if let Ok(d) = now.wall.duration_since(f.sent_at) {
                     let ms = d.as_secs_f64() * 1000.0;
@@ -662,6 +663,7 @@ impl PipelineCore {
                         attempt: f.attempt,
                         relay_generation: self.generation,
                         commit_lsn: f.commit_lsn,
+                        evidence,
                     }),
                     ack,
                 );

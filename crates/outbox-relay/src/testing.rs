@@ -84,6 +84,7 @@ pub(crate) fn persisted(token: u64, offset: i64) -> Delivery {
             offset,
             timestamp_ms: None,
             duplicate: false,
+            evidence: None,
         },
     }
 }

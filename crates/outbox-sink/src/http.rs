@@ -119,6 +119,18 @@ pub struct HttpReceipt {
     pub body_digest: String,
 }
 
+impl HttpReceipt {
+    /// The receipt as the ledger keeps it (`outbox.receipts.evidence`), JSON.
+    pub fn evidence(&self) -> String {
+        serde_json::json!({
+            "status": self.status,
+            "response_id": self.response_id,
+            "body_sha256": self.body_digest,
+        })
+        .to_string()
+    }
+}
+
 /// What one answer means (pure: [`classify`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
@@ -444,6 +456,7 @@ fn outcome(ev: &OutboxEvent, x: Exchange) -> DeliveryOutcome {
                     .ok()
                     .map(|d| d.as_millis() as i64),
                 duplicate: false,
+                evidence: Some(r.evidence()),
             }
         }
         Exchange::NotPersisted(why) => {
@@ -520,6 +533,7 @@ impl Sink for HttpSink {
                     partition: 0,
                     offset: 0,
                     timestamp_ms: None,
+                    evidence: Some(r.evidence()),
                 })
             }
             other => Err(SinkError::Unprovable {

@@ -503,6 +503,7 @@ fn pub_ack_outcome(
             offset,
             timestamp_ms: None,
             duplicate,
+            evidence: None,
         },
         Err(why) => {
             tracing::warn!(%subject, stream = %acked_stream, configured = %stream, sequence, reason = %why,
@@ -598,6 +599,7 @@ impl Sink for JetStreamSink {
                     partition: 0,
                     offset,
                     timestamp_ms: None,
+                    evidence: None,
                 }
             });
         }

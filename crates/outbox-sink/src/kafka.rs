@@ -137,6 +137,7 @@ fn success_outcome(
             timestamp_ms,
             // The idempotent producer never reports a broker-side duplicate as such.
             duplicate: false,
+            evidence: None,
         },
         Err(why) => {
             tracing::warn!(topic = %sent_topic, partition, offset, reason = %why,

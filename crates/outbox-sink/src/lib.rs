@@ -173,6 +173,8 @@ pub enum Lookup {
         partition: i32,
         offset: i64,
         timestamp_ms: Option<i64>,
+        /// The probe's answer, as JSON, where the position proves nothing (HTTP).
+        evidence: Option<String>,
     },
 }
 

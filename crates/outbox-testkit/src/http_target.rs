@@ -135,6 +135,16 @@ impl HttpTarget {
             .map_or(0, |a| a.0)
     }
 
+    /// The response id of the first application of key `key` (every answer to that key names it).
+    pub fn response_id(&self, key: &str) -> Option<String> {
+        self.state
+            .lock()
+            .unwrap()
+            .applied
+            .get(key)
+            .map(|a| a.1.clone())
+    }
+
     /// Keys in the order they were first applied.
     pub fn applied_order(&self) -> Vec<String> {
         self.state.lock().unwrap().order.clone()

@@ -567,6 +567,7 @@ mod tests {
                 attempt: 1,
                 relay_generation: 1,
                 commit_lsn,
+                evidence: None,
             })
         };
         r.receipts_accepted(&[receipt(Some(lsn)), receipt(None)]);

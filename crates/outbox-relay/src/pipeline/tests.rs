@@ -270,6 +270,7 @@ fn a_success_report_without_a_position_is_unknown_never_a_receipt() {
             offset: -1001,
             timestamp_ms: None,
             duplicate: false,
+            evidence: None,
         },
     };
     let Reported::Failed(f) = c.on_report(implicit, now(1)).unwrap() else {
@@ -286,6 +287,7 @@ fn a_success_report_without_a_position_is_unknown_never_a_receipt() {
             offset: 5,
             timestamp_ms: None,
             duplicate: false,
+            evidence: None,
         },
     };
     assert!(matches!(

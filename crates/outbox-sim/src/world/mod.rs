@@ -1440,6 +1440,7 @@ impl World {
                     offset: rc.offset as i64,
                     timestamp_ms: None,
                     duplicate: false,
+                    evidence: None,
                 }
             }
             Report::ImplicitAck => DeliveryOutcome::Persisted {
@@ -1448,6 +1449,7 @@ impl World {
                 offset: -1001,
                 timestamp_ms: None,
                 duplicate: false,
+                evidence: None,
             },
             Report::Rejected => failed(Persistence::NotPersisted, FailureClass::Permanent),
             Report::PossiblyPersisted => {

@@ -65,54 +65,65 @@ pub(super) async fn run_once(
 
     let mut last_releases = Instant::now();
     let mut touched = Touched::default();
-    loop {
-        if *shutdown.borrow() {
-            lease::release(&sql, &cfg.slot, fence).await?;
-            tracing::info!("stopped");
-            return Ok(());
-        }
-        let n = round(
-            cfg,
-            &mut sql,
-            &pending,
-            &mut touched,
-            fence,
-            &mut pipeline,
-            progress,
-        )
-        .await?;
-        if pipeline.core.lease_expired || lease_state.is_lost() {
-            tracing::warn!(
-                generation = fence.generation,
-                "lease lost to another relay; stopping"
-            );
-            return Err(RelayError::Ledger(LedgerError::LeaseLost {
-                slot: cfg.slot.clone(),
-                generation: fence.generation,
-            }));
-        }
-        if last_releases.elapsed() >= RELEASE_POLL {
-            pipeline
-                .process_releases(&sql, current_rows, progress)
-                .await?;
-            reconcile::reconcile_unknown(
+    let result: Result<(), RelayError> = async {
+        loop {
+            if *shutdown.borrow() {
+                lease::release(&sql, &cfg.slot, fence).await?;
+                tracing::info!("stopped");
+                return Ok(());
+            }
+            let n = round(
                 cfg,
-                &sql,
-                &mut pipeline,
+                &mut sql,
+                &pending,
+                &mut touched,
                 fence,
-                current_rows,
-                reconcile::When::Running,
+                &mut pipeline,
+                progress,
             )
             .await?;
-            last_releases = Instant::now();
-        }
-        if n < ROUND_LIMIT as u64 {
-            tokio::select! {
-                _ = tokio::time::sleep(cfg.poll_interval) => {}
-                _ = shutdown.changed() => {}
+            if pipeline.core.lease_expired || lease_state.is_lost() {
+                tracing::warn!(
+                    generation = fence.generation,
+                    "lease lost to another relay; stopping"
+                );
+                return Err(RelayError::Ledger(LedgerError::LeaseLost {
+                    slot: cfg.slot.clone(),
+                    generation: fence.generation,
+                }));
+            }
+            if last_releases.elapsed() >= RELEASE_POLL {
+                pipeline
+                    .process_releases(&sql, current_rows, progress)
+                    .await?;
+                reconcile::reconcile_unknown(
+                    cfg,
+                    &sql,
+                    &mut pipeline,
+                    fence,
+                    current_rows,
+                    reconcile::When::Running,
+                )
+                .await?;
+                last_releases = Instant::now();
+            }
+            if n < ROUND_LIMIT as u64 {
+                tokio::select! {
+                    _ = tokio::time::sleep(cfg.poll_interval) => {}
+                    _ = shutdown.changed() => {}
+                }
             }
         }
     }
+    .await;
+    if let Err(e) = &result {
+        // Whatever ended the run, what the broker already answered is evidence worth keeping,
+        // and every send still outstanding has its outcome recorded (UNKNOWN attempts traced).
+        if let Some(secondary) = pipeline.salvage(progress, super::SALVAGE_GRACE).await {
+            tracing::debug!(error = %secondary, first = %e, "could not record outstanding receipts");
+        }
+    }
+    result
 }
 
 /// The aggregates the last round published, and when every position was last advanced.

@@ -116,7 +116,11 @@ pub(crate) async fn reconcile_unknown(
         };
         let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
         let served = pipeline.served().clone();
-        let receipt_of = |attempt: i32, relay_generation: i64, offset: i64, timestamp_ms| {
+        let receipt_of = |attempt: i32,
+                          relay_generation: i64,
+                          offset: i64,
+                          timestamp_ms,
+                          evidence: Option<String>| {
             LedgerItem::Receipt(ReceiptRecord {
                 event_id: ev.event_id,
                 payload_digest: ev.payload_digest.clone(),
@@ -130,11 +134,13 @@ pub(crate) async fn reconcile_unknown(
                 attempt,
                 relay_generation,
                 commit_lsn: None,
+                evidence,
             })
         };
         // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
         // JetStream probe that was *stored* proves the original absent and is itself the retry.
-        let (proof, (scanned_from, scanned_to), timestamp_ms, probe_offset) = match lookup {
+        let (proof, (scanned_from, scanned_to), timestamp_ms, probe_offset, evidence) = match lookup
+        {
             Lookup::Found {
                 offset,
                 timestamp_ms,
@@ -146,16 +152,24 @@ pub(crate) async fn reconcile_unknown(
                 (scanned_from, scanned_to),
                 timestamp_ms,
                 None,
+                None,
             ),
             Lookup::Absent {
                 scanned_from,
                 scanned_to,
-            } => (Scan::Absent, (scanned_from, scanned_to), None, None),
+            } => (Scan::Absent, (scanned_from, scanned_to), None, None, None),
             Lookup::StoredByProbe {
                 offset,
                 timestamp_ms,
+                evidence,
                 ..
-            } => (Scan::Absent, (offset, offset), timestamp_ms, Some(offset)),
+            } => (
+                Scan::Absent,
+                (offset, offset),
+                timestamp_ms,
+                Some(offset),
+                evidence,
+            ),
         };
         let last = attempts::last_generation(sql, a.event_id).await?;
         // Settled: the settle time has passed (slept out at start, filtered while running).
@@ -174,6 +188,7 @@ pub(crate) async fn reconcile_unknown(
                         a.relay_generation,
                         offset,
                         timestamp_ms,
+                        None,
                     )],
                     None,
                     Some(fence),
@@ -193,7 +208,13 @@ pub(crate) async fn reconcile_unknown(
                 accept::accept_batch(
                     &mut pipeline.client,
                     &cfg.slot,
-                    &[receipt_of(next, fence.generation, offset, timestamp_ms)],
+                    &[receipt_of(
+                        next,
+                        fence.generation,
+                        offset,
+                        timestamp_ms,
+                        evidence,
+                    )],
                     None,
                     Some(fence),
                 )
