@@ -196,6 +196,28 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
             "event {key} met an ambiguous answer: one resolved attempt"
         );
     }
+    // Reconcile counts the HTTP receipts as not auditable against a broker, by name.
+    let (_, out) = crate::harness::outboxd(&[
+        "reconcile",
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+        "--audit-receipts",
+        "all",
+    ]);
+    let http_receipts = env
+        .count(
+            "SELECT (SELECT count(*) FROM outbox.receipts WHERE broker_kind = 'http')
+                  + (SELECT count(*) FROM outbox.duplicate_receipts WHERE broker_kind = 'http')",
+        )
+        .await;
+    assert!(
+        out.contains(&format!(
+            "0 not auditable (nats), {http_receipts} not auditable (http)"
+        )) && !out.contains("not on the broker"),
+        "{out}"
+    );
     // The requests carried the key, the envelope and the configured auth header.
     let first = &requests[0];
     assert!(first.headers.contains_key("idempotency-key"));

@@ -251,7 +251,7 @@ async fn receipt_audit_reports_a_missing_and_a_mismatched_receipt() {
     assert_eq!(code, 0, "{text}");
     assert!(
         text.contains(
-            "receipts: 4 audited (scope all, cluster default), 0 expired, 0 not auditable (nats)"
+            "receipts: 4 audited (scope all, cluster default), 0 expired, 0 not auditable (nats), 0 not auditable (http)"
         ),
         "{text}"
     );
@@ -371,7 +371,7 @@ async fn receipt_audit_reports_a_missing_and_a_mismatched_receipt() {
     assert!(line("receipt_mismatch", victim), "{text}");
     assert!(
         text.contains(
-            "receipts: 5 audited (scope all, cluster default), 0 expired, 1 not auditable (nats)"
+            "receipts: 5 audited (scope all, cluster default), 0 expired, 1 not auditable (nats), 0 not auditable (http)"
         ),
         "{text}"
     );

@@ -188,14 +188,15 @@ pub async fn known_events(
     Ok(out)
 }
 
-/// Every topic an event was frozen to or published at (what the bypass scan must read).
+/// Every topic an event was frozen to or published at (what the bypass scan must read). An
+/// HTTP endpoint's URL is no topic: it is left out.
 pub async fn outbox_topics(client: &Client) -> Result<Vec<String>, LedgerError> {
     let rows = client
         .query(
-            "SELECT dest_topic FROM outbox.events
-             UNION SELECT dest_topic FROM outbox.destination_migrations
-             UNION SELECT topic FROM outbox.receipts
-             UNION SELECT topic FROM outbox.purged_events
+            "SELECT dest_topic FROM outbox.events WHERE dest_kind <> 'http'
+             UNION SELECT dest_topic FROM outbox.destination_migrations WHERE dest_kind <> 'http'
+             UNION SELECT topic FROM outbox.receipts WHERE broker_kind <> 'http'
+             UNION SELECT topic FROM outbox.purged_events WHERE topic !~ '^https?://'
              ORDER BY 1",
             &[],
         )
@@ -256,9 +257,11 @@ pub struct ReceiptsInScope {
     pub by_topic: std::collections::BTreeMap<String, Vec<ScopedReceipt>>,
     /// Receipts in `by_topic`.
     pub kafka: u64,
-    /// Receipts of another broker kind (NATS) in scope (for a sample: in the ledger), which a
-    /// Kafka scan cannot audit.
+    /// NATS receipts in scope (for a sample: in the ledger), which a Kafka scan cannot audit.
     pub nats: i64,
+    /// HTTP receipts in scope (for a sample: in the ledger): an endpoint has nothing to scan;
+    /// the receipt's evidence is the endpoint's answer.
+    pub http: i64,
     /// Kafka receipts in scope (or, for a sample, in the ledger) of another broker cluster.
     pub other_cluster: i64,
 }
@@ -350,8 +353,9 @@ pub async fn receipts_in_scope(
     let counts = tx
         .query_one(
             &format!(
-                "SELECT count(*) FILTER (WHERE broker_kind <> 'kafka'),
-                        count(*) FILTER (WHERE broker_kind = 'kafka' AND broker_cluster <> $2)
+                "SELECT count(*) FILTER (WHERE broker_kind = 'nats'),
+                        count(*) FILTER (WHERE broker_kind = 'kafka' AND broker_cluster <> $2),
+                        count(*) FILTER (WHERE broker_kind = 'http')
                  FROM ({RECEIPTS_UNION}) s"
             ),
             &[&since, &cluster],
@@ -360,6 +364,7 @@ pub async fn receipts_in_scope(
         .ctx("counting the receipts the audit cannot check")?;
     out.nats = counts.get(0);
     out.other_cluster = counts.get(1);
+    out.http = counts.get(2);
     tx.commit()
         .await
         .ctx("ending the receipt audit's transaction")?;

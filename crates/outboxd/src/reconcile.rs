@@ -130,6 +130,9 @@ pub struct ReceiptAudit {
     pub expired: u64,
     /// NATS receipts in scope (for `sample=N`: in the ledger): a Kafka scan cannot audit them.
     pub not_auditable_nats: i64,
+    /// HTTP receipts in scope: an endpoint cannot be scanned (the receipt's evidence is its
+    /// answer).
+    pub not_auditable_http: i64,
     /// Kafka receipts in scope (for `sample=N`: in the ledger) of another cluster.
     pub other_cluster: i64,
 }
@@ -319,6 +322,7 @@ async fn reconcile(
         audited: 0,
         expired: 0,
         not_auditable_nats: 0,
+        not_auditable_http: 0,
         other_cluster: 0,
     };
     let mut missing_receipts = Vec::new();
@@ -368,6 +372,7 @@ async fn reconcile(
             receipts.audited = outcome.audited;
             receipts.expired = outcome.expired;
             receipts.not_auditable_nats = in_scope.nats;
+            receipts.not_auditable_http = in_scope.http;
             receipts.other_cluster = in_scope.other_cluster;
             missing_receipts = outcome.missing;
             mismatched_receipts = outcome.mismatch;
@@ -819,12 +824,13 @@ fn table(r: &Report) -> String {
         None => {
             let _ = writeln!(
                 s,
-                "receipts: {} audited (scope {}, cluster {}), {} expired, {} not auditable (nats){}",
+                "receipts: {} audited (scope {}, cluster {}), {} expired, {} not auditable (nats), {} not auditable (http){}",
                 a.audited,
                 a.scope,
                 a.cluster,
                 a.expired,
                 a.not_auditable_nats,
+                a.not_auditable_http,
                 if a.other_cluster > 0 {
                     format!(", {} of other Kafka clusters not audited", a.other_cluster)
                 } else {
