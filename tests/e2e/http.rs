@@ -218,6 +218,20 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
         )) && !out.contains("not on the broker"),
         "{out}"
     );
+    // `outboxd check` knows the HTTP sink: nothing to probe, and the declared window.
+    let (_, out) = crate::harness::outboxd(&[
+        "check",
+        "--database-url",
+        &env.url,
+        "--config",
+        config.to_str().unwrap(),
+        "--slot",
+        &env.slot,
+    ]);
+    assert!(
+        out.contains("endpoint billing-api: nothing to probe") && !out.contains("http idempotency"),
+        "{out}"
+    );
     // The requests carried the key, the envelope and the configured auth header.
     let first = &requests[0];
     assert!(first.headers.contains_key("idempotency-key"));

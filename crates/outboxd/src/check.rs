@@ -153,6 +153,24 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
             "kafka",
             "not checked: fix the configuration first",
         ),
+        (None, Some(cfg)) if cfg.http.is_some() => {
+            let h = cfg.http.as_ref().expect("matched");
+            r.add(
+                Level::Ok,
+                "http",
+                format!(
+                    "endpoint {}: nothing to probe before sending (an endpoint has no metadata); its answers decide (docs/brokers.md)",
+                    h.endpoint
+                ),
+            );
+            if h.idempotency_window.is_none() {
+                r.add(
+                    Level::Warn,
+                    "http idempotency",
+                    "the endpoint declares no idempotency window (http.idempotency_window_ms): a retry of an UNKNOWN send is no proof of a single effect; make sure the endpoint deduplicates by its Idempotency-Key",
+                );
+            }
+        }
         (None, _) if nats_url.is_none() => r.add(
             Level::Warn,
             "broker",
