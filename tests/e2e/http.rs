@@ -232,6 +232,22 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
         out.contains("endpoint billing-api: nothing to probe") && !out.contains("http idempotency"),
         "{out}"
     );
+    // `outboxd status --event` shows what the endpoint answered.
+    let (ok, out) = crate::harness::outboxd(&[
+        "status",
+        "--database-url",
+        &env.url,
+        "--event",
+        &p1.to_string(),
+    ]);
+    assert!(
+        ok && out.contains("answered 20")
+            && out.contains(&format!(
+                "(response id {})",
+                target.response_id(&p1.to_string()).unwrap()
+            )),
+        "{out}"
+    );
     // The requests carried the key, the envelope and the configured auth header.
     let first = &requests[0];
     assert!(first.headers.contains_key("idempotency-key"));

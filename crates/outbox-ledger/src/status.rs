@@ -190,14 +190,17 @@ pub async fn event_history(
         ),
         (
             "receipt",
-            "SELECT format('primary: %s/%s@%s, relay generation %s, attempt %s, accepted %s',
-                           topic, partition, \"offset\", relay_generation, attempt, accepted_at)
+            "SELECT format('primary: %s/%s@%s, relay generation %s, attempt %s, accepted %s%s',
+                           topic, partition, \"offset\", relay_generation, attempt, accepted_at,
+                           coalesce(', answered ' || (evidence ->> 'status')
+                                    || coalesce(' (response id ' || (evidence ->> 'response_id') || ')', ''), ''))
              FROM outbox.receipts WHERE event_id = $1",
         ),
         (
             "duplicate",
-            "SELECT format('%s/%s@%s, relay generation %s, attempt %s, received %s',
-                           topic, partition, \"offset\", relay_generation, attempt, received_at)
+            "SELECT format('%s/%s@%s, relay generation %s, attempt %s, received %s%s',
+                           topic, partition, \"offset\", relay_generation, attempt, received_at,
+                           coalesce(', answered ' || (evidence ->> 'status'), ''))
              FROM outbox.duplicate_receipts WHERE event_id = $1 ORDER BY id",
         ),
         (
