@@ -70,6 +70,8 @@ pub struct HttpSinkConfig {
     /// How long the endpoint declares it keeps idempotency keys (a retry with the same key
     /// inside it is answered without being applied again). `None`: not declared.
     pub idempotency_window: Option<Duration>,
+    /// A PEM file of CA certificates trusted for `https://` endpoints, besides the system's.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for HttpSinkConfig {
@@ -84,6 +86,7 @@ impl Default for HttpSinkConfig {
             deadline: Duration::from_secs(30),
             max_concurrency: 64,
             idempotency_window: None,
+            ca_file: None,
         }
     }
 }
@@ -105,6 +108,7 @@ impl fmt::Debug for HttpSinkConfig {
             .field("deadline", &self.deadline)
             .field("max_concurrency", &self.max_concurrency)
             .field("idempotency_window", &self.idempotency_window)
+            .field("ca_file", &self.ca_file)
             .finish()
     }
 }
@@ -275,11 +279,23 @@ impl HttpSink {
                 )))
             }
         };
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(config.request_timeout)
-            .user_agent(concat!("outboxd/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| fail(e.to_string()))?;
+            .user_agent(concat!("outboxd/", env!("CARGO_PKG_VERSION")));
+        if let Some(path) = &config.ca_file {
+            let pem = std::fs::read(path)
+                .map_err(|e| fail(format!("reading http.ca_file {}: {e}", path.display())))?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
+                fail(format!(
+                    "http.ca_file {} holds no PEM certificate: {e}",
+                    path.display()
+                ))
+            })?;
+            for c in certs {
+                builder = builder.add_root_certificate(c);
+            }
+        }
+        let client = builder.build().map_err(|e| fail(e.to_string()))?;
         let permits = Arc::new(Semaphore::new(config.max_concurrency.max(1)));
         Ok(HttpSink {
             config: Arc::new(config),

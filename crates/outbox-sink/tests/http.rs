@@ -242,3 +242,54 @@ async fn a_refused_connection_is_not_persisted() {
         other => panic!("{other:?}"),
     }
 }
+
+/// HTTPS: an endpoint whose certificate chains to `ca_file` is served; without it, the
+/// certificate is refused before any request is written (not persisted, nothing applied).
+#[tokio::test]
+async fn https_trusts_the_configured_ca_and_refuses_an_unknown_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = outbox_testkit::tls::make_ca_and_server_cert(dir.path(), "hooks-ca");
+    let t = HttpTarget::start(TargetSettings {
+        tls: Some((cert, key)),
+        ..TargetSettings::default()
+    })
+    .await
+    .expect("start the HTTPS target");
+    assert!(t.url("/").starts_with("https://127.0.0.1:"));
+
+    let (s, mut rx) = sink(HttpSinkConfig {
+        ca_file: Some(ca),
+        ..config()
+    });
+    let ev = event(&t.url("/hooks"), "inv-tls", 1, "{}");
+    s.send(&ev, 1).await.unwrap();
+    assert!(
+        matches!(
+            rx.recv().await.unwrap().outcome,
+            DeliveryOutcome::Persisted { .. }
+        ),
+        "served over TLS with the CA"
+    );
+    assert_eq!(t.applied(&ev.event_id.to_string()), 1);
+
+    let (s, mut rx) = sink(HttpSinkConfig {
+        deadline: Duration::from_millis(400),
+        ..config()
+    });
+    let ev = event(&t.url("/hooks"), "inv-untrusted", 1, "{}");
+    s.send(&ev, 2).await.unwrap();
+    match rx.recv().await.unwrap().outcome {
+        DeliveryOutcome::Failed {
+            persistence: Persistence::NotPersisted,
+            error,
+            ..
+        } => assert!(error.contains("connection failed"), "{error}"),
+        other => panic!("an untrusted certificate was accepted: {other:?}"),
+    }
+    assert_eq!(t.applied(&ev.event_id.to_string()), 0);
+    assert_eq!(
+        t.request_count(),
+        1,
+        "no request crossed an untrusted connection"
+    );
+}

@@ -8,7 +8,8 @@
 //! * apply, then answer late (after the client's timeout);
 //! * read the request and drop the connection, applied or not;
 //! * answer a status (429, 503, 500, ...) with an optional `Retry-After`, without applying;
-//! * refuse one poison payload with 400, always.
+//! * refuse one poison payload with 400, always;
+//! * serve HTTPS with a given certificate ([`TargetSettings::tls`]).
 //!
 //! With `dedupe` on (an endpoint that keeps idempotency keys), a request whose key was applied
 //! before is answered 200 with the first answer's response id and is not applied again.
@@ -17,8 +18,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::pin::Pin;
+
+use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 
 /// What the server does with the next request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +68,7 @@ struct State {
 #[derive(Debug)]
 pub struct HttpTarget {
     addr: std::net::SocketAddr,
+    https: bool,
     state: Arc<Mutex<State>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -82,6 +88,8 @@ pub struct TargetSettings {
     pub dedupe: bool,
     /// A body containing this is refused with 400, never applied.
     pub poison: Option<String>,
+    /// Serve HTTPS with this certificate (PEM chain) and key instead of plain HTTP.
+    pub tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for TargetSettings {
@@ -90,6 +98,7 @@ impl Default for TargetSettings {
             key_header: "idempotency-key".into(),
             dedupe: true,
             poison: None,
+            tls: None,
         }
     }
 }
@@ -100,19 +109,61 @@ impl HttpTarget {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State::default()));
+        let acceptor = match &settings.tls {
+            None => None,
+            Some((cert, key)) => {
+                let mut b = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls())
+                    .map_err(std::io::Error::other)?;
+                b.set_certificate_chain_file(cert)
+                    .map_err(std::io::Error::other)?;
+                b.set_private_key_file(key, SslFiletype::PEM)
+                    .map_err(std::io::Error::other)?;
+                Some(Arc::new(b.build()))
+            }
+        };
+        let https = settings.tls.is_some();
         let settings = Arc::new(settings);
         let s = state.clone();
         let task = tokio::spawn(async move {
             while let Ok((sock, _)) = listener.accept().await {
-                tokio::spawn(serve(sock, s.clone(), settings.clone()));
+                let (s, settings, acceptor) = (s.clone(), settings.clone(), acceptor.clone());
+                tokio::spawn(async move {
+                    match acceptor {
+                        None => serve(sock, s, settings).await,
+                        Some(a) => {
+                            let Ok(ssl) = openssl::ssl::Ssl::new(a.context()) else {
+                                return;
+                            };
+                            let Ok(mut tls) = tokio_openssl::SslStream::new(ssl, sock) else {
+                                return;
+                            };
+                            // A client that refuses the certificate ends here.
+                            if Pin::new(&mut tls).accept().await.is_ok() {
+                                serve(tls, s, settings).await;
+                            }
+                        }
+                    }
+                });
             }
         });
-        Ok(HttpTarget { addr, state, task })
+        Ok(HttpTarget {
+            addr,
+            state,
+            task,
+            https,
+        })
     }
 
-    /// `http://127.0.0.1:PORT` + `path`.
+    /// `http://127.0.0.1:PORT` + `path` (`https://` when serving TLS).
     pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://{}{path}", self.addr)
+    }
+
+    /// Connections that completed the TLS handshake or sent a plain request: how many requests
+    /// were read (a client that refused the certificate sent none).
+    pub fn request_count(&self) -> usize {
+        self.state.lock().unwrap().requests.len()
     }
 
     /// Queues what the next requests meet, in order.
@@ -151,7 +202,11 @@ impl HttpTarget {
     }
 }
 
-async fn serve(mut sock: TcpStream, state: Arc<Mutex<State>>, settings: Arc<TargetSettings>) {
+async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    mut sock: S,
+    state: Arc<Mutex<State>>,
+    settings: Arc<TargetSettings>,
+) {
     let mut buf = Vec::new();
     loop {
         let Some(req) = read_request(&mut sock, &mut buf).await else {
@@ -254,7 +309,7 @@ fn response(status: u16, extra_headers: &str, body: &str) -> String {
 
 /// Reads one request (headers and a `Content-Length` body) from `sock`; `None` at the end of
 /// the connection or on a request it cannot parse.
-async fn read_request(sock: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Request> {
+async fn read_request<S: AsyncRead + Unpin>(sock: &mut S, buf: &mut Vec<u8>) -> Option<Request> {
     let head_end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break i;

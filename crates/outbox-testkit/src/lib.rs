@@ -21,6 +21,7 @@ pub mod http_target;
 pub mod kafka;
 pub mod nats;
 pub mod postgres;
+pub mod tls;
 pub mod wait;
 
 /// Why the harness could not provide a component. The message says what to install or set.

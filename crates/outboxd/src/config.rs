@@ -222,6 +222,8 @@ pub struct HttpFile {
     /// Headers added to every request, e.g. `Authorization = "Bearer ..."`. Never logged.
     #[serde(default)]
     pub headers: BTreeMap<String, Secret>,
+    /// A PEM file of CA certificates trusted for `https://` endpoints, besides the system's.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// `[kafka]` section.

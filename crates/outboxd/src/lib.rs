@@ -197,6 +197,7 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
                 .unwrap_or(d.deadline),
             max_concurrency: h.max_concurrency.unwrap_or(d.max_concurrency),
             idempotency_window: h.idempotency_window_ms.map(ms),
+            ca_file: h.ca_file.clone(),
         }
     });
     let nats = match kind {
