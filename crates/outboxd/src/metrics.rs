@@ -310,6 +310,45 @@ impl Metrics {
         }
     }
 
+    /// Gives every labelled family a series of `database`/`slot` (as a running relay and its
+    /// sampler would), so that the exposition lists every family: for the tests that check it
+    /// against the docs, the alert rules and the dashboard. Returns the relay's handle.
+    #[doc(hidden)]
+    pub fn give_every_family_a_series(&self, database: &str, slot: &str) -> RelayMetrics {
+        let r = self.relay(database, slot);
+        r.streaming(false);
+        r.in_flight(0);
+        r.checkpoint(Lsn(1));
+        r.accepted(&AcceptOutcome::default());
+        r.reconnect();
+        r.commit_to_receipt.observe(0.0);
+        for g in [
+            &self.lag_bytes,
+            &self.retained_wal_bytes,
+            &self.safe_wal_size_bytes,
+            &self.slot_active,
+            &self.lease_generation,
+        ] {
+            g.with_label_values(&[database, slot]).set(1);
+        }
+        for g in [
+            &self.pending,
+            &self.unknown,
+            &self.quarantined,
+            &self.held_aggregates,
+            &self.held_events,
+        ] {
+            g.with_label_values(&[database]).set(1);
+        }
+        self.oldest_pending_age
+            .with_label_values(&[database])
+            .set(1.0);
+        self.oldest_unknown_age
+            .with_label_values(&[database])
+            .set(1.0);
+        r
+    }
+
     /// The sum of a family's series about `database` (all its slots: a fleet member's shards).
     pub fn total(&self, family: &impl prometheus::core::Collector, database: &str) -> f64 {
         family
@@ -470,33 +509,7 @@ mod tests {
     #[test]
     fn every_family_renders_with_the_prefix() {
         let m = get();
-        let r = m.relay("d", "s");
-        r.streaming(false);
-        r.in_flight(0);
-        r.checkpoint(Lsn(1));
-        r.accepted(&AcceptOutcome::default());
-        r.reconnect();
-        r.commit_to_receipt.observe(0.0);
-        for g in [
-            &m.lag_bytes,
-            &m.retained_wal_bytes,
-            &m.safe_wal_size_bytes,
-            &m.slot_active,
-            &m.lease_generation,
-        ] {
-            g.with_label_values(&["d", "s"]).set(1);
-        }
-        for g in [
-            &m.pending,
-            &m.unknown,
-            &m.quarantined,
-            &m.held_aggregates,
-            &m.held_events,
-        ] {
-            g.with_label_values(&["d"]).set(1);
-        }
-        m.oldest_pending_age.with_label_values(&["d"]).set(1.0);
-        m.oldest_unknown_age.with_label_values(&["d"]).set(1.0);
+        let _relay = m.give_every_family_a_series("d", "s");
         let text = m.render();
         let families: Vec<&str> = text
             .lines()

@@ -34,30 +34,7 @@ fn promtool(args: &[&str], cwd: &std::path::Path) -> String {
 /// Every `outboxd_*` metric family the relay exports (every labelled family given a series).
 fn exported_families() -> BTreeSet<String> {
     let m = outboxd::metrics::get();
-    // A relay's own families, and the sampler's (of a database, and of its slot).
-    let relay = m.relay("d", "s");
-    relay.streaming(false);
-    relay.checkpoint(outbox_core::Lsn(1));
-    for g in [
-        &m.lag_bytes,
-        &m.retained_wal_bytes,
-        &m.safe_wal_size_bytes,
-        &m.slot_active,
-        &m.lease_generation,
-    ] {
-        g.with_label_values(&["d", "s"]).set(1);
-    }
-    for g in [
-        &m.pending,
-        &m.unknown,
-        &m.quarantined,
-        &m.held_aggregates,
-        &m.held_events,
-    ] {
-        g.with_label_values(&["d"]).set(1);
-    }
-    m.oldest_pending_age.with_label_values(&["d"]).set(1.0);
-    m.oldest_unknown_age.with_label_values(&["d"]).set(1.0);
+    let _relay = m.give_every_family_a_series("d", "s");
     m.render()
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

@@ -530,16 +530,7 @@ async fn run_once(
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
         }
-        if pipeline.core.lease_expired || lease_state.is_lost() {
-            tracing::warn!(
-                generation = fence.generation,
-                "lease lost to another relay; recording what the broker confirmed and stopping"
-            );
-            return Err(RelayError::Ledger(LedgerError::LeaseLost {
-                slot: cfg.slot.clone(),
-                generation: fence.generation,
-            }));
-        }
+        still_leased(cfg, &pipeline, &lease_state, fence)?;
         if due.releases {
             pipeline
                 .process_releases(&sql, &current_rows, progress)
@@ -560,12 +551,42 @@ async fn run_once(
     }
     }
     .await;
-    if let Err(e) = result {
-        // Whatever ended the run, ACKs the broker already gave are evidence worth keeping.
+    salvage_after(&mut pipeline, progress, result).await
+}
+
+/// Ends a run that `result` says ended: whatever ended it, the answers the broker already gave
+/// are evidence worth keeping, and every send still outstanding has its outcome recorded
+/// (UNKNOWN attempts traced), within the salvage grace.
+async fn salvage_after(
+    pipeline: &mut Pipeline,
+    progress: &Progress,
+    result: Result<(), RelayError>,
+) -> Result<(), RelayError> {
+    if let Err(e) = &result {
         if let Some(secondary) = pipeline.salvage(progress, SALVAGE_GRACE).await {
-            tracing::debug!(error = %secondary, "could not record outstanding receipts");
+            tracing::debug!(error = %secondary, first = %e, "could not record outstanding receipts");
         }
-        return Err(e);
+    }
+    result
+}
+
+/// An error if this run's lease is lost (taken over, or not renewed in time): it must stop
+/// sending and moving its checkpoint.
+fn still_leased(
+    cfg: &RelayConfig,
+    pipeline: &Pipeline,
+    lease_state: &LeaseState,
+    fence: &Fence,
+) -> Result<(), RelayError> {
+    if pipeline.core.lease_expired || lease_state.is_lost() {
+        tracing::warn!(
+            generation = fence.generation,
+            "lease lost to another relay; recording what the broker confirmed and stopping"
+        );
+        return Err(RelayError::Ledger(LedgerError::LeaseLost {
+            slot: cfg.slot.clone(),
+            generation: fence.generation,
+        }));
     }
     Ok(())
 }

@@ -82,16 +82,7 @@ pub(super) async fn run_once(
                 progress,
             )
             .await?;
-            if pipeline.core.lease_expired || lease_state.is_lost() {
-                tracing::warn!(
-                    generation = fence.generation,
-                    "lease lost to another relay; stopping"
-                );
-                return Err(RelayError::Ledger(LedgerError::LeaseLost {
-                    slot: cfg.slot.clone(),
-                    generation: fence.generation,
-                }));
-            }
+            super::still_leased(cfg, &pipeline, &lease_state, fence)?;
             if last_releases.elapsed() >= RELEASE_POLL {
                 pipeline
                     .process_releases(&sql, current_rows, progress)
@@ -116,14 +107,7 @@ pub(super) async fn run_once(
         }
     }
     .await;
-    if let Err(e) = &result {
-        // Whatever ended the run, what the broker already answered is evidence worth keeping,
-        // and every send still outstanding has its outcome recorded (UNKNOWN attempts traced).
-        if let Some(secondary) = pipeline.salvage(progress, super::SALVAGE_GRACE).await {
-            tracing::debug!(error = %secondary, first = %e, "could not record outstanding receipts");
-        }
-    }
-    result
+    super::salvage_after(&mut pipeline, progress, result).await
 }
 
 /// The aggregates the last round published, and when every position was last advanced.
