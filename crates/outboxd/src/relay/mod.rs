@@ -532,18 +532,7 @@ async fn run_once(
         }
         still_leased(cfg, &pipeline, &lease_state, fence)?;
         if due.releases {
-            pipeline
-                .process_releases(&sql, &current_rows, progress)
-                .await?;
-            reconcile::reconcile_unknown(
-                cfg,
-                &sql,
-                &mut pipeline,
-                fence,
-                &current_rows,
-                reconcile::When::Running,
-            )
-            .await?;
+            releases_and_unknown(cfg, &sql, &mut pipeline, fence, &current_rows, progress).await?;
         }
         if due.status {
             confirm(&mut stream, &pipeline.core).await?;
@@ -568,6 +557,30 @@ async fn salvage_after(
         }
     }
     result
+}
+
+/// While running: sends what operators released, and resolves the settled UNKNOWN attempts
+/// of other generations (a resumed zombie's late report).
+async fn releases_and_unknown(
+    cfg: &RelayConfig,
+    sql: &Client,
+    pipeline: &mut Pipeline,
+    fence: &Fence,
+    current_rows: &str,
+    progress: &Progress,
+) -> Result<(), RelayError> {
+    pipeline
+        .process_releases(sql, current_rows, progress)
+        .await?;
+    reconcile::reconcile_unknown(
+        cfg,
+        sql,
+        pipeline,
+        fence,
+        current_rows,
+        reconcile::When::Running,
+    )
+    .await
 }
 
 /// An error if this run's lease is lost (taken over, or not renewed in time): it must stop

@@ -25,8 +25,8 @@ use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
 use super::{
-    connect_sql, keep_lease, open_pipeline, reconcile, reconcile_at_start, spawn_head_fold,
-    Progress, RelayError, HEADS_FOLD_INTERVAL, RELEASE_POLL,
+    connect_sql, keep_lease, open_pipeline, reconcile_at_start, spawn_head_fold, Progress,
+    RelayError, HEADS_FOLD_INTERVAL, RELEASE_POLL,
 };
 use crate::config::RelayConfig;
 
@@ -84,16 +84,13 @@ pub(super) async fn run_once(
             .await?;
             super::still_leased(cfg, &pipeline, &lease_state, fence)?;
             if last_releases.elapsed() >= RELEASE_POLL {
-                pipeline
-                    .process_releases(&sql, current_rows, progress)
-                    .await?;
-                reconcile::reconcile_unknown(
+                super::releases_and_unknown(
                     cfg,
                     &sql,
                     &mut pipeline,
                     fence,
                     current_rows,
-                    reconcile::When::Running,
+                    progress,
                 )
                 .await?;
                 last_releases = Instant::now();
