@@ -377,8 +377,12 @@ impl Report {
                 c.rate, c.republished, c.produced, c.republished_ms, c.recovery_s
             );
             println!(
-                "takeover by a restarted relay (another relay id): lease held {:.0} ms, first receipt {:.0} ms after the kill",
-                c.takeover_ms, c.first_receipt_ms
+                "takeover by a restarted relay (another relay id): lease held {:.0} ms, first receipt {} after the kill",
+                c.takeover_ms,
+                c.first_receipt_ms.map_or(
+                    "- (nothing was left to publish: the kill came after the last event's receipt)".to_string(),
+                    |ms| format!("{ms:.0} ms")
+                )
             );
         }
         if !self.load.is_empty() {
