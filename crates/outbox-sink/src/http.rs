@@ -531,6 +531,10 @@ impl Sink for HttpSink {
         self.config.deadline
     }
 
+    fn cheap_lookup(&self) -> bool {
+        true
+    }
+
     async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
         let proof = self
             .config
@@ -552,13 +556,22 @@ impl Sink for HttpSink {
                     evidence: Some(r.evidence()),
                 })
             }
-            other => Err(SinkError::Unprovable {
+            // The endpoint refuses the very request it may already have applied: an operator
+            // decides (`outboxd status --event`, then quarantine tools).
+            Exchange::Refused { status, body } => Err(SinkError::Unprovable {
                 event_id: q.event.event_id.to_string(),
                 stream: self.config.endpoint.clone(),
-                reason: format!(
-                    "the retry with the same key was not answered with 2xx ({other:?})"
-                ),
+                reason: format!("the retry with the same key was refused with {status}: {body}"),
             }),
+            // No answer, a 5xx, a 429 past the deadline: nothing is proven either way, and a
+            // later retry may be answered. Transient: the run restarts after the backoff.
+            Exchange::Unknown(reason) | Exchange::NotPersisted(reason) => {
+                Err(SinkError::HttpUnanswered {
+                    endpoint: self.config.endpoint.clone(),
+                    event_id: q.event.event_id.to_string(),
+                    reason,
+                })
+            }
         }
     }
 }

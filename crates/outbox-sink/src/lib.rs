@@ -92,6 +92,12 @@ pub enum SinkError {
         stream: String,
         reason: String,
     },
+    #[error("HTTP endpoint {endpoint} did not answer the retry of UNKNOWN event {event_id} with 2xx ({reason}); the attempt stays UNKNOWN and is retried after the reconnect backoff")]
+    HttpUnanswered {
+        endpoint: String,
+        event_id: String,
+        reason: String,
+    },
     #[error("HTTP endpoint {endpoint}: {what}: {message}")]
     Http {
         endpoint: String,
@@ -128,6 +134,7 @@ impl SinkError {
             SinkError::Unreachable { .. }
                 | SinkError::Enqueue { .. }
                 | SinkError::Nats { .. }
+                | SinkError::HttpUnanswered { .. }
                 | SinkError::Publish {
                     class: FailureClass::Transient,
                     ..
@@ -196,6 +203,14 @@ pub trait Sink {
     /// reported as failed (possibly persisted).
     fn ack_timeout(&self) -> Duration;
 
+    /// Whether resolving an UNKNOWN attempt costs no more than a send (HTTP: the retry with the
+    /// same key). Then a run that ends records the UNKNOWN of every send still outstanding;
+    /// where a look-up is a partition scan (Kafka, seconds each), it records the first and the
+    /// rest are replayed, which a log target absorbs (one more copy, recorded as a duplicate).
+    fn cheap_lookup(&self) -> bool {
+        false
+    }
+
     /// Resolves an UNKNOWN attempt. Found and Absent are proofs; anything short of a proof is
     /// an error (the attempt stays UNKNOWN).
     fn lookup(
@@ -227,6 +242,14 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.send(ev, token).await,
             AnySink::JetStream(s) => s.send(ev, token).await,
             AnySink::Http(s) => s.send(ev, token).await,
+        }
+    }
+
+    fn cheap_lookup(&self) -> bool {
+        match self {
+            AnySink::Kafka(s) => s.cheap_lookup(),
+            AnySink::JetStream(s) => s.cheap_lookup(),
+            AnySink::Http(s) => s.cheap_lookup(),
         }
     }
 

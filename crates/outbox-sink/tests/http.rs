@@ -293,3 +293,27 @@ async fn https_trusts_the_configured_ca_and_refuses_an_unknown_one() {
         "no request crossed an untrusted connection"
     );
 }
+
+/// A retry of an UNKNOWN send that is not answered either leaves the attempt UNKNOWN with a
+/// transient error (the relay restarts and tries again), not a fatal one.
+#[tokio::test]
+async fn an_unanswered_retry_is_transient_and_a_later_one_resolves() {
+    let t = target().await;
+    let (s, _rx) = sink(config());
+    let ev = event(&t.url("/hooks"), "inv-r", 1, "{}");
+    let q = UnknownLookup {
+        event: &ev,
+        topic: &ev.destination.topic,
+        partition: 0,
+        from: 0,
+        sent_ago: Duration::from_secs(1),
+    };
+    t.then(Behavior::Drop { applied: false });
+    let e = s.lookup(q).await.unwrap_err();
+    assert!(e.is_transient(), "{e}");
+    assert!(matches!(
+        s.lookup(q).await,
+        Ok(Lookup::StoredByProbe { .. })
+    ));
+    assert_eq!(t.applied(&ev.event_id.to_string()), 1);
+}

@@ -532,10 +532,13 @@ impl Pipeline {
         while self.core.in_flight() > 0 {
             match tokio::time::timeout_at(deadline, self.reports.recv()).await {
                 Ok(Some(d)) => match self.on_report(d).await {
+                    Ok(()) => {}
                     // Another failed send: its UNKNOWN attempt (if possibly persisted) is
-                    // recorded; keep collecting, so that every send outstanding when the run
-                    // ended has its outcome recorded, not only the first failure's.
-                    Ok(()) | Err(RelayError::Delivery { .. }) => {}
+                    // recorded. Where a look-up costs no more than a send (HTTP), keep
+                    // collecting, so that every send outstanding when the run ended has its
+                    // outcome traced; where it is a partition scan (Kafka: seconds each, after
+                    // a broker outage hundreds), stop and let the replay re-send the rest.
+                    Err(RelayError::Delivery { .. }) if self.sink.cheap_lookup() => {}
                     Err(e) => return Some(e),
                 },
                 Ok(None) | Err(_) => break,
