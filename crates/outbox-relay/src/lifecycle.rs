@@ -88,12 +88,20 @@ impl Restarts {
         if !transient || !self.streamed {
             return AfterError::Stop;
         }
+        AfterError::Retry {
+            after: self.backoff(streamed_for),
+        }
+    }
+
+    /// The pause before the next run, whatever ended this one: it doubles up to the maximum,
+    /// and starts over after a run that streamed for [`HEALTHY_RUN`] (`streamed_for`).
+    pub fn backoff(&mut self, streamed_for: Duration) -> Duration {
         if streamed_for >= HEALTHY_RUN {
             self.next = self.initial;
         }
         let after = self.next;
         self.next = (self.next * 2).min(self.max);
-        AfterError::Retry { after }
+        after
     }
 }
 

@@ -242,7 +242,9 @@ pub enum Exchange {
     Unknown(String),
 }
 
-/// Publishes to one HTTP endpoint.
+/// Publishes to one HTTP endpoint. A clone shares the client, the configuration and the
+/// concurrency bound.
+#[derive(Clone)]
 pub struct HttpSink {
     config: Arc<HttpSinkConfig>,
     client: reqwest::Client,
@@ -506,13 +508,7 @@ impl Sink for HttpSink {
             .acquire_owned()
             .await
             .map_err(|_| SinkError::Closed)?;
-        let sink = HttpSink {
-            config: self.config.clone(),
-            client: self.client.clone(),
-            method: self.method.clone(),
-            reports: self.reports.clone(),
-            permits: self.permits.clone(),
-        };
+        let sink = self.clone();
         let ev = ev.clone();
         tokio::spawn(async move {
             let x = exchange(&sink, &ev).await;

@@ -70,9 +70,6 @@ pub struct Metrics {
     pub held_aggregates: IntGaugeVec,
     pub held_events: IntGaugeVec,
     pub sampler_errors: IntCounter,
-    /// The databases this process relays, with the slots whose relay streams now: readiness
-    /// asks for one streaming slot per database.
-    databases: Mutex<BTreeMap<String, BTreeSet<String>>>,
 }
 
 /// The labels of the relay's own figures.
@@ -231,7 +228,6 @@ impl Metrics {
                 )
                 .expect("valid metric name"),
             ),
-            databases: Mutex::new(BTreeMap::new()),
             registry,
         }
     }
@@ -245,33 +241,42 @@ impl Metrics {
         String::from_utf8(buf).unwrap_or_default()
     }
 
-    /// Registers a database this process relays: readiness waits for a slot of it to stream,
-    /// and its series exist (at zero) before its first sample.
+    /// Registers a database this process relays: its `outboxd_database_reachable` series
+    /// exists (at zero) before its first sample, and readiness waits for a slot of it to
+    /// stream.
     pub fn expect_database(&self, database: &str) {
-        if let Ok(mut d) = self.databases.lock() {
-            d.entry(database.to_string()).or_default();
-        }
         self.database_reachable.with_label_values(&[database]);
+    }
+
+    /// The databases this process relays: those [`Metrics::expect_database`] registered.
+    fn databases(&self) -> BTreeSet<String> {
+        prometheus::core::Collector::collect(&self.database_reachable)
+            .iter()
+            .flat_map(|f| f.get_metric())
+            .flat_map(|m| m.get_label())
+            .filter(|l| l.get_name() == "database")
+            .map(|l| l.get_value().to_string())
+            .collect()
     }
 
     /// Ready means: every database this process relays streams from a slot (or polls), and
     /// the broker answers. Otherwise, why not, naming the databases.
     pub fn readiness(&self) -> Result<(), String> {
         let mut why = Vec::new();
-        if let Ok(d) = self.databases.lock() {
-            let idle: Vec<&str> = d
-                .iter()
-                .filter(|(_, slots)| slots.is_empty())
-                .map(|(db, _)| db.as_str())
-                .collect();
-            match (idle.len(), d.len()) {
-                (0, _) => {}
-                (_, 1) => why.push("not streaming from the replication slot".to_string()),
-                _ => why.push(format!(
-                    "not streaming from a replication slot of database {}",
-                    idle.join(", ")
-                )),
-            }
+        let databases = self.databases();
+        // A database streams while one of its relays' `outboxd_streaming` series is 1.
+        let idle: Vec<&str> = databases
+            .iter()
+            .filter(|db| self.total(&self.streaming, db) < 1.0)
+            .map(String::as_str)
+            .collect();
+        match (idle.len(), databases.len()) {
+            (0, _) => {}
+            (_, 1) => why.push("not streaming from the replication slot".to_string()),
+            _ => why.push(format!(
+                "not streaming from a replication slot of database {}",
+                idle.join(", ")
+            )),
         }
         if self.broker_reachable.get() != 1 {
             why.push("broker not reachable".into());
@@ -281,14 +286,6 @@ impl Metrics {
         } else {
             Err(why.join("; "))
         }
-    }
-
-    /// Whether the relay of (`database`, `slot`) streams now.
-    pub fn is_streaming(&self, database: &str, slot: &str) -> bool {
-        self.databases
-            .lock()
-            .map(|d| d.get(database).is_some_and(|s| s.contains(slot)))
-            .unwrap_or(false)
     }
 
     /// The figures of the relay of `slot` in `database`: what it counts as it works.
@@ -364,17 +361,6 @@ impl Metrics {
             .map(|m| m.get_counter().get_value() + m.get_gauge().get_value())
             .sum()
     }
-
-    fn set_streaming(&self, database: &str, slot: &str, on: bool) {
-        if let Ok(mut d) = self.databases.lock() {
-            let slots = d.entry(database.to_string()).or_default();
-            if on {
-                slots.insert(slot.to_string());
-            } else {
-                slots.remove(slot);
-            }
-        }
-    }
 }
 
 // ---- The relay's handle: one line at each point of the hot path ---------------------------
@@ -417,14 +403,12 @@ impl RelayMetrics {
         if !on {
             self.in_flight.set(0);
         }
-        get().set_streaming(&self.database, &self.slot, on);
     }
 
     /// This relay stopped for good in this process (a fleet member handed its shard over):
     /// its gauges leave the exposition, so no alert waits for a slot another process streams.
     pub fn retire(&self) {
         let m = get();
-        m.set_streaming(&self.database, &self.slot, false);
         let l = [self.database.as_str(), self.slot.as_str()];
         let _ = m.streaming.remove_label_values(&l);
         let _ = m.in_flight.remove_label_values(&l);
@@ -537,20 +521,21 @@ mod tests {
     fn readiness_names_each_database_without_a_streaming_slot() {
         let m = Metrics::new();
         m.broker_reachable.set(1);
-        m.expect_database("orders");
+        let orders = m.relay("orders", "s1");
         assert_eq!(
             m.readiness(),
             Err("not streaming from the replication slot".into())
         );
         m.expect_database("billing");
-        m.set_streaming("orders", "s1", true);
+        orders.streaming(true);
         assert_eq!(
             m.readiness(),
             Err("not streaming from a replication slot of database billing".into())
         );
-        m.set_streaming("billing", "s1", true);
+        let billing = m.relay("billing", "s1");
+        billing.streaming(true);
         assert_eq!(m.readiness(), Ok(()));
-        m.set_streaming("orders", "s1", false);
+        orders.streaming(false);
         m.broker_reachable.set(0);
         assert_eq!(
             m.readiness(),

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_relay::lifecycle::{AfterError, Restarts};
+use outbox_relay::lifecycle::Restarts;
 use tokio::sync::watch;
 
 use super::{fleet, Progress};
@@ -58,13 +58,10 @@ async fn supervise(cfg: RelayConfig, fleet: bool, mut shutdown: watch::Receiver<
         } else {
             Duration::ZERO
         };
-        // `Restarts` stops a process whose relay never streamed; here a database that was
-        // never reached (down when the process started) is retried like any other, with
-        // the same growing pause.
-        restarts.streaming();
-        let AfterError::Retry { after } = restarts.after_error(true, streamed_for) else {
-            unreachable!("a transient error after streaming is always retried")
-        };
+        // Not `after_error`: that stops a process whose relay never streamed, and here a
+        // database that was never reached (down when the process started) is retried like
+        // any other, with the same growing pause.
+        let after = restarts.backoff(streamed_for);
         tracing::error!(database = %cfg.database, slot = %cfg.slot, error = %e,
             retry_in_ms = after.as_millis() as u64,
             "this database's relay stopped; the other databases go on; starting it again");
