@@ -233,10 +233,15 @@ async fn an_event_the_broker_refuses_is_quarantined_and_other_aggregates_go_on()
     let topic = route_to_small_topic(&env, 2048).await;
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
-    let big = env
-        .enqueue("poison", json!({"pad": "x".repeat(8 * 1024)}))
+    // In one transaction, so a poll round reads them together and the second one is queued
+    // behind the refused one whatever the timing (as in ordering.rs and migration.rs).
+    let ids = env
+        .enqueue_together(&[
+            ("poison", json!({"pad": "x".repeat(8 * 1024)})),
+            ("poison", json!({"after": true})),
+        ])
         .await;
-    let behind = env.enqueue("poison", json!({"after": true})).await;
+    let (big, behind) = (ids[0], ids[1]);
     env.wait_count(
         "the quarantine record",
         "SELECT count(*) FROM outbox.quarantine",
