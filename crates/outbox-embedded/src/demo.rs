@@ -63,6 +63,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         relay_id: outboxd::config::default_relay_id(),
         lease_ttl: Duration::from_secs(10),
         unknown_settle: Duration::from_secs(5),
+        unclear_budget: 30,
         mode: outboxd::values::RunMode::Cdc,
         poll_interval: Duration::from_millis(100),
         shard: None,

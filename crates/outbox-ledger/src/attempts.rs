@@ -65,6 +65,23 @@ pub async fn record_unknown(
 
 /// Open UNKNOWN attempts of `slot`, oldest first, with their scan lower bounds.
 pub async fn open_unknown(client: &Client, slot: &str) -> Result<Vec<UnknownAttempt>, LedgerError> {
+    open_attempts(client, slot, None).await
+}
+
+/// The open UNKNOWN attempt of `event_id` (the latest, if several), with its scan lower bound.
+pub async fn open_unknown_of(
+    client: &Client,
+    slot: &str,
+    event_id: Uuid,
+) -> Result<Option<UnknownAttempt>, LedgerError> {
+    Ok(open_attempts(client, slot, Some(event_id)).await?.pop())
+}
+
+async fn open_attempts(
+    client: &Client,
+    slot: &str,
+    event: Option<Uuid>,
+) -> Result<Vec<UnknownAttempt>, LedgerError> {
     let rows = client
         .query(
             "SELECT a.id, a.event_id, a.relay_generation, a.attempt_generation, a.topic, a.partition,
@@ -74,8 +91,9 @@ pub async fn open_unknown(client: &Client, slot: &str) -> Result<Vec<UnknownAtte
                                 AND r.accepted_at < a.sent_at - interval '60 seconds'), -1)
              FROM outbox.attempts a
              WHERE a.slot_name = $1 AND a.state = 'DISPATCH_UNKNOWN'
+               AND ($2::uuid IS NULL OR a.event_id = $2)
              ORDER BY a.id",
-            &[&slot],
+            &[&slot, &event],
         )
         .await
         .ctx("reading DISPATCH_UNKNOWN attempts")?;

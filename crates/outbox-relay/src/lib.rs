@@ -40,8 +40,8 @@ pub mod unknown;
 pub(crate) mod testing;
 
 pub use pipeline::{
-    AggKey, Command, CoreError, DeliveryFailure, Now, Pending, PipelineCore, Reported,
-    UnknownAttempt, MAX_IN_FLIGHT_BYTES,
+    AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now, Pending, PipelineCore,
+    Reported, UnclearPolicy, UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
 };
 pub use route::Refusal;
 

@@ -18,9 +18,11 @@
 //! (`transient == false`: a missing privilege, a slot moved past the ledger, a protocol
 //! violation) stops the process with its message and fix; so does any error before the relay
 //! ever streamed (misconfiguration fails fast instead of retrying forever). Otherwise the relay
-//! drops its in-memory state, waits, and replays from the last checkpoint. The wait doubles per
-//! failed run up to a maximum, and starts over after a run that streamed for a while: one blip
-//! a day does not wait the maximum.
+//! drops its in-memory state, waits, and replays from the last checkpoint. The wait starts
+//! small and grows only while restarts fail: it doubles per run that never got going, up to a
+//! maximum, and starts over after a run that reached streaming and streamed for
+//! [`HEALTHY_RUN`]. An unclear delivery is not a reason for a new run at all: it holds only its
+//! aggregate (`crate::pipeline::unclear`).
 
 use std::time::Duration;
 
@@ -58,9 +60,9 @@ pub struct Restarts {
     streamed: bool,
 }
 
-/// A run that streamed at least this long was healthy: the next failure starts the backoff
-/// over.
-pub const HEALTHY_RUN: Duration = Duration::from_secs(60);
+/// A run that reached streaming and lasted at least this long was a restart that worked: the
+/// next failure starts the backoff over.
+pub const HEALTHY_RUN: Duration = Duration::from_secs(1);
 
 impl Restarts {
     pub fn new(initial: Duration, max: Duration) -> Self {
@@ -83,7 +85,7 @@ impl Restarts {
     }
 
     /// A run ended with an error; `transient` is the error policy's verdict, `streamed_for`
-    /// how long this run streamed (zero if it never did).
+    /// how long this run lasted if it reached streaming (zero if it never did).
     pub fn after_error(&mut self, transient: bool, streamed_for: Duration) -> AfterError {
         if !transient || !self.streamed {
             return AfterError::Stop;
@@ -156,5 +158,10 @@ mod tests {
             [100, 200, 400, 500, 500]
         );
         assert_eq!(ms_of(&r.after_error(true, HEALTHY_RUN)), 100);
+        assert_eq!(
+            ms_of(&r.after_error(true, ms(0))),
+            200,
+            "grows again while restarts fail"
+        );
     }
 }

@@ -14,12 +14,15 @@
 //! * every [`Command::Send`] is handed to the sink with its token, and a refusal is reported
 //!   back with [`PipelineCore::send_refused`] (every token gets exactly one delivery report or
 //!   one refusal);
-//! * a [`Reported::Failed`] ends the run, after its [`UnknownAttempt`] (if any) is recorded;
+//! * a [`Reported::Unclear`] holds only its aggregate: the driver records its
+//!   [`UnknownAttempt`] (if any) and goes on; the core asks for the look-up or the resend when
+//!   it is due ([`PipelineCore::due_unclear`], module `unclear`), and every other aggregate
+//!   keeps flowing;
 //! * a batch from [`PipelineCore::take_batch`] is accepted in one transaction, in the order
 //!   the batches were taken; a batch whose transaction failed goes back with
 //!   [`PipelineCore::restore_batch`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
 
 use outbox_core::ack::AckError;
@@ -70,7 +73,8 @@ pub enum Command {
     },
 }
 
-/// A delivery report that ends the run.
+/// A delivery report without a receipt and without a refusal: the event holds its aggregate
+/// until a look-up or a resend resolves it (module `unclear`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeliveryFailure {
     pub event_id: Uuid,
@@ -97,8 +101,10 @@ pub struct UnknownAttempt {
 pub enum Reported {
     /// Recorded; the commands send the aggregate's next event, if it has one.
     Continue(Vec<Command>),
-    /// The relay must stop and replay from its checkpoint.
-    Failed(DeliveryFailure),
+    /// The outcome is unclear (or the broker certainly did not store it): only its aggregate
+    /// waits. Record the [`DeliveryFailure::unknown`] attempt, if any, before anything else
+    /// happens to the event; the core asks for its look-up or resend when due.
+    Unclear(DeliveryFailure),
 }
 
 /// A deliberately broken variant of one decision, so that the simulator can prove its gate
@@ -146,13 +152,11 @@ pub enum CoreError {
 #[derive(Debug)]
 struct InFlight {
     key: AggKey,
-    topic: String,
     sent_at: SystemTime,
     attempt: i32,
-    event_id: Uuid,
-    aggregate_version: i64,
-    payload_digest: String,
-    destination_digest: String,
+    /// The event as sent (the payload is shared, not copied): an unclear outcome parks it,
+    /// and its look-up or resend needs it whole.
+    ev: OutboxEvent,
     commit_lsn: Option<Lsn>,
     ack: Option<EventToken>,
     /// Payload bytes, counted in [`PipelineCore::in_flight_bytes`].
@@ -190,6 +194,15 @@ pub struct PipelineCore {
     /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
     pub retry_generation: HashMap<Uuid, i32>,
     in_flight_bytes: usize,
+    /// Events whose send ended unclear, holding their aggregates (module `unclear`).
+    parked: BTreeMap<Uuid, unclear::Parked>,
+    /// Look-ups and resends of an event since its last clear answer.
+    unclear_tries: HashMap<Uuid, u32>,
+    /// DISPATCH_UNKNOWN attempts that reconciliation at start could not resolve: their events
+    /// are parked (not sent) when the replay admits them, and looked up while the run goes on.
+    pub open_at_start: HashSet<Uuid>,
+    /// How unclear outcomes are retried, and for how long.
+    pub unclear_policy: unclear::Policy,
     /// The transaction being decoded ([`crate::stream`]).
     pub(crate) txn: Option<crate::stream::OpenTxn>,
     /// The highest WAL position received from the slot (the standby status's `write`).
@@ -237,6 +250,10 @@ impl PipelineCore {
             found: HashSet::new(),
             retry_generation: HashMap::new(),
             in_flight_bytes: 0,
+            parked: BTreeMap::new(),
+            unclear_tries: HashMap::new(),
+            open_at_start: HashSet::new(),
+            unclear_policy: unclear::Policy::default(),
             txn: None,
             last_received: Lsn::ZERO,
             durable: Lsn::ZERO,
@@ -263,9 +280,9 @@ impl PipelineCore {
         &self.served
     }
 
-    /// Sent, or waiting behind an aggregate's in-flight event.
+    /// Sent, parked after an unclear outcome, or waiting behind an aggregate's in-flight event.
     pub fn outstanding(&self) -> usize {
-        self.in_flight.len() + self.gate.queued()
+        self.in_flight.len() + self.parked.len() + self.gate.queued()
     }
 
     pub fn in_flight(&self) -> usize {
@@ -514,6 +531,7 @@ impl PipelineCore {
             self.lease_expired = true;
             return None;
         }
+        let p = self.park_open_at_start(p, now)?;
         let checked = if self.planted(Mutant::PoisonBeforeGate) {
             Ok(())
         } else {
@@ -553,13 +571,9 @@ impl PipelineCore {
             token,
             InFlight {
                 key: key_of(&ev),
-                topic: ev.destination.topic.clone(),
                 sent_at: now.wall,
                 attempt,
-                event_id: ev.event_id,
-                aggregate_version: ev.aggregate_version,
-                payload_digest: ev.payload_digest.clone(),
-                destination_digest: ev.destination_digest.clone(),
+                ev: ev.clone(),
                 commit_lsn: p.commit_lsn,
                 ack: p.ack,
                 bytes,
@@ -584,7 +598,7 @@ impl PipelineCore {
         if let Some(why) = permanent {
             self.poison_key(
                 &f.key,
-                (f.event_id, f.aggregate_version, f.commit_lsn, f.ack),
+                (f.ev.event_id, f.ev.aggregate_version, f.commit_lsn, f.ack),
                 "broker_rejected",
                 format!("the producer refused the message permanently: {why}"),
             );
@@ -610,7 +624,7 @@ impl PipelineCore {
                 partition,
                 offset,
                 ..
-            } => receipt::position_proof(&f.topic, topic, *partition, *offset)
+            } => receipt::position_proof(&f.ev.destination.topic, topic, *partition, *offset)
                 .err()
                 .map(|why| (why, *partition)),
             DeliveryOutcome::Failed { .. } => None,
@@ -642,7 +656,8 @@ impl PipelineCore {
                 // A broker-side duplicate (JetStream answered a repeated Nats-Msg-Id with the
                 // original sequence) is the same copy, not a new one: the acceptance point
                 // keeps it as a duplicate transport receipt when the event has its primary.
-                tracing::trace!(event_id = %f.event_id, %topic, partition, offset, duplicate, "broker ack");
+                self.unclear_tries.remove(&f.ev.event_id);
+                tracing::trace!(event_id = %f.ev.event_id, %topic, partition, offset, duplicate, "broker ack");
                 let mut ack = f.ack;
                 if self.planted(Mutant::ConfirmBeforeAccept) {
                     if let Some(a) = ack.take() {
@@ -651,9 +666,9 @@ impl PipelineCore {
                 }
                 self.push(
                     LedgerItem::Receipt(ReceiptRecord {
-                        event_id: f.event_id,
-                        payload_digest: f.payload_digest,
-                        destination_digest: f.destination_digest,
+                        event_id: f.ev.event_id,
+                        payload_digest: f.ev.payload_digest,
+                        destination_digest: f.ev.destination_digest,
                         broker_kind: self.served.kind.into(),
                         broker_cluster: self.served.cluster.clone(),
                         topic,
@@ -675,7 +690,7 @@ impl PipelineCore {
             } => {
                 self.poison_key(
                     &f.key,
-                    (f.event_id, f.aggregate_version, f.commit_lsn, f.ack),
+                    (f.ev.event_id, f.ev.aggregate_version, f.commit_lsn, f.ack),
                     "broker_rejected",
                     format!("the broker rejected the message permanently: {error}"),
                 );
@@ -689,20 +704,22 @@ impl PipelineCore {
                 let unknown =
                     (persistence != Persistence::NotPersisted && partition >= 0).then(|| {
                         UnknownAttempt {
-                            event_id: f.event_id,
+                            event_id: f.ev.event_id,
                             attempt: f.attempt,
-                            topic: f.topic.clone(),
+                            topic: f.ev.destination.topic.clone(),
                             partition,
                             sent_at: f.sent_at,
                             error: error.clone(),
                         }
                     });
-                return Ok(Reported::Failed(DeliveryFailure {
-                    event_id: f.event_id,
+                let failure = DeliveryFailure {
+                    event_id: f.ev.event_id,
                     error,
                     persistence,
                     unknown,
-                }));
+                };
+                self.park(f, &failure, now);
+                return Ok(Reported::Unclear(failure));
             }
         }
         Ok(Reported::Continue(match self.gate.done(&f.key) {
@@ -780,5 +797,11 @@ impl PipelineCore {
     }
 }
 
+mod unclear;
+pub use unclear::{LookupOutcome, Policy as UnclearPolicy, UnclearStep};
+
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod unclear_tests;

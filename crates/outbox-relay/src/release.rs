@@ -93,7 +93,8 @@ impl PipelineCore {
     /// The next step of release `r`.
     pub fn release_step(&mut self, r: &mut Release, now: Now) -> ReleaseStep {
         if let Some((token, version)) = r.sent {
-            if self.is_in_flight(token) {
+            // Parked after an unclear outcome, or sent again: still the release's event.
+            if self.is_in_flight(token) || self.aggregate_busy(&r.key) {
                 return ReleaseStep::Await(token);
             }
             r.sent = None;

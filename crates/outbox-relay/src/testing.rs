@@ -101,8 +101,8 @@ pub(crate) fn failed(token: u64, persistence: Persistence, class: FailureClass) 
     }
 }
 
-/// Reports a transient failure of the only event in flight; the run must end.
-pub(crate) fn run_ending(
+/// Reports a transient failure of the only event in flight; it must park, not be accepted.
+pub(crate) fn unclear(
     c: &mut PipelineCore,
     token: u64,
     persistence: Persistence,
@@ -114,14 +114,14 @@ pub(crate) fn run_ending(
         )
         .unwrap()
     {
-        Reported::Failed(f) => f,
-        Reported::Continue(_) => panic!("the run went on"),
+        Reported::Unclear(f) => f,
+        Reported::Continue(_) => panic!("an unclear outcome was taken as clear"),
     }
 }
 
 pub(crate) fn continued(r: Reported) -> Vec<Command> {
     match r {
         Reported::Continue(c) => c,
-        Reported::Failed(f) => panic!("failed: {f:?}"),
+        Reported::Unclear(f) => panic!("failed: {f:?}"),
     }
 }

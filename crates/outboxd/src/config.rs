@@ -261,6 +261,7 @@ pub struct RelayFile {
     pub lease_ttl_ms: Option<u64>,
     pub relay_id: Option<String>,
     pub unknown_settle_ms: Option<u64>,
+    pub unclear_budget: Option<u32>,
     pub mode: Option<crate::values::RunMode>,
     pub poll_interval_ms: Option<u64>,
 }
@@ -353,6 +354,8 @@ pub struct RelayConfig {
     /// How long after an attempt became DISPATCH_UNKNOWN (and its producer session was closed)
     /// the partition scan may conclude that the broker does not have it.
     pub unknown_settle: Duration,
+    /// Unclear outcomes of one event (sends and look-ups) before its aggregate is held.
+    pub unclear_budget: u32,
     /// CDC (the slot) or poll (queries); in poll mode `slot` names the lease.
     pub mode: crate::values::RunMode,
     /// Poll mode: the pause after a round that found nothing new.

@@ -335,6 +335,10 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
                 .or(file.relay.unknown_settle_ms)
                 .unwrap_or(5_000),
         ),
+        unclear_budget: a
+            .unclear_budget
+            .or(file.relay.unclear_budget)
+            .unwrap_or(outbox_relay::UnclearPolicy::default().budget),
     })
 }
 

@@ -53,6 +53,7 @@ pub struct Metrics {
     pub reconnects: IntCounterVec,
     pub commit_to_receipt: HistogramVec,
     pub in_flight: IntGaugeVec,
+    pub unclear: IntGaugeVec,
     pub streaming: IntGaugeVec,
     pub broker_reachable: IntGauge,
     pub database_reachable: IntGaugeVec,
@@ -151,6 +152,10 @@ impl Metrics {
             in_flight: relay_gauge(
                 "outboxd_in_flight_events",
                 "Events read from the slot whose receipt is not yet accepted (sent, or waiting behind their aggregate).",
+            ),
+            unclear: relay_gauge(
+                "outboxd_unclear_events",
+                "Events whose last send or look-up ended without a clear answer (timeout, dropped connection, 5xx, possibly persisted): each holds only its aggregate while the relay looks it up or sends it again.",
             ),
             streaming: relay_gauge(
                 "outboxd_streaming",
@@ -301,6 +306,7 @@ impl Metrics {
             reconnects: self.reconnects.with_label_values(&l),
             commit_to_receipt: self.commit_to_receipt.with_label_values(&l),
             in_flight: self.in_flight.with_label_values(&l),
+            unclear: self.unclear.with_label_values(&l),
             streaming: self.streaming.with_label_values(&l),
             checkpoint_lsn: self.checkpoint_lsn.with_label_values(&l),
             commit_times: Mutex::new(BTreeMap::new()),
@@ -315,6 +321,7 @@ impl Metrics {
         let r = self.relay(database, slot);
         r.streaming(false);
         r.in_flight(0);
+        r.unclear(0);
         r.checkpoint(Lsn(1));
         r.accepted(&AcceptOutcome::default());
         r.reconnect();
@@ -376,6 +383,7 @@ pub struct RelayMetrics {
     reconnects: IntCounter,
     commit_to_receipt: Histogram,
     in_flight: IntGauge,
+    unclear: IntGauge,
     streaming: IntGauge,
     checkpoint_lsn: IntGauge,
     /// Commit LSN → commit time (µs since the PostgreSQL epoch) of transactions streamed and
@@ -402,6 +410,7 @@ impl RelayMetrics {
         self.streaming.set(i64::from(on));
         if !on {
             self.in_flight.set(0);
+            self.unclear.set(0);
         }
     }
 
@@ -412,12 +421,18 @@ impl RelayMetrics {
         let l = [self.database.as_str(), self.slot.as_str()];
         let _ = m.streaming.remove_label_values(&l);
         let _ = m.in_flight.remove_label_values(&l);
+        let _ = m.unclear.remove_label_values(&l);
         let _ = m.checkpoint_lsn.remove_label_values(&l);
     }
 
     /// Events read and not yet resolved.
     pub fn in_flight(&self, n: u64) {
         self.in_flight.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Events parked after an unclear outcome, each holding its aggregate.
+    pub fn unclear(&self, n: usize) {
+        self.unclear.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// A transaction began in the stream: remember its commit time for the latency histogram.

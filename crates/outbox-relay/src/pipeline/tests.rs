@@ -69,20 +69,20 @@ fn a_receipt_carries_the_generation_the_attempt_and_the_frozen_digests() {
 }
 
 #[test]
-fn a_possibly_persisted_failure_is_recorded_unknown_and_ends_the_run() {
+fn a_possibly_persisted_failure_is_recorded_unknown_and_parks_its_event() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
-    let f = run_ending(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    let f = unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
     let u = f.unknown.expect("an UNKNOWN attempt to record");
     assert_eq!((u.partition, u.attempt), (2, 1));
     assert_eq!(u.sent_at, now(0).wall);
 }
 
 #[test]
-fn a_not_persisted_failure_ends_the_run_without_an_unknown_record() {
+fn a_not_persisted_failure_parks_its_event_without_an_unknown_record() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
-    let f = run_ending(&mut c, token(&cmds[0]), Persistence::NotPersisted);
+    let f = unclear(&mut c, token(&cmds[0]), Persistence::NotPersisted);
     assert_eq!(f.unknown, None);
     assert!(c.take_batch(true).unwrap().is_none(), "nothing resolved");
 }
@@ -273,7 +273,7 @@ fn a_success_report_without_a_position_is_unknown_never_a_receipt() {
             evidence: None,
         },
     };
-    let Reported::Failed(f) = c.on_report(implicit, now(1)).unwrap() else {
+    let Reported::Unclear(f) = c.on_report(implicit, now(1)).unwrap() else {
         panic!("an implicit ack became a receipt")
     };
     assert_eq!(f.persistence, Persistence::PossiblyPersisted);
@@ -292,7 +292,7 @@ fn a_success_report_without_a_position_is_unknown_never_a_receipt() {
     };
     assert!(matches!(
         c.on_report(elsewhere, now(2)).unwrap(),
-        Reported::Failed(_)
+        Reported::Unclear(_)
     ));
     assert!(c.take_batch(true).unwrap().is_none(), "no receipt");
 }

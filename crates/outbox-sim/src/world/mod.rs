@@ -1470,7 +1470,7 @@ impl World {
         }
         match reported {
             Reported::Continue(commands) => self.execute(i, commands),
-            Reported::Failed(failure) => {
+            Reported::Unclear(failure) => {
                 let Some(u) = failure.unknown else {
                     return Err(End::Error("delivery not persisted"));
                 };

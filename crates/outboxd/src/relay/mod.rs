@@ -22,8 +22,11 @@
 //!    position; events already accepted come back as duplicates and are recorded as
 //!    duplicate transport receipts, never as second primary receipts.
 //!
-//! Transient failures (connection lost, a delivery not confirmed) are handled the same way:
-//! drop everything in memory, reconnect, replay from the slot. When in doubt, replay.
+//! A delivery without a clear answer ends nothing: its event is parked and holds only its
+//! aggregate while it is looked up or sent again (`outbox_relay::pipeline::unclear`).
+//! What really needs a new run (the stream broke, the lease was lost, the ledger is
+//! unreachable) drops everything in memory, reconnects and replays from the slot. When in
+//! doubt, replay.
 
 pub mod databases;
 pub mod fleet;
@@ -50,7 +53,6 @@ use outbox_source::{Decoded, Decoder};
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 use tracing::Instrument;
-use uuid::Uuid;
 
 use crate::config::{redact_url, RelayConfig};
 use outbox_relay::lifecycle::{self, AfterError, Restarts};
@@ -108,12 +110,6 @@ pub enum RelayError {
     Sink(#[from] SinkError),
     #[error("cannot connect to PostgreSQL at {url}: {message}; check the URL, that the server is up, and pg_hba.conf")]
     Connect { url: String, message: String },
-    #[error("the broker did not confirm event {event_id} ({error}; message persistence: {persistence}); replaying from the last checkpoint")]
-    Delivery {
-        event_id: Uuid,
-        error: String,
-        persistence: String,
-    },
     #[error("ack tracker: {0}")]
     Ack(#[from] AckError),
     #[error("relay core: {0}")]
@@ -132,7 +128,7 @@ impl RelayError {
             RelayError::Ledger(e) => e.is_transient(),
             RelayError::Sink(e) => e.is_transient(),
             RelayError::Connect { .. } => true,
-            RelayError::Delivery { .. } | RelayError::StreamEnded => true,
+            RelayError::StreamEnded => true,
             _ => false,
         }
     }
@@ -158,6 +154,7 @@ pub async fn run(
     let mut restarts = Restarts::new(Duration::from_millis(100), crate::config::MAX_BACKOFF);
     loop {
         let began = Instant::now();
+        progress.streaming.store(false, Ordering::Relaxed);
         let outcome = match acquire_lease(&cfg, &mut shutdown).await {
             Ok(None) => return Ok(()),
             Ok(Some((fence, held))) => {
@@ -175,11 +172,17 @@ pub async fn run(
             Err(e) => Err(e),
         };
         progress.metrics.streaming(false);
-        if progress.streaming.load(Ordering::Relaxed) {
+        let reached = progress.streaming.load(Ordering::Relaxed);
+        if reached {
             restarts.streaming();
         }
         let Err(e) = outcome else { return Ok(()) };
-        match restarts.after_error(e.is_transient(), began.elapsed()) {
+        let streamed_for = if reached {
+            began.elapsed()
+        } else {
+            Duration::ZERO
+        };
+        match restarts.after_error(e.is_transient(), streamed_for) {
             AfterError::Stop => return Err(e),
             AfterError::Retry { after } => {
                 progress.reconnects.fetch_add(1, Ordering::Relaxed);
@@ -506,6 +509,8 @@ async fn run_once(
                 return Ok(());
             }
             Some(d) = pipeline.reports.recv() => pipeline.on_report(d).await?,
+            done = pipeline::lookup_finished(&mut pipeline.lookups) => pipeline.on_lookup(done).await?,
+            _ = pipeline::unclear_due(&pipeline.core) => pipeline.run_due_unclear().await?,
             joined = pipeline::accept_finished(&mut pipeline.accepting), if accepting => {
                 let before = pipeline.core.durable();
                 pipeline.finish_accept(joined, progress)?;
@@ -540,6 +545,7 @@ async fn run_once(
         }
 
         progress.metrics.in_flight(pipeline.core.tracker.in_flight());
+        progress.metrics.unclear(pipeline.core.parked());
         let due = schedule.due(since(Instant::now()), &load_of(&pipeline, since));
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
@@ -657,6 +663,7 @@ async fn open_pipeline(
         fence.clone(),
         lease_state.clone(),
         outbox_relay::PipelineCore::gate_from(heads, held),
+        (cfg.unknown_settle, cfg.unclear_budget),
     );
     pipeline.shard_filter = cfg.shard.map(|s| s.filter_sql("aggregate_id"));
     Ok(pipeline)
@@ -962,7 +969,8 @@ async fn publish_snapshot(
             .keep_pace(max_in_flight, cfg.batch_size, progress)
             .await?;
     }
-    pipeline.drain_all(cfg.batch_size, progress).await?;
+    // Everything, parked events too: the snapshot is done only when each row is resolved.
+    pipeline.drain_all(cfg.batch_size, progress, false).await?;
     tx.commit()
         .await
         .map_err(db("closing the snapshot transaction"))?;

@@ -7,7 +7,8 @@
 //! method feeds one input to the core and carries out the commands it returns.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 
 use outbox_core::{EventToken, Lsn, OutboxEvent};
 use outbox_ledger::attempts;
@@ -15,11 +16,13 @@ use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
 use outbox_relay::release::ReleaseStep;
-use outbox_relay::{Command, Now, Pending, PipelineCore, Reported};
-use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Served, Sink};
-use tokio::sync::mpsc::UnboundedReceiver;
+use outbox_relay::{Command, LookupOutcome, Now, Pending, PipelineCore, Reported, UnclearStep};
+use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError};
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_postgres::Client;
 use uuid::Uuid;
+
+use outbox_relay::unknown::Resolved;
 
 use super::{Progress, RelayError};
 use crate::failpoint;
@@ -29,8 +32,12 @@ pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
 pub(crate) struct Pipeline {
     /// The decisions.
     pub core: PipelineCore,
-    sink: AnySink,
+    /// Shared with the look-up tasks of parked events.
+    sink: Arc<AnySink>,
     pub reports: UnboundedReceiver<Delivery>,
+    /// Finished look-ups of parked events ([`Self::on_lookup`]).
+    pub lookups: UnboundedReceiver<LookupDone>,
+    lookups_tx: UnboundedSender<LookupDone>,
     pub client: Client,
     /// When the first item of the current batch was recorded (the flush interval counts
     /// from it).
@@ -70,6 +77,36 @@ pub(crate) async fn accept_finished(
     }
 }
 
+/// A look-up of a parked event that finished on its task: the event, its open attempt, when
+/// the look-up started, and what the sink proved (an error proves nothing).
+pub(crate) struct LookupDone {
+    event: OutboxEvent,
+    attempt: attempts::UnknownAttempt,
+    started: Instant,
+    result: Result<Lookup, SinkError>,
+}
+
+/// Completes with the next finished look-up; never while none can arrive. Cancel-safe.
+pub(crate) async fn lookup_finished(rx: &mut UnboundedReceiver<LookupDone>) -> LookupDone {
+    match rx.recv().await {
+        Some(d) => d,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until the core's next parked event is due (forever if none waits). Cancel-safe.
+pub(crate) async fn unclear_due(core: &PipelineCore) {
+    match core.next_unclear_due() {
+        Some(at) => {
+            let left = at
+                .duration_since(SystemTime::now())
+                .unwrap_or(Duration::ZERO);
+            tokio::time::sleep(left).await
+        }
+        None => std::future::pending().await,
+    }
+}
+
 pub(crate) type AcceptDone = (
     (Client, accept::Prepared),
     Vec<LedgerItem>,
@@ -85,11 +122,22 @@ impl Pipeline {
         fence: Fence,
         lease: std::sync::Arc<super::LeaseState>,
         gate: outbox_core::OrderingGate<AggKey, Pending>,
+        (unknown_settle, unclear_budget): (Duration, u32),
     ) -> Self {
+        let (lookups_tx, lookups) = mpsc::unbounded_channel();
+        let mut core = PipelineCore::new(sink.served(), fence.generation, gate);
+        // A Kafka scan proves absence only once the attempt's request can no longer land; a
+        // JetStream or HTTP look-up is itself an idempotent resend and needs no settle time.
+        if let AnySink::Kafka(_) = sink {
+            core.unclear_policy.settle = unknown_settle;
+        }
+        core.unclear_policy.budget = unclear_budget;
         Pipeline {
-            core: PipelineCore::new(sink.served(), fence.generation, gate),
-            sink,
+            core,
+            sink: Arc::new(sink),
             reports,
+            lookups,
+            lookups_tx,
             client,
             batch_started: None,
             fence,
@@ -223,10 +271,11 @@ impl Pipeline {
             // Most reports free no queued event: nothing to execute, and no future to build.
             Reported::Continue(commands) if commands.is_empty() => Ok(()),
             Reported::Continue(commands) => self.execute(commands).await,
-            Reported::Failed(f) => {
+            Reported::Unclear(f) => {
                 if let Some(u) = &f.unknown {
-                    // The broker may have it. Record that before anything else happens to
-                    // the event; the next start reconciles it by scanning the partition.
+                    // The destination may have it. Record that before anything else happens
+                    // to the event: a look-up resolves it while the relay runs, or the next
+                    // start does.
                     attempts::record_unknown(
                         &self.client,
                         &self.slot,
@@ -239,19 +288,149 @@ impl Pipeline {
                         &u.error,
                     )
                     .await?;
-                    tracing::warn!(event_id = %u.event_id, error = %u.error, topic = %u.topic, partition = u.partition, "DISPATCH_UNKNOWN recorded");
+                    tracing::warn!(event_id = %u.event_id, error = %u.error, topic = %u.topic, partition = u.partition,
+                        "DISPATCH_UNKNOWN recorded; only its aggregate waits for the look-up");
                 }
-                Err(RelayError::Delivery {
-                    event_id: f.event_id,
-                    error: f.error,
-                    persistence: format!("{:?}", f.persistence),
-                })
+                Ok(())
             }
         }
     }
 
-    /// After an event admitted outside the stream (a snapshot, a poll round): waits for
-    /// reports while `max_in_flight` events are outstanding, and accepts a full batch.
+    /// Starts what the core says is due for parked events: a look-up on its own task (the
+    /// loop goes on), or a resend.
+    pub async fn run_due_unclear(&mut self) -> Result<(), RelayError> {
+        let steps = self.core.due_unclear(self.now());
+        for step in steps {
+            match step {
+                UnclearStep::Send(send) => self.execute(vec![send]).await?,
+                UnclearStep::Lookup { event } => {
+                    let started = Instant::now();
+                    let id = event.event_id;
+                    let Some(attempt) =
+                        attempts::open_unknown_of(&self.client, &self.slot, id).await?
+                    else {
+                        // Resolved meanwhile by another path; nothing to ask the broker. The core
+                        // asks again after its backoff, and past its budget holds the aggregate.
+                        let commands = self.core.lookup_done(
+                            id,
+                            LookupOutcome::Unresolved {
+                                error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
+                                after: None,
+                            },
+                            self.now(),
+                        )?;
+                        self.execute(commands).await?;
+                        continue;
+                    };
+                    let query = super::reconcile::lookup_query(&self.client, &attempt).await?;
+                    let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
+                    tokio::spawn(async move {
+                        let result = sink.lookup(query.of(&event, &attempt)).await;
+                        let _ = tx.send(LookupDone {
+                            event,
+                            attempt,
+                            started,
+                            result,
+                        });
+                    });
+                }
+            }
+        }
+        self.note_batch();
+        Ok(())
+    }
+
+    /// A look-up of a parked event finished: record what it proved, tell the core, send what
+    /// follows (the retry, or the aggregate's next event).
+    pub async fn on_lookup(&mut self, done: LookupDone) -> Result<(), RelayError> {
+        let LookupDone {
+            event,
+            attempt,
+            started,
+            result,
+        } = done;
+        let id = event.event_id;
+        let outcome = match result {
+            Ok(lookup) => {
+                let resolved = super::reconcile::record_lookup(
+                    &self.slot.clone(),
+                    self,
+                    &self.fence.clone(),
+                    &attempt,
+                    &event,
+                    lookup,
+                    started,
+                )
+                .await?;
+                self.core.unknown_resolved(id, &resolved);
+                match resolved {
+                    Resolved::Found { .. } | Resolved::StoredByProbe { .. } => {
+                        LookupOutcome::Recorded
+                    }
+                    Resolved::Retry { attempt_generation } => {
+                        LookupOutcome::Retry { attempt_generation }
+                    }
+                    Resolved::StillUnknown => LookupOutcome::Unresolved {
+                        error: "the look-up proved nothing".into(),
+                        after: None,
+                    },
+                }
+            }
+            Err(e) => {
+                tracing::warn!(event_id = %id, error = %e, "look-up of an unclear outcome proved nothing; asking again after the backoff");
+                LookupOutcome::Unresolved {
+                    after: e.retry_after(),
+                    error: e.to_string(),
+                }
+            }
+        };
+        let commands = self.core.lookup_done(id, outcome, self.now())?;
+        self.note_batch();
+        self.execute(commands).await?;
+        Ok(())
+    }
+
+    /// Waits for the next thing that moves the pipeline on — a delivery report, a finished
+    /// look-up, a parked event falling due — and handles it; or for `until`, if given.
+    /// Returns the report's token, if it was a report. Only the waiting races (cancel-safe
+    /// receives); what arrived is handled after, never dropped half-way.
+    pub async fn wait_one(
+        &mut self,
+        until: Option<tokio::time::Instant>,
+    ) -> Result<Option<u64>, RelayError> {
+        enum Got {
+            Report(Option<Delivery>),
+            Lookup(LookupDone),
+            Due,
+            Until,
+        }
+        let deadline = async {
+            match until {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let got = tokio::select! {
+            d = self.reports.recv() => Got::Report(d),
+            done = lookup_finished(&mut self.lookups) => Got::Lookup(done),
+            _ = unclear_due(&self.core) => Got::Due,
+            _ = deadline => Got::Until,
+        };
+        match got {
+            Got::Report(Some(d)) => {
+                let token = d.token;
+                self.on_report(d).await?;
+                Ok(Some(token))
+            }
+            Got::Report(None) => Err(RelayError::Internal("delivery channel closed".into())),
+            Got::Lookup(done) => self.on_lookup(done).await.map(|()| None),
+            Got::Due => self.run_due_unclear().await.map(|()| None),
+            Got::Until => Ok(None),
+        }
+    }
+
+    /// After an event admitted outside the stream (a snapshot, a poll round): waits while
+    /// `max_in_flight` events are outstanding, and accepts a full batch.
     pub async fn keep_pace(
         &mut self,
         max_in_flight: usize,
@@ -259,7 +438,7 @@ impl Pipeline {
         progress: &Progress,
     ) -> Result<(), RelayError> {
         while self.outstanding() >= max_in_flight {
-            self.drain_one().await?;
+            self.wait_one(None).await?;
         }
         if self.batch_len() >= batch_size {
             self.flush(false, progress).await?;
@@ -267,33 +446,32 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Waits for every outstanding report, accepting full batches on the way, then accepts
-    /// the rest: nothing admitted so far is still at the broker or unrecorded.
+    /// Waits until nothing admitted so far is outstanding — at the broker, parked after an
+    /// unclear outcome, or queued behind either — accepting full batches on the way, then
+    /// accepts the rest. With `parked_may_stay` (a poll round: the next round skips a parked
+    /// aggregate), parked events and what waits behind them may stay.
     pub async fn drain_all(
         &mut self,
         batch_size: usize,
         progress: &Progress,
+        parked_may_stay: bool,
     ) -> Result<(), RelayError> {
-        while self.outstanding() > 0 {
-            self.drain_one().await?;
+        loop {
+            let left = if parked_may_stay {
+                self.core.in_flight()
+            } else {
+                self.outstanding()
+            };
+            if left == 0 {
+                break;
+            }
+            self.wait_one(None).await?;
             if self.batch_len() >= batch_size {
                 self.flush(false, progress).await?;
             }
         }
         self.flush(false, progress).await?;
         Ok(())
-    }
-
-    /// Waits for one delivery report and handles it.
-    pub async fn drain_one(&mut self) -> Result<u64, RelayError> {
-        match self.reports.recv().await {
-            Some(d) => {
-                let token = d.token;
-                self.on_report(d).await?;
-                Ok(token)
-            }
-            None => Err(RelayError::Internal("delivery channel closed".into())),
-        }
     }
 
     /// Takes the batch and the checkpoint it justifies ([`PipelineCore::take_batch`]).
@@ -498,7 +676,9 @@ impl Pipeline {
                 let now = self.now();
                 match self.core.release_step(&mut release, now) {
                     ReleaseStep::Send(send) => self.execute(vec![send]).await?,
-                    ReleaseStep::Await(token) => while self.drain_one().await? != token {},
+                    ReleaseStep::Await(_) => {
+                        self.wait_one(None).await?;
+                    }
                     ReleaseStep::Done { close } => break close,
                 }
                 self.note_batch();
@@ -531,16 +711,13 @@ impl Pipeline {
         let deadline = tokio::time::Instant::now() + grace;
         while self.core.in_flight() > 0 {
             match tokio::time::timeout_at(deadline, self.reports.recv()).await {
-                Ok(Some(d)) => match self.on_report(d).await {
-                    Ok(()) => {}
-                    // Another failed send: its UNKNOWN attempt (if possibly persisted) is
-                    // recorded. Where a look-up costs no more than a send (HTTP), keep
-                    // collecting, so that every send outstanding when the run ended has its
-                    // outcome traced; where it is a partition scan (Kafka: seconds each, after
-                    // a broker outage hundreds), stop and let the replay re-send the rest.
-                    Err(RelayError::Delivery { .. }) if self.sink.cheap_lookup() => {}
-                    Err(e) => return Some(e),
-                },
+                // An unclear one records its UNKNOWN attempt (if possibly persisted), so every
+                // send outstanding when the run ended has its outcome traced.
+                Ok(Some(d)) => {
+                    if let Err(e) = self.on_report(d).await {
+                        return Some(e);
+                    }
+                }
                 Ok(None) | Err(_) => break,
             }
         }

@@ -95,10 +95,19 @@ pub(super) async fn run_once(
                 .await?;
                 last_releases = Instant::now();
             }
+            progress.metrics.unclear(pipeline.core.parked());
             if n < ROUND_LIMIT as u64 {
-                tokio::select! {
-                    _ = tokio::time::sleep(cfg.poll_interval) => {}
-                    _ = shutdown.changed() => {}
+                // Parked events are looked up (or sent again) meanwhile.
+                let until = tokio::time::Instant::now() + cfg.poll_interval;
+                if pipeline.outstanding() == 0 {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(until) => {}
+                        _ = shutdown.changed() => {}
+                    }
+                } else {
+                    while tokio::time::Instant::now() < until && !*shutdown.borrow() {
+                        pipeline.wait_one(Some(until)).await?;
+                    }
                 }
             }
         }
@@ -180,6 +189,9 @@ async fn round(
     let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
     let mut n: u64 = 0;
     let mut last_aggregate: Option<outbox_relay::AggKey> = None;
+    // An aggregate with an event parked after an unclear outcome (or still at the broker): its
+    // rows are read again by a later round, once that event is resolved.
+    let mut skipping = false;
     while let Some(row) = rows.next().await {
         let row = row.map_err(db("reading pending outbox events"))?;
         n += 1;
@@ -191,6 +203,13 @@ async fn round(
                 // relay's salvage) would otherwise look like a gap to the gate, which would
                 // hold the aggregate behind a published event (found by outbox-sim).
                 let key = (ev.aggregate_type.clone(), ev.aggregate_id.clone());
+                if last_aggregate.as_ref() != Some(&key) {
+                    skipping = pipeline.core.aggregate_in_flight(&key);
+                }
+                if skipping {
+                    last_aggregate = Some(key);
+                    continue;
+                }
                 if last_aggregate.as_ref() != Some(&key) {
                     pipeline
                         .core
@@ -224,7 +243,8 @@ async fn round(
         .map_err(db("ending the poll round's read"))?;
     let read_ms = started.elapsed().as_secs_f64() * 1e3;
     // The next round reads what has no receipt: nothing of this one may still be at the broker.
-    pipeline.drain_all(cfg.batch_size, progress).await?;
+    // A parked event may stay: the next round skips its aggregate.
+    pipeline.drain_all(cfg.batch_size, progress, true).await?;
     if n > 0 {
         tracing::debug!(
             events = n,

@@ -1,4 +1,4 @@
-//! Reconciling DISPATCH_UNKNOWN attempts, at start, before anything is streamed.
+//! Reconciling DISPATCH_UNKNOWN attempts: at start before anything is streamed, and while running.
 //!
 //! An attempt whose delivery report said "possibly persisted" ended the previous run (or
 //! process). Its producer session is gone now, so nothing more of it can reach the broker after
@@ -21,6 +21,12 @@
 //! remembers — are `outbox_relay::unknown` and `PipelineCore::unknown_resolved`, which the
 //! simulator runs too; this module does the I/O around them.
 //!
+//! While running, an attempt of this run is resolved without ending it: its event is parked
+//! (`outbox_relay::pipeline::unclear`) and the same look-up and the same recording
+//! ([`record_lookup`]) run when the core says it is due (`Pipeline::on_lookup`). An attempt
+//! that reconciliation at start cannot resolve is handed to that machinery too: the replay
+//! parks its event instead of sending it.
+//!
 //! While running, the relay also reconciles, at every release poll, the settled UNKNOWN
 //! attempts that *another* generation recorded after this run started: a paused relay (a
 //! zombie) that resumes salvages its delivery reports and may record one then. Reconciling
@@ -29,8 +35,9 @@
 use std::time::{Duration, Instant};
 
 use outbox_core::receipt::Scan;
+use outbox_core::OutboxEvent;
 use outbox_ledger::{accept, attempts, LedgerError, LedgerItem, ReceiptRecord};
-use outbox_sink::{Lookup, Sink, UnknownLookup};
+use outbox_sink::{AnySink, Lookup, Sink, SinkError, UnknownLookup};
 use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
@@ -51,6 +58,11 @@ pub(crate) async fn reconcile_unknown(
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
     for a in open {
+        // This run holds the event itself (parked after an unclear outcome, or left open at
+        // start and waiting for its replay): its own look-up resolves it.
+        if when == When::Running && pipeline.core.holds_unclear(a.event_id) {
+            continue;
+        }
         let unknown_for = Duration::from_secs_f64(a.unknown_for_s.max(0.0));
         match unknown::step(
             when,
@@ -82,156 +94,220 @@ pub(crate) async fn reconcile_unknown(
         };
         let ev = outbox_source::snapshot::event_from_row(row)
             .map_err(|e| RelayError::Internal(e.to_string()))?;
-        // When it was sent, by the database clock (what the broker's duplicate window counts
-        // from, give or take clock skew, which the sink's margin covers).
-        let sent_ago: f64 = sql
-            .query_one(
-                "SELECT extract(epoch FROM clock_timestamp() - sent_at)::float8 FROM outbox.attempts WHERE id = $1",
-                &[&a.id],
-            )
-            .await
-            .map_err(|e| LedgerError::Db {
-                context: format!("reading attempt {}", a.id),
-                source: e,
-            })?
-            .get(0);
-        let lookup = pipeline
-            .sink()
-            .lookup(UnknownLookup {
-                event: &ev,
-                topic: &a.topic,
-                partition: a.partition,
-                from: a.scan_from + 1,
-                sent_ago: Duration::from_secs_f64(sent_ago.max(0.0)),
-            })
-            .await;
-        let lookup = match lookup {
-            Ok(l) => l,
-            Err(e) if when == When::Running => {
+        let lookup = look_up(pipeline.sink(), &pipeline.client, &a, &ev).await?;
+        let resolved = match lookup {
+            Ok(l) => record_lookup(&cfg.slot, pipeline, fence, &a, &ev, l, started).await?,
+            Err(e) => {
+                // Nothing proven. At start the replay parks the event and keeps looking it up
+                // while the run goes on (an unclear answer never stops the relay); while
+                // running, the next poll asks again.
                 tracing::warn!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, error = %e,
-                    "DISPATCH_UNKNOWN look-up failed; retrying at the next poll");
-                continue;
+                    "DISPATCH_UNKNOWN look-up failed; asking again while the relay runs");
+                Resolved::StillUnknown
             }
-            Err(e) => return Err(e.into()),
         };
-        let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
-        let served = pipeline.served().clone();
-        let receipt_of = |attempt: i32,
-                          relay_generation: i64,
-                          offset: i64,
-                          timestamp_ms,
-                          evidence: Option<String>| {
-            LedgerItem::Receipt(ReceiptRecord {
-                event_id: ev.event_id,
-                payload_digest: ev.payload_digest.clone(),
-                destination_digest: ev.destination_digest.clone(),
-                broker_kind: served.kind.into(),
-                broker_cluster: served.cluster.clone(),
-                topic: a.topic.clone(),
-                partition: a.partition,
-                offset,
-                timestamp_ms,
-                attempt,
-                relay_generation,
-                commit_lsn: None,
-                evidence,
-            })
-        };
-        // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
-        // JetStream probe that was *stored* proves the original absent and is itself the retry.
-        let (proof, (scanned_from, scanned_to), timestamp_ms, probe_offset, evidence) = match lookup
-        {
-            Lookup::Found {
-                offset,
-                timestamp_ms,
-                scanned_from,
-                scanned_to,
-                ..
-            } => (
-                Scan::Found { offset },
-                (scanned_from, scanned_to),
-                timestamp_ms,
-                None,
-                None,
-            ),
-            Lookup::Absent {
-                scanned_from,
-                scanned_to,
-            } => (Scan::Absent, (scanned_from, scanned_to), None, None, None),
-            Lookup::StoredByProbe {
-                offset,
-                timestamp_ms,
-                evidence,
-                ..
-            } => (
-                Scan::Absent,
-                (offset, offset),
-                timestamp_ms,
-                Some(offset),
-                evidence,
-            ),
-        };
-        let last = attempts::last_generation(sql, a.event_id).await?;
-        // Settled: the settle time has passed (slept out at start, filtered while running).
-        let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
-        match resolved {
-            Resolved::StillUnknown => continue,
-            Resolved::Found {
-                offset,
-                attempt_generation,
-            } => {
-                accept::accept_batch(
-                    &mut pipeline.client,
-                    &cfg.slot,
-                    &[receipt_of(
-                        attempt_generation,
-                        a.relay_generation,
-                        offset,
-                        timestamp_ms,
-                        None,
-                    )],
-                    None,
-                    Some(fence),
-                )
-                .await?;
-                attempts::resolve(sql, a.id, Some(offset), scanned_from, scanned_to).await?;
-                tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
-                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
-            }
-            Resolved::StoredByProbe {
-                offset,
-                attempt_generation: next,
-            } => {
-                attempts::resolve(sql, a.id, None, scanned_from, scanned_to).await?;
-                // The broker's duplicate detection said it had no copy of this Nats-Msg-Id:
-                // the probe (the retry) is the one copy; record its receipt.
-                accept::accept_batch(
-                    &mut pipeline.client,
-                    &cfg.slot,
-                    &[receipt_of(
-                        next,
-                        fence.generation,
-                        offset,
-                        timestamp_ms,
-                        evidence,
-                    )],
-                    None,
-                    Some(fence),
-                )
-                .await?;
-                tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
-                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry");
-            }
-            Resolved::Retry {
-                attempt_generation: next,
-            } => {
-                attempts::resolve(sql, a.id, None, scanned_from, scanned_to).await?;
-                tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
-                    scanned_from, scanned_to, next_attempt = next,
-                    unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
-            }
+        if when == When::Start && resolved == Resolved::StillUnknown {
+            pipeline.core.open_at_start.insert(a.event_id);
         }
         pipeline.core.unknown_resolved(a.event_id, &resolved);
     }
     Ok(())
+}
+
+/// Asks the sink about attempt `a` of `ev` (the outer error is the ledger's; the inner one
+/// the sink's, which proves nothing).
+pub(crate) async fn look_up(
+    sink: &AnySink,
+    ledger: &Client,
+    a: &attempts::UnknownAttempt,
+    ev: &OutboxEvent,
+) -> Result<Result<Lookup, SinkError>, RelayError> {
+    let query = lookup_query(ledger, a).await?;
+    Ok(sink.lookup(query.of(ev, a)).await)
+}
+
+/// What a look-up needs besides the event: where to start, and how long ago it was sent.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LookupQuery {
+    from: i64,
+    sent_ago: Duration,
+}
+
+impl LookupQuery {
+    pub(crate) fn of<'a>(&self, ev: &'a OutboxEvent, a: &'a attempts::UnknownAttempt) -> UnknownLookup<'a> {
+        UnknownLookup {
+            event: ev,
+            topic: &a.topic,
+            partition: a.partition,
+            from: self.from,
+            sent_ago: self.sent_ago,
+        }
+    }
+}
+
+/// When attempt `a` was sent, by the database clock (what the broker's duplicate window counts
+/// from, give or take clock skew, which the sink's margin covers).
+pub(crate) async fn lookup_query(
+    ledger: &Client,
+    a: &attempts::UnknownAttempt,
+) -> Result<LookupQuery, RelayError> {
+    let sent_ago: f64 = ledger
+        .query_one(
+            "SELECT extract(epoch FROM clock_timestamp() - sent_at)::float8 FROM outbox.attempts WHERE id = $1",
+            &[&a.id],
+        )
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: format!("reading attempt {}", a.id),
+            source: e,
+        })?
+        .get(0);
+    Ok(LookupQuery {
+        from: a.scan_from + 1,
+        sent_ago: Duration::from_secs_f64(sent_ago.max(0.0)),
+    })
+}
+
+/// Records what a look-up of attempt `a` proved (the rule: `outbox_relay::unknown::resolve`):
+/// the copy's receipt and the attempt's resolution, committed before the caller tells the
+/// core. Returns the rule's verdict.
+pub(crate) async fn record_lookup(
+    slot: &str,
+    pipeline: &mut Pipeline,
+    fence: &Fence,
+    a: &attempts::UnknownAttempt,
+    ev: &OutboxEvent,
+    lookup: Lookup,
+    started: Instant,
+) -> Result<Resolved, RelayError> {
+    let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
+    let served = pipeline.served().clone();
+    let kind = served.kind;
+    let receipt_of = |attempt: i32,
+                      relay_generation: i64,
+                      offset: i64,
+                      timestamp_ms,
+                      evidence: Option<String>| {
+        LedgerItem::Receipt(ReceiptRecord {
+            event_id: ev.event_id,
+            payload_digest: ev.payload_digest.clone(),
+            destination_digest: ev.destination_digest.clone(),
+            broker_kind: served.kind.into(),
+            broker_cluster: served.cluster.clone(),
+            topic: a.topic.clone(),
+            partition: a.partition,
+            offset,
+            timestamp_ms,
+            attempt,
+            relay_generation,
+            commit_lsn: None,
+            evidence,
+        })
+    };
+    // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
+    // JetStream probe (or an HTTP retry with the same key) that was *stored* proves the
+    // original absent or deduplicated, and is itself the retry.
+    let (proof, (scanned_from, scanned_to), timestamp_ms, probe_offset, evidence) = match lookup {
+        Lookup::Found {
+            offset,
+            timestamp_ms,
+            scanned_from,
+            scanned_to,
+            ..
+        } => (
+            Scan::Found { offset },
+            (scanned_from, scanned_to),
+            timestamp_ms,
+            None,
+            None,
+        ),
+        Lookup::Absent {
+            scanned_from,
+            scanned_to,
+        } => (Scan::Absent, (scanned_from, scanned_to), None, None, None),
+        Lookup::StoredByProbe {
+            offset,
+            timestamp_ms,
+            evidence,
+            ..
+        } => (
+            Scan::Absent,
+            (offset, offset),
+            timestamp_ms,
+            Some(offset),
+            evidence,
+        ),
+    };
+    let last = attempts::last_generation(&pipeline.client, a.event_id).await?;
+    // Settled: the settle time has passed (slept out at start, filtered while running, and
+    // counted by the core for an in-run look-up).
+    let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
+    match resolved {
+        Resolved::StillUnknown => {}
+        Resolved::Found {
+            offset,
+            attempt_generation,
+        } => {
+            accept::accept_batch(
+                &mut pipeline.client,
+                slot,
+                &[receipt_of(
+                    attempt_generation,
+                    a.relay_generation,
+                    offset,
+                    timestamp_ms,
+                    None,
+                )],
+                None,
+                Some(fence),
+            )
+            .await?;
+            attempts::resolve(&pipeline.client, a.id, Some(offset), scanned_from, scanned_to)
+                .await?;
+            tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
+                unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
+        }
+        Resolved::StoredByProbe {
+            offset,
+            attempt_generation: next,
+        } => {
+            attempts::resolve(&pipeline.client, a.id, None, scanned_from, scanned_to).await?;
+            // The destination said it had no other copy under this key: the re-publish (the
+            // retry) is the one copy; record its receipt.
+            accept::accept_batch(
+                &mut pipeline.client,
+                slot,
+                &[receipt_of(
+                    next,
+                    fence.generation,
+                    offset,
+                    timestamp_ms,
+                    evidence,
+                )],
+                None,
+                Some(fence),
+            )
+            .await?;
+            tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
+                unknown_to_resolved_ms = unknown_ms, "{}", stored_by_probe_words(kind));
+        }
+        Resolved::Retry {
+            attempt_generation: next,
+        } => {
+            attempts::resolve(&pipeline.client, a.id, None, scanned_from, scanned_to).await?;
+            tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
+                scanned_from, scanned_to, next_attempt = next,
+                unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
+        }
+    }
+    Ok(resolved)
+}
+
+/// How a resolution by re-sending is told, in the sink's own terms.
+fn stored_by_probe_words(kind: &str) -> &'static str {
+    match kind {
+        "http" => "DISPATCH_UNKNOWN resolved: the endpoint answered the retry with the same idempotency key; its answer is the receipt",
+        "nats" => "DISPATCH_UNKNOWN resolved: absent (broker dedup), the Msg-Id re-publish is the retry",
+        _ => "DISPATCH_UNKNOWN resolved: the re-publish is the retry",
+    }
 }

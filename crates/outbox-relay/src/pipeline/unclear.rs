@@ -1,0 +1,275 @@
+//! An unclear outcome holds one aggregate, never the relay.
+//!
+//! A send that ends without a receipt and without a refusal — a timeout, a dropped
+//! connection, a 5xx, a Kafka request that may have been appended (DISPATCH_UNKNOWN), or a
+//! message the broker certainly did not store — *parks* its event. The event keeps its
+//! aggregate's place in the ordering gate, so that aggregate's next event waits behind it;
+//! it stays unresolved in the ack tracker, so the checkpoint stays behind it; every other
+//! aggregate keeps flowing. The run goes on.
+//!
+//! The core then says when to act ([`PipelineCore::due_unclear`]):
+//! * a possibly persisted attempt (the driver recorded it as DISPATCH_UNKNOWN) is looked up
+//!   — Kafka: the partition scan, after the settle time in which its request may still land;
+//!   JetStream: the re-publish with the same `Nats-Msg-Id`; HTTP: the retry with the same
+//!   idempotency key. What the look-up proved comes back through
+//!   [`PipelineCore::lookup_done`]: the copy's receipt was recorded (the aggregate moves on),
+//!   the copy is proven absent (sent again, attempt generation + 1, to the same frozen
+//!   destination), or nothing is proven (asked again later);
+//! * a message certainly not stored is sent again as it is.
+//!
+//! Each try waits longer than the one before ([`Policy::backoff`]), at least as long as the
+//! endpoint asked (Retry-After). Past [`Policy::budget`] tries the aggregate is held with its
+//! reason, as a poison event is (`outboxd quarantine list`, `release`): a quarantine record
+//! resolves the event for the checkpoint, and its open attempt is reconciled at the next start.
+
+use std::time::{Duration, SystemTime};
+
+use outbox_core::OutboxEvent;
+use uuid::Uuid;
+
+use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Now, Pending};
+use super::PipelineCore;
+
+/// How unclear outcomes are retried, and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// The wait before the first look-up or resend; it doubles per try.
+    pub first: Duration,
+    /// The longest wait between two tries.
+    pub max: Duration,
+    /// Before the first look-up of a possibly persisted attempt, counted from its send: the
+    /// time in which its request may still reach the broker (Kafka: zero makes a scan that
+    /// found nothing prove little). Zero where the look-up is itself an idempotent resend.
+    pub settle: Duration,
+    /// Tries (sends and look-ups that ended unclear) before the aggregate is held.
+    pub budget: u32,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            first: Duration::from_millis(200),
+            max: Duration::from_secs(10),
+            settle: Duration::ZERO,
+            budget: 30,
+        }
+    }
+}
+
+impl Policy {
+    /// The wait after the `tries`-th unclear outcome of one event (1 = the first).
+    pub fn backoff(&self, tries: u32) -> Duration {
+        let doublings = tries.saturating_sub(1).min(20);
+        self.first.saturating_mul(1 << doublings).min(self.max)
+    }
+}
+
+/// An event whose send ended unclear.
+#[derive(Debug)]
+pub(crate) struct Parked {
+    p: Pending,
+    key: AggKey,
+    /// Look the attempt up (possibly persisted) rather than send it again (not stored).
+    lookup: bool,
+    due: SystemTime,
+    /// A look-up is running: no other until its outcome is in.
+    running: bool,
+    error: String,
+}
+
+/// What the driver does for a parked event now.
+#[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)]
+pub enum UnclearStep {
+    /// Look up the event's open DISPATCH_UNKNOWN attempt and hand what it proved to
+    /// [`PipelineCore::lookup_done`].
+    Lookup { event: OutboxEvent },
+    /// Execute this send (a message the broker certainly did not store).
+    Send(Command),
+}
+
+/// What a look-up proved, as the driver recorded it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupOutcome {
+    /// The broker holds a copy and its receipt is accepted in the ledger (found by the scan,
+    /// or stored by the same-key re-publish / retry): the aggregate moves on.
+    Recorded,
+    /// Proven absent (the attempt is resolved in the ledger): send again with this attempt
+    /// generation, to the same frozen destination.
+    Retry { attempt_generation: i32 },
+    /// Nothing proven: ask again later, not before `after` if the endpoint said so.
+    Unresolved {
+        error: String,
+        after: Option<Duration>,
+    },
+}
+
+impl PipelineCore {
+    /// A send of `f` ended unclear: its event holds the aggregate until resolved.
+    pub(super) fn park(&mut self, f: InFlight, failure: &DeliveryFailure, now: Now) {
+        let id = f.ev.event_id;
+        let tries = self.bump_tries(id);
+        let mut due = now.wall + self.unclear_policy.backoff(tries);
+        if failure.unknown.is_some() {
+            due = due.max(f.sent_at + self.unclear_policy.settle);
+        }
+        tracing::warn!(event_id = %id, aggregate = %format!("{}/{}", f.key.0, f.key.1),
+            attempt = f.attempt, tries, persistence = ?failure.persistence, error = %failure.error,
+            "unclear outcome: only this aggregate waits");
+        let parked = Parked {
+            key: f.key,
+            lookup: failure.unknown.is_some(),
+            due,
+            running: false,
+            error: failure.error.clone(),
+            p: Pending {
+                ev: f.ev,
+                commit_lsn: f.commit_lsn,
+                ack: f.ack,
+            },
+        };
+        self.park_or_hold(parked, tries);
+    }
+
+    /// Parks `parked`, or holds its aggregate when its tries are past the budget.
+    fn park_or_hold(&mut self, parked: Parked, tries: u32) {
+        if tries <= self.unclear_policy.budget {
+            self.parked.insert(parked.p.ev.event_id, parked);
+            return;
+        }
+        let Parked { p, key, error, .. } = parked;
+        let id = p.ev.event_id;
+        self.unclear_tries.remove(&id);
+        let reason = format!(
+            "{tries} sends and look-ups of event {id} ended without a clear answer (last: {error}); the aggregate is held: check the destination, then `outboxd quarantine release`"
+        );
+        self.poison_key(
+            &key,
+            (id, p.ev.aggregate_version, p.commit_lsn, p.ack),
+            "unclear_budget",
+            reason,
+        );
+        self.gate.done(&key);
+    }
+
+    fn bump_tries(&mut self, id: Uuid) -> u32 {
+        let t = self.unclear_tries.entry(id).or_insert(0);
+        *t += 1;
+        *t
+    }
+
+    /// An event reconciliation at start left open reached the head of its aggregate: it is
+    /// parked for a look-up instead of being sent. `None` if it was not one of them.
+    pub(super) fn park_open_at_start(&mut self, p: Pending, now: Now) -> Option<Pending> {
+        if !self.open_at_start.remove(&p.ev.event_id) {
+            return Some(p);
+        }
+        let tries = self.bump_tries(p.ev.event_id);
+        let parked = Parked {
+            key: key_of(&p.ev),
+            lookup: true,
+            due: now.wall,
+            running: false,
+            error: "DISPATCH_UNKNOWN attempt still open after reconciliation at start".into(),
+            p,
+        };
+        self.park_or_hold(parked, tries);
+        None
+    }
+
+    /// Whether this run resolves `event_id` itself: parked, or left open at start and waiting
+    /// for its replay.
+    pub fn holds_unclear(&self, event_id: Uuid) -> bool {
+        self.parked.contains_key(&event_id) || self.open_at_start.contains(&event_id)
+    }
+
+    /// Events parked after an unclear outcome (each holds its aggregate).
+    pub fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// When the next parked event is due (the driver wakes up then), if any is waiting.
+    pub fn next_unclear_due(&self) -> Option<SystemTime> {
+        self.parked
+            .values()
+            .filter(|p| !p.running)
+            .map(|p| p.due)
+            .min()
+    }
+
+    /// The look-ups and resends due at `now`, in event-id order. Nothing while the run is
+    /// ending or the lease is not certainly held (an HTTP look-up is itself a send).
+    pub fn due_unclear(&mut self, now: Now) -> Vec<UnclearStep> {
+        if self.salvaging || !now.lease_valid {
+            return Vec::new();
+        }
+        let due: Vec<Uuid> = self
+            .parked
+            .iter()
+            .filter(|(_, p)| !p.running && p.due <= now.wall)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut steps = Vec::new();
+        for id in due {
+            let p = self.parked.get_mut(&id).expect("listed above");
+            if p.lookup {
+                p.running = true;
+                steps.push(UnclearStep::Lookup {
+                    event: p.p.ev.clone(),
+                });
+            } else {
+                let p = self.parked.remove(&id).expect("listed above");
+                steps.extend(self.send_one(p.p, now).map(UnclearStep::Send));
+            }
+        }
+        steps
+    }
+
+    /// What the look-up of parked `event_id` proved. Returns the sends that follow: the retry,
+    /// or the aggregate's next event.
+    pub fn lookup_done(
+        &mut self,
+        event_id: Uuid,
+        outcome: LookupOutcome,
+        now: Now,
+    ) -> Result<Vec<Command>, CoreError> {
+        let Some(mut parked) = self.parked.remove(&event_id) else {
+            return Ok(Vec::new());
+        };
+        match outcome {
+            LookupOutcome::Recorded => {
+                // The receipt is committed already: resolving now cannot run ahead of it.
+                self.unclear_tries.remove(&event_id);
+                if let Some(a) = parked.p.ack {
+                    self.tracker.resolve(a)?;
+                }
+                tracing::info!(%event_id, "unclear outcome resolved: the destination holds it; the aggregate moves on");
+                Ok(match self.gate.done(&parked.key) {
+                    Some(next) => self.send_one(next, now).into_iter().collect(),
+                    None => Vec::new(),
+                })
+            }
+            LookupOutcome::Retry { attempt_generation } => {
+                self.retry_generation.insert(event_id, attempt_generation);
+                Ok(self.send_one(parked.p, now).into_iter().collect())
+            }
+            LookupOutcome::Unresolved { error, after } => {
+                let tries = self.bump_tries(event_id);
+                let wait = self
+                    .unclear_policy
+                    .backoff(tries)
+                    .max(after.unwrap_or_default());
+                parked.running = false;
+                parked.due = now.wall + wait;
+                parked.error = error;
+                self.park_or_hold(parked, tries);
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    /// Whether an event of `key` is sent and not reported on, or parked.
+    pub fn aggregate_busy(&self, key: &AggKey) -> bool {
+        self.parked.values().any(|p| &p.key == key) || self.in_flight.values().any(|f| &f.key == key)
+    }
+}

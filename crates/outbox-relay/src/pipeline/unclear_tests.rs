@@ -1,0 +1,208 @@
+//! An unclear outcome holds one aggregate: the decisions of `unclear.rs`, driven with plain
+//! values.
+
+use std::time::Duration;
+
+use outbox_core::delivery::Persistence;
+use outbox_core::records::LedgerItem;
+use outbox_core::Lsn;
+
+use super::*;
+use crate::testing::*;
+
+fn lookups(steps: &[UnclearStep]) -> Vec<(String, i64)> {
+    steps
+        .iter()
+        .filter_map(|s| match s {
+            UnclearStep::Lookup { event } => {
+                Some((event.aggregate_id.clone(), event.aggregate_version))
+            }
+            UnclearStep::Send(_) => None,
+        })
+        .collect()
+}
+
+#[test]
+fn an_unclear_outcome_holds_its_aggregate_and_every_other_aggregate_flows() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2), event("b", 1)], 100);
+    assert_eq!(cmds.len(), 2, "a/1 and b/1 out");
+    let f = unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    assert!(f.unknown.is_some());
+    assert_eq!(c.parked(), 1);
+    assert_eq!(c.outstanding(), 3, "a/1 parked, a/2 queued behind it, b/1 in flight");
+    // b flows: its receipt is accepted; the checkpoint stays behind a/1 (same transaction).
+    let next = continued(c.on_report(persisted(token(&cmds[1]), 5), now(1600)).unwrap());
+    assert!(next.is_empty(), "a/2 is not sent while a/1 is unclear");
+    let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
+    assert_eq!(items.len(), 1);
+    assert_eq!(checkpoint, None, "the checkpoint never passes the unclear event");
+    // b's next event goes out at once, a's does not.
+    let more = admit_txn(&mut c, &[event("b", 2), event("a", 3)], 200);
+    assert_eq!(more.len(), 1);
+    let Command::Send { event: sent, .. } = &more[0];
+    assert_eq!(sent.aggregate_id, "b");
+}
+
+#[test]
+fn the_look_up_is_due_after_the_backoff_and_settle_and_a_recorded_copy_frees_the_aggregate() {
+    let mut c = core();
+    c.unclear_policy.settle = Duration::from_millis(5_000);
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2)], 100);
+    unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    // Sent at 0 ms, failed at 1500 ms: the settle (5 s from the send) outlasts the backoff.
+    assert_eq!(
+        c.next_unclear_due(),
+        Some(now(5_000).wall),
+        "first look-up after the settle time"
+    );
+    assert!(c.due_unclear(now(4_999)).is_empty());
+    let steps = c.due_unclear(now(5_000));
+    assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
+    assert!(c.due_unclear(now(9_000)).is_empty(), "one look-up at a time");
+    assert_eq!(c.next_unclear_due(), None, "nothing waits while it runs");
+    let UnclearStep::Lookup { event } = &steps[0] else {
+        unreachable!()
+    };
+    let next = c
+        .lookup_done(event.event_id, LookupOutcome::Recorded, now(5_100))
+        .unwrap();
+    let Command::Send { event: a2, .. } = &next[0];
+    assert_eq!(a2.aggregate_version, 2, "the aggregate's next event follows");
+    assert_eq!(c.parked(), 0);
+    // The recorded copy resolved a/1 in the tracker: once a/2's receipt is in, the checkpoint
+    // passes the transaction.
+    continued(c.on_report(persisted(token(&next[0]), 9), now(5_200)).unwrap());
+    let (_, checkpoint) = c.take_batch(true).unwrap().unwrap();
+    assert_eq!(checkpoint, Some(Lsn(100)));
+}
+
+#[test]
+fn a_proven_absent_copy_is_sent_again_with_the_next_attempt_to_the_same_destination() {
+    let mut c = core();
+    let ev = event("a", 1);
+    let cmds = admit_txn(&mut c, std::slice::from_ref(&ev), 100);
+    unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    let steps = c.due_unclear(now(60_000));
+    assert_eq!(steps.len(), 1);
+    let sends = c
+        .lookup_done(
+            ev.event_id,
+            LookupOutcome::Retry {
+                attempt_generation: 2,
+            },
+            now(60_001),
+        )
+        .unwrap();
+    let Command::Send { event, attempt, .. } = &sends[0];
+    assert_eq!(*attempt, 2);
+    assert_eq!(event.destination_digest, ev.destination_digest);
+}
+
+#[test]
+fn a_message_not_stored_is_sent_again_as_it_is_after_the_backoff() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1)], 100);
+    let f = unclear(&mut c, token(&cmds[0]), Persistence::NotPersisted);
+    assert_eq!(f.unknown, None, "nothing to look up");
+    let due = c.next_unclear_due().unwrap();
+    assert_eq!(due, now(1_700).wall, "200 ms after the report");
+    let steps = c.due_unclear(now(1_700));
+    let [UnclearStep::Send(Command::Send { attempt, .. })] = steps.as_slice() else {
+        panic!("{steps:?}")
+    };
+    assert_eq!(*attempt, 1, "nothing was stored: the same attempt");
+    assert_eq!(c.parked(), 0);
+    assert_eq!(c.in_flight(), 1);
+}
+
+#[test]
+fn unresolved_look_ups_back_off_honour_retry_after_and_past_the_budget_hold_the_aggregate() {
+    let mut c = core();
+    c.unclear_policy.budget = 4;
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2)], 100);
+    let id = match &cmds[0] {
+        Command::Send { event, .. } => event.event_id,
+    };
+    unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted); // try 1
+    let mut t = 1_500;
+    let mut waits = Vec::new();
+    for tries in 2..=4 {
+        let at = c.next_unclear_due().unwrap();
+        t = at.duration_since(now(0).wall).unwrap().as_millis() as u64;
+        assert_eq!(c.due_unclear(now(t)).len(), 1);
+        let after = (tries == 3).then_some(Duration::from_secs(7));
+        c.lookup_done(
+            id,
+            LookupOutcome::Unresolved {
+                error: "503".into(),
+                after,
+            },
+            now(t),
+        )
+        .unwrap();
+        waits.push(c.next_unclear_due().unwrap().duration_since(now(t).wall).unwrap());
+    }
+    assert_eq!(
+        waits,
+        [
+            Duration::from_millis(400),
+            Duration::from_secs(7),
+            Duration::from_millis(1_600)
+        ],
+        "doubling, and never sooner than Retry-After"
+    );
+    assert!(c.take_batch(true).unwrap().is_none(), "nothing resolved yet");
+    assert_eq!(c.due_unclear(now(t + 1_600)).len(), 1);
+    let sends = c
+        .lookup_done(
+            id,
+            LookupOutcome::Unresolved {
+                error: "timeout".into(),
+                after: None,
+            },
+            now(t + 1_600),
+        )
+        .unwrap();
+    assert!(sends.is_empty(), "a/2 is held, not sent");
+    assert_eq!(c.parked(), 0);
+    let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
+    let codes: Vec<String> = items
+        .iter()
+        .map(|i| match i {
+            LedgerItem::Quarantine(q) => format!("quarantine:{}", q.reason_code),
+            LedgerItem::Hold(h) => format!("hold:{}", h.reason_code),
+            LedgerItem::Held(h) => format!("held:{}", h.aggregate_version),
+            LedgerItem::Receipt(_) => "receipt".into(),
+        })
+        .collect();
+    assert_eq!(
+        codes,
+        ["quarantine:unclear_budget", "hold:unclear_budget", "held:2"]
+    );
+    assert_eq!(checkpoint, Some(Lsn(100)), "held durably, the checkpoint moves on");
+}
+
+#[test]
+fn nothing_is_looked_up_or_resent_without_the_lease_or_while_the_run_ends() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 100);
+    unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    let mut stale = now(60_000);
+    stale.lease_valid = false;
+    assert!(c.due_unclear(stale).is_empty());
+    c.begin_salvage();
+    assert!(c.due_unclear(now(60_000)).is_empty());
+}
+
+#[test]
+fn an_attempt_left_open_at_start_parks_its_event_for_a_look_up_instead_of_sending_it() {
+    let mut c = core();
+    let ev = event("a", 1);
+    c.open_at_start.insert(ev.event_id);
+    let cmds = admit_txn(&mut c, &[ev.clone(), event("a", 2), event("b", 1)], 100);
+    assert_eq!(cmds.len(), 1, "only b/1 is sent");
+    assert_eq!(c.parked(), 1);
+    let steps = c.due_unclear(now(0));
+    assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
+}
