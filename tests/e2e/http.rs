@@ -105,84 +105,22 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
     .await;
     relay.assert_running();
 
-    // Applied exactly once by key; nothing of the held aggregate past the poison event.
-    let twice: Vec<_> = committed
-        .keys()
-        .filter(|id| target.applied(&id.to_string()) != 1)
-        .map(|id| (id, target.applied(&id.to_string())))
-        .collect();
-    assert!(twice.is_empty(), "not applied exactly once: {twice:?}");
+    // Applied exactly once by key, in order per aggregate, every receipt the endpoint's answer;
+    // nothing of the held aggregate past the poison event.
+    let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
+    check_endpoint(&env, &target, &committed, &topic).await;
     assert_eq!(target.applied(&poison.to_string()), 0);
     assert_eq!(
         target.applied(&p3.to_string()),
         0,
         "sent past a held aggregate"
     );
-    // Every receipt is evidence: the endpoint applied that event.
-    let receipts = env
-        .db
-        .query(
-            "SELECT event_id, broker_kind, broker_cluster, topic, (evidence ->> 'status')::int,
-                    evidence ->> 'response_id', evidence ->> 'body_sha256'
-             FROM outbox.receipts",
-            &[],
-        )
-        .await
-        .unwrap();
-    for r in &receipts {
-        let id: uuid::Uuid = r.get(0);
-        assert_eq!(
-            (r.get::<_, &str>(1), r.get::<_, &str>(2)),
-            ("http", "billing-api")
-        );
-        assert_eq!(
-            r.get::<_, String>(3),
-            target.url(&format!("/hooks/{}", env.aggregate_type))
-        );
-        assert!(
-            target.applied(&id.to_string()) >= 1,
-            "receipt of {id}, which the endpoint never applied"
-        );
-        // The endpoint's answer is kept: a 2xx, its response id for that key, a body digest.
-        let status: Option<i32> = r.get(4);
-        assert!(
-            status.is_some_and(|s| (200..300).contains(&s)),
-            "{id}: {status:?}"
-        );
-        assert_eq!(
-            r.get::<_, Option<String>>(5),
-            target.response_id(&id.to_string()),
-            "{id}"
-        );
-        assert_eq!(r.get::<_, Option<String>>(6).map(|d| d.len()), Some(64));
-    }
-    // Order per aggregate: the endpoint's first applications are versions 1, 2, 3, ...
-    let mut per_agg: HashMap<&str, Vec<i64>> = HashMap::new();
-    for key in target.applied_order() {
-        let id: uuid::Uuid = key.parse().unwrap();
-        if let Some((agg, v)) = committed.get(&id) {
-            per_agg.entry(agg).or_default().push(*v);
-        }
-    }
-    for (agg, versions) in &per_agg {
-        let n = committed.values().filter(|(a, _)| a == agg).count() as i64;
-        assert_eq!(
-            versions,
-            &(1..=n).collect::<Vec<_>>(),
-            "{agg}: out of order"
-        );
-    }
     // Every event that met an ambiguous answer has a traced attempt, resolved by a retry with
     // the same key (a retry that meets one too stays the same attempt).
     let requests = target.requests();
     let ambiguous: std::collections::BTreeSet<String> = requests
         .iter()
-        .filter(|r| {
-            matches!(
-                r.behavior,
-                Behavior::Late(_) | Behavior::Drop { .. } | Behavior::Status { status: 500, .. }
-            )
-        })
+        .filter(|r| r.behavior.is_ambiguous())
         .map(|r| r.headers["idempotency-key"].clone())
         .collect();
     assert!(!ambiguous.is_empty(), "no request met an ambiguous answer");
@@ -256,4 +194,76 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
         first.headers.get("authorization").map(String::as_str),
         Some("Bearer t0ken")
     );
+}
+
+/// What every HTTP test checks of the endpoint after the relay drained `committed` (event id →
+/// aggregate, version): each event applied exactly once by key; each aggregate's events first
+/// applied in version order; every receipt the endpoint's answer for that event (kind `http`,
+/// cluster `billing-api`, the route's URL, a 2xx, the response id of the key's application, a
+/// body digest), and only for events the endpoint applied.
+pub(crate) async fn check_endpoint(
+    env: &TestEnv,
+    target: &HttpTarget,
+    committed: &HashMap<uuid::Uuid, (String, i64)>,
+    topic: &str,
+) {
+    let not_once: Vec<_> = committed
+        .keys()
+        .filter(|id| target.applied(&id.to_string()) != 1)
+        .map(|id| (id, target.applied(&id.to_string())))
+        .collect();
+    assert!(
+        not_once.is_empty(),
+        "not applied exactly once: {not_once:?}"
+    );
+    let receipts = env
+        .db
+        .query(
+            "SELECT event_id, broker_kind, broker_cluster, topic, (evidence ->> 'status')::int,
+                    evidence ->> 'response_id', evidence ->> 'body_sha256'
+             FROM outbox.receipts",
+            &[],
+        )
+        .await
+        .unwrap();
+    for r in &receipts {
+        let id: uuid::Uuid = r.get(0);
+        assert_eq!(
+            (r.get::<_, &str>(1), r.get::<_, &str>(2)),
+            ("http", "billing-api")
+        );
+        assert_eq!(r.get::<_, String>(3), topic);
+        assert!(
+            target.applied(&id.to_string()) >= 1,
+            "receipt of {id}, which the endpoint never applied"
+        );
+        // The endpoint's answer is kept: a 2xx, its response id for that key, a body digest.
+        let status: Option<i32> = r.get(4);
+        assert!(
+            status.is_some_and(|s| (200..300).contains(&s)),
+            "{id}: {status:?}"
+        );
+        assert_eq!(
+            r.get::<_, Option<String>>(5),
+            target.response_id(&id.to_string()),
+            "{id}"
+        );
+        assert_eq!(r.get::<_, Option<String>>(6).map(|d| d.len()), Some(64));
+    }
+    // Order per aggregate: the endpoint's first applications are versions 1, 2, 3, ...
+    let mut per_agg: HashMap<&str, Vec<i64>> = HashMap::new();
+    for key in target.applied_order() {
+        let id: uuid::Uuid = key.parse().unwrap();
+        if let Some((agg, v)) = committed.get(&id) {
+            per_agg.entry(agg).or_default().push(*v);
+        }
+    }
+    for (agg, versions) in &per_agg {
+        let n = committed.values().filter(|(a, _)| a == agg).count() as i64;
+        assert_eq!(
+            versions,
+            &(1..=n).collect::<Vec<_>>(),
+            "{agg}: out of order"
+        );
+    }
 }

@@ -39,4 +39,5 @@ pub(crate) mod sim_regressions;
 pub(crate) mod slot_safety;
 pub(crate) mod takeover;
 pub(crate) mod tls;
+pub(crate) mod unclear;
 pub(crate) mod unknown;

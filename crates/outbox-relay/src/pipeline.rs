@@ -198,9 +198,10 @@ pub struct PipelineCore {
     parked: BTreeMap<Uuid, unclear::Parked>,
     /// Look-ups and resends of an event since its last clear answer.
     unclear_tries: HashMap<Uuid, u32>,
-    /// DISPATCH_UNKNOWN attempts that reconciliation at start could not resolve: their events
-    /// are parked (not sent) when the replay admits them, and looked up while the run goes on.
-    pub open_at_start: HashSet<Uuid>,
+    /// Events with a DISPATCH_UNKNOWN attempt open at start, and when its look-up is due (its
+    /// settle time): parked, not sent, when the replay admits them, and looked up while the
+    /// run goes on, concurrently with everything else.
+    pub open_at_start: HashMap<Uuid, SystemTime>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
     /// The transaction being decoded ([`crate::stream`]).
@@ -252,7 +253,7 @@ impl PipelineCore {
             in_flight_bytes: 0,
             parked: BTreeMap::new(),
             unclear_tries: HashMap::new(),
-            open_at_start: HashSet::new(),
+            open_at_start: HashMap::new(),
             unclear_policy: unclear::Policy::default(),
             txn: None,
             last_received: Lsn::ZERO,

@@ -8,6 +8,8 @@
 //! * apply, then answer late (after the client's timeout);
 //! * read the request and drop the connection, applied or not;
 //! * answer a status (429, 503, 500, ...) with an optional `Retry-After`, without applying;
+//! * apply, then answer a status (a 500 after the work was done);
+//! * misbehave at random on a share of requests ([`Misbehave`]), as real receivers do;
 //! * refuse one poison payload with 400, always;
 //! * serve HTTPS with a given certificate ([`TargetSettings::tls`]).
 //!
@@ -39,6 +41,74 @@ pub enum Behavior {
         status: u16,
         retry_after: Option<String>,
     },
+    /// Apply, then answer `status` (an endpoint that failed after doing the work).
+    FailAfterApplying { status: u16 },
+}
+
+impl Behavior {
+    /// Whether the request is applied (unless its key was applied before, with `dedupe` on).
+    pub fn applies(&self) -> bool {
+        matches!(
+            self,
+            Behavior::Normal
+                | Behavior::Late(_)
+                | Behavior::Drop { applied: true }
+                | Behavior::FailAfterApplying { .. }
+        )
+    }
+
+    /// Whether the client cannot tell from the answer whether it was applied: no answer in
+    /// time, no answer at all, or a 5xx other than 503.
+    pub fn is_ambiguous(&self) -> bool {
+        matches!(
+            self,
+            Behavior::Late(_)
+                | Behavior::Drop { .. }
+                | Behavior::FailAfterApplying { .. }
+                | Behavior::Status { status: 500, .. }
+        )
+    }
+}
+
+/// Misbehaving at random: one request in `one_in` (when nothing is queued) meets one of the
+/// faults real webhook receivers show — an answer after `late` (applied), a connection dropped
+/// after or before applying, a 500 after applying, a 503 with `Retry-After: 1`, a 429 — chosen
+/// by a generator seeded with `seed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Misbehave {
+    pub one_in: u32,
+    pub late: Duration,
+    pub seed: u64,
+}
+
+impl Misbehave {
+    /// The behaviour for the next request, advancing the generator in `state`.
+    fn pick(&self, state: &mut u64) -> Behavior {
+        // xorshift64*: deterministic for a seed, good enough to spread faults.
+        let mut next = || {
+            *state ^= *state >> 12;
+            *state ^= *state << 25;
+            *state ^= *state >> 27;
+            state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        if next() % u64::from(self.one_in.max(1)) != 0 {
+            return Behavior::Normal;
+        }
+        match next() % 6 {
+            0 => Behavior::Late(self.late),
+            1 => Behavior::Drop { applied: true },
+            2 => Behavior::Drop { applied: false },
+            3 => Behavior::FailAfterApplying { status: 500 },
+            4 => Behavior::Status {
+                status: 503,
+                retry_after: Some("1".into()),
+            },
+            _ => Behavior::Status {
+                status: 429,
+                retry_after: None,
+            },
+        }
+    }
 }
 
 /// One request as the server read it.
@@ -62,6 +132,8 @@ struct State {
     /// Keys in the order they were first applied.
     order: Vec<String>,
     next_id: u64,
+    misbehave: Option<Misbehave>,
+    rng: u64,
 }
 
 /// The running server; dropping it stops it.
@@ -171,6 +243,13 @@ impl HttpTarget {
         self.state.lock().unwrap().queue.push_back(b);
     }
 
+    /// Misbehaves at random from now on (`None`: behaves again).
+    pub fn misbehave(&self, m: Option<Misbehave>) {
+        let mut st = self.state.lock().unwrap();
+        st.rng = m.map_or(1, |m| m.seed | 1);
+        st.misbehave = m;
+    }
+
     /// Every request read so far.
     pub fn requests(&self) -> Vec<Request> {
         self.state.lock().unwrap().requests.clone()
@@ -228,13 +307,14 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                     status: 400,
                     retry_after: None,
                 }
+            } else if let Some(b) = st.queue.pop_front() {
+                b
+            } else if let Some(m) = st.misbehave {
+                m.pick(&mut st.rng)
             } else {
-                st.queue.pop_front().unwrap_or(Behavior::Normal)
+                Behavior::Normal
             };
-            let apply = matches!(
-                behavior,
-                Behavior::Normal | Behavior::Late(_) | Behavior::Drop { applied: true }
-            );
+            let apply = behavior.applies();
             let mut answer = None;
             if apply {
                 let seen = st.applied.get(&key).cloned();
@@ -261,6 +341,9 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
         };
         let reply = match (&behavior, answer) {
             (Behavior::Drop { .. }, _) => return,
+            (Behavior::FailAfterApplying { status }, _) => {
+                response(*status, "", &format!("{{\"status\":{status}}}"))
+            }
             (
                 Behavior::Status {
                     status,

@@ -27,8 +27,8 @@ use std::time::{Duration, SystemTime};
 use outbox_core::OutboxEvent;
 use uuid::Uuid;
 
-use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Now, Pending};
 use super::PipelineCore;
+use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Now, Pending};
 
 /// How unclear outcomes are retried, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,19 +158,19 @@ impl PipelineCore {
         *t
     }
 
-    /// An event reconciliation at start left open reached the head of its aggregate: it is
-    /// parked for a look-up instead of being sent. `None` if it was not one of them.
+    /// An event with an attempt open at start reached the head of its aggregate: it is parked
+    /// for a look-up instead of being sent. `None` if it was not one of them.
     pub(super) fn park_open_at_start(&mut self, p: Pending, now: Now) -> Option<Pending> {
-        if !self.open_at_start.remove(&p.ev.event_id) {
+        let Some(due) = self.open_at_start.remove(&p.ev.event_id) else {
             return Some(p);
-        }
+        };
         let tries = self.bump_tries(p.ev.event_id);
         let parked = Parked {
             key: key_of(&p.ev),
             lookup: true,
-            due: now.wall,
+            due: due.max(now.wall),
             running: false,
-            error: "DISPATCH_UNKNOWN attempt still open after reconciliation at start".into(),
+            error: "DISPATCH_UNKNOWN attempt open at start".into(),
             p,
         };
         self.park_or_hold(parked, tries);
@@ -180,7 +180,7 @@ impl PipelineCore {
     /// Whether this run resolves `event_id` itself: parked, or left open at start and waiting
     /// for its replay.
     pub fn holds_unclear(&self, event_id: Uuid) -> bool {
-        self.parked.contains_key(&event_id) || self.open_at_start.contains(&event_id)
+        self.parked.contains_key(&event_id) || self.open_at_start.contains_key(&event_id)
     }
 
     /// Events parked after an unclear outcome (each holds its aggregate).
@@ -270,6 +270,7 @@ impl PipelineCore {
 
     /// Whether an event of `key` is sent and not reported on, or parked.
     pub fn aggregate_busy(&self, key: &AggKey) -> bool {
-        self.parked.values().any(|p| &p.key == key) || self.in_flight.values().any(|f| &f.key == key)
+        self.parked.values().any(|p| &p.key == key)
+            || self.in_flight.values().any(|f| &f.key == key)
     }
 }

@@ -30,13 +30,23 @@ fn an_unclear_outcome_holds_its_aggregate_and_every_other_aggregate_flows() {
     let f = unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
     assert!(f.unknown.is_some());
     assert_eq!(c.parked(), 1);
-    assert_eq!(c.outstanding(), 3, "a/1 parked, a/2 queued behind it, b/1 in flight");
+    assert_eq!(
+        c.outstanding(),
+        3,
+        "a/1 parked, a/2 queued behind it, b/1 in flight"
+    );
     // b flows: its receipt is accepted; the checkpoint stays behind a/1 (same transaction).
-    let next = continued(c.on_report(persisted(token(&cmds[1]), 5), now(1600)).unwrap());
+    let next = continued(
+        c.on_report(persisted(token(&cmds[1]), 5), now(1600))
+            .unwrap(),
+    );
     assert!(next.is_empty(), "a/2 is not sent while a/1 is unclear");
     let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(items.len(), 1);
-    assert_eq!(checkpoint, None, "the checkpoint never passes the unclear event");
+    assert_eq!(
+        checkpoint, None,
+        "the checkpoint never passes the unclear event"
+    );
     // b's next event goes out at once, a's does not.
     let more = admit_txn(&mut c, &[event("b", 2), event("a", 3)], 200);
     assert_eq!(more.len(), 1);
@@ -59,7 +69,10 @@ fn the_look_up_is_due_after_the_backoff_and_settle_and_a_recorded_copy_frees_the
     assert!(c.due_unclear(now(4_999)).is_empty());
     let steps = c.due_unclear(now(5_000));
     assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
-    assert!(c.due_unclear(now(9_000)).is_empty(), "one look-up at a time");
+    assert!(
+        c.due_unclear(now(9_000)).is_empty(),
+        "one look-up at a time"
+    );
     assert_eq!(c.next_unclear_due(), None, "nothing waits while it runs");
     let UnclearStep::Lookup { event } = &steps[0] else {
         unreachable!()
@@ -68,11 +81,17 @@ fn the_look_up_is_due_after_the_backoff_and_settle_and_a_recorded_copy_frees_the
         .lookup_done(event.event_id, LookupOutcome::Recorded, now(5_100))
         .unwrap();
     let Command::Send { event: a2, .. } = &next[0];
-    assert_eq!(a2.aggregate_version, 2, "the aggregate's next event follows");
+    assert_eq!(
+        a2.aggregate_version, 2,
+        "the aggregate's next event follows"
+    );
     assert_eq!(c.parked(), 0);
     // The recorded copy resolved a/1 in the tracker: once a/2's receipt is in, the checkpoint
     // passes the transaction.
-    continued(c.on_report(persisted(token(&next[0]), 9), now(5_200)).unwrap());
+    continued(
+        c.on_report(persisted(token(&next[0]), 9), now(5_200))
+            .unwrap(),
+    );
     let (_, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(checkpoint, Some(Lsn(100)));
 }
@@ -141,7 +160,12 @@ fn unresolved_look_ups_back_off_honour_retry_after_and_past_the_budget_hold_the_
             now(t),
         )
         .unwrap();
-        waits.push(c.next_unclear_due().unwrap().duration_since(now(t).wall).unwrap());
+        waits.push(
+            c.next_unclear_due()
+                .unwrap()
+                .duration_since(now(t).wall)
+                .unwrap(),
+        );
     }
     assert_eq!(
         waits,
@@ -152,7 +176,10 @@ fn unresolved_look_ups_back_off_honour_retry_after_and_past_the_budget_hold_the_
         ],
         "doubling, and never sooner than Retry-After"
     );
-    assert!(c.take_batch(true).unwrap().is_none(), "nothing resolved yet");
+    assert!(
+        c.take_batch(true).unwrap().is_none(),
+        "nothing resolved yet"
+    );
     assert_eq!(c.due_unclear(now(t + 1_600)).len(), 1);
     let sends = c
         .lookup_done(
@@ -180,7 +207,11 @@ fn unresolved_look_ups_back_off_honour_retry_after_and_past_the_budget_hold_the_
         codes,
         ["quarantine:unclear_budget", "hold:unclear_budget", "held:2"]
     );
-    assert_eq!(checkpoint, Some(Lsn(100)), "held durably, the checkpoint moves on");
+    assert_eq!(
+        checkpoint,
+        Some(Lsn(100)),
+        "held durably, the checkpoint moves on"
+    );
 }
 
 #[test]
@@ -199,10 +230,15 @@ fn nothing_is_looked_up_or_resent_without_the_lease_or_while_the_run_ends() {
 fn an_attempt_left_open_at_start_parks_its_event_for_a_look_up_instead_of_sending_it() {
     let mut c = core();
     let ev = event("a", 1);
-    c.open_at_start.insert(ev.event_id);
+    c.open_at_start.insert(ev.event_id, now(3_000).wall);
     let cmds = admit_txn(&mut c, &[ev.clone(), event("a", 2), event("b", 1)], 100);
     assert_eq!(cmds.len(), 1, "only b/1 is sent");
     assert_eq!(c.parked(), 1);
-    let steps = c.due_unclear(now(0));
+    assert!(c.holds_unclear(ev.event_id));
+    assert!(
+        c.due_unclear(now(2_999)).is_empty(),
+        "after its settle time"
+    );
+    let steps = c.due_unclear(now(3_000));
     assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
 }

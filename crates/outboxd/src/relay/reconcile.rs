@@ -1,4 +1,4 @@
-//! Reconciling DISPATCH_UNKNOWN attempts: at start before anything is streamed, and while running.
+//! Reconciling DISPATCH_UNKNOWN attempts: at start (handed to the run), and while running.
 //!
 //! An attempt whose delivery report said "possibly persisted" ended the previous run (or
 //! process). Its producer session is gone now, so nothing more of it can reach the broker after
@@ -23,9 +23,11 @@
 //!
 //! While running, an attempt of this run is resolved without ending it: its event is parked
 //! (`outbox_relay::pipeline::unclear`) and the same look-up and the same recording
-//! ([`record_lookup`]) run when the core says it is due (`Pipeline::on_lookup`). An attempt
-//! that reconciliation at start cannot resolve is handed to that machinery too: the replay
-//! parks its event instead of sending it.
+//! ([`record_lookup`]) run when the core says it is due (`Pipeline::on_lookup`). Every attempt
+//! open at start is handed to that machinery too, with its settle time as its due time: the
+//! replay parks its event instead of sending it, and its look-up runs beside everything else,
+//! so a restart after many unclear sends neither waits for them one by one nor stops on one
+//! that proves nothing.
 //!
 //! While running, the relay also reconciles, at every release poll, the settled UNKNOWN
 //! attempts that *another* generation recorded after this run started: a paused relay (a
@@ -58,20 +60,34 @@ pub(crate) async fn reconcile_unknown(
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
     for a in open {
-        // This run holds the event itself (parked after an unclear outcome, or left open at
-        // start and waiting for its replay): its own look-up resolves it.
-        if when == When::Running && pipeline.core.holds_unclear(a.event_id) {
+        // This run holds the event itself (parked after an unclear outcome, or open at start
+        // and waiting for its replay): its own look-up resolves it.
+        if pipeline.core.holds_unclear(a.event_id) {
             continue;
         }
         let unknown_for = Duration::from_secs_f64(a.unknown_for_s.max(0.0));
+        let settle = match when {
+            // The core's settle time: the Kafka scan's; none where the look-up is itself an
+            // idempotent resend (JetStream's Msg-Id, HTTP's key).
+            When::Start => pipeline.core.unclear_policy.settle,
+            When::Running => cfg.unknown_settle,
+        };
         match unknown::step(
             when,
             fence.generation,
             a.relay_generation,
             unknown_for,
-            cfg.unknown_settle,
+            settle,
         ) {
             Step::Skip => continue,
+            // At start nothing is looked up in line: the replay parks the event when it reaches
+            // it, and the look-up runs at `wait` from now beside everything else (a restart
+            // with many open attempts does not wait for them one by one).
+            Step::WaitThenLookup(wait) if when == When::Start => {
+                let due = std::time::SystemTime::now() + wait;
+                pipeline.core.open_at_start.insert(a.event_id, due);
+                continue;
+            }
             Step::WaitThenLookup(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
             Step::WaitThenLookup(_) => {}
         }
@@ -98,17 +114,12 @@ pub(crate) async fn reconcile_unknown(
         let resolved = match lookup {
             Ok(l) => record_lookup(&cfg.slot, pipeline, fence, &a, &ev, l, started).await?,
             Err(e) => {
-                // Nothing proven. At start the replay parks the event and keeps looking it up
-                // while the run goes on (an unclear answer never stops the relay); while
-                // running, the next poll asks again.
+                // Nothing proven: the next poll asks again.
                 tracing::warn!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, error = %e,
-                    "DISPATCH_UNKNOWN look-up failed; asking again while the relay runs");
+                    "DISPATCH_UNKNOWN look-up failed; asking again at the next poll");
                 Resolved::StillUnknown
             }
         };
-        if when == When::Start && resolved == Resolved::StillUnknown {
-            pipeline.core.open_at_start.insert(a.event_id);
-        }
         pipeline.core.unknown_resolved(a.event_id, &resolved);
     }
     Ok(())
@@ -134,7 +145,11 @@ pub(crate) struct LookupQuery {
 }
 
 impl LookupQuery {
-    pub(crate) fn of<'a>(&self, ev: &'a OutboxEvent, a: &'a attempts::UnknownAttempt) -> UnknownLookup<'a> {
+    pub(crate) fn of<'a>(
+        &self,
+        ev: &'a OutboxEvent,
+        a: &'a attempts::UnknownAttempt,
+    ) -> UnknownLookup<'a> {
         UnknownLookup {
             event: ev,
             topic: &a.topic,
@@ -262,8 +277,14 @@ pub(crate) async fn record_lookup(
                 Some(fence),
             )
             .await?;
-            attempts::resolve(&pipeline.client, a.id, Some(offset), scanned_from, scanned_to)
-                .await?;
+            attempts::resolve(
+                &pipeline.client,
+                a.id,
+                Some(offset),
+                scanned_from,
+                scanned_to,
+            )
+            .await?;
             tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
                 unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
         }
