@@ -204,6 +204,10 @@ pub struct PipelineCore {
     pub open_at_start: HashMap<Uuid, SystemTime>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
+    /// Poll mode only (`Some`): the aggregates parked since the driver last cleared it. A
+    /// round skips them: one resolved after the round's read began has rows that read as
+    /// pending but are published.
+    pub unclear_touched: Option<HashSet<AggKey>>,
     /// The transaction being decoded ([`crate::stream`]).
     pub(crate) txn: Option<crate::stream::OpenTxn>,
     /// The highest WAL position received from the slot (the standby status's `write`).
@@ -255,6 +259,7 @@ impl PipelineCore {
             unclear_tries: HashMap::new(),
             open_at_start: HashMap::new(),
             unclear_policy: unclear::Policy::default(),
+            unclear_touched: None,
             txn: None,
             last_received: Lsn::ZERO,
             durable: Lsn::ZERO,

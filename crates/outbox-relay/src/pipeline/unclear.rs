@@ -37,9 +37,9 @@ pub struct Policy {
     pub first: Duration,
     /// The longest wait between two tries.
     pub max: Duration,
-    /// Before the first look-up of a possibly persisted attempt, counted from its send: the
-    /// time in which its request may still reach the broker (Kafka: zero makes a scan that
-    /// found nothing prove little). Zero where the look-up is itself an idempotent resend.
+    /// Before the first look-up of a possibly persisted attempt, counted from its report: the
+    /// time in which its request may still reach the broker while the producer session lives
+    /// (Kafka: zero makes a scan that found nothing prove little). Zero where the look-up is itself an idempotent resend.
     pub settle: Duration,
     /// Tries (sends and look-ups that ended unclear) before the aggregate is held.
     pub budget: u32,
@@ -109,13 +109,19 @@ impl PipelineCore {
     pub(super) fn park(&mut self, f: InFlight, failure: &DeliveryFailure, now: Now) {
         let id = f.ev.event_id;
         let tries = self.bump_tries(id);
-        let mut due = now.wall + self.unclear_policy.backoff(tries);
+        // A possibly persisted Kafka request may still land for a while after its report (the
+        // producer session is alive): the scan waits the settle time from the report.
+        let mut wait = self.unclear_policy.backoff(tries);
         if failure.unknown.is_some() {
-            due = due.max(f.sent_at + self.unclear_policy.settle);
+            wait = wait.max(self.unclear_policy.settle);
         }
+        let due = now.wall + wait;
         tracing::warn!(event_id = %id, aggregate = %format!("{}/{}", f.key.0, f.key.1),
             attempt = f.attempt, tries, persistence = ?failure.persistence, error = %failure.error,
             "unclear outcome: only this aggregate waits");
+        if let Some(t) = self.unclear_touched.as_mut() {
+            t.insert(f.key.clone());
+        }
         let parked = Parked {
             key: f.key,
             lookup: failure.unknown.is_some(),
@@ -165,6 +171,9 @@ impl PipelineCore {
             return Some(p);
         };
         let tries = self.bump_tries(p.ev.event_id);
+        if let Some(t) = self.unclear_touched.as_mut() {
+            t.insert(key_of(&p.ev));
+        }
         let parked = Parked {
             key: key_of(&p.ev),
             lookup: true,

@@ -60,14 +60,14 @@ fn the_look_up_is_due_after_the_backoff_and_settle_and_a_recorded_copy_frees_the
     c.unclear_policy.settle = Duration::from_millis(5_000);
     let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2)], 100);
     unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
-    // Sent at 0 ms, failed at 1500 ms: the settle (5 s from the send) outlasts the backoff.
+    // Reported at 1500 ms: the settle (5 s from the report) outlasts the backoff.
     assert_eq!(
         c.next_unclear_due(),
-        Some(now(5_000).wall),
+        Some(now(6_500).wall),
         "first look-up after the settle time"
     );
-    assert!(c.due_unclear(now(4_999)).is_empty());
-    let steps = c.due_unclear(now(5_000));
+    assert!(c.due_unclear(now(6_499)).is_empty());
+    let steps = c.due_unclear(now(6_500));
     assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
     assert!(
         c.due_unclear(now(9_000)).is_empty(),

@@ -54,6 +54,7 @@ pub(super) async fn run_once(
     // As the relay must publish them now: with their latest destination migration.
     let current_rows = "outbox.events_current";
     let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
+    pipeline.core.unclear_touched = Some(Default::default());
     reconcile_at_start(cfg, &sql, &mut pipeline, fence, current_rows).await?;
     let _fold = spawn_head_fold(connect_sql(url).await?, HEADS_FOLD_INTERVAL);
     // Not prepared: planned at every round with the statistics of the moment (receipts and
@@ -153,6 +154,13 @@ async fn round(
         }
     };
     let started = Instant::now();
+    // What was sent since the last round (an unclear event resolved and the one behind it,
+    // between rounds) is reported and its receipt accepted before the read: the read must not
+    // take it for pending. And an aggregate resolved after the read began is skipped.
+    pipeline.drain_all(cfg.batch_size, progress, true).await?;
+    if let Some(t) = pipeline.core.unclear_touched.as_mut() {
+        t.clear();
+    }
     // Positions over the receipted prefix before reading what lies above them: of every
     // aggregate at times, else of those the last round published (receipts accepted elsewhere
     // — reconciliation, a paused relay's salvage, releases — wait for the next full pass; a
@@ -204,7 +212,12 @@ async fn round(
                 // hold the aggregate behind a published event (found by outbox-sim).
                 let key = (ev.aggregate_type.clone(), ev.aggregate_id.clone());
                 if last_aggregate.as_ref() != Some(&key) {
-                    skipping = pipeline.core.aggregate_in_flight(&key);
+                    skipping = pipeline.core.aggregate_in_flight(&key)
+                        || pipeline
+                            .core
+                            .unclear_touched
+                            .as_ref()
+                            .is_some_and(|t| t.contains(&key));
                 }
                 if skipping {
                     last_aggregate = Some(key);
