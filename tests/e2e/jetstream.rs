@@ -582,3 +582,78 @@ async fn outside_the_duplicate_window_an_unknown_attempt_is_resolved_by_a_subjec
         assert_eq!(copies, 1, "one copy of {id}");
     }
 }
+
+/// An unclear answer holds its aggregates, never the relay (issue 25): the server stalls
+/// (SIGSTOP) longer than the ACK timeout while events flow, so sends end without a PubAck; each
+/// such event is parked and resolved by the Msg-Id re-publish while the relay runs; the relay
+/// is SIGKILLed once on the way. No run of either relay ends for an unclear answer, every event
+/// is stored once, every receipt is the stream's copy, and every subject is in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_server_holds_the_unclear_events_while_the_run_goes_on_and_stores_each_once() {
+    let js = Js::new("js_unclear").await;
+    let args = ["--message-timeout-ms", "1000", "--unknown-settle-ms", "300"];
+    let mut relay = js.relay(&[], &args);
+    js.env.wait_streaming().await;
+    js.enqueue_round_robin(8, 3).await;
+    js.env
+        .wait_count(
+            "the first 24 receipts",
+            "SELECT count(*) FROM outbox.receipts",
+            24,
+        )
+        .await;
+    js.nats.pause();
+    js.enqueue_round_robin(8, 2).await;
+    js.env
+        .wait_count(
+            "sends without a PubAck recorded as DISPATCH_UNKNOWN",
+            "SELECT count(*) FROM outbox.attempts",
+            4,
+        )
+        .await;
+    js.nats.resume();
+    js.enqueue_round_robin(8, 2).await;
+    js.env
+        .wait_count(
+            "the stalled events accepted",
+            "SELECT count(*) FROM outbox.receipts",
+            56,
+        )
+        .await;
+    let first_log = relay.log_text();
+    js.enqueue_round_robin(8, 1).await;
+    relay.kill9();
+    let mut relay = js.relay(&[], &args);
+    js.enqueue_round_robin(8, 1).await;
+    js.env
+        .wait_count(
+            "every event accepted",
+            "SELECT count(*) FROM outbox.receipts",
+            72,
+        )
+        .await;
+    js.env
+        .wait_zero(
+            "every DISPATCH_UNKNOWN attempt resolved",
+            "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+        )
+        .await;
+    relay.assert_running();
+    assert_eq!(js.invariants().await, Invariants::default());
+    assert_eq!(js.stream().await.len(), 72, "one copy per event");
+    for log in [&first_log, &relay.log_text()] {
+        assert_eq!(
+            log.matches("relay interrupted").count(),
+            0,
+            "a run ended:\n{log}"
+        );
+    }
+    assert!(first_log.contains("unclear outcome: only this aggregate waits"));
+    println!(
+        "stalled server: {} DISPATCH_UNKNOWN attempts, all resolved while the relay ran; {} duplicate receipts",
+        js.env.count("SELECT count(*) FROM outbox.attempts").await,
+        js.env
+            .count("SELECT count(*) FROM outbox.duplicate_receipts")
+            .await
+    );
+}

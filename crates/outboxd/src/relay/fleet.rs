@@ -27,6 +27,10 @@ use crate::config::RelayConfig;
 /// How often a member writes its row and balances.
 const TICK: Duration = Duration::from_millis(500);
 
+/// How long a stopped shard relay may take to drain, confirm and release its lease before it
+/// is aborted (its lease then expires on its own; nothing it had not accepted is confirmed).
+const STOP_GRACE: Duration = Duration::from_secs(15);
+
 /// A shard relay this member started.
 struct Task {
     stop: watch::Sender<bool>,
@@ -73,6 +77,10 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     tracing::info!(relay_id = %me, shards = count, "fleet member: sharing {count} shards");
     let shard_slots: Vec<String> = Shard::all(count).map(|s| s.name(&base_slot)).collect();
     let mut tasks: BTreeMap<u16, Task> = BTreeMap::new();
+    // Shard relays told to stop, with the deadline after which they are aborted. The member's
+    // loop (and its heartbeat) never waits for one: a stop that hangs must not make the others
+    // take this member for dead.
+    let mut stopping: Vec<(u16, Task, Instant)> = Vec::new();
     let db = |what: &'static str| {
         move |e: tokio_postgres::Error| RelayError::Internal(format!("{what}: {e}"))
     };
@@ -127,6 +135,22 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                 t.progress.metrics.retire();
             }
         }
+        stopping.retain(|(i, t, deadline)| {
+            if t.handle.is_finished() {
+                t.progress.metrics.retire();
+                return false;
+            }
+            if Instant::now() >= *deadline {
+                tracing::warn!(
+                    shard = i,
+                    "a stopped shard relay did not end in time; aborting it"
+                );
+                t.handle.abort();
+                t.progress.metrics.retire();
+                return false;
+            }
+            true
+        });
         let running: BTreeMap<u16, Duration> = tasks
             .iter()
             .map(|(i, t)| (*i, t.started.elapsed()))
@@ -151,8 +175,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                     }
                     if let Some(t) = tasks.remove(&i) {
                         let _ = t.stop.send(true);
-                        let _ = t.handle.await;
-                        t.progress.metrics.retire();
+                        stopping.push((i, t, Instant::now() + STOP_GRACE));
                     }
                 }
                 Step::Take(i) => {
@@ -185,8 +208,18 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     for t in tasks.values() {
         let _ = t.stop.send(true);
     }
-    for (_, t) in tasks {
-        let _ = t.handle.await;
+    let deadline = tokio::time::Instant::now() + STOP_GRACE;
+    for t in tasks
+        .into_values()
+        .chain(stopping.into_iter().map(|(_, t, _)| t))
+    {
+        let mut handle = t.handle;
+        if tokio::time::timeout_at(deadline, &mut handle)
+            .await
+            .is_err()
+        {
+            handle.abort();
+        }
         t.progress.metrics.retire();
     }
     let _ = client

@@ -153,6 +153,11 @@ pub async fn run(
     // Whether an ended run reconnects or stops the process: `outbox_relay::lifecycle`.
     let mut restarts = Restarts::new(Duration::from_millis(100), crate::config::MAX_BACKOFF);
     loop {
+        // A stop asked while the last run was ending (its `changed()` consumed by that run) is
+        // honoured here, not missed by a standby that waits for the next change.
+        if *shutdown.borrow() {
+            return Ok(());
+        }
         let began = Instant::now();
         progress.streaming.store(false, Ordering::Relaxed);
         let outcome = match acquire_lease(&cfg, &mut shutdown).await {
@@ -188,6 +193,9 @@ pub async fn run(
                 progress.reconnects.fetch_add(1, Ordering::Relaxed);
                 progress.metrics.reconnect();
                 tracing::warn!(error = %e, retry_in_ms = after.as_millis() as u64, "relay interrupted; replaying from the last checkpoint");
+                if *shutdown.borrow() {
+                    return Err(e);
+                }
                 tokio::select! {
                     _ = tokio::time::sleep(after) => {}
                     _ = shutdown.changed() => return Ok(()),
@@ -219,6 +227,9 @@ async fn acquire_lease(
     let client = connect_sql(cfg.database_url.expose()).await?;
     let mut announced = false;
     loop {
+        if *shutdown.borrow() {
+            return Ok(None);
+        }
         let asked = Instant::now();
         let locked = lease::try_lock(&client, &cfg.slot).await?;
         match lease::try_acquire(&client, &cfg.slot, &cfg.relay_id, cfg.lease_ttl, locked).await? {
