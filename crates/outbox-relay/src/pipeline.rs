@@ -592,10 +592,17 @@ impl PipelineCore {
         })
     }
 
-    /// The sink did not take the message of `token`. With a permanent reason (too large, an
-    /// invalid topic) the event is quarantined and its aggregate held; without one it stays
-    /// unresolved (the driver ends the run and replays).
-    pub fn send_refused(&mut self, token: u64, permanent: Option<String>) -> Result<(), CoreError> {
+    /// The sink did not take the message of `token` (`why`). With a permanent reason (too
+    /// large, an invalid topic) the event is quarantined and its aggregate held; otherwise
+    /// nothing was handed over: the event is parked, to be sent again after the backoff, and
+    /// only its aggregate waits.
+    pub fn send_refused(
+        &mut self,
+        token: u64,
+        permanent: Option<String>,
+        why: &str,
+        now: Now,
+    ) -> Result<(), CoreError> {
         let f = self
             .in_flight
             .remove(&token)
@@ -609,11 +616,19 @@ impl PipelineCore {
                 format!("the producer refused the message permanently: {why}"),
             );
             self.gate.done(&f.key);
+            return Ok(());
         }
+        let failure = DeliveryFailure {
+            event_id: f.ev.event_id,
+            error: format!("the producer did not take it: {why}"),
+            persistence: Persistence::NotPersisted,
+            unknown: None,
+        };
+        self.park(f, &failure, now);
         Ok(())
     }
 
-    /// One delivery report: a receipt, a quarantine, or the end of the run.
+    /// One delivery report: a receipt, a quarantine, or an unclear outcome that parks the event.
     pub fn on_report(&mut self, d: Delivery, now: Now) -> Result<Reported, CoreError> {
         let f = self
             .in_flight

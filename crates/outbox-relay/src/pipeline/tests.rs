@@ -129,19 +129,34 @@ fn a_permanent_rejection_quarantines_the_event_and_holds_what_waits_behind_it() 
 fn a_refusal_by_the_producer_quarantines_only_when_permanent() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 10);
-    c.send_refused(token(&cmds[0]), Some("too large".into()))
+    c.send_refused(
+        token(&cmds[0]),
+        Some("too large".into()),
+        "too large",
+        now(1),
+    )
+    .unwrap();
+    c.send_refused(token(&cmds[1]), None, "queue full", now(1))
         .unwrap();
-    c.send_refused(token(&cmds[1]), None).unwrap();
     assert_eq!(c.in_flight(), 0);
+    assert_eq!(c.parked(), 1, "b/1 waits to be sent again");
     assert_eq!(c.in_flight_bytes(), 0);
     let (items, checkpoint) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(
         codes(&items),
         ["quarantine:broker_rejected", "hold:broker_rejected"]
     );
-    assert_eq!(checkpoint, None, "b/1 was not resolved: the run replays it");
+    assert_eq!(checkpoint, None, "b/1 is not resolved");
+    let steps = c.due_unclear(now(201));
+    assert!(
+        matches!(
+            steps.as_slice(),
+            [UnclearStep::Send(Command::Send { attempt: 1, .. })]
+        ),
+        "{steps:?}"
+    );
     assert!(matches!(
-        c.send_refused(99, None),
+        c.send_refused(99, None, "?", now(2)),
         Err(CoreError::UnknownToken(99))
     ));
 }

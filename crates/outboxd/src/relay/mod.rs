@@ -658,6 +658,16 @@ async fn open_pipeline(
     lease_state: &Arc<LeaseState>,
 ) -> Result<Pipeline, RelayError> {
     let (sink, reports) = open_sink(cfg).await?;
+    // A Kafka scan proves absence only once the attempt's request can no longer land; a
+    // JetStream or HTTP look-up is itself an idempotent resend and needs no settle time.
+    let policy = outbox_relay::UnclearPolicy {
+        settle: match sink {
+            AnySink::Kafka(_) => cfg.unknown_settle,
+            _ => Duration::ZERO,
+        },
+        budget: cfg.unclear_budget,
+        ..Default::default()
+    };
     let heads = holds::load_heads(sql).await?;
     let held = holds::load_held(sql).await?;
     if !held.is_empty() {
@@ -674,8 +684,8 @@ async fn open_pipeline(
         fence.clone(),
         lease_state.clone(),
         outbox_relay::PipelineCore::gate_from(heads, held),
-        (cfg.unknown_settle, cfg.unclear_budget),
     );
+    pipeline.core.unclear_policy = policy;
     pipeline.shard_filter = cfg.shard.map(|s| s.filter_sql("aggregate_id"));
     Ok(pipeline)
 }

@@ -122,18 +122,10 @@ impl Pipeline {
         fence: Fence,
         lease: std::sync::Arc<super::LeaseState>,
         gate: outbox_core::OrderingGate<AggKey, Pending>,
-        (unknown_settle, unclear_budget): (Duration, u32),
     ) -> Self {
         let (lookups_tx, lookups) = mpsc::unbounded_channel();
-        let mut core = PipelineCore::new(sink.served(), fence.generation, gate);
-        // A Kafka scan proves absence only once the attempt's request can no longer land; a
-        // JetStream or HTTP look-up is itself an idempotent resend and needs no settle time.
-        if let AnySink::Kafka(_) = sink {
-            core.unclear_policy.settle = unknown_settle;
-        }
-        core.unclear_policy.budget = unclear_budget;
         Pipeline {
-            core,
+            core: PipelineCore::new(sink.served(), fence.generation, gate),
             sink: Arc::new(sink),
             reports,
             lookups,
@@ -231,8 +223,8 @@ impl Pipeline {
         self.note_batch();
     }
 
-    /// Hands each event to the producer. A permanent refusal goes back to the core (which
-    /// quarantines the event); any other refusal ends the run.
+    /// Hands each event to the producer. A refusal goes back to the core, which quarantines
+    /// the event (permanent) or parks it to send it again (only its aggregate waits).
     async fn execute(&mut self, commands: Vec<Command>) -> Result<(), RelayError> {
         for c in commands {
             let Command::Send {
@@ -246,13 +238,10 @@ impl Pipeline {
                     tracing::trace!(event_id = %event.event_id, attempt, "handed to the producer");
                 }
                 Err(e) => {
-                    let permanent = e.permanent_refusal();
-                    let transient = permanent.is_none();
-                    self.core.send_refused(token, permanent)?;
+                    let now = self.now();
+                    self.core
+                        .send_refused(token, e.permanent_refusal(), &e.to_string(), now)?;
                     self.note_batch();
-                    if transient {
-                        return Err(e.into());
-                    }
                 }
             }
         }
@@ -400,7 +389,7 @@ impl Pipeline {
     ) -> Result<Option<u64>, RelayError> {
         enum Got {
             Report(Option<Delivery>),
-            Lookup(LookupDone),
+            Lookup(Box<LookupDone>),
             Due,
             Until,
         }
@@ -412,7 +401,7 @@ impl Pipeline {
         };
         let got = tokio::select! {
             d = self.reports.recv() => Got::Report(d),
-            done = lookup_finished(&mut self.lookups) => Got::Lookup(done),
+            done = lookup_finished(&mut self.lookups) => Got::Lookup(Box::new(done)),
             _ = unclear_due(&self.core) => Got::Due,
             _ = deadline => Got::Until,
         };
@@ -423,7 +412,7 @@ impl Pipeline {
                 Ok(Some(token))
             }
             Got::Report(None) => Err(RelayError::Internal("delivery channel closed".into())),
-            Got::Lookup(done) => self.on_lookup(done).await.map(|()| None),
+            Got::Lookup(done) => self.on_lookup(*done).await.map(|()| None),
             Got::Due => self.run_due_unclear().await.map(|()| None),
             Got::Until => Ok(None),
         }
