@@ -162,6 +162,12 @@ impl TestEnv {
     }
 
     /// Waits until `sql` (a count) is 0.
+    /// Waits until at least `n` events have their primary receipt.
+    pub async fn wait_receipts(&self, what: &str, n: usize) {
+        self.wait_count(what, "SELECT count(*) FROM outbox.receipts", n as i64)
+            .await
+    }
+
     pub async fn wait_zero(&self, what: &str, sql: &str) {
         wait_for(what, LONG, || async {
             match self.count(sql).await {

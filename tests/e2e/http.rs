@@ -12,20 +12,14 @@ use crate::harness::TestEnv;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_one_is_held() {
-    let env = TestEnv::new("http_sink").await;
-    let target = HttpTarget::start(TargetSettings {
-        poison: Some("poison".into()),
-        ..TargetSettings::default()
-    })
-    .await
-    .expect("start the HTTP endpoint");
-    env.db
-        .query_one(
-            "SELECT outbox.set_http_route($1, NULL, 'billing-api', $2)",
-            &[&env.aggregate_type, &target.url("/hooks/{aggregate_type}")],
-        )
-        .await
-        .expect("route the test's events to the endpoint");
+    let (env, target) = endpoint_env(
+        "http_sink",
+        TargetSettings {
+            poison: Some("poison".into()),
+            ..TargetSettings::default()
+        },
+    )
+    .await;
     // What the first requests meet, in order (a retry of an UNKNOWN send is a request too).
     for b in [
         Behavior::Late(Duration::from_millis(1_200)),
@@ -266,4 +260,21 @@ pub(crate) async fn check_endpoint(
             "{agg}: out of order"
         );
     }
+}
+
+/// A test environment whose aggregate type is routed to a new endpoint `billing-api` at
+/// `/hooks/{aggregate_type}` of a test HTTP server started with `settings`.
+pub(crate) async fn endpoint_env(name: &str, settings: TargetSettings) -> (TestEnv, HttpTarget) {
+    let env = TestEnv::new(name).await;
+    let target = HttpTarget::start(settings)
+        .await
+        .expect("start the HTTP endpoint");
+    env.db
+        .query_one(
+            "SELECT outbox.set_http_route($1, NULL, 'billing-api', $2)",
+            &[&env.aggregate_type, &target.url("/hooks/{aggregate_type}")],
+        )
+        .await
+        .expect("route the test's events to the endpoint");
+    (env, target)
 }

@@ -3,7 +3,8 @@
 //! A real HTTP endpoint that misbehaves on about one request in three, the way webhook
 //! receivers do (answers after the client's timeout, connections dropped before or after the
 //! request was applied, 500 after applying, 503 with `Retry-After`, 429), with the relay
-//! SIGKILLed once on the way. The endpoint keeps idempotency keys, as such receivers do; what
+//! SIGKILLed once on the way; a backlog meets the faults before the first start (the initial
+//! snapshot). The endpoint keeps idempotency keys, as such receivers do; what
 //! it *applied* is counted per key, and every request is recorded with what it met, so a relay
 //! that sends again what was already answered cleanly is seen even where the key saves the
 //! effect.
@@ -16,11 +17,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use outbox_testkit::http_target::{Behavior, HttpTarget, Misbehave, TargetSettings};
+use outbox_testkit::http_target::{Behavior, Misbehave, TargetSettings};
 use serde_json::json;
 
 use crate::harness::TestEnv;
-use crate::http::check_endpoint;
+use crate::http::{check_endpoint, endpoint_env};
 
 /// Aggregates and versions of the faulty phase.
 const AGGREGATES: usize = 40;
@@ -29,17 +30,7 @@ const VERSIONS: i64 = 8;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a_time_never_the_relay(
 ) {
-    let env = TestEnv::new("unclear_http").await;
-    let target = HttpTarget::start(TargetSettings::default())
-        .await
-        .expect("start the HTTP endpoint");
-    env.db
-        .query_one(
-            "SELECT outbox.set_http_route($1, NULL, 'billing-api', $2)",
-            &[&env.aggregate_type, &target.url("/hooks/{aggregate_type}")],
-        )
-        .await
-        .expect("route the test's events to the endpoint");
+    let (env, target) = endpoint_env("unclear_http", TargetSettings::default()).await;
     let config = env.dir.path().join("outboxd.toml");
     // A late answer comes after the client's timeout; a clean one well before it.
     std::fs::write(
@@ -54,37 +45,43 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
         "--message-timeout-ms",
         "3000",
     ];
-    let mut relay = env.relay(&[], &args);
-    env.wait_streaming().await;
-
-    // Fault-free first: the drain time to compare with.
-    let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
-    let started = Instant::now();
-    enqueue_versions(&env, &mut committed, "clean", 10, 1..=10).await;
-    env.wait_count(
-        "every fault-free event accepted",
-        "SELECT count(*) FROM outbox.receipts",
-        committed.len() as i64,
-    )
-    .await;
-    let clean = (committed.len(), started.elapsed());
-
-    // Then one request in three misbehaves, and the relay is killed half-way.
-    target.misbehave(Some(Misbehave {
+    let misbehave = Misbehave {
         one_in: 3,
         late: Duration::from_millis(1_500),
         seed: std::env::var("OUTBOXD_TEST_SEED")
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(25),
-    }));
+    };
+    // A backlog before the first start (the initial snapshot in CDC mode, the first rounds in
+    // poll mode) meets the faults too: the relay must neither exit nor stop streaming.
+    let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+    target.misbehave(Some(misbehave));
+    enqueue_versions(&env, &mut committed, "backlog", 10, 1..=5).await;
+    let mut relay = env.relay(&[], &args);
+    env.wait_streaming().await;
+    env.wait_receipts("the backlog accepted", committed.len())
+        .await;
+    relay.assert_running();
+    target.misbehave(None);
+
+    // Fault-free: the drain time to compare with.
+    let before = committed.len();
+    let started = Instant::now();
+    enqueue_versions(&env, &mut committed, "clean", 10, 1..=10).await;
+    env.wait_receipts("every fault-free event accepted", committed.len())
+        .await;
+    let clean = (committed.len() - before, started.elapsed());
+    let backlog_log = relay.log_text();
+
+    // Then one request in three misbehaves, and the relay is killed half-way.
+    target.misbehave(Some(misbehave));
     let before = committed.len();
     let started = Instant::now();
     enqueue_versions(&env, &mut committed, "agg", AGGREGATES, 1..=VERSIONS / 2).await;
-    env.wait_count(
+    env.wait_receipts(
         "some faulty-phase events accepted before the kill",
-        "SELECT count(*) FROM outbox.receipts",
-        (before + AGGREGATES) as i64,
+        before + AGGREGATES,
     )
     .await;
     relay.kill9();
@@ -98,10 +95,9 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
         VERSIONS / 2 + 1..=VERSIONS,
     )
     .await;
-    env.wait_count(
+    env.wait_receipts(
         "every event accepted despite the misbehaving endpoint",
-        "SELECT count(*) FROM outbox.receipts",
-        committed.len() as i64,
+        committed.len(),
     )
     .await;
     let faulty = (committed.len() - before, started.elapsed());
@@ -132,14 +128,17 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
         ambiguous >= 20 && not_now >= 10,
         "too few faults met traffic: {ambiguous} ambiguous, {not_now} 503/429"
     );
-    // No run of the restarted relay ended for an unclear answer: each held one aggregate.
+    // No run of either relay ended for an unclear answer (the first one's backlog included):
+    // each held one aggregate.
     let log = relay.log_text();
-    assert_eq!(
-        log.matches("relay interrupted").count(),
-        0,
-        "a run ended:\n{log}"
-    );
-    assert!(log.contains("unclear outcome: only this aggregate waits"));
+    for l in [&backlog_log, &log] {
+        assert_eq!(
+            l.matches("relay interrupted").count(),
+            0,
+            "a run ended:\n{l}"
+        );
+        assert!(l.contains("unclear outcome: only this aggregate waits"));
+    }
     // Nothing answered cleanly after the restart was sent again: only what was unclear (or
     // asked to wait) was.
     let mut by_key: BTreeMap<&str, Vec<&outbox_testkit::http_target::Request>> = BTreeMap::new();
@@ -252,12 +251,8 @@ async fn a_stalled_partition_leader_holds_only_its_aggregates_and_the_others_flo
     const AGGS: usize = 24;
     let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
     enqueue_versions(&env, &mut committed, "k", AGGS, 1..=1).await;
-    env.wait_count(
-        "the first round published",
-        "SELECT count(*) FROM outbox.receipts",
-        1 + AGGS as i64,
-    )
-    .await;
+    env.wait_receipts("the first round published", 1 + AGGS)
+        .await;
     let partition_of: HashMap<String, i32> = env
         .db
         .query(
@@ -303,12 +298,8 @@ async fn a_stalled_partition_leader_holds_only_its_aggregates_and_the_others_flo
         ))
         .await;
     c.resume(leader);
-    env.wait_count(
-        "every event published",
-        "SELECT count(*) FROM outbox.receipts",
-        1 + committed.len() as i64,
-    )
-    .await;
+    env.wait_receipts("every event published", 1 + committed.len())
+        .await;
     env.wait_zero(
         "every DISPATCH_UNKNOWN attempt resolved",
         "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",

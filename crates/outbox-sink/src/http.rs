@@ -527,10 +527,6 @@ impl Sink for HttpSink {
         self.config.deadline
     }
 
-    fn cheap_lookup(&self) -> bool {
-        true
-    }
-
     async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
         let proof = self
             .config

@@ -210,14 +210,6 @@ pub trait Sink {
     /// reported as failed (possibly persisted).
     fn ack_timeout(&self) -> Duration;
 
-    /// Whether resolving an UNKNOWN attempt costs no more than a send (HTTP: the retry with the
-    /// same key). Then a run that ends records the UNKNOWN of every send still outstanding;
-    /// where a look-up is a partition scan (Kafka, seconds each), it records the first and the
-    /// rest are replayed, which a log target absorbs (one more copy, recorded as a duplicate).
-    fn cheap_lookup(&self) -> bool {
-        false
-    }
-
     /// Resolves an UNKNOWN attempt. Found and Absent are proofs; anything short of a proof is
     /// an error (the attempt stays UNKNOWN).
     fn lookup(
@@ -249,14 +241,6 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.send(ev, token).await,
             AnySink::JetStream(s) => s.send(ev, token).await,
             AnySink::Http(s) => s.send(ev, token).await,
-        }
-    }
-
-    fn cheap_lookup(&self) -> bool {
-        match self {
-            AnySink::Kafka(s) => s.cheap_lookup(),
-            AnySink::JetStream(s) => s.cheap_lookup(),
-            AnySink::Http(s) => s.cheap_lookup(),
         }
     }
 

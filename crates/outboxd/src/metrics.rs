@@ -496,6 +496,7 @@ mod tests {
         "outboxd_events_accepted_total",
         "outboxd_commit_to_receipt_seconds",
         "outboxd_in_flight_events",
+        "outboxd_unclear_events",
         "outboxd_unknown_attempts",
         "outboxd_oldest_unknown_age_seconds",
         "outboxd_quarantined_events",
@@ -515,7 +516,7 @@ mod tests {
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .map(|l| l.split(' ').next().unwrap())
             .collect();
-        assert_eq!(families.len(), 23, "{text}");
+        assert_eq!(families.len(), 24, "{text}");
         assert!(families.iter().all(|f| f.starts_with("outboxd_")));
         // The families the operations guide promises (docs/operations.md).
         for f in REQUIRED_FAMILIES {
