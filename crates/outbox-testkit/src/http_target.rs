@@ -8,6 +8,7 @@
 //! * apply, then answer late (after the client's timeout);
 //! * read the request and drop the connection, applied or not;
 //! * answer a status (429, 503, 500, ...) with an optional `Retry-After`, without applying;
+//! * answer a redirect (307, ...) to another URL, without applying;
 //! * refuse one poison payload with 400, always;
 //! * serve HTTPS with a given certificate ([`TargetSettings::tls`]).
 //!
@@ -39,6 +40,8 @@ pub enum Behavior {
         status: u16,
         retry_after: Option<String>,
     },
+    /// Answer a redirect (`status`, e.g. 307) to `location` without applying.
+    Redirect { status: u16, location: String },
 }
 
 /// One request as the server read it.
@@ -274,6 +277,9 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                     .unwrap_or_default();
                 response(*status, &extra, &format!("{{\"status\":{status}}}"))
             }
+            (Behavior::Redirect { status, location }, _) => {
+                response(*status, &format!("Location: {location}\r\n"), "{}")
+            }
             (_, Some((status, id))) => response(
                 status,
                 &format!("X-Response-Id: {id}\r\n"),
@@ -294,6 +300,10 @@ fn response(status: u16, extra_headers: &str, body: &str) -> String {
     let reason = match status {
         200 => "OK",
         201 => "Created",
+        301 => "Moved Permanently",
+        302 => "Found",
+        307 => "Temporary Redirect",
+        308 => "Permanent Redirect",
         400 => "Bad Request",
         408 => "Request Timeout",
         429 => "Too Many Requests",
