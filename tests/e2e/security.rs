@@ -712,3 +712,33 @@ async fn limited_roles_cannot_forge_events_receipts_holds_or_versions_through_fu
         1
     );
 }
+
+/// Issue 33, finding 5: `outboxd check --database-url 'postgres://qq:Leak?Me99@...'` printed
+/// the password (the redaction split at the `?` before finding the `@`). Passwords holding
+/// each URL delimiter, against a closed port: every command that prints the URL keeps them
+/// out, and still says where it could not connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_holding_url_delimiters_never_print() {
+    if crate::harness::runs_once_in_e2e("security::passwords_holding_url_delimiters_never_print") {
+        return;
+    }
+    for password in [
+        "Leak?Me99",
+        "Leak#Me99",
+        "Leak/Me99",
+        "Le@kMe99",
+        "Leak%3FMe99",
+    ] {
+        let url = format!("postgres://qq:{password}@127.0.0.1:1/app?sslmode=disable");
+        for cmd in ["check", "status", "migrate"] {
+            let (ok, out) = outboxd(&[cmd, "--database-url", &url]);
+            assert!(!ok, "{cmd} against a closed port succeeded: {out}");
+            let leaks: Vec<&str> = out
+                .lines()
+                .filter(|l| l.contains(password) || l.contains("Me99"))
+                .collect();
+            assert!(leaks.is_empty(), "{cmd} printed {password}: {leaks:#?}");
+            assert!(out.contains("127.0.0.1:1"), "{cmd} names no server: {out}");
+        }
+    }
+}
