@@ -28,7 +28,8 @@
 --
 -- Rows captured from a Debezium-style or a poller's table go through outbox.enqueue, so the
 -- producer's INSERT is refused the same way. Destinations frozen before this migration are
--- not changed (docs/security.md says how to find them).
+-- not changed: outbox.destinations_breaking_rules (`outboxd check`) names the unpublished ones
+-- these rules would encode differently or refuse.
 
 -- One value made safe for a destination of `p_kind`, or refused. `p_name` names it in the
 -- error ('aggregate_type', 'aggregate_id'), `p_template` is the route's template.
@@ -363,5 +364,48 @@ BEGIN
     VALUES (p_aggregate_type, p_event_type, p_url, p_endpoint, 'http', 'none')
     RETURNING generation INTO g;
     RETURN g;
+END
+$$;
+
+-- Unpublished events (the first p_limit found) whose frozen destination these rules would not
+-- give them: frozen before this migration from a value the rules now encode (`rendered` is what
+-- they give) or refuse (`rendered` is NULL, `reason` the refusal). `outboxd check` names them; move
+-- them with `outboxd migrate-destination` before a relay sends them.
+CREATE FUNCTION outbox.destinations_breaking_rules(p_limit int DEFAULT 20)
+RETURNS TABLE (event_id uuid, frozen text, rendered text, reason text)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    e record;
+    v text;
+    n int := 0;
+BEGIN
+    FOR e IN
+        SELECT ev.event_id AS id, ev.aggregate_type, ev.aggregate_id, ev.dest_kind, ev.dest_topic,
+               coalesce(rp.topic, CASE WHEN ev.dest_route_generation = 0
+                                       THEN 'outbox.event.{aggregate_type}' END) AS template
+        FROM outbox.events ev
+        LEFT JOIN outbox.route_policy rp ON rp.generation = ev.dest_route_generation
+        WHERE ev.dest_kind IN ('http', 'nats', 'kafka')
+          AND ev.delivery_set_id IS NULL
+          AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = ev.event_id)
+          AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
+                          WHERE q.event_id = ev.event_id AND q.resolution = 'skipped')
+    LOOP
+        CONTINUE WHEN e.template IS NULL;
+        BEGIN
+            v := outbox.render_destination(e.dest_kind, e.template, e.aggregate_type, e.aggregate_id);
+            IF v IS DISTINCT FROM e.dest_topic THEN
+                event_id := e.id; frozen := e.dest_topic; rendered := v;
+                reason := 'the rules of migration 0022 encode its values differently';
+                RETURN NEXT;
+                n := n + 1;
+            END IF;
+        EXCEPTION WHEN invalid_parameter_value THEN
+            event_id := e.id; frozen := e.dest_topic; rendered := NULL; reason := SQLERRM;
+            RETURN NEXT;
+            n := n + 1;
+        END;
+        EXIT WHEN n >= p_limit;
+    END LOOP;
 END
 $$;

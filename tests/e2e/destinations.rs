@@ -22,14 +22,15 @@ use tokio_postgres::Client;
 use crate::harness::{connect, outboxd, TestEnv};
 
 /// A fresh migrated database of the shared cluster (no broker: nothing is published).
-async fn migrated(name: &str) -> Client {
+async fn migrated(name: &str) -> (String, Client) {
     let url = TestPostgres::shared()
         .create_database(name)
         .await
         .expect("create database");
     let (ok, out) = outboxd(&["migrate", "--database-url", &url]);
     assert!(ok, "migrate: {out}");
-    connect(&url).await
+    let db = connect(&url).await;
+    (url, db)
 }
 
 /// `s` with every `%XX` decoded (as bytes, then UTF-8).
@@ -170,7 +171,7 @@ async fn rendered_destinations_keep_their_shape_for_any_value() {
     ) {
         return;
     }
-    let db = migrated("destinations").await;
+    let (url, db) = migrated("destinations").await;
     db.batch_execute(
         "CREATE FUNCTION pg_temp.try_render(k text, t text, a text, i text) RETURNS text
          LANGUAGE plpgsql AS $$
@@ -388,6 +389,55 @@ async fn rendered_destinations_keep_their_shape_for_any_value() {
         .unwrap()
         .get::<_, i64>(0),
         0
+    );
+
+    // Events frozen before the fix (written here as the old outbox.enqueue froze them, the id
+    // pasted in): `outboxd check` names each, with the destination the rules give, or why
+    // they refuse it.
+    let frozen: Vec<(uuid::Uuid, &str)> = ["../../admin/delete", ".."]
+        .into_iter()
+        .map(|id| (uuid::Uuid::new_v4(), id))
+        .collect();
+    for (event, id) in &frozen {
+        db.execute(
+            "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+                 event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
+                 dest_partitioner, dest_route_generation, dest_serializer, dest_acks,
+                 destination_digest)
+             SELECT $1, 'order', $2, 1, 'order.created', '{}', 'sha256:x', 'http', 'hook',
+                    'http://example/h/' || $2 || '?t=order#' || $2, $2, 'none', rp.generation,
+                    'json', 'all', 'sha256:x'
+             FROM outbox.route_policy rp WHERE rp.active AND rp.aggregate_type = 'order'",
+            &[event, id],
+        )
+        .await
+        .unwrap();
+    }
+    let config = std::env::temp_dir().join(format!("destinations-{}.toml", std::process::id()));
+    std::fs::write(&config, "sink = \"http\"\n[http]\nendpoint = \"hook\"\n").unwrap();
+    let (_, out) = outboxd(&[
+        "check",
+        "--database-url",
+        &url,
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let _ = std::fs::remove_file(&config);
+    let line = out
+        .lines()
+        .find(|l| l.contains("frozen destinations"))
+        .unwrap_or_else(|| panic!("check names no frozen destination:\n{out}"));
+    assert!(
+        line.starts_with("WARN")
+            && line.contains("2 unpublished event(s)")
+            && line.contains(&format!(
+                "{} frozen for http://example/h/../../admin/delete?t=order#../../admin/delete (the rules give http://example/h/..%2F..%2Fadmin%2Fdelete?t=order#..%2F..%2Fadmin%2Fdelete)",
+                frozen[0].0
+            ))
+            && line.contains(&format!("{} frozen for", frozen[1].0))
+            && line.contains("aggregate_id '..' cannot be placed in the URL")
+            && line.contains("outboxd migrate-destination"),
+        "{line}"
     );
 }
 
