@@ -439,6 +439,38 @@ async fn rendered_destinations_keep_their_shape_for_any_value() {
             && line.contains("outboxd migrate-destination"),
         "{line}"
     );
+    // `outboxd reconcile` counts them as findings (non-zero exit) and lists each.
+    let (ok, out) = outboxd(&["reconcile", "--database-url", &url, "--no-broker", "--json"]);
+    assert!(!ok, "reconcile found nothing: {out}");
+    let report: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("reconcile --json: {e}: {out}"));
+    let bad = &report["bad_destination"];
+    assert_eq!(bad["total"], 2, "{report:#}");
+    let listed: std::collections::BTreeMap<String, (serde_json::Value, serde_json::Value)> = bad
+        ["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["event_id"].as_str().unwrap().to_string(),
+                (i["rendered"].clone(), i["reason"].clone()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed[&frozen[0].0.to_string()].0,
+        json!("http://example/h/..%2F..%2Fadmin%2Fdelete?t=order#..%2F..%2Fadmin%2Fdelete"),
+        "{report:#}"
+    );
+    assert!(
+        listed[&frozen[1].0.to_string()].0.is_null()
+            && listed[&frozen[1].0.to_string()]
+                .1
+                .as_str()
+                .is_some_and(|r| r.contains("aggregate_id '..'")),
+        "{report:#}"
+    );
 }
 
 /// The four aggregate ids, through the relay, reach `/hooks/order/<the id, encoded>`
