@@ -380,6 +380,29 @@ async fn rendered_destinations_keep_their_shape_for_any_value() {
             "{agg}: {db_err:?}"
         );
     }
+    // A row captured from a Debezium-style table goes through outbox.enqueue: the producer's
+    // INSERT is refused the same way, naming the value.
+    db.batch_execute(
+        "CREATE TABLE public.app_outbox (id uuid, aggregatetype text, aggregateid text,
+                                         type text, payload jsonb);
+         SELECT outbox.install_debezium_capture('public.app_outbox');",
+    )
+    .await
+    .unwrap();
+    let e = db
+        .batch_execute(
+            "INSERT INTO public.app_outbox VALUES (gen_random_uuid(), 'bad type/x', 'a-1', 'happened', '{}')",
+        )
+        .await
+        .expect_err("a captured row with an illegal topic");
+    let db_err = e.as_db_error().unwrap();
+    assert!(
+        db_err.code().code() == "22023"
+            && db_err
+                .message()
+                .contains("'bad type/x' cannot be part of the Kafka topic"),
+        "{db_err:?}"
+    );
     assert_eq!(
         db.query_one(
             "SELECT (SELECT count(*) FROM outbox.events) + (SELECT count(*) FROM outbox.aggregate_versions)",
