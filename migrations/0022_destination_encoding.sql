@@ -369,8 +369,8 @@ $$;
 
 -- Unpublished events (the first p_limit found) whose frozen destination these rules would not
 -- give them: frozen before this migration from a value the rules now encode (`rendered` is what
--- they give) or refuse (`rendered` is NULL, `reason` the refusal). `outboxd check` names them; move
--- them with `outboxd migrate-destination` before a relay sends them.
+-- they give) or refuse (`rendered` is NULL, `reason` the refusal), and not moved by an operator
+-- since. `outboxd check` and `outboxd reconcile` name them (docs/security.md).
 CREATE FUNCTION outbox.destinations_breaking_rules(p_limit int DEFAULT 20)
 RETURNS TABLE (event_id uuid, frozen text, rendered text, reason text)
 LANGUAGE plpgsql STABLE AS $$
@@ -390,6 +390,9 @@ BEGIN
           AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = ev.event_id)
           AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
                           WHERE q.event_id = ev.event_id AND q.resolution = 'skipped')
+          -- Moved by an operator (outboxd migrate-destination): their choice stands.
+          AND NOT EXISTS (SELECT 1 FROM outbox.destination_migrations dm
+                          WHERE dm.event_id = ev.event_id)
     LOOP
         CONTINUE WHEN e.template IS NULL;
         BEGIN

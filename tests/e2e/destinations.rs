@@ -494,6 +494,27 @@ async fn rendered_destinations_keep_their_shape_for_any_value() {
                 .is_some_and(|r| r.contains("aggregate_id '..'")),
         "{report:#}"
     );
+    // An event an operator moved (a destination migration recorded, as migrate-destination
+    // records it) is theirs: no longer named.
+    db.execute(
+        "INSERT INTO outbox.destination_migrations (event_id, envelope_generation,
+             from_destination_digest, dest_kind, dest_cluster, dest_topic, dest_key,
+             dest_partitioner, dest_route_generation, dest_serializer, dest_acks,
+             destination_digest, proof, reason, migrated_by)
+         SELECT event_id, 2, destination_digest, 'http', 'hook', 'http://example/moved', dest_key,
+                'none', dest_route_generation, 'json', 'all', 'sha256:y', 'test', 'test', 'test'
+         FROM outbox.events WHERE event_id = $1",
+        &[&frozen[0].0],
+    )
+    .await
+    .unwrap();
+    let (_, out) = outboxd(&["reconcile", "--database-url", &url, "--no-broker", "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["bad_destination"]["total"], 1, "{report:#}");
+    assert_eq!(
+        report["bad_destination"]["items"][0]["event_id"],
+        json!(frozen[1].0.to_string())
+    );
 }
 
 /// The issue's four aggregate ids, through the relay, reach `/hooks/order/<the id, encoded>`

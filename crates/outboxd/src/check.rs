@@ -389,7 +389,7 @@ async fn check_frozen_destinations(r: &mut Report, client: &tokio_postgres::Clie
         Level::Warn,
         "frozen destinations",
         format!(
-            "{}{} unpublished event(s) frozen before migration 0022 for a destination its encoding rules would not give them (a value pasted into a URL, subject or topic as it was): {}; move each, before a relay sends it there, to the destination the rules give with outboxd migrate-destination --event ID --kind KIND --cluster CLUSTER --topic DESTINATION; docs/security.md, \"Destination templates\"",
+            "{}{} unpublished event(s) frozen before migration 0022 for a destination its encoding rules would not give them (a value pasted into a URL, subject or topic as it was): {}; a relay sends each where it was frozen unless it is moved first: outboxd migrate-destination --event ID --kind KIND --cluster CLUSTER --topic DESTINATION (it needs proof the old destination never took the event: a scan of the old Kafka cluster, or a quarantine before sending); docs/security.md, \"Destination templates\"",
             if rows.len() as i32 >= SHOWN { "at least " } else { "" },
             rows.len(),
             list.join("; ")

@@ -776,7 +776,8 @@ fn table(r: &Report) -> String {
         (
             "bad_destination",
             r.bad_destination.total,
-            "unpublished, frozen for a destination the encoding rules would not give it: outboxd migrate-destination".to_string(),
+            "unpublished, frozen for a destination the encoding rules would not give it"
+                .to_string(),
         ),
     ];
     for (k, n, m) in rows {
