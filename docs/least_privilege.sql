@@ -11,8 +11,27 @@
 --
 -- What the role can do, and why each grant is needed:
 --   * REPLICATION: open the walsender connection, create/drop the logical slot, emit the
---     heartbeat (pg_logical_emit_message). It does NOT make the role a superuser and gives no
---     access to other tables' data except through the publication it reads.
+--     heartbeat (pg_logical_emit_message). It does not make the role a superuser, but it is
+--     much more than "read the publication": table privileges do not apply to logical
+--     decoding. With REPLICATION the role can, in every database it may connect to,
+--       - create a slot with any output plugin, over SQL or a walsender
+--         (SELECT pg_create_logical_replication_slot('spy', 'test_decoding')), and read every
+--         change committed after it to EVERY table of that database, with its values
+--         (pg_logical_slot_get_changes('spy', NULL, NULL)): card numbers, password hashes;
+--       - drop or advance other slots (another consumer's, losing its position);
+--       - where pg_hba.conf has a `replication` line that matches it: stream the physical WAL
+--         or take a base backup (pg_basebackup) — a copy of the whole cluster, every database.
+--     How to restrict it:
+--       - pg_hba.conf: no `replication` line for this role (physical replication and base
+--         backups refused; outboxd needs none: its walsender is a logical one, matched by the
+--         database's own line), and a database line for the outbox's database only, e.g.
+--             host  replication  outboxd_relay  all           reject
+--             host  app          outboxd_relay  10.0.0.0/24   scram-sha-256
+--         (rules are read top-down: put these above any broader `all` line);
+--       - or run without REPLICATION at all: poll mode (`outboxd run --mode poll`) reads only
+--         the outbox tables granted below. Then `ALTER ROLE outboxd_relay NOREPLICATION`.
+--     No grant removes decoding of the outbox database's other tables from a role that keeps
+--     REPLICATION: if that is unacceptable, use poll mode.
 --   * SELECT on outbox.events (+ the views over it): the initial snapshot, released and
 --     reconciled events. No INSERT/UPDATE/DELETE: the relay can never alter an event.
 --   * SELECT/INSERT/UPDATE/DELETE on the ledger tables only (receipts, duplicate receipts,
@@ -83,5 +102,7 @@ TO outboxd_relay;
 -- predicate (SECURITY DEFINER), e.g.
 --   GRANT USAGE ON SCHEMA outbox TO app_poller;
 --   GRANT EXECUTE ON FUNCTION outbox.poller_may_claim(uuid) TO app_poller;
+-- The grant is needed (since migration 0021 no role but the owner may execute the outbox's
+-- SECURITY DEFINER and trigger functions: none of them is for this role or the relay's).
 -- The relay needs nothing more: it publishes outbox.events as always. `outboxd share` and
 -- `outboxd shadow` are operator commands; run them as the schema owner.

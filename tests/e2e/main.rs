@@ -21,6 +21,7 @@ pub(crate) mod databases;
 pub(crate) mod debezium;
 pub(crate) mod delivery;
 pub(crate) mod delivery_sets;
+pub(crate) mod destinations;
 pub(crate) mod ha;
 pub(crate) mod http;
 pub(crate) mod inbox;

@@ -120,6 +120,16 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "http_routes",
         sql: include_str!("../../../migrations/0020_http_routes.sql"),
     },
+    Migration {
+        version: 21,
+        name: "trigger_privileges",
+        sql: include_str!("../../../migrations/0021_trigger_privileges.sql"),
+    },
+    Migration {
+        version: 22,
+        name: "destination_encoding",
+        sql: include_str!("../../../migrations/0022_destination_encoding.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -15,6 +15,10 @@
 //!   replays.
 //! * **Any other 4xx** is a refusal: the frozen request will never succeed. The event is
 //!   quarantined and its aggregate held, as for a poison event on a broker.
+//! * **3xx** is a refusal too, with the redirect's target in its reason: the sink follows no
+//!   redirect. Following one would send the payload and the configured headers (`x-api-key`,
+//!   anything but `Authorization`, which reqwest drops) wherever the endpoint, or whoever
+//!   answers in its place, points. Set the route to the final URL instead.
 //! * **500, 502, 504 and other 5xx**, a **timeout** or a **connection lost** after the request
 //!   may have been written: nobody knows whether the endpoint applied it. The outcome is
 //!   *possibly persisted*: DISPATCH_UNKNOWN.
@@ -145,9 +149,9 @@ pub enum Answer {
         status: u16,
         after: Option<Duration>,
     },
-    /// Another 4xx: the frozen request will never succeed.
+    /// Another 4xx, or a 3xx (no redirect is followed): the frozen request will never succeed.
     Refused { status: u16 },
-    /// Another 5xx (or 1xx/3xx, which a webhook never answers): it may have been applied.
+    /// Another 5xx (or 1xx, which a webhook never answers): it may have been applied.
     Ambiguous { status: u16 },
 }
 
@@ -160,7 +164,8 @@ pub fn classify(status: u16, retry_after: Option<&str>, now: SystemTime) -> Answ
             status,
             after: retry_after.and_then(|v| parse_retry_after(v, now)),
         },
-        400..=499 => Answer::Refused { status },
+        // 3xx: no redirect is followed; 4xx: the request is refused.
+        300..=499 => Answer::Refused { status },
         _ => Answer::Ambiguous { status },
     }
 }
@@ -282,6 +287,8 @@ impl HttpSink {
             }
         };
         let mut builder = reqwest::Client::builder()
+            // A 3xx is answered to the sink, never followed (see the module's documentation).
+            .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(config.request_timeout)
             .user_agent(concat!("outboxd/", env!("CARGO_PKG_VERSION")));
         if let Some(path) = &config.ca_file {
@@ -370,6 +377,7 @@ async fn exchange(sink: &HttpSink, ev: &OutboxEvent) -> Exchange {
                         .map(str::to_string)
                 };
                 let retry_after = header("retry-after");
+                let location = header("location");
                 let response_id = c.response_id_header.as_deref().and_then(header);
                 let answer = classify(status, retry_after.as_deref(), SystemTime::now());
                 // The body is read for every answer: an error reading it after a 2xx leaves
@@ -390,6 +398,19 @@ async fn exchange(sink: &HttpSink, ev: &OutboxEvent) -> Exchange {
                             response_id,
                             body_digest: hex::encode(Sha256::digest(&body)),
                         })
+                    }
+                    Answer::Refused { status } if (300..400).contains(&status) => {
+                        // The target without its query or fragment, which may carry tokens.
+                        let to = location
+                            .as_deref()
+                            .map(|l| l.split(['?', '#']).next().unwrap_or(""))
+                            .unwrap_or("nowhere (no Location header)");
+                        return Exchange::Refused {
+                            status,
+                            body: format!(
+                                "a redirect to {to}, not followed: outboxd never follows redirects (they would carry the payload and the [http.headers] elsewhere); route the events to the final URL (outbox.set_http_route)"
+                            ),
+                        };
                     }
                     Answer::Refused { status } => {
                         return Exchange::Refused {
@@ -585,10 +606,12 @@ mod tests {
                 }
             );
         }
-        for s in [400, 401, 403, 404, 409, 410, 413, 422] {
+        for s in [
+            400, 401, 403, 404, 409, 410, 413, 422, 301, 302, 303, 307, 308,
+        ] {
             assert_eq!(classify(s, None, now), Answer::Refused { status: s });
         }
-        for s in [500, 502, 504, 599, 302] {
+        for s in [500, 502, 504, 599, 101] {
             assert_eq!(classify(s, None, now), Answer::Ambiguous { status: s });
         }
     }

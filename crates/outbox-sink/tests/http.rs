@@ -317,3 +317,47 @@ async fn an_unanswered_retry_is_transient_and_a_later_one_resolves() {
     ));
     assert_eq!(t.applied(&ev.event_id.to_string()), 1);
 }
+
+/// Issue 33, finding 4: an endpoint answering a redirect to another server got the payload
+/// and the configured `x-api-key` sent there (reqwest's default policy drops only
+/// `Authorization`). No redirect is followed: a 3xx is a refusal naming the redirect's target,
+/// and the other server receives nothing.
+#[tokio::test]
+async fn a_redirect_is_a_refusal_naming_its_target_and_is_never_followed() {
+    let (t, elsewhere) = (target().await, target().await);
+    let (s, mut rx) = sink(HttpSinkConfig {
+        headers: vec![("x-api-key".into(), "k3y-s3cret".into())],
+        ..config()
+    });
+    for status in [301, 302, 303, 307, 308] {
+        t.then(Behavior::Redirect {
+            status,
+            location: elsewhere.url("/collect?token=abc"),
+        });
+        let ev = event(&t.url("/hooks"), "inv-r", 1, r#"{"amount":1}"#);
+        s.send(&ev, status as u64).await.unwrap();
+        match rx.recv().await.unwrap().outcome {
+            DeliveryOutcome::Failed {
+                persistence: Persistence::NotPersisted,
+                class: FailureClass::Permanent,
+                error,
+                ..
+            } => assert!(
+                error.contains(&status.to_string())
+                    && error.contains(&elsewhere.url("/collect"))
+                    && error.contains("not followed")
+                    && !error.contains("token=abc"),
+                "{status}: {error}"
+            ),
+            other => panic!("{status}: {other:?}"),
+        }
+        assert_eq!(t.applied(&ev.event_id.to_string()), 0);
+    }
+    assert_eq!(
+        elsewhere.request_count(),
+        0,
+        "a redirect was followed: {:?}",
+        elsewhere.requests()
+    );
+    assert_eq!(t.request_count(), 5, "one request per redirect, no retry");
+}

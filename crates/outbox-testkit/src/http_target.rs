@@ -9,6 +9,7 @@
 //! * read the request and drop the connection, applied or not;
 //! * answer a status (429, 503, 500, ...) with an optional `Retry-After`, without applying;
 //! * apply, then answer a status (a 500 after the work was done);
+//! * answer a redirect (307, ...) to another URL, without applying;
 //! * misbehave at random on a share of requests ([`Misbehave`]), as real receivers do;
 //! * refuse one poison payload with 400, always;
 //! * serve HTTPS with a given certificate ([`TargetSettings::tls`]).
@@ -43,6 +44,8 @@ pub enum Behavior {
     },
     /// Apply, then answer `status` (an endpoint that failed after doing the work).
     FailAfterApplying { status: u16 },
+    /// Answer a redirect (`status`, e.g. 307) to `location` without applying.
+    Redirect { status: u16, location: String },
 }
 
 impl Behavior {
@@ -357,6 +360,9 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                     .unwrap_or_default();
                 response(*status, &extra, &format!("{{\"status\":{status}}}"))
             }
+            (Behavior::Redirect { status, location }, _) => {
+                response(*status, &format!("Location: {location}\r\n"), "{}")
+            }
             (_, Some((status, id))) => response(
                 status,
                 &format!("X-Response-Id: {id}\r\n"),
@@ -377,6 +383,10 @@ fn response(status: u16, extra_headers: &str, body: &str) -> String {
     let reason = match status {
         200 => "OK",
         201 => "Created",
+        301 => "Moved Permanently",
+        302 => "Found",
+        307 => "Temporary Redirect",
+        308 => "Permanent Redirect",
         400 => "Bad Request",
         408 => "Request Timeout",
         429 => "Too Many Requests",

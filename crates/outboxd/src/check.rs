@@ -332,12 +332,69 @@ async fn check_database(
     }
     if schema_ok {
         check_privileges(r, &client, schema, table).await;
+        check_frozen_destinations(r, &client).await;
     }
     if !poll {
         check_publication(r, &client, publication, schema, table).await;
         check_slot(r, &client, slot).await;
     }
     Some(client)
+}
+
+/// Unpublished events whose destination was frozen before migration 0022 from a value its
+/// encoding rules now encode differently or refuse (issue 31): named, with the way out.
+async fn check_frozen_destinations(r: &mut Report, client: &tokio_postgres::Client) {
+    const SHOWN: i32 = 20;
+    let rows = match client
+        .query(
+            "SELECT event_id::text, frozen, rendered, reason FROM outbox.destinations_breaking_rules($1)",
+            &[&SHOWN],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            r.add(
+                Level::Warn,
+                "frozen destinations",
+                format!("could not be checked: {}", outbox_ledger::describe_db_error(&e)),
+            );
+            return;
+        }
+    };
+    if rows.is_empty() {
+        r.add(
+            Level::Ok,
+            "frozen destinations",
+            "every unpublished event's destination follows the encoding rules (migration 0022)",
+        );
+        return;
+    }
+    let list: Vec<String> = rows
+        .iter()
+        .map(|row| {
+            let (id, frozen, rendered, reason): (String, String, Option<String>, String) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            match rendered {
+                Some(now) => format!(
+                    "{id} frozen for {} (the rules give {})",
+                    redact_url(&frozen),
+                    redact_url(&now)
+                ),
+                None => format!("{id} frozen for {} ({reason})", redact_url(&frozen)),
+            }
+        })
+        .collect();
+    r.add(
+        Level::Warn,
+        "frozen destinations",
+        format!(
+            "{}{} unpublished event(s) frozen before migration 0022 for a destination its encoding rules would not give them (a value pasted into a URL, subject or topic as it was): {}; a relay sends each where it was frozen unless it is moved first: outboxd migrate-destination --event ID --kind KIND --cluster CLUSTER --topic DESTINATION (it needs proof the old destination never took the event: a scan of the old Kafka cluster, or a quarantine before sending); docs/security.md, \"Destination templates\"",
+            if rows.len() as i32 >= SHOWN { "at least " } else { "" },
+            rows.len(),
+            list.join("; ")
+        ),
+    );
 }
 
 /// CDC mode's server settings: wal_level, a free slot and WAL sender, REPLICATION.

@@ -36,11 +36,27 @@ impl fmt::Debug for Secret {
     }
 }
 
-/// Renders a PostgreSQL connection string without its password, for messages: the password
-/// of a URL's user info, a `password=` URL parameter, and a `password=` key of the key=value
-/// form are all dropped.
+/// Renders a connection string (a PostgreSQL URL or key=value string; a NATS or webhook URL)
+/// without its secrets, for messages: everything of a URL's user info but the user name, every
+/// query parameter whose name (percent-decoded, as the connection's parser reads it) holds
+/// `password`, `secret` or `token`, and a `password=` key of the key=value form are dropped.
+///
+/// The URL is read as tokio-postgres reads it, not as a browser would: its user info runs to
+/// an `@` whatever comes before it, so a password may hold a raw `?`, `/`, `#` or `:` (a
+/// WHATWG parser, the `url` crate's, ends the authority of `postgres://qq:Leak?Me99@h/db` at
+/// the `?` and refuses the port `Leak`, though tokio-postgres connects with it; splitting at
+/// the `?` first printed the password). A password holding a raw `@` moves tokio-postgres's
+/// host into it, so the user info is taken to run to the *last* `@`. What cannot be told
+/// apart from a password is not printed.
 pub fn redact_url(url: &str) -> String {
-    if !url.contains("://") {
+    let scheme_end = url.find("://").filter(|&i| {
+        let scheme = &url[..i];
+        scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+.-".contains(c))
+    });
+    let Some(scheme_end) = scheme_end else {
         // key=value form: drop the password pair (quoted or not).
         let mut out = String::new();
         let mut rest = url;
@@ -76,23 +92,35 @@ pub fn redact_url(url: &str) -> String {
         }
         out.push_str(rest);
         return out;
-    }
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
     };
-    let mut out = match (base.find("://"), base.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let userinfo = &base[s + 3..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{}{}@{}", &base[..s + 3], user, &base[at + 1..])
+    let (scheme, rest) = (&url[..scheme_end], &url[scheme_end + 3..]);
+    let (user, after) = match rest.rfind('@') {
+        Some(at) => {
+            let user = rest[..at].split(':').next().unwrap_or("");
+            // A "user name" holding URL syntax is no user name: the '@' was a query's.
+            let user = if user.contains(['/', '?', '#', '&', '=']) {
+                "***"
+            } else {
+                user
+            };
+            (Some(user), &rest[at + 1..])
         }
-        _ => base.to_string(),
+        None => (None, rest),
     };
+    let (base, query) = match after.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (after, None),
+    };
+    let mut out = format!("{scheme}://");
+    if let Some(user) = user {
+        out.push_str(user);
+        out.push('@');
+    }
+    out.push_str(base);
     if let Some(q) = query {
         let kept: Vec<&str> = q
             .split('&')
-            .filter(|p| !p.starts_with("password="))
+            .filter(|pair| !secret_parameter(pair))
             .collect();
         if !kept.is_empty() {
             out.push('?');
@@ -100,6 +128,20 @@ pub fn redact_url(url: &str) -> String {
         }
     }
     out
+}
+
+/// Whether a `name=value` query pair names a secret: its name, percent-decoded (and `+` as a
+/// space, as `url`'s form parser reads it), holds `password`, `secret` or `token`.
+fn secret_parameter(pair: &str) -> bool {
+    let name = pair.split('=').next().unwrap_or("");
+    let decoded: String = url::form_urlencoded::parse(name.as_bytes())
+        .map(|(k, _)| k.to_ascii_lowercase())
+        .collect();
+    // A name that does not decode (a lone '%') is read as written, lower-cased.
+    let name = name.to_ascii_lowercase();
+    ["password", "secret", "token"]
+        .iter()
+        .any(|s| decoded.contains(s) || name.contains(s))
 }
 
 /// The config file (`--config FILE`). Every key is optional.
@@ -668,6 +710,77 @@ mod tests {
         assert_eq!(
             redact_url("host=h password='hun ter\\'2' user=u"),
             "host=h password=*** user=u"
+        );
+        assert_eq!(
+            redact_url("host=h password=a://b@c user=u"),
+            "host=h password=*** user=u"
+        );
+    }
+
+    /// Issue 33, finding 5: a password holding `?` printed. Over passwords holding each URL
+    /// delimiter and percent-escapes, raw and percent-encoded, in the user info and as
+    /// parameters: neither form of the password, nor what tokio-postgres (the parser that
+    /// connects) reads as the password, is in the redacted text, and the user, host, port,
+    /// database and other parameters are.
+    #[test]
+    fn passwords_holding_url_delimiters_never_print() {
+        let enc =
+            |p: &str| -> String { url::form_urlencoded::byte_serialize(p.as_bytes()).collect() };
+        let passwords = [
+            "Leak?Me99",
+            "Le@k@Me99",
+            "Leak/Me/99",
+            "Leak#Me99",
+            "Leak%41Me%2599",
+            "Le:ak?M/e#9@9%40",
+            "p?a=1&password=x",
+            "Leak Me99",
+        ];
+        for p in passwords {
+            let urls = [
+                format!("postgres://qq:{p}@db.internal:5433/app?sslmode=require"),
+                format!(
+                    "postgresql://qq:{}@db.internal:5433/app?sslmode=require",
+                    enc(p)
+                ),
+                format!(
+                    "postgres://qq@db.internal:5433/app?password={}&sslmode=require",
+                    enc(p)
+                ),
+                format!(
+                    "postgres://qq@db.internal:5433/app?sslmode=require&pass%77ord={}",
+                    enc(p)
+                ),
+                format!(
+                    "postgres://qq@db.internal:5433/app?sslmode=require&sslpassword={}",
+                    enc(p)
+                ),
+                format!("nats://qq:{p}@db.internal:5433/app?sslmode=require"),
+            ];
+            for u in &urls {
+                let out = redact_url(u);
+                for secret in [p.to_string(), enc(p)] {
+                    assert!(!out.contains(&secret), "{u} printed as {out}");
+                }
+                // What the connecting parser takes for the password does not print either.
+                if let Ok(c) = u.parse::<tokio_postgres::Config>() {
+                    if let Some(pw) = c.get_password() {
+                        let pw = String::from_utf8_lossy(pw);
+                        assert!(pw.len() < 3 || !out.contains(pw.as_ref()), "{u}: {out}");
+                    }
+                }
+                assert!(
+                    out.contains("qq@db.internal:5433/app") && out.contains("sslmode=require"),
+                    "{u}: the rest of the URL is lost: {out}"
+                );
+            }
+        }
+        // An '@' in a parameter, without user info: nothing before it is taken for a user.
+        let out = redact_url("postgres://h/db?password=S3cret&application_name=a@b");
+        assert!(!out.contains("S3cret"), "{out}");
+        assert_eq!(
+            redact_url("postgres://h:5/db?application_name=me&sslmode=require"),
+            "postgres://h:5/db?application_name=me&sslmode=require"
         );
     }
 

@@ -43,7 +43,7 @@ use rdkafka::Message;
 use serde::Serialize;
 
 use crate::cli::{ReconcileArgs, ReconcileFormat};
-use crate::config::FileConfig;
+use crate::config::{redact_url, FileConfig};
 use crate::values::{parse_duration, show_duration};
 
 /// Exit status when anything was found.
@@ -137,6 +137,18 @@ pub struct ReceiptAudit {
     pub other_cluster: i64,
 }
 
+/// An unpublished event frozen before migration 0022 for a destination its encoding rules would
+/// not give it (issue 31: a value pasted into a URL, subject or topic as it was).
+#[derive(Debug, Clone, Serialize)]
+pub struct BadDestination {
+    pub event_id: uuid::Uuid,
+    /// The frozen destination (credentials redacted).
+    pub frozen: String,
+    /// What the rules give (credentials redacted), or `None` when they refuse the value.
+    pub rendered: Option<String>,
+    pub reason: String,
+}
+
 /// Everything one run found.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -150,6 +162,7 @@ pub struct Report {
     pub conflicts: Conflicts,
     pub receipt_missing: Listed<ReceiptFinding>,
     pub receipt_mismatch: Listed<ReceiptFinding>,
+    pub bad_destination: Listed<BadDestination>,
     pub receipts: ReceiptAudit,
     pub broker: BrokerScan,
     pub consumers: Vec<ConsumerInfo>,
@@ -164,6 +177,7 @@ impl Report {
             + self.conflicts.total
             + self.receipt_missing.total
             + self.receipt_mismatch.total
+            + self.bad_destination.total
     }
 }
 
@@ -312,6 +326,7 @@ async fn reconcile(
     let (unconsumed, unconsumed_total) =
         consumers::unconsumed(client, s.unconsumed_after.as_secs_f64(), limit).await?;
     let ledger_conflicts = audit::ledger_conflicts(client).await?;
+    let bad_destination = bad_destinations(client, limit).await?;
     let consumer_list = consumers::list(client).await?;
 
     let mut receipts = ReceiptAudit {
@@ -473,6 +488,7 @@ async fn reconcile(
         },
         receipt_missing: listed(missing_receipts),
         receipt_mismatch: listed(mismatched_receipts),
+        bad_destination,
         receipts,
         broker: scan,
         consumers: consumer_list,
@@ -685,6 +701,33 @@ fn scan_topics_blocking(
     Ok(out)
 }
 
+/// Unpublished events whose frozen destination the encoding rules of migration 0022 would
+/// give differently or refuse (`outbox.destinations_breaking_rules`), the first `limit` listed.
+async fn bad_destinations(
+    client: &tokio_postgres::Client,
+    limit: i64,
+) -> anyhow::Result<Listed<BadDestination>> {
+    let rows = client
+        .query(
+            "SELECT event_id, frozen, rendered, reason FROM outbox.destinations_breaking_rules($1)",
+            &[&i32::MAX],
+        )
+        .await
+        .context("listing unpublished events whose frozen destination breaks the encoding rules of migration 0022 (outbox.destinations_breaking_rules)")?;
+    let total = rows.len() as i64;
+    let items = rows
+        .iter()
+        .take(limit.max(0) as usize)
+        .map(|row| BadDestination {
+            event_id: row.get(0),
+            frozen: redact_url(row.get(1)),
+            rendered: row.get::<_, Option<&str>>(2).map(redact_url),
+            reason: row.get(3),
+        })
+        .collect();
+    Ok(Listed { total, items })
+}
+
 fn table(r: &Report) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "{:<16} {:>7}  MEANING (threshold)", "FINDING", "COUNT");
@@ -730,6 +773,12 @@ fn table(r: &Report) -> String {
             r.receipt_mismatch.total,
             "the message at a receipt's position is another event or payload".to_string(),
         ),
+        (
+            "bad_destination",
+            r.bad_destination.total,
+            "unpublished, frozen for a destination the encoding rules would not give it"
+                .to_string(),
+        ),
     ];
     for (k, n, m) in rows {
         let _ = writeln!(s, "{k:<16} {n:>7}  {m}");
@@ -759,6 +808,18 @@ fn table(r: &Report) -> String {
             s,
             "unconsumed    {}  consumer {}  at {}/{}@{}  published {:.0}s ago",
             u.event_id, u.consumer_id, u.topic, u.partition, u.offset, u.published_age_seconds
+        );
+    }
+    for b in &r.bad_destination.items {
+        let _ = writeln!(
+            s,
+            "bad_destination  {}  frozen {}  {}",
+            b.event_id,
+            b.frozen,
+            match &b.rendered {
+                Some(to) => format!("the rules give {to}"),
+                None => b.reason.clone(),
+            }
         );
     }
     for b in &r.bypass.items {
@@ -900,6 +961,7 @@ fn prometheus(r: &Report) -> String {
         ("conflict", r.conflicts.total),
         ("receipt_missing", r.receipt_missing.total),
         ("receipt_mismatch", r.receipt_mismatch.total),
+        ("bad_destination", r.bad_destination.total),
     ] {
         let _ = writeln!(s, "outboxd_reconcile_findings{{kind=\"{k}\"}} {n}");
     }
