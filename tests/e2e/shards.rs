@@ -277,10 +277,12 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
 
     // A member dies: the other two take its shards (at once: its lease sessions are gone).
     c.kill9();
+    let killed = std::time::Instant::now();
     wait_holdings(&env, 8, "2 members holding all 8 shards", |h| {
         h.len() == 2 && !h.contains_key("fleet-c")
     })
     .await;
+    let taken_after_kill = killed.elapsed();
     writers.wait_more(100).await;
     // It comes back under another id: the others hand shards over to it.
     let _c2 = fleet_member(&env, "fleet-c2");
@@ -295,10 +297,12 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
     .await;
     writers.wait_more(100).await;
     b.signal(libc::SIGCONT);
+    let resumed = std::time::Instant::now();
     wait_holdings(&env, 8, "the resumed member holding its share again", |h| {
         fair(h) && h.contains_key("fleet-b")
     })
     .await;
+    let share_after_resume = resumed.elapsed();
     writers.wait_more(100).await;
     let committed = writers.finish().await;
     assert_published_by_their_shards(&env, &committed, &[8]).await;
@@ -308,8 +312,10 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
         "{out}"
     );
     println!(
-        "fleet: {} committed events over 8 shards and 3 members (one killed, one paused)",
-        committed.len()
+        "fleet: {} committed events over 8 shards and 3 members (one killed, one paused); the killed member's shards streaming again after {:.1} s, the resumed member's fair share back after {:.1} s",
+        committed.len(),
+        taken_after_kill.as_secs_f64(),
+        share_after_resume.as_secs_f64(),
     );
     drop(a);
 }

@@ -64,6 +64,36 @@ pub async fn try_lock(client: &Client, slot: &str) -> Result<bool, LedgerError> 
         .get(0))
 }
 
+/// The name of fleet member `relay_id`'s session lock (taken with [`try_lock`]): slot names
+/// hold no `:`, so it never names a lease.
+pub fn member_lock(relay_id: &str) -> String {
+    format!("member:{relay_id}")
+}
+
+/// The fleet members seen within `ttl` whose session lock (see [`member_lock`]) is held: a
+/// member whose process died has lost its lock the moment its connection closed, so it is
+/// gone at once, not when its row ages out. `me` is always a member.
+pub async fn live_members(
+    client: &Client,
+    me: &str,
+    ttl: Duration,
+) -> Result<Vec<String>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT relay_id FROM outbox.relay_members m
+             WHERE m.relay_id = $3
+                OR (m.seen_at > clock_timestamp() - $1 * interval '1 millisecond'
+                    AND EXISTS (SELECT 1 FROM pg_locks l
+                                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+                                  AND l.classid::int8 = $2::int8
+                                  AND l.objid::int8 = (hashtext('outboxd.lease:member:' || m.relay_id)::int8 & 4294967295)))",
+            &[&(ttl_ms(ttl) as f64), &i64::from(LOCK_CLASS), &me],
+        )
+        .await
+        .ctx("reading the fleet's live members")?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 /// Gives the session lock of lease `slot` back (a standby that could not take the lease).
 pub async fn unlock(client: &Client, slot: &str) -> Result<(), LedgerError> {
     client

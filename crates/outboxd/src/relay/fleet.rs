@@ -7,7 +7,10 @@
 //! Every half second a member writes its row and counts the live members; its fair share is
 //! the shard count over them, rounded up. Under its share it starts a shard's relay (the same
 //! `run` as `--shard I/N`) for free shards: a lease missing, expired, released, or held by a
-//! relay that is no live member (SIGKILLed: its lease is taken at once; paused: at expiry).
+//! relay that is no live member (SIGKILLed: its lease is taken at once; paused: at expiry). A
+//! member is live while its row is fresh *and* its session advisory lock is held: a member
+//! whose process died lost the lock when its connection closed, so its shards are taken at
+//! once, not when its row ages out.
 //! Over its share it stops one of its shards gracefully (drained, confirmed, lease released),
 //! which another member then takes. The leases alone decide who sends: two members can never
 //! both hold a shard, whatever the members' view of each other.
@@ -73,7 +76,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     let me = base.relay_id.clone();
     let base_slot = base.slot.clone();
     let base_pub = base.publication.clone();
-    let ttl_ms = i64::try_from(base.lease_ttl.as_millis()).unwrap_or(i64::MAX) as f64;
+    let mut locked = false;
     tracing::info!(relay_id = %me, shards = count, "fleet member: sharing {count} shards");
     let shard_slots: Vec<String> = Shard::all(count).map(|s| s.name(&base_slot)).collect();
     let mut tasks: BTreeMap<u16, Task> = BTreeMap::new();
@@ -96,17 +99,14 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
             )
             .await
             .map_err(db("writing this fleet member's row"))?;
-        let members: Vec<String> = client
-            .query(
-                "SELECT relay_id FROM outbox.relay_members
-                 WHERE seen_at > clock_timestamp() - $1 * interval '1 millisecond'",
-                &[&ttl_ms],
-            )
-            .await
-            .map_err(db("reading the fleet's members"))?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        // The session lock that proves this member alive to the others (a previous process of
+        // the same relay id may still hold it for a moment: asked again every tick).
+        if !locked {
+            locked =
+                outbox_ledger::lease::try_lock(&client, &outbox_ledger::lease::member_lock(&me))
+                    .await?;
+        }
+        let members = outbox_ledger::lease::live_members(&client, &me, base.lease_ttl).await?;
         // Each shard's lease: its holder, if live.
         let holders: BTreeMap<u16, String> = client
             .query(
