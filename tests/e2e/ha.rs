@@ -187,8 +187,21 @@ async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are
         .await
         .unwrap()
         .get(0);
-    env.wait_count("B's receipts", "SELECT count(*) FROM outbox.receipts", 5)
-        .await;
+    // B's log in the failure message: a CI run once timed out here with no receipt at all.
+    wait_for("B's receipts", LONG, || async {
+        let n = env.count("SELECT count(*) FROM outbox.receipts").await;
+        if n >= 5 {
+            Ok(())
+        } else {
+            let log = b.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(12).collect();
+            Err(format!(
+                "{n} < 5; B's last log lines (newest first):\n{}",
+                tail.join("\n")
+            ))
+        }
+    })
+    .await;
     mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
     let checkpoint_before: String = env
         .db

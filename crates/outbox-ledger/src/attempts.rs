@@ -112,6 +112,18 @@ async fn open_attempts(
         .collect())
 }
 
+/// Whether `event_id` has its primary receipt.
+pub async fn has_receipt(client: &Client, event_id: Uuid) -> Result<bool, LedgerError> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM outbox.receipts WHERE event_id = $1)",
+            &[&event_id],
+        )
+        .await
+        .ctx(format!("reading the receipt of event {event_id}"))?
+        .get(0))
+}
+
 /// The scan proved the outcome.
 pub async fn resolve(
     client: &Client,

@@ -434,10 +434,11 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOXD_UNKNOWN_SETTLE_MS")]
     pub unknown_settle_ms: Option<u64>,
     /// Tries (sends and look-ups of one event that end without a clear answer: a timeout, a
-    /// dropped connection, a 5xx, a possibly persisted Kafka request) before its aggregate is
-    /// held like a poison event (`outboxd quarantine list`, `release`). Meanwhile only that
-    /// aggregate waits; the waits double from 200 ms up to 10 s (so 30 tries is about 4
-    /// minutes). [default: 30]
+    /// dropped connection, a 5xx, a possibly persisted Kafka request) before the relay logs an
+    /// error about it. Only that event's aggregate waits, never the relay; the waits double
+    /// from 200 ms up to 10 s (30 tries is about 4 minutes), and past the budget it keeps
+    /// asking every 10 s (the outcome is unknown, not refused: it is never skipped).
+    /// Watch `outboxd_unclear_events`. [default: 30]
     #[arg(long, env = "OUTBOXD_UNCLEAR_BUDGET")]
     pub unclear_budget: Option<u32>,
     /// This relay's name in the lease table. [default: host-pid-random]

@@ -396,7 +396,8 @@ pub struct RelayConfig {
     /// How long after an attempt became DISPATCH_UNKNOWN (and its producer session was closed)
     /// the partition scan may conclude that the broker does not have it.
     pub unknown_settle: Duration,
-    /// Unclear outcomes of one event (sends and look-ups) before its aggregate is held.
+    /// Unclear outcomes of one event (sends and look-ups) before the relay logs an error
+    /// about it (it keeps asking).
     pub unclear_budget: u32,
     /// CDC (the slot) or poll (queries); in poll mode `slot` names the lease.
     pub mode: crate::values::RunMode,

@@ -18,9 +18,15 @@
 //! * a message certainly not stored is sent again as it is.
 //!
 //! Each try waits longer than the one before ([`Policy::backoff`]), at least as long as the
-//! endpoint asked (Retry-After). Past [`Policy::budget`] tries the aggregate is held with its
-//! reason, as a poison event is (`outboxd quarantine list`, `release`): a quarantine record
-//! resolves the event for the checkpoint, and its open attempt is reconciled at the next start.
+//! endpoint asked (Retry-After). Past [`Policy::budget`] tries the event stays parked, asked
+//! again every [`Policy::max`], and the relay says so (an error log line, the
+//! `outboxd_unclear_events` gauge and its alert). It is deliberately *not* held durably like a
+//! poison event: the outcome is unknown, not refused, and a copy may be at the destination. A
+//! hold recorded for an event that another path then proves published (a paused predecessor's
+//! late report, a look-up of an earlier generation's attempt) is stale and dropped by the
+//! ledger, while this run's gate would keep the aggregate held and record every later event as
+//! held behind a hold that does not exist: lost events (found by `outbox-sim`). Waiting costs
+//! one aggregate; holding could cost its events.
 
 use std::time::{Duration, SystemTime};
 
@@ -137,25 +143,29 @@ impl PipelineCore {
         self.park_or_hold(parked, tries);
     }
 
-    /// Parks `parked`, or holds its aggregate when its tries are past the budget.
+    /// Parks `parked`. Past the budget it stays parked — asked again every [`Policy::max`] —
+    /// and says so once, loudly: see the module documentation for why it is not held.
     fn park_or_hold(&mut self, parked: Parked, tries: u32) {
-        if tries <= self.unclear_policy.budget {
-            self.parked.insert(parked.p.ev.event_id, parked);
-            return;
+        if tries == self.unclear_policy.budget + 1 {
+            tracing::error!(event_id = %parked.p.ev.event_id,
+                aggregate = %format!("{}/{}", parked.key.0, parked.key.1),
+                tries, last_error = %parked.error,
+                "unclear outcome past --unclear-budget: the aggregate keeps waiting and the relay keeps asking every {:?}; check the destination",
+                self.unclear_policy.max);
         }
-        let Parked { p, key, error, .. } = parked;
-        let id = p.ev.event_id;
-        self.unclear_tries.remove(&id);
-        let reason = format!(
-            "{tries} sends and look-ups of event {id} ended without a clear answer (last: {error}); the aggregate is held: check the destination, then `outboxd quarantine release`"
-        );
-        self.poison_key(
-            &key,
-            (id, p.ev.aggregate_version, p.commit_lsn, p.ack),
-            "unclear_budget",
-            reason,
-        );
-        self.gate.done(&key);
+        self.parked.insert(parked.p.ev.event_id, parked);
+    }
+
+    /// Parked events whose tries are past the budget.
+    pub fn past_budget(&self) -> usize {
+        self.parked
+            .keys()
+            .filter(|id| {
+                self.unclear_tries
+                    .get(id)
+                    .is_some_and(|t| *t > self.unclear_policy.budget)
+            })
+            .count()
     }
 
     fn bump_tries(&mut self, id: Uuid) -> u32 {
@@ -190,6 +200,11 @@ impl PipelineCore {
     /// for its replay.
     pub fn holds_unclear(&self, event_id: Uuid) -> bool {
         self.parked.contains_key(&event_id) || self.open_at_start.contains_key(&event_id)
+    }
+
+    /// Whether `event_id` is parked (its look-up, running or due, resolves it).
+    pub fn is_parked(&self, event_id: Uuid) -> bool {
+        self.parked.contains_key(&event_id)
     }
 
     /// Events parked after an unclear outcome (each holds its aggregate).

@@ -84,6 +84,8 @@ pub(crate) struct LookupDone {
     attempt: attempts::UnknownAttempt,
     started: Instant,
     result: Result<Lookup, SinkError>,
+    /// What the look-ups of the event's later attempts proved, in this round.
+    prior: Option<LookupOutcome>,
 }
 
 /// Completes with the next finished look-up; never while none can arrive. Cancel-safe.
@@ -293,13 +295,10 @@ impl Pipeline {
             match step {
                 UnclearStep::Send(send) => self.execute(vec![send]).await?,
                 UnclearStep::Lookup { event } => {
-                    let started = Instant::now();
                     let id = event.event_id;
-                    let Some(attempt) =
-                        attempts::open_unknown_of(&self.client, &self.slot, id).await?
-                    else {
+                    if !self.start_lookup(event, None).await? {
                         // Resolved meanwhile by another path; nothing to ask the broker. The core
-                        // asks again after its backoff, and past its budget holds the aggregate.
+                        // asks again after its backoff.
                         let commands = self.core.lookup_done(
                             id,
                             LookupOutcome::Unresolved {
@@ -309,19 +308,7 @@ impl Pipeline {
                             self.now(),
                         )?;
                         self.execute(commands).await?;
-                        continue;
-                    };
-                    let query = super::reconcile::lookup_query(&self.client, &attempt).await?;
-                    let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
-                    tokio::spawn(async move {
-                        let result = sink.lookup(query.of(&event, &attempt)).await;
-                        let _ = tx.send(LookupDone {
-                            event,
-                            attempt,
-                            started,
-                            result,
-                        });
-                    });
+                    }
                 }
             }
         }
@@ -329,14 +316,45 @@ impl Pipeline {
         Ok(())
     }
 
-    /// A look-up of a parked event finished: record what it proved, tell the core, send what
-    /// follows (the retry, or the aggregate's next event).
+    /// Starts the look-up of `event`'s latest open DISPATCH_UNKNOWN attempt on its own task,
+    /// carrying what the look-ups of its later attempts proved (`prior`). False if none is open.
+    async fn start_lookup(
+        &mut self,
+        event: OutboxEvent,
+        prior: Option<LookupOutcome>,
+    ) -> Result<bool, RelayError> {
+        let Some(attempt) =
+            attempts::open_unknown_of(&self.client, &self.slot, event.event_id).await?
+        else {
+            return Ok(false);
+        };
+        let started = Instant::now();
+        let query = super::reconcile::lookup_query(&self.client, &attempt).await?;
+        let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
+        tokio::spawn(async move {
+            let result = sink.lookup(query.of(&event, &attempt)).await;
+            let _ = tx.send(LookupDone {
+                event,
+                attempt,
+                started,
+                result,
+                prior,
+            });
+        });
+        Ok(true)
+    }
+
+    /// A look-up of a parked event finished: record what it proved; while the event has
+    /// another open attempt (an earlier run's, an earlier try's), look that one up too, so
+    /// every attempt is traced; then tell the core and send what follows (the retry, or the
+    /// aggregate's next event).
     pub async fn on_lookup(&mut self, done: LookupDone) -> Result<(), RelayError> {
         let LookupDone {
             event,
             attempt,
             started,
             result,
+            prior,
         } = done;
         let id = event.event_id;
         let outcome = match result {
@@ -373,6 +391,29 @@ impl Pipeline {
                 }
             }
         };
+        // Any copy found settles the event (no resend); a retry goes above every attempt.
+        let outcome = match (prior, outcome) {
+            (_, u @ LookupOutcome::Unresolved { .. }) => u,
+            (Some(LookupOutcome::Recorded), _) | (_, LookupOutcome::Recorded) => {
+                LookupOutcome::Recorded
+            }
+            (
+                Some(LookupOutcome::Retry {
+                    attempt_generation: a,
+                }),
+                LookupOutcome::Retry {
+                    attempt_generation: b,
+                },
+            ) => LookupOutcome::Retry {
+                attempt_generation: a.max(b),
+            },
+            (_, retry) => retry,
+        };
+        if !matches!(outcome, LookupOutcome::Unresolved { .. })
+            && self.start_lookup(event, Some(outcome.clone())).await?
+        {
+            return Ok(());
+        }
         let commands = self.core.lookup_done(id, outcome, self.now())?;
         self.note_batch();
         self.execute(commands).await?;

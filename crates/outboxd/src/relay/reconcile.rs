@@ -60,9 +60,8 @@ pub(crate) async fn reconcile_unknown(
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
     for a in open {
-        // This run holds the event itself (parked after an unclear outcome, or open at start
-        // and waiting for its replay): its own look-up resolves it.
-        if pipeline.core.holds_unclear(a.event_id) {
+        // This run has the event parked: its own look-up resolves it (every open attempt).
+        if pipeline.core.is_parked(a.event_id) {
             continue;
         }
         let unknown_for = Duration::from_secs_f64(a.unknown_for_s.max(0.0));
@@ -84,8 +83,13 @@ pub(crate) async fn reconcile_unknown(
             // it, and the look-up runs at `wait` from now beside everything else (a restart
             // with many open attempts does not wait for them one by one).
             Step::WaitThenLookup(wait) if when == When::Start => {
-                let due = std::time::SystemTime::now() + wait;
-                pipeline.core.open_at_start.insert(a.event_id, due);
+                // An event already published (a late report recorded its receipt) may never
+                // be replayed to park it: its attempt is traced by the look-ups of other
+                // generations' attempts while running (below), not left open.
+                if !attempts::has_receipt(sql, a.event_id).await? {
+                    let due = std::time::SystemTime::now() + wait;
+                    pipeline.core.open_at_start.insert(a.event_id, due);
+                }
                 continue;
             }
             Step::WaitThenLookup(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
@@ -120,6 +124,11 @@ pub(crate) async fn reconcile_unknown(
                 Resolved::StillUnknown
             }
         };
+        // Settled here: an event open at start that the replay reaches later is found (never
+        // sent again) or retried with the next generation, not parked again.
+        if resolved != Resolved::StillUnknown {
+            pipeline.core.open_at_start.remove(&a.event_id);
+        }
         pipeline.core.unknown_resolved(a.event_id, &resolved);
     }
     Ok(())
