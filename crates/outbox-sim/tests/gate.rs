@@ -30,6 +30,8 @@ fn two_thousand_traces_violate_nothing() {
     assert_eq!(c.duplicate_effects, 0);
     assert_eq!(c.unknown_untraced, 0);
     assert_eq!(c.late_acks, c.late_acks_converged);
+    assert_eq!(c.stalls, 0);
+    assert_eq!(c.unclear_restarts, 0);
     // The faults really happened (a gate that injects nothing proves nothing).
     assert!(c.relay_crashes > 1_000, "{c:?}");
     assert!(c.relay_pauses > 1_000, "{c:?}");
@@ -41,6 +43,13 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.receipt_rollbacks > 10, "{c:?}");
     // A quarter of the traces run the relay in poll mode.
     assert!(c.poll_traces > 300 && c.poll_events > 10_000, "{c:?}");
+    // Unclear outcomes park their events while the run goes on: looked up (some look-ups
+    // fail), sent again, left open at start, and now and then past the budget.
+    assert!(c.unclear_outcomes > 5_000, "{c:?}");
+    assert!(c.unclear_lookups > 1_000 && c.lookups_failed > 1_000, "{c:?}");
+    assert!(c.unclear_resends > 1_000, "{c:?}");
+    assert!(c.open_at_start > 1_000, "{c:?}");
+    assert!(c.unclear_budget_holds > 5, "{c:?}");
 }
 
 #[test]
@@ -61,7 +70,8 @@ fn a_trace_replays_alone_and_identically() {
 /// Each broken variant must be caught, within 1,500 traces, by every counter that names its
 /// bug; together they make every invariant counter non-zero at least once. Product mutants
 /// (planted in `outbox-relay` and `outbox-core`): confirm-before-accept, retry-reresolves-route,
-/// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine.
+/// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
+/// unclear-never-due.
 #[test]
 fn every_mutant_is_caught() {
     type Counter = fn(&Counts) -> u64;
@@ -129,6 +139,11 @@ fn every_mutant_is_caught() {
             Mutant::EarlyTakeoverOfLiveHolder,
             &[("stale_sends", |c| c.stale_sends)],
         ),
+        (Mutant::UnclearNeverDue, &[("stalls", |c| c.stalls)]),
+        (
+            Mutant::BugEndRunOnUnclear,
+            &[("unclear_restarts", |c| c.unclear_restarts)],
+        ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000) and
         // poll-purge-held (1 in 1,000,000) are too rare for 1,500 traces:
         // the_traces_that_found_bugs_stay_fixed replays their traces.
@@ -182,3 +197,33 @@ fn the_traces_that_found_bugs_stay_fixed() {
         );
     }
 }
+
+/// What the simulator found in issue 25's change (an unclear outcome parks its event and the
+/// run goes on); docs/simulation.md, "Open findings". Each trace violates an invariant with the
+/// product as it is on this branch, and passes once the product is fixed; the old driver
+/// (`bug-end-run-on-unclear`) passes every one of them.
+#[test]
+fn the_traces_of_the_issue_25_findings_pass() {
+    let findings: &[(u64, u64, &str)] = &[
+        (1, 144, "A: a look-up resolves another attempt; the run's own stays open"),
+        (1, 1056, "B: open_at_start kept for an event the run never sends (CDC)"),
+        (1, 207, "B: open_at_start kept for an event the run never sends (poll)"),
+        (1, 4664, "C: an unclear-budget hold dropped as stale; the gate stays held"),
+        (1, 3495, "D: poll migration while an older round's copy waits behind a parked event"),
+        (1, 4602, "E: a skipped event sent when the parked event before it resolves"),
+    ];
+    let mut failing = Vec::new();
+    for (seed, trace, what) in findings {
+        let old = run_trace(*seed, *trace, Some(Mutant::BugEndRunOnUnclear), false).counts;
+        assert_eq!(old.violations(), old.unclear_restarts, "{what}");
+        let now = run_trace(*seed, *trace, None, false).counts;
+        if now.violations() > 0 {
+            failing.push(format!(
+                "{what}: outbox-sim --seed {seed} --trace {trace}: {}",
+                now.summary()
+            ));
+        }
+    }
+    assert!(failing.is_empty(), "{}", failing.join("\n"));
+}
+

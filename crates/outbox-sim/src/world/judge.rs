@@ -378,12 +378,23 @@ impl World {
                 }
             }
         }
-        untraced += self
+        for a in self
             .ledger
             .attempts
             .iter()
             .filter(|a| a.state == AttemptState::Unknown)
-            .count() as u64;
+        {
+            untraced += 1;
+            if self.verbose {
+                self.log.push(format!(
+                    "UNTRACED: attempt {} of {} (gen {}) still open; the event {} published",
+                    a.attempt,
+                    self.rows[a.row].ev.event_id,
+                    a.relay_gen,
+                    if self.ledger.primary.contains_key(&a.row) { "is" } else { "is not" }
+                ));
+            }
+        }
         self.c.unknown_untraced = untraced;
 
         // Order: per partition and aggregate, first occurrences in version order.

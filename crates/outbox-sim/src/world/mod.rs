@@ -1590,6 +1590,7 @@ impl World {
             // the core asks for the look-up or the resend when it is due.
             Reported::Unclear(failure) => {
                 self.c.unclear_outcomes += 1;
+                self.log_budget_hold(i, failure.event_id);
                 let Some(u) = failure.unknown else {
                     log!(
                         self,
@@ -1712,7 +1713,24 @@ impl World {
             .core
             .lookup_done(id, outcome, now)
             .map_err(|_| End::Error("relay core: lookup_done"))?;
+        self.log_budget_hold(i, id);
         self.execute(i, commands)
+    }
+
+    /// Logs an aggregate held after `--unclear-budget` tries of `id` (the core parks an event
+    /// within its budget, and holds its aggregate past it).
+    fn log_budget_hold(&mut self, i: usize, id: Uuid) {
+        let core = &self.relays[i].core;
+        if self.verbose && !core.holds_unclear(id) && core.batch_len() > 0 {
+            let row = self.by_id[&id];
+            if self.relays[i].core.batch_holds(&agg_key(self.rows[row].agg)) {
+                log!(
+                    self,
+                    "o-{} held: the unclear budget of {id} is spent",
+                    self.rows[row].agg
+                );
+            }
+        }
     }
 
     /// `Pipeline::wait_one`: the next thing that moves run `i` on — a delivery report, a
