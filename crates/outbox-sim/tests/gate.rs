@@ -199,23 +199,22 @@ fn the_traces_that_found_bugs_stay_fixed() {
 }
 
 /// What the simulator found in issue 25's change (an unclear outcome parks its event and the
-/// run goes on); docs/simulation.md, "Open findings". Each trace violates an invariant with the
-/// product as it is on this branch, and passes once the product is fixed; the old driver
-/// (`bug-end-run-on-unclear`) passes every one of them.
+/// run goes on; open attempts at start handed to the run): docs/simulation.md, "Open
+/// findings". Each trace violates an invariant with the product as it is on this branch, and
+/// must pass once the product is fixed.
 #[test]
 fn the_traces_of_the_issue_25_findings_pass() {
     let findings: &[(u64, u64, &str)] = &[
-        (1, 144, "A: a look-up resolves another attempt; the run's own stays open"),
-        (1, 1056, "B: open_at_start kept for an event the run never sends (CDC)"),
-        (1, 207, "B: open_at_start kept for an event the run never sends (poll)"),
-        (1, 4664, "C: an unclear-budget hold dropped as stale; the gate stays held"),
+        (1, 1538, "A: a look-up resolved another attempt; the run's own stays open"),
+        (1, 777, "A: an unclear-budget hold; the run's own attempt stays open"),
+        (1, 15, "B: open at start, never parked by the run (CDC: published)"),
+        (1, 22, "B: open at start, never parked by the run (poll: published)"),
+        (1, 4236, "C: an unclear-budget hold dropped as stale; the gate stays held"),
         (1, 3495, "D: poll migration while an older round's copy waits behind a parked event"),
-        (1, 4602, "E: a skipped event sent when the parked event before it resolves"),
+        (1, 4532, "E: a skipped event sent when the parked event before it resolves"),
     ];
     let mut failing = Vec::new();
     for (seed, trace, what) in findings {
-        let old = run_trace(*seed, *trace, Some(Mutant::BugEndRunOnUnclear), false).counts;
-        assert_eq!(old.violations(), old.unclear_restarts, "{what}");
         let now = run_trace(*seed, *trace, None, false).counts;
         if now.violations() > 0 {
             failing.push(format!(
@@ -226,4 +225,3 @@ fn the_traces_of_the_issue_25_findings_pass() {
     }
     assert!(failing.is_empty(), "{}", failing.join("\n"));
 }
-

@@ -126,8 +126,8 @@ pub enum Mutant {
     /// aggregate never progresses (`stalls`).
     UnclearNeverDue,
     /// The driver as it was before issue 25: an unclear delivery report (possibly persisted or
-    /// not persisted), or a look-up at start that proved nothing, ends the run, and every
-    /// aggregate waits for the restart (`unclear_restarts`).
+    /// not persisted) ends the run, and every aggregate waits for the restart
+    /// (`unclear_restarts`).
     BugEndRunOnUnclear,
 }
 
@@ -995,6 +995,8 @@ impl World {
         let Some(i) = self.push_run(gen, None, self.wal.len()) else {
             return;
         };
+        // Poll mode keeps the aggregates parked since the last round began (`run_once`).
+        self.relays[i].core.unclear_touched = Some(Default::default());
         let heads = self.ledger_heads();
         self.relays[i].core.raise_heads(heads);
     }
@@ -1119,14 +1121,26 @@ impl World {
         let pending = self.poll_pending();
         log!(self, "poll round: {} pending rows", pending.len());
         let mut last_agg = None;
-        // An aggregate whose event is parked after an unclear outcome (or at the broker): a
-        // later round reads its rows again, once that event is resolved.
+        // What was sent since the last round is reported and accepted before the read (the
+        // round is due only then: `drain_all` at the start of `round`); then the aggregates
+        // parked since are forgotten, and those parked while this round reads are skipped.
+        if let Some(t) = self.relays[i].core.unclear_touched.as_mut() {
+            t.clear();
+        }
+        // An aggregate whose event is parked after an unclear outcome (or at the broker), or
+        // was parked since the read began: a later round reads its rows again.
         let mut skipping = false;
         for row in pending {
             let ev = self.rows[row].current();
             let agg = self.rows[row].agg;
             if last_agg != Some(agg) {
-                skipping = self.relays[i].core.aggregate_in_flight(&agg_key(agg));
+                let key = agg_key(agg);
+                let core = &self.relays[i].core;
+                skipping = core.aggregate_in_flight(&key)
+                    || core
+                        .unclear_touched
+                        .as_ref()
+                        .is_some_and(|t| t.contains(&key));
             }
             if skipping {
                 last_agg = Some(agg);
@@ -1261,11 +1275,13 @@ impl World {
         self.reconcile_attempts(i, open, When::Start)
     }
 
-    /// `reconcile::reconcile_unknown`: look up each of the `open` attempts that
-    /// `unknown::step` says is due, record what it proved ([`World::record_lookup`]) and tell
-    /// the core. At start, an attempt the look-up could not resolve is handed to the run
-    /// (`open_at_start`: the replay parks its event and looks it up while the run goes on);
-    /// while running, the next poll asks again.
+    /// `reconcile::reconcile_unknown`. At start nothing is looked up in line: every open
+    /// attempt is handed to the run (`open_at_start`, due after what is left of its settle
+    /// time): the replay parks its event when it reaches it, and its look-up runs beside
+    /// everything else. While running, each settled attempt of another generation is looked
+    /// up and what it proved recorded ([`World::record_lookup`]); a failed look-up is asked
+    /// again at the next poll. Events this run holds itself (parked, or open at start) are
+    /// skipped: their own look-up resolves them.
     fn reconcile_attempts(&mut self, i: usize, open: Vec<usize>, when: When) -> Result<(), End> {
         for a in open {
             let (row, relay_gen, unknown_at) = {
@@ -1273,35 +1289,32 @@ impl World {
                 (at.row, at.relay_gen, at.unknown_at)
             };
             let id = self.rows[row].ev.event_id;
-            if when == When::Running && self.relays[i].core.holds_unclear(id) {
+            if self.relays[i].core.holds_unclear(id) {
                 continue;
             }
-            // The reconciler sleeps out what is left of the settle time (none with no-settle).
             let unknown_for = ms(self.now.saturating_sub(unknown_at));
             let gen = self.relays[i].gen;
+            // The core's settle time at start, `--unknown-settle-ms` while running: the same
+            // for the simulated Kafka sink (none with the mutant no-settle).
             match unknown::step(when, gen, relay_gen, unknown_for, self.settle()) {
                 Step::Skip => continue,
-                Step::WaitThenLookup(wait) => self.now += wait.as_millis() as u64,
-            }
-            if !self.is(Mutant::NoSettle) {
-                self.land_late_appends();
+                Step::WaitThenLookup(wait) if when == When::Start => {
+                    let due = std::time::SystemTime::UNIX_EPOCH + ms(self.now) + wait;
+                    log!(self, "UNKNOWN {id} open at start: the replay parks it");
+                    self.c.open_at_start += 1;
+                    self.relays[i].core.open_at_start.insert(id, due);
+                    continue;
+                }
+                Step::WaitThenLookup(_) => {}
             }
             let ev = self.rows[row].current();
             let resolved = match self.look_up(a) {
                 Some(scan) => self.record_lookup(i, a, &ev, scan)?,
                 None => {
-                    log!(self, "UNKNOWN {id}: the look-up failed");
+                    log!(self, "UNKNOWN {id}: the look-up failed; asking at the next poll");
                     Resolved::StillUnknown
                 }
             };
-            if when == When::Start && resolved == Resolved::StillUnknown {
-                if self.is(Mutant::BugEndRunOnUnclear) {
-                    return Err(End::Unclear("reconciliation look-up failed"));
-                }
-                log!(self, "UNKNOWN {id} still open: the replay parks it");
-                self.c.open_at_start += 1;
-                self.relays[i].core.open_at_start.insert(id);
-            }
             self.relays[i].core.unknown_resolved(id, &resolved);
         }
         Ok(())
