@@ -18,8 +18,12 @@ pub struct Counts {
     /// Effects a consumer applied more than once for one event id.
     pub duplicate_effects: u64,
     /// UNKNOWN attempts resolved wrongly (ABSENT while the broker has that attempt's copy) or
-    /// still open after the world healed.
+    /// still open after the world healed: the sum of the next two.
     pub unknown_untraced: u64,
+    /// Of `unknown_untraced`: proven ABSENT while the broker has that attempt's copy.
+    pub unknown_wrongly_absent: u64,
+    /// Of `unknown_untraced`: still open after the drain.
+    pub unknown_left_open: u64,
     /// Per aggregate and partition, a version first seen after a later version.
     pub order_violations: u64,
     /// The slot confirmed past an event whose ledger record was not committed.
@@ -140,6 +144,8 @@ impl Counts {
             cross_destination_retries,
             duplicate_effects,
             unknown_untraced,
+            unknown_wrongly_absent,
+            unknown_left_open,
             order_violations,
             confirmed_past_unaccepted,
             spurious_quarantines,
@@ -201,6 +207,11 @@ impl Counts {
                 ),
             ),
             ("unknown_untraced", self.unknown_untraced.to_string()),
+            (
+                "  of which wrongly_absent",
+                self.unknown_wrongly_absent.to_string(),
+            ),
+            ("  of which left_open", self.unknown_left_open.to_string()),
             ("order_violations", self.order_violations.to_string()),
             (
                 "confirmed_past_unaccepted",
@@ -378,6 +389,8 @@ impl World {
                 }
             }
         }
+        self.c.unknown_wrongly_absent = untraced;
+        self.c.unknown_left_open = 0;
         for a in self
             .ledger
             .attempts
@@ -385,6 +398,7 @@ impl World {
             .filter(|a| a.state == AttemptState::Unknown)
         {
             untraced += 1;
+            self.c.unknown_left_open += 1;
             if self.verbose {
                 self.log.push(format!(
                     "UNTRACED: attempt {} of {} (gen {}) still open; the event {} published",

@@ -194,6 +194,9 @@ const MAX_RTT: u64 = 1_500;
 const SETTLE: u64 = 2_000;
 /// Retention: nothing is purged before this long after its last send.
 const REPLAY_WINDOW: u64 = 10_000;
+/// Drain iterations (half a second each) with nothing to do and nothing due after which the
+/// drain stops: longer than [`judge::STALL_AFTER_MS`], so that what never progresses counts.
+const IDLE_LIMIT: u64 = 200;
 const AGGREGATES: u32 = 3;
 const PARTITIONS: usize = 2;
 const CONSUMERS: usize = 2;
@@ -1073,12 +1076,12 @@ impl World {
         pending
     }
 
-    /// A round starts only when the previous one is over: nothing outstanding, nothing left
-    /// to accept (the daemon drains and accepts before it reads again). The daemon also runs
-    /// idle rounds every poll interval; of those, the simulator runs the ones that change
-    /// something: a read newer than an open quarantine lets its migration go ahead.
-    /// A round waits only for events at the broker: a parked event (and what waits behind
-    /// it) stays, and the round skips its aggregate (`drain_all(.., parked_may_stay)`).
+    /// A round starts only when nothing is at the broker and nothing is left to accept (the
+    /// daemon's round drains and accepts before it reads: `drain_all(.., parked_may_stay)`); a
+    /// parked event, and what waits behind it, may stay — the round skips its aggregate. The
+    /// daemon also runs idle rounds every poll interval; of those, the simulator runs the ones
+    /// that change something: a row of an aggregate the round would not skip, or a read newer
+    /// than an open quarantine (which lets its migration go ahead).
     fn round_due(&self, i: usize) -> bool {
         let core = &self.relays[i].core;
         let read = self.ledger.poll_round.map(|(_, r)| r);
@@ -2069,7 +2072,13 @@ impl World {
         for r in &mut self.relays {
             r.paused = false;
         }
+        // Consecutive iterations in which nothing happened but time passing.
+        let (mut idle, mut was_idle) = (0, false);
         for _ in 0..5_000 {
+            if !was_idle {
+                idle = 0;
+            }
+            was_idle = false;
             self.relays.retain(|r| !r.killed);
             self.end_stale_runs();
             self.now += 1;
@@ -2186,8 +2195,21 @@ impl World {
             if all_published && self.open_unknown() == 0 {
                 break;
             }
-            // Something is still unresolved without anything to do: let time pass.
-            self.now += 500;
+            // Something is still unresolved without anything to do: let time pass, to the
+            // next parked event's due time if one waits. Past IDLE_LIMIT with nothing due,
+            // nothing will ever happen: the judge sees what never progressed.
+            let due = self.relays[i].core.next_unclear_due().map(|d| {
+                d.duration_since(std::time::SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64)
+            });
+            self.now = (self.now + 500).max(due.unwrap_or(0));
+            if due.is_none() {
+                was_idle = true;
+                idle += 1;
+                if idle > IDLE_LIMIT {
+                    break;
+                }
+            }
         }
         for c in 0..CONSUMERS {
             loop {
