@@ -239,7 +239,10 @@ impl Counts {
             ("lookups_failed", self.lookups_failed.to_string()),
             ("unclear_resends", self.unclear_resends.to_string()),
             ("open_at_start", self.open_at_start.to_string()),
-            ("unclear_budget_holds", self.unclear_budget_holds.to_string()),
+            (
+                "unclear_budget_holds",
+                self.unclear_budget_holds.to_string(),
+            ),
             ("broker_copies", self.broker_copies.to_string()),
             ("duplicate_receipts", self.duplicate_receipts.to_string()),
             ("receipt_conflicts_quarantined", self.conflicts.to_string()),
@@ -405,7 +408,11 @@ impl World {
                     a.attempt,
                     self.rows[a.row].ev.event_id,
                     a.relay_gen,
-                    if self.ledger.primary.contains_key(&a.row) { "is" } else { "is not" }
+                    if self.ledger.primary.contains_key(&a.row) {
+                        "is"
+                    } else {
+                        "is not"
+                    }
                 ));
             }
         }

@@ -572,8 +572,8 @@ impl World {
             } else {
                 0
             }, // 19 salvage
-            if unclear_due { 8 } else { 0 }, // 20 a parked event is due
-            if lookups { 8 } else { 0 },     // 21 a look-up answers
+            if unclear_due { 8 } else { 0 },      // 20 a parked event is due
+            if lookups { 8 } else { 0 },          // 21 a look-up answers
         ];
         match self.rng.weighted(&weights) {
             0 => self.producer_txn(),
@@ -1314,7 +1314,10 @@ impl World {
             let resolved = match self.look_up(a) {
                 Some(scan) => self.record_lookup(i, a, &ev, scan)?,
                 None => {
-                    log!(self, "UNKNOWN {id}: the look-up failed; asking at the next poll");
+                    log!(
+                        self,
+                        "UNKNOWN {id}: the look-up failed; asking at the next poll"
+                    );
                     Resolved::StillUnknown
                 }
             };
@@ -1711,7 +1714,10 @@ impl World {
                 }
             }
             None => {
-                log!(self, "look-up of {id} failed; asking again after the backoff");
+                log!(
+                    self,
+                    "look-up of {id} failed; asking again after the backoff"
+                );
                 LookupOutcome::Unresolved {
                     error: "simulated look-up failure".into(),
                     after: None,
@@ -1739,7 +1745,10 @@ impl World {
         let core = &self.relays[i].core;
         if self.verbose && !core.holds_unclear(id) && core.batch_len() > 0 {
             let row = self.by_id[&id];
-            if self.relays[i].core.batch_holds(&agg_key(self.rows[row].agg)) {
+            if self.relays[i]
+                .core
+                .batch_holds(&agg_key(self.rows[row].agg))
+            {
                 log!(
                     self,
                     "o-{} held: the unclear budget of {id} is spent",
