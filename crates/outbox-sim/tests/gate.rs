@@ -53,6 +53,7 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.unclear_resends > 1_000, "{c:?}");
     assert!(c.open_at_start > 1_000, "{c:?}");
     assert!(c.unclear_budget_holds > 5, "{c:?}");
+    assert!(c.producer_refusals > 100, "{c:?}");
 }
 
 #[test]

@@ -97,6 +97,8 @@ pub struct Counts {
     /// Aggregates held after `--unclear-budget` tries of one event (quarantine
     /// `unclear_budget`).
     pub unclear_budget_holds: u64,
+    /// Sends the producer did not take (not a permanent refusal): each parked its event.
+    pub producer_refusals: u64,
 }
 
 /// Simulated time a relay run must have held the lease before an aggregate that does not
@@ -183,7 +185,8 @@ impl Counts {
             lookups_failed,
             unclear_resends,
             open_at_start,
-            unclear_budget_holds
+            unclear_budget_holds,
+            producer_refusals
         );
     }
 
@@ -243,6 +246,7 @@ impl Counts {
                 "unclear_budget_holds",
                 self.unclear_budget_holds.to_string(),
             ),
+            ("producer_refusals", self.producer_refusals.to_string()),
             ("broker_copies", self.broker_copies.to_string()),
             ("duplicate_receipts", self.duplicate_receipts.to_string()),
             ("receipt_conflicts_quarantined", self.conflicts.to_string()),

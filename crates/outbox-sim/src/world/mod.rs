@@ -385,6 +385,10 @@ struct World {
     /// of the traces (drawn from a generator of their own) use 3 instead of the daemon's
     /// default, so that the hold and its release are exercised.
     unclear_budget: u32,
+    /// The producer refuses a share of the sends without taking them (queue full, a
+    /// transient client error): a quarter of the traces, drawn from a generator of their own,
+    /// as are the refusals, so that the other traces keep every draw.
+    producer_refuses: Option<SplitMix64>,
 }
 
 macro_rules! log {
@@ -430,8 +434,10 @@ impl World {
         } else {
             outbox_relay::UnclearPolicy::default().budget
         };
+        let producer_refuses = rng.fork(4).chance(250).then(|| rng.fork(5));
         World {
             unclear_budget,
+            producer_refuses,
             slot_loss_at,
             poll,
             slot_lost: false,
@@ -1514,6 +1520,24 @@ impl World {
                     self.ledger.lease_gen
                 );
                 self.c.stale_sends += 1;
+            }
+            // The producer did not take it (not a permanent refusal): nothing was handed over;
+            // the core parks the event to be sent again (`Pipeline::execute`).
+            let refused =
+                self.faults && self.producer_refuses.as_mut().is_some_and(|r| r.chance(30));
+            if refused {
+                log!(
+                    self,
+                    "the producer did not take {} (queue full)",
+                    ev.event_id
+                );
+                self.c.producer_refusals += 1;
+                let now = self.now_for(i);
+                self.relays[i]
+                    .core
+                    .send_refused(token, None, "queue full", now)
+                    .map_err(|_| End::Error("relay core: send_refused"))?;
+                continue;
             }
             self.rows[row].last_send = self.now;
             let msg = Msg {
