@@ -130,6 +130,9 @@ pub enum Mutant {
     /// A version-gap hold leaves the events queued behind the aggregate's in-flight event in
     /// the gate, where nothing sends them (the product before the simulator found it).
     GapHoldStrandsQueue,
+    /// A parked event never comes due: no look-up or resend ever resolves an unclear
+    /// outcome, so its aggregate waits forever (the simulator's `stalls`).
+    UnclearNeverDue,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).

@@ -15,7 +15,7 @@ use outbox_sim::{run_range, run_trace, Counts, Mutant};
 ///
 /// The last line printed is the release-gate summary:
 /// `traces=N lost=0 second_ids=0 cross_destination_retries=0 duplicate_effects=0
-/// late_ack_convergence=100.00% unknown_untraced=0`.
+/// late_ack_convergence=100.00% unknown_untraced=0 stalls=0 unclear_restarts=0`.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-sim", version)]
 struct Args {
@@ -30,10 +30,13 @@ struct Args {
     trace: Option<u64>,
     /// Run a deliberately broken variant, to see the simulator catch it. One of:
     /// confirm-before-accept, skip-dedup, retry-reresolves-route, no-settle, last-ack-wins,
-    /// migrate-while-unknown, purge-early, producer-new-id; or the product as it was before a
-    /// bug the simulator found was fixed: bug-poison-before-gate, bug-unknown-only-at-start,
-    /// bug-stale-quarantine, bug-migrate-replayable, bug-proof-after-migration
-    /// (docs/simulation.md).
+    /// migrate-while-unknown, purge-early, producer-new-id, second-in-flight,
+    /// ok-without-offset-is-proof, poll-offers-skipped, early-takeover-of-live-holder,
+    /// unclear-never-due; or the product as it was before a bug the simulator found was fixed:
+    /// bug-poison-before-gate, bug-unknown-only-at-start, bug-stale-quarantine,
+    /// bug-migrate-replayable, bug-proof-after-migration, bug-snapshot-gap, poll-above-head,
+    /// poll-migrate-held, poll-stale-head, poll-purge-held, bug-republish-skipped,
+    /// bug-end-run-on-unclear (docs/simulation.md).
     #[arg(long)]
     mutant: Option<String>,
     /// Worker threads; each trace runs single-threaded and alone, so the counts do not depend

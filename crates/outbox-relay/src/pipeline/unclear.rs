@@ -34,7 +34,7 @@ use outbox_core::OutboxEvent;
 use uuid::Uuid;
 
 use super::PipelineCore;
-use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Now, Pending};
+use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Mutant, Now, Pending};
 
 /// How unclear outcomes are retried, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,6 +214,9 @@ impl PipelineCore {
 
     /// When the next parked event is due (the driver wakes up then), if any is waiting.
     pub fn next_unclear_due(&self) -> Option<SystemTime> {
+        if self.planted(Mutant::UnclearNeverDue) {
+            return None;
+        }
         self.parked
             .values()
             .filter(|p| !p.running)
@@ -224,7 +227,7 @@ impl PipelineCore {
     /// The look-ups and resends due at `now`, in event-id order. Nothing while the run is
     /// ending or the lease is not certainly held (an HTTP look-up is itself a send).
     pub fn due_unclear(&mut self, now: Now) -> Vec<UnclearStep> {
-        if self.salvaging || !now.lease_valid {
+        if self.salvaging || !now.lease_valid || self.planted(Mutant::UnclearNeverDue) {
             return Vec::new();
         }
         let due: Vec<Uuid> = self

@@ -18,8 +18,12 @@ pub struct Counts {
     /// Effects a consumer applied more than once for one event id.
     pub duplicate_effects: u64,
     /// UNKNOWN attempts resolved wrongly (ABSENT while the broker has that attempt's copy) or
-    /// still open after the world healed.
+    /// still open after the world healed: the sum of the next two.
     pub unknown_untraced: u64,
+    /// Of `unknown_untraced`: proven ABSENT while the broker has that attempt's copy.
+    pub unknown_wrongly_absent: u64,
+    /// Of `unknown_untraced`: still open after the drain.
+    pub unknown_left_open: u64,
     /// Per aggregate and partition, a version first seen after a later version.
     pub order_violations: u64,
     /// The slot confirmed past an event whose ledger record was not committed.
@@ -39,6 +43,15 @@ pub struct Counts {
     /// Sends by a relay run after a newer generation took the lease (two generations sending
     /// at once).
     pub stale_sends: u64,
+    /// Aggregates that never progress: after the drain, an aggregate with an event that is
+    /// unpublished, not quarantined, not skipped and not held, although a relay run has held
+    /// the lease for [`STALL_AFTER_MS`]; plus relay loops that would wait forever (a release
+    /// awaiting a parked event that never comes due).
+    pub stalls: u64,
+    /// Relay runs ended by an unclear outcome (a delivery report without a receipt or a
+    /// refusal, a look-up that proved nothing at start): an unclear answer holds its
+    /// aggregate, never the relay (issue 25).
+    pub unclear_restarts: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
     pub late_acks: u64,
     pub late_acks_converged: u64,
@@ -70,7 +83,27 @@ pub struct Counts {
     pub skips: u64,
     /// Leases taken from a SIGKILLed holder at once, without waiting for it to expire.
     pub early_takeovers: u64,
+    /// Delivery reports without a receipt or a refusal (possibly persisted, or not persisted):
+    /// each parked its event.
+    pub unclear_outcomes: u64,
+    /// Look-ups of parked events answered while the run went on.
+    pub unclear_lookups: u64,
+    /// Look-ups (of parked events, and by reconciliation) that failed and proved nothing.
+    pub lookups_failed: u64,
+    /// Parked messages the broker certainly did not store, sent again.
+    pub unclear_resends: u64,
+    /// UNKNOWN attempts that reconciliation at start could not resolve: handed to the run.
+    pub open_at_start: u64,
+    /// Aggregates held after `--unclear-budget` tries of one event (quarantine
+    /// `unclear_budget`).
+    pub unclear_budget_holds: u64,
+    /// Sends the producer did not take (not a permanent refusal): each parked its event.
+    pub producer_refusals: u64,
 }
+
+/// Simulated time a relay run must have held the lease before an aggregate that does not
+/// progress counts as a stall: far more than the settle time plus the longest backoff.
+pub(super) const STALL_AFTER_MS: u64 = 60_000;
 
 impl Counts {
     /// Sum of the invariant counters, plus unconverged late ACKs.
@@ -88,6 +121,8 @@ impl Counts {
             + self.purged_early
             + self.skipped_offered
             + self.stale_sends
+            + self.stalls
+            + self.unclear_restarts
             + (self.late_acks - self.late_acks_converged)
     }
 
@@ -111,6 +146,8 @@ impl Counts {
             cross_destination_retries,
             duplicate_effects,
             unknown_untraced,
+            unknown_wrongly_absent,
+            unknown_left_open,
             order_violations,
             confirmed_past_unaccepted,
             spurious_quarantines,
@@ -119,6 +156,8 @@ impl Counts {
             purged_early,
             skipped_offered,
             stale_sends,
+            stalls,
+            unclear_restarts,
             late_acks,
             late_acks_converged,
             events,
@@ -140,7 +179,14 @@ impl Counts {
             poll_traces,
             poll_events,
             skips,
-            early_takeovers
+            early_takeovers,
+            unclear_outcomes,
+            unclear_lookups,
+            lookups_failed,
+            unclear_resends,
+            open_at_start,
+            unclear_budget_holds,
+            producer_refusals
         );
     }
 
@@ -164,6 +210,11 @@ impl Counts {
                 ),
             ),
             ("unknown_untraced", self.unknown_untraced.to_string()),
+            (
+                "  of which wrongly_absent",
+                self.unknown_wrongly_absent.to_string(),
+            ),
+            ("  of which left_open", self.unknown_left_open.to_string()),
             ("order_violations", self.order_violations.to_string()),
             (
                 "confirmed_past_unaccepted",
@@ -178,12 +229,24 @@ impl Counts {
             ("purged_early", self.purged_early.to_string()),
             ("skipped_offered", self.skipped_offered.to_string()),
             ("stale_sends", self.stale_sends.to_string()),
+            ("stalls", self.stalls.to_string()),
+            ("unclear_restarts", self.unclear_restarts.to_string()),
             ("events_committed", self.events.to_string()),
             ("transactions_rolled_back", self.rolled_back.to_string()),
             ("relay_sigkills", self.relay_crashes.to_string()),
             ("early_takeovers", self.early_takeovers.to_string()),
             ("relay_pauses_zombies", self.relay_pauses.to_string()),
             ("unknown_attempts", self.unknown_attempts.to_string()),
+            ("unclear_outcomes", self.unclear_outcomes.to_string()),
+            ("unclear_lookups", self.unclear_lookups.to_string()),
+            ("lookups_failed", self.lookups_failed.to_string()),
+            ("unclear_resends", self.unclear_resends.to_string()),
+            ("open_at_start", self.open_at_start.to_string()),
+            (
+                "unclear_budget_holds",
+                self.unclear_budget_holds.to_string(),
+            ),
+            ("producer_refusals", self.producer_refusals.to_string()),
             ("broker_copies", self.broker_copies.to_string()),
             ("duplicate_receipts", self.duplicate_receipts.to_string()),
             ("receipt_conflicts_quarantined", self.conflicts.to_string()),
@@ -204,14 +267,16 @@ impl Counts {
     /// The summary line of the CLI contract.
     pub fn summary(&self) -> String {
         format!(
-            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={}",
+            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={} stalls={} unclear_restarts={}",
             self.traces,
             self.lost,
             self.second_ids,
             self.cross_destination_retries,
             self.duplicate_effects,
             self.late_ack_convergence(),
-            self.unknown_untraced
+            self.unknown_untraced,
+            self.stalls,
+            self.unclear_restarts
         )
     }
 }
@@ -331,12 +396,30 @@ impl World {
                 }
             }
         }
-        untraced += self
+        self.c.unknown_wrongly_absent = untraced;
+        self.c.unknown_left_open = 0;
+        for a in self
             .ledger
             .attempts
             .iter()
             .filter(|a| a.state == AttemptState::Unknown)
-            .count() as u64;
+        {
+            untraced += 1;
+            self.c.unknown_left_open += 1;
+            if self.verbose {
+                self.log.push(format!(
+                    "UNTRACED: attempt {} of {} (gen {}) still open; the event {} published",
+                    a.attempt,
+                    self.rows[a.row].ev.event_id,
+                    a.relay_gen,
+                    if self.ledger.primary.contains_key(&a.row) {
+                        "is"
+                    } else {
+                        "is not"
+                    }
+                ));
+            }
+        }
         self.c.unknown_untraced = untraced;
 
         // Order: per partition and aggregate, first occurrences in version order.
@@ -360,5 +443,28 @@ impl World {
         self.c.order_violations = order;
 
         self.c.broker_copies = self.broker.iter().flatten().map(|p| p.len() as u64).sum();
+
+        // Stalls: after the drain, aggregates with an event nothing holds back (unpublished,
+        // no open quarantine, not skipped, the aggregate not held) although the relay run that
+        // holds the lease has had time to publish it.
+        let had_time = self
+            .active()
+            .is_some_and(|i| self.now.saturating_sub(self.relays[i].started) >= STALL_AFTER_MS);
+        if had_time {
+            let stalled: std::collections::BTreeSet<Agg> = (0..self.rows.len())
+                .filter(|r| {
+                    !self.rows[*r].purged
+                        && !self.ledger.primary.contains_key(r)
+                        && !self.ledger.skipped(*r)
+                        && self.ledger.open_quarantine(*r).is_none()
+                        && !self.ledger.holds.contains_key(&self.rows[*r].agg)
+                })
+                .map(|r| self.rows[r].agg)
+                .collect();
+            for agg in &stalled {
+                log!(self, "STALL: o-{agg} never progresses");
+            }
+            self.c.stalls += stalled.len() as u64;
+        }
     }
 }
