@@ -153,6 +153,22 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
         }
     }
 
+    /// Forgets what waits behind `key`'s in-flight event, and expects `next_version` next: a
+    /// reader that can read those events again (a poll round) offers them again later, with
+    /// what the ledger says of them then.
+    pub fn forget_queue(&mut self, key: &K, next_version: i64) -> usize {
+        match self.aggs.get_mut(key) {
+            Some(a) => {
+                let n = a.queue.len();
+                self.queued -= n;
+                a.queue.clear();
+                a.expected = a.expected.min(next_version);
+                n
+            }
+            None => 0,
+        }
+    }
+
     /// Ends a hold after an operator release; `next_version` is the version that must come next.
     pub fn release(&mut self, key: &K, next_version: i64) {
         if let Some(a) = self.aggs.get_mut(key) {

@@ -24,6 +24,18 @@ pub async fn load_held(client: &Client) -> Result<Vec<AggKey>, LedgerError> {
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// Whether aggregate `key` is held in the ledger now (a hold row, released or not).
+pub async fn is_held(client: &Client, key: &AggKey) -> Result<bool, LedgerError> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM outbox.holds WHERE aggregate_type = $1 AND aggregate_id = $2)",
+            &[&key.0, &key.1],
+        )
+        .await
+        .ctx("reading an aggregate's hold")?
+        .get(0))
+}
+
 /// Folds the head journal (one row per acceptance, migration 0013) into
 /// `outbox.aggregate_heads`: every row committed when it starts, in transactions of at most
 /// about [`FOLD_CHUNK_PAIRS`] pairs. Returns how many journal rows it folded. Deletes exactly

@@ -207,6 +207,10 @@ pub struct PipelineCore {
     pub open_at_start: HashMap<Uuid, SystemTime>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
+    /// Aggregates parked at some time in this run ([`Self::needs_hold_check`]).
+    pub(crate) unclear_seen: HashSet<AggKey>,
+    /// Aggregates an operator's release is republishing now ([`crate::release`]).
+    pub(crate) releasing: HashSet<AggKey>,
     /// Poll mode only (`Some`): the aggregates parked since the driver last cleared it. A
     /// round skips them: one resolved after the round's read began has rows that read as
     /// pending but are published.
@@ -263,6 +267,8 @@ impl PipelineCore {
             open_at_start: HashMap::new(),
             unclear_policy: unclear::Policy::default(),
             unclear_touched: None,
+            unclear_seen: HashSet::new(),
+            releasing: HashSet::new(),
             txn: None,
             last_received: Lsn::ZERO,
             durable: Lsn::ZERO,
@@ -441,7 +447,7 @@ impl PipelineCore {
         }
     }
 
-    fn record_held(&mut self, p: Pending) {
+    pub(crate) fn record_held(&mut self, p: Pending) {
         tracing::debug!(event_id = %p.ev.event_id, version = p.ev.aggregate_version, "event held");
         self.push(
             LedgerItem::Held(HeldRecord {
@@ -822,7 +828,7 @@ impl PipelineCore {
 }
 
 mod unclear;
-pub use unclear::{LookupOutcome, Policy as UnclearPolicy, UnclearStep};
+pub use unclear::{merge_lookups, LookupOutcome, Policy as UnclearPolicy, UnclearStep};
 
 #[cfg(test)]
 mod tests;

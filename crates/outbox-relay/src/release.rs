@@ -90,8 +90,18 @@ impl PipelineCore {
         }
     }
 
-    /// The next step of release `r`.
+    /// The next step of release `r`. While a release runs, its aggregate is `releasing`: its
+    /// sends are the release's own, made under the ledger's hold.
     pub fn release_step(&mut self, r: &mut Release, now: Now) -> ReleaseStep {
+        self.releasing.insert(r.key.clone());
+        let step = self.next_release_step(r, now);
+        if matches!(step, ReleaseStep::Done { .. }) {
+            self.releasing.remove(&r.key);
+        }
+        step
+    }
+
+    fn next_release_step(&mut self, r: &mut Release, now: Now) -> ReleaseStep {
         if let Some((token, version)) = r.sent {
             // Parked after an unclear outcome, or sent again: still the release's event.
             if self.is_in_flight(token) || self.aggregate_busy(&r.key) {

@@ -44,7 +44,8 @@ fn two_thousand_traces_violate_nothing() {
     // A quarter of the traces run the relay in poll mode.
     assert!(c.poll_traces > 300 && c.poll_events > 10_000, "{c:?}");
     // Unclear outcomes park their events while the run goes on: looked up (some look-ups
-    // fail), sent again, left open at start, and now and then past the budget.
+    // fail), sent again, left open at start, and now and then past the budget (where they
+    // keep waiting: never held, never skipped).
     assert!(c.unclear_outcomes > 5_000, "{c:?}");
     assert!(
         c.unclear_lookups > 1_000 && c.lookups_failed > 1_000,
@@ -52,7 +53,7 @@ fn two_thousand_traces_violate_nothing() {
     );
     assert!(c.unclear_resends > 1_000, "{c:?}");
     assert!(c.open_at_start > 1_000, "{c:?}");
-    assert!(c.unclear_budget_holds > 5, "{c:?}");
+    assert!(c.unclear_past_budget > 5, "{c:?}");
     assert!(c.producer_refusals > 100, "{c:?}");
 }
 
@@ -203,14 +204,14 @@ fn the_traces_that_found_bugs_stay_fixed() {
     let found: &[(u64, u64, Mutant)] = &[
         (1, 267, Mutant::BugPoisonBeforeGate),
         (1, 13, Mutant::BugUnknownOnlyAtStart),
-        (1, 811, Mutant::BugStaleQuarantine),
+        (1, 842, Mutant::BugStaleQuarantine),
         (1, 725, Mutant::BugMigrateReplayable),
         (1, 807, Mutant::BugMigrateReplayable),
         (1, 202789, Mutant::BugProofAfterMigration),
         (1, 54402, Mutant::PollMigrateHeld),
         (1, 27570, Mutant::PollStaleHead),
-        (1, 523938, Mutant::PollPurgeHeld),
-        (1, 24790, Mutant::PollAboveHead),
+        (1, 92310, Mutant::PollPurgeHeld),
+        (1, 1222, Mutant::PollAboveHead),
         (1, 114911, Mutant::PollAboveHead),
         (1, 56, Mutant::BugRepublishSkipped),
     ];

@@ -110,8 +110,40 @@ pub enum LookupOutcome {
     },
 }
 
+/// What the look-ups of one parked event's open attempts proved together, `prior` (its later
+/// attempts') and `next` (the one just looked up): a copy found by any settles the event (no
+/// resend); a retry goes above every attempt; nothing proven stops the round.
+pub fn merge_lookups(prior: Option<LookupOutcome>, next: LookupOutcome) -> LookupOutcome {
+    match (prior, next) {
+        (_, u @ LookupOutcome::Unresolved { .. }) => u,
+        (Some(LookupOutcome::Recorded), _) | (_, LookupOutcome::Recorded) => {
+            LookupOutcome::Recorded
+        }
+        (
+            Some(LookupOutcome::Retry {
+                attempt_generation: a,
+            }),
+            LookupOutcome::Retry {
+                attempt_generation: b,
+            },
+        ) => LookupOutcome::Retry {
+            attempt_generation: a.max(b),
+        },
+        (_, retry) => retry,
+    }
+}
+
 impl PipelineCore {
     /// A send of `f` ended unclear: its event holds the aggregate until resolved.
+    /// The aggregate of parked `event_id`, unless this run's gate holds it already (a release
+    /// in progress): the aggregate whose hold in the ledger this run does not know of yet.
+    pub fn parked_aggregate(&self, event_id: Uuid) -> Option<&AggKey> {
+        self.parked
+            .get(&event_id)
+            .map(|p| &p.key)
+            .filter(|k| !self.gate.is_held(k))
+    }
+
     pub(super) fn park(&mut self, f: InFlight, failure: &DeliveryFailure, now: Now) {
         let id = f.ev.event_id;
         let tries = self.bump_tries(id);
@@ -125,8 +157,13 @@ impl PipelineCore {
         tracing::warn!(event_id = %id, aggregate = %format!("{}/{}", f.key.0, f.key.1),
             attempt = f.attempt, tries, persistence = ?failure.persistence, error = %failure.error,
             "unclear outcome: only this aggregate waits");
+        self.unclear_seen.insert(f.key.clone());
         if let Some(t) = self.unclear_touched.as_mut() {
             t.insert(f.key.clone());
+            // Poll mode: what waits behind it was read by an earlier round and may be stale
+            // by the time it is resolved (a destination migrated, a quarantine skipped); a
+            // later round reads it again, as the ledger has it then (found by `outbox-sim`).
+            self.gate.forget_queue(&f.key, f.ev.aggregate_version + 1);
         }
         let parked = Parked {
             key: f.key,
@@ -181,6 +218,7 @@ impl PipelineCore {
             return Some(p);
         };
         let tries = self.bump_tries(p.ev.event_id);
+        self.unclear_seen.insert(key_of(&p.ev));
         if let Some(t) = self.unclear_touched.as_mut() {
             t.insert(key_of(&p.ev));
         }
@@ -293,6 +331,40 @@ impl PipelineCore {
                 Ok(Vec::new())
             }
         }
+    }
+
+    /// Whether a send of `key`'s next event must first ask the ledger whether the aggregate
+    /// is held there: it waited behind an unclear outcome in this run (for a backoff, a
+    /// look-up), long enough for a paused predecessor's salvage to record a refusal of it
+    /// after this run loaded its gate — and for an operator to skip that event. Not while this
+    /// run's gate holds it already (a release in progress sends under the hold).
+    pub fn needs_hold_check(&self, key: &AggKey) -> bool {
+        self.unclear_seen.contains(key) && !self.gate.is_held(key) && !self.releasing.contains(key)
+    }
+
+    /// The ledger holds the aggregate of the send `token`, which was not executed: the event
+    /// and everything queued behind it are recorded as held, for the operator's release to
+    /// republish in order, without what it skips (found by `outbox-sim`: a skipped event was
+    /// sent when the unclear one before it resolved).
+    pub fn hold_unsent(&mut self, token: u64) -> Result<(), CoreError> {
+        let f = self
+            .in_flight
+            .remove(&token)
+            .ok_or(CoreError::UnknownToken(token))?;
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.bytes);
+        tracing::warn!(event_id = %f.ev.event_id, aggregate = %format!("{}/{}", f.key.0, f.key.1),
+            "the aggregate was held in the ledger meanwhile: its events wait for the operator's release");
+        let key = f.key.clone();
+        self.record_held(Pending {
+            ev: f.ev,
+            commit_lsn: f.commit_lsn,
+            ack: f.ack,
+        });
+        for queued in self.gate.hold(&key) {
+            self.record_held(queued);
+        }
+        self.gate.done(&key);
+        Ok(())
     }
 
     /// Whether an event of `key` is sent and not reported on, or parked.

@@ -94,9 +94,8 @@ pub struct Counts {
     pub unclear_resends: u64,
     /// UNKNOWN attempts that reconciliation at start could not resolve: handed to the run.
     pub open_at_start: u64,
-    /// Aggregates held after `--unclear-budget` tries of one event (quarantine
-    /// `unclear_budget`).
-    pub unclear_budget_holds: u64,
+    /// Unclear events that went past `--unclear-budget` tries (they keep waiting, parked).
+    pub unclear_past_budget: u64,
     /// Sends the producer did not take (not a permanent refusal): each parked its event.
     pub producer_refusals: u64,
 }
@@ -185,7 +184,7 @@ impl Counts {
             lookups_failed,
             unclear_resends,
             open_at_start,
-            unclear_budget_holds,
+            unclear_past_budget,
             producer_refusals
         );
     }
@@ -243,8 +242,8 @@ impl Counts {
             ("unclear_resends", self.unclear_resends.to_string()),
             ("open_at_start", self.open_at_start.to_string()),
             (
-                "unclear_budget_holds",
-                self.unclear_budget_holds.to_string(),
+                "unclear_past_budget",
+                self.unclear_past_budget.to_string(),
             ),
             ("producer_refusals", self.producer_refusals.to_string()),
             ("broker_copies", self.broker_copies.to_string()),

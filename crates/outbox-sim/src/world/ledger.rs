@@ -298,9 +298,6 @@ impl World {
                     let published = self.ledger.primary.contains_key(row);
                     let stands = self.refusals().stands(RefusalKind::Quarantine, published);
                     if self.ledger.open_quarantine(*row).is_none() && stands {
-                        if code == "unclear_budget" {
-                            self.c.unclear_budget_holds += 1;
-                        }
                         if self.ledger.primary.contains_key(row) {
                             log!(
                                 self,

@@ -318,6 +318,8 @@ struct PendingLookup {
     event: OutboxEvent,
     /// The attempt (`attempts::open_unknown_of`: the event's latest open one), by index.
     attempt: usize,
+    /// What the look-ups of the event's later attempts proved, in this round.
+    prior: Option<LookupOutcome>,
 }
 
 /// Why a relay run ended.
@@ -1142,14 +1144,18 @@ impl World {
         for row in pending {
             let ev = self.rows[row].current();
             let agg = self.rows[row].agg;
-            if last_agg != Some(agg) {
+            {
                 let key = agg_key(agg);
                 let core = &self.relays[i].core;
-                skipping = core.aggregate_in_flight(&key)
-                    || core
-                        .unclear_touched
-                        .as_ref()
-                        .is_some_and(|t| t.contains(&key));
+                if last_agg != Some(agg) {
+                    skipping = core.aggregate_in_flight(&key);
+                }
+                // Parked meanwhile (during this round too: what was queued behind it is
+                // forgotten, so its later rows must wait for a later round as well).
+                skipping |= core
+                    .unclear_touched
+                    .as_ref()
+                    .is_some_and(|t| t.contains(&key));
             }
             if skipping {
                 last_agg = Some(agg);
@@ -1298,7 +1304,8 @@ impl World {
                 (at.row, at.relay_gen, at.unknown_at)
             };
             let id = self.rows[row].ev.event_id;
-            if self.relays[i].core.holds_unclear(id) {
+            // Parked: its own look-up resolves it (every open attempt).
+            if self.relays[i].core.is_parked(id) {
                 continue;
             }
             let unknown_for = ms(self.now.saturating_sub(unknown_at));
@@ -1308,10 +1315,14 @@ impl World {
             match unknown::step(when, gen, relay_gen, unknown_for, self.settle()) {
                 Step::Skip => continue,
                 Step::WaitThenLookup(wait) if when == When::Start => {
-                    let due = std::time::SystemTime::UNIX_EPOCH + ms(self.now) + wait;
-                    log!(self, "UNKNOWN {id} open at start: the replay parks it");
-                    self.c.open_at_start += 1;
-                    self.relays[i].core.open_at_start.insert(id, due);
+                    // `attempts::has_receipt`: a published event may never be replayed to
+                    // park it; the running reconciliation traces its attempt.
+                    if !self.ledger.primary.contains_key(&row) {
+                        let due = std::time::SystemTime::UNIX_EPOCH + ms(self.now) + wait;
+                        log!(self, "UNKNOWN {id} open at start: the replay parks it");
+                        self.c.open_at_start += 1;
+                        self.relays[i].core.open_at_start.insert(id, due);
+                    }
                     continue;
                 }
                 Step::WaitThenLookup(_) => {}
@@ -1327,6 +1338,9 @@ impl World {
                     Resolved::StillUnknown
                 }
             };
+            if resolved != Resolved::StillUnknown {
+                self.relays[i].core.open_at_start.remove(&id);
+            }
             self.relays[i].core.unknown_resolved(id, &resolved);
         }
         Ok(())
@@ -1492,6 +1506,23 @@ impl World {
                 event: ev,
             } = c;
             let row = self.by_id[&ev.event_id];
+            // `Pipeline::execute`: an aggregate that waited behind an unclear outcome may be
+            // held in the ledger by now (a predecessor's late refusal): the release sends it.
+            let agg = self.rows[row].agg;
+            if self.relays[i].core.needs_hold_check(&agg_key(agg))
+                && self.ledger.holds.contains_key(&agg)
+            {
+                log!(
+                    self,
+                    "o-{agg} held in the ledger meanwhile: {} not sent, recorded held",
+                    ev.event_id
+                );
+                self.relays[i]
+                    .core
+                    .hold_unsent(token)
+                    .map_err(|_| End::Error("relay core: hold_unsent"))?;
+                continue;
+            }
             let topic = topic_index(&ev.destination);
             let partition = (self.rows[row].agg as usize) % PARTITIONS;
             if ev.destination_digest != self.rows[row].current_digest() {
@@ -1633,7 +1664,6 @@ impl World {
             // the core asks for the look-up or the resend when it is due.
             Reported::Unclear(failure) => {
                 self.c.unclear_outcomes += 1;
-                self.log_budget_hold(i, failure.event_id);
                 let Some(u) = failure.unknown else {
                     log!(
                         self,
@@ -1689,35 +1719,51 @@ impl World {
                     self.execute(i, vec![send])?;
                 }
                 UnclearStep::Lookup { event } => {
-                    let row = self.by_id[&event.event_id];
-                    // `attempts::open_unknown_of`: the event's latest open attempt.
-                    let open = (0..self.ledger.attempts.len()).rev().find(|a| {
-                        let at = &self.ledger.attempts[*a];
-                        at.row == row && at.state == AttemptState::Unknown
-                    });
-                    let Some(attempt) = open else {
+                    let id = event.event_id;
+                    if !self.start_lookup(i, event, None) {
                         // Resolved meanwhile by another path: nothing to ask the broker.
                         let outcome = LookupOutcome::Unresolved {
                             error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
                             after: None,
                         };
-                        self.lookup_done(i, event.event_id, outcome)?;
-                        continue;
-                    };
-                    log!(self, "look-up of {} started", event.event_id);
-                    self.relays[i]
-                        .lookups
-                        .push(PendingLookup { event, attempt });
+                        self.lookup_done(i, id, outcome)?;
+                    }
                 }
             }
         }
         Ok(())
     }
 
+    /// `Pipeline::start_lookup`: the look-up of `event`'s latest open attempt starts (it
+    /// answers at a later step). False if none is open.
+    fn start_lookup(&mut self, i: usize, event: OutboxEvent, prior: Option<LookupOutcome>) -> bool {
+        let row = self.by_id[&event.event_id];
+        // `attempts::open_unknown_of`: the event's latest open attempt.
+        let open = (0..self.ledger.attempts.len()).rev().find(|a| {
+            let at = &self.ledger.attempts[*a];
+            at.row == row && at.state == AttemptState::Unknown
+        });
+        let Some(attempt) = open else {
+            return false;
+        };
+        log!(self, "look-up of {} started", event.event_id);
+        self.relays[i].lookups.push(PendingLookup {
+            event,
+            attempt,
+            prior,
+        });
+        true
+    }
+
     /// `Pipeline::on_lookup`: look-up `k` of run `i` answers; what it proved is recorded as
-    /// reconciliation at start records it ([`World::record_lookup`]), then the core decides.
+    /// reconciliation at start records it ([`World::record_lookup`]); while the event has
+    /// another open attempt, that one is looked up too; then the core decides.
     fn on_lookup(&mut self, i: usize, k: usize) -> Result<(), End> {
-        let PendingLookup { event, attempt } = self.relays[i].lookups.remove(k);
+        let PendingLookup {
+            event,
+            attempt,
+            prior,
+        } = self.relays[i].lookups.remove(k);
         self.c.unclear_lookups += 1;
         let id = event.event_id;
         let outcome = match self.look_up(attempt) {
@@ -1748,6 +1794,12 @@ impl World {
                 }
             }
         };
+        let outcome = outbox_relay::pipeline::merge_lookups(prior, outcome);
+        if !matches!(outcome, LookupOutcome::Unresolved { .. })
+            && self.start_lookup(i, event, Some(outcome.clone()))
+        {
+            return Ok(());
+        }
         self.lookup_done(i, id, outcome)
     }
 
@@ -1755,31 +1807,17 @@ impl World {
     /// next event).
     fn lookup_done(&mut self, i: usize, id: Uuid, outcome: LookupOutcome) -> Result<(), End> {
         let now = self.now_for(i);
+        let before = self.relays[i].core.past_budget();
         let commands = self.relays[i]
             .core
             .lookup_done(id, outcome, now)
             .map_err(|_| End::Error("relay core: lookup_done"))?;
-        self.log_budget_hold(i, id);
-        self.execute(i, commands)
-    }
-
-    /// Logs an aggregate held after `--unclear-budget` tries of `id` (the core parks an event
-    /// within its budget, and holds its aggregate past it).
-    fn log_budget_hold(&mut self, i: usize, id: Uuid) {
-        let core = &self.relays[i].core;
-        if self.verbose && !core.holds_unclear(id) && core.batch_len() > 0 {
-            let row = self.by_id[&id];
-            if self.relays[i]
-                .core
-                .batch_holds(&agg_key(self.rows[row].agg))
-            {
-                log!(
-                    self,
-                    "o-{} held: the unclear budget of {id} is spent",
-                    self.rows[row].agg
-                );
-            }
+        let after = self.relays[i].core.past_budget();
+        if after > before {
+            log!(self, "{id} is past the unclear budget: it keeps waiting");
+            self.c.unclear_past_budget += (after - before) as u64;
         }
+        self.execute(i, commands)
     }
 
     /// `Pipeline::wait_one`: the next thing that moves run `i` on — a delivery report, a

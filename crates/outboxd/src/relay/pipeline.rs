@@ -235,6 +235,14 @@ impl Pipeline {
                 event,
             } = c;
             failpoint::hit("before-send");
+            // An aggregate that waited behind an unclear outcome may be held in the ledger by
+            // now (a predecessor's late refusal): then the release sends what follows.
+            let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+            if self.core.needs_hold_check(&key) && holds::is_held(&self.client, &key).await? {
+                self.core.hold_unsent(token)?;
+                self.note_batch();
+                continue;
+            }
             match self.sink.send(&event, token).await {
                 Ok(()) => {
                     tracing::trace!(event_id = %event.event_id, attempt, "handed to the producer");
@@ -391,24 +399,7 @@ impl Pipeline {
                 }
             }
         };
-        // Any copy found settles the event (no resend); a retry goes above every attempt.
-        let outcome = match (prior, outcome) {
-            (_, u @ LookupOutcome::Unresolved { .. }) => u,
-            (Some(LookupOutcome::Recorded), _) | (_, LookupOutcome::Recorded) => {
-                LookupOutcome::Recorded
-            }
-            (
-                Some(LookupOutcome::Retry {
-                    attempt_generation: a,
-                }),
-                LookupOutcome::Retry {
-                    attempt_generation: b,
-                },
-            ) => LookupOutcome::Retry {
-                attempt_generation: a.max(b),
-            },
-            (_, retry) => retry,
-        };
+        let outcome = outbox_relay::pipeline::merge_lookups(prior, outcome);
         if !matches!(outcome, LookupOutcome::Unresolved { .. })
             && self.start_lookup(event, Some(outcome.clone())).await?
         {

@@ -212,13 +212,15 @@ async fn round(
                 // hold the aggregate behind a published event (found by outbox-sim).
                 let key = (ev.aggregate_type.clone(), ev.aggregate_id.clone());
                 if last_aggregate.as_ref() != Some(&key) {
-                    skipping = pipeline.core.aggregate_in_flight(&key)
-                        || pipeline
-                            .core
-                            .unclear_touched
-                            .as_ref()
-                            .is_some_and(|t| t.contains(&key));
+                    skipping = pipeline.core.aggregate_in_flight(&key);
                 }
+                // Parked meanwhile (during this round too: what was queued behind it is
+                // forgotten, so its later rows wait for a later round as well).
+                skipping |= pipeline
+                    .core
+                    .unclear_touched
+                    .as_ref()
+                    .is_some_and(|t| t.contains(&key));
                 if skipping {
                     last_aggregate = Some(key);
                     continue;
