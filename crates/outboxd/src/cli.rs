@@ -502,6 +502,17 @@ pub struct AdminArgs {
     /// visible in `ps`.
     #[arg(long, env = "OUTBOXD_CONSOLE_PASSWORD", hide_env_values = true)]
     pub console_password: Option<String>,
+    /// Console connections open at once; one more is refused at once ("too many
+    /// connections") and logged. [default: 16]
+    #[arg(long, env = "OUTBOXD_CONSOLE_MAX_CONNECTIONS")]
+    pub console_max_connections: Option<usize>,
+    /// A console connection that has not authenticated within this is closed, ms.
+    /// [default: 10000]
+    #[arg(long, env = "OUTBOXD_CONSOLE_LOGIN_TIMEOUT_MS")]
+    pub console_login_timeout_ms: Option<u64>,
+    /// A console connection that sends nothing for this long is closed, ms. [default: 600000]
+    #[arg(long, env = "OUTBOXD_CONSOLE_IDLE_TIMEOUT_MS")]
+    pub console_idle_timeout_ms: Option<u64>,
     /// How often gauges read from PostgreSQL (slot lag, retained WAL, pending, UNKNOWN,
     /// quarantine, holds) and the broker probe behind /readyz are refreshed, ms. [default: 5000]
     #[arg(long, env = "OUTBOXD_SAMPLE_INTERVAL_MS")]

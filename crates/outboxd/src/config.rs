@@ -213,6 +213,13 @@ pub struct AdminFile {
     /// The console password (md5 authentication); without one the console trusts every
     /// local connection. Required when the console listens on a non-loopback address.
     pub console_password: Option<Secret>,
+    /// Console connections open at once; one more is refused (`too many connections`).
+    /// Default 16.
+    pub console_max_connections: Option<usize>,
+    /// A console connection not authenticated within this is closed, ms. Default 10000.
+    pub console_login_timeout_ms: Option<u64>,
+    /// A console connection that sends nothing for this long is closed, ms. Default 600000.
+    pub console_idle_timeout_ms: Option<u64>,
     /// How often the gauges read from PostgreSQL (lag, pending, UNKNOWN, holds) and the broker
     /// probe behind `/readyz` are refreshed, ms. Default 5000.
     pub sample_interval_ms: Option<u64>,
@@ -414,10 +421,19 @@ pub struct AdminConfig {
     pub console_addr: Option<SocketAddr>,
     pub console_user: String,
     pub console_password: Option<Secret>,
+    /// Console connections open at once.
+    pub console_max_connections: usize,
+    /// A console connection must have authenticated within this.
+    pub console_login_timeout: Duration,
+    /// A console connection silent for this long is closed.
+    pub console_idle_timeout: Duration,
     pub sample_interval: Duration,
 }
 
 pub const DEFAULT_CONSOLE_USER: &str = "outboxd";
+pub const DEFAULT_CONSOLE_MAX_CONNECTIONS: usize = 16;
+pub const DEFAULT_CONSOLE_LOGIN_TIMEOUT_MS: u64 = 10_000;
+pub const DEFAULT_CONSOLE_IDLE_TIMEOUT_MS: u64 = 600_000;
 pub const DEFAULT_SAMPLE_INTERVAL_MS: u64 = 5000;
 
 impl AdminConfig {
@@ -438,6 +454,19 @@ impl AdminConfig {
         }
         if self.console_user.is_empty() {
             bail!("admin.console_user must not be empty");
+        }
+        if self.console_max_connections == 0 {
+            bail!("admin.console_max_connections (--console-max-connections) must be at least 1");
+        }
+        if self.console_login_timeout < Duration::from_millis(100) {
+            bail!(
+                "admin.console_login_timeout_ms (--console-login-timeout-ms) must be at least 100"
+            );
+        }
+        if self.console_idle_timeout < Duration::from_secs(1) {
+            bail!(
+                "admin.console_idle_timeout_ms (--console-idle-timeout-ms) must be at least 1000"
+            );
         }
         if self.sample_interval < Duration::from_millis(50) {
             bail!("admin.sample_interval_ms must be at least 50");
@@ -820,6 +849,9 @@ mod tests {
             console_addr: Some("0.0.0.0:6433".parse().unwrap()),
             console_user: DEFAULT_CONSOLE_USER.into(),
             console_password: None,
+            console_max_connections: DEFAULT_CONSOLE_MAX_CONNECTIONS,
+            console_login_timeout: Duration::from_millis(DEFAULT_CONSOLE_LOGIN_TIMEOUT_MS),
+            console_idle_timeout: Duration::from_millis(DEFAULT_CONSOLE_IDLE_TIMEOUT_MS),
             sample_interval: Duration::from_secs(5),
         };
         let e = open.validate().unwrap_err().to_string();

@@ -383,6 +383,20 @@ pub fn resolve_admin(a: &RunArgs) -> anyhow::Result<config::AdminConfig> {
             .clone()
             .map(Secret::new)
             .or(file.console_password),
+        console_max_connections: f
+            .console_max_connections
+            .or(file.console_max_connections)
+            .unwrap_or(config::DEFAULT_CONSOLE_MAX_CONNECTIONS),
+        console_login_timeout: Duration::from_millis(
+            f.console_login_timeout_ms
+                .or(file.console_login_timeout_ms)
+                .unwrap_or(config::DEFAULT_CONSOLE_LOGIN_TIMEOUT_MS),
+        ),
+        console_idle_timeout: Duration::from_millis(
+            f.console_idle_timeout_ms
+                .or(file.console_idle_timeout_ms)
+                .unwrap_or(config::DEFAULT_CONSOLE_IDLE_TIMEOUT_MS),
+        ),
         sample_interval: Duration::from_millis(
             f.sample_interval_ms
                 .or(file.sample_interval_ms)
