@@ -244,6 +244,62 @@ pub struct NatsFile {
     pub duplicate_window_ms: Option<u64>,
     /// How long a publish waits for its PubAck before the outcome is UNKNOWN, ms. Default 5000.
     pub ack_timeout_ms: Option<u64>,
+    /// User name for a server that requires user/password (with `password`).
+    pub user: Option<String>,
+    /// Password of `user` (or `OUTBOXD_NATS_PASSWORD`). Never printed.
+    pub password: Option<Secret>,
+    /// Token for a server that requires one (or `OUTBOXD_NATS_TOKEN`). Never printed.
+    pub token: Option<Secret>,
+    /// PEM file of CA certificates verifying the server's TLS certificate (implies
+    /// `require_tls`).
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Refuse a server that does not offer TLS. Default false.
+    pub require_tls: Option<bool>,
+}
+
+/// The NATS credentials and TLS settings: flags and environment > `[nats]` > none. Checked:
+/// a password needs a user, a user needs a password, user/password and token exclude each
+/// other, and the URL must not hold credentials (async-nats would not use them, and they
+/// would be printed with it); each error names the setting to use.
+pub fn resolve_nats_auth(
+    a: &crate::cli::NatsAuthArgs,
+    file: &NatsFile,
+    url: &str,
+) -> anyhow::Result<outbox_sink::NatsAuth> {
+    if outbox_sink::jetstream::url_has_credentials(url) {
+        bail!(
+            "the NATS URL {} holds credentials, which are not used from a URL: remove them from it and set nats.user + nats.password (--nats-user, OUTBOXD_NATS_PASSWORD) or nats.token (OUTBOXD_NATS_TOKEN)",
+            url.split(',').map(redact_url).collect::<Vec<_>>().join(",")
+        );
+    }
+    let auth = outbox_sink::NatsAuth {
+        user: a.nats_user.clone().or(file.user.clone()),
+        password: a
+            .nats_password
+            .clone()
+            .or(file.password.as_ref().map(|p| p.expose().to_string())),
+        token: a
+            .nats_token
+            .clone()
+            .or(file.token.as_ref().map(|t| t.expose().to_string())),
+        ca_file: a.nats_ca_file.clone().or(file.ca_file.clone()),
+        require_tls: a.nats_require_tls || file.require_tls.unwrap_or(false),
+    };
+    match (&auth.user, &auth.password, &auth.token) {
+        (Some(_), None, _) => bail!("nats.user (--nats-user) is set but no password: set OUTBOXD_NATS_PASSWORD (or nats.password)"),
+        (None, Some(_), _) => bail!("a NATS password is set (OUTBOXD_NATS_PASSWORD / nats.password) but no user: set nats.user (--nats-user)"),
+        (Some(_), Some(_), Some(_)) => bail!("both a NATS user/password and a NATS token are set: a server takes one of them; keep the one its authorization block names"),
+        _ => {}
+    }
+    if let Some(ca) = &auth.ca_file {
+        if !ca.is_file() {
+            bail!(
+                "nats.ca_file (--nats-ca-file) {} is not a readable file",
+                ca.display()
+            );
+        }
+    }
+    Ok(auth)
 }
 
 /// `[http]` section (used with `sink = "http"`): one HTTP endpoint (webhooks).
