@@ -151,7 +151,7 @@ impl Gate {
             .last_refusal_log
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+        if last.map_or(true, |t| t.elapsed() >= Duration::from_secs(10)) {
             *last = Some(Instant::now());
             tracing::warn!(%peer, max_connections = self.limits.max_connections,
                 refused_since_start = refused,

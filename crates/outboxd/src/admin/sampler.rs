@@ -141,7 +141,7 @@ pub(super) enum BrokerProbe {
     Kafka(std::sync::Arc<BaseProducer<Quiet>>),
     Nats {
         url: String,
-        auth: outbox_sink::NatsAuth,
+        auth: Box<outbox_sink::NatsAuth>,
         client: Option<async_nats::Client>,
     },
     /// An HTTP endpoint has no metadata to ask for: its answers to the relay's requests are
@@ -172,7 +172,7 @@ impl BrokerProbe {
         match &relay.nats {
             Some(n) => Ok(BrokerProbe::Nats {
                 url: n.url.clone(),
-                auth: n.auth.clone(),
+                auth: Box::new(n.auth.clone()),
                 client: None,
             }),
             None => BrokerProbe::new(&relay.sink),
