@@ -841,3 +841,55 @@ async fn wait_log(path: &std::path::Path, needle: &str) -> String {
     })
     .await
 }
+
+/// Finding 6: a server that requires TLS, its certificate signed by a CA of the test's. With
+/// `--nats-ca-file` naming that CA the relay publishes; with another CA it is refused with an
+/// error naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_verifies_the_nats_servers_certificate_with_its_ca_file() {
+    let env = TestEnv::new("js_tls").await;
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = outbox_testkit::tls::make_ca_and_server_cert(certs.path(), "natsca");
+    let (other_ca, _, _) = outbox_testkit::tls::make_ca_and_server_cert(certs.path(), "otherca");
+    let nats =
+        TestNats::start_with_tls("nats_js_tls", &cert, &key).expect("start nats-server with --tls");
+    env.db
+        .execute(
+            "SELECT outbox.set_nats_route($1, NULL, $2)",
+            &[&env.aggregate_type, &nats.name()],
+        )
+        .await
+        .expect("route the test's aggregate type to NATS");
+    let url = nats.url();
+    let start = |ca: &std::path::Path| {
+        let ca = ca.display().to_string();
+        env.relay(
+            &[],
+            &[
+                "--sink",
+                "nats",
+                "--nats-url",
+                &url,
+                "--nats-stream",
+                STREAM,
+                "--nats-create-stream",
+                "--cluster-name",
+                nats.name(),
+                "--nats-ca-file",
+                &ca,
+            ],
+        )
+    };
+    let mut relay = start(&other_ca);
+    let log = wait_log(&relay.log, "nats.ca_file").await;
+    assert!(log.contains("connecting"), "{log}");
+    relay.kill9();
+    let _relay = start(&ca);
+    env.enqueue("tls-1", json!({"i": 1})).await;
+    env.wait_count(
+        "a receipt from the NATS server that requires TLS",
+        "SELECT count(*) FROM outbox.receipts WHERE broker_kind = 'nats'",
+        1,
+    )
+    .await;
+}

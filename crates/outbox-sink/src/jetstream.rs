@@ -243,7 +243,8 @@ fn connect_advice(e: &async_nats::ConnectError, auth: &NatsAuth) -> String {
         K::AuthorizationViolation | K::Authentication => format!(
             "{e}: the server refused {given}; check those settings against the server's authorization block"
         ),
-        K::Tls => format!(
+        // rustls's verification failures arrive as IO errors ("invalid peer certificate").
+        K::Tls | K::Io if e.to_string().contains("certificate") || e.kind() == K::Tls => format!(
             "{e}: check nats.ca_file (the CA that signed the server's certificate) and that the server offers TLS (nats.require_tls)"
         ),
         _ => e.to_string(),

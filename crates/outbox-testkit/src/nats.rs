@@ -72,6 +72,17 @@ impl TestNats {
         Self::start_with_auth(name, &["--auth", token])
     }
 
+    /// A server that requires TLS (`--tls`) with this certificate and key (e.g. from
+    /// [`crate::tls::make_ca_and_server_cert`]).
+    pub fn start_with_tls(
+        name: &str,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> Result<TestNats, HarnessError> {
+        let (cert, key) = (cert.display().to_string(), key.display().to_string());
+        Self::start_with_auth(name, &["--tls", "--tlscert", &cert, "--tlskey", &key])
+    }
+
     fn start_with_auth(name: &str, auth: &[&str]) -> Result<TestNats, HarnessError> {
         let dir = tempfile::tempdir().map_err(|source| HarnessError::Io {
             context: "creating the nats-server store directory".into(),
