@@ -225,8 +225,15 @@ async fn proxy(client: TcpStream, server: TcpStream, idle: Duration) -> Result<(
                 Ok(Ok(n)) => n,
             };
             framing.feed(&buf[..n])?;
-            if sw.write_all(&buf[..n]).await.is_err() {
-                return Ok(()); // pgwire ended the connection
+            // pgwire stops reading while the client does not read its answers: that is idle
+            // too (the connection would otherwise keep its slot for ever).
+            match tokio::time::timeout(idle, sw.write_all(&buf[..n])).await {
+                Err(_) => return Err(format!(
+                    "not reading the console's answers for {} s (admin.console_idle_timeout_ms)",
+                    idle.as_secs()
+                )),
+                Ok(Err(_)) => return Ok(()), // pgwire ended the connection
+                Ok(Ok(())) => {}
             }
         }
     };
