@@ -782,6 +782,34 @@ async fn the_relay_authenticates_to_nats_with_a_user_and_password_that_never_pri
         0,
         "the password was printed"
     );
+
+    // `outboxd check` uses the same settings: the stream is seen with the right password, and
+    // the wrong one is a FAIL line naming the setting, without the password.
+    let check = |password: &str| {
+        outboxd(&[
+            "check",
+            "--database-url",
+            &env.url,
+            "--nats-url",
+            &url,
+            "--nats-stream",
+            STREAM,
+            "--nats-user",
+            "outboxd",
+            "--nats-password",
+            password,
+        ])
+    };
+    let (_, out) = check(PASSWORD);
+    assert!(out.contains(&format!("{STREAM}: subjects")), "{out}");
+    assert!(!out.contains(PASSWORD), "check printed the password: {out}");
+    let (ok, out) = check(WRONG);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("authorization violation") && out.contains("OUTBOXD_NATS_PASSWORD"),
+        "{out}"
+    );
+    assert!(!out.contains(WRONG), "check printed the password: {out}");
 }
 
 /// Finding 6: a server that requires a token (`--auth`); `OUTBOXD_NATS_TOKEN` is sent.

@@ -228,10 +228,12 @@ async fn proxy(client: TcpStream, server: TcpStream, idle: Duration) -> Result<(
             // pgwire stops reading while the client does not read its answers: that is idle
             // too (the connection would otherwise keep its slot for ever).
             match tokio::time::timeout(idle, sw.write_all(&buf[..n])).await {
-                Err(_) => return Err(format!(
+                Err(_) => {
+                    return Err(format!(
                     "not reading the console's answers for {} s (admin.console_idle_timeout_ms)",
                     idle.as_secs()
-                )),
+                ))
+                }
                 Ok(Err(_)) => return Ok(()), // pgwire ended the connection
                 Ok(Ok(())) => {}
             }
