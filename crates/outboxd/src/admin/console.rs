@@ -12,7 +12,12 @@
 //!
 //! Authentication: `trust`, or md5 with the configured user and password (a fresh salt per
 //! connection). The listener is on 127.0.0.1 unless configured otherwise, and a non-loopback
-//! address is refused without a password (`AdminConfig::validate`).
+//! address is refused without a password (`AdminConfig::validate`). Without a password every
+//! local user can read the console.
+//!
+//! Before pgwire sees a byte, [`super::guard`] caps the startup packet (10,000 bytes) and every
+//! later message (64 KiB), the number of connections, the time to log in and idle time. URLs
+//! in the output (an HTTP event's topic is its webhook URL) go through [`redact_url`].
 
 use std::fmt::Debug;
 use std::sync::Arc;
