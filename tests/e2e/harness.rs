@@ -396,6 +396,11 @@ impl RelayProcess {
         }
     }
 
+    /// The relay's process id (e.g. to read its `/proc/<pid>/status`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn signal(&self, sig: i32) {
         // SAFETY: plain kill(2) on our own child's pid.
         unsafe {

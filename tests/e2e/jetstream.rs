@@ -657,3 +657,267 @@ async fn a_stalled_server_holds_the_unclear_events_while_the_run_goes_on_and_sto
             .await
     );
 }
+
+/// Issue 33, finding 6: a NATS server that requires a user and password. The relay publishes
+/// with the right ones (`--nats-user` + `OUTBOXD_NATS_PASSWORD`); with a wrong one, none, or
+/// credentials in the URL (which async-nats ignores) it stops with an error naming the
+/// setting to use, and the password appears in no output, even at trace level, nor in
+/// `--help`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_authenticates_to_nats_with_a_user_and_password_that_never_print() {
+    const PASSWORD: &str = "N4ts-Pw?s3cr3t";
+    const WRONG: &str = "Wr0ng-Pw?s3cr3t";
+    let env = TestEnv::new("js_auth_user").await;
+    let nats = TestNats::start_with_user("nats_js_auth_user", "outboxd", PASSWORD)
+        .expect("start nats-server with --user/--pass");
+    env.db
+        .execute(
+            "SELECT outbox.set_nats_route($1, NULL, $2)",
+            &[&env.aggregate_type, &nats.name()],
+        )
+        .await
+        .expect("route the test's aggregate type to NATS");
+    let url = nats.url();
+    let port = url.rsplit(':').next().unwrap().to_string();
+    let base = |url: &str| -> Vec<String> {
+        [
+            "--sink",
+            "nats",
+            "--nats-url",
+            url,
+            "--nats-stream",
+            STREAM,
+            "--nats-create-stream",
+            "--cluster-name",
+            nats.name(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let start = |url: &str, extra: &[&str], envs: &[(&str, &str)]| {
+        let mut args = base(url);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        env.relay(envs, &args)
+    };
+    let trace = ("OUTBOXD_LOG", "trace");
+
+    // No credentials: the error says which settings the server needs.
+    let mut relay = start(&url, &[], &[trace]);
+    let log = wait_log(&relay.log, "authorization violation").await;
+    assert!(
+        log.contains("the server requires authentication") && log.contains("OUTBOXD_NATS_PASSWORD"),
+        "{log}"
+    );
+    relay.kill9();
+
+    // A wrong password: refused, naming the user and the setting, never the password.
+    let mut relay = start(
+        &url,
+        &["--nats-user", "outboxd"],
+        &[trace, ("OUTBOXD_NATS_PASSWORD", WRONG)],
+    );
+    let log = wait_log(&relay.log, "authorization violation").await;
+    assert!(
+        log.contains("the server refused user")
+            && log.contains("nats.password (OUTBOXD_NATS_PASSWORD)"),
+        "{log}"
+    );
+    relay.kill9();
+    let log = std::fs::read_to_string(&relay.log).unwrap();
+    assert_eq!(
+        log.lines().filter(|l| l.contains(WRONG)).count(),
+        0,
+        "the wrong password was printed: {log}"
+    );
+
+    // Credentials in the URL: refused before connecting, naming the settings, password hidden.
+    let with_creds = format!("nats://outboxd:{PASSWORD}@127.0.0.1:{port}");
+    let mut relay = start(&with_creds, &[], &[trace]);
+    let status = relay.wait_exit(LONG).await;
+    let log = std::fs::read_to_string(&relay.log).unwrap();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("holds credentials")
+            && log.contains("nats.user + nats.password")
+            && log.contains("nats://outboxd@127.0.0.1"),
+        "{log}"
+    );
+    assert!(!log.contains(PASSWORD), "the password was printed: {log}");
+
+    // `--help` with the password in the environment does not show it.
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["run", "--help"])
+        .env("OUTBOXD_NATS_PASSWORD", PASSWORD)
+        .env("OUTBOXD_NATS_TOKEN", PASSWORD)
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    assert!(help.contains("--nats-password"), "{help}");
+    assert!(
+        !help.contains(PASSWORD),
+        "--help printed the password: {help}"
+    );
+
+    // The right password: events are published and their receipts accepted, and no line of
+    // the trace-level log holds the password.
+    let relay = start(
+        &url,
+        &["--nats-user", "outboxd"],
+        &[trace, ("OUTBOXD_NATS_PASSWORD", PASSWORD)],
+    );
+    for i in 0..3 {
+        env.enqueue("auth-1", json!({"i": i})).await;
+    }
+    env.wait_count(
+        "receipts from the NATS server that requires a password",
+        "SELECT count(*) FROM outbox.receipts WHERE broker_kind = 'nats'",
+        3,
+    )
+    .await;
+    let log = std::fs::read_to_string(&relay.log).unwrap();
+    assert_eq!(
+        log.lines().filter(|l| l.contains(PASSWORD)).count(),
+        0,
+        "the password was printed"
+    );
+
+    // `outboxd check` uses the same settings: the stream is seen with the right password, and
+    // the wrong one is a FAIL line naming the setting, without the password.
+    let check = |password: &str| {
+        outboxd(&[
+            "check",
+            "--database-url",
+            &env.url,
+            "--nats-url",
+            &url,
+            "--nats-stream",
+            STREAM,
+            "--nats-user",
+            "outboxd",
+            "--nats-password",
+            password,
+        ])
+    };
+    let (_, out) = check(PASSWORD);
+    assert!(out.contains(&format!("{STREAM}: subjects")), "{out}");
+    assert!(!out.contains(PASSWORD), "check printed the password: {out}");
+    let (ok, out) = check(WRONG);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("authorization violation") && out.contains("OUTBOXD_NATS_PASSWORD"),
+        "{out}"
+    );
+    assert!(!out.contains(WRONG), "check printed the password: {out}");
+}
+
+/// Finding 6: a server that requires a token (`--auth`); `OUTBOXD_NATS_TOKEN` is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_authenticates_to_nats_with_a_token() {
+    const TOKEN: &str = "t0ken-s3cr3t-for-nats";
+    let env = TestEnv::new("js_auth_token").await;
+    let nats = TestNats::start_with_token("nats_js_auth_token", TOKEN)
+        .expect("start nats-server with --auth");
+    env.db
+        .execute(
+            "SELECT outbox.set_nats_route($1, NULL, $2)",
+            &[&env.aggregate_type, &nats.name()],
+        )
+        .await
+        .expect("route the test's aggregate type to NATS");
+    let url = nats.url();
+    let args = [
+        "--sink",
+        "nats",
+        "--nats-url",
+        &url,
+        "--nats-stream",
+        STREAM,
+        "--nats-create-stream",
+        "--cluster-name",
+        nats.name(),
+    ];
+    let mut relay = env.relay(&[("OUTBOXD_NATS_TOKEN", "not-the-token")], &args);
+    let log = wait_log(&relay.log, "authorization violation").await;
+    assert!(log.contains("nats.token (OUTBOXD_NATS_TOKEN)"), "{log}");
+    relay.kill9();
+    let relay = env.relay(
+        &[("OUTBOXD_LOG", "trace"), ("OUTBOXD_NATS_TOKEN", TOKEN)],
+        &args,
+    );
+    env.enqueue("tok-1", json!({"i": 1})).await;
+    env.wait_count(
+        "a receipt from the NATS server that requires a token",
+        "SELECT count(*) FROM outbox.receipts WHERE broker_kind = 'nats'",
+        1,
+    )
+    .await;
+    let log = std::fs::read_to_string(&relay.log).unwrap();
+    assert!(!log.contains(TOKEN), "the token was printed");
+}
+
+/// Waits (up to LONG) until the log at `path` holds `needle`; returns the log.
+async fn wait_log(path: &std::path::Path, needle: &str) -> String {
+    wait_for(&format!("{needle:?} in the relay's log"), LONG, || async {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.contains(needle) {
+            Ok(text)
+        } else {
+            Err(text)
+        }
+    })
+    .await
+}
+
+/// Finding 6: a server that requires TLS, its certificate signed by a CA of the test's. With
+/// `--nats-ca-file` naming that CA the relay publishes; with another CA it is refused with an
+/// error naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_verifies_the_nats_servers_certificate_with_its_ca_file() {
+    let env = TestEnv::new("js_tls").await;
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = outbox_testkit::tls::make_ca_and_server_cert(certs.path(), "natsca");
+    let (other_ca, _, _) = outbox_testkit::tls::make_ca_and_server_cert(certs.path(), "otherca");
+    let nats =
+        TestNats::start_with_tls("nats_js_tls", &cert, &key).expect("start nats-server with --tls");
+    env.db
+        .execute(
+            "SELECT outbox.set_nats_route($1, NULL, $2)",
+            &[&env.aggregate_type, &nats.name()],
+        )
+        .await
+        .expect("route the test's aggregate type to NATS");
+    let url = nats.url();
+    let start = |ca: &std::path::Path| {
+        let ca = ca.display().to_string();
+        env.relay(
+            &[],
+            &[
+                "--sink",
+                "nats",
+                "--nats-url",
+                &url,
+                "--nats-stream",
+                STREAM,
+                "--nats-create-stream",
+                "--cluster-name",
+                nats.name(),
+                "--nats-ca-file",
+                &ca,
+            ],
+        )
+    };
+    let mut relay = start(&other_ca);
+    let log = wait_log(&relay.log, "nats.ca_file").await;
+    assert!(log.contains("connecting"), "{log}");
+    relay.kill9();
+    let _relay = start(&ca);
+    env.enqueue("tls-1", json!({"i": 1})).await;
+    env.wait_count(
+        "a receipt from the NATS server that requires TLS",
+        "SELECT count(*) FROM outbox.receipts WHERE broker_kind = 'nats'",
+        1,
+    )
+    .await;
+}

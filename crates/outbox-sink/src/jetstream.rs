@@ -54,11 +54,53 @@ pub const WINDOW_MARGIN: Duration = Duration::from_secs(10);
 /// Timeout of JetStream API requests (not publishes).
 const API_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How the relay authenticates to the NATS server, and whether it must use TLS. Secrets are
+/// printed as `***` by `Debug`.
+#[derive(Clone, Default)]
+pub struct NatsAuth {
+    /// User name (with `password`): the server's `authorization { user, password }`.
+    pub user: Option<String>,
+    pub password: Option<String>,
+    /// A token: the server's `authorization { token }` (`--auth`).
+    pub token: Option<String>,
+    /// A PEM file of CA certificates to verify the server's TLS certificate (besides the
+    /// system's); setting it implies TLS.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Refuse a server that does not offer TLS (`tls://` URLs require it as well).
+    pub require_tls: bool,
+}
+
+impl std::fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hidden = |v: &Option<String>| v.as_ref().map(|_| "***");
+        f.debug_struct("NatsAuth")
+            .field("user", &self.user)
+            .field("password", &hidden(&self.password))
+            .field("token", &hidden(&self.token))
+            .field("ca_file", &self.ca_file)
+            .field("require_tls", &self.require_tls)
+            .finish()
+    }
+}
+
+/// Whether any of the (comma-separated) NATS URLs holds user info (`user:pass@`, `token@`).
+/// A NATS URL is `scheme://host:port`; anything with an `@` is taken for user info.
+/// async-nats ignores it (the server then refuses the relay) and it would be printed with the
+/// URL: the relay refuses such a URL and takes credentials from [`NatsAuth`] instead.
+pub fn url_has_credentials(urls: &str) -> bool {
+    // Any '@' counts: a password may hold '/', '?' or '#' before it (issue 33, finding 5),
+    // and a NATS URL has no other use for one.
+    urls.contains('@')
+}
+
 /// Sink settings.
 #[derive(Debug, Clone)]
 pub struct JetStreamSinkConfig {
     /// NATS server URL(s), e.g. `nats://127.0.0.1:4222` (comma-separated for a cluster).
+    /// Without user info ([`url_has_credentials`]): credentials are in `auth`.
     pub url: String,
+    /// Credentials and TLS.
+    pub auth: NatsAuth,
     /// The cluster identity this relay serves: must equal each event's frozen `dest_cluster`,
     /// and the NATS server's cluster name (or its server name when it is not clustered).
     pub cluster_name: String,
@@ -80,6 +122,7 @@ impl Default for JetStreamSinkConfig {
     fn default() -> Self {
         JetStreamSinkConfig {
             url: "nats://127.0.0.1:4222".into(),
+            auth: NatsAuth::default(),
             cluster_name: "default".into(),
             stream: "OUTBOX".into(),
             create_stream: false,
@@ -127,6 +170,7 @@ impl std::fmt::Debug for JetStreamSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("JetStreamSink")
             .field("url", &self.config.url)
+            .field("auth", &self.config.auth)
             .field("cluster_name", &self.config.cluster_name)
             .field("stream", &self.config.stream)
             .field("duplicate_window", &self.duplicate_window)
@@ -142,13 +186,69 @@ fn nats_err(url: &str, what: &str, e: impl std::fmt::Display) -> SinkError {
     }
 }
 
-async fn connect(url: &str) -> Result<async_nats::Client, SinkError> {
-    async_nats::ConnectOptions::new()
-        .name("outboxd")
-        .connection_timeout(Duration::from_secs(5))
+async fn connect(url: &str, auth: &NatsAuth) -> Result<async_nats::Client, SinkError> {
+    connect_client(url, auth, "outboxd", Duration::from_secs(5)).await
+}
+
+/// A NATS connection with the relay's credentials and TLS settings (also used by the
+/// `/readyz` probe); a URL holding credentials is refused without printing it.
+pub async fn connect_client(
+    url: &str,
+    auth: &NatsAuth,
+    name: &str,
+    timeout: Duration,
+) -> Result<async_nats::Client, SinkError> {
+    if url_has_credentials(url) {
+        // Never printed: the URL holds a secret.
+        return Err(SinkError::Nats {
+            url: "(a URL holding credentials, not printed)".into(),
+            what: "connecting".into(),
+            message: "the NATS URL holds user info (user:password@ or token@), which the client would not use: remove it from the URL and set nats.user + nats.password (OUTBOXD_NATS_USER, OUTBOXD_NATS_PASSWORD) or nats.token (OUTBOXD_NATS_TOKEN)".into(),
+        });
+    }
+    let mut options = async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(timeout);
+    if let (Some(user), Some(password)) = (&auth.user, &auth.password) {
+        options = options.user_and_password(user.clone(), password.clone());
+    }
+    if let Some(token) = &auth.token {
+        options = options.token(token.clone());
+    }
+    if let Some(ca) = &auth.ca_file {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if auth.require_tls || auth.ca_file.is_some() {
+        options = options.require_tls(true);
+    }
+    options
         .connect(url)
         .await
-        .map_err(|e| nats_err(url, "connecting", e))
+        .map_err(|e| nats_err(url, "connecting", connect_advice(&e, auth)))
+}
+
+/// A connection error with what to do about it (never a secret: async-nats's errors name the
+/// server's answer, not the credentials).
+fn connect_advice(e: &async_nats::ConnectError, auth: &NatsAuth) -> String {
+    use async_nats::ConnectErrorKind as K;
+    let given = match (&auth.user, &auth.token) {
+        (Some(u), _) => format!("user {u:?} with nats.password (OUTBOXD_NATS_PASSWORD)"),
+        (None, Some(_)) => "nats.token (OUTBOXD_NATS_TOKEN)".to_string(),
+        (None, None) => String::new(),
+    };
+    match e.kind() {
+        K::AuthorizationViolation | K::Authentication if given.is_empty() => format!(
+            "{e}: the server requires authentication; set nats.user + nats.password (OUTBOXD_NATS_USER, OUTBOXD_NATS_PASSWORD) or nats.token (OUTBOXD_NATS_TOKEN)"
+        ),
+        K::AuthorizationViolation | K::Authentication => format!(
+            "{e}: the server refused {given}; check those settings against the server's authorization block"
+        ),
+        // rustls's verification failures arrive as IO errors ("invalid peer certificate").
+        K::Tls | K::Io if e.to_string().contains("certificate") || e.kind() == K::Tls => format!(
+            "{e}: check nats.ca_file (the CA that signed the server's certificate) and that the server offers TLS (nats.require_tls)"
+        ),
+        _ => e.to_string(),
+    }
 }
 
 /// The identity a server reports: its cluster name, or its server name when unclustered;
@@ -162,8 +262,8 @@ fn server_identity(info: &async_nats::ServerInfo) -> Option<String> {
 }
 
 /// Reads the server identity and the stream's settings (for `outboxd check`).
-pub async fn inspect(url: &str, stream: &str) -> Result<StreamCheck, SinkError> {
-    let client = connect(url).await?;
+pub async fn inspect(url: &str, auth: &NatsAuth, stream: &str) -> Result<StreamCheck, SinkError> {
+    let client = connect(url, auth).await?;
     let info = client.server_info();
     let js = async_nats::jetstream::new(client);
     let facts = match js.get_stream(stream).await {
@@ -209,7 +309,7 @@ impl JetStreamSink {
         reports: UnboundedSender<Delivery>,
     ) -> Result<Self, SinkError> {
         let url = config.url.clone();
-        let client = connect(&url).await?;
+        let client = connect(&url, &config.auth).await?;
         let info = client.server_info();
         let identity = server_identity(&info);
         match &identity {
@@ -610,6 +710,27 @@ impl Sink for JetStreamSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_in_a_url_are_found_and_secrets_never_debug_print() {
+        assert!(url_has_credentials("nats://u:p@h:4222"));
+        assert!(url_has_credentials("nats://u:p?x/y#z@h:4222"));
+        assert!(url_has_credentials("nats://a:4222,nats://tok@b:4222"));
+        assert!(!url_has_credentials("nats://h:4222,tls://h2:4222"));
+        let auth = NatsAuth {
+            user: Some("outboxd".into()),
+            password: Some("pw-s3cret".into()),
+            token: Some("tok-s3cret".into()),
+            ..Default::default()
+        };
+        let cfg = JetStreamSinkConfig {
+            auth,
+            ..Default::default()
+        };
+        let d = format!("{cfg:?}");
+        assert!(d.contains("outboxd") && d.contains("***"), "{d}");
+        assert!(!d.contains("s3cret"), "{d}");
+    }
 
     #[test]
     fn a_pub_ack_is_a_receipt_only_with_a_sequence_in_the_configured_stream() {

@@ -40,7 +40,7 @@ pub mod redact;
 pub use headers::HeaderOptions;
 pub use http::{HttpReceipt, HttpSink, HttpSinkConfig};
 
-pub use jetstream::{JetStreamSink, JetStreamSinkConfig, StreamCheck};
+pub use jetstream::{JetStreamSink, JetStreamSinkConfig, NatsAuth, StreamCheck};
 pub use kafka::{
     event_headers, scan_for_event, topic_partitions, KafkaSink, KafkaSinkConfig, ScanResult,
 };

@@ -41,6 +41,7 @@ async fn sink(nats: &TestNats, window: Duration) -> (JetStreamSink, UnboundedRec
     let (tx, rx) = unbounded_channel();
     let cfg = JetStreamSinkConfig {
         url: nats.url(),
+        auth: Default::default(),
         cluster_name: nats.name().to_string(),
         stream: "S".into(),
         create_stream: true,

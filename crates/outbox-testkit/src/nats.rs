@@ -24,6 +24,8 @@ pub struct TestNats {
     name: String,
     dir: tempfile::TempDir,
     starts: u32,
+    /// Authentication flags (`--user/--pass`, `--auth`), kept for restarts.
+    auth: Vec<String>,
 }
 
 fn binary() -> PathBuf {
@@ -53,6 +55,35 @@ fn free_port() -> Result<u16, HarnessError> {
 impl TestNats {
     /// Starts a server named `name` (its identity: the relay's `--cluster-name`).
     pub fn start(name: &str) -> Result<TestNats, HarnessError> {
+        Self::start_with_auth(name, &[])
+    }
+
+    /// A server that accepts only `user` with `password` (`--user`, `--pass`).
+    pub fn start_with_user(
+        name: &str,
+        user: &str,
+        password: &str,
+    ) -> Result<TestNats, HarnessError> {
+        Self::start_with_auth(name, &["--user", user, "--pass", password])
+    }
+
+    /// A server that accepts only clients presenting `token` (`--auth`).
+    pub fn start_with_token(name: &str, token: &str) -> Result<TestNats, HarnessError> {
+        Self::start_with_auth(name, &["--auth", token])
+    }
+
+    /// A server that requires TLS (`--tls`) with this certificate and key (e.g. from
+    /// [`crate::tls::make_ca_and_server_cert`]).
+    pub fn start_with_tls(
+        name: &str,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> Result<TestNats, HarnessError> {
+        let (cert, key) = (cert.display().to_string(), key.display().to_string());
+        Self::start_with_auth(name, &["--tls", "--tlscert", &cert, "--tlskey", &key])
+    }
+
+    fn start_with_auth(name: &str, auth: &[&str]) -> Result<TestNats, HarnessError> {
         let dir = tempfile::tempdir().map_err(|source| HarnessError::Io {
             context: "creating the nats-server store directory".into(),
             source,
@@ -64,6 +95,7 @@ impl TestNats {
             name: name.to_string(),
             dir,
             starts: 0,
+            auth: auth.iter().map(|a| a.to_string()).collect(),
         };
         n.spawn()?;
         Ok(n)
@@ -74,11 +106,16 @@ impl TestNats {
         let log = self.dir.path().join(format!("server-{}.log", self.starts));
         let store = self.dir.path().join("store");
         let command = format!(
-            "{} -js -a 127.0.0.1 -p {} -sd {} -n {}",
+            "{} -js -a 127.0.0.1 -p {} -sd {} -n {}{}",
             self.bin.display(),
             self.port,
             store.display(),
-            self.name
+            self.name,
+            if self.auth.is_empty() {
+                ""
+            } else {
+                " (with authentication flags)"
+            }
         );
         let child = Command::new(&self.bin)
             .args(["-js", "-a", "127.0.0.1", "-p"])
@@ -89,6 +126,7 @@ impl TestNats {
             .arg(&self.name)
             .arg("-l")
             .arg(&log)
+            .args(&self.auth)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -184,7 +184,10 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
             .clone()
             .or(file.nats.stream.clone())
             .unwrap_or_else(|| outbox_sink::JetStreamSinkConfig::default().stream);
-        check_nats(&mut r, u, &stream, &file).await;
+        match crate::config::resolve_nats_auth(&a.nats_auth, &file.nats, u) {
+            Ok(auth) => check_nats(&mut r, u, &auth, &stream, &file).await,
+            Err(e) => r.add(Level::Fail, "nats", e.to_string()),
+        }
     }
 
     for (level, what, detail) in &r.lines {
@@ -968,8 +971,14 @@ fn broker_auto_create(sink: &KafkaSinkConfig) -> Option<bool> {
 /// The JetStream part: server identity, JetStream enabled, the stream, and its duplicate window
 /// against the relay's retry budget (re-sends later than the window are not deduplicated by
 /// the broker; the ledger still records them as duplicates).
-async fn check_nats(r: &mut Report, url: &str, stream: &str, file: &FileConfig) {
-    let facts = match outbox_sink::jetstream::inspect(url, stream).await {
+async fn check_nats(
+    r: &mut Report,
+    url: &str,
+    auth: &outbox_sink::NatsAuth,
+    stream: &str,
+    file: &FileConfig,
+) {
+    let facts = match outbox_sink::jetstream::inspect(url, auth, stream).await {
         Ok(f) => f,
         Err(e) => {
             r.add(Level::Fail, "nats", e.to_string());

@@ -297,6 +297,31 @@ pub struct MigrateDestinationArgs {
     pub by: Option<String>,
 }
 
+/// How the relay authenticates to NATS (`[nats]` in the config file). Credentials never go in
+/// the URL: a URL with `user:password@` is refused, naming these settings.
+#[derive(Debug, Default, Args)]
+pub struct NatsAuthArgs {
+    /// NATS user name (with --nats-password / OUTBOXD_NATS_PASSWORD), for a server with
+    /// `authorization { user, password }` or `--user/--pass`.
+    #[arg(long, env = "OUTBOXD_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// NATS password. Prefer the environment variable or `nats.password` in a file only the
+    /// service user can read: flags are visible in `ps`.
+    #[arg(long, env = "OUTBOXD_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+    /// NATS token, for a server with `authorization { token }` or `--auth`. Prefer the
+    /// environment variable.
+    #[arg(long, env = "OUTBOXD_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// PEM file of CA certificates that verify the NATS server's TLS certificate; implies
+    /// --nats-require-tls.
+    #[arg(long, env = "OUTBOXD_NATS_CA_FILE")]
+    pub nats_ca_file: Option<PathBuf>,
+    /// Refuse a NATS server that does not offer TLS.
+    #[arg(long, env = "OUTBOXD_NATS_REQUIRE_TLS")]
+    pub nats_require_tls: bool,
+}
+
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
@@ -310,6 +335,8 @@ pub struct CheckArgs {
     /// The JetStream stream to check. [default: OUTBOX]
     #[arg(long, env = "OUTBOXD_NATS_STREAM")]
     pub nats_stream: Option<String>,
+    #[command(flatten)]
+    pub nats_auth: NatsAuthArgs,
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
     #[arg(long, env = "OUTBOXD_PUBLICATION")]
@@ -366,6 +393,8 @@ pub struct RunArgs {
     /// retry budget (`outboxd check` warns). [default: 120000]
     #[arg(long, env = "OUTBOXD_NATS_DUPLICATE_WINDOW_MS")]
     pub nats_duplicate_window_ms: Option<u64>,
+    #[command(flatten)]
+    pub nats_auth: NatsAuthArgs,
     /// Logical replication slot (created on first run). [default: outboxd]
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
@@ -503,6 +532,17 @@ pub struct AdminArgs {
     /// visible in `ps`.
     #[arg(long, env = "OUTBOXD_CONSOLE_PASSWORD", hide_env_values = true)]
     pub console_password: Option<String>,
+    /// Console connections open at once; one more is refused at once ("too many
+    /// connections") and logged. [default: 16]
+    #[arg(long, env = "OUTBOXD_CONSOLE_MAX_CONNECTIONS")]
+    pub console_max_connections: Option<usize>,
+    /// A console connection that has not authenticated within this is closed, ms.
+    /// [default: 10000]
+    #[arg(long, env = "OUTBOXD_CONSOLE_LOGIN_TIMEOUT_MS")]
+    pub console_login_timeout_ms: Option<u64>,
+    /// A console connection that sends nothing for this long is closed, ms. [default: 600000]
+    #[arg(long, env = "OUTBOXD_CONSOLE_IDLE_TIMEOUT_MS")]
+    pub console_idle_timeout_ms: Option<u64>,
     /// How often gauges read from PostgreSQL (slot lag, retained WAL, pending, UNKNOWN,
     /// quarantine, holds) and the broker probe behind /readyz are refreshed, ms. [default: 5000]
     #[arg(long, env = "OUTBOXD_SAMPLE_INTERVAL_MS")]

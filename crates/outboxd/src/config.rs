@@ -213,6 +213,13 @@ pub struct AdminFile {
     /// The console password (md5 authentication); without one the console trusts every
     /// local connection. Required when the console listens on a non-loopback address.
     pub console_password: Option<Secret>,
+    /// Console connections open at once; one more is refused (`too many connections`).
+    /// Default 16.
+    pub console_max_connections: Option<usize>,
+    /// A console connection not authenticated within this is closed, ms. Default 10000.
+    pub console_login_timeout_ms: Option<u64>,
+    /// A console connection that sends nothing for this long is closed, ms. Default 600000.
+    pub console_idle_timeout_ms: Option<u64>,
     /// How often the gauges read from PostgreSQL (lag, pending, UNKNOWN, holds) and the broker
     /// probe behind `/readyz` are refreshed, ms. Default 5000.
     pub sample_interval_ms: Option<u64>,
@@ -237,6 +244,62 @@ pub struct NatsFile {
     pub duplicate_window_ms: Option<u64>,
     /// How long a publish waits for its PubAck before the outcome is UNKNOWN, ms. Default 5000.
     pub ack_timeout_ms: Option<u64>,
+    /// User name for a server that requires user/password (with `password`).
+    pub user: Option<String>,
+    /// Password of `user` (or `OUTBOXD_NATS_PASSWORD`). Never printed.
+    pub password: Option<Secret>,
+    /// Token for a server that requires one (or `OUTBOXD_NATS_TOKEN`). Never printed.
+    pub token: Option<Secret>,
+    /// PEM file of CA certificates verifying the server's TLS certificate (implies
+    /// `require_tls`).
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Refuse a server that does not offer TLS. Default false.
+    pub require_tls: Option<bool>,
+}
+
+/// The NATS credentials and TLS settings: flags and environment > `[nats]` > none. Checked:
+/// a password needs a user, a user needs a password, user/password and token exclude each
+/// other, and the URL must not hold credentials (async-nats would not use them, and they
+/// would be printed with it); each error names the setting to use.
+pub fn resolve_nats_auth(
+    a: &crate::cli::NatsAuthArgs,
+    file: &NatsFile,
+    url: &str,
+) -> anyhow::Result<outbox_sink::NatsAuth> {
+    if outbox_sink::jetstream::url_has_credentials(url) {
+        bail!(
+            "the NATS URL {} holds credentials, which are not used from a URL: remove them from it and set nats.user + nats.password (--nats-user, OUTBOXD_NATS_PASSWORD) or nats.token (OUTBOXD_NATS_TOKEN)",
+            url.split(',').map(redact_url).collect::<Vec<_>>().join(",")
+        );
+    }
+    let auth = outbox_sink::NatsAuth {
+        user: a.nats_user.clone().or(file.user.clone()),
+        password: a
+            .nats_password
+            .clone()
+            .or(file.password.as_ref().map(|p| p.expose().to_string())),
+        token: a
+            .nats_token
+            .clone()
+            .or(file.token.as_ref().map(|t| t.expose().to_string())),
+        ca_file: a.nats_ca_file.clone().or(file.ca_file.clone()),
+        require_tls: a.nats_require_tls || file.require_tls.unwrap_or(false),
+    };
+    match (&auth.user, &auth.password, &auth.token) {
+        (Some(_), None, _) => bail!("nats.user (--nats-user) is set but no password: set OUTBOXD_NATS_PASSWORD (or nats.password)"),
+        (None, Some(_), _) => bail!("a NATS password is set (OUTBOXD_NATS_PASSWORD / nats.password) but no user: set nats.user (--nats-user)"),
+        (Some(_), Some(_), Some(_)) => bail!("both a NATS user/password and a NATS token are set: a server takes one of them; keep the one its authorization block names"),
+        _ => {}
+    }
+    if let Some(ca) = &auth.ca_file {
+        if !ca.is_file() {
+            bail!(
+                "nats.ca_file (--nats-ca-file) {} is not a readable file",
+                ca.display()
+            );
+        }
+    }
+    Ok(auth)
 }
 
 /// `[http]` section (used with `sink = "http"`): one HTTP endpoint (webhooks).
@@ -415,10 +478,19 @@ pub struct AdminConfig {
     pub console_addr: Option<SocketAddr>,
     pub console_user: String,
     pub console_password: Option<Secret>,
+    /// Console connections open at once.
+    pub console_max_connections: usize,
+    /// A console connection must have authenticated within this.
+    pub console_login_timeout: Duration,
+    /// A console connection silent for this long is closed.
+    pub console_idle_timeout: Duration,
     pub sample_interval: Duration,
 }
 
 pub const DEFAULT_CONSOLE_USER: &str = "outboxd";
+pub const DEFAULT_CONSOLE_MAX_CONNECTIONS: usize = 16;
+pub const DEFAULT_CONSOLE_LOGIN_TIMEOUT_MS: u64 = 10_000;
+pub const DEFAULT_CONSOLE_IDLE_TIMEOUT_MS: u64 = 600_000;
 pub const DEFAULT_SAMPLE_INTERVAL_MS: u64 = 5000;
 
 impl AdminConfig {
@@ -439,6 +511,19 @@ impl AdminConfig {
         }
         if self.console_user.is_empty() {
             bail!("admin.console_user must not be empty");
+        }
+        if self.console_max_connections == 0 {
+            bail!("admin.console_max_connections (--console-max-connections) must be at least 1");
+        }
+        if self.console_login_timeout < Duration::from_millis(100) {
+            bail!(
+                "admin.console_login_timeout_ms (--console-login-timeout-ms) must be at least 100"
+            );
+        }
+        if self.console_idle_timeout < Duration::from_secs(1) {
+            bail!(
+                "admin.console_idle_timeout_ms (--console-idle-timeout-ms) must be at least 1000"
+            );
         }
         if self.sample_interval < Duration::from_millis(50) {
             bail!("admin.sample_interval_ms must be at least 50");
@@ -821,6 +906,9 @@ mod tests {
             console_addr: Some("0.0.0.0:6433".parse().unwrap()),
             console_user: DEFAULT_CONSOLE_USER.into(),
             console_password: None,
+            console_max_connections: DEFAULT_CONSOLE_MAX_CONNECTIONS,
+            console_login_timeout: Duration::from_millis(DEFAULT_CONSOLE_LOGIN_TIMEOUT_MS),
+            console_idle_timeout: Duration::from_millis(DEFAULT_CONSOLE_IDLE_TIMEOUT_MS),
             sample_interval: Duration::from_secs(5),
         };
         let e = open.validate().unwrap_err().to_string();

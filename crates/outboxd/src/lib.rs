@@ -61,10 +61,20 @@ pub fn init_logging(format: LogFormat, quiet: bool) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.finish().with(no_secret_traces()).init(),
+        LogFormat::Json => builder.json().finish().with(no_secret_traces()).init(),
     }
+}
+
+/// Drops async-nats's TRACE events whatever `OUTBOXD_LOG` asks for: it traces the CONNECT it
+/// writes with the password and token in it (issue 33, finding 6).
+fn no_secret_traces() -> tracing_subscriber::filter::FilterFn {
+    tracing_subscriber::filter::filter_fn(|meta| {
+        !(meta.target().starts_with("async_nats") && *meta.level() == tracing::Level::TRACE)
+    })
 }
 
 /// Connects for ordinary SQL, with an error that names the server and the fix.
@@ -205,8 +215,10 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         values::SinkKind::Nats => {
             let d = JetStreamSinkConfig::default();
             let n = &file.nats;
+            let url = a.nats_url.clone().or(n.url.clone()).unwrap_or_default();
             Some(JetStreamSinkConfig {
-                url: a.nats_url.clone().or(n.url.clone()).unwrap_or_default(),
+                auth: config::resolve_nats_auth(&a.nats_auth, n, &url)?,
+                url,
                 cluster_name: cluster_name
                     .clone()
                     .or(n.cluster_name.clone())
@@ -383,6 +395,20 @@ pub fn resolve_admin(a: &RunArgs) -> anyhow::Result<config::AdminConfig> {
             .clone()
             .map(Secret::new)
             .or(file.console_password),
+        console_max_connections: f
+            .console_max_connections
+            .or(file.console_max_connections)
+            .unwrap_or(config::DEFAULT_CONSOLE_MAX_CONNECTIONS),
+        console_login_timeout: Duration::from_millis(
+            f.console_login_timeout_ms
+                .or(file.console_login_timeout_ms)
+                .unwrap_or(config::DEFAULT_CONSOLE_LOGIN_TIMEOUT_MS),
+        ),
+        console_idle_timeout: Duration::from_millis(
+            f.console_idle_timeout_ms
+                .or(file.console_idle_timeout_ms)
+                .unwrap_or(config::DEFAULT_CONSOLE_IDLE_TIMEOUT_MS),
+        ),
         sample_interval: Duration::from_millis(
             f.sample_interval_ms
                 .or(file.sample_interval_ms)

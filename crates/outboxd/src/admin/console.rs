@@ -12,7 +12,12 @@
 //!
 //! Authentication: `trust`, or md5 with the configured user and password (a fresh salt per
 //! connection). The listener is on 127.0.0.1 unless configured otherwise, and a non-loopback
-//! address is refused without a password (`AdminConfig::validate`).
+//! address is refused without a password (`AdminConfig::validate`). Without a password every
+//! local user can read the console.
+//!
+//! Before pgwire sees a byte, [`super::guard`] caps the startup packet (10,000 bytes) and every
+//! later message (64 KiB), the number of connections, the time to log in and idle time. URLs
+//! in the output (an HTTP event's topic is its webhook URL) go through [`redact_url`].
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -39,7 +44,8 @@ use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 use tokio_postgres::Client;
 
-use crate::config::{AdminConfig, RelayConfig, Secret};
+use super::guard::{Gate, Limits};
+use crate::config::{redact_url, AdminConfig, RelayConfig, Secret};
 use crate::metrics;
 
 /// What every console connection shares: the ledger connection and the relay's identity.
@@ -70,22 +76,35 @@ impl Console {
     }
 }
 
-pub(super) async fn serve(listener: TcpListener, console: Arc<Console>) {
+pub(super) async fn serve(listener: TcpListener, console: Arc<Console>, limits: Limits) {
+    let gate = Arc::new(Gate::new(limits));
     loop {
         match listener.accept().await {
-            Ok((sock, _)) => {
+            Ok((sock, peer)) => {
+                // Refused at once (and answered `too many connections`) when all slots are
+                // taken; the slot is held until the connection's task ends.
+                let Some(slot) = gate.admit(&sock, peer) else {
+                    continue;
+                };
+                let (login_tx, login_rx) = tokio::sync::oneshot::channel();
                 // A startup handler per connection: it holds that connection's md5 salt.
                 let handlers = Handlers {
                     query: Arc::new(Queries(console.clone())),
                     startup: Arc::new(Startup {
                         console: console.clone(),
                         expected: std::sync::Mutex::new(None),
+                        logged_in: std::sync::Mutex::new(Some(login_tx)),
                     }),
                 };
+                let gate = gate.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = pgwire::tokio::process_socket(sock, None, handlers).await {
-                        tracing::debug!(error = %e, "admin console connection ended");
-                    }
+                    let _slot = slot;
+                    gate.run(sock, peer, login_rx, |inner| async move {
+                        if let Err(e) = pgwire::tokio::process_socket(inner, None, handlers).await {
+                            tracing::debug!(error = %e, "admin console connection ended");
+                        }
+                    })
+                    .await;
                 });
             }
             Err(e) => {
@@ -130,6 +149,16 @@ struct Startup {
     console: Arc<Console>,
     /// The md5 answer this connection must send (depends on its salt).
     expected: std::sync::Mutex<Option<String>>,
+    /// Told when authentication has finished (ends the guard's login timeout).
+    logged_in: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+}
+
+impl Startup {
+    fn note_logged_in(&self) {
+        if let Some(tx) = self.logged_in.lock().ok().and_then(|mut t| t.take()) {
+            let _ = tx.send(());
+        }
+    }
 }
 
 #[async_trait]
@@ -149,7 +178,9 @@ impl StartupHandler for Startup {
             PgWireFrontendMessage::Startup(ref startup) => {
                 save_startup_parameters_to_metadata(client, startup);
                 let Some(password) = &self.console.password else {
-                    return finish_authentication(client, &params).await;
+                    finish_authentication(client, &params).await?;
+                    self.note_logged_in();
+                    return Ok(());
                 };
                 client.set_state(PgWireConnectionState::AuthenticationInProgress);
                 let salt: [u8; 4] = rand::random();
@@ -186,6 +217,7 @@ impl StartupHandler for Startup {
                     return Err(PgWireError::InvalidPassword(user));
                 }
                 finish_authentication(client, &params).await?;
+                self.note_logged_in();
             }
             _ => {}
         }
@@ -208,7 +240,7 @@ impl SimpleQueryHandler for Queries {
             .0
             .answer(&command)
             .await
-            .map_err(|e| user_error("58000", crate::one_line(&e)))?;
+            .map_err(|e| user_error("58000", shown(crate::one_line(&e))))?;
         Ok(vec![table.into_response()])
     }
 }
@@ -310,6 +342,34 @@ impl Table {
 
 fn s<T: ToString>(v: Option<T>) -> Option<String> {
     v.map(|v| v.to_string())
+}
+
+/// A destination or a message as the console shows it: every URL in it (a webhook's topic is
+/// its URL, which may hold `user:password@` or a `token=` parameter; an error may quote one)
+/// through [`redact_url`]. Text without `://` is shown as it is.
+fn shown(text: String) -> String {
+    if !text.contains("://") {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    while let Some(i) = rest.find("://") {
+        // The URL starts after the white space, quote or bracket before its scheme and runs to
+        // the next white space or closing quote/bracket.
+        let start = rest[..i]
+            .rfind(|c: char| c.is_whitespace() || "\"'<([{=,;".contains(c))
+            .map(|j| j + rest[j..].chars().next().map_or(1, char::len_utf8))
+            .unwrap_or(0);
+        let end = rest[i..]
+            .find(|c: char| c.is_whitespace() || "\"'>)]},;".contains(c))
+            .map(|j| i + j)
+            .unwrap_or(rest.len());
+        out.push_str(&rest[..start]);
+        out.push_str(&redact_url(&rest[start..end]));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 impl Console {
@@ -439,12 +499,12 @@ impl Console {
                         Some(a.slot_name),
                         Some(a.relay_generation.to_string()),
                         Some(a.attempt_generation.to_string()),
-                        Some(a.topic),
+                        Some(shown(a.topic)),
                         Some(a.partition.to_string()),
                         Some(a.sent_at),
                         Some(a.unknown_at),
                         Some(format!("{:.3}", a.age_seconds)),
-                        Some(a.error),
+                        Some(shown(a.error)),
                     ]);
                 }
                 t
@@ -472,7 +532,7 @@ impl Console {
                         )),
                         s(e.aggregate_version),
                         Some(e.reason_code),
-                        Some(e.reason),
+                        Some(shown(e.reason)),
                         Some(e.quarantined_at),
                         None,
                     ]);
@@ -484,7 +544,7 @@ impl Console {
                         Some(format!("{}/{}", e.aggregate_type, e.aggregate_id)),
                         s(e.blocking_version),
                         Some(e.reason_code),
-                        Some(e.reason),
+                        Some(shown(e.reason)),
                         Some(e.held_at),
                         Some(e.held_events.to_string()),
                     ]);
@@ -523,7 +583,7 @@ impl Console {
                         Some(state.clone()),
                         Some(r.kind),
                         Some(r.broker_cluster),
-                        Some(r.topic),
+                        Some(shown(r.topic)),
                         Some(r.partition.to_string()),
                         Some(r.offset.to_string()),
                         Some(r.attempt.to_string()),
@@ -554,5 +614,24 @@ mod tests {
         assert!(Command::parse("SHOW RECEIPT 'x'").is_err());
         let e = Command::parse("DELETE FROM outbox.receipts").unwrap_err();
         assert!(e.contains("read-only"), "{e}");
+    }
+
+    #[test]
+    fn urls_in_console_output_lose_their_credentials() {
+        assert_eq!(
+            shown("https://hook:Hunter2@hooks.internal/x?token=abc&v=1".into()),
+            "https://hook@hooks.internal/x?v=1"
+        );
+        let e = shown("POST \"https://u:p4ss@h/x\": 500 (retry)".into());
+        assert_eq!(e, "POST \"https://u@h/x\": 500 (retry)");
+        let e = shown("a=https://u:p4ss@h/x, then nats://n:pw2@nats:4222".into());
+        assert!(!e.contains("p4ss") && !e.contains("pw2"), "{e}");
+        assert!(
+            e.contains("https://u@h/x") && e.contains("nats://n@nats:4222"),
+            "{e}"
+        );
+        // A Kafka topic or NATS subject is shown as it is.
+        assert_eq!(shown("outbox.order".into()), "outbox.order");
+        assert_eq!(shown(String::new()), "");
     }
 }

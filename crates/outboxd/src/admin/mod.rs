@@ -12,6 +12,7 @@
 //! served unless an address is configured, and a bare port binds 127.0.0.1.
 
 mod console;
+mod guard;
 mod http;
 mod sampler;
 
@@ -59,7 +60,12 @@ pub async fn start(admin: &AdminConfig, relays: &[RelayConfig]) -> anyhow::Resul
             auth = if admin.console_password.is_some() { "md5" } else { "trust" },
             "admin console listening (psql; read-only)");
         let console = console::Console::new(admin, relay);
-        tasks.push(tokio::spawn(console::serve(listener, console)));
+        let limits = guard::Limits {
+            max_connections: admin.console_max_connections,
+            login_timeout: admin.console_login_timeout,
+            idle_timeout: admin.console_idle_timeout,
+        };
+        tasks.push(tokio::spawn(console::serve(listener, console, limits)));
     }
     for r in relays {
         tasks.push(tokio::spawn(sampler::ledger(

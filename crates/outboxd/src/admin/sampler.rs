@@ -141,6 +141,7 @@ pub(super) enum BrokerProbe {
     Kafka(std::sync::Arc<BaseProducer<Quiet>>),
     Nats {
         url: String,
+        auth: Box<outbox_sink::NatsAuth>,
         client: Option<async_nats::Client>,
     },
     /// An HTTP endpoint has no metadata to ask for: its answers to the relay's requests are
@@ -171,6 +172,7 @@ impl BrokerProbe {
         match &relay.nats {
             Some(n) => Ok(BrokerProbe::Nats {
                 url: n.url.clone(),
+                auth: Box::new(n.auth.clone()),
                 client: None,
             }),
             None => BrokerProbe::new(&relay.sink),
@@ -215,14 +217,16 @@ impl BrokerProbe {
                 }
             }
             BrokerProbe::Http => Ok(1),
-            BrokerProbe::Nats { url, client } => {
+            BrokerProbe::Nats { url, auth, client } => {
                 if client.is_none() {
-                    let c = async_nats::ConnectOptions::new()
-                        .name("outboxd-admin-probe")
-                        .connection_timeout(timeout)
-                        .connect(url.as_str())
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let c = outbox_sink::jetstream::connect_client(
+                        url,
+                        auth,
+                        "outboxd-admin-probe",
+                        timeout,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
                     *client = Some(c);
                 }
                 let Some(c) = client.as_ref() else {
