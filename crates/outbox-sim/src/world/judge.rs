@@ -241,10 +241,7 @@ impl Counts {
             ("lookups_failed", self.lookups_failed.to_string()),
             ("unclear_resends", self.unclear_resends.to_string()),
             ("open_at_start", self.open_at_start.to_string()),
-            (
-                "unclear_past_budget",
-                self.unclear_past_budget.to_string(),
-            ),
+            ("unclear_past_budget", self.unclear_past_budget.to_string()),
             ("producer_refusals", self.producer_refusals.to_string()),
             ("broker_copies", self.broker_copies.to_string()),
             ("duplicate_receipts", self.duplicate_receipts.to_string()),
