@@ -240,6 +240,11 @@ fn the_traces_of_the_issue_25_findings_pass() {
     let findings: &[(u64, u64, &str)] = &[
         (
             1,
+            446112,
+            "F: a copy found while running published a version above the loaded head (poll gap)",
+        ),
+        (
+            1,
             1538,
             "A: a look-up resolved another attempt; the run's own stays open",
         ),

@@ -1341,6 +1341,16 @@ impl World {
             if resolved != Resolved::StillUnknown {
                 self.relays[i].core.open_at_start.remove(&id);
             }
+            // `reconcile_unknown`: a found copy raises its aggregate's head.
+            if matches!(
+                resolved,
+                Resolved::Found { .. } | Resolved::StoredByProbe { .. }
+            ) {
+                let agg = self.rows[row].agg;
+                self.relays[i]
+                    .core
+                    .raise_heads(vec![(agg_key(agg), ev.aggregate_version)]);
+            }
             self.relays[i].core.unknown_resolved(id, &resolved);
         }
         Ok(())
