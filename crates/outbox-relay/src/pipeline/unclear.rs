@@ -110,6 +110,22 @@ pub enum LookupOutcome {
     },
 }
 
+impl From<crate::unknown::Resolved> for LookupOutcome {
+    /// What a recorded look-up means for the parked event (the receipt, if any, is in the
+    /// ledger already).
+    fn from(r: crate::unknown::Resolved) -> Self {
+        use crate::unknown::Resolved;
+        match r {
+            Resolved::Found { .. } | Resolved::StoredByProbe { .. } => LookupOutcome::Recorded,
+            Resolved::Retry { attempt_generation } => LookupOutcome::Retry { attempt_generation },
+            Resolved::StillUnknown => LookupOutcome::Unresolved {
+                error: "the look-up proved nothing".into(),
+                after: None,
+            },
+        }
+    }
+}
+
 /// What the look-ups of one parked event's open attempts proved together, `prior` (its later
 /// attempts') and `next` (the one just looked up): a copy found by any settles the event (no
 /// resend); a retry goes above every attempt; nothing proven stops the round.

@@ -1780,18 +1780,7 @@ impl World {
             Some(scan) => {
                 let resolved = self.record_lookup(i, attempt, &event, scan)?;
                 self.relays[i].core.unknown_resolved(id, &resolved);
-                match resolved {
-                    Resolved::Found { .. } | Resolved::StoredByProbe { .. } => {
-                        LookupOutcome::Recorded
-                    }
-                    Resolved::Retry { attempt_generation } => {
-                        LookupOutcome::Retry { attempt_generation }
-                    }
-                    Resolved::StillUnknown => LookupOutcome::Unresolved {
-                        error: "the look-up proved nothing".into(),
-                        after: None,
-                    },
-                }
+                LookupOutcome::from(resolved)
             }
             None => {
                 log!(

@@ -22,8 +22,6 @@ use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use outbox_relay::unknown::Resolved;
-
 use super::{Progress, RelayError};
 use crate::failpoint;
 
@@ -378,18 +376,7 @@ impl Pipeline {
                 )
                 .await?;
                 self.core.unknown_resolved(id, &resolved);
-                match resolved {
-                    Resolved::Found { .. } | Resolved::StoredByProbe { .. } => {
-                        LookupOutcome::Recorded
-                    }
-                    Resolved::Retry { attempt_generation } => {
-                        LookupOutcome::Retry { attempt_generation }
-                    }
-                    Resolved::StillUnknown => LookupOutcome::Unresolved {
-                        error: "the look-up proved nothing".into(),
-                        after: None,
-                    },
-                }
+                LookupOutcome::from(resolved)
             }
             Err(e) => {
                 tracing::warn!(event_id = %id, error = %e, "look-up of an unclear outcome proved nothing; asking again after the backoff");
