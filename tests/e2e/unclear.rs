@@ -95,9 +95,36 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
         VERSIONS / 2 + 1..=VERSIONS,
     )
     .await;
-    env.wait_receipts(
+    // On a timeout, say which events wait and what the relay logged of them.
+    outbox_testkit::wait::wait_for(
         "every event accepted despite the misbehaving endpoint",
-        committed.len(),
+        crate::harness::LONG,
+        || async {
+            let rows = env
+                .db
+                .query(
+                    "SELECT e.event_id FROM outbox.events e
+                     WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)",
+                    &[],
+                )
+                .await
+                .unwrap();
+            if rows.is_empty() {
+                return Ok(());
+            }
+            let log = relay.log_text();
+            let mut why = format!("{} events without a receipt", rows.len());
+            for r in rows.iter().take(4) {
+                let id: uuid::Uuid = r.get(0);
+                let lines: Vec<&str> = log.lines().filter(|l| l.contains(&id.to_string())).collect();
+                why.push_str(&format!(
+                    "\n{id}: {:?} (requests {})",
+                    &lines[lines.len().saturating_sub(3)..],
+                    target.requests().iter().filter(|q| q.headers.get("idempotency-key") == Some(&id.to_string())).count()
+                ));
+            }
+            Err(why)
+        },
     )
     .await;
     let faulty = (committed.len() - before, started.elapsed());

@@ -153,16 +153,17 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
         }
     }
 
-    /// Forgets what waits behind `key`'s in-flight event, and expects `next_version` next: a
-    /// reader that can read those events again (a poll round) offers them again later, with
-    /// what the ledger says of them then.
-    pub fn forget_queue(&mut self, key: &K, next_version: i64) -> usize {
+    /// Forgets what waits behind `key`'s in-flight event: a reader that can read those events
+    /// again (a poll round) offers them again later, with what the ledger says of them then.
+    /// The expected version stays: offered again, they are below it, so they are sent (in
+    /// order, one at a time) rather than taken for a gap, and a version the ledger published
+    /// meanwhile, which the reader skips, leaves no hole behind.
+    pub fn forget_queue(&mut self, key: &K) -> usize {
         match self.aggs.get_mut(key) {
             Some(a) => {
                 let n = a.queue.len();
                 self.queued -= n;
                 a.queue.clear();
-                a.expected = a.expected.min(next_version);
                 n
             }
             None => 0,

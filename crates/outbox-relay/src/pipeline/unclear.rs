@@ -179,7 +179,7 @@ impl PipelineCore {
             // Poll mode: what waits behind it was read by an earlier round and may be stale
             // by the time it is resolved (a destination migrated, a quarantine skipped); a
             // later round reads it again, as the ledger has it then (found by `outbox-sim`).
-            self.gate.forget_queue(&f.key, f.ev.aggregate_version + 1);
+            self.gate.forget_queue(&f.key);
         }
         let parked = Parked {
             key: f.key,

@@ -234,3 +234,28 @@ fn an_attempt_left_open_at_start_parks_its_event_for_a_look_up_instead_of_sendin
     let steps = c.due_unclear(now(3_000));
     assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
 }
+
+#[test]
+fn poll_mode_forgets_what_waits_behind_a_parked_event_and_a_version_published_meanwhile_leaves_no_gap(
+) {
+    let mut c = core();
+    c.unclear_touched = Some(Default::default());
+    let (a1, a2, a3) = (event("a", 1), event("a", 2), event("a", 3));
+    let cmds = admit_txn(&mut c, &[a1.clone(), a2, a3.clone()], 100);
+    assert_eq!(cmds.len(), 1);
+    unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    assert_eq!(
+        c.outstanding(),
+        1,
+        "a/2 and a/3 forgotten: a later round reads them again"
+    );
+    c.due_unclear(now(60_000));
+    let next = c
+        .lookup_done(a1.event_id, LookupOutcome::Recorded, now(60_001))
+        .unwrap();
+    assert!(next.is_empty(), "nothing queued any more");
+    // The next round: a/2 was published meanwhile (skipped by the read), a/3 is pending.
+    let again = c.admit(a3, None, None, now(60_002)).unwrap();
+    assert_eq!(again.len(), 1, "a/3 is sent, not taken for a gap");
+    assert!(c.take_batch(true).unwrap().is_none(), "no hold");
+}
