@@ -3,8 +3,9 @@
 //!
 //! The broker-neutral rule (found / retry / still unknown) is `outbox_core::receipt::
 //! resolve_unknown`; this module adds the relay's side: when an attempt is settled enough to be
-//! looked up (at start every open attempt, sleeping out its settle time; while running only
-//! the settled attempts another generation recorded), and what the pipeline must remember
+//! looked up (at start every open attempt, what is left of its settle time becoming its due
+//! time in the run, `crate::pipeline::unclear`; while running only the settled attempts
+//! another generation recorded), and what the pipeline must remember
 //! afterwards ([`crate::PipelineCore::unknown_resolved`]): a found event is never sent again,
 //! a proven-absent one is sent again with the next attempt generation. The daemon
 //! (`relay/reconcile.rs`) does the I/O around it; the simulator calls the same functions.
@@ -28,7 +29,7 @@ pub enum When {
 pub enum Step {
     /// Not now (an attempt of this run, or not settled while running).
     Skip,
-    /// Wait this long (what is left of the settle time), then look it up.
+    /// Look it up after this long (what is left of the settle time; zero while running).
     WaitThenLookup(Duration),
 }
 

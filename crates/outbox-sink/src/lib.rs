@@ -127,13 +127,6 @@ impl SinkError {
         }
     }
 
-    /// How long the destination asked the relay to wait before asking again, when an error
-    /// says. None today: the HTTP sink already waits out `Retry-After` inside its deadline,
-    /// and the relay's own backoff follows.
-    pub fn retry_after(&self) -> Option<std::time::Duration> {
-        None
-    }
-
     /// Whether reconnecting and replaying can fix it.
     pub fn is_transient(&self) -> bool {
         matches!(

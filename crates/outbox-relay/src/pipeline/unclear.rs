@@ -151,15 +151,6 @@ pub fn merge_lookups(prior: Option<LookupOutcome>, next: LookupOutcome) -> Looku
 
 impl PipelineCore {
     /// A send of `f` ended unclear: its event holds the aggregate until resolved.
-    /// The aggregate of parked `event_id`, unless this run's gate holds it already (a release
-    /// in progress): the aggregate whose hold in the ledger this run does not know of yet.
-    pub fn parked_aggregate(&self, event_id: Uuid) -> Option<&AggKey> {
-        self.parked
-            .get(&event_id)
-            .map(|p| &p.key)
-            .filter(|k| !self.gate.is_held(k))
-    }
-
     pub(super) fn park(&mut self, f: InFlight, failure: &DeliveryFailure, now: Now) {
         let id = f.ev.event_id;
         let tries = self.bump_tries(id);
@@ -248,12 +239,6 @@ impl PipelineCore {
         };
         self.park_or_hold(parked, tries);
         None
-    }
-
-    /// Whether this run resolves `event_id` itself: parked, or left open at start and waiting
-    /// for its replay.
-    pub fn holds_unclear(&self, event_id: Uuid) -> bool {
-        self.parked.contains_key(&event_id) || self.open_at_start.contains_key(&event_id)
     }
 
     /// Whether `event_id` is parked (its look-up, running or due, resolves it).

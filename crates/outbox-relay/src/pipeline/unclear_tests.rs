@@ -226,7 +226,7 @@ fn an_attempt_left_open_at_start_parks_its_event_for_a_look_up_instead_of_sendin
     let cmds = admit_txn(&mut c, &[ev.clone(), event("a", 2), event("b", 1)], 100);
     assert_eq!(cmds.len(), 1, "only b/1 is sent");
     assert_eq!(c.parked(), 1);
-    assert!(c.holds_unclear(ev.event_id));
+    assert!(c.is_parked(ev.event_id));
     assert!(
         c.due_unclear(now(2_999)).is_empty(),
         "after its settle time"

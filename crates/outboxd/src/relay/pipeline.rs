@@ -380,8 +380,10 @@ impl Pipeline {
             }
             Err(e) => {
                 tracing::warn!(event_id = %id, error = %e, "look-up of an unclear outcome proved nothing; asking again after the backoff");
+                // The HTTP sink already waited out any Retry-After inside its deadline: the
+                // core's own backoff follows.
                 LookupOutcome::Unresolved {
-                    after: e.retry_after(),
+                    after: None,
                     error: e.to_string(),
                 }
             }

@@ -92,7 +92,7 @@ pub(crate) async fn reconcile_unknown(
                 }
                 continue;
             }
-            Step::WaitThenLookup(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
+            // While running, only settled attempts come here: no wait.
             Step::WaitThenLookup(_) => {}
         }
         let started = Instant::now();
