@@ -207,7 +207,7 @@ pub struct PipelineCore {
     pub open_at_start: HashMap<Uuid, SystemTime>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
-    /// Aggregates parked at some time in this run ([`Self::needs_hold_check`]).
+    /// Aggregates parked in this run that have not been idle since ([`Self::needs_hold_check`]).
     pub(crate) unclear_seen: HashSet<AggKey>,
     /// Aggregates an operator's release is republishing now ([`crate::release`]).
     pub(crate) releasing: HashSet<AggKey>,
@@ -752,10 +752,22 @@ impl PipelineCore {
                 return Ok(Reported::Unclear(failure));
             }
         }
-        Ok(Reported::Continue(match self.gate.done(&f.key) {
+        Ok(Reported::Continue(self.send_next(&f.key, now)))
+    }
+
+    /// `key`'s event is reported on or resolved: the next event waiting behind it is sent.
+    /// With none, nothing of the aggregate waits any more, and a later send of it needs no
+    /// look at the ledger's holds ([`Self::needs_hold_check`]): only what waited does.
+    fn send_next(&mut self, key: &AggKey, now: Now) -> Vec<Command> {
+        match self.gate.done(key) {
             Some(next) => self.send_one(next, now).into_iter().collect(),
-            None => Vec::new(),
-        }))
+            None => {
+                if !self.unclear_seen.is_empty() {
+                    self.unclear_seen.remove(key);
+                }
+                Vec::new()
+            }
+        }
     }
 
     /// Resolves the batch's events (when `track`) and takes the batch with the checkpoint the

@@ -310,10 +310,7 @@ impl PipelineCore {
                     self.tracker.resolve(a)?;
                 }
                 tracing::info!(%event_id, "unclear outcome resolved: the destination holds it; the aggregate moves on");
-                Ok(match self.gate.done(&parked.key) {
-                    Some(next) => self.send_one(next, now).into_iter().collect(),
-                    None => Vec::new(),
-                })
+                Ok(self.send_next(&parked.key, now))
             }
             LookupOutcome::Retry { attempt_generation } => {
                 self.retry_generation.insert(event_id, attempt_generation);
@@ -335,10 +332,11 @@ impl PipelineCore {
     }
 
     /// Whether a send of `key`'s next event must first ask the ledger whether the aggregate
-    /// is held there: it waited behind an unclear outcome in this run (for a backoff, a
-    /// look-up), long enough for a paused predecessor's salvage to record a refusal of it
-    /// after this run loaded its gate — and for an operator to skip that event. Not while this
-    /// run's gate holds it already (a release in progress sends under the hold).
+    /// is held there: it waited behind an unclear outcome in this run, and the aggregate has
+    /// not been idle since. The wait (a backoff, a look-up) is long enough for a paused
+    /// predecessor's salvage to record a refusal of it after this run loaded its gate, and for
+    /// an operator to skip that event. Not while this run's gate holds it already (a release
+    /// in progress sends under the hold).
     pub fn needs_hold_check(&self, key: &AggKey) -> bool {
         self.unclear_seen.contains(key) && !self.gate.is_held(key) && !self.releasing.contains(key)
     }
