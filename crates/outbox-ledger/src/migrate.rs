@@ -130,6 +130,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "destination_encoding",
         sql: include_str!("../../../migrations/0022_destination_encoding.sql"),
     },
+    Migration {
+        version: 23,
+        name: "enqueue_cost",
+        sql: include_str!("../../../migrations/0023_enqueue_cost.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -1011,3 +1011,137 @@ async fn a_shard_relay_sees_only_its_shards_releases() {
     }
     assert_eq!(seen, 6, "every hold is some shard's");
 }
+
+/// Migration 0023 made `outbox.enqueue` cheaper without changing what it writes: the same row
+/// (every column but the insert time and transaction id), the same digests, the same refusals
+/// with the same SQLSTATE and message. Migration 0022's function runs beside it, taken from the
+/// migration's own text, over routes of every kind and values that are kept, encoded or refused.
+#[tokio::test]
+async fn the_cheaper_enqueue_of_migration_0023_writes_what_0022s_wrote() {
+    let (mut c, _) = fresh("ledger_enqueue_0023").await;
+    let m22 = include_str!("../../../migrations/0022_destination_encoding.sql");
+    let start = m22
+        .find("CREATE OR REPLACE FUNCTION outbox.enqueue(")
+        .expect("migration 0022 defines outbox.enqueue");
+    let len = m22[start..]
+        .find("\n$$;")
+        .expect("outbox.enqueue of migration 0022 ends with $$;");
+    let before = m22[start..start + len + 4].replacen("outbox.enqueue(", "before0023.enqueue(", 1);
+    c.batch_execute(&format!("CREATE SCHEMA before0023; {before}"))
+        .await
+        .unwrap();
+    for route in [
+        "SELECT outbox.set_route('invoice', NULL, 'billing.{aggregate_type}s')",
+        "SELECT outbox.set_route('invoice', 'invoice.voided', 'billing.voided', 'west')",
+        "SELECT outbox.set_route(NULL, 'audit.note', 'audit.{aggregate_type}.{aggregate_id}')",
+        "SELECT outbox.set_nats_route('order', NULL, 'nats-a')",
+        "SELECT outbox.set_http_route('hook', NULL, 'hooks', 'https://example.test/in/{aggregate_type}/{aggregate_id}?x=1')",
+        "UPDATE outbox.route_policy SET priority = 5 WHERE topic = 'billing.voided'",
+    ] {
+        c.batch_execute(route).await.unwrap();
+    }
+    let long = "t".repeat(236);
+    let too_long = "t".repeat(237);
+    // aggregate type, aggregate id, event type, payload, tenant, headers, payload schema
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        &'a str,
+        &'a str,
+        Option<&'a str>,
+        Option<&'a str>,
+        Option<&'a str>,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "customer",
+            "c-1",
+            "customer.created",
+            r#"{"a": 1}"#,
+            None,
+            None,
+            None,
+        ),
+        (
+            "customer",
+            "c/1 ü",
+            "x",
+            r#"{"b": [1, "two"], "a": null}"#,
+            Some("t1"),
+            Some(r#"{"h": "v"}"#),
+            Some("s.v1"),
+        ),
+        (long.as_str(), "c-1", "x", "{}", None, None, None),
+        (too_long.as_str(), "c-1", "x", "{}", None, None, None),
+        ("bad type!", "c-1", "x", "{}", None, None, None),
+        ("a.b_c-D9", "c-1", "x", "{}", None, None, None),
+        ("invoice", "i-1", "invoice.issued", "{}", None, None, None),
+        ("invoice", "i-1", "invoice.voided", "{}", None, None, None),
+        ("ledger", "l 1", "audit.note", "{}", None, None, None),
+        ("ledger", "l.1", "audit.note", "{}", None, None, None),
+        ("order", "o-42", "order.created", "{}", None, None, None),
+        ("order", "o.42", "order.created", "{}", None, None, None),
+        ("order", "o*", "order.created", "{}", None, None, None),
+        ("hook", "../../admin", "hook.fired", "{}", None, None, None),
+        ("hook", "..", "hook.fired", "{}", None, None, None),
+        ("hook", "a?b#c%d", "hook.fired", "{}", None, None, None),
+        ("", "c-1", "x", "{}", None, None, None),
+        ("customer", "", "x", "{}", None, None, None),
+        ("customer", "c-1", "", "{}", None, None, None),
+        ("customer", "c-1", "x", "{}", None, Some("[1]"), None),
+    ];
+    let cols = EVENT_COLUMNS
+        .iter()
+        .filter(|c| !matches!(**c, "occurred_at" | "created_xid"))
+        .map(|c| format!("{c}::text"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (mut kept, mut refused) = (0, 0);
+    for (i, (at, ai, et, payload, tenant, headers, schema)) in cases.iter().enumerate() {
+        let id = uuid::Uuid::from_u128(0x0123_0000 + i as u128);
+        let mut outcomes = Vec::new();
+        for function in ["before0023.enqueue", "outbox.enqueue"] {
+            let tx = c.transaction().await.unwrap();
+            let call = tx
+                .query_one(
+                    &format!(
+                        "SELECT {function}($1, $2, $3, $4::text::jsonb, $5, $6::text::jsonb, $7, $8)"
+                    ),
+                    &[at, ai, et, payload, tenant, headers, schema, &id],
+                )
+                .await;
+            let outcome = match call {
+                Ok(_) => {
+                    let row = tx
+                        .query_one(
+                            &format!("SELECT {cols} FROM outbox.events WHERE event_id = $1"),
+                            &[&id],
+                        )
+                        .await
+                        .unwrap();
+                    let values: Vec<Option<String>> = (0..row.len()).map(|k| row.get(k)).collect();
+                    kept += 1;
+                    format!("row {values:?}")
+                }
+                Err(e) => {
+                    let db = e.as_db_error().expect("a refusal is a database error");
+                    refused += 1;
+                    format!("refused {} {}", db.code().code(), db.message())
+                }
+            };
+            tx.rollback().await.unwrap();
+            outcomes.push(outcome);
+        }
+        assert_eq!(
+            outcomes[0], outcomes[1],
+            "case {i} ({at:?}, {ai:?}, {et:?}): migration 0022's enqueue (left) and 0023's (right) differ"
+        );
+    }
+    // Both functions ran every case; the matrix meets rows kept and refusals, or it proves
+    // less than it says.
+    assert_eq!(kept + refused, 2 * cases.len());
+    assert!(
+        kept >= 2 * 10 && refused >= 2 * 6,
+        "{kept} rows, {refused} refusals"
+    );
+}
