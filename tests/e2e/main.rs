@@ -34,6 +34,7 @@ pub(crate) mod purge;
 pub(crate) mod real_kafka;
 pub(crate) mod receipts;
 pub(crate) mod reconcile;
+pub(crate) mod roles;
 pub(crate) mod security;
 pub(crate) mod shards;
 pub(crate) mod sim_regressions;

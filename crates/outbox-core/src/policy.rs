@@ -43,8 +43,8 @@ impl Recovery {
 /// The fix for a missing ledger object: the database is not (fully) migrated.
 pub const FIX_MIGRATE: &str =
     "is the database migrated? run `outboxd migrate --database-url ...` as the schema owner";
-/// The fix for a privilege the relay's role lacks.
-pub const FIX_GRANT: &str = "the relay's role lacks a privilege: grant what docs/least_privilege.sql grants (`outboxd check` prints the missing GRANT statements)";
+/// The fix for a privilege a role lacks: each of the three roles has its script.
+pub const FIX_GRANT: &str = "the role lacks a privilege: the relay's (`outboxd run`) is granted by docs/least_privilege.sql (`outboxd check` prints the missing GRANT statements); operator commands (status, reconcile, purge, consumers, share, migrate-destination, release) need a role granted outboxd_operator (docs/operator_role.sql); producers calling outbox.enqueue need outboxd_producer (docs/producer_role.sql)";
 
 /// Classifies a failure by its SQLSTATE. `None` means the server named no code: the
 /// connection broke, timed out or could not be opened, which is always worth a retry.

@@ -28,6 +28,7 @@ pub mod destination;
 pub mod holds;
 pub mod lease;
 pub mod migrate;
+pub mod privileges;
 pub mod producer;
 pub mod retention;
 pub mod status;

@@ -194,7 +194,10 @@ pub async fn purge(client: &Client, s: &PurgeSettings) -> Result<PurgeReport, Le
                  WHERE {ELIGIBLE}
                  ORDER BY r.accepted_at
                  LIMIT $2
-                 FOR UPDATE OF e, r SKIP LOCKED),
+                 -- The receipt row's lock is the event's: one receipt per event, and nothing
+                 -- updates an outbox row. Locking the outbox row too would need UPDATE on
+                 -- outbox.events, which no role but the owner has (docs/operator_role.sql).
+                 FOR UPDATE OF r SKIP LOCKED),
              t AS (
                  INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
                      aggregate_version, payload_digest, destination_digest, topic, partition,

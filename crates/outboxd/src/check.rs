@@ -37,31 +37,6 @@ impl Report {
     }
 }
 
-/// Tables the relay writes (the ledger), as granted by `docs/least_privilege.sql`.
-const LEDGER_TABLES: &[&str] = &[
-    "receipts",
-    "duplicate_receipts",
-    "quarantine",
-    "checkpoints",
-    "aggregate_heads",
-    "head_journal",
-    "holds",
-    "held_events",
-    "relay_leases",
-    "attempts",
-    "poll_positions",
-    "poll_rounds",
-    "relay_members",
-];
-
-/// Sequences behind the ledger tables' ids.
-const LEDGER_SEQUENCES: &[&str] = &[
-    "duplicate_receipts_id_seq",
-    "quarantine_id_seq",
-    "attempts_id_seq",
-    "head_journal_id_seq",
-];
-
 /// Stand-in for a missing `--bootstrap-servers` while the rest of the config is validated.
 const NO_BOOTSTRAP: &str = "bootstrap-servers-not-given:9092";
 
@@ -108,6 +83,7 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| ("outbox".into(), "events".into()));
     let mut db = None;
     let poll = a.mode.or(file.relay.mode) == Some(crate::values::RunMode::Poll);
+    let purge = file.retention.purge_interval.is_some();
     match url {
         // `[[databases]]`: each entry, with its own slot, publication and table.
         None if !file.databases.is_empty() => {
@@ -121,6 +97,7 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
                     &c.schema,
                     &c.table,
                     poll,
+                    purge,
                 )
                 .await;
                 db = db.or(client);
@@ -132,7 +109,17 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
             "no URL: pass --database-url, set OUTBOXD_DATABASE_URL, or database_url in the config file",
         ),
         Some(url) => {
-            db = check_database(&mut r, &url, &slot, &publication, &schema, &table, poll).await;
+            db = check_database(
+                &mut r,
+                &url,
+                &slot,
+                &publication,
+                &schema,
+                &table,
+                poll,
+                purge,
+            )
+            .await;
         }
     }
     let bootstrap = a
@@ -278,6 +265,7 @@ async fn check_database(
     schema: &str,
     table: &str,
     poll: bool,
+    purge: bool,
 ) -> Option<tokio_postgres::Client> {
     let client = match crate::connect(url).await {
         Ok(c) => {
@@ -334,7 +322,7 @@ async fn check_database(
         ),
     }
     if schema_ok {
-        check_privileges(r, &client, schema, table).await;
+        check_privileges(r, &client, schema, table, purge).await;
         check_frozen_destinations(r, &client).await;
     }
     if !poll {
@@ -502,6 +490,7 @@ async fn check_privileges(
     client: &tokio_postgres::Client,
     schema: &str,
     table: &str,
+    purge: bool,
 ) {
     let quoted = format!(
         "{}.{}",
@@ -538,61 +527,41 @@ async fn check_privileges(
             ),
         ),
     }
-    let mut missing = Vec::new();
-    let mut user = String::new();
-    for t in LEDGER_TABLES {
-        let name = format!("outbox.{t}");
-        if let Ok(row) = client
-            .query_one(
-                "SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT'),
-                        has_table_privilege($1, 'UPDATE'), has_table_privilege($1, 'DELETE'),
-                        current_user::text",
-                &[&name],
-            )
-            .await
-        {
-            user = row.get(4);
-            let privs: Vec<&str> = ["SELECT", "INSERT", "UPDATE", "DELETE"]
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| !row.get::<_, bool>(*i))
-                .map(|(_, p)| *p)
-                .collect();
-            if !privs.is_empty() {
-                missing.push(format!("GRANT {} ON {name} TO {user}", privs.join(", ")));
-            }
-        }
-    }
-    for s in LEDGER_SEQUENCES {
-        let name = format!("outbox.{s}");
-        if let Ok(row) = client
-            .query_one(
-                "SELECT has_sequence_privilege($1, 'USAGE'), current_user::text",
-                &[&name],
-            )
-            .await
-        {
-            user = row.get(1);
-            if !row.get::<_, bool>(0) {
-                missing.push(format!("GRANT USAGE ON SEQUENCE {name} TO {user}"));
-            }
-        }
-    }
-    if missing.is_empty() {
-        r.add(
+    use outbox_ledger::privileges::{self, PURGE, RELAY_LEDGER, RELAY_READS};
+    let needs: Vec<_> = RELAY_LEDGER.iter().chain(RELAY_READS).copied().collect();
+    match privileges::missing(client, &needs).await {
+        Ok(missing) if missing.is_empty() => r.add(
             Level::Ok,
             "ledger privileges",
-            "read and write on every ledger table",
-        );
-    } else {
-        r.add(
+            "read and write on every ledger table, read on the routes and versions",
+        ),
+        Ok(missing) => r.add(
             Level::Fail,
             "ledger privileges",
             format!(
-                "the relay cannot write its ledger: {}; (or run docs/least_privilege.sql for role {user})",
+                "the relay cannot write its ledger: {}; (or run docs/least_privilege.sql as a superuser; `outboxd run` refuses to start without these)",
                 missing.join("; ")
             ),
-        );
+        ),
+        Err(e) => r.add(Level::Fail, "ledger privileges", e.to_string()),
+    }
+    if purge {
+        match privileges::missing(client, PURGE).await {
+            Ok(missing) if missing.is_empty() => r.add(
+                Level::Ok,
+                "purge privileges",
+                "[retention] purge_interval: the role may delete what a purge deletes",
+            ),
+            Ok(missing) => r.add(
+                Level::Fail,
+                "purge privileges",
+                format!(
+                    "[retention] purge_interval is set, but this role cannot purge: {}; (or grant it the role docs/operator_role.sql creates: GRANT outboxd_operator TO ..., or leave purging to an operator's `outboxd purge`)",
+                    missing.join("; ")
+                ),
+            ),
+            Err(e) => r.add(Level::Fail, "purge privileges", e.to_string()),
+        }
     }
 }
 

@@ -76,7 +76,7 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
             // Bound before the relays start, so a taken port fails fast; serves until exit.
             let _admin = admin::start(&admin_cfg, &cfgs).await?;
             for cfg in &cfgs {
-                purge::spawn_schedule(a.config.as_deref(), cfg.database_url.expose())?;
+                purge::spawn_schedule(a.config.as_deref(), cfg.database_url.expose()).await?;
             }
             let (tx, rx) = watch::channel(false);
             spawn_signal_handler(tx);

@@ -54,8 +54,10 @@ fn settings(a: &PurgeArgs, file: &FileConfig) -> anyhow::Result<PurgeSettings> {
 /// Starts the background purge of `outboxd run` when its config file sets
 /// `[retention] purge_interval`; otherwise does nothing. Settings are read (and validated)
 /// now, so a bad value stops the relay at start rather than failing silently later. A failed
-/// purge is logged and tried again at the next interval; it never stops the relay.
-pub fn spawn_schedule(config: Option<&Path>, database_url: &str) -> anyhow::Result<()> {
+/// purge is logged and tried again at the next interval; it never stops the relay. A role that
+/// cannot purge stops it at start too, with the GRANT statements: otherwise it would log
+/// `permission denied` at every interval while `outboxd check` said nothing (issue 34).
+pub async fn spawn_schedule(config: Option<&Path>, database_url: &str) -> anyhow::Result<()> {
     let Some(path) = config else {
         return Ok(());
     };
@@ -78,6 +80,17 @@ pub fn spawn_schedule(config: Option<&Path>, database_url: &str) -> anyhow::Resu
     };
     let settings = settings(&args, &file)?;
     let url = database_url.to_string();
+    let missing = outbox_ledger::privileges::missing(
+        &crate::connect(&url).await?,
+        outbox_ledger::privileges::PURGE,
+    )
+    .await?;
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "config file retention.purge_interval is set, but the relay's role cannot purge: {}; grant them, or remove purge_interval and let an operator run `outboxd purge` (as a role granted outboxd_operator: docs/operator_role.sql)",
+            missing.join("; ")
+        );
+    }
     tracing::info!(
         interval = %show_duration(interval),
         replay_window = %show_duration(settings.replay_window),

@@ -42,6 +42,7 @@ use futures::{pin_mut, StreamExt};
 use outbox_core::ack::AckError;
 use outbox_core::Lsn;
 use outbox_ledger::holds;
+use outbox_ledger::privileges;
 use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
 use outbox_sink::{AnySink, HttpSink, JetStreamSink, KafkaSink, Sink, SinkError};
@@ -144,11 +145,37 @@ pub async fn run(
 ) -> Result<(), RelayError> {
     let poll = cfg.mode == crate::values::RunMode::Poll;
     // Preflight: the settings that no amount of retrying will fix are reported at once.
-    if !poll {
-        let client = connect_sql(cfg.database_url.expose()).await?;
-        slot::check_wal_level(&client).await?;
-        slot::check_replication_privilege(&client).await?;
+    let client = match connect_sql(cfg.database_url.expose()).await {
+        Ok(client) => Some(client),
+        // Poll mode has always waited for its database to come up (the loop below retries).
+        Err(e) if poll => {
+            tracing::warn!(error = %e, "preflight skipped: the database is not reachable yet");
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    if let (false, Some(client)) = (poll, &client) {
+        slot::check_wal_level(client).await?;
+        slot::check_replication_privilege(client).await?;
     }
+    // The ledger's grants before anything is sent: a relay that published first and failed on
+    // `permission denied for table receipts` afterwards left copies on the broker for nothing.
+    let needs: Vec<_> = privileges::RELAY_LEDGER
+        .iter()
+        .chain(privileges::RELAY_READS)
+        .copied()
+        .collect();
+    let missing = match &client {
+        Some(client) => privileges::missing(client, &needs).await?,
+        None => Vec::new(),
+    };
+    if !missing.is_empty() {
+        return Err(RelayError::Ledger(LedgerError::Invalid(format!(
+            "the relay's role cannot write its ledger, so nothing was sent: {}; run docs/least_privilege.sql as a superuser (or these GRANT statements), then start again (`outboxd check` lists the same)",
+            missing.join("; ")
+        ))));
+    }
+    drop(client);
     let mut resnapshot = cfg.resnapshot;
     // Whether an ended run reconnects or stops the process: `outbox_relay::lifecycle`.
     let mut restarts = Restarts::new(Duration::from_millis(100), crate::config::MAX_BACKOFF);
