@@ -90,7 +90,11 @@ async fn producer_relay_and_operator_roles_work_from_their_scripts_alone() {
     )
     .await;
     let check = env.verify_receipts(&[&env.topic]).await;
-    assert_eq!(check.checked, ids.len(), "every receipt checked on the broker");
+    assert_eq!(
+        check.checked,
+        ids.len(),
+        "every receipt checked on the broker"
+    );
 
     // The operator: every command of the first hour, no permission error.
     let known = ids[0].to_string();
@@ -151,7 +155,10 @@ async fn producer_relay_and_operator_roles_work_from_their_scripts_alone() {
     let status = refused.wait_exit(LONG).await;
     let log = refused.log_text();
     env.db.batch_execute(RELAY_SQL).await.unwrap();
-    assert!(!status.success(), "the relay started without INSERT on receipts:\n{log}");
+    assert!(
+        !status.success(),
+        "the relay started without INSERT on receipts:\n{log}"
+    );
     assert!(
         log.contains("nothing was sent")
             && log.contains("GRANT INSERT ON outbox.receipts TO outboxd_relay"),
@@ -159,7 +166,10 @@ async fn producer_relay_and_operator_roles_work_from_their_scripts_alone() {
     );
     let on_topic = env.read_topic().await;
     assert_eq!(
-        on_topic.iter().filter(|m| m.id() == late.to_string()).count(),
+        on_topic
+            .iter()
+            .filter(|m| m.id() == late.to_string())
+            .count(),
         0,
         "the refused relay published the late event"
     );

@@ -92,32 +92,45 @@ pub const PURGE: &[Need] = &[
 /// The GRANT statements the current role lacks for `needs`, in order; objects that do not
 /// exist (a database migrated by an older outboxd) are skipped. Empty: nothing is missing.
 pub async fn missing(client: &Client, needs: &[Need]) -> Result<Vec<String>, LedgerError> {
-    let mut grants = Vec::new();
+    // One round trip: (object, kind, privilege) rows, asked together.
+    let (mut objects, mut kinds, mut privs) = (Vec::new(), Vec::new(), Vec::new());
     for need in needs {
-        let name = format!("outbox.{}", need.object);
-        let sql = match need.kind {
-            Kind::Table => {
-                "SELECT to_regclass($1) IS NOT NULL
-                        AND NOT has_table_privilege(to_regclass($1), $2), current_user::text"
-            }
-            Kind::Sequence => {
-                "SELECT to_regclass($1) IS NOT NULL
-                        AND NOT has_sequence_privilege(to_regclass($1), $2), current_user::text"
-            }
-        };
+        for privilege in need.privileges {
+            objects.push(format!("outbox.{}", need.object));
+            kinds.push(match need.kind {
+                Kind::Table => "table",
+                Kind::Sequence => "sequence",
+            });
+            privs.push(*privilege);
+        }
+    }
+    let rows = client
+        .query(
+            "SELECT o, CASE WHEN to_regclass(o) IS NULL THEN false
+                            WHEN k = 'table' THEN NOT has_table_privilege(to_regclass(o), p)
+                            ELSE NOT has_sequence_privilege(to_regclass(o), p) END,
+                    current_user::text
+             FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS t(o, k, p, n)
+             ORDER BY n",
+            &[&objects, &kinds, &privs],
+        )
+        .await
+        .ctx("checking the role's privileges on schema outbox")?;
+    let mut grants = Vec::new();
+    let mut i = 0;
+    for need in needs {
         let mut lacking = Vec::new();
         let mut user = String::new();
         for privilege in need.privileges {
-            let row = client
-                .query_one(sql, &[&name, privilege])
-                .await
-                .ctx(format!("checking {privilege} on {name}"))?;
-            user = row.get(1);
-            if row.get::<_, bool>(0) {
+            let row = &rows[i];
+            i += 1;
+            user = row.get(2);
+            if row.get::<_, bool>(1) {
                 lacking.push(*privilege);
             }
         }
         if !lacking.is_empty() {
+            let name = format!("outbox.{}", need.object);
             let on = match need.kind {
                 Kind::Table => name,
                 Kind::Sequence => format!("SEQUENCE {name}"),

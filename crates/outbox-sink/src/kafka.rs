@@ -63,6 +63,43 @@ impl Default for KafkaSinkConfig {
 
 struct SinkContext {
     tx: UnboundedSender<Delivery>,
+    errors: std::sync::Mutex<RepeatGate>,
+}
+
+/// Which of librdkafka's repeated global errors reach the log. While a broker is down,
+/// librdkafka reports `AllBrokersDown` (and its transport errors) every few tens of
+/// milliseconds: 422 lines a minute in a newcomer's first hour (issue 34), which buried
+/// everything else. The first of a kind is logged at once, then at most one per
+/// [`RepeatGate::WINDOW`] with the count of those not logged in between. Pure: the caller
+/// passes the time.
+#[derive(Debug, Default)]
+pub struct RepeatGate {
+    seen: std::collections::HashMap<String, (std::time::Instant, u64)>,
+}
+
+impl RepeatGate {
+    pub const WINDOW: Duration = Duration::from_secs(30);
+
+    /// `Some(n)`: log this one, `n` of its kind were not logged since the last; `None`: count
+    /// it and stay quiet.
+    pub fn admit(&mut self, kind: &str, now: std::time::Instant) -> Option<u64> {
+        match self.seen.get_mut(kind) {
+            None => {
+                self.seen.insert(kind.to_string(), (now, 0));
+                Some(0)
+            }
+            Some((last, quiet)) if now.saturating_duration_since(*last) >= Self::WINDOW => {
+                let n = *quiet;
+                *last = now;
+                *quiet = 0;
+                Some(n)
+            }
+            Some((_, quiet)) => {
+                *quiet += 1;
+                None
+            }
+        }
+    }
 }
 
 /// What the delivery callback needs of the send: the caller's token and the topic it was sent
@@ -72,7 +109,27 @@ struct Sent {
     topic: String,
 }
 
-impl ClientContext for SinkContext {}
+impl ClientContext for SinkContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        let kind = match error.rdkafka_error_code() {
+            Some(code) => format!("{code:?}"),
+            None => error.to_string(),
+        };
+        let admitted = match self.errors.lock() {
+            Ok(mut gate) => gate.admit(&kind, std::time::Instant::now()),
+            Err(_) => Some(0),
+        };
+        match admitted {
+            Some(0) => tracing::error!(target: "librdkafka", "librdkafka: {error}: {reason}"),
+            Some(n) => tracing::error!(
+                target: "librdkafka",
+                repeated = n,
+                "librdkafka: {error}: {reason} ({n} more like it since the last such line)"
+            ),
+            None => {}
+        }
+    }
+}
 
 impl ProducerContext for SinkContext {
     type DeliveryOpaque = Box<Sent>;
@@ -262,7 +319,10 @@ impl KafkaSink {
         // The relay's guarantees rest on these two; they are not overridable.
         cc.set("enable.idempotence", "true").set("acks", "all");
         let producer: ThreadedProducer<SinkContext> = cc
-            .create_with_context(SinkContext { tx: reports })
+            .create_with_context(SinkContext {
+                tx: reports,
+                errors: std::sync::Mutex::new(RepeatGate::default()),
+            })
             .map_err(|e| SinkError::Config(Box::new(e)))?;
         Ok(KafkaSink { producer, config })
     }
@@ -545,4 +605,43 @@ pub fn topic_partitions(
         .filter(|t| t.name() == topic && t.error().is_none())
         .flat_map(|t| t.partitions().iter().map(|p| p.id()))
         .collect())
+}
+
+#[cfg(test)]
+mod repeat_gate_tests {
+    use super::RepeatGate;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_repeated_error_is_logged_once_per_window_with_the_count_it_kept_quiet() {
+        let mut gate = RepeatGate::default();
+        let t0 = Instant::now();
+        assert_eq!(gate.admit("AllBrokersDown", t0), Some(0));
+        // librdkafka's pace while the broker is down: every 50 ms.
+        let mut quiet = 0;
+        for i in 1..600u64 {
+            let t = t0 + Duration::from_millis(50 * i);
+            if t.duration_since(t0) >= RepeatGate::WINDOW {
+                break;
+            }
+            assert_eq!(gate.admit("AllBrokersDown", t), None, "at {i}");
+            quiet += 1;
+        }
+        // Another kind is not held back by the first.
+        assert_eq!(
+            gate.admit("Transport", t0 + Duration::from_secs(1)),
+            Some(0)
+        );
+        assert_eq!(
+            gate.admit("AllBrokersDown", t0 + RepeatGate::WINDOW),
+            Some(quiet)
+        );
+        assert_eq!(
+            gate.admit(
+                "AllBrokersDown",
+                t0 + RepeatGate::WINDOW + Duration::from_millis(50)
+            ),
+            None
+        );
+    }
 }

@@ -58,8 +58,13 @@ pub fn init_logging(format: LogFormat, quiet: bool) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOXD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // Colour only on a terminal: logs written to a file or a pipe get no escape codes (issue
+    // 34); NO_COLOR (https://no-color.org) turns it off on a terminal too.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;

@@ -78,7 +78,11 @@ fn a_misplaced_key_is_refused_by_name() {
     // The README's old mistake, kept as the case the test above must catch.
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("bad.toml");
-    std::fs::write(&file, "[relay]\nmax_in_flight = 10\n\nlog_format = \"json\"\n").unwrap();
+    std::fs::write(
+        &file,
+        "[relay]\nmax_in_flight = 10\n\nlog_format = \"json\"\n",
+    )
+    .unwrap();
     let err = format!("{:#}", FileConfig::load(&file).unwrap_err());
     assert!(err.contains("log_format"), "{err}");
 }
