@@ -522,7 +522,7 @@ async fn check_privileges(
             Level::Fail,
             "outbox privileges",
             format!(
-                "{}: is --table right?",
+                "{}: is the database migrated (`outboxd migrate --database-url ...` as the schema owner), and is --table right?",
                 outbox_ledger::describe_db_error(&e)
             ),
         ),
@@ -623,7 +623,7 @@ async fn check_publication(
                 r.add(
                     Level::Fail,
                     "publication",
-                    format!("{publication} does not exist and this role cannot create it (it does not own {schema}.{table}): as the owner, CREATE PUBLICATION {publication} FOR TABLE {schema}.{table} WITH (publish = 'insert')"),
+                    format!("{publication} does not exist and this role cannot create it (it does not own {schema}.{table}): run `outboxd migrate --database-url ...` as the schema owner (it creates the publication), or as the owner CREATE PUBLICATION {publication} FOR TABLE {schema}.{table} WITH (publish = 'insert')"),
                 )
             }
         }

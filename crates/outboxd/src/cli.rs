@@ -398,7 +398,7 @@ pub struct RunArgs {
     /// Logical replication slot (created on first run). [default: outboxd]
     #[arg(long, env = "OUTBOXD_SLOT")]
     pub slot: Option<String>,
-    /// Publication on the outbox table (created, inserts only, if missing). [default: outbox_pub]
+    /// Publication on the outbox table. `outboxd migrate` creates it (inserts only); a relay whose role owns the table creates it if missing, the least-privilege role cannot. [default: outbox_pub]
     #[arg(long, env = "OUTBOXD_PUBLICATION")]
     pub publication: Option<String>,
     /// The outbox table. [default: outbox.events]

@@ -86,3 +86,123 @@ fn a_misplaced_key_is_refused_by_name() {
     let err = format!("{:#}", FileConfig::load(&file).unwrap_err());
     assert!(err.contains("log_format"), "{err}");
 }
+
+/// `[default: X]` of every flag of every `outboxd` subcommand's `--help`.
+fn help_defaults() -> std::collections::HashMap<String, String> {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(args)
+            .output()
+            .expect("run outboxd --help");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let top = run(&["--help"]);
+    let subcommands: Vec<String> = top
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("Options:"))
+        .filter(|l| l.starts_with("  ") && !l.starts_with("   "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .filter(|c| c != "help")
+        .collect();
+    assert!(subcommands.len() >= 8, "subcommands found: {subcommands:?}");
+    let mut defaults = std::collections::HashMap::new();
+    for sub in &subcommands {
+        let mut flag: Option<String> = None;
+        for line in run(&[sub, "--help"]).lines() {
+            let t = line.trim_start();
+            if let Some(rest) = t.strip_prefix("--") {
+                flag = rest.split([' ', '=', '<']).next().map(str::to_string);
+            } else if t.starts_with('-') && t.contains(", --") {
+                flag = t
+                    .split(", --")
+                    .nth(1)
+                    .and_then(|r| r.split([' ', '=', '<']).next())
+                    .map(str::to_string);
+            }
+            if let (Some(f), Some(i)) = (&flag, line.find("[default: ")) {
+                let v = &line[i + 10..];
+                if let Some(end) = v.find(']') {
+                    defaults
+                        .entry(f.clone())
+                        .or_insert_with(|| v[..end].to_string());
+                }
+            }
+        }
+    }
+    defaults
+}
+
+/// A number as the docs write it ("5 000", "1,000", "5 s" for a `-ms` flag) in the flag's unit.
+fn doc_number(flag: &str, text: &str) -> Option<String> {
+    let t = text.trim();
+    let (digits, unit) = match t.find(|c: char| !(c.is_ascii_digit() || c == ' ' || c == ',')) {
+        Some(i) => (&t[..i], t[i..].trim()),
+        None => (t, ""),
+    };
+    let n: u64 = digits.replace([' ', ','], "").parse().ok()?;
+    match (unit, flag.ends_with("-ms")) {
+        ("", _) => Some(n.to_string()),
+        ("s", true) => Some((n * 1000).to_string()),
+        ("ms", true) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Every "`--flag` ... (default N" the docs write agrees with `--help`: the docs said
+/// `--max-in-flight` "(default 10 000)" while the binary's default was 5000 (issue 34).
+#[test]
+fn defaults_written_in_the_docs_are_the_binarys() {
+    let defaults = help_defaults();
+    assert!(
+        defaults.get("max-in-flight").is_some(),
+        "no default read from `outboxd run --help`: {defaults:?}"
+    );
+    let mut compared = 0;
+    let mut wrong = Vec::new();
+    for doc in documents() {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let mut rest = line;
+            while let Some(i) = rest.find("`--") {
+                let after = &rest[i + 3..];
+                let Some(end) = after.find('`') else { break };
+                let flag = after[..end]
+                    .split([' ', '='])
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
+                let tail = &after[end..];
+                rest = tail;
+                // The default named right after the flag, before another flag is named.
+                let window = tail.split("`--").next().unwrap_or("");
+                let Some(d) = window.find("(default ") else {
+                    continue;
+                };
+                let value: String = window[d + 9..]
+                    .chars()
+                    .take_while(|c| *c != ')' && *c != ';' && *c != ':')
+                    .collect();
+                let (Some(help), Some(doc_value)) =
+                    (defaults.get(&flag), doc_number(&flag, &value))
+                else {
+                    continue;
+                };
+                compared += 1;
+                if help.replace([' ', ','], "") != doc_value {
+                    wrong.push(format!(
+                        "{}:{}: `--{flag}` (default {value}) but `--help` says [default: {help}]",
+                        doc.display(),
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    assert!(
+        compared >= 3,
+        "only {compared} documented defaults compared"
+    );
+}
