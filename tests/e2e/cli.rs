@@ -72,3 +72,65 @@ async fn status_reports_counts_and_the_slot_in_json_and_as_a_table() {
         "{text}"
     );
 }
+
+/// Every subcommand that connects finds its database the same ways: `--database-url`, or the
+/// `database_url` of `--config FILE` / `OUTBOXD_CONFIG` (issue 34: `status --config` was an
+/// unknown argument and `status` ignored `OUTBOXD_CONFIG`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connecting_command_reads_the_database_url_from_the_config_file() {
+    let env = TestEnv::new("cli_config").await;
+    env.enqueue("c-1", json!({"n": 1})).await;
+    let config = env.dir.path().join("outboxd.toml");
+    std::fs::write(&config, format!("database_url = {:?}\n", env.url)).unwrap();
+    let config = config.to_str().unwrap();
+    let commands: &[&[&str]] = &[
+        &["status"],
+        &["status", "--json"],
+        &["quarantine", "list"],
+        &["consumers", "list"],
+        &["share", "list"],
+        &["migrate"],
+        &["purge", "--dry-run"],
+    ];
+    for args in commands {
+        for via_env in [false, true] {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_outboxd"));
+            cmd.args(*args)
+                .env_remove("OUTBOXD_DATABASE_URL")
+                .env_remove("OUTBOXD_CONFIG");
+            if via_env {
+                cmd.env("OUTBOXD_CONFIG", config);
+            } else {
+                cmd.args(["--config", config]);
+            }
+            let out = cmd.output().expect("run outboxd");
+            assert!(
+                out.status.success(),
+                "`outboxd {}` with the URL in {}: {}{}",
+                args.join(" "),
+                if via_env {
+                    "OUTBOXD_CONFIG"
+                } else {
+                    "--config"
+                },
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    // Without any of them, the error names all three ways.
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["status"])
+        .env_remove("OUTBOXD_DATABASE_URL")
+        .env_remove("OUTBOXD_CONFIG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--database-url")
+            && err.contains("OUTBOXD_DATABASE_URL")
+            && err.contains("--config"),
+        "{err}"
+    );
+}

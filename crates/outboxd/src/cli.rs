@@ -79,11 +79,47 @@ pub enum Command {
     Shadow(ShadowArgs),
 }
 
+/// Where the database is, for every command that connects: `--database-url` (or
+/// `OUTBOXD_DATABASE_URL`), else `database_url` of the `--config` file (or `OUTBOXD_CONFIG`),
+/// the same file `outboxd run` reads.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// PostgreSQL URL of the database holding the outbox, e.g.
+    /// postgres://user:pass@host:5432/app. [default: database_url of --config]
+    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// TOML config file (see README "Configuration"); its `database_url` is used when
+    /// --database-url is not given.
+    #[arg(long, env = "OUTBOXD_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+impl DbArgs {
+    /// The URL: the flag or its variable, else the config file's `database_url`.
+    pub fn url(&self) -> anyhow::Result<String> {
+        if let Some(url) = &self.database_url {
+            return Ok(url.clone());
+        }
+        if let Some(path) = &self.config {
+            let file = crate::config::FileConfig::load(path)?;
+            if let Some(url) = &file.database_url {
+                return Ok(url.expose().to_string());
+            }
+            anyhow::bail!(
+                "database URL is missing: {} has no database_url; pass --database-url or set OUTBOXD_DATABASE_URL",
+                path.display()
+            );
+        }
+        anyhow::bail!(
+            "database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or --config FILE (OUTBOXD_CONFIG) with database_url"
+        )
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
-    /// PostgreSQL URL, e.g. postgres://user:pass@host:5432/app
-    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    #[command(flatten)]
+    pub db: DbArgs,
     /// Debezium-compatible mode: capture inserts into this Debezium-style outbox table
     /// (`schema.table` with columns id uuid, aggregatetype, aggregateid, type, payload) as
     /// outbox events with event id = the row's id, published to outbox.event.<aggregatetype>
@@ -145,8 +181,8 @@ pub enum ShareCommand {
     /// Every share: aggregate type (`*` = every type without its own row), owner (poller,
     /// handover, outboxd, handback), rows parked for outboxd.
     List {
-        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-        database_url: String,
+        #[command(flatten)]
+        db: DbArgs,
         #[arg(long)]
         json: bool,
     },
@@ -163,8 +199,8 @@ pub enum ShareCommand {
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("which").required(true).args(["aggregate_type", "all"])))]
 pub struct ShareArgs {
-    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    #[command(flatten)]
+    pub db: DbArgs,
     /// The aggregate type to switch.
     #[arg(long)]
     pub aggregate_type: Option<String>,
@@ -184,8 +220,8 @@ pub struct ShareArgs {
 
 #[derive(Debug, Args)]
 pub struct ShadowArgs {
-    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    #[command(flatten)]
+    pub db: DbArgs,
     #[arg(long, env = "OUTBOXD_BOOTSTRAP_SERVERS")]
     pub bootstrap_servers: String,
     /// A topic the poller publishes to; repeatable. [default: the topics outboxd's routes give
@@ -220,9 +256,8 @@ pub struct ShadowArgs {
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// PostgreSQL URL of the database holding the outbox.
-    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    #[command(flatten)]
+    pub db: DbArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -236,8 +271,8 @@ pub struct StatusArgs {
 pub enum QuarantineCommand {
     /// Open quarantine records (with their reasons) and held aggregates (with their held events).
     List {
-        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-        database_url: String,
+        #[command(flatten)]
+        db: DbArgs,
         #[arg(long)]
         json: bool,
     },
@@ -245,8 +280,8 @@ pub enum QuarantineCommand {
     /// relay for its destination running), then its aggregate's held events in version order.
     /// The running relay does the publishing within a second.
     Release {
-        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-        database_url: String,
+        #[command(flatten)]
+        db: DbArgs,
         /// The quarantined (or gap-blocking) event id.
         #[arg(long)]
         event: uuid::Uuid,
@@ -257,8 +292,8 @@ pub enum QuarantineCommand {
     /// Never publish the event; publish its aggregate's held events. Needs a reason, which is
     /// recorded in the ledger with the operator's name.
     Skip {
-        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-        database_url: String,
+        #[command(flatten)]
+        db: DbArgs,
         #[arg(long)]
         event: uuid::Uuid,
         /// Why the event may be dropped (recorded).
@@ -271,8 +306,8 @@ pub enum QuarantineCommand {
 
 #[derive(Debug, Args)]
 pub struct MigrateDestinationArgs {
-    #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    #[command(flatten)]
+    pub db: DbArgs,
     /// Event to migrate; repeat for a batch.
     #[arg(long, required = true)]
     pub event: Vec<uuid::Uuid>,
@@ -655,16 +690,16 @@ pub struct PurgeArgs {
 pub enum ConsumersCommand {
     /// Registered consumers and their progress.
     List {
-        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-        database_url: String,
+        #[command(flatten)]
+        db: DbArgs,
         #[arg(long)]
         json: bool,
     },
     /// Declare (or re-declare) a consumer. Mandatory: purge waits for its watermark and
     /// reconcile reports what it has not applied. Optional: neither.
     Register {
-        #[arg(long, env = "OUTBOXD_DATABASE_URL", hide_env_values = true)]
-        database_url: String,
+        #[command(flatten)]
+        db: DbArgs,
         /// The consumer id it uses in its inbox (InboxConfig::consumer_id).
         #[arg(long)]
         id: String,

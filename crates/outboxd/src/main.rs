@@ -58,15 +58,16 @@ fn log_format(cli: &Cli) -> LogFormat {
 async fn dispatch(cmd: Command) -> anyhow::Result<()> {
     match cmd {
         Command::Migrate(a) => {
-            migrate(&a.database_url).await?;
+            let database_url = a.db.url()?;
+            migrate(&database_url).await?;
             for t in &a.debezium_table {
-                install_debezium(&a.database_url, t).await?;
+                install_debezium(&database_url, t).await?;
             }
             if let Some(t) = &a.poller_table {
-                outboxd::share::attach(&a.database_url, &a.poller, t).await?;
+                outboxd::share::attach(&database_url, &a.poller, t).await?;
             }
             if let Some(n) = &a.shards {
-                outboxd::shards::run(&a.database_url, &a.publication, n).await?;
+                outboxd::shards::run(&database_url, &a.publication, n).await?;
             }
             Ok(())
         }
@@ -100,8 +101,8 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
                 .map_err(anyhow::Error::from)
         }
         Command::Status(a) => match a.event {
-            Some(id) => event_status(&a.database_url, id).await,
-            None => status(&a.database_url, a.json).await,
+            Some(id) => event_status(&a.db.url()?, id).await,
+            None => status(&a.db.url()?, a.json).await,
         },
         Command::Quarantine(q) => quarantine(q).await,
         Command::Check(a) => check::run(a).await,
@@ -122,19 +123,17 @@ async fn share(cmd: cli::ShareCommand) -> anyhow::Result<()> {
         (None, _) => Target::All,
     };
     match cmd {
-        cli::ShareCommand::List { database_url, json } => share::list(&database_url, json).await,
-        cli::ShareCommand::Take(a) => share::take(&a.database_url, &target(&a), a.wait).await,
-        cli::ShareCommand::GiveBack(a) => {
-            share::give_back(&a.database_url, &target(&a), a.wait).await
-        }
+        cli::ShareCommand::List { db, json } => share::list(&db.url()?, json).await,
+        cli::ShareCommand::Take(a) => share::take(&a.db.url()?, &target(&a), a.wait).await,
+        cli::ShareCommand::GiveBack(a) => share::give_back(&a.db.url()?, &target(&a), a.wait).await,
     }
 }
 
 async fn consumers(cmd: cli::ConsumersCommand) -> anyhow::Result<()> {
     use outbox_ledger::consumers;
     match cmd {
-        cli::ConsumersCommand::List { database_url, json } => {
-            let client = connect(&database_url).await?;
+        cli::ConsumersCommand::List { db, json } => {
+            let client = connect(&db.url()?).await?;
             let list = consumers::list(&client).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
@@ -163,13 +162,13 @@ async fn consumers(cmd: cli::ConsumersCommand) -> anyhow::Result<()> {
             Ok(())
         }
         cli::ConsumersCommand::Register {
-            database_url,
+            db,
             id,
             mandatory,
             topics,
             description,
         } => {
-            let client = connect(&database_url).await?;
+            let client = connect(&db.url()?).await?;
             let topics = (!topics.is_empty()).then_some(topics);
             consumers::register(
                 &client,
@@ -329,8 +328,8 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             .unwrap_or_else(|| "operator".into())
     };
     match cmd {
-        QuarantineCommand::List { database_url, json } => {
-            let client = connect(&database_url).await?;
+        QuarantineCommand::List { db, json } => {
+            let client = connect(&db.url()?).await?;
             let (q, h) = holds::list(&client).await?;
             if json {
                 println!(
@@ -377,18 +376,14 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        QuarantineCommand::Release {
-            database_url,
-            event,
-            by,
-        } => {
-            let mut client = connect(&database_url).await?;
+        QuarantineCommand::Release { db, event, by } => {
+            let mut client = connect(&db.url()?).await?;
             holds::resolve(&mut client, event, Resolution::Release, &operator(by), None).await?;
             println!("released {event}; the running relay publishes it and its held events in version order");
             Ok(())
         }
         QuarantineCommand::Skip {
-            database_url,
+            db,
             event,
             reason,
             by,
@@ -396,7 +391,7 @@ async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             if reason.trim().is_empty() {
                 anyhow::bail!("--reason must say why event {event} may be dropped; it is recorded in the ledger");
             }
-            let mut client = connect(&database_url).await?;
+            let mut client = connect(&db.url()?).await?;
             holds::resolve(
                 &mut client,
                 event,

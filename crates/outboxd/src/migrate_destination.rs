@@ -24,7 +24,7 @@ pub async fn run(a: MigrateDestinationArgs) -> anyhow::Result<()> {
         a.by.clone()
             .or_else(|| std::env::var("USER").ok())
             .unwrap_or_else(|| "operator".into());
-    let mut client = crate::connect(&a.database_url).await?;
+    let mut client = crate::connect(&a.db.url()?).await?;
     let mut refused = 0;
     for id in &a.event {
         match migrate_one(&mut client, &a, *id, &by).await {

@@ -305,7 +305,7 @@ struct Read {
 }
 
 pub async fn run(a: ShadowArgs) -> anyhow::Result<()> {
-    let client = connect(&a.database_url).await?;
+    let client = connect(&a.db.url()?).await?;
     loop {
         let report = round(&client, &a).await?;
         if let Some(path) = &a.metrics_file {
