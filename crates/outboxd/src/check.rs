@@ -96,8 +96,7 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
                     &c.publication,
                     &c.schema,
                     &c.table,
-                    poll,
-                    purge,
+                    Uses { poll, purge },
                 )
                 .await;
                 db = db.or(client);
@@ -116,8 +115,7 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
                 &publication,
                 &schema,
                 &table,
-                poll,
-                purge,
+                Uses { poll, purge },
             )
             .await;
         }
@@ -257,6 +255,15 @@ fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<Vec<Relay
     Some(cfgs)
 }
 
+/// What the configuration uses, beyond the relay's basics: each adds what it needs to check.
+#[derive(Debug, Clone, Copy)]
+struct Uses {
+    /// `--mode poll`: no slot, no REPLICATION.
+    poll: bool,
+    /// `[retention] purge_interval`: the relay purges, so its role needs the purge's grants.
+    purge: bool,
+}
+
 async fn check_database(
     r: &mut Report,
     url: &str,
@@ -264,9 +271,9 @@ async fn check_database(
     publication: &str,
     schema: &str,
     table: &str,
-    poll: bool,
-    purge: bool,
+    uses: Uses,
 ) -> Option<tokio_postgres::Client> {
+    let Uses { poll, purge } = uses;
     let client = match crate::connect(url).await {
         Ok(c) => {
             r.add(Level::Ok, "database connection", redact_url(url));
