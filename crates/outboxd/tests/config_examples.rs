@@ -156,7 +156,7 @@ fn doc_number(flag: &str, text: &str) -> Option<String> {
 fn defaults_written_in_the_docs_are_the_binarys() {
     let defaults = help_defaults();
     assert!(
-        defaults.get("max-in-flight").is_some(),
+        defaults.contains_key("max-in-flight"),
         "no default read from `outboxd run --help`: {defaults:?}"
     );
     let mut compared = 0;
