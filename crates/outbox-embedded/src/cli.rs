@@ -18,7 +18,7 @@ cargo run --release -p outbox-embedded -- demo\n  \
 cargo build --release -p outboxd -p outbox-embedded && target/release/outbox-embedded bench"
 )]
 pub struct Cli {
-    /// Log format of the relay the demo runs in this process: `text`, or `json`.
+    /// Log format of this tool's own lines and of the relay the demo runs: `text`, or `json`.
     #[arg(long, global = true, value_enum, env = "OUTBOXD_LOG_FORMAT", default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     #[command(subcommand)]
@@ -49,6 +49,12 @@ pub struct DevBrokerArgs {
     /// Number of mock brokers.
     #[arg(long, default_value_t = 1)]
     pub brokers: i32,
+    /// A fixed bootstrap port on 127.0.0.1, for configs and scripts that cannot read the
+    /// printed address. librdkafka's mock brokers listen on ports the kernel picks; this port
+    /// forwards to the first of them, and clients learn the brokers' own addresses from its
+    /// metadata, as with any Kafka bootstrap. [default: the mock's own, printed]
+    #[arg(long)]
+    pub port: Option<u16>,
 }
 
 #[derive(Debug, Args)]

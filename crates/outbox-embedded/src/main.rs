@@ -34,7 +34,7 @@ fn main() {
         match cli.command {
             Command::Demo(a) => demo::run(a).await,
             Command::Bench(a) => bench::run(*a).await,
-            Command::DevBroker(a) => dev_broker(a.brokers).await,
+            Command::DevBroker(a) => dev_broker(a.brokers, a.port).await,
         }
     });
     if let Err(e) = result {
@@ -44,11 +44,35 @@ fn main() {
 }
 
 /// Serves librdkafka's mock cluster until SIGINT/SIGTERM; its first line of output is
-/// `bootstrap.servers=HOST:PORT`.
-async fn dev_broker(brokers: i32) -> anyhow::Result<()> {
+/// `bootstrap.servers=HOST:PORT` (with `port`, 127.0.0.1:port, forwarded to the mock).
+async fn dev_broker(brokers: i32, port: Option<u16>) -> anyhow::Result<()> {
     let kafka = outbox_testkit::kafka::TestKafka::mock(brokers)
         .map_err(|e| anyhow::anyhow!("starting the embedded broker: {e}"))?;
-    println!("bootstrap.servers={}", kafka.bootstrap_servers());
+    match port {
+        None => println!("bootstrap.servers={}", kafka.bootstrap_servers()),
+        Some(port) => {
+            let target = kafka
+                .bootstrap_servers()
+                .split(',')
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+                .await
+                .map_err(|e| anyhow::anyhow!("dev-broker --port {port}: cannot listen on 127.0.0.1:{port}: {e}; choose a free port, or omit --port"))?;
+            tokio::spawn(async move {
+                while let Ok((mut client, _)) = listener.accept().await {
+                    let target = target.clone();
+                    tokio::spawn(async move {
+                        if let Ok(mut broker) = tokio::net::TcpStream::connect(&target).await {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut broker).await;
+                        }
+                    });
+                }
+            });
+            println!("bootstrap.servers=127.0.0.1:{port}");
+        }
+    }
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -11,8 +11,28 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 #[test]
 fn dev_broker_prints_its_bootstrap_servers_and_accepts_produce() {
+    dev_broker_serves(&[]);
+}
+
+/// `--port`: the printed bootstrap is that port, and a producer and consumer given only it
+/// work (the port forwards to the mock; clients learn the brokers from its metadata).
+#[test]
+fn dev_broker_serves_a_fixed_bootstrap_port() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let bootstrap = dev_broker_serves(&["--port", &port.to_string()]);
+    assert_eq!(bootstrap, format!("127.0.0.1:{port}"));
+}
+
+/// Starts `dev-broker ARGS`, produces one message to the address it prints and reads it
+/// back; returns that address.
+fn dev_broker_serves(args: &[&str]) -> String {
     let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-embedded"))
         .arg("dev-broker")
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -41,6 +61,7 @@ fn dev_broker_prints_its_bootstrap_servers_and_accepts_produce() {
     assert_eq!(msgs, ["v"]);
     let _ = child.kill();
     let _ = child.wait();
+    bootstrap
 }
 
 #[test]
