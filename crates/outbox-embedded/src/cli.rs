@@ -40,8 +40,27 @@ pub enum Command {
     /// processes: the `outboxd` binary beside this one, or `OUTBOXD_BIN`. See docs/benchmarks.md.
     Bench(Box<BenchArgs>),
     /// The embedded default: throwaway PostgreSQL + embedded broker + an order workload,
-    /// with live progress. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
+    /// with live progress. Midway the relay is SIGKILLed and started again, and the end shows
+    /// that nothing was lost (every committed event on the topic, the replay's copies recorded
+    /// as duplicates). `--keep` leaves everything running and prints the commands to look at
+    /// it. Needs PostgreSQL server binaries installed (initdb, pg_ctl).
     Demo(DemoArgs),
+    /// The demo's relay, as a process of its own so the demo can SIGKILL it (internal).
+    #[command(hide = true)]
+    DemoRelay(DemoRelayArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DemoRelayArgs {
+    #[arg(long)]
+    pub database_url: String,
+    #[arg(long)]
+    pub bootstrap_servers: String,
+    #[arg(long)]
+    pub slot: String,
+    /// The admin console's port on 127.0.0.1.
+    #[arg(long)]
+    pub console_port: u16,
 }
 
 #[derive(Debug, Args)]
@@ -216,4 +235,13 @@ pub struct DemoArgs {
     /// Share of business transactions that roll back (their events must never appear).
     #[arg(long, default_value_t = 0.1)]
     pub rollback_ratio: f64,
+    /// SIGKILL the relay this many seconds in, and start it again at once (0: never).
+    /// [default: 5, or half of --duration-secs when that is shorter than 10]
+    #[arg(long)]
+    pub crash_at_secs: Option<u64>,
+    /// After the run and its checks, keep PostgreSQL, the broker and the relay running and
+    /// print the commands that look at them (psql, outboxd status, the console, kcat), until
+    /// Ctrl-C.
+    #[arg(long)]
+    pub keep: bool,
 }

@@ -33,6 +33,7 @@ fn main() {
     let result = rt.block_on(async {
         match cli.command {
             Command::Demo(a) => demo::run(a).await,
+            Command::DemoRelay(a) => demo::relay_child(a).await,
             Command::Bench(a) => bench::run(*a).await,
             Command::DevBroker(a) => dev_broker(a.brokers, a.port).await,
         }

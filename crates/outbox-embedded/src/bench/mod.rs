@@ -34,7 +34,7 @@
 //! asserts anything about speed; CI runs a tiny configuration to prove the tool works.
 
 mod debezium;
-mod poll;
+pub(crate) mod poll;
 mod procstat;
 mod producer;
 mod report;

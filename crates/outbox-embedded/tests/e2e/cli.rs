@@ -67,7 +67,7 @@ fn dev_broker_serves(args: &[&str]) -> String {
 #[test]
 fn demo_runs_the_embedded_default_and_publishes_every_committed_event() {
     let out = Command::new(env!("CARGO_BIN_EXE_outbox-embedded"))
-        .args(["demo", "--duration-secs", "3", "--rate", "200"])
+        .args(["demo", "--duration-secs", "4", "--rate", "200"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -77,13 +77,94 @@ fn demo_runs_the_embedded_default_and_publishes_every_committed_event() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("bootstrap.servers="), "{stdout}");
-    assert!(stdout.contains("kcat -b"), "{stdout}");
     assert!(stdout.contains("events/s="), "live progress: {stdout}");
+    // The point: the relay is SIGKILLed midway and nothing is lost.
+    assert!(stdout.contains("SIGKILL the relay (pid "), "{stdout}");
     let done = stdout
         .lines()
         .find(|l| l.starts_with("done:"))
         .expect("summary line");
-    assert!(done.contains("unpublished=0"), "{done}");
+    assert!(done.contains(" 0 unpublished"), "{done}");
+    let topic = stdout
+        .lines()
+        .find(|l| l.starts_with("topic outbox.event.order:"))
+        .expect("the topic read back");
+    assert!(topic.contains(" 0 missing"), "{topic}");
+    assert!(
+        stdout.contains("lost nothing: 0 unpublished, 0 missing"),
+        "{stdout}"
+    );
+}
+
+/// `demo --keep`: after its checks everything stays up, and the commands it prints work at
+/// that moment (here the console's `SHOW STATUS` through psql); Ctrl-C ends it cleanly.
+#[test]
+fn demo_keep_leaves_it_running_with_commands_that_work() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-embedded"))
+        .args(["demo", "--duration-secs", "3", "--rate", "100", "--keep"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut show_status = None;
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push(line.clone());
+        if line.contains("-c 'SHOW STATUS'") {
+            show_status = Some(line);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no SHOW STATUS command within 120 s:\n{}",
+            seen.join("\n")
+        );
+    }
+    let show_status = show_status.unwrap_or_else(|| panic!("demo ended:\n{}", seen.join("\n")));
+    let port = show_status
+        .split("-p ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("the console's port")
+        .to_string();
+    let psql = Command::new("psql")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-U",
+            "outboxd",
+            "-c",
+            "SHOW STATUS",
+        ])
+        .output()
+        .expect("psql (the PostgreSQL client, installed with the server binaries)");
+    assert!(
+        psql.status.success(),
+        "{show_status}: {}{}",
+        String::from_utf8_lossy(&psql.stdout),
+        String::from_utf8_lossy(&psql.stderr)
+    );
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "demo --keep after Ctrl-C: {status}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "demo --keep did not stop on SIGINT"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The payloads of every partition of `topic`, from its low to its high watermark (both read
