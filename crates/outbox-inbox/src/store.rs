@@ -14,8 +14,15 @@ use crate::gap::{self, Action, Dedup, GapPolicy};
 use crate::{ConsumeReceipt, Context, Handler, IdempotencyKey, InboxError, InboxMessage, Outcome};
 
 /// The inbox tables (`outbox.inbox`, `outbox.consumer_watermarks`,
-/// `outbox.consumer_aggregate_heads`, `outbox.consumer_gaps`), idempotent.
-pub const INBOX_SQL: &str = include_str!("inbox.sql");
+/// `outbox.consumer_aggregate_heads`, `outbox.consumer_gaps`) and the recipe's functions
+/// (`outbox.inbox_receive`, `outbox.publish_watermark`: migration 0024), idempotent. The same
+/// text is shipped as docs/consumer_inbox.sql for consumers in other languages (a test keeps
+/// the two equal).
+pub const INBOX_SQL: &str = concat!(
+    include_str!("inbox.sql"),
+    "\n",
+    include_str!("../../../migrations/0024_consumer_recipe.sql")
+);
 
 /// Creates the inbox tables in a consumer's database if they are missing. Not needed when
 /// the consumer shares the outbox's database (`outboxd migrate` creates them there).

@@ -266,3 +266,109 @@ async fn purge_inbox_keeps_recent_rows() {
     assert!(matches!(again, Outcome::Stale(_)), "{again:?}");
     assert_eq!(effects(&c, old.event_id).await, 1);
 }
+
+/// docs/consumer_inbox.sql, the file a consumer in another language installs, is what
+/// `store::install` runs.
+#[test]
+fn the_shipped_consumer_sql_is_what_install_runs() {
+    let shipped = include_str!("../../../docs/consumer_inbox.sql");
+    assert_eq!(
+        shipped,
+        store::INBOX_SQL,
+        "docs/consumer_inbox.sql differs from outbox_inbox::store::INBOX_SQL: regenerate it (inbox.sql, a newline, migrations/0024_consumer_recipe.sql)"
+    );
+}
+
+/// `outbox.inbox_receive` (the recipe in SQL, for every language) decides as
+/// `store::process` does: the same messages through both leave the same inbox outcomes,
+/// aggregate and partition watermarks and gap records, and the same refusals.
+#[tokio::test]
+async fn the_sql_recipe_decides_as_the_rust_library_does() {
+    for (policy, name) in [(GapPolicy::Reject, "reject"), (GapPolicy::Report, "report")] {
+        let mut lib = db(&format!("inbox_parity_lib_{name}"), false).await;
+        let sql = db(&format!("inbox_parity_sql_{name}"), true).await;
+        let h = counting(Arc::new(AtomicUsize::new(0)));
+        let first_a1 = msg("a", 1, 0);
+        let mut dup_a1 = first_a1.clone();
+        dup_a1.offset = 1;
+        let seq = vec![
+            first_a1,
+            dup_a1,
+            msg("a", 2, 2),
+            msg("a", 4, 3),
+            msg("a", 3, 4),
+            msg("a", 3, 5),
+            msg("b", 2, 6),
+            msg("b", 1, 7),
+            msg("c", 1, 8),
+        ];
+        let mut outcomes = (Vec::new(), Vec::new());
+        for m in &seq {
+            let got = process(&mut lib, "c", policy, m, m.offset + 1, &h).await;
+            outcomes.0.push(match got {
+                Ok(Outcome::Applied(_)) => "apply".to_string(),
+                Ok(Outcome::AppliedWithGap { .. }) => "apply_with_gap".to_string(),
+                Ok(Outcome::Duplicate(_)) => "duplicate".to_string(),
+                Ok(Outcome::Stale(_)) => "stale".to_string(),
+                Ok(other) => format!("{other:?}"),
+                Err(InboxError::Gap { .. }) => "gap refused".to_string(),
+                Err(e) => panic!("{e}"),
+            });
+            let got = sql
+                .query_one(
+                    "SELECT outbox.inbox_receive('c', $1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                    &[
+                        &m.event_id,
+                        &m.aggregate_type,
+                        &m.aggregate_id,
+                        &m.aggregate_version,
+                        &m.event_type,
+                        &m.topic,
+                        &m.partition,
+                        &m.offset,
+                        &name,
+                    ],
+                )
+                .await;
+            outcomes.1.push(match got {
+                Ok(row) => row.get::<_, String>(0),
+                Err(e) if e.code().map(|c| c.code()) == Some("OX001") => "gap refused".to_string(),
+                Err(e) => panic!("{e}"),
+            });
+        }
+        assert_eq!(
+            outcomes.0, outcomes.1,
+            "policy {name}: library (left), SQL (right)"
+        );
+        assert!(
+            outcomes.0.contains(&"stale".to_string()),
+            "{:?}",
+            outcomes.0
+        );
+        assert!(
+            outcomes.0.contains(&"duplicate".to_string()),
+            "{:?}",
+            outcomes.0
+        );
+        let state = "SELECT 'inbox ' || event_id || ' ' || outcome FROM outbox.inbox WHERE consumer_id = 'c'
+                     UNION ALL SELECT 'head ' || aggregate_id || ' ' || last_version FROM outbox.consumer_aggregate_heads
+                     UNION ALL SELECT 'mark ' || topic || '/' || partition || ' ' || next_offset FROM outbox.consumer_watermarks
+                     UNION ALL SELECT 'gap ' || aggregate_id || ' ' || expected_version || ' ' || got_version || ' ' || event_id FROM outbox.consumer_gaps
+                     ORDER BY 1";
+        let (a, b) = (state_rows(&lib, state).await, state_rows(&sql, state).await);
+        assert_eq!(
+            a, b,
+            "policy {name}: the library's tables (left), the SQL function's (right)"
+        );
+        assert!(a.len() >= 8, "{a:?}");
+    }
+}
+
+async fn state_rows(c: &Client, sql: &str) -> Vec<String> {
+    c.query(sql, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect()
+}

@@ -135,6 +135,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "enqueue_cost",
         sql: include_str!("../../../migrations/0023_enqueue_cost.sql"),
     },
+    Migration {
+        version: 24,
+        name: "consumer_recipe",
+        sql: include_str!("../../../migrations/0024_consumer_recipe.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
