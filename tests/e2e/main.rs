@@ -16,6 +16,7 @@ pub(crate) mod chaos;
 pub(crate) mod cli;
 pub(crate) mod cloudevents;
 pub(crate) mod console;
+pub(crate) mod consumer_recipe;
 pub(crate) mod crash;
 pub(crate) mod databases;
 pub(crate) mod debezium;
