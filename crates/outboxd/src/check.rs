@@ -534,41 +534,43 @@ async fn check_privileges(
             ),
         ),
     }
-    use outbox_ledger::privileges::{self, PURGE, RELAY_LEDGER, RELAY_READS};
+    use outbox_ledger::privileges::{PURGE, RELAY_LEDGER, RELAY_READS};
     let needs: Vec<_> = RELAY_LEDGER.iter().chain(RELAY_READS).copied().collect();
-    match privileges::missing(client, &needs).await {
-        Ok(missing) if missing.is_empty() => r.add(
-            Level::Ok,
-            "ledger privileges",
-            "read and write on every ledger table, read on the routes and versions",
-        ),
-        Ok(missing) => r.add(
-            Level::Fail,
-            "ledger privileges",
-            format!(
-                "the relay cannot write its ledger: {}; (or run docs/least_privilege.sql as a superuser; `outboxd run` refuses to start without these)",
-                missing.join("; ")
-            ),
-        ),
-        Err(e) => r.add(Level::Fail, "ledger privileges", e.to_string()),
-    }
+    report_grants(
+        r,
+        client,
+        "ledger privileges",
+        &needs,
+        "read and write on every ledger table, read on the routes and versions",
+        |missing| format!("the relay cannot write its ledger: {missing}; (or run docs/least_privilege.sql as a superuser; `outboxd run` refuses to start without these)"),
+    )
+    .await;
     if purge {
-        match privileges::missing(client, PURGE).await {
-            Ok(missing) if missing.is_empty() => r.add(
-                Level::Ok,
-                "purge privileges",
-                "[retention] purge_interval: the role may delete what a purge deletes",
-            ),
-            Ok(missing) => r.add(
-                Level::Fail,
-                "purge privileges",
-                format!(
-                    "[retention] purge_interval is set, but this role cannot purge: {}; (or grant it the role docs/operator_role.sql creates: GRANT outboxd_operator TO ..., or leave purging to an operator's `outboxd purge`)",
-                    missing.join("; ")
-                ),
-            ),
-            Err(e) => r.add(Level::Fail, "purge privileges", e.to_string()),
-        }
+        report_grants(
+            r,
+            client,
+            "purge privileges",
+            PURGE,
+            "[retention] purge_interval: the role may delete what a purge deletes",
+            |missing| format!("[retention] purge_interval is set, but this role cannot purge: {missing}; (or leave purging to an operator's `outboxd purge`, as a role granted outboxd_operator: docs/operator_role.sql)"),
+        )
+        .await;
+    }
+}
+
+/// One report line: ok, or FAIL with the GRANT statements the role lacks for `needs`.
+async fn report_grants(
+    r: &mut Report,
+    client: &tokio_postgres::Client,
+    what: &str,
+    needs: &[outbox_ledger::privileges::Need],
+    ok: &str,
+    fail: impl Fn(&str) -> String,
+) {
+    match outbox_ledger::privileges::missing(client, needs).await {
+        Ok(missing) if missing.is_empty() => r.add(Level::Ok, what, ok),
+        Ok(missing) => r.add(Level::Fail, what, fail(&missing.join("; "))),
+        Err(e) => r.add(Level::Fail, what, e.to_string()),
     }
 }
 
