@@ -28,6 +28,7 @@ pub(crate) mod http;
 pub(crate) mod inbox;
 pub(crate) mod jetstream;
 pub(crate) mod migration;
+pub(crate) mod nats_nkey;
 pub(crate) mod observability;
 pub(crate) mod ordering;
 pub(crate) mod poll_mode;

@@ -63,6 +63,9 @@ pub struct NatsAuth {
     pub password: Option<String>,
     /// A token: the server's `authorization { token }` (`--auth`).
     pub token: Option<String>,
+    /// A user NKey seed (`SU...`): the server's `authorization { users = [{ nkey: U... }] }`.
+    /// The client signs the server's nonce with it; the seed never leaves the process.
+    pub nkey_seed: Option<String>,
     /// A PEM file of CA certificates to verify the server's TLS certificate (besides the
     /// system's); setting it implies TLS.
     pub ca_file: Option<std::path::PathBuf>,
@@ -77,6 +80,7 @@ impl std::fmt::Debug for NatsAuth {
             .field("user", &self.user)
             .field("password", &hidden(&self.password))
             .field("token", &hidden(&self.token))
+            .field("nkey_seed", &hidden(&self.nkey_seed))
             .field("ca_file", &self.ca_file)
             .field("require_tls", &self.require_tls)
             .finish()
@@ -215,6 +219,9 @@ pub async fn connect_client(
     if let Some(token) = &auth.token {
         options = options.token(token.clone());
     }
+    if let Some(seed) = &auth.nkey_seed {
+        options = options.nkey(seed.clone());
+    }
     if let Some(ca) = &auth.ca_file {
         options = options.add_root_certificates(ca.clone());
     }
@@ -231,14 +238,17 @@ pub async fn connect_client(
 /// server's answer, not the credentials).
 fn connect_advice(e: &async_nats::ConnectError, auth: &NatsAuth) -> String {
     use async_nats::ConnectErrorKind as K;
-    let given = match (&auth.user, &auth.token) {
-        (Some(u), _) => format!("user {u:?} with nats.password (OUTBOXD_NATS_PASSWORD)"),
-        (None, Some(_)) => "nats.token (OUTBOXD_NATS_TOKEN)".to_string(),
-        (None, None) => String::new(),
+    let given = match (&auth.user, &auth.token, &auth.nkey_seed) {
+        (Some(u), _, _) => format!("user {u:?} with nats.password (OUTBOXD_NATS_PASSWORD)"),
+        (None, Some(_), _) => "nats.token (OUTBOXD_NATS_TOKEN)".to_string(),
+        (None, None, Some(_)) => {
+            "the NKey seed of nats.nkey_seed_file (--nats-nkey-seed-file)".to_string()
+        }
+        (None, None, None) => String::new(),
     };
     match e.kind() {
         K::AuthorizationViolation | K::Authentication if given.is_empty() => format!(
-            "{e}: the server requires authentication; set nats.user + nats.password (OUTBOXD_NATS_USER, OUTBOXD_NATS_PASSWORD) or nats.token (OUTBOXD_NATS_TOKEN)"
+            "{e}: the server requires authentication; set nats.user + nats.password (OUTBOXD_NATS_USER, OUTBOXD_NATS_PASSWORD), nats.token (OUTBOXD_NATS_TOKEN) or nats.nkey_seed_file (--nats-nkey-seed-file)"
         ),
         K::AuthorizationViolation | K::Authentication => format!(
             "{e}: the server refused {given}; check those settings against the server's authorization block"

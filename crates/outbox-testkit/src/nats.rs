@@ -72,6 +72,35 @@ impl TestNats {
         Self::start_with_auth(name, &["--auth", token])
     }
 
+    /// A server that accepts only the holder of a user NKey it generates (an `authorization`
+    /// block listing the user's public key, in a config file: nats-server has no flag for
+    /// it). Returns the server and the user's seed (`SU...`).
+    pub fn start_with_nkey(name: &str) -> Result<(TestNats, String), HarnessError> {
+        let user = nkeys::KeyPair::new_user();
+        let seed = user.seed().map_err(|e| HarnessError::Command {
+            command: "nkeys::KeyPair::new_user".into(),
+            detail: e.to_string(),
+        })?;
+        let conf = std::env::temp_dir().join(format!(
+            "outboxd-nats-nkey-{}-{}.conf",
+            std::process::id(),
+            user.public_key()
+        ));
+        std::fs::write(
+            &conf,
+            format!(
+                "authorization {{\n  users = [ {{ nkey: {} }} ]\n}}\n",
+                user.public_key()
+            ),
+        )
+        .map_err(|source| HarnessError::Io {
+            context: format!("writing {}", conf.display()),
+            source,
+        })?;
+        let conf = conf.display().to_string();
+        Ok((Self::start_with_auth(name, &["-c", &conf])?, seed))
+    }
+
     /// A server that requires TLS (`--tls`) with this certificate and key (e.g. from
     /// [`crate::tls::make_ca_and_server_cert`]).
     pub fn start_with_tls(

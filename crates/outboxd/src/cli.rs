@@ -348,6 +348,10 @@ pub struct NatsAuthArgs {
     /// environment variable.
     #[arg(long, env = "OUTBOXD_NATS_TOKEN", hide_env_values = true)]
     pub nats_token: Option<String>,
+    /// File holding a user NKey seed (`SU...`), for a server whose authorization block lists
+    /// the user's public NKey (`users = [{ nkey: U... }]`). The seed is never printed.
+    #[arg(long, env = "OUTBOXD_NATS_NKEY_SEED_FILE")]
+    pub nats_nkey_seed_file: Option<PathBuf>,
     /// PEM file of CA certificates that verify the NATS server's TLS certificate; implies
     /// --nats-require-tls.
     #[arg(long, env = "OUTBOXD_NATS_CA_FILE")]

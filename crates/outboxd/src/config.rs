@@ -250,6 +250,10 @@ pub struct NatsFile {
     pub password: Option<Secret>,
     /// Token for a server that requires one (or `OUTBOXD_NATS_TOKEN`). Never printed.
     pub token: Option<Secret>,
+    /// File holding a user NKey seed (`SU...`, as `nk -gen user` or `nsc` write it), for a
+    /// server whose authorization block lists the user's public NKey. Keep it readable by
+    /// the service user only; the seed is never printed.
+    pub nkey_seed_file: Option<std::path::PathBuf>,
     /// PEM file of CA certificates verifying the server's TLS certificate (implies
     /// `require_tls`).
     pub ca_file: Option<std::path::PathBuf>,
@@ -261,6 +265,29 @@ pub struct NatsFile {
 /// a password needs a user, a user needs a password, user/password and token exclude each
 /// other, and the URL must not hold credentials (async-nats would not use them, and they
 /// would be printed with it); each error names the setting to use.
+/// The user NKey seed in `path`: its first non-empty line, which must be a user seed (`SU`).
+/// Errors name the file, never its content.
+fn read_nkey_seed(path: &std::path::Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        anyhow::anyhow!(
+            "nats.nkey_seed_file (--nats-nkey-seed-file) {}: {e}",
+            path.display()
+        )
+    })?;
+    let seed = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or_default();
+    if !seed.starts_with("SU") {
+        bail!(
+            "nats.nkey_seed_file (--nats-nkey-seed-file) {} does not hold a user NKey seed (a line starting with SU, as `nk -gen user` writes it)",
+            path.display()
+        );
+    }
+    Ok(seed.to_string())
+}
+
 pub fn resolve_nats_auth(
     a: &crate::cli::NatsAuthArgs,
     file: &NatsFile,
@@ -282,14 +309,29 @@ pub fn resolve_nats_auth(
             .nats_token
             .clone()
             .or(file.token.as_ref().map(|t| t.expose().to_string())),
+        nkey_seed: match a
+            .nats_nkey_seed_file
+            .as_ref()
+            .or(file.nkey_seed_file.as_ref())
+        {
+            None => None,
+            Some(path) => Some(read_nkey_seed(path)?),
+        },
         ca_file: a.nats_ca_file.clone().or(file.ca_file.clone()),
         require_tls: a.nats_require_tls || file.require_tls.unwrap_or(false),
     };
     match (&auth.user, &auth.password, &auth.token) {
         (Some(_), None, _) => bail!("nats.user (--nats-user) is set but no password: set OUTBOXD_NATS_PASSWORD (or nats.password)"),
         (None, Some(_), _) => bail!("a NATS password is set (OUTBOXD_NATS_PASSWORD / nats.password) but no user: set nats.user (--nats-user)"),
-        (Some(_), Some(_), Some(_)) => bail!("both a NATS user/password and a NATS token are set: a server takes one of them; keep the one its authorization block names"),
         _ => {}
+    }
+    let methods = [
+        auth.user.is_some(),
+        auth.token.is_some(),
+        auth.nkey_seed.is_some(),
+    ];
+    if methods.iter().filter(|m| **m).count() > 1 {
+        bail!("more than one NATS authentication is set (user/password, token, NKey seed file): a server takes one of them; keep the one its authorization block names");
     }
     if let Some(ca) = &auth.ca_file {
         if !ca.is_file() {
