@@ -66,9 +66,9 @@ pub enum Command {
     /// does not (optional).
     #[command(subcommand)]
     Consumers(ConsumersCommand),
-    /// Replacing a polling relay: who dispatches each aggregate type of an attached poller
-    /// table (`migrate --poller-table`), and the switches between the poller and outboxd.
-    /// See docs/migrating.md.
+    /// Replacing a polling relay: who dispatches each aggregate type (or each hash bucket of a
+    /// type's aggregates, `--buckets`) of an attached poller table (`migrate --poller-table`),
+    /// and the switches between the poller and outboxd. See docs/migrating.md.
     #[command(subcommand)]
     Share(ShareCommand),
     /// Watch a polling relay before replacing it: read its topics, find each of its events by
@@ -178,8 +178,9 @@ pub struct PollerTableArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum ShareCommand {
-    /// Every share: aggregate type (`*` = every type without its own row), owner (poller,
-    /// handover, outboxd, handback), rows parked for outboxd.
+    /// Every share: aggregate type (`*` = every type without its own row), bucket (`all`, or
+    /// one of the type's 16 hash buckets), owner (poller, handover, outboxd, handback), rows
+    /// parked for outboxd.
     List {
         #[command(flatten)]
         db: DbArgs,
