@@ -45,3 +45,4 @@ pub(crate) mod takeover;
 pub(crate) mod tls;
 pub(crate) mod unclear;
 pub(crate) mod unknown;
+pub(crate) mod webhook_signatures;

@@ -413,6 +413,18 @@ pub struct RunArgs {
     /// config file, else default]
     #[arg(long, env = "OUTBOXD_HTTP_ENDPOINT")]
     pub http_endpoint: Option<String>,
+    /// Standard Webhooks signing secrets (`whsec_...`, comma-separated), for --sink http:
+    /// every request is signed with each (`webhook-id`, `webhook-timestamp`,
+    /// `webhook-signature`), so a secret is rotated by listing the new one beside the old for a
+    /// while. Prefer the environment variable or http.signing_secrets in a file only the
+    /// service user can read. [default: http.signing_secrets, else unsigned]
+    #[arg(
+        long,
+        env = "OUTBOXD_HTTP_SIGNING_SECRETS",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub http_signing_secrets: Vec<String>,
     /// NATS server URL(s) for --sink nats, e.g. nats://nats-1:4222. The server's cluster name
     /// (its server name, `-n`, when unclustered) must equal --cluster-name.
     #[arg(long, env = "OUTBOXD_NATS_URL")]

@@ -213,6 +213,14 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
             max_concurrency: h.max_concurrency.unwrap_or(d.max_concurrency),
             idempotency_window: h.idempotency_window_ms.map(ms),
             ca_file: h.ca_file.clone(),
+            signing_secrets: if a.http_signing_secrets.is_empty() {
+                h.signing_secrets
+                    .iter()
+                    .map(|s| s.expose().to_string())
+                    .collect()
+            } else {
+                a.http_signing_secrets.clone()
+            },
         }
     });
     let nats = match kind {

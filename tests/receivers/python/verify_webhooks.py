@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Verifies requests the relay sent with the Standard Webhooks reference library
+(`standardwebhooks` from PyPI), as a partner's receiver would.
+
+stdin: JSON {"requests": [{"headers": {...}, "body": "..."}], "accept": [secret, ...],
+"reject": [secret, ...]}. For each request: every secret of "accept" verifies it; every secret
+of "reject" does not; with the body changed, or the timestamp ten minutes old, no secret does.
+Prints the counts as JSON.
+"""
+
+import json
+import sys
+import time
+
+from standardwebhooks import Webhook
+
+
+def verifies(secret, body, headers):
+    try:
+        Webhook(secret).verify(body, headers)
+        return True
+    except Exception:  # the library raises WebhookVerificationError (or a subclass)
+        return False
+
+
+def main():
+    job = json.load(sys.stdin)
+    out = {"requests": 0, "accepted": 0, "wrong_secret_rejected": 0,
+           "tampered_rejected": 0, "stale_rejected": 0}
+    for r in job["requests"]:
+        out["requests"] += 1
+        headers, body = r["headers"], r["body"]
+        if all(verifies(s, body, headers) for s in job["accept"]):
+            out["accepted"] += 1
+        if not any(verifies(s, body, headers) for s in job["reject"]):
+            out["wrong_secret_rejected"] += 1
+        tampered = body + " "
+        if not any(verifies(s, tampered, headers) for s in job["accept"]):
+            out["tampered_rejected"] += 1
+        stale = dict(headers)
+        stale["webhook-timestamp"] = str(int(time.time()) - 600)
+        if not any(verifies(s, body, stale) for s in job["accept"]):
+            out["stale_rejected"] += 1
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
