@@ -687,7 +687,7 @@ mod tests {
         let key = signing_key("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", 1).unwrap();
         let body = br#"{"test": 2432232314}"#;
         let [id, ts, sig] = standard_webhook_headers(
-            &[key.clone()],
+            std::slice::from_ref(&key),
             "msg_p5jXN8AQM9LWM0D4loKWxJek",
             1614265330,
             body,
