@@ -404,11 +404,6 @@ enum Brokers {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
-    if crate::harness::runs_once_in_e2e(
-        "chaos::chaos_with_every_fault_keeps_every_invariant_count_at_zero",
-    ) {
-        return;
-    }
     chaos(
         "chaos",
         Brokers::Mock,
@@ -423,11 +418,6 @@ async fn chaos_with_every_fault_keeps_every_invariant_count_at_zero() {
 /// of every backend of the relay, and there is no slot to sample.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_in_poll_mode_keeps_every_invariant_count_at_zero() {
-    if crate::harness::runs_once_in_e2e(
-        "chaos::chaos_in_poll_mode_keeps_every_invariant_count_at_zero",
-    ) {
-        return;
-    }
     chaos(
         "chaos_poll",
         Brokers::Mock,
@@ -447,11 +437,6 @@ enum Mode {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_on_three_apache_kafka_brokers_keeps_every_invariant_count_at_zero() {
-    if crate::harness::runs_once_in_e2e(
-        "chaos::chaos_on_three_apache_kafka_brokers_keeps_every_invariant_count_at_zero",
-    ) {
-        return;
-    }
     let cluster = KafkaCluster::start(BROKERS as usize)
         .unwrap_or_else(|e| panic!("starting 3 Apache Kafka nodes: {e}"));
     chaos(
@@ -1053,11 +1038,6 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
 /// runs the effect twice, and a version skipped reaches the gap table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consumer_counts_see_a_planted_double_effect_and_a_gap() {
-    if crate::harness::runs_once_in_e2e(
-        "chaos::the_consumer_counts_see_a_planted_double_effect_and_a_gap",
-    ) {
-        return;
-    }
     let env = TestEnv::new("chaos_counts").await;
     env.db
         .batch_execute(

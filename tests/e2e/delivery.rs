@@ -207,52 +207,49 @@ async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() 
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_database_does_not_hold_back_the_slot() {
-    if crate::harness::cdc_only(
-        "delivery::an_idle_database_does_not_hold_back_the_slot",
-        "the slot's WAL retention; poll mode has no slot",
-    ) {
-        return;
+cdc_only! {
+    "CDC only: the slot's WAL retention; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_database_does_not_hold_back_the_slot() {
+        let env = TestEnv::new("idle").await;
+        let _relay = env.relay(&[], &[]);
+        env.wait_streaming().await;
+        env.enqueue("i-1", json!({})).await;
+        env.wait_count(
+            "the only receipt",
+            "SELECT count(*) FROM outbox.receipts",
+            1,
+        )
+        .await;
+        // From here on no outbox event is written. Everything up to the WAL position now must be
+        // confirmed, or the slot would retain WAL forever on an idle database.
+        let l0: String = env
+            .db
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let slot = env.slot.clone();
+        wait_for(
+            "slot confirmed_flush_lsn to pass the idle WAL position",
+            LONG,
+            || async {
+                let row = env
+                    .db
+                    .query_one(
+                        "SELECT confirmed_flush_lsn >= $2::text::pg_lsn, confirmed_flush_lsn::text
+                     FROM pg_replication_slots WHERE slot_name = $1",
+                        &[&slot, &l0],
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if row.get::<_, bool>(0) {
+                    Ok(())
+                } else {
+                    Err(format!("confirmed {} < {l0}", row.get::<_, String>(1)))
+                }
+            },
+        )
+        .await;
     }
-    let env = TestEnv::new("idle").await;
-    let _relay = env.relay(&[], &[]);
-    env.wait_streaming().await;
-    env.enqueue("i-1", json!({})).await;
-    env.wait_count(
-        "the only receipt",
-        "SELECT count(*) FROM outbox.receipts",
-        1,
-    )
-    .await;
-    // From here on no outbox event is written. Everything up to the WAL position now must be
-    // confirmed, or the slot would retain WAL forever on an idle database.
-    let l0: String = env
-        .db
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let slot = env.slot.clone();
-    wait_for(
-        "slot confirmed_flush_lsn to pass the idle WAL position",
-        LONG,
-        || async {
-            let row = env
-                .db
-                .query_one(
-                    "SELECT confirmed_flush_lsn >= $2::text::pg_lsn, confirmed_flush_lsn::text
-                 FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot, &l0],
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            if row.get::<_, bool>(0) {
-                Ok(())
-            } else {
-                Err(format!("confirmed {} < {l0}", row.get::<_, String>(1)))
-            }
-        },
-    )
-    .await;
 }

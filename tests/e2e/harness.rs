@@ -733,40 +733,12 @@ impl TestEnv {
     }
 }
 
-/// The `e2e_poll` target (`tests/e2e_poll.rs`: this suite again): every relay the harness starts runs `--mode poll`, and [`TestEnv::wait_streaming`] waits for
-/// its first round; a test of what only CDC mode has, or one that pins its mode and so runs in
-/// the `e2e` target, says so by name ([`cdc_only`]).
+/// The `e2e_poll` target (`tests/e2e_poll.rs`: this suite again): every relay the harness
+/// starts runs `--mode poll`, and [`TestEnv::wait_streaming`] waits for its first round. The
+/// target's root says so (`POLL_MODE`); it also decides what a test of what only CDC mode has
+/// (`cdc_only!`) or one that runs once (`e2e_only!`) becomes there.
 pub fn poll_mode() -> bool {
-    static POLL: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-        std::env::current_exe().is_ok_and(|exe| {
-            exe.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("e2e_poll-"))
-        })
-    });
-    *POLL
-}
-
-/// Returns true (and says so, by name) when the suite runs in poll mode and `test` exercises
-/// what only CDC mode has (`why`): the caller returns without asserting anything.
-pub fn cdc_only(test: &str, why: &str) -> bool {
-    if poll_mode() {
-        println!("{test}: not run in poll mode: {why}");
-        return true;
-    }
-    false
-}
-
-/// Returns true (and says so, by name) in the `e2e_poll` target for a test that pins its relay
-/// mode itself (or starts no relay): it runs in the `e2e` target, once.
-pub fn runs_once_in_e2e(test: &str) -> bool {
-    if poll_mode() {
-        println!(
-            "{test}: not run again in poll mode: it pins its relay mode; it runs in the e2e target"
-        );
-        return true;
-    }
-    false
+    crate::POLL_MODE
 }
 
 /// A throwaway cluster with `wal_level = replica` (PostgreSQL's default), started once per

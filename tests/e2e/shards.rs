@@ -161,11 +161,6 @@ async fn assert_published_by_their_shards(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_reshard() {
-    if crate::harness::runs_once_in_e2e(
-        "shards::a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_reshard",
-    ) {
-        return;
-    }
     let env = TestEnv::new("shards").await;
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "2"]);
     assert!(ok && out.contains("2 shard(s)"), "{out}");
@@ -258,11 +253,6 @@ async fn wait_holdings(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause() {
-    if crate::harness::runs_once_in_e2e(
-        "shards::a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause",
-    ) {
-        return;
-    }
     let env = TestEnv::new("fleet").await;
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "8"]);
     assert!(ok, "{out}");
