@@ -741,6 +741,58 @@ pub fn poll_mode() -> bool {
     crate::POLL_MODE
 }
 
+/// Waits until `committed()` has grown by `n`, while `writers` (tasks that write until the
+/// test tells them to stop) keep running. Fails the test, naming `what`, when a writer ends
+/// (with its panic) or when `deadline` passes (with the count it reached): a writer that died
+/// would otherwise leave the count where it is and the test waiting for good.
+pub async fn wait_for_writers(
+    what: &str,
+    deadline: Duration,
+    writers: &mut [tokio::task::JoinHandle<()>],
+    committed: impl Fn() -> usize,
+    n: usize,
+) {
+    let start = Instant::now();
+    let target = committed() + n;
+    loop {
+        let now = committed();
+        if now >= target {
+            return;
+        }
+        if let Some(i) = writers.iter().position(|w| w.is_finished()) {
+            match (&mut writers[i]).await {
+                Err(e) => panic!("writer {i} failed while waiting for {what} ({now} of {target} events committed): {e}"),
+                Ok(()) => panic!("writer {i} ended before it was told to stop, while waiting for {what} ({now} of {target} events committed)"),
+            }
+        }
+        if start.elapsed() > deadline {
+            panic!(
+                "timed out after {deadline:?} waiting for {what}: {now} of {target} events committed, every writer still running"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+e2e_only! {
+    #[tokio::test]
+    #[should_panic(expected = "writer 1 failed while waiting for 5 more events (0 of 5 events committed): task")]
+    async fn a_writer_that_panics_fails_the_wait_for_writers() {
+        let mut writers = vec![
+            tokio::spawn(std::future::pending::<()>()),
+            tokio::spawn(async { panic!("planted: the writer's INSERT failed") }),
+        ];
+        wait_for_writers("5 more events", LONG, &mut writers, || 0, 5).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "timed out after 200ms waiting for 5 more events: 0 of 5 events committed")]
+    async fn a_wait_for_writers_that_sees_no_commits_fails_at_its_deadline() {
+        let mut writers = vec![tokio::spawn(std::future::pending::<()>())];
+        wait_for_writers("5 more events", Duration::from_millis(200), &mut writers, || 0, 5).await;
+    }
+}
+
 /// A throwaway cluster with `wal_level = replica` (PostgreSQL's default), started once per
 /// test process: what the relay meets on a server nobody prepared, and where poll mode runs.
 pub fn replica_only_cluster() -> &'static TestPostgres {
