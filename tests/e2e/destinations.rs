@@ -587,6 +587,22 @@ async fn aggregate_ids_reach_only_their_own_url_path() {
         seen.insert(key, r.path.clone());
     }
     assert_eq!(seen, expected, "not every event reached its path");
+    // Each event applied once (no answer here was unclear: nothing called for a second send),
+    // only the committed ones, and each receipt keeps the digest of the body it was answered.
+    target.assert_at_most_once();
+    target.assert_applied_within(expected.keys().map(String::as_str));
+    for r in env
+        .db
+        .query(
+            "SELECT event_id::text, evidence ->> 'body_sha256' FROM outbox.receipts",
+            &[],
+        )
+        .await
+        .unwrap()
+    {
+        let digest: Option<String> = r.get(1);
+        target.assert_body_digest(r.get(0), digest.as_deref().unwrap_or("(none)"));
+    }
     // Each path's last segment decodes to the aggregate id itself.
     let decoded: std::collections::BTreeSet<String> = seen
         .values()

@@ -85,6 +85,7 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     )
     .await;
     relay.kill9();
+    target.client_restarted();
     let restarted_at = Instant::now();
     let mut relay = env.relay(&[], &args);
     enqueue_versions(
