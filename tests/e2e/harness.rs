@@ -348,6 +348,21 @@ impl TestEnv {
     }
 }
 
+impl TestEnv {
+    /// Called right after a fault struck (a SIGKILL, a broker killed): the events with a
+    /// primary receipt so far, which must be fewer than `total` (what the test commits in
+    /// all). A fault that lands after every event was published met no traffic and proves
+    /// nothing: the test fails, naming it.
+    pub async fn assert_fault_met_traffic(&self, fault: &str, total: i64) -> i64 {
+        let n = self.count("SELECT count(*) FROM outbox.receipts").await;
+        assert!(
+            n < total,
+            "{fault} struck when all {total} events already had receipts: it met no traffic (strike earlier, or commit more behind it)"
+        );
+        n
+    }
+}
+
 pub struct Sampler {
     samples: Arc<std::sync::Mutex<Vec<(String, String)>>>,
     handle: tokio::task::JoinHandle<()>,
@@ -374,6 +389,39 @@ impl Sampler {
             total += row.get::<_, i64>(0);
         }
         (total, samples.len())
+    }
+
+    /// Invariant 5, asserted: no sample saw the slot confirmed past an event whose receipt was
+    /// not accepted, and there were samples (a sampler that saw nothing proves nothing). In
+    /// poll mode there is no slot to confirm anything: that is asserted (no slot, no sample),
+    /// not passed with nothing sampled. Returns the number of samples.
+    pub async fn assert_never_confirmed_past_unaccepted(self, env: &TestEnv) -> usize {
+        let slots = env
+            .count(&format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                env.slot
+            ))
+            .await;
+        let (violations, samples) = self.violations(env).await;
+        if poll_mode() {
+            assert_eq!(
+                (slots, samples),
+                (0, 0),
+                "poll mode: slot {} exists or was sampled",
+                env.slot
+            );
+        } else {
+            assert!(
+                samples > 0,
+                "the sampler took no sample of slot {}: invariant 5 was not checked",
+                env.slot
+            );
+        }
+        assert_eq!(
+            violations, 0,
+            "slot confirmed past an event whose receipt was not accepted ({samples} samples)"
+        );
+        samples
     }
 }
 

@@ -120,6 +120,8 @@ async fn fifty_aggregates_keep_their_order_through_sigkills_and_broker_faults() 
         .await;
         relay.assert_running();
         relay.kill9();
+        env.assert_fault_met_traffic(&format!("SIGKILL {} (at {t} receipts)", i + 1), 2000)
+            .await;
         relay = env.relay(&[], &[]);
     }
     for w in writers {
