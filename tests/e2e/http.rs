@@ -150,6 +150,13 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
         )) && !out.contains("not on the broker"),
         "{out}"
     );
+    // The harness's receipt check names them too (the endpoint's own check is above).
+    let check = env.verify_receipts(&[]).await;
+    assert_eq!(check.checked, 0, "{check:?}");
+    assert_eq!(
+        check.not_auditable,
+        vec![("http".to_string(), http_receipts)]
+    );
     // `outboxd check` knows the HTTP sink: nothing to probe, and the declared window.
     let (_, out) = crate::harness::outboxd(&[
         "check",

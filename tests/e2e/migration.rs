@@ -98,7 +98,7 @@ async fn an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unkn
     env.wait_count("e2 published", "SELECT count(*) FROM outbox.receipts", 2)
         .await;
 
-    let moved = crate::harness::read_topic(env.kafka.bootstrap_servers(), &new_topic);
+    let moved = env.read_topic_of(&new_topic).await;
     let versions: Vec<&str> = moved
         .iter()
         .map(|m| m.headers["aggregate_version"].as_str())

@@ -65,6 +65,9 @@ async fn purge_respects_window_and_mandatory_watermark_and_replay_stays_deduplic
     }
     env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 4)
         .await;
+    // What the consumer will read is what the ledger says was published (before any purge).
+    let check = env.verify_receipts(&[&env.topic]).await;
+    assert!(check.checked >= 4, "{check:?}");
 
     // billing applies 3 of the 4 events.
     let h = effect_handler();

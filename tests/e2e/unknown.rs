@@ -238,7 +238,9 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
         .unwrap()
         .get(0);
     assert_eq!(state, "ABSENT");
-    let cross = crate::harness::read_topic(env.kafka.bootstrap_servers(), &moved)
+    let cross = env
+        .read_topic_of(&moved)
+        .await
         .iter()
         .filter(|m| m.id() == id.to_string())
         .count();
