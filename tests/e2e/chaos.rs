@@ -564,11 +564,16 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
         stop.clone(),
     ));
 
-    // Writers: transactions of 1-3 events on 50 aggregates, ~10% rolled back.
+    // Writers: transactions of 1-3 events on 50 aggregates, ~10% rolled back. Each holds its
+    // last tenth back until the last fault has struck (every fault strikes below 90% of the
+    // events), so every fault meets events still to publish: in poll mode the relay used to
+    // publish everything before the last faults struck.
     const WRITERS: u64 = 4;
     let aggregates = aggregates_for(events);
+    let (faults_done, wait_faults) = tokio::sync::watch::channel(false);
     let mut writers = Vec::new();
     for w in 0..WRITERS {
+        let mut wait_faults = wait_faults.clone();
         let url = env.url.clone();
         let agg = env.aggregate_type.clone();
         let target = events / WRITERS + u64::from(w < events % WRITERS);
@@ -578,6 +583,9 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
             let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
             let mut i = 0u64;
             while (committed.len() as u64) < target {
+                if committed.len() as u64 >= target - target / 10 {
+                    wait_faults.wait_for(|done| *done).await.unwrap();
+                }
                 let n = wrng
                     .gen_range(1..=3u64)
                     .min(target - committed.len() as u64);
@@ -648,6 +656,13 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
             "progress before the next fault",
             "SELECT count(*) FROM outbox.receipts",
             t,
+        )
+        .await;
+        // Events are still to be published when the fault strikes (the writers' and the
+        // canaries'): a fault after the last receipt would meet nothing.
+        env.assert_fault_met_traffic(
+            &format!("fault {} (at {t} receipts)", j + 1),
+            events as i64 + canaries.len() as i64,
         )
         .await;
         let hold = Duration::from_millis(rng.gen_range(300..1_500));
@@ -817,6 +832,7 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
             }
         }
     }
+    faults_done.send(true).unwrap();
 
     let mut committed: HashMap<String, String> = HashMap::new();
     let mut rolled_back = HashSet::new();
