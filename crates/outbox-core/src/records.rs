@@ -109,11 +109,21 @@ impl LedgerItem {
 /// their event is published. The ledger's filter is `RefusalFilter` (`false`) in every build:
 /// no crate feature changes the daemon's code, so the binary tested is the one shipped.
 #[derive(Debug, Clone, Copy)]
-pub struct RefusalFilter<const HONOUR_STALE: bool = false>;
+pub struct RefusalFilter<const HONOUR_STALE: bool = false> {
+    /// Built with `default()` (the product) or [`RefusalFilter::honouring_stale`] only.
+    _private: (),
+}
 
 impl Default for RefusalFilter {
     fn default() -> Self {
-        RefusalFilter
+        RefusalFilter { _private: () }
+    }
+}
+
+impl RefusalFilter<true> {
+    /// The simulator's mutant `bug-stale-quarantine`.
+    pub fn honouring_stale() -> Self {
+        RefusalFilter { _private: () }
     }
 }
 

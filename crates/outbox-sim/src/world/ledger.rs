@@ -167,7 +167,7 @@ impl World {
     /// mutant (if it is this one).
     fn refusal_stands(&self, kind: RefusalKind, published: bool) -> bool {
         if self.is(Mutant::BugStaleQuarantine) {
-            RefusalFilter::<true>.stands(kind, published)
+            RefusalFilter::honouring_stale().stands(kind, published)
         } else {
             RefusalFilter::default().stands(kind, published)
         }
