@@ -129,7 +129,24 @@ async fn events_enqueued_before_the_relay_ever_started_are_all_published() {
     assert_eq!(lost, 0, "lost events");
     assert_eq!(msgs.len(), 51, "each event exactly once in the normal case");
     if crate::harness::poll_mode() {
-        return; // no snapshot and no stream in poll mode: every round is a read
+        // No snapshot and no stream in poll mode: every round is a read. Said as counts: no
+        // receipt has a commit LSN, and the relay made no slot.
+        assert_eq!(
+            env.count("SELECT count(*) FROM outbox.receipts WHERE commit_lsn IS NULL")
+                .await,
+            51,
+            "poll mode: a receipt with a commit LSN"
+        );
+        assert_eq!(
+            env.count(&format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                env.slot
+            ))
+            .await,
+            0,
+            "poll mode made a slot"
+        );
+        return;
     }
     assert_eq!(
         env.count("SELECT count(*) FROM outbox.receipts WHERE commit_lsn IS NULL")
