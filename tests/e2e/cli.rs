@@ -7,72 +7,70 @@ use serde_json::json;
 
 use crate::harness::TestEnv;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn status_reports_counts_and_the_slot_in_json_and_as_a_table() {
-    if crate::harness::cdc_only(
-        "cli::status_reports_counts_and_the_slot_in_json_and_as_a_table",
-        "asserts the slot's position and lag; poll mode has no slot",
-    ) {
-        return;
-    }
-    let env = TestEnv::new("status").await;
-    let _relay = env.relay(&[], &[]);
-    env.wait_streaming().await;
-    for i in 0..3 {
-        env.enqueue("s-1", json!({"i": i})).await;
-    }
-    env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 3)
-        .await;
-    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["status", "--json", "--database-url", &env.url])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["events"], 3);
-    assert_eq!(v["published"], 3);
-    assert_eq!(v["pending"], 0);
-    let slot = v["slots"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["slot_name"] == env.slot.as_str())
-        .expect("our slot is listed");
-    assert_eq!(slot["slot_exists"], true);
-    assert_eq!(slot["snapshot_done"], true);
-    // The relay holding the slot's lease, and that it keeps the session lock (migration 0018).
-    let lease = v["leases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["slot_name"] == env.slot.as_str())
-        .expect("our lease is listed");
-    assert!(lease["generation"].as_i64().unwrap() >= 1, "{lease}");
-    assert!(
-        lease["expires_in_seconds"].as_f64().unwrap() > 0.0,
-        "{lease}"
-    );
-    assert_eq!(lease["holder_locks"], true, "{lease}");
+cdc_only! {
+    "CDC only: asserts the slot's position and lag; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn status_reports_counts_and_the_slot_in_json_and_as_a_table() {
+        let env = TestEnv::new("status").await;
+        let _relay = env.relay(&[], &[]);
+        env.wait_streaming().await;
+        for i in 0..3 {
+            env.enqueue("s-1", json!({"i": i})).await;
+        }
+        env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 3)
+            .await;
+        let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["status", "--json", "--database-url", &env.url])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["events"], 3);
+        assert_eq!(v["published"], 3);
+        assert_eq!(v["pending"], 0);
+        let slot = v["slots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["slot_name"] == env.slot.as_str())
+            .expect("our slot is listed");
+        assert_eq!(slot["slot_exists"], true);
+        assert_eq!(slot["snapshot_done"], true);
+        // The relay holding the slot's lease, and that it keeps the session lock (migration 0018).
+        let lease = v["leases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["slot_name"] == env.slot.as_str())
+            .expect("our lease is listed");
+        assert!(lease["generation"].as_i64().unwrap() >= 1, "{lease}");
+        assert!(
+            lease["expires_in_seconds"].as_f64().unwrap() > 0.0,
+            "{lease}"
+        );
+        assert_eq!(lease["holder_locks"], true, "{lease}");
 
-    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["status", "--database-url", &env.url])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("published") && text.contains(&env.slot),
-        "{text}"
-    );
-    assert!(
-        text.contains("HELD BY") && text.contains("if it dies"),
-        "{text}"
-    );
+        let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["status", "--database-url", &env.url])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("published") && text.contains(&env.slot),
+            "{text}"
+        );
+        assert!(
+            text.contains("HELD BY") && text.contains("if it dies"),
+            "{text}"
+        );
+    }
 }
 
+e2e_only! {
 /// Every subcommand that connects finds its database the same ways: `--database-url`, or the
 /// `database_url` of `--config FILE` / `OUTBOXD_CONFIG` (issue 34: `status --config` was an
 /// unknown argument and `status` ignored `OUTBOXD_CONFIG`).
@@ -133,4 +131,5 @@ async fn every_connecting_command_reads_the_database_url_from_the_config_file() 
             && err.contains("--config"),
         "{err}"
     );
+}
 }

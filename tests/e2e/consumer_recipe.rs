@@ -162,11 +162,6 @@ async fn violations(env: &TestEnv, app_url: &str) -> (i64, i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_consumer_following_the_doc_applies_each_event_once_in_order_through_crashes() {
-    if crate::harness::runs_once_in_e2e(
-        "consumer_recipe::a_python_consumer_following_the_doc_applies_each_event_once_in_order_through_crashes",
-    ) {
-        return;
-    }
     let python = python();
     const N: usize = 240;
     let (env, app_url, copies) = published_with_duplicates("py_recipe", N).await;
@@ -225,11 +220,6 @@ async fn a_python_consumer_following_the_doc_applies_each_event_once_in_order_th
 /// counters the test above asserts zero become non-zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_counters_see_an_offset_committed_first_and_a_consumer_without_inbox() {
-    if crate::harness::runs_once_in_e2e(
-        "consumer_recipe::the_counters_see_an_offset_committed_first_and_a_consumer_without_inbox",
-    ) {
-        return;
-    }
     let python = python();
     const N: usize = 60;
     let (env, app_url, _) = published_with_duplicates("py_recipe_bugs", N).await;

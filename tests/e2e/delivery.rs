@@ -129,7 +129,24 @@ async fn events_enqueued_before_the_relay_ever_started_are_all_published() {
     assert_eq!(lost, 0, "lost events");
     assert_eq!(msgs.len(), 51, "each event exactly once in the normal case");
     if crate::harness::poll_mode() {
-        return; // no snapshot and no stream in poll mode: every round is a read
+        // No snapshot and no stream in poll mode: every round is a read. Said as counts: no
+        // receipt has a commit LSN, and the relay made no slot.
+        assert_eq!(
+            env.count("SELECT count(*) FROM outbox.receipts WHERE commit_lsn IS NULL")
+                .await,
+            51,
+            "poll mode: a receipt with a commit LSN"
+        );
+        assert_eq!(
+            env.count(&format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                env.slot
+            ))
+            .await,
+            0,
+            "poll mode made a slot"
+        );
+        return;
     }
     assert_eq!(
         env.count("SELECT count(*) FROM outbox.receipts WHERE commit_lsn IS NULL")
@@ -207,52 +224,49 @@ async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() 
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_database_does_not_hold_back_the_slot() {
-    if crate::harness::cdc_only(
-        "delivery::an_idle_database_does_not_hold_back_the_slot",
-        "the slot's WAL retention; poll mode has no slot",
-    ) {
-        return;
+cdc_only! {
+    "CDC only: the slot's WAL retention; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_database_does_not_hold_back_the_slot() {
+        let env = TestEnv::new("idle").await;
+        let _relay = env.relay(&[], &[]);
+        env.wait_streaming().await;
+        env.enqueue("i-1", json!({})).await;
+        env.wait_count(
+            "the only receipt",
+            "SELECT count(*) FROM outbox.receipts",
+            1,
+        )
+        .await;
+        // From here on no outbox event is written. Everything up to the WAL position now must be
+        // confirmed, or the slot would retain WAL forever on an idle database.
+        let l0: String = env
+            .db
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let slot = env.slot.clone();
+        wait_for(
+            "slot confirmed_flush_lsn to pass the idle WAL position",
+            LONG,
+            || async {
+                let row = env
+                    .db
+                    .query_one(
+                        "SELECT confirmed_flush_lsn >= $2::text::pg_lsn, confirmed_flush_lsn::text
+                     FROM pg_replication_slots WHERE slot_name = $1",
+                        &[&slot, &l0],
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if row.get::<_, bool>(0) {
+                    Ok(())
+                } else {
+                    Err(format!("confirmed {} < {l0}", row.get::<_, String>(1)))
+                }
+            },
+        )
+        .await;
     }
-    let env = TestEnv::new("idle").await;
-    let _relay = env.relay(&[], &[]);
-    env.wait_streaming().await;
-    env.enqueue("i-1", json!({})).await;
-    env.wait_count(
-        "the only receipt",
-        "SELECT count(*) FROM outbox.receipts",
-        1,
-    )
-    .await;
-    // From here on no outbox event is written. Everything up to the WAL position now must be
-    // confirmed, or the slot would retain WAL forever on an idle database.
-    let l0: String = env
-        .db
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let slot = env.slot.clone();
-    wait_for(
-        "slot confirmed_flush_lsn to pass the idle WAL position",
-        LONG,
-        || async {
-            let row = env
-                .db
-                .query_one(
-                    "SELECT confirmed_flush_lsn >= $2::text::pg_lsn, confirmed_flush_lsn::text
-                 FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot, &l0],
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            if row.get::<_, bool>(0) {
-                Ok(())
-            } else {
-                Err(format!("confirmed {} < {l0}", row.get::<_, String>(1)))
-            }
-        },
-    )
-    .await;
 }

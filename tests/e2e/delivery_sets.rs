@@ -1,7 +1,7 @@
 //! Delivery sets: one event at several destinations is a contract declared at enqueue, each
 //! target with its own state and receipt and a completion rule — never a retry elsewhere.
 
-use crate::harness::{read_topic, TestEnv};
+use crate::harness::TestEnv;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_set_publishes_each_target_with_its_own_receipt_and_completes() {
@@ -66,8 +66,8 @@ async fn a_delivery_set_publishes_each_target_with_its_own_receipt_and_completes
         ("PARTIAL", 1)
     );
 
-    let on_a = read_topic(env.kafka.bootstrap_servers(), &a);
-    let on_b = read_topic(env.kafka.bootstrap_servers(), &b);
+    let on_a = env.read_topic_of(&a).await;
+    let on_b = env.read_topic_of(&b).await;
     let set_s = set.to_string();
     let members_a: Vec<_> = on_a
         .iter()

@@ -109,225 +109,222 @@ async fn a_standby_takes_over_when_the_active_relay_is_killed() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded() {
-    if crate::harness::cdc_only("ha::a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded", "asserts checkpoint writes; poll mode has no checkpoint (a paused poll relay is in chaos_in_poll_mode and outbox-sim)") {
-        return;
-    }
-    let env = TestEnv::new_mock("zombie", "delay ACKs by an exact round-trip time").await;
-    let mock = env.kafka.mock_cluster().expect("mock cluster");
-    // Every committed checkpoint write, with the generation that made it: a fenced relay's
-    // write would show up here (its rejected transactions roll back with their trigger rows).
-    env.db
-        .batch_execute(
-            "CREATE TABLE test_checkpoint_writes (
-                 seq bigserial PRIMARY KEY, relay_generation bigint, confirmed_lsn pg_lsn);
-             CREATE FUNCTION test_record_checkpoint() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN
-                 INSERT INTO test_checkpoint_writes (relay_generation, confirmed_lsn)
-                 VALUES (NEW.relay_generation, NEW.confirmed_lsn);
-                 RETURN NEW;
-             END $$;
-             CREATE TRIGGER test_record_checkpoint AFTER INSERT OR UPDATE ON outbox.checkpoints
-                 FOR EACH ROW EXECUTE FUNCTION test_record_checkpoint();",
-        )
-        .await
-        .unwrap();
-    let slow = ["--message-timeout-ms", "60000"];
-    // A logs each event it hands to the producer (trace), so the test knows when to pause it.
-    let a = env.relay(
-        &[(
-            "OUTBOXD_LOG",
-            "info,outboxd=debug,outboxd::relay::pipeline=trace,tokio_postgres=warn",
-        )],
-        &[&["--relay-id", "relay-a"][..], &slow[..]].concat(),
-    );
-    env.wait_streaming().await;
-    let ga = wait_owner(&env, "relay-a").await;
-    let b = env.relay(&[], &[&["--relay-id", "relay-b"][..], &slow[..]].concat());
-    wait_log(&b, "standby").await;
+cdc_only! {
+    "CDC only: asserts checkpoint writes; poll mode has no checkpoint (a paused poll relay is in chaos_in_poll_mode and outbox-sim)";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded() {
+        let env = TestEnv::new_mock("zombie", "delay ACKs by an exact round-trip time").await;
+        let mock = env.kafka.mock_cluster().expect("mock cluster");
+        // Every committed checkpoint write, with the generation that made it: a fenced relay's
+        // write would show up here (its rejected transactions roll back with their trigger rows).
+        env.db
+            .batch_execute(
+                "CREATE TABLE test_checkpoint_writes (
+                     seq bigserial PRIMARY KEY, relay_generation bigint, confirmed_lsn pg_lsn);
+                 CREATE FUNCTION test_record_checkpoint() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                     INSERT INTO test_checkpoint_writes (relay_generation, confirmed_lsn)
+                     VALUES (NEW.relay_generation, NEW.confirmed_lsn);
+                     RETURN NEW;
+                 END $$;
+                 CREATE TRIGGER test_record_checkpoint AFTER INSERT OR UPDATE ON outbox.checkpoints
+                     FOR EACH ROW EXECUTE FUNCTION test_record_checkpoint();",
+            )
+            .await
+            .unwrap();
+        let slow = ["--message-timeout-ms", "60000"];
+        // A logs each event it hands to the producer (trace), so the test knows when to pause it.
+        let a = env.relay(
+            &[(
+                "OUTBOXD_LOG",
+                "info,outboxd=debug,outboxd::relay::pipeline=trace,tokio_postgres=warn",
+            )],
+            &[&["--relay-id", "relay-a"][..], &slow[..]].concat(),
+        );
+        env.wait_streaming().await;
+        let ga = wait_owner(&env, "relay-a").await;
+        let b = env.relay(&[], &[&["--relay-id", "relay-b"][..], &slow[..]].concat());
+        wait_log(&b, "standby").await;
 
-    // A's sends will be appended but ACKed only after 3 s.
-    mock.broker_round_trip_time(1, Duration::from_secs(3))
-        .unwrap();
-    let mut ids = Vec::new();
-    for i in 0..5 {
-        ids.push(env.enqueue(&format!("z{i}"), json!({"i": i})).await);
-    }
-    wait_for("A to hand the 5 events to its producer", LONG, || async {
-        let log = a.log_text();
-        let handed = log
-            .lines()
-            .filter(|l| l.contains("handed to the producer"))
-            .filter(|l| ids.iter().any(|id| l.contains(&id.to_string())))
-            .count();
-        if handed >= ids.len() {
-            Ok(())
-        } else {
-            Err(format!("{handed} of {} handed over", ids.len()))
+        // A's sends will be appended but ACKed only after 3 s.
+        mock.broker_round_trip_time(1, Duration::from_secs(3))
+            .unwrap();
+        let mut ids = Vec::new();
+        for i in 0..5 {
+            ids.push(env.enqueue(&format!("z{i}"), json!({"i": i})).await);
         }
-    })
-    .await;
-    a.signal(libc::SIGSTOP);
+        wait_for("A to hand the 5 events to its producer", LONG, || async {
+            let log = a.log_text();
+            let handed = log
+                .lines()
+                .filter(|l| l.contains("handed to the producer"))
+                .filter(|l| ids.iter().any(|id| l.contains(&id.to_string())))
+                .count();
+            if handed >= ids.len() {
+                Ok(())
+            } else {
+                Err(format!("{handed} of {} handed over", ids.len()))
+            }
+        })
+        .await;
+        a.signal(libc::SIGSTOP);
 
-    let gb = wait_owner(&env, "relay-b").await;
-    assert!(gb > ga);
-    // A paused holder keeps its session and walsender, so its lease is taken only at expiry.
-    assert!(
-        !b.log_text().contains("taken over before it expired"),
-        "a paused holder's lease was taken early"
-    );
-    // From here on A is fenced: no checkpoint write of its generation may commit.
-    let fenced_from: i64 = env
-        .db
-        .query_one(
-            "SELECT coalesce(max(seq), 0) FROM test_checkpoint_writes",
-            &[],
+        let gb = wait_owner(&env, "relay-b").await;
+        assert!(gb > ga);
+        // A paused holder keeps its session and walsender, so its lease is taken only at expiry.
+        assert!(
+            !b.log_text().contains("taken over before it expired"),
+            "a paused holder's lease was taken early"
+        );
+        // From here on A is fenced: no checkpoint write of its generation may commit.
+        let fenced_from: i64 = env
+            .db
+            .query_one(
+                "SELECT coalesce(max(seq), 0) FROM test_checkpoint_writes",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        // B's log in the failure message: a CI run once timed out here with no receipt at all.
+        wait_for("B's receipts", LONG, || async {
+            let n = env.count("SELECT count(*) FROM outbox.receipts").await;
+            if n >= 5 {
+                Ok(())
+            } else {
+                let log = b.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(12).collect();
+                Err(format!(
+                    "{n} < 5; B's last log lines (newest first):\n{}",
+                    tail.join("\n")
+                ))
+            }
+        })
+        .await;
+        mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
+        let checkpoint_before: String = env
+            .db
+            .query_one(
+                "SELECT confirmed_lsn::text FROM outbox.checkpoints WHERE slot_name = $1",
+                &[&env.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+
+        a.signal(libc::SIGCONT);
+        // Whatever A notices first (its lease is gone, or its walsender was terminated), it
+        // records the ACKs it gets and goes back to standby.
+        wait_log(&a, "standby").await;
+        // A is back in standby, not sending: new events are B's alone.
+        env.enqueue("z0", json!({"after": true})).await;
+        env.wait_count(
+            "B publishes after A woke up",
+            "SELECT count(*) FROM outbox.receipts",
+            6,
         )
-        .await
-        .unwrap()
-        .get(0);
-    // B's log in the failure message: a CI run once timed out here with no receipt at all.
-    wait_for("B's receipts", LONG, || async {
-        let n = env.count("SELECT count(*) FROM outbox.receipts").await;
-        if n >= 5 {
-            Ok(())
-        } else {
-            let log = b.log_text();
-            let tail: Vec<&str> = log.lines().rev().take(12).collect();
-            Err(format!(
-                "{n} < 5; B's last log lines (newest first):\n{}",
-                tail.join("\n")
+        .await;
+
+        // Late ACKs of A's attempts and B's resends compete for the same publish slot: whichever
+        // is accepted first is the primary receipt, every other one is kept as a duplicate. None is
+        // lost and no event has two primaries.
+        let from_a = env
+            .count(&format!(
+                "SELECT (SELECT count(*) FROM outbox.receipts WHERE relay_generation = {ga})
+                      + (SELECT count(*) FROM outbox.duplicate_receipts WHERE relay_generation = {ga})"
             ))
-        }
-    })
-    .await;
-    mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
-    let checkpoint_before: String = env
-        .db
-        .query_one(
-            "SELECT confirmed_lsn::text FROM outbox.checkpoints WHERE slot_name = $1",
-            &[&env.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-
-    a.signal(libc::SIGCONT);
-    // Whatever A notices first (its lease is gone, or its walsender was terminated), it
-    // records the ACKs it gets and goes back to standby.
-    wait_log(&a, "standby").await;
-    // A is back in standby, not sending: new events are B's alone.
-    env.enqueue("z0", json!({"after": true})).await;
-    env.wait_count(
-        "B publishes after A woke up",
-        "SELECT count(*) FROM outbox.receipts",
-        6,
-    )
-    .await;
-
-    // Late ACKs of A's attempts and B's resends compete for the same publish slot: whichever
-    // is accepted first is the primary receipt, every other one is kept as a duplicate. None is
-    // lost and no event has two primaries.
-    let from_a = env
-        .count(&format!(
-            "SELECT (SELECT count(*) FROM outbox.receipts WHERE relay_generation = {ga})
-                  + (SELECT count(*) FROM outbox.duplicate_receipts WHERE relay_generation = {ga})"
-        ))
-        .await;
-    assert!(from_a >= 1, "A's late ACKs were recorded");
-    assert_eq!(
-        env.count("SELECT count(*) FROM outbox.receipts").await,
-        6,
-        "one primary per event"
-    );
-    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
-    let broker: std::collections::HashSet<String> = env
-        .read_topic()
-        .await
-        .iter()
-        .map(|m| m.id().to_string())
-        .collect();
-    assert!(ids.iter().all(|i| broker.contains(i)), "lost events");
-    let gen: i64 = env
-        .db
-        .query_one(
-            "SELECT relay_generation FROM outbox.checkpoints WHERE slot_name = $1",
-            &[&env.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(gen, gb, "only the current generation moves the checkpoint");
-    let fenced_writes = env
-        .count(&format!(
-            "SELECT count(*) FROM test_checkpoint_writes WHERE seq > {fenced_from} AND relay_generation = {ga}"
-        ))
-        .await;
-    assert_eq!(
-        fenced_writes, 0,
-        "checkpoint writes committed by the fenced generation {ga}"
-    );
-    assert!(
-        env.count(&format!(
-            "SELECT count(*) FROM test_checkpoint_writes WHERE relay_generation = {gb}"
-        ))
-        .await
-            > 0,
-        "B's checkpoint writes are seen (the trigger records)"
-    );
-    let checkpoint_after: String = env
-        .db
-        .query_one(
-            "SELECT confirmed_lsn::text FROM outbox.checkpoints WHERE slot_name = $1",
-            &[&env.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(!checkpoint_after.is_empty() && !checkpoint_before.is_empty());
-    assert_eq!(lease_owner(&env).await.unwrap().0, "relay-b");
+            .await;
+        assert!(from_a >= 1, "A's late ACKs were recorded");
+        assert_eq!(
+            env.count("SELECT count(*) FROM outbox.receipts").await,
+            6,
+            "one primary per event"
+        );
+        let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+        let broker: std::collections::HashSet<String> = env
+            .read_topic()
+            .await
+            .iter()
+            .map(|m| m.id().to_string())
+            .collect();
+        assert!(ids.iter().all(|i| broker.contains(i)), "lost events");
+        let gen: i64 = env
+            .db
+            .query_one(
+                "SELECT relay_generation FROM outbox.checkpoints WHERE slot_name = $1",
+                &[&env.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(gen, gb, "only the current generation moves the checkpoint");
+        let fenced_writes = env
+            .count(&format!(
+                "SELECT count(*) FROM test_checkpoint_writes WHERE seq > {fenced_from} AND relay_generation = {ga}"
+            ))
+            .await;
+        assert_eq!(
+            fenced_writes, 0,
+            "checkpoint writes committed by the fenced generation {ga}"
+        );
+        assert!(
+            env.count(&format!(
+                "SELECT count(*) FROM test_checkpoint_writes WHERE relay_generation = {gb}"
+            ))
+            .await
+                > 0,
+            "B's checkpoint writes are seen (the trigger records)"
+        );
+        let checkpoint_after: String = env
+            .db
+            .query_one(
+                "SELECT confirmed_lsn::text FROM outbox.checkpoints WHERE slot_name = $1",
+                &[&env.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(!checkpoint_after.is_empty() && !checkpoint_before.is_empty());
+        assert_eq!(lease_owner(&env).await.unwrap().0, "relay-b");
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_drains_confirms_and_hands_the_lease_over() {
-    if crate::harness::cdc_only(
-        "ha::sigterm_drains_confirms_and_hands_the_lease_over",
-        "asserts what SIGTERM confirms to the slot; poll mode has no slot",
-    ) {
-        return;
+cdc_only! {
+    "CDC only: asserts what SIGTERM confirms to the slot; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sigterm_drains_confirms_and_hands_the_lease_over() {
+        let env = TestEnv::new("graceful").await;
+        let mut a = env.relay(&[], &["--relay-id", "relay-a", "--lease-ttl-ms", "30000"]);
+        env.wait_streaming().await;
+        let b = env.relay(&[], &["--relay-id", "relay-b", "--lease-ttl-ms", "30000"]);
+        wait_log(&b, "standby").await;
+        for i in 0..20 {
+            env.enqueue(&format!("g{}", i % 3), json!({"i": i})).await;
+        }
+        env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 20)
+            .await;
+        a.signal(libc::SIGTERM);
+        let status = a.wait_exit(Duration::from_secs(30)).await;
+        assert!(
+            status.success(),
+            "a graceful stop exits 0: {}",
+            a.log_text()
+        );
+        // A gave the lease up instead of letting it run out (30 s): B takes over long before.
+        wait_owner_within(&env, "relay-b", Duration::from_secs(15)).await;
+        env.enqueue("g0", json!({"after": true})).await;
+        env.wait_count("B publishes", "SELECT count(*) FROM outbox.receipts", 21)
+            .await;
+        let confirmed_matches = env
+            .count(&format!(
+                "SELECT count(*) FROM outbox.checkpoints c JOIN pg_replication_slots s USING (slot_name)
+                 WHERE c.slot_name = '{}' AND s.confirmed_flush_lsn <= c.confirmed_lsn",
+                env.slot
+            ))
+            .await;
+        assert_eq!(
+            confirmed_matches, 1,
+            "the slot never passes the ledger checkpoint"
+        );
     }
-    let env = TestEnv::new("graceful").await;
-    let mut a = env.relay(&[], &["--relay-id", "relay-a", "--lease-ttl-ms", "30000"]);
-    env.wait_streaming().await;
-    let b = env.relay(&[], &["--relay-id", "relay-b", "--lease-ttl-ms", "30000"]);
-    wait_log(&b, "standby").await;
-    for i in 0..20 {
-        env.enqueue(&format!("g{}", i % 3), json!({"i": i})).await;
-    }
-    env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 20)
-        .await;
-    a.signal(libc::SIGTERM);
-    let status = a.wait_exit(Duration::from_secs(30)).await;
-    assert!(
-        status.success(),
-        "a graceful stop exits 0: {}",
-        a.log_text()
-    );
-    // A gave the lease up instead of letting it run out (30 s): B takes over long before.
-    wait_owner_within(&env, "relay-b", Duration::from_secs(15)).await;
-    env.enqueue("g0", json!({"after": true})).await;
-    env.wait_count("B publishes", "SELECT count(*) FROM outbox.receipts", 21)
-        .await;
-    let confirmed_matches = env
-        .count(&format!(
-            "SELECT count(*) FROM outbox.checkpoints c JOIN pg_replication_slots s USING (slot_name)
-             WHERE c.slot_name = '{}' AND s.confirmed_flush_lsn <= c.confirmed_lsn",
-            env.slot
-        ))
-        .await;
-    assert_eq!(
-        confirmed_matches, 1,
-        "the slot never passes the ledger checkpoint"
-    );
 }

@@ -313,10 +313,16 @@ impl TestEnv {
         }
     }
 
-    /// Every message currently in the test topic, after checking every receipt of that topic
-    /// against it ([`TestEnv::verify_receipts`]).
+    /// Every message currently in the test topic, after checking every Kafka receipt of the
+    /// ledger against the broker ([`TestEnv::verify_receipts`]).
     pub async fn read_topic(&self) -> Vec<TopicMessage> {
-        self.verify_receipts(&[&self.topic]).await.messages
+        self.read_topic_of(&self.topic.clone()).await
+    }
+
+    /// Every message currently in `topic`, after checking every Kafka receipt of the ledger
+    /// (primary and duplicate, of any topic) against the broker: the suite's one topic reader.
+    pub async fn read_topic_of(&self, topic: &str) -> Vec<TopicMessage> {
+        self.verify_receipts(&[topic]).await.messages
     }
 
     /// Starts sampling (slot confirmed LSN, server time) every 20 ms for invariant 5.
@@ -348,6 +354,21 @@ impl TestEnv {
     }
 }
 
+impl TestEnv {
+    /// Called right after a fault struck (a SIGKILL, a broker killed): the events with a
+    /// primary receipt so far, which must be fewer than `total` (what the test commits in
+    /// all). A fault that lands after every event was published met no traffic and proves
+    /// nothing: the test fails, naming it.
+    pub async fn assert_fault_met_traffic(&self, fault: &str, total: i64) -> i64 {
+        let n = self.count("SELECT count(*) FROM outbox.receipts").await;
+        assert!(
+            n < total,
+            "{fault} struck when all {total} events already had receipts: it met no traffic (strike earlier, or commit more behind it)"
+        );
+        n
+    }
+}
+
 pub struct Sampler {
     samples: Arc<std::sync::Mutex<Vec<(String, String)>>>,
     handle: tokio::task::JoinHandle<()>,
@@ -374,6 +395,39 @@ impl Sampler {
             total += row.get::<_, i64>(0);
         }
         (total, samples.len())
+    }
+
+    /// Invariant 5, asserted: no sample saw the slot confirmed past an event whose receipt was
+    /// not accepted, and there were samples (a sampler that saw nothing proves nothing). In
+    /// poll mode there is no slot to confirm anything: that is asserted (no slot, no sample),
+    /// not passed with nothing sampled. Returns the number of samples.
+    pub async fn assert_never_confirmed_past_unaccepted(self, env: &TestEnv) -> usize {
+        let slots = env
+            .count(&format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                env.slot
+            ))
+            .await;
+        let (violations, samples) = self.violations(env).await;
+        if poll_mode() {
+            assert_eq!(
+                (slots, samples),
+                (0, 0),
+                "poll mode: slot {} exists or was sampled",
+                env.slot
+            );
+        } else {
+            assert!(
+                samples > 0,
+                "the sampler took no sample of slot {}: invariant 5 was not checked",
+                env.slot
+            );
+        }
+        assert_eq!(
+            violations, 0,
+            "slot confirmed past an event whose receipt was not accepted ({samples} samples)"
+        );
+        samples
     }
 }
 
@@ -479,15 +533,12 @@ impl TopicMessage {
 }
 
 /// Reads every partition of `topic` from its low watermark to its high watermark (both read
-/// before the first fetch). Honest about what it read: it fails if a partition's offsets are
-/// not contiguous (nothing here writes transactions or compacts, so every offset between the
-/// watermarks is a message), and it prints every message without an `id` header, one by one.
-pub fn read_topic(bootstrap: &str, topic: &str) -> Vec<TopicMessage> {
-    read_topic_bounds(bootstrap, topic).0
-}
-
-/// [`read_topic`], with each partition's (low, high) watermarks as read before the first fetch.
-pub fn read_topic_bounds(
+/// before the first fetch), with each partition's watermarks. Honest about what it read: it
+/// fails if a partition's offsets are not contiguous (nothing here writes transactions or
+/// compacts, so every offset between the watermarks is a message), and it prints every message
+/// without an `id` header, one by one. Tests read through [`TestEnv::read_topic_of`], which
+/// checks the ledger's receipts against what this reads.
+fn read_topic_bounds(
     bootstrap: &str,
     topic: &str,
 ) -> (Vec<TopicMessage>, HashMap<i32, (i64, i64)>) {
@@ -579,9 +630,13 @@ fn read_topic_bounds_now(bootstrap: &str, topic: &str, partition: i32) -> Option
 /// What [`TestEnv::verify_receipts`] compared.
 #[derive(Debug)]
 pub struct ReceiptCheck {
-    /// Primary and duplicate receipts of the topics read, each checked against its message.
+    /// Primary and duplicate Kafka receipts, every one in the ledger, each checked against its
+    /// message.
     pub checked: usize,
-    /// Messages read from the topics.
+    /// Receipts of sinks the broker check cannot audit (NATS, HTTP), by kind: counted, named
+    /// here, not checked against Kafka (their own tests check them against their server).
+    pub not_auditable: Vec<(String, i64)>,
+    /// Messages read from the topics asked for.
     pub messages: Vec<TopicMessage>,
 }
 
@@ -614,8 +669,10 @@ impl TestEnv {
     /// Checks every Kafka receipt in the ledger, primary and duplicate, against the broker:
     /// the message at (topic, partition, offset) exists, carries header `id` = the event id,
     /// and its payload (and `payload_digest` header) matches the frozen row's digest. Also:
-    /// every event id and every key sits in one partition only. Receipts of other topics are
-    /// not checked. Panics with every problem found; returns what it read.
+    /// every event id and every key sits in one partition only. Every topic a receipt names
+    /// is read, whether asked for or not: no receipt goes unchecked, and the count checked is
+    /// asserted against the ledger's. Panics with every problem found; returns the messages of
+    /// `topics`.
     pub async fn verify_receipts(&self, topics: &[&str]) -> ReceiptCheck {
         // Receipts first, then the topic: a relay still running accepts duplicate receipts
         // as it goes, and every receipt taken here was accepted after its broker ACK, so its
@@ -636,9 +693,31 @@ impl TestEnv {
             )
             .await
             .expect("read receipts");
+        let not_auditable: Vec<(String, i64)> = self
+            .db
+            .query(
+                "SELECT broker_kind, count(*) FROM (
+                     SELECT broker_kind FROM outbox.receipts WHERE broker_kind <> 'kafka'
+                     UNION ALL
+                     SELECT broker_kind FROM outbox.duplicate_receipts WHERE broker_kind <> 'kafka'
+                 ) k GROUP BY 1 ORDER BY 1",
+                &[],
+            )
+            .await
+            .expect("count the receipts of other sinks")
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let mut to_read: Vec<String> = topics.iter().map(|t| t.to_string()).collect();
+        for r in &rows {
+            let t: String = r.get(2);
+            if !to_read.contains(&t) {
+                to_read.push(t);
+            }
+        }
         let mut messages = Vec::new();
         let mut bounds = HashMap::new();
-        for t in topics {
+        for t in &to_read {
             let (read, b) = read_topic_bounds(self.kafka.bootstrap_servers(), t);
             for (p, lh) in b {
                 bounds.insert((t.to_string(), p), lh);
@@ -659,9 +738,6 @@ impl TestEnv {
             let what = format!(
                 "{kind} receipt of {id} at {topic}/{partition}@{offset} (attempt {attempt}, relay generation {generation})"
             );
-            if !topics.contains(&topic) {
-                continue; // another test step reads that topic
-            }
             checked += 1;
             let Some(m) = at.get(&(topic, partition, offset)) else {
                 let now = read_topic_bounds_now(self.kafka.bootstrap_servers(), topic, partition);
@@ -726,47 +802,82 @@ impl TestEnv {
             rows.len(),
             problems.join("\n")
         );
+        assert_eq!(
+            checked,
+            rows.len(),
+            "checked {checked} of the ledger's {} Kafka receipts",
+            rows.len()
+        );
         ReceiptCheck {
             checked,
-            messages: messages.into_iter().map(|(_, m)| m).collect(),
+            not_auditable,
+            messages: messages
+                .into_iter()
+                .filter(|(t, _)| topics.contains(&t.as_str()))
+                .map(|(_, m)| m)
+                .collect(),
         }
     }
 }
 
-/// The `e2e_poll` target (`tests/e2e_poll.rs`: this suite again): every relay the harness starts runs `--mode poll`, and [`TestEnv::wait_streaming`] waits for
-/// its first round; a test of what only CDC mode has, or one that pins its mode and so runs in
-/// the `e2e` target, says so by name ([`cdc_only`]).
+/// The `e2e_poll` target (`tests/e2e_poll.rs`: this suite again): every relay the harness
+/// starts runs `--mode poll`, and [`TestEnv::wait_streaming`] waits for its first round. The
+/// target's root says so (`POLL_MODE`); it also decides what a test of what only CDC mode has
+/// (`cdc_only!`) or one that runs once (`e2e_only!`) becomes there.
 pub fn poll_mode() -> bool {
-    static POLL: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-        std::env::current_exe().is_ok_and(|exe| {
-            exe.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("e2e_poll-"))
-        })
-    });
-    *POLL
+    crate::POLL_MODE
 }
 
-/// Returns true (and says so, by name) when the suite runs in poll mode and `test` exercises
-/// what only CDC mode has (`why`): the caller returns without asserting anything.
-pub fn cdc_only(test: &str, why: &str) -> bool {
-    if poll_mode() {
-        println!("{test}: not run in poll mode: {why}");
-        return true;
+/// Waits until `committed()` has grown by `n`, while `writers` (tasks that write until the
+/// test tells them to stop) keep running. Fails the test, naming `what`, when a writer ends
+/// (with its panic) or when `deadline` passes (with the count it reached): a writer that died
+/// would otherwise leave the count where it is and the test waiting for good.
+pub async fn wait_for_writers(
+    what: &str,
+    deadline: Duration,
+    writers: &mut [tokio::task::JoinHandle<()>],
+    committed: impl Fn() -> usize,
+    n: usize,
+) {
+    let start = Instant::now();
+    let target = committed() + n;
+    loop {
+        let now = committed();
+        if now >= target {
+            return;
+        }
+        if let Some(i) = writers.iter().position(|w| w.is_finished()) {
+            match (&mut writers[i]).await {
+                Err(e) => panic!("writer {i} failed while waiting for {what} ({now} of {target} events committed): {e}"),
+                Ok(()) => panic!("writer {i} ended before it was told to stop, while waiting for {what} ({now} of {target} events committed)"),
+            }
+        }
+        if start.elapsed() > deadline {
+            panic!(
+                "timed out after {deadline:?} waiting for {what}: {now} of {target} events committed, every writer still running"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    false
 }
 
-/// Returns true (and says so, by name) in the `e2e_poll` target for a test that pins its relay
-/// mode itself (or starts no relay): it runs in the `e2e` target, once.
-pub fn runs_once_in_e2e(test: &str) -> bool {
-    if poll_mode() {
-        println!(
-            "{test}: not run again in poll mode: it pins its relay mode; it runs in the e2e target"
-        );
-        return true;
+e2e_only! {
+    #[tokio::test]
+    #[should_panic(expected = "writer 1 failed while waiting for 5 more events (0 of 5 events committed): task")]
+    async fn a_writer_that_panics_fails_the_wait_for_writers() {
+        let mut writers = vec![
+            tokio::spawn(std::future::pending::<()>()),
+            tokio::spawn(async { panic!("planted: the writer's INSERT failed") }),
+        ];
+        wait_for_writers("5 more events", LONG, &mut writers, || 0, 5).await;
     }
-    false
+
+    #[tokio::test]
+    #[should_panic(expected = "timed out after 200ms waiting for 5 more events: 0 of 5 events committed")]
+    async fn a_wait_for_writers_that_sees_no_commits_fails_at_its_deadline() {
+        let mut writers = vec![tokio::spawn(std::future::pending::<()>())];
+        wait_for_writers("5 more events", Duration::from_millis(200), &mut writers, || 0, 5).await;
+    }
 }
 
 /// A throwaway cluster with `wal_level = replica` (PostgreSQL's default), started once per

@@ -150,6 +150,13 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
         )) && !out.contains("not on the broker"),
         "{out}"
     );
+    // The harness's receipt check names them too (the endpoint's own check is above).
+    let check = env.verify_receipts(&[]).await;
+    assert_eq!(check.checked, 0, "{check:?}");
+    assert_eq!(
+        check.not_auditable,
+        vec![("http".to_string(), http_receipts)]
+    );
     // `outboxd check` knows the HTTP sink: nothing to probe, and the declared window.
     let (_, out) = crate::harness::outboxd(&[
         "check",
@@ -191,10 +198,13 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
 }
 
 /// What every HTTP test checks of the endpoint after the relay drained `committed` (event id →
-/// aggregate, version): each event applied exactly once by key; each aggregate's events first
-/// applied in version order; every receipt the endpoint's answer for that event (kind `http`,
-/// cluster `billing-api`, the route's URL, a 2xx, the response id of the key's application, a
-/// body digest), and only for events the endpoint applied.
+/// aggregate, version): each committed event applied once by key; no event applied twice,
+/// counted by event id and without the endpoint's key store's help (a key sent again after a
+/// clear answer is a second application); nothing applied that is not committed; each
+/// aggregate's events first applied in version order; every receipt the endpoint's answer for
+/// that event (kind `http`, cluster `billing-api`, the route's URL, a 2xx, the response id of
+/// the key's application, the sha256 of the body the endpoint answered), and only for events
+/// the endpoint applied.
 pub(crate) async fn check_endpoint(
     env: &TestEnv,
     target: &HttpTarget,
@@ -210,6 +220,9 @@ pub(crate) async fn check_endpoint(
         not_once.is_empty(),
         "not applied exactly once: {not_once:?}"
     );
+    target.assert_at_most_once();
+    let committed_ids: Vec<String> = committed.keys().map(uuid::Uuid::to_string).collect();
+    target.assert_applied_within(committed_ids.iter().map(String::as_str));
     let receipts = env
         .db
         .query(
@@ -242,7 +255,9 @@ pub(crate) async fn check_endpoint(
             target.response_id(&id.to_string()),
             "{id}"
         );
-        assert_eq!(r.get::<_, Option<String>>(6).map(|d| d.len()), Some(64));
+        let digest: Option<String> = r.get(6);
+        let digest = digest.unwrap_or_else(|| panic!("{id}: a receipt without a body digest"));
+        target.assert_body_digest(&id.to_string(), &digest);
     }
     // Order per aggregate: the endpoint's first applications are versions 1, 2, 3, ...
     let mut per_agg: HashMap<&str, Vec<i64>> = HashMap::new();

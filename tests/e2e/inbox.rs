@@ -145,6 +145,9 @@ async fn consumer_crash_after_db_commit_before_offset_commit_applies_each_effect
         )
         .await;
     assert_eq!(behind, 0, "receipts not covered by billing's watermarks");
+    // And the receipts those watermarks cover are the broker's messages.
+    let check = env.verify_receipts(&[&env.topic]).await;
+    assert!(check.checked >= N, "{check:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -223,4 +226,6 @@ async fn remote_effect_keyed_by_the_idempotency_key_happens_once_across_a_crash(
         .await,
         1
     );
+    let check = env.verify_receipts(&[&env.topic]).await;
+    assert!(check.checked >= 1, "{check:?}");
 }

@@ -9,6 +9,21 @@
 //! Crash points are reached with named failpoints (`OUTBOXD_FAILPOINTS`) or by waiting for a
 //! ledger state, never by sleeping and hoping. Invariants are asserted as counts that must be 0.
 
+/// This target runs every relay in CDC mode (`e2e_poll` is the same suite in poll mode).
+pub(crate) const POLL_MODE: bool = false;
+
+/// A test of what only CDC mode has; the literal (`"CDC only: ..."`) is the reason `e2e_poll`
+/// reports it ignored with. Here it runs as written.
+macro_rules! cdc_only {
+    ($why:literal; $($test:item)*) => { $($test)* };
+}
+
+/// A test that runs once, in this target: it pins its relay mode, starts no relay, or starts
+/// its own Kafka cluster. `e2e_poll` does not compile it.
+macro_rules! e2e_only {
+    ($($test:item)*) => { $($test)* };
+}
+
 pub(crate) mod harness;
 
 pub(crate) mod bad_input;
@@ -46,3 +61,40 @@ pub(crate) mod tls;
 pub(crate) mod unclear;
 pub(crate) mod unknown;
 pub(crate) mod webhook_signatures;
+
+/// `e2e_poll` compiles every module of this suite but these (each test in them pins its relay
+/// mode, starts its own Apache Kafka cluster, or tests a client of the relay whose mode does
+/// not matter to it — another language's consumer, a webhook receiver, NATS authentication:
+/// they run once, here).
+#[cfg(test)]
+const E2E_ONLY_MODULES: &[&str] = &[
+    "chaos",
+    "consumer_recipe",
+    "nats_nkey",
+    "poll_mode",
+    "real_kafka",
+    "shards",
+    "webhook_signatures",
+];
+
+/// A module added here and forgotten in `e2e_poll.rs` would never run in poll mode.
+#[test]
+fn the_poll_target_compiles_every_module_but_the_e2e_only_ones() {
+    let declared = |root: &str| {
+        root.lines()
+            .filter_map(|l| l.trim().strip_prefix("pub(crate) mod "))
+            .map(|m| m.trim_end_matches(';').to_string())
+            .collect::<std::collections::BTreeSet<String>>()
+    };
+    let here = declared(include_str!("main.rs"));
+    let poll = declared(include_str!("../e2e_poll.rs"));
+    let expected: std::collections::BTreeSet<String> = here
+        .iter()
+        .filter(|m| !E2E_ONLY_MODULES.contains(&m.as_str()))
+        .cloned()
+        .collect();
+    assert_eq!(
+        poll, expected,
+        "tests/e2e_poll.rs must declare every module of tests/e2e/main.rs but {E2E_ONLY_MODULES:?}"
+    );
+}

@@ -98,7 +98,7 @@ async fn an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unkn
     env.wait_count("e2 published", "SELECT count(*) FROM outbox.receipts", 2)
         .await;
 
-    let moved = crate::harness::read_topic(env.kafka.bootstrap_servers(), &new_topic);
+    let moved = env.read_topic_of(&new_topic).await;
     let versions: Vec<&str> = moved
         .iter()
         .map(|m| m.headers["aggregate_version"].as_str())
@@ -138,39 +138,41 @@ async fn an_undeliverable_event_is_migrated_only_with_proof_and_never_while_unkn
     assert!(!ok && out.contains("already published"), "{out}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_kafka_scan_is_never_taken_as_proof_for_a_nats_destination() {
-    let env = TestEnv::new("dest_migration_nats").await;
-    env.db
-        .query_one(
-            "SELECT outbox.set_nats_route($1, NULL, 'nats-old')",
-            &[&env.aggregate_type],
-        )
-        .await
-        .unwrap();
-    let id = env.enqueue("n", json!({"n": 1})).await.to_string();
-    // The old subject does not exist as a Kafka topic, so a Kafka scan would find nothing;
-    // that must not count as proof that the NATS stream lacks the event.
-    let (ok, out) = migrate(&[
-        "--database-url",
-        &env.url,
-        "--event",
-        &id,
-        "--topic",
-        &env.topic,
-        "--reason",
-        "leaving nats",
-        "--old-bootstrap-servers",
-        env.kafka.bootstrap_servers(),
-    ]);
-    assert!(
-        !ok && out.contains("cannot prove") && out.contains("nats"),
-        "{out}"
-    );
-    assert_eq!(
-        env.count("SELECT count(*) FROM outbox.destination_migrations")
-            .await,
-        0,
-        "migrated on a Kafka scan of a NATS subject"
-    );
+e2e_only! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kafka_scan_is_never_taken_as_proof_for_a_nats_destination() {
+        let env = TestEnv::new("dest_migration_nats").await;
+        env.db
+            .query_one(
+                "SELECT outbox.set_nats_route($1, NULL, 'nats-old')",
+                &[&env.aggregate_type],
+            )
+            .await
+            .unwrap();
+        let id = env.enqueue("n", json!({"n": 1})).await.to_string();
+        // The old subject does not exist as a Kafka topic, so a Kafka scan would find nothing;
+        // that must not count as proof that the NATS stream lacks the event.
+        let (ok, out) = migrate(&[
+            "--database-url",
+            &env.url,
+            "--event",
+            &id,
+            "--topic",
+            &env.topic,
+            "--reason",
+            "leaving nats",
+            "--old-bootstrap-servers",
+            env.kafka.bootstrap_servers(),
+        ]);
+        assert!(
+            !ok && out.contains("cannot prove") && out.contains("nats"),
+            "{out}"
+        );
+        assert_eq!(
+            env.count("SELECT count(*) FROM outbox.destination_migrations")
+                .await,
+            0,
+            "migrated on a Kafka scan of a NATS subject"
+        );
+    }
 }

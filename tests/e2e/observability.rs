@@ -111,133 +111,130 @@ pub async fn insert_corrupt_copy(env: &TestEnv, of: uuid::Uuid, version: i64) ->
         .expect("insert a corrupt copy")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
-    if crate::harness::cdc_only(
-        "observability::metrics_move_with_the_workload_and_logs_are_json_with_the_slot",
-        "asserts the slot's metrics (lag, retained WAL)",
-    ) {
-        return;
-    }
-    let env = TestEnv::new("metrics").await;
-    let port = outbox_testkit::postgres::free_port().unwrap();
-    let addr = format!("127.0.0.1:{port}");
-    let mut args = admin_args(&addr);
-    args.extend(["--log-format", "json"]);
-    let mut relay = env.relay(&[], &args);
-    wait_ready(port, 200, "/readyz to report ready").await;
-    assert_eq!(
-        tokio::task::spawn_blocking(move || http_get(port, "/healthz"))
-            .await
-            .unwrap()
-            .map(|r| r.0),
-        Some(200)
-    );
+cdc_only! {
+    "CDC only: asserts the slot's metrics (lag, retained WAL)";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
+        let env = TestEnv::new("metrics").await;
+        let port = outbox_testkit::postgres::free_port().unwrap();
+        let addr = format!("127.0.0.1:{port}");
+        let mut args = admin_args(&addr);
+        args.extend(["--log-format", "json"]);
+        let mut relay = env.relay(&[], &args);
+        wait_ready(port, 200, "/readyz to report ready").await;
+        assert_eq!(
+            tokio::task::spawn_blocking(move || http_get(port, "/healthz"))
+                .await
+                .unwrap()
+                .map(|r| r.0),
+            Some(200)
+        );
 
-    let lag_series = format!("outboxd_replication_lag_bytes{{slot=\"{}\"}}", env.slot);
-    // The slot gauges exist once the sampler has seen the slot.
-    let before = wait_for("the first slot sample", LONG, || async {
-        let text = scrape(port).await;
-        match sample(&text, &lag_series) {
-            Some(_) => Ok(text),
-            None => Err("no lag sample yet".into()),
+        let lag_series = format!("outboxd_replication_lag_bytes{{slot=\"{}\"}}", env.slot);
+        // The slot gauges exist once the sampler has seen the slot.
+        let before = wait_for("the first slot sample", LONG, || async {
+            let text = scrape(port).await;
+            match sample(&text, &lag_series) {
+                Some(_) => Ok(text),
+                None => Err("no lag sample yet".into()),
+            }
+        })
+        .await;
+        for f in FAMILIES {
+            assert!(
+                before.contains(&format!("# TYPE {f} ")),
+                "{f} missing:\n{before}"
+            );
         }
-    })
-    .await;
-    for f in FAMILIES {
+        let retained_series = format!("outboxd_slot_retained_wal_bytes{{slot=\"{}\"}}", env.slot);
+        assert!(sample(&before, &retained_series).is_some(), "{before}");
+        let generation = format!("outboxd_lease_generation{{slot=\"{}\"}}", env.slot);
         assert!(
-            before.contains(&format!("# TYPE {f} ")),
-            "{f} missing:\n{before}"
+            sample(&before, &generation).is_some_and(|g| g >= 1.0),
+            "{before}"
+        );
+        let accepted0 = sample(&before, "outboxd_events_accepted_total").unwrap();
+        let latency0 = sample(&before, "outboxd_commit_to_receipt_seconds_count").unwrap();
+        let checkpoint0 = sample(&before, "outboxd_checkpoint_lsn").unwrap();
+
+        const N: usize = 25;
+        let mut first = None;
+        for i in 0..N {
+            let id = env.enqueue(&format!("m-{}", i % 5), json!({"i": i})).await;
+            first.get_or_insert(id);
+        }
+        env.wait_count(
+            "the receipts",
+            "SELECT count(*) FROM outbox.receipts",
+            N as i64,
+        )
+        .await;
+        // The counter moves when the acceptance transaction has committed; wait for it to get
+        // there, then it must be exactly there (no double counting).
+        let after = wait_for("the accepted counter", LONG, || async {
+            let text = scrape(port).await;
+            let a = sample(&text, "outboxd_events_accepted_total").unwrap();
+            if a >= accepted0 + N as f64 {
+                Ok(text)
+            } else {
+                Err(format!("{a}"))
+            }
+        })
+        .await;
+        assert_eq!(
+            sample(&after, "outboxd_events_accepted_total").unwrap() - accepted0,
+            N as f64,
+            "accepted counter moved by exactly the number of events"
+        );
+        assert!(
+            sample(&after, "outboxd_commit_to_receipt_seconds_count").unwrap() - latency0 >= N as f64,
+            "every streamed receipt observed a latency:\n{after}"
+        );
+        assert!(sample(&after, "outboxd_checkpoint_lsn").unwrap() > checkpoint0);
+        assert!(sample(&after, "outboxd_duplicate_receipts_total").is_some());
+
+        // Sampled gauges move too: a quarantined event and its held aggregate.
+        // Version 6 follows the aggregate's 5 events, so the copy reaches the head of its aggregate,
+        // where the digest is checked (a gap would hold it before any check).
+        let corrupt = insert_corrupt_copy(&env, first.unwrap(), 6).await;
+        wait_for("the quarantine and hold gauges", LONG, || async {
+            let text = scrape(port).await;
+            match (
+                sample(&text, "outboxd_quarantined_events"),
+                sample(&text, "outboxd_held_aggregates"),
+            ) {
+                (Some(q), Some(h)) if q == 1.0 && h == 1.0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .await;
+        relay.assert_running();
+
+        // --log-format json: every line is a JSON object; the relay's lines carry the slot.
+        let log = relay.log_text();
+        let mut with_slot = 0;
+        let mut quarantine_line = None;
+        for line in log.lines().filter(|l| !l.trim().is_empty()) {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
+            if v["span"]["slot"] == env.slot.as_str() {
+                with_slot += 1;
+            }
+            if v["fields"]["event_id"] == corrupt.to_string().as_str() {
+                quarantine_line = Some(v);
+            }
+        }
+        assert!(with_slot > 0, "no log line carries the slot span:\n{log}");
+        // The quarantine is logged with the event id, inside the relay span (slot, resume LSN).
+        let q = quarantine_line.unwrap_or_else(|| panic!("no line names event {corrupt}:\n{log}"));
+        assert_eq!(q["span"]["slot"], env.slot.as_str(), "{q}");
+        assert!(
+            q["span"]["start_lsn"]
+                .as_str()
+                .is_some_and(|l| l.contains('/')),
+            "{q}"
         );
     }
-    let retained_series = format!("outboxd_slot_retained_wal_bytes{{slot=\"{}\"}}", env.slot);
-    assert!(sample(&before, &retained_series).is_some(), "{before}");
-    let generation = format!("outboxd_lease_generation{{slot=\"{}\"}}", env.slot);
-    assert!(
-        sample(&before, &generation).is_some_and(|g| g >= 1.0),
-        "{before}"
-    );
-    let accepted0 = sample(&before, "outboxd_events_accepted_total").unwrap();
-    let latency0 = sample(&before, "outboxd_commit_to_receipt_seconds_count").unwrap();
-    let checkpoint0 = sample(&before, "outboxd_checkpoint_lsn").unwrap();
-
-    const N: usize = 25;
-    let mut first = None;
-    for i in 0..N {
-        let id = env.enqueue(&format!("m-{}", i % 5), json!({"i": i})).await;
-        first.get_or_insert(id);
-    }
-    env.wait_count(
-        "the receipts",
-        "SELECT count(*) FROM outbox.receipts",
-        N as i64,
-    )
-    .await;
-    // The counter moves when the acceptance transaction has committed; wait for it to get
-    // there, then it must be exactly there (no double counting).
-    let after = wait_for("the accepted counter", LONG, || async {
-        let text = scrape(port).await;
-        let a = sample(&text, "outboxd_events_accepted_total").unwrap();
-        if a >= accepted0 + N as f64 {
-            Ok(text)
-        } else {
-            Err(format!("{a}"))
-        }
-    })
-    .await;
-    assert_eq!(
-        sample(&after, "outboxd_events_accepted_total").unwrap() - accepted0,
-        N as f64,
-        "accepted counter moved by exactly the number of events"
-    );
-    assert!(
-        sample(&after, "outboxd_commit_to_receipt_seconds_count").unwrap() - latency0 >= N as f64,
-        "every streamed receipt observed a latency:\n{after}"
-    );
-    assert!(sample(&after, "outboxd_checkpoint_lsn").unwrap() > checkpoint0);
-    assert!(sample(&after, "outboxd_duplicate_receipts_total").is_some());
-
-    // Sampled gauges move too: a quarantined event and its held aggregate.
-    // Version 6 follows the aggregate's 5 events, so the copy reaches the head of its aggregate,
-    // where the digest is checked (a gap would hold it before any check).
-    let corrupt = insert_corrupt_copy(&env, first.unwrap(), 6).await;
-    wait_for("the quarantine and hold gauges", LONG, || async {
-        let text = scrape(port).await;
-        match (
-            sample(&text, "outboxd_quarantined_events"),
-            sample(&text, "outboxd_held_aggregates"),
-        ) {
-            (Some(q), Some(h)) if q == 1.0 && h == 1.0 => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
-    relay.assert_running();
-
-    // --log-format json: every line is a JSON object; the relay's lines carry the slot.
-    let log = relay.log_text();
-    let mut with_slot = 0;
-    let mut quarantine_line = None;
-    for line in log.lines().filter(|l| !l.trim().is_empty()) {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
-        if v["span"]["slot"] == env.slot.as_str() {
-            with_slot += 1;
-        }
-        if v["fields"]["event_id"] == corrupt.to_string().as_str() {
-            quarantine_line = Some(v);
-        }
-    }
-    assert!(with_slot > 0, "no log line carries the slot span:\n{log}");
-    // The quarantine is logged with the event id, inside the relay span (slot, resume LSN).
-    let q = quarantine_line.unwrap_or_else(|| panic!("no line names event {corrupt}:\n{log}"));
-    assert_eq!(q["span"]["slot"], env.slot.as_str(), "{q}");
-    assert!(
-        q["span"]["start_lsn"]
-            .as_str()
-            .is_some_and(|l| l.contains('/')),
-        "{q}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,9 +17,6 @@ const POLL: [&str; 4] = ["--mode", "poll", "--poll-interval-ms", "20"];
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_publishes_every_committed_event_in_order_through_sigkills_without_logical_replication(
 ) {
-    if crate::harness::runs_once_in_e2e("poll_mode::poll_mode_publishes_every_committed_event_in_order_through_sigkills_without_logical_replication") {
-        return;
-    }
     let env = TestEnv::new_on(replica_only_cluster(), "poll_mode").await;
     let level: String = env
         .db
@@ -145,9 +142,6 @@ async fn poll_mode_publishes_every_committed_event_in_order_through_sigkills_wit
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_killed_after_the_broker_ack_records_one_primary_receipt_after_restart() {
-    if crate::harness::runs_once_in_e2e("poll_mode::poll_mode_killed_after_the_broker_ack_records_one_primary_receipt_after_restart") {
-        return;
-    }
     let env = TestEnv::new_on(replica_only_cluster(), "poll_kill_ack").await;
     let mut relay = env.relay(&[("OUTBOXD_FAILPOINTS", "after-broker-ack=abort")], &POLL);
     env.wait_ready(&relay).await;
@@ -173,22 +167,12 @@ async fn poll_mode_killed_after_the_broker_ack_records_one_primary_receipt_after
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_holds_only_the_aggregate_of_an_oversized_payload_until_released() {
-    if crate::harness::runs_once_in_e2e(
-        "poll_mode::poll_mode_holds_only_the_aggregate_of_an_oversized_payload_until_released",
-    ) {
-        return;
-    }
     let env = TestEnv::new_on(replica_only_cluster(), "poll_poison").await;
     crate::ordering::oversized_payload_holds_only_its_aggregate(&env, &POLL).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_passes_poll_mode_where_cdc_mode_fails_on_wal_level() {
-    if crate::harness::runs_once_in_e2e(
-        "poll_mode::check_passes_poll_mode_where_cdc_mode_fails_on_wal_level",
-    ) {
-        return;
-    }
     let env = TestEnv::new_on(replica_only_cluster(), "poll_check").await;
     let args = [
         "check",

@@ -65,6 +65,9 @@ async fn purge_respects_window_and_mandatory_watermark_and_replay_stays_deduplic
     }
     env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 4)
         .await;
+    // What the consumer will read is what the ledger says was published (before any purge).
+    let check = env.verify_receipts(&[&env.topic]).await;
+    assert!(check.checked >= 4, "{check:?}");
 
     // billing applies 3 of the 4 events.
     let h = effect_handler();
@@ -271,58 +274,58 @@ async fn relay_purges_in_the_background_when_configured() {
     assert_eq!(purged_uncovered(&env).await, 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purge_waits_for_the_relay_checkpoint_to_pass_the_event() {
-    if crate::harness::cdc_only("purge::purge_waits_for_the_relay_checkpoint_to_pass_the_event", "purge waiting for the slot's checkpoint; poll mode's rule (the round's snapshot) is modelled in outbox-sim") {
-        return;
-    }
-    let env = TestEnv::new("purge_ckpt").await;
-    let mut relay = env.relay(&[], &[]);
-    env.wait_streaming().await; // through the slot, so its receipt has a commit LSN
-    let id = env.enqueue("o-1", json!({"n": 1})).await;
-    env.wait_count(
-        "the receipt, with its commit LSN",
-        "SELECT count(*) FROM outbox.receipts WHERE commit_lsn IS NOT NULL",
-        1,
-    )
-    .await;
-    relay.signal(libc::SIGTERM);
-    let status = relay.wait_exit(crate::harness::LONG).await;
-    assert!(status.success(), "{}", relay.log_text());
-    // As if the checkpoint had not moved past the event yet: a restart would replay it.
-    let saved: String = env
-        .db
-        .query_one(
-            "SELECT confirmed_lsn::text FROM outbox.checkpoints WHERE slot_name = $1",
-            &[&env.slot],
+cdc_only! {
+    "CDC only: purge waiting for the slot's checkpoint; poll mode's rule (the round's snapshot) is modelled in outbox-sim";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn purge_waits_for_the_relay_checkpoint_to_pass_the_event() {
+        let env = TestEnv::new("purge_ckpt").await;
+        let mut relay = env.relay(&[], &[]);
+        env.wait_streaming().await; // through the slot, so its receipt has a commit LSN
+        let id = env.enqueue("o-1", json!({"n": 1})).await;
+        env.wait_count(
+            "the receipt, with its commit LSN",
+            "SELECT count(*) FROM outbox.receipts WHERE commit_lsn IS NOT NULL",
+            1,
         )
-        .await
-        .unwrap()
-        .get(0);
-    env.db
-        .execute(
-            "UPDATE outbox.checkpoints SET confirmed_lsn = r.commit_lsn
-             FROM outbox.receipts r WHERE r.event_id = $1 AND checkpoints.slot_name = $2",
-            &[&id, &env.slot],
-        )
-        .await
-        .unwrap();
-    let (code, text) = purge(&env, &["--replay-window", "0s"]);
-    assert_eq!(code, 0, "{text}");
-    let r = report(&text);
-    assert_eq!(r["events"], 0, "{text}");
-    assert_eq!(r["kept_relay_may_replay"], 1, "{text}");
-    assert_eq!(env.count("SELECT count(*) FROM outbox.events").await, 1);
+        .await;
+        relay.signal(libc::SIGTERM);
+        let status = relay.wait_exit(crate::harness::LONG).await;
+        assert!(status.success(), "{}", relay.log_text());
+        // As if the checkpoint had not moved past the event yet: a restart would replay it.
+        let saved: String = env
+            .db
+            .query_one(
+                "SELECT confirmed_lsn::text FROM outbox.checkpoints WHERE slot_name = $1",
+                &[&env.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        env.db
+            .execute(
+                "UPDATE outbox.checkpoints SET confirmed_lsn = r.commit_lsn
+                 FROM outbox.receipts r WHERE r.event_id = $1 AND checkpoints.slot_name = $2",
+                &[&id, &env.slot],
+            )
+            .await
+            .unwrap();
+        let (code, text) = purge(&env, &["--replay-window", "0s"]);
+        assert_eq!(code, 0, "{text}");
+        let r = report(&text);
+        assert_eq!(r["events"], 0, "{text}");
+        assert_eq!(r["kept_relay_may_replay"], 1, "{text}");
+        assert_eq!(env.count("SELECT count(*) FROM outbox.events").await, 1);
 
-    env.db
-        .execute(
-            "UPDATE outbox.checkpoints SET confirmed_lsn = $1::text::pg_lsn WHERE slot_name = $2",
-            &[&saved, &env.slot],
-        )
-        .await
-        .unwrap();
-    let (code, text) = purge(&env, &["--replay-window", "0s"]);
-    assert_eq!(code, 0, "{text}");
-    assert_eq!(report(&text)["events"], 1, "{text}");
-    assert_eq!(env.count("SELECT count(*) FROM outbox.events").await, 0);
+        env.db
+            .execute(
+                "UPDATE outbox.checkpoints SET confirmed_lsn = $1::text::pg_lsn WHERE slot_name = $2",
+                &[&saved, &env.slot],
+            )
+            .await
+            .unwrap();
+        let (code, text) = purge(&env, &["--replay-window", "0s"]);
+        assert_eq!(code, 0, "{text}");
+        assert_eq!(report(&text)["events"], 1, "{text}");
+        assert_eq!(env.count("SELECT count(*) FROM outbox.events").await, 0);
+    }
 }

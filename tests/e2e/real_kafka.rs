@@ -143,6 +143,11 @@ async fn a_partition_leader_killed_mid_stream_loses_nothing_and_keeps_each_aggre
     let leader = c.leader_of(&topic, 0).expect("partition 0 has a leader");
     c.kill(leader);
     println!("killed node {leader}, the leader of {topic}/0");
+    // What partition 0 had when its leader died: events of it must be published after.
+    let on_p0 =
+        format!("SELECT count(*) FROM outbox.receipts WHERE topic = '{topic}' AND partition = 0");
+    let p0_at_kill = env.count(&on_p0).await;
+    env.assert_fault_met_traffic("the leader kill", total).await;
     wait_for("a new leader of partition 0", LONG, || async {
         match c.leader_of(&topic, 0) {
             Some(l) if l != leader => Ok(()),
@@ -170,6 +175,11 @@ async fn a_partition_leader_killed_mid_stream_loses_nothing_and_keeps_each_aggre
             .await,
         0,
         "lost events"
+    );
+    let p0_total = env.count(&on_p0).await;
+    assert!(
+        p0_at_kill < p0_total,
+        "every event of partition 0 ({p0_total}) was published before its leader was killed: the kill met no traffic"
     );
     let check = env.verify_receipts(&[&topic]).await;
     let order = first_occurrences(&check.messages);

@@ -192,37 +192,39 @@ async fn event_no_mandatory_consumer_applied_is_reported() {
     assert_eq!(report["consumers"].as_array().unwrap().len(), 3);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn aged_unknown_and_a_second_payload_under_one_id_are_reported() {
-    let env = TestEnv::new("rec_conflict").await;
-    let id = env.enqueue("o-1", json!({"total": 1})).await;
-    env.record_unknown_attempt(id).await;
-    // Another copy of the same id with a different payload reaches the topic.
-    produce_raw(&env, Some(&id.to_string()), "{\"total\": 1000}");
-    env.wait_count(
-        "the attempt to be older than the threshold",
-        "SELECT count(*) FROM outbox.attempts WHERE unknown_at < clock_timestamp() - interval '1 second'",
-        1,
-    )
-    .await;
-    let (code, report) = reconcile_json(&env, &["--unknown-after", "1s"]);
-    assert_eq!(code, 2, "{report:#}");
-    assert_eq!(report["aged_unknown"]["total"], 1, "{report:#}");
-    assert_eq!(
-        report["aged_unknown"]["items"][0]["event_id"],
-        json!(id.to_string())
-    );
-    assert_eq!(report["conflicts"]["total"], 1, "{report:#}");
-    let c = &report["conflicts"]["broker"][0];
-    assert_eq!(c["id"], json!(id.to_string()));
-    assert!(
-        c["detail"].as_str().unwrap().contains("payload differs"),
-        "{report:#}"
-    );
-    assert_eq!(report["bypass"]["total"], 0, "{report:#}");
-    // UNKNOWN is not PENDING: it is not reported twice.
-    let (_, report) = reconcile_json(&env, &["--unknown-after", "1h", "--pending-after", "0s"]);
-    assert_eq!(report["aged_pending"]["total"], 0, "{report:#}");
+e2e_only! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn aged_unknown_and_a_second_payload_under_one_id_are_reported() {
+        let env = TestEnv::new("rec_conflict").await;
+        let id = env.enqueue("o-1", json!({"total": 1})).await;
+        env.record_unknown_attempt(id).await;
+        // Another copy of the same id with a different payload reaches the topic.
+        produce_raw(&env, Some(&id.to_string()), "{\"total\": 1000}");
+        env.wait_count(
+            "the attempt to be older than the threshold",
+            "SELECT count(*) FROM outbox.attempts WHERE unknown_at < clock_timestamp() - interval '1 second'",
+            1,
+        )
+        .await;
+        let (code, report) = reconcile_json(&env, &["--unknown-after", "1s"]);
+        assert_eq!(code, 2, "{report:#}");
+        assert_eq!(report["aged_unknown"]["total"], 1, "{report:#}");
+        assert_eq!(
+            report["aged_unknown"]["items"][0]["event_id"],
+            json!(id.to_string())
+        );
+        assert_eq!(report["conflicts"]["total"], 1, "{report:#}");
+        let c = &report["conflicts"]["broker"][0];
+        assert_eq!(c["id"], json!(id.to_string()));
+        assert!(
+            c["detail"].as_str().unwrap().contains("payload differs"),
+            "{report:#}"
+        );
+        assert_eq!(report["bypass"]["total"], 0, "{report:#}");
+        // UNKNOWN is not PENDING: it is not reported twice.
+        let (_, report) = reconcile_json(&env, &["--unknown-after", "1h", "--pending-after", "0s"]);
+        assert_eq!(report["aged_pending"]["total"], 0, "{report:#}");
+    }
 }
 
 /// The receipt audit: a clean ledger is proven against the topic; then a receipt moved past

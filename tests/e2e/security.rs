@@ -13,92 +13,89 @@ use crate::harness::{outboxd, TestEnv, LONG};
 
 const LEAST_PRIVILEGE_SQL: &str = include_str!("../../docs/least_privilege.sql");
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_runs_as_the_least_privilege_role() {
-    if crate::harness::cdc_only(
-        "security::relay_runs_as_the_least_privilege_role",
-        "counts the role's walsenders; poll mode opens none",
-    ) {
-        return;
-    }
-    let mut env = TestEnv::new("least_privilege").await;
-    env.db
-        .batch_execute(LEAST_PRIVILEGE_SQL)
-        .await
-        .expect("docs/least_privilege.sql");
-    // Idempotent: a second run changes nothing and fails on nothing.
-    env.db.batch_execute(LEAST_PRIVILEGE_SQL).await.unwrap();
-    let relay_url = env.url.replacen("postgres@", "outboxd_relay@", 1);
+cdc_only! {
+    "CDC only: counts the role's walsenders; poll mode opens none";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn relay_runs_as_the_least_privilege_role() {
+        let mut env = TestEnv::new("least_privilege").await;
+        env.db
+            .batch_execute(LEAST_PRIVILEGE_SQL)
+            .await
+            .expect("docs/least_privilege.sql");
+        // Idempotent: a second run changes nothing and fails on nothing.
+        env.db.batch_execute(LEAST_PRIVILEGE_SQL).await.unwrap();
+        let relay_url = env.url.replacen("postgres@", "outboxd_relay@", 1);
 
-    // The role has exactly what it needs: check passes (exit 0) as that role.
-    let (ok, out) = outboxd(&[
-        "check",
-        "--database-url",
-        &relay_url,
-        "--bootstrap-servers",
-        env.kafka.bootstrap_servers(),
-        "--slot",
-        &env.slot,
-    ]);
-    assert!(ok, "check as outboxd_relay: {out}");
-    assert!(!out.contains("FAIL"), "{out}");
+        // The role has exactly what it needs: check passes (exit 0) as that role.
+        let (ok, out) = outboxd(&[
+            "check",
+            "--database-url",
+            &relay_url,
+            "--bootstrap-servers",
+            env.kafka.bootstrap_servers(),
+            "--slot",
+            &env.slot,
+        ]);
+        assert!(ok, "check as outboxd_relay: {out}");
+        assert!(!out.contains("FAIL"), "{out}");
 
-    // Events committed before and after the relay starts (snapshot and stream).
-    let before = env.enqueue("a-1", json!({"n": 1})).await;
-    env.url = relay_url.clone();
-    let _relay = env.relay(&[], &[]);
-    env.wait_streaming().await;
-    let after = env.enqueue("a-2", json!({"n": 2})).await;
-    env.wait_count(
-        "receipts written by the least-privilege relay",
-        "SELECT count(*) FROM outbox.receipts",
-        2,
-    )
-    .await;
-    let ids: Vec<String> = env
-        .read_topic()
-        .await
-        .iter()
-        .map(|m| m.id().to_string())
-        .collect();
-    assert!(ids.contains(&before.to_string()) && ids.contains(&after.to_string()));
-    // This database's walsenders only: the role is cluster-wide, and other tests run relays as
-    // it in their own databases of the shared cluster at the same time.
-    assert_eq!(
-        env.count(
-            "SELECT count(*) FROM pg_stat_replication r JOIN pg_stat_activity a USING (pid)
-             WHERE r.usename = 'outboxd_relay' AND a.datname = current_database()"
+        // Events committed before and after the relay starts (snapshot and stream).
+        let before = env.enqueue("a-1", json!({"n": 1})).await;
+        env.url = relay_url.clone();
+        let _relay = env.relay(&[], &[]);
+        env.wait_streaming().await;
+        let after = env.enqueue("a-2", json!({"n": 2})).await;
+        env.wait_count(
+            "receipts written by the least-privilege relay",
+            "SELECT count(*) FROM outbox.receipts",
+            2,
         )
-        .await,
-        1,
-        "the walsender is not the least-privilege role's"
-    );
-    wait_for("the checkpoint to move", LONG, || async {
-        let n = env
-            .count("SELECT count(*) FROM outbox.checkpoints WHERE confirmed_lsn > consistent_point")
-            .await;
-        if n > 0 {
-            Ok(())
-        } else {
-            Err("no checkpoint yet".to_string())
-        }
-    })
-    .await;
-
-    // And nothing more: it cannot alter or invent events, nor reroute them.
-    let relay_db = crate::harness::connect(&relay_url).await;
-    for sql in [
-        "UPDATE outbox.events SET payload = '{}'",
-        "DELETE FROM outbox.events",
-        "INSERT INTO outbox.route_policy (topic) VALUES ('elsewhere')",
-        "UPDATE outbox.aggregate_versions SET last_version = 0",
-    ] {
-        let err = relay_db.batch_execute(sql).await.unwrap_err();
+        .await;
+        let ids: Vec<String> = env
+            .read_topic()
+            .await
+            .iter()
+            .map(|m| m.id().to_string())
+            .collect();
+        assert!(ids.contains(&before.to_string()) && ids.contains(&after.to_string()));
+        // This database's walsenders only: the role is cluster-wide, and other tests run relays as
+        // it in their own databases of the shared cluster at the same time.
         assert_eq!(
-            err.code().map(|c| c.code()),
-            Some("42501"),
-            "{sql}: expected permission denied, got {err}"
+            env.count(
+                "SELECT count(*) FROM pg_stat_replication r JOIN pg_stat_activity a USING (pid)
+                 WHERE r.usename = 'outboxd_relay' AND a.datname = current_database()"
+            )
+            .await,
+            1,
+            "the walsender is not the least-privilege role's"
         );
+        wait_for("the checkpoint to move", LONG, || async {
+            let n = env
+                .count("SELECT count(*) FROM outbox.checkpoints WHERE confirmed_lsn > consistent_point")
+                .await;
+            if n > 0 {
+                Ok(())
+            } else {
+                Err("no checkpoint yet".to_string())
+            }
+        })
+        .await;
+
+        // And nothing more: it cannot alter or invent events, nor reroute them.
+        let relay_db = crate::harness::connect(&relay_url).await;
+        for sql in [
+            "UPDATE outbox.events SET payload = '{}'",
+            "DELETE FROM outbox.events",
+            "INSERT INTO outbox.route_policy (topic) VALUES ('elsewhere')",
+            "UPDATE outbox.aggregate_versions SET last_version = 0",
+        ] {
+            let err = relay_db.batch_execute(sql).await.unwrap_err();
+            assert_eq!(
+                err.code().map(|c| c.code()),
+                Some("42501"),
+                "{sql}: expected permission denied, got {err}"
+            );
+        }
     }
 }
 
@@ -342,403 +339,399 @@ async fn a_revoked_privilege_stops_the_relay_with_the_fix_and_loses_nothing() {
     env.verify_receipts(&[&env.topic]).await;
 }
 
-/// The roles docs/least_privilege.sql describes: the relay's, and a poller's (its example
-/// grants), created in the test's database.
-async fn least_privilege_roles(admin: &tokio_postgres::Client) {
-    admin.batch_execute(LEAST_PRIVILEGE_SQL).await.unwrap();
-    admin
-        .batch_execute(
-            "DO $$ BEGIN
-                 IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'app_poller') THEN
-                     CREATE ROLE app_poller LOGIN;
-                 END IF;
-             EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-             END $$;
-             GRANT USAGE ON SCHEMA outbox TO app_poller;
-             GRANT EXECUTE ON FUNCTION outbox.poller_may_claim(uuid) TO app_poller;",
-        )
-        .await
-        .unwrap();
-}
-
-/// What a forger could have written: rows of every table an event, a receipt, a hold or a
-/// version lives in, and the registrations of capture tables and routes.
-const FORGEABLE: &[&str] = &[
-    "outbox.events",
-    "outbox.aggregate_versions",
-    "outbox.receipts",
-    "outbox.duplicate_receipts",
-    "outbox.holds",
-    "outbox.held_events",
-    "outbox.legacy_events",
-    "outbox.parked_events",
-    "outbox.route_policy",
-    "outbox.dispatch_shares",
-    "outbox.poller_tables",
-    "outbox.debezium_tables",
-];
-
-async fn forgeable_counts(admin: &tokio_postgres::Client) -> Vec<(&'static str, i64)> {
-    let mut counts = Vec::new();
-    for t in FORGEABLE {
-        // (outbox.debezium_tables is migration 0021's: absent from a database before it)
-        let exists: bool = admin
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[t])
-            .await
-            .unwrap()
-            .get(0);
-        if !exists {
-            continue;
-        }
-        let n: i64 = admin
-            .query_one(&format!("SELECT count(*) FROM {t}"), &[])
-            .await
-            .unwrap_or_else(|e| panic!("counting {t}: {e}"))
-            .get(0);
-        counts.push((*t, n));
-    }
-    counts
-}
-
-/// Issue 33, finding 1: a limited role forged events, legacy records, versions and holds by
-/// putting the outbox's SECURITY DEFINER trigger functions on a TEMP table of its own. Each
-/// role of docs/least_privilege.sql now tries every function it can reach, and every try is
-/// refused; the trigger functions themselves refuse to fire on a table nobody registered for
-/// them; and a database migrated before the fix keeps its Debezium capture working.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn limited_roles_cannot_forge_events_receipts_holds_or_versions_through_functions() {
-    if crate::harness::runs_once_in_e2e(
-        "security::limited_roles_cannot_forge_events_receipts_holds_or_versions_through_functions",
-    ) {
-        return;
-    }
-    let pg = outbox_testkit::postgres::TestPostgres::shared();
-    let url = pg.create_database("forge").await.expect("create database");
-    let (ok, out) = outboxd(&["migrate", "--database-url", &url]);
-    assert!(ok, "migrate: {out}");
-    let admin = crate::harness::connect(&url).await;
-    least_privilege_roles(&admin).await;
-    let before = forgeable_counts(&admin).await;
-
-    // 1. As each role: every way through a function, each refused.
-    let mut not_refused = Vec::new();
-    for role in ["outboxd_relay", "app_poller"] {
-        // Only outbox.poller_may_claim (granted to the poller) of all the functions that run
-        // with the owner's rights, or as triggers, is executable by a limited role.
-        let reachable: Vec<String> = admin
-            .query(
-                "SELECT p.oid::regprocedure::text FROM pg_proc p
-                 WHERE p.pronamespace = 'outbox'::regnamespace
-                   AND (p.prosecdef OR p.prorettype = 'trigger'::regtype)
-                   AND has_function_privilege($1, p.oid, 'EXECUTE')
-                 ORDER BY 1",
-                &[&role],
+e2e_only! {
+    /// The roles docs/least_privilege.sql describes: the relay's, and a poller's (its example
+    /// grants), created in the test's database.
+    async fn least_privilege_roles(admin: &tokio_postgres::Client) {
+        admin.batch_execute(LEAST_PRIVILEGE_SQL).await.unwrap();
+        admin
+            .batch_execute(
+                "DO $$ BEGIN
+                     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'app_poller') THEN
+                         CREATE ROLE app_poller LOGIN;
+                     END IF;
+                 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+                 END $$;
+                 GRANT USAGE ON SCHEMA outbox TO app_poller;
+                 GRANT EXECUTE ON FUNCTION outbox.poller_may_claim(uuid) TO app_poller;",
             )
             .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let expected: Vec<String> = match role {
-            "app_poller" => vec!["outbox.poller_may_claim(uuid)".into()],
-            _ => vec![],
-        };
-        if reachable != expected {
-            not_refused.push(format!(
-                "{role} may execute the owner's-rights/trigger functions {reachable:?} (expected {expected:?})"
-            ));
-        }
+            .unwrap();
+    }
 
-        let c = crate::harness::connect(&url.replacen("postgres@", &format!("{role}@"), 1)).await;
-        c.batch_execute(
-            "CREATE TEMP TABLE forge_dbz (id uuid, aggregatetype text, aggregateid text,
-                                          type text, payload jsonb);
-             CREATE TEMP TABLE forge_row (event_id uuid, aggregate_type text, aggregate_id text,
-                                          aggregate_version bigint, delivery_set_id uuid);",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{role}: a TEMP table of its own: {e}"));
-        // (statement, the SQLSTATEs that refuse it)
-        let tries: &[(&str, &[&str])] = &[
-            // An event through the Debezium capture trigger (the issue's forge).
-            (
-                "CREATE TRIGGER forge AFTER INSERT ON forge_dbz FOR EACH ROW EXECUTE FUNCTION
-                 outbox.debezium_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
-                &["42501"],
-            ),
-            // A legacy record (or an event, for a type outboxd owns) through the poller capture.
-            (
-                "CREATE TRIGGER forge_poll AFTER INSERT ON forge_dbz FOR EACH ROW EXECUTE FUNCTION
-                 outbox.poller_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
-                &["42501"],
-            ),
-            // A version and a hold through the rows-around-enqueue trigger.
-            (
-                "CREATE TRIGGER forge_version AFTER INSERT ON forge_row FOR EACH ROW
-                 EXECUTE FUNCTION outbox.note_row_around_enqueue()",
-                &["42501"],
-            ),
-            // The install functions, on the role's own table.
-            (
-                "SELECT outbox.install_debezium_capture('pg_temp.forge_dbz')",
-                &["42501", "42809"],
-            ),
-            (
-                "SELECT outbox.install_poller_capture('pg_temp.forge_dbz', 'true')",
-                &["42501"],
-            ),
-            // The producer and operator API, called directly.
-            (
-                "SELECT outbox.enqueue('payment', 'p-1', 'payment.refunded', '{\"amount\": 100}')",
-                &["42501"],
-            ),
-            (
-                "SELECT outbox.enqueue_set('payment', 'p-1', 'payment.refunded', '{}', ARRAY['t'])",
-                &["42501"],
-            ),
-            ("SELECT outbox.enqueue_parked('payment', 'p-1')", &["42501"]),
-            ("SELECT outbox.enqueue_all_parked()", &["42501"]),
-            (
-                "SELECT outbox.unpark_to_poller('payment', 'p-1')",
-                &["42501"],
-            ),
-            (
-                "SELECT outbox.set_dispatch_owner('payment', 'outboxd')",
-                &["42501"],
-            ),
-            (
-                "SELECT outbox.set_route('payment', NULL, 'elsewhere')",
-                &["42501"],
-            ),
-            (
-                "SELECT outbox.set_nats_route('payment', NULL, 'nats', 'elsewhere.x')",
-                &["42501"],
-            ),
-            (
-                "SELECT outbox.set_http_route('payment', NULL, 'hook', 'http://attacker.invalid/')",
-                &["42501"],
-            ),
-        ];
-        for (sql, codes) in tries {
-            match c.batch_execute(sql).await {
-                Ok(()) => not_refused.push(format!("{role}: not refused: {sql}")),
-                Err(e) => {
-                    let code = e.code().map(|c| c.code()).unwrap_or("none");
-                    if !codes.contains(&code) {
-                        not_refused.push(format!(
-                            "{role}: {sql}: refused with {code} ({e:?}), expected one of {codes:?}"
-                        ));
+    /// What a forger could have written: rows of every table an event, a receipt, a hold or a
+    /// version lives in, and the registrations of capture tables and routes.
+    const FORGEABLE: &[&str] = &[
+        "outbox.events",
+        "outbox.aggregate_versions",
+        "outbox.receipts",
+        "outbox.duplicate_receipts",
+        "outbox.holds",
+        "outbox.held_events",
+        "outbox.legacy_events",
+        "outbox.parked_events",
+        "outbox.route_policy",
+        "outbox.dispatch_shares",
+        "outbox.poller_tables",
+        "outbox.debezium_tables",
+    ];
+
+    async fn forgeable_counts(admin: &tokio_postgres::Client) -> Vec<(&'static str, i64)> {
+        let mut counts = Vec::new();
+        for t in FORGEABLE {
+            // (outbox.debezium_tables is migration 0021's: absent from a database before it)
+            let exists: bool = admin
+                .query_one("SELECT to_regclass($1) IS NOT NULL", &[t])
+                .await
+                .unwrap()
+                .get(0);
+            if !exists {
+                continue;
+            }
+            let n: i64 = admin
+                .query_one(&format!("SELECT count(*) FROM {t}"), &[])
+                .await
+                .unwrap_or_else(|e| panic!("counting {t}: {e}"))
+                .get(0);
+            counts.push((*t, n));
+        }
+        counts
+    }
+
+    /// Issue 33, finding 1: a limited role forged events, legacy records, versions and holds by
+    /// putting the outbox's SECURITY DEFINER trigger functions on a TEMP table of its own. Each
+    /// role of docs/least_privilege.sql now tries every function it can reach, and every try is
+    /// refused; the trigger functions themselves refuse to fire on a table nobody registered for
+    /// them; and a database migrated before the fix keeps its Debezium capture working.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn limited_roles_cannot_forge_events_receipts_holds_or_versions_through_functions() {
+        let pg = outbox_testkit::postgres::TestPostgres::shared();
+        let url = pg.create_database("forge").await.expect("create database");
+        let (ok, out) = outboxd(&["migrate", "--database-url", &url]);
+        assert!(ok, "migrate: {out}");
+        let admin = crate::harness::connect(&url).await;
+        least_privilege_roles(&admin).await;
+        let before = forgeable_counts(&admin).await;
+
+        // 1. As each role: every way through a function, each refused.
+        let mut not_refused = Vec::new();
+        for role in ["outboxd_relay", "app_poller"] {
+            // Only outbox.poller_may_claim (granted to the poller) of all the functions that run
+            // with the owner's rights, or as triggers, is executable by a limited role.
+            let reachable: Vec<String> = admin
+                .query(
+                    "SELECT p.oid::regprocedure::text FROM pg_proc p
+                     WHERE p.pronamespace = 'outbox'::regnamespace
+                       AND (p.prosecdef OR p.prorettype = 'trigger'::regtype)
+                       AND has_function_privilege($1, p.oid, 'EXECUTE')
+                     ORDER BY 1",
+                    &[&role],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let expected: Vec<String> = match role {
+                "app_poller" => vec!["outbox.poller_may_claim(uuid)".into()],
+                _ => vec![],
+            };
+            if reachable != expected {
+                not_refused.push(format!(
+                    "{role} may execute the owner's-rights/trigger functions {reachable:?} (expected {expected:?})"
+                ));
+            }
+
+            let c = crate::harness::connect(&url.replacen("postgres@", &format!("{role}@"), 1)).await;
+            c.batch_execute(
+                "CREATE TEMP TABLE forge_dbz (id uuid, aggregatetype text, aggregateid text,
+                                              type text, payload jsonb);
+                 CREATE TEMP TABLE forge_row (event_id uuid, aggregate_type text, aggregate_id text,
+                                              aggregate_version bigint, delivery_set_id uuid);",
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{role}: a TEMP table of its own: {e}"));
+            // (statement, the SQLSTATEs that refuse it)
+            let tries: &[(&str, &[&str])] = &[
+                // An event through the Debezium capture trigger (the issue's forge).
+                (
+                    "CREATE TRIGGER forge AFTER INSERT ON forge_dbz FOR EACH ROW EXECUTE FUNCTION
+                     outbox.debezium_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
+                    &["42501"],
+                ),
+                // A legacy record (or an event, for a type outboxd owns) through the poller capture.
+                (
+                    "CREATE TRIGGER forge_poll AFTER INSERT ON forge_dbz FOR EACH ROW EXECUTE FUNCTION
+                     outbox.poller_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
+                    &["42501"],
+                ),
+                // A version and a hold through the rows-around-enqueue trigger.
+                (
+                    "CREATE TRIGGER forge_version AFTER INSERT ON forge_row FOR EACH ROW
+                     EXECUTE FUNCTION outbox.note_row_around_enqueue()",
+                    &["42501"],
+                ),
+                // The install functions, on the role's own table.
+                (
+                    "SELECT outbox.install_debezium_capture('pg_temp.forge_dbz')",
+                    &["42501", "42809"],
+                ),
+                (
+                    "SELECT outbox.install_poller_capture('pg_temp.forge_dbz', 'true')",
+                    &["42501"],
+                ),
+                // The producer and operator API, called directly.
+                (
+                    "SELECT outbox.enqueue('payment', 'p-1', 'payment.refunded', '{\"amount\": 100}')",
+                    &["42501"],
+                ),
+                (
+                    "SELECT outbox.enqueue_set('payment', 'p-1', 'payment.refunded', '{}', ARRAY['t'])",
+                    &["42501"],
+                ),
+                ("SELECT outbox.enqueue_parked('payment', 'p-1')", &["42501"]),
+                ("SELECT outbox.enqueue_all_parked()", &["42501"]),
+                (
+                    "SELECT outbox.unpark_to_poller('payment', 'p-1')",
+                    &["42501"],
+                ),
+                (
+                    "SELECT outbox.set_dispatch_owner('payment', 'outboxd')",
+                    &["42501"],
+                ),
+                (
+                    "SELECT outbox.set_route('payment', NULL, 'elsewhere')",
+                    &["42501"],
+                ),
+                (
+                    "SELECT outbox.set_nats_route('payment', NULL, 'nats', 'elsewhere.x')",
+                    &["42501"],
+                ),
+                (
+                    "SELECT outbox.set_http_route('payment', NULL, 'hook', 'http://attacker.invalid/')",
+                    &["42501"],
+                ),
+            ];
+            for (sql, codes) in tries {
+                match c.batch_execute(sql).await {
+                    Ok(()) => not_refused.push(format!("{role}: not refused: {sql}")),
+                    Err(e) => {
+                        let code = e.code().map(|c| c.code()).unwrap_or("none");
+                        if !codes.contains(&code) {
+                            not_refused.push(format!(
+                                "{role}: {sql}: refused with {code} ({e:?}), expected one of {codes:?}"
+                            ));
+                        }
+                    }
+                }
+            }
+            // Rows that would fire whatever trigger a try above put in place.
+            let id = uuid::Uuid::new_v4();
+            let _ = c
+                .batch_execute(&format!(
+                    "INSERT INTO forge_dbz VALUES ('{id}', 'payment', 'p-1', 'payment.refunded',
+                                                   '{{\"amount\": 100}}');
+                     INSERT INTO forge_row VALUES ('{id}', 'payment', 'p-1', 1000000, NULL);"
+                ))
+                .await;
+            // The poller has no ledger grant: not even a receipt or a hold written directly.
+            if role == "app_poller" {
+                for sql in [
+                    format!(
+                        "INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic,
+                             partition, \"offset\", payload_digest, destination_digest)
+                         VALUES ('{id}', 'kafka', 'default', 't', 0, 0, 'x', 'x')"
+                    ),
+                    "INSERT INTO outbox.holds (aggregate_type, aggregate_id, reason_code, reason)
+                     VALUES ('payment', 'p-1', 'forged', 'forged')"
+                        .to_string(),
+                ] {
+                    match c.batch_execute(&sql).await {
+                        Err(e) if e.code().map(|c| c.code()) == Some("42501") => {}
+                        other => not_refused.push(format!("{role}: {sql}: {other:?}")),
                     }
                 }
             }
         }
-        // Rows that would fire whatever trigger a try above put in place.
-        let id = uuid::Uuid::new_v4();
-        let _ = c
-            .batch_execute(&format!(
-                "INSERT INTO forge_dbz VALUES ('{id}', 'payment', 'p-1', 'payment.refunded',
-                                               '{{\"amount\": 100}}');
-                 INSERT INTO forge_row VALUES ('{id}', 'payment', 'p-1', 1000000, NULL);"
-            ))
-            .await;
-        // The poller has no ledger grant: not even a receipt or a hold written directly.
-        if role == "app_poller" {
-            for sql in [
-                format!(
-                    "INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic,
-                         partition, \"offset\", payload_digest, destination_digest)
-                     VALUES ('{id}', 'kafka', 'default', 't', 0, 0, 'x', 'x')"
-                ),
-                "INSERT INTO outbox.holds (aggregate_type, aggregate_id, reason_code, reason)
-                 VALUES ('payment', 'p-1', 'forged', 'forged')"
-                    .to_string(),
-            ] {
-                match c.batch_execute(&sql).await {
-                    Err(e) if e.code().map(|c| c.code()) == Some("42501") => {}
-                    other => not_refused.push(format!("{role}: {sql}: {other:?}")),
-                }
-            }
-        }
-    }
-    let after = forgeable_counts(&admin).await;
-    assert_eq!(
-        after, before,
-        "a limited role changed the outbox through a function; not refused: {not_refused:#?}"
-    );
-    assert!(not_refused.is_empty(), "{not_refused:#?}");
+        let after = forgeable_counts(&admin).await;
+        assert_eq!(
+            after, before,
+            "a limited role changed the outbox through a function; not refused: {not_refused:#?}"
+        );
+        assert!(not_refused.is_empty(), "{not_refused:#?}");
 
-    // 2. Put on a table nobody registered for it (only the owner can now), each trigger
-    // function refuses to fire; on the table it was registered for, it works.
-    admin
-        .batch_execute(
-            "CREATE TABLE public.app_outbox (id uuid, aggregatetype text, aggregateid text,
-                                             type text, payload jsonb);
-             CREATE TABLE public.legacy_outbox (id uuid, aggregatetype text, aggregateid text,
-                                                type text, payload jsonb, published_at timestamptz);
-             CREATE TABLE public.other (id uuid, aggregatetype text, aggregateid text,
-                                        type text, payload jsonb, event_id uuid,
-                                        aggregate_type text, aggregate_id text,
-                                        aggregate_version bigint, delivery_set_id uuid);
-             SELECT outbox.install_debezium_capture('public.app_outbox');
-             SELECT outbox.install_poller_capture('public.legacy_outbox', 'published_at IS NULL');",
+        // 2. Put on a table nobody registered for it (only the owner can now), each trigger
+        // function refuses to fire; on the table it was registered for, it works.
+        admin
+            .batch_execute(
+                "CREATE TABLE public.app_outbox (id uuid, aggregatetype text, aggregateid text,
+                                                 type text, payload jsonb);
+                 CREATE TABLE public.legacy_outbox (id uuid, aggregatetype text, aggregateid text,
+                                                    type text, payload jsonb, published_at timestamptz);
+                 CREATE TABLE public.other (id uuid, aggregatetype text, aggregateid text,
+                                            type text, payload jsonb, event_id uuid,
+                                            aggregate_type text, aggregate_id text,
+                                            aggregate_version bigint, delivery_set_id uuid);
+                 SELECT outbox.install_debezium_capture('public.app_outbox');
+                 SELECT outbox.install_poller_capture('public.legacy_outbox', 'published_at IS NULL');",
+            )
+            .await
+            .unwrap();
+        admin
+            .batch_execute(
+                "INSERT INTO public.app_outbox VALUES (gen_random_uuid(), 'order', 'o-1', 'order.created', '{}');
+                 INSERT INTO public.legacy_outbox VALUES (gen_random_uuid(), 'order', 'o-2', 'order.created', '{}', NULL);",
+            )
+            .await
+            .expect("capture from the registered tables");
+        let legit = [
+            (
+                "public.other",
+                "outbox.debezium_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
+            ),
+            (
+                "public.other",
+                "outbox.poller_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
+            ),
+            ("public.other", "outbox.note_row_around_enqueue()"),
+            // A registered table, other columns than registered: the payload read from the id.
+            (
+                "public.app_outbox",
+                "outbox.debezium_capture('id', 'aggregatetype', 'aggregateid', 'type', 'id')",
+            ),
+            (
+                "public.legacy_outbox",
+                "outbox.poller_capture('id', 'aggregatetype', 'aggregateid', 'type', 'id')",
+            ),
+        ];
+        for (table, function) in legit {
+            admin
+                .batch_execute(&format!(
+                    "CREATE TRIGGER unregistered AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {function}"
+                ))
+                .await
+                .unwrap();
+            let columns = if table == "public.other" {
+                "(id, aggregatetype, aggregateid, type, payload, event_id, aggregate_type, aggregate_id, aggregate_version)"
+            } else {
+                "(id, aggregatetype, aggregateid, type, payload)"
+            };
+            let values = if table == "public.other" {
+                "(gen_random_uuid(), 'order', 'o-3', 'order.created', '{}', gen_random_uuid(), 'order', 'o-3', 1000000)"
+            } else {
+                "(gen_random_uuid(), 'order', 'o-3', 'order.created', '{}')"
+            };
+            let err = admin
+                .batch_execute(&format!("INSERT INTO {table} {columns} VALUES {values}"))
+                .await
+                .expect_err(&format!("{function} fired on {table}, unregistered"));
+            let db = err.as_db_error().expect("a database error");
+            assert_eq!(db.code().code(), "42501", "{function} on {table}: {db:?}");
+            let name = function.split('(').next().unwrap();
+            assert!(
+                db.message().contains(name)
+                    && db.message().contains(table.trim_start_matches("public."))
+                    && db.hint().is_some_and(|h| !h.is_empty()),
+                "the refusal names neither the function nor the table, or gives no fix: {db:?}"
+            );
+            admin
+                .batch_execute(&format!("DROP TRIGGER unregistered ON {table}"))
+                .await
+                .unwrap();
+        }
+        for (table, n) in [
+            ("outbox.events", 1),
+            ("outbox.legacy_events", 1),
+            ("outbox.aggregate_versions", 1),
+            ("outbox.holds", 0),
+        ] {
+            assert_eq!(
+                admin
+                    .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0),
+                n,
+                "{table}: the registered captures' rows only"
+            );
+        }
+
+        // 3. A database migrated before the fix, with a Debezium capture installed: the migration
+        // records it, and its producers go on inserting.
+        let old_url = pg.create_database("forge_upgrade").await.unwrap();
+        let mut old = crate::harness::connect(&old_url).await;
+        old.batch_execute(
+            "CREATE SCHEMA outbox;
+             CREATE TABLE outbox.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,
+                 checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
         )
         .await
         .unwrap();
-    admin
-        .batch_execute(
-            "INSERT INTO public.app_outbox VALUES (gen_random_uuid(), 'order', 'o-1', 'order.created', '{}');
-             INSERT INTO public.legacy_outbox VALUES (gen_random_uuid(), 'order', 'o-2', 'order.created', '{}', NULL);",
+        for m in outbox_ledger::migrate::MIGRATIONS
+            .iter()
+            .filter(|m| m.version <= 20)
+        {
+            let tx = old.transaction().await.unwrap();
+            tx.batch_execute(m.sql)
+                .await
+                .unwrap_or_else(|e| panic!("migration {}: {e}", m.version));
+            tx.execute(
+                "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                &[&m.version, &m.name, &m.checksum()],
+            )
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+        }
+        old.batch_execute(
+            "CREATE TABLE public.app_outbox (event_id uuid, aggregatetype text, aggregateid text,
+                                             type text, payload jsonb);
+             SELECT outbox.install_debezium_capture('public.app_outbox', id_column => 'event_id');",
         )
         .await
-        .expect("capture from the registered tables");
-    let legit = [
-        (
-            "public.other",
-            "outbox.debezium_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
-        ),
-        (
-            "public.other",
-            "outbox.poller_capture('id', 'aggregatetype', 'aggregateid', 'type', 'payload')",
-        ),
-        ("public.other", "outbox.note_row_around_enqueue()"),
-        // A registered table, other columns than registered: the payload read from the id.
-        (
-            "public.app_outbox",
-            "outbox.debezium_capture('id', 'aggregatetype', 'aggregateid', 'type', 'id')",
-        ),
-        (
-            "public.legacy_outbox",
-            "outbox.poller_capture('id', 'aggregatetype', 'aggregateid', 'type', 'id')",
-        ),
-    ];
-    for (table, function) in legit {
-        admin
-            .batch_execute(&format!(
-                "CREATE TRIGGER unregistered AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {function}"
-            ))
-            .await
-            .unwrap();
-        let columns = if table == "public.other" {
-            "(id, aggregatetype, aggregateid, type, payload, event_id, aggregate_type, aggregate_id, aggregate_version)"
-        } else {
-            "(id, aggregatetype, aggregateid, type, payload)"
-        };
-        let values = if table == "public.other" {
-            "(gen_random_uuid(), 'order', 'o-3', 'order.created', '{}', gen_random_uuid(), 'order', 'o-3', 1000000)"
-        } else {
-            "(gen_random_uuid(), 'order', 'o-3', 'order.created', '{}')"
-        };
-        let err = admin
-            .batch_execute(&format!("INSERT INTO {table} {columns} VALUES {values}"))
-            .await
-            .expect_err(&format!("{function} fired on {table}, unregistered"));
-        let db = err.as_db_error().expect("a database error");
-        assert_eq!(db.code().code(), "42501", "{function} on {table}: {db:?}");
-        let name = function.split('(').next().unwrap();
-        assert!(
-            db.message().contains(name)
-                && db.message().contains(table.trim_start_matches("public."))
-                && db.hint().is_some_and(|h| !h.is_empty()),
-            "the refusal names neither the function nor the table, or gives no fix: {db:?}"
-        );
-        admin
-            .batch_execute(&format!("DROP TRIGGER unregistered ON {table}"))
-            .await
-            .unwrap();
-    }
-    for (table, n) in [
-        ("outbox.events", 1),
-        ("outbox.legacy_events", 1),
-        ("outbox.aggregate_versions", 1),
-        ("outbox.holds", 0),
-    ] {
+        .unwrap();
+        let (ok, out) = outboxd(&["migrate", "--database-url", &old_url]);
+        assert!(ok, "migrate an existing database: {out}");
+        old.batch_execute(
+            "INSERT INTO public.app_outbox VALUES (gen_random_uuid(), 'order', 'o-1', 'order.created', '{}')",
+        )
+        .await
+        .expect("the capture installed before the fix still captures");
         assert_eq!(
-            admin
-                .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+            old.query_one("SELECT count(*) FROM outbox.events", &[])
                 .await
                 .unwrap()
                 .get::<_, i64>(0),
-            n,
-            "{table}: the registered captures' rows only"
+            1
         );
     }
-
-    // 3. A database migrated before the fix, with a Debezium capture installed: the migration
-    // records it, and its producers go on inserting.
-    let old_url = pg.create_database("forge_upgrade").await.unwrap();
-    let mut old = crate::harness::connect(&old_url).await;
-    old.batch_execute(
-        "CREATE SCHEMA outbox;
-         CREATE TABLE outbox.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,
-             checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .await
-    .unwrap();
-    for m in outbox_ledger::migrate::MIGRATIONS
-        .iter()
-        .filter(|m| m.version <= 20)
-    {
-        let tx = old.transaction().await.unwrap();
-        tx.batch_execute(m.sql)
-            .await
-            .unwrap_or_else(|e| panic!("migration {}: {e}", m.version));
-        tx.execute(
-            "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-            &[&m.version, &m.name, &m.checksum()],
-        )
-        .await
-        .unwrap();
-        tx.commit().await.unwrap();
-    }
-    old.batch_execute(
-        "CREATE TABLE public.app_outbox (event_id uuid, aggregatetype text, aggregateid text,
-                                         type text, payload jsonb);
-         SELECT outbox.install_debezium_capture('public.app_outbox', id_column => 'event_id');",
-    )
-    .await
-    .unwrap();
-    let (ok, out) = outboxd(&["migrate", "--database-url", &old_url]);
-    assert!(ok, "migrate an existing database: {out}");
-    old.batch_execute(
-        "INSERT INTO public.app_outbox VALUES (gen_random_uuid(), 'order', 'o-1', 'order.created', '{}')",
-    )
-    .await
-    .expect("the capture installed before the fix still captures");
-    assert_eq!(
-        old.query_one("SELECT count(*) FROM outbox.events", &[])
-            .await
-            .unwrap()
-            .get::<_, i64>(0),
-        1
-    );
 }
 
-/// Issue 33, finding 5: `outboxd check --database-url 'postgres://qq:Leak?Me99@...'` printed
-/// the password (the redaction split at the `?` before finding the `@`). Passwords holding
-/// each URL delimiter, against a closed port: every command that prints the URL keeps them
-/// out, and still says where it could not connect.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn passwords_holding_url_delimiters_never_print() {
-    if crate::harness::runs_once_in_e2e("security::passwords_holding_url_delimiters_never_print") {
-        return;
-    }
-    for password in [
-        "Leak?Me99",
-        "Leak#Me99",
-        "Leak/Me99",
-        "Le@kMe99",
-        "Leak%3FMe99",
-    ] {
-        let url = format!("postgres://qq:{password}@127.0.0.1:1/app?sslmode=disable");
-        for cmd in ["check", "status", "migrate"] {
-            let (ok, out) = outboxd(&[cmd, "--database-url", &url]);
-            assert!(!ok, "{cmd} against a closed port succeeded: {out}");
-            let leaks: Vec<&str> = out
-                .lines()
-                .filter(|l| l.contains(password) || l.contains("Me99"))
-                .collect();
-            assert!(leaks.is_empty(), "{cmd} printed {password}: {leaks:#?}");
-            assert!(out.contains("127.0.0.1:1"), "{cmd} names no server: {out}");
+e2e_only! {
+    /// Issue 33, finding 5: `outboxd check --database-url 'postgres://qq:Leak?Me99@...'` printed
+    /// the password (the redaction split at the `?` before finding the `@`). Passwords holding
+    /// each URL delimiter, against a closed port: every command that prints the URL keeps them
+    /// out, and still says where it could not connect.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn passwords_holding_url_delimiters_never_print() {
+        for password in [
+            "Leak?Me99",
+            "Leak#Me99",
+            "Leak/Me99",
+            "Le@kMe99",
+            "Leak%3FMe99",
+        ] {
+            let url = format!("postgres://qq:{password}@127.0.0.1:1/app?sslmode=disable");
+            for cmd in ["check", "status", "migrate"] {
+                let (ok, out) = outboxd(&[cmd, "--database-url", &url]);
+                assert!(!ok, "{cmd} against a closed port succeeded: {out}");
+                let leaks: Vec<&str> = out
+                    .lines()
+                    .filter(|l| l.contains(password) || l.contains("Me99"))
+                    .collect();
+                assert!(leaks.is_empty(), "{cmd} printed {password}: {leaks:#?}");
+                assert!(out.contains("127.0.0.1:1"), "{cmd} names no server: {out}");
+            }
         }
     }
 }

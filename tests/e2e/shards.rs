@@ -86,12 +86,18 @@ impl Writers {
         }
     }
 
-    /// Until `n` more events are committed.
-    async fn wait_more(&self, n: usize) {
-        let target = self.committed.lock().unwrap().len() + n;
-        while self.committed.lock().unwrap().len() < target {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    /// Until `n` more events are committed (`what`); a writer that fails, or the harness's
+    /// deadline passing, fails the test.
+    async fn wait_more(&mut self, what: &str, n: usize) {
+        let committed = self.committed.clone();
+        crate::harness::wait_for_writers(
+            what,
+            LONG,
+            &mut self.tasks,
+            || committed.lock().unwrap().len(),
+            n,
+        )
+        .await
     }
 
     /// Stops the writers; what they committed.
@@ -161,11 +167,6 @@ async fn assert_published_by_their_shards(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_reshard() {
-    if crate::harness::runs_once_in_e2e(
-        "shards::a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_reshard",
-    ) {
-        return;
-    }
     let env = TestEnv::new("shards").await;
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "2"]);
     assert!(ok && out.contains("2 shard(s)"), "{out}");
@@ -174,14 +175,20 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
         .collect();
     wait_shards_streaming(&env, 2).await;
 
-    let writers = Writers::start(&env, 2, 8);
-    writers.wait_more(200).await;
+    let mut writers = Writers::start(&env, 2, 8);
+    writers
+        .wait_more("200 events before a shard's relay is killed", 200)
+        .await;
     // A relay dies; its restart (another relay id) takes its shard over at once.
     relays[1].kill9();
-    writers.wait_more(100).await;
+    writers
+        .wait_more("100 events while shard 1's relay is dead", 100)
+        .await;
     relays[1] = shard_relay(&env, 1, 2, "r2-1-restarted");
     wait_shards_streaming(&env, 2).await;
-    writers.wait_more(150).await;
+    writers
+        .wait_more("150 events after shard 1's relay restarted", 150)
+        .await;
 
     // 2 -> 4 shards: refused while the old layout runs.
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
@@ -193,7 +200,9 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
         assert!(r.wait_exit(LONG).await.success(), "{}", r.log_text());
     }
     // Written while no relay runs: the new shards' first snapshots publish these.
-    writers.wait_more(100).await;
+    writers
+        .wait_more("100 events while no relay runs", 100)
+        .await;
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
     assert!(
         ok && out.contains("4 shard(s)") && out.contains("dropped slot"),
@@ -203,7 +212,7 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
         .map(|i| shard_relay(&env, i, 4, &format!("r4-{i}")))
         .collect();
     wait_shards_streaming(&env, 4).await;
-    writers.wait_more(200).await;
+    writers.wait_more("200 events on 4 shards", 200).await;
     let committed = writers.finish().await;
     // Each receipt from the relay of its aggregate's shard, in the layout of its time.
     assert_published_by_their_shards(&env, &committed, &[2, 4]).await;
@@ -258,11 +267,6 @@ async fn wait_holdings(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause() {
-    if crate::harness::runs_once_in_e2e(
-        "shards::a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause",
-    ) {
-        return;
-    }
     let env = TestEnv::new("fleet").await;
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "8"]);
     assert!(ok, "{out}");
@@ -272,8 +276,10 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
     let fair = |h: &HashMap<String, i64>| h.len() == 3 && h.values().all(|n| *n <= 3);
     wait_holdings(&env, 8, "3 members holding 8 shards, at most 3 each", fair).await;
 
-    let writers = Writers::start(&env, 2, 16);
-    writers.wait_more(150).await;
+    let mut writers = Writers::start(&env, 2, 16);
+    writers
+        .wait_more("150 events before a member is killed", 150)
+        .await;
 
     // A member dies: the other two take its shards (at once: its lease sessions are gone).
     c.kill9();
@@ -283,11 +289,18 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
     })
     .await;
     let taken_after_kill = killed.elapsed();
-    writers.wait_more(100).await;
+    writers
+        .wait_more(
+            "100 events after the killed member's shards were taken",
+            100,
+        )
+        .await;
     // It comes back under another id: the others hand shards over to it.
     let _c2 = fleet_member(&env, "fleet-c2");
     wait_holdings(&env, 8, "3 members again, at most 3 shards each", fair).await;
-    writers.wait_more(100).await;
+    writers
+        .wait_more("100 events with the member back", 100)
+        .await;
 
     // A member pauses past its lease: its shards move; resumed, it gets its share back.
     b.signal(libc::SIGSTOP);
@@ -295,7 +308,9 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
         !h.contains_key("fleet-b")
     })
     .await;
-    writers.wait_more(100).await;
+    writers
+        .wait_more("100 events while a member is paused", 100)
+        .await;
     b.signal(libc::SIGCONT);
     let resumed = std::time::Instant::now();
     wait_holdings(&env, 8, "the resumed member holding its share again", |h| {
@@ -303,7 +318,9 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
     })
     .await;
     let share_after_resume = resumed.elapsed();
-    writers.wait_more(100).await;
+    writers
+        .wait_more("100 events after the paused member resumed", 100)
+        .await;
     let committed = writers.finish().await;
     assert_published_by_their_shards(&env, &committed, &[8]).await;
     let (ok, out) = outboxd(&["status", "--database-url", &env.url]);

@@ -99,54 +99,56 @@ async fn a_refusal_behind_an_in_flight_rejection_keeps_the_earlier_event_as_the_
     .await;
 }
 
-/// outbox-sim `--mutant bug-migrate-replayable` (seed 1, traces 114 and 239): a migration
-/// recorded while the event's transaction was still ahead of the ledger checkpoint; a replay
-/// then sent the WAL row (frozen for the old destination) there — a cross-destination retry.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_migration_waits_until_the_checkpoint_has_passed_the_event() {
-    let env = TestEnv::new("sim_replayable").await;
-    let id = env.enqueue("m-1", serde_json::json!({"v": 1})).await;
-    // The ledger state of a relay that quarantined the event but whose checkpoint is still
-    // behind its transaction (an earlier event of the stream is unresolved).
-    env.db
-        .batch_execute(&format!(
-            "INSERT INTO outbox.checkpoints (slot_name, publication, confirmed_lsn)
-                 VALUES ('{s}', 'p', '0/1');
-             INSERT INTO outbox.quarantine (quarantine_key, event_id, reason_code, reason,
-                                            commit_lsn, slot_name)
-                 VALUES ('{id}', '{id}', 'destination_not_served', 'test',
-                         pg_current_wal_lsn(), '{s}');",
-            s = env.slot
-        ))
-        .await
-        .unwrap();
-    let migrate = || {
-        outboxd(&[
-            "migrate-destination",
-            "--database-url",
-            &env.url,
-            "--event",
-            &id.to_string(),
-            "--topic",
-            "elsewhere",
-            "--reason",
-            "test",
-        ])
-    };
-    let (ok, out) = migrate();
-    assert!(!ok && out.contains("checkpoint has not passed"), "{out}");
-    assert_eq!(
-        env.count("SELECT count(*) FROM outbox.destination_migrations")
-            .await,
-        0
-    );
-    env.db
-        .execute(
-            "UPDATE outbox.checkpoints SET confirmed_lsn = pg_current_wal_insert_lsn() WHERE slot_name = $1",
-            &[&env.slot],
-        )
-        .await
-        .unwrap();
-    let (ok, out) = migrate();
-    assert!(ok && out.contains("never sent"), "{out}");
+e2e_only! {
+    /// outbox-sim `--mutant bug-migrate-replayable` (seed 1, traces 114 and 239): a migration
+    /// recorded while the event's transaction was still ahead of the ledger checkpoint; a replay
+    /// then sent the WAL row (frozen for the old destination) there — a cross-destination retry.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_migration_waits_until_the_checkpoint_has_passed_the_event() {
+        let env = TestEnv::new("sim_replayable").await;
+        let id = env.enqueue("m-1", serde_json::json!({"v": 1})).await;
+        // The ledger state of a relay that quarantined the event but whose checkpoint is still
+        // behind its transaction (an earlier event of the stream is unresolved).
+        env.db
+            .batch_execute(&format!(
+                "INSERT INTO outbox.checkpoints (slot_name, publication, confirmed_lsn)
+                     VALUES ('{s}', 'p', '0/1');
+                 INSERT INTO outbox.quarantine (quarantine_key, event_id, reason_code, reason,
+                                                commit_lsn, slot_name)
+                     VALUES ('{id}', '{id}', 'destination_not_served', 'test',
+                             pg_current_wal_lsn(), '{s}');",
+                s = env.slot
+            ))
+            .await
+            .unwrap();
+        let migrate = || {
+            outboxd(&[
+                "migrate-destination",
+                "--database-url",
+                &env.url,
+                "--event",
+                &id.to_string(),
+                "--topic",
+                "elsewhere",
+                "--reason",
+                "test",
+            ])
+        };
+        let (ok, out) = migrate();
+        assert!(!ok && out.contains("checkpoint has not passed"), "{out}");
+        assert_eq!(
+            env.count("SELECT count(*) FROM outbox.destination_migrations")
+                .await,
+            0
+        );
+        env.db
+            .execute(
+                "UPDATE outbox.checkpoints SET confirmed_lsn = pg_current_wal_insert_lsn() WHERE slot_name = $1",
+                &[&env.slot],
+            )
+            .await
+            .unwrap();
+        let (ok, out) = migrate();
+        assert!(ok && out.contains("never sent"), "{out}");
+    }
 }

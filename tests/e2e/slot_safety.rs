@@ -38,69 +38,63 @@ async fn drop_and_recreate(env: &TestEnv) {
     panic!("could not drop the slot");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slot_dropped_and_recreated_while_running_stops_the_relay() {
-    if crate::harness::cdc_only(
-        "slot_safety::slot_dropped_and_recreated_while_running_stops_the_relay",
-        "the replication slot's safety; poll mode has no slot",
-    ) {
-        return;
+cdc_only! {
+    "CDC only: the replication slot's safety; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slot_dropped_and_recreated_while_running_stops_the_relay() {
+        let env = TestEnv::new("slot_recreated_live").await;
+        let mut relay = env.relay(&[], &[]);
+        env.enqueue("r-1", json!({})).await;
+        env.wait_count("first receipt", "SELECT count(*) FROM outbox.receipts", 1)
+            .await;
+        drop_and_recreate(&env).await;
+        let status = relay.wait_exit(Duration::from_secs(60)).await;
+        assert!(!status.success());
+        let log = relay.log_text();
+        assert!(
+            log.contains(&format!("replication slot \"{}\"", env.slot))
+                && log.contains("behind outboxd's back")
+                && log.contains("--resnapshot"),
+            "the error names the slot, the cause and the fix:\n{log}"
+        );
     }
-    let env = TestEnv::new("slot_recreated_live").await;
-    let mut relay = env.relay(&[], &[]);
-    env.enqueue("r-1", json!({})).await;
-    env.wait_count("first receipt", "SELECT count(*) FROM outbox.receipts", 1)
-        .await;
-    drop_and_recreate(&env).await;
-    let status = relay.wait_exit(Duration::from_secs(60)).await;
-    assert!(!status.success());
-    let log = relay.log_text();
-    assert!(
-        log.contains(&format!("replication slot \"{}\"", env.slot))
-            && log.contains("behind outboxd's back")
-            && log.contains("--resnapshot"),
-        "the error names the slot, the cause and the fix:\n{log}"
-    );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slot_recreated_while_stopped_is_refused_and_resnapshot_recovers() {
-    if crate::harness::cdc_only(
-        "slot_safety::slot_recreated_while_stopped_is_refused_and_resnapshot_recovers",
-        "the replication slot's safety; poll mode has no slot",
-    ) {
-        return;
-    }
-    let env = TestEnv::new("slot_recreated_stopped").await;
-    let mut relay = env.relay(&[], &[]);
-    env.enqueue("r-1", json!({"n": 1})).await;
-    env.wait_count("first receipt", "SELECT count(*) FROM outbox.receipts", 1)
+cdc_only! {
+    "CDC only: the replication slot's safety; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slot_recreated_while_stopped_is_refused_and_resnapshot_recovers() {
+        let env = TestEnv::new("slot_recreated_stopped").await;
+        let mut relay = env.relay(&[], &[]);
+        env.enqueue("r-1", json!({"n": 1})).await;
+        env.wait_count("first receipt", "SELECT count(*) FROM outbox.receipts", 1)
+            .await;
+        relay.kill9();
+        // While the relay is down: an event is committed, then the slot is recreated, so the new
+        // slot starts after that event. Continuing would skip it.
+        let skipped = env.enqueue("r-2", json!({"n": 2})).await;
+        drop_and_recreate(&env).await;
+
+        let mut relay = env.relay(&[], &[]);
+        let status = relay.wait_exit(Duration::from_secs(60)).await;
+        assert!(!status.success());
+        let log = relay.log_text();
+        assert!(log.contains("ahead of the ledger checkpoint"), "{log}");
+
+        // The documented recovery publishes the event the new slot would never stream.
+        let _relay = env.relay(&[], &["--resnapshot"]);
+        env.wait_count(
+            "the skipped event published",
+            "SELECT count(*) FROM outbox.receipts",
+            2,
+        )
         .await;
-    relay.kill9();
-    // While the relay is down: an event is committed, then the slot is recreated, so the new
-    // slot starts after that event. Continuing would skip it.
-    let skipped = env.enqueue("r-2", json!({"n": 2})).await;
-    drop_and_recreate(&env).await;
-
-    let mut relay = env.relay(&[], &[]);
-    let status = relay.wait_exit(Duration::from_secs(60)).await;
-    assert!(!status.success());
-    let log = relay.log_text();
-    assert!(log.contains("ahead of the ledger checkpoint"), "{log}");
-
-    // The documented recovery publishes the event the new slot would never stream.
-    let _relay = env.relay(&[], &["--resnapshot"]);
-    env.wait_count(
-        "the skipped event published",
-        "SELECT count(*) FROM outbox.receipts",
-        2,
-    )
-    .await;
-    let ids: Vec<String> = env
-        .read_topic()
-        .await
-        .iter()
-        .map(|m| m.id().to_string())
-        .collect();
-    assert!(ids.contains(&skipped.to_string()));
+        let ids: Vec<String> = env
+            .read_topic()
+            .await
+            .iter()
+            .map(|m| m.id().to_string())
+            .collect();
+        assert!(ids.contains(&skipped.to_string()));
+    }
 }

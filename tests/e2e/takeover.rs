@@ -263,20 +263,25 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         }));
     }
     let committed = || log.lock().unwrap().committed.len();
-    let wait_more = |n: usize| {
-        let log = log.clone();
-        async move {
-            let target = log.lock().unwrap().committed.len() + n;
-            while log.lock().unwrap().committed.len() < target {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
+    // Until `n` more rows are committed (`what`); a writer that fails, or the harness's
+    // deadline passing, fails the test.
+    macro_rules! wait_more {
+        ($what:expr, $n:expr) => {
+            crate::harness::wait_for_writers(
+                $what,
+                crate::harness::LONG,
+                &mut writers,
+                committed,
+                $n,
+            )
+            .await
+        };
+    }
 
     // 2. Shadow: the poller owns everything; the shadow sees it publish, with no fault. The
     // poller's first rounds may come late on a loaded machine (a CI run once saw 0 of 214
     // published after 150 commits): the report is read until it shows the poller publishing.
-    wait_more(150).await;
+    wait_more!("150 rows before the shadow report", 150);
     let mut seen = (0, Value::Null);
     outbox_testkit::wait::wait_for(
         "the shadow to see the poller publish",
@@ -298,7 +303,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     assert_eq!(report["both_owners"], 0, "{report}");
     assert!(report["published"].as_i64().unwrap() > 0, "{report}");
     kill_poller(&env, &mut poller).await;
-    wait_more(50).await;
+    wait_more!("50 rows after the poller was killed", 50);
     poller = start_poller(&env, &[]);
 
     // 3a. A share of one type's aggregates first: the hash buckets of about half of them.
@@ -347,7 +352,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         )),
         "{out}"
     );
-    wait_more(60).await;
+    wait_more!("60 rows after outboxd took buckets", 60);
     // Rows of the type captured since: outboxd's exactly when their aggregate is in a bucket
     // it took (checked before the rest of the type is taken).
     let split = env
@@ -411,9 +416,9 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
             "{out}"
         );
     }
-    wait_more(100).await;
+    wait_more!("100 rows after every take", 100);
     relay.kill9();
-    wait_more(50).await;
+    wait_more!("50 rows while the relay is dead", 50);
     relay = env.relay(&[], &[]);
 
     // 4. Then all of them.
@@ -431,7 +436,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         ok && out.contains("outboxd owns every aggregate type"),
         "{out}"
     );
-    wait_more(100).await;
+    wait_more!("100 rows after outboxd took every type", 100);
     kill_poller(&env, &mut poller).await;
     poller = start_poller(&env, &[]);
 
@@ -453,9 +458,9 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     );
     let handed_back_at = committed();
     relay.kill9();
-    wait_more(100).await;
+    wait_more!("100 rows after the give-back and the relay's SIGKILL", 100);
     relay = env.relay(&[], &[]);
-    wait_more(50).await;
+    wait_more!("50 rows after the relay restarted", 50);
     stop.store(true, Ordering::Relaxed);
     for w in writers {
         w.await.unwrap();

@@ -85,6 +85,7 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     )
     .await;
     relay.kill9();
+    target.client_restarted();
     let restarted_at = Instant::now();
     let mut relay = env.relay(&[], &args);
     enqueue_versions(
@@ -239,118 +240,117 @@ async fn enqueue_versions(
     }
 }
 
-/// One partition's leader stalls (SIGSTOP) in a 3-node cluster, each partition on its own node
-/// (replication factor 1, so the stall is not failed over): sends to it end possibly persisted
-/// or not persisted; those events hold only their aggregates. Every aggregate of the other
-/// partitions is published *while the node is stopped*; after it resumes, every parked event is
-/// resolved by the partition scan (found: no resend) or retried once proven absent. Every
-/// receipt is the message at its position, every aggregate in order, no run ended.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_partition_leader_holds_only_its_aggregates_and_the_others_flow() {
-    if crate::harness::runs_once_in_e2e("a_stalled_partition_leader_holds_only_its_aggregates") {
-        return;
-    }
-    let c = outbox_testkit::apache_kafka::KafkaCluster::start(3)
-        .unwrap_or_else(|e| panic!("starting 3 Apache Kafka nodes: {e}"));
-    let env = TestEnv::with_kafka(
-        outbox_testkit::postgres::TestPostgres::shared(),
-        "unclear_kafka",
-        outbox_testkit::kafka::TestKafka::external(c.bootstrap_servers()),
-    )
-    .await;
-    let topic = format!("{}.stall", env.topic);
-    c.create_topic(&topic, 3, 1, &[]).unwrap();
-    env.route_to(&topic).await;
-    let mut relay = env.relay(
-        &[],
-        &[
-            "--mode",
-            "cdc",
-            "--message-timeout-ms",
-            "2000",
-            "--unknown-settle-ms",
-            "500",
-        ],
-    );
-    env.wait_streaming().await;
-    env.warm_up("warm").await;
-    // Which aggregates live on the partition whose leader stalls: learn it from a first round.
-    const AGGS: usize = 24;
-    let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
-    enqueue_versions(&env, &mut committed, "k", AGGS, 1..=1).await;
-    env.wait_receipts("the first round published", 1 + AGGS)
-        .await;
-    let partition_of: HashMap<String, i32> = env
-        .db
-        .query(
-            "SELECT e.aggregate_id, r.partition FROM outbox.receipts r JOIN outbox.events e USING (event_id)",
-            &[],
+e2e_only! {
+    /// One partition's leader stalls (SIGSTOP) in a 3-node cluster, each partition on its own node
+    /// (replication factor 1, so the stall is not failed over): sends to it end possibly persisted
+    /// or not persisted; those events hold only their aggregates. Every aggregate of the other
+    /// partitions is published *while the node is stopped*; after it resumes, every parked event is
+    /// resolved by the partition scan (found: no resend) or retried once proven absent. Every
+    /// receipt is the message at its position, every aggregate in order, no run ended.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_partition_leader_holds_only_its_aggregates_and_the_others_flow() {
+        let c = outbox_testkit::apache_kafka::KafkaCluster::start(3)
+            .unwrap_or_else(|e| panic!("starting 3 Apache Kafka nodes: {e}"));
+        let env = TestEnv::with_kafka(
+            outbox_testkit::postgres::TestPostgres::shared(),
+            "unclear_kafka",
+            outbox_testkit::kafka::TestKafka::external(c.bootstrap_servers()),
         )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
-    let leader = c.leader_of(&topic, 0).expect("partition 0 has a leader");
-    let stalled: Vec<&String> = partition_of
-        .iter()
-        .filter(|(a, p)| **p == 0 && a.starts_with("k-"))
-        .map(|(a, _)| a)
-        .collect();
-    assert!(!stalled.is_empty(), "no aggregate on partition 0");
-    let flowing = AGGS - stalled.len();
+        .await;
+        let topic = format!("{}.stall", env.topic);
+        c.create_topic(&topic, 3, 1, &[]).unwrap();
+        env.route_to(&topic).await;
+        let mut relay = env.relay(
+            &[],
+            &[
+                "--mode",
+                "cdc",
+                "--message-timeout-ms",
+                "2000",
+                "--unknown-settle-ms",
+                "500",
+            ],
+        );
+        env.wait_streaming().await;
+        env.warm_up("warm").await;
+        // Which aggregates live on the partition whose leader stalls: learn it from a first round.
+        const AGGS: usize = 24;
+        let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+        enqueue_versions(&env, &mut committed, "k", AGGS, 1..=1).await;
+        env.wait_receipts("the first round published", 1 + AGGS)
+            .await;
+        let partition_of: HashMap<String, i32> = env
+            .db
+            .query(
+                "SELECT e.aggregate_id, r.partition FROM outbox.receipts r JOIN outbox.events e USING (event_id)",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let leader = c.leader_of(&topic, 0).expect("partition 0 has a leader");
+        let stalled: Vec<&String> = partition_of
+            .iter()
+            .filter(|(a, p)| **p == 0 && a.starts_with("k-"))
+            .map(|(a, _)| a)
+            .collect();
+        assert!(!stalled.is_empty(), "no aggregate on partition 0");
+        let flowing = AGGS - stalled.len();
 
-    c.pause(leader);
-    enqueue_versions(&env, &mut committed, "k", AGGS, 2..=6).await;
-    // The other partitions' aggregates are all published while the node is stopped.
-    let sql = format!(
-        "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
-         WHERE e.aggregate_id LIKE 'k-%' AND r.partition <> 0 AND r.topic = '{topic}'"
-    );
-    env.wait_count(
-        "every aggregate of the other partitions published while partition 0's leader is stopped",
-        &sql,
-        (flowing * 6) as i64,
-    )
-    .await;
-    env.wait_count(
-        "a send to the stopped leader ended unclear",
-        "SELECT count(*) FROM outbox.attempts",
-        1,
-    )
-    .await;
-    let during = env
-        .count(&format!(
-            "SELECT count(*) FROM outbox.receipts WHERE partition = 0 AND topic = '{topic}'"
-        ))
+        c.pause(leader);
+        enqueue_versions(&env, &mut committed, "k", AGGS, 2..=6).await;
+        // The other partitions' aggregates are all published while the node is stopped.
+        let sql = format!(
+            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+             WHERE e.aggregate_id LIKE 'k-%' AND r.partition <> 0 AND r.topic = '{topic}'"
+        );
+        env.wait_count(
+            "every aggregate of the other partitions published while partition 0's leader is stopped",
+            &sql,
+            (flowing * 6) as i64,
+        )
         .await;
-    c.resume(leader);
-    env.wait_receipts("every event published", 1 + committed.len())
+        env.wait_count(
+            "a send to the stopped leader ended unclear",
+            "SELECT count(*) FROM outbox.attempts",
+            1,
+        )
         .await;
-    env.wait_zero(
-        "every DISPATCH_UNKNOWN attempt resolved",
-        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
-    )
-    .await;
-    relay.assert_running();
-    let log = relay.log_text();
-    assert_eq!(log.matches("relay interrupted").count(), 0, "a run ended");
-    let check = env.verify_receipts(&[&topic]).await;
-    let order = crate::ordering::first_occurrences(&check.messages);
-    let expected: Vec<i64> = (1..=6).collect();
-    let out_of_order: Vec<&String> = order
-        .iter()
-        .filter(|(k, vs)| k.starts_with("k-") && **vs != expected)
-        .map(|(k, _)| k)
-        .collect();
-    assert!(out_of_order.is_empty(), "out of order: {out_of_order:?}");
-    println!(
-        "stalled leader of {topic}/0: {} aggregates held, {flowing} flowed ({} events) while it was stopped, {during} receipts on partition 0 meanwhile; {} attempts ({} found, {} proven absent), {} receipts checked against the topic",
-        stalled.len(),
-        flowing * 5,
-        env.count("SELECT count(*) FROM outbox.attempts").await,
-        env.count("SELECT count(*) FROM outbox.attempts WHERE state = 'FOUND'").await,
-        env.count("SELECT count(*) FROM outbox.attempts WHERE state = 'ABSENT'").await,
-        check.checked,
-    );
+        let during = env
+            .count(&format!(
+                "SELECT count(*) FROM outbox.receipts WHERE partition = 0 AND topic = '{topic}'"
+            ))
+            .await;
+        c.resume(leader);
+        env.wait_receipts("every event published", 1 + committed.len())
+            .await;
+        env.wait_zero(
+            "every DISPATCH_UNKNOWN attempt resolved",
+            "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+        )
+        .await;
+        relay.assert_running();
+        let log = relay.log_text();
+        assert_eq!(log.matches("relay interrupted").count(), 0, "a run ended");
+        let check = env.verify_receipts(&[&topic]).await;
+        let order = crate::ordering::first_occurrences(&check.messages);
+        let expected: Vec<i64> = (1..=6).collect();
+        let out_of_order: Vec<&String> = order
+            .iter()
+            .filter(|(k, vs)| k.starts_with("k-") && **vs != expected)
+            .map(|(k, _)| k)
+            .collect();
+        assert!(out_of_order.is_empty(), "out of order: {out_of_order:?}");
+        println!(
+            "stalled leader of {topic}/0: {} aggregates held, {flowing} flowed ({} events) while it was stopped, {during} receipts on partition 0 meanwhile; {} attempts ({} found, {} proven absent), {} receipts checked against the topic",
+            stalled.len(),
+            flowing * 5,
+            env.count("SELECT count(*) FROM outbox.attempts").await,
+            env.count("SELECT count(*) FROM outbox.attempts WHERE state = 'FOUND'").await,
+            env.count("SELECT count(*) FROM outbox.attempts WHERE state = 'ABSENT'").await,
+            check.checked,
+        );
+    }
 }

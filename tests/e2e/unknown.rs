@@ -238,7 +238,9 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
         .unwrap()
         .get(0);
     assert_eq!(state, "ABSENT");
-    let cross = crate::harness::read_topic(env.kafka.bootstrap_servers(), &moved)
+    let cross = env
+        .read_topic_of(&moved)
+        .await
         .iter()
         .filter(|m| m.id() == id.to_string())
         .count();
@@ -256,92 +258,89 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
     assert_eq!(status, "PUBLISHED");
 }
 
-/// librdkafka's implicit ack through the relay (the mock cluster is the only way to fail
-/// exactly one Produce request at an exact round trip). A's request fails with a retriable
-/// error while B, on the same partition, is in flight; B succeeds and librdkafka reports A as
-/// delivered at offset -1001 although the partition never stored it. Before the fix the relay
-/// accepted that report as A's receipt and confirmed the slot past A: a silent loss. Now the
-/// report is DISPATCH_UNKNOWN, the scan proves A absent, and A is sent again (attempt 2).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_receipt() {
-    if crate::harness::cdc_only(
-        "unknown::an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_receipt",
-        "needs B read and sent while A's Produce request is still at the broker; a poll round waits for every report before it reads again, so rounds never overlap like that (the implicit-ack classification it proves is the Kafka sink's, the same in both modes)",
-    ) {
-        return;
-    }
-    let env = TestEnv::new_mock(
-        "implicit_ack",
-        "inject one Produce error at an exact round trip (librdkafka implicit ack)",
-    )
-    .await;
-    let mock = env.kafka.mock_cluster().expect("mock cluster");
-    // One partition, so that A and B share it whatever their keys hash to.
-    let topic = format!("{}.one", env.topic);
-    env.kafka.create_topic(&topic, 1).unwrap();
-    env.route_to(&topic).await;
-    let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
-    env.wait_streaming().await;
-    env.warm_up("warm").await;
-
-    // The test cluster runs with synchronous_commit=off: the walsender would then see A and B
-    // only at the WAL writer's next flush, together, and the relay would send them in one batch.
-    env.db
-        .execute("SET synchronous_commit = on", &[])
-        .await
-        .unwrap();
-    mock.broker_round_trip_time(1, Duration::from_millis(200))
-        .unwrap();
-    mock.request_errors(
-        RDKafkaApiKey::Produce,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION],
-    );
-    let a = env.enqueue("a", json!({"v": "a"})).await;
-    tokio::time::sleep(Duration::from_millis(30)).await; // B in its own, later batch
-    let b = env.enqueue("b", json!({"v": "b"})).await;
-    env.wait_count(
-        "receipts of A and B",
-        "SELECT count(*) FROM outbox.receipts",
-        3,
-    )
-    .await;
-    mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
-
-    let check = env.verify_receipts(&[&topic]).await;
-    let copies = |id: uuid::Uuid| {
-        check
-            .messages
-            .iter()
-            .filter(|m| m.id() == id.to_string())
-            .count()
-    };
-    assert_eq!(copies(a), 1, "A: the retry is the one copy on the broker");
-    // B's report came while A's failure ended the run: B may be replayed (a duplicate copy,
-    // kept as a duplicate transport receipt), never lost.
-    assert!(copies(b) >= 1, "B is on the broker");
-    // The relay settles everything it sent before its next restart.
-    env.wait_count(
-        "A's attempt resolved",
-        &format!("SELECT count(*) FROM outbox.attempts WHERE event_id = '{a}' AND state <> 'DISPATCH_UNKNOWN'"),
-        1,
-    )
-    .await;
-    let row = env
-        .db
-        .query_one(
-            "SELECT a.state, a.error, r.attempt FROM outbox.attempts a
-             JOIN outbox.receipts r USING (event_id) WHERE a.event_id = $1",
-            &[&a],
+cdc_only! {
+    "CDC only: needs B read and sent while A's Produce request is still at the broker; a poll round waits for every report before it reads again, so rounds never overlap like that (the implicit-ack classification it proves is the Kafka sink's, the same in both modes)";
+    /// librdkafka's implicit ack through the relay (the mock cluster is the only way to fail
+    /// exactly one Produce request at an exact round trip). A's request fails with a retriable
+    /// error while B, on the same partition, is in flight; B succeeds and librdkafka reports A as
+    /// delivered at offset -1001 although the partition never stored it. Before the fix the relay
+    /// accepted that report as A's receipt and confirmed the slot past A: a silent loss. Now the
+    /// report is DISPATCH_UNKNOWN, the scan proves A absent, and A is sent again (attempt 2).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_implicit_ack_without_a_stored_message_is_unknown_and_resent_never_a_receipt() {
+        let env = TestEnv::new_mock(
+            "implicit_ack",
+            "inject one Produce error at an exact round trip (librdkafka implicit ack)",
         )
-        .await
-        .unwrap();
-    let (state, error, attempt): (String, String, i32) = (row.get(0), row.get(1), row.get(2));
-    assert_eq!(
-        state, "ABSENT",
-        "the scan proved A was never stored ({error})"
-    );
-    assert!(error.contains("no proof of publication"), "{error}");
-    assert_eq!(attempt, 2, "A's receipt is the retry's");
+        .await;
+        let mock = env.kafka.mock_cluster().expect("mock cluster");
+        // One partition, so that A and B share it whatever their keys hash to.
+        let topic = format!("{}.one", env.topic);
+        env.kafka.create_topic(&topic, 1).unwrap();
+        env.route_to(&topic).await;
+        let _relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
+        env.wait_streaming().await;
+        env.warm_up("warm").await;
+
+        // The test cluster runs with synchronous_commit=off: the walsender would then see A and B
+        // only at the WAL writer's next flush, together, and the relay would send them in one batch.
+        env.db
+            .execute("SET synchronous_commit = on", &[])
+            .await
+            .unwrap();
+        mock.broker_round_trip_time(1, Duration::from_millis(200))
+            .unwrap();
+        mock.request_errors(
+            RDKafkaApiKey::Produce,
+            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION],
+        );
+        let a = env.enqueue("a", json!({"v": "a"})).await;
+        tokio::time::sleep(Duration::from_millis(30)).await; // B in its own, later batch
+        let b = env.enqueue("b", json!({"v": "b"})).await;
+        env.wait_count(
+            "receipts of A and B",
+            "SELECT count(*) FROM outbox.receipts",
+            3,
+        )
+        .await;
+        mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
+
+        let check = env.verify_receipts(&[&topic]).await;
+        let copies = |id: uuid::Uuid| {
+            check
+                .messages
+                .iter()
+                .filter(|m| m.id() == id.to_string())
+                .count()
+        };
+        assert_eq!(copies(a), 1, "A: the retry is the one copy on the broker");
+        // B's report came while A's failure ended the run: B may be replayed (a duplicate copy,
+        // kept as a duplicate transport receipt), never lost.
+        assert!(copies(b) >= 1, "B is on the broker");
+        // The relay settles everything it sent before its next restart.
+        env.wait_count(
+            "A's attempt resolved",
+            &format!("SELECT count(*) FROM outbox.attempts WHERE event_id = '{a}' AND state <> 'DISPATCH_UNKNOWN'"),
+            1,
+        )
+        .await;
+        let row = env
+            .db
+            .query_one(
+                "SELECT a.state, a.error, r.attempt FROM outbox.attempts a
+                 JOIN outbox.receipts r USING (event_id) WHERE a.event_id = $1",
+                &[&a],
+            )
+            .await
+            .unwrap();
+        let (state, error, attempt): (String, String, i32) = (row.get(0), row.get(1), row.get(2));
+        assert_eq!(
+            state, "ABSENT",
+            "the scan proved A was never stored ({error})"
+        );
+        assert!(error.contains("no proof of publication"), "{error}");
+        assert_eq!(attempt, 2, "A's receipt is the retry's");
+    }
 }
 
 /// A retry that a proven absence allowed keeps its attempt generation when the relay restarts

@@ -74,11 +74,6 @@ fn verify(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standard_webhooks_receiver_verifies_every_request_through_a_secret_rotation() {
-    if crate::harness::runs_once_in_e2e(
-        "webhook_signatures::a_standard_webhooks_receiver_verifies_every_request_through_a_secret_rotation",
-    ) {
-        return;
-    }
     let python = python();
     let (env, target) = endpoint_env("wh_sign", TargetSettings::default()).await;
     let both = format!("{OLD},{NEW}");

@@ -104,23 +104,36 @@ impl LedgerItem {
 /// aggregate behind an event that is out (found by outbox-sim, seed 1 trace 195). The ledger's
 /// acceptance transaction asks which subjects have a primary receipt (this batch's included)
 /// and records only what [`RefusalFilter::stands`]; the simulator's ledger model asks the same.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RefusalFilter {
-    /// Product mutant (feature `mutants`, the simulator's): quarantines and holds are recorded
-    /// even when their event is published.
-    #[cfg(feature = "mutants")]
-    pub honour_stale: bool,
+///
+/// `HONOUR_STALE` is the simulator's product mutant: quarantines and holds recorded even when
+/// their event is published. The ledger's filter is `RefusalFilter` (`false`) in every build:
+/// no crate feature changes the daemon's code, so the binary tested is the one shipped.
+#[derive(Debug, Clone, Copy)]
+pub struct RefusalFilter<const HONOUR_STALE: bool = false> {
+    /// Built with `default()` (the product) or [`RefusalFilter::honouring_stale`] only.
+    _private: (),
 }
 
-impl RefusalFilter {
+impl Default for RefusalFilter {
+    fn default() -> Self {
+        RefusalFilter { _private: () }
+    }
+}
+
+impl RefusalFilter<true> {
+    /// The simulator's mutant `bug-stale-quarantine`.
+    pub fn honouring_stale() -> Self {
+        RefusalFilter { _private: () }
+    }
+}
+
+impl<const HONOUR_STALE: bool> RefusalFilter<HONOUR_STALE> {
     /// Whether a refusal of `kind` is recorded when its event is (`published`) or is not
     /// published yet.
     pub fn stands(&self, kind: RefusalKind, published: bool) -> bool {
-        #[cfg(feature = "mutants")]
-        if self.honour_stale && kind != RefusalKind::Held {
+        if HONOUR_STALE && kind != RefusalKind::Held {
             return true;
         }
-        let _ = kind;
         !published
     }
 }

@@ -45,6 +45,4 @@ pub use pipeline::{
 };
 pub use route::Refusal;
 
-#[cfg(feature = "mutants")]
-pub use pipeline::CurrentRoute;
-pub use pipeline::Mutant;
+pub use pipeline::{CurrentRoute, Mutant, Plant, Planted, Shipped};

@@ -108,8 +108,8 @@ pub enum Reported {
 }
 
 /// A deliberately broken variant of one decision, so that the simulator can prove its gate
-/// catches bugs in the product's code, not only in a model of it. Only the feature `mutants`
-/// (the simulator's) can plant one; the daemon is built without it.
+/// catches bugs in the product's code, not only in a model of it. Only a [`Plant`] other than
+/// [`Shipped`] (the simulator's [`Planted`]) plants one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mutant {
     /// Resolves an event in the ack tracker when the broker reports it, before its receipt is
@@ -136,8 +136,52 @@ pub enum Mutant {
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
-#[cfg(feature = "mutants")]
 pub type CurrentRoute = (String, String, i64);
+
+/// What a [`PipelineCore`] plants. The daemon's core is a `PipelineCore<Shipped>`: it plants
+/// nothing, and since no crate feature switches that, every build of the daemon (the one the
+/// end-to-end suite runs under `cargo test --workspace` included) is the one shipped. The
+/// simulator drives a `PipelineCore<Planted>`, a second instance of the same code.
+pub trait Plant: std::fmt::Debug {
+    /// Whether the mutant `m` is planted.
+    fn planted(&self, m: Mutant) -> bool;
+    /// Where [`Mutant::RetryReresolvesRoute`] sends retries.
+    fn current_route(&self) -> Option<CurrentRoute>;
+}
+
+/// The product: no mutant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Shipped;
+
+impl Plant for Shipped {
+    #[inline(always)]
+    fn planted(&self, _: Mutant) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    fn current_route(&self) -> Option<CurrentRoute> {
+        None
+    }
+}
+
+/// The simulator's plant: `mutant`, and the route policy now (for
+/// [`Mutant::RetryReresolvesRoute`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Planted {
+    pub mutant: Option<Mutant>,
+    pub current_route: Option<CurrentRoute>,
+}
+
+impl Plant for Planted {
+    fn planted(&self, m: Mutant) -> bool {
+        self.mutant == Some(m)
+    }
+
+    fn current_route(&self) -> Option<CurrentRoute> {
+        self.current_route.clone()
+    }
+}
 
 /// A broken contract between the driver and the core: never transient.
 #[derive(Debug, thiserror::Error)]
@@ -173,9 +217,10 @@ fn key_of(ev: &OutboxEvent) -> AggKey {
     (ev.aggregate_type.clone(), ev.aggregate_id.clone())
 }
 
-/// The pipeline's state and decisions. See the module documentation for the contract.
+/// The pipeline's state and decisions. See the module documentation for the contract. `P`:
+/// what it plants ([`Shipped`] in the daemon: nothing).
 #[derive(Debug)]
-pub struct PipelineCore {
+pub struct PipelineCore<P = Shipped> {
     /// What the sink serves (kind, cluster, partitioner): checked against every frozen
     /// destination, and written into every receipt.
     served: Served,
@@ -223,14 +268,11 @@ pub struct PipelineCore {
     pub(crate) durable: Lsn,
     /// Send -> delivery report times since [`Self::take_report_times`] (count, sum ms, max ms).
     report_ms: (u64, f64, f64),
-    #[cfg(feature = "mutants")]
-    pub mutant: Option<Mutant>,
-    /// Where [`Mutant::RetryReresolvesRoute`] sends retries.
-    #[cfg(feature = "mutants")]
-    pub current_route: Option<CurrentRoute>,
+    /// What it plants ([`Plant`]).
+    pub plant: P,
 }
 
-impl PipelineCore {
+impl PipelineCore<Shipped> {
     /// The ordering gate as the ledger left it: every aggregate's last accepted version, and
     /// the aggregates held durably.
     pub fn gate_from(
@@ -248,6 +290,18 @@ impl PipelineCore {
     }
 
     pub fn new(served: Served, generation: i64, gate: OrderingGate<AggKey, Pending>) -> Self {
+        PipelineCore::with_plant(served, generation, gate, Shipped)
+    }
+}
+
+impl<P: Plant> PipelineCore<P> {
+    /// [`PipelineCore::new`] with what it plants.
+    pub fn with_plant(
+        served: Served,
+        generation: i64,
+        gate: OrderingGate<AggKey, Pending>,
+        plant: P,
+    ) -> Self {
         PipelineCore {
             served,
             generation,
@@ -273,22 +327,13 @@ impl PipelineCore {
             last_received: Lsn::ZERO,
             durable: Lsn::ZERO,
             report_ms: (0, 0.0, 0.0),
-            #[cfg(feature = "mutants")]
-            mutant: None,
-            #[cfg(feature = "mutants")]
-            current_route: None,
+            plant,
         }
     }
 
-    /// Whether the mutant `m` is planted (always false without feature `mutants`).
-    #[allow(unused_variables)]
+    /// Whether the mutant `m` is planted (never in the daemon's [`Shipped`] core).
     fn planted(&self, m: Mutant) -> bool {
-        #[cfg(feature = "mutants")]
-        {
-            self.mutant == Some(m)
-        }
-        #[cfg(not(feature = "mutants"))]
-        false
+        self.plant.planted(m)
     }
 
     pub fn served(&self) -> &Served {
@@ -562,13 +607,11 @@ impl PipelineCore {
         }
         let token = self.next_token;
         self.next_token += 1;
-        #[allow(unused_mut)]
         let mut ev = p.ev;
-        #[cfg(feature = "mutants")]
         if self.planted(Mutant::RetryReresolvesRoute)
             && self.retry_generation.contains_key(&ev.event_id)
         {
-            if let Some((cluster, topic, generation)) = self.current_route.clone() {
+            if let Some((cluster, topic, generation)) = self.plant.current_route() {
                 ev.destination.cluster = cluster;
                 ev.destination.topic = topic;
                 ev.destination.route_generation = generation;

@@ -52,7 +52,7 @@ pub fn next_version(head: i64, last: Option<i64>) -> i64 {
     last.unwrap_or(head).max(head) + 1
 }
 
-impl PipelineCore {
+impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// Whether a release of `key` may start now: no event of the aggregate is at the broker
     /// (a report still due would race the republished events).
     pub fn may_release(&self, key: &AggKey) -> bool {

@@ -28,7 +28,7 @@ pub(crate) struct OpenTxn {
     rows: u32,
 }
 
-impl PipelineCore {
+impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// Streaming starts at `start` (the position the slot resumes from): nothing before it is
     /// outstanding, and it is both the last position received and the durable checkpoint.
     pub fn start_streaming(&mut self, start: Lsn) {

@@ -165,7 +165,13 @@ fn every_mutant_is_caught(product: bool) {
             Mutant::EarlyTakeoverOfLiveHolder,
             &[("stale_sends", |c| c.stale_sends)],
         ),
-        (Mutant::UnclearNeverDue, &[("stalls", |c| c.stalls)]),
+        (
+            Mutant::UnclearNeverDue,
+            &[
+                ("stalls", |c| c.stalls),
+                ("snapshot_stalls", |c| c.snapshot_stalls),
+            ],
+        ),
         (
             Mutant::BugEndRunOnUnclear,
             &[("unclear_restarts", |c| c.unclear_restarts)],
@@ -194,6 +200,22 @@ fn every_mutant_is_caught(product: bool) {
         }
         assert!(c.violations() > 0);
     }
+}
+
+/// `snapshot_stalls` by name: a snapshot that ends with events outstanding that nothing will
+/// send (the daemon's snapshot would wait for them forever). Planted with the product mutant
+/// `UnclearNeverDue`: an event parked during a snapshot (after a lost slot's `--resnapshot`)
+/// never comes due. Without it, the same traces stall no snapshot.
+#[test]
+fn a_snapshot_waiting_for_an_event_nothing_sends_is_a_snapshot_stall() {
+    let planted = run(1, 300, Some(Mutant::UnclearNeverDue));
+    assert!(
+        planted.snapshot_stalls > 0 && planted.resnapshots > 0,
+        "no snapshot stalled with parked events that never come due: {planted:?}"
+    );
+    let clean = run(1, 300, None);
+    assert_eq!(clean.snapshot_stalls, 0, "{}", clean.summary());
+    assert!(clean.resnapshots > 0, "no snapshot was taken: {clean:?}");
 }
 
 /// The traces that found product bugs: violated with the old behaviour, clean now.

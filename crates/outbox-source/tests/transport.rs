@@ -13,7 +13,9 @@
 //! host all outboxd_test_scram 127.0.0.1/32 scram-sha-256
 //! ```
 //!
-//! If a wrong password is accepted (the role is trusted), those tests print "skipped" too.
+//! If a wrong password is accepted (the role is trusted), those tests fail naming the line to
+//! add; a server without a local Unix socket fails `unix_socket_connection` the same way. A
+//! server that cannot run a test is a failure that says what to change, never a silent pass.
 //! Every test uses its own slot/table/publication names, so they can run in parallel.
 
 use std::time::Duration;
@@ -148,8 +150,11 @@ async fn unix_socket_connection() {
         .map(str::trim)
         .find(|d| !d.is_empty() && !d.starts_with('@') && std::path::Path::new(d).is_dir())
     else {
-        println!("skipped: the server's unix_socket_directories ({dirs:?}) are not local");
-        return;
+        panic!(
+            "the server's unix_socket_directories ({dirs:?}) name no directory on this machine, so \
+             the Unix-socket transport cannot be tested: point {ENV} at a local server, or unset \
+             it to use the harness's throwaway cluster"
+        );
     };
     // A fresh config: `host_path` on a clone would append, leaving TCP as the first host.
     let mut ucfg = without_hosts_or_password(&cfg);
@@ -508,11 +513,12 @@ async fn password_login(role: &str, encryption: &str) {
     let err = match ReplicationConnection::connect(&rcfg).await {
         Ok(c) => {
             c.close().await;
-            println!(
-                "skipped: pg_hba.conf does not require a password for {role} \
-                 (add `host all {role} 127.0.0.1/32 {encryption}`)"
+            panic!(
+                "the server accepted a wrong password for {role}: its pg_hba.conf does not \
+                 require one, so {encryption} authentication cannot be tested. Add \
+                 `host all {role} 127.0.0.1/32 {encryption}` before any `trust` line, or unset \
+                 {ENV} to use the harness's throwaway cluster"
             );
-            return;
         }
         Err(e) => e,
     };

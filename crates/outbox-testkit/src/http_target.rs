@@ -16,8 +16,14 @@
 //!
 //! With `dedupe` on (an endpoint that keeps idempotency keys), a request whose key was applied
 //! before is answered 200 with the first answer's response id and is not applied again.
+//!
+//! It records every request with the answer it got, and every application. What a test
+//! asserts of a relay's run ([`HttpTarget::assert_at_most_once`],
+//! [`HttpTarget::assert_applied_within`], [`HttpTarget::assert_body_digest`]) is counted by
+//! event id (the `Outbox-Id` header), not by key, and does not rely on the key store: a key
+//! sent again after a clear answer is a second application even where `dedupe` hid it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,6 +31,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 
 use openssl::ssl::{SslAcceptor, SslFiletype, SslMethod};
+use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -124,6 +131,41 @@ pub struct Request {
     pub body: Vec<u8>,
     pub at: Instant,
     pub behavior: Behavior,
+    /// The status and body it was answered (`None`: the connection was dropped).
+    pub answer: Option<(u16, String)>,
+}
+
+impl Request {
+    /// The event it carries: its `Outbox-Id` header, or its idempotency key without one.
+    fn event_id(&self, key_header: &str) -> String {
+        self.headers
+            .get("outbox-id")
+            .or_else(|| self.headers.get(key_header))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Whether the client got an answer that settles the request: a 2xx in time, or a 4xx
+    /// other than 408/429 (a refusal). Sending the same key again after one is a second
+    /// delivery nothing called for.
+    fn clearly_answered(&self) -> bool {
+        !self.behavior.is_ambiguous()
+            && self.answer.as_ref().is_some_and(|(status, _)| {
+                (200..300).contains(status)
+                    || ((400..500).contains(status) && ![408, 429].contains(status))
+            })
+    }
+}
+
+/// One application of a request: the work the endpoint did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Application {
+    /// The idempotency key it was applied under.
+    pub key: String,
+    /// The event it carried ([`Request`]'s `Outbox-Id` header, or the key without one).
+    pub event_id: String,
+    /// The response id this application created.
+    pub response_id: String,
 }
 
 #[derive(Debug, Default)]
@@ -134,6 +176,10 @@ struct State {
     applied: HashMap<String, (u32, String)>,
     /// Keys in the order they were first applied.
     order: Vec<String>,
+    /// Every application, in order (with `dedupe` off, a key's repeats too).
+    applications: Vec<Application>,
+    /// How many requests had been read when the test said the client restarted.
+    restarts: Vec<usize>,
     next_id: u64,
     misbehave: Option<Misbehave>,
     rng: u64,
@@ -144,6 +190,7 @@ struct State {
 pub struct HttpTarget {
     addr: std::net::SocketAddr,
     https: bool,
+    key_header: String,
     state: Arc<Mutex<State>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -197,6 +244,7 @@ impl HttpTarget {
             }
         };
         let https = settings.tls.is_some();
+        let key_header = settings.key_header.clone();
         let settings = Arc::new(settings);
         let s = state.clone();
         let task = tokio::spawn(async move {
@@ -226,6 +274,7 @@ impl HttpTarget {
             state,
             task,
             https,
+            key_header,
         })
     }
 
@@ -282,6 +331,101 @@ impl HttpTarget {
     pub fn applied_order(&self) -> Vec<String> {
         self.state.lock().unwrap().order.clone()
     }
+
+    /// Every application so far, in order.
+    pub fn applications(&self) -> Vec<Application> {
+        self.state.lock().unwrap().applications.clone()
+    }
+
+    /// Says the client restarted (a relay SIGKILLed and started again): it may send again what
+    /// its predecessor was answered but had not recorded, which is at-least-once, not a
+    /// second delivery nothing called for ([`HttpTarget::at_most_once_problems`]).
+    pub fn client_restarted(&self) {
+        let mut st = self.state.lock().unwrap();
+        let n = st.requests.len();
+        st.restarts.push(n);
+    }
+
+    /// What contradicts "each event applied at most once": an event id applied more than once
+    /// (under one key or several), and a key sent again after a clear answer by the same run
+    /// of the client ([`HttpTarget::client_restarted`]): with `dedupe` on, the key store
+    /// answered it without applying it, hiding the second application.
+    pub fn at_most_once_problems(&self) -> Vec<String> {
+        let st = self.state.lock().unwrap();
+        let mut problems = Vec::new();
+        let mut per_event: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for a in &st.applications {
+            per_event.entry(&a.event_id).or_default().push(&a.key);
+        }
+        for (id, keys) in per_event.iter().filter(|(_, k)| k.len() > 1) {
+            problems.push(format!(
+                "event {id} applied {} times (keys {keys:?})",
+                keys.len()
+            ));
+        }
+        let mut answered: HashMap<String, usize> = HashMap::new();
+        for (i, r) in st.requests.iter().enumerate() {
+            if st.restarts.contains(&i) {
+                answered.clear();
+            }
+            let key = r.headers.get(&self.key_header).cloned().unwrap_or_default();
+            if let Some(first) = answered.get(&key) {
+                let (status, _) = st.requests[*first].answer.clone().unwrap_or_default();
+                problems.push(format!(
+                    "event {} sent again (request {i}, {:?}) after request {first} was answered {status}",
+                    r.event_id(&self.key_header),
+                    r.behavior
+                ));
+            } else if r.clearly_answered() {
+                answered.insert(key, i);
+            }
+        }
+        problems
+    }
+
+    /// Panics naming every event applied more than once ([`HttpTarget::at_most_once_problems`]).
+    pub fn assert_at_most_once(&self) {
+        let problems = self.at_most_once_problems();
+        assert!(
+            problems.is_empty(),
+            "the endpoint saw {} second application(s):\n{}",
+            problems.len(),
+            problems.join("\n")
+        );
+    }
+
+    /// Panics naming every event id the endpoint applied that is not in `committed`.
+    pub fn assert_applied_within<'a>(&self, committed: impl IntoIterator<Item = &'a str>) {
+        let committed: std::collections::HashSet<&str> = committed.into_iter().collect();
+        let strays: Vec<Application> = self
+            .applications()
+            .into_iter()
+            .filter(|a| !committed.contains(a.event_id.as_str()))
+            .collect();
+        assert!(
+            strays.is_empty(),
+            "the endpoint applied {} event(s) no committed event has: {strays:?}",
+            strays.len()
+        );
+    }
+
+    /// Panics unless `digest` (hex sha256, as a receipt's evidence keeps it) is the digest of
+    /// a 2xx body this endpoint answered to `key`.
+    pub fn assert_body_digest(&self, key: &str, digest: &str) {
+        let answered: Vec<(u16, String)> = self
+            .requests()
+            .into_iter()
+            .filter(|r| r.headers.get(&self.key_header).map(String::as_str) == Some(key))
+            .filter_map(|r| r.answer)
+            .filter(|(status, _)| (200..300).contains(status))
+            .collect();
+        assert!(
+            answered
+                .iter()
+                .any(|(_, body)| hex::encode(Sha256::digest(body.as_bytes())) == digest),
+            "{key}: the evidence's body digest {digest} is the sha256 of no 2xx body the endpoint answered it ({answered:?})"
+        );
+    }
 }
 
 async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
@@ -303,7 +447,7 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
             .poison
             .as_ref()
             .is_some_and(|p| String::from_utf8_lossy(&req.body).contains(p.as_str()));
-        let (behavior, answer) = {
+        let (behavior, answer, index) = {
             let mut st = state.lock().unwrap();
             let behavior = if poison {
                 Behavior::Status {
@@ -327,12 +471,17 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                         st.next_id += 1;
                         let id = format!("r{}", st.next_id);
                         let st = &mut *st;
-                        let e = st.applied.entry(key.clone()).or_insert((0, id));
+                        let e = st.applied.entry(key.clone()).or_insert((0, id.clone()));
                         e.0 += 1;
                         if e.0 == 1 {
                             st.order.push(key.clone());
                         }
                         answer = Some((201, e.1.clone()));
+                        st.applications.push(Application {
+                            key: key.clone(),
+                            event_id: req.event_id(&settings.key_header),
+                            response_id: id,
+                        });
                     }
                 }
             }
@@ -340,12 +489,12 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                 behavior: behavior.clone(),
                 ..req
             });
-            (behavior, answer)
+            (behavior, answer, st.requests.len() - 1)
         };
-        let reply = match (&behavior, answer) {
+        let (status, extra, body) = match (&behavior, answer) {
             (Behavior::Drop { .. }, _) => return,
             (Behavior::FailAfterApplying { status }, _) => {
-                response(*status, "", &format!("{{\"status\":{status}}}"))
+                (*status, String::new(), format!("{{\"status\":{status}}}"))
             }
             (
                 Behavior::Status {
@@ -358,18 +507,22 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                     .as_ref()
                     .map(|r| format!("Retry-After: {r}\r\n"))
                     .unwrap_or_default();
-                response(*status, &extra, &format!("{{\"status\":{status}}}"))
+                (*status, extra, format!("{{\"status\":{status}}}"))
             }
-            (Behavior::Redirect { status, location }, _) => {
-                response(*status, &format!("Location: {location}\r\n"), "{}")
-            }
-            (_, Some((status, id))) => response(
-                status,
-                &format!("X-Response-Id: {id}\r\n"),
-                &format!("{{\"id\":\"{id}\"}}"),
+            (Behavior::Redirect { status, location }, _) => (
+                *status,
+                format!("Location: {location}\r\n"),
+                "{}".to_string(),
             ),
-            (_, None) => response(500, "", "{}"),
+            (_, Some((status, id))) => (
+                status,
+                format!("X-Response-Id: {id}\r\n"),
+                format!("{{\"id\":\"{id}\"}}"),
+            ),
+            (_, None) => (500, String::new(), "{}".to_string()),
         };
+        state.lock().unwrap().requests[index].answer = Some((status, body.clone()));
+        let reply = response(status, &extra, &body);
         if let Behavior::Late(d) = behavior {
             tokio::time::sleep(d).await;
         }
@@ -444,5 +597,142 @@ async fn read_request<S: AsyncRead + Unpin>(sock: &mut S, buf: &mut Vec<u8>) -> 
         body,
         at: Instant::now(),
         behavior: Behavior::Normal,
+        answer: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One request on a new connection: the status, or `None` when the server dropped it.
+    async fn post(t: &HttpTarget, key: &str, event_id: &str) -> Option<u16> {
+        let mut sock = tokio::net::TcpStream::connect(t.addr).await.unwrap();
+        let req = format!(
+            "POST /h HTTP/1.1\r\nHost: t\r\nIdempotency-Key: {key}\r\nOutbox-Id: {event_id}\r\nContent-Length: 2\r\n\r\n{{}}"
+        );
+        sock.write_all(req.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        read_request_like_head(&mut sock, &mut buf).await
+    }
+
+    /// Reads an answer's status line (enough for these tests).
+    async fn read_request_like_head(
+        sock: &mut tokio::net::TcpStream,
+        buf: &mut Vec<u8>,
+    ) -> Option<u16> {
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut chunk = [0u8; 1024];
+            let n = sock.read(&mut chunk).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        String::from_utf8_lossy(buf).split(' ').nth(1)?.parse().ok()
+    }
+
+    async fn target(dedupe: bool) -> HttpTarget {
+        HttpTarget::start(TargetSettings {
+            dedupe,
+            ..TargetSettings::default()
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_key_sent_again_after_a_clear_answer_is_a_second_application_the_key_store_hid() {
+        let t = target(true).await;
+        assert_eq!(post(&t, "k1", "e1").await, Some(201));
+        assert_eq!(post(&t, "k1", "e1").await, Some(200));
+        // What the tests counted before: once, so "exactly once" held.
+        assert_eq!(t.applied("k1"), 1);
+        let problems = t.at_most_once_problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("event e1 sent again"), "{problems:?}");
+    }
+
+    #[tokio::test]
+    async fn without_a_key_store_a_repeat_is_applied_and_counted_by_event() {
+        let t = target(false).await;
+        assert_eq!(post(&t, "k1", "e1").await, Some(201));
+        assert_eq!(post(&t, "k1", "e1").await, Some(201));
+        assert_eq!(t.applications().len(), 2);
+        let problems = t.at_most_once_problems();
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("event e1 applied 2 times")),
+            "{problems:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn one_event_under_two_keys_is_two_applications() {
+        let t = target(true).await;
+        assert_eq!(post(&t, "k1", "e1").await, Some(201));
+        assert_eq!(post(&t, "k2", "e1").await, Some(201));
+        // Each key applied once: a count by key saw nothing wrong.
+        assert_eq!((t.applied("k1"), t.applied("k2")), (1, 1));
+        let problems = t.at_most_once_problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("event e1 applied 2 times"),
+            "{problems:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_retry_after_an_ambiguous_answer_is_not_a_second_application() {
+        let t = target(true).await;
+        t.then(Behavior::Drop { applied: true });
+        t.then(Behavior::Status {
+            status: 503,
+            retry_after: None,
+        });
+        assert_eq!(post(&t, "k1", "e1").await, None);
+        assert_eq!(post(&t, "k1", "e1").await, Some(503));
+        assert_eq!(post(&t, "k1", "e1").await, Some(200));
+        t.assert_at_most_once();
+        t.assert_applied_within(["e1"]);
+    }
+
+    #[tokio::test]
+    async fn a_restarted_client_may_send_again_what_its_predecessor_was_answered() {
+        let t = target(true).await;
+        assert_eq!(post(&t, "k1", "e1").await, Some(201));
+        t.client_restarted();
+        assert_eq!(post(&t, "k1", "e1").await, Some(200));
+        t.assert_at_most_once();
+        assert_eq!(post(&t, "k1", "e1").await, Some(200));
+        assert_eq!(
+            t.at_most_once_problems().len(),
+            1,
+            "the same run sent it twice"
+        );
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "the endpoint applied 1 event(s) no committed event has")]
+    async fn an_application_of_no_committed_event_fails() {
+        let t = target(true).await;
+        post(&t, "k1", "e1").await;
+        post(&t, "k9", "e9").await;
+        t.assert_applied_within(["e1"]);
+    }
+
+    #[tokio::test]
+    async fn the_body_digest_is_checked_against_the_answered_body() {
+        let t = target(true).await;
+        post(&t, "k1", "e1").await;
+        let body = "{\"id\":\"r1\"}";
+        t.assert_body_digest("k1", &hex::encode(Sha256::digest(body)));
+        let wrong = hex::encode(Sha256::digest("{\"id\":\"r2\"}"));
+        let r = std::panic::catch_unwind(|| t.assert_body_digest("k1", &wrong));
+        assert!(
+            r.is_err(),
+            "a digest of another body (64 hex digits too) passed"
+        );
+    }
 }

@@ -149,7 +149,7 @@ pub fn merge_lookups(prior: Option<LookupOutcome>, next: LookupOutcome) -> Looku
     }
 }
 
-impl PipelineCore {
+impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// A send of `f` ended unclear: its event holds the aggregate until resolved.
     pub(super) fn park(&mut self, f: InFlight, failure: &DeliveryFailure, now: Now) {
         let id = f.ev.event_id;

@@ -163,10 +163,13 @@ impl World {
             .collect()
     }
 
-    /// The product's rule for stale refusals, with the planted mutant (if it is this one).
-    fn refusals(&self) -> RefusalFilter {
-        RefusalFilter {
-            honour_stale: self.is(Mutant::BugStaleQuarantine),
+    /// The product's rule for stale refusals ([`RefusalFilter::stands`]), with the planted
+    /// mutant (if it is this one).
+    fn refusal_stands(&self, kind: RefusalKind, published: bool) -> bool {
+        if self.is(Mutant::BugStaleQuarantine) {
+            RefusalFilter::honouring_stale().stands(kind, published)
+        } else {
+            RefusalFilter::default().stands(kind, published)
         }
     }
 
@@ -296,7 +299,7 @@ impl World {
                     // A published event is never quarantined afterwards (a zombie's batch
                     // may carry a refusal decided before a migration published it).
                     let published = self.ledger.primary.contains_key(row);
-                    let stands = self.refusals().stands(RefusalKind::Quarantine, published);
+                    let stands = self.refusal_stands(RefusalKind::Quarantine, published);
                     if self.ledger.open_quarantine(*row).is_none() && stands {
                         if self.ledger.primary.contains_key(row) {
                             log!(
@@ -317,7 +320,7 @@ impl World {
                     }
                 }
                 Item::Hold { blocking, .. }
-                    if !self.refusals().stands(
+                    if !self.refusal_stands(
                         RefusalKind::Hold,
                         self.ledger.primary.contains_key(blocking),
                     ) => {}
@@ -343,7 +346,7 @@ impl World {
                 },
                 Item::Held { row } => {
                     let published = self.ledger.primary.contains_key(row);
-                    if self.refusals().stands(RefusalKind::Held, published) {
+                    if self.refusal_stands(RefusalKind::Held, published) {
                         self.ledger.held.entry(*row).or_insert(false);
                     }
                 }

@@ -23,7 +23,7 @@ use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::release::ReleaseStep;
 use outbox_relay::unknown::{self, Resolved, Step, When};
-use outbox_relay::{Command, LookupOutcome, Now, PipelineCore, Reported, UnclearStep};
+use outbox_relay::{Command, LookupOutcome, Now, PipelineCore, Planted, Reported, UnclearStep};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
 
@@ -297,7 +297,7 @@ struct Relay {
     stream_cut: bool,
     salvaging: bool,
     /// The product's decisions: gate, ack tracker, in-flight bookkeeping, batch.
-    core: PipelineCore,
+    core: PipelineCore<Planted>,
     /// Next WAL transaction to stream.
     cursor: usize,
     /// The simulated sink's side of the core's sends, in send order.
@@ -875,7 +875,7 @@ impl World {
         );
         let route = self.current_route();
         for r in &mut self.relays {
-            r.core.current_route = Some(route.clone());
+            r.core.plant.current_route = Some(route.clone());
         }
     }
 
@@ -1026,12 +1026,14 @@ impl World {
     fn push_run(&mut self, gen: i64, start: Option<Lsn>, cursor: usize) -> Option<usize> {
         let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
         let gate = PipelineCore::gate_from(self.ledger_heads(), held);
-        let mut core = PipelineCore::new(served(), gen, gate);
+        let plant = Planted {
+            mutant: self.core_mutant(),
+            current_route: Some(self.current_route()),
+        };
+        let mut core = PipelineCore::with_plant(served(), gen, gate, plant);
         if let Some(start) = start {
             core.start_streaming(start);
         }
-        core.mutant = self.core_mutant();
-        core.current_route = Some(self.current_route());
         // As `Pipeline::new` for Kafka: a scan waits out the settle time; the budget.
         core.unclear_policy.settle = self.settle();
         core.unclear_policy.budget = self.unclear_budget;
