@@ -705,7 +705,8 @@ async fn the_relay_authenticates_to_nats_with_a_user_and_password_that_never_pri
 
     // No credentials: the error says which settings the server needs.
     let mut relay = start(&url, &[], &[trace]);
-    let log = wait_log(&relay.log, "authorization violation").await;
+    // The relay's own line, not async-nats's "authorization violation" that comes before it.
+    let log = wait_log(&relay.log, "the server requires authentication").await;
     assert!(
         log.contains("the server requires authentication") && log.contains("OUTBOXD_NATS_PASSWORD"),
         "{log}"
@@ -718,7 +719,7 @@ async fn the_relay_authenticates_to_nats_with_a_user_and_password_that_never_pri
         &["--nats-user", "outboxd"],
         &[trace, ("OUTBOXD_NATS_PASSWORD", WRONG)],
     );
-    let log = wait_log(&relay.log, "authorization violation").await;
+    let log = wait_log(&relay.log, "the server refused user").await;
     assert!(
         log.contains("the server refused user")
             && log.contains("nats.password (OUTBOXD_NATS_PASSWORD)"),
@@ -839,7 +840,7 @@ async fn the_relay_authenticates_to_nats_with_a_token() {
         nats.name(),
     ];
     let mut relay = env.relay(&[("OUTBOXD_NATS_TOKEN", "not-the-token")], &args);
-    let log = wait_log(&relay.log, "authorization violation").await;
+    let log = wait_log(&relay.log, "the server refused nats.token").await;
     assert!(log.contains("nats.token (OUTBOXD_NATS_TOKEN)"), "{log}");
     relay.kill9();
     let relay = env.relay(
