@@ -20,20 +20,10 @@ const CONSUMER_SQL: &str = include_str!("../../docs/consumer_inbox.sql");
 
 /// The Python interpreter with confluent-kafka and psycopg, or a failure naming the fix.
 fn python() -> String {
-    let python = std::env::var("OUTBOXD_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python)
-        .args(["-c", "import confluent_kafka, psycopg"])
-        .output();
-    match probe {
-        Ok(out) if out.status.success() => python,
-        Ok(out) => panic!(
-            "{python} lacks confluent-kafka or psycopg ({}): pip install confluent-kafka 'psycopg[binary]' (.ci/run does), or OUTBOXD_PYTHON=/path/to/python with both",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ),
-        Err(e) => panic!(
-            "cannot run {python} ({e}): install Python 3 with confluent-kafka and psycopg, or set OUTBOXD_PYTHON"
-        ),
-    }
+    crate::harness::python_with(
+        "confluent_kafka, psycopg",
+        "confluent-kafka 'psycopg[binary]'",
+    )
 }
 
 /// A topic of `n` committed events over ten aggregates, published by a relay that was killed

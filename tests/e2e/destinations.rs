@@ -634,13 +634,7 @@ async fn aggregate_ids_reach_only_their_own_url_path() {
 async fn nats_values_cannot_add_subject_tokens_or_wildcards() {
     let env = TestEnv::new("nats_tokens").await;
     let nats = TestNats::start("nats_tokens").expect("start nats-server");
-    env.db
-        .execute(
-            "SELECT outbox.set_nats_route($1, NULL, $2)",
-            &[&env.aggregate_type, &nats.name()],
-        )
-        .await
-        .expect("route the test's aggregate type to NATS");
+    env.route_to_nats(nats.name()).await;
     for bad in ["a.b", "*", ">", "a b", "orders.>"] {
         let e = env
             .db

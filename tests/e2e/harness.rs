@@ -653,6 +653,17 @@ impl TestEnv {
             .unwrap_or_else(|e| panic!("routing {} to {topic}: {e}", self.aggregate_type));
     }
 
+    /// Routes the test's aggregate type to the NATS cluster (or server) `cluster`.
+    pub async fn route_to_nats(&self, cluster: &str) {
+        self.db
+            .execute(
+                "SELECT outbox.set_nats_route($1, NULL, $2)",
+                &[&self.aggregate_type, &cluster],
+            )
+            .await
+            .expect("route the test's aggregate type to NATS");
+    }
+
     /// Publishes one event of aggregate `agg` and waits for its receipt (the first receipt of
     /// the test): the relay streams and its producer has a session with the broker.
     pub async fn warm_up(&self, agg: &str) -> uuid::Uuid {
@@ -934,4 +945,25 @@ pub fn produce_raw(bootstrap: &str, topic: &str, key: &str, id: Option<&str>, pa
     .map_err(|(e, _)| e)
     .expect("produce");
     p.flush(Duration::from_secs(10)).expect("flush");
+}
+
+/// The Python interpreter (`OUTBOXD_PYTHON`, else `python3`) that can import `modules`
+/// (comma-separated, as in `import`), or a failure naming the packages to install. Its users
+/// (consumer_recipe, webhook_signatures) are e2e-only modules, not compiled into `e2e_poll`.
+#[allow(dead_code)]
+pub fn python_with(modules: &str, packages: &str) -> String {
+    let python = std::env::var("OUTBOXD_PYTHON").unwrap_or_else(|_| "python3".into());
+    match std::process::Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+    {
+        Ok(out) if out.status.success() => python,
+        Ok(out) => panic!(
+            "{python} cannot import {modules} ({}): pip install {packages} (.ci/run does), or OUTBOXD_PYTHON=/path/to/python with them",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        Err(e) => panic!(
+            "cannot run {python} ({e}): install Python 3 with {packages}, or set OUTBOXD_PYTHON"
+        ),
+    }
 }

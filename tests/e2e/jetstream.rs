@@ -27,13 +27,7 @@ impl Js {
     async fn new(name: &str) -> Js {
         let env = TestEnv::new(name).await;
         let nats = TestNats::start(&format!("nats_{name}")).expect("start nats-server");
-        env.db
-            .execute(
-                "SELECT outbox.set_nats_route($1, NULL, $2)",
-                &[&env.aggregate_type, &nats.name()],
-            )
-            .await
-            .expect("route the test's aggregate type to NATS");
+        env.route_to_nats(nats.name()).await;
         Js { env, nats }
     }
 
@@ -670,13 +664,7 @@ async fn the_relay_authenticates_to_nats_with_a_user_and_password_that_never_pri
     let env = TestEnv::new("js_auth_user").await;
     let nats = TestNats::start_with_user("nats_js_auth_user", "outboxd", PASSWORD)
         .expect("start nats-server with --user/--pass");
-    env.db
-        .execute(
-            "SELECT outbox.set_nats_route($1, NULL, $2)",
-            &[&env.aggregate_type, &nats.name()],
-        )
-        .await
-        .expect("route the test's aggregate type to NATS");
+    env.route_to_nats(nats.name()).await;
     let url = nats.url();
     let port = url.rsplit(':').next().unwrap().to_string();
     let base = |url: &str| -> Vec<String> {
@@ -820,13 +808,7 @@ async fn the_relay_authenticates_to_nats_with_a_token() {
     let env = TestEnv::new("js_auth_token").await;
     let nats = TestNats::start_with_token("nats_js_auth_token", TOKEN)
         .expect("start nats-server with --auth");
-    env.db
-        .execute(
-            "SELECT outbox.set_nats_route($1, NULL, $2)",
-            &[&env.aggregate_type, &nats.name()],
-        )
-        .await
-        .expect("route the test's aggregate type to NATS");
+    env.route_to_nats(nats.name()).await;
     let url = nats.url();
     let args = [
         "--sink",
@@ -882,13 +864,7 @@ async fn the_relay_verifies_the_nats_servers_certificate_with_its_ca_file() {
     let (other_ca, _, _) = outbox_testkit::tls::make_ca_and_server_cert(certs.path(), "otherca");
     let nats =
         TestNats::start_with_tls("nats_js_tls", &cert, &key).expect("start nats-server with --tls");
-    env.db
-        .execute(
-            "SELECT outbox.set_nats_route($1, NULL, $2)",
-            &[&env.aggregate_type, &nats.name()],
-        )
-        .await
-        .expect("route the test's aggregate type to NATS");
+    env.route_to_nats(nats.name()).await;
     let url = nats.url();
     let start = |ca: &std::path::Path| {
         let ca = ca.display().to_string();

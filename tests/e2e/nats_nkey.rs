@@ -13,13 +13,7 @@ async fn the_relay_authenticates_to_nats_with_an_nkey_seed_that_never_prints() {
     let env = TestEnv::new("js_auth_nkey").await;
     let (nats, seed) = TestNats::start_with_nkey("nats_js_auth_nkey")
         .expect("start nats-server with an NKey user");
-    env.db
-        .execute(
-            "SELECT outbox.set_nats_route($1, NULL, $2)",
-            &[&env.aggregate_type, &nats.name()],
-        )
-        .await
-        .expect("route the test's aggregate type to NATS");
+    env.route_to_nats(nats.name()).await;
     let url = nats.url();
     let wrong = nkeys::KeyPair::new_user().seed().unwrap();
     let (right_file, wrong_file) = (

@@ -23,16 +23,7 @@ const NEW: &str = "whsec_ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=";
 
 /// The Python interpreter with `standardwebhooks`, or a failure naming the fix.
 fn python() -> String {
-    let python = std::env::var("OUTBOXD_PYTHON").unwrap_or_else(|_| "python3".into());
-    match Command::new(&python)
-        .args(["-c", "import standardwebhooks"])
-        .output()
-    {
-        Ok(out) if out.status.success() => python,
-        other => panic!(
-            "{python} cannot import standardwebhooks ({other:?}): pip install standardwebhooks (.ci/run does), or OUTBOXD_PYTHON=/path/to/python with it"
-        ),
-    }
+    crate::harness::python_with("standardwebhooks", "standardwebhooks")
 }
 
 /// The reference library's verdicts over `requests`.
