@@ -108,6 +108,17 @@ pub struct BenchArgs {
     /// partition) keep `rate x crash-secs / partitions` under about 12,000.
     #[arg(long, default_value_t = 3.0)]
     pub crash_secs: f64,
+    /// Kill loop: restarts. A burst over --kill-aggregates hot aggregates at --rate; the relay
+    /// is SIGKILLed every --kill-every-secs and started again, this many times; each run must
+    /// move the checkpoint (reported per run; a lost event fails the phase). 0 skips it.
+    #[arg(long, default_value_t = 6)]
+    pub kill_restarts: u32,
+    /// Kill loop: seconds between two SIGKILLs (each run's life, its start included).
+    #[arg(long, default_value_t = 2.0)]
+    pub kill_every_secs: f64,
+    /// Kill loop: aggregates the burst is spread over.
+    #[arg(long, default_value_t = 50)]
+    pub kill_aggregates: u64,
     /// Producer phase: seconds per pgbench run (two of `outbox.enqueue`, two of a plain outbox
     /// INSERT, alternating); 0 skips the phase.
     #[arg(long, default_value_t = 10.0)]

@@ -34,6 +34,7 @@
 //! asserts anything about speed; CI runs a tiny configuration to prove the tool works.
 
 mod debezium;
+mod kill_loop;
 pub(crate) mod poll;
 mod procstat;
 mod producer;
@@ -196,6 +197,19 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         let (r, crash) = ctx.crash(&db, &main, relay).await?;
         relay = r;
         report.crash = Some(crash);
+    }
+    if a.kill_restarts > 0 {
+        load("kill loop", &mut report);
+        let (r, k) = ctx.kill_loop(&db, relay).await?;
+        relay = r;
+        eprintln!(
+            "bench: kill loop: {} of {} restarted runs moved the checkpoint; {} extra copies of {} events",
+            k.moved(),
+            k.advanced.len(),
+            k.republished,
+            k.produced
+        );
+        report.kill_loop = Some(k);
     }
     relay.terminate()?;
 

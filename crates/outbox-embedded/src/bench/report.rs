@@ -39,6 +39,7 @@ pub(crate) struct Report {
     pub steady: Steady,
     pub rss_peak_mib: f64,
     pub crash: Option<Crash>,
+    pub kill_loop: Option<super::kill_loop::KillLoop>,
     pub poll_drain: Option<Phase>,
     pub poll_steady: Option<Steady>,
     pub poll_series: Vec<(f64, f64)>,
@@ -385,6 +386,20 @@ impl Report {
                 )
             );
         }
+        if let Some(k) = &self.kill_loop {
+            let moved: Vec<String> = k.advanced.iter().map(|b| format!("{b}")).collect();
+            println!(
+                "kill loop ({} aggregates, SIGKILL every {:.1} s): {} of {} restarted runs moved the checkpoint (bytes per run: {}); {} extra copies of {} events; caught up {:.1} s after the last kill",
+                k.aggregates,
+                k.every_s,
+                k.moved(),
+                k.advanced.len(),
+                moved.join(", "),
+                k.republished,
+                k.produced,
+                k.recovery_s
+            );
+        }
         if !self.load.is_empty() {
             let loads: Vec<String> = self
                 .load
@@ -455,6 +470,11 @@ impl Report {
                 "events_per_s": c.rate, "produced": c.produced, "republished": c.republished,
                 "republished_ms_of_traffic": c.republished_ms, "caught_up_s": c.recovery_s,
                 "takeover_ms": c.takeover_ms, "first_receipt_ms": c.first_receipt_ms,
+            })),
+            "kill_loop": self.kill_loop.as_ref().map(|k| json!({
+                "aggregates": k.aggregates, "every_s": k.every_s,
+                "checkpoint_advance_bytes_per_run": k.advanced, "runs_that_moved": k.moved(),
+                "produced": k.produced, "republished": k.republished, "caught_up_s": k.recovery_s,
             })),
             "polling": self.poll_drain.as_ref().map(|d| json!({
                 "drain": phase_json(d),
