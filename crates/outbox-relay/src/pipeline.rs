@@ -349,6 +349,15 @@ impl<P: Plant> PipelineCore<P> {
         self.in_flight.len()
     }
 
+    /// Whether sending sooner, not in bigger batches, is what would move the relay faster:
+    /// more events wait behind their aggregates' in-flight events than are at the broker (a
+    /// backlog of a few hot aggregates, each sending its next version only after the report
+    /// on the one before). The Kafka sink then skips its linger for as long as little is
+    /// outstanding (`outbox_sink::KafkaSink::pace`).
+    pub fn round_trip_bound(&self) -> bool {
+        self.gate.queued() > self.in_flight.len()
+    }
+
     /// Whether `token` was sent and not yet reported on (or refused).
     pub fn is_in_flight(&self, token: u64) -> bool {
         self.in_flight.contains_key(&token)

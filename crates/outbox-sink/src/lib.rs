@@ -220,6 +220,16 @@ pub enum AnySink {
     Http(HttpSink),
 }
 
+impl AnySink {
+    /// Whether the relay is bound by round trips (see `KafkaSink::pace`); only Kafka batches
+    /// by time, so only Kafka uses it.
+    pub fn pace(&self, round_trip_bound: bool) {
+        if let AnySink::Kafka(k) = self {
+            k.pace(round_trip_bound);
+        }
+    }
+}
+
 impl Sink for AnySink {
     fn served(&self) -> Served {
         match self {

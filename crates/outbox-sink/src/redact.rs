@@ -41,6 +41,7 @@ impl fmt::Debug for KafkaSinkConfig {
             .field("partitioner", &self.partitioner)
             .field("message_timeout", &self.message_timeout)
             .field("linger", &self.linger)
+            .field("express_max_in_flight", &self.express_max_in_flight)
             .field("properties", &printable_properties(&self.properties))
             .field("headers", &self.headers)
             .finish()

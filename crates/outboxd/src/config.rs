@@ -389,7 +389,13 @@ pub struct KafkaFile {
     /// Default `murmur2_random` (Java-client compatible).
     pub partitioner: Option<String>,
     pub message_timeout_ms: Option<u64>,
+    /// librdkafka `linger.ms` of the main producer. Default 2.
     pub linger_ms: Option<u64>,
+    /// While fewer messages than this are outstanding, send through the express lane (a
+    /// second producer without linger): a backlog of a few hot aggregates is bound by the
+    /// broker round trip per event, not by volume (used only while more events wait behind
+    /// their aggregates than are in flight). 0 disables it. Default 32.
+    pub express_max_in_flight: Option<u32>,
     /// CloudEvents 1.0 binary-mode headers on every message. Default false.
     pub cloudevents: Option<bool>,
     /// CloudEvents `source`; `{aggregate_type}` is replaced. Default

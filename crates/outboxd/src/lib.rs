@@ -312,6 +312,10 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
                 .linger_ms
                 .map(Duration::from_millis)
                 .unwrap_or(defaults.linger),
+            express_max_in_flight: file
+                .kafka
+                .express_max_in_flight
+                .unwrap_or(defaults.express_max_in_flight),
             properties,
             headers: outbox_sink::HeaderOptions {
                 cloudevents: cloudevents_source(a, file),

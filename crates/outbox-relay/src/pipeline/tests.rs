@@ -33,6 +33,22 @@ fn one_event_per_aggregate_is_in_flight_and_the_report_sends_the_next() {
 }
 
 #[test]
+fn the_relay_is_round_trip_bound_when_more_events_wait_behind_aggregates_than_are_in_flight() {
+    let mut c = core();
+    // Two aggregates with one event each: both in flight, nothing waits.
+    admit_txn(&mut c, &[event("a", 1), event("b", 1)], 100);
+    assert!(!c.round_trip_bound(), "a wide load batches");
+    // Two hot aggregates with a backlog: two in flight, four waiting behind them.
+    let mut c = core();
+    let evs: Vec<_> = (1..=3)
+        .flat_map(|v| [event("a", v), event("b", v)])
+        .collect();
+    let cmds = admit_txn(&mut c, &evs, 100);
+    assert_eq!((cmds.len(), c.outstanding()), (2, 6));
+    assert!(c.round_trip_bound(), "hot aggregates wait on round trips");
+}
+
+#[test]
 fn the_checkpoint_passes_a_transaction_only_when_all_its_events_are_resolved() {
     let mut c = core();
     let cmds = admit_txn(&mut c, &[event("a", 1), event("b", 1)], 100);

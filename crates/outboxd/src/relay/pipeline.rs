@@ -226,6 +226,9 @@ impl Pipeline {
     /// Hands each event to the producer. A refusal goes back to the core, which quarantines
     /// the event (permanent) or parks it to send it again (only its aggregate waits).
     async fn execute(&mut self, commands: Vec<Command>) -> Result<(), RelayError> {
+        if !commands.is_empty() {
+            self.sink.pace(self.core.round_trip_bound());
+        }
         for c in commands {
             let Command::Send {
                 token,
