@@ -3,7 +3,9 @@
 //! tests/receivers/python/verify_webhooks.py) accepts every request the relay sends, rejects a
 //! tampered body, a stale timestamp and another secret; and a secret rotation (old, then old
 //! and new, then new) keeps every delivery verifiable by the receiver that holds the secret of
-//! its time.
+//! its time. An ed25519 secret (`whsk_`) beside an HMAC one adds a `v1a,` signature that
+//! the receiver verifies with the `whpk_` public key (the reference library has no `v1a`; the
+//! verifier checks it the way the specification writes it).
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -20,10 +22,16 @@ const VERIFY: &str = concat!(
 // Test secrets: whsec_ and the base64 of 32 bytes.
 const OLD: &str = "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 const NEW: &str = "whsec_ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=";
+// whsk_ and the base64 of a 32-byte ed25519 seed.
+const ED: &str = "whsk_QEFCQ0RFRkdISUpLTE1OT1BRUlNUVVZXWFlaW1xdXl8=";
 
-/// The Python interpreter with `standardwebhooks`, or a failure naming the fix.
+/// The Python interpreter with `standardwebhooks` and `cryptography`, or a failure naming
+/// the fix.
 fn python() -> String {
-    crate::harness::python_with("standardwebhooks", "standardwebhooks")
+    crate::harness::python_with(
+        "standardwebhooks, cryptography",
+        "standardwebhooks cryptography",
+    )
 }
 
 /// The reference library's verdicts over `requests`.
@@ -68,10 +76,22 @@ async fn a_standard_webhooks_receiver_verifies_every_request_through_a_secret_ro
     let python = python();
     let (env, target) = endpoint_env("wh_sign", TargetSettings::default()).await;
     let both = format!("{OLD},{NEW}");
+    let with_ed = format!("{NEW},{ED}");
+    let public = outbox_sink::http::signing_key(ED, 1)
+        .unwrap()
+        .public()
+        .expect("a whpk_ key");
+    // The key a receiver would get from someone else's secret: it must not verify.
+    let other_public =
+        outbox_sink::http::signing_key("whsk_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=", 1)
+            .unwrap()
+            .public()
+            .expect("a whpk_ key");
     let phases: Vec<(&str, Vec<&str>, Vec<&str>)> = vec![
         (OLD, vec![OLD], vec![NEW]),
         (&both, vec![OLD, NEW], vec![]),
         (NEW, vec![NEW], vec![OLD]),
+        (&with_ed, vec![NEW, &public], vec![OLD, &other_public]),
     ];
     let mut delivered = 0;
     for (phase, (secrets, accept, reject)) in phases.iter().enumerate() {
@@ -102,7 +122,7 @@ async fn a_standard_webhooks_receiver_verifies_every_request_through_a_secret_ro
                 "webhook-id is the event id"
             );
             let log = relay.log_text();
-            for s in [OLD, NEW] {
+            for s in [OLD, NEW, ED] {
                 assert!(!log.contains(s), "a signing secret was printed");
             }
         }

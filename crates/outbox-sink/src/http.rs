@@ -76,42 +76,90 @@ pub struct HttpSinkConfig {
     pub idempotency_window: Option<Duration>,
     /// A PEM file of CA certificates trusted for `https://` endpoints, besides the system's.
     pub ca_file: Option<std::path::PathBuf>,
-    /// Standard Webhooks signing secrets (`whsec_` and base64): each request carries
-    /// `webhook-id`, `webhook-timestamp` and a `webhook-signature` with one `v1,` signature
-    /// per secret, so a secret is rotated by signing with the old and the new one for a
-    /// while. Empty: requests are not signed. Never printed.
+    /// Standard Webhooks signing secrets: `whsec_` and base64 of at least 24 random bytes
+    /// (a `v1,` HMAC-SHA256 signature) or `whsk_` and base64 of an ed25519 secret key (a
+    /// `v1a,` signature the receiver verifies with the `whpk_` public key, which `outboxd
+    /// check` prints). Each request carries `webhook-id`, `webhook-timestamp` and a
+    /// `webhook-signature` with one signature per secret, so a secret is rotated by signing
+    /// with the old and the new one for a while. Empty: requests are not signed. Never printed.
     pub signing_secrets: Vec<String>,
+}
+
+/// A Standard Webhooks signing key: symmetric (`whsec_`, signatures `v1,`) or asymmetric
+/// (`whsk_`, ed25519, signatures `v1a,`).
+#[derive(Clone)]
+pub enum SigningKey {
+    Hmac(Vec<u8>),
+    Ed25519(Box<ed25519_dalek::SigningKey>),
+}
+
+impl fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SigningKey::Hmac(_) => f.write_str("SigningKey::Hmac(***)"),
+            SigningKey::Ed25519(k) => write!(f, "SigningKey::Ed25519({})", public_key(k)),
+        }
+    }
+}
+
+impl SigningKey {
+    /// What a receiver verifies with: `whpk_` and the base64 of the ed25519 public key, for
+    /// an asymmetric key; nothing to print for a symmetric one (the receiver holds the
+    /// secret itself).
+    pub fn public(&self) -> Option<String> {
+        match self {
+            SigningKey::Hmac(_) => None,
+            SigningKey::Ed25519(k) => Some(public_key(k)),
+        }
+    }
+
+    /// `v1,` or `v1a,` and the base64 signature of `content`.
+    fn sign(&self, content: &[u8]) -> String {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        match self {
+            SigningKey::Hmac(key) => {
+                use hmac::Mac as _;
+                // HMAC takes a key of any length.
+                let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(key)
+                    .expect("HMAC-SHA256 accepts any key length");
+                mac.update(content);
+                format!("v1,{}", b64.encode(mac.finalize().into_bytes()))
+            }
+            SigningKey::Ed25519(k) => {
+                use ed25519_dalek::Signer as _;
+                format!("v1a,{}", b64.encode(k.sign(content).to_bytes()))
+            }
+        }
+    }
+}
+
+fn public_key(k: &ed25519_dalek::SigningKey) -> String {
+    use base64::Engine as _;
+    format!(
+        "whpk_{}",
+        base64::engine::general_purpose::STANDARD.encode(k.verifying_key().to_bytes())
+    )
 }
 
 /// Standard Webhooks (<https://www.standardwebhooks.com>) signature headers of one request:
 /// `webhook-id` (the event id: the same on every retry), `webhook-timestamp` (Unix seconds of
-/// this attempt) and `webhook-signature`, `v1,` and the base64 HMAC-SHA256 of
-/// `id.timestamp.body` under each key, space-separated. Pure: the caller passes the time.
+/// this attempt) and `webhook-signature`: under each key, `v1,` and the base64 HMAC-SHA256
+/// of `id.timestamp.body`, or `v1a,` and its base64 ed25519 signature, space-separated. Pure:
+/// the caller passes the time.
 pub fn standard_webhook_headers(
-    keys: &[Vec<u8>],
+    keys: &[SigningKey],
     id: &str,
     timestamp: u64,
     body: &[u8],
 ) -> [(&'static str, String); 3] {
-    use base64::Engine as _;
-    use hmac::Mac as _;
-    let signatures: Vec<String> = keys
-        .iter()
-        .map(|key| {
-            // HMAC takes a key of any length.
-            let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(key)
-                .expect("HMAC-SHA256 accepts any key length");
-            mac.update(id.as_bytes());
-            mac.update(b".");
-            mac.update(timestamp.to_string().as_bytes());
-            mac.update(b".");
-            mac.update(body);
-            format!(
-                "v1,{}",
-                base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
-            )
-        })
-        .collect();
+    let mut content = Vec::with_capacity(id.len() + body.len() + 24);
+    content.extend_from_slice(id.as_bytes());
+    content.push(b'.');
+    content.extend_from_slice(timestamp.to_string().as_bytes());
+    content.push(b'.');
+    content.extend_from_slice(body);
+    let signatures: Vec<String> = keys.iter().map(|k| k.sign(&content)).collect();
     [
         ("webhook-id", id.to_string()),
         ("webhook-timestamp", timestamp.to_string()),
@@ -119,27 +167,51 @@ pub fn standard_webhook_headers(
     ]
 }
 
-/// The key of a Standard Webhooks secret: the base64 after `whsec_`. The error names the
+/// The key of a Standard Webhooks secret: `whsec_` and the base64 of at least 24 random
+/// bytes, or `whsk_` and the base64 of an ed25519 secret key (its 32-byte seed, or the
+/// 64-byte seed-and-public-key form libsodium and most tools print). The error names the
 /// secret's position, never its value.
-pub fn signing_key(secret: &str, position: usize) -> Result<Vec<u8>, String> {
+pub fn signing_key(secret: &str, position: usize) -> Result<SigningKey, String> {
     use base64::Engine as _;
-    let Some(b64) = secret.trim().strip_prefix("whsec_") else {
+    let secret = secret.trim();
+    let (prefix, b64) = if let Some(b64) = secret.strip_prefix("whsec_") {
+        ("whsec_", b64)
+    } else if let Some(b64) = secret.strip_prefix("whsk_") {
+        ("whsk_", b64)
+    } else {
         return Err(format!(
-            "http signing secret #{position} does not start with whsec_ (a Standard Webhooks secret is whsec_ and the base64 of at least 24 random bytes)"
+            "http signing secret #{position} starts with neither whsec_ nor whsk_ (a Standard Webhooks secret is whsec_ and the base64 of at least 24 random bytes, or whsk_ and the base64 of an ed25519 secret key)"
         ));
     };
     let key = base64::engine::general_purpose::STANDARD
         .decode(b64)
         .map_err(|e| {
-            format!("http signing secret #{position}: the part after whsec_ is not base64: {e}")
+            format!("http signing secret #{position}: the part after {prefix} is not base64: {e}")
         })?;
-    if key.len() < 24 {
+    if prefix == "whsec_" {
+        if key.len() < 24 {
+            return Err(format!(
+                "http signing secret #{position} holds {} bytes; use at least 24 random bytes",
+                key.len()
+            ));
+        }
+        return Ok(SigningKey::Hmac(key));
+    }
+    let seed: [u8; 32] = match key.len() {
+        32 | 64 => key[..32].try_into().expect("32 bytes"),
+        n => {
+            return Err(format!(
+                "http signing secret #{position} (whsk_) holds {n} bytes; an ed25519 secret key is its 32-byte seed or 64 bytes of seed and public key"
+            ))
+        }
+    };
+    let k = ed25519_dalek::SigningKey::from_bytes(&seed);
+    if key.len() == 64 && key[32..] != k.verifying_key().to_bytes() {
         return Err(format!(
-            "http signing secret #{position} holds {} bytes; use at least 24 random bytes",
-            key.len()
+            "http signing secret #{position} (whsk_): its last 32 bytes are not the public key of its first 32; the secret key is damaged"
         ));
     }
-    Ok(key)
+    Ok(SigningKey::Ed25519(Box::new(k)))
 }
 
 impl Default for HttpSinkConfig {
@@ -323,7 +395,7 @@ pub struct HttpSink {
     reports: UnboundedSender<Delivery>,
     permits: Arc<Semaphore>,
     /// Standard Webhooks keys (from `signing_secrets`); empty: unsigned.
-    signing_keys: Arc<Vec<Vec<u8>>>,
+    signing_keys: Arc<Vec<SigningKey>>,
 }
 
 impl fmt::Debug for HttpSink {
@@ -393,6 +465,14 @@ impl HttpSink {
 
     pub fn config(&self) -> &HttpSinkConfig {
         &self.config
+    }
+
+    /// The `whpk_` public keys receivers verify `v1a,` signatures with, one per `whsk_` secret.
+    pub fn public_keys(&self) -> Vec<String> {
+        self.signing_keys
+            .iter()
+            .filter_map(SigningKey::public)
+            .collect()
     }
 
     /// One request of `ev`, with its headers.
@@ -705,7 +785,7 @@ mod tests {
             )
         );
         // Two secrets: one signature each, space-separated, the old one still verifiable.
-        let other = vec![7u8; 32];
+        let other = SigningKey::Hmac(vec![7u8; 32]);
         let [_, _, two] = standard_webhook_headers(
             &[other, key],
             "msg_p5jXN8AQM9LWM0D4loKWxJek",
@@ -717,13 +797,48 @@ mod tests {
         assert_eq!(parts[1], "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
     }
 
+    /// `v1a,`: an ed25519 signature of `id.timestamp.body` that the `whpk_` key verifies, in
+    /// both serialisations of the secret key; a damaged 64-byte key is refused.
+    #[test]
+    fn asymmetric_signatures_verify_with_the_public_key() {
+        use base64::Engine as _;
+        use ed25519_dalek::Verifier as _;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let seed = [42u8; 32];
+        let sk = ed25519_dalek::SigningKey::from_bytes(&seed);
+        let pk = sk.verifying_key().to_bytes();
+        let mut pair = seed.to_vec();
+        pair.extend_from_slice(&pk);
+        for secret in [
+            format!("whsk_{}", b64.encode(seed)),
+            format!("whsk_{}", b64.encode(&pair)),
+        ] {
+            let key = signing_key(&secret, 1).unwrap();
+            assert_eq!(key.public(), Some(format!("whpk_{}", b64.encode(pk))));
+            let hmac = signing_key("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", 2).unwrap();
+            let [_, _, sig] = standard_webhook_headers(&[hmac, key], "msg_1", 1614265330, b"{}");
+            let parts: Vec<&str> = sig.1.split(' ').collect();
+            assert!(parts[0].starts_with("v1,"), "{parts:?}");
+            let v1a = parts[1].strip_prefix("v1a,").expect("a v1a signature");
+            let signature =
+                ed25519_dalek::Signature::from_slice(&b64.decode(v1a).unwrap()).unwrap();
+            let vk = ed25519_dalek::VerifyingKey::from_bytes(&pk).unwrap();
+            assert!(vk.verify(b"msg_1.1614265330.{}", &signature).is_ok());
+            assert!(vk.verify(b"msg_1.1614265330.{ }", &signature).is_err());
+        }
+        pair[40] ^= 1;
+        let e = signing_key(&format!("whsk_{}", b64.encode(&pair)), 3).unwrap_err();
+        assert!(e.contains("#3") && e.contains("not the public key"), "{e}");
+    }
+
     #[test]
     fn a_signing_secret_is_checked_without_printing_it() {
         for (secret, says) in [
             (
                 "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
-                "does not start with whsec_",
+                "starts with neither whsec_ nor whsk_",
             ),
+            ("whsk_c2hvcnQ=", "holds 5 bytes"),
             ("whsec_not*base64", "not base64"),
             ("whsec_c2hvcnQ=", "holds 5 bytes"),
         ] {

@@ -148,6 +148,27 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
                     h.endpoint
                 ),
             );
+            // Each signing secret: refused with its position, or named by what a receiver
+            // verifies it with (the whpk_ public key of a whsk_ secret).
+            for (i, secret) in h.signing_secrets.iter().enumerate() {
+                match outbox_sink::http::signing_key(secret, i + 1) {
+                    Ok(k) => r.add(
+                        Level::Ok,
+                        "http signing",
+                        match k.public() {
+                            Some(pk) => format!(
+                                "secret #{}: v1a (ed25519); receivers verify with {pk}",
+                                i + 1
+                            ),
+                            None => format!(
+                                "secret #{}: v1 (HMAC-SHA256); receivers verify with the same whsec_ secret",
+                                i + 1
+                            ),
+                        },
+                    ),
+                    Err(e) => r.add(Level::Fail, "http signing", e),
+                }
+            }
             if h.idempotency_window.is_none() {
                 r.add(
                     Level::Warn,

@@ -413,10 +413,10 @@ pub struct RunArgs {
     /// config file, else default]
     #[arg(long, env = "OUTBOXD_HTTP_ENDPOINT")]
     pub http_endpoint: Option<String>,
-    /// Standard Webhooks signing secrets (`whsec_...`, comma-separated), for --sink http:
-    /// every request is signed with each (`webhook-id`, `webhook-timestamp`,
-    /// `webhook-signature`), so a secret is rotated by listing the new one beside the old for a
-    /// while. Prefer the environment variable or http.signing_secrets in a file only the
+    /// Standard Webhooks signing secrets (`whsec_...` for HMAC, `whsk_...` for ed25519;
+    /// comma-separated), for --sink http: every request is signed with each (`webhook-id`,
+    /// `webhook-timestamp`, `webhook-signature`), so a secret is rotated by listing the new one
+    /// beside the old for a while; `outboxd check` prints the whpk_ public key of a whsk_ one. Prefer the environment variable or http.signing_secrets in a file only the
     /// service user can read. [default: http.signing_secrets, else unsigned]
     #[arg(
         long,

@@ -371,7 +371,8 @@ pub struct HttpFile {
     pub headers: BTreeMap<String, Secret>,
     /// A PEM file of CA certificates trusted for `https://` endpoints, besides the system's.
     pub ca_file: Option<std::path::PathBuf>,
-    /// Standard Webhooks signing secrets (`whsec_...`): each request is signed with each.
+    /// Standard Webhooks signing secrets (`whsec_...` HMAC, `whsk_...` ed25519): each request
+    /// is signed with each.
     /// Never printed.
     #[serde(default)]
     pub signing_secrets: Vec<Secret>,
