@@ -205,6 +205,93 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
 /// that event (kind `http`, cluster `billing-api`, the route's URL, a 2xx, the response id of
 /// the key's application, the sha256 of the body the endpoint answered), and only for events
 /// the endpoint applied.
+/// An endpoint down for longer than the first retries of a (compressed) retry schedule: it
+/// answers 500 to its first 36 requests, then recovers. Every event reaches it once, in order
+/// per aggregate, with no operator step (nothing quarantined or held), and the waits follow
+/// the schedule, not the default doubling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_down_past_the_first_retries_gets_every_event_once_it_is_back_with_no_operator_step(
+) {
+    let (env, target) = endpoint_env("http_down", TargetSettings::default()).await;
+    const DOWN: usize = 36;
+    for _ in 0..DOWN {
+        target.then(Behavior::Status {
+            status: 500,
+            retry_after: None,
+        });
+    }
+    let config = env.dir.path().join("outboxd.toml");
+    std::fs::write(
+        &config,
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 1000\n\
+         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n[relay]\nunclear_schedule_ms = [0, 100, 300, 600]\n",
+    )
+    .unwrap();
+    let mut relay = env.relay(&[], &["--config", config.to_str().unwrap()]);
+    env.wait_streaming().await;
+    let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+    for v in 1..=4i64 {
+        for a in 0..3 {
+            let agg = format!("d{a}");
+            let id = env.enqueue(&agg, json!({"n": v})).await;
+            committed.insert(id, (agg, v));
+        }
+    }
+    env.wait_count(
+        "a receipt for every event once the endpoint is back",
+        "SELECT count(*) FROM outbox.receipts",
+        committed.len() as i64,
+    )
+    .await;
+    relay.assert_running();
+    let requests = target.requests();
+    let failed = requests
+        .iter()
+        .filter(|r| r.answer.as_ref().is_some_and(|(s, _)| *s == 500))
+        .count();
+    assert_eq!(failed, DOWN, "the outage met traffic");
+    // The schedule, not the doubling, spaced the tries: its steps (0 to 600 ms) got 12 tries
+    // per aggregate through in about 6 s; the doubling (200 ms up to 10 s) needs about 70 s.
+    let at: Vec<_> = requests
+        .iter()
+        .filter(|r| r.answer.as_ref().is_some_and(|(s, _)| *s == 500))
+        .map(|r| r.at)
+        .collect();
+    let outage = at[at.len() - 1] - at[0];
+    assert!(
+        outage < Duration::from_secs(30),
+        "the 500s lasted {outage:?}: the schedule was not used"
+    );
+    // Past the first retries: some event was asked more often than the schedule has steps.
+    let mut tries: HashMap<String, usize> = HashMap::new();
+    for r in &requests {
+        *tries
+            .entry(r.headers["idempotency-key"].clone())
+            .or_default() += 1;
+    }
+    let most = tries.values().copied().max().unwrap_or(0);
+    assert!(
+        most > 4,
+        "no event outlived the schedule's 4 steps: {tries:?}"
+    );
+    // No operator step: nothing quarantined, held or left unknown.
+    env.wait_zero(
+        "every DISPATCH_UNKNOWN attempt resolved",
+        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+    )
+    .await;
+    for (what, sql) in [
+        ("quarantined", "SELECT count(*) FROM outbox.quarantine"),
+        ("held", "SELECT count(*) FROM outbox.holds"),
+    ] {
+        let n: i64 = env.db.query_one(sql, &[]).await.unwrap().get(0);
+        assert_eq!(n, 0, "events {what} during an outage");
+    }
+    let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
+    check_endpoint(&env, &target, &committed, &topic).await;
+    target.assert_at_most_once();
+}
+
 pub(crate) async fn check_endpoint(
     env: &TestEnv,
     target: &HttpTarget,

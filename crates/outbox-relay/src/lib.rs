@@ -41,7 +41,7 @@ pub(crate) mod testing;
 
 pub use pipeline::{
     AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now, Pending, PipelineCore,
-    Reported, UnclearPolicy, UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
+    Reported, UnclearPolicy, UnclearSchedule, UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
 };
 pub use route::Refusal;
 

@@ -892,7 +892,9 @@ impl<P: Plant> PipelineCore<P> {
 }
 
 mod unclear;
-pub use unclear::{merge_lookups, LookupOutcome, Policy as UnclearPolicy, UnclearStep};
+pub use unclear::{
+    merge_lookups, LookupOutcome, Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep,
+};
 
 #[cfg(test)]
 mod tests;

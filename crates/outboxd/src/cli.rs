@@ -522,6 +522,15 @@ pub struct RunArgs {
     /// Watch `outboxd_unclear_events`. [default: 30]
     #[arg(long, env = "OUTBOXD_UNCLEAR_BUDGET")]
     pub unclear_budget: Option<u32>,
+    /// A retry schedule for unclear outcomes instead of the doubling from 200 ms to 10 s: the
+    /// waits after the first, second, ... unclear outcome of one event, ms, comma-separated
+    /// (1 to 16 steps; the last repeats), each moved by up to a tenth either way. Webhook
+    /// senders' convention, to spare an endpoint that is down: `0,5000,300000,1800000,7200000`
+    /// (immediately, 5 s, 5 min, 30 min, then every 2 h). The cost: an endpoint that is back
+    /// gets the events of a waiting aggregate only at its next step. Sets the default of
+    /// --unclear-budget to the number of steps. [default: the doubling]
+    #[arg(long, env = "OUTBOXD_UNCLEAR_SCHEDULE_MS", value_delimiter = ',')]
+    pub unclear_schedule_ms: Vec<u64>,
     /// This relay's name in the lease table. [default: host-pid-random]
     #[arg(long, env = "OUTBOXD_RELAY_ID")]
     pub relay_id: Option<String>,

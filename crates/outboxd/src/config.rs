@@ -420,6 +420,9 @@ pub struct RelayFile {
     pub relay_id: Option<String>,
     pub unknown_settle_ms: Option<u64>,
     pub unclear_budget: Option<u32>,
+    /// Waits after each unclear outcome of one event, ms (the last repeats), instead of the
+    /// doubling from 200 ms to 10 s; e.g. `[0, 5000, 300000, 1800000, 7200000]`.
+    pub unclear_schedule_ms: Option<Vec<u64>>,
     pub mode: Option<crate::values::RunMode>,
     pub poll_interval_ms: Option<u64>,
 }
@@ -515,6 +518,8 @@ pub struct RelayConfig {
     /// Unclear outcomes of one event (sends and look-ups) before the relay logs an error
     /// about it (it keeps asking).
     pub unclear_budget: u32,
+    /// The operator's retry schedule for unclear outcomes, if any (else the doubling).
+    pub unclear_schedule: Option<outbox_relay::UnclearSchedule>,
     /// CDC (the slot) or poll (queries); in poll mode `slot` names the lease.
     pub mode: crate::values::RunMode,
     /// Poll mode: the pause after a round that found nothing new.

@@ -271,6 +271,24 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         .map(Secret::new)
         .or(file.database_url.clone())
         .unwrap_or_default();
+    let schedule_ms = match (&a.unclear_schedule_ms[..], &file.relay.unclear_schedule_ms) {
+        ([], Some(f)) => f.clone(),
+        (flag, _) => flag.to_vec(),
+    };
+    let unclear_schedule = match schedule_ms.as_slice() {
+        [] => None,
+        steps => Some(
+            outbox_relay::UnclearSchedule::new(
+                &steps
+                    .iter()
+                    .map(|ms| Duration::from_millis(*ms))
+                    .collect::<Vec<_>>(),
+            )
+            .map_err(|e| {
+                anyhow::anyhow!("--unclear-schedule-ms (relay.unclear_schedule_ms): {e}")
+            })?,
+        ),
+    };
     Ok(RelayConfig {
         database: config::database_name(database_url.expose()),
         database_url,
@@ -367,7 +385,9 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         unclear_budget: a
             .unclear_budget
             .or(file.relay.unclear_budget)
+            .or(unclear_schedule.map(|s| s.steps().len() as u32))
             .unwrap_or(outbox_relay::UnclearPolicy::default().budget),
+        unclear_schedule,
     })
 }
 

@@ -19,7 +19,7 @@
 //!
 //! Each try waits longer than the one before ([`Policy::backoff`]), at least as long as the
 //! endpoint asked (Retry-After). Past [`Policy::budget`] tries the event stays parked, asked
-//! again every [`Policy::max`], and the relay says so (an error log line, the
+//! again every [`Policy::repeat_wait`], and the relay says so (an error log line, the
 //! `outboxd_unclear_events` gauge and its alert). It is deliberately *not* held durably like a
 //! poison event: the outcome is unknown, not refused, and a copy may be at the destination. A
 //! hold recorded for an event that another path then proves published (a paused predecessor's
@@ -47,8 +47,65 @@ pub struct Policy {
     /// time in which its request may still reach the broker while the producer session lives
     /// (Kafka: zero makes a scan that found nothing prove little). Zero where the look-up is itself an idempotent resend.
     pub settle: Duration,
-    /// Tries (sends and look-ups that ended unclear) before the aggregate is held.
+    /// Tries (sends and look-ups that ended unclear) before the relay says so loudly.
     pub budget: u32,
+    /// An operator's retry schedule instead of the doubling from `first` to `max` (webhook
+    /// senders' convention: immediately, 5 s, 5 min, 30 min, 2 h, ...): the wait after the
+    /// n-th unclear outcome is its n-th step (the last one repeats), give or take a tenth.
+    pub schedule: Option<Schedule>,
+}
+
+/// A retry schedule: up to [`Schedule::MAX_STEPS`] waits. `Copy`, as the policy is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schedule {
+    steps: [Duration; Schedule::MAX_STEPS],
+    len: usize,
+}
+
+impl Schedule {
+    pub const MAX_STEPS: usize = 16;
+
+    /// A schedule of `steps` (1 to [`Self::MAX_STEPS`] waits); the error says which rule it
+    /// breaks.
+    pub fn new(steps: &[Duration]) -> Result<Schedule, String> {
+        if steps.is_empty() || steps.len() > Self::MAX_STEPS {
+            return Err(format!(
+                "a retry schedule has 1 to {} steps; this one has {}",
+                Self::MAX_STEPS,
+                steps.len()
+            ));
+        }
+        let mut s = Schedule {
+            steps: [Duration::ZERO; Self::MAX_STEPS],
+            len: steps.len(),
+        };
+        s.steps[..steps.len()].copy_from_slice(steps);
+        Ok(s)
+    }
+
+    pub fn steps(&self) -> &[Duration] {
+        &self.steps[..self.len]
+    }
+
+    /// The wait after the `tries`-th unclear outcome of `event` (1 = the first): its step (the
+    /// last repeats), moved by up to a tenth either way so that events that failed together
+    /// are not all tried again at the same moment. The jitter is a hash of the event and the
+    /// try, not a random draw: the core has no randomness of its own, and a replayed trace
+    /// waits the same.
+    pub fn wait(&self, tries: u32, event: Uuid) -> Duration {
+        let i = (tries.max(1) as usize - 1).min(self.len - 1);
+        let step = self.steps[i];
+        let h = event
+            .as_u128()
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(u128::from(tries))
+            .rotate_left(29)
+            .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        // -10 % ..= +10 %, in hundredths of a percent.
+        let per_10k = (h % 2001) as u64;
+        let nanos = step.as_nanos() as u64;
+        Duration::from_nanos(nanos / 10_000 * (9_000 + per_10k))
+    }
 }
 
 impl Default for Policy {
@@ -58,15 +115,29 @@ impl Default for Policy {
             max: Duration::from_secs(10),
             settle: Duration::ZERO,
             budget: 30,
+            schedule: None,
         }
     }
 }
 
 impl Policy {
-    /// The wait after the `tries`-th unclear outcome of one event (1 = the first).
-    pub fn backoff(&self, tries: u32) -> Duration {
+    /// The wait after the `tries`-th unclear outcome of `event` (1 = the first): the
+    /// operator's schedule, else doubling from `first` to `max`.
+    pub fn backoff(&self, tries: u32, event: Uuid) -> Duration {
+        if let Some(s) = &self.schedule {
+            return s.wait(tries, event);
+        }
         let doublings = tries.saturating_sub(1).min(20);
         self.first.saturating_mul(1 << doublings).min(self.max)
+    }
+
+    /// The wait that repeats once the waits stop growing: the schedule's last step, else
+    /// `max`.
+    pub fn repeat_wait(&self) -> Duration {
+        match &self.schedule {
+            Some(s) => s.steps().last().copied().unwrap_or_default(),
+            None => self.max,
+        }
     }
 }
 
@@ -156,7 +227,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         let tries = self.bump_tries(id);
         // A possibly persisted Kafka request may still land for a while after its report (the
         // producer session is alive): the scan waits the settle time from the report.
-        let mut wait = self.unclear_policy.backoff(tries);
+        let mut wait = self.unclear_policy.backoff(tries, id);
         if failure.unknown.is_some() {
             wait = wait.max(self.unclear_policy.settle);
         }
@@ -187,7 +258,8 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         self.park_or_hold(parked, tries);
     }
 
-    /// Parks `parked`. Past the budget it stays parked — asked again every [`Policy::max`] —
+    /// Parks `parked`. Past the budget it stays parked — asked again every
+    /// [`Policy::repeat_wait`] —
     /// and says so once, loudly: see the module documentation for why it is not held.
     fn park_or_hold(&mut self, parked: Parked, tries: u32) {
         if tries == self.unclear_policy.budget + 1 {
@@ -195,7 +267,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 aggregate = %format!("{}/{}", parked.key.0, parked.key.1),
                 tries, last_error = %parked.error,
                 "unclear outcome past --unclear-budget: the aggregate keeps waiting and the relay keeps asking every {:?}; check the destination",
-                self.unclear_policy.max);
+                self.unclear_policy.repeat_wait());
         }
         self.parked.insert(parked.p.ev.event_id, parked);
     }
@@ -320,7 +392,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 let tries = self.bump_tries(event_id);
                 let wait = self
                     .unclear_policy
-                    .backoff(tries)
+                    .backoff(tries, event_id)
                     .max(after.unwrap_or_default());
                 parked.running = false;
                 parked.due = now.wall + wait;

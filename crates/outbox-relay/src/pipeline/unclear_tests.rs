@@ -259,3 +259,41 @@ fn poll_mode_forgets_what_waits_behind_a_parked_event_and_a_version_published_me
     assert_eq!(again.len(), 1, "a/3 is sent, not taken for a gap");
     assert!(c.take_batch(true).unwrap().is_none(), "no hold");
 }
+
+/// An operator's schedule: each try waits its step (the last repeats), within a tenth either
+/// way, the same for the same event and try, not the same for every event.
+#[test]
+fn a_retry_schedule_gives_each_try_its_step_with_a_tenth_of_jitter() {
+    let ms = Duration::from_millis;
+    let steps = [ms(0), ms(5_000), ms(300_000), ms(7_200_000)];
+    let s = super::unclear::Schedule::new(&steps).unwrap();
+    let ev = event("a", 1).event_id;
+    for (tries, step) in [
+        (1, 0),
+        (2, 5_000),
+        (3, 300_000),
+        (4, 7_200_000),
+        (9, 7_200_000),
+    ] {
+        let w = s.wait(tries, ev).as_millis() as u64;
+        assert!(
+            w * 10 >= step * 9 && w * 10 <= step * 11,
+            "try {tries}: {w} ms for a {step} ms step"
+        );
+        assert_eq!(s.wait(tries, ev), s.wait(tries, ev), "the same wait again");
+    }
+    let waits: std::collections::HashSet<Duration> =
+        (0..20).map(|i| s.wait(3, event("b", i).event_id)).collect();
+    assert!(waits.len() > 10, "events spread out: {waits:?}");
+    assert!(super::unclear::Schedule::new(&[]).is_err());
+    assert!(super::unclear::Schedule::new(&[ms(1); 17]).is_err());
+
+    // The core parks by it: the first unclear send is tried again at once.
+    let mut c = core();
+    c.unclear_policy.schedule = Some(s);
+    let cmds = admit_txn(&mut c, &[event("a", 1)], 100);
+    unclear(&mut c, token(&cmds[0]), Persistence::NotPersisted);
+    assert_eq!(c.unclear_policy.repeat_wait(), ms(7_200_000));
+    let due = c.next_unclear_due().unwrap();
+    assert_eq!(due, now(1_500).wall, "step 0: at once after the report");
+}

@@ -387,6 +387,10 @@ struct World {
     /// of the traces (drawn from a generator of their own) use 3 instead of the daemon's
     /// default, so that the hold and its release are exercised.
     unclear_budget: u32,
+    /// `--unclear-schedule-ms`: a quarter of the traces (a generator of their own) wait by an
+    /// operator's schedule (at once, 100 ms, 1 s, then every 3 s, jittered) instead of the
+    /// doubling.
+    unclear_schedule: Option<outbox_relay::UnclearSchedule>,
     /// The producer refuses a share of the sends without taking them (queue full, a
     /// transient client error): a quarter of the traces, drawn from a generator of their own,
     /// as are the refusals, so that the other traces keep every draw.
@@ -437,8 +441,14 @@ impl World {
             outbox_relay::UnclearPolicy::default().budget
         };
         let producer_refuses = rng.fork(4).chance(250).then(|| rng.fork(5));
+        let unclear_schedule = rng.fork(6).chance(250).then(|| {
+            let ms = std::time::Duration::from_millis;
+            outbox_relay::UnclearSchedule::new(&[ms(0), ms(100), ms(1_000), ms(3_000)])
+                .expect("a valid schedule")
+        });
         World {
             unclear_budget,
+            unclear_schedule,
             producer_refuses,
             slot_loss_at,
             poll,
@@ -1037,6 +1047,7 @@ impl World {
         // As `Pipeline::new` for Kafka: a scan waits out the settle time; the budget.
         core.unclear_policy.settle = self.settle();
         core.unclear_policy.budget = self.unclear_budget;
+        core.unclear_policy.schedule = self.unclear_schedule;
         self.relays.push(Relay {
             gen,
             killed: false,

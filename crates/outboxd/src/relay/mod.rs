@@ -693,6 +693,7 @@ async fn open_pipeline(
             _ => Duration::ZERO,
         },
         budget: cfg.unclear_budget,
+        schedule: cfg.unclear_schedule,
         ..Default::default()
     };
     let heads = holds::load_heads(sql).await?;
