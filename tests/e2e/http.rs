@@ -292,6 +292,109 @@ async fn an_endpoint_down_past_the_first_retries_gets_every_event_once_it_is_bac
     target.assert_at_most_once();
 }
 
+/// An endpoint answering `410 Gone` is disabled for the rest of the run: no request after
+/// it (one request at a time, so none can have started before the answer arrived), every
+/// event of every aggregate quarantined or held (nothing lost, nothing applied), the relay
+/// still running and saying so. After the endpoint is fixed and the relay started again, the
+/// operator's releases deliver everything once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_answering_410_is_disabled_and_its_events_are_held_until_released() {
+    let (env, target) = endpoint_env("http_gone", TargetSettings::default()).await;
+    target.then(Behavior::Status {
+        status: 410,
+        retry_after: None,
+    });
+    let config = env.dir.path().join("outboxd.toml");
+    std::fs::write(
+        &config,
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nmax_concurrency = 1\n\
+         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
+    )
+    .unwrap();
+    let args = ["--config", config.to_str().unwrap()];
+    let mut relay = env.relay(&[], &args);
+    env.wait_streaming().await;
+    let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+    for v in 1..=3i64 {
+        for a in 0..4 {
+            let agg = format!("g{a}");
+            let id = env.enqueue(&agg, json!({"n": v})).await;
+            committed.insert(id, (agg, v));
+        }
+    }
+    env.wait_count(
+        "every event quarantined or held behind its aggregate's quarantined one",
+        "SELECT (SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL)
+              + (SELECT count(*) FROM outbox.held_events)",
+        committed.len() as i64,
+    )
+    .await;
+    relay.assert_running();
+    let requests = target.requests();
+    assert_eq!(
+        requests.len(),
+        1,
+        "requests after the 410: {:?}",
+        requests.iter().map(|r| &r.answer).collect::<Vec<_>>()
+    );
+    for id in committed.keys() {
+        assert_eq!(target.applied(&id.to_string()), 0, "{id} applied");
+    }
+    assert!(
+        relay.log_text().contains("answered 410 Gone"),
+        "the relay did not say the endpoint is disabled"
+    );
+    let receipts: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM outbox.receipts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(receipts, 0);
+
+    // Fixed: a new run, then the operator releases each held aggregate (a release sends the
+    // refused event again: called for, not a second delivery).
+    relay.kill9();
+    target.client_restarted();
+    let mut relay = env.relay(&[], &args);
+    env.wait_streaming().await;
+    let blocking: Vec<uuid::Uuid> = env
+        .db
+        .query(
+            "SELECT event_id FROM outbox.quarantine WHERE released_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(blocking.len(), 4, "one quarantined event per aggregate");
+    for id in blocking {
+        let (ok, out) = crate::harness::outboxd(&[
+            "quarantine",
+            "release",
+            "--database-url",
+            &env.url,
+            "--event",
+            &id.to_string(),
+            "--by",
+            "test",
+        ]);
+        assert!(ok, "release {id}: {out}");
+    }
+    env.wait_count(
+        "every event delivered after the releases",
+        "SELECT count(*) FROM outbox.receipts",
+        committed.len() as i64,
+    )
+    .await;
+    relay.assert_running();
+    let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
+    check_endpoint(&env, &target, &committed, &topic).await;
+    target.assert_at_most_once();
+}
+
 pub(crate) async fn check_endpoint(
     env: &TestEnv,
     target: &HttpTarget,

@@ -14,7 +14,9 @@
 //!   the send's deadline (the ACK timeout); past it the event is *not persisted*, and the relay
 //!   replays.
 //! * **Any other 4xx** is a refusal: the frozen request will never succeed. The event is
-//!   quarantined and its aggregate held, as for a poison event on a broker.
+//!   quarantined and its aggregate held, as for a poison event on a broker. **410 Gone**
+//!   also disables the endpoint for the rest of the run: later events are refused (and held)
+//!   without a request (`HttpSink::exchange_unless_gone`).
 //! * **3xx** is a refusal too, with the redirect's target in its reason: the sink follows no
 //!   redirect. Following one would send the payload and the configured headers (`x-api-key`,
 //!   anything but `Authorization`, which reqwest drops) wherever the endpoint, or whoever
@@ -396,6 +398,8 @@ pub struct HttpSink {
     permits: Arc<Semaphore>,
     /// Standard Webhooks keys (from `signing_secrets`); empty: unsigned.
     signing_keys: Arc<Vec<SigningKey>>,
+    /// Set by the first `410 Gone`: the endpoint is disabled for the rest of this run.
+    gone: Arc<std::sync::OnceLock<String>>,
 }
 
 impl fmt::Debug for HttpSink {
@@ -460,11 +464,45 @@ impl HttpSink {
             reports,
             permits,
             signing_keys: Arc::new(signing_keys),
+            gone: Arc::new(std::sync::OnceLock::new()),
         })
     }
 
     pub fn config(&self) -> &HttpSinkConfig {
         &self.config
+    }
+
+    /// Why the endpoint is disabled, if it answered `410 Gone` in this run.
+    pub fn gone(&self) -> Option<&str> {
+        self.gone.get().map(String::as_str)
+    }
+
+    /// One exchange, unless the endpoint is disabled. `410 Gone` is the endpoint saying it
+    /// wants nothing more from this sender (the Standard Webhooks convention: disable the
+    /// endpoint, stop sending). The first one disables the endpoint for the rest of the run:
+    /// every later event is refused without a request (quarantined, its aggregate held, like
+    /// the 410 itself), so the endpoint is not asked once per aggregate, and nothing is lost:
+    /// the held events wait for the operator's release after the endpoint or the route is
+    /// fixed and the relay started again.
+    async fn exchange_unless_gone(&self, ev: &OutboxEvent) -> Exchange {
+        if let Some(why) = self.gone.get() {
+            return Exchange::Refused {
+                status: 410,
+                body: format!("not sent: {why}"),
+            };
+        }
+        let x = exchange(self, ev).await;
+        if let Exchange::Refused { status: 410, .. } = &x {
+            let why = format!(
+                "endpoint {} answered 410 Gone to event {} and is disabled for this run",
+                self.config.endpoint, ev.event_id
+            );
+            if self.gone.set(why.clone()).is_ok() {
+                tracing::error!(endpoint = %self.config.endpoint, event_id = %ev.event_id,
+                    "{why}: every further event is held without a request (see `outboxd quarantine list`); fix the endpoint or the route, start the relay again, then release the held aggregates");
+            }
+        }
+        x
     }
 
     /// The `whpk_` public keys receivers verify `v1a,` signatures with, one per `whsk_` secret.
@@ -699,7 +737,7 @@ impl Sink for HttpSink {
         let sink = self.clone();
         let ev = ev.clone();
         tokio::spawn(async move {
-            let x = exchange(&sink, &ev).await;
+            let x = sink.exchange_unless_gone(&ev).await;
             drop(permit);
             // A closed channel means the pipeline is gone; the event is unresolved and will be
             // replayed from the checkpoint, so dropping the report is safe.
@@ -725,7 +763,7 @@ impl Sink for HttpSink {
                 sent_ago_ms = q.sent_ago.as_millis() as u64,
                 "retrying an UNKNOWN send with the same idempotency key outside a declared idempotency window: the endpoint must deduplicate by key");
         }
-        match exchange(self, q.event).await {
+        match self.exchange_unless_gone(q.event).await {
             Exchange::Receipt(r) => {
                 tracing::info!(event_id = %q.event.event_id, status = r.status, proof,
                     "the retry with the same key was answered: its answer is the receipt");
