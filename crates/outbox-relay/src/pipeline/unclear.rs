@@ -101,10 +101,12 @@ impl Schedule {
             .wrapping_add(u128::from(tries))
             .rotate_left(29)
             .wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        // -10 % ..= +10 %, in hundredths of a percent.
+        // -10 % ..= +10 %, in hundredths of a percent; whole milliseconds, as every other
+        // wait of the core (a driver that counts in milliseconds never wakes up a fraction
+        // of one too early: the simulator did, for ever).
         let per_10k = (h % 2001) as u64;
-        let nanos = step.as_nanos() as u64;
-        Duration::from_nanos(nanos / 10_000 * (9_000 + per_10k))
+        let ms = step.as_millis() as u64;
+        Duration::from_millis(ms * (9_000 + per_10k) / 10_000)
     }
 }
 

@@ -1849,9 +1849,12 @@ impl World {
         let Some(due) = self.relays[i].core.next_unclear_due() else {
             return Ok(false);
         };
+        // Rounded up: a due time a fraction of a millisecond past `now` would otherwise never
+        // be reached (the core's waits are whole milliseconds; this keeps a driver that is
+        // one step coarser from spinning).
         let due = due
             .duration_since(std::time::SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+            .map_or(0, |d| d.as_nanos().div_ceil(1_000_000) as u64);
         while self.now < due {
             self.now = due.min(self.now + 500);
             self.renew(i);
