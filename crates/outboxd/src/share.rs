@@ -14,6 +14,10 @@
 //!   published by the relay; `outbox.poller_may_claim` holds an aggregate back from the poller
 //!   until its newest outboxd event has a receipt.
 //!
+//! Before either switch changes an owner, a canary row proves that the poller's claim goes
+//! through `outbox.poller_may_claim` (migration 0025): a poller that claims it would publish
+//! outboxd's rows too, and the switch is refused with the fix.
+//!
 //! A switch waits for in-flight producer transactions by their xids, never by locking
 //! producers out, so producers never stall. Interrupted at any point, a switch loses nothing:
 //! the state it left is one of the four, each with a defined owner; run it again.
