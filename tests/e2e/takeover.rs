@@ -642,7 +642,13 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
             m.headers
                 .get(h)
                 .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("outboxd's message {} has no header {h}: {:?}", m.id(), m.headers))
+                .unwrap_or_else(|| {
+                    panic!(
+                        "outboxd's message {} has no header {h}: {:?}",
+                        m.id(),
+                        m.headers
+                    )
+                })
         };
         let (version, before) = (header("aggregate_version"), header("poller_events_before"));
         version_checked += 1;
@@ -672,9 +678,13 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
              WHERE o.published_at IS NULL",
         )
         .await;
-    assert_eq!(unmarked, 0, "rows outboxd took, still unpublished in app.outbox");
     assert_eq!(
-        env.count("SELECT count(*) FROM outbox.poller_canaries").await
+        unmarked, 0,
+        "rows outboxd took, still unpublished in app.outbox"
+    );
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.poller_canaries")
+            .await
             + env
                 .count("SELECT count(*) FROM app.outbox WHERE type = 'outboxd.ownership_canary'")
                 .await,
@@ -869,7 +879,8 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
     let stop = Arc::new(AtomicBool::new(false));
     let committed: Arc<Mutex<HashMap<uuid::Uuid, Written>>> = Arc::default();
     let mut writers = vec![{
-        let (url, ty, stop, committed) = (env.url.clone(), ty.clone(), stop.clone(), committed.clone());
+        let (url, ty, stop, committed) =
+            (env.url.clone(), ty.clone(), stop.clone(), committed.clone());
         tokio::spawn(async move {
             let c = connect(&url).await;
             let mut next = [1i64; 5];
@@ -878,10 +889,25 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
                 let j = i % 5;
                 let agg = format!("c-{j}");
                 let id = uuid::Uuid::new_v4();
-                c.execute(INSERT, &[&id, &ty, &agg, &"Changed", &json!({"agg": agg, "n": next[j]})])
-                    .await
-                    .unwrap();
-                committed.lock().unwrap().insert(id, Written { aggregate: agg, n: next[j] });
+                c.execute(
+                    INSERT,
+                    &[
+                        &id,
+                        &ty,
+                        &agg,
+                        &"Changed",
+                        &json!({"agg": agg, "n": next[j]}),
+                    ],
+                )
+                .await
+                .unwrap();
+                committed.lock().unwrap().insert(
+                    id,
+                    Written {
+                        aggregate: agg,
+                        n: next[j],
+                    },
+                );
                 next[j] += 1;
                 i += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -889,10 +915,17 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
         })
     }];
     let share = |cmd: &str, extra: &[&str]| {
-        let mut a: Vec<String> = ["share", cmd, "--database-url", &env.url, "--aggregate-type", &ty]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let mut a: Vec<String> = [
+            "share",
+            cmd,
+            "--database-url",
+            &env.url,
+            "--aggregate-type",
+            &ty,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         a.extend(["--wait".to_string(), "30s".to_string()]);
         a.extend(extra.iter().map(|s| s.to_string()));
         outboxd_async(a)
@@ -906,11 +939,18 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
             )
             .await
             .unwrap();
-        rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>()
+        rows.iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
     };
     let leftovers = "SELECT (SELECT count(*) FROM outbox.poller_canaries)
                           + (SELECT count(*) FROM app.outbox WHERE type = 'outboxd.ownership_canary')";
-    env.wait_count("rows the poller published", "SELECT count(*) FROM app.outbox WHERE published_at IS NOT NULL", 5).await;
+    env.wait_count(
+        "rows the poller published",
+        "SELECT count(*) FROM app.outbox WHERE published_at IS NOT NULL",
+        5,
+    )
+    .await;
 
     // 1. The take is refused, with the fix; nothing changed owner.
     let (ok, out) = share("take", &["--canary-wait", "30s"]).await;
@@ -939,7 +979,10 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
     // 3. Fixed, the take goes through.
     poller = start_poller(&env, &[]);
     let (ok, out) = share("take", &[]).await;
-    assert!(ok && out.contains(&format!("outboxd owns aggregate type {ty}")), "{out}");
+    assert!(
+        ok && out.contains(&format!("outboxd owns aggregate type {ty}")),
+        "{out}"
+    );
     let taken_at = committed.lock().unwrap().len();
     env.wait_count(
         "rows outboxd published after the take",
@@ -995,7 +1038,10 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
             .or_default()
             .push(m);
     }
-    let missing = committed.keys().filter(|id| !by_id.contains_key(id)).count();
+    let missing = committed
+        .keys()
+        .filter(|id| !by_id.contains_key(id))
+        .count();
     assert_eq!(missing, 0, "committed rows never published");
     let both = by_id
         .values()
@@ -1015,7 +1061,11 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
             *id
         })
         .collect();
-    assert_eq!(canaries.len(), 2, "one canary published per refusal to the bad poller");
+    assert_eq!(
+        canaries.len(),
+        2,
+        "one canary published per refusal to the bad poller"
+    );
     let by_outboxd_n = by_id.values().filter(|ms| by_outboxd(ms[0])).count();
     assert!(
         by_outboxd_n > 0 && by_outboxd_n < committed.len(),
