@@ -1073,3 +1073,178 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
         committed.len()
     );
 }
+
+/// A database attached before migration 0025, with producers writing through the migration:
+/// the migration derives the mark from `published_at IS NULL`, rows outboxd takes afterwards
+/// are marked in the producer's transaction, attaching again marks the ones it took before, and
+/// the poller's rows are never marked by outboxd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attachment_made_before_migration_0025_is_upgraded_under_writers() {
+    let pg = outbox_testkit::postgres::TestPostgres::shared();
+    let url = pg.create_database("takeover_upgrade").await.unwrap();
+    let mut old = connect(&url).await;
+    old.batch_execute(
+        "CREATE SCHEMA outbox;
+         CREATE TABLE outbox.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,
+             checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .await
+    .unwrap();
+    for m in outbox_ledger::migrate::MIGRATIONS
+        .iter()
+        .filter(|m| m.version < 25)
+    {
+        let tx = old.transaction().await.unwrap();
+        tx.batch_execute(m.sql)
+            .await
+            .unwrap_or_else(|e| panic!("migration {}: {e}", m.version));
+        tx.execute(
+            "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+            &[&m.version, &m.name, &m.checksum()],
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    old.batch_execute(TABLE_DDL).await.unwrap();
+    old.batch_execute(
+        "SELECT outbox.install_poller_capture('app.outbox', '\"published_at\" IS NULL');
+         SELECT outbox.set_dispatch_owner('taken', 'outboxd');",
+    )
+    .await
+    .unwrap();
+
+    // One writer of each owner's type all through the migration.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = ["taken", "kept"]
+        .into_iter()
+        .map(|ty| {
+            let (url, stop) = (url.clone(), stop.clone());
+            tokio::spawn(async move {
+                let c = connect(&url).await;
+                let mut n = 0u32;
+                while !stop.load(Ordering::Relaxed) || n < 20 {
+                    c.execute(
+                        INSERT,
+                        &[
+                            &uuid::Uuid::new_v4(),
+                            &ty,
+                            &format!("{ty}-{}", n % 3),
+                            &"Changed",
+                            &json!({"n": n}),
+                        ],
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("a producer of {ty} during the migration: {e}"));
+                    n += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                n
+            })
+        })
+        .collect();
+    let count = |sql: &'static str| {
+        let old = &old;
+        async move { old.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    const TAKEN_UNMARKED: &str =
+        "SELECT count(*) FROM app.outbox o JOIN outbox.events e ON e.event_id = o.id
+                                  WHERE o.published_at IS NULL";
+    const KEPT_MARKED: &str =
+        "SELECT count(*) FROM app.outbox WHERE aggregatetype = 'kept' AND published_at IS NOT NULL";
+    outbox_testkit::wait::wait_for(
+        "rows before the migration",
+        crate::harness::LONG,
+        || async {
+            let n = count(TAKEN_UNMARKED).await;
+            if n >= 10 {
+                Ok(())
+            } else {
+                Err(format!("{n}"))
+            }
+        },
+    )
+    .await;
+    let (ok, out) =
+        outboxd_async(vec!["migrate".into(), "--database-url".into(), url.clone()]).await;
+    assert!(ok, "{out}");
+    let mark: Option<String> = old
+        .query_one("SELECT mark_published FROM outbox.poller_tables", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(mark.as_deref(), Some("published_at = now()"));
+    // Rows taken after the migration are marked as they are inserted: those whose insert began
+    // after `migrate` returned (a seq drawn since; a producer blocked by the migration finishes
+    // the trigger call it had begun).
+    let bound: i64 = old
+        .query_one("SELECT last_value FROM app.outbox_seq_seq", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let since = |unmarked: bool| {
+        let old = &old;
+        async move {
+            old.query_one(
+                "SELECT count(*) FROM app.outbox o JOIN outbox.events e ON e.event_id = o.id
+                 WHERE o.seq > $1 AND (NOT $2 OR o.published_at IS NULL)",
+                &[&bound, &unmarked],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+    outbox_testkit::wait::wait_for(
+        "rows taken after the migration",
+        crate::harness::LONG,
+        || async {
+            let n = since(false).await;
+            if n >= 20 {
+                Ok(())
+            } else {
+                Err(format!("{n}"))
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        since(true).await,
+        0,
+        "rows taken after the migration left unmarked"
+    );
+    assert!(
+        count(TAKEN_UNMARKED).await >= 10,
+        "rows taken before the migration were marked by it"
+    );
+    let headers =
+        count("SELECT count(*) FROM outbox.events WHERE headers ? 'poller_events_before'").await;
+    assert!(headers >= 20, "{headers} events with poller_events_before");
+    // Attaching again marks what outboxd took before.
+    let (ok, out) = outboxd_async(vec![
+        "migrate".into(),
+        "--database-url".into(),
+        url.clone(),
+        "--poller-table".into(),
+        "app.outbox".into(),
+        "--published-column".into(),
+        "published_at".into(),
+    ])
+    .await;
+    assert!(ok && out.contains("it had taken marked now"), "{out}");
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        assert!(w.await.unwrap() >= 20);
+    }
+    assert_eq!(
+        count(TAKEN_UNMARKED).await,
+        0,
+        "rows outboxd took, still unpublished in app.outbox"
+    );
+    assert_eq!(
+        count(KEPT_MARKED).await,
+        0,
+        "the poller's rows marked by outboxd"
+    );
+    assert!(count("SELECT count(*) FROM app.outbox WHERE aggregatetype = 'kept'").await >= 20);
+}
