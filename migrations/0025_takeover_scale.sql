@@ -217,9 +217,13 @@ BEGIN
 END
 $$;
 
--- As in migration 0017, and asked about a canary: counts the question, answers false.
+-- As in migration 0017, and asked about a canary: counts the question, answers false. STABLE,
+-- as before: every row of one claim is judged on the claim's snapshot. (VOLATILE would take a
+-- new snapshot per row: a receipt committing mid-claim would let row k+1 of an aggregate pass
+-- after row k was held back, and the claim would publish k+1 first. nextval needs no
+-- VOLATILE: a sequence is not written under the snapshot.)
 CREATE OR REPLACE FUNCTION outbox.poller_may_claim(p_id uuid) RETURNS boolean
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF EXISTS (SELECT 1 FROM outbox.poller_canaries c WHERE c.event_id = p_id) THEN
         PERFORM nextval('outbox.poller_canary_asks');

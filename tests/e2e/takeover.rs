@@ -1248,3 +1248,103 @@ async fn an_attachment_made_before_migration_0025_is_upgraded_under_writers() {
     );
     assert!(count("SELECT count(*) FROM app.outbox WHERE aggregatetype = 'kept'").await >= 20);
 }
+
+/// `outbox.poller_may_claim` judges every row of one claim on the claim's snapshot (STABLE): an
+/// owner switch (or a receipt) committing while a claim runs cannot let an aggregate's later row
+/// pass after its earlier one was held back. Planted: the function made VOLATILE, the same
+/// claim takes the later row alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_judges_every_row_on_one_snapshot() {
+    let env = TestEnv::new("takeover_snapshot").await;
+    env.db.batch_execute(TABLE_DDL).await.unwrap();
+    let (ok, out) = outboxd(&[
+        "migrate",
+        "--database-url",
+        &env.url,
+        "--poller-table",
+        "app.outbox",
+        "--published-column",
+        "published_at",
+    ]);
+    assert!(ok, "{out}");
+    // Two rows of one aggregate held back from the poller (its type being handed back).
+    env.db
+        .execute("SELECT outbox.set_dispatch_owner('order', 'handback')", &[])
+        .await
+        .unwrap();
+    for n in 1..=2 {
+        env.db
+            .execute(
+                INSERT,
+                &[
+                    &uuid::Uuid::new_v4(),
+                    &"order",
+                    &"a-1",
+                    &"Changed",
+                    &json!({"n": n}),
+                ],
+            )
+            .await
+            .unwrap();
+    }
+    // The claim, with a pause between its two rows (a nested loop: row 1 judged, then the
+    // pause, then row 2), while the type goes to the poller. The seqs claimed.
+    let claim = |env: &TestEnv| {
+        let url = env.url.clone();
+        async move {
+            let c = connect(&url).await;
+            let pid: i32 = c
+                .query_one("SELECT pg_backend_pid()", &[])
+                .await
+                .unwrap()
+                .get(0);
+            let task = tokio::spawn(async move {
+                c.query_one(
+                    "SELECT coalesce(string_agg(o.seq::text, ',' ORDER BY o.seq), '')
+                     FROM app.outbox o,
+                          LATERAL (SELECT pg_sleep(CASE WHEN o.seq = 2 THEN 5 ELSE 0 END)::text AS x) z
+                     WHERE o.published_at IS NULL
+                       AND outbox.poller_may_claim(CASE WHEN z.x IS NULL THEN o.id ELSE o.id END)",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, String>(0)
+            });
+            (pid, task)
+        }
+    };
+    let sleeping = |pid: i32| {
+        format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = {pid} AND wait_event = 'PgSleep'"
+        )
+    };
+    for (planted, expected) in [(false, ""), (true, "2")] {
+        if planted {
+            env.db
+                .batch_execute(
+                    "SELECT outbox.set_dispatch_owner('order', 'handback');
+                     ALTER FUNCTION outbox.poller_may_claim(uuid) VOLATILE;",
+                )
+                .await
+                .unwrap();
+        }
+        let (pid, task) = claim(&env).await;
+        env.wait_count("the claim in its pause, past row 1", &sleeping(pid), 1)
+            .await;
+        env.db
+            .execute("SELECT outbox.set_dispatch_owner('order', 'poller')", &[])
+            .await
+            .unwrap();
+        assert_eq!(
+            env.count(&sleeping(pid)).await,
+            1,
+            "the switch committed after the claim's pause: the window was missed, nothing tested"
+        );
+        let claimed = task.await.unwrap();
+        assert_eq!(
+            claimed, expected,
+            "planted VOLATILE: {planted}; rows the claim took after the switch (row 2 alone is out of order)"
+        );
+    }
+}
