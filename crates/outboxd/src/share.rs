@@ -78,7 +78,7 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
         .map_err(db("reading outbox.dispatch_shares"))?;
     let tables = client
         .query(
-            "SELECT source_table::text, unpublished_when FROM outbox.poller_tables ORDER BY 1",
+            "SELECT source_table::text, unpublished_when, mark_published FROM outbox.poller_tables ORDER BY 1",
             &[],
         )
         .await
@@ -98,7 +98,13 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
             .collect();
         let tables: Vec<_> = tables
             .iter()
-            .map(|r| serde_json::json!({"table": r.get::<_, String>(0), "unpublished_when": r.get::<_, String>(1)}))
+            .map(|r| {
+                serde_json::json!({
+                    "table": r.get::<_, String>(0),
+                    "unpublished_when": r.get::<_, String>(1),
+                    "mark_published": r.get::<_, Option<String>>(2),
+                })
+            })
             .collect();
         println!(
             "{}",
@@ -113,9 +119,13 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
     }
     for t in &tables {
         println!(
-            "poller table {} (unpublished when {})",
+            "poller table {} (unpublished when {}; rows outboxd takes {})",
             t.get::<_, String>(0),
-            t.get::<_, String>(1)
+            t.get::<_, String>(1),
+            match t.get::<_, Option<String>>(2) {
+                Some(m) => format!("marked with SET {m}"),
+                None => "left unpublished: the poller's claim checks each of them".into(),
+            }
         );
     }
     println!(
