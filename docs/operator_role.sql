@@ -39,3 +39,10 @@ GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA outbox TO outboxd_operator;
 REVOKE INSERT, UPDATE ON outbox.events FROM outboxd_operator;
 REVOKE INSERT, UPDATE, DELETE ON outbox.aggregate_versions, outbox.schema_migrations
     FROM outboxd_operator;
+-- `share take` / `give-back`: the ownership canary in the poller's table, and marking the rows
+-- outboxd takes (migration 0025; each checks its row is a canary, or outboxd's).
+GRANT EXECUTE ON FUNCTION outbox.poller_canary_start(regclass, text),
+                          outbox.poller_canary_state(uuid),
+                          outbox.poller_canary_end(uuid),
+                          outbox.mark_taken(regclass, uuid)
+    TO outboxd_operator;

@@ -140,6 +140,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "consumer_recipe",
         sql: include_str!("../../../migrations/0024_consumer_recipe.sql"),
     },
+    Migration {
+        version: 25,
+        name: "takeover_scale",
+        sql: include_str!("../../../migrations/0025_takeover_scale.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

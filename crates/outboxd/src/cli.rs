@@ -174,6 +174,18 @@ pub struct PollerTableArgs {
     /// The payload column (jsonb, json, or text holding JSON).
     #[arg(long, default_value = "payload", requires = "poller_table")]
     pub payload_column: String,
+    /// What marks a row published, as an SQL assignment (`UPDATE ... SET <it>`): outboxd sets
+    /// it on a row when it takes the row (in the producer's transaction), so the poller's
+    /// claim skips the rows outboxd owns through its own partial index instead of checking
+    /// `outbox.poller_may_claim` against each of them on every poll. Also applied now to the
+    /// rows outboxd already took. [default with --published-column C: `C = now()`; none with
+    /// --unpublished-when]
+    #[arg(long, value_name = "ASSIGNMENT", requires = "poller_table")]
+    pub mark_published: Option<String>,
+    /// Leave the rows outboxd takes unpublished in the team's table (each poll then checks
+    /// them all: its cost grows with every row outboxd publishes).
+    #[arg(long, requires = "poller_table", conflicts_with = "mark_published")]
+    pub no_mark_published: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -187,13 +199,16 @@ pub enum ShareCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Hand aggregate types from the poller to outboxd. New rows are parked until the poller
-    /// has published every row it owns of them, then outboxd publishes them in order. Waits
-    /// for that; interrupted, it loses nothing (run it again, or give-back).
+    /// Hand aggregate types, or hash buckets of a type's aggregates, from the poller to
+    /// outboxd. First checks with a canary row that the poller's claim respects ownership
+    /// (`AND outbox.poller_may_claim(id)`), and refuses otherwise. New rows are then parked
+    /// until the poller has published every row it owns of them, then outboxd publishes them
+    /// in order. Waits for that; interrupted, it loses nothing (run it again, or give-back).
     Take(ShareArgs),
-    /// Hand aggregate types back to the poller (rollback). New rows are the poller's; events
-    /// outboxd captured stay outboxd's, and the poller's claim waits for their aggregates
-    /// until they have receipts.
+    /// Hand aggregate types, or hash buckets, back to the poller (rollback). First checks with
+    /// a canary row that the poller's claim respects ownership, and refuses otherwise. New
+    /// rows are the poller's; events outboxd captured stay outboxd's, and the poller's claim
+    /// waits for their aggregates until they have receipts.
     GiveBack(ShareArgs),
 }
 
@@ -217,6 +232,16 @@ pub struct ShareArgs {
     /// How long to wait for the poller and for open producer transactions.
     #[arg(long, value_parser = crate::values::parse_duration, default_value = "5m")]
     pub wait: std::time::Duration,
+    /// Before any owner changes, a canary row (event type `outboxd.ownership_canary`, owned by
+    /// nobody) is inserted into the poller's table: the switch goes on once the poller's claim
+    /// has asked `outbox.poller_may_claim` about it and left it, and is refused if the poller
+    /// claims it (its claim lacks the predicate) or no claim asks within this long.
+    #[arg(long, value_parser = crate::values::parse_duration, default_value = "60s")]
+    pub canary_wait: std::time::Duration,
+    /// Skip the canary: the poller is stopped, and starts again only with the predicate in
+    /// its claim (a poller without it would publish outboxd's rows too).
+    #[arg(long)]
+    pub poller_stopped: bool,
 }
 
 #[derive(Debug, Args)]

@@ -122,10 +122,17 @@ async fn share(cmd: cli::ShareCommand) -> anyhow::Result<()> {
         (Some(t), None) => Target::Type(t.clone()),
         (None, _) => Target::All,
     };
+    let opts = |a: &cli::ShareArgs| share::SwitchOptions {
+        wait: a.wait,
+        canary_wait: a.canary_wait,
+        poller_stopped: a.poller_stopped,
+    };
     match cmd {
         cli::ShareCommand::List { db, json } => share::list(&db.url()?, json).await,
-        cli::ShareCommand::Take(a) => share::take(&a.db.url()?, &target(&a), a.wait).await,
-        cli::ShareCommand::GiveBack(a) => share::give_back(&a.db.url()?, &target(&a), a.wait).await,
+        cli::ShareCommand::Take(a) => share::take(&a.db.url()?, &target(&a), &opts(&a)).await,
+        cli::ShareCommand::GiveBack(a) => {
+            share::give_back(&a.db.url()?, &target(&a), &opts(&a)).await
+        }
     }
 }
 

@@ -14,6 +14,10 @@
 //!   published by the relay; `outbox.poller_may_claim` holds an aggregate back from the poller
 //!   until its newest outboxd event has a receipt.
 //!
+//! Before either switch changes an owner, a canary row proves that the poller's claim goes
+//! through `outbox.poller_may_claim` (migration 0025): a poller that claims it would publish
+//! outboxd's rows too, and the switch is refused with the fix.
+//!
 //! A switch waits for in-flight producer transactions by their xids, never by locking
 //! producers out, so producers never stall. Interrupted at any point, a switch loses nothing:
 //! the state it left is one of the four, each with a defined owner; run it again.
@@ -34,6 +38,17 @@ pub enum Target {
     Buckets(String, Vec<i32>),
     /// Every aggregate type: the `*` share and every type with a share of its own.
     All,
+}
+
+/// How a switch waits, and whether it first proves the poller respects ownership.
+#[derive(Debug, Clone)]
+pub struct SwitchOptions {
+    /// For the poller to publish the rows it owns, and for open producer transactions.
+    pub wait: Duration,
+    /// For the poller's claim to ask `outbox.poller_may_claim` about the canary.
+    pub canary_wait: Duration,
+    /// No canary: the poller is stopped (and starts again only with the predicate).
+    pub poller_stopped: bool,
 }
 
 /// The `outboxd share list` lines.
@@ -63,7 +78,7 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
         .map_err(db("reading outbox.dispatch_shares"))?;
     let tables = client
         .query(
-            "SELECT source_table::text, unpublished_when FROM outbox.poller_tables ORDER BY 1",
+            "SELECT source_table::text, unpublished_when, mark_published FROM outbox.poller_tables ORDER BY 1",
             &[],
         )
         .await
@@ -83,7 +98,13 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
             .collect();
         let tables: Vec<_> = tables
             .iter()
-            .map(|r| serde_json::json!({"table": r.get::<_, String>(0), "unpublished_when": r.get::<_, String>(1)}))
+            .map(|r| {
+                serde_json::json!({
+                    "table": r.get::<_, String>(0),
+                    "unpublished_when": r.get::<_, String>(1),
+                    "mark_published": r.get::<_, Option<String>>(2),
+                })
+            })
             .collect();
         println!(
             "{}",
@@ -98,9 +119,13 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
     }
     for t in &tables {
         println!(
-            "poller table {} (unpublished when {})",
+            "poller table {} (unpublished when {}; rows outboxd takes {})",
             t.get::<_, String>(0),
-            t.get::<_, String>(1)
+            t.get::<_, String>(1),
+            match t.get::<_, Option<String>>(2) {
+                Some(m) => format!("marked with SET {m}"),
+                None => "left unpublished: the poller's claim checks each of them".into(),
+            }
         );
     }
     println!(
@@ -123,10 +148,14 @@ pub async fn list(url: &str, json: bool) -> anyhow::Result<()> {
 /// Hands `target` from the poller to outboxd. Waits up to `wait` for the poller to publish
 /// the rows it owns; on time-out the share stays in `handover` (nothing lost: new rows are
 /// parked) and the error says how to go on or back.
-pub async fn take(url: &str, target: &Target, wait: Duration) -> anyhow::Result<()> {
+pub async fn take(url: &str, target: &Target, opts: &SwitchOptions) -> anyhow::Result<()> {
     let client = connect(url).await?;
-    let deadline = Instant::now() + wait;
     let shares = shares_of(&client, target).await?;
+    if !opts.poller_stopped {
+        canary(&client, target, opts.canary_wait, "take").await?;
+    }
+    let wait = opts.wait;
+    let deadline = Instant::now() + wait;
     let snap = switch(&client, &shares, "handover", &["outboxd"]).await?;
     settle(&client, &snap, deadline, "take").await?;
     let mut last_print = Instant::now();
@@ -167,10 +196,13 @@ pub async fn take(url: &str, target: &Target, wait: Duration) -> anyhow::Result<
 }
 
 /// Hands `target` from outboxd back to the poller.
-pub async fn give_back(url: &str, target: &Target, wait: Duration) -> anyhow::Result<()> {
+pub async fn give_back(url: &str, target: &Target, opts: &SwitchOptions) -> anyhow::Result<()> {
     let client = connect(url).await?;
-    let deadline = Instant::now() + wait;
     let shares = shares_of(&client, target).await?;
+    if !opts.poller_stopped {
+        canary(&client, target, opts.canary_wait, "give-back").await?;
+    }
+    let deadline = Instant::now() + opts.wait;
     let snap = switch(&client, &shares, "handback", &["poller"]).await?;
     settle(&client, &snap, deadline, "give-back").await?;
     switch(&client, &shares, "poller", &[]).await?;
@@ -189,6 +221,136 @@ pub async fn give_back(url: &str, target: &Target, wait: Duration) -> anyhow::Re
         describe(target)
     );
     Ok(())
+}
+
+/// Canaries older than this are an interrupted share command's and are removed.
+const CANARY_LEFTOVER: &str = "1 hour";
+
+/// Proves, before any owner changes, that the poller's claim goes through
+/// `outbox.poller_may_claim`: a canary row (owned by nobody, the predicate is false for it) is
+/// inserted into each attached table, and the switch goes on once a claim has asked the
+/// predicate about it and left it. A poller that claims it (marks it, or holds its row lock)
+/// lacks the predicate: after the switch both relays would publish the same rows, so the
+/// switch is refused, with the fix. The canaries are deleted either way.
+async fn canary(client: &Client, target: &Target, wait: Duration, cmd: &str) -> anyhow::Result<()> {
+    client
+        .execute(
+            &format!(
+                "SELECT outbox.poller_canary_end(event_id) FROM outbox.poller_canaries
+                 WHERE created_at < now() - interval '{CANARY_LEFTOVER}'"
+            ),
+            &[],
+        )
+        .await
+        .map_err(db("removing canaries of interrupted share commands"))?;
+    // One canary per attached table, of the type being switched (a poller per type sees
+    // it), for --all the type of the table's newest row.
+    let rows = client
+        .query(
+            "SELECT t.source_table::text,
+                    outbox.poller_canary_start(t.source_table, coalesce($1,
+                        (SELECT l.aggregate_type FROM outbox.legacy_events l
+                         WHERE l.source_table = t.source_table
+                         ORDER BY l.captured_at DESC LIMIT 1),
+                        'outboxd_canary'))
+             FROM outbox.poller_tables t ORDER BY 1",
+            &[&target_type(target)],
+        )
+        .await
+        .map_err(db("inserting the ownership canary into the poller's table"))?;
+    let canaries: Vec<(String, uuid::Uuid)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let verdict = watch_canaries(client, &canaries, wait).await;
+    let mut cleanup = Vec::new();
+    for (table, id) in &canaries {
+        if let Err(e) = client
+            .execute("SELECT outbox.poller_canary_end($1)", &[id])
+            .await
+        {
+            cleanup.push(format!(
+                "canary {id} in {table} could not be removed ({}); the next share command removes it after {CANARY_LEFTOVER}, or DELETE it",
+                outbox_ledger::describe_db_error(&e)
+            ));
+        }
+    }
+    let note = if cleanup.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", cleanup.join("; "))
+    };
+    match verdict? {
+        Canary::Respected => Ok(()),
+        Canary::Claimed(table, id) => anyhow::bail!(
+            "refused: the poller claimed the ownership canary {id} in {table}, a row `outbox.poller_may_claim` is false for, so its claim does not go through that predicate, and after the switch both relays would publish the same rows. Nothing was switched: {} keeps its owner. Fix: add `AND outbox.poller_may_claim(id)` to the poller's claim query (docs/migrating.md, step 2), deploy it, then run `outboxd share {cmd}` again. The poller may have published the canary (event type outboxd.ownership_canary, aggregate id outboxd-canary-{id}): consumers can skip it{note}",
+            describe(target)
+        ),
+        Canary::Silent(table, id) => anyhow::bail!(
+            "refused: no claim of the poller asked `outbox.poller_may_claim` about the ownership canary {id} in {table} within {}s: the poller is not running, is further behind than that, or its claim lacks the predicate. Nothing was switched: {} keeps its owner. Start the poller with `AND outbox.poller_may_claim(id)` in its claim (docs/migrating.md, step 2) and run `outboxd share {cmd}` again (with a longer --canary-wait for a long poll interval), or pass --poller-stopped if the poller is stopped and starts again only with the predicate{note}",
+            wait.as_secs(),
+            describe(target)
+        ),
+    }
+}
+
+enum Canary {
+    /// Every canary was asked about and left, on two looks in a row.
+    Respected,
+    /// A canary was claimed: (table, id).
+    Claimed(String, uuid::Uuid),
+    /// A canary nobody asked about until the deadline.
+    Silent(String, uuid::Uuid),
+}
+
+async fn watch_canaries(
+    client: &Client,
+    canaries: &[(String, uuid::Uuid)],
+    wait: Duration,
+) -> anyhow::Result<Canary> {
+    let deadline = Instant::now() + wait;
+    let mut respected_before = false;
+    let mut last_print = Instant::now();
+    loop {
+        let mut all_respected = true;
+        let mut silent = None;
+        for (table, id) in canaries {
+            let state: String = client
+                .query_one("SELECT outbox.poller_canary_state($1)", &[id])
+                .await
+                .map_err(db("reading the ownership canary"))?
+                .get(0);
+            match state.as_str() {
+                "claimed" => return Ok(Canary::Claimed(table.clone(), *id)),
+                "respected" => {}
+                _ => {
+                    all_respected = false;
+                    silent.get_or_insert_with(|| (table.clone(), *id));
+                }
+            }
+        }
+        // A claim asks the predicate before it locks a row: the second look sees a lock a
+        // claim that asked and took the canary anyway would hold.
+        if all_respected && respected_before {
+            return Ok(Canary::Respected);
+        }
+        respected_before = all_respected;
+        if let Some((table, id)) = silent {
+            if Instant::now() >= deadline {
+                return Ok(Canary::Silent(table, id));
+            }
+        }
+        if last_print.elapsed() >= Duration::from_secs(5) {
+            println!("waiting for the poller's claim to pass the ownership canary");
+            last_print = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The aggregate type a target names (None for --all).
+fn target_type(target: &Target) -> Option<String> {
+    match target {
+        Target::Type(t) | Target::Buckets(t, _) => Some(t.clone()),
+        Target::All => None,
+    }
 }
 
 fn describe(target: &Target) -> String {
@@ -314,12 +476,20 @@ fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> anyhow::Error {
 
 /// Installs the poller-table capture (migration 0014) on `table`.
 pub async fn attach(url: &str, a: &crate::cli::PollerTableArgs, table: &str) -> anyhow::Result<()> {
-    let unpublished = match (&a.published_column, &a.unpublished_when) {
-        (Some(c), None) => format!("{} IS NULL", outbox_source::slot::quote_ident(c)),
-        (None, Some(w)) => w.clone(),
+    let (unpublished, default_mark) = match (&a.published_column, &a.unpublished_when) {
+        (Some(c), None) => {
+            let c = outbox_source::slot::quote_ident(c);
+            (format!("{c} IS NULL"), Some(format!("{c} = now()")))
+        }
+        (None, Some(w)) => (w.clone(), None),
         _ => anyhow::bail!(
             "--poller-table {table} needs exactly one of --published-column COLUMN (the row is unpublished while it is NULL) or --unpublished-when EXPRESSION (e.g. \"status = 'NEW'\")"
         ),
+    };
+    let mark = if a.no_mark_published {
+        None
+    } else {
+        a.mark_published.clone().or(default_mark)
     };
     let (schema, name) = crate::config::split_table(table)?;
     let qualified = format!(
@@ -330,7 +500,7 @@ pub async fn attach(url: &str, a: &crate::cli::PollerTableArgs, table: &str) -> 
     let client = connect(url).await?;
     let row = client
         .query_one(
-            "SELECT outbox.install_poller_capture($1::text::regclass, $2, $3, $4, $5, $6, $7)",
+            "SELECT outbox.install_poller_capture($1::text::regclass, $2, $3, $4, $5, $6, $7, $8)",
             &[
                 &qualified,
                 &unpublished,
@@ -339,6 +509,7 @@ pub async fn attach(url: &str, a: &crate::cli::PollerTableArgs, table: &str) -> 
                 &a.aggregateid_column,
                 &a.type_column,
                 &a.payload_column,
+                &mark,
             ],
         )
         .await
