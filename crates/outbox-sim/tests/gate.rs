@@ -225,7 +225,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
     // docs/simulation.md lists them with the bug each one found.
     let found: &[(u64, u64, Mutant)] = &[
         (1, 267, Mutant::BugPoisonBeforeGate),
-        (1, 13, Mutant::BugUnknownOnlyAtStart),
+        (1, 1, Mutant::BugUnknownOnlyAtStart),
         (1, 842, Mutant::BugStaleQuarantine),
         (1, 725, Mutant::BugMigrateReplayable),
         (1, 807, Mutant::BugMigrateReplayable),
