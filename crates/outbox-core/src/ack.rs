@@ -20,9 +20,13 @@
 //! has sent every transaction that committed before that position, and we have resolved
 //! all of them. This is what lets an idle or unrelated-write-heavy database release WAL.
 //!
-//! "Resolved" means durably recorded in the ledger: an accepted primary receipt, a duplicate
-//! transport receipt, or a quarantine record. The caller reports that only after the ledger
-//! transaction committed.
+//! "Resolved" means recorded in the ledger: an accepted primary receipt, a duplicate transport
+//! receipt, a quarantine or a held record. The relay resolves a batch's events when it takes
+//! the batch (`outbox_relay::PipelineCore::take_batch`), just *before* the acceptance
+//! transaction commits: the watermark it then reads is only a candidate, written in that same
+//! transaction with the records that justify it, and confirmed to the slot only once the
+//! transaction has committed (if it fails, the run ends and replays). The whole argument, in
+//! one place: `outbox_relay::schedule::standby_status`.
 
 use std::collections::VecDeque;
 

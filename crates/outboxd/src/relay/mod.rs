@@ -8,19 +8,12 @@
 //! ```
 //!
 //! # Progress tracking: why every LSN we confirm is safe
-//! 1. Each event is registered with the [`AckTracker`] under its transaction before it is
-//!    sent, and resolved only after the ledger transaction holding its receipt (or its
-//!    quarantine record) has committed — except that the resolve happens just before that
-//!    commit; if the commit fails the relay drops all in-memory state and replays.
-//! 2. The tracker's watermark is the end LSN of the longest prefix of transactions whose
-//!    events are all resolved (or, when nothing at all is outstanding, the keepalive's WAL
-//!    end). It is written into `outbox.checkpoints` *in the same transaction* as the
-//!    receipts that justify it.
-//! 3. Only a committed checkpoint (`durable`) is ever sent as the standby status `flush`
-//!    position. So `slot.confirmed_flush_lsn <= ledger checkpoint <= first unresolved event`.
-//! 4. After a crash, PostgreSQL resends every transaction at or after the slot's confirmed
-//!    position; events already accepted come back as duplicates and are recorded as
-//!    duplicate transport receipts, never as second primary receipts.
+//! The argument is written once, where the confirmed position is decided:
+//! `outbox_relay::schedule::standby_status` (the tracker's side: `outbox_core::ack`). In
+//! short: the checkpoint is committed in the same ledger transaction as the receipts that
+//! justify it, only a committed checkpoint is ever confirmed to the slot, and a replay's
+//! overlap is deduplicated by event id. This module executes it: `pipeline.rs` commits the
+//! batches, the stream loop sends the standby status.
 //!
 //! A delivery without a clear answer ends nothing: its event is parked and holds only its
 //! aggregate while it is looked up or sent again (`outbox_relay::pipeline::unclear`).
