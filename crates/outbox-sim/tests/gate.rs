@@ -36,6 +36,16 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.relay_crashes > 1_000, "{c:?}");
     assert!(c.relay_pauses > 1_000, "{c:?}");
     assert!(c.unknown_attempts > 1_000, "{c:?}");
+    // The seeds' gate: UNKNOWN reconciled within 15 minutes at p99 (simulated time), over
+    // attempts that really were resolved.
+    let u = &c.unknown_resolution;
+    assert!(u.count > 1_000, "{u:?}");
+    let p99 = u.quantile_ms(0.99);
+    assert!(
+        p99 <= 15 * 60 * 1000,
+        "UNKNOWN resolution p99 {p99} ms (max {} ms) is past 15 minutes",
+        u.max_ms
+    );
     assert!(c.late_acks > 1_000, "{c:?}");
     assert!(c.duplicate_receipts > 1_000, "{c:?}");
     assert!(c.migrations > 100 && c.migrations_refused > 10, "{c:?}");

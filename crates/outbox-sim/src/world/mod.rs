@@ -1436,6 +1436,8 @@ impl World {
                 self.accept(i, items, None)?;
                 if open {
                     self.ledger.attempts[a].state = AttemptState::Found;
+                    let took = self.now.saturating_sub(self.ledger.attempts[a].unknown_at);
+                    self.c.unknown_resolution.record(took);
                 }
                 log!(
                     self,
@@ -1448,6 +1450,8 @@ impl World {
                 if open {
                     self.ledger.attempts[a].state = AttemptState::Absent;
                     self.absent_attempts.insert((row, relay_gen, attempt));
+                    let took = self.now.saturating_sub(self.ledger.attempts[a].unknown_at);
+                    self.c.unknown_resolution.record(took);
                 }
                 log!(
                     self,
