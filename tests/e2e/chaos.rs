@@ -980,6 +980,21 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
             .filter(|(id, p, o)| at.get(&(*p, *o)) != Some(&id.as_str()))
             .count() as i64;
     let unknown_attempts = env.count("SELECT count(*) FROM outbox.attempts").await;
+    // Wall time from DISPATCH_UNKNOWN to resolved, ms (the seeds' gate: p99 within 15 min).
+    let resolution = env
+        .db
+        .query_one(
+            "SELECT coalesce(percentile_disc(0.5) WITHIN GROUP (ORDER BY ms), 0),
+                    coalesce(percentile_disc(0.99) WITHIN GROUP (ORDER BY ms), 0),
+                    coalesce(max(ms), 0)
+             FROM (SELECT (extract(epoch FROM resolved_at - unknown_at) * 1000)::bigint AS ms
+                   FROM outbox.attempts WHERE resolved_at IS NOT NULL) t",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (resolution_p50, resolution_p99, resolution_max): (i64, i64, i64) =
+        (resolution.get(0), resolution.get(1), resolution.get(2));
     let relay_generations = env
         .count(&format!(
             "SELECT coalesce(max(generation), 0) FROM outbox.relay_leases WHERE slot_name = '{}'",
@@ -1033,6 +1048,9 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
         ("late_acks", late_acks),
         ("late_acks_converged", late_converged),
         ("unknown_attempts", unknown_attempts),
+        ("unknown_resolution_p50_ms", resolution_p50),
+        ("unknown_resolution_p99_ms", resolution_p99),
+        ("unknown_resolution_max_ms", resolution_max),
         ("relay_generations", relay_generations),
         ("broker_messages", msgs.len() as i64),
         ("consumer_gaps", consumer_gaps),
@@ -1057,6 +1075,10 @@ async fn chaos(name: &str, brokers: Brokers, mode: Mode, events: u64, faults: u6
     assert_eq!(consumer_gaps, 0, "version gaps seen by the consumer");
     assert_eq!(late_acks, late_converged, "late ACKs not converged");
     assert_eq!(unknown_untraced, 0, "UNKNOWN attempts not traced");
+    assert!(
+        resolution_p99 <= 15 * 60 * 1000,
+        "UNKNOWN resolution p99 {resolution_p99} ms is past 15 minutes"
+    );
     assert_eq!(order_violations, 0, "per-aggregate order");
     assert_eq!(rolled_back_published, 0, "rolled-back events published");
     if mode == Mode::Cdc {
