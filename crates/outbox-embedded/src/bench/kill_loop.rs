@@ -7,10 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use tokio_postgres::Client;
 
-use super::{poll, wait_confirmed, workload, Ctx, Db, RelayChild, Scenario};
+use super::{poll, workload, Ctx, Db, RelayChild, Scenario};
 
 /// What the kill loop measured.
 #[derive(Debug, Clone)]
@@ -96,47 +96,18 @@ impl Ctx {
             );
             last = now;
         }
-        let committed = writers.join().await?;
-        let end = workload::backlog_end(&db.client).await?;
-        wait_confirmed(
-            &db.client,
-            &db.slot,
-            &end,
-            killed,
-            a.timeout_secs,
-            || relay.check_alive(),
-            || {
-                format!(
-                    "kill loop: the last relay did not catch up; see {}",
-                    relay.log.display()
-                )
-            },
-        )
-        .await?;
-        let recovery_s = killed.elapsed().as_secs_f64();
-        let copies = poll::copies_since(&self.bootstrap, &topic, &before)?;
-        let ids: std::collections::HashSet<uuid::Uuid> =
-            committed.iter().map(|(id, _)| *id).collect();
-        let missing = ids.iter().filter(|id| !copies.contains_key(id)).count();
-        if missing > 0 {
-            bail!(
-                "kill loop: {missing} of {} committed events are not on {topic} after the relay caught up",
-                ids.len()
-            );
-        }
-        let republished: u64 = copies
-            .iter()
-            .map(|(id, n)| u64::from(*n) - u64::from(ids.contains(id)))
-            .sum();
+        let after = self
+            .aftermath(db, writers, &relay, killed, &topic, &before, "kill loop")
+            .await?;
         Ok((
             relay,
             KillLoop {
                 aggregates: sc.aggregates,
                 every_s: a.kill_every_secs,
                 advanced,
-                produced: ids.len() as u64,
-                republished,
-                recovery_s,
+                produced: after.produced,
+                republished: after.republished,
+                recovery_s: after.recovery_s,
             },
         ))
     }

@@ -1048,41 +1048,21 @@ impl Ctx {
             writers_end,
         )
         .await?;
-        let committed = writers.join().await?;
-        let end = workload::backlog_end(&db.client).await?;
-        wait_confirmed(
-            &db.client,
-            &db.slot,
-            &end,
-            killed,
-            a.timeout_secs,
-            || relay.check_alive(),
-            || {
-                format!(
-                    "the restarted relay did not catch up; see {}",
-                    relay.log.display()
-                )
-            },
-        )
-        .await?;
-        let recovery_s = killed.elapsed().as_secs_f64();
-        // Copies per event id since the phase began: every committed event at least once;
-        // a second copy of one, or any copy of an event of an earlier phase, is re-published.
-        let copies = poll::copies_since(&self.bootstrap, &topic, &before)?;
-        let produced = committed.len() as u64;
-        let ids: std::collections::HashSet<uuid::Uuid> =
-            committed.iter().map(|(id, _)| *id).collect();
-        let missing = ids.iter().filter(|id| !copies.contains_key(id)).count();
-        if missing > 0 {
-            bail!(
-                "SIGKILL phase: {missing} of {} committed events are not on {topic} after the relay caught up",
-                ids.len()
-            );
-        }
-        let republished: u64 = copies
-            .iter()
-            .map(|(id, n)| u64::from(*n) - u64::from(ids.contains(id)))
-            .sum();
+        let Aftermath {
+            produced,
+            republished,
+            recovery_s,
+        } = self
+            .aftermath(
+                db,
+                writers,
+                &relay,
+                killed,
+                &topic,
+                &before,
+                "SIGKILL phase",
+            )
+            .await?;
         let rate = produced as f64 / a.crash_secs;
         Ok((
             relay,
@@ -1096,6 +1076,74 @@ impl Ctx {
                 first_receipt_ms,
             },
         ))
+    }
+}
+
+/// What a phase that SIGKILLed the relay left on its topic, once the relay that runs now
+/// caught up with everything the phase's writers committed.
+pub(crate) struct Aftermath {
+    /// Events the writers committed.
+    pub produced: u64,
+    /// Copies beyond the first of each of them, plus copies of earlier phases' events.
+    pub republished: u64,
+    /// From the last SIGKILL until the relay confirmed past the writers' last commit.
+    pub recovery_s: f64,
+}
+
+impl Ctx {
+    /// Joins the phase's writers, waits for `relay` to confirm past their last commit, and
+    /// counts the copies on `topic` since `before` (its high watermarks when the phase began).
+    /// A committed event missing from the topic fails the phase (`phase` names it).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn aftermath(
+        &self,
+        db: &Db,
+        writers: workload::Writers,
+        relay: &RelayChild,
+        killed: Instant,
+        topic: &str,
+        before: &[i64],
+        phase: &str,
+    ) -> anyhow::Result<Aftermath> {
+        let committed = writers.join().await?;
+        let end = workload::backlog_end(&db.client).await?;
+        wait_confirmed(
+            &db.client,
+            &db.slot,
+            &end,
+            killed,
+            self.args.timeout_secs,
+            || relay.check_alive(),
+            || {
+                format!(
+                    "{phase}: the relay that runs now did not catch up; see {}",
+                    relay.log.display()
+                )
+            },
+        )
+        .await?;
+        let recovery_s = killed.elapsed().as_secs_f64();
+        // Copies per event id since the phase began: every committed event at least once;
+        // a second copy of one, or any copy of an event of an earlier phase, is re-published.
+        let copies = poll::copies_since(&self.bootstrap, topic, before)?;
+        let ids: std::collections::HashSet<uuid::Uuid> =
+            committed.iter().map(|(id, _)| *id).collect();
+        let missing = ids.iter().filter(|id| !copies.contains_key(id)).count();
+        if missing > 0 {
+            bail!(
+                "{phase}: {missing} of {} committed events are not on {topic} after the relay caught up",
+                ids.len()
+            );
+        }
+        let republished = copies
+            .iter()
+            .map(|(id, n)| u64::from(*n) - u64::from(ids.contains(id)))
+            .sum();
+        Ok(Aftermath {
+            produced: committed.len() as u64,
+            republished,
+            recovery_s,
+        })
     }
 }
 
