@@ -73,6 +73,20 @@ async fn kill_poller(env: &TestEnv, p: &mut RelayProcess) {
     .await;
 }
 
+/// `outboxd share CMD --database-url URL SELECTION... --wait 60s` as arguments for
+/// [`outboxd_async`]; `selection` is `--aggregate-type T` (with `--buckets ...`) or `--all`.
+fn share_args(env: &TestEnv, cmd: &str, selection: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "share".to_string(),
+        cmd.to_string(),
+        "--database-url".into(),
+        env.url.clone(),
+    ];
+    args.extend(selection.iter().map(|s| s.to_string()));
+    args.extend(["--wait".to_string(), "60s".to_string()]);
+    args
+}
+
 async fn outboxd_async(args: Vec<String>) -> (bool, String) {
     tokio::task::spawn_blocking(move || {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -192,18 +206,11 @@ async fn take_half_of_the_buckets(
         .map(i32::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let (ok, out) = outboxd_async(vec![
-        "share".into(),
-        "take".into(),
-        "--database-url".into(),
-        env.url.clone(),
-        "--aggregate-type".into(),
-        ty.into(),
-        "--buckets".into(),
-        bucket_list.clone(),
-        "--wait".into(),
-        "60s".into(),
-    ])
+    let (ok, out) = outboxd_async(share_args(
+        env,
+        "take",
+        &["--aggregate-type", ty, "--buckets", &bucket_list],
+    ))
     .await;
     assert!(
         ok && out.contains(&format!(
@@ -414,16 +421,11 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
         let asks = env
             .count("SELECT last_value FROM outbox.poller_canary_asks")
             .await;
-        let take = tokio::spawn(outboxd_async(vec![
-            "share".into(),
-            "take".into(),
-            "--database-url".into(),
-            env.url.clone(),
-            "--aggregate-type".into(),
-            t.clone(),
-            "--wait".into(),
-            "60s".into(),
-        ]));
+        let take = tokio::spawn(outboxd_async(share_args(
+            &env,
+            "take",
+            &["--aggregate-type", t],
+        )));
         env.wait_count(
             "the poller's claim to ask about the canary",
             &format!("SELECT last_value - {asks} FROM outbox.poller_canary_asks"),
@@ -457,16 +459,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     relay = env.relay(&[], &[]);
 
     // 4. Then all of them.
-    let (ok, out) = outboxd_async(vec![
-        "share".into(),
-        "take".into(),
-        "--database-url".into(),
-        env.url.clone(),
-        "--all".into(),
-        "--wait".into(),
-        "60s".into(),
-    ])
-    .await;
+    let (ok, out) = outboxd_async(share_args(&env, "take", &["--all"])).await;
     assert!(
         ok && out.contains("outboxd owns every aggregate type"),
         "{out}"
@@ -476,16 +469,11 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     poller = start_poller(&env, &[]);
 
     // 5. Hand one back (rollback), relay SIGKILLed right after.
-    let (ok, out) = outboxd_async(vec![
-        "share".into(),
-        "give-back".into(),
-        "--database-url".into(),
-        env.url.clone(),
-        "--aggregate-type".into(),
-        types[1].clone(),
-        "--wait".into(),
-        "60s".into(),
-    ])
+    let (ok, out) = outboxd_async(share_args(
+        &env,
+        "give-back",
+        &["--aggregate-type", &types[1]],
+    ))
     .await;
     assert!(
         ok && out.contains(&format!("the poller owns aggregate type {}", types[1])),
@@ -512,17 +500,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
 
     // 6. Taken again: outboxd's numbering of its aggregates goes on from the poller's rows
     // (header poller_events_before, checked per message below).
-    let (ok, out) = outboxd_async(vec![
-        "share".into(),
-        "take".into(),
-        "--database-url".into(),
-        env.url.clone(),
-        "--aggregate-type".into(),
-        types[1].clone(),
-        "--wait".into(),
-        "60s".into(),
-    ])
-    .await;
+    let (ok, out) = outboxd_async(share_args(&env, "take", &["--aggregate-type", &types[1]])).await;
     assert!(
         ok && out.contains(&format!("outboxd owns aggregate type {}", types[1])),
         "{out}"
