@@ -395,11 +395,174 @@ async fn an_endpoint_answering_410_is_disabled_and_its_events_are_held_until_rel
     target.assert_at_most_once();
 }
 
+/// One relay serving two endpoints (`[[http.endpoints]]`), each with its own headers and
+/// secrets over settings they share from `[http]`. Partner A answers 500 to every request for
+/// a while: its aggregates wait on their unclear answers, and partner B gets every one of its
+/// events meanwhile, in order, signed with its own secret. Once A recovers, A gets all of its
+/// events once, in order, with no operator step; every receipt names its own endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_endpoints_served_by_one_relay_one_failing_the_other_unaffected() {
+    let env = TestEnv::new("http_two").await;
+    let a = HttpTarget::start(TargetSettings::default()).await.unwrap();
+    let b = HttpTarget::start(TargetSettings::default()).await.unwrap();
+    let type_a = env.aggregate_type.clone();
+    let type_b = format!("{}_b", env.aggregate_type);
+    for (t, name, target) in [(&type_a, "partner-a", &a), (&type_b, "partner-b", &b)] {
+        env.db
+            .query_one(
+                "SELECT outbox.set_http_route($1, NULL, $2, $3)",
+                &[t, &name, &target.url("/hooks/{aggregate_type}")],
+            )
+            .await
+            .expect("route the aggregate type to its endpoint");
+    }
+    for _ in 0..10_000 {
+        a.then(Behavior::Status {
+            status: 500,
+            retry_after: None,
+        });
+    }
+    let config = env.dir.path().join("outboxd.toml");
+    std::fs::write(
+        &config,
+        r#"sink = "http"
+[http]
+request_timeout_ms = 1000
+response_id_header = "X-Response-Id"
+idempotency_window_ms = 3600000
+[http.headers]
+X-Shared = "shared"
+X-Partner = "overridden by each endpoint"
+[[http.endpoints]]
+endpoint = "partner-a"
+headers = { X-Partner = "a" }
+[[http.endpoints]]
+endpoint = "partner-b"
+max_concurrency = 4
+signing_secrets = ["whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="]
+headers = { X-Partner = "b" }
+[relay]
+unclear_schedule_ms = [0, 100, 300, 600]
+"#,
+    )
+    .unwrap();
+    let mut relay = env.relay(&[], &["--config", config.to_str().unwrap()]);
+    env.wait_streaming().await;
+    let mut committed_a: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+    let mut committed_b: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+    for v in 1..=4i64 {
+        for i in 0..3 {
+            for (t, committed) in [(&type_a, &mut committed_a), (&type_b, &mut committed_b)] {
+                let agg = format!("x{i}");
+                let id: uuid::Uuid = env
+                    .db
+                    .query_one(
+                        "SELECT outbox.enqueue($1, $2, 'test.happened', $3)",
+                        &[t, &agg, &json!({"n": v})],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                committed.insert(id, (agg, v));
+            }
+        }
+    }
+    let ids_b: Vec<uuid::Uuid> = committed_b.keys().copied().collect();
+    env.wait_count(
+        "partner B has every event while partner A fails",
+        &format!(
+            "SELECT count(*) FROM outbox.receipts WHERE event_id IN ({})",
+            ids_b
+                .iter()
+                .map(|id| format!("'{id}'"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        ids_b.len() as i64,
+    )
+    .await;
+    relay.assert_running();
+    // A was failing all along: it answered only 500s, and more than one per event it was
+    // asked for (the fault met traffic, and the relay kept asking).
+    let a_requests = a.requests();
+    assert!(
+        a_requests.len() > 3
+            && a_requests
+                .iter()
+                .all(|r| r.answer.as_ref().is_some_and(|(s, _)| *s == 500)),
+        "partner A's answers while failing: {:?}",
+        a_requests.iter().map(|r| &r.answer).collect::<Vec<_>>()
+    );
+    let ids_a: Vec<uuid::Uuid> = committed_a.keys().copied().collect();
+    let a_receipts: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM outbox.receipts WHERE event_id = ANY($1)",
+            &[&ids_a],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(a_receipts, 0, "receipts of partner A while it only failed");
+    let topic_b = b.url(&format!("/hooks/{type_b}"));
+    check_named_endpoint(&env, &b, &committed_b, &topic_b, "partner-b").await;
+
+    a.recover();
+    env.wait_count(
+        "partner A has every event once it is back",
+        "SELECT count(*) FROM outbox.receipts",
+        (committed_a.len() + committed_b.len()) as i64,
+    )
+    .await;
+    relay.assert_running();
+    let topic_a = a.url(&format!("/hooks/{type_a}"));
+    check_named_endpoint(&env, &a, &committed_a, &topic_a, "partner-a").await;
+    for (what, sql) in [
+        ("quarantined", "SELECT count(*) FROM outbox.quarantine"),
+        ("held", "SELECT count(*) FROM outbox.holds"),
+    ] {
+        let n: i64 = env.db.query_one(sql, &[]).await.unwrap().get(0);
+        assert_eq!(n, 0, "events {what} while an endpoint failed");
+    }
+    // Each endpoint's own settings over the shared ones: its headers, its secret (or none).
+    for (target, partner, signed) in [(&a, "a", false), (&b, "b", true)] {
+        for r in target.requests() {
+            assert_eq!(
+                r.headers.get("x-partner").map(String::as_str),
+                Some(partner)
+            );
+            assert_eq!(
+                r.headers.get("x-shared").map(String::as_str),
+                Some("shared")
+            );
+            assert_eq!(
+                r.headers
+                    .get("webhook-signature")
+                    .is_some_and(|s| s.starts_with("v1,")),
+                signed,
+                "partner {partner}: {:?}",
+                r.headers
+            );
+        }
+    }
+}
+
 pub(crate) async fn check_endpoint(
     env: &TestEnv,
     target: &HttpTarget,
     committed: &HashMap<uuid::Uuid, (String, i64)>,
     topic: &str,
+) {
+    check_named_endpoint(env, target, committed, topic, "billing-api").await
+}
+
+/// [`check_endpoint`] for the endpoint named `endpoint`, which `committed` was routed to.
+pub(crate) async fn check_named_endpoint(
+    env: &TestEnv,
+    target: &HttpTarget,
+    committed: &HashMap<uuid::Uuid, (String, i64)>,
+    topic: &str,
+    endpoint: &str,
 ) {
     let not_once: Vec<_> = committed
         .keys()
@@ -413,21 +576,23 @@ pub(crate) async fn check_endpoint(
     target.assert_at_most_once();
     let committed_ids: Vec<String> = committed.keys().map(uuid::Uuid::to_string).collect();
     target.assert_applied_within(committed_ids.iter().map(String::as_str));
+    let ids: Vec<uuid::Uuid> = committed.keys().copied().collect();
     let receipts = env
         .db
         .query(
             "SELECT event_id, broker_kind, broker_cluster, topic, (evidence ->> 'status')::int,
                     evidence ->> 'response_id', evidence ->> 'body_sha256'
-             FROM outbox.receipts",
-            &[],
+             FROM outbox.receipts WHERE event_id = ANY($1)",
+            &[&ids],
         )
         .await
         .unwrap();
+    assert_eq!(receipts.len(), committed.len(), "a receipt per event");
     for r in &receipts {
         let id: uuid::Uuid = r.get(0);
         assert_eq!(
             (r.get::<_, &str>(1), r.get::<_, &str>(2)),
-            ("http", "billing-api")
+            ("http", endpoint)
         );
         assert_eq!(r.get::<_, String>(3), topic);
         assert!(

@@ -58,10 +58,11 @@ pub struct Delivery {
 /// What a sink serves: events whose frozen destination differs are refused by the route stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Served {
-    /// `destination.v1` kind: `kafka` or `nats`.
+    /// `destination.v1` kind: `kafka`, `nats` or `http`.
     pub kind: &'static str,
-    /// Broker cluster identity (the name the route policy uses).
-    pub cluster: String,
+    /// Broker cluster identities (the names the route policy uses): one for a broker, one per
+    /// endpoint for an HTTP sink serving several endpoints.
+    pub clusters: Vec<String>,
     /// The partitioner the frozen destination must name; `None` where the broker has no
     /// partitions (JetStream: one sequence per stream, order per subject).
     pub partitioner: Option<String>,

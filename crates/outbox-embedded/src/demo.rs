@@ -65,7 +65,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
             ..KafkaSinkConfig::default()
         },
         nats: None,
-        http: None,
+        http: Vec::new(),
         max_in_flight: 5_000,
         batch_size: 1000,
         batch_linger: Duration::from_millis(1),

@@ -752,7 +752,7 @@ impl<P: Plant> PipelineCore<P> {
                         payload_digest: f.ev.payload_digest,
                         destination_digest: f.ev.destination_digest,
                         broker_kind: self.served.kind.into(),
-                        broker_cluster: self.served.cluster.clone(),
+                        broker_cluster: f.ev.destination.cluster.clone(),
                         topic,
                         partition,
                         offset,

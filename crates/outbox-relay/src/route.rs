@@ -35,8 +35,12 @@ pub fn check(ev: &OutboxEvent, served: &Served) -> Result<(), Refusal> {
     if d.kind != served.kind {
         return Err(refuse("broker kind", &d.kind, served.kind));
     }
-    if d.cluster != served.cluster {
-        return Err(refuse("dest_cluster", &d.cluster, &served.cluster));
+    if !served.clusters.contains(&d.cluster) {
+        return Err(refuse(
+            "dest_cluster",
+            &d.cluster,
+            &served.clusters.join(", "),
+        ));
     }
     // A JetStream stream has no partitions (`None`): its partitioner field is not compared.
     if let Some(p) = &served.partitioner {
@@ -76,12 +80,12 @@ mod tests {
     fn a_relay_serves_only_its_broker_kind_and_cluster() {
         let nats = Served {
             kind: "nats",
-            cluster: "n1".into(),
+            clusters: vec!["n1".into()],
             partitioner: None,
         };
         let kafka = Served {
             kind: "kafka",
-            cluster: "default".into(),
+            clusters: vec!["default".into()],
             partitioner: Some("murmur2_random".into()),
         };
         // A stream has no partitions: the frozen partitioner is not compared for NATS.
@@ -96,5 +100,23 @@ mod tests {
             let r = check(&ev, served).unwrap_err();
             assert_eq!(r.code, "destination_not_served", "{}", r.reason);
         }
+    }
+
+    #[test]
+    fn an_http_relay_serves_each_of_its_endpoints_and_no_other() {
+        let http = Served {
+            kind: "http",
+            clusters: vec!["partner-a".into(), "partner-b".into()],
+            partitioner: None,
+        };
+        assert_eq!(check(&event("http", "partner-a", "none"), &http), Ok(()));
+        assert_eq!(check(&event("http", "partner-b", "none"), &http), Ok(()));
+        let r = check(&event("http", "partner-c", "none"), &http).unwrap_err();
+        assert_eq!(r.code, "destination_not_served");
+        assert!(
+            r.reason.contains("\"partner-c\"") && r.reason.contains("partner-a, partner-b"),
+            "{}",
+            r.reason
+        );
     }
 }

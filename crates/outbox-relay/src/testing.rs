@@ -11,7 +11,7 @@ use crate::pipeline::{Command, DeliveryFailure, Now, PipelineCore, Reported};
 pub(crate) fn served() -> Served {
     Served {
         kind: "kafka",
-        cluster: "c1".into(),
+        clusters: vec!["c1".into()],
         partitioner: Some("murmur2_random".into()),
     }
 }

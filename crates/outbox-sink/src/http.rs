@@ -721,7 +721,7 @@ impl Sink for HttpSink {
     fn served(&self) -> Served {
         Served {
             kind: "http",
-            cluster: self.config.endpoint.clone(),
+            clusters: vec![self.config.endpoint.clone()],
             partitioner: None,
         }
     }

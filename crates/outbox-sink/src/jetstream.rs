@@ -632,7 +632,7 @@ impl Sink for JetStreamSink {
     fn served(&self) -> Served {
         Served {
             kind: "nats",
-            cluster: self.config.cluster_name.clone(),
+            clusters: vec![self.config.cluster_name.clone()],
             partitioner: None,
         }
     }

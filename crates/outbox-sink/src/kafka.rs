@@ -480,7 +480,7 @@ impl Sink for KafkaSink {
     fn served(&self) -> crate::Served {
         crate::Served {
             kind: "kafka",
-            cluster: self.config.cluster_name.clone(),
+            clusters: vec![self.config.cluster_name.clone()],
             partitioner: Some(self.config.partitioner.clone()),
         }
     }

@@ -15,10 +15,11 @@
 //! large, invalid or unauthorised topic) or [`FailureClass::Transient`]; the pipeline
 //! quarantines the former and replays the latter.
 //!
-//! # One abstraction, two brokers
+//! # One abstraction, three targets
 //! The pipeline, the ledger, ordering and UNKNOWN reconciliation talk to a [`Sink`]; they do
-//! not know which broker is behind it. [`KafkaSink`] (librdkafka) and [`JetStreamSink`]
-//! (async-nats) implement it; [`AnySink`] is the relay's choice between them at start. A
+//! not know which broker is behind it. [`KafkaSink`] (librdkafka), [`JetStreamSink`]
+//! (async-nats) and [`HttpEndpoints`] (webhooks, one [`HttpSink`] per endpoint) implement it;
+//! [`AnySink`] is the relay's choice between them at start. A
 //! sink names what it serves (broker kind, cluster identity, partitioner) so that the route
 //! stage can refuse events frozen for another destination, sends events with their metadata
 //! headers, and resolves an UNKNOWN attempt with [`Sink::lookup`] — by a partition scan on
@@ -33,12 +34,14 @@ use rdkafka::error::KafkaError;
 
 pub mod headers;
 pub mod http;
+pub mod http_endpoints;
 pub mod jetstream;
 pub mod kafka;
 pub mod redact;
 
 pub use headers::HeaderOptions;
 pub use http::{HttpReceipt, HttpSink, HttpSinkConfig};
+pub use http_endpoints::HttpEndpoints;
 
 pub use jetstream::{JetStreamSink, JetStreamSinkConfig, NatsAuth, StreamCheck};
 pub use kafka::{
@@ -217,7 +220,8 @@ pub enum AnySink {
     Kafka(KafkaSink),
     /// Boxed: the JetStream client state is much larger than the Kafka handle.
     JetStream(Box<JetStreamSink>),
-    Http(HttpSink),
+    /// One or several webhook endpoints.
+    Http(HttpEndpoints),
 }
 
 impl AnySink {

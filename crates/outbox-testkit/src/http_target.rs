@@ -295,6 +295,12 @@ impl HttpTarget {
         self.state.lock().unwrap().queue.push_back(b);
     }
 
+    /// Drops whatever is still queued: the next requests are served normally (an endpoint
+    /// that recovers).
+    pub fn recover(&self) {
+        self.state.lock().unwrap().queue.clear();
+    }
+
     /// Misbehaves at random from now on (`None`: behaves again).
     pub fn misbehave(&self, m: Option<Misbehave>) {
         let mut st = self.state.lock().unwrap();

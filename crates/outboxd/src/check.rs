@@ -138,43 +138,9 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
             "kafka",
             "not checked: fix the configuration first",
         ),
-        (None, Some(cfg)) if cfg.http.is_some() => {
-            let h = cfg.http.as_ref().expect("matched");
-            r.add(
-                Level::Ok,
-                "http",
-                format!(
-                    "endpoint {}: nothing to probe before sending (an endpoint has no metadata); its answers decide (docs/brokers.md)",
-                    h.endpoint
-                ),
-            );
-            // Each signing secret: refused with its position, or named by what a receiver
-            // verifies it with (the whpk_ public key of a whsk_ secret).
-            for (i, secret) in h.signing_secrets.iter().enumerate() {
-                match outbox_sink::http::signing_key(secret, i + 1) {
-                    Ok(k) => r.add(
-                        Level::Ok,
-                        "http signing",
-                        match k.public() {
-                            Some(pk) => format!(
-                                "secret #{}: v1a (ed25519); receivers verify with {pk}",
-                                i + 1
-                            ),
-                            None => format!(
-                                "secret #{}: v1 (HMAC-SHA256); receivers verify with the same whsec_ secret",
-                                i + 1
-                            ),
-                        },
-                    ),
-                    Err(e) => r.add(Level::Fail, "http signing", e),
-                }
-            }
-            if h.idempotency_window.is_none() {
-                r.add(
-                    Level::Warn,
-                    "http idempotency",
-                    "the endpoint declares no idempotency window (http.idempotency_window_ms): a retry of an UNKNOWN send is no proof of a single effect; make sure the endpoint deduplicates by its Idempotency-Key",
-                );
+        (None, Some(cfg)) if !cfg.http.is_empty() => {
+            for h in &cfg.http {
+                check_http_endpoint(&mut r, h);
             }
         }
         (None, _) if nats_url.is_none() => r.add(
@@ -758,6 +724,53 @@ async fn check_slot(r: &mut Report, client: &tokio_postgres::Client, slot: &str)
             format!("{text} ({limit} bytes)"),
         ),
         None => {}
+    }
+}
+
+/// What can be checked of one HTTP endpoint before sending: its signing secrets (each named
+/// by what a receiver verifies it with) and whether it declares an idempotency window.
+fn check_http_endpoint(r: &mut Report, h: &outbox_sink::HttpSinkConfig) {
+    r.add(
+        Level::Ok,
+        "http",
+        format!(
+            "endpoint {}: nothing to probe before sending (an endpoint has no metadata); its answers decide (docs/brokers.md)",
+            h.endpoint
+        ),
+    );
+    // Each signing secret: refused with its position, or named by what a receiver
+    // verifies it with (the whpk_ public key of a whsk_ secret).
+    for (i, secret) in h.signing_secrets.iter().enumerate() {
+        match outbox_sink::http::signing_key(secret, i + 1) {
+            Ok(k) => r.add(
+                Level::Ok,
+                "http signing",
+                match k.public() {
+                    Some(pk) => format!(
+                        "endpoint {} secret #{}: v1a (ed25519); receivers verify with {pk}",
+                        h.endpoint,
+                        i + 1
+                    ),
+                    None => format!(
+                        "endpoint {} secret #{}: v1 (HMAC-SHA256); receivers verify with the same whsec_ secret",
+                        h.endpoint,
+                        i + 1
+                    ),
+                },
+            ),
+            Err(e) => r.add(
+                Level::Fail,
+                "http signing",
+                format!("endpoint {}: {e}", h.endpoint),
+            ),
+        }
+    }
+    if h.idempotency_window.is_none() {
+        r.add(
+            Level::Warn,
+            "http idempotency",
+            format!("endpoint {} declares no idempotency window (http.idempotency_window_ms): a retry of an UNKNOWN send is no proof of a single effect; make sure the endpoint deduplicates by its {} header", h.endpoint, h.idempotency_header),
+        );
     }
 }
 

@@ -344,12 +344,30 @@ pub fn resolve_nats_auth(
     Ok(auth)
 }
 
-/// `[http]` section (used with `sink = "http"`): one HTTP endpoint (webhooks).
+/// `[http]` section (used with `sink = "http"`): the HTTP endpoint (webhooks), or with
+/// `[[http.endpoints]]` the settings every endpoint shares unless its entry sets its own.
+///
+/// ```toml
+/// [http]
+/// max_concurrency = 16             # shared by both endpoints below
+/// [[http.endpoints]]
+/// endpoint = "partner-a"           # the name its routes give it
+/// signing_secrets = ["whsec_..."]
+/// [[http.endpoints]]
+/// endpoint = "partner-b"
+/// headers = { Authorization = "Bearer ..." }
+/// ```
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HttpFile {
-    /// The endpoint's name in its routes (`outbox.set_http_route`). Default `default`.
+    /// The endpoint's name in its routes (`outbox.set_http_route`). Default `default`. In a
+    /// `[[http.endpoints]]` entry: that endpoint's name (required).
     pub endpoint: Option<String>,
+    /// Several endpoints served by one relay, each an `[[http.endpoints]]` entry with its own
+    /// `endpoint` name and any of the keys above; a key an entry does not set is taken from
+    /// `[http]`, then the default (headers: `[http]`'s, then the entry's over them).
+    #[serde(default)]
+    pub endpoints: Vec<HttpFile>,
     /// `POST` (default) or `PUT`.
     pub method: Option<String>,
     /// The header carrying the event id. Default `Idempotency-Key`.
@@ -494,8 +512,9 @@ pub struct RelayConfig {
     pub sink: KafkaSinkConfig,
     /// JetStream settings: when set, the relay publishes to NATS JetStream instead of Kafka.
     pub nats: Option<JetStreamSinkConfig>,
-    /// HTTP settings: when set, the relay sends to an HTTP endpoint instead of Kafka.
-    pub http: Option<outbox_sink::HttpSinkConfig>,
+    /// HTTP settings, one per endpoint: when not empty, the relay sends to these HTTP
+    /// endpoints instead of Kafka.
+    pub http: Vec<outbox_sink::HttpSinkConfig>,
     /// Events sent and not yet resolved before the relay stops reading the slot.
     pub max_in_flight: u64,
     /// Receipts per ledger transaction.
@@ -649,38 +668,12 @@ impl RelayConfig {
                 self.publication
             );
         }
-        if let Some(h) = &self.http {
-            if h.endpoint.trim().is_empty() {
-                bail!("http.endpoint must name the endpoint (the name its routes give it)");
-            }
-            if !matches!(h.method.to_ascii_uppercase().as_str(), "POST" | "PUT") {
-                bail!(
-                    "http.method {:?} is not supported: use POST or PUT",
-                    h.method
-                );
-            }
-            if h.request_timeout < Duration::from_millis(100) {
-                bail!("http.request_timeout_ms must be at least 100");
-            }
-            if h.deadline < h.request_timeout {
-                bail!("the HTTP deadline (--message-timeout-ms / http.deadline_ms) must be at least http.request_timeout_ms");
-            }
-            if h.max_concurrency == 0 {
-                bail!("http.max_concurrency must be at least 1");
-            }
-            let token = |s: &str| {
-                !s.is_empty()
-                    && s.chars()
-                        .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c))
-            };
-            for name in h
-                .headers
-                .iter()
-                .map(|(k, _)| k)
-                .chain([&h.idempotency_header])
-            {
-                if !token(name) {
-                    bail!("HTTP header name {name:?} is invalid (http.headers / http.idempotency_header)");
+        if !self.http.is_empty() {
+            let mut names = std::collections::BTreeSet::new();
+            for h in &self.http {
+                validate_http(h)?;
+                if !names.insert(h.endpoint.as_str()) {
+                    bail!("http endpoint {:?} is configured twice: each [[http.endpoints]] entry needs its own endpoint name", h.endpoint);
                 }
             }
         } else if let Some(n) = &self.nats {
@@ -743,6 +736,45 @@ impl RelayConfig {
         }
         Ok(())
     }
+}
+
+/// One HTTP endpoint's settings; each error names the endpoint.
+fn validate_http(h: &outbox_sink::HttpSinkConfig) -> anyhow::Result<()> {
+    if h.endpoint.trim().is_empty() {
+        bail!("http.endpoint must name the endpoint (the name its routes give it; in [[http.endpoints]] every entry needs one)");
+    }
+    let at = format!("endpoint {:?}", h.endpoint);
+    if !matches!(h.method.to_ascii_uppercase().as_str(), "POST" | "PUT") {
+        bail!(
+            "{at}: http.method {:?} is not supported: use POST or PUT",
+            h.method
+        );
+    }
+    if h.request_timeout < Duration::from_millis(100) {
+        bail!("{at}: http.request_timeout_ms must be at least 100");
+    }
+    if h.deadline < h.request_timeout {
+        bail!("{at}: the HTTP deadline (--message-timeout-ms / http.deadline_ms) must be at least http.request_timeout_ms");
+    }
+    if h.max_concurrency == 0 {
+        bail!("{at}: http.max_concurrency must be at least 1");
+    }
+    let token = |s: &str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c))
+    };
+    for name in h
+        .headers
+        .iter()
+        .map(|(k, _)| k)
+        .chain([&h.idempotency_header])
+    {
+        if !token(name) {
+            bail!("{at}: HTTP header name {name:?} is invalid (http.headers / http.idempotency_header)");
+        }
+    }
+    Ok(())
 }
 
 /// The database name of a PostgreSQL URL (either form), for the `database` label: the

@@ -173,6 +173,102 @@ pub fn resolve_runs(a: &RunArgs) -> anyhow::Result<Vec<RelayConfig>> {
     Ok(runs)
 }
 
+/// The HTTP endpoints of `--sink http`: `[http]` alone is one endpoint; with
+/// `[[http.endpoints]]` each entry is one, a key it does not set taken from `[http]` (flags
+/// override `[http]`, never an entry's own setting), then the default.
+fn http_endpoints(
+    a: &RunArgs,
+    h: &config::HttpFile,
+) -> anyhow::Result<Vec<outbox_sink::HttpSinkConfig>> {
+    let d = outbox_sink::HttpSinkConfig::default();
+    let ms = Duration::from_millis;
+    let secrets = |v: &[config::Secret]| -> Vec<String> {
+        v.iter().map(|s| s.expose().to_string()).collect()
+    };
+    let shared_secrets = if a.http_signing_secrets.is_empty() {
+        secrets(&h.signing_secrets)
+    } else {
+        a.http_signing_secrets.clone()
+    };
+    let shared_deadline = a.message_timeout_ms.or(h.deadline_ms);
+    let one = |e: &config::HttpFile, name: String| {
+        let mut headers: Vec<(String, String)> = h
+            .headers
+            .iter()
+            .filter(|(k, _)| !e.headers.keys().any(|o| o.eq_ignore_ascii_case(k)))
+            .chain(e.headers.iter())
+            .map(|(k, v)| (k.clone(), v.expose().to_string()))
+            .collect();
+        headers.sort();
+        outbox_sink::HttpSinkConfig {
+            endpoint: name,
+            method: e
+                .method
+                .clone()
+                .or(h.method.clone())
+                .unwrap_or(d.method.clone()),
+            idempotency_header: e
+                .idempotency_header
+                .clone()
+                .or(h.idempotency_header.clone())
+                .unwrap_or(d.idempotency_header.clone()),
+            headers,
+            response_id_header: e
+                .response_id_header
+                .clone()
+                .or(h.response_id_header.clone()),
+            request_timeout: e
+                .request_timeout_ms
+                .or(h.request_timeout_ms)
+                .map(ms)
+                .unwrap_or(d.request_timeout),
+            deadline: e
+                .deadline_ms
+                .or(shared_deadline)
+                .map(ms)
+                .unwrap_or(d.deadline),
+            max_concurrency: e
+                .max_concurrency
+                .or(h.max_concurrency)
+                .unwrap_or(d.max_concurrency),
+            idempotency_window: e.idempotency_window_ms.or(h.idempotency_window_ms).map(ms),
+            ca_file: e.ca_file.clone().or(h.ca_file.clone()),
+            signing_secrets: if e.signing_secrets.is_empty() {
+                shared_secrets.clone()
+            } else {
+                secrets(&e.signing_secrets)
+            },
+        }
+    };
+    if h.endpoints.is_empty() {
+        let name = a
+            .http_endpoint
+            .clone()
+            .or(h.endpoint.clone())
+            .unwrap_or(d.endpoint.clone());
+        return Ok(vec![one(&config::HttpFile::default(), name)]);
+    }
+    if let Some(flag) = &a.http_endpoint {
+        anyhow::bail!("--http-endpoint {flag:?} names one endpoint, but the config file lists [[http.endpoints]]: name each endpoint in its entry and drop the flag");
+    }
+    if let Some(top) = &h.endpoint {
+        anyhow::bail!("http.endpoint {top:?} is set beside [[http.endpoints]]: name each endpoint in its own entry (endpoint = \"...\") and remove http.endpoint");
+    }
+    h.endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            if !e.endpoints.is_empty() {
+                anyhow::bail!("[[http.endpoints]] entry {} lists endpoints of its own: entries do not nest", i + 1);
+            }
+            let name = e.endpoint.clone().ok_or_else(|| {
+                anyhow::anyhow!("[[http.endpoints]] entry {} has no endpoint name: add endpoint = \"<the name its routes give it>\"", i + 1)
+            })?;
+            Ok(one(e, name))
+        })
+        .collect()
+}
+
 /// The settings every database of the process shares, and the top-level database, unchecked.
 fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
     let table = a
@@ -186,43 +282,11 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
     let defaults = KafkaSinkConfig::default();
     let cluster_name = a.cluster_name.clone();
     let kind = a.sink.or(file.sink).unwrap_or(values::SinkKind::Kafka);
-    let http = (kind == values::SinkKind::Http).then(|| {
-        let d = outbox_sink::HttpSinkConfig::default();
-        let h = &file.http;
-        let ms = Duration::from_millis;
-        outbox_sink::HttpSinkConfig {
-            endpoint: a
-                .http_endpoint
-                .clone()
-                .or(h.endpoint.clone())
-                .unwrap_or(d.endpoint),
-            method: h.method.clone().unwrap_or(d.method),
-            idempotency_header: h.idempotency_header.clone().unwrap_or(d.idempotency_header),
-            headers: h
-                .headers
-                .iter()
-                .map(|(k, v)| (k.clone(), v.expose().to_string()))
-                .collect(),
-            response_id_header: h.response_id_header.clone(),
-            request_timeout: h.request_timeout_ms.map(ms).unwrap_or(d.request_timeout),
-            deadline: a
-                .message_timeout_ms
-                .or(h.deadline_ms)
-                .map(ms)
-                .unwrap_or(d.deadline),
-            max_concurrency: h.max_concurrency.unwrap_or(d.max_concurrency),
-            idempotency_window: h.idempotency_window_ms.map(ms),
-            ca_file: h.ca_file.clone(),
-            signing_secrets: if a.http_signing_secrets.is_empty() {
-                h.signing_secrets
-                    .iter()
-                    .map(|s| s.expose().to_string())
-                    .collect()
-            } else {
-                a.http_signing_secrets.clone()
-            },
-        }
-    });
+    let http = if kind == values::SinkKind::Http {
+        http_endpoints(a, &file.http)?
+    } else {
+        Vec::new()
+    };
     let nats = match kind {
         values::SinkKind::Kafka | values::SinkKind::Http => None,
         values::SinkKind::Nats => {

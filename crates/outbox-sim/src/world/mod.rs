@@ -238,7 +238,7 @@ fn agg_of(aggregate_id: &str) -> Agg {
 fn served() -> Served {
     Served {
         kind: "kafka",
-        cluster: SERVED_CLUSTER.into(),
+        clusters: vec![SERVED_CLUSTER.into()],
         partitioner: Some("murmur2_random".into()),
     }
 }

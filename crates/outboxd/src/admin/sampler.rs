@@ -166,7 +166,7 @@ impl ProducerContext for Quiet {
 impl BrokerProbe {
     /// The probe for the relay's sink.
     pub fn for_relay(relay: &crate::config::RelayConfig) -> anyhow::Result<BrokerProbe> {
-        if relay.http.is_some() {
+        if !relay.http.is_empty() {
             return Ok(BrokerProbe::Http);
         }
         match &relay.nats {

@@ -38,7 +38,7 @@ use outbox_ledger::holds;
 use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::privileges;
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
-use outbox_sink::{AnySink, HttpSink, JetStreamSink, KafkaSink, Sink, SinkError};
+use outbox_sink::{AnySink, HttpEndpoints, JetStreamSink, KafkaSink, Sink, SinkError};
 use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
 use outbox_source::snapshot;
 use outbox_source::tls::{ConnectError, PgConnectOptions};
@@ -745,9 +745,9 @@ async fn open_sink(
     cfg: &RelayConfig,
 ) -> Result<(AnySink, mpsc::UnboundedReceiver<outbox_sink::Delivery>), RelayError> {
     let (reports_tx, reports) = mpsc::unbounded_channel();
-    if let Some(http) = &cfg.http {
+    if !cfg.http.is_empty() {
         return Ok((
-            AnySink::Http(HttpSink::new(http.clone(), reports_tx)?),
+            AnySink::Http(HttpEndpoints::new(cfg.http.clone(), reports_tx)?),
             reports,
         ));
     }

@@ -228,7 +228,7 @@ pub(crate) async fn record_lookup(
             payload_digest: ev.payload_digest.clone(),
             destination_digest: ev.destination_digest.clone(),
             broker_kind: served.kind.into(),
-            broker_cluster: served.cluster.clone(),
+            broker_cluster: ev.destination.cluster.clone(),
             topic: a.topic.clone(),
             partition: a.partition,
             offset,
