@@ -15,7 +15,7 @@ use tokio_postgres::Row;
 
 /// The query that lists unpublished rows, oldest version first per aggregate.
 /// `e.<column>::text, ...` for every envelope column, in [`EVENT_COLUMNS`] order.
-pub(crate) fn text_columns() -> String {
+pub fn text_columns() -> String {
     EVENT_COLUMNS
         .iter()
         .map(|c| format!("e.{c}::text"))

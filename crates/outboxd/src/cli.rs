@@ -71,6 +71,11 @@ pub enum Command {
     /// and the switches between the poller and outboxd. See docs/migrating.md.
     #[command(subcommand)]
     Share(ShareCommand),
+    /// Webhook endpoints (--sink http): what each endpoint refused, holds or leaves in doubt,
+    /// and sending again what an endpoint already acknowledged (a partner that lost data),
+    /// with the same id and a fresh signature.
+    #[command(subcommand)]
+    Webhooks(WebhooksCommand),
     /// Watch a polling relay before replacing it: read its topics, find each of its events by
     /// id, and report what it really does (published or not, duplicates, key and payload as
     /// committed, latency, events published by both relays). Changes nothing on the broker.
@@ -328,6 +333,60 @@ pub enum QuarantineCommand {
         #[arg(long)]
         by: Option<String>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WebhooksCommand {
+    /// Per endpoint: events it refused (quarantined, with its answer), aggregates held behind
+    /// them with the number of events waiting, and sends in doubt (an unclear answer the relay
+    /// keeps asking about on its schedule), oldest first. Read-only. Once the endpoint is
+    /// fixed, `outboxd quarantine release --event ID` sends a refused event and what waits
+    /// behind it; sends in doubt need nothing: the relay delivers them when the endpoint
+    /// answers again.
+    List {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only this endpoint (the name its routes give it). [default: every endpoint]
+        #[arg(long)]
+        endpoint: Option<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Send again events the endpoint already acknowledged (a receiver that lost data, or
+    /// asks for a replay): in version order per aggregate, each with its own event id as
+    /// webhook-id and idempotency key, a fresh timestamp and signature, the endpoint's
+    /// settings from --config. Each 2xx is recorded as a duplicate receipt of the event (who
+    /// asked, when); an aggregate whose resend fails stops there, and the command says which.
+    /// Events without a receipt are the relay's, not this command's.
+    #[command(after_help = "Examples:\n  \
+        outboxd webhooks resend --config outboxd.toml --endpoint partner-a --since 2026-12-03T10:00:00Z --dry-run\n  \
+        outboxd webhooks resend --config outboxd.toml --endpoint partner-a --event 0193...")]
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["since", "event"])))]
+    Resend(ResendArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ResendArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// The endpoint to send to: an [[http.endpoints]] entry of --config, or its [http]
+    /// endpoint.
+    #[arg(long)]
+    pub endpoint: String,
+    /// Every event the endpoint acknowledged at or after this time (an RFC 3339 timestamp,
+    /// e.g. 2026-12-03T10:00:00Z, or anything PostgreSQL reads as timestamptz).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// This event (repeatable).
+    #[arg(long)]
+    pub event: Vec<uuid::Uuid>,
+    /// Who asks (recorded with each answer). [default: $USER]
+    #[arg(long)]
+    pub by: Option<String>,
+    /// Print what would be sent; send nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, Args)]

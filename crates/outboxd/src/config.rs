@@ -739,7 +739,7 @@ impl RelayConfig {
 }
 
 /// One HTTP endpoint's settings; each error names the endpoint.
-fn validate_http(h: &outbox_sink::HttpSinkConfig) -> anyhow::Result<()> {
+pub fn validate_http(h: &outbox_sink::HttpSinkConfig) -> anyhow::Result<()> {
     if h.endpoint.trim().is_empty() {
         bail!("http.endpoint must name the endpoint (the name its routes give it; in [[http.endpoints]] every entry needs one)");
     }

@@ -18,6 +18,7 @@ pub mod shards;
 pub mod share;
 pub mod topics;
 pub mod values;
+pub mod webhooks;
 
 use std::time::Duration;
 
@@ -173,11 +174,23 @@ pub fn resolve_runs(a: &RunArgs) -> anyhow::Result<Vec<RelayConfig>> {
     Ok(runs)
 }
 
+/// The flags of `outboxd run` that override `[http]` (never an `[[http.endpoints]]` entry's
+/// own setting).
+#[derive(Debug, Default)]
+pub struct HttpFlags<'a> {
+    /// `--http-endpoint`: the one endpoint's name (refused beside `[[http.endpoints]]`).
+    pub endpoint: Option<&'a str>,
+    /// `--http-signing-secrets`.
+    pub signing_secrets: &'a [String],
+    /// `--message-timeout-ms`: the deadline of a send.
+    pub deadline_ms: Option<u64>,
+}
+
 /// The HTTP endpoints of `--sink http`: `[http]` alone is one endpoint; with
 /// `[[http.endpoints]]` each entry is one, a key it does not set taken from `[http]` (flags
 /// override `[http]`, never an entry's own setting), then the default.
-fn http_endpoints(
-    a: &RunArgs,
+pub fn http_endpoints(
+    a: &HttpFlags<'_>,
     h: &config::HttpFile,
 ) -> anyhow::Result<Vec<outbox_sink::HttpSinkConfig>> {
     let d = outbox_sink::HttpSinkConfig::default();
@@ -185,12 +198,12 @@ fn http_endpoints(
     let secrets = |v: &[config::Secret]| -> Vec<String> {
         v.iter().map(|s| s.expose().to_string()).collect()
     };
-    let shared_secrets = if a.http_signing_secrets.is_empty() {
+    let shared_secrets = if a.signing_secrets.is_empty() {
         secrets(&h.signing_secrets)
     } else {
-        a.http_signing_secrets.clone()
+        a.signing_secrets.to_vec()
     };
-    let shared_deadline = a.message_timeout_ms.or(h.deadline_ms);
+    let shared_deadline = a.deadline_ms.or(h.deadline_ms);
     let one = |e: &config::HttpFile, name: String| {
         let mut headers: Vec<(String, String)> = h
             .headers
@@ -242,13 +255,13 @@ fn http_endpoints(
     };
     if h.endpoints.is_empty() {
         let name = a
-            .http_endpoint
-            .clone()
+            .endpoint
+            .map(str::to_string)
             .or(h.endpoint.clone())
             .unwrap_or(d.endpoint.clone());
         return Ok(vec![one(&config::HttpFile::default(), name)]);
     }
-    if let Some(flag) = &a.http_endpoint {
+    if let Some(flag) = a.endpoint {
         anyhow::bail!("--http-endpoint {flag:?} names one endpoint, but the config file lists [[http.endpoints]]: name each endpoint in its entry and drop the flag");
     }
     if let Some(top) = &h.endpoint {
@@ -283,7 +296,14 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
     let cluster_name = a.cluster_name.clone();
     let kind = a.sink.or(file.sink).unwrap_or(values::SinkKind::Kafka);
     let http = if kind == values::SinkKind::Http {
-        http_endpoints(a, &file.http)?
+        http_endpoints(
+            &HttpFlags {
+                endpoint: a.http_endpoint.as_deref(),
+                signing_secrets: &a.http_signing_secrets,
+                deadline_ms: a.message_timeout_ms,
+            },
+            &file.http,
+        )?
     } else {
         Vec::new()
     };
@@ -594,6 +614,80 @@ mod tests {
         assert!(e.to_string().contains("--sink nats"), "{e}");
         let e = resolve_run(&run_args(&["--sink", "nats"])).unwrap_err();
         assert!(e.to_string().contains("--nats-url"), "{e}");
+    }
+
+    #[test]
+    fn http_endpoints_take_what_they_do_not_set_from_http_and_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let file = dir.path().join(name);
+            std::fs::write(&file, text).unwrap();
+            file.to_str().unwrap().to_string()
+        };
+        let path = write(
+            "two.toml",
+            "sink = \"http\"\n[http]\nmax_concurrency = 8\nsigning_secrets = [\"whsec_shared\"]\n\
+             [http.headers]\nX-Shared = \"s\"\nx-partner = \"shared\"\n\
+             [[http.endpoints]]\nendpoint = \"b\"\nheaders = { X-Partner = \"b\" }\n\
+             [[http.endpoints]]\nendpoint = \"a\"\nmax_concurrency = 2\nsigning_secrets = [\"whsec_a\"]\n",
+        );
+        let cfg = resolve_run(&run_args(&["--config", &path])).unwrap();
+        let got: Vec<_> = cfg
+            .http
+            .iter()
+            .map(|h| {
+                (
+                    h.endpoint.as_str(),
+                    h.max_concurrency,
+                    h.signing_secrets.clone(),
+                    h.headers.clone(),
+                )
+            })
+            .collect();
+        let hdr = |k: &str, v: &str| (k.to_string(), v.to_string());
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "b",
+                    8,
+                    vec!["whsec_shared".to_string()],
+                    vec![hdr("X-Partner", "b"), hdr("X-Shared", "s")]
+                ),
+                (
+                    "a",
+                    2,
+                    vec!["whsec_a".to_string()],
+                    vec![hdr("X-Shared", "s"), hdr("x-partner", "shared")]
+                ),
+            ]
+        );
+        // Refused: a flag naming one endpoint, a top-level name, an entry without a name, a
+        // name given twice.
+        let e = resolve_run(&run_args(&["--config", &path, "--http-endpoint", "x"])).unwrap_err();
+        assert!(format!("{e:#}").contains("--http-endpoint"), "{e:#}");
+        for (text, says) in [
+            (
+                "sink = \"http\"\n[http]\nendpoint = \"top\"\n[[http.endpoints]]\nendpoint = \"a\"\n",
+                "http.endpoint \"top\"",
+            ),
+            (
+                "sink = \"http\"\n[[http.endpoints]]\nmethod = \"PUT\"\n",
+                "entry 1 has no endpoint name",
+            ),
+            (
+                "sink = \"http\"\n[[http.endpoints]]\nendpoint = \"a\"\n[[http.endpoints]]\nendpoint = \"a\"\n",
+                "configured twice",
+            ),
+            (
+                "sink = \"http\"\n[[http.endpoints]]\nendpoint = \"a\"\nmax_concurrency = 0\n",
+                "endpoint \"a\": http.max_concurrency",
+            ),
+        ] {
+            let path = write("bad.toml", text);
+            let e = resolve_run(&run_args(&["--config", &path])).unwrap_err();
+            assert!(format!("{e:#}").contains(says), "{text}: {e:#}");
+        }
     }
 
     #[test]

@@ -112,6 +112,10 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
         Command::Consumers(c) => consumers(c).await,
         Command::Share(c) => share(c).await,
         Command::Shadow(a) => outboxd::shadow::run(a).await,
+        Command::Webhooks(cli::WebhooksCommand::List { db, endpoint, json }) => {
+            outboxd::webhooks::list(&db.url()?, endpoint.as_deref(), json).await
+        }
+        Command::Webhooks(cli::WebhooksCommand::Resend(a)) => outboxd::webhooks::resend(a).await,
     }
 }
 
