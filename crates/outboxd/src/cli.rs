@@ -493,8 +493,9 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOXD_SINK", value_enum)]
     pub sink: Option<SinkKind>,
     /// The HTTP endpoint this relay serves, for --sink http: the name its routes give it
-    /// (events frozen for another endpoint are quarantined). [default: http.endpoint in the
-    /// config file, else default]
+    /// (events frozen for another endpoint are quarantined). Several endpoints: list them in
+    /// the config file's [[http.endpoints]] instead. [default: http.endpoint in the config
+    /// file, else default]
     #[arg(long, env = "OUTBOXD_HTTP_ENDPOINT")]
     pub http_endpoint: Option<String>,
     /// Standard Webhooks signing secrets (`whsec_...` for HMAC, `whsk_...` for ed25519;
