@@ -40,6 +40,10 @@ pub struct QuarantineRecord {
     pub reason_code: String,
     pub reason: String,
     pub commit_lsn: Lsn,
+    /// The envelope generation the refusal was decided for (`None`: the row was unreadable).
+    /// A refusal decided for a generation an operator's destination migration has replaced is
+    /// stale ([`RefusalFilter::stands`]).
+    pub envelope_generation: Option<i32>,
 }
 
 /// An aggregate that must not publish until an operator releases it.
@@ -51,6 +55,8 @@ pub struct HoldRecord {
     pub reason: String,
     pub blocking_event_id: Option<Uuid>,
     pub blocking_version: Option<i64>,
+    /// The envelope generation of the blocking event the hold was decided for.
+    pub blocking_generation: Option<i32>,
 }
 
 /// An event of a held aggregate, recorded instead of published.
@@ -94,23 +100,54 @@ impl LedgerItem {
             LedgerItem::Held(h) => Some((RefusalKind::Held, h.event_id)),
         }
     }
+
+    /// The envelope generation a quarantine or hold was decided for, if known; `None` for a
+    /// receipt and a held record (holding an event behind its aggregate's hold is no decision
+    /// about its destination).
+    pub fn decided_generation(&self) -> Option<i32> {
+        match self {
+            LedgerItem::Quarantine(q) => q.envelope_generation,
+            LedgerItem::Hold(h) => h.blocking_generation,
+            LedgerItem::Receipt(_) | LedgerItem::Held(_) => None,
+        }
+    }
+
+    /// Whether this refusal was decided for an envelope generation older than `current`, the
+    /// event's generation in the ledger now.
+    pub fn superseded(&self, current: Option<i32>) -> bool {
+        matches!((self.decided_generation(), current), (Some(d), Some(c)) if d < c)
+    }
 }
 
 /// Which refusal records of an acceptance batch still stand. A refusal is decided when the
 /// relay sends (or decodes) an event, and committed later; meanwhile the event may have been
-/// published — a paused relay commits a refusal it decided before a destination migration
-/// published the event, a replay decodes an event that was published since. A refusal about a
-/// published event is stale: recording it would quarantine a published event and hold its
-/// aggregate behind an event that is out (found by outbox-sim, seed 1 trace 195). The ledger's
-/// acceptance transaction asks which subjects have a primary receipt (this batch's included)
-/// and records only what [`RefusalFilter::stands`]; the simulator's ledger model asks the same.
+/// published, or moved to another destination:
 ///
-/// `HONOUR_STALE` is the simulator's product mutant: quarantines and holds recorded even when
-/// their event is published. The ledger's filter is `RefusalFilter` (`false`) in every build:
-/// no crate feature changes the daemon's code, so the binary tested is the one shipped.
+/// * **published**: a paused relay commits a refusal it decided before a destination migration
+///   published the event, a replay decodes an event that was published since. Recording it
+///   would quarantine a published event and hold its aggregate behind an event that is out
+///   (found by outbox-sim, seed 1 trace 195).
+/// * **superseded**: the refusal (a quarantine, a hold) was decided for an envelope generation
+///   that an operator's destination migration has replaced since. A paused relay salvaging
+///   its batch commits a `destination_not_served` decided for the old destination while the
+///   live relay is sending the migrated event to the new one; the stale quarantine makes the
+///   event a candidate for a second migration whose scan may run while the live relay's copy
+///   is still on its way to that destination: a copy at a destination the event no longer has
+///   (found by outbox-sim, seed 1 trace 189388). The live relay decides about the current
+///   generation; a decision about an old one is no record.
+///
+/// The ledger's acceptance transaction asks which subjects have a primary receipt (this
+/// batch's included) and which envelope generation each has now, and records only what
+/// [`RefusalFilter::stands`]; the simulator's ledger model asks the same.
+///
+/// `HONOUR_STALE` and `HONOUR_SUPERSEDED` are the simulator's product mutants (the ledger as it
+/// was before each fix): quarantines and holds recorded although their event is published, or
+/// although they were decided for a replaced generation. The ledger's filter is
+/// `RefusalFilter` (both `false`) in every build: no crate feature changes the daemon's code,
+/// so the binary tested is the one shipped.
 #[derive(Debug, Clone, Copy)]
-pub struct RefusalFilter<const HONOUR_STALE: bool = false> {
-    /// Built with `default()` (the product) or [`RefusalFilter::honouring_stale`] only.
+pub struct RefusalFilter<const HONOUR_STALE: bool = false, const HONOUR_SUPERSEDED: bool = false> {
+    /// Built with `default()` (the product) or the mutants' constructors only.
     _private: (),
 }
 
@@ -120,19 +157,32 @@ impl Default for RefusalFilter {
     }
 }
 
-impl RefusalFilter<true> {
+impl RefusalFilter<true, false> {
     /// The simulator's mutant `bug-stale-quarantine`.
     pub fn honouring_stale() -> Self {
         RefusalFilter { _private: () }
     }
 }
 
-impl<const HONOUR_STALE: bool> RefusalFilter<HONOUR_STALE> {
+impl RefusalFilter<false, true> {
+    /// The simulator's mutant `bug-superseded-refusal`.
+    pub fn honouring_superseded() -> Self {
+        RefusalFilter { _private: () }
+    }
+}
+
+impl<const HONOUR_STALE: bool, const HONOUR_SUPERSEDED: bool>
+    RefusalFilter<HONOUR_STALE, HONOUR_SUPERSEDED>
+{
     /// Whether a refusal of `kind` is recorded when its event is (`published`) or is not
-    /// published yet.
-    pub fn stands(&self, kind: RefusalKind, published: bool) -> bool {
+    /// published yet, and was decided for a replaced envelope generation (`superseded`,
+    /// [`LedgerItem::superseded`]) or not.
+    pub fn stands(&self, kind: RefusalKind, published: bool, superseded: bool) -> bool {
         if HONOUR_STALE && kind != RefusalKind::Held {
             return true;
+        }
+        if superseded && !HONOUR_SUPERSEDED && kind != RefusalKind::Held {
+            return false;
         }
         !published
     }
@@ -150,9 +200,56 @@ mod tests {
             RefusalKind::Hold,
             RefusalKind::Held,
         ] {
-            assert!(f.stands(kind, false), "{kind:?} of an unpublished event");
-            assert!(!f.stands(kind, true), "{kind:?} of a published event");
+            assert!(
+                f.stands(kind, false, false),
+                "{kind:?} of an unpublished event"
+            );
+            assert!(
+                !f.stands(kind, true, false),
+                "{kind:?} of a published event"
+            );
         }
+    }
+
+    #[test]
+    fn a_refusal_decided_for_a_replaced_generation_is_stale() {
+        let f = RefusalFilter::default();
+        let q = |generation| {
+            LedgerItem::Quarantine(QuarantineRecord {
+                key: "k".into(),
+                event_id: Some(Uuid::from_u128(1)),
+                aggregate_type: Some("a".into()),
+                aggregate_id: Some("1".into()),
+                aggregate_version: Some(1),
+                reason_code: "destination_not_served".into(),
+                reason: "x".into(),
+                commit_lsn: Lsn(1),
+                envelope_generation: generation,
+            })
+        };
+        // Decided for generation 1, the event migrated to 2: superseded.
+        assert!(q(Some(1)).superseded(Some(2)));
+        assert!(!q(Some(2)).superseded(Some(2)));
+        assert!(
+            !q(None).superseded(Some(2)),
+            "an unreadable row's quarantine"
+        );
+        assert!(
+            !q(Some(1)).superseded(None),
+            "an event the ledger does not know"
+        );
+        for kind in [RefusalKind::Quarantine, RefusalKind::Hold] {
+            assert!(
+                !f.stands(kind, false, true),
+                "{kind:?} of a replaced generation"
+            );
+            assert!(
+                RefusalFilter::honouring_superseded().stands(kind, false, true),
+                "the mutant records it"
+            );
+        }
+        // Holding an event behind its aggregate's hold decides nothing about its destination.
+        assert!(f.stands(RefusalKind::Held, false, true));
     }
 
     #[test]
@@ -166,6 +263,7 @@ mod tests {
             reason_code: "unreadable_row".into(),
             reason: "x".into(),
             commit_lsn: Lsn(1),
+            envelope_generation: None,
         };
         assert_eq!(LedgerItem::Quarantine(q).refusal(), None);
         let id = Uuid::from_u128(7);

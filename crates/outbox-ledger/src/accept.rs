@@ -229,8 +229,9 @@ pub async fn accept_batch_prepared(
 }
 
 /// For each item of the batch, whether it is recorded: receipts always; a refusal only while
-/// its event has no primary receipt ([`RefusalFilter::stands`]). Asks the ledger only when the
-/// batch holds refusals (rare), inside the acceptance transaction, after its receipts.
+/// its event has no primary receipt and the refusal was decided for the event's current
+/// envelope generation ([`RefusalFilter::stands`]). Asks the ledger only when the batch holds
+/// refusals (rare), inside the acceptance transaction, after its receipts.
 async fn standing_refusals(
     tx: &tokio_postgres::Transaction<'_>,
     items: &[LedgerItem],
@@ -239,24 +240,33 @@ async fn standing_refusals(
         .iter()
         .filter_map(|i| i.refusal().map(|(_, id)| id))
         .collect();
-    let published: std::collections::HashSet<uuid::Uuid> = if subjects.is_empty() {
+    // Per subject: published, and its envelope generation now (its latest migration's; none
+    // once the row is purged).
+    let now: std::collections::HashMap<uuid::Uuid, (bool, Option<i32>)> = if subjects.is_empty() {
         Default::default()
     } else {
         tx.query(
-            "SELECT event_id FROM outbox.receipts WHERE event_id = ANY($1)",
+            "SELECT s.id,
+                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = s.id),
+                    (SELECT e.envelope_generation FROM outbox.events_current e
+                     WHERE e.event_id = s.id)
+             FROM unnest($1::uuid[]) AS s(id)",
             &[&subjects],
         )
         .await
-        .ctx("looking up which refused events are published")?
+        .ctx("looking up which refused events are published or migrated")?
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
         .collect()
     };
     let filter = RefusalFilter::default();
     Ok(items
         .iter()
         .map(|i| match i.refusal() {
-            Some((kind, id)) => filter.stands(kind, published.contains(&id)),
+            Some((kind, id)) => {
+                let (published, generation) = now.get(&id).copied().unwrap_or((false, None));
+                filter.stands(kind, published, i.superseded(generation))
+            }
             None => true,
         })
         .collect())

@@ -338,6 +338,7 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         reason_code: "unreadable_row".into(),
         reason: "column x".into(),
         commit_lsn: Lsn(16),
+        envelope_generation: None,
     };
     for _ in 0..2 {
         accept::accept_batch(
@@ -608,6 +609,7 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
             reason_code: "destination_not_served".into(),
             reason: "decided before a migration published it".into(),
             commit_lsn: Lsn(100),
+            envelope_generation: Some(1),
         }),
         LedgerItem::Hold(HoldRecord {
             aggregate_type: "order".into(),
@@ -616,6 +618,7 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
             reason: "stale".into(),
             blocking_event_id: Some(id),
             blocking_version: Some(1),
+            blocking_generation: Some(1),
         }),
     ];
     accept::accept_batch(&mut c, "s", &stale, None, None)
@@ -631,6 +634,75 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
         "a published event is never quarantined afterwards"
     );
     assert_eq!(count(&c, "SELECT count(*) FROM outbox.holds").await, 0);
+}
+
+/// A quarantine and hold decided for an event's first envelope generation, committed after an
+/// operator migrated the event to a second one (a paused relay's salvaged batch), are not
+/// recorded: they are about a destination the event no longer has (outbox-sim, seed 1 trace
+/// 189388). The same refusals for the current generation are.
+#[tokio::test]
+async fn a_refusal_decided_before_a_migration_is_not_recorded() {
+    use outbox_ledger::HoldRecord;
+
+    let (mut c, _) = fresh("ledger_superseded").await;
+    let id = enqueue(
+        &c,
+        "order",
+        "o-7",
+        "order.created",
+        &json!({"a": 1}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let generation = outbox_ledger::destination::record(
+        &c,
+        id,
+        "kafka",
+        "default",
+        "orders.moved",
+        "NeverSent",
+        "test",
+        "test",
+    )
+    .await
+    .unwrap();
+    assert_eq!(generation, 2);
+    let refusals = |g: i32| {
+        [
+            LedgerItem::Quarantine(QuarantineRecord {
+                key: id.to_string(),
+                event_id: Some(id),
+                aggregate_type: Some("order".into()),
+                aggregate_id: Some("o-7".into()),
+                aggregate_version: Some(1),
+                reason_code: "destination_not_served".into(),
+                reason: format!("decided for generation {g}"),
+                commit_lsn: Lsn(100),
+                envelope_generation: Some(g),
+            }),
+            LedgerItem::Hold(HoldRecord {
+                aggregate_type: "order".into(),
+                aggregate_id: "o-7".into(),
+                reason_code: "destination_not_served".into(),
+                reason: format!("decided for generation {g}"),
+                blocking_event_id: Some(id),
+                blocking_version: Some(1),
+                blocking_generation: Some(g),
+            }),
+        ]
+    };
+    let out = accept::accept_batch(&mut c, "s", &refusals(1), None, None)
+        .await
+        .unwrap();
+    assert_eq!(out.quarantined, 0, "{out:?}");
+    assert_eq!(count(&c, "SELECT count(*) FROM outbox.quarantine").await, 0);
+    assert_eq!(count(&c, "SELECT count(*) FROM outbox.holds").await, 0);
+    let out = accept::accept_batch(&mut c, "s", &refusals(2), None, None)
+        .await
+        .unwrap();
+    assert_eq!(out.quarantined, 1, "{out:?}");
+    assert_eq!(count(&c, "SELECT count(*) FROM outbox.holds").await, 1);
 }
 
 #[tokio::test]

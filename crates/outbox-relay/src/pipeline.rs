@@ -483,6 +483,7 @@ impl<P: Plant> PipelineCore<P> {
                         reason,
                         blocking_event_id: Some(p.ev.event_id),
                         blocking_version: Some(got),
+                        blocking_generation: Some(p.ev.envelope_generation),
                     }),
                     None,
                 );
@@ -524,15 +525,28 @@ impl<P: Plant> PipelineCore<P> {
         commit_lsn: Option<Lsn>,
         ack: Option<EventToken>,
     ) {
-        let blocking = (ev.event_id, ev.aggregate_version, commit_lsn, ack);
+        let blocking = (
+            ev.event_id,
+            ev.aggregate_version,
+            ev.envelope_generation,
+            commit_lsn,
+            ack,
+        );
         self.poison_key(&key_of(ev), blocking, code, reason);
     }
 
-    /// [`Self::poison`] for an event known by its key, id, version, commit LSN and ack token.
+    /// [`Self::poison`] for an event known by its key, id, version, envelope generation (the
+    /// one the refusal is decided for), commit LSN and ack token.
     fn poison_key(
         &mut self,
         key: &AggKey,
-        (event_id, version, commit_lsn, ack): (Uuid, i64, Option<Lsn>, Option<EventToken>),
+        (event_id, version, generation, commit_lsn, ack): (
+            Uuid,
+            i64,
+            i32,
+            Option<Lsn>,
+            Option<EventToken>,
+        ),
         code: &str,
         reason: String,
     ) {
@@ -548,6 +562,7 @@ impl<P: Plant> PipelineCore<P> {
                 reason_code: code.to_string(),
                 reason: reason.clone(),
                 commit_lsn: commit_lsn.unwrap_or(Lsn::ZERO),
+                envelope_generation: Some(generation),
             }),
             ack,
         );
@@ -559,6 +574,7 @@ impl<P: Plant> PipelineCore<P> {
                 reason,
                 blocking_event_id: Some(event_id),
                 blocking_version: Some(version),
+                blocking_generation: Some(generation),
             }),
             None,
         );
@@ -586,6 +602,7 @@ impl<P: Plant> PipelineCore<P> {
                 reason_code: "unreadable_row".into(),
                 reason,
                 commit_lsn,
+                envelope_generation: None,
             }),
             ack,
         );
@@ -672,7 +689,13 @@ impl<P: Plant> PipelineCore<P> {
         if let Some(why) = permanent {
             self.poison_key(
                 &f.key,
-                (f.ev.event_id, f.ev.aggregate_version, f.commit_lsn, f.ack),
+                (
+                    f.ev.event_id,
+                    f.ev.aggregate_version,
+                    f.ev.envelope_generation,
+                    f.commit_lsn,
+                    f.ack,
+                ),
                 "broker_rejected",
                 format!("the producer refused the message permanently: {why}"),
             );
@@ -772,7 +795,13 @@ impl<P: Plant> PipelineCore<P> {
             } => {
                 self.poison_key(
                     &f.key,
-                    (f.ev.event_id, f.ev.aggregate_version, f.commit_lsn, f.ack),
+                    (
+                        f.ev.event_id,
+                        f.ev.aggregate_version,
+                        f.ev.envelope_generation,
+                        f.commit_lsn,
+                        f.ack,
+                    ),
                     "broker_rejected",
                     format!("the broker rejected the message permanently: {error}"),
                 );

@@ -246,6 +246,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 1222, Mutant::PollAboveHead),
         (1, 114911, Mutant::PollAboveHead),
         (1, 56, Mutant::BugRepublishSkipped),
+        (1, 189388, Mutant::BugSupersededRefusal),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

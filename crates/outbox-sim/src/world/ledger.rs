@@ -112,13 +112,17 @@ pub(super) enum Item {
         dest_digest: String,
         late: bool,
     },
+    /// `superseded`: decided for an envelope generation a migration has replaced since
+    /// (`LedgerItem::superseded`, asked when the batch is accepted).
     Quarantine {
         row: usize,
         code: String,
+        superseded: bool,
     },
     Hold {
         agg: Agg,
         blocking: usize,
+        superseded: bool,
     },
     Held {
         row: usize,
@@ -148,14 +152,24 @@ impl World {
                         .late
                         .remove(&(r.event_id, r.partition, r.offset)),
                 },
-                LedgerItem::Quarantine(q) => Item::Quarantine {
-                    row: row_of(self, &q.event_id.expect("simulated rows are readable")),
-                    code: q.reason_code.clone(),
-                },
-                LedgerItem::Hold(h) => Item::Hold {
-                    agg: agg_of(&h.aggregate_id),
-                    blocking: row_of(self, &h.blocking_event_id.expect("a blocking event")),
-                },
+                LedgerItem::Quarantine(q) => {
+                    let row = row_of(self, &q.event_id.expect("simulated rows are readable"));
+                    Item::Quarantine {
+                        row,
+                        code: q.reason_code.clone(),
+                        superseded: it
+                            .superseded(Some(self.rows[row].current().envelope_generation)),
+                    }
+                }
+                LedgerItem::Hold(h) => {
+                    let blocking = row_of(self, &h.blocking_event_id.expect("a blocking event"));
+                    Item::Hold {
+                        agg: agg_of(&h.aggregate_id),
+                        blocking,
+                        superseded: it
+                            .superseded(Some(self.rows[blocking].current().envelope_generation)),
+                    }
+                }
                 LedgerItem::Held(h) => Item::Held {
                     row: row_of(self, &h.event_id),
                 },
@@ -164,12 +178,14 @@ impl World {
     }
 
     /// The product's rule for stale refusals ([`RefusalFilter::stands`]), with the planted
-    /// mutant (if it is this one).
-    fn refusal_stands(&self, kind: RefusalKind, published: bool) -> bool {
+    /// mutant (if it is one of its two).
+    fn refusal_stands(&self, kind: RefusalKind, published: bool, superseded: bool) -> bool {
         if self.is(Mutant::BugStaleQuarantine) {
-            RefusalFilter::honouring_stale().stands(kind, published)
+            RefusalFilter::honouring_stale().stands(kind, published, superseded)
+        } else if self.is(Mutant::BugSupersededRefusal) {
+            RefusalFilter::honouring_superseded().stands(kind, published, superseded)
         } else {
-            RefusalFilter::default().stands(kind, published)
+            RefusalFilter::default().stands(kind, published, superseded)
         }
     }
 
@@ -295,11 +311,17 @@ impl World {
                         }
                     }
                 }
-                Item::Quarantine { row, code } => {
+                Item::Quarantine {
+                    row,
+                    code,
+                    superseded,
+                } => {
                     // A published event is never quarantined afterwards (a zombie's batch
-                    // may carry a refusal decided before a migration published it).
+                    // may carry a refusal decided before a migration published it), nor for a
+                    // generation a migration replaced.
                     let published = self.ledger.primary.contains_key(row);
-                    let stands = self.refusal_stands(RefusalKind::Quarantine, published);
+                    let stands =
+                        self.refusal_stands(RefusalKind::Quarantine, published, *superseded);
                     if self.ledger.open_quarantine(*row).is_none() && stands {
                         if self.ledger.primary.contains_key(row) {
                             log!(
@@ -310,6 +332,17 @@ impl World {
                             self.c.spurious_quarantines += 1;
                         }
                         let recorded = self.ledger.tick();
+                        log!(
+                            self,
+                            "quarantine of {} ({code}) recorded by gen {}{}",
+                            self.rows[*row].ev.event_id,
+                            self.relays[i].gen,
+                            if self.relays[i].salvaging {
+                                " (salvaging)"
+                            } else {
+                                ""
+                            }
+                        );
                         self.ledger.quarantine.push(Quarantine {
                             row: *row,
                             code: code.clone(),
@@ -319,12 +352,16 @@ impl World {
                         });
                     }
                 }
-                Item::Hold { blocking, .. }
-                    if !self.refusal_stands(
-                        RefusalKind::Hold,
-                        self.ledger.primary.contains_key(blocking),
-                    ) => {}
-                Item::Hold { agg, blocking } => match self.ledger.holds.get_mut(agg) {
+                Item::Hold {
+                    blocking,
+                    superseded,
+                    ..
+                } if !self.refusal_stands(
+                    RefusalKind::Hold,
+                    self.ledger.primary.contains_key(blocking),
+                    *superseded,
+                ) => {}
+                Item::Hold { agg, blocking, .. } => match self.ledger.holds.get_mut(agg) {
                     None => {
                         self.ledger.holds.insert(
                             *agg,
@@ -346,7 +383,7 @@ impl World {
                 },
                 Item::Held { row } => {
                     let published = self.ledger.primary.contains_key(row);
-                    if self.refusal_stands(RefusalKind::Held, published) {
+                    if self.refusal_stands(RefusalKind::Held, published, false) {
                         self.ledger.held.entry(*row).or_insert(false);
                     }
                 }

@@ -60,6 +60,13 @@ pub enum Mutant {
     /// blocks the aggregate). A product mutant in `outbox_core::records::RefusalFilter`, the
     /// rule the ledger's acceptance transaction applies.
     BugStaleQuarantine,
+    /// Product bug found by the simulator (seed 1, trace 189388): a paused relay's salvaged
+    /// batch recorded a quarantine decided for an event's old envelope generation (its
+    /// destination before a migration) while the live relay sent the migrated event; the stale
+    /// quarantine let a second migration prove absence by a scan that ran while the live
+    /// relay's copy was still on its way: a copy at a destination the event no longer has.
+    /// Fix: `RefusalFilter` drops refusals decided for a replaced generation.
+    BugSupersededRefusal,
     /// Product bug found by the simulator (seed 1, traces 114, 60 and 3522): a migration
     /// recorded while the event's WAL row was still ahead of the ledger checkpoint. A replay
     /// (after a crash, or by a run that had it queued) decodes the row as frozen at enqueue and
@@ -146,6 +153,7 @@ impl Mutant {
         ("bug-poison-before-gate", Mutant::BugPoisonBeforeGate),
         ("bug-unknown-only-at-start", Mutant::BugUnknownOnlyAtStart),
         ("bug-stale-quarantine", Mutant::BugStaleQuarantine),
+        ("bug-superseded-refusal", Mutant::BugSupersededRefusal),
         ("bug-migrate-replayable", Mutant::BugMigrateReplayable),
         ("bug-proof-after-migration", Mutant::BugProofAfterMigration),
         ("bug-snapshot-gap", Mutant::BugSnapshotGap),
