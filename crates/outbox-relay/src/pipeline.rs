@@ -133,6 +133,10 @@ pub enum Mutant {
     /// A parked event never comes due: no look-up or resend ever resolves an unclear
     /// outcome, so its aggregate waits forever (the simulator's `stalls`).
     UnclearNeverDue,
+    /// The route check no longer compares the frozen destination's cluster with the clusters
+    /// this relay serves: an event frozen for another cluster goes to the served cluster's
+    /// topic of the same name (the simulator's `cross_destination_retries`).
+    RouteIgnoresCluster,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -620,6 +624,10 @@ impl<P: Plant> PipelineCore<P> {
         let p = self.park_open_at_start(p, now)?;
         let checked = if self.planted(Mutant::PoisonBeforeGate) {
             Ok(())
+        } else if self.planted(Mutant::RouteIgnoresCluster) {
+            let mut any = self.served.clone();
+            any.clusters.push(p.ev.destination.cluster.clone());
+            route::check(&p.ev, &any)
         } else {
             route::check(&p.ev, &self.served)
         };

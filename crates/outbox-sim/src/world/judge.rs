@@ -434,8 +434,18 @@ impl World {
         // Cross-destination: sent to a non-current destination, or a copy on the broker frozen
         // for a destination the event no longer has (a migration without a valid proof).
         let mut cross = self.cross_sends.clone();
-        for m in self.broker.iter().flatten().flatten() {
-            if m.dest_digest != self.rows[m.row].current_digest() {
+        for (topic, m) in self
+            .broker
+            .iter()
+            .enumerate()
+            .flat_map(|(t, parts)| parts.iter().flatten().map(move |m| (t, m)))
+        {
+            // Frozen for another destination, or at a topic its destination does not name
+            // (another cluster's topic of the same name).
+            let row = &self.rows[m.row];
+            if m.dest_digest != row.current_digest()
+                || topic != topic_index(&row.current().destination)
+            {
                 if self.verbose {
                     self.log.push(format!(
                         "CROSS: copy of {} frozen for another destination (gen {} attempt {})",

@@ -136,6 +136,10 @@ pub enum Mutant {
     /// not persisted) ends the run, and every aggregate waits for the restart
     /// (`unclear_restarts`).
     BugEndRunOnUnclear,
+    /// The relay's route check ignores the frozen cluster (a product mutant in
+    /// `outbox_relay::PipelineCore::send_one`): an event frozen for cluster B reaches the
+    /// served cluster's topic of the same name (`cross_destination_retries`).
+    RouteIgnoresCluster,
 }
 
 impl Mutant {
@@ -169,6 +173,7 @@ impl Mutant {
         ("bug-republish-skipped", Mutant::BugRepublishSkipped),
         ("unclear-never-due", Mutant::UnclearNeverDue),
         ("bug-end-run-on-unclear", Mutant::BugEndRunOnUnclear),
+        ("route-ignores-cluster", Mutant::RouteIgnoresCluster),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -211,8 +216,11 @@ const CONSUMERS: usize = 2;
 const SERVED_CLUSTER: &str = "A";
 
 /// Topics: 0 and 1 on cluster A (served), 2 on cluster A but it rejects every message
-/// (unauthorised), 3 on cluster B (not served by this relay).
-const TOPICS: [(&str, &str); 4] = [("A", "t1"), ("A", "t2"), ("A", "t3"), ("B", "b1")];
+/// (unauthorised), 3 on cluster B (not served by this relay). Cluster B's topic has the name of
+/// one of A's, as two clusters of one company often do: the relay's producer is connected to
+/// cluster A only, so a send of an event frozen for B/t1 would land on A/t1 (what the route
+/// check is there to prevent).
+const TOPICS: [(&str, &str); 4] = [("A", "t1"), ("A", "t2"), ("A", "t3"), ("B", "t1")];
 const REJECTING_TOPIC: usize = 2;
 
 fn topic_index(d: &Destination) -> usize {
@@ -1519,6 +1527,7 @@ impl World {
             Mutant::OkWithoutOffsetIsProof => Some(outbox_relay::Mutant::OkWithoutOffsetIsProof),
             Mutant::BugSnapshotGap => Some(outbox_relay::Mutant::GapHoldStrandsQueue),
             Mutant::UnclearNeverDue => Some(outbox_relay::Mutant::UnclearNeverDue),
+            Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
             _ => None,
         }
     }
@@ -1558,8 +1567,31 @@ impl World {
                     .map_err(|_| End::Error("relay core: hold_unsent"))?;
                 continue;
             }
-            let topic = topic_index(&ev.destination);
+            // The producer reaches the served cluster only: the topic of that name there.
+            let Some(topic) = TOPICS
+                .iter()
+                .position(|(c, t)| *c == SERVED_CLUSTER && *t == ev.destination.topic)
+            else {
+                // No such topic on the served cluster: the broker refuses it permanently.
+                let now = self.now_for(i);
+                self.relays[i]
+                    .core
+                    .send_refused(token, Some("unknown topic".into()), "unknown topic", now)
+                    .map_err(|_| End::Error("relay core: send_refused"))?;
+                continue;
+            };
             let partition = (self.rows[row].agg as usize) % PARTITIONS;
+            if ev.destination.cluster != SERVED_CLUSTER {
+                log!(
+                    self,
+                    "CROSS-CLUSTER send of {} frozen for {}/{} to {SERVED_CLUSTER}/{}",
+                    ev.event_id,
+                    ev.destination.cluster,
+                    ev.destination.topic,
+                    ev.destination.topic
+                );
+                self.cross_sends.insert(row);
+            }
             if ev.destination_digest != self.rows[row].current_digest() {
                 log!(
                     self,
