@@ -16,6 +16,8 @@ use serde::Deserialize;
 
 use crate::values::SinkKind;
 
+pub mod resolve;
+
 /// A string that must never reach a log line or an error message.
 #[derive(Clone, Default, Deserialize)]
 #[serde(transparent)]

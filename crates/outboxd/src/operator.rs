@@ -1,0 +1,289 @@
+//! The operator's commands that read or change the ledger by hand: `status`, `quarantine`,
+//! `share`, `consumers`, and the Debezium capture `migrate --debezium-table` installs. Each one
+//! prints for a person (or JSON) and records who acted where the ledger keeps it; the rules they
+//! apply live in `outbox-ledger` (holds, consumers, status) and `share`.
+
+use crate::cli::{self, QuarantineCommand};
+use crate::{config, connect};
+
+pub async fn share(cmd: cli::ShareCommand) -> anyhow::Result<()> {
+    use crate::share::{self, Target};
+    let target = |a: &cli::ShareArgs| match (&a.aggregate_type, &a.buckets) {
+        (Some(t), Some(b)) => Target::Buckets(t.clone(), b.0.clone()),
+        (Some(t), None) => Target::Type(t.clone()),
+        (None, _) => Target::All,
+    };
+    let opts = |a: &cli::ShareArgs| share::SwitchOptions {
+        wait: a.wait,
+        canary_wait: a.canary_wait,
+        poller_stopped: a.poller_stopped,
+    };
+    match cmd {
+        cli::ShareCommand::List { db, json } => share::list(&db.url()?, json).await,
+        cli::ShareCommand::Take(a) => share::take(&a.db.url()?, &target(&a), &opts(&a)).await,
+        cli::ShareCommand::GiveBack(a) => {
+            share::give_back(&a.db.url()?, &target(&a), &opts(&a)).await
+        }
+    }
+}
+
+pub async fn consumers(cmd: cli::ConsumersCommand) -> anyhow::Result<()> {
+    use outbox_ledger::consumers;
+    match cmd {
+        cli::ConsumersCommand::List { db, json } => {
+            let client = connect(&db.url()?).await?;
+            let list = consumers::list(&client).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+                return Ok(());
+            }
+            println!(
+                "{:<24} {:<10} {:>10} {:>10} {:>12}  TOPICS",
+                "CONSUMER", "KIND", "PARTITIONS", "INBOX", "IDLE"
+            );
+            for c in &list {
+                println!(
+                    "{:<24} {:<10} {:>10} {:>10} {:>12}  {}",
+                    c.consumer_id,
+                    if c.mandatory { "mandatory" } else { "optional" },
+                    c.partitions,
+                    c.inbox_rows,
+                    c.idle_seconds
+                        .map(|i| format!("{i:.0}s"))
+                        .unwrap_or_else(|| "never".into()),
+                    c.topics
+                        .as_ref()
+                        .map(|t| t.join(","))
+                        .unwrap_or_else(|| "*".into())
+                );
+            }
+            Ok(())
+        }
+        cli::ConsumersCommand::Register {
+            db,
+            id,
+            mandatory,
+            topics,
+            description,
+        } => {
+            let client = connect(&db.url()?).await?;
+            let topics = (!topics.is_empty()).then_some(topics);
+            consumers::register(
+                &client,
+                &id,
+                mandatory,
+                topics.as_deref(),
+                description.as_deref(),
+            )
+            .await?;
+            println!(
+                "registered consumer {id} as {}",
+                if mandatory { "mandatory" } else { "optional" }
+            );
+            Ok(())
+        }
+    }
+}
+
+/// Installs the Debezium-compatible capture trigger on `table` (migration 0009).
+pub async fn install_debezium(url: &str, table: &str) -> anyhow::Result<()> {
+    let (schema, name) = config::split_table(table)?;
+    let client = connect(url).await?;
+    let qualified = format!(
+        "{}.{}",
+        outbox_source::slot::quote_ident(&schema),
+        outbox_source::slot::quote_ident(&name)
+    );
+    let row = client
+        .query_one(
+            "SELECT outbox.install_debezium_capture($1::text::regclass)",
+            &[&qualified],
+        )
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "installing the Debezium capture on {table}: {}",
+                outbox_ledger::describe_db_error(&e)
+            )
+        })?;
+    println!("{}", row.get::<_, String>(0));
+    Ok(())
+}
+
+pub async fn event_status(url: &str, id: uuid::Uuid) -> anyhow::Result<()> {
+    let client = connect(url).await?;
+    match outbox_ledger::status::event_history(&client, id).await? {
+        Some(lines) => {
+            for l in lines {
+                println!("{l}");
+            }
+            Ok(())
+        }
+        None => anyhow::bail!("event {id} is not in the outbox (never committed, or purged)"),
+    }
+}
+
+pub async fn status(url: &str, json: bool) -> anyhow::Result<()> {
+    let client = connect(url).await?;
+    let s = outbox_ledger::status::read(&client).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    println!("events              {}", s.events);
+    println!("published           {}", s.published);
+    println!("pending             {}", s.pending);
+    if let Some(age) = s.oldest_pending_age_seconds {
+        println!("oldest pending age  {age:.1}s");
+    }
+    println!("duplicate receipts  {}", s.duplicate_receipts);
+    println!("quarantined         {}", s.quarantined);
+    println!();
+    println!(
+        "{:<24} {:<12} {:<14} {:<14} {:<8} {:<10} {:>12} {:>12}",
+        "SLOT", "PUBLICATION", "CHECKPOINT", "SLOT LSN", "ACTIVE", "WAL", "LAG BYTES", "RETAINED"
+    );
+    for sl in &s.slots {
+        println!(
+            "{:<24} {:<12} {:<14} {:<14} {:<8} {:<10} {:>12} {:>12}",
+            sl.slot_name,
+            sl.publication,
+            sl.checkpoint_lsn,
+            sl.slot_confirmed_lsn.as_deref().unwrap_or("MISSING"),
+            sl.active
+                .map(|a| a.to_string())
+                .unwrap_or_else(|| "-".into()),
+            sl.wal_status.as_deref().unwrap_or("-"),
+            sl.lag_bytes
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "-".into()),
+            sl.retained_wal_bytes
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "-".into()),
+        );
+    }
+    if !s.leases.is_empty() {
+        println!();
+        println!(
+            "{:<24} {:<32} {:>10} {:<22} {:<14}",
+            "LEASE", "HELD BY", "GENERATION", "STATE", "EARLY TAKEOVER"
+        );
+        for l in &s.leases {
+            let state = if l.expires_in_seconds > 0.0 {
+                format!("held, {:.1}s left", l.expires_in_seconds)
+            } else {
+                "expired (free)".to_string()
+            };
+            println!(
+                "{:<24} {:<32} {:>10} {:<22} {:<14}",
+                l.slot_name,
+                l.owner,
+                l.generation,
+                state,
+                if l.holder_locks {
+                    "if it dies"
+                } else {
+                    "at expiry"
+                }
+            );
+        }
+    }
+    if !s.members.is_empty() {
+        println!();
+        println!("{:<32} {:>14}  LEASES", "FLEET MEMBER", "SEEN (S AGO)");
+        for (id, ago) in &s.members {
+            let held = s
+                .leases
+                .iter()
+                .filter(|l| &l.owner == id && l.expires_in_seconds > 0.0)
+                .count();
+            println!("{id:<32} {ago:>14.1}  {held}");
+        }
+    }
+    Ok(())
+}
+
+pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
+    use outbox_ledger::holds::{self, Resolution};
+    let operator = |by: Option<String>| {
+        by.or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "operator".into())
+    };
+    match cmd {
+        QuarantineCommand::List { db, json } => {
+            let client = connect(&db.url()?).await?;
+            let (q, h) = holds::list(&client).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(
+                        &serde_json::json!({"quarantine": q, "holds": h})
+                    )?
+                );
+                return Ok(());
+            }
+            println!("QUARANTINED ({})", q.len());
+            for e in &q {
+                println!(
+                    "  {}  {}/{}@{}  {}: {}",
+                    e.event_id
+                        .map(|i| i.to_string())
+                        .unwrap_or_else(|| e.quarantine_key.clone()),
+                    e.aggregate_type.as_deref().unwrap_or("?"),
+                    e.aggregate_id.as_deref().unwrap_or("?"),
+                    e.aggregate_version
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|| "?".into()),
+                    e.reason_code,
+                    e.reason
+                );
+            }
+            println!("HELD AGGREGATES ({})", h.len());
+            for e in &h {
+                println!(
+                    "  {}/{}  {}  blocked by {} (version {})  held events: {}  {}: {}",
+                    e.aggregate_type,
+                    e.aggregate_id,
+                    e.state,
+                    e.blocking_event_id
+                        .map(|i| i.to_string())
+                        .unwrap_or_else(|| "-".into()),
+                    e.blocking_version
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|| "-".into()),
+                    e.held_events,
+                    e.reason_code,
+                    e.reason
+                );
+            }
+            Ok(())
+        }
+        QuarantineCommand::Release { db, event, by } => {
+            let mut client = connect(&db.url()?).await?;
+            holds::resolve(&mut client, event, Resolution::Release, &operator(by), None).await?;
+            println!("released {event}; the running relay publishes it and its held events in version order");
+            Ok(())
+        }
+        QuarantineCommand::Skip {
+            db,
+            event,
+            reason,
+            by,
+        } => {
+            if reason.trim().is_empty() {
+                anyhow::bail!("--reason must say why event {event} may be dropped; it is recorded in the ledger");
+            }
+            let mut client = connect(&db.url()?).await?;
+            holds::resolve(
+                &mut client,
+                event,
+                Resolution::Skip,
+                &operator(by),
+                Some(&reason),
+            )
+            .await?;
+            println!("skipped {event} (reason recorded); the running relay publishes the held events behind it");
+            Ok(())
+        }
+    }
+}
