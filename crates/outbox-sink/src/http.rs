@@ -679,6 +679,15 @@ fn describe(e: &reqwest::Error) -> String {
     out
 }
 
+/// An HTTP receipt's time: when the answer arrived, in Unix milliseconds (an endpoint's answer
+/// carries no broker timestamp).
+pub fn answered_at_ms() -> Option<i64> {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_millis() as i64)
+}
+
 /// The delivery report of an exchange. An HTTP receipt has no broker position: partition 0,
 /// offset 0 (what proves it is the answer, [`HttpReceipt`]).
 fn outcome(ev: &OutboxEvent, x: Exchange) -> DeliveryOutcome {
@@ -695,10 +704,7 @@ fn outcome(ev: &OutboxEvent, x: Exchange) -> DeliveryOutcome {
                 topic: ev.destination.topic.clone(),
                 partition: 0,
                 offset: 0,
-                timestamp_ms: SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .ok()
-                    .map(|d| d.as_millis() as i64),
+                timestamp_ms: answered_at_ms(),
                 duplicate: false,
                 evidence: Some(r.evidence()),
             }

@@ -15,7 +15,6 @@
 //! fresh, as for any retry.
 
 use std::collections::BTreeMap;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use outbox_core::records::{LedgerItem, ReceiptRecord};
@@ -263,10 +262,7 @@ pub async fn resend(a: ResendArgs) -> anyhow::Result<()> {
                     topic: ev.destination.topic.clone(),
                     partition: 0,
                     offset: 0,
-                    timestamp_ms: SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .ok()
-                        .map(|d| d.as_millis() as i64),
+                    timestamp_ms: outbox_sink::http::answered_at_ms(),
                     attempt,
                     relay_generation: 0,
                     commit_lsn: None,
