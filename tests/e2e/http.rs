@@ -395,8 +395,8 @@ async fn an_endpoint_answering_410_is_disabled_and_its_events_are_held_until_rel
     target.assert_at_most_once();
 }
 
-/// One relay serving two endpoints (`[[http.endpoints]]`), each with its own headers and
-/// secrets over settings they share from `[http]`. Partner A answers 500 to every request for
+/// One relay serving two endpoints (`[[http.endpoints]]`), each with its own headers, secrets
+/// and retry schedule over settings they share from `[http]`. Partner A answers 500 to every request for
 /// a while: its aggregates wait on their unclear answers, and partner B gets every one of its
 /// events meanwhile, in order, signed with its own secret. Once A recovers, A gets all of its
 /// events once, in order, with no operator step; every receipt names its own endpoint.
@@ -436,6 +436,7 @@ X-Partner = "overridden by each endpoint"
 [[http.endpoints]]
 endpoint = "partner-a"
 headers = { X-Partner = "a" }
+unclear_schedule_ms = [0, 50, 100, 150]
 [[http.endpoints]]
 endpoint = "partner-b"
 max_concurrency = 4
@@ -492,6 +493,13 @@ unclear_schedule_ms = [0, 100, 300, 600]
                 .all(|r| r.answer.as_ref().is_some_and(|(s, _)| *s == 500)),
         "partner A's answers while failing: {:?}",
         a_requests.iter().map(|r| &r.answer).collect::<Vec<_>>()
+    );
+    // Partner A's own retry schedule: past its four steps the relay keeps asking at its last
+    // step, 150 ms (the relay's schedule, which B would use, ends at 600 ms).
+    let log = relay.log_text();
+    assert!(
+        log.contains("keeps asking every 150ms") && !log.contains("keeps asking every 600ms"),
+        "partner A was not retried on its own schedule"
     );
     let ids_a: Vec<uuid::Uuid> = committed_a.keys().copied().collect();
     let a_receipts: i64 = env

@@ -66,6 +66,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         },
         nats: None,
         http: Vec::new(),
+        endpoint_schedules: Default::default(),
         max_in_flight: 5_000,
         batch_size: 1000,
         batch_linger: Duration::from_millis(1),

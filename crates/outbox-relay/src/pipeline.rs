@@ -256,6 +256,9 @@ pub struct PipelineCore<P = Shipped> {
     pub open_at_start: HashMap<Uuid, SystemTime>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
+    /// A destination's own policy, by its cluster (a webhook endpoint's retry schedule), over
+    /// [`Self::unclear_policy`] for the events frozen for it.
+    pub unclear_policies: BTreeMap<String, unclear::Policy>,
     /// Aggregates parked in this run that have not been idle since ([`Self::needs_hold_check`]).
     pub(crate) unclear_seen: HashSet<AggKey>,
     /// Aggregates an operator's release is republishing now ([`crate::release`]).
@@ -324,6 +327,7 @@ impl<P: Plant> PipelineCore<P> {
             unclear_tries: HashMap::new(),
             open_at_start: HashMap::new(),
             unclear_policy: unclear::Policy::default(),
+            unclear_policies: BTreeMap::new(),
             unclear_touched: None,
             unclear_seen: HashSet::new(),
             releasing: HashSet::new(),

@@ -223,15 +223,24 @@ pub fn merge_lookups(prior: Option<LookupOutcome>, next: LookupOutcome) -> Looku
 }
 
 impl<P: crate::pipeline::Plant> PipelineCore<P> {
+    /// The policy for events frozen for `ev`'s destination: its cluster's own (a webhook
+    /// endpoint's schedule), else the relay's.
+    pub fn unclear_policy_for(&self, ev: &OutboxEvent) -> &Policy {
+        self.unclear_policies
+            .get(&ev.destination.cluster)
+            .unwrap_or(&self.unclear_policy)
+    }
+
     /// A send of `f` ended unclear: its event holds the aggregate until resolved.
     pub(super) fn park(&mut self, f: InFlight, failure: &DeliveryFailure, now: Now) {
         let id = f.ev.event_id;
         let tries = self.bump_tries(id);
         // A possibly persisted Kafka request may still land for a while after its report (the
         // producer session is alive): the scan waits the settle time from the report.
-        let mut wait = self.unclear_policy.backoff(tries, id);
+        let policy = *self.unclear_policy_for(&f.ev);
+        let mut wait = policy.backoff(tries, id);
         if failure.unknown.is_some() {
-            wait = wait.max(self.unclear_policy.settle);
+            wait = wait.max(policy.settle);
         }
         let due = now.wall + wait;
         tracing::warn!(event_id = %id, aggregate = %format!("{}/{}", f.key.0, f.key.1),
@@ -264,12 +273,14 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// [`Policy::repeat_wait`] —
     /// and says so once, loudly: see the module documentation for why it is not held.
     fn park_or_hold(&mut self, parked: Parked, tries: u32) {
-        if tries == self.unclear_policy.budget + 1 {
+        let policy = self.unclear_policy_for(&parked.p.ev);
+        if tries == policy.budget + 1 {
             tracing::error!(event_id = %parked.p.ev.event_id,
                 aggregate = %format!("{}/{}", parked.key.0, parked.key.1),
+                destination = %parked.p.ev.destination.cluster,
                 tries, last_error = %parked.error,
                 "unclear outcome past --unclear-budget: the aggregate keeps waiting and the relay keeps asking every {:?}; check the destination",
-                self.unclear_policy.repeat_wait());
+                policy.repeat_wait());
         }
         self.parked.insert(parked.p.ev.event_id, parked);
     }
@@ -277,11 +288,11 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// Parked events whose tries are past the budget.
     pub fn past_budget(&self) -> usize {
         self.parked
-            .keys()
-            .filter(|id| {
+            .iter()
+            .filter(|(id, p)| {
                 self.unclear_tries
                     .get(id)
-                    .is_some_and(|t| *t > self.unclear_policy.budget)
+                    .is_some_and(|t| *t > self.unclear_policy_for(&p.p.ev).budget)
             })
             .count()
     }
@@ -393,7 +404,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             LookupOutcome::Unresolved { error, after } => {
                 let tries = self.bump_tries(event_id);
                 let wait = self
-                    .unclear_policy
+                    .unclear_policy_for(&parked.p.ev)
                     .backoff(tries, event_id)
                     .max(after.unwrap_or_default());
                 parked.running = false;

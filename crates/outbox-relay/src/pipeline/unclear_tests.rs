@@ -297,3 +297,41 @@ fn a_retry_schedule_gives_each_try_its_step_with_a_tenth_of_jitter() {
     let due = c.next_unclear_due().unwrap();
     assert_eq!(due, now(1_500).wall, "step 0: at once after the report");
 }
+
+/// A destination's own policy (a webhook endpoint's schedule) governs the events frozen for it;
+/// the others keep the relay's.
+#[test]
+fn each_destination_is_retried_on_its_own_schedule() {
+    let ms = Duration::from_millis;
+    let mut served = served();
+    served.clusters.push("hooks-b".into());
+    let mut c = PipelineCore::new(served, 7, PipelineCore::gate_from(Vec::new(), Vec::new()));
+    c.unclear_policies.insert(
+        "hooks-b".into(),
+        super::unclear::Policy {
+            schedule: Some(super::unclear::Schedule::new(&[ms(0), ms(50)]).unwrap()),
+            budget: 2,
+            ..Default::default()
+        },
+    );
+    let cmds = admit_txn(&mut c, &[event("a", 1), event_for("b", 1, "hooks-b")], 100);
+    assert_eq!(cmds.len(), 2);
+    for cmd in &cmds {
+        unclear(&mut c, token(cmd), Persistence::NotPersisted);
+    }
+    // b's schedule says at once; a waits the relay's doubling from 200 ms.
+    let due = c.due_unclear(now(1_500));
+    let sent: Vec<String> = due
+        .iter()
+        .filter_map(|s| match s {
+            UnclearStep::Send(Command::Send { event, .. }) => Some(event.aggregate_id.clone()),
+            UnclearStep::Lookup { .. } => None,
+        })
+        .collect();
+    assert_eq!(sent, vec!["b".to_string()]);
+    assert_eq!(c.next_unclear_due(), Some(now(1_700).wall), "a: 200 ms");
+    let a = event("a", 1);
+    let b = event_for("b", 1, "hooks-b");
+    assert_eq!(c.unclear_policy_for(&a).budget, c.unclear_policy.budget);
+    assert_eq!(c.unclear_policy_for(&b).repeat_wait(), ms(50));
+}

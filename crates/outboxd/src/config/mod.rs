@@ -396,6 +396,10 @@ pub struct HttpFile {
     /// Never printed.
     #[serde(default)]
     pub signing_secrets: Vec<Secret>,
+    /// This endpoint's retry schedule for unclear answers, ms (as `[relay]
+    /// unclear_schedule_ms`, which applies where an endpoint sets none): the waits after the
+    /// first, second, ... unclear answer, the last repeating; past its steps the relay says so.
+    pub unclear_schedule_ms: Option<Vec<u64>>,
 }
 
 /// `[kafka]` section.
@@ -541,6 +545,9 @@ pub struct RelayConfig {
     pub unclear_budget: u32,
     /// The operator's retry schedule for unclear outcomes, if any (else the doubling).
     pub unclear_schedule: Option<outbox_relay::UnclearSchedule>,
+    /// Webhook endpoints' own retry schedules, by endpoint name (`[[http.endpoints]]
+    /// unclear_schedule_ms`), over `unclear_schedule` for the events frozen for them.
+    pub endpoint_schedules: BTreeMap<String, outbox_relay::UnclearSchedule>,
     /// CDC (the slot) or poll (queries); in poll mode `slot` names the lease.
     pub mode: crate::values::RunMode,
     /// Poll mode: the pause after a round that found nothing new.

@@ -256,20 +256,38 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         ([], Some(f)) => f.clone(),
         (flag, _) => flag.to_vec(),
     };
-    let unclear_schedule = match schedule_ms.as_slice() {
-        [] => None,
-        steps => Some(
-            outbox_relay::UnclearSchedule::new(
-                &steps
-                    .iter()
-                    .map(|ms| Duration::from_millis(*ms))
-                    .collect::<Vec<_>>(),
-            )
-            .map_err(|e| {
-                anyhow::anyhow!("--unclear-schedule-ms (relay.unclear_schedule_ms): {e}")
-            })?,
-        ),
-    };
+    let unclear_schedule = schedule(
+        &schedule_ms,
+        "--unclear-schedule-ms (relay.unclear_schedule_ms)",
+    )?;
+    let mut endpoint_schedules = std::collections::BTreeMap::new();
+    if kind == values::SinkKind::Http {
+        let h = &file.http;
+        let entries: Vec<(String, Option<&Vec<u64>>)> = if h.endpoints.is_empty() {
+            let name = http.first().map(|e| e.endpoint.clone()).unwrap_or_default();
+            vec![(name, h.unclear_schedule_ms.as_ref())]
+        } else {
+            h.endpoints
+                .iter()
+                .map(|e| {
+                    (
+                        e.endpoint.clone().unwrap_or_default(),
+                        e.unclear_schedule_ms
+                            .as_ref()
+                            .or(h.unclear_schedule_ms.as_ref()),
+                    )
+                })
+                .collect()
+        };
+        for (name, ms) in entries {
+            if let Some(s) = schedule(
+                ms.map(Vec::as_slice).unwrap_or_default(),
+                &format!("endpoint {name:?}: http.unclear_schedule_ms"),
+            )? {
+                endpoint_schedules.insert(name, s);
+            }
+        }
+    }
     Ok(RelayConfig {
         database: config::database_name(database_url.expose()),
         database_url,
@@ -369,7 +387,19 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
             .or(unclear_schedule.map(|s| s.steps().len() as u32))
             .unwrap_or(outbox_relay::UnclearPolicy::default().budget),
         unclear_schedule,
+        endpoint_schedules,
     })
+}
+
+/// A retry schedule from its steps in ms (`None` when there are none); errors name `what`.
+fn schedule(ms: &[u64], what: &str) -> anyhow::Result<Option<outbox_relay::UnclearSchedule>> {
+    if ms.is_empty() {
+        return Ok(None);
+    }
+    let steps: Vec<Duration> = ms.iter().map(|m| Duration::from_millis(*m)).collect();
+    outbox_relay::UnclearSchedule::new(&steps)
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("{what}: {e}"))
 }
 
 /// Checks one relay's settings, after naming a shard's slot and publication.
@@ -526,9 +556,16 @@ mod tests {
             "sink = \"http\"\n[http]\nmax_concurrency = 8\nsigning_secrets = [\"whsec_shared\"]\n\
              [http.headers]\nX-Shared = \"s\"\nx-partner = \"shared\"\n\
              [[http.endpoints]]\nendpoint = \"b\"\nheaders = { X-Partner = \"b\" }\n\
-             [[http.endpoints]]\nendpoint = \"a\"\nmax_concurrency = 2\nsigning_secrets = [\"whsec_a\"]\n",
+             [[http.endpoints]]\nendpoint = \"a\"\nmax_concurrency = 2\nsigning_secrets = [\"whsec_a\"]\n\
+             unclear_schedule_ms = [0, 1000]\n",
         );
         let cfg = resolve_run(&run_args(&["--config", &path])).unwrap();
+        let schedules: Vec<(&str, usize)> = cfg
+            .endpoint_schedules
+            .iter()
+            .map(|(k, s)| (k.as_str(), s.steps().len()))
+            .collect();
+        assert_eq!(schedules, vec![("a", 2)], "only a sets its own schedule");
         let got: Vec<_> = cfg
             .http
             .iter()
@@ -579,6 +616,10 @@ mod tests {
             (
                 "sink = \"http\"\n[[http.endpoints]]\nendpoint = \"a\"\nmax_concurrency = 0\n",
                 "endpoint \"a\": http.max_concurrency",
+            ),
+            (
+                "sink = \"http\"\n[[http.endpoints]]\nendpoint = \"a\"\nunclear_schedule_ms = [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]\n",
+                "endpoint \"a\": http.unclear_schedule_ms",
             ),
         ] {
             let path = write("bad.toml", text);
