@@ -496,10 +496,21 @@ unclear_schedule_ms = [0, 100, 300, 600]
     );
     // Partner A's own retry schedule: past its four steps the relay keeps asking at its last
     // step, 150 ms (the relay's schedule, which B would use, ends at 600 ms).
-    let log = relay.log_text();
+    outbox_testkit::wait::wait_for(
+        "partner A asked past its own schedule's four steps",
+        crate::harness::LONG,
+        || async {
+            if relay.log_text().contains("keeps asking every 150ms") {
+                Ok(())
+            } else {
+                Err(format!("{} requests to A so far", a.requests().len()))
+            }
+        },
+    )
+    .await;
     assert!(
-        log.contains("keeps asking every 150ms") && !log.contains("keeps asking every 600ms"),
-        "partner A was not retried on its own schedule"
+        !relay.log_text().contains("keeps asking every 600ms"),
+        "an event was retried on the relay's schedule, not its endpoint's"
     );
     let ids_a: Vec<uuid::Uuid> = committed_a.keys().copied().collect();
     let a_receipts: i64 = env
