@@ -8,7 +8,7 @@
 //! another generation recorded), and what the pipeline must remember
 //! afterwards ([`crate::PipelineCore::unknown_resolved`]): a found event is never sent again,
 //! a proven-absent one is sent again with the next attempt generation. The daemon
-//! (`relay/reconcile.rs`) does the I/O around it; the simulator calls the same functions.
+//! (`relay/unknown.rs`) does the I/O around it; the simulator calls the same functions.
 
 use std::time::Duration;
 

@@ -64,10 +64,10 @@ async fn dispatch(cmd: Command) -> anyhow::Result<()> {
                 outboxd::operator::install_debezium(&database_url, t).await?;
             }
             if let Some(t) = &a.poller_table {
-                outboxd::share::attach(&database_url, &a.poller, t).await?;
+                outboxd::poller_share::attach(&database_url, &a.poller, t).await?;
             }
             if let Some(n) = &a.shards {
-                outboxd::shards::run(&database_url, &a.publication, n).await?;
+                outboxd::shard_layout::run(&database_url, &a.publication, n).await?;
             }
             Ok(())
         }

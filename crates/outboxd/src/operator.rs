@@ -7,7 +7,7 @@ use crate::cli::{self, QuarantineCommand};
 use crate::{config, connect};
 
 pub async fn share(cmd: cli::ShareCommand) -> anyhow::Result<()> {
-    use crate::share::{self, Target};
+    use crate::poller_share::{self as share, Target};
     let target = |a: &cli::ShareArgs| match (&a.aggregate_type, &a.buckets) {
         (Some(t), Some(b)) => Target::Buckets(t.clone(), b.0.clone()),
         (Some(t), None) => Target::Type(t.clone()),

@@ -19,7 +19,7 @@
 //! scope are counted. The receipts are read before the scan, so every receipt accepted by then
 //! is below the high watermark the scan reads up to.
 //!
-//! Not to be confused with `relay/reconcile.rs`, which resolves the relay's own UNKNOWN
+//! Not to be confused with `relay/unknown.rs`, which resolves the relay's own UNKNOWN
 //! attempts at start-up. This command only reads; it changes nothing.
 //!
 //! Exit status: 0 when nothing is found, 2 when anything is (so it can drive an alert), 1 when

@@ -648,7 +648,7 @@ impl Ctx {
             .await?;
         outboxd::migrate(&url).await?;
         if let Some(n) = shards {
-            outboxd::shards::run(&url, "outbox_pub", &n.to_string()).await?;
+            outboxd::shard_layout::run(&url, "outbox_pub", &n.to_string()).await?;
         }
         let client = outboxd::connect(&url).await?;
         let agg_type = format!("bench_{}", sc.name);

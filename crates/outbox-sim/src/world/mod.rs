@@ -1300,7 +1300,7 @@ impl World {
         }
     }
 
-    /// `relay/reconcile.rs`, while running: UNKNOWN attempts another generation recorded after
+    /// `relay/unknown.rs`, while running: UNKNOWN attempts another generation recorded after
     /// this run started (a zombie's late report), once their settle time has passed; not those
     /// of events this run holds itself (parked, or left open at start): their own look-up
     /// resolves them.
@@ -1311,7 +1311,7 @@ impl World {
         self.reconcile_attempts(i, open, When::Running)
     }
 
-    /// `relay/reconcile.rs`: every open UNKNOWN attempt, before streaming.
+    /// `relay/unknown.rs`: every open UNKNOWN attempt, before streaming.
     fn reconcile(&mut self, i: usize) -> Result<(), End> {
         let open: Vec<usize> = (0..self.ledger.attempts.len())
             .filter(|a| self.ledger.attempts[*a].state == AttemptState::Unknown)
@@ -1319,7 +1319,7 @@ impl World {
         self.reconcile_attempts(i, open, When::Start)
     }
 
-    /// `reconcile::reconcile_unknown`. At start nothing is looked up in line: every open
+    /// `unknown::reconcile_unknown`. At start nothing is looked up in line: every open
     /// attempt is handed to the run (`open_at_start`, due after what is left of its settle
     /// time): the replay parks its event when it reaches it, and its look-up runs beside
     /// everything else. While running, each settled attempt of another generation is looked
@@ -1408,7 +1408,7 @@ impl World {
         )
     }
 
-    /// `reconcile::record_lookup`: what the look-up of attempt `a` of `ev` proved, by the rule
+    /// `unknown::record_lookup`: what the look-up of attempt `a` of `ev` proved, by the rule
     /// (`outbox_relay::unknown::resolve`), recorded in the ledger before the caller tells the
     /// core: a found copy's receipt is accepted and the attempt resolved FOUND; an absence
     /// resolves it ABSENT (the next send is attempt generation + 1). Shared by reconciliation

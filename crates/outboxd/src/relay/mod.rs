@@ -25,7 +25,7 @@ pub mod databases;
 pub mod fleet;
 mod pipeline;
 mod poll;
-mod reconcile;
+mod unknown;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -623,13 +623,13 @@ async fn releases_and_unknown(
     pipeline
         .process_releases(sql, current_rows, progress)
         .await?;
-    reconcile::reconcile_unknown(
+    unknown::reconcile_unknown(
         cfg,
         sql,
         pipeline,
         fence,
         current_rows,
-        reconcile::When::Running,
+        unknown::When::Running,
     )
     .await
 }
@@ -742,13 +742,13 @@ async fn reconcile_at_start(
         .core
         .retry_generation
         .extend(outbox_ledger::attempts::retry_generations(sql, &cfg.slot).await?);
-    reconcile::reconcile_unknown(
+    unknown::reconcile_unknown(
         cfg,
         sql,
         pipeline,
         fence,
         current_rows,
-        reconcile::When::Start,
+        unknown::When::Start,
     )
     .await?;
     pipeline.core.raise_heads(holds::load_heads(sql).await?);

@@ -338,7 +338,7 @@ impl Pipeline {
             return Ok(false);
         };
         let started = Instant::now();
-        let query = super::reconcile::lookup_query(&self.client, &attempt).await?;
+        let query = super::unknown::lookup_query(&self.client, &attempt).await?;
         let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
         tokio::spawn(async move {
             let result = sink.lookup(query.of(&event, &attempt)).await;
@@ -368,7 +368,7 @@ impl Pipeline {
         let id = event.event_id;
         let outcome = match result {
             Ok(lookup) => {
-                let resolved = super::reconcile::record_lookup(
+                let resolved = super::unknown::record_lookup(
                     &self.slot.clone(),
                     self,
                     &self.fence.clone(),
