@@ -52,7 +52,18 @@ struct Agg<T> {
     expected: i64,
     in_flight: bool,
     held: bool,
-    queue: VecDeque<T>,
+    /// Events behind the in-flight one; `None` when there are none. The gate keeps an entry
+    /// for every aggregate the relay has seen (100,000 in the bench), and few have a queue at
+    /// any moment: boxed, an entry is 24 bytes smaller than with an inline `VecDeque`, and a
+    /// drained queue gives its buffer back.
+    #[allow(clippy::box_collection)] // the box is the point: 8 bytes inline instead of 32
+    queue: Option<Box<VecDeque<T>>>,
+}
+
+impl<T> Agg<T> {
+    fn queue_len(&self) -> usize {
+        self.queue.as_ref().map_or(0, |q| q.len())
+    }
 }
 
 /// Per-aggregate ordering state for one relay run.
@@ -83,7 +94,7 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
             expected: last_accepted + 1,
             in_flight: false,
             held,
-            queue: VecDeque::new(),
+            queue: None,
         });
         a.expected = a.expected.max(last_accepted + 1);
         a.held |= held;
@@ -111,7 +122,7 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
             a.expected += 1;
         }
         if a.in_flight {
-            a.queue.push_back(item);
+            a.queue.get_or_insert_with(Box::default).push_back(item);
             self.queued += 1;
             Admit::Queued
         } else {
@@ -128,9 +139,12 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
             a.in_flight = false;
             return None;
         }
-        match a.queue.pop_front() {
+        match a.queue.as_mut().and_then(|q| q.pop_front()) {
             Some(next) => {
                 self.queued -= 1;
+                if a.queue.as_ref().is_some_and(|q| q.is_empty()) {
+                    a.queue = None;
+                }
                 Some(next)
             }
             None => {
@@ -146,8 +160,8 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
         match self.aggs.get_mut(key) {
             Some(a) => {
                 a.held = true;
-                self.queued -= a.queue.len();
-                a.queue.drain(..).collect()
+                self.queued -= a.queue_len();
+                a.queue.take().map_or_else(Vec::new, |q| Vec::from(*q))
             }
             None => Vec::new(),
         }
@@ -161,9 +175,9 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
     pub fn forget_queue(&mut self, key: &K) -> usize {
         match self.aggs.get_mut(key) {
             Some(a) => {
-                let n = a.queue.len();
+                let n = a.queue_len();
                 self.queued -= n;
-                a.queue.clear();
+                a.queue = None;
                 n
             }
             None => 0,
@@ -273,6 +287,26 @@ mod tests {
         assert_eq!(g.done(&"a"), None);
         assert_eq!(g.offer(&"a", 4, 4), Admit::Held(4));
         assert_eq!(g.queued(), 0);
+    }
+
+    #[test]
+    fn an_aggregate_without_a_queue_keeps_no_queue() {
+        let mut g: OrderingGate<&str, i64> = OrderingGate::new();
+        g.set_head("a", 0, false);
+        assert_eq!(g.offer(&"a", 1, 1), Admit::Send(1));
+        assert_eq!(g.offer(&"a", 2, 2), Admit::Queued);
+        assert!(g.aggs[&"a"].queue.is_some());
+        assert_eq!(g.done(&"a"), Some(2));
+        assert!(
+            g.aggs[&"a"].queue.is_none(),
+            "a drained queue is given back"
+        );
+        assert_eq!(g.offer(&"a", 3, 3), Admit::Queued);
+        assert_eq!(g.forget_queue(&"a"), 1);
+        assert!(g.aggs[&"a"].queue.is_none());
+        assert_eq!(g.queued(), 0);
+        // The entry the gate keeps for each aggregate it has seen: an i64, two flags, a pointer.
+        assert_eq!(std::mem::size_of::<Agg<[u8; 400]>>(), 24);
     }
 
     proptest! {
