@@ -145,11 +145,6 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "takeover_scale",
         sql: include_str!("../../../migrations/0025_takeover_scale.sql"),
     },
-    Migration {
-        version: 26,
-        name: "inline_digests",
-        sql: include_str!("../../../migrations/0026_inline_digests.sql"),
-    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
