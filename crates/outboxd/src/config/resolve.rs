@@ -490,6 +490,13 @@ mod tests {
         bare_run_args(&a)
     }
 
+    /// Writes `text` to `name` in `dir`; its path.
+    fn write_file(dir: &tempfile::TempDir, name: &str, text: &str) -> String {
+        let file = dir.path().join(name);
+        std::fs::write(&file, text).unwrap();
+        file.to_str().unwrap().to_string()
+    }
+
     /// `outboxd run` with `args` only.
     fn bare_run_args(args: &[&str]) -> RunArgs {
         let mut argv = vec!["outboxd", "run"];
@@ -546,11 +553,7 @@ mod tests {
     #[test]
     fn http_endpoints_take_what_they_do_not_set_from_http_and_are_named() {
         let dir = tempfile::tempdir().unwrap();
-        let write = |name: &str, text: &str| {
-            let file = dir.path().join(name);
-            std::fs::write(&file, text).unwrap();
-            file.to_str().unwrap().to_string()
-        };
+        let write = |name: &str, text: &str| write_file(&dir, name, text);
         let path = write(
             "two.toml",
             "sink = \"http\"\n[http]\nmax_concurrency = 8\nsigning_secrets = [\"whsec_shared\"]\n\
@@ -631,11 +634,7 @@ mod tests {
     #[test]
     fn databases_each_get_a_relay_with_their_own_names_and_the_shared_settings() {
         let dir = tempfile::tempdir().unwrap();
-        let write = |name: &str, text: &str| {
-            let file = dir.path().join(name);
-            std::fs::write(&file, text).unwrap();
-            file.to_str().unwrap().to_string()
-        };
+        let write = |name: &str, text: &str| write_file(&dir, name, text);
         let path = write(
             "many.toml",
             "slot = \"shared_slot\"\n[kafka]\nbootstrap_servers = \"k:9092\"\n[relay]\nlease_ttl_ms = 4000\n\
