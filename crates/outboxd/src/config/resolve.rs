@@ -150,13 +150,28 @@ pub fn http_endpoints(
             },
         }
     };
+    let shared = config::HttpFile::default();
+    Ok(endpoint_entries(a, h)?
+        .into_iter()
+        .map(|(name, e)| one(e.unwrap_or(&shared), name))
+        .collect())
+}
+
+/// Each endpoint's name and its `[[http.endpoints]]` entry (`None`: `[http]` alone is the one
+/// endpoint): the one walk that names the endpoints, for their sink settings and their
+/// schedules alike. Refuses a name given by a flag or by `[http]` beside the list, a nested
+/// list and an entry without a name.
+fn endpoint_entries<'h>(
+    a: &HttpFlags<'_>,
+    h: &'h config::HttpFile,
+) -> anyhow::Result<Vec<(String, Option<&'h config::HttpFile>)>> {
     if h.endpoints.is_empty() {
         let name = a
             .endpoint
             .map(str::to_string)
             .or(h.endpoint.clone())
-            .unwrap_or(d.endpoint.clone());
-        return Ok(vec![one(&config::HttpFile::default(), name)]);
+            .unwrap_or(outbox_sink::HttpSinkConfig::default().endpoint);
+        return Ok(vec![(name, None)]);
     }
     if let Some(flag) = a.endpoint {
         anyhow::bail!("--http-endpoint {flag:?} names one endpoint, but the config file lists [[http.endpoints]]: name each endpoint in its entry and drop the flag");
@@ -174,9 +189,28 @@ pub fn http_endpoints(
             let name = e.endpoint.clone().ok_or_else(|| {
                 anyhow::anyhow!("[[http.endpoints]] entry {} has no endpoint name: add endpoint = \"<the name its routes give it>\"", i + 1)
             })?;
-            Ok(one(e, name))
+            Ok((name, Some(e)))
         })
         .collect()
+}
+
+/// The endpoints' own retry schedules (`unclear_schedule_ms` of an entry, else of `[http]`),
+/// by endpoint name; an endpoint with none is absent.
+fn endpoint_schedules(
+    a: &HttpFlags<'_>,
+    h: &config::HttpFile,
+) -> anyhow::Result<std::collections::BTreeMap<String, outbox_relay::UnclearSchedule>> {
+    let mut out = std::collections::BTreeMap::new();
+    for (name, e) in endpoint_entries(a, h)? {
+        let ms = e
+            .and_then(|e| e.unclear_schedule_ms.as_deref())
+            .or(h.unclear_schedule_ms.as_deref())
+            .unwrap_or_default();
+        if let Some(s) = schedule(ms, &format!("endpoint {name:?}: http.unclear_schedule_ms"))? {
+            out.insert(name, s);
+        }
+    }
+    Ok(out)
 }
 
 /// The settings every database of the process shares, and the top-level database, unchecked.
@@ -192,17 +226,18 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
     let defaults = KafkaSinkConfig::default();
     let cluster_name = a.cluster_name.clone();
     let kind = a.sink.or(file.sink).unwrap_or(values::SinkKind::Kafka);
-    let http = if kind == values::SinkKind::Http {
-        http_endpoints(
-            &HttpFlags {
-                endpoint: a.http_endpoint.as_deref(),
-                signing_secrets: &a.http_signing_secrets,
-                deadline_ms: a.message_timeout_ms,
-            },
-            &file.http,
-        )?
+    let http_flags = HttpFlags {
+        endpoint: a.http_endpoint.as_deref(),
+        signing_secrets: &a.http_signing_secrets,
+        deadline_ms: a.message_timeout_ms,
+    };
+    let (http, endpoint_schedules) = if kind == values::SinkKind::Http {
+        (
+            http_endpoints(&http_flags, &file.http)?,
+            endpoint_schedules(&http_flags, &file.http)?,
+        )
     } else {
-        Vec::new()
+        Default::default()
     };
     let nats = match kind {
         values::SinkKind::Kafka | values::SinkKind::Http => None,
@@ -260,34 +295,6 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         &schedule_ms,
         "--unclear-schedule-ms (relay.unclear_schedule_ms)",
     )?;
-    let mut endpoint_schedules = std::collections::BTreeMap::new();
-    if kind == values::SinkKind::Http {
-        let h = &file.http;
-        let entries: Vec<(String, Option<&Vec<u64>>)> = if h.endpoints.is_empty() {
-            let name = http.first().map(|e| e.endpoint.clone()).unwrap_or_default();
-            vec![(name, h.unclear_schedule_ms.as_ref())]
-        } else {
-            h.endpoints
-                .iter()
-                .map(|e| {
-                    (
-                        e.endpoint.clone().unwrap_or_default(),
-                        e.unclear_schedule_ms
-                            .as_ref()
-                            .or(h.unclear_schedule_ms.as_ref()),
-                    )
-                })
-                .collect()
-        };
-        for (name, ms) in entries {
-            if let Some(s) = schedule(
-                ms.map(Vec::as_slice).unwrap_or_default(),
-                &format!("endpoint {name:?}: http.unclear_schedule_ms"),
-            )? {
-                endpoint_schedules.insert(name, s);
-            }
-        }
-    }
     Ok(RelayConfig {
         database: config::database_name(database_url.expose()),
         database_url,
