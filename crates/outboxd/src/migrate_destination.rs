@@ -20,10 +20,7 @@ pub async fn run(a: MigrateDestinationArgs) -> anyhow::Result<()> {
     if a.reason.trim().is_empty() {
         anyhow::bail!("--reason must say why the destination changes; it is recorded in the migration receipt");
     }
-    let by =
-        a.by.clone()
-            .or_else(|| std::env::var("USER").ok())
-            .unwrap_or_else(|| "operator".into());
+    let by = crate::operator::operator_name(a.by.clone());
     let mut client = crate::connect(&a.db.url()?).await?;
     let mut refused = 0;
     for id in &a.event {

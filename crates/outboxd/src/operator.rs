@@ -203,12 +203,14 @@ pub async fn status(url: &str, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Who acts, as the ledger records it: `--by`, else `$USER`, else `operator`.
+pub fn operator_name(by: Option<String>) -> String {
+    by.or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| "operator".into())
+}
+
 pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
     use outbox_ledger::holds::{self, Resolution};
-    let operator = |by: Option<String>| {
-        by.or_else(|| std::env::var("USER").ok())
-            .unwrap_or_else(|| "operator".into())
-    };
     match cmd {
         QuarantineCommand::List { db, json } => {
             let client = connect(&db.url()?).await?;
@@ -260,7 +262,14 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
         }
         QuarantineCommand::Release { db, event, by } => {
             let mut client = connect(&db.url()?).await?;
-            holds::resolve(&mut client, event, Resolution::Release, &operator(by), None).await?;
+            holds::resolve(
+                &mut client,
+                event,
+                Resolution::Release,
+                &operator_name(by),
+                None,
+            )
+            .await?;
             println!("released {event}; the running relay publishes it and its held events in version order");
             Ok(())
         }
@@ -278,7 +287,7 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
                 &mut client,
                 event,
                 Resolution::Skip,
-                &operator(by),
+                &operator_name(by),
                 Some(&reason),
             )
             .await?;

@@ -171,10 +171,7 @@ pub async fn resend(a: ResendArgs) -> anyhow::Result<()> {
         );
     };
     crate::config::validate_http(&cfg)?;
-    let by =
-        a.by.clone()
-            .or_else(|| std::env::var("USER").ok())
-            .unwrap_or_else(|| "operator".into());
+    let by = crate::operator::operator_name(a.by.clone());
     let mut client = connect(&a.db.url()?).await?;
     let cols = outbox_source::snapshot::text_columns();
     let rows = client
