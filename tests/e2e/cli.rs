@@ -78,9 +78,8 @@ e2e_only! {
 async fn every_connecting_command_reads_the_database_url_from_the_config_file() {
     let env = TestEnv::new("cli_config").await;
     env.enqueue("c-1", json!({"n": 1})).await;
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(&config, format!("database_url = {:?}\n", env.url)).unwrap();
-    let config = config.to_str().unwrap();
+    let config = env.write_config(format!("database_url = {:?}\n", env.url));
+    let config = config.as_str();
     let commands: &[&[&str]] = &[
         &["status"],
         &["status", "--json"],

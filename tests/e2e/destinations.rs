@@ -554,14 +554,11 @@ async fn aggregate_ids_reach_only_their_own_url_path() {
             format!("/hooks/order/{}", percent_encode(id)),
         );
     }
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         "sink = \"http\"\n[http]\nendpoint = \"hooks-api\"\n\
          [http.headers]\nAuthorization = \"Bearer t0ken\"\n",
-    )
-    .unwrap();
-    let mut relay = env.relay(&[], &["--config", config.to_str().unwrap()]);
+    );
+    let mut relay = env.relay(&[], &["--config", &config]);
     env.wait_count(
         "a receipt for each of the four events",
         "SELECT count(*) FROM outbox.receipts",

@@ -244,6 +244,13 @@ impl TestEnv {
         .await
     }
 
+    /// Writes `text` as this test's `outboxd.toml`; its path, for `--config`.
+    pub fn write_config(&self, text: impl AsRef<str>) -> String {
+        let path = self.dir.path().join("outboxd.toml");
+        std::fs::write(&path, text.as_ref()).expect("write outboxd.toml");
+        path.to_str().expect("a UTF-8 temporary path").to_string()
+    }
+
     /// Starts the relay with extra environment (failpoints) and arguments.
     pub fn relay(&self, envs: &[(&str, &str)], args: &[&str]) -> RelayProcess {
         self.relay_at(&self.url, envs, args)

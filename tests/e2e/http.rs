@@ -40,19 +40,16 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
     ] {
         target.then(b);
     }
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 400\n\
          response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n\
          [http.headers]\nAuthorization = \"Bearer t0ken\"\n",
-    )
-    .unwrap();
+    );
     let mut relay = env.relay(
         &[],
         &[
             "--config",
-            config.to_str().unwrap(),
+            &config,
             "--message-timeout-ms",
             "4000",
             "--unknown-settle-ms",
@@ -163,7 +160,7 @@ async fn every_event_reaches_the_endpoint_once_by_key_in_order_and_the_poison_on
         "--database-url",
         &env.url,
         "--config",
-        config.to_str().unwrap(),
+        &config,
         "--slot",
         &env.slot,
     ]);
@@ -220,14 +217,11 @@ async fn an_endpoint_down_past_the_first_retries_gets_every_event_once_it_is_bac
             retry_after: None,
         });
     }
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 1000\n\
          response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n[relay]\nunclear_schedule_ms = [0, 100, 300, 600]\n",
-    )
-    .unwrap();
-    let mut relay = env.relay(&[], &["--config", config.to_str().unwrap()]);
+    );
+    let mut relay = env.relay(&[], &["--config", &config]);
     env.wait_streaming().await;
     let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
     for v in 1..=4i64 {
@@ -302,14 +296,11 @@ async fn an_endpoint_answering_410_is_disabled_and_its_events_are_held_until_rel
         status: 410,
         retry_after: None,
     });
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nmax_concurrency = 1\n\
          response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
-    )
-    .unwrap();
-    let args = ["--config", config.to_str().unwrap()];
+    );
+    let args = ["--config", &config];
     let mut relay = env.relay(&[], &args);
     env.wait_streaming().await;
     let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
@@ -422,9 +413,7 @@ async fn two_endpoints_served_by_one_relay_one_failing_the_other_unaffected() {
             retry_after: None,
         });
     }
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         r#"sink = "http"
 [http]
 request_timeout_ms = 1000
@@ -445,9 +434,8 @@ headers = { X-Partner = "b" }
 [relay]
 unclear_schedule_ms = [0, 100, 300, 600]
 "#,
-    )
-    .unwrap();
-    let mut relay = env.relay(&[], &["--config", config.to_str().unwrap()]);
+    );
+    let mut relay = env.relay(&[], &["--config", &config]);
     env.wait_streaming().await;
     let mut committed_a: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
     let mut committed_b: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();

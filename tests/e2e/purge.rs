@@ -235,13 +235,10 @@ async fn relay_purges_in_the_background_when_configured() {
         )
         .await
         .unwrap();
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         "[retention]\nreplay_window = \"0s\"\ninbox_retention = \"1h\"\npurge_interval = \"200ms\"\n",
-    )
-    .unwrap();
-    let mut relay = env.relay(&[], &["--config", config.to_str().unwrap()]);
+    );
+    let mut relay = env.relay(&[], &["--config", &config]);
     let a = env.enqueue("o-1", json!({"n": 1})).await;
     let b = env.enqueue("o-2", json!({"n": 2})).await;
     env.wait_count("receipts", "SELECT count(*) FROM outbox.receipts", 2)

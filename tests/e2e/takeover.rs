@@ -44,6 +44,24 @@ fn poller_binary() -> PathBuf {
     bin
 }
 
+/// `outboxd migrate --poller-table app.outbox --published-column published_at` and `extra`:
+/// attaches the test's poller table; what it printed.
+fn attach(env: &TestEnv, extra: &[&str]) -> String {
+    let mut args = vec![
+        "migrate",
+        "--database-url",
+        &env.url,
+        "--poller-table",
+        "app.outbox",
+        "--published-column",
+        "published_at",
+    ];
+    args.extend(extra);
+    let (ok, out) = outboxd(&args);
+    assert!(ok, "attaching app.outbox: {out}");
+    out
+}
+
 fn start_poller(env: &TestEnv, extra: &[&str]) -> RelayProcess {
     let n = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -301,16 +319,8 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
     }
 
     // 1. Attach.
-    let (ok, out) = outboxd(&[
-        "migrate",
-        "--database-url",
-        &env.url,
-        "--poller-table",
-        "app.outbox",
-        "--published-column",
-        "published_at",
-    ]);
-    assert!(ok && out.contains("7 existing row(s)"), "{out}");
+    let out = attach(&env, &[]);
+    assert!(out.contains("7 existing row(s)"), "{out}");
     let mut poller = start_poller(&env, &[]);
     let mut relay = env.relay(&[], &[]);
     env.wait_streaming().await;
@@ -741,19 +751,9 @@ async fn the_shadow_counts_loss_mismatches_and_double_owners_when_they_are_plant
     let ty = env.aggregate_type.clone();
     let topic = env.topic.clone();
     env.db.batch_execute(TABLE_DDL).await.unwrap();
-    let (ok, out) = outboxd(&[
-        "migrate",
-        "--database-url",
-        &env.url,
-        "--poller-table",
-        "app.outbox",
-        "--published-column",
-        "published_at",
-        // Rows outboxd takes stay unpublished in the table, so the planted poller below (no
-        // predicate) claims them too.
-        "--no-mark-published",
-    ]);
-    assert!(ok, "{out}");
+    // Rows outboxd takes stay unpublished in the table, so the planted poller below (no
+    // predicate) claims them too.
+    attach(&env, &["--no-mark-published"]);
 
     // A poller that marks a row without publishing it.
     let lost = uuid::Uuid::new_v4();
@@ -839,16 +839,7 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
     let ty = env.aggregate_type.clone();
     let topic = env.topic.clone();
     env.db.batch_execute(TABLE_DDL).await.unwrap();
-    let (ok, out) = outboxd(&[
-        "migrate",
-        "--database-url",
-        &env.url,
-        "--poller-table",
-        "app.outbox",
-        "--published-column",
-        "published_at",
-    ]);
-    assert!(ok, "{out}");
+    attach(&env, &[]);
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
     let mut poller = start_poller(&env, &["--no-ownership-predicate"]);
@@ -1235,16 +1226,7 @@ async fn an_attachment_made_before_migration_0025_is_upgraded_under_writers() {
 async fn a_claim_judges_every_row_on_one_snapshot() {
     let env = TestEnv::new("takeover_snapshot").await;
     env.db.batch_execute(TABLE_DDL).await.unwrap();
-    let (ok, out) = outboxd(&[
-        "migrate",
-        "--database-url",
-        &env.url,
-        "--poller-table",
-        "app.outbox",
-        "--published-column",
-        "published_at",
-    ]);
-    assert!(ok, "{out}");
+    attach(&env, &[]);
     // Two rows of one aggregate held back from the poller (its type being handed back).
     env.db
         .execute("SELECT outbox.set_dispatch_owner('order', 'handback')", &[])

@@ -31,20 +31,12 @@ const VERSIONS: i64 = 8;
 async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a_time_never_the_relay(
 ) {
     let (env, target) = endpoint_env("unclear_http", TargetSettings::default()).await;
-    let config = env.dir.path().join("outboxd.toml");
     // A late answer comes after the client's timeout; a clean one well before it.
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 1000\n\
          response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
-    )
-    .unwrap();
-    let args = [
-        "--config",
-        config.to_str().unwrap(),
-        "--message-timeout-ms",
-        "3000",
-    ];
+    );
+    let args = ["--config", &config, "--message-timeout-ms", "3000"];
     let misbehave = Misbehave {
         one_in: 3,
         late: Duration::from_millis(1_500),

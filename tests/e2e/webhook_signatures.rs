@@ -157,18 +157,14 @@ async fn webhooks_list_names_what_an_endpoint_refused_holds_or_doubts_and_resend
         },
     )
     .await;
-    let config = env.dir.path().join("outboxd.toml");
-    std::fs::write(
-        &config,
+    let config = env.write_config(
         format!(
             "sink = \"http\"\ndatabase_url = \"{}\"\n[http]\nendpoint = \"billing-api\"\n\
              request_timeout_ms = 1000\nidempotency_window_ms = 3600000\nsigning_secrets = [\"{OLD}\"]\n\
              [relay]\nunclear_schedule_ms = [0, 200, 400, 800]\n",
             env.url
         ),
-    )
-    .unwrap();
-    let config = config.to_str().unwrap().to_string();
+    );
     let mut relay = env.relay(&[], &["--config", &config]);
     env.wait_streaming().await;
     // Wave 1: a0 v1..3, and p with a poison event at v2 and one more behind it.
