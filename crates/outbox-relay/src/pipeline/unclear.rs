@@ -87,6 +87,13 @@ impl Schedule {
         &self.steps[..self.len]
     }
 
+    /// The unclear outcomes a schedule allows before the relay says so loudly: one per step
+    /// (the rule for `unclear_schedule_ms` without an `unclear_budget`, and for an endpoint's
+    /// own schedule).
+    pub fn budget(&self) -> u32 {
+        self.len as u32
+    }
+
     /// The wait after the `tries`-th unclear outcome of `event` (1 = the first): its step (the
     /// last repeats), moved by up to a tenth either way so that events that failed together
     /// are not all tried again at the same moment. The jitter is a hash of the event and the
@@ -123,6 +130,17 @@ impl Default for Policy {
 }
 
 impl Policy {
+    /// A webhook endpoint's own policy: its schedule, a budget of its steps
+    /// ([`Schedule::budget`]), and no settle time (an HTTP look-up is an idempotent resend).
+    pub fn for_endpoint(schedule: Schedule) -> Policy {
+        Policy {
+            settle: Duration::ZERO,
+            budget: schedule.budget(),
+            schedule: Some(schedule),
+            ..Policy::default()
+        }
+    }
+
     /// The wait after the `tries`-th unclear outcome of `event` (1 = the first): the
     /// operator's schedule, else doubling from `first` to `max`.
     pub fn backoff(&self, tries: u32, event: Uuid) -> Duration {

@@ -335,3 +335,21 @@ fn each_destination_is_retried_on_its_own_schedule() {
     assert_eq!(c.unclear_policy_for(&a).budget, c.unclear_policy.budget);
     assert_eq!(c.unclear_policy_for(&b).repeat_wait(), ms(50));
 }
+
+/// An endpoint's own schedule: one unclear outcome per step before the relay says so, and no
+/// settle time before its look-up (a resend).
+#[test]
+fn an_endpoint_policy_budgets_one_try_per_step_and_does_not_settle() {
+    let steps = [0, 10, 20].map(Duration::from_millis);
+    let s = super::unclear::Schedule::new(&steps).unwrap();
+    assert_eq!(s.budget(), 3);
+    let p = UnclearPolicy::for_endpoint(s);
+    assert_eq!(
+        (p.budget, p.settle, p.schedule),
+        (3, Duration::ZERO, Some(s))
+    );
+    assert_eq!(
+        (p.first, p.max),
+        (UnclearPolicy::default().first, UnclearPolicy::default().max)
+    );
+}

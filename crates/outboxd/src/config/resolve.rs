@@ -391,7 +391,7 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         unclear_budget: a
             .unclear_budget
             .or(file.relay.unclear_budget)
-            .or(unclear_schedule.map(|s| s.steps().len() as u32))
+            .or(unclear_schedule.map(|s| s.budget()))
             .unwrap_or(outbox_relay::UnclearPolicy::default().budget),
         unclear_schedule,
         endpoint_schedules,

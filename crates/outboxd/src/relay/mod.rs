@@ -707,20 +707,10 @@ async fn open_pipeline(
         outbox_relay::PipelineCore::gate_from(heads, held),
     );
     pipeline.core.unclear_policy = policy;
-    // A webhook endpoint's own schedule: an HTTP look-up is an idempotent resend (no settle
-    // time), and the endpoint's budget is its schedule's steps.
     pipeline.core.unclear_policies = cfg
         .endpoint_schedules
         .iter()
-        .map(|(name, s)| {
-            let p = outbox_relay::UnclearPolicy {
-                settle: Duration::ZERO,
-                budget: s.steps().len() as u32,
-                schedule: Some(*s),
-                ..Default::default()
-            };
-            (name.clone(), p)
-        })
+        .map(|(name, s)| (name.clone(), outbox_relay::UnclearPolicy::for_endpoint(*s)))
         .collect();
     pipeline.shard_filter = cfg.shard.map(|s| s.filter_sql("aggregate_id"));
     Ok(pipeline)
