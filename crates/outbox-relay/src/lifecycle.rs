@@ -17,7 +17,10 @@
 //! One rule decides ([`Restarts::after_error`]): an error that reconnecting cannot fix
 //! (`transient == false`: a missing privilege, a slot moved past the ledger, a protocol
 //! violation) stops the process with its message and fix; so does any error before the relay
-//! ever streamed (misconfiguration fails fast instead of retrying forever). Otherwise the relay
+//! ever streamed (misconfiguration fails fast instead of retrying forever), except in a standby
+//! that took the lease over: the slot's holder is gone and this process is what keeps it
+//! served, so a transient error of its first runs (a broker that answered late while the
+//! machine was busy) is retried, up to [`TAKEOVER_TRIES`] times. Otherwise the relay
 //! drops its in-memory state, waits, and replays from the last checkpoint. The wait starts
 //! small and grows only while restarts fail: it doubles per run that never got going, up to a
 //! maximum, and starts over after a run that reached streaming and streamed for
@@ -58,7 +61,15 @@ pub struct Restarts {
     max: Duration,
     next: Duration,
     streamed: bool,
+    /// Transient errors a standby's takeover may still retry before it ever streamed
+    /// (`None`: this process never waited as a standby).
+    takeover_tries: Option<u32>,
 }
+
+/// Transient errors retried after a takeover before the first stream: a standby that took the
+/// lease over is what keeps the slot served, and one late answer must not end it; a setting
+/// that never works still stops it, after these tries.
+pub const TAKEOVER_TRIES: u32 = 5;
 
 /// A run that reached streaming and lasted at least this long was a restart that worked: the
 /// next failure starts the backoff over.
@@ -71,7 +82,13 @@ impl Restarts {
             max,
             next: initial,
             streamed: false,
+            takeover_tries: None,
         }
+    }
+
+    /// This process waited as a standby and took the lease over.
+    pub fn took_over(&mut self) {
+        self.takeover_tries.get_or_insert(TAKEOVER_TRIES);
     }
 
     /// A run started streaming.
@@ -87,8 +104,14 @@ impl Restarts {
     /// A run ended with an error; `transient` is the error policy's verdict, `streamed_for`
     /// how long this run lasted if it reached streaming (zero if it never did).
     pub fn after_error(&mut self, transient: bool, streamed_for: Duration) -> AfterError {
-        if !transient || !self.streamed {
+        if !transient {
             return AfterError::Stop;
+        }
+        if !self.streamed {
+            match &mut self.takeover_tries {
+                Some(left) if *left > 0 => *left -= 1,
+                _ => return AfterError::Stop,
+            }
         }
         AfterError::Retry {
             after: self.backoff(streamed_for),
@@ -163,5 +186,27 @@ mod tests {
             200,
             "grows again while restarts fail"
         );
+    }
+
+    #[test]
+    fn a_takeover_retries_a_few_transient_errors_before_it_streams_a_start_does_not() {
+        let mut start = Restarts::new(ms(100), ms(1_000));
+        assert_eq!(start.after_error(true, ms(0)), AfterError::Stop);
+
+        let mut standby = Restarts::new(ms(100), ms(1_000));
+        standby.took_over();
+        let tries: Vec<_> = (0..TAKEOVER_TRIES + 1)
+            .map(|_| standby.after_error(true, ms(0)))
+            .collect();
+        assert!(tries[..TAKEOVER_TRIES as usize]
+            .iter()
+            .all(|t| matches!(t, AfterError::Retry { .. })));
+        assert_eq!(tries[TAKEOVER_TRIES as usize], AfterError::Stop, "bounded");
+        // A fatal error stops a takeover at once; a second takeover grants no new tries.
+        let mut fatal = Restarts::new(ms(100), ms(1_000));
+        fatal.took_over();
+        assert_eq!(fatal.after_error(false, ms(0)), AfterError::Stop);
+        standby.took_over();
+        assert_eq!(standby.after_error(true, ms(0)), AfterError::Stop);
     }
 }

@@ -129,8 +129,9 @@ impl RelayError {
 }
 
 /// Runs the relay until `shutdown` turns true or a definite error. Errors before the first
-/// successful start are returned at once (misconfiguration should fail fast, with the fix);
-/// after that, transient errors reconnect with backoff.
+/// successful start are returned at once (misconfiguration should fail fast, with the fix),
+/// except a few transient ones after a standby took the lease over; after that, transient
+/// errors reconnect with backoff (`outbox_relay::lifecycle`).
 pub async fn run(
     cfg: RelayConfig,
     progress: Arc<Progress>,
@@ -182,7 +183,10 @@ pub async fn run(
         progress.streaming.store(false, Ordering::Relaxed);
         let outcome = match acquire_lease(&cfg, &mut shutdown).await {
             Ok(None) => return Ok(()),
-            Ok(Some((fence, held))) => {
+            Ok(Some((fence, held, took_over))) => {
+                if took_over {
+                    restarts.took_over();
+                }
                 let span = tracing::info_span!("relay", database = %cfg.database, slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
                 if poll {
                     poll::run_once(&cfg, &progress, &mut shutdown, &fence, held)
@@ -243,8 +247,9 @@ const EARLY_TAKEOVER_POLL: Duration = Duration::from_millis(200);
 async fn acquire_lease(
     cfg: &RelayConfig,
     shutdown: &mut watch::Receiver<bool>,
-) -> Result<Option<(Fence, HeldLease)>, RelayError> {
+) -> Result<Option<(Fence, HeldLease, bool)>, RelayError> {
     let client = connect_sql(cfg.database_url.expose()).await?;
+    // Whether this process waited as a standby before the lease became its own.
     let mut announced = false;
     loop {
         if *shutdown.borrow() {
@@ -269,7 +274,7 @@ async fn acquire_lease(
                     session: client,
                     locked,
                 };
-                return Ok(Some((fence, held)));
+                return Ok(Some((fence, held, announced)));
             }
             Acquire::HeldBy { owner, remaining } => {
                 if locked {
