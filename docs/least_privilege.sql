@@ -68,6 +68,7 @@ GRANT SELECT ON
     outbox.events,
     outbox.events_current,
     outbox.event_status,
+    outbox.purged_events,
     outbox.schema_migrations,
     outbox.route_policy,
     outbox.destination_migrations,

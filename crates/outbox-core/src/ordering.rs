@@ -206,6 +206,11 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
         self.aggs.contains_key(key)
     }
 
+    /// Every aggregate the gate knows.
+    pub fn known(&self) -> impl Iterator<Item = &K> {
+        self.aggs.keys()
+    }
+
     pub fn is_held(&self, key: &K) -> bool {
         self.aggs.get(key).is_some_and(|a| a.held)
     }

@@ -100,21 +100,13 @@ conflict AS (
     ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
 ),
-journal AS (
-    -- One journal row per batch, folded into outbox.aggregate_heads later (migration 0013).
-    INSERT INTO outbox.head_journal (slot_name, aggregate_types, aggregate_ids, versions)
-    SELECT $13, array_agg(m.aggregate_type), array_agg(m.aggregate_id),
-           array_agg(m.aggregate_version)
-    FROM matched m JOIN prim p ON p.event_id = m.event_id
-    HAVING count(*) > 0
-    RETURNING 1
-),
 unheld AS (
     UPDATE outbox.held_events he SET released_at = clock_timestamp()
     FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
     RETURNING 1
 )
--- journal and unheld run to completion although nothing reads them (PostgreSQL guarantees it).
+-- unheld runs to completion although nothing reads it (PostgreSQL guarantees it). Heads are
+-- not written here: they are read from the receipts (migration 0026).
 SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict),
        (SELECT count(*) FROM matched WHERE NOT row_exists)
 "#;

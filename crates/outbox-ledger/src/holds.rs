@@ -36,15 +36,14 @@ pub async fn is_held(client: &Client, key: &AggKey) -> Result<bool, LedgerError>
         .get(0))
 }
 
-/// Folds the head journal (one row per acceptance, migration 0013) into
-/// `outbox.aggregate_heads`: every row committed when it starts, in transactions of at most
-/// about [`FOLD_CHUNK_PAIRS`] pairs. Returns how many journal rows it folded. Deletes exactly
-/// the rows it folds, so it may run beside acceptances and beside another fold. Every reader
-/// of heads folds first, so a relay whose background fold never ran still reads true heads.
+/// Folds what is left of the head journal (rows a relay before migration 0026 wrote; this
+/// version's acceptances write none) into `outbox.aggregate_heads`: every row committed when
+/// it starts, in transactions of at most about [`FOLD_CHUNK_PAIRS`] pairs. Returns how many
+/// journal rows it folded. Deletes exactly the rows it folds, so it may run beside another
+/// fold. A relay folds once when it starts, before it reads any head.
 ///
 /// `paced`: after each chunk, pause as long as it took, so the fold uses at most about half of
-/// one PostgreSQL backend and never takes the CPU the stream needs in a burst (the relay's
-/// background fold); unpaced for a reader that must see the heads now.
+/// one PostgreSQL backend and never takes the CPU the stream needs in a burst.
 pub async fn fold_heads(client: &Client, paced: bool) -> Result<u64, LedgerError> {
     let Some(up_to) = journal_end(client).await? else {
         return Ok(0);
@@ -90,34 +89,36 @@ async fn fold_chunk(client: &Client, up_to: i64) -> Result<u64, LedgerError> {
 /// transaction stalled the steady phase's commits for ~0.9 s).
 pub const FOLD_CHUNK_PAIRS: i64 = 5_000;
 
-/// Every aggregate's last accepted version (the ordering gate's starting point).
-pub async fn load_heads(client: &Client) -> Result<Vec<(AggKey, i64)>, LedgerError> {
-    fold_heads(client, false).await?;
+/// The last accepted version of each aggregate of `keys` (0 for one without any): the highest
+/// version with a primary receipt, purged or not, or higher where an operator skipped one
+/// (`outbox.aggregate_heads_of`, migration 0026). The relay asks once per aggregate and run,
+/// when it first meets the aggregate, for many at once.
+pub async fn heads_of(client: &Client, keys: &[AggKey]) -> Result<Vec<(AggKey, i64)>, LedgerError> {
+    if keys.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (types, ids): (Vec<&str>, Vec<&str>) =
+        keys.iter().map(|(t, i)| (t.as_str(), i.as_str())).unzip();
     let rows = client
         .query(
-            "SELECT aggregate_type, aggregate_id, last_version FROM outbox.aggregate_heads",
-            &[],
+            "SELECT aggregate_type, aggregate_id, last_version
+             FROM outbox.aggregate_heads_of($1::text[], $2::text[])",
+            &[&types, &ids],
         )
         .await
-        .ctx("loading aggregate heads")?;
+        .ctx(format!("reading the heads of {} aggregates", keys.len()))?;
     Ok(rows
         .iter()
         .map(|r| ((r.get(0), r.get(1)), r.get(2)))
         .collect())
 }
 
-/// The last version of `key` with an accepted primary receipt (0 if none).
+/// The last version of `key` with an accepted primary receipt (0 if none; see [`heads_of`]).
 pub async fn head(client: &Client, key: &AggKey) -> Result<i64, LedgerError> {
-    fold_heads(client, false).await?;
-    let row = client
-        .query_opt(
-            "SELECT last_version FROM outbox.aggregate_heads
-             WHERE aggregate_type = $1 AND aggregate_id = $2",
-            &[&key.0, &key.1],
-        )
-        .await
-        .ctx(format!("reading the head of aggregate {}/{}", key.0, key.1))?;
-    Ok(row.map(|r| r.get(0)).unwrap_or(0))
+    Ok(heads_of(client, std::slice::from_ref(key))
+        .await?
+        .first()
+        .map_or(0, |(_, v)| *v))
 }
 
 /// A hold an operator released.

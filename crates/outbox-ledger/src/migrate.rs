@@ -145,6 +145,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "takeover_scale",
         sql: include_str!("../../../migrations/0025_takeover_scale.sql"),
     },
+    Migration {
+        version: 26,
+        name: "heads_from_receipts",
+        sql: include_str!("../../../migrations/0026_heads_from_receipts.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -68,9 +68,11 @@ pub const RELAY_LEDGER: &[Need] = &[
 ];
 
 /// What the relay reads besides its own outbox table (which `check` names with its
-/// `--table`): the routes, versions and migrations that describe the events.
+/// `--table`): the routes, versions and migrations that describe the events, and the purged
+/// events (an aggregate's head counts its purged versions, migration 0026).
 pub const RELAY_READS: &[Need] = &[
     table("events_current", READ),
+    table("purged_events", READ),
     table("aggregate_versions", READ),
     table("route_policy", READ),
     table("destination_migrations", READ),

@@ -931,11 +931,29 @@ async fn a_receipt_whose_row_never_appears_is_quarantined_after_the_wait() {
     assert_eq!(reason, "receipt_without_row");
 }
 
-/// Heads are journaled per acceptance and folded later (migration 0013): a reader sees the
-/// true head before any fold, a fold moves the journal into `aggregate_heads` exactly once,
-/// and a head never goes backwards (a replayed lower version, an operator's skip above it).
+/// The heads of `order` aggregates `ids`, by id.
+async fn heads_named(c: &Client, ids: &[&str]) -> Vec<(String, i64)> {
+    let keys: Vec<_> = ids
+        .iter()
+        .map(|i| ("order".to_string(), i.to_string()))
+        .collect();
+    let mut h: Vec<(String, i64)> = outbox_ledger::holds::heads_of(c, &keys)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|((_, a), v)| (a, v))
+        .collect();
+    h.sort();
+    h
+}
+
+/// Heads are read from the ledger's facts (migration 0026): an acceptance journals and upserts
+/// nothing; a head is the highest version with a primary receipt (a replay's duplicate moves
+/// nothing), or higher where an operator moved it, and a purge keeps it; what a relay before
+/// 0026 journaled is folded once and counted.
 #[tokio::test]
-async fn heads_are_journaled_per_batch_and_folded_without_losing_a_version() {
+async fn heads_are_read_from_receipts_operator_moves_purges_and_old_journals() {
+    use outbox_ledger::holds;
     let (mut c, _) = fresh("ledger_heads").await;
     checkpoint::create(&c, "s1", "outbox_pub", "sys", 1, Lsn(50))
         .await
@@ -956,40 +974,27 @@ async fn heads_are_journaled_per_batch_and_folded_without_losing_a_version() {
             evs.push(event(&c, id).await);
         }
     }
-    let heads_of = |heads: Vec<((String, String), i64)>| {
-        let mut h: Vec<(String, i64)> = heads.into_iter().map(|((_, a), v)| (a, v)).collect();
-        h.sort();
-        h
-    };
-    // Two batches: h-1 v1, v2 + h-2 v1; then h-1 v3.
-    for (batch, lsn) in [(&evs[0..2], 200), (&evs[3..4], 210), (&evs[2..3], 220)] {
-        let items: Vec<LedgerItem> = batch
-            .iter()
-            .enumerate()
-            .map(|(i, e)| LedgerItem::Receipt(receipt(e, lsn + i as i64)))
-            .collect();
-        accept::accept_batch(&mut c, "s1", &items, Some(Lsn(lsn as u64)), None)
-            .await
-            .unwrap();
-    }
+    let key = |id: &str| ("order".to_string(), id.to_string());
+    // h-1 v1, v2 and h-2 v1 accepted; h-1 v3 not yet.
+    let items: Vec<LedgerItem> = [0, 1, 3]
+        .iter()
+        .map(|&i| LedgerItem::Receipt(receipt(&evs[i], 10 + i as i64)))
+        .collect();
+    accept::accept_batch(&mut c, "s1", &items, Some(Lsn(200)), None)
+        .await
+        .unwrap();
     assert_eq!(
-        count(&c, "SELECT count(*) FROM outbox.head_journal").await,
-        3,
-        "one journal row per acceptance"
-    );
-    assert_eq!(
-        count(&c, "SELECT count(*) FROM outbox.aggregate_heads").await,
+        count(&c, "SELECT count(*) FROM outbox.head_journal").await
+            + count(&c, "SELECT count(*) FROM outbox.aggregate_heads").await,
         0,
-        "the acceptance upserts no head"
+        "an acceptance journals and upserts no head"
     );
-    // A reader folds first.
-    let key = ("order".to_string(), "h-1".to_string());
-    assert_eq!(outbox_ledger::holds::head(&c, &key).await.unwrap(), 3);
     assert_eq!(
-        count(&c, "SELECT count(*) FROM outbox.head_journal").await,
-        0
+        heads_named(&c, &["h-1", "h-2", "h-9"]).await,
+        vec![("h-1".into(), 2), ("h-2".into(), 1), ("h-9".into(), 0)],
+        "the highest version with a receipt; 0 for an aggregate without one"
     );
-    // A replay's duplicate adds nothing; a fold with an empty journal moves nothing.
+    // A replay's duplicate of v1 moves nothing; v3's receipt does.
     accept::accept_batch(
         &mut c,
         "s1",
@@ -999,23 +1004,27 @@ async fn heads_are_journaled_per_batch_and_folded_without_losing_a_version() {
     )
     .await
     .unwrap();
-    assert_eq!(
-        count(&c, "SELECT count(*) FROM outbox.head_journal").await,
-        0,
-        "a duplicate receipt journals no head"
-    );
-    assert_eq!(
-        outbox_ledger::holds::fold_heads(&c, false).await.unwrap(),
-        0
-    );
-    // An operator's skip moved h-2 past a version never published; a late journal row with
-    // a lower version cannot move it back.
+    assert_eq!(holds::head(&c, &key("h-1")).await.unwrap(), 2);
+    accept::accept_batch(
+        &mut c,
+        "s1",
+        &[LedgerItem::Receipt(receipt(&evs[2], 12))],
+        Some(Lsn(300)),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(holds::head(&c, &key("h-1")).await.unwrap(), 3);
+    // An operator's skip moved h-2 past a version never published.
     c.execute(
-        "UPDATE outbox.aggregate_heads SET last_version = 7 WHERE aggregate_id = 'h-2'",
+        "INSERT INTO outbox.aggregate_heads (aggregate_type, aggregate_id, last_version)
+         VALUES ('order', 'h-2', 7)",
         &[],
     )
     .await
     .unwrap();
+    // A relay before migration 0026 journaled h-2 v1 and h-3 v4: folded once, counted, and a
+    // lower journaled version does not move h-2 back.
     c.execute(
         "INSERT INTO outbox.head_journal (slot_name, aggregate_types, aggregate_ids, versions)
          VALUES ('s1', ARRAY['order','order'], ARRAY['h-2','h-3'], ARRAY[1,4]::int8[])",
@@ -1023,32 +1032,32 @@ async fn heads_are_journaled_per_batch_and_folded_without_losing_a_version() {
     )
     .await
     .unwrap();
-    let heads = heads_of(outbox_ledger::holds::load_heads(&c).await.unwrap());
-    assert_eq!(
-        heads,
-        vec![("h-1".into(), 3), ("h-2".into(), 7), ("h-3".into(), 4)]
-    );
-    // A journal larger than one fold transaction is folded in several, all of it.
-    let pairs = outbox_ledger::holds::FOLD_CHUNK_PAIRS * 4 / 5;
-    for round in 1..=3i64 {
-        c.execute(
-            "INSERT INTO outbox.head_journal (slot_name, aggregate_types, aggregate_ids, versions)
-             SELECT 's1', array_agg('bulk'::text), array_agg('b-' || g), array_agg($2::int8)
-             FROM generate_series(1, $1::int8) g",
-            &[&pairs, &round],
-        )
-        .await
-        .unwrap();
-    }
-    assert_eq!(outbox_ledger::holds::fold_heads(&c, true).await.unwrap(), 3);
+    assert_eq!(holds::fold_heads(&c, false).await.unwrap(), 1);
+    let expected = vec![("h-1".into(), 3), ("h-2".into(), 7), ("h-3".into(), 4)];
+    assert_eq!(heads_named(&c, &["h-1", "h-2", "h-3"]).await, expected);
+    // A purge deletes h-1's events and receipts; its head stays.
+    let purged = outbox_ledger::retention::purge(
+        &c,
+        &outbox_ledger::retention::PurgeSettings {
+            replay_window: std::time::Duration::ZERO,
+            inbox_retention: std::time::Duration::ZERO,
+            batch_size: 100,
+            max_batches: None,
+            dry_run: false,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(purged.events, 4, "every published event purged: {purged:?}");
     assert_eq!(
         count(
             &c,
-            "SELECT count(*) FROM outbox.aggregate_heads WHERE aggregate_type = 'bulk' AND last_version = 3"
+            "SELECT count(*) FROM outbox.events WHERE aggregate_id = 'h-1'"
         )
         .await,
-        pairs
+        0
     );
+    assert_eq!(heads_named(&c, &["h-1", "h-2", "h-3"]).await, expected);
 }
 
 /// The relay of one shard releases only the holds of its own aggregates.

@@ -404,8 +404,10 @@ impl<P: Plant> PipelineCore<P> {
         }
     }
 
-    /// Every aggregate with an accepted event was loaded at start, and this relay is the only
-    /// writer of heads for its events since; an aggregate the gate does not know has none.
+    /// The driver gives the gate the head of every aggregate before its first event is admitted
+    /// (the daemon looks them up when it first meets them, [`PipelineCore::unknown_aggregates`];
+    /// the simulator loads them all at start), and this relay is the only writer of heads for
+    /// its events since; an aggregate the gate still does not know has none.
     fn ensure_known(&mut self, key: &AggKey) {
         if !self.gate.is_known(key) {
             self.gate.set_head(key.clone(), 0, false);
@@ -924,6 +926,31 @@ impl<P: Plant> PipelineCore<P> {
         for (k, v) in heads {
             self.gate.set_head(k, v, false);
         }
+    }
+
+    /// The aggregates of `events` whose heads the gate does not know yet, each once, in the
+    /// order met: what the driver looks up ([`PipelineCore::raise_heads`] with the answers)
+    /// before it admits them.
+    pub fn unknown_aggregates<'a>(
+        &self,
+        events: impl IntoIterator<Item = &'a OutboxEvent>,
+    ) -> Vec<AggKey> {
+        let mut seen = HashSet::new();
+        events
+            .into_iter()
+            .map(key_of)
+            .filter(|k| !self.gate.is_known(k) && seen.insert(k.clone()))
+            .collect()
+    }
+
+    /// Whether the gate knows the head of `ev`'s aggregate.
+    pub fn knows_aggregate_of(&self, ev: &OutboxEvent) -> bool {
+        self.gate.is_known(&key_of(ev))
+    }
+
+    /// Every aggregate the gate knows (after reconciliation at start: whose heads to read).
+    pub fn known_aggregates(&self) -> Vec<AggKey> {
+        self.gate.known().cloned().collect()
     }
 
     /// An operator released the aggregate: its next event to publish is `next_version`.

@@ -361,3 +361,29 @@ fn heads_raised_after_reconciliation_are_no_gap() {
     let sent = admit_txn(&mut c, &[event("a", 5)], 200);
     assert_eq!(sent.len(), 1);
 }
+
+/// What the daemon looks up before admitting: each aggregate the gate does not know, once, in
+/// the order met; a head given back (0 included) makes it known, and a gap past it holds.
+#[test]
+fn unknown_aggregates_are_named_once_and_known_once_their_heads_are_given() {
+    let mut c = core();
+    let evs = [event("a", 4), event("b", 1), event("a", 5)];
+    let key = |id: &str| (evs[0].aggregate_type.clone(), id.to_string());
+    assert_eq!(c.unknown_aggregates(&evs), vec![key("a"), key("b")]);
+    assert!(!c.knows_aggregate_of(&evs[0]));
+    c.raise_heads(vec![(key("a"), 3), (key("b"), 0)]);
+    assert!(c.unknown_aggregates(&evs).is_empty());
+    assert!(c.knows_aggregate_of(&evs[1]));
+    assert_eq!(c.known_aggregates().len(), 2);
+    // a's head 3: v4 and v5 follow it; b's head 0: v1 follows it. A v7 of b would be a gap.
+    let sent = admit_txn(&mut c, &evs, 100);
+    assert_eq!(
+        sent.len(),
+        2,
+        "a v4 and b v1 in flight, a v5 queued behind a v4"
+    );
+    assert!(c.take_batch(true).unwrap().is_none(), "nothing held");
+    admit_txn(&mut c, &[event("b", 7)], 200);
+    let (items, _) = c.take_batch(true).unwrap().unwrap();
+    assert_eq!(codes(&items), vec!["hold:version_gap", "held:7"]);
+}

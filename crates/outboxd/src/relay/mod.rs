@@ -23,6 +23,7 @@
 
 pub mod databases;
 pub mod fleet;
+mod heads;
 mod pipeline;
 mod poll;
 mod unknown;
@@ -31,7 +32,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::{pin_mut, StreamExt};
+use futures::{pin_mut, FutureExt, StreamExt};
+use heads::Staged;
 use outbox_core::ack::AckError;
 use outbox_core::Lsn;
 use outbox_ledger::holds;
@@ -336,30 +338,6 @@ fn spawn_heartbeat(client: Client, interval: Duration) -> AbortOnDrop {
     }))
 }
 
-/// How often the relay folds the head journal into `outbox.aggregate_heads` (migration 0013).
-/// Readers fold first, so this only bounds the journal and the work a start-up fold does. A
-/// longer interval folds more versions of one aggregate into one head update; 10 s keeps a
-/// start-up fold under a second at 50,000 events/s.
-pub const HEADS_FOLD_INTERVAL: Duration = Duration::from_secs(10);
-
-/// Folds the head journal every `interval` on its own connection, beside the acceptances,
-/// paced (see [`holds::fold_heads`]).
-fn spawn_head_fold(client: Client, interval: Duration) -> AbortOnDrop {
-    AbortOnDrop(tokio::spawn(async move {
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            match holds::fold_heads(&client, true).await {
-                Ok(n) => tracing::debug!(journal_rows = n, "head journal folded"),
-                Err(e) => {
-                    tracing::warn!(error = %e, "folding the head journal failed; trying again at the next interval (heads stay exact: readers fold first)")
-                }
-            }
-        }
-    }))
-}
-
 async fn run_once(
     cfg: &RelayConfig,
     progress: &Arc<Progress>,
@@ -510,10 +488,10 @@ async fn run_once(
     tracing::info!(start = %start, "streaming");
     tracing::Span::current().record("start_lsn", tracing::field::display(start));
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
-    let _fold = spawn_head_fold(connect_sql(url).await?, HEADS_FOLD_INTERVAL);
 
     pipeline.enable_pipelined_accept(connect_sql(url).await?);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
+    let mut stage = heads::Stage::default();
     pipeline.core.start_streaming(start);
     // When the loop does what is decided by the core's schedule; time is measured from here.
     let run_started = Instant::now();
@@ -553,28 +531,66 @@ async fn run_once(
                 schedule.accepted(since(Instant::now()), pipeline.core.durable() > before);
             }
             msg = stream.next_message(), if can_read => {
-                match msg.map_err(SourceError::from)? {
-                    None => return Err(RelayError::StreamEnded),
-                    Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
-                        pipeline.core.on_keepalive(Lsn(wal_end));
-                        if reply_requested {
-                            schedule.status_requested();
+                // A row of an aggregate the gate does not know is staged with what follows it,
+                // while more is waiting, and goes to the core after one look-up (`heads`).
+                let mut msg = msg;
+                loop {
+                    let staging = !stage.is_empty();
+                    match msg.map_err(SourceError::from)? {
+                        None => return Err(RelayError::StreamEnded),
+                        Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
+                            if staging {
+                                stage.push(Staged::Keepalive { wal_end: Lsn(wal_end), reply_requested });
+                            } else {
+                                pipeline.core.on_keepalive(Lsn(wal_end));
+                                if reply_requested {
+                                    schedule.status_requested();
+                                }
+                            }
+                        }
+                        Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
+                            pipeline.core.on_received(Lsn(wal_start));
+                            match decoder.decode(data)? {
+                                Decoded::Begin { commit_lsn, commit_time, .. } => {
+                                    progress.metrics.txn_begin(commit_lsn, commit_time);
+                                    if staging {
+                                        stage.push(Staged::Begin(commit_lsn));
+                                    } else {
+                                        pipeline.core.on_begin(commit_lsn)?;
+                                    }
+                                }
+                                Decoded::Event(res) => {
+                                    let row = (*res).map_err(|e| e.to_string());
+                                    let unknown = row
+                                        .as_ref()
+                                        .is_ok_and(|ev| !pipeline.core.knows_aggregate_of(ev));
+                                    if staging || unknown {
+                                        stage.push(Staged::Row(Box::new(row)));
+                                    } else {
+                                        pipeline.on_row(row).await?;
+                                    }
+                                }
+                                Decoded::Commit { end_lsn, .. } => {
+                                    if staging {
+                                        stage.push(Staged::Commit(end_lsn));
+                                    } else {
+                                        pipeline.core.on_commit(end_lsn)?;
+                                    }
+                                }
+                                Decoded::Nothing => {}
+                            }
                         }
                     }
-                    Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
-                        pipeline.core.on_received(Lsn(wal_start));
-                        match decoder.decode(data)? {
-                            Decoded::Begin { commit_lsn, commit_time, .. } => {
-                                progress.metrics.txn_begin(commit_lsn, commit_time);
-                                pipeline.core.on_begin(commit_lsn)?;
-                            }
-                            Decoded::Event(res) => {
-                                pipeline.on_row((*res).map_err(|e| e.to_string())).await?;
-                            }
-                            Decoded::Commit { end_lsn, .. } => pipeline.core.on_commit(end_lsn)?,
-                            Decoded::Nothing => {}
-                        }
+                    if stage.is_empty() || stage.full() {
+                        break;
                     }
+                    match stream.next_message().now_or_never() {
+                        Some(next) => msg = next,
+                        None => break,
+                    }
+                }
+                if !stage.is_empty() {
+                    pipeline.learn_heads_and_replay(&mut stage, &mut schedule).await?;
                 }
             }
             _ = sleep => {}
@@ -694,7 +710,9 @@ async fn open_pipeline(
         schedule: cfg.unclear_schedule,
         ..Default::default()
     };
-    let heads = holds::load_heads(sql).await?;
+    // What relays before migration 0026 journaled, folded once; every head is read from the
+    // ledger when the relay first meets its aggregate (`heads`).
+    holds::fold_heads(sql, false).await?;
     let held = holds::load_held(sql).await?;
     if !held.is_empty() {
         tracing::warn!(
@@ -709,7 +727,7 @@ async fn open_pipeline(
         &cfg.slot,
         fence.clone(),
         lease_state.clone(),
-        outbox_relay::PipelineCore::gate_from(heads, held),
+        outbox_relay::PipelineCore::gate_from(Vec::new(), held),
     );
     pipeline.core.unclear_policy = policy;
     pipeline.core.unclear_policies = cfg
@@ -746,7 +764,10 @@ async fn reconcile_at_start(
         unknown::When::Start,
     )
     .await?;
-    pipeline.core.raise_heads(holds::load_heads(sql).await?);
+    let known = pipeline.core.known_aggregates();
+    pipeline
+        .core
+        .raise_heads(holds::heads_of(sql, &known).await?);
     Ok(())
 }
 
@@ -1002,24 +1023,38 @@ async fn publish_snapshot(
     pin_mut!(rows);
     let mut n: u64 = 0;
     let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
-    while let Some(row) = rows.next().await {
-        let row = row.map_err(db("reading unpublished outbox rows"))?;
-        n += 1;
-        match snapshot::event_from_row(&row) {
-            Ok(ev) => {
-                pipeline.admit(ev, None, None).await?;
-                crate::failpoint::hit("after-snapshot-send");
+    // Rows in chunks: the heads of a chunk's new aggregates are read in one query (`heads`).
+    let mut chunk: Vec<(u64, Result<outbox_core::OutboxEvent, String>)> = Vec::new();
+    let mut ended = false;
+    while !ended {
+        match rows.next().await {
+            Some(row) => {
+                let row = row.map_err(db("reading unpublished outbox rows"))?;
+                n += 1;
+                chunk.push((n, snapshot::event_from_row(&row).map_err(|e| e.to_string())));
+                if chunk.len() < heads::STAGE_ROWS {
+                    continue;
+                }
             }
-            Err(e) => pipeline.quarantine_unreadable(
-                format!("snapshot:{n}"),
-                e.to_string(),
-                Lsn::ZERO,
-                None,
-            ),
+            None => ended = true,
         }
         pipeline
-            .keep_pace(max_in_flight, cfg.batch_size, progress)
+            .learn_heads(chunk.iter().filter_map(|(_, r)| r.as_ref().ok()))
             .await?;
+        for (i, row) in chunk.drain(..) {
+            match row {
+                Ok(ev) => {
+                    pipeline.admit(ev, None, None).await?;
+                    crate::failpoint::hit("after-snapshot-send");
+                }
+                Err(e) => {
+                    pipeline.quarantine_unreadable(format!("snapshot:{i}"), e, Lsn::ZERO, None)
+                }
+            }
+            pipeline
+                .keep_pace(max_in_flight, cfg.batch_size, progress)
+                .await?;
+        }
     }
     // Everything, parked events too: the snapshot is done only when each row is resolved.
     pipeline.drain_all(cfg.batch_size, progress, false).await?;

@@ -202,6 +202,52 @@ impl Pipeline {
         self.execute(commands).await
     }
 
+    /// Reads the heads of the aggregates of `events` that the gate does not know yet, in one
+    /// query, and gives them to the gate (migration 0026: heads are read when first met).
+    pub async fn learn_heads<'a>(
+        &mut self,
+        events: impl IntoIterator<Item = &'a OutboxEvent>,
+    ) -> Result<(), RelayError> {
+        let keys = self.core.unknown_aggregates(events);
+        if !keys.is_empty() {
+            let heads = holds::heads_of(&self.client, &keys).await?;
+            tracing::debug!(
+                aggregates = keys.len(),
+                "heads read for aggregates met for the first time"
+            );
+            self.core.raise_heads(heads);
+        }
+        Ok(())
+    }
+
+    /// The staged messages of the stream loop ([`super::heads`]): the heads of their aggregates
+    /// read, then each given to the core in the order it came.
+    pub async fn learn_heads_and_replay(
+        &mut self,
+        stage: &mut super::heads::Stage,
+        schedule: &mut outbox_relay::schedule::Schedule,
+    ) -> Result<(), RelayError> {
+        use super::heads::Staged;
+        self.learn_heads(stage.events()).await?;
+        for m in stage.take() {
+            match m {
+                Staged::Begin(lsn) => self.core.on_begin(lsn)?,
+                Staged::Row(row) => self.on_row(*row).await?,
+                Staged::Commit(lsn) => self.core.on_commit(lsn)?,
+                Staged::Keepalive {
+                    wal_end,
+                    reply_requested,
+                } => {
+                    self.core.on_keepalive(wal_end);
+                    if reply_requested {
+                        schedule.status_requested();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A decoded row of the open transaction ([`PipelineCore::on_row`]).
     pub async fn on_row(&mut self, row: Result<OutboxEvent, String>) -> Result<(), RelayError> {
         let now = self.now();

@@ -25,8 +25,7 @@ use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
 use super::{
-    connect_sql, keep_lease, open_pipeline, reconcile_at_start, spawn_head_fold, Progress,
-    RelayError, HEADS_FOLD_INTERVAL, RELEASE_POLL,
+    connect_sql, keep_lease, open_pipeline, reconcile_at_start, Progress, RelayError, RELEASE_POLL,
 };
 use crate::config::RelayConfig;
 
@@ -56,7 +55,6 @@ pub(super) async fn run_once(
     let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
     pipeline.core.unclear_touched = Some(Default::default());
     reconcile_at_start(cfg, &sql, &mut pipeline, fence, current_rows).await?;
-    let _fold = spawn_head_fold(connect_sql(url).await?, HEADS_FOLD_INTERVAL);
     // Not prepared: planned at every round with the statistics of the moment (receipts and
     // positions grow from nothing; a plan made for empty tables does not scale).
     let pending = poll::pending_sql(current_rows);
