@@ -23,9 +23,13 @@ CREATE INDEX IF NOT EXISTS purged_events_aggregate_idx
     ON outbox.purged_events (aggregate_type, aggregate_id, aggregate_version);
 
 -- The heads of the aggregates named by (types[i], ids[i]): for each, the highest version with
--- a primary receipt or purged, or moved by an operator; 0 when there is none. Each part is an
--- index scan from the newest version down that stops at the first published one.
-CREATE FUNCTION outbox.aggregate_heads_of(types text[], ids text[])
+-- a primary receipt or purged, or moved by an operator; 0 when there is none. With below[i],
+-- only versions below it count from the receipts and the purged (the relay met version
+-- below[i] first in the stream, and every later version of the aggregate follows it there),
+-- so the scan starts at the version before the one met instead of walking down past every
+-- unpublished one; an operator's move counts whatever its version. Each part is an index scan
+-- from the newest version down that stops at the first published one.
+CREATE FUNCTION outbox.aggregate_heads_of(types text[], ids text[], below bigint[] DEFAULT NULL)
 RETURNS TABLE (aggregate_type text, aggregate_id text, last_version bigint)
 LANGUAGE sql STABLE AS $$
     SELECT k.t, k.i, GREATEST(
@@ -33,15 +37,18 @@ LANGUAGE sql STABLE AS $$
          WHERE h.aggregate_type = k.t AND h.aggregate_id = k.i),
         (SELECT e.aggregate_version FROM outbox.events e
          WHERE e.aggregate_type = k.t AND e.aggregate_id = k.i AND e.delivery_set_id IS NULL
+           AND e.aggregate_version < k.b
            AND EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
          ORDER BY e.aggregate_version DESC LIMIT 1),
         (SELECT e.aggregate_version FROM outbox.events e
          WHERE e.aggregate_type = k.t AND e.aggregate_id = k.i AND e.delivery_set_id IS NOT NULL
+           AND e.aggregate_version < k.b
            AND EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
          ORDER BY e.aggregate_version DESC LIMIT 1),
         (SELECT p.aggregate_version FROM outbox.purged_events p
-         WHERE p.aggregate_type = k.t AND p.aggregate_id = k.i
+         WHERE p.aggregate_type = k.t AND p.aggregate_id = k.i AND p.aggregate_version < k.b
          ORDER BY p.aggregate_version DESC LIMIT 1),
         0)
-    FROM unnest(types, ids) AS k(t, i)
+    FROM (SELECT u.t, u.i, coalesce(u.b, 9223372036854775807) AS b
+          FROM unnest(types, ids, below) AS u(t, i, b)) k
 $$;

@@ -92,8 +92,15 @@ pub const FOLD_CHUNK_PAIRS: i64 = 5_000;
 /// The last accepted version of each aggregate of `keys` (0 for one without any): the highest
 /// version with a primary receipt, purged or not, or higher where an operator skipped one
 /// (`outbox.aggregate_heads_of`, migration 0026). The relay asks once per aggregate and run,
-/// when it first meets the aggregate, for many at once.
-pub async fn heads_of(client: &Client, keys: &[AggKey]) -> Result<Vec<(AggKey, i64)>, LedgerError> {
+/// when it first meets the aggregate, for many at once. With `below` (one per key: the version
+/// met first in the stream, which every later version follows), receipts and purges count
+/// only below it: the answer is the same for every decision of the gate, and the look-up does
+/// not walk down past the stream's unpublished versions.
+pub async fn heads_of(
+    client: &Client,
+    keys: &[AggKey],
+    below: Option<&[i64]>,
+) -> Result<Vec<(AggKey, i64)>, LedgerError> {
     if keys.is_empty() {
         return Ok(Vec::new());
     }
@@ -102,8 +109,8 @@ pub async fn heads_of(client: &Client, keys: &[AggKey]) -> Result<Vec<(AggKey, i
     let rows = client
         .query(
             "SELECT aggregate_type, aggregate_id, last_version
-             FROM outbox.aggregate_heads_of($1::text[], $2::text[])",
-            &[&types, &ids],
+             FROM outbox.aggregate_heads_of($1::text[], $2::text[], $3::int8[])",
+            &[&types, &ids, &below],
         )
         .await
         .ctx(format!("reading the heads of {} aggregates", keys.len()))?;
@@ -115,7 +122,7 @@ pub async fn heads_of(client: &Client, keys: &[AggKey]) -> Result<Vec<(AggKey, i
 
 /// The last version of `key` with an accepted primary receipt (0 if none; see [`heads_of`]).
 pub async fn head(client: &Client, key: &AggKey) -> Result<i64, LedgerError> {
-    Ok(heads_of(client, std::slice::from_ref(key))
+    Ok(heads_of(client, std::slice::from_ref(key), None)
         .await?
         .first()
         .map_or(0, |(_, v)| *v))

@@ -937,7 +937,7 @@ async fn heads_named(c: &Client, ids: &[&str]) -> Vec<(String, i64)> {
         .iter()
         .map(|i| ("order".to_string(), i.to_string()))
         .collect();
-    let mut h: Vec<(String, i64)> = outbox_ledger::holds::heads_of(c, &keys)
+    let mut h: Vec<(String, i64)> = outbox_ledger::holds::heads_of(c, &keys, None)
         .await
         .unwrap()
         .into_iter()
@@ -1035,6 +1035,12 @@ async fn heads_are_read_from_receipts_operator_moves_purges_and_old_journals() {
     assert_eq!(holds::fold_heads(&c, false).await.unwrap(), 1);
     let expected = vec![("h-1".into(), 3), ("h-2".into(), 7), ("h-3".into(), 4)];
     assert_eq!(heads_named(&c, &["h-1", "h-2", "h-3"]).await, expected);
+    // Bounded by the version the stream met first: receipts below it count, an operator's
+    // move counts whatever its version.
+    let bounded = holds::heads_of(&c, &[key("h-1"), key("h-2")], Some(&[2, 1]))
+        .await
+        .unwrap();
+    assert_eq!(bounded, vec![(key("h-1"), 1), (key("h-2"), 7)]);
     // A purge deletes h-1's events and receipts; its head stays.
     let purged = outbox_ledger::retention::purge(
         &c,

@@ -137,6 +137,11 @@ pub enum Mutant {
     /// this relay serves: an event frozen for another cluster goes to the served cluster's
     /// topic of the same name (the simulator's `cross_destination_retries`).
     RouteIgnoresCluster,
+    /// A found copy raises the head of an aggregate the gate does not know yet to its version
+    /// (the gate then takes that version for the head, and a later published one for a gap:
+    /// the bug the simulator found at seed 1, trace 26811, once heads were read when first
+    /// met).
+    FoundRaisesUnknownHead,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -928,18 +933,34 @@ impl<P: Plant> PipelineCore<P> {
         }
     }
 
+    /// [`PipelineCore::raise_heads`] for the aggregates the gate knows; an aggregate it does
+    /// not know stays unknown, and its whole head is read when the run meets it (which then
+    /// counts this version). Making it known at this one version would take it for its head:
+    /// a found copy of v2 while v4 was published made v4 a gap and lost v5 (outbox-sim, seed 1
+    /// trace 26811, once heads were read when first met).
+    pub fn raise_known_heads(&mut self, heads: Vec<(AggKey, i64)>) {
+        if self.planted(Mutant::FoundRaisesUnknownHead) {
+            return self.raise_heads(heads);
+        }
+        let known: Vec<_> = heads
+            .into_iter()
+            .filter(|(k, _)| self.gate.is_known(k))
+            .collect();
+        self.raise_heads(known);
+    }
+
     /// The aggregates of `events` whose heads the gate does not know yet, each once, in the
-    /// order met: what the driver looks up ([`PipelineCore::raise_heads`] with the answers)
-    /// before it admits them.
+    /// order met, with the version met first: what the driver looks up
+    /// ([`PipelineCore::raise_heads`] with the answers) before it admits them.
     pub fn unknown_aggregates<'a>(
         &self,
         events: impl IntoIterator<Item = &'a OutboxEvent>,
-    ) -> Vec<AggKey> {
+    ) -> Vec<(AggKey, i64)> {
         let mut seen = HashSet::new();
         events
             .into_iter()
-            .map(key_of)
-            .filter(|k| !self.gate.is_known(k) && seen.insert(k.clone()))
+            .map(|ev| (key_of(ev), ev.aggregate_version))
+            .filter(|(k, _)| !self.gate.is_known(k) && seen.insert(k.clone()))
             .collect()
     }
 

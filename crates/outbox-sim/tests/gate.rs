@@ -253,6 +253,8 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 114911, Mutant::PollAboveHead),
         (1, 56, Mutant::BugRepublishSkipped),
         (1, 189388, Mutant::BugSupersededRefusal),
+        (1, 26811, Mutant::BugFoundRaisesUnknownHead),
+        (1, 19152, Mutant::PollNoHeadFloor),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -369,7 +369,14 @@ fn unknown_aggregates_are_named_once_and_known_once_their_heads_are_given() {
     let mut c = core();
     let evs = [event("a", 4), event("b", 1), event("a", 5)];
     let key = |id: &str| (evs[0].aggregate_type.clone(), id.to_string());
-    assert_eq!(c.unknown_aggregates(&evs), vec![key("a"), key("b")]);
+    assert_eq!(
+        c.unknown_aggregates(&evs),
+        vec![(key("a"), 4), (key("b"), 1)]
+    );
+    assert!(!c.knows_aggregate_of(&evs[0]));
+    // A found copy's version raises only what the gate knows: a stays unknown, its whole head
+    // read when met.
+    c.raise_known_heads(vec![(key("a"), 2)]);
     assert!(!c.knows_aggregate_of(&evs[0]));
     c.raise_heads(vec![(key("a"), 3), (key("b"), 0)]);
     assert!(c.unknown_aggregates(&evs).is_empty());

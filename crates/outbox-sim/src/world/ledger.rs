@@ -69,6 +69,8 @@ pub(super) struct Ledger {
     /// `held_events`: row → released.
     pub(super) held: HashMap<usize, bool>,
     pub(super) heads: HashMap<Agg, i64>,
+    /// `aggregate_heads`: the heads operators moved (a skipped version counts as passed).
+    pub(super) moved: HashMap<Agg, i64>,
     pub(super) attempts: Vec<Attempt>,
     pub(super) checkpoint: Option<Lsn>,
     /// `checkpoints.snapshot_done`: the rows the slot will not stream were published.
@@ -407,6 +409,8 @@ impl World {
         if let Some(v) = last {
             let h = self.ledger.heads.entry(agg).or_insert(0);
             *h = (*h).max(v);
+            let m = self.ledger.moved.entry(agg).or_insert(0);
+            *m = (*m).max(v);
         }
         let rows: Vec<usize> = self
             .ledger

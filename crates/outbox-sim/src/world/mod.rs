@@ -140,6 +140,16 @@ pub enum Mutant {
     /// `outbox_relay::PipelineCore::send_one`): an event frozen for cluster B reaches the
     /// served cluster's topic of the same name (`cross_destination_retries`).
     RouteIgnoresCluster,
+    /// Product bug found by the simulator (seed 1, trace 26811) when heads became read when
+    /// the relay first meets an aggregate (migration 0026): a copy found by reconciliation
+    /// made its aggregate known to the gate at the found version, below the published head;
+    /// the next version looked like a gap and was lost. A product mutant in
+    /// `outbox_relay::PipelineCore::raise_known_heads`.
+    BugFoundRaisesUnknownHead,
+    /// Bug found by the simulator in the same change (seed 1, trace 19152): a poll round
+    /// without the head read from the ledger below its own floor (the version before an
+    /// aggregate's first pending one) took a version above a found copy for a gap.
+    PollNoHeadFloor,
 }
 
 impl Mutant {
@@ -174,6 +184,11 @@ impl Mutant {
         ("unclear-never-due", Mutant::UnclearNeverDue),
         ("bug-end-run-on-unclear", Mutant::BugEndRunOnUnclear),
         ("route-ignores-cluster", Mutant::RouteIgnoresCluster),
+        (
+            "bug-found-raises-unknown-head",
+            Mutant::BugFoundRaisesUnknownHead,
+        ),
+        ("poll-no-head-floor", Mutant::PollNoHeadFloor),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -1007,8 +1022,7 @@ impl World {
         if self.is(Mutant::BugSnapshotGap) {
             return self.start_snapshot(i, backfill);
         }
-        let heads = self.ledger_heads();
-        self.relays[i].core.raise_heads(heads);
+        self.raise_known_heads(i);
         self.start_snapshot(i, backfill);
     }
 
@@ -1034,24 +1048,74 @@ impl World {
         };
         // Poll mode keeps the aggregates parked since the last round began (`run_once`).
         self.relays[i].core.unclear_touched = Some(Default::default());
-        let heads = self.ledger_heads();
+        self.raise_known_heads(i);
+    }
+
+    /// `reconcile_at_start`: the heads of the aggregates the gate knows (the held ones), read
+    /// again after reconciliation.
+    fn raise_known_heads(&mut self, i: usize) {
+        let known = self.relays[i].core.known_aggregates();
+        let heads = known
+            .into_iter()
+            .map(|k| {
+                let head = self
+                    .aggs_by_key(&k)
+                    .map_or(0, |agg| self.head_of(agg, None));
+                (k, head)
+            })
+            .collect();
         self.relays[i].core.raise_heads(heads);
     }
 
-    /// The ledger's heads, as the gate takes them.
-    fn ledger_heads(&self) -> Vec<(outbox_relay::AggKey, i64)> {
-        self.ledger
-            .heads
-            .iter()
-            .map(|(k, v)| (agg_key(*k), *v))
-            .collect()
+    /// The aggregate whose key is `k`, if any row has it.
+    fn aggs_by_key(&self, k: &outbox_relay::AggKey) -> Option<Agg> {
+        self.rows.iter().map(|r| r.agg).find(|a| agg_key(*a) == *k)
+    }
+
+    /// `outbox.aggregate_heads_of` (migration 0026): the highest version of `agg` with a primary
+    /// receipt (purged or not), below `below` when given, or an operator's move, whatever its
+    /// version. Without `below` it is the ledger's head.
+    fn head_of(&self, agg: Agg, below: Option<i64>) -> i64 {
+        let below = below.unwrap_or(i64::MAX);
+        let published = self
+            .ledger
+            .primary
+            .keys()
+            .map(|r| &self.rows[*r])
+            .filter(|row| row.agg == agg && row.ev.aggregate_version < below)
+            .map(|row| row.ev.aggregate_version)
+            .max()
+            .unwrap_or(0);
+        published.max(self.ledger.moved.get(&agg).copied().unwrap_or(0))
+    }
+
+    /// `Pipeline::learn_heads`: before the core meets row `row`'s aggregate for the first time,
+    /// its head read from the ledger; from the stream (`below`: the version met bounds what is
+    /// read) or from a snapshot (the whole head).
+    fn learn_head(&mut self, i: usize, row: usize, stream: bool) {
+        let ev = &self.rows[row].ev;
+        if self.relays[i].core.knows_aggregate_of(ev) {
+            return;
+        }
+        let below = stream.then_some(ev.aggregate_version);
+        let head = self.head_of(self.rows[row].agg, below);
+        log!(
+            self,
+            "head of {} read: {head} (met v{}{})",
+            agg_key(self.rows[row].agg).1,
+            self.rows[row].ev.aggregate_version,
+            if stream { ", below it" } else { "" }
+        );
+        let key = agg_key(self.rows[row].agg);
+        self.relays[i].core.raise_heads(vec![(key, head)]);
     }
 
     /// A new run of generation `gen`: its core with the gate as the ledger left it (streaming
     /// from `start` in CDC mode), then reconciliation at start. `None`: the run ended there.
     fn push_run(&mut self, gen: i64, start: Option<Lsn>, cursor: usize) -> Option<usize> {
         let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
-        let gate = PipelineCore::gate_from(self.ledger_heads(), held);
+        // Heads are read when the run first meets an aggregate (`learn_head`).
+        let gate = PipelineCore::gate_from(Vec::new(), held);
         let plant = Planted {
             mutant: self.core_mutant(),
             current_route: Some(self.current_route()),
@@ -1191,7 +1255,11 @@ impl World {
                 continue;
             }
             // `first_of_aggregate` in relay/poll.rs: every version below an aggregate's first
-            // pending one has a receipt, which the gate learns before the round admits it.
+            // pending one has a receipt, which the gate learns before the round admits it,
+            // above the head read from the ledger (`learn_heads`, per chunk in the daemon).
+            if !self.is(Mutant::PollNoHeadFloor) {
+                self.learn_head(i, row, false);
+            }
             if last_agg != Some(agg) {
                 last_agg = Some(agg);
                 if !self.is(Mutant::PollStaleHead) {
@@ -1229,6 +1297,7 @@ impl World {
         pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
         log!(self, "snapshot: {} unpublished rows", pending.len());
         for row in pending {
+            self.learn_head(i, row, false);
             let ev = self.rows[row].current();
             let now = self.now_for(i);
             let commands = self.relays[i]
@@ -1378,7 +1447,7 @@ impl World {
                 let agg = self.rows[row].agg;
                 self.relays[i]
                     .core
-                    .raise_heads(vec![(agg_key(agg), ev.aggregate_version)]);
+                    .raise_known_heads(vec![(agg_key(agg), ev.aggregate_version)]);
             }
             self.relays[i].core.unknown_resolved(id, &resolved);
         }
@@ -1490,6 +1559,7 @@ impl World {
             .on_begin(end)
             .map_err(|_| End::Error("relay core: begin"))?;
         for row in rows {
+            self.learn_head(i, row, true);
             let ev = self.rows[row].ev.clone();
             let now = self.now_for(i);
             let commands = self.relays[i]
@@ -1528,6 +1598,7 @@ impl World {
             Mutant::BugSnapshotGap => Some(outbox_relay::Mutant::GapHoldStrandsQueue),
             Mutant::UnclearNeverDue => Some(outbox_relay::Mutant::UnclearNeverDue),
             Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
+            Mutant::BugFoundRaisesUnknownHead => Some(outbox_relay::Mutant::FoundRaisesUnknownHead),
             _ => None,
         }
     }

@@ -767,7 +767,7 @@ async fn reconcile_at_start(
     let known = pipeline.core.known_aggregates();
     pipeline
         .core
-        .raise_heads(holds::heads_of(sql, &known).await?);
+        .raise_heads(holds::heads_of(sql, &known, None).await?);
     Ok(())
 }
 
@@ -1039,7 +1039,7 @@ async fn publish_snapshot(
             None => ended = true,
         }
         pipeline
-            .learn_heads(chunk.iter().filter_map(|(_, r)| r.as_ref().ok()))
+            .learn_heads(chunk.iter().filter_map(|(_, r)| r.as_ref().ok()), false)
             .await?;
         for (i, row) in chunk.drain(..) {
             match row {

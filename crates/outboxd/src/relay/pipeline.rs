@@ -204,13 +204,19 @@ impl Pipeline {
 
     /// Reads the heads of the aggregates of `events` that the gate does not know yet, in one
     /// query, and gives them to the gate (migration 0026: heads are read when first met).
+    /// `stream`: the events come from the replication stream, where every later version of an
+    /// aggregate follows the one met first, so only what is below it needs reading
+    /// ([`holds::heads_of`]); a snapshot, which skips published rows, reads whole heads.
     pub async fn learn_heads<'a>(
         &mut self,
         events: impl IntoIterator<Item = &'a OutboxEvent>,
+        stream: bool,
     ) -> Result<(), RelayError> {
-        let keys = self.core.unknown_aggregates(events);
+        let (keys, met): (Vec<AggKey>, Vec<i64>) =
+            self.core.unknown_aggregates(events).into_iter().unzip();
         if !keys.is_empty() {
-            let heads = holds::heads_of(&self.client, &keys).await?;
+            let below = stream.then_some(met.as_slice());
+            let heads = holds::heads_of(&self.client, &keys, below).await?;
             tracing::debug!(
                 aggregates = keys.len(),
                 "heads read for aggregates met for the first time"
@@ -228,7 +234,7 @@ impl Pipeline {
         schedule: &mut outbox_relay::schedule::Schedule,
     ) -> Result<(), RelayError> {
         use super::heads::Staged;
-        self.learn_heads(stage.events()).await?;
+        self.learn_heads(stage.events(), true).await?;
         for m in stage.take() {
             match m {
                 Staged::Begin(lsn) => self.core.on_begin(lsn)?,

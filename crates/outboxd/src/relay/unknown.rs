@@ -138,7 +138,9 @@ pub(crate) async fn reconcile_unknown(
             Resolved::Found { .. } | Resolved::StoredByProbe { .. }
         ) {
             let key = (ev.aggregate_type.clone(), ev.aggregate_id.clone());
-            pipeline.core.raise_heads(vec![(key, ev.aggregate_version)]);
+            pipeline
+                .core
+                .raise_known_heads(vec![(key, ev.aggregate_version)]);
         }
         pipeline.core.unknown_resolved(a.event_id, &resolved);
     }
