@@ -699,12 +699,12 @@ impl TestEnv {
             .db
             .query(
                 "SELECT 'primary', r.event_id::text, r.topic, r.partition, r.\"offset\", r.attempt,
-                        r.relay_generation, e.payload_digest
+                        r.relay_generation, outbox.payload_digest_of(e.payload, e.payload_digest)
                  FROM outbox.receipts r LEFT JOIN outbox.events_current e USING (event_id)
                  WHERE r.broker_kind = 'kafka'
                  UNION ALL
                  SELECT 'duplicate', d.event_id::text, d.topic, d.partition, d.\"offset\", d.attempt,
-                        d.relay_generation, e.payload_digest
+                        d.relay_generation, outbox.payload_digest_of(e.payload, e.payload_digest)
                  FROM outbox.duplicate_receipts d LEFT JOIN outbox.events_current e USING (event_id)
                  WHERE d.broker_kind = 'kafka'",
                 &[],

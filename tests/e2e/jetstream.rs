@@ -87,10 +87,10 @@ impl Js {
         let receipts = env
             .db
             .query(
-                "SELECT r.event_id::text, r.\"offset\", r.partition, r.broker_kind, e.payload_digest
+                "SELECT r.event_id::text, r.\"offset\", r.partition, r.broker_kind, outbox.payload_digest_of(e.payload, e.payload_digest)
                  FROM outbox.receipts r JOIN outbox.events e USING (event_id)
                  UNION ALL
-                 SELECT d.event_id::text, d.\"offset\", d.partition, d.broker_kind, e.payload_digest
+                 SELECT d.event_id::text, d.\"offset\", d.partition, d.broker_kind, outbox.payload_digest_of(e.payload, e.payload_digest)
                  FROM outbox.duplicate_receipts d JOIN outbox.events e USING (event_id)",
                 &[],
             )

@@ -24,7 +24,7 @@ async fn an_ack_lost_after_the_append_is_found_by_the_partition_scan_and_not_res
     let digest: String = env
         .db
         .query_one(
-            "SELECT payload_digest FROM outbox.events WHERE event_id = $1",
+            "SELECT outbox.payload_digest_of(payload, payload_digest) FROM outbox.events WHERE event_id = $1",
             &[&id],
         )
         .await

@@ -1,10 +1,12 @@
 //! `outboxEnvelope.v1` and `destination.v1`: what an event *is*, frozen at enqueue.
 //!
-//! The producing transaction (`outbox.enqueue`) computes both digests in SQL; the relay
-//! recomputes them here before it sends anything. A mismatch means the row was written by
-//! something other than `outbox.enqueue` or altered afterwards, and the event is quarantined
-//! with the reason instead of being published (a digest is the only proof that what reaches
-//! the broker is what the business transaction committed).
+//! The relay computes both digests here from the row it decoded, before it sends anything,
+//! and the receipt carries them (a digest is the proof that what reaches the broker is what
+//! the business transaction committed). Since migration 0027 `outbox.enqueue` stores none:
+//! the row is immutable (UPDATE refused), so the committed row the relay decoded is the row in
+//! the table. A row that does store digests (written by `outbox.enqueue_set`, a capture
+//! trigger, an earlier version, or by hand) must match them: a mismatch means the row was
+//! written wrong, and the event is quarantined with the reason instead of being published.
 //!
 //! The canonical form of `destination.v1` is a fixed, line-oriented text so that SQL
 //! (`outbox.destination_digest(...)` in `migrations/`) and Rust produce byte-identical input
@@ -337,6 +339,27 @@ impl OutboxEvent {
             None => Bytes::copy_from_slice(required("payload")?.as_bytes()),
         };
         let generation = parse_i64("envelope_generation")?;
+        let destination = Destination {
+            kind: required("dest_kind")?.to_string(),
+            cluster: required("dest_cluster")?.to_string(),
+            topic: required("dest_topic")?.to_string(),
+            key: required("dest_key")?.to_string(),
+            partitioner: required("dest_partitioner")?.to_string(),
+            route_generation: parse_i64("dest_route_generation")?,
+            serializer: required("dest_serializer")?.to_string(),
+            acks: required("dest_acks")?.to_string(),
+        };
+        // A digest the row does not store (migration 0027) is the relay's to compute: the row
+        // is immutable, so what was decoded is what was committed. One it stores is checked by
+        // `verify`.
+        let payload_digest = match get("payload_digest")? {
+            Some(d) => d.to_string(),
+            None => sha256_digest(&payload),
+        };
+        let destination_digest = match get("destination_digest")? {
+            Some(d) => d.to_string(),
+            None => destination.digest(),
+        };
         Ok(OutboxEvent {
             event_id,
             envelope_generation: i32::try_from(generation).map_err(|_| RowError {
@@ -349,22 +372,13 @@ impl OutboxEvent {
             event_type: required("event_type")?.to_string(),
             payload_schema: optional("payload_schema")?,
             payload,
-            payload_digest: required("payload_digest")?.to_string(),
+            payload_digest,
             tenant: optional("tenant")?,
             headers: optional("headers")?,
             occurred_at: required("occurred_at")?.to_string(),
             created_xid: optional("created_xid")?,
-            destination: Destination {
-                kind: required("dest_kind")?.to_string(),
-                cluster: required("dest_cluster")?.to_string(),
-                topic: required("dest_topic")?.to_string(),
-                key: required("dest_key")?.to_string(),
-                partitioner: required("dest_partitioner")?.to_string(),
-                route_generation: parse_i64("dest_route_generation")?,
-                serializer: required("dest_serializer")?.to_string(),
-                acks: required("dest_acks")?.to_string(),
-            },
-            destination_digest: required("destination_digest")?.to_string(),
+            destination,
+            destination_digest,
             // Absent before migration 0007; NULL for ordinary events.
             delivery_set_id: match get("delivery_set_id").ok().flatten() {
                 None => None,
@@ -447,5 +461,32 @@ mod row_tests {
         null.insert("dest_topic", None);
         let err = OutboxEvent::from_text_columns(getter(&null), None).unwrap_err();
         assert_eq!(err.to_string(), "outbox row column dest_topic: is NULL");
+    }
+
+    /// Migration 0027: `outbox.enqueue` stores no digests; the relay computes them from the
+    /// decoded row (the same values `outbox.enqueue` stored before), and a stored digest is
+    /// still checked.
+    #[test]
+    fn a_row_without_digests_gets_the_relays_and_a_stored_one_is_still_checked() {
+        let ev = tests::sample();
+        let mut m = cols(&ev);
+        m.insert("payload_digest", None);
+        m.insert("destination_digest", None);
+        let decoded = OutboxEvent::from_text_columns(getter(&m), None).unwrap();
+        assert_eq!(
+            decoded, ev,
+            "the computed digests are the ones enqueue stored"
+        );
+        decoded.verify().unwrap();
+
+        m.insert(
+            "payload_digest",
+            Some(format!("{DIGEST_PREFIX}{}", "0".repeat(64))),
+        );
+        let wrong = OutboxEvent::from_text_columns(getter(&m), None).unwrap();
+        assert_eq!(
+            wrong.verify().unwrap_err().reason_code(),
+            "payload_digest_mismatch"
+        );
     }
 }

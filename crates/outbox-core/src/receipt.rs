@@ -33,6 +33,33 @@ pub struct Digests<'a> {
     pub destination: &'a str,
 }
 
+/// The digests a frozen row stores, compared with a receipt's at acceptance. Since migration
+/// 0027 `outbox.enqueue` stores none: the row is immutable and the relay computes both from
+/// the row it decoded (`OutboxEvent::from_text_columns`), so a receipt's digests are its row's
+/// by construction, and the audit computes them again (`outbox-ledger`'s `ledger_conflicts`).
+/// A row written otherwise may store them, and a destination migration stores its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stored<'a> {
+    pub payload: Option<&'a str>,
+    pub destination: Option<&'a str>,
+}
+
+impl<'a> Stored<'a> {
+    /// A row that stores both digests.
+    pub fn both(d: Digests<'a>) -> Self {
+        Stored {
+            payload: Some(d.payload),
+            destination: Some(d.destination),
+        }
+    }
+
+    /// Every digest the row stores equals the receipt's.
+    fn admits(&self, receipt: Digests<'_>) -> bool {
+        self.payload.map_or(true, |p| p == receipt.payload)
+            && self.destination.map_or(true, |d| d == receipt.destination)
+    }
+}
+
 /// What the acceptance point does with one transport receipt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReceiptClass {
@@ -64,14 +91,15 @@ impl Conflict {
     }
 }
 
-/// The acceptance decision for one receipt. `row` is the current frozen row (`None` if there is
-/// none), `has_primary` whether its publish slot is already filled. It does not matter which
-/// attempt, relay generation or lease produced the ACK: a late valid ACK of an old attempt
-/// competes for the same slot as the newest one, and a mismatching one is never accepted.
-pub fn classify(row: Option<Digests<'_>>, has_primary: bool, receipt: Digests<'_>) -> ReceiptClass {
+/// The acceptance decision for one receipt. `row` is what the current frozen row stores
+/// (`None` if there is no row), `has_primary` whether its publish slot is already filled. It
+/// does not matter which attempt, relay generation or lease produced the ACK: a late valid ACK
+/// of an old attempt competes for the same slot as the newest one, and one whose digests differ
+/// from the row's stored ones is never accepted.
+pub fn classify(row: Option<Stored<'_>>, has_primary: bool, receipt: Digests<'_>) -> ReceiptClass {
     match row {
         None => ReceiptClass::Conflict(Conflict::WithoutRow),
-        Some(r) if r != receipt => ReceiptClass::Conflict(Conflict::DigestMismatch),
+        Some(r) if !r.admits(receipt) => ReceiptClass::Conflict(Conflict::DigestMismatch),
         Some(_) if has_primary => ReceiptClass::Duplicate,
         Some(_) => ReceiptClass::Primary,
     }
@@ -400,14 +428,31 @@ mod tests {
 
     #[test]
     fn one_publish_slot_and_mismatches_are_never_accepted() {
-        assert_eq!(classify(Some(A), false, A), ReceiptClass::Primary);
-        assert_eq!(classify(Some(A), true, A), ReceiptClass::Duplicate);
+        let a = Some(Stored::both(A));
+        assert_eq!(classify(a, false, A), ReceiptClass::Primary);
+        assert_eq!(classify(a, true, A), ReceiptClass::Duplicate);
         let other = Digests {
             payload: "sha256:p",
             destination: "sha256:elsewhere",
         };
         assert_eq!(
-            classify(Some(A), false, other),
+            classify(a, false, other),
+            ReceiptClass::Conflict(Conflict::DigestMismatch)
+        );
+        // A row that stores no digests (outbox.enqueue since migration 0027) is matched by its
+        // id; a destination migration's stored digest is still compared.
+        let none = Some(Stored {
+            payload: None,
+            destination: None,
+        });
+        assert_eq!(classify(none, false, other), ReceiptClass::Primary);
+        let migrated = Some(Stored {
+            payload: None,
+            destination: Some("sha256:d"),
+        });
+        assert_eq!(classify(migrated, true, A), ReceiptClass::Duplicate);
+        assert_eq!(
+            classify(migrated, true, other),
             ReceiptClass::Conflict(Conflict::DigestMismatch)
         );
         assert_eq!(

@@ -2,7 +2,8 @@
 //!
 //! One transaction per batch: every receipt of the batch is matched against its frozen
 //! outbox row (event id, payload digest, destination digest — of the latest destination
-//! migration, if an operator migrated it) and then
+//! migration, if an operator migrated it; a digest the row does not store, since migration
+//! 0027, is the relay's, computed from the immutable row) and then
 //!
 //! * becomes the event's **primary receipt** if the event has none (the publish slot is the
 //!   primary key of `outbox.receipts`, so two concurrent acceptors cannot both win);
@@ -47,9 +48,11 @@ WITH input AS (
 ),
 matched AS (
     SELECT i.*,
+           -- A row without stored digests (migration 0027: immutable, the relay computed
+           -- them from it) is matched by its id; stored ones must equal the receipt's.
            (e.event_id IS NOT NULL
-            AND e.payload_digest = i.payload_digest
-            AND e.destination_digest = i.destination_digest) AS ok,
+            AND coalesce(e.payload_digest = i.payload_digest, true)
+            AND coalesce(e.destination_digest = i.destination_digest, true)) AS ok,
            e.event_id IS NOT NULL AS row_exists,
            e.aggregate_type, e.aggregate_id, e.aggregate_version
     FROM input i

@@ -114,9 +114,46 @@ pub struct LedgerConflict {
     pub detail: String,
 }
 
-/// Open quarantine records for digest mismatches, and duplicate receipts at another cluster or
-/// topic than the primary receipt.
+/// Open quarantine records for digest mismatches, duplicate receipts at another cluster or
+/// topic than the primary receipt, and primary receipts whose digests are not their row's.
+///
+/// The last is where invariant 6 is checked for rows that store no digests (migration 0027):
+/// the acceptance compares a receipt's digests with the row's stored ones only, and a row from
+/// `outbox.enqueue` stores none (the relay computes them from the immutable row). Here both are
+/// computed again from the row's columns, for every receipt (the destination only while no
+/// operator migrated the event: a migration stores its own digest, which the acceptance
+/// compares). A finding means a relay computed a digest that is not its row's: a bug to report.
 pub async fn ledger_conflicts(client: &Client) -> Result<Vec<LedgerConflict>, LedgerError> {
+    let mut out = quarantined_and_duplicate_conflicts(client).await?;
+    let rows = client
+        .query(
+            "SELECT r.event_id, 'receipt',
+                    format('primary receipt at %s/%s/%s@%s carries digests %s and %s; the row hashes to %s and %s',
+                           r.broker_cluster, r.topic, r.partition, r.\"offset\",
+                           r.payload_digest, r.destination_digest, d.payload, d.destination)
+             FROM outbox.receipts r
+             JOIN outbox.events_current e ON e.event_id = r.event_id
+             CROSS JOIN LATERAL (
+                 SELECT outbox.payload_digest_of(e.payload, NULL) AS payload,
+                        CASE WHEN e.envelope_generation > 1 THEN r.destination_digest
+                             ELSE outbox.destination_digest_of(e) END AS destination) d
+             WHERE (r.payload_digest, r.destination_digest)
+                   IS DISTINCT FROM (d.payload, d.destination)",
+            &[],
+        )
+        .await
+        .ctx("checking primary receipts' digests against their rows")?;
+    out.extend(rows.iter().map(|r| LedgerConflict {
+        event_id: r.get(0),
+        source: r.get(1),
+        detail: r.get(2),
+    }));
+    Ok(out)
+}
+
+async fn quarantined_and_duplicate_conflicts(
+    client: &Client,
+) -> Result<Vec<LedgerConflict>, LedgerError> {
     let rows = client
         .query(
             "SELECT q.event_id, 'quarantine', q.reason_code || ': ' || q.reason
@@ -165,7 +202,8 @@ pub async fn known_events(
     for chunk in ids.chunks(5000) {
         let rows = client
             .query(
-                "SELECT event_id, payload_digest, dest_topic, false
+                "SELECT event_id, outbox.payload_digest_of(payload, payload_digest), dest_topic,
+                        false
                  FROM outbox.events_current WHERE event_id = ANY ($1)
                  UNION ALL
                  SELECT event_id, payload_digest, topic, true
@@ -270,13 +308,14 @@ pub struct ReceiptsInScope {
 /// cluster, position, when it was recorded, and the frozen payload digest.
 const RECEIPTS_UNION: &str = "
     SELECT 'primary' AS kind, r.event_id, r.broker_kind, r.broker_cluster, r.topic, r.partition,
-           r.\"offset\", coalesce(ec.payload_digest, r.payload_digest) AS payload_digest
+           r.\"offset\", coalesce(outbox.payload_digest_of(ec.payload, ec.payload_digest),
+                                 r.payload_digest) AS payload_digest
     FROM outbox.receipts r
     LEFT JOIN outbox.events_current ec ON ec.event_id = r.event_id
     WHERE $1::float8 IS NULL OR r.accepted_at >= clock_timestamp() - make_interval(secs => $1)
     UNION ALL
     SELECT 'duplicate', d.event_id, d.broker_kind, d.broker_cluster, d.topic, d.partition,
-           d.\"offset\", ec.payload_digest
+           d.\"offset\", outbox.payload_digest_of(ec.payload, ec.payload_digest)
     FROM outbox.duplicate_receipts d
     LEFT JOIN outbox.events_current ec ON ec.event_id = d.event_id
     WHERE $1::float8 IS NULL OR d.received_at >= clock_timestamp() - make_interval(secs => $1)";

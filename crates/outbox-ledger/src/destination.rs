@@ -39,7 +39,8 @@ pub use outbox_core::receipt::PRE_SEND_CODES;
 pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFacts>, LedgerError> {
     let Some(r) = client
         .query_opt(
-            "SELECT c.envelope_generation, c.dest_cluster, c.dest_topic, c.destination_digest,
+            "SELECT c.envelope_generation, c.dest_cluster, c.dest_topic,
+                    outbox.destination_digest_of(c),
                     (SELECT topic || '/' || partition || '@' || \"offset\" FROM outbox.receipts r
                      WHERE r.event_id = c.event_id),
                     EXISTS (SELECT 1 FROM outbox.attempts a
@@ -102,7 +103,8 @@ pub async fn record(
                  event_id, envelope_generation, from_destination_digest, dest_kind, dest_cluster,
                  dest_topic, dest_key, dest_partitioner, dest_route_generation, dest_serializer,
                  dest_acks, destination_digest, proof, reason, migrated_by)
-             SELECT c.event_id, c.envelope_generation + 1, c.destination_digest, $2, $3, $4,
+             SELECT c.event_id, c.envelope_generation + 1, outbox.destination_digest_of(c),
+                    $2, $3, $4,
                     c.dest_key, c.dest_partitioner, c.dest_route_generation, c.dest_serializer,
                     c.dest_acks,
                     outbox.sha256_text(outbox.destination_canonical($2, $3, $4, c.dest_key,

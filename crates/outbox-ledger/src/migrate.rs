@@ -150,6 +150,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "heads_from_receipts",
         sql: include_str!("../../../migrations/0026_heads_from_receipts.sql"),
     },
+    Migration {
+        version: 27,
+        name: "digests_by_relay",
+        sql: include_str!("../../../migrations/0027_digests_by_relay.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

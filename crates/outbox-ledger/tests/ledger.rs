@@ -3,7 +3,9 @@
 
 use outbox_core::{Destination, Lsn, OutboxEvent, EVENT_COLUMNS};
 use outbox_ledger::producer::{enqueue, EnqueueOptions};
-use outbox_ledger::{accept, checkpoint, migrate, LedgerItem, QuarantineRecord, ReceiptRecord};
+use outbox_ledger::{
+    accept, audit, checkpoint, migrate, LedgerItem, QuarantineRecord, ReceiptRecord,
+};
 use outbox_testkit::postgres::TestPostgres;
 use serde_json::json;
 use tokio_postgres::{Client, NoTls};
@@ -42,6 +44,28 @@ async fn event(c: &Client, id: uuid::Uuid) -> OutboxEvent {
         None,
     )
     .unwrap()
+}
+
+/// A copy of event `of` at `version` written around `outbox.enqueue`, storing the digests the
+/// relay computes (as a capture trigger or an earlier version wrote them). Its new id.
+async fn with_stored_digests(c: &Client, of: uuid::Uuid, version: i64) -> uuid::Uuid {
+    c.query_one(
+        "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+             event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
+             dest_partitioner, dest_route_generation, dest_serializer, dest_acks,
+             destination_digest)
+         SELECT gen_random_uuid(), aggregate_type, aggregate_id, $2, event_type, payload,
+             outbox.payload_digest_of(payload, NULL), dest_kind, dest_cluster, dest_topic,
+             dest_key, dest_partitioner, dest_route_generation, dest_serializer, dest_acks,
+             outbox.sha256_text(outbox.destination_canonical(dest_kind, dest_cluster,
+                 dest_topic, dest_key, dest_partitioner, dest_route_generation,
+                 dest_serializer, dest_acks))
+         FROM outbox.events WHERE event_id = $1 RETURNING event_id",
+        &[&of, &version],
+    )
+    .await
+    .unwrap()
+    .get(0)
 }
 
 /// The single number `sql` selects.
@@ -258,6 +282,117 @@ async fn a_nats_route_freezes_one_subject_per_aggregate() {
     assert!(msg.as_deref().unwrap_or("").contains("cluster"), "{e:?}");
 }
 
+/// Migration 0027: an outbox row is immutable (the relay proves what it publishes from the
+/// committed row), whoever asks; DELETE (purge) stays.
+#[tokio::test]
+async fn an_outbox_row_is_immutable_once_written() {
+    let (c, _) = fresh("ledger_immutable").await;
+    let id = enqueue(
+        &c,
+        "order",
+        "o-1",
+        "order.created",
+        &json!({"x": 1}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let stored: Option<String> = c
+        .query_one(
+            "SELECT payload_digest FROM outbox.events WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        stored, None,
+        "outbox.enqueue leaves the digests to the relay"
+    );
+    for sql in [
+        "UPDATE outbox.events SET payload = '{\"x\": 2}'",
+        "UPDATE outbox.events SET dest_topic = 'elsewhere'",
+        "UPDATE outbox.events SET payload_digest = 'sha256:00'",
+    ] {
+        let err = c.batch_execute(sql).await.unwrap_err();
+        let db = err.as_db_error().expect("a database error");
+        assert_eq!(db.code().code(), "55000", "{sql}");
+        assert!(
+            db.message().contains(&id.to_string()) && db.message().contains("immutable"),
+            "{sql}: {}",
+            db.message()
+        );
+    }
+    assert_eq!(
+        count(
+            &c,
+            "SELECT count(*) FROM outbox.events WHERE payload = '{\"x\": 1}'"
+        )
+        .await,
+        1
+    );
+    c.batch_execute("DELETE FROM outbox.events").await.unwrap();
+}
+
+/// The audit checks every primary receipt's digests against its row, computed again from the
+/// row's columns: the acceptance matches a row without stored digests by its id only, so a
+/// relay that computed a wrong digest would be caught here and nowhere else.
+#[tokio::test]
+async fn a_receipt_whose_digests_are_not_its_rows_is_named_by_the_audit() {
+    let (mut c, _) = fresh("ledger_audit_digests").await;
+    let mut events = Vec::new();
+    for i in 0..3 {
+        let id = enqueue(
+            &c,
+            "order",
+            &format!("o-{i}"),
+            "order.created",
+            &json!({"i": i}),
+            &EnqueueOptions::default(),
+        )
+        .await
+        .unwrap();
+        events.push(event(&c, id).await);
+    }
+    checkpoint::create(&c, "s1", "outbox_pub", "sys", 1, Lsn(50))
+        .await
+        .unwrap();
+    let mut wrong_payload = receipt(&events[1], 2);
+    wrong_payload.payload_digest = events[0].payload_digest.clone();
+    let mut wrong_destination = receipt(&events[2], 3);
+    wrong_destination.destination_digest = events[0].destination_digest.clone();
+    let out = accept::accept_batch(
+        &mut c,
+        "s1",
+        &[
+            LedgerItem::Receipt(receipt(&events[0], 1)),
+            LedgerItem::Receipt(wrong_payload),
+            LedgerItem::Receipt(wrong_destination),
+        ],
+        Some(Lsn(100)),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        out.primary, 3,
+        "rows without stored digests are matched by id"
+    );
+    let found = audit::ledger_conflicts(&c).await.unwrap();
+    let named: std::collections::BTreeSet<_> = found
+        .iter()
+        .filter(|f| f.source == "receipt")
+        .filter_map(|f| f.event_id)
+        .collect();
+    assert_eq!(
+        named,
+        [events[1].event_id, events[2].event_id]
+            .into_iter()
+            .collect(),
+        "{found:?}"
+    );
+}
+
 #[tokio::test]
 async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatches() {
     let (mut c, _) = fresh("ledger_accept").await;
@@ -276,23 +411,39 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         .await
         .unwrap();
 
-    // First ACK and a broker duplicate in the same batch, plus a forged receipt.
-    let mut forged = receipt(&ev, 9);
+    // outbox.enqueue's row stores no digests (migration 0027); a row written around it may,
+    // and then a receipt must carry the same ones.
+    let stored = event(&c, with_stored_digests(&c, id, 2).await).await;
+
+    // First ACK and a broker duplicate in the same batch, plus forged receipts: against the
+    // row that stores its digests, a conflict; against the immutable row that does not, the
+    // id matches (the relay computed the digests from that row) and the audit names it
+    // (`a_receipt_whose_digests_are_not_its_rows_is_named_by_the_audit`).
+    let mut forged = receipt(&stored, 9);
     forged.payload_digest = "sha256:00".into();
+    let mut forged_dup = receipt(&ev, 10);
+    forged_dup.payload_digest = "sha256:00".into();
     let out = accept::accept_batch(
         &mut c,
         "s1",
         &[
             LedgerItem::Receipt(receipt(&ev, 1)),
             LedgerItem::Receipt(receipt(&ev, 2)),
+            LedgerItem::Receipt(receipt(&stored, 5)),
             LedgerItem::Receipt(forged),
+            LedgerItem::Receipt(forged_dup),
         ],
         Some(Lsn(200)),
         None,
     )
     .await
     .unwrap();
-    assert_eq!((out.primary, out.duplicates, out.conflicts), (1, 1, 1));
+    assert_eq!((out.primary, out.duplicates, out.conflicts), (2, 2, 1));
+    let found = audit::ledger_conflicts(&c).await.unwrap();
+    assert!(
+        !found.iter().any(|f| f.source == "receipt"),
+        "the primary receipts carry their rows' digests: {found:?}"
+    );
 
     // A replay after a crash: a late ACK of the same event.
     let out = accept::accept_batch(
@@ -540,7 +691,7 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
 /// published (a paused relay's stale batch) records neither a quarantine nor a hold.
 #[tokio::test]
 async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals() {
-    use outbox_core::receipt::{classify, Digests, ReceiptClass};
+    use outbox_core::receipt::{classify, Digests, ReceiptClass, Stored};
     use outbox_ledger::HoldRecord;
 
     let (mut c, _) = fresh("ledger_classify").await;
@@ -557,19 +708,29 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
     .unwrap();
     tx.commit().await.unwrap();
     let ev = event(&c, id).await;
-    let frozen = Digests {
-        payload: &ev.payload_digest,
-        destination: &ev.destination_digest,
+    // outbox.enqueue's row stores no digests (migration 0027); a copy written around it does.
+    let kept = event(&c, with_stored_digests(&c, id, 2).await).await;
+    let none = Stored {
+        payload: None,
+        destination: None,
     };
-    let mut mismatched = receipt(&ev, 9);
+    let frozen = Stored::both(Digests {
+        payload: &kept.payload_digest,
+        destination: &kept.destination_digest,
+    });
+    let mut mismatched = receipt(&kept, 9);
     mismatched.destination_digest = "sha256:elsewhere".into();
+    let mut unchecked = receipt(&ev, 11);
+    unchecked.destination_digest = "sha256:elsewhere".into();
     let mut orphan = receipt(&ev, 10);
     orphan.event_id = uuid::Uuid::now_v7();
 
-    // (receipt, the row it is matched against, publish slot already taken)
+    // (receipt, what the row it is matched against stores, publish slot already taken)
     let cases = [
-        (receipt(&ev, 1), Some(frozen), false),
-        (receipt(&ev, 2), Some(frozen), true),
+        (receipt(&ev, 1), Some(none), false),
+        (receipt(&ev, 2), Some(none), true),
+        (unchecked.clone(), Some(none), true),
+        (receipt(&kept, 3), Some(frozen), false),
         (mismatched.clone(), Some(frozen), true),
         (orphan.clone(), None, false),
     ];
@@ -1101,7 +1262,8 @@ async fn a_shard_relay_sees_only_its_shards_releases() {
 
 /// Migration 0023 made `outbox.enqueue` cheaper without changing what it writes: the same row
 /// (every column but the insert time and transaction id), the same digests, the same refusals
-/// with the same SQLSTATE and message. Migration 0022's function runs beside it, taken from the
+/// with the same SQLSTATE and message. Since migration 0027 the row stores no digests: the
+/// event the relay reads from it (digests computed) is the one it read from 0022's row. Migration 0022's function runs beside it, taken from the
 /// migration's own text, over routes of every kind and values that are kept, encoded or refused.
 #[tokio::test]
 async fn the_cheaper_enqueue_of_migration_0023_writes_what_0022s_wrote() {
@@ -1208,7 +1370,27 @@ async fn the_cheaper_enqueue_of_migration_0023_writes_what_0022s_wrote() {
                         .unwrap();
                     let values: Vec<Option<String>> = (0..row.len()).map(|k| row.get(k)).collect();
                     kept += 1;
-                    format!("row {values:?}")
+                    // The event as the relay reads it: since migration 0027 the row stores no
+                    // digests and the relay computes them, and they must be the ones 0022's
+                    // function stored.
+                    let names: Vec<&str> = EVENT_COLUMNS
+                        .iter()
+                        .copied()
+                        .filter(|c| !matches!(*c, "occurred_at" | "created_xid"))
+                        .collect();
+                    let event =
+                        OutboxEvent::from_text_columns(
+                            |name| match name {
+                                "occurred_at" => Ok(Some("-")),
+                                "created_xid" => Ok(None),
+                                _ => Ok(values[names.iter().position(|c| *c == name).unwrap()]
+                                    .as_deref()),
+                            },
+                            None,
+                        )
+                        .unwrap();
+                    event.verify().unwrap();
+                    format!("event {event:?}")
                 }
                 Err(e) => {
                     let db = e.as_db_error().expect("a refusal is a database error");

@@ -247,7 +247,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 725, Mutant::BugMigrateReplayable),
         (1, 807, Mutant::BugMigrateReplayable),
         (1, 54402, Mutant::PollMigrateHeld),
-        (1, 27570, Mutant::PollStaleHead),
+        (1, 126874, Mutant::PollStaleHead),
         (1, 92310, Mutant::PollPurgeHeld),
         (1, 1222, Mutant::PollAboveHead),
         (1, 114911, Mutant::PollAboveHead),

@@ -243,12 +243,14 @@ impl World {
                     late,
                 } => {
                     let row = *row;
-                    let cur = self.rows[row].current();
                     // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of
-                    // a purged event is still recognised as a duplicate, not a conflict.
-                    let frozen = Some(Digests {
-                        payload: &cur.payload_digest,
-                        destination: &cur.destination_digest,
+                    // a purged event is still recognised as a duplicate, not a conflict. What
+                    // the row stores: outbox.enqueue stores no digests (migration 0027), a
+                    // destination migration stores its own.
+                    let cur = self.rows[row].current();
+                    let frozen = Some(Stored {
+                        payload: None,
+                        destination: self.rows[row].migrated_digest(),
                     });
                     let before = self.ledger.primary.get(&row).copied();
                     let class = receipt::classify(

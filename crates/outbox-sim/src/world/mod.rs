@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
-use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
+use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, Stored};
 use outbox_core::records::LedgerItem;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
@@ -297,6 +297,10 @@ impl Row {
             ev.envelope_generation += self.migrations.len() as i32;
         }
         ev
+    }
+    /// The destination digest the latest destination migration stored, if any.
+    fn migrated_digest(&self) -> Option<&str> {
+        self.migrations.last().map(|(_, d)| d.as_str())
     }
     fn current_digest(&self) -> &str {
         self.migrations
