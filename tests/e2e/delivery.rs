@@ -167,7 +167,8 @@ async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() 
     let _relay = env.relay(&[], &[]);
     env.wait_streaming().await;
     let good1 = env.enqueue("g-1", json!({"ok": 1})).await;
-    // A row written around outbox.enqueue with a digest that does not match its payload.
+    // A row written around outbox.enqueue storing a digest that does not match its payload
+    // (good1's: outbox.enqueue stores none since migration 0027, the relay computes it).
     let bad: uuid::Uuid = env
         .db
         .query_one(
@@ -175,7 +176,7 @@ async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() 
                  event_type, payload, payload_digest, dest_kind, dest_cluster, dest_topic, dest_key,
                  dest_partitioner, dest_route_generation, dest_serializer, dest_acks, destination_digest)
              SELECT gen_random_uuid(), aggregate_type, 'bad-1', 1, event_type, '{\"forged\": true}',
-                 payload_digest, dest_kind, dest_cluster, dest_topic, 'bad-1', dest_partitioner,
+                 outbox.payload_digest_of(payload, payload_digest), dest_kind, dest_cluster, dest_topic, 'bad-1', dest_partitioner,
                  dest_route_generation, dest_serializer, dest_acks, destination_digest
              FROM outbox.events WHERE event_id = $1
              RETURNING event_id",
