@@ -124,36 +124,6 @@ pub struct LedgerConflict {
 /// operator migrated the event: a migration stores its own digest, which the acceptance
 /// compares). A finding means a relay computed a digest that is not its row's: a bug to report.
 pub async fn ledger_conflicts(client: &Client) -> Result<Vec<LedgerConflict>, LedgerError> {
-    let mut out = quarantined_and_duplicate_conflicts(client).await?;
-    let rows = client
-        .query(
-            "SELECT r.event_id, 'receipt',
-                    format('primary receipt at %s/%s/%s@%s carries digests %s and %s; the row hashes to %s and %s',
-                           r.broker_cluster, r.topic, r.partition, r.\"offset\",
-                           r.payload_digest, r.destination_digest, d.payload, d.destination)
-             FROM outbox.receipts r
-             JOIN outbox.events_current e ON e.event_id = r.event_id
-             CROSS JOIN LATERAL (
-                 SELECT outbox.payload_digest_of(e.payload, NULL) AS payload,
-                        CASE WHEN e.envelope_generation > 1 THEN r.destination_digest
-                             ELSE outbox.destination_digest_of(e) END AS destination) d
-             WHERE (r.payload_digest, r.destination_digest)
-                   IS DISTINCT FROM (d.payload, d.destination)",
-            &[],
-        )
-        .await
-        .ctx("checking primary receipts' digests against their rows")?;
-    out.extend(rows.iter().map(|r| LedgerConflict {
-        event_id: r.get(0),
-        source: r.get(1),
-        detail: r.get(2),
-    }));
-    Ok(out)
-}
-
-async fn quarantined_and_duplicate_conflicts(
-    client: &Client,
-) -> Result<Vec<LedgerConflict>, LedgerError> {
     let rows = client
         .query(
             "SELECT q.event_id, 'quarantine', q.reason_code || ': ' || q.reason
@@ -168,7 +138,20 @@ async fn quarantined_and_duplicate_conflicts(
                            d.broker_cluster, d.topic, d.partition, d.\"offset\")
              FROM outbox.duplicate_receipts d
              JOIN outbox.receipts r ON r.event_id = d.event_id
-             WHERE (d.broker_cluster, d.topic) IS DISTINCT FROM (r.broker_cluster, r.topic)",
+             WHERE (d.broker_cluster, d.topic) IS DISTINCT FROM (r.broker_cluster, r.topic)
+             UNION ALL
+             SELECT r.event_id, 'receipt',
+                    format('primary receipt at %s/%s/%s@%s carries digests %s and %s; the row hashes to %s and %s',
+                           r.broker_cluster, r.topic, r.partition, r.\"offset\",
+                           r.payload_digest, r.destination_digest, h.payload, h.destination)
+             FROM outbox.receipts r
+             JOIN outbox.events_current e ON e.event_id = r.event_id
+             CROSS JOIN LATERAL (
+                 SELECT outbox.payload_digest_of(e.payload, NULL) AS payload,
+                        CASE WHEN e.envelope_generation > 1 THEN r.destination_digest
+                             ELSE outbox.destination_digest_of(e) END AS destination) h
+             WHERE (r.payload_digest, r.destination_digest)
+                   IS DISTINCT FROM (h.payload, h.destination)",
             &[],
         )
         .await

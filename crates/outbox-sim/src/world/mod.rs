@@ -303,9 +303,7 @@ impl Row {
         self.migrations.last().map(|(_, d)| d.as_str())
     }
     fn current_digest(&self) -> &str {
-        self.migrations
-            .last()
-            .map(|(_, d)| d.as_str())
+        self.migrated_digest()
             .unwrap_or(&self.ev.destination_digest)
     }
 }
