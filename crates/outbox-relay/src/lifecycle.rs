@@ -45,6 +45,16 @@ pub fn standby_wait(remaining: Duration, ttl: Duration) -> Duration {
     remaining.min(ttl / 3).max(Duration::from_millis(50))
 }
 
+/// What a standby really waits: [`standby_wait`], at most [`EARLY_TAKEOVER_POLL`], so that a
+/// holder that is provably gone (SIGKILLed: its session lock is free and its walsender has
+/// left) is replaced that soon, not at expiry.
+pub fn standby_poll(remaining: Duration, ttl: Duration) -> Duration {
+    standby_wait(remaining, ttl).min(EARLY_TAKEOVER_POLL)
+}
+
+/// How often, at most, a standby asks for a lease that another relay holds.
+pub const EARLY_TAKEOVER_POLL: Duration = Duration::from_millis(200);
+
 /// What a run that ended with an error leads to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AfterError {
@@ -75,7 +85,19 @@ pub const TAKEOVER_TRIES: u32 = 5;
 /// next failure starts the backoff over.
 pub const HEALTHY_RUN: Duration = Duration::from_secs(1);
 
+/// The relay's longest reconnect backoff.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// The relay's first reconnect backoff.
+pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
 impl Restarts {
+    /// The backoff of a relay's run loop (`outboxd run`, each shard of a fleet member):
+    /// [`FIRST_BACKOFF`] doubling up to [`MAX_BACKOFF`].
+    pub fn relay() -> Self {
+        Restarts::new(FIRST_BACKOFF, MAX_BACKOFF)
+    }
+
     pub fn new(initial: Duration, max: Duration) -> Self {
         Restarts {
             initial,

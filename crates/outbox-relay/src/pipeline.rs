@@ -142,6 +142,23 @@ pub enum Mutant {
     /// the bug the simulator found at seed 1, trace 26811, once heads were read when first
     /// met).
     FoundRaisesUnknownHead,
+    /// A fleet member takes a shard only when no unexpired lease names a holder, live member
+    /// or not ([`crate::fleet::plan_planted`]): a SIGKILLed member's shards wait for its
+    /// leases to expire instead of being taken at once (the simulator's `fleet_unserved`).
+    FleetWaitsForExpiry,
+    /// A fleet member's fair share is the shard count over the members rounded *down*: with
+    /// a count the members do not divide, some shards are nobody's (`fleet_unserved`).
+    FleetShareRoundsDown,
+    /// A fleet member over its share never hands a shard over: a member that joins, or
+    /// resumes after its shards moved, gets nothing back (`fleet_share_not_returned`).
+    FleetNeverHandsOver,
+    /// The fleet plan before the simulator: relays waiting for a live member's lease fill the
+    /// member's share (a shard handed over at start-up stayed unserved until they were given
+    /// up).
+    FleetWaitingFillsShare,
+    /// The fleet plan before the simulator: nobody hands a shard over to a member under the
+    /// floor while every other member holds the rounded-up share (8 over 5: 2, 2, 2, 2, 0).
+    FleetNoEvening,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).

@@ -65,6 +65,26 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.open_at_start > 1_000, "{c:?}");
     assert!(c.unclear_past_budget > 5, "{c:?}");
     assert!(c.producer_refusals > 100, "{c:?}");
+    // A quarter of the traces run a fleet over several shards: members join, are SIGKILLed
+    // and pause; every shard streams again within its bound, and a resumed or new member has
+    // its share back within 10 s (the counters are in `violations`, asserted zero above).
+    assert_eq!(c.fleet_unserved, 0);
+    assert_eq!(c.fleet_share_not_returned, 0);
+    assert!(c.fleet_traces > 300, "{c:?}");
+    assert!(
+        c.fleet_kills > 200 && c.fleet_pauses > 200 && c.fleet_joins > 1_000,
+        "{c:?}"
+    );
+    assert!(c.fleet_handovers > 1_000, "{c:?}");
+    // Issue 26: a SIGKILLed member's shards stream again within 2 s.
+    let t = &c.fleet_takeover;
+    assert!(t.count > 300, "{t:?}");
+    assert!(
+        t.quantile_ms(0.99) <= 2_000,
+        "SIGKILL to streaming again: p99 {} ms (max {} ms) is past 2 s",
+        t.quantile_ms(0.99),
+        t.max_ms
+    );
 }
 
 #[test]
@@ -87,7 +107,9 @@ fn a_trace_replays_alone_and_identically() {
 /// bug; together they make every invariant counter non-zero at least once. Product mutants
 /// (planted in `outbox-relay` and `outbox-core`): confirm-before-accept, retry-reresolves-route,
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
-/// unclear-never-due, route-ignores-cluster. In two tests, so that they run on two threads.
+/// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
+/// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share and
+/// bug-fleet-no-evening. In two tests, so that they run on two threads.
 #[test]
 fn every_product_mutant_is_caught() {
     every_mutant_is_caught(true);
@@ -109,6 +131,11 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::BugStaleQuarantine,
         Mutant::UnclearNeverDue,
         Mutant::RouteIgnoresCluster,
+        Mutant::FleetWaitsForExpiry,
+        Mutant::FleetShareRoundsDown,
+        Mutant::FleetNeverHandsOver,
+        Mutant::BugFleetWaitingFillsShare,
+        Mutant::BugFleetNoEvening,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -191,6 +218,26 @@ fn every_mutant_is_caught(product: bool) {
             Mutant::RouteIgnoresCluster,
             &[("cross_destination_retries", |c| c.cross_destination_retries)],
         ),
+        (
+            Mutant::FleetWaitsForExpiry,
+            &[("fleet_unserved", |c| c.fleet_unserved)],
+        ),
+        (
+            Mutant::FleetShareRoundsDown,
+            &[("fleet_unserved", |c| c.fleet_unserved)],
+        ),
+        (
+            Mutant::FleetNeverHandsOver,
+            &[("fleet_share_not_returned", |c| c.fleet_share_not_returned)],
+        ),
+        (
+            Mutant::BugFleetWaitingFillsShare,
+            &[("fleet_unserved", |c| c.fleet_unserved)],
+        ),
+        (
+            Mutant::BugFleetNoEvening,
+            &[("fleet_share_not_returned", |c| c.fleet_share_not_returned)],
+        ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000),
         // poll-purge-held (1 in 1,000,000) and, since issue 25, poll-above-head (first at
         // trace 24790) are too rare for 1,500 traces: the_traces_that_found_bugs_stay_fixed
@@ -255,6 +302,8 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 189388, Mutant::BugSupersededRefusal),
         (1, 26811, Mutant::BugFoundRaisesUnknownHead),
         (1, 19152, Mutant::PollNoHeadFloor),
+        (1, 10, Mutant::BugFleetWaitingFillsShare),
+        (1, 54, Mutant::BugFleetNoEvening),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -118,6 +118,11 @@ pub struct Counts {
     /// refusal, a look-up that proved nothing at start): an unclear answer holds its
     /// aggregate, never the relay (issue 25).
     pub unclear_restarts: u64,
+    /// Fleets (`fleet.rs`): a shard no relay streamed past its bound (2 s after its holder was
+    /// SIGKILLed or handed it over, the lease TTL + 2 s after its holder paused).
+    pub fleet_unserved: u64,
+    /// Fleets: a member that resumed or joined and streamed less than its share 10 s later.
+    pub fleet_share_not_returned: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
     pub late_acks: u64,
     pub late_acks_converged: u64,
@@ -164,6 +169,14 @@ pub struct Counts {
     pub unclear_past_budget: u64,
     /// Sends the producer did not take (not a permanent refusal): each parked its event.
     pub producer_refusals: u64,
+    /// Fleet scenarios run, and what happened in them.
+    pub fleet_traces: u64,
+    pub fleet_kills: u64,
+    pub fleet_pauses: u64,
+    pub fleet_joins: u64,
+    pub fleet_handovers: u64,
+    /// Simulated milliseconds from a member's SIGKILL to each of its shards streaming again.
+    pub fleet_takeover: ResolutionTimes,
 }
 
 /// Simulated time a relay run must have held the lease before an aggregate that does not
@@ -188,6 +201,8 @@ impl Counts {
             + self.stale_sends
             + self.stalls
             + self.unclear_restarts
+            + self.fleet_unserved
+            + self.fleet_share_not_returned
             + (self.late_acks - self.late_acks_converged)
     }
 
@@ -202,6 +217,7 @@ impl Counts {
 
     pub fn add(&mut self, o: &Counts) {
         self.unknown_resolution.add(&o.unknown_resolution);
+        self.fleet_takeover.add(&o.fleet_takeover);
         macro_rules! sum {
             ($($f:ident),*) => { $( self.$f += o.$f; )* };
         }
@@ -252,7 +268,14 @@ impl Counts {
             unclear_resends,
             open_at_start,
             unclear_past_budget,
-            producer_refusals
+            producer_refusals,
+            fleet_unserved,
+            fleet_share_not_returned,
+            fleet_traces,
+            fleet_kills,
+            fleet_pauses,
+            fleet_joins,
+            fleet_handovers
         );
     }
 
@@ -297,6 +320,11 @@ impl Counts {
             ("stale_sends", self.stale_sends.to_string()),
             ("stalls", self.stalls.to_string()),
             ("unclear_restarts", self.unclear_restarts.to_string()),
+            ("fleet_unserved", self.fleet_unserved.to_string()),
+            (
+                "fleet_share_not_returned",
+                self.fleet_share_not_returned.to_string(),
+            ),
             ("events_committed", self.events.to_string()),
             ("transactions_rolled_back", self.rolled_back.to_string()),
             ("relay_sigkills", self.relay_crashes.to_string()),
@@ -334,13 +362,34 @@ impl Counts {
             ("operator_skips", self.skips.to_string()),
             ("purges", self.purges.to_string()),
             ("consumer_crashes", self.consumer_crashes.to_string()),
+            (
+                "fleet_traces",
+                format!(
+                    "{} ({} joins, {} SIGKILLs, {} pauses, {} hand-overs)",
+                    self.fleet_traces,
+                    self.fleet_joins,
+                    self.fleet_kills,
+                    self.fleet_pauses,
+                    self.fleet_handovers
+                ),
+            ),
+            (
+                "fleet_takeover_ms",
+                format!(
+                    "p50 {} p99 {} max {} (simulated, SIGKILL to streaming again; {} shards)",
+                    self.fleet_takeover.quantile_ms(0.5),
+                    self.fleet_takeover.quantile_ms(0.99),
+                    self.fleet_takeover.max_ms,
+                    self.fleet_takeover.count
+                ),
+            ),
         ]
     }
 
     /// The summary line of the CLI contract.
     pub fn summary(&self) -> String {
         format!(
-            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={} stalls={} unclear_restarts={}",
+            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={} stalls={} unclear_restarts={} fleet_unserved={} fleet_share_not_returned={}",
             self.traces,
             self.lost,
             self.second_ids,
@@ -349,7 +398,9 @@ impl Counts {
             self.late_ack_convergence(),
             self.unknown_untraced,
             self.stalls,
-            self.unclear_restarts
+            self.unclear_restarts,
+            self.fleet_unserved,
+            self.fleet_share_not_returned
         )
     }
 }

@@ -150,6 +150,19 @@ pub enum Mutant {
     /// without the head read from the ledger below its own floor (the version before an
     /// aggregate's first pending one) took a version above a found copy for a gap.
     PollNoHeadFloor,
+    /// Product mutant (`outbox_relay::fleet`): a member takes a shard only once no unexpired
+    /// lease names a holder, so a SIGKILLed member's shards wait for expiry.
+    FleetWaitsForExpiry,
+    /// Product mutant: a fleet member's share rounded down (some shards are nobody's).
+    FleetShareRoundsDown,
+    /// Product mutant: a member over its share never hands a shard over.
+    FleetNeverHandsOver,
+    /// Product bug found by the fleet simulation (seed 1, trace 10): relays waiting for live
+    /// members' leases filled the share, and a handed-over shard stayed unserved.
+    BugFleetWaitingFillsShare,
+    /// Product bug found by the fleet simulation (seed 1, trace 54): a member that joined under
+    /// the floor got nothing while the others held the rounded-up share.
+    BugFleetNoEvening,
 }
 
 impl Mutant {
@@ -189,6 +202,14 @@ impl Mutant {
             Mutant::BugFoundRaisesUnknownHead,
         ),
         ("poll-no-head-floor", Mutant::PollNoHeadFloor),
+        ("fleet-waits-for-expiry", Mutant::FleetWaitsForExpiry),
+        ("fleet-share-rounds-down", Mutant::FleetShareRoundsDown),
+        ("fleet-never-hands-over", Mutant::FleetNeverHandsOver),
+        (
+            "bug-fleet-waiting-fills-share",
+            Mutant::BugFleetWaitingFillsShare,
+        ),
+        ("bug-fleet-no-evening", Mutant::BugFleetNoEvening),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -442,6 +463,7 @@ macro_rules! log {
 // By role; declared after `log!` so that they can use it.
 mod broker;
 mod consumer;
+mod fleet;
 mod judge;
 mod ledger;
 
@@ -455,6 +477,15 @@ pub fn run_trace(seed: u64, trace: u64, mutant: Option<Mutant>, verbose: bool) -
     let mut w = World::new(SplitMix64::for_trace(seed, trace), mutant, verbose);
     w.run();
     w.c.traces = 1;
+    // A fleet over several shards, on a stream of its own (the event world's draws, and so
+    // its regression traces, stay as they were).
+    let log = verbose.then_some(&mut w.log);
+    fleet::run(
+        SplitMix64::for_trace(seed, trace).fork(7),
+        mutant,
+        &mut w.c,
+        log,
+    );
     TraceResult {
         counts: w.c,
         log: w.log,

@@ -831,8 +831,7 @@ pub fn retry_budget(
     ack_timeout + unknown_settle + lease_ttl + MAX_BACKOFF
 }
 
-/// The relay's longest reconnect backoff.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+pub use outbox_relay::lifecycle::MAX_BACKOFF;
 
 impl RelayConfig {
     /// [`retry_budget`] with this relay's settings.

@@ -19,20 +19,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_relay::fleet::{self, Step};
+use outbox_relay::fleet::{self, Step, STOP_GRACE, TICK};
 use outbox_source::shard::Shard;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::{connect_sql, Progress, RelayError};
 use crate::config::RelayConfig;
-
-/// How often a member writes its row and balances.
-const TICK: Duration = Duration::from_millis(500);
-
-/// How long a stopped shard relay may take to drain, confirm and release its lease before it
-/// is aborted (its lease then expires on its own; nothing it had not accepted is confirmed).
-const STOP_GRACE: Duration = Duration::from_secs(15);
 
 /// A shard relay this member started.
 struct Task {
@@ -161,7 +154,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
             members: &members,
             holders: &holders,
             running: &running,
-            give_up: base.lease_ttl + Duration::from_secs(2),
+            give_up: fleet::give_up(base.lease_ttl),
         });
         for step in steps {
             match step {

@@ -174,7 +174,7 @@ pub async fn run(
     drop(client);
     let mut resnapshot = cfg.resnapshot;
     // Whether an ended run reconnects or stops the process: `outbox_relay::lifecycle`.
-    let mut restarts = Restarts::new(Duration::from_millis(100), crate::config::MAX_BACKOFF);
+    let mut restarts = Restarts::relay();
     loop {
         // A stop asked while the last run was ending (its `changed()` consumed by that run) is
         // honoured here, not missed by a standby that waits for the next change.
@@ -240,10 +240,6 @@ pub(super) struct HeldLease {
     locked: bool,
 }
 
-/// How often a standby asks for the lease: a holder that is provably gone (SIGKILLed: its
-/// session lock is free and its walsender has left) is replaced this soon, not at expiry.
-const EARLY_TAKEOVER_POLL: Duration = Duration::from_millis(200);
-
 /// Waits as a hot standby until this relay holds the slot's lease. Returns the fence and the
 /// held lease, or `None` on shutdown.
 async fn acquire_lease(
@@ -287,8 +283,7 @@ async fn acquire_lease(
                         "standby: another relay holds the slot; taking over when its lease expires or its holder is gone");
                     announced = true;
                 }
-                let wait =
-                    lifecycle::standby_wait(remaining, cfg.lease_ttl).min(EARLY_TAKEOVER_POLL);
+                let wait = lifecycle::standby_poll(remaining, cfg.lease_ttl);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = shutdown.changed() => return Ok(None),
