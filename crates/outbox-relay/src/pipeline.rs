@@ -941,6 +941,26 @@ impl<P: Plant> PipelineCore<P> {
         }
     }
 
+    /// What reconciling an open UNKNOWN attempt of `ev` proved (at start, or while running
+    /// for another generation's attempt), once the driver has recorded it: settled, the event
+    /// is no longer open at start (the replay finds it or retries it with the next generation,
+    /// never parks it again); a found copy raises its aggregate's head where the gate knows the
+    /// aggregate (a poll round, which skips published rows, would otherwise take the next
+    /// version for a gap); then [`PipelineCore::unknown_resolved`].
+    pub fn reconciled(&mut self, ev: &OutboxEvent, resolved: &crate::unknown::Resolved) {
+        use crate::unknown::Resolved;
+        if *resolved != Resolved::StillUnknown {
+            self.open_at_start.remove(&ev.event_id);
+        }
+        if matches!(
+            resolved,
+            Resolved::Found { .. } | Resolved::StoredByProbe { .. }
+        ) {
+            self.raise_known_heads(vec![(key_of(ev), ev.aggregate_version)]);
+        }
+        self.unknown_resolved(ev.event_id, resolved);
+    }
+
     /// The ledger's aggregate heads as they are now (after reconciliation at start accepted
     /// receipts of events it found): the gate expects no version at or below a head. Only
     /// raises; call it while nothing is in flight.

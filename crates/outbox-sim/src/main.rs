@@ -9,13 +9,15 @@ use clap::Parser;
 use outbox_sim::{run_range, run_trace, Counts, Mutant};
 
 /// Deterministic simulation of outboxd: producers, WAL and slot, relay incarnations with
-/// leases, a faulty broker, consumers with an inbox, the reconciler and purge — driving the
-/// real outbox-core logic (ack tracker, ordering gate, digests, receipt acceptance, UNKNOWN
-/// resolution, migration rule) and the real slot start-up plan.
+/// leases, a faulty broker, consumers with an inbox, the reconciler and purge, and fleets of
+/// relays over several shards that join, die and pause — driving the real outbox-core logic
+/// (ack tracker, ordering gate, digests, receipt acceptance, UNKNOWN resolution, migration
+/// rule), the relay's pipeline core, the fleet plan and the real slot start-up plan.
 ///
 /// The last line printed is the release-gate summary:
 /// `traces=N lost=0 second_ids=0 cross_destination_retries=0 duplicate_effects=0
-/// late_ack_convergence=100.00% unknown_untraced=0 stalls=0 unclear_restarts=0`.
+/// late_ack_convergence=100.00% unknown_untraced=0 stalls=0 unclear_restarts=0
+/// fleet_unserved=0 fleet_share_not_returned=0`.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-sim", version)]
 struct Args {

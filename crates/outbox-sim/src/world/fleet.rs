@@ -146,6 +146,9 @@ struct Fleet<'a> {
     killed_at: Vec<Option<u64>>,
     /// (member, due): share checks.
     share_checks: Vec<(usize, u64)>,
+    /// Until when a stop that hung keeps its shard from anyone (its abort, then its lease's
+    /// expiry): a member waiting for its share may wait that long.
+    hung_until: u64,
     c: &'a mut Counts,
     log: Option<&'a mut Vec<String>>,
 }
@@ -177,6 +180,7 @@ pub(super) fn run(
         counted: vec![false; usize::from(count)],
         killed_at: vec![None; usize::from(count)],
         share_checks: Vec::new(),
+        hung_until: 0,
         c,
         log,
         rng,
@@ -298,7 +302,8 @@ impl Fleet<'_> {
         self.say(format!("m{m} joins"));
         // Its share, 10 s after it joined (the first members settle before anything is judged).
         if at > 1_000 {
-            self.share_checks.push((m, at + SHARE_BOUND));
+            self.share_checks
+                .push((m, (at + SHARE_BOUND).max(self.hung_until)));
         }
     }
 
@@ -356,7 +361,8 @@ impl Fleet<'_> {
         self.members[m].life = Life::Alive;
         // Its loop's sleep is over: it ticks at once.
         self.members[m].next_tick = self.now;
-        self.share_checks.push((m, self.now + SHARE_BOUND));
+        self.share_checks
+            .push((m, (self.now + SHARE_BOUND).max(self.hung_until)));
     }
 
     /// Whether task `id` still has a session: its process runs or is paused, and it was not
@@ -595,6 +601,7 @@ impl Fleet<'_> {
                         // Its shard is nobody's until the abort and its lease's expiry: a
                         // member waiting for its share waits that long too.
                         let until = now + ms_of(fleet::STOP_GRACE) + TTL + HANDOVER_BOUND;
+                        self.hung_until = self.hung_until.max(until);
                         for (_, due) in self.share_checks.iter_mut() {
                             *due = (*due).max(until);
                         }
@@ -646,13 +653,13 @@ impl Fleet<'_> {
             if self.now >= self.members[m].next_tick {
                 self.tick(m);
             }
-            let shards: Vec<u16> = self.members[m].tasks.keys().copied().collect();
-            for s in shards {
-                if let Some(mut t) = self.members[m].tasks.remove(&s) {
-                    self.step_task(m, &mut t);
-                    self.members[m].tasks.insert(s, t);
-                }
+            // Taken out while they step: `task_has_session` then does not see them, which
+            // only matters for a lease of this member's, and that one is free to it anyway.
+            let mut tasks = std::mem::take(&mut self.members[m].tasks);
+            for t in tasks.values_mut() {
+                self.step_task(m, t);
             }
+            self.members[m].tasks = tasks;
             let mut stopping = std::mem::take(&mut self.members[m].stopping);
             for (t, _) in stopping.iter_mut() {
                 self.step_task(m, t);

@@ -1469,20 +1469,8 @@ impl World {
                     Resolved::StillUnknown
                 }
             };
-            if resolved != Resolved::StillUnknown {
-                self.relays[i].core.open_at_start.remove(&id);
-            }
-            // `reconcile_unknown`: a found copy raises its aggregate's head.
-            if matches!(
-                resolved,
-                Resolved::Found { .. } | Resolved::StoredByProbe { .. }
-            ) {
-                let agg = self.rows[row].agg;
-                self.relays[i]
-                    .core
-                    .raise_known_heads(vec![(agg_key(agg), ev.aggregate_version)]);
-            }
-            self.relays[i].core.unknown_resolved(id, &resolved);
+            // `PipelineCore::reconciled`, as the daemon's reconciliation tells it.
+            self.relays[i].core.reconciled(&ev, &resolved);
         }
         Ok(())
     }

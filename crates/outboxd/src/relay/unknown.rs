@@ -124,25 +124,9 @@ pub(crate) async fn reconcile_unknown(
                 Resolved::StillUnknown
             }
         };
-        // Settled here: an event open at start that the replay reaches later is found (never
-        // sent again) or retried with the next generation, not parked again.
-        if resolved != Resolved::StillUnknown {
-            pipeline.core.open_at_start.remove(&a.event_id);
-        }
-        // A copy found now may publish a version above the aggregate's head as the gate loaded
-        // it (an earlier version's receipt was lost with a paused predecessor): a poll round,
-        // which skips published rows, would otherwise take the next version for a gap (found
-        // by outbox-sim; reconciliation at start raises the heads for the same reason).
-        if matches!(
-            resolved,
-            Resolved::Found { .. } | Resolved::StoredByProbe { .. }
-        ) {
-            let key = (ev.aggregate_type.clone(), ev.aggregate_id.clone());
-            pipeline
-                .core
-                .raise_known_heads(vec![(key, ev.aggregate_version)]);
-        }
-        pipeline.core.unknown_resolved(a.event_id, &resolved);
+        // What it proved, for the run (`PipelineCore::reconciled`: no longer open at start, a
+        // found copy raises a known aggregate's head).
+        pipeline.core.reconciled(&ev, &resolved);
     }
     Ok(())
 }
