@@ -308,16 +308,8 @@ mod tests {
         assert_eq!(plan(&view("a", &m, &h1, &a_runs)), vec![]);
         assert_eq!(plan(&view("e", &m, &h1, &none)), vec![Step::Take(1)]);
         // Settled (2, 2, 2, 1, 1): nobody is under the floor, nothing moves.
-        let h2 = holders(&[
-            (0, "a"),
-            (1, "e"),
-            (2, "b"),
-            (3, "b"),
-            (4, "c"),
-            (5, "c"),
-            (6, "d"),
-            (7, "d"),
-        ]);
+        let mut h2 = h.clone();
+        h2.insert(1, "e".into());
         let b_runs = running(&[(2, 60), (3, 60)]);
         assert_eq!(plan(&view("b", &m, &h2, &b_runs)), vec![]);
     }

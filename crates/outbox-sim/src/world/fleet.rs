@@ -436,7 +436,8 @@ impl Fleet<'_> {
     fn step_task(&mut self, m: usize, t: &mut Task) {
         let now = self.now;
         t.state = match t.state {
-            State::Starting { until } if now >= until => {
+            // Connected, or its backoff over: the run asks for the lease.
+            State::Starting { until } | State::Backoff { until } if now >= until => {
                 if t.stop {
                     State::Ended
                 } else {
@@ -502,16 +503,6 @@ impl Fleet<'_> {
                             until: now + ms_of(after),
                         },
                         AfterError::Stop => State::Ended,
-                    }
-                }
-            }
-            State::Backoff { until } if now >= until => {
-                if t.stop {
-                    State::Ended
-                } else {
-                    State::Standby {
-                        next_try: now,
-                        waited: false,
                     }
                 }
             }
