@@ -31,15 +31,18 @@ const VERSIONS: i64 = 8;
 async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a_time_never_the_relay(
 ) {
     let (env, target) = endpoint_env("unclear_http", TargetSettings::default()).await;
-    // A late answer comes after the client's timeout; a clean one well before it.
+    // A late answer comes after the client's timeout; a clean one well before it. The
+    // timeout leaves a clean answer 2.5 s: with 1 s, a CI run whose two CPUs were saturated
+    // by the tests beside this one had a clean 200 read after the relay had given up on it,
+    // and the relay's correct resend counted as a second delivery (1 run in 3).
     let config = env.write_config(
-        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 1000\n\
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
          response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
     );
-    let args = ["--config", &config, "--message-timeout-ms", "3000"];
+    let args = ["--config", &config, "--message-timeout-ms", "6000"];
     let misbehave = Misbehave {
         one_in: 3,
-        late: Duration::from_millis(1_500),
+        late: Duration::from_millis(3_000),
         seed: std::env::var("OUTBOXD_TEST_SEED")
             .ok()
             .and_then(|s| s.parse().ok())
