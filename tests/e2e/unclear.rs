@@ -21,7 +21,7 @@ use outbox_testkit::http_target::{Behavior, Misbehave, TargetSettings};
 use serde_json::json;
 
 use crate::harness::TestEnv;
-use crate::http::{check_endpoint, endpoint_env};
+use crate::http::{check_endpoint_as, endpoint_env};
 
 /// Aggregates and versions of the faulty phase.
 const AGGREGATES: usize = 40;
@@ -147,11 +147,15 @@ async fn misbehaving_endpoint(at_most_once: bool) {
     relay.assert_running();
 
     let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
-    if at_most_once {
-        check_endpoint(&env, &target, &committed, &topic).await;
-    } else {
-        crate::http::check_endpoint_receipts(&env, &target, &committed, &topic).await;
-    }
+    check_endpoint_as(
+        &env,
+        &target,
+        &committed,
+        &topic,
+        "billing-api",
+        at_most_once,
+    )
+    .await;
 
     // The faults met traffic.
     let requests = target.requests();

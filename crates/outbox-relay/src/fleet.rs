@@ -3,8 +3,9 @@
 //! [`give_up`]). Pure: the member's loop (`crates/outboxd/src/relay/fleet.rs`) reads the
 //! members and the leases, asks [`plan`], and starts or stops shard relays accordingly; the
 //! simulator (`outbox-sim`, `fleet.rs`) runs the same plan for members that join, die and
-//! pause, with the fleet mutants planted through [`plan_planted`]. None of this decides who sends — the shards' leases do — so a wrong
-//! view here can cost balance or time, never an event or its order.
+//! pause, with the fleet mutants planted through [`plan_planted`]. None of this decides who
+//! sends — the shards' leases do — so a wrong view here can cost balance or time, never an
+//! event or its order.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -70,12 +71,16 @@ pub fn plan(v: &View) -> Vec<Step> {
 /// [`plan`], with what `plant` plants (the simulator's fleet mutants; the daemon plants
 /// nothing).
 pub fn plan_planted<P: Plant>(v: &View, plant: &P) -> Vec<Step> {
+    // The floor: the count over the members, rounded down.
+    let floor = usize::from(v.count) / v.members.len().max(1);
     let target = if plant.planted(Mutant::FleetShareRoundsDown) {
-        usize::from(v.count) / v.members.len().max(1)
+        floor
     } else {
         fair_share(v.count, v.members.len())
     };
     let mine = |i: &u16| v.holders.get(i).is_some_and(|h| h == v.me);
+    // No lease, or one whose holder is no live member.
+    let unheld = |i: &u16| v.holders.get(i).map_or(true, |h| !v.members.contains(h));
     // A relay of this member waiting for a lease that another live member holds.
     let blocked = |i: &u16| {
         v.holders
@@ -101,7 +106,6 @@ pub fn plan_planted<P: Plant>(v: &View, plant: &P) -> Vec<Step> {
     // member by id of those at the rounded-up share hands one over, and members at the floor
     // leave the free shards to the needy (found by the simulator's fleet,
     // `fleet_share_not_returned`).
-    let floor = usize::from(v.count) / v.members.len().max(1);
     let held_by = |m: &String| {
         if m == v.me {
             held
@@ -115,9 +119,7 @@ pub fn plan_planted<P: Plant>(v: &View, plant: &P) -> Vec<Step> {
         .filter(|m| *m != v.me)
         .map(|m| floor.saturating_sub(held_by(m)))
         .sum();
-    let free = (0..v.count)
-        .filter(|i| v.holders.get(i).map_or(true, |h| !v.members.contains(h)))
-        .count();
+    let free = (0..v.count).filter(unheld).count();
     let first_at_target = v
         .members
         .iter()
@@ -155,9 +157,11 @@ pub fn plan_planted<P: Plant>(v: &View, plant: &P) -> Vec<Step> {
         let free = (0..v.count)
             .filter(|i| !v.running.contains_key(i))
             .filter(|i| {
-                v.holders
-                    .get(i)
-                    .map_or(true, |h| !waits_for_expiry && !v.members.contains(h))
+                if waits_for_expiry {
+                    !v.holders.contains_key(i)
+                } else {
+                    unheld(i)
+                }
             })
             .take(room);
         steps.extend(free.map(Step::Take));

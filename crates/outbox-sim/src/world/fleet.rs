@@ -279,12 +279,22 @@ impl Fleet<'_> {
         }
     }
 
-    /// A fault changes every member's share: what is due is judged a full bound later.
-    fn rearm_share_checks(&mut self) {
-        let until = self.now + SHARE_BOUND;
+    /// Judges no member's share before `until` (a fault changes every member's share; a stop
+    /// that hung keeps its shard from anyone).
+    fn delay_share_checks(&mut self, until: u64) {
         for (_, due) in self.share_checks.iter_mut() {
             *due = (*due).max(until);
         }
+    }
+
+    /// A fault: what is due is judged a full bound later.
+    fn rearm_share_checks(&mut self) {
+        self.delay_share_checks(self.now + SHARE_BOUND);
+    }
+
+    /// Shard `s` may be unserved until `until`.
+    fn excuse(&mut self, s: usize, until: u64) {
+        self.excused_until[s] = self.excused_until[s].max(until);
     }
 
     fn join(&mut self, at: u64) {
@@ -330,7 +340,7 @@ impl Fleet<'_> {
             self.killed_at[usize::from(s)] = Some(self.now);
         }
         for s in self.leased_by(m) {
-            self.excused_until[s] = self.excused_until[s].max(self.now + TAKEOVER_BOUND);
+            self.excuse(s, self.now + TAKEOVER_BOUND);
         }
         self.members[m].life = Life::Dead;
         self.share_checks.retain(|(x, _)| *x != m);
@@ -343,10 +353,10 @@ impl Fleet<'_> {
         // Its leases expire at most a TTL from now; then a standby takes each. Until its row
         // is stale (a TTL) it still counts as a live member, with its share: a shard nobody
         // streams now may be waiting for its room.
+        let leased = self.leased_by(m);
         for s in 0..self.count {
-            if self.leased_by(m).contains(&usize::from(s)) || self.server(s).is_none() {
-                let s = usize::from(s);
-                self.excused_until[s] = self.excused_until[s].max(self.now + TTL + HANDOVER_BOUND);
+            if leased.contains(&usize::from(s)) || self.server(s).is_none() {
+                self.excuse(usize::from(s), self.now + TTL + HANDOVER_BOUND);
             }
         }
         self.members[m].life = Life::Paused;
@@ -588,27 +598,22 @@ impl Fleet<'_> {
                         continue;
                     };
                     t.hangs = self.rng.chance(50);
-                    if t.hangs {
-                        // Its shard is nobody's until the abort and its lease's expiry: a
-                        // member waiting for its share waits that long too.
-                        let until = now + ms_of(fleet::STOP_GRACE) + TTL + HANDOVER_BOUND;
-                        self.hung_until = self.hung_until.max(until);
-                        for (_, due) in self.share_checks.iter_mut() {
-                            *due = (*due).max(until);
-                        }
-                    }
-                    if self.holds(&t) {
-                        // The next holder takes it once it is released (or, if the stop
-                        // hangs, once the member aborts it).
-                        let s = usize::from(s);
-                        // An aborted relay's lease names a live member (this one): nobody
-                        // takes it before it expires.
-                        let bound = if t.hangs {
+                    // The next holder takes the shard once it is released, or, if the stop
+                    // hangs, once the member aborts it and its lease expires (an aborted
+                    // relay's lease names a live member, this one: nobody takes it before).
+                    let until = now
+                        + if t.hangs {
                             ms_of(fleet::STOP_GRACE) + TTL + HANDOVER_BOUND
                         } else {
                             HANDOVER_BOUND
                         };
-                        self.excused_until[s] = self.excused_until[s].max(now + bound);
+                    if t.hangs {
+                        // A member waiting for its share waits that long too.
+                        self.hung_until = self.hung_until.max(until);
+                        self.delay_share_checks(until);
+                    }
+                    if self.holds(&t) {
+                        self.excuse(usize::from(s), until);
                     }
                     t.stop = true;
                     let deadline = now + ms_of(fleet::STOP_GRACE);
