@@ -560,7 +560,7 @@ pub(crate) async fn check_endpoint(
     committed: &HashMap<uuid::Uuid, (String, i64)>,
     topic: &str,
 ) {
-    check_endpoint_as(env, target, committed, topic, "billing-api", true).await
+    check_named_endpoint(env, target, committed, topic, "billing-api").await
 }
 
 /// [`check_endpoint`] for the endpoint named `endpoint`, which `committed` was routed to.
@@ -571,20 +571,6 @@ pub(crate) async fn check_named_endpoint(
     topic: &str,
     endpoint: &str,
 ) {
-    check_endpoint_as(env, target, committed, topic, endpoint, true).await
-}
-
-/// [`check_named_endpoint`], with its at-most-once check (no key sent again after a clear
-/// answer) only if `at_most_once`: `tests/e2e/unclear.rs` runs without it where its run meets
-/// a known defect.
-pub(crate) async fn check_endpoint_as(
-    env: &TestEnv,
-    target: &HttpTarget,
-    committed: &HashMap<uuid::Uuid, (String, i64)>,
-    topic: &str,
-    endpoint: &str,
-    at_most_once: bool,
-) {
     let not_once: Vec<_> = committed
         .keys()
         .filter(|id| target.applied(&id.to_string()) != 1)
@@ -594,9 +580,7 @@ pub(crate) async fn check_endpoint_as(
         not_once.is_empty(),
         "not applied exactly once: {not_once:?}"
     );
-    if at_most_once {
-        target.assert_at_most_once();
-    }
+    target.assert_at_most_once();
     let committed_ids: Vec<String> = committed.keys().map(uuid::Uuid::to_string).collect();
     target.assert_applied_within(committed_ids.iter().map(String::as_str));
     let ids: Vec<uuid::Uuid> = committed.keys().copied().collect();

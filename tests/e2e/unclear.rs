@@ -21,30 +21,19 @@ use outbox_testkit::http_target::{Behavior, Misbehave, TargetSettings};
 use serde_json::json;
 
 use crate::harness::TestEnv;
-use crate::http::{check_endpoint_as, endpoint_env};
+use crate::http::{check_named_endpoint, endpoint_env};
 
 /// Aggregates and versions of the faulty phase.
 const AGGREGATES: usize = 40;
 const VERSIONS: i64 = 8;
 
+/// The relay SIGKILLed once on the way. An event that reconciliation found answered while it
+/// waited behind its aggregate's unclear event was once sent again after its clean answer
+/// (2 of 3 loaded CI runs; `outbox-sim`'s `resent_after_proof` found the cause, seed 1, trace
+/// 27): the at-most-once check below is what catches it here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a_time_never_the_relay(
 ) {
-    misbehaving_endpoint(false).await
-}
-
-/// The same run, checking also that no event is sent again after a clear answer. Ignored: a
-/// known defect (2 of 3 fresh-clone CI runs on 2026-12-03, never when run alone): a relay run
-/// sent an event again 40 requests after the endpoint had answered it 201 (the endpoint
-/// deduplicated it by its key: applied once, a duplicate receipt). Cause not found; the client
-/// timeout was not it (1 s and 2.5 s both met it). Run it with `--ignored`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known defect: an event sent again after a clear 201 under a loaded CI run, 2 of 3 CI runs on 2026-12-03; cause not found"]
-async fn an_endpoint_misbehaving_on_a_third_of_requests_is_never_sent_what_it_answered_clearly() {
-    misbehaving_endpoint(true).await
-}
-
-async fn misbehaving_endpoint(at_most_once: bool) {
     let (env, target) = endpoint_env("unclear_http", TargetSettings::default()).await;
     // A late answer comes after the client's timeout; a clean one well before it. The
     // timeout leaves a clean answer 2.5 s: with 1 s, a CI run whose two CPUs were saturated
@@ -147,15 +136,7 @@ async fn misbehaving_endpoint(at_most_once: bool) {
     relay.assert_running();
 
     let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
-    check_endpoint_as(
-        &env,
-        &target,
-        &committed,
-        &topic,
-        "billing-api",
-        at_most_once,
-    )
-    .await;
+    check_named_endpoint(&env, &target, &committed, &topic, "billing-api").await;
 
     // The faults met traffic.
     let requests = target.requests();
@@ -204,7 +185,7 @@ async fn misbehaving_endpoint(at_most_once: bool) {
         }
     }
     assert!(
-        !at_most_once || resent_after_clean.is_empty(),
+        resent_after_clean.is_empty(),
         "sent again after a clean answer: {resent_after_clean:?}"
     );
     // Every ambiguous answer after the restart is a traced attempt, resolved.

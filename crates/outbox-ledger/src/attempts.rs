@@ -77,6 +77,15 @@ pub async fn open_unknown_of(
     Ok(open_attempts(client, slot, Some(event_id)).await?.pop())
 }
 
+/// Every open UNKNOWN attempt of `event_id`, oldest first.
+pub async fn all_open_unknown_of(
+    client: &Client,
+    slot: &str,
+    event_id: Uuid,
+) -> Result<Vec<UnknownAttempt>, LedgerError> {
+    open_attempts(client, slot, Some(event_id)).await
+}
+
 async fn open_attempts(
     client: &Client,
     slot: &str,

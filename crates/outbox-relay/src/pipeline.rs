@@ -159,6 +159,11 @@ pub enum Mutant {
     /// The fleet plan before the simulator: nobody hands a shard over to a member under the
     /// floor while every other member holds the rounded-up share (8 over 5: 2, 2, 2, 2, 0).
     FleetNoEvening,
+    /// An event that reconciliation found on the broker while it waited in the gate behind
+    /// its aggregate's unclear event is sent anyway when that one resolves (the product
+    /// before the simulator's `resent_after_proof` found it: the found check ran only when an
+    /// event was decoded).
+    SendsFoundEvent,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -648,6 +653,16 @@ impl<P: Plant> PipelineCore<P> {
             // A stale generation may not send. The event stays unresolved; the run ends.
             self.lease_expired = true;
             return None;
+        }
+        if self.found.contains(&p.ev.event_id) && !self.planted(Mutant::SendsFoundEvent) {
+            // Reconciliation found it on the broker (and recorded its receipt) after the gate
+            // had queued it behind an earlier event of its aggregate: as when decoded after
+            // that (`admit`), it is not sent again; the next event of its aggregate goes.
+            // Its receipt is committed: resolving it with the next batch cannot run ahead.
+            if let Some(a) = p.ack {
+                self.batch_acks.push(a);
+            }
+            return self.send_next(&key_of(&p.ev), now).pop();
         }
         let p = self.park_open_at_start(p, now)?;
         let checked = if self.planted(Mutant::PoisonBeforeGate) {

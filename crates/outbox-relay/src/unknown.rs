@@ -95,12 +95,61 @@ pub fn resolve(attempt: i32, last: i32, scan: Scan, probe_offset: Option<i64>) -
     }
 }
 
+/// Whether another open attempt of an event is settled by the answer its look-up just had,
+/// without being looked up itself. Only where both look-ups are the same re-send of the event
+/// under its key (`resent`: the one answered; `next_resends`: the other's; an HTTP retry with
+/// the same idempotency key, a JetStream re-publish inside the duplicate window): the
+/// destination answers by key, not by attempt, so the answer it gave is the answer for every
+/// attempt under that key, and asking again would send the event again after a clear answer
+/// (a destination that deduplicates answers the same; one that does not applies it twice).
+/// A look-up that reads what the broker holds (a Kafka scan, a JetStream read outside the
+/// window) still runs for every attempt: each may have left a copy of its own. Nothing
+/// proven (`StillUnknown`) settles nothing.
+pub fn answered_already(resent: bool, resolved: &Resolved, next_resends: bool) -> bool {
+    resent
+        && next_resends
+        && matches!(
+            resolved,
+            Resolved::Found { .. } | Resolved::StoredByProbe { .. }
+        )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn s(n: u64) -> Duration {
         Duration::from_secs(n)
+    }
+
+    #[test]
+    fn a_resend_answered_settles_only_the_attempts_a_resend_would_look_up() {
+        let stored = Resolved::StoredByProbe {
+            offset: 0,
+            attempt_generation: 3,
+        };
+        let found = Resolved::Found {
+            offset: 7,
+            attempt_generation: 1,
+        };
+        assert!(answered_already(true, &stored, true), "HTTP: same key");
+        assert!(answered_already(true, &found, true), "JetStream duplicate");
+        assert!(
+            !answered_already(true, &stored, false),
+            "the other attempt is outside the duplicate window: read the stream"
+        );
+        assert!(
+            !answered_already(false, &found, false),
+            "a Kafka scan found one copy; the other attempt may have left another"
+        );
+        assert!(!answered_already(true, &Resolved::StillUnknown, true));
+        assert!(!answered_already(
+            true,
+            &Resolved::Retry {
+                attempt_generation: 2
+            },
+            true
+        ));
     }
 
     #[test]

@@ -17,7 +17,8 @@ use outbox_sim::{run_range, run_trace, Counts, Mutant};
 /// The last line printed is the release-gate summary:
 /// `traces=N lost=0 second_ids=0 cross_destination_retries=0 duplicate_effects=0
 /// late_ack_convergence=100.00% unknown_untraced=0 stalls=0 unclear_restarts=0
-/// fleet_unserved=0 fleet_share_not_returned=0`.
+/// fleet_unserved=0 fleet_share_not_returned=0
+/// resent_after_proof=0`.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-sim", version)]
 struct Args {

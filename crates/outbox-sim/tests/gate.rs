@@ -65,6 +65,8 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.open_at_start > 1_000, "{c:?}");
     assert!(c.unclear_past_budget > 5, "{c:?}");
     assert!(c.producer_refusals > 100, "{c:?}");
+    // No run sends an event again that it has seen on the broker (in `violations` too).
+    assert_eq!(c.resent_after_proof, 0);
     // A quarter of the traces run a fleet over several shards: members join, are SIGKILLed
     // and pause; every shard streams again within its bound, and a resumed or new member has
     // its share back within 10 s (the counters are in `violations`, asserted zero above).
@@ -108,8 +110,8 @@ fn a_trace_replays_alone_and_identically() {
 /// (planted in `outbox-relay` and `outbox-core`): confirm-before-accept, retry-reresolves-route,
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
-/// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share and
-/// bug-fleet-no-evening. In two tests, so that they run on two threads.
+/// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
+/// bug-fleet-no-evening and bug-sends-found-event. In two tests, so that they run on two threads.
 #[test]
 fn every_product_mutant_is_caught() {
     every_mutant_is_caught(true);
@@ -136,6 +138,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::FleetNeverHandsOver,
         Mutant::BugFleetWaitingFillsShare,
         Mutant::BugFleetNoEvening,
+        Mutant::BugSendsFoundEvent,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -238,6 +241,10 @@ fn every_mutant_is_caught(product: bool) {
             Mutant::BugFleetNoEvening,
             &[("fleet_share_not_returned", |c| c.fleet_share_not_returned)],
         ),
+        (
+            Mutant::BugSendsFoundEvent,
+            &[("resent_after_proof", |c| c.resent_after_proof)],
+        ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000),
         // poll-purge-held (1 in 1,000,000) and, since issue 25, poll-above-head (first at
         // trace 24790) are too rare for 1,500 traces: the_traces_that_found_bugs_stay_fixed
@@ -304,6 +311,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 19152, Mutant::PollNoHeadFloor),
         (1, 10, Mutant::BugFleetWaitingFillsShare),
         (1, 54, Mutant::BugFleetNoEvening),
+        (1, 27, Mutant::BugSendsFoundEvent),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

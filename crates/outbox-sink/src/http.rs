@@ -759,6 +759,11 @@ impl Sink for HttpSink {
         self.config.deadline
     }
 
+    /// An endpoint has nothing to read: its look-up is always the retry with the same key.
+    fn lookup_resends(&self, _q: &UnknownLookup<'_>) -> bool {
+        true
+    }
+
     async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
         let proof = self
             .config

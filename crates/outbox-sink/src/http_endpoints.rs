@@ -121,6 +121,10 @@ impl Sink for HttpEndpoints {
     async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
         self.for_event(q.event)?.lookup(q).await
     }
+
+    fn lookup_resends(&self, _q: &UnknownLookup<'_>) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

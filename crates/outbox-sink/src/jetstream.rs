@@ -666,8 +666,14 @@ impl Sink for JetStreamSink {
         self.config.ack_timeout
     }
 
+    /// Inside the duplicate window the look-up is a re-publish with the same `Nats-Msg-Id`;
+    /// outside it, a read of the stream by subject.
+    fn lookup_resends(&self, q: &UnknownLookup<'_>) -> bool {
+        q.sent_ago + WINDOW_MARGIN < self.duplicate_window
+    }
+
     async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
-        if q.sent_ago + WINDOW_MARGIN < self.duplicate_window {
+        if self.lookup_resends(&q) {
             let (_, fut) = self.publish(q.event).await?;
             let ack = fut.await.map_err(|e| {
                 nats_err(

@@ -498,6 +498,11 @@ impl Sink for KafkaSink {
         self.config.message_timeout
     }
 
+    /// A Kafka look-up only reads the partition.
+    fn lookup_resends(&self, _q: &UnknownLookup<'_>) -> bool {
+        false
+    }
+
     /// Scans the frozen partition for header `id` = event id (on a blocking thread).
     async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
         let config = self.config.clone();

@@ -212,6 +212,14 @@ pub trait Sink {
         &self,
         q: UnknownLookup<'_>,
     ) -> impl Future<Output = Result<Lookup, SinkError>> + Send;
+
+    /// Whether looking `q` up sends the event again under its key (an HTTP retry with the
+    /// same idempotency key; a JetStream re-publish with its `Nats-Msg-Id` inside the
+    /// duplicate window) rather than reading what the broker holds. Such a look-up, once
+    /// answered, answers every attempt of the event whose look-up would be the same re-send
+    /// (`outbox_relay::unknown::answered_already`): asking again would send the event again
+    /// after a clear answer.
+    fn lookup_resends(&self, q: &UnknownLookup<'_>) -> bool;
 }
 
 /// The relay's sink, chosen at start (`--sink kafka|nats|http`).
@@ -264,6 +272,14 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.lookup(q).await,
             AnySink::JetStream(s) => s.lookup(q).await,
             AnySink::Http(s) => s.lookup(q).await,
+        }
+    }
+
+    fn lookup_resends(&self, q: &UnknownLookup<'_>) -> bool {
+        match self {
+            AnySink::Kafka(s) => s.lookup_resends(q),
+            AnySink::JetStream(s) => s.lookup_resends(q),
+            AnySink::Http(s) => s.lookup_resends(q),
         }
     }
 }

@@ -353,3 +353,36 @@ fn an_endpoint_policy_budgets_one_try_per_step_and_does_not_settle() {
         (UnclearPolicy::default().first, UnclearPolicy::default().max)
     );
 }
+
+/// Reconciliation finds a queued event on the broker (an earlier run's attempt, looked up
+/// while this run's gate held the event behind its aggregate's unclear one): when the unclear
+/// one resolves, the found event is not sent again, the one after it is, and the found one
+/// is resolved (its receipt is recorded). Found by `outbox-sim` (seed 1, trace
+/// 27, `resent_after_proof`).
+#[test]
+fn an_event_found_while_queued_behind_an_unclear_one_is_not_sent_again() {
+    let mut c = core();
+    let (a1, a2, a3) = (event("a", 1), event("a", 2), event("a", 3));
+    let cmds = admit_txn(&mut c, &[a1.clone(), a2.clone(), a3.clone()], 100);
+    assert_eq!(cmds.len(), 1, "a/1 out, a/2 and a/3 queued");
+    unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    c.reconciled(
+        &a2,
+        &crate::unknown::Resolved::Found {
+            offset: 7,
+            attempt_generation: 1,
+        },
+    );
+    c.due_unclear(now(60_000));
+    let next = c
+        .lookup_done(a1.event_id, LookupOutcome::Recorded, now(60_001))
+        .unwrap();
+    assert_eq!(next.len(), 1);
+    let Command::Send { event: sent, .. } = &next[0];
+    assert_eq!(sent.event_id, a3.event_id, "a/2 skipped, a/3 sent");
+    assert!(
+        c.take_batch(true).unwrap().is_none(),
+        "nothing to record, no checkpoint: a/3 (same transaction) is in flight"
+    );
+    assert_eq!(c.outstanding(), 1, "only a/3 is outstanding");
+}

@@ -109,6 +109,12 @@ pub struct Counts {
     /// Sends by a relay run after a newer generation took the lease (two generations sending
     /// at once).
     pub stale_sends: u64,
+    /// Sends by a relay run of an event that run had already seen on the broker (a delivery
+    /// report with its position, or a look-up that found its copy): a second copy nothing
+    /// called for, which an endpoint's idempotency key store absorbs at best. Not counted: a
+    /// send after the run read the row again (the stream's replay of what a snapshot or a
+    /// release published: sent again by design and recorded as a duplicate).
+    pub resent_after_proof: u64,
     /// Aggregates that never progress: after the drain, an aggregate with an event that is
     /// unpublished, not quarantined, not skipped and not held, although a relay run has held
     /// the lease for [`STALL_AFTER_MS`]; plus relay loops that would wait forever (a release
@@ -199,6 +205,7 @@ impl Counts {
             + self.purged_early
             + self.skipped_offered
             + self.stale_sends
+            + self.resent_after_proof
             + self.stalls
             + self.unclear_restarts
             + self.fleet_unserved
@@ -238,6 +245,7 @@ impl Counts {
             purged_early,
             skipped_offered,
             stale_sends,
+            resent_after_proof,
             stalls,
             unclear_restarts,
             late_acks,
@@ -318,6 +326,7 @@ impl Counts {
             ("purged_early", self.purged_early.to_string()),
             ("skipped_offered", self.skipped_offered.to_string()),
             ("stale_sends", self.stale_sends.to_string()),
+            ("resent_after_proof", self.resent_after_proof.to_string()),
             ("stalls", self.stalls.to_string()),
             ("unclear_restarts", self.unclear_restarts.to_string()),
             ("fleet_unserved", self.fleet_unserved.to_string()),
@@ -389,7 +398,7 @@ impl Counts {
     /// The summary line of the CLI contract.
     pub fn summary(&self) -> String {
         format!(
-            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={} stalls={} unclear_restarts={} fleet_unserved={} fleet_share_not_returned={}",
+            "traces={} lost={} second_ids={} cross_destination_retries={} duplicate_effects={} late_ack_convergence={:.2}% unknown_untraced={} stalls={} unclear_restarts={} fleet_unserved={} fleet_share_not_returned={} resent_after_proof={}",
             self.traces,
             self.lost,
             self.second_ids,
@@ -400,7 +409,8 @@ impl Counts {
             self.stalls,
             self.unclear_restarts,
             self.fleet_unserved,
-            self.fleet_share_not_returned
+            self.fleet_share_not_returned,
+            self.resent_after_proof
         )
     }
 }

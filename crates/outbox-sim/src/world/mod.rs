@@ -163,6 +163,11 @@ pub enum Mutant {
     /// Product bug found by the fleet simulation (seed 1, trace 54): a member that joined under
     /// the floor got nothing while the others held the rounded-up share.
     BugFleetNoEvening,
+    /// Product bug found by the simulator's `resent_after_proof` (seed 1, trace 27): an event
+    /// reconciliation found on the broker while it waited in the gate behind its aggregate's
+    /// unclear event was sent again when that one resolved (the found check ran only when an
+    /// event was decoded). Under an HTTP endpoint, a key sent again after its clear answer.
+    BugSendsFoundEvent,
 }
 
 impl Mutant {
@@ -210,6 +215,7 @@ impl Mutant {
             Mutant::BugFleetWaitingFillsShare,
         ),
         ("bug-fleet-no-evening", Mutant::BugFleetNoEvening),
+        ("bug-sends-found-event", Mutant::BugSendsFoundEvent),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -359,6 +365,10 @@ struct Relay {
     /// Receipts that were late when their report arrived (a salvaging or superseded run, or
     /// the event already published), by (event, partition, offset): the judge's late ACKs.
     late: HashSet<(Uuid, i32, i64)>,
+    /// Rows this run has seen proven on the broker: a delivery report with a position, or a
+    /// look-up that found its copy. Sending one again is the judge's `resent_after_proof`
+    /// (unless the run read the row again since: a replay is sent again by design).
+    proven: HashSet<usize>,
     /// When the run started (the judge's `stalls` count only runs that had time).
     started: u64,
     /// Look-ups of parked events running on their own task (`Pipeline::run_due_unclear`):
@@ -1172,6 +1182,7 @@ impl World {
             cursor,
             in_flight: Vec::new(),
             late: HashSet::new(),
+            proven: HashSet::new(),
             started: self.now,
             lookups: Vec::new(),
         });
@@ -1302,6 +1313,8 @@ impl World {
                     )]);
                 }
             }
+            // Read again by this round: as a replay (`decode_next`), not `resent_after_proof`.
+            self.relays[i].proven.remove(&row);
             let now = self.now_for(i);
             let commands = self.relays[i]
                 .core
@@ -1540,6 +1553,7 @@ impl World {
                     late: false,
                 }];
                 self.accept(i, items, None)?;
+                self.relays[i].proven.insert(row);
                 if open {
                     self.ledger.attempts[a].state = AttemptState::Found;
                     let took = self.now.saturating_sub(self.ledger.attempts[a].unknown_at);
@@ -1581,6 +1595,9 @@ impl World {
             .map_err(|_| End::Error("relay core: begin"))?;
         for row in rows {
             self.learn_head(i, row, true);
+            // Read again (a replay, or the stream's overlap with a snapshot or a release):
+            // sent again by design, recorded as a duplicate; not `resent_after_proof`.
+            self.relays[i].proven.remove(&row);
             let ev = self.rows[row].ev.clone();
             let now = self.now_for(i);
             let commands = self.relays[i]
@@ -1620,6 +1637,7 @@ impl World {
             Mutant::UnclearNeverDue => Some(outbox_relay::Mutant::UnclearNeverDue),
             Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
             Mutant::BugFoundRaisesUnknownHead => Some(outbox_relay::Mutant::FoundRaisesUnknownHead),
+            Mutant::BugSendsFoundEvent => Some(outbox_relay::Mutant::SendsFoundEvent),
             _ => None,
         }
     }
@@ -1701,6 +1719,14 @@ impl World {
                 log!(self, "SKIPPED {} sent again", ev.event_id);
                 self.c.skipped_offered += 1;
             }
+            if self.relays[i].proven.contains(&row) {
+                log!(
+                    self,
+                    "RESENT {} after this run saw it on the broker",
+                    ev.event_id
+                );
+                self.c.resent_after_proof += 1;
+            }
             if self.relays[i].gen < self.ledger.lease_gen {
                 log!(
                     self,
@@ -1774,6 +1800,7 @@ impl World {
         };
         let outcome = match f.report {
             Report::Persisted(rc) => {
+                self.relays[i].proven.insert(f.row);
                 let late = self.relays[i].salvaging
                     || self.relays[i].gen != self.ledger.lease_gen
                     || self.ledger.primary.contains_key(&f.row);

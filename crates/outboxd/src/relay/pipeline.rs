@@ -82,6 +82,8 @@ pub(crate) struct LookupDone {
     attempt: attempts::UnknownAttempt,
     started: Instant,
     result: Result<Lookup, SinkError>,
+    /// Whether the look-up re-sent the event under its key (`Sink::lookup_resends`).
+    resent: bool,
     /// What the look-ups of the event's later attempts proved, in this round.
     prior: Option<LookupOutcome>,
 }
@@ -391,6 +393,7 @@ impl Pipeline {
         };
         let started = Instant::now();
         let query = super::unknown::lookup_query(&self.client, &attempt).await?;
+        let resent = self.sink.lookup_resends(&query.of(&event, &attempt));
         let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
         tokio::spawn(async move {
             let result = sink.lookup(query.of(&event, &attempt)).await;
@@ -399,29 +402,34 @@ impl Pipeline {
                 attempt,
                 started,
                 result,
+                resent,
                 prior,
             });
         });
         Ok(true)
     }
 
-    /// A look-up of a parked event finished: record what it proved; while the event has
-    /// another open attempt (an earlier run's, an earlier try's), look that one up too, so
-    /// every attempt is traced; then tell the core and send what follows (the retry, or the
-    /// aggregate's next event).
+    /// A look-up of a parked event finished: record what it proved; close the event's other
+    /// open attempts that a re-send under its key just answered (`unknown::close_answered`:
+    /// never sent again after a clear answer); while it has another open attempt (an earlier
+    /// run's, an earlier try's), look that one up too, so every attempt is traced; then tell
+    /// the core and send what follows (the retry, or the aggregate's next event).
     pub async fn on_lookup(&mut self, done: LookupDone) -> Result<(), RelayError> {
         let LookupDone {
             event,
             attempt,
             started,
             result,
+            resent,
             prior,
         } = done;
         let id = event.event_id;
         let outcome = match result {
             Ok(lookup) => {
+                let answer = lookup.clone();
+                let slot = self.slot.clone();
                 let resolved = super::unknown::record_lookup(
-                    &self.slot.clone(),
+                    &slot,
                     self,
                     &self.fence.clone(),
                     &attempt,
@@ -430,6 +438,8 @@ impl Pipeline {
                     started,
                 )
                 .await?;
+                super::unknown::close_answered(self, &slot, &event, resent, &answer, &resolved)
+                    .await?;
                 self.core.unknown_resolved(id, &resolved);
                 LookupOutcome::from(resolved)
             }

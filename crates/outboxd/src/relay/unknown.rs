@@ -12,9 +12,15 @@
 //!   of the attempt that sent it), and the replay will not send it again;
 //! * absent over the whole range — the next send is a retry with attempt generation + 1, to the
 //!   same frozen destination (the relay never re-resolves a destination);
-//! * stored by the probe (JetStream only) — the broker's duplicate detection proved the
-//!   original absent by storing the re-publish: that is the retry (generation + 1), recorded
-//!   with its receipt; nothing is sent again.
+//! * stored by the probe (JetStream; an HTTP endpoint's answer to the retry with the same
+//!   key) — the broker's duplicate detection proved the original absent by storing the
+//!   re-publish: that is the retry (generation + 1), recorded with its receipt; nothing is
+//!   sent again.
+//!
+//! Where the look-up is itself a re-send under the event's key (HTTP; JetStream inside the
+//! duplicate window: `Sink::lookup_resends`), its answer is the answer for every attempt of
+//! the event whose look-up would be the same re-send: those are closed with it
+//! ([`close_answered`]), never sent again after a clear answer.
 //!
 //! The checkpoint cannot pass the event meanwhile: it is unresolved until one of these.
 //! The decisions — which attempt to look up when, what a look-up proves, what the pipeline
@@ -39,7 +45,7 @@ use std::time::{Duration, Instant};
 use outbox_core::receipt::Scan;
 use outbox_core::OutboxEvent;
 use outbox_ledger::{accept, attempts, LedgerError, LedgerItem, ReceiptRecord};
-use outbox_sink::{AnySink, Lookup, Sink, SinkError, UnknownLookup};
+use outbox_sink::{Lookup, Sink, UnknownLookup};
 use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
@@ -59,9 +65,11 @@ pub(crate) async fn reconcile_unknown(
     when: When,
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
+    // Events whose other attempts an answered re-send closed in this pass (`close_answered`).
+    let mut answered = std::collections::HashSet::new();
     for a in open {
         // This run has the event parked: its own look-up resolves it (every open attempt).
-        if pipeline.core.is_parked(a.event_id) {
+        if pipeline.core.is_parked(a.event_id) || answered.contains(&a.event_id) {
             continue;
         }
         let unknown_for = Duration::from_secs_f64(a.unknown_for_s.max(0.0));
@@ -114,9 +122,18 @@ pub(crate) async fn reconcile_unknown(
         };
         let ev = outbox_source::snapshot::event_from_row(row)
             .map_err(|e| RelayError::Internal(e.to_string()))?;
-        let lookup = look_up(pipeline.sink(), &pipeline.client, &a, &ev).await?;
-        let resolved = match lookup {
-            Ok(l) => record_lookup(&cfg.slot, pipeline, fence, &a, &ev, l, started).await?,
+        let query = lookup_query(&pipeline.client, &a).await?;
+        let resent = pipeline.sink().lookup_resends(&query.of(&ev, &a));
+        let resolved = match pipeline.sink().lookup(query.of(&ev, &a)).await {
+            Ok(l) => {
+                let answer = l.clone();
+                let resolved =
+                    record_lookup(&cfg.slot, pipeline, fence, &a, &ev, l, started).await?;
+                if close_answered(pipeline, &cfg.slot, &ev, resent, &answer, &resolved).await? > 0 {
+                    answered.insert(a.event_id);
+                }
+                resolved
+            }
             Err(e) => {
                 // Nothing proven: the next poll asks again.
                 tracing::warn!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, error = %e,
@@ -131,16 +148,59 @@ pub(crate) async fn reconcile_unknown(
     Ok(())
 }
 
-/// Asks the sink about attempt `a` of `ev` (the outer error is the ledger's; the inner one
-/// the sink's, which proves nothing).
-pub(crate) async fn look_up(
-    sink: &AnySink,
-    ledger: &Client,
-    a: &attempts::UnknownAttempt,
+/// After a look-up of one of `ev`'s attempts that re-sent it under its key (`resent`) was
+/// answered as `lookup` (`resolved` by the rule), closes every other open attempt of `ev`
+/// whose own look-up would be the same re-send, with the same answer, instead of sending the
+/// event again (`outbox_relay::unknown::answered_already`; a second send after a clear
+/// answer is what an endpoint's idempotency key store would have to absorb). Returns how many.
+pub(crate) async fn close_answered(
+    pipeline: &Pipeline,
+    slot: &str,
     ev: &OutboxEvent,
-) -> Result<Result<Lookup, SinkError>, RelayError> {
-    let query = lookup_query(ledger, a).await?;
-    Ok(sink.lookup(query.of(ev, a)).await)
+    resent: bool,
+    lookup: &Lookup,
+    resolved: &Resolved,
+) -> Result<usize, RelayError> {
+    if !unknown::answered_already(resent, resolved, true) {
+        return Ok(0);
+    }
+    let (found_offset, scanned_from, scanned_to) = match *lookup {
+        Lookup::Found {
+            offset,
+            scanned_from,
+            scanned_to,
+            ..
+        } => (Some(offset), scanned_from, scanned_to),
+        Lookup::StoredByProbe { offset, .. } => (None, offset, offset),
+        Lookup::Absent {
+            scanned_from,
+            scanned_to,
+        } => (None, scanned_from, scanned_to),
+    };
+    let mut closed = 0;
+    for other in attempts::all_open_unknown_of(&pipeline.client, slot, ev.event_id).await? {
+        let query = lookup_query(&pipeline.client, &other).await?;
+        if !unknown::answered_already(
+            resent,
+            resolved,
+            pipeline.sink().lookup_resends(&query.of(ev, &other)),
+        ) {
+            continue;
+        }
+        attempts::resolve(
+            &pipeline.client,
+            other.id,
+            found_offset,
+            scanned_from,
+            scanned_to,
+        )
+        .await?;
+        tracing::info!(event_id = %ev.event_id, attempt = other.attempt_generation,
+            relay_generation = other.relay_generation,
+            "DISPATCH_UNKNOWN resolved by the answer to the same key: not sent again");
+        closed += 1;
+    }
+    Ok(closed)
 }
 
 /// What a look-up needs besides the event: where to start, and how long ago it was sent.
