@@ -161,6 +161,24 @@ pub async fn try_acquire(
     })
 }
 
+/// Gives back `owner`'s lease of `slot`, whatever its generation: for a fleet member whose
+/// shard relay it aborted (its stop hung), so that another member takes the shard now rather
+/// than when the lease expires. The generation stays: whatever the aborted relay still had in
+/// flight is fenced as a paused holder's is (the checkpoint's fence needs an unexpired lease).
+pub async fn release_aborted(client: &Client, slot: &str, owner: &str) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "UPDATE outbox.relay_leases SET lease_until = clock_timestamp()
+             WHERE slot_name = $1 AND owner = $2 AND lease_until > clock_timestamp()",
+            &[&slot, &owner],
+        )
+        .await
+        .ctx(format!(
+            "giving back the lease of slot {slot} after aborting its relay"
+        ))?;
+    Ok(())
+}
+
 /// Records that the holder of `fence` took the lease's session lock after it took the lease
 /// (the lock was still held by an earlier holder's session then): its lease may now be taken
 /// early if it dies.

@@ -16,7 +16,7 @@ use crate::pipeline::{Mutant, Plant, Shipped};
 pub const TICK: Duration = Duration::from_millis(500);
 
 /// How long a shard relay told to stop may take to drain, confirm and release its lease
-/// before the member aborts it (its lease then goes as a dead holder's does). The member's
+/// before the member aborts it and gives its lease back ([`Effect::Abort`]). The member's
 /// loop never waits for it: a stop that hangs must not stop the member's heartbeat, or the
 /// others would take the member for dead.
 pub const STOP_GRACE: Duration = Duration::from_secs(15);
@@ -167,6 +167,131 @@ pub fn plan_planted<P: Plant>(v: &View, plant: &P) -> Vec<Step> {
         steps.extend(free.map(Step::Take));
     }
     steps
+}
+
+/// What a member's loop does with its shard relays at one tick ([`Member::tick`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effect {
+    /// Start relay `id` of `shard` (it takes the lease when it is free, at once if its holder
+    /// is gone).
+    Start { id: u64, shard: u16 },
+    /// Tell relay `id` to stop gracefully (drain, confirm, release its lease); `handover`:
+    /// another member is to take the shard ([`Step::HandOver`]), else it waited too long
+    /// ([`Step::GiveUp`]).
+    Stop { id: u64, shard: u16, handover: bool },
+    /// Relay `id` was told to stop [`STOP_GRACE`] ago and has not ended: abort it, and when
+    /// `release`, give back its lease of `shard`. The lease names this member, which is
+    /// live, so no other member would take the shard before the lease expired (a lease TTL
+    /// more unserved); the lease's generation fences whatever the aborted relay still had
+    /// in flight, as it fences a paused holder's.
+    Abort { id: u64, shard: u16, release: bool },
+}
+
+/// A fleet member's shard relays, as its loop knows them: which run since when, which were
+/// told to stop and when they are aborted. Pure, with no clock of its own (`now` is the
+/// caller's, any monotonic origin): the daemon's member loop (`outboxd/src/relay/fleet.rs`)
+/// and the simulator's members run it, execute its [`Effect`]s, and report each relay that
+/// ended ([`Member::ended`]). The loop never waits for a relay: a stop that hangs must not stop
+/// the member's heartbeat.
+#[derive(Debug, Default)]
+pub struct Member {
+    next_id: u64,
+    /// Relay id -> (shard, started at).
+    running: BTreeMap<u64, (u16, Duration)>,
+    /// Relay id -> (shard, aborted at).
+    stopping: BTreeMap<u64, (u16, Duration)>,
+}
+
+/// What a member reads at one tick besides its own relays: [`View`] without `running`.
+#[derive(Debug, Clone)]
+pub struct Seen<'a> {
+    pub count: u16,
+    pub me: &'a str,
+    pub members: &'a [String],
+    pub holders: &'a BTreeMap<u16, String>,
+    pub give_up: Duration,
+}
+
+impl Member {
+    /// Relay `id` ended (an error it does not retry, its stop, or its abort): forgotten.
+    pub fn ended(&mut self, id: u64) {
+        self.running.remove(&id);
+        self.stopping.remove(&id);
+    }
+
+    /// The shard relays running and not told to stop: (id, shard).
+    pub fn running(&self) -> impl Iterator<Item = (u64, u16)> + '_ {
+        self.running.iter().map(|(id, (shard, _))| (*id, *shard))
+    }
+
+    /// The relays told to stop that have not ended: (id, shard).
+    pub fn stopping(&self) -> impl Iterator<Item = (u64, u16)> + '_ {
+        self.stopping.iter().map(|(id, (shard, _))| (*id, *shard))
+    }
+
+    /// One tick at `now`: the stops past [`STOP_GRACE`] are aborted, then [`plan`]'s steps.
+    pub fn tick(&mut self, now: Duration, seen: &Seen) -> Vec<Effect> {
+        self.tick_planted(now, seen, &Shipped)
+    }
+
+    /// [`Member::tick`], with what `plant` plants.
+    pub fn tick_planted<P: Plant>(&mut self, now: Duration, seen: &Seen, plant: &P) -> Vec<Effect> {
+        let release = !plant.planted(Mutant::FleetAbortKeepsLease);
+        let due: Vec<(u64, u16)> = self
+            .stopping
+            .iter()
+            .filter(|(_, (_, at))| now >= *at)
+            .map(|(id, (shard, _))| (*id, *shard))
+            .collect();
+        let mut effects: Vec<Effect> = due
+            .into_iter()
+            .map(|(id, shard)| {
+                self.stopping.remove(&id);
+                Effect::Abort { id, shard, release }
+            })
+            .collect();
+        let running: BTreeMap<u16, Duration> = self
+            .running
+            .values()
+            .map(|(shard, at)| (*shard, now.saturating_sub(*at)))
+            .collect();
+        let view = View {
+            count: seen.count,
+            me: seen.me,
+            members: seen.members,
+            holders: seen.holders,
+            running: &running,
+            give_up: seen.give_up,
+        };
+        for step in plan_planted(&view, plant) {
+            match step {
+                Step::Take(shard) => {
+                    self.next_id += 1;
+                    let id = self.next_id;
+                    self.running.insert(id, (shard, now));
+                    effects.push(Effect::Start { id, shard });
+                }
+                Step::HandOver(shard) | Step::GiveUp(shard) => {
+                    let Some(id) = self
+                        .running
+                        .iter()
+                        .find(|(_, (s, _))| *s == shard)
+                        .map(|(id, _)| *id)
+                    else {
+                        continue;
+                    };
+                    self.running.remove(&id);
+                    self.stopping.insert(id, (shard, now + STOP_GRACE));
+                    effects.push(Effect::Stop {
+                        id,
+                        shard,
+                        handover: matches!(step, Step::HandOver(_)),
+                    });
+                }
+            }
+        }
+        effects
+    }
 }
 
 #[cfg(test)]
@@ -340,5 +465,107 @@ mod tests {
                 assert!((share - 1) * n < usize::from(count) || share == 1);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod member_tests {
+    use super::*;
+
+    fn at(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    /// A member alone over 2 shards takes both; when a second member joins, it hands one over
+    /// and, if that stop hangs, aborts it after [`STOP_GRACE`] and gives its lease back; a
+    /// stop that ends in time is never aborted.
+    #[test]
+    fn a_member_starts_stops_and_aborts_a_stop_that_hangs_giving_its_lease_back() {
+        let mut m = Member::default();
+        let (alone, two) = (
+            vec!["a".to_string()],
+            vec!["a".to_string(), "b".to_string()],
+        );
+        let none = BTreeMap::new();
+        let seen = |members, holders| Seen {
+            count: 2,
+            me: "a",
+            members,
+            holders,
+            give_up: Duration::from_secs(12),
+        };
+        let started = m.tick(at(0), &seen(&alone, &none));
+        assert_eq!(
+            started,
+            [
+                Effect::Start { id: 1, shard: 0 },
+                Effect::Start { id: 2, shard: 1 }
+            ]
+        );
+        let mine: BTreeMap<u16, String> = [(0, "a".into()), (1, "a".into())].into();
+        assert!(m.tick(at(500), &seen(&alone, &mine)).is_empty());
+        let stop = m.tick(at(1_000), &seen(&two, &mine));
+        assert_eq!(
+            stop,
+            [Effect::Stop {
+                id: 2,
+                shard: 1,
+                handover: true
+            }]
+        );
+        assert_eq!(m.stopping().collect::<Vec<_>>(), [(2, 1)]);
+        // Its lease is still held by this member while it drains: nothing more to do.
+        assert!(m.tick(at(1_500), &seen(&two, &mine)).is_empty());
+        let grace = u64::try_from(STOP_GRACE.as_millis()).unwrap();
+        assert!(m.tick(at(1_000 + grace - 1), &seen(&two, &mine)).is_empty());
+        assert_eq!(
+            m.tick(at(1_000 + grace), &seen(&two, &mine)),
+            [Effect::Abort {
+                id: 2,
+                shard: 1,
+                release: true
+            }]
+        );
+        assert_eq!(m.stopping().count(), 0);
+        assert_eq!(m.running().collect::<Vec<_>>(), [(1, 0)]);
+
+        // A stop that ends in time is forgotten, never aborted.
+        let mut m = Member::default();
+        m.tick(at(0), &seen(&alone, &none));
+        m.tick(at(1_000), &seen(&two, &mine));
+        m.ended(2);
+        assert!(m.tick(at(1_000 + grace), &seen(&two, &mine)).is_empty());
+    }
+
+    #[test]
+    fn with_the_mutant_planted_an_aborted_relay_keeps_its_lease() {
+        #[derive(Debug)]
+        struct Keeps;
+        impl Plant for Keeps {
+            fn planted(&self, m: Mutant) -> bool {
+                m == Mutant::FleetAbortKeepsLease
+            }
+            fn current_route(&self) -> Option<crate::pipeline::CurrentRoute> {
+                None
+            }
+        }
+        let mut m = Member::default();
+        let two = vec!["a".to_string(), "b".to_string()];
+        let mine: BTreeMap<u16, String> = [(0, "a".into()), (1, "a".into())].into();
+        let seen = Seen {
+            count: 2,
+            me: "a",
+            members: &two,
+            holders: &mine,
+            give_up: Duration::from_secs(12),
+        };
+        m.running.insert(7, (1, at(0)));
+        m.running.insert(8, (0, at(0)));
+        m.tick_planted(at(0), &seen, &Keeps);
+        let aborted = m.tick_planted(at(0) + STOP_GRACE, &seen, &Keeps);
+        assert!(
+            matches!(aborted[..], [Effect::Abort { release: false, .. }]),
+            "{aborted:?}"
+        );
     }
 }

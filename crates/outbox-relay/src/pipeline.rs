@@ -159,6 +159,10 @@ pub enum Mutant {
     /// The fleet plan before the simulator: nobody hands a shard over to a member under the
     /// floor while every other member holds the rounded-up share (8 over 5: 2, 2, 2, 2, 0).
     FleetNoEvening,
+    /// A fleet member that aborts a shard relay whose stop hung keeps its lease: the shard is
+    /// nobody's until the lease expires, a lease TTL after the abort (the simulator's
+    /// `fleet_unserved`; the member loop before issue 26's fix).
+    FleetAbortKeepsLease,
     /// An event that reconciliation found on the broker while it waited in the gate behind
     /// its aggregate's unclear event is sent anyway when that one resolves (the product
     /// before the simulator's `resent_after_proof` found it: the found check ran only when an
@@ -490,7 +494,7 @@ impl<P: Plant> PipelineCore<P> {
                 ack,
             },
         ) {
-            Admit::Send(p) => Ok(self.send_one(p, now).into_iter().collect()),
+            Admit::Send(p) => Ok(self.send_one(p, now)?.into_iter().collect()),
             Admit::Queued => Ok(copy
                 .and_then(|ev| {
                     let p = Pending {
@@ -498,7 +502,7 @@ impl<P: Plant> PipelineCore<P> {
                         commit_lsn,
                         ack: None,
                     };
-                    self.send_one(p, now)
+                    self.send_now(p, now)
                 })
                 .into_iter()
                 .collect()),
@@ -645,24 +649,31 @@ impl<P: Plant> PipelineCore<P> {
         );
     }
 
+    /// Sends the event at the head of its aggregate ([`Self::send_now`]) — unless
+    /// reconciliation found it on the broker meanwhile (and recorded its receipt): after the
+    /// gate had queued it behind an earlier event of its aggregate, or while it waited to be
+    /// sent again after an unclear answer. As when decoded after that ([`Self::admit`]), it is
+    /// not sent again; it is resolved at once (a batch to resolve it with may never come while
+    /// nothing else happens) and the next event of its aggregate goes. Found by `outbox-sim`
+    /// (`resent_after_proof`): the check ran only when an event was decoded.
+    pub fn send_one(&mut self, p: Pending, now: Now) -> Result<Option<Command>, CoreError> {
+        if !self.found.contains(&p.ev.event_id) || self.planted(Mutant::SendsFoundEvent) {
+            return Ok(self.send_now(p, now));
+        }
+        if let Some(a) = p.ack {
+            self.tracker.resolve(a)?;
+        }
+        Ok(self.send_next(&key_of(&p.ev), now)?.pop())
+    }
+
     /// Sends the event at the head of its aggregate: the lease and the route are checked
     /// here, then the event is in flight under a new token. `None` when it was not sent (no
     /// lease: it stays unresolved and the run ends; refused route: quarantined and held).
-    pub fn send_one(&mut self, p: Pending, now: Now) -> Option<Command> {
+    pub fn send_now(&mut self, p: Pending, now: Now) -> Option<Command> {
         if self.salvaging || !now.lease_valid {
             // A stale generation may not send. The event stays unresolved; the run ends.
             self.lease_expired = true;
             return None;
-        }
-        if self.found.contains(&p.ev.event_id) && !self.planted(Mutant::SendsFoundEvent) {
-            // Reconciliation found it on the broker (and recorded its receipt) after the gate
-            // had queued it behind an earlier event of its aggregate: as when decoded after
-            // that (`admit`), it is not sent again; the next event of its aggregate goes.
-            // Its receipt is committed: resolving it with the next batch cannot run ahead.
-            if let Some(a) = p.ack {
-                self.batch_acks.push(a);
-            }
-            return self.send_next(&key_of(&p.ev), now).pop();
         }
         let p = self.park_open_at_start(p, now)?;
         let checked = if self.planted(Mutant::PoisonBeforeGate) {
@@ -884,20 +895,20 @@ impl<P: Plant> PipelineCore<P> {
                 return Ok(Reported::Unclear(failure));
             }
         }
-        Ok(Reported::Continue(self.send_next(&f.key, now)))
+        Ok(Reported::Continue(self.send_next(&f.key, now)?))
     }
 
     /// `key`'s event is reported on or resolved: the next event waiting behind it is sent.
     /// With none, nothing of the aggregate waits any more, and a later send of it needs no
     /// look at the ledger's holds ([`Self::needs_hold_check`]): only what waited does.
-    fn send_next(&mut self, key: &AggKey, now: Now) -> Vec<Command> {
+    fn send_next(&mut self, key: &AggKey, now: Now) -> Result<Vec<Command>, CoreError> {
         match self.gate.done(key) {
-            Some(next) => self.send_one(next, now).into_iter().collect(),
+            Some(next) => Ok(self.send_one(next, now)?.into_iter().collect()),
             None => {
                 if !self.unclear_seen.is_empty() {
                     self.unclear_seen.remove(key);
                 }
-                Vec::new()
+                Ok(Vec::new())
             }
         }
     }

@@ -125,7 +125,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             return ReleaseStep::Done { close: None };
         }
         let version = p.ev.aggregate_version;
-        match self.send_one(p, now) {
+        match self.send_now(p, now) {
             Some(send @ Command::Send { token, .. }) => {
                 r.sent = Some((token, version));
                 ReleaseStep::Send(send)

@@ -111,7 +111,7 @@ fn a_trace_replays_alone_and_identically() {
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
-/// bug-fleet-no-evening and bug-sends-found-event. In two tests, so that they run on two threads.
+/// bug-fleet-no-evening, fleet-abort-keeps-lease and bug-sends-found-event. In two tests, so that they run on two threads.
 #[test]
 fn every_product_mutant_is_caught() {
     every_mutant_is_caught(true);
@@ -139,6 +139,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::BugFleetWaitingFillsShare,
         Mutant::BugFleetNoEvening,
         Mutant::BugSendsFoundEvent,
+        Mutant::FleetAbortKeepsLease,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -245,6 +246,10 @@ fn every_mutant_is_caught(product: bool) {
             Mutant::BugSendsFoundEvent,
             &[("resent_after_proof", |c| c.resent_after_proof)],
         ),
+        (
+            Mutant::FleetAbortKeepsLease,
+            &[("fleet_unserved", |c| c.fleet_unserved)],
+        ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000),
         // poll-purge-held (1 in 1,000,000) and, since issue 25, poll-above-head (first at
         // trace 24790) are too rare for 1,500 traces: the_traces_that_found_bugs_stay_fixed
@@ -312,6 +317,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 10, Mutant::BugFleetWaitingFillsShare),
         (1, 54, Mutant::BugFleetNoEvening),
         (1, 27, Mutant::BugSendsFoundEvent),
+        (1, 1788, Mutant::BugSendsFoundEvent),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

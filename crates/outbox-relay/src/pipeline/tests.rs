@@ -163,7 +163,7 @@ fn a_refusal_by_the_producer_quarantines_only_when_permanent() {
         ["quarantine:broker_rejected", "hold:broker_rejected"]
     );
     assert_eq!(checkpoint, None, "b/1 is not resolved");
-    let steps = c.due_unclear(now(201));
+    let steps = c.due_unclear(now(201)).unwrap();
     assert!(
         matches!(
             steps.as_slice(),

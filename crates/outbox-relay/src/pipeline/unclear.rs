@@ -368,9 +368,9 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
 
     /// The look-ups and resends due at `now`, in event-id order. Nothing while the run is
     /// ending or the lease is not certainly held (an HTTP look-up is itself a send).
-    pub fn due_unclear(&mut self, now: Now) -> Vec<UnclearStep> {
+    pub fn due_unclear(&mut self, now: Now) -> Result<Vec<UnclearStep>, CoreError> {
         if self.salvaging || !now.lease_valid || self.planted(Mutant::UnclearNeverDue) {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let due: Vec<Uuid> = self
             .parked
@@ -388,10 +388,10 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 });
             } else {
                 let p = self.parked.remove(&id).expect("listed above");
-                steps.extend(self.send_one(p.p, now).map(UnclearStep::Send));
+                steps.extend(self.send_one(p.p, now)?.map(UnclearStep::Send));
             }
         }
-        steps
+        Ok(steps)
     }
 
     /// What the look-up of parked `event_id` proved. Returns the sends that follow: the retry,
@@ -413,11 +413,11 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                     self.tracker.resolve(a)?;
                 }
                 tracing::info!(%event_id, "unclear outcome resolved: the destination holds it; the aggregate moves on");
-                Ok(self.send_next(&parked.key, now))
+                self.send_next(&parked.key, now)
             }
             LookupOutcome::Retry { attempt_generation } => {
                 self.retry_generation.insert(event_id, attempt_generation);
-                Ok(self.send_one(parked.p, now).into_iter().collect())
+                Ok(self.send_one(parked.p, now)?.into_iter().collect())
             }
             LookupOutcome::Unresolved { error, after } => {
                 let tries = self.bump_tries(event_id);

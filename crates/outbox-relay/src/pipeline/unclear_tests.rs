@@ -65,11 +65,11 @@ fn the_look_up_is_due_after_the_backoff_and_settle_and_a_recorded_copy_frees_the
         Some(now(6_500).wall),
         "first look-up after the settle time"
     );
-    assert!(c.due_unclear(now(6_499)).is_empty());
-    let steps = c.due_unclear(now(6_500));
+    assert!(c.due_unclear(now(6_499)).unwrap().is_empty());
+    let steps = c.due_unclear(now(6_500)).unwrap();
     assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
     assert!(
-        c.due_unclear(now(9_000)).is_empty(),
+        c.due_unclear(now(9_000)).unwrap().is_empty(),
         "one look-up at a time"
     );
     assert_eq!(c.next_unclear_due(), None, "nothing waits while it runs");
@@ -101,7 +101,7 @@ fn a_proven_absent_copy_is_sent_again_with_the_next_attempt_to_the_same_destinat
     let ev = event("a", 1);
     let cmds = admit_txn(&mut c, std::slice::from_ref(&ev), 100);
     unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
-    let steps = c.due_unclear(now(60_000));
+    let steps = c.due_unclear(now(60_000)).unwrap();
     assert_eq!(steps.len(), 1);
     let sends = c
         .lookup_done(
@@ -125,7 +125,7 @@ fn a_message_not_stored_is_sent_again_as_it_is_after_the_backoff() {
     assert_eq!(f.unknown, None, "nothing to look up");
     let due = c.next_unclear_due().unwrap();
     assert_eq!(due, now(1_700).wall, "200 ms after the report");
-    let steps = c.due_unclear(now(1_700));
+    let steps = c.due_unclear(now(1_700)).unwrap();
     let [UnclearStep::Send(Command::Send { attempt, .. })] = steps.as_slice() else {
         panic!("{steps:?}")
     };
@@ -148,7 +148,7 @@ fn unresolved_look_ups_back_off_honour_retry_after_and_past_the_budget_keep_wait
     for tries in 2..=4 {
         let at = c.next_unclear_due().unwrap();
         t = at.duration_since(now(0).wall).unwrap().as_millis() as u64;
-        assert_eq!(c.due_unclear(now(t)).len(), 1);
+        assert_eq!(c.due_unclear(now(t)).unwrap().len(), 1);
         let after = (tries == 3).then_some(Duration::from_secs(7));
         c.lookup_done(
             id,
@@ -180,7 +180,7 @@ fn unresolved_look_ups_back_off_honour_retry_after_and_past_the_budget_keep_wait
         "nothing resolved yet"
     );
     assert_eq!(c.past_budget(), 0);
-    assert_eq!(c.due_unclear(now(t + 1_600)).len(), 1);
+    assert_eq!(c.due_unclear(now(t + 1_600)).unwrap().len(), 1);
     let sends = c
         .lookup_done(
             id,
@@ -213,9 +213,9 @@ fn nothing_is_looked_up_or_resent_without_the_lease_or_while_the_run_ends() {
     unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
     let mut stale = now(60_000);
     stale.lease_valid = false;
-    assert!(c.due_unclear(stale).is_empty());
+    assert!(c.due_unclear(stale).unwrap().is_empty());
     c.begin_salvage();
-    assert!(c.due_unclear(now(60_000)).is_empty());
+    assert!(c.due_unclear(now(60_000)).unwrap().is_empty());
 }
 
 #[test]
@@ -228,10 +228,10 @@ fn an_attempt_left_open_at_start_parks_its_event_for_a_look_up_instead_of_sendin
     assert_eq!(c.parked(), 1);
     assert!(c.is_parked(ev.event_id));
     assert!(
-        c.due_unclear(now(2_999)).is_empty(),
+        c.due_unclear(now(2_999)).unwrap().is_empty(),
         "after its settle time"
     );
-    let steps = c.due_unclear(now(3_000));
+    let steps = c.due_unclear(now(3_000)).unwrap();
     assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
 }
 
@@ -249,7 +249,7 @@ fn poll_mode_forgets_what_waits_behind_a_parked_event_and_a_version_published_me
         1,
         "a/2 and a/3 forgotten: a later round reads them again"
     );
-    c.due_unclear(now(60_000));
+    c.due_unclear(now(60_000)).unwrap();
     let next = c
         .lookup_done(a1.event_id, LookupOutcome::Recorded, now(60_001))
         .unwrap();
@@ -320,7 +320,7 @@ fn each_destination_is_retried_on_its_own_schedule() {
         unclear(&mut c, token(cmd), Persistence::NotPersisted);
     }
     // b's schedule says at once; a waits the relay's doubling from 200 ms.
-    let due = c.due_unclear(now(1_500));
+    let due = c.due_unclear(now(1_500)).unwrap();
     let sent: Vec<String> = due
         .iter()
         .filter_map(|s| match s {
@@ -363,7 +363,8 @@ fn an_endpoint_policy_budgets_one_try_per_step_and_does_not_settle() {
 fn an_event_found_while_queued_behind_an_unclear_one_is_not_sent_again() {
     let mut c = core();
     let (a1, a2, a3) = (event("a", 1), event("a", 2), event("a", 3));
-    let cmds = admit_txn(&mut c, &[a1.clone(), a2.clone(), a3.clone()], 100);
+    let cmds = admit_txn(&mut c, &[a1.clone(), a2.clone()], 100);
+    assert!(admit_txn(&mut c, std::slice::from_ref(&a3), 200).is_empty());
     assert_eq!(cmds.len(), 1, "a/1 out, a/2 and a/3 queued");
     unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
     c.reconciled(
@@ -373,16 +374,50 @@ fn an_event_found_while_queued_behind_an_unclear_one_is_not_sent_again() {
             attempt_generation: 1,
         },
     );
-    c.due_unclear(now(60_000));
+    c.due_unclear(now(60_000)).unwrap();
     let next = c
         .lookup_done(a1.event_id, LookupOutcome::Recorded, now(60_001))
         .unwrap();
     assert_eq!(next.len(), 1);
     let Command::Send { event: sent, .. } = &next[0];
     assert_eq!(sent.event_id, a3.event_id, "a/2 skipped, a/3 sent");
-    assert!(
-        c.take_batch(true).unwrap().is_none(),
-        "nothing to record, no checkpoint: a/3 (same transaction) is in flight"
-    );
     assert_eq!(c.outstanding(), 1, "only a/3 is outstanding");
+    // a/2 is resolved at once, not with a later batch: none may come while the stream is
+    // idle, and the checkpoint would wait for it (found by the simulator's million traces,
+    // as events lost behind a checkpoint that never moved).
+    assert!(
+        c.tracker.watermark() >= Lsn(100),
+        "the checkpoint may pass a/1 and a/2's transaction: {:?}",
+        c.tracker.watermark()
+    );
+}
+
+/// The same, for an event waiting to be sent again after an answer that said "not stored":
+/// reconciliation of an earlier run's attempt found it meanwhile (seed 1, trace 1788). When
+/// it falls due, it is not sent again; the next event of its aggregate is, and the found one
+/// is resolved.
+#[test]
+fn an_event_found_while_it_waits_to_be_sent_again_is_not_sent_again() {
+    let mut c = core();
+    let (a1, a2) = (event("a", 1), event("a", 2));
+    let cmds = admit_txn(&mut c, std::slice::from_ref(&a1), 100);
+    assert!(admit_txn(&mut c, std::slice::from_ref(&a2), 200).is_empty());
+    unclear(&mut c, token(&cmds[0]), Persistence::NotPersisted);
+    c.reconciled(
+        &a1,
+        &crate::unknown::Resolved::Found {
+            offset: 3,
+            attempt_generation: 1,
+        },
+    );
+    let steps = c.due_unclear(now(60_000)).unwrap();
+    let sent: Vec<Uuid> = steps
+        .iter()
+        .filter_map(|s| match s {
+            UnclearStep::Send(Command::Send { event, .. }) => Some(event.event_id),
+            UnclearStep::Lookup { .. } => None,
+        })
+        .collect();
+    assert_eq!(sent, [a2.event_id], "a/1 not sent again, a/2 sent");
+    assert!(c.tracker.watermark() >= Lsn(100), "a/1 resolved");
 }

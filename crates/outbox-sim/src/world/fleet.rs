@@ -2,9 +2,9 @@
 //! outbox, joining, dying (SIGKILL) and pausing (SIGSTOP, shorter or longer than their lease),
 //! on simulated time.
 //!
-//! Product code decides: what a member takes, hands over and gives up
-//! (`outbox_relay::fleet::plan_planted`, every [`fleet::TICK`], with [`fleet::STOP_GRACE`] and
-//! [`fleet::give_up`]), how often a standby asks for a lease
+//! Product code decides: what a member starts, stops and aborts (`outbox_relay::fleet::Member`,
+//! every [`fleet::TICK`], which asks `fleet::plan_planted` what to take, hand over and give up,
+//! with [`fleet::STOP_GRACE`] and [`fleet::give_up`]), how often a standby asks for a lease
 //! (`outbox_relay::lifecycle::standby_poll`), when a streaming relay renews
 //! (`lifecycle::renew_every`), and whether and when a shard relay whose lease was lost runs
 //! again (`lifecycle::Restarts`). Modelled: the ledger's leases (`outbox_ledger::lease`: free,
@@ -18,7 +18,8 @@
 //! * `fleet_unserved` — a shard that no relay streams past a bound: 2 s after its holder was
 //!   SIGKILLed (issue 26's bound; `fleet_takeover` measures it), 3 s after its holder handed it
 //!   over (one member tick more: members race for free shards), the lease TTL plus 3 s after
-//!   a member paused, [`fleet::STOP_GRACE`] plus the TTL plus 3 s after a stop that hangs;
+//!   a member paused, [`fleet::STOP_GRACE`] plus 3 s after a stop that hangs (the member
+//!   aborts it and gives its lease back);
 //! * `fleet_share_not_returned` — a member that resumed or joined and does not stream at least
 //!   the shard count over the live members (rounded down) 10 s later.
 //!
@@ -27,7 +28,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use outbox_relay::fleet::{self, Step};
+use outbox_relay::fleet::{self, Effect};
 use outbox_relay::lifecycle::{self, AfterError, Restarts};
 use outbox_relay::Planted;
 
@@ -97,7 +98,6 @@ enum State {
 struct Task {
     id: u64,
     shard: u16,
-    started: u64,
     state: State,
     stop: bool,
     /// Told to stop, it hangs (until the member aborts it).
@@ -111,9 +111,11 @@ struct Member {
     life: Life,
     seen_at: Option<u64>,
     next_tick: u64,
-    tasks: BTreeMap<u16, Task>,
-    /// Told to stop, with the deadline after which the member aborts them.
-    stopping: Vec<(Task, u64)>,
+    /// The product's bookkeeping of this member's shard relays: what runs, what was told to
+    /// stop and when it is aborted (`outbox_relay::fleet::Member`).
+    core: fleet::Member,
+    /// Its shard relays, running or told to stop, by the core's relay id.
+    tasks: BTreeMap<u64, Task>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -146,8 +148,8 @@ struct Fleet<'a> {
     killed_at: Vec<Option<u64>>,
     /// (member, due): share checks.
     share_checks: Vec<(usize, u64)>,
-    /// Until when a stop that hung keeps its shard from anyone (its abort, then its lease's
-    /// expiry): a member waiting for its share may wait that long.
+    /// Until when a stop that hung keeps its shard from anyone (until the member aborts it and
+    /// gives its lease back): a member waiting for its share may wait that long.
     hung_until: u64,
     c: &'a mut Counts,
     log: Option<&'a mut Vec<String>>,
@@ -268,6 +270,7 @@ fn product_mutant(m: Mutant) -> Option<outbox_relay::Mutant> {
         Mutant::FleetNeverHandsOver => Some(outbox_relay::Mutant::FleetNeverHandsOver),
         Mutant::BugFleetWaitingFillsShare => Some(outbox_relay::Mutant::FleetWaitingFillsShare),
         Mutant::BugFleetNoEvening => Some(outbox_relay::Mutant::FleetNoEvening),
+        Mutant::FleetAbortKeepsLease => Some(outbox_relay::Mutant::FleetAbortKeepsLease),
         _ => None,
     }
 }
@@ -306,8 +309,8 @@ impl Fleet<'_> {
             life: Life::Alive,
             seen_at: None,
             next_tick: at + self.rng.below(500),
+            core: fleet::Member::default(),
             tasks: BTreeMap::new(),
-            stopping: Vec::new(),
         });
         self.say(format!("m{m} joins"));
         // Its share, 10 s after it joined (the first members settle before anything is judged).
@@ -382,7 +385,6 @@ impl Fleet<'_> {
             m.life != Life::Dead
                 && m.tasks
                     .values()
-                    .chain(m.stopping.iter().map(|(t, _)| t))
                     .any(|t| t.id == id && t.state != State::Ended)
         })
     }
@@ -395,9 +397,9 @@ impl Fleet<'_> {
         }
         let m = &self.members[l.member];
         (m.life == Life::Alive
-            && m.tasks
-                .get(&s)
-                .is_some_and(|t| t.id == l.task && matches!(t.state, State::Streaming { .. })))
+            && m.tasks.values().any(|t| {
+                t.shard == s && t.id == l.task && matches!(t.state, State::Streaming { .. })
+            }))
         .then_some(l.member)
     }
 
@@ -553,82 +555,84 @@ impl Fleet<'_> {
             })
             .collect();
         let member = &mut self.members[m];
-        member.tasks.retain(|_, t| t.state != State::Ended);
-        let mut aborted = Vec::new();
-        member.stopping.retain_mut(|(t, deadline)| {
-            if t.state == State::Ended {
-                return false;
-            }
-            if now >= *deadline {
-                // Aborted: its session closes, its lease is taken early.
-                t.state = State::Ended;
-                aborted.push(t.shard);
-                return false;
-            }
-            true
-        });
-        let running: BTreeMap<u16, Duration> = member
+        let ended: Vec<u64> = member
             .tasks
             .iter()
-            .map(|(s, t)| (*s, ms(now - t.started)))
+            .filter(|(_, t)| t.state == State::Ended)
+            .map(|(id, _)| *id)
             .collect();
-        let me = member.name.clone();
-        let steps = fleet::plan_planted(
-            &fleet::View {
-                count: self.count,
-                me: &me,
-                members: &names,
-                holders: &holders,
-                running: &running,
-                give_up: fleet::give_up(ms(TTL)),
-            },
-            &self.plant,
-        );
-        for s in aborted {
-            self.say(format!("{me} aborts its stopped relay of shard {s}"));
+        for id in ended {
+            member.tasks.remove(&id);
+            member.core.ended(id);
         }
-        for step in steps {
-            match step {
-                Step::GiveUp(s) | Step::HandOver(s) => {
-                    if matches!(step, Step::HandOver(_)) {
-                        self.c.fleet_handovers += 1;
-                        self.say(format!("{me} hands shard {s} over"));
+        let me = member.name.clone();
+        let seen = fleet::Seen {
+            count: self.count,
+            me: &me,
+            members: &names,
+            holders: &holders,
+            give_up: fleet::give_up(ms(TTL)),
+        };
+        let effects = self.members[m]
+            .core
+            .tick_planted(ms(now), &seen, &self.plant);
+        for effect in effects {
+            match effect {
+                Effect::Abort { id, shard, release } => {
+                    self.say(format!("{me} aborts its stopped relay of shard {shard}"));
+                    // Aborted: its session closes (its lease may be taken early by a relay
+                    // that asks); given back, the other members see the shard free at once.
+                    if let Some(mut t) = self.members[m].tasks.remove(&id) {
+                        t.state = State::Ended;
+                        if release {
+                            self.release(&t);
+                        }
                     }
-                    let Some(mut t) = self.members[m].tasks.remove(&s) else {
-                        continue;
-                    };
-                    t.hangs = self.rng.chance(50);
+                }
+                Effect::Stop {
+                    id,
+                    shard,
+                    handover,
+                } => {
+                    if handover {
+                        self.c.fleet_handovers += 1;
+                        self.say(format!("{me} hands shard {shard} over"));
+                    }
+                    let hangs = self.rng.chance(50);
                     // The next holder takes the shard once it is released, or, if the stop
-                    // hangs, once the member aborts it and its lease expires (an aborted
-                    // relay's lease names a live member, this one: nobody takes it before).
+                    // hangs, once the member aborts it and gives its lease back.
                     let until = now
-                        + if t.hangs {
-                            ms_of(fleet::STOP_GRACE) + TTL + HANDOVER_BOUND
+                        + if hangs {
+                            ms_of(fleet::STOP_GRACE) + HANDOVER_BOUND
                         } else {
                             HANDOVER_BOUND
                         };
-                    if t.hangs {
+                    if hangs {
                         // A member waiting for its share waits that long too.
                         self.hung_until = self.hung_until.max(until);
                         self.delay_share_checks(until);
                     }
-                    if self.holds(&t) {
-                        self.excuse(usize::from(s), until);
+                    let held = self.members[m]
+                        .tasks
+                        .get(&id)
+                        .is_some_and(|t| self.holds(t));
+                    if held {
+                        self.excuse(usize::from(shard), until);
                     }
-                    t.stop = true;
-                    let deadline = now + ms_of(fleet::STOP_GRACE);
-                    self.members[m].stopping.push((t, deadline));
+                    if let Some(t) = self.members[m].tasks.get_mut(&id) {
+                        t.hangs = hangs;
+                        t.stop = true;
+                    }
                 }
-                Step::Take(s) => {
-                    self.say(format!("{me} takes shard {s}"));
+                Effect::Start { id, shard } => {
+                    self.say(format!("{me} takes shard {shard}"));
                     self.next_task += 1;
                     let until = now + 50 + self.rng.below(250);
                     self.members[m].tasks.insert(
-                        s,
+                        id,
                         Task {
                             id: self.next_task,
-                            shard: s,
-                            started: now,
+                            shard,
                             state: State::Starting { until },
                             stop: false,
                             hangs: false,
@@ -656,11 +660,6 @@ impl Fleet<'_> {
                 self.step_task(m, t);
             }
             self.members[m].tasks = tasks;
-            let mut stopping = std::mem::take(&mut self.members[m].stopping);
-            for (t, _) in stopping.iter_mut() {
-                self.step_task(m, t);
-            }
-            self.members[m].stopping = stopping;
         }
     }
 

@@ -168,6 +168,10 @@ pub enum Mutant {
     /// unclear event was sent again when that one resolved (the found check ran only when an
     /// event was decoded). Under an HTTP endpoint, a key sent again after its clear answer.
     BugSendsFoundEvent,
+    /// Product mutant (`outbox_relay::fleet::Member`): a member that aborts a shard relay whose
+    /// stop hung keeps its lease, so no other member takes the shard until the lease expires
+    /// (the member loop before 2026-12-03's fix; the simulator's bound then allowed for it).
+    FleetAbortKeepsLease,
 }
 
 impl Mutant {
@@ -216,6 +220,7 @@ impl Mutant {
         ),
         ("bug-fleet-no-evening", Mutant::BugFleetNoEvening),
         ("bug-sends-found-event", Mutant::BugSendsFoundEvent),
+        ("fleet-abort-keeps-lease", Mutant::FleetAbortKeepsLease),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -1897,7 +1902,10 @@ impl World {
     /// look-up (started here, answered at a later step: it runs on its own task) or a resend.
     fn run_due_unclear(&mut self, i: usize) -> Result<(), End> {
         let now = self.now_for(i);
-        let steps = self.relays[i].core.due_unclear(now);
+        let steps = self.relays[i]
+            .core
+            .due_unclear(now)
+            .map_err(|_| End::Error("relay core: due_unclear"))?;
         for step in steps {
             match step {
                 UnclearStep::Send(send) => {

@@ -12,14 +12,16 @@
 //! whose process died lost the lock when its connection closed, so its shards are taken at
 //! once, not when its row ages out.
 //! Over its share it stops one of its shards gracefully (drained, confirmed, lease released),
-//! which another member then takes. The leases alone decide who sends: two members can never
-//! both hold a shard, whatever the members' view of each other.
+//! which another member then takes; a stop that has not ended after `STOP_GRACE` is aborted
+//! and its lease given back. What to start, stop and abort is `outbox_relay::fleet::Member`'s
+//! (pure, also run by the simulator); this loop executes it. The leases alone decide who
+//! sends: two members can never both hold a shard, whatever the members' view of each other.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use outbox_relay::fleet::{self, Step, STOP_GRACE, TICK};
+use outbox_relay::fleet::{self, Effect, STOP_GRACE, TICK};
 use outbox_source::shard::Shard;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -27,12 +29,12 @@ use tokio::task::JoinHandle;
 use super::{connect_sql, Progress, RelayError};
 use crate::config::RelayConfig;
 
-/// A shard relay this member started.
+/// A shard relay this member started (running, or told to stop).
 struct Task {
+    shard: u16,
     stop: watch::Sender<bool>,
     progress: Arc<Progress>,
     handle: JoinHandle<Result<(), RelayError>>,
-    started: Instant,
 }
 
 /// The shard count of the current layout, from the shards' publications.
@@ -72,11 +74,11 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     let mut locked = false;
     tracing::info!(relay_id = %me, shards = count, "fleet member: sharing {count} shards");
     let shard_slots: Vec<String> = Shard::all(count).map(|s| s.name(&base_slot)).collect();
-    let mut tasks: BTreeMap<u16, Task> = BTreeMap::new();
-    // Shard relays told to stop, with the deadline after which they are aborted. The member's
-    // loop (and its heartbeat) never waits for one: a stop that hangs must not make the others
-    // take this member for dead.
-    let mut stopping: Vec<(u16, Task, Instant)> = Vec::new();
+    // What runs and what is stopping is the core's ([`fleet::Member`]); the tasks are here, by
+    // the core's relay id.
+    let mut member = fleet::Member::default();
+    let mut tasks: BTreeMap<u64, Task> = BTreeMap::new();
+    let born = Instant::now();
     let db = |what: &'static str| {
         move |e: tokio_postgres::Error| RelayError::Internal(format!("{what}: {e}"))
     };
@@ -112,67 +114,71 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
             .iter()
             .filter_map(|r| Some((Shard::from_name(r.get(0), &base_slot)?.index, r.get(1))))
             .collect();
-        // Finished tasks (an error the relay does not retry, or a stop) leave.
-        let done: Vec<u16> = tasks
+        // Finished relays (an error the relay does not retry, or a stop) leave.
+        let done: Vec<u64> = tasks
             .iter()
             .filter(|(_, t)| t.handle.is_finished())
-            .map(|(i, _)| *i)
+            .map(|(id, _)| *id)
             .collect();
-        for i in done {
-            if let Some(t) = tasks.remove(&i) {
+        for id in done {
+            if let Some(t) = tasks.remove(&id) {
                 match t.handle.await {
-                    Ok(Err(e)) => tracing::warn!(shard = i, error = %e, "shard relay ended"),
-                    Err(e) => tracing::warn!(shard = i, error = %e, "shard relay panicked"),
+                    Ok(Err(e)) => tracing::warn!(shard = t.shard, error = %e, "shard relay ended"),
+                    Err(e) => tracing::warn!(shard = t.shard, error = %e, "shard relay panicked"),
                     Ok(Ok(())) => {}
                 }
                 t.progress.metrics.retire();
+                member.ended(id);
             }
         }
-        stopping.retain(|(i, t, deadline)| {
-            if t.handle.is_finished() {
-                t.progress.metrics.retire();
-                return false;
-            }
-            if Instant::now() >= *deadline {
-                tracing::warn!(
-                    shard = i,
-                    "a stopped shard relay did not end in time; aborting it"
-                );
-                t.handle.abort();
-                t.progress.metrics.retire();
-                return false;
-            }
-            true
-        });
-        let running: BTreeMap<u16, Duration> = tasks
-            .iter()
-            .map(|(i, t)| (*i, t.started.elapsed()))
-            .collect();
-        let steps = fleet::plan(&fleet::View {
+        let seen = fleet::Seen {
             count,
             me: &me,
             members: &members,
             holders: &holders,
-            running: &running,
             give_up: fleet::give_up(base.lease_ttl),
-        });
-        for step in steps {
-            match step {
-                Step::GiveUp(i) | Step::HandOver(i) => {
-                    if matches!(step, Step::HandOver(_)) {
+        };
+        for effect in member.tick(born.elapsed(), &seen) {
+            match effect {
+                Effect::Abort { id, shard, release } => {
+                    tracing::warn!(
+                        shard,
+                        "a stopped shard relay did not end in time; aborting it"
+                    );
+                    if let Some(t) = tasks.remove(&id) {
+                        t.handle.abort();
+                        t.progress.metrics.retire();
+                    }
+                    if release {
+                        let slot = Shard {
+                            index: shard,
+                            count,
+                        }
+                        .name(&base_slot);
+                        outbox_ledger::lease::release_aborted(&client, &slot, &me).await?;
+                    }
+                }
+                Effect::Stop {
+                    id,
+                    shard,
+                    handover,
+                } => {
+                    if handover {
                         tracing::info!(
-                            shard = i,
+                            shard,
                             members = members.len(),
                             "fleet: handing a shard over"
                         );
                     }
-                    if let Some(t) = tasks.remove(&i) {
+                    if let Some(t) = tasks.get(&id) {
                         let _ = t.stop.send(true);
-                        stopping.push((i, t, Instant::now() + STOP_GRACE));
                     }
                 }
-                Step::Take(i) => {
-                    let shard = Shard { index: i, count };
+                Effect::Start { id, shard } => {
+                    let shard = Shard {
+                        index: shard,
+                        count,
+                    };
                     let mut cfg = base.clone();
                     cfg.shard = Some(shard);
                     cfg.slot = shard.name(&base_slot);
@@ -182,12 +188,12 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
                     let progress = Arc::new(Progress::new(&cfg));
                     let handle = tokio::spawn(super::run(cfg, progress.clone(), rx));
                     tasks.insert(
-                        i,
+                        id,
                         Task {
+                            shard: shard.index,
                             stop,
                             progress,
                             handle,
-                            started: Instant::now(),
                         },
                     );
                 }
@@ -202,10 +208,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
         let _ = t.stop.send(true);
     }
     let deadline = tokio::time::Instant::now() + STOP_GRACE;
-    for t in tasks
-        .into_values()
-        .chain(stopping.into_iter().map(|(_, t, _)| t))
-    {
+    for t in tasks.into_values() {
         let mut handle = t.handle;
         if tokio::time::timeout_at(deadline, &mut handle)
             .await

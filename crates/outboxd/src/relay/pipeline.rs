@@ -353,7 +353,7 @@ impl Pipeline {
     /// Starts what the core says is due for parked events: a look-up on its own task (the
     /// loop goes on), or a resend.
     pub async fn run_due_unclear(&mut self) -> Result<(), RelayError> {
-        let steps = self.core.due_unclear(self.now());
+        let steps = self.core.due_unclear(self.now())?;
         for step in steps {
             match step {
                 UnclearStep::Send(send) => self.execute(vec![send]).await?,
