@@ -157,7 +157,7 @@ pub enum Mutant {
     FleetShareRoundsDown,
     /// Product mutant: a member over its share never hands a shard over.
     FleetNeverHandsOver,
-    /// Product bug found by the fleet simulation (seed 1, trace 10): relays waiting for live
+    /// Product bug found by the fleet simulation (seed 1, trace 10; trace 2 since members take free shards from their own place among them): relays waiting for live
     /// members' leases filled the share, and a handed-over shard stayed unserved.
     BugFleetWaitingFillsShare,
     /// Product bug found by the fleet simulation (seed 1, trace 54): a member that joined under
