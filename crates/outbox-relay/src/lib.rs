@@ -21,6 +21,7 @@
 //!   idle checkpoint, polls releases and sends a standby status; and what the standby status
 //!   confirms ([`schedule::standby_status`], the safety argument).
 //!
+//! * [`poll`] — which rows of a poll-mode round are admitted, and the head each raises.
 //! * [`fleet`] — a fleet member's share of the shards: which to take, hand over or give up.
 //! * [`unknown`] — which DISPATCH_UNKNOWN attempts to look up now, and what a look-up means
 //!   for the relay.
@@ -30,6 +31,7 @@
 pub mod fleet;
 pub mod lifecycle;
 pub mod pipeline;
+pub mod poll;
 pub mod release;
 pub mod route;
 pub mod schedule;

@@ -163,6 +163,11 @@ pub enum Mutant {
     /// nobody's until the lease expires, a lease TTL after the abort (the simulator's
     /// `fleet_unserved`; the member loop before issue 26's fix).
     FleetAbortKeepsLease,
+    /// A poll round does not raise an aggregate's head to just below its first pending
+    /// version ([`crate::poll`]): a receipt a paused relay's salvage accepted after this run
+    /// read the head looks like a gap, and the aggregate is held behind a published event
+    /// (the simulator's `stalls`; found by it in poll mode's first design).
+    PollStaleHead,
     /// An event that reconciliation found on the broker while it waited in the gate behind
     /// its aggregate's unclear event is sent anyway when that one resolves (the product
     /// before the simulator's `resent_after_proof` found it: the found check ran only when an
@@ -248,7 +253,7 @@ struct InFlight {
 /// A batch taken for acceptance, with the checkpoint it justifies.
 pub type TakenBatch = (Vec<LedgerItem>, Option<Lsn>);
 
-fn key_of(ev: &OutboxEvent) -> AggKey {
+pub(crate) fn key_of(ev: &OutboxEvent) -> AggKey {
     (ev.aggregate_type.clone(), ev.aggregate_id.clone())
 }
 
@@ -298,6 +303,8 @@ pub struct PipelineCore<P = Shipped> {
     /// round skips them: one resolved after the round's read began has rows that read as
     /// pending but are published.
     pub unclear_touched: Option<HashSet<AggKey>>,
+    /// Poll mode: where the current round is ([`crate::poll`]).
+    pub(crate) round: crate::poll::Round,
     /// The transaction being decoded ([`crate::stream`]).
     pub(crate) txn: Option<crate::stream::OpenTxn>,
     /// The highest WAL position received from the slot (the standby status's `write`).
@@ -360,6 +367,7 @@ impl<P: Plant> PipelineCore<P> {
             unclear_policy: unclear::Policy::default(),
             unclear_policies: BTreeMap::new(),
             unclear_touched: None,
+            round: Default::default(),
             unclear_seen: HashSet::new(),
             releasing: HashSet::new(),
             txn: None,
@@ -371,7 +379,7 @@ impl<P: Plant> PipelineCore<P> {
     }
 
     /// Whether the mutant `m` is planted (never in the daemon's [`Shipped`] core).
-    fn planted(&self, m: Mutant) -> bool {
+    pub(crate) fn planted(&self, m: Mutant) -> bool {
         self.plant.planted(m)
     }
 

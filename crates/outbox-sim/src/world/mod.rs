@@ -107,7 +107,8 @@ pub enum Mutant {
     /// admitted an aggregate's first pending version while the gate still expected an earlier
     /// one, whose receipt a paused relay's salvage had accepted after this run loaded the
     /// heads; the gate took the skipped (published) version for a gap and held the aggregate,
-    /// and the ledger dropped that hold as stale, so nothing ever released it.
+    /// and the ledger dropped that hold as stale, so nothing ever released it. A product
+    /// mutant since the round's decisions are the core's (`outbox_relay::poll`).
     PollStaleHead,
     /// Bug found by the simulator (seed 1, trace 608933, the first million traces with poll
     /// mode): purge deleted an event whose receipt a paused relay's salvage had accepted after
@@ -1273,60 +1274,29 @@ impl World {
         self.ledger.poll_round = Some((self.relays[i].gen, read));
         let pending = self.poll_pending();
         log!(self, "poll round: {} pending rows", pending.len());
-        let mut last_agg = None;
         // What was sent since the last round is reported and accepted before the read (the
-        // round is due only then: `drain_all` at the start of `round`); then the aggregates
-        // parked since are forgotten, and those parked while this round reads are skipped.
-        if let Some(t) = self.relays[i].core.unclear_touched.as_mut() {
-            t.clear();
-        }
-        // An aggregate whose event is parked after an unclear outcome (or at the broker), or
-        // was parked since the read began: a later round reads its rows again.
-        let mut skipping = false;
+        // round is due only then: `drain_all` at the start of `round`); which rows are
+        // admitted, and the head each raises, is the core's (`outbox_relay::poll`).
+        self.relays[i].core.begin_poll_round();
         for row in pending {
             let ev = self.rows[row].current();
-            let agg = self.rows[row].agg;
-            {
-                let key = agg_key(agg);
-                let core = &self.relays[i].core;
-                if last_agg != Some(agg) {
-                    skipping = core.aggregate_in_flight(&key);
-                }
-                // Parked meanwhile (during this round too: what was queued behind it is
-                // forgotten, so its later rows must wait for a later round as well).
-                skipping |= core
-                    .unclear_touched
-                    .as_ref()
-                    .is_some_and(|t| t.contains(&key));
-            }
-            if skipping {
-                last_agg = Some(agg);
-                continue;
-            }
-            // `first_of_aggregate` in relay/poll.rs: every version below an aggregate's first
-            // pending one has a receipt, which the gate learns before the round admits it,
-            // above the head read from the ledger (`learn_heads`, per chunk in the daemon).
+            // `learn_heads`, per chunk in the daemon: the ledger's head of an aggregate the
+            // gate does not know, below the round's own floor.
             if !self.is(Mutant::PollNoHeadFloor) {
                 self.learn_head(i, row, false);
             }
-            if last_agg != Some(agg) {
-                last_agg = Some(agg);
-                if !self.is(Mutant::PollStaleHead) {
-                    self.relays[i].core.raise_heads(vec![(
-                        agg_key(self.rows[row].agg),
-                        ev.aggregate_version - 1,
-                    )]);
-                }
-            }
-            // Read again by this round: as a replay (`decode_next`), not `resent_after_proof`.
-            self.relays[i].proven.remove(&row);
             let now = self.now_for(i);
-            let commands = self.relays[i]
+            let polled = self.relays[i]
                 .core
-                .admit(ev, None, None, now)
-                .map_err(|_| End::Error("relay core: admit"))?;
-            self.c.poll_events += 1;
-            self.execute(i, commands)?;
+                .admit_polled(ev, now)
+                .map_err(|_| End::Error("relay core: admit_polled"))?;
+            if let outbox_relay::poll::Polled::Admitted { commands, .. } = polled {
+                // Read again by this round: as a replay (`decode_next`), not
+                // `resent_after_proof`.
+                self.relays[i].proven.remove(&row);
+                self.c.poll_events += 1;
+                self.execute(i, commands)?;
+            }
         }
         Ok(())
     }
@@ -1643,6 +1613,7 @@ impl World {
             Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
             Mutant::BugFoundRaisesUnknownHead => Some(outbox_relay::Mutant::FoundRaisesUnknownHead),
             Mutant::BugSendsFoundEvent => Some(outbox_relay::Mutant::SendsFoundEvent),
+            Mutant::PollStaleHead => Some(outbox_relay::Mutant::PollStaleHead),
             _ => None,
         }
     }

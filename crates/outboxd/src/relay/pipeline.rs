@@ -204,6 +204,23 @@ impl Pipeline {
         self.execute(commands).await
     }
 
+    /// One row of a poll round (`outbox_relay::poll`): admitted or skipped by the core.
+    /// Returns its aggregate if it was the aggregate's first admitted row in the round.
+    pub async fn admit_polled(
+        &mut self,
+        ev: OutboxEvent,
+    ) -> Result<Option<outbox_relay::AggKey>, RelayError> {
+        let now = self.now();
+        match self.core.admit_polled(ev, now)? {
+            outbox_relay::poll::Polled::Skipped => Ok(None),
+            outbox_relay::poll::Polled::Admitted { first_of, commands } => {
+                self.note_batch();
+                self.execute(commands).await?;
+                Ok(first_of)
+            }
+        }
+    }
+
     /// Reads the heads of the aggregates of `events` that the gate does not know yet, in one
     /// query, and gives them to the gate (migration 0026: heads are read when first met).
     /// `stream`: the events come from the replication stream, where every later version of an

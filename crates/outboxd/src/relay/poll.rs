@@ -156,9 +156,7 @@ async fn round(
     // between rounds) is reported and its receipt accepted before the read: the read must not
     // take it for pending. And an aggregate resolved after the read began is skipped.
     pipeline.drain_all(cfg.batch_size, progress, true).await?;
-    if let Some(t) = pipeline.core.unclear_touched.as_mut() {
-        t.clear();
-    }
+    pipeline.core.begin_poll_round();
     // Positions over the receipted prefix before reading what lies above them: of every
     // aggregate at times, else of those the last round published (receipts accepted elsewhere
     // — reconciliation, a paused relay's salvage, releases — wait for the next full pass; a
@@ -194,10 +192,6 @@ async fn round(
     pin_mut!(rows);
     let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
     let mut n: u64 = 0;
-    let mut last_aggregate: Option<outbox_relay::AggKey> = None;
-    // An aggregate with an event parked after an unclear outcome (or still at the broker): its
-    // rows are read again by a later round, once that event is resolved.
-    let mut skipping = false;
     // Rows in chunks: the heads of a chunk's aggregates the gate does not know are read in one
     // query first (migration 0026), the floor below the round's own "every version below the
     // first pending one has a receipt" (a found copy may be published above an earlier
@@ -229,36 +223,12 @@ async fn round(
             .await?;
         for row in chunk.drain(..) {
             match row {
+                // Which rows are admitted, and the head each raises: `outbox_relay::poll`.
                 Ok(ev) => {
-                    // Every version below an aggregate's first pending one has a receipt (the
-                    // read skips only receipted versions; a quarantine holds the whole
-                    // aggregate). A receipt accepted after this run read the head (a paused
-                    // relay's salvage) would otherwise look like a gap to the gate, which
-                    // would hold the aggregate behind a published event (found by outbox-sim).
-                    let key = (ev.aggregate_type.clone(), ev.aggregate_id.clone());
-                    if last_aggregate.as_ref() != Some(&key) {
-                        skipping = pipeline.core.aggregate_in_flight(&key);
+                    if let Some((t, id)) = pipeline.admit_polled(ev).await? {
+                        touched.types.push(t);
+                        touched.ids.push(id);
                     }
-                    // Parked meanwhile (during this round too: what was queued behind it is
-                    // forgotten, so its later rows wait for a later round as well).
-                    skipping |= pipeline
-                        .core
-                        .unclear_touched
-                        .as_ref()
-                        .is_some_and(|t| t.contains(&key));
-                    if skipping {
-                        last_aggregate = Some(key);
-                        continue;
-                    }
-                    if last_aggregate.as_ref() != Some(&key) {
-                        pipeline
-                            .core
-                            .raise_heads(vec![(key.clone(), ev.aggregate_version - 1)]);
-                        touched.types.push(key.0.clone());
-                        touched.ids.push(key.1.clone());
-                        last_aggregate = Some(key);
-                    }
-                    pipeline.admit(ev, None, None).await?
                 }
                 // Keyed by the row's id when it has one, so a later round records it once.
                 Err((id, e)) => {

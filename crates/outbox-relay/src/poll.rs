@@ -1,0 +1,81 @@
+//! Poll mode's round (`outboxd run --mode poll`): which of the rows a round read are admitted
+//! to the pipeline, and what the gate learns first. Pure, as the rest of the core: the daemon
+//! (`outboxd/src/relay/poll.rs`) reads the rows and executes the commands; the simulator's poll
+//! rounds call the same two functions.
+//!
+//! A round reads, per aggregate and in version order, the events without a receipt above the
+//! aggregate's poll position. Two rules decide what of that is admitted:
+//!
+//! * An aggregate with an event at the broker, or parked after an unclear outcome since the
+//!   round began ([`PipelineCore::unclear_touched`]), is skipped for the whole round: what is
+//!   queued behind a parked event is forgotten, and its rows, read again by a later round once
+//!   the event is resolved, may by then have receipts.
+//! * Every version below an aggregate's first pending one has a receipt (the read skips only
+//!   receipted versions; a quarantine holds the whole aggregate), so the gate's head is raised
+//!   to just below it: a receipt accepted after this run read the head (a paused relay's
+//!   salvage) would otherwise look like a gap, and the gate would hold the aggregate behind a
+//!   published event (found by `outbox-sim`: `poll-stale-head`).
+
+use outbox_core::OutboxEvent;
+
+use crate::pipeline::{key_of, AggKey, Command, CoreError, Mutant, Now, PipelineCore, Plant};
+
+/// Where a round is: the aggregate of the last row, and whether that aggregate is skipped.
+#[derive(Debug, Default)]
+pub(crate) struct Round {
+    last: Option<AggKey>,
+    skipping: bool,
+}
+
+/// What became of one row of a round.
+#[derive(Debug)]
+pub enum Polled {
+    /// Its aggregate is skipped this round (at the broker, or parked).
+    Skipped,
+    /// Admitted; `first_of`: its aggregate, if it is the aggregate's first row in this round
+    /// (the driver advances that aggregate's poll position before the next round).
+    Admitted {
+        first_of: Option<AggKey>,
+        commands: Vec<Command>,
+    },
+}
+
+impl<P: Plant> PipelineCore<P> {
+    /// A round begins (after what was sent since the last one was reported and accepted):
+    /// the aggregates parked since are forgotten, and it reads from the first row.
+    pub fn begin_poll_round(&mut self) {
+        if let Some(t) = self.unclear_touched.as_mut() {
+            t.clear();
+        }
+        self.round = Round::default();
+    }
+
+    /// The next row of the round, in the read's order (aggregate, then version). The driver
+    /// has given the gate the ledger's head of its aggregate, if the gate did not know it.
+    pub fn admit_polled(&mut self, ev: OutboxEvent, now: Now) -> Result<Polled, CoreError> {
+        let key = key_of(&ev);
+        let first = self.round.last.as_ref() != Some(&key);
+        if first {
+            self.round.skipping = self.aggregate_in_flight(&key);
+        }
+        // Parked meanwhile (during this round too: what was queued behind it is forgotten, so
+        // its later rows wait for a later round as well).
+        self.round.skipping |= self
+            .unclear_touched
+            .as_ref()
+            .is_some_and(|t| t.contains(&key));
+        if first {
+            self.round.last = Some(key.clone());
+        }
+        if self.round.skipping {
+            return Ok(Polled::Skipped);
+        }
+        if first && !self.planted(Mutant::PollStaleHead) {
+            self.raise_heads(vec![(key.clone(), ev.aggregate_version - 1)]);
+        }
+        Ok(Polled::Admitted {
+            first_of: first.then_some(key),
+            commands: self.admit(ev, None, None, now)?,
+        })
+    }
+}
