@@ -26,6 +26,9 @@ pub struct UnknownAttempt {
     /// A lower bound for its offset: the highest offset of that partition accepted (with a
     /// clock-skew margin) before the attempt was sent; -1 if none.
     pub scan_from: i64,
+    /// Whether its event has its primary receipt (a late report, or another attempt, was
+    /// recorded).
+    pub has_receipt: bool,
 }
 
 /// Records an attempt that ended without proof. Durable before the relay does anything else.
@@ -97,7 +100,8 @@ async fn open_attempts(
                     extract(epoch FROM clock_timestamp() - a.unknown_at)::float8,
                     coalesce((SELECT max(r.\"offset\") FROM outbox.receipts r
                               WHERE r.topic = a.topic AND r.partition = a.partition
-                                AND r.accepted_at < a.sent_at - interval '60 seconds'), -1)
+                                AND r.accepted_at < a.sent_at - interval '60 seconds'), -1),
+                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = a.event_id)
              FROM outbox.attempts a
              WHERE a.slot_name = $1 AND a.state = 'DISPATCH_UNKNOWN'
                AND ($2::uuid IS NULL OR a.event_id = $2)
@@ -117,20 +121,9 @@ async fn open_attempts(
             partition: r.get(5),
             unknown_for_s: r.get(6),
             scan_from: r.get(7),
+            has_receipt: r.get(8),
         })
         .collect())
-}
-
-/// Whether `event_id` has its primary receipt.
-pub async fn has_receipt(client: &Client, event_id: Uuid) -> Result<bool, LedgerError> {
-    Ok(client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM outbox.receipts WHERE event_id = $1)",
-            &[&event_id],
-        )
-        .await
-        .ctx(format!("reading the receipt of event {event_id}"))?
-        .get(0))
 }
 
 /// The scan proved the outcome.

@@ -975,6 +975,33 @@ impl<P: Plant> PipelineCore<P> {
         }
     }
 
+    /// Reconciliation's decision for open attempt `a` ([`crate::unknown::Reconcile`]), by
+    /// [`crate::unknown::step`] with this run's `generation` and `settle` time; an attempt
+    /// handed to the run is due at `now` plus what is left of its settle time.
+    pub fn reconcile(
+        &mut self,
+        when: crate::unknown::When,
+        generation: i64,
+        settle: std::time::Duration,
+        a: &crate::unknown::Open,
+        now: SystemTime,
+    ) -> crate::unknown::Reconcile {
+        use crate::unknown::{step, Reconcile, Step, When};
+        if self.is_parked(a.event_id) {
+            return Reconcile::Skip;
+        }
+        match step(when, generation, a.relay_generation, a.unknown_for, settle) {
+            Step::Skip => Reconcile::Skip,
+            Step::WaitThenLookup(_) if when == When::Start && a.has_receipt => Reconcile::Skip,
+            Step::WaitThenLookup(wait) if when == When::Start => {
+                self.open_at_start.insert(a.event_id, now + wait);
+                Reconcile::HandedToRun
+            }
+            // While running, only settled attempts come here: no wait.
+            Step::WaitThenLookup(_) => Reconcile::LookUp,
+        }
+    }
+
     /// What reconciling an open UNKNOWN attempt of `ev` proved (at start, or while running
     /// for another generation's attempt), once the driver has recorded it: settled, the event
     /// is no longer open at start (the replay finds it or retries it with the next generation,

@@ -50,6 +50,32 @@ pub fn step(
     }
 }
 
+/// An open DISPATCH_UNKNOWN attempt, as reconciliation reads it from the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Open {
+    pub event_id: uuid::Uuid,
+    /// The generation of the run that recorded it.
+    pub relay_generation: i64,
+    /// How long it has been unknown.
+    pub unknown_for: Duration,
+    /// Its event has its primary receipt already.
+    pub has_receipt: bool,
+}
+
+/// What reconciliation does with one open attempt now ([`crate::PipelineCore::reconcile`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reconcile {
+    /// Nothing now: an attempt of an event this run has parked (its own look-up resolves
+    /// every open attempt), of this run, not settled yet, or at start one whose event is
+    /// published (it may never be replayed; the running reconciliation traces it).
+    Skip,
+    /// At start: handed to the run, due after what is left of its settle time; the replay
+    /// parks its event when it reaches it, and its look-up runs beside everything else.
+    HandedToRun,
+    /// While running: look it up now and record what it proves.
+    LookUp,
+}
+
 /// What a look-up of a settled attempt means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Resolved {

@@ -421,3 +421,45 @@ fn an_event_found_while_it_waits_to_be_sent_again_is_not_sent_again() {
     assert_eq!(sent, [a2.event_id], "a/1 not sent again, a/2 sent");
     assert!(c.tracker.watermark() >= Lsn(100), "a/1 resolved");
 }
+
+/// Reconciliation's decisions: at start an open attempt is handed to the run (due after what
+/// is left of its settle time) unless its event is published; while running only a settled
+/// attempt of another generation is looked up; never one of an event this run has parked.
+#[test]
+fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_ones_later() {
+    use crate::unknown::{Open, Reconcile, When};
+    let mut c = core();
+    let settle = Duration::from_secs(3);
+    let at = now(10_000).wall;
+    let open = |id, gen, unknown_s, has_receipt| Open {
+        event_id: id,
+        relay_generation: gen,
+        unknown_for: Duration::from_secs(unknown_s),
+        has_receipt,
+    };
+    let (e1, e2) = (event("a", 1), event("b", 1));
+    assert_eq!(
+        c.reconcile(When::Start, 5, settle, &open(e1.event_id, 4, 1, false), at),
+        Reconcile::HandedToRun
+    );
+    assert_eq!(
+        c.open_at_start.get(&e1.event_id),
+        Some(&(at + Duration::from_secs(2)))
+    );
+    assert_eq!(
+        c.reconcile(When::Start, 5, settle, &open(e2.event_id, 4, 1, true), at),
+        Reconcile::Skip,
+        "published: the running reconciliation traces it"
+    );
+    assert!(!c.open_at_start.contains_key(&e2.event_id));
+    let run = |c: &mut PipelineCore, gen, unknown_s| {
+        c.reconcile(When::Running, 5, settle, &open(e2.event_id, gen, unknown_s, true), at)
+    };
+    assert_eq!(run(&mut c, 5, 9), Reconcile::Skip, "this run's own");
+    assert_eq!(run(&mut c, 4, 1), Reconcile::Skip, "not settled");
+    assert_eq!(run(&mut c, 4, 9), Reconcile::LookUp);
+    // Parked: its own look-up resolves every open attempt.
+    let cmds = admit_txn(&mut c, std::slice::from_ref(&e2), 100);
+    unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
+    assert_eq!(run(&mut c, 4, 9), Reconcile::Skip);
+}

@@ -22,7 +22,7 @@ use outbox_core::records::LedgerItem;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::release::ReleaseStep;
-use outbox_relay::unknown::{self, Resolved, Step, When};
+use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{Command, LookupOutcome, Now, PipelineCore, Planted, Reported, UnclearStep};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
@@ -1414,8 +1414,7 @@ impl World {
     /// time): the replay parks its event when it reaches it, and its look-up runs beside
     /// everything else. While running, each settled attempt of another generation is looked
     /// up and what it proved recorded ([`World::record_lookup`]); a failed look-up is asked
-    /// again at the next poll. Events this run holds itself (parked, or open at start) are
-    /// skipped: their own look-up resolves them.
+    /// again at the next poll. Which is which is the core's (`PipelineCore::reconcile`).
     fn reconcile_attempts(&mut self, i: usize, open: Vec<usize>, when: When) -> Result<(), End> {
         for a in open {
             let (row, relay_gen, unknown_at) = {
@@ -1423,28 +1422,25 @@ impl World {
                 (at.row, at.relay_gen, at.unknown_at)
             };
             let id = self.rows[row].ev.event_id;
-            // Parked: its own look-up resolves it (every open attempt).
-            if self.relays[i].core.is_parked(id) {
-                continue;
-            }
-            let unknown_for = ms(self.now.saturating_sub(unknown_at));
+            let open = unknown::Open {
+                event_id: id,
+                relay_generation: relay_gen,
+                unknown_for: ms(self.now.saturating_sub(unknown_at)),
+                has_receipt: self.ledger.primary.contains_key(&row),
+            };
             let gen = self.relays[i].gen;
+            let now = std::time::SystemTime::UNIX_EPOCH + ms(self.now);
             // The core's settle time at start, `--unknown-settle-ms` while running: the same
             // for the simulated Kafka sink (none with the mutant no-settle).
-            match unknown::step(when, gen, relay_gen, unknown_for, self.settle()) {
-                Step::Skip => continue,
-                Step::WaitThenLookup(wait) if when == When::Start => {
-                    // `attempts::has_receipt`: a published event may never be replayed to
-                    // park it; the running reconciliation traces its attempt.
-                    if !self.ledger.primary.contains_key(&row) {
-                        let due = std::time::SystemTime::UNIX_EPOCH + ms(self.now) + wait;
-                        log!(self, "UNKNOWN {id} open at start: the replay parks it");
-                        self.c.open_at_start += 1;
-                        self.relays[i].core.open_at_start.insert(id, due);
-                    }
+            let settle = self.settle();
+            match self.relays[i].core.reconcile(when, gen, settle, &open, now) {
+                Reconcile::Skip => continue,
+                Reconcile::HandedToRun => {
+                    log!(self, "UNKNOWN {id} open at start: the replay parks it");
+                    self.c.open_at_start += 1;
                     continue;
                 }
-                Step::WaitThenLookup(_) => {}
+                Reconcile::LookUp => {}
             }
             let ev = self.rows[row].current();
             let resolved = match self.look_up(a) {

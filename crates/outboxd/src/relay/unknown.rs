@@ -23,9 +23,10 @@
 //! ([`close_answered`]), never sent again after a clear answer.
 //!
 //! The checkpoint cannot pass the event meanwhile: it is unresolved until one of these.
-//! The decisions — which attempt to look up when, what a look-up proves, what the pipeline
-//! remembers — are `outbox_relay::unknown` and `PipelineCore::unknown_resolved`, which the
-//! simulator runs too; this module does the I/O around them.
+//! The decisions — which attempt to look up when (`PipelineCore::reconcile`), what a look-up
+//! proves, what the pipeline remembers — are `outbox_relay::unknown` and
+//! `PipelineCore::unknown_resolved`, which the simulator runs too; this module does the I/O
+//! around them.
 //!
 //! While running, an attempt of this run is resolved without ending it: its event is parked
 //! (`outbox_relay::pipeline::unclear`) and the same look-up and the same recording
@@ -54,7 +55,7 @@ use crate::config::RelayConfig;
 use outbox_ledger::lease::Fence;
 
 pub(crate) use outbox_relay::unknown::When;
-use outbox_relay::unknown::{self, Resolved, Step};
+use outbox_relay::unknown::{self, Reconcile, Resolved};
 
 pub(crate) async fn reconcile_unknown(
     cfg: &RelayConfig,
@@ -67,41 +68,32 @@ pub(crate) async fn reconcile_unknown(
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
     // Events whose other attempts an answered re-send closed in this pass (`close_answered`).
     let mut answered = std::collections::HashSet::new();
+    let settle = match when {
+        // The core's settle time: the Kafka scan's; none where the look-up is itself an
+        // idempotent resend (JetStream's Msg-Id, HTTP's key).
+        When::Start => pipeline.core.unclear_policy.settle,
+        When::Running => cfg.unknown_settle,
+    };
     for a in open {
-        // This run has the event parked: its own look-up resolves it (every open attempt).
-        if pipeline.core.is_parked(a.event_id) || answered.contains(&a.event_id) {
+        if answered.contains(&a.event_id) {
             continue;
         }
-        let unknown_for = Duration::from_secs_f64(a.unknown_for_s.max(0.0));
-        let settle = match when {
-            // The core's settle time: the Kafka scan's; none where the look-up is itself an
-            // idempotent resend (JetStream's Msg-Id, HTTP's key).
-            When::Start => pipeline.core.unclear_policy.settle,
-            When::Running => cfg.unknown_settle,
+        // What to do with it now is the core's: at start nothing is looked up in line (the
+        // replay parks the event when it reaches it, and the look-up runs beside everything
+        // else: a restart with many open attempts does not wait for them one by one).
+        let open = unknown::Open {
+            event_id: a.event_id,
+            relay_generation: a.relay_generation,
+            unknown_for: Duration::from_secs_f64(a.unknown_for_s.max(0.0)),
+            has_receipt: a.has_receipt,
         };
-        match unknown::step(
-            when,
-            fence.generation,
-            a.relay_generation,
-            unknown_for,
-            settle,
-        ) {
-            Step::Skip => continue,
-            // At start nothing is looked up in line: the replay parks the event when it reaches
-            // it, and the look-up runs at `wait` from now beside everything else (a restart
-            // with many open attempts does not wait for them one by one).
-            Step::WaitThenLookup(wait) if when == When::Start => {
-                // An event already published (a late report recorded its receipt) may never
-                // be replayed to park it: its attempt is traced by the look-ups of other
-                // generations' attempts while running (below), not left open.
-                if !attempts::has_receipt(sql, a.event_id).await? {
-                    let due = std::time::SystemTime::now() + wait;
-                    pipeline.core.open_at_start.insert(a.event_id, due);
-                }
-                continue;
-            }
-            // While running, only settled attempts come here: no wait.
-            Step::WaitThenLookup(_) => {}
+        let now = std::time::SystemTime::now();
+        if pipeline
+            .core
+            .reconcile(when, fence.generation, settle, &open, now)
+            != Reconcile::LookUp
+        {
+            continue;
         }
         let started = Instant::now();
         let rows = sql
