@@ -658,3 +658,71 @@ pub(crate) async fn endpoint_env(name: &str, settings: TargetSettings) -> (TestE
         .expect("route the test's events to the endpoint");
     (env, target)
 }
+
+/// A DISPATCH_UNKNOWN attempt of another relay generation (a paused predecessor's salvage
+/// recorded it late) for an event the endpoint has already answered: the running relay closes
+/// it with the event's receipt, which is the endpoint's answer under the event's key, instead
+/// of looking it up, which for an endpoint means sending the event again (and waiting on the
+/// endpoint in the relay's loop meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_attempt_of_an_answered_event_is_closed_by_its_receipt_not_sent_again() {
+    let (env, target) = endpoint_env("http_late_attempt", TargetSettings::default()).await;
+    let config = env.write_config(
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2000\n\
+         idempotency_window_ms = 3600000\n",
+    );
+    let mut relay = env.relay(&[], &["--config", &config, "--unknown-settle-ms", "200"]);
+    env.wait_streaming().await;
+    let id = env.enqueue("late", json!({"n": 1})).await;
+    env.wait_receipts("the event answered", 1).await;
+    let sent = |id: uuid::Uuid| {
+        target
+            .requests()
+            .iter()
+            .filter(|r| r.headers.get("idempotency-key") == Some(&id.to_string()))
+            .count()
+    };
+    assert_eq!(sent(id), 1);
+    // A predecessor's attempt, recorded an hour ago (settled), generation 0 (no run of this
+    // test has it).
+    env.db
+        .execute(
+            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                          topic, partition, sent_at, error, unknown_at)
+             VALUES ($1, 0, 1, $2, 'billing-api', 0, now() - interval '1 hour', 'planted',
+                     now() - interval '1 hour')",
+            &[&id, &env.slot],
+        )
+        .await
+        .expect("plant a predecessor's DISPATCH_UNKNOWN attempt");
+    env.wait_zero(
+        "the planted attempt resolved",
+        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+    )
+    .await;
+    let (state, offset): (String, Option<i64>) = {
+        let r = env
+            .db
+            .query_one(
+                "SELECT state, found_offset FROM outbox.attempts WHERE event_id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(
+        (state.as_str(), offset),
+        ("FOUND", Some(0)),
+        "closed at the receipt"
+    );
+    assert_eq!(
+        sent(id),
+        1,
+        "the answered event was sent again to trace the attempt"
+    );
+    assert!(relay
+        .log_text()
+        .contains("DISPATCH_UNKNOWN resolved by the event's receipt"));
+    relay.assert_running();
+}

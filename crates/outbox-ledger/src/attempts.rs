@@ -126,6 +126,25 @@ async fn open_attempts(
         .collect())
 }
 
+/// Closes attempt `id` as found at its event's primary receipt (the receipt is the
+/// destination's answer under the event's key: `outbox_relay::unknown::Reconcile::ClosedByReceipt`).
+/// Returns the receipt's offset, or `None` if the attempt was no longer open.
+pub async fn resolve_by_receipt(client: &Client, id: i64) -> Result<Option<i64>, LedgerError> {
+    Ok(client
+        .query_opt(
+            "UPDATE outbox.attempts a
+             SET state = 'FOUND', found_offset = r.\"offset\", scanned_from = r.\"offset\",
+                 scanned_to = r.\"offset\", resolved_at = clock_timestamp()
+             FROM outbox.receipts r
+             WHERE a.id = $1 AND a.state = 'DISPATCH_UNKNOWN' AND r.event_id = a.event_id
+             RETURNING r.\"offset\"",
+            &[&id],
+        )
+        .await
+        .ctx(format!("resolving attempt {id} by its event's receipt"))?
+        .map(|r| r.get(0)))
+}
+
 /// The scan proved the outcome.
 pub async fn resolve(
     client: &Client,

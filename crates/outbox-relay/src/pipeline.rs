@@ -998,6 +998,9 @@ impl<P: Plant> PipelineCore<P> {
                 Reconcile::HandedToRun
             }
             // While running, only settled attempts come here: no wait.
+            Step::WaitThenLookup(_) if a.has_receipt && a.lookup_resends => {
+                Reconcile::ClosedByReceipt
+            }
             Step::WaitThenLookup(_) => Reconcile::LookUp,
         }
     }

@@ -60,6 +60,9 @@ pub struct Open {
     pub unknown_for: Duration,
     /// Its event has its primary receipt already.
     pub has_receipt: bool,
+    /// Looking it up would send the event again under its key (`Sink::lookup_resends`: an
+    /// HTTP endpoint; JetStream inside the duplicate window).
+    pub lookup_resends: bool,
 }
 
 /// What reconciliation does with one open attempt now ([`crate::PipelineCore::reconcile`]).
@@ -74,6 +77,12 @@ pub enum Reconcile {
     HandedToRun,
     /// While running: look it up now and record what it proves.
     LookUp,
+    /// While running: its event has its receipt and the look-up would send it again under
+    /// its key. The receipt is the destination's answer under that key, so it is the answer
+    /// for this attempt too ([`answered_already`]): the attempt is closed as found at the
+    /// receipt's position, and nothing is sent (a published event sent again after a
+    /// restart, and the relay's loop waiting on the endpoint meanwhile).
+    ClosedByReceipt,
 }
 
 /// What a look-up of a settled attempt means.

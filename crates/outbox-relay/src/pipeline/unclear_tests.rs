@@ -436,6 +436,7 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
         relay_generation: gen,
         unknown_for: Duration::from_secs(unknown_s),
         has_receipt,
+        lookup_resends: false,
     };
     let (e1, e2) = (event("a", 1), event("b", 1));
     assert_eq!(
@@ -453,11 +454,36 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
     );
     assert!(!c.open_at_start.contains_key(&e2.event_id));
     let run = |c: &mut PipelineCore, gen, unknown_s| {
-        c.reconcile(When::Running, 5, settle, &open(e2.event_id, gen, unknown_s, true), at)
+        c.reconcile(
+            When::Running,
+            5,
+            settle,
+            &open(e2.event_id, gen, unknown_s, true),
+            at,
+        )
     };
     assert_eq!(run(&mut c, 5, 9), Reconcile::Skip, "this run's own");
     assert_eq!(run(&mut c, 4, 1), Reconcile::Skip, "not settled");
     assert_eq!(run(&mut c, 4, 9), Reconcile::LookUp);
+    // A look-up that would send the published event again under its key: its receipt is the
+    // answer (an HTTP endpoint); one that reads the broker still runs (each attempt may have
+    // left a copy of its own).
+    let resends = Open {
+        lookup_resends: true,
+        ..open(e2.event_id, 4, 9, true)
+    };
+    assert_eq!(
+        c.reconcile(When::Running, 5, settle, &resends, at),
+        Reconcile::ClosedByReceipt
+    );
+    let unpublished = Open {
+        has_receipt: false,
+        ..resends
+    };
+    assert_eq!(
+        c.reconcile(When::Running, 5, settle, &unpublished, at),
+        Reconcile::LookUp
+    );
     // Parked: its own look-up resolves every open attempt.
     let cmds = admit_txn(&mut c, std::slice::from_ref(&e2), 100);
     unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);

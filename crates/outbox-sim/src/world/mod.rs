@@ -1427,6 +1427,8 @@ impl World {
                 relay_generation: relay_gen,
                 unknown_for: ms(self.now.saturating_sub(unknown_at)),
                 has_receipt: self.ledger.primary.contains_key(&row),
+                // The simulated sink is Kafka's: a look-up reads the partition.
+                lookup_resends: false,
             };
             let gen = self.relays[i].gen;
             let now = std::time::SystemTime::UNIX_EPOCH + ms(self.now);
@@ -1441,6 +1443,7 @@ impl World {
                     continue;
                 }
                 Reconcile::LookUp => {}
+                Reconcile::ClosedByReceipt => unreachable!("the simulated look-up sends nothing"),
             }
             let ev = self.rows[row].current();
             let resolved = match self.look_up(a) {

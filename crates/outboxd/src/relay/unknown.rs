@@ -20,7 +20,11 @@
 //! Where the look-up is itself a re-send under the event's key (HTTP; JetStream inside the
 //! duplicate window: `Sink::lookup_resends`), its answer is the answer for every attempt of
 //! the event whose look-up would be the same re-send: those are closed with it
-//! ([`close_answered`]), never sent again after a clear answer.
+//! ([`close_answered`]), never sent again after a clear answer. For the same reason an open
+//! attempt of another generation whose event already has its receipt is closed, while running,
+//! as found at that receipt (`Reconcile::ClosedByReceipt`): the receipt is the destination's
+//! answer under the key, and looking it up would send a published event again and hold the
+//! relay's loop on the endpoint meanwhile.
 //!
 //! The checkpoint cannot pass the event meanwhile: it is unresolved until one of these.
 //! The decisions — which attempt to look up when (`PipelineCore::reconcile`), what a look-up
@@ -78,6 +82,13 @@ pub(crate) async fn reconcile_unknown(
         if answered.contains(&a.event_id) {
             continue;
         }
+        // Whether a look-up would send the event again matters only for a published event
+        // while running (it is then closed by its receipt): loaded for those and for look-ups.
+        let loaded = if when == When::Running && a.has_receipt {
+            Some(load(sql, qualified_table, pipeline, &a).await?)
+        } else {
+            None
+        };
         // What to do with it now is the core's: at start nothing is looked up in line (the
         // replay parks the event when it reaches it, and the look-up runs beside everything
         // else: a restart with many open attempts does not wait for them one by one).
@@ -86,36 +97,33 @@ pub(crate) async fn reconcile_unknown(
             relay_generation: a.relay_generation,
             unknown_for: Duration::from_secs_f64(a.unknown_for_s.max(0.0)),
             has_receipt: a.has_receipt,
+            lookup_resends: loaded.as_ref().is_some_and(|(_, _, resends)| *resends),
         };
         let now = std::time::SystemTime::now();
-        if pipeline
+        match pipeline
             .core
             .reconcile(when, fence.generation, settle, &open, now)
-            != Reconcile::LookUp
         {
-            continue;
+            Reconcile::Skip | Reconcile::HandedToRun => continue,
+            Reconcile::ClosedByReceipt => {
+                if let Some(offset) = attempts::resolve_by_receipt(&pipeline.client, a.id).await? {
+                    tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
+                        offset, "DISPATCH_UNKNOWN resolved by the event's receipt (the destination's answer under its key): not sent again");
+                    let found = Resolved::Found {
+                        offset,
+                        attempt_generation: a.attempt_generation,
+                    };
+                    pipeline.core.unknown_resolved(a.event_id, &found);
+                }
+                continue;
+            }
+            Reconcile::LookUp => {}
         }
         let started = Instant::now();
-        let rows = sql
-            .query(
-                &outbox_source::snapshot::rows_by_id_sql(qualified_table),
-                &[&vec![a.event_id]],
-            )
-            .await
-            .map_err(|e| LedgerError::Db {
-                context: format!("loading event {} for reconciliation", a.event_id),
-                source: e,
-            })?;
-        let Some(row) = rows.first() else {
-            return Err(RelayError::Internal(format!(
-                "DISPATCH_UNKNOWN event {} has no outbox row",
-                a.event_id
-            )));
+        let (ev, query, resent) = match loaded {
+            Some(l) => l,
+            None => load(sql, qualified_table, pipeline, &a).await?,
         };
-        let ev = outbox_source::snapshot::event_from_row(row)
-            .map_err(|e| RelayError::Internal(e.to_string()))?;
-        let query = lookup_query(&pipeline.client, &a).await?;
-        let resent = pipeline.sink().lookup_resends(&query.of(&ev, &a));
         let resolved = match pipeline.sink().lookup(query.of(&ev, &a)).await {
             Ok(l) => {
                 let answer = l.clone();
@@ -138,6 +146,37 @@ pub(crate) async fn reconcile_unknown(
         pipeline.core.reconciled(&ev, &resolved);
     }
     Ok(())
+}
+
+/// Attempt `a`'s event as the relay must publish it now, what its look-up needs, and whether
+/// that look-up would send it again under its key (`Sink::lookup_resends`).
+async fn load(
+    sql: &Client,
+    qualified_table: &str,
+    pipeline: &Pipeline,
+    a: &attempts::UnknownAttempt,
+) -> Result<(OutboxEvent, LookupQuery, bool), RelayError> {
+    let rows = sql
+        .query(
+            &outbox_source::snapshot::rows_by_id_sql(qualified_table),
+            &[&vec![a.event_id]],
+        )
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: format!("loading event {} for reconciliation", a.event_id),
+            source: e,
+        })?;
+    let Some(row) = rows.first() else {
+        return Err(RelayError::Internal(format!(
+            "DISPATCH_UNKNOWN event {} has no outbox row",
+            a.event_id
+        )));
+    };
+    let ev = outbox_source::snapshot::event_from_row(row)
+        .map_err(|e| RelayError::Internal(e.to_string()))?;
+    let query = lookup_query(&pipeline.client, a).await?;
+    let resends = pipeline.sink().lookup_resends(&query.of(&ev, a));
+    Ok((ev, query, resends))
 }
 
 /// After a look-up of one of `ev`'s attempts that re-sent it under its key (`resent`) was
