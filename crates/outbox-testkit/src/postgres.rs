@@ -149,9 +149,12 @@ impl TestPostgres {
             .arg("--locale=C");
         run(&mut initdb, run_as, "initdb")?;
 
+        // Slots: every test has its own and none is dropped (a shard layout makes several, a
+        // fleet test 8), so one test process creates more than a hundred: at 100, a CI run
+        // that added a test refused a later test's slot ("all replication slots are in use").
         let conf = format!(
             "\nlisten_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{}'\n\
-             wal_level = logical\nmax_replication_slots = 100\nmax_wal_senders = 100\n\
+             wal_level = logical\nmax_replication_slots = 400\nmax_wal_senders = 100\n\
              max_connections = 300\nfsync = off\nfull_page_writes = off\nsynchronous_commit = off\n\
              shared_buffers = 128MB\nwal_sender_timeout = 60s\nlog_min_messages = warning\n",
             root.display()
