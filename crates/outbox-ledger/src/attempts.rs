@@ -29,6 +29,9 @@ pub struct UnknownAttempt {
     /// Whether its event has its primary receipt (a late report, or another attempt, was
     /// recorded).
     pub has_receipt: bool,
+    /// Seconds since it was sent, by the database clock (what a broker's duplicate window
+    /// counts from, give or take clock skew, which the sink's margin covers).
+    pub sent_ago_s: f64,
 }
 
 /// Records an attempt that ended without proof. Durable before the relay does anything else.
@@ -101,7 +104,8 @@ async fn open_attempts(
                     coalesce((SELECT max(r.\"offset\") FROM outbox.receipts r
                               WHERE r.topic = a.topic AND r.partition = a.partition
                                 AND r.accepted_at < a.sent_at - interval '60 seconds'), -1),
-                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = a.event_id)
+                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = a.event_id),
+                    extract(epoch FROM clock_timestamp() - a.sent_at)::float8
              FROM outbox.attempts a
              WHERE a.slot_name = $1 AND a.state = 'DISPATCH_UNKNOWN'
                AND ($2::uuid IS NULL OR a.event_id = $2)
@@ -122,6 +126,7 @@ async fn open_attempts(
             unknown_for_s: r.get(6),
             scan_from: r.get(7),
             has_receipt: r.get(8),
+            sent_ago_s: r.get(9),
         })
         .collect())
 }

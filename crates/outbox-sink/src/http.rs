@@ -760,7 +760,7 @@ impl Sink for HttpSink {
     }
 
     /// An endpoint has nothing to read: its look-up is always the retry with the same key.
-    fn lookup_resends(&self, _q: &UnknownLookup<'_>) -> bool {
+    fn lookup_resends(&self, _sent_ago: Duration) -> bool {
         true
     }
 

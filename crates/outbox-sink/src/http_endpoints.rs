@@ -122,7 +122,7 @@ impl Sink for HttpEndpoints {
         self.for_event(q.event)?.lookup(q).await
     }
 
-    fn lookup_resends(&self, _q: &UnknownLookup<'_>) -> bool {
+    fn lookup_resends(&self, _sent_ago: Duration) -> bool {
         true
     }
 }

@@ -668,12 +668,12 @@ impl Sink for JetStreamSink {
 
     /// Inside the duplicate window the look-up is a re-publish with the same `Nats-Msg-Id`;
     /// outside it, a read of the stream by subject.
-    fn lookup_resends(&self, q: &UnknownLookup<'_>) -> bool {
-        q.sent_ago + WINDOW_MARGIN < self.duplicate_window
+    fn lookup_resends(&self, sent_ago: Duration) -> bool {
+        sent_ago + WINDOW_MARGIN < self.duplicate_window
     }
 
     async fn lookup(&self, q: UnknownLookup<'_>) -> Result<Lookup, SinkError> {
-        if self.lookup_resends(&q) {
+        if self.lookup_resends(q.sent_ago) {
             let (_, fut) = self.publish(q.event).await?;
             let ack = fut.await.map_err(|e| {
                 nats_err(

@@ -499,7 +499,7 @@ impl Sink for KafkaSink {
     }
 
     /// A Kafka look-up only reads the partition.
-    fn lookup_resends(&self, _q: &UnknownLookup<'_>) -> bool {
+    fn lookup_resends(&self, _sent_ago: Duration) -> bool {
         false
     }
 

@@ -213,13 +213,13 @@ pub trait Sink {
         q: UnknownLookup<'_>,
     ) -> impl Future<Output = Result<Lookup, SinkError>> + Send;
 
-    /// Whether looking `q` up sends the event again under its key (an HTTP retry with the
-    /// same idempotency key; a JetStream re-publish with its `Nats-Msg-Id` inside the
-    /// duplicate window) rather than reading what the broker holds. Such a look-up, once
+    /// Whether looking up an attempt sent `sent_ago` sends the event again under its key (an
+    /// HTTP retry with the same idempotency key; a JetStream re-publish with its `Nats-Msg-Id`
+    /// inside the duplicate window) rather than reading what the broker holds. Such a look-up, once
     /// answered, answers every attempt of the event whose look-up would be the same re-send
     /// (`outbox_relay::unknown::answered_already`): asking again would send the event again
     /// after a clear answer.
-    fn lookup_resends(&self, q: &UnknownLookup<'_>) -> bool;
+    fn lookup_resends(&self, sent_ago: Duration) -> bool;
 }
 
 /// The relay's sink, chosen at start (`--sink kafka|nats|http`).
@@ -275,11 +275,11 @@ impl Sink for AnySink {
         }
     }
 
-    fn lookup_resends(&self, q: &UnknownLookup<'_>) -> bool {
+    fn lookup_resends(&self, sent_ago: Duration) -> bool {
         match self {
-            AnySink::Kafka(s) => s.lookup_resends(q),
-            AnySink::JetStream(s) => s.lookup_resends(q),
-            AnySink::Http(s) => s.lookup_resends(q),
+            AnySink::Kafka(s) => s.lookup_resends(sent_ago),
+            AnySink::JetStream(s) => s.lookup_resends(sent_ago),
+            AnySink::Http(s) => s.lookup_resends(sent_ago),
         }
     }
 }

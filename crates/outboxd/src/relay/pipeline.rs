@@ -409,11 +409,12 @@ impl Pipeline {
             return Ok(false);
         };
         let started = Instant::now();
-        let query = super::unknown::lookup_query(&self.client, &attempt).await?;
-        let resent = self.sink.lookup_resends(&query.of(&event, &attempt));
+        let resent = self.sink.lookup_resends(super::unknown::sent_ago(&attempt));
         let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
         tokio::spawn(async move {
-            let result = sink.lookup(query.of(&event, &attempt)).await;
+            let result = sink
+                .lookup(super::unknown::lookup_of(&event, &attempt))
+                .await;
             let _ = tx.send(LookupDone {
                 event,
                 attempt,

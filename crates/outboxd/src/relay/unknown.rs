@@ -82,13 +82,6 @@ pub(crate) async fn reconcile_unknown(
         if answered.contains(&a.event_id) {
             continue;
         }
-        // Whether a look-up would send the event again matters only for a published event
-        // while running (it is then closed by its receipt): loaded for those and for look-ups.
-        let loaded = if when == When::Running && a.has_receipt {
-            Some(load(sql, qualified_table, pipeline, &a).await?)
-        } else {
-            None
-        };
         // What to do with it now is the core's: at start nothing is looked up in line (the
         // replay parks the event when it reaches it, and the look-up runs beside everything
         // else: a restart with many open attempts does not wait for them one by one).
@@ -97,7 +90,7 @@ pub(crate) async fn reconcile_unknown(
             relay_generation: a.relay_generation,
             unknown_for: Duration::from_secs_f64(a.unknown_for_s.max(0.0)),
             has_receipt: a.has_receipt,
-            lookup_resends: loaded.as_ref().is_some_and(|(_, _, resends)| *resends),
+            lookup_resends: pipeline.sink().lookup_resends(sent_ago(&a)),
         };
         let now = std::time::SystemTime::now();
         match pipeline
@@ -120,11 +113,9 @@ pub(crate) async fn reconcile_unknown(
             Reconcile::LookUp => {}
         }
         let started = Instant::now();
-        let (ev, query, resent) = match loaded {
-            Some(l) => l,
-            None => load(sql, qualified_table, pipeline, &a).await?,
-        };
-        let resolved = match pipeline.sink().lookup(query.of(&ev, &a)).await {
+        let ev = load(sql, qualified_table, &a).await?;
+        let resent = pipeline.sink().lookup_resends(sent_ago(&a));
+        let resolved = match pipeline.sink().lookup(lookup_of(&ev, &a)).await {
             Ok(l) => {
                 let answer = l.clone();
                 let resolved =
@@ -148,14 +139,12 @@ pub(crate) async fn reconcile_unknown(
     Ok(())
 }
 
-/// Attempt `a`'s event as the relay must publish it now, what its look-up needs, and whether
-/// that look-up would send it again under its key (`Sink::lookup_resends`).
+/// Attempt `a`'s event as the relay must publish it now.
 async fn load(
     sql: &Client,
     qualified_table: &str,
-    pipeline: &Pipeline,
     a: &attempts::UnknownAttempt,
-) -> Result<(OutboxEvent, LookupQuery, bool), RelayError> {
+) -> Result<OutboxEvent, RelayError> {
     let rows = sql
         .query(
             &outbox_source::snapshot::rows_by_id_sql(qualified_table),
@@ -172,11 +161,7 @@ async fn load(
             a.event_id
         )));
     };
-    let ev = outbox_source::snapshot::event_from_row(row)
-        .map_err(|e| RelayError::Internal(e.to_string()))?;
-    let query = lookup_query(&pipeline.client, a).await?;
-    let resends = pipeline.sink().lookup_resends(&query.of(&ev, a));
-    Ok((ev, query, resends))
+    outbox_source::snapshot::event_from_row(row).map_err(|e| RelayError::Internal(e.to_string()))
 }
 
 /// After a look-up of one of `ev`'s attempts that re-sent it under its key (`resent`) was
@@ -210,11 +195,10 @@ pub(crate) async fn close_answered(
     };
     let mut closed = 0;
     for other in attempts::all_open_unknown_of(&pipeline.client, slot, ev.event_id).await? {
-        let query = lookup_query(&pipeline.client, &other).await?;
         if !unknown::answered_already(
             resent,
             resolved,
-            pipeline.sink().lookup_resends(&query.of(ev, &other)),
+            pipeline.sink().lookup_resends(sent_ago(&other)),
         ) {
             continue;
         }
@@ -234,50 +218,24 @@ pub(crate) async fn close_answered(
     Ok(closed)
 }
 
-/// What a look-up needs besides the event: where to start, and how long ago it was sent.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LookupQuery {
-    from: i64,
-    sent_ago: Duration,
-}
-
-impl LookupQuery {
-    pub(crate) fn of<'a>(
-        &self,
-        ev: &'a OutboxEvent,
-        a: &'a attempts::UnknownAttempt,
-    ) -> UnknownLookup<'a> {
-        UnknownLookup {
-            event: ev,
-            topic: &a.topic,
-            partition: a.partition,
-            from: self.from,
-            sent_ago: self.sent_ago,
-        }
+/// What a look-up of attempt `a` of `ev` asks the sink: from the first position that may hold
+/// its copy, and how long ago it was sent.
+pub(crate) fn lookup_of<'a>(
+    ev: &'a OutboxEvent,
+    a: &'a attempts::UnknownAttempt,
+) -> UnknownLookup<'a> {
+    UnknownLookup {
+        event: ev,
+        topic: &a.topic,
+        partition: a.partition,
+        from: a.scan_from + 1,
+        sent_ago: sent_ago(a),
     }
 }
 
-/// When attempt `a` was sent, by the database clock (what the broker's duplicate window counts
-/// from, give or take clock skew, which the sink's margin covers).
-pub(crate) async fn lookup_query(
-    ledger: &Client,
-    a: &attempts::UnknownAttempt,
-) -> Result<LookupQuery, RelayError> {
-    let sent_ago: f64 = ledger
-        .query_one(
-            "SELECT extract(epoch FROM clock_timestamp() - sent_at)::float8 FROM outbox.attempts WHERE id = $1",
-            &[&a.id],
-        )
-        .await
-        .map_err(|e| LedgerError::Db {
-            context: format!("reading attempt {}", a.id),
-            source: e,
-        })?
-        .get(0);
-    Ok(LookupQuery {
-        from: a.scan_from + 1,
-        sent_ago: Duration::from_secs_f64(sent_ago.max(0.0)),
-    })
+/// How long ago attempt `a` was sent, as the ledger read it.
+pub(crate) fn sent_ago(a: &attempts::UnknownAttempt) -> Duration {
+    Duration::from_secs_f64(a.sent_ago_s.max(0.0))
 }
 
 /// Records what a look-up of attempt `a` proved (the rule: `outbox_relay::unknown::resolve`):
