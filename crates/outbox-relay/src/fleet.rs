@@ -243,12 +243,14 @@ impl Member {
     }
 
     /// The shard relays running and not told to stop: (id, shard).
-    pub fn running(&self) -> impl Iterator<Item = (u64, u16)> + '_ {
+    #[cfg(test)]
+    fn running(&self) -> impl Iterator<Item = (u64, u16)> + '_ {
         self.running.iter().map(|(id, (shard, _))| (*id, *shard))
     }
 
     /// The relays told to stop that have not ended: (id, shard).
-    pub fn stopping(&self) -> impl Iterator<Item = (u64, u16)> + '_ {
+    #[cfg(test)]
+    fn stopping(&self) -> impl Iterator<Item = (u64, u16)> + '_ {
         self.stopping.iter().map(|(id, (shard, _))| (*id, *shard))
     }
 
