@@ -726,3 +726,116 @@ async fn a_late_attempt_of_an_answered_event_is_closed_by_its_receipt_not_sent_a
         .contains("DISPATCH_UNKNOWN resolved by the event's receipt"));
     relay.assert_running();
 }
+
+/// A DISPATCH_UNKNOWN attempt of another relay generation for an event that has no receipt yet
+/// (its own send is outstanding), whose look-up — for an endpoint, the event sent again under
+/// its key — is answered late: the look-up runs beside the relay's loop, so another
+/// aggregate's event is published while it waits. Before, the running reconciliation waited
+/// for the endpoint in the loop, and every aggregate waited with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay() {
+    use outbox_testkit::wait::wait_for;
+    const LATE: Duration = Duration::from_secs(20);
+    let (env, target) = endpoint_env("http_slow_lookup", TargetSettings::default()).await;
+    let config = env.write_config(
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 40000\n\
+         idempotency_window_ms = 3600000\n",
+    );
+    let mut relay = env.relay(
+        &[],
+        &[
+            "--config",
+            &config,
+            "--unknown-settle-ms",
+            "200",
+            "--message-timeout-ms",
+            "60000",
+        ],
+    );
+    env.wait_streaming().await;
+    let sent = |id: uuid::Uuid| {
+        target
+            .requests()
+            .iter()
+            .filter(|r| r.headers.get("idempotency-key") == Some(&id.to_string()))
+            .count()
+    };
+    // The event's own send, then the look-up's re-send, are answered after LATE (inside the
+    // client's timeout: neither is unclear, both are merely slow).
+    target.then(Behavior::Late(LATE));
+    target.then(Behavior::Late(LATE));
+    let id = env.enqueue("slow", json!({"n": 1})).await;
+    wait_for(
+        "the event's own send reached the endpoint",
+        LATE,
+        || async {
+            if sent(id) == 1 {
+                Ok(())
+            } else {
+                Err(format!("{} requests", sent(id)))
+            }
+        },
+    )
+    .await;
+    // A predecessor's attempt of it, recorded an hour ago (settled), generation 0.
+    env.db
+        .execute(
+            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                          topic, partition, sent_at, error, unknown_at)
+             VALUES ($1, 0, 1, $2, 'billing-api', 0, now() - interval '1 hour', 'planted',
+                     now() - interval '1 hour')",
+            &[&id, &env.slot],
+        )
+        .await
+        .expect("plant a predecessor's DISPATCH_UNKNOWN attempt");
+    // The fault meets traffic: the look-up's re-send arrives (and is answered only after LATE).
+    wait_for(
+        "the attempt's look-up reached the endpoint",
+        LATE,
+        || async {
+            if sent(id) == 2 {
+                Ok(())
+            } else {
+                Err(format!("{} requests", sent(id)))
+            }
+        },
+    )
+    .await;
+    let looking_since = std::time::Instant::now();
+    let other = env.enqueue("other", json!({"n": 2})).await;
+    wait_for(
+        "another aggregate's event published while the look-up waits",
+        LATE,
+        || async {
+            let n = env
+                .count(&format!(
+                    "SELECT count(*) FROM outbox.receipts WHERE event_id = '{other}'"
+                ))
+                .await;
+            if n == 1 {
+                Ok(())
+            } else {
+                Err("no receipt yet".to_string())
+            }
+        },
+    )
+    .await;
+    assert!(
+        looking_since.elapsed() < LATE,
+        "published only after the look-up was answered ({:?}): the look-up held the relay's loop",
+        looking_since.elapsed()
+    );
+    // And the look-up is recorded when its answer comes.
+    env.wait_zero(
+        "the planted attempt resolved",
+        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+    )
+    .await;
+    env.wait_count(
+        "the slow event's receipt",
+        &format!("SELECT count(*) FROM outbox.receipts WHERE event_id = '{id}'"),
+        1,
+    )
+    .await;
+    relay.assert_running();
+}

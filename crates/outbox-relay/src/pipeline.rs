@@ -290,6 +290,10 @@ pub struct PipelineCore<P = Shipped> {
     /// settle time): parked, not sent, when the replay admits them, and looked up while the
     /// run goes on, concurrently with everything else.
     pub open_at_start: HashMap<Uuid, SystemTime>,
+    /// Events whose open attempt of another generation the running reconciliation is looking
+    /// up (on a task of its own: the relay's loop does not wait on a broker scan or an
+    /// endpoint): not looked up again until [`PipelineCore::reconciled`] says what it proved.
+    reconciling: HashSet<Uuid>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
     /// A destination's own policy, by its cluster (a webhook endpoint's retry schedule), over
@@ -364,6 +368,7 @@ impl<P: Plant> PipelineCore<P> {
             parked: BTreeMap::new(),
             unclear_tries: HashMap::new(),
             open_at_start: HashMap::new(),
+            reconciling: HashSet::new(),
             unclear_policy: unclear::Policy::default(),
             unclear_policies: BTreeMap::new(),
             unclear_touched: None,
@@ -977,7 +982,10 @@ impl<P: Plant> PipelineCore<P> {
 
     /// Reconciliation's decision for open attempt `a` ([`crate::unknown::Reconcile`]), by
     /// [`crate::unknown::step`] with this run's `generation` and `settle` time; an attempt
-    /// handed to the run is due at `now` plus what is left of its settle time.
+    /// handed to the run is due at `now` plus what is left of its settle time. An event whose
+    /// attempt is to be looked up is not looked up again (`Skip`) until
+    /// [`PipelineCore::reconciled`] is told what the look-up proved: the driver runs it beside
+    /// the loop, and the next poll finds the attempt still open meanwhile.
     pub fn reconcile(
         &mut self,
         when: crate::unknown::When,
@@ -987,7 +995,7 @@ impl<P: Plant> PipelineCore<P> {
         now: SystemTime,
     ) -> crate::unknown::Reconcile {
         use crate::unknown::{step, Reconcile, Step, When};
-        if self.is_parked(a.event_id) {
+        if self.is_parked(a.event_id) || self.reconciling.contains(&a.event_id) {
             return Reconcile::Skip;
         }
         match step(when, generation, a.relay_generation, a.unknown_for, settle) {
@@ -1001,7 +1009,10 @@ impl<P: Plant> PipelineCore<P> {
             Step::WaitThenLookup(_) if a.has_receipt && a.lookup_resends => {
                 Reconcile::ClosedByReceipt
             }
-            Step::WaitThenLookup(_) => Reconcile::LookUp,
+            Step::WaitThenLookup(_) => {
+                self.reconciling.insert(a.event_id);
+                Reconcile::LookUp
+            }
         }
     }
 
@@ -1013,6 +1024,7 @@ impl<P: Plant> PipelineCore<P> {
     /// version for a gap); then [`PipelineCore::unknown_resolved`].
     pub fn reconciled(&mut self, ev: &OutboxEvent, resolved: &crate::unknown::Resolved) {
         use crate::unknown::Resolved;
+        self.reconciling.remove(&ev.event_id);
         if *resolved != Resolved::StillUnknown {
             self.open_at_start.remove(&ev.event_id);
         }

@@ -75,7 +75,9 @@ pub enum Reconcile {
     /// At start: handed to the run, due after what is left of its settle time; the replay
     /// parks its event when it reaches it, and its look-up runs beside everything else.
     HandedToRun,
-    /// While running: look it up now and record what it proves.
+    /// While running: look it up (beside the relay's loop) and record what it proves, then
+    /// tell [`crate::pipeline::PipelineCore::reconciled`]; until then the event's attempts are
+    /// skipped.
     LookUp,
     /// While running: its event has its receipt and the look-up would send it again under
     /// its key. The receipt is the destination's answer under that key, so it is the answer

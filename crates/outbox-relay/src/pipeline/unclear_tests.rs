@@ -427,7 +427,7 @@ fn an_event_found_while_it_waits_to_be_sent_again_is_not_sent_again() {
 /// attempt of another generation is looked up; never one of an event this run has parked.
 #[test]
 fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_ones_later() {
-    use crate::unknown::{Open, Reconcile, When};
+    use crate::unknown::{Open, Reconcile, Resolved, When};
     let mut c = core();
     let settle = Duration::from_secs(3);
     let at = now(10_000).wall;
@@ -465,6 +465,12 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
     assert_eq!(run(&mut c, 5, 9), Reconcile::Skip, "this run's own");
     assert_eq!(run(&mut c, 4, 1), Reconcile::Skip, "not settled");
     assert_eq!(run(&mut c, 4, 9), Reconcile::LookUp);
+    // Its look-up runs beside the loop: the next poll finds the attempt still open and does
+    // not look it up a second time; once told what it proved (nothing, here) it may.
+    assert_eq!(run(&mut c, 4, 9), Reconcile::Skip, "its look-up is running");
+    c.reconciled(&e2, &Resolved::StillUnknown);
+    assert_eq!(run(&mut c, 4, 9), Reconcile::LookUp);
+    c.reconciled(&e2, &Resolved::StillUnknown);
     // A look-up that would send the published event again under its key: its receipt is the
     // answer (an HTTP endpoint); one that reads the broker still runs (each attempt may have
     // left a copy of its own).
@@ -484,6 +490,7 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
         c.reconcile(When::Running, 5, settle, &unpublished, at),
         Reconcile::LookUp
     );
+    c.reconciled(&e2, &Resolved::StillUnknown);
     // Parked: its own look-up resolves every open attempt.
     let cmds = admit_txn(&mut c, std::slice::from_ref(&e2), 100);
     unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);

@@ -16,6 +16,7 @@ use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
 use outbox_relay::release::ReleaseStep;
+use outbox_relay::unknown::Resolved;
 use outbox_relay::{Command, LookupOutcome, Now, Pending, PipelineCore, Reported, UnclearStep};
 use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
@@ -75,10 +76,14 @@ pub(crate) async fn accept_finished(
     }
 }
 
-/// A look-up of a parked event that finished on its task: the event, its open attempt, when
-/// the look-up started, and what the sink proved (an error proves nothing).
+/// A look-up that finished on its task: the event, its open attempt, when the look-up
+/// started, and what the sink proved (an error proves nothing). Of a parked event, or of
+/// another generation's attempt the running reconciliation found (`reconciling`).
 pub(crate) struct LookupDone {
     event: OutboxEvent,
+    /// Started by the running reconciliation (`Pipeline::start_reconcile_lookup`), not for a
+    /// parked event.
+    reconciling: bool,
     attempt: attempts::UnknownAttempt,
     started: Instant,
     result: Result<Lookup, SinkError>,
@@ -408,6 +413,28 @@ impl Pipeline {
         else {
             return Ok(false);
         };
+        self.spawn_lookup(event, attempt, prior, false);
+        Ok(true)
+    }
+
+    /// Starts the look-up of another generation's open `attempt` of `event`, which the running
+    /// reconciliation decided on (`Reconcile::LookUp`), on its own task: [`Self::on_lookup`]
+    /// records what it proved.
+    pub fn start_reconcile_lookup(
+        &mut self,
+        event: OutboxEvent,
+        attempt: attempts::UnknownAttempt,
+    ) {
+        self.spawn_lookup(event, attempt, None, true);
+    }
+
+    fn spawn_lookup(
+        &mut self,
+        event: OutboxEvent,
+        attempt: attempts::UnknownAttempt,
+        prior: Option<LookupOutcome>,
+        reconciling: bool,
+    ) {
         let started = Instant::now();
         let resent = self.sink.lookup_resends(super::unknown::sent_ago(&attempt));
         let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
@@ -417,6 +444,7 @@ impl Pipeline {
                 .await;
             let _ = tx.send(LookupDone {
                 event,
+                reconciling,
                 attempt,
                 started,
                 result,
@@ -424,7 +452,6 @@ impl Pipeline {
                 prior,
             });
         });
-        Ok(true)
     }
 
     /// A look-up of a parked event finished: record what it proved; close the event's other
@@ -435,6 +462,7 @@ impl Pipeline {
     pub async fn on_lookup(&mut self, done: LookupDone) -> Result<(), RelayError> {
         let LookupDone {
             event,
+            reconciling,
             attempt,
             started,
             result,
@@ -442,6 +470,11 @@ impl Pipeline {
             prior,
         } = done;
         let id = event.event_id;
+        if reconciling {
+            return self
+                .on_reconcile_lookup(event, attempt, started, result, resent)
+                .await;
+        }
         let outcome = match result {
             Ok(lookup) => {
                 let answer = lookup.clone();
@@ -480,6 +513,42 @@ impl Pipeline {
         let commands = self.core.lookup_done(id, outcome, self.now())?;
         self.note_batch();
         self.execute(commands).await?;
+        Ok(())
+    }
+
+    /// A look-up the running reconciliation started finished: record what it proved, close
+    /// the event's other attempts a re-send under its key answered, and tell the core
+    /// (`PipelineCore::reconciled`: no longer looked up, a found copy raises a known head). A
+    /// failed look-up proves nothing: the next release poll asks again.
+    async fn on_reconcile_lookup(
+        &mut self,
+        event: OutboxEvent,
+        attempt: attempts::UnknownAttempt,
+        started: Instant,
+        result: Result<Lookup, SinkError>,
+        resent: bool,
+    ) -> Result<(), RelayError> {
+        let resolved = match result {
+            Ok(lookup) => {
+                let answer = lookup.clone();
+                let slot = self.slot.clone();
+                let fence = self.fence.clone();
+                let resolved = super::unknown::record_lookup(
+                    &slot, self, &fence, &attempt, &event, lookup, started,
+                )
+                .await?;
+                super::unknown::close_answered(self, &slot, &event, resent, &answer, &resolved)
+                    .await?;
+                resolved
+            }
+            Err(e) => {
+                tracing::warn!(event_id = %event.event_id, topic = %attempt.topic, partition = attempt.partition, error = %e,
+                    "DISPATCH_UNKNOWN look-up failed; asking again at the next poll");
+                Resolved::StillUnknown
+            }
+        };
+        self.core.reconciled(&event, &resolved);
+        self.note_batch();
         Ok(())
     }
 

@@ -99,9 +99,11 @@ pub(super) async fn run_once(
                 // Parked events are looked up (or sent again) meanwhile.
                 let until = tokio::time::Instant::now() + cfg.poll_interval;
                 if pipeline.outstanding() == 0 {
+                    // A running reconciliation's look-up may still finish meanwhile.
                     tokio::select! {
                         _ = tokio::time::sleep_until(until) => {}
                         _ = shutdown.changed() => {}
+                        done = super::pipeline::lookup_finished(&mut pipeline.lookups) => pipeline.on_lookup(done).await?,
                     }
                 } else {
                     while tokio::time::Instant::now() < until && !*shutdown.borrow() {

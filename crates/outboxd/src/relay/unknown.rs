@@ -44,6 +44,9 @@
 //! attempts that *another* generation recorded after this run started: a paused relay (a
 //! zombie) that resumes salvages its delivery reports and may record one then. Reconciling
 //! only at start left such an attempt open until the next restart (found by `outbox-sim`).
+//! Its look-up runs on a task of its own, like a parked event's (`Pipeline::on_lookup`
+//! records it): a partition scan or an endpoint that answers late holds that event only, not
+//! the loop (e2e `http::a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay`).
 
 use std::time::{Duration, Instant};
 
@@ -70,8 +73,6 @@ pub(crate) async fn reconcile_unknown(
     when: When,
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
-    // Events whose other attempts an answered re-send closed in this pass (`close_answered`).
-    let mut answered = std::collections::HashSet::new();
     let settle = match when {
         // The core's settle time: the Kafka scan's; none where the look-up is itself an
         // idempotent resend (JetStream's Msg-Id, HTTP's key).
@@ -79,9 +80,6 @@ pub(crate) async fn reconcile_unknown(
         When::Running => cfg.unknown_settle,
     };
     for a in open {
-        if answered.contains(&a.event_id) {
-            continue;
-        }
         // What to do with it now is the core's: at start nothing is looked up in line (the
         // replay parks the event when it reaches it, and the look-up runs beside everything
         // else: a restart with many open attempts does not wait for them one by one).
@@ -97,7 +95,7 @@ pub(crate) async fn reconcile_unknown(
             .core
             .reconcile(when, fence.generation, settle, &open, now)
         {
-            Reconcile::Skip | Reconcile::HandedToRun => continue,
+            Reconcile::Skip | Reconcile::HandedToRun => {}
             Reconcile::ClosedByReceipt => {
                 if let Some(offset) = attempts::resolve_by_receipt(&pipeline.client, a.id).await? {
                     tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
@@ -108,33 +106,15 @@ pub(crate) async fn reconcile_unknown(
                     };
                     pipeline.core.unknown_resolved(a.event_id, &found);
                 }
-                continue;
             }
-            Reconcile::LookUp => {}
+            // On a task of its own, as a parked event's: a broker scan or an endpoint that
+            // takes its time holds this event only, never the relay's loop
+            // (`Pipeline::on_lookup` records it and tells `PipelineCore::reconciled`).
+            Reconcile::LookUp => {
+                let ev = load(sql, qualified_table, &a).await?;
+                pipeline.start_reconcile_lookup(ev, a);
+            }
         }
-        let started = Instant::now();
-        let ev = load(sql, qualified_table, &a).await?;
-        let resent = pipeline.sink().lookup_resends(sent_ago(&a));
-        let resolved = match pipeline.sink().lookup(lookup_of(&ev, &a)).await {
-            Ok(l) => {
-                let answer = l.clone();
-                let resolved =
-                    record_lookup(&cfg.slot, pipeline, fence, &a, &ev, l, started).await?;
-                if close_answered(pipeline, &cfg.slot, &ev, resent, &answer, &resolved).await? > 0 {
-                    answered.insert(a.event_id);
-                }
-                resolved
-            }
-            Err(e) => {
-                // Nothing proven: the next poll asks again.
-                tracing::warn!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, error = %e,
-                    "DISPATCH_UNKNOWN look-up failed; asking again at the next poll");
-                Resolved::StillUnknown
-            }
-        };
-        // What it proved, for the run (`PipelineCore::reconciled`: no longer open at start, a
-        // found copy raises a known aggregate's head).
-        pipeline.core.reconciled(&ev, &resolved);
     }
     Ok(())
 }
