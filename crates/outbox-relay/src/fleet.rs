@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::pipeline::{Mutant, Plant, Shipped};
 
 /// How often a member writes its row, reads the members and leases, and asks [`plan`].
-pub const TICK: Duration = Duration::from_millis(500);
+pub const TICK: Duration = Duration::from_millis(250);
 
 /// How long a shard relay told to stop may take to drain, confirm and release its lease
 /// before the member aborts it and gives its lease back ([`Effect::Abort`]). The member's

@@ -314,7 +314,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 189388, Mutant::BugSupersededRefusal),
         (1, 26811, Mutant::BugFoundRaisesUnknownHead),
         (1, 19152, Mutant::PollNoHeadFloor),
-        (1, 2, Mutant::BugFleetWaitingFillsShare),
+        (1, 11, Mutant::BugFleetWaitingFillsShare),
         (1, 54, Mutant::BugFleetNoEvening),
         (1, 27, Mutant::BugSendsFoundEvent),
         (1, 1788, Mutant::BugSendsFoundEvent),

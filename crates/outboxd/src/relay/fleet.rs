@@ -4,7 +4,7 @@
 //! and what to hand over is decided by `outbox_relay::fleet::plan` (pure); this loop reads the
 //! members and leases and starts or stops the shard relays it says.
 //!
-//! Every half second a member writes its row and counts the live members; its fair share is
+//! Every quarter second a member writes its row and counts the live members; its fair share is
 //! the shard count over them, rounded up. Under its share it starts a shard's relay (the same
 //! `run` as `--shard I/N`) for free shards: a lease missing, expired, released, or held by a
 //! relay that is no live member (SIGKILLed: its lease is taken at once; paused: at expiry). A
