@@ -15,6 +15,7 @@
 //!   (after which backoff) or stops the process.
 //! * [`release`] — republishing an aggregate an operator released: version order, one event
 //!   at a time, when to close the hold.
+//! * [`stage`] — which decoded messages wait until their aggregates' heads are read.
 //! * [`stream`] — transaction framing (Begin, row, Commit, keepalive), the positions received
 //!   and committed, and the standby status.
 //! * [`schedule`] — when the loop reads the slot (backpressure), accepts a batch, writes an
@@ -35,6 +36,7 @@ pub mod poll;
 pub mod release;
 pub mod route;
 pub mod schedule;
+pub mod stage;
 pub mod stream;
 pub mod unknown;
 

@@ -22,6 +22,7 @@ use outbox_core::records::LedgerItem;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::release::ReleaseStep;
+use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{Command, LookupOutcome, Now, PipelineCore, Planted, Reported, UnclearStep};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
@@ -1559,34 +1560,87 @@ impl World {
         Ok(resolved)
     }
 
-    /// One WAL transaction through the core's framing: Begin, each row, Commit.
+    /// One WAL transaction through the core's framing: Begin, each row, Commit (and a
+    /// keepalive after the last one), through the stream's stage (`outbox_relay::stage`) as
+    /// the daemon's stream loop does: a row of an aggregate the core does not know waits, with
+    /// what follows it, for one look-up of the heads at the end of the transaction.
     fn decode_next(&mut self, i: usize) -> Result<(), End> {
         let (end, rows) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
-        self.relays[i]
-            .core
-            .on_begin(end)
-            .map_err(|_| End::Error("relay core: begin"))?;
-        for row in rows {
-            self.learn_head(i, row, true);
-            // Read again (a replay, or the stream's overlap with a snapshot or a release):
-            // sent again by design, recorded as a duplicate; not `resent_after_proof`.
-            self.relays[i].proven.remove(&row);
-            let ev = self.rows[row].ev.clone();
-            let now = self.now_for(i);
-            let commands = self.relays[i]
-                .core
-                .on_row(Ok(ev), now)
-                .map_err(|_| End::Error("relay core: row"))?;
-            self.execute(i, commands)?;
-        }
-        self.relays[i]
-            .core
-            .on_commit(end)
-            .map_err(|_| End::Error("relay core: commit"))?;
+        let mut messages = vec![Staged::Begin(end)];
+        messages.extend(
+            rows.iter()
+                .map(|r| Staged::Row(Box::new(Ok(self.rows[*r].ev.clone())))),
+        );
+        messages.push(Staged::Commit(end));
         if self.relays[i].cursor == self.wal.len() {
             // A keepalive: nothing committed after the last transaction.
-            self.relays[i].core.on_keepalive(Lsn(self.next_lsn));
+            messages.push(Staged::Keepalive {
+                wal_end: Lsn(self.next_lsn),
+                reply_requested: false,
+            });
+        }
+        let mut stage = Stage::default();
+        for m in messages {
+            if let Some(m) = stage.offer(&self.relays[i].core, m) {
+                self.take_message(i, m)?;
+            }
+        }
+        if !stage.is_empty() {
+            self.learn_heads(i, &stage);
+            for m in stage.take() {
+                self.take_message(i, m)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `Pipeline::learn_heads` for the stream: the heads of the staged rows' aggregates the
+    /// core does not know, each read below the version met first.
+    fn learn_heads(&mut self, i: usize, stage: &Stage) {
+        let unknown = self.relays[i].core.unknown_aggregates(stage.events());
+        let heads: Vec<_> = unknown
+            .into_iter()
+            .map(|(key, met)| {
+                let agg = self.aggs_by_key(&key).expect("a staged row's aggregate");
+                let head = self.head_of(agg, Some(met));
+                log!(
+                    self,
+                    "head of {} read: {head} (met v{met}, below it)",
+                    key.1
+                );
+                (key, head)
+            })
+            .collect();
+        self.relays[i].core.raise_heads(heads);
+    }
+
+    /// `Pipeline::take_message`: one message of the stream, in order, to the core.
+    fn take_message(&mut self, i: usize, m: Staged) -> Result<(), End> {
+        match m {
+            Staged::Begin(lsn) => self.relays[i]
+                .core
+                .on_begin(lsn)
+                .map_err(|_| End::Error("relay core: begin"))?,
+            Staged::Row(row) => {
+                let ev = (*row).expect("the simulated WAL holds readable rows");
+                // Read again (a replay, or the stream's overlap with a snapshot or a
+                // release): sent again by design, recorded as a duplicate; not
+                // `resent_after_proof`.
+                let r = self.by_id[&ev.event_id];
+                self.relays[i].proven.remove(&r);
+                let now = self.now_for(i);
+                let commands = self.relays[i]
+                    .core
+                    .on_row(Ok(ev), now)
+                    .map_err(|_| End::Error("relay core: row"))?;
+                self.execute(i, commands)?;
+            }
+            Staged::Commit(lsn) => self.relays[i]
+                .core
+                .on_commit(lsn)
+                .map_err(|_| End::Error("relay core: commit"))?,
+            Staged::Keepalive { wal_end, .. } => self.relays[i].core.on_keepalive(wal_end),
         }
         Ok(())
     }

@@ -23,7 +23,6 @@
 
 pub mod databases;
 pub mod fleet;
-mod heads;
 mod pipeline;
 mod poll;
 mod unknown;
@@ -33,13 +32,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{pin_mut, FutureExt, StreamExt};
-use heads::Staged;
 use outbox_core::ack::AckError;
 use outbox_core::Lsn;
 use outbox_ledger::holds;
 use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::privileges;
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
+use outbox_relay::stage::{Stage, Staged};
 use outbox_sink::{AnySink, HttpEndpoints, JetStreamSink, KafkaSink, Sink, SinkError};
 use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
 use outbox_source::snapshot;
@@ -486,7 +485,7 @@ async fn run_once(
 
     pipeline.enable_pipelined_accept(connect_sql(url).await?);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
-    let mut stage = heads::Stage::default();
+    let mut stage = Stage::default();
     pipeline.core.start_streaming(start);
     // When the loop does what is decided by the core's schedule; time is measured from here.
     let run_started = Instant::now();
@@ -526,55 +525,33 @@ async fn run_once(
                 schedule.accepted(since(Instant::now()), pipeline.core.durable() > before);
             }
             msg = stream.next_message(), if can_read => {
-                // A row of an aggregate the gate does not know is staged with what follows it,
-                // while more is waiting, and goes to the core after one look-up (`heads`).
+                // A row of an aggregate the core does not know is staged with what follows it
+                // (`outbox_relay::stage`), while more is waiting, and goes to the core after
+                // one look-up of the heads.
                 let mut msg = msg;
                 loop {
-                    let staging = !stage.is_empty();
-                    match msg.map_err(SourceError::from)? {
+                    let m = match msg.map_err(SourceError::from)? {
                         None => return Err(RelayError::StreamEnded),
                         Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
-                            if staging {
-                                stage.push(Staged::Keepalive { wal_end: Lsn(wal_end), reply_requested });
-                            } else {
-                                pipeline.core.on_keepalive(Lsn(wal_end));
-                                if reply_requested {
-                                    schedule.status_requested();
-                                }
-                            }
+                            Some(Staged::Keepalive { wal_end: Lsn(wal_end), reply_requested })
                         }
                         Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
                             pipeline.core.on_received(Lsn(wal_start));
                             match decoder.decode(data)? {
                                 Decoded::Begin { commit_lsn, commit_time, .. } => {
                                     progress.metrics.txn_begin(commit_lsn, commit_time);
-                                    if staging {
-                                        stage.push(Staged::Begin(commit_lsn));
-                                    } else {
-                                        pipeline.core.on_begin(commit_lsn)?;
-                                    }
+                                    Some(Staged::Begin(commit_lsn))
                                 }
                                 Decoded::Event(res) => {
-                                    let row = (*res).map_err(|e| e.to_string());
-                                    let unknown = row
-                                        .as_ref()
-                                        .is_ok_and(|ev| !pipeline.core.knows_aggregate_of(ev));
-                                    if staging || unknown {
-                                        stage.push(Staged::Row(Box::new(row)));
-                                    } else {
-                                        pipeline.on_row(row).await?;
-                                    }
+                                    Some(Staged::Row(Box::new((*res).map_err(|e| e.to_string()))))
                                 }
-                                Decoded::Commit { end_lsn, .. } => {
-                                    if staging {
-                                        stage.push(Staged::Commit(end_lsn));
-                                    } else {
-                                        pipeline.core.on_commit(end_lsn)?;
-                                    }
-                                }
-                                Decoded::Nothing => {}
+                                Decoded::Commit { end_lsn, .. } => Some(Staged::Commit(end_lsn)),
+                                Decoded::Nothing => None,
                             }
                         }
+                    };
+                    if let Some(m) = m.and_then(|m| stage.offer(&pipeline.core, m)) {
+                        pipeline.take_message(m, &mut schedule).await?;
                     }
                     if stage.is_empty() || stage.full() {
                         break;
@@ -706,7 +683,7 @@ async fn open_pipeline(
         ..Default::default()
     };
     // What relays before migration 0026 journaled, folded once; every head is read from the
-    // ledger when the relay first meets its aggregate (`heads`).
+    // ledger when the relay first meets its aggregate (`outbox_relay::stage`).
     holds::fold_heads(sql, false).await?;
     let held = holds::load_held(sql).await?;
     if !held.is_empty() {
@@ -1018,7 +995,7 @@ async fn publish_snapshot(
     pin_mut!(rows);
     let mut n: u64 = 0;
     let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
-    // Rows in chunks: the heads of a chunk's new aggregates are read in one query (`heads`).
+    // Rows in chunks: the heads of a chunk's new aggregates are read in one query (`outbox_relay::stage`).
     let mut chunk: Vec<(u64, Result<outbox_core::OutboxEvent, String>)> = Vec::new();
     let mut ended = false;
     while !ended {
@@ -1027,7 +1004,7 @@ async fn publish_snapshot(
                 let row = row.map_err(db("reading unpublished outbox rows"))?;
                 n += 1;
                 chunk.push((n, snapshot::event_from_row(&row).map_err(|e| e.to_string())));
-                if chunk.len() < heads::STAGE_ROWS {
+                if chunk.len() < outbox_relay::stage::STAGE_ROWS {
                     continue;
                 }
             }

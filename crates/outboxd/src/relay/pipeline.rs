@@ -16,6 +16,7 @@ use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
 use outbox_relay::release::ReleaseStep;
+use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::Resolved;
 use outbox_relay::{Command, LookupOutcome, Now, Pending, PipelineCore, Reported, UnclearStep};
 use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError};
@@ -250,28 +251,37 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The staged messages of the stream loop ([`super::heads`]): the heads of their aggregates
-    /// read, then each given to the core in the order it came.
+    /// The staged messages of the stream loop (`outbox_relay::stage`): the heads of their
+    /// aggregates read, then each given to the core in the order it came.
     pub async fn learn_heads_and_replay(
         &mut self,
-        stage: &mut super::heads::Stage,
+        stage: &mut Stage,
         schedule: &mut outbox_relay::schedule::Schedule,
     ) -> Result<(), RelayError> {
-        use super::heads::Staged;
         self.learn_heads(stage.events(), true).await?;
         for m in stage.take() {
-            match m {
-                Staged::Begin(lsn) => self.core.on_begin(lsn)?,
-                Staged::Row(row) => self.on_row(*row).await?,
-                Staged::Commit(lsn) => self.core.on_commit(lsn)?,
-                Staged::Keepalive {
-                    wal_end,
-                    reply_requested,
-                } => {
-                    self.core.on_keepalive(wal_end);
-                    if reply_requested {
-                        schedule.status_requested();
-                    }
+            self.take_message(m, schedule).await?;
+        }
+        Ok(())
+    }
+
+    /// One message of the stream, in order, to the core.
+    pub async fn take_message(
+        &mut self,
+        m: Staged,
+        schedule: &mut outbox_relay::schedule::Schedule,
+    ) -> Result<(), RelayError> {
+        match m {
+            Staged::Begin(lsn) => self.core.on_begin(lsn)?,
+            Staged::Row(row) => self.on_row(*row).await?,
+            Staged::Commit(lsn) => self.core.on_commit(lsn)?,
+            Staged::Keepalive {
+                wal_end,
+                reply_requested,
+            } => {
+                self.core.on_keepalive(wal_end);
+                if reply_requested {
+                    schedule.status_requested();
                 }
             }
         }

@@ -214,7 +214,7 @@ async fn round(
                         .to_string();
                     (id, e.to_string())
                 }));
-                if chunk.len() < super::heads::STAGE_ROWS {
+                if chunk.len() < outbox_relay::stage::STAGE_ROWS {
                     continue;
                 }
             }
