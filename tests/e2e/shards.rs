@@ -336,3 +336,59 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
     );
     drop(a);
 }
+
+/// A fleet member hands a shard over, and that shard relay's graceful stop hangs (failpoint
+/// `before-stop-drain=hang`): the member aborts it after `STOP_GRACE` and gives its lease back
+/// at once, so the member the shard was handed to streams it then, not a lease TTL later (the
+/// TTL here is 30 s). The simulator proves the same with `fleet-abort-keeps-lease`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_relay_whose_stop_hangs_is_aborted_and_its_lease_given_back() {
+    use outbox_relay::fleet::STOP_GRACE;
+    let env = TestEnv::new("fleet_hung_stop").await;
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
+    assert!(ok, "{out}");
+    let member = |id: &str, envs: &[(&str, &str)]| {
+        env.relay(
+            envs,
+            &[
+                "--mode",
+                "cdc",
+                "--fleet",
+                "--relay-id",
+                id,
+                "--lease-ttl-ms",
+                "30000",
+            ],
+        )
+    };
+    let mut a = member(
+        "hung-a",
+        &[("OUTBOXD_FAILPOINTS", "before-stop-drain=hang")],
+    );
+    wait_holdings(&env, 4, "the first member holding all 4 shards", |h| {
+        h.get("hung-a") == Some(&4)
+    })
+    .await;
+    // A second member: the first is over its share and stops two shards, whose stops hang.
+    let _b = member("hung-b", &[]);
+    let joined = std::time::Instant::now();
+    wait_holdings(&env, 4, "the second member holding its share", |h| {
+        h.get("hung-b") == Some(&2) && h.get("hung-a") == Some(&2)
+    })
+    .await;
+    let took = joined.elapsed();
+    let log = a.log_text();
+    assert!(
+        log.contains("failpoint before-stop-drain reached") && took >= STOP_GRACE,
+        "the hand-over's stop did not hang (share moved after {took:?}): {log}"
+    );
+    assert!(
+        log.contains("a stopped shard relay did not end in time; aborting it"),
+        "{log}"
+    );
+    assert!(
+        took < STOP_GRACE + Duration::from_secs(10),
+        "the second member got its share {took:?} after joining: the aborted relays' leases were not given back (TTL 30 s)"
+    );
+    a.assert_running();
+}

@@ -8,6 +8,10 @@
 //! `after-broker-ack` (a delivery report said persisted; nothing recorded yet),
 //! `after-accept` (a receipt batch committed in the ledger; the slot not yet told),
 //! `after-snapshot-send` (an initial-snapshot event was handed to the producer).
+//!
+//! `=hang` instead of `=abort` makes the task that reaches an async point ([`hang`]) wait
+//! forever instead (the process goes on): `before-stop-drain` (a relay told to stop, before it
+//! drains; what a fleet member must abort after `STOP_GRACE`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +19,8 @@ use std::sync::OnceLock;
 
 struct Point {
     abort_at: u64,
+    /// `=hang`: [`hang`] never returns.
+    hang: bool,
     hits: AtomicU64,
 }
 
@@ -33,6 +39,7 @@ fn points() -> &'static HashMap<String, Point> {
                     name.to_string(),
                     Point {
                         abort_at,
+                        hang: action == "hang",
                         hits: AtomicU64::new(0),
                     },
                 );
@@ -54,5 +61,19 @@ pub fn hit(name: &str) {
             eprintln!("outboxd: failpoint {name} reached (hit {n}): aborting");
             std::process::abort();
         }
+    }
+}
+
+/// Passes the named async point: if it is armed with `=hang`, the calling task waits forever
+/// (it can only be aborted), and the process says so on stderr.
+pub async fn hang(name: &str) {
+    let p = points();
+    if p.is_empty() {
+        return;
+    }
+    if let Some(point) = p.get(name).filter(|p| p.hang) {
+        let n = point.hits.fetch_add(1, Ordering::SeqCst) + 1;
+        eprintln!("outboxd: failpoint {name} reached (hit {n}): hanging");
+        std::future::pending::<()>().await;
     }
 }

@@ -942,6 +942,7 @@ async fn drain_and_stop(
     stream: &mut outbox_source::transport::ReplicationStream,
     progress: &Progress,
 ) -> Result<(), RelayError> {
+    crate::failpoint::hang("before-stop-drain").await;
     let deadline = Instant::now() + pipeline.sink().ack_timeout().min(Duration::from_secs(10));
     while pipeline.in_flight() > 0 && Instant::now() < deadline {
         match tokio::time::timeout(Duration::from_millis(100), pipeline.reports.recv()).await {
