@@ -741,9 +741,13 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
         "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 40000\n\
          idempotency_window_ms = 3600000\n",
     );
+    // CDC mode in both suites: a poll round waits for its sends, so there the event's own
+    // slow send holds the next round whatever the look-up does.
     let mut relay = env.relay(
         &[],
         &[
+            "--mode",
+            "cdc",
             "--config",
             &config,
             "--unknown-settle-ms",
@@ -752,7 +756,7 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
             "60000",
         ],
     );
-    env.wait_streaming().await;
+    env.wait_ready(&relay).await;
     let sent = |id: uuid::Uuid| {
         target
             .requests()
