@@ -769,18 +769,17 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
     target.then(Behavior::Late(LATE));
     target.then(Behavior::Late(LATE));
     let id = env.enqueue("slow", json!({"n": 1})).await;
-    wait_for(
-        "the event's own send reached the endpoint",
-        LATE,
-        || async {
-            if sent(id) == 1 {
+    // Until the endpoint has read `n` requests under the event's key.
+    let sent_n = |what: &'static str, n: usize| {
+        wait_for(what, LATE, move || async move {
+            if sent(id) == n {
                 Ok(())
             } else {
                 Err(format!("{} requests", sent(id)))
             }
-        },
-    )
-    .await;
+        })
+    };
+    sent_n("the event's own send reached the endpoint", 1).await;
     // A predecessor's attempt of it, recorded an hour ago (settled), generation 0.
     env.db
         .execute(
@@ -793,18 +792,7 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
         .await
         .expect("plant a predecessor's DISPATCH_UNKNOWN attempt");
     // The fault meets traffic: the look-up's re-send arrives (and is answered only after LATE).
-    wait_for(
-        "the attempt's look-up reached the endpoint",
-        LATE,
-        || async {
-            if sent(id) == 2 {
-                Ok(())
-            } else {
-                Err(format!("{} requests", sent(id)))
-            }
-        },
-    )
-    .await;
+    sent_n("the attempt's look-up reached the endpoint", 2).await;
     let looking_since = std::time::Instant::now();
     let other = env.enqueue("other", json!({"n": 2})).await;
     wait_for(
