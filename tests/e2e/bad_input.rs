@@ -25,7 +25,7 @@ fn run(args: &[&str]) -> (bool, String) {
 
 #[test]
 fn unreachable_database_is_named() {
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let url = format!("postgres://postgres:secret-pw@127.0.0.1:{port}/app");
     let (ok, err) = run(&[
         "run",
@@ -89,7 +89,7 @@ fn missing_settings_and_unknown_config_keys_are_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_broker_and_missing_replication_privilege_are_named() {
     let env = TestEnv::new("bad_input").await;
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let (ok, err) = run(&[
         "run",
         "--database-url",

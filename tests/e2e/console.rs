@@ -55,7 +55,7 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn psql_gets_rows_for_every_show_command_with_a_password() {
         let env = TestEnv::new("console").await;
-        let port = outbox_testkit::postgres::free_port().unwrap();
+        let port = outbox_testkit::ports::free_port().unwrap();
         let port_arg = port.to_string();
         // A bare port binds 127.0.0.1; the password comes from the environment.
         let _relay = env.relay(
@@ -155,7 +155,7 @@ cdc_only! {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psql_as_typed_by_an_operator_against_a_trusting_console() {
     let env = TestEnv::new("console_trust").await;
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");
     let _relay = env.relay(&[], &["--console-addr", &addr]);
     env.wait_streaming().await;
@@ -286,7 +286,7 @@ fn read_until_closed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversized_startup_packet_is_refused_before_it_is_buffered() {
     let env = TestEnv::new("console_guard_size").await;
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let port_arg = port.to_string();
     let relay = env.relay(&[], &["--console-addr", &port_arg]);
     wait_console(port).await;
@@ -354,7 +354,7 @@ async fn connections_are_limited_and_must_log_in_and_stay_busy() {
     use std::io::Write;
     use std::time::{Duration, Instant};
     let env = TestEnv::new("console_guard_limits").await;
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let port_arg = port.to_string();
     let relay = env.relay(
         &[],
@@ -435,7 +435,7 @@ async fn connections_are_limited_and_must_log_in_and_stay_busy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_never_shows_credentials_of_a_destination_url() {
     let env = TestEnv::new("console_redact").await;
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let port_arg = port.to_string();
     let _relay = env.relay(&[], &["--console-addr", &port_arg]);
     wait_console(port).await;

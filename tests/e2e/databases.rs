@@ -4,7 +4,8 @@
 
 use std::collections::HashMap;
 
-use outbox_testkit::postgres::{free_port, TestPostgres};
+use outbox_testkit::ports::free_port;
+use outbox_testkit::postgres::TestPostgres;
 use outbox_testkit::wait::wait_for;
 use serde_json::json;
 

@@ -116,7 +116,7 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn metrics_move_with_the_workload_and_logs_are_json_with_the_slot() {
         let env = TestEnv::new("metrics").await;
-        let port = outbox_testkit::postgres::free_port().unwrap();
+        let port = outbox_testkit::ports::free_port().unwrap();
         let addr = format!("127.0.0.1:{port}");
         let mut args = admin_args(&addr);
         args.extend(["--log-format", "json"]);
@@ -241,7 +241,7 @@ cdc_only! {
 async fn readyz_flips_when_the_broker_or_the_database_goes_away_and_back() {
     let env = TestEnv::new_mock("readyz", "take the only broker down and up on demand").await;
     let mock = env.kafka.mock_cluster().expect("mock cluster");
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");
     let mut relay = env.relay(&[], &admin_args(&addr));
     wait_ready(port, 200, "/readyz to report ready").await;

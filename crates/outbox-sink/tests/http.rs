@@ -225,7 +225,7 @@ async fn an_unknown_send_is_resolved_by_a_retry_with_the_same_key_applied_once()
 #[tokio::test]
 async fn a_refused_connection_is_not_persisted() {
     // A port nothing listens on.
-    let port = outbox_testkit::postgres::free_port().unwrap();
+    let port = outbox_testkit::ports::free_port().unwrap();
     let (s, mut rx) = sink(HttpSinkConfig {
         deadline: Duration::from_millis(400),
         ..config()

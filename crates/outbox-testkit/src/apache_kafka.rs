@@ -433,20 +433,6 @@ pub struct KafkaCluster {
     _temp: Option<tempfile::TempDir>,
 }
 
-/// Ports that were free a moment ago, all distinct (the listeners are held until all are
-/// picked).
-fn free_ports(n: usize) -> Result<Vec<u16>, HarnessError> {
-    let listeners = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| io("finding free ports for Kafka", e))?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| io("finding free ports for Kafka", e))
-}
-
 /// A KRaft cluster id: 16 random bytes, base64url without padding (22 characters), never
 /// starting with `-`: `kafka-storage format -t -Xy…` reads such an id as an option and fails
 /// ("argument --cluster-id: expected one argument"), 1 start in 64 (seen in CI). Kafka's own
@@ -544,7 +530,7 @@ impl KafkaCluster {
         std::fs::write(root.join("log4j2.properties"), LOG4J2_PROPERTIES)
             .map_err(|e| io("writing log4j2.properties", e))?;
 
-        let ports = free_ports(2 * nodes)?;
+        let ports = crate::ports::free_ports(2 * nodes)?;
         let cluster = KafkaCluster {
             nodes: (0..nodes)
                 .map(|i| Node {

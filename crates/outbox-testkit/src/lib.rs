@@ -11,6 +11,8 @@
 //!   Maven Central, with per-node pause / kill / restart; also the `outbox-kafka` binary.
 //! * [`nats`] starts a throwaway `nats-server -js` (own port, store and name) for a test that
 //!   injects broker faults: pause (SIGSTOP), resume, kill and restart on the same store.
+//! * [`ports`] picks server ports below the ephemeral range, so no test's outgoing
+//!   connection takes a port between its pick and the server's bind.
 //! * [`wait`] polls a condition until a deadline — tests wait for states, never for sleeps.
 //!
 //! `outbox-embedded` (demo, bench, dev-broker) uses the same code to run the embedded default;
@@ -20,6 +22,7 @@ pub mod apache_kafka;
 pub mod http_target;
 pub mod kafka;
 pub mod nats;
+pub mod ports;
 pub mod postgres;
 pub mod tls;
 pub mod wait;

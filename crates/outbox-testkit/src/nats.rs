@@ -39,19 +39,6 @@ fn binary() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
-fn free_port() -> Result<u16, HarnessError> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|source| HarnessError::Io {
-        context: "finding a free port for nats-server".into(),
-        source,
-    })?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(|source| HarnessError::Io {
-            context: "finding a free port for nats-server".into(),
-            source,
-        })
-}
-
 impl TestNats {
     /// Starts a server named `name` (its identity: the relay's `--cluster-name`).
     pub fn start(name: &str) -> Result<TestNats, HarnessError> {
@@ -120,7 +107,7 @@ impl TestNats {
         let mut n = TestNats {
             child: None,
             bin: binary(),
-            port: free_port()?,
+            port: crate::ports::free_port()?,
             name: name.to_string(),
             dir,
             starts: 0,

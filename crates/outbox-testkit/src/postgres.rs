@@ -139,7 +139,7 @@ impl TestPostgres {
             chown(&root, uid, gid)?;
         }
         let data = root.join("data");
-        let port = free_port()?;
+        let port = crate::ports::free_port()?;
 
         let mut initdb = Command::new(bin.join("initdb"));
         initdb
@@ -382,12 +382,4 @@ pub fn find_bindir() -> Result<PathBuf, HarnessError> {
         .into_iter()
         .find(|p| p.join("initdb").exists() && p.join("pg_ctl").exists())
         .ok_or(HarnessError::NoPostgresBinaries)
-}
-
-/// A TCP port that was free a moment ago on 127.0.0.1.
-pub fn free_port() -> Result<u16, HarnessError> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| io("finding a free port", e))?;
-    l.local_addr()
-        .map(|a| a.port())
-        .map_err(|e| io("finding a free port", e))
 }
