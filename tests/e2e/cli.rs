@@ -132,3 +132,16 @@ async fn every_connecting_command_reads_the_database_url_from_the_config_file() 
     );
 }
 }
+
+/// The harness's wait for a relay to stream gives up at once, with the relay's log, when the
+/// relay has already exited (here: a setting it refuses), instead of waiting out its deadline.
+#[tokio::test]
+#[should_panic(expected = "every relay of this test has exited")]
+async fn waiting_for_a_relay_that_exited_fails_at_once_with_its_log() {
+    let env = TestEnv::new("relay_exited").await;
+    let _relay = env.relay(&[], &["--batch-size", "0"]);
+    let started = std::time::Instant::now();
+    tokio::time::timeout(std::time::Duration::from_secs(20), env.wait_streaming())
+        .await
+        .unwrap_or_else(|_| panic!("still waiting after {:?}", started.elapsed()));
+}

@@ -29,6 +29,21 @@ pub struct TestEnv {
     pub kafka: TestKafka,
     pub db: Client,
     pub dir: tempfile::TempDir,
+    /// Every relay this environment started (pid, log), so that a wait for a relay to stream
+    /// fails at once, with the log, when none of them is alive any more.
+    relays: std::sync::Mutex<Vec<(u32, PathBuf)>>,
+}
+
+/// Whether process `pid` is running (not exited, reaped or not): its `/proc/<pid>/stat` state.
+fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // "pid (comm) S ...": the state follows the last ')'.
+            let state = s.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(!matches!(state, 'Z' | 'X'))
+        })
+        .unwrap_or(false)
 }
 
 pub async fn connect(url: &str) -> Client {
@@ -87,6 +102,7 @@ impl TestEnv {
             topic,
             kafka,
             dir: tempfile::tempdir().expect("tempdir"),
+            relays: Default::default(),
         }
     }
 
@@ -161,13 +177,13 @@ impl TestEnv {
         .await
     }
 
-    /// Waits until `sql` (a count) is 0.
     /// Waits until at least `n` events have their primary receipt.
     pub async fn wait_receipts(&self, what: &str, n: usize) {
         self.wait_count(what, "SELECT count(*) FROM outbox.receipts", n as i64)
             .await
     }
 
+    /// Waits until `sql` (a count) is 0.
     pub async fn wait_zero(&self, what: &str, sql: &str) {
         wait_for(what, LONG, || async {
             match self.count(sql).await {
@@ -213,7 +229,9 @@ impl TestEnv {
                 "SELECT count(*) FROM outbox.poll_rounds WHERE slot_name = '{}'",
                 self.slot
             );
-            return self.wait_count("the relay to poll", &sql, 1).await;
+            return self
+                .wait_count_while_a_relay_runs("the relay to poll", &sql)
+                .await;
         }
         self.wait_slot_streaming().await
     }
@@ -224,8 +242,40 @@ impl TestEnv {
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active_pid IS NOT NULL",
             self.slot
         );
-        self.wait_count("the relay to stream from its slot", &sql, 1)
+        self.wait_count_while_a_relay_runs("the relay to stream from its slot", &sql)
             .await;
+    }
+
+    /// Waits until `sql` counts at least 1, and fails at once, with the last relay's log, when
+    /// every relay this environment started has exited (a configuration error, a failpoint):
+    /// waiting out the deadline then only hides the reason.
+    async fn wait_count_while_a_relay_runs(&self, what: &str, sql: &str) {
+        wait_for(what, LONG, || async {
+            let c = self.count(sql).await;
+            if c >= 1 {
+                return Ok(());
+            }
+            if let Some(last) = self.every_relay_exited() {
+                panic!(
+                    "waiting for {what}: every relay of this test has exited; the last one's log:\n{}",
+                    std::fs::read_to_string(&last).unwrap_or_default()
+                );
+            }
+            Err(format!("{c} < 1"))
+        })
+        .await
+    }
+
+    /// The log of the last relay started, when there was one and no relay started here is
+    /// alive (exited, whether reaped or not).
+    fn every_relay_exited(&self) -> Option<PathBuf> {
+        let relays = self.relays.lock().unwrap_or_else(|e| e.into_inner());
+        match relays.last() {
+            Some((_, log)) if !relays.iter().any(|(pid, _)| process_alive(*pid)) => {
+                Some(log.clone())
+            }
+            _ => None,
+        }
     }
 
     /// Waits until `relay` publishes new commits: streaming from its slot, or (poll mode)
@@ -237,6 +287,11 @@ impl TestEnv {
         wait_for("the relay to poll", LONG, || async {
             if relay.log_text().contains("polling") {
                 Ok(())
+            } else if !process_alive(relay.pid()) {
+                panic!(
+                    "waiting for the relay to poll: it has exited; its log:\n{}",
+                    relay.log_text()
+                )
             } else {
                 Err("no `polling` line in its log yet".to_string())
             }
@@ -312,8 +367,13 @@ impl TestEnv {
         for (k, v) in envs {
             cmd.env(k, v);
         }
+        let child = cmd.spawn().expect("spawn outboxd");
+        self.relays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((child.id(), log.clone()));
         RelayProcess {
-            child: cmd.spawn().expect("spawn outboxd"),
+            child,
             log,
             poll: args.windows(2).any(|w| w == ["--mode", "poll"])
                 || (poll_mode() && !args.contains(&"--mode")),

@@ -683,18 +683,7 @@ async fn a_late_attempt_of_an_answered_event_is_closed_by_its_receipt_not_sent_a
             .count()
     };
     assert_eq!(sent(id), 1);
-    // A predecessor's attempt, recorded an hour ago (settled), generation 0 (no run of this
-    // test has it).
-    env.db
-        .execute(
-            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
-                                          topic, partition, sent_at, error, unknown_at)
-             VALUES ($1, 0, 1, $2, 'billing-api', 0, now() - interval '1 hour', 'planted',
-                     now() - interval '1 hour')",
-            &[&id, &env.slot],
-        )
-        .await
-        .expect("plant a predecessor's DISPATCH_UNKNOWN attempt");
+    plant_predecessor_attempt(&env, id).await;
     env.wait_zero(
         "the planted attempt resolved",
         "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
@@ -780,17 +769,7 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
         })
     };
     sent_n("the event's own send reached the endpoint", 1).await;
-    // A predecessor's attempt of it, recorded an hour ago (settled), generation 0.
-    env.db
-        .execute(
-            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
-                                          topic, partition, sent_at, error, unknown_at)
-             VALUES ($1, 0, 1, $2, 'billing-api', 0, now() - interval '1 hour', 'planted',
-                     now() - interval '1 hour')",
-            &[&id, &env.slot],
-        )
-        .await
-        .expect("plant a predecessor's DISPATCH_UNKNOWN attempt");
+    plant_predecessor_attempt(&env, id).await;
     // The fault meets traffic: the look-up's re-send arrives (and is answered only after LATE).
     sent_n("the attempt's look-up reached the endpoint", 2).await;
     let looking_since = std::time::Instant::now();
@@ -830,4 +809,19 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
     )
     .await;
     relay.assert_running();
+}
+
+/// Plants a predecessor's open DISPATCH_UNKNOWN attempt of `id` to `billing-api`: recorded an
+/// hour ago (settled), relay generation 0 (no run of the test has it), attempt generation 1.
+async fn plant_predecessor_attempt(env: &TestEnv, id: uuid::Uuid) {
+    env.db
+        .execute(
+            "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                          topic, partition, sent_at, error, unknown_at)
+             VALUES ($1, 0, 1, $2, 'billing-api', 0, now() - interval '1 hour', 'planted',
+                     now() - interval '1 hour')",
+            &[&id, &env.slot],
+        )
+        .await
+        .expect("plant a predecessor's DISPATCH_UNKNOWN attempt");
 }
