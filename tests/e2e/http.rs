@@ -716,6 +716,81 @@ async fn a_late_attempt_of_an_answered_event_is_closed_by_its_receipt_not_sent_a
     relay.assert_running();
 }
 
+/// A parked event (its request to the endpoint got no answer: DISPATCH_UNKNOWN, only its
+/// aggregate waits) whose receipt the ledger holds by the time its look-up comes due (a
+/// predecessor's salvage accepted the endpoint's answer meanwhile; planted here): the look-up
+/// closes the attempt by that receipt, the endpoint's answer under the event's key, instead
+/// of sending the event again, and the aggregate's next event follows. Before, the parked
+/// event's look-up re-sent it (found by the simulator's `resent_published`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_event_answered_meanwhile_is_closed_by_its_receipt_not_sent_again() {
+    let (env, target) = endpoint_env("http_parked_answered", TargetSettings::default()).await;
+    let config = env.write_config(
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 1000\n\
+         idempotency_window_ms = 3600000\n",
+    );
+    // The parked event's look-up comes 4 s after its unclear outcome: time to plant the receipt.
+    let relay = env.relay(&[], &["--config", &config, "--unclear-schedule-ms", "4000"]);
+    env.wait_ready(&relay).await;
+    // Its first request is applied and never answered.
+    target.then(Behavior::Drop { applied: true });
+    let id = env.enqueue("parked", json!({"n": 1})).await;
+    let next = env.enqueue("parked", json!({"n": 2})).await;
+    let unknown = format!(
+        "SELECT count(*) FROM outbox.attempts WHERE event_id = '{id}' AND state = 'DISPATCH_UNKNOWN'"
+    );
+    env.wait_count(
+        "the unanswered request recorded DISPATCH_UNKNOWN",
+        &unknown,
+        1,
+    )
+    .await;
+    let sent = |id: uuid::Uuid| {
+        target
+            .requests()
+            .iter()
+            .filter(|r| r.headers.get("idempotency-key") == Some(&id.to_string()))
+            .count()
+    };
+    assert_eq!(sent(id), 1, "the fault met the event's request");
+    env.db
+        .execute(
+            "INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic, partition,
+                                          \"offset\", attempt, relay_generation, payload_digest,
+                                          destination_digest)
+             SELECT event_id, 'http', dest_cluster, dest_topic, 0, 0, 1, 0,
+                    outbox.payload_digest_of(payload, payload_digest),
+                    outbox.destination_digest_of(e)
+             FROM outbox.events_current e WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .expect("plant the receipt a predecessor's salvage would have accepted");
+    env.wait_zero("the parked event's attempt resolved", &unknown)
+        .await;
+    env.wait_receipts("the aggregate's next event published", 2)
+        .await;
+    let state: String = env
+        .db
+        .query_one(
+            "SELECT state FROM outbox.attempts WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "FOUND", "closed at the receipt");
+    assert_eq!(
+        sent(id),
+        1,
+        "the answered event was sent again to look it up"
+    );
+    assert_eq!(sent(next), 1);
+    assert!(relay
+        .log_text()
+        .contains("DISPATCH_UNKNOWN of a parked event resolved by its receipt"));
+}
+
 /// A DISPATCH_UNKNOWN attempt of another relay generation for an event that has no receipt yet
 /// (its own send is outstanding), whose look-up — for an endpoint, the event sent again under
 /// its key — is answered late: the look-up runs beside the relay's loop, so another

@@ -173,6 +173,11 @@ pub enum Mutant {
     /// before the simulator's `resent_after_proof` found it: the found check ran only when an
     /// event was decoded).
     SendsFoundEvent,
+    /// An open attempt of a published event is looked up by sending the event again under
+    /// its key (JetStream's `Nats-Msg-Id`, HTTP's idempotency key), instead of being closed by
+    /// the receipt the destination already gave for that key
+    /// ([`PipelineCore::closes_by_receipt`]; the simulator's `resent_published`).
+    ResendsAnsweredEvent,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -1006,7 +1011,7 @@ impl<P: Plant> PipelineCore<P> {
                 Reconcile::HandedToRun
             }
             // While running, only settled attempts come here: no wait.
-            Step::WaitThenLookup(_) if a.has_receipt && a.lookup_resends => {
+            Step::WaitThenLookup(_) if self.closes_by_receipt(a.has_receipt, a.lookup_resends) => {
                 Reconcile::ClosedByReceipt
             }
             Step::WaitThenLookup(_) => {
@@ -1014,6 +1019,18 @@ impl<P: Plant> PipelineCore<P> {
                 Reconcile::LookUp
             }
         }
+    }
+
+    /// Whether an open UNKNOWN attempt is closed by its event's primary receipt instead of
+    /// looked up: where the look-up would send the event again under its key
+    /// (`lookup_resends`: an HTTP endpoint's idempotency key, JetStream's `Nats-Msg-Id` inside
+    /// the duplicate window), the receipt is the destination's answer under that key, so it
+    /// answers this attempt too; asking again would send a published event after its clear
+    /// answer. Both the running reconciliation and a parked event's look-up ask this (the
+    /// receipt may have come meanwhile from another path: a predecessor's salvage, a copy
+    /// reconciliation found). A look-up that reads what the broker holds still runs.
+    pub fn closes_by_receipt(&self, has_receipt: bool, lookup_resends: bool) -> bool {
+        has_receipt && lookup_resends && !self.planted(Mutant::ResendsAnsweredEvent)
     }
 
     /// What reconciling an open UNKNOWN attempt of `ev` proved (at start, or while running

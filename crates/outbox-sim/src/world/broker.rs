@@ -12,6 +12,8 @@ pub(super) struct Msg {
     pub(super) dest_digest: String,
     pub(super) relay_gen: i64,
     pub(super) attempt: i32,
+    /// When the broker stored it (set by [`World::store`]).
+    pub(super) stored_at: u64,
 }
 
 /// What the broker will report for one send (decided when it is sent).
@@ -33,14 +35,6 @@ impl World {
         if topic == REJECTING_TOPIC {
             return Report::Rejected;
         }
-        let append = |w: &mut World, m: Msg| {
-            w.broker[topic][partition].push(m);
-            Receipt {
-                topic,
-                partition,
-                offset: w.broker[topic][partition].len() - 1,
-            }
-        };
         if self.now < self.down_until[topic] {
             if self.rng.chance(500) {
                 let due = self.now + self.rng.range(1, self.max_append_delay);
@@ -50,18 +44,18 @@ impl World {
             return Report::NotPersisted;
         }
         if !self.faults {
-            return Report::Persisted(append(self, msg));
+            return Report::Persisted(self.store(topic, partition, msg));
         }
         match self.rng.weighted(&[860, 30, 40, 30, 20, 20]) {
-            0 => Report::Persisted(append(self, msg)),
+            0 => Report::Persisted(self.store(topic, partition, msg)),
             1 => {
                 // A broker-side duplicate (producer retry after a lost response).
-                let rc = append(self, msg.clone());
-                append(self, msg);
+                let rc = self.store(topic, partition, msg.clone());
+                self.store(topic, partition, msg);
                 Report::Persisted(rc)
             }
             2 => {
-                append(self, msg);
+                self.store(topic, partition, msg);
                 Report::PossiblyPersisted // appended, ACK lost
             }
             3 => {
@@ -77,16 +71,54 @@ impl World {
         }
     }
 
+    /// Appends `msg` to the partition, unless the served cluster keeps a duplicate window
+    /// ([`World::dedup`]) and stored a message with its event id within it: then nothing is
+    /// stored, and the answer names the stored copy (JetStream's duplicate PubAck carries the
+    /// original sequence).
+    pub(super) fn store(&mut self, topic: usize, partition: usize, mut msg: Msg) -> Receipt {
+        if let Some(rc) = self.stored_copy(topic, msg.id) {
+            return rc;
+        }
+        msg.stored_at = self.now;
+        self.broker[topic][partition].push(msg);
+        Receipt {
+            topic,
+            partition,
+            offset: self.broker[topic][partition].len() - 1,
+        }
+    }
+
+    /// Where the duplicate window holds a copy of event `id` on `topic` (none without a
+    /// window).
+    pub(super) fn stored_copy(&self, topic: usize, id: Uuid) -> Option<Receipt> {
+        if !self.dedup {
+            return None;
+        }
+        self.broker[topic]
+            .iter()
+            .enumerate()
+            .find_map(|(partition, log)| {
+                log.iter()
+                    .position(|m| m.id == id && m.stored_at + DEDUP_WINDOW > self.now)
+                    .map(|offset| Receipt {
+                        topic,
+                        partition,
+                        offset,
+                    })
+            })
+    }
+
     pub(super) fn land_late_appends(&mut self) {
         let now = self.now;
         let mut k = 0;
         while k < self.late_appends.len() {
             if self.late_appends[k].0 <= now {
                 let (_, t, p, m) = self.late_appends.swap_remove(k);
-                if self.rows[m.row].purged {
+                let deduplicated = self.stored_copy(t, m.id).is_some();
+                if !deduplicated && self.rows[m.row].purged {
                     self.c.purged_early += 1;
                 }
-                self.broker[t][p].push(m);
+                self.store(t, p, m);
             } else {
                 k += 1;
             }

@@ -115,6 +115,10 @@ pub struct Counts {
     /// send after the run read the row again (the stream's replay of what a snapshot or a
     /// release published: sent again by design and recorded as a duplicate).
     pub resent_after_proof: u64,
+    /// Look-ups that sent an event again under its key (a duplicate window's re-send) after
+    /// the event had its primary receipt: the destination had answered that key, and the
+    /// relay asked it again (an endpoint's idempotency key store absorbs it at best).
+    pub resent_published: u64,
     /// Aggregates that never progress: after the drain, an aggregate with an event that is
     /// unpublished, not quarantined, not skipped and not held, although a relay run has held
     /// the lease for [`STALL_AFTER_MS`]; plus relay loops that would wait forever (a release
@@ -175,6 +179,12 @@ pub struct Counts {
     pub unclear_past_budget: u64,
     /// Sends the producer did not take (not a permanent refusal): each parked its event.
     pub producer_refusals: u64,
+    /// Traces whose served cluster keeps a duplicate window (look-ups inside it re-send
+    /// under the event's key), the look-ups that re-sent, and the open attempts the running
+    /// reconciliation closed by their event's receipt instead.
+    pub dedup_traces: u64,
+    pub lookup_resends: u64,
+    pub closed_by_receipt: u64,
     /// Fleet scenarios run, and what happened in them.
     pub fleet_traces: u64,
     pub fleet_kills: u64,
@@ -206,6 +216,7 @@ impl Counts {
             + self.skipped_offered
             + self.stale_sends
             + self.resent_after_proof
+            + self.resent_published
             + self.stalls
             + self.unclear_restarts
             + self.fleet_unserved
@@ -246,6 +257,7 @@ impl Counts {
             skipped_offered,
             stale_sends,
             resent_after_proof,
+            resent_published,
             stalls,
             unclear_restarts,
             late_acks,
@@ -277,6 +289,9 @@ impl Counts {
             open_at_start,
             unclear_past_budget,
             producer_refusals,
+            dedup_traces,
+            lookup_resends,
+            closed_by_receipt,
             fleet_unserved,
             fleet_share_not_returned,
             fleet_traces,
@@ -327,6 +342,7 @@ impl Counts {
             ("skipped_offered", self.skipped_offered.to_string()),
             ("stale_sends", self.stale_sends.to_string()),
             ("resent_after_proof", self.resent_after_proof.to_string()),
+            ("resent_published", self.resent_published.to_string()),
             ("stalls", self.stalls.to_string()),
             ("unclear_restarts", self.unclear_restarts.to_string()),
             ("fleet_unserved", self.fleet_unserved.to_string()),
@@ -357,6 +373,13 @@ impl Counts {
             ("open_at_start", self.open_at_start.to_string()),
             ("unclear_past_budget", self.unclear_past_budget.to_string()),
             ("producer_refusals", self.producer_refusals.to_string()),
+            (
+                "dedup_window_traces",
+                format!(
+                    "{} ({} look-ups re-sent under the key, {} attempts closed by their receipt)",
+                    self.dedup_traces, self.lookup_resends, self.closed_by_receipt
+                ),
+            ),
             ("broker_copies", self.broker_copies.to_string()),
             ("duplicate_receipts", self.duplicate_receipts.to_string()),
             ("receipt_conflicts_quarantined", self.conflicts.to_string()),

@@ -27,6 +27,8 @@ pub(super) struct Attempt {
     pub(super) topic: usize,
     pub(super) partition: usize,
     pub(super) unknown_at: u64,
+    /// When its send left (how long ago decides whether a look-up re-sends under the key).
+    pub(super) sent_at: u64,
     pub(super) state: AttemptState,
 }
 

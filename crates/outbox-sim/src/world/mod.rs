@@ -174,6 +174,10 @@ pub enum Mutant {
     /// stop hung keeps its lease, so no other member takes the shard until the lease expires
     /// (the member loop before 2026-12-03's fix; the simulator's bound then allowed for it).
     FleetAbortKeepsLease,
+    /// Product mutant (`outbox_relay::PipelineCore::reconcile`): the running reconciliation
+    /// looks up a published event's open attempt by sending the event again under its key
+    /// instead of closing the attempt by the event's receipt (`resent_published`).
+    ResendsAnsweredEvent,
 }
 
 impl Mutant {
@@ -223,6 +227,7 @@ impl Mutant {
         ("bug-fleet-no-evening", Mutant::BugFleetNoEvening),
         ("bug-sends-found-event", Mutant::BugSendsFoundEvent),
         ("fleet-abort-keeps-lease", Mutant::FleetAbortKeepsLease),
+        ("resends-answered-event", Mutant::ResendsAnsweredEvent),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -254,6 +259,13 @@ fn certain_for_ms() -> u64 {
 const MAX_RTT: u64 = 1_500;
 /// `--unknown-settle-ms`: at least MAX_RTT.
 const SETTLE: u64 = 2_000;
+/// The served cluster's duplicate window, in the traces where it keeps one (JetStream's
+/// `Nats-Msg-Id` window, an HTTP endpoint's idempotency keys): a message whose event id it
+/// stored less than this long ago is not stored again, and the answer names the stored copy.
+const DEDUP_WINDOW: u64 = 8_000;
+/// How far inside the window a look-up still re-sends (`outbox_sink::jetstream::WINDOW_MARGIN`
+/// scaled to the simulated window): outside it, a look-up reads the partition.
+const DEDUP_MARGIN: u64 = 1_000;
 /// Retention: nothing is purged before this long after its last send.
 const REPLAY_WINDOW: u64 = 10_000;
 /// Drain iterations (half a second each) with nothing to do and nothing due after which the
@@ -391,6 +403,9 @@ struct PendingLookup {
     attempt: usize,
     /// What the look-ups of the event's later attempts proved, in this round.
     prior: Option<LookupOutcome>,
+    /// The event had its primary receipt when the look-up started (when the daemon's task
+    /// makes its request; the simulated answer comes at a later step).
+    published: bool,
 }
 
 /// Why a relay run ended.
@@ -466,6 +481,11 @@ struct World {
     /// transient client error): a quarter of the traces, drawn from a generator of their own,
     /// as are the refusals, so that the other traces keep every draw.
     producer_refuses: Option<SplitMix64>,
+    /// The served cluster keeps a duplicate window ([`DEDUP_WINDOW`]) and a look-up inside it
+    /// is a re-send under the event's key (`Sink::lookup_resends`), as JetStream and an HTTP
+    /// endpoint with idempotency keys do: a quarter of the traces, drawn from a generator of
+    /// their own.
+    dedup: bool,
 }
 
 macro_rules! log {
@@ -527,7 +547,9 @@ impl World {
             outbox_relay::UnclearSchedule::new(&[ms(0), ms(100), ms(1_000), ms(3_000)])
                 .expect("a valid schedule")
         });
+        let dedup = rng.fork(8).chance(250);
         World {
+            dedup,
             unclear_budget,
             unclear_schedule,
             producer_refuses,
@@ -590,6 +612,7 @@ impl World {
         }
         self.drain();
         self.c.poll_traces = u64::from(self.poll);
+        self.c.dedup_traces = u64::from(self.dedup);
         self.judge();
     }
 
@@ -1418,9 +1441,9 @@ impl World {
     /// again at the next poll. Which is which is the core's (`PipelineCore::reconcile`).
     fn reconcile_attempts(&mut self, i: usize, open: Vec<usize>, when: When) -> Result<(), End> {
         for a in open {
-            let (row, relay_gen, unknown_at) = {
+            let (row, relay_gen, unknown_at, sent_at) = {
                 let at = &self.ledger.attempts[a];
-                (at.row, at.relay_gen, at.unknown_at)
+                (at.row, at.relay_gen, at.unknown_at, at.sent_at)
             };
             let id = self.rows[row].ev.event_id;
             let open = unknown::Open {
@@ -1428,8 +1451,7 @@ impl World {
                 relay_generation: relay_gen,
                 unknown_for: ms(self.now.saturating_sub(unknown_at)),
                 has_receipt: self.ledger.primary.contains_key(&row),
-                // The simulated sink is Kafka's: a look-up reads the partition.
-                lookup_resends: false,
+                lookup_resends: self.lookup_resends(sent_at),
             };
             let gen = self.relays[i].gen;
             let now = std::time::SystemTime::UNIX_EPOCH + ms(self.now);
@@ -1444,11 +1466,20 @@ impl World {
                     continue;
                 }
                 Reconcile::LookUp => {}
-                Reconcile::ClosedByReceipt => unreachable!("the simulated look-up sends nothing"),
+                Reconcile::ClosedByReceipt => {
+                    let found = self.close_by_receipt(a);
+                    self.relays[i].core.unknown_resolved(id, &found);
+                    continue;
+                }
             }
             let ev = self.rows[row].current();
-            let resolved = match self.look_up(a) {
-                Some(scan) => self.record_lookup(i, a, &ev, scan)?,
+            let published = self.ledger.primary.contains_key(&row);
+            let resolved = match self.look_up(i, a, &ev, published) {
+                Some((scan, probe, resent)) => {
+                    let resolved = self.record_lookup(i, a, &ev, scan, probe)?;
+                    self.close_answered(row, resent, &resolved);
+                    resolved
+                }
                 None => {
                     log!(
                         self,
@@ -1463,19 +1494,75 @@ impl World {
         Ok(())
     }
 
-    /// `Sink::lookup` on the simulated broker: the scan of attempt `a`'s frozen partition for
-    /// a copy of its event. `None`: the look-up failed (the topic cannot be read, or — a share
-    /// of look-ups while faults last — it timed out); that proves nothing.
-    fn look_up(&mut self, a: usize) -> Option<Scan> {
-        let (row, topic, partition) = {
+    /// `Sink::lookup_resends`: whether a look-up of an attempt sent at `sent_at` re-sends the
+    /// event under its key (inside the served cluster's duplicate window, with a margin).
+    fn lookup_resends(&self, sent_at: u64) -> bool {
+        self.dedup && self.now.saturating_sub(sent_at) + DEDUP_MARGIN < DEDUP_WINDOW
+    }
+
+    /// `Sink::lookup` on the simulated broker for attempt `a` of `ev`, by run `i` (`published`:
+    /// the event had its primary receipt when the look-up was decided): the scan of
+    /// its frozen partition for a copy, or inside the duplicate window the re-send under its
+    /// key (the answer names the stored copy, or the re-send was stored and is the retry: its
+    /// position comes back as the probe's). `None`: the look-up failed (the topic cannot be
+    /// read, or — a share of look-ups while faults last — it timed out); that proves nothing.
+    fn look_up(
+        &mut self,
+        i: usize,
+        a: usize,
+        ev: &OutboxEvent,
+        published: bool,
+    ) -> Option<(Scan, Option<i64>, bool)> {
+        let (row, topic, partition, sent_at) = {
             let at = &self.ledger.attempts[a];
-            (at.row, at.topic, at.partition)
+            (at.row, at.topic, at.partition, at.sent_at)
         };
         if self.now < self.down_until[topic] || (self.faults && self.rng.chance(100)) {
             self.c.lookups_failed += 1;
             return None;
         }
-        Some(
+        if self.lookup_resends(sent_at) {
+            self.c.lookup_resends += 1;
+            if published {
+                // The destination had answered this key when the look-up was decided (the
+                // receipt is its answer).
+                log!(
+                    self,
+                    "RESENT {} by a look-up after its receipt",
+                    ev.event_id
+                );
+                self.c.resent_published += 1;
+            }
+            if let Some(rc) = self.stored_copy(topic, ev.event_id) {
+                return Some((
+                    Scan::Found {
+                        offset: rc.offset as i64,
+                    },
+                    None,
+                    true,
+                ));
+            }
+            let last = self
+                .ledger
+                .attempts
+                .iter()
+                .filter(|x| x.row == row)
+                .map(|x| x.attempt)
+                .max()
+                .unwrap_or(0);
+            let probe = Msg {
+                id: ev.event_id,
+                row,
+                dest_digest: ev.destination_digest.clone(),
+                relay_gen: self.relays[i].gen,
+                attempt: last + 1,
+                stored_at: 0,
+            };
+            self.rows[row].last_send = self.now;
+            let rc = self.store(topic, partition, probe);
+            return Some((Scan::Absent, Some(rc.offset as i64), true));
+        }
+        Some((
             match self.broker[topic][partition]
                 .iter()
                 .position(|m| m.row == row)
@@ -1483,7 +1570,9 @@ impl World {
                 Some(o) => Scan::Found { offset: o as i64 },
                 None => Scan::Absent,
             },
-        )
+            None,
+            false,
+        ))
     }
 
     /// `unknown::record_lookup`: what the look-up of attempt `a` of `ev` proved, by the rule
@@ -1497,6 +1586,7 @@ impl World {
         a: usize,
         ev: &OutboxEvent,
         scan: Scan,
+        probe: Option<i64>,
     ) -> Result<Resolved, End> {
         let (row, topic, partition, attempt, relay_gen) = {
             let at = &self.ledger.attempts[a];
@@ -1510,7 +1600,7 @@ impl World {
             .map(|x| x.attempt)
             .max()
             .unwrap_or(0);
-        let resolved = unknown::resolve(attempt, last, scan, None);
+        let resolved = unknown::resolve(attempt, last, scan, probe);
         // `attempts::resolve` updates only an attempt still DISPATCH_UNKNOWN.
         let open = self.ledger.attempts[a].state == AttemptState::Unknown;
         match resolved {
@@ -1554,8 +1644,40 @@ impl World {
                     ev.event_id
                 );
             }
-            // The simulated broker has no probe: a look-up is a scan.
-            Resolved::StoredByProbe { .. } | Resolved::StillUnknown => {}
+            Resolved::StoredByProbe {
+                offset,
+                attempt_generation,
+            } => {
+                // The re-send under the key was stored: the original is not there (the window
+                // would have answered with it) and the probe is the retry; its receipt.
+                if open {
+                    self.ledger.attempts[a].state = AttemptState::Absent;
+                    self.absent_attempts.insert((row, relay_gen, attempt));
+                    let took = self.now.saturating_sub(self.ledger.attempts[a].unknown_at);
+                    self.c.unknown_resolution.record(took);
+                }
+                let rc = Receipt {
+                    topic,
+                    partition,
+                    offset: offset as usize,
+                };
+                let items = vec![Item::Receipt {
+                    row,
+                    rc,
+                    payload_digest: ev.payload_digest.clone(),
+                    dest_digest: ev.destination_digest.clone(),
+                    late: false,
+                }];
+                self.accept(i, items, None)?;
+                self.relays[i].proven.insert(row);
+                log!(
+                    self,
+                    "UNKNOWN {} ABSENT, the re-send stored as attempt {attempt_generation} at {}/{partition}@{offset}",
+                    ev.event_id,
+                    TOPICS[topic].1
+                );
+            }
+            Resolved::StillUnknown => {}
         }
         Ok(resolved)
     }
@@ -1666,6 +1788,7 @@ impl World {
             Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
             Mutant::BugFoundRaisesUnknownHead => Some(outbox_relay::Mutant::FoundRaisesUnknownHead),
             Mutant::BugSendsFoundEvent => Some(outbox_relay::Mutant::SendsFoundEvent),
+            Mutant::ResendsAnsweredEvent => Some(outbox_relay::Mutant::ResendsAnsweredEvent),
             Mutant::PollStaleHead => Some(outbox_relay::Mutant::PollStaleHead),
             _ => None,
         }
@@ -1791,6 +1914,7 @@ impl World {
                 dest_digest: ev.destination_digest.clone(),
                 relay_gen: self.relays[i].gen,
                 attempt,
+                stored_at: 0,
             };
             let report = self.broker_send(topic, partition, msg);
             log!(
@@ -1911,6 +2035,7 @@ impl World {
                     topic: f.topic,
                     partition: f.partition,
                     unknown_at: self.now.max(f.sent_at),
+                    sent_at: f.sent_at,
                     state: AttemptState::Unknown,
                 });
                 self.c.unknown_attempts += 1;
@@ -1938,7 +2063,7 @@ impl World {
                 }
                 UnclearStep::Lookup { event } => {
                     let id = event.event_id;
-                    if !self.start_lookup(i, event, None) {
+                    if !self.start_lookup(i, event, None)? {
                         // Resolved meanwhile by another path: nothing to ask the broker.
                         let outcome = LookupOutcome::Unresolved {
                             error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
@@ -1954,23 +2079,107 @@ impl World {
 
     /// `Pipeline::start_lookup`: the look-up of `event`'s latest open attempt starts (it
     /// answers at a later step). False if none is open.
-    fn start_lookup(&mut self, i: usize, event: OutboxEvent, prior: Option<LookupOutcome>) -> bool {
+    fn start_lookup(
+        &mut self,
+        i: usize,
+        event: OutboxEvent,
+        mut prior: Option<LookupOutcome>,
+    ) -> Result<bool, End> {
         let row = self.by_id[&event.event_id];
-        // `attempts::open_unknown_of`: the event's latest open attempt.
-        let open = (0..self.ledger.attempts.len()).rev().find(|a| {
-            let at = &self.ledger.attempts[*a];
-            at.row == row && at.state == AttemptState::Unknown
-        });
-        let Some(attempt) = open else {
-            return false;
+        let mut closed = false;
+        loop {
+            // `attempts::open_unknown_of`: the event's latest open attempt.
+            let open = (0..self.ledger.attempts.len()).rev().find(|a| {
+                let at = &self.ledger.attempts[*a];
+                at.row == row && at.state == AttemptState::Unknown
+            });
+            let Some(attempt) = open else {
+                let Some(outcome) = prior.filter(|_| closed) else {
+                    return Ok(false);
+                };
+                self.lookup_done(i, event.event_id, outcome)?;
+                return Ok(true);
+            };
+            // `Pipeline::start_lookup`: a re-send under the key of an event with its receipt
+            // by now is not made; the receipt closes the attempt.
+            let has_receipt = self.ledger.primary.contains_key(&row);
+            let resends = self.lookup_resends(self.ledger.attempts[attempt].sent_at);
+            if self.relays[i].core.closes_by_receipt(has_receipt, resends) {
+                let found = self.close_by_receipt(attempt);
+                self.relays[i].core.unknown_resolved(event.event_id, &found);
+                prior = Some(outbox_relay::pipeline::merge_lookups(
+                    prior,
+                    LookupOutcome::from(found),
+                ));
+                closed = true;
+                continue;
+            }
+            log!(self, "look-up of {} started", event.event_id);
+            self.relays[i].lookups.push(PendingLookup {
+                event,
+                attempt,
+                prior,
+                published: has_receipt,
+            });
+            return Ok(true);
+        }
+    }
+
+    /// `unknown::close_answered`: after a look-up of one of `row`'s attempts that re-sent it
+    /// under its key (`resent`) was answered (`resolved`), every other open attempt whose own
+    /// look-up would be the same re-send is settled by that answer
+    /// (`outbox_relay::unknown::answered_already`): FOUND where the destination named its
+    /// copy, ABSENT where it stored the re-send (the window would have named an earlier copy).
+    fn close_answered(&mut self, row: usize, resent: bool, resolved: &Resolved) {
+        for a in 0..self.ledger.attempts.len() {
+            let at = &self.ledger.attempts[a];
+            if at.row != row || at.state != AttemptState::Unknown {
+                continue;
+            }
+            if !unknown::answered_already(resent, resolved, self.lookup_resends(at.sent_at)) {
+                continue;
+            }
+            let (relay_gen, attempt, unknown_at) = (at.relay_gen, at.attempt, at.unknown_at);
+            self.ledger.attempts[a].state = match resolved {
+                Resolved::Found { .. } => AttemptState::Found,
+                _ => {
+                    self.absent_attempts.insert((row, relay_gen, attempt));
+                    AttemptState::Absent
+                }
+            };
+            self.c
+                .unknown_resolution
+                .record(self.now.saturating_sub(unknown_at));
+            log!(
+                self,
+                "UNKNOWN {} (gen {relay_gen} attempt {attempt}) settled by the answer to the same key",
+                self.rows[row].ev.event_id
+            );
+        }
+    }
+
+    /// `attempts::resolve_by_receipt`: open attempt `a` closed FOUND at its event's primary
+    /// receipt (the destination's answer under the event's key); nothing is sent.
+    fn close_by_receipt(&mut self, a: usize) -> Resolved {
+        let (row, attempt, unknown_at) = {
+            let at = &self.ledger.attempts[a];
+            (at.row, at.attempt, at.unknown_at)
         };
-        log!(self, "look-up of {} started", event.event_id);
-        self.relays[i].lookups.push(PendingLookup {
-            event,
-            attempt,
-            prior,
-        });
-        true
+        let offset = self.ledger.primary[&row].offset as i64;
+        self.ledger.attempts[a].state = AttemptState::Found;
+        self.c
+            .unknown_resolution
+            .record(self.now.saturating_sub(unknown_at));
+        self.c.closed_by_receipt += 1;
+        log!(
+            self,
+            "UNKNOWN {} closed by its receipt (offset {offset})",
+            self.rows[row].ev.event_id
+        );
+        Resolved::Found {
+            offset,
+            attempt_generation: attempt,
+        }
     }
 
     /// `Pipeline::on_lookup`: look-up `k` of run `i` answers; what it proved is recorded as
@@ -1981,12 +2190,14 @@ impl World {
             event,
             attempt,
             prior,
+            published,
         } = self.relays[i].lookups.remove(k);
         self.c.unclear_lookups += 1;
         let id = event.event_id;
-        let outcome = match self.look_up(attempt) {
-            Some(scan) => {
-                let resolved = self.record_lookup(i, attempt, &event, scan)?;
+        let outcome = match self.look_up(i, attempt, &event, published) {
+            Some((scan, probe, resent)) => {
+                let resolved = self.record_lookup(i, attempt, &event, scan, probe)?;
+                self.close_answered(self.by_id[&id], resent, &resolved);
                 self.relays[i].core.unknown_resolved(id, &resolved);
                 LookupOutcome::from(resolved)
             }
@@ -2003,7 +2214,7 @@ impl World {
         };
         let outcome = outbox_relay::pipeline::merge_lookups(prior, outcome);
         if !matches!(outcome, LookupOutcome::Unresolved { .. })
-            && self.start_lookup(i, event, Some(outcome.clone()))
+            && self.start_lookup(i, event, Some(outcome.clone()))?
         {
             return Ok(());
         }

@@ -413,18 +413,53 @@ impl Pipeline {
 
     /// Starts the look-up of `event`'s latest open DISPATCH_UNKNOWN attempt on its own task,
     /// carrying what the look-ups of its later attempts proved (`prior`). False if none is open.
+    ///
+    /// An attempt whose look-up would send the event again under its key while the event has
+    /// its primary receipt by now (`PipelineCore::closes_by_receipt`: a predecessor's salvage
+    /// or a found copy accepted it meanwhile) is closed by that receipt instead, as the
+    /// running reconciliation closes one; when no attempt is left open, the core is told
+    /// what they proved here (and true is returned: nothing for the caller to do).
     async fn start_lookup(
         &mut self,
         event: OutboxEvent,
-        prior: Option<LookupOutcome>,
+        mut prior: Option<LookupOutcome>,
     ) -> Result<bool, RelayError> {
-        let Some(attempt) =
-            attempts::open_unknown_of(&self.client, &self.slot, event.event_id).await?
-        else {
-            return Ok(false);
-        };
-        self.spawn_lookup(event, attempt, prior, false);
-        Ok(true)
+        let mut closed = false;
+        loop {
+            let Some(attempt) =
+                attempts::open_unknown_of(&self.client, &self.slot, event.event_id).await?
+            else {
+                let Some(outcome) = prior.filter(|_| closed) else {
+                    return Ok(false);
+                };
+                let commands = self.core.lookup_done(event.event_id, outcome, self.now())?;
+                self.note_batch();
+                self.execute(commands).await?;
+                return Ok(true);
+            };
+            let resends = self.sink.lookup_resends(super::unknown::sent_ago(&attempt));
+            if !self.core.closes_by_receipt(attempt.has_receipt, resends) {
+                self.spawn_lookup(event, attempt, prior, false);
+                return Ok(true);
+            }
+            let Some(offset) = attempts::resolve_by_receipt(&self.client, attempt.id).await? else {
+                // Resolved meanwhile, or the receipt is gone (purged): look it up as usual.
+                self.spawn_lookup(event, attempt, prior, false);
+                return Ok(true);
+            };
+            tracing::info!(event_id = %event.event_id, relay_generation = attempt.relay_generation, offset,
+                "DISPATCH_UNKNOWN of a parked event resolved by its receipt (the destination's answer under its key): not sent again");
+            let found = Resolved::Found {
+                offset,
+                attempt_generation: attempt.attempt_generation,
+            };
+            self.core.unknown_resolved(event.event_id, &found);
+            prior = Some(outbox_relay::pipeline::merge_lookups(
+                prior,
+                LookupOutcome::from(found),
+            ));
+            closed = true;
+        }
     }
 
     /// Starts the look-up of another generation's open `attempt` of `event`, which the running
