@@ -178,6 +178,11 @@ pub enum Mutant {
     /// the receipt the destination already gave for that key
     /// ([`PipelineCore::closes_by_receipt`]; the simulator's `resent_published`).
     ResendsAnsweredEvent,
+    /// A parked event whose open attempt the running reconciliation resolved while it waited
+    /// for its own look-up keeps asking a ledger that has no open attempt left, and its
+    /// aggregate waits until the next restart ([`PipelineCore::resolved_meanwhile`]; the
+    /// simulator's `stalls`, once reconciliation's look-ups answered later, as the daemon's do).
+    IgnoresResolvedMeanwhile,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -1017,6 +1022,37 @@ impl<P: Plant> PipelineCore<P> {
             Step::WaitThenLookup(_) => {
                 self.reconciling.insert(a.event_id);
                 Reconcile::LookUp
+            }
+        }
+    }
+
+    /// What a parked event's due look-up means when the ledger has no open DISPATCH_UNKNOWN
+    /// attempt of it left: what this run learned about it meanwhile. The running
+    /// reconciliation looks an attempt up beside the loop, and the replay (or a release) can
+    /// park the event in the meantime, waiting for a look-up of its own; when reconciliation's
+    /// answer is recorded, nothing is left for that look-up to ask. A copy found (or stored by
+    /// the re-send) is `Recorded`; a proven absence is the retry with the generation it
+    /// proved; otherwise nothing is proven and it is asked again after the backoff (a
+    /// parked event that kept asking found nothing forever, and its aggregate waited until
+    /// the next restart: found by the simulator once reconciliation's look-ups answered
+    /// later, as the daemon's do).
+    pub fn resolved_meanwhile(&self, event_id: Uuid) -> LookupOutcome {
+        if self.planted(Mutant::IgnoresResolvedMeanwhile) {
+            return LookupOutcome::Unresolved {
+                error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
+                after: None,
+            };
+        }
+        if self.found.contains(&event_id) {
+            LookupOutcome::Recorded
+        } else if let Some(g) = self.retry_generation.get(&event_id) {
+            LookupOutcome::Retry {
+                attempt_generation: *g,
+            }
+        } else {
+            LookupOutcome::Unresolved {
+                error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
+                after: None,
             }
         }
     }

@@ -79,3 +79,43 @@ impl<P: Plant> PipelineCore<P> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::Planted;
+    use crate::testing::{event, now, served};
+
+    /// The gate knows `a` at head 1 (its v1 published by this run); v2 gets its receipt from a
+    /// paused relay's salvage after that, so the next round's first pending row of `a` is v3.
+    /// Returns whether v3 is sent (the gate raised to v2) rather than held as a gap.
+    fn third_is_sent(mutant: Option<Mutant>) -> bool {
+        let mut c = PipelineCore::with_plant(
+            served(),
+            7,
+            PipelineCore::gate_from(Vec::new(), Vec::new()),
+            Planted {
+                mutant,
+                current_route: None,
+            },
+        );
+        c.raise_heads(vec![(("order".to_string(), "a".to_string()), 1)]);
+        c.begin_poll_round();
+        match c.admit_polled(event("a", 3), now(100)).unwrap() {
+            Polled::Admitted { first_of, commands } => {
+                assert!(first_of.is_some(), "the aggregate's first row of the round");
+                commands.len() == 1
+            }
+            Polled::Skipped => panic!("nothing of `a` is at the broker or parked"),
+        }
+    }
+
+    #[test]
+    fn a_rounds_first_row_raises_the_head_so_a_version_published_meanwhile_is_no_gap() {
+        assert!(third_is_sent(None), "v3 held behind a published v2");
+        assert!(
+            !third_is_sent(Some(Mutant::PollStaleHead)),
+            "the planted stale head takes v3 for a gap"
+        );
+    }
+}

@@ -178,6 +178,11 @@ pub enum Mutant {
     /// looks up a published event's open attempt by sending the event again under its key
     /// instead of closing the attempt by the event's receipt (`resent_published`).
     ResendsAnsweredEvent,
+    /// Product bug found by the simulator once reconciliation's look-ups answered at a later
+    /// step, as the daemon's do on their own task (2026-12-04, seed 1, trace 1668): a parked
+    /// event whose attempt that look-up resolved meanwhile asked the ledger for an open
+    /// attempt forever, and its aggregate stalled (`PipelineCore::resolved_meanwhile`).
+    BugIgnoresResolvedMeanwhile,
 }
 
 impl Mutant {
@@ -228,6 +233,10 @@ impl Mutant {
         ("bug-sends-found-event", Mutant::BugSendsFoundEvent),
         ("fleet-abort-keeps-lease", Mutant::FleetAbortKeepsLease),
         ("resends-answered-event", Mutant::ResendsAnsweredEvent),
+        (
+            "bug-ignores-resolved-meanwhile",
+            Mutant::BugIgnoresResolvedMeanwhile,
+        ),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -266,6 +275,11 @@ const DEDUP_WINDOW: u64 = 8_000;
 /// How far inside the window a look-up still re-sends (`outbox_sink::jetstream::WINDOW_MARGIN`
 /// scaled to the simulated window): outside it, a look-up reads the partition.
 const DEDUP_MARGIN: u64 = 1_000;
+/// A release or a snapshot still waiting for a parked event after this much simulated time
+/// would wait forever (the event keeps coming due and nothing resolves it): counted as a stall
+/// instead of simulated forever. Far above any resolution the traces see (UNKNOWN resolution
+/// max ~40 s; past the budget a parked event is asked every 10 s).
+const WAITS_FOREVER_AFTER: u64 = 30 * 60 * 1000;
 /// Retention: nothing is purged before this long after its last send.
 const REPLAY_WINDOW: u64 = 10_000;
 /// Drain iterations (half a second each) with nothing to do and nothing due after which the
@@ -406,6 +420,10 @@ struct PendingLookup {
     /// The event had its primary receipt when the look-up started (when the daemon's task
     /// makes its request; the simulated answer comes at a later step).
     published: bool,
+    /// Started by the running reconciliation for another generation's attempt
+    /// (`Pipeline::start_reconcile_lookup`): its answer is recorded and the core told
+    /// `reconciled`, nothing is sent; otherwise a parked event's.
+    reconciling: bool,
 }
 
 /// Why a relay run ended.
@@ -1354,8 +1372,9 @@ impl World {
         }
         // `drain_all`: every admitted event resolved — reported on, or parked and then looked
         // up or sent again.
+        let waiting_since = self.now;
         while self.relays[i].core.outstanding() > 0 {
-            if !self.wait_one(i)? {
+            if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
                 break;
             }
         }
@@ -1472,25 +1491,48 @@ impl World {
                     continue;
                 }
             }
-            let ev = self.rows[row].current();
-            let published = self.ledger.primary.contains_key(&row);
-            let resolved = match self.look_up(i, a, &ev, published) {
-                Some((scan, probe, resent)) => {
-                    let resolved = self.record_lookup(i, a, &ev, scan, probe)?;
-                    self.close_answered(row, resent, &resolved);
-                    resolved
-                }
-                None => {
-                    log!(
-                        self,
-                        "UNKNOWN {id}: the look-up failed; asking at the next poll"
-                    );
-                    Resolved::StillUnknown
-                }
-            };
-            // `PipelineCore::reconciled`, as the daemon's reconciliation tells it.
-            self.relays[i].core.reconciled(&ev, &resolved);
+            // On a task of its own in the daemon: it answers at a later step
+            // (`World::on_reconcile_lookup`), and the core skips the event's attempts until then.
+            log!(self, "reconciliation's look-up of {id} started");
+            self.relays[i].lookups.push(PendingLookup {
+                event: self.rows[row].current(),
+                attempt: a,
+                prior: None,
+                published: self.ledger.primary.contains_key(&row),
+                reconciling: true,
+            });
         }
+        Ok(())
+    }
+
+    /// `Pipeline::on_reconcile_lookup`: the running reconciliation's look-up of attempt `a`
+    /// answers: what it proved is recorded, the attempts the same answer settles are closed,
+    /// and the core is told (`PipelineCore::reconciled`); a failed look-up is asked again at
+    /// the next poll.
+    fn on_reconcile_lookup(
+        &mut self,
+        i: usize,
+        a: usize,
+        ev: OutboxEvent,
+        published: bool,
+    ) -> Result<(), End> {
+        let row = self.ledger.attempts[a].row;
+        let resolved = match self.look_up(i, a, &ev, published) {
+            Some((scan, probe, resent)) => {
+                let resolved = self.record_lookup(i, a, &ev, scan, probe)?;
+                self.close_answered(row, resent, &resolved);
+                resolved
+            }
+            None => {
+                log!(
+                    self,
+                    "UNKNOWN {}: the look-up failed; asking at the next poll",
+                    ev.event_id
+                );
+                Resolved::StillUnknown
+            }
+        };
+        self.relays[i].core.reconciled(&ev, &resolved);
         Ok(())
     }
 
@@ -1789,6 +1831,9 @@ impl World {
             Mutant::BugFoundRaisesUnknownHead => Some(outbox_relay::Mutant::FoundRaisesUnknownHead),
             Mutant::BugSendsFoundEvent => Some(outbox_relay::Mutant::SendsFoundEvent),
             Mutant::ResendsAnsweredEvent => Some(outbox_relay::Mutant::ResendsAnsweredEvent),
+            Mutant::BugIgnoresResolvedMeanwhile => {
+                Some(outbox_relay::Mutant::IgnoresResolvedMeanwhile)
+            }
             Mutant::PollStaleHead => Some(outbox_relay::Mutant::PollStaleHead),
             _ => None,
         }
@@ -2064,11 +2109,10 @@ impl World {
                 UnclearStep::Lookup { event } => {
                     let id = event.event_id;
                     if !self.start_lookup(i, event, None)? {
-                        // Resolved meanwhile by another path: nothing to ask the broker.
-                        let outcome = LookupOutcome::Unresolved {
-                            error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
-                            after: None,
-                        };
+                        // Resolved meanwhile by another path: nothing to ask the broker; what
+                        // it proved decides (`PipelineCore::resolved_meanwhile`).
+                        let outcome = self.relays[i].core.resolved_meanwhile(id);
+                        log!(self, "{id}: no open attempt left to look up: {outcome:?}");
                         self.lookup_done(i, id, outcome)?;
                     }
                 }
@@ -2120,6 +2164,7 @@ impl World {
                 attempt,
                 prior,
                 published: has_receipt,
+                reconciling: false,
             });
             return Ok(true);
         }
@@ -2191,7 +2236,11 @@ impl World {
             attempt,
             prior,
             published,
+            reconciling,
         } = self.relays[i].lookups.remove(k);
+        if reconciling {
+            return self.on_reconcile_lookup(i, attempt, event, published);
+        }
         self.c.unclear_lookups += 1;
         let id = event.event_id;
         let outcome = match self.look_up(i, attempt, &event, published) {
@@ -2376,6 +2425,7 @@ impl World {
                 publish_blocking,
                 set,
             );
+            let waiting_since = self.now;
             let close = loop {
                 let now = self.now_for(i);
                 match self.relays[i].core.release_step(&mut release, now) {
@@ -2387,7 +2437,7 @@ impl World {
                     }
                     // Parked after an unclear outcome: `wait_one` until it is resolved.
                     ReleaseStep::Await(_) => {
-                        if !self.wait_one(i)? {
+                        if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
                             log!(self, "RELAY HUNG: a release waits for a parked event that never comes due");
                             self.c.stalls += 1;
                             return Err(End::Error("release waits forever"));

@@ -392,16 +392,10 @@ impl Pipeline {
                 UnclearStep::Lookup { event } => {
                     let id = event.event_id;
                     if !self.start_lookup(event, None).await? {
-                        // Resolved meanwhile by another path; nothing to ask the broker. The core
-                        // asks again after its backoff.
-                        let commands = self.core.lookup_done(
-                            id,
-                            LookupOutcome::Unresolved {
-                                error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
-                                after: None,
-                            },
-                            self.now(),
-                        )?;
+                        // Resolved meanwhile by another path (the running reconciliation's
+                        // look-up): nothing to ask the broker; what it proved decides.
+                        let outcome = self.core.resolved_meanwhile(id);
+                        let commands = self.core.lookup_done(id, outcome, self.now())?;
                         self.execute(commands).await?;
                     }
                 }
