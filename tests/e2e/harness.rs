@@ -177,6 +177,18 @@ impl TestEnv {
         .await
     }
 
+    /// The state of event `id`'s one DISPATCH_UNKNOWN attempt (`FOUND`, `ABSENT`, ...).
+    pub async fn attempt_state(&self, id: uuid::Uuid) -> String {
+        self.db
+            .query_one(
+                "SELECT state FROM outbox.attempts WHERE event_id = $1",
+                &[&id],
+            )
+            .await
+            .expect("event has exactly one attempt")
+            .get(0)
+    }
+
     /// Waits until at least `n` events have their primary receipt.
     pub async fn wait_receipts(&self, what: &str, n: usize) {
         self.wait_count(what, "SELECT count(*) FROM outbox.receipts", n as i64)

@@ -667,21 +667,12 @@ pub(crate) async fn endpoint_env(name: &str, settings: TargetSettings) -> (TestE
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_attempt_of_an_answered_event_is_closed_by_its_receipt_not_sent_again() {
     let (env, target) = endpoint_env("http_late_attempt", TargetSettings::default()).await;
-    let config = env.write_config(
-        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2000\n\
-         idempotency_window_ms = 3600000\n",
-    );
+    let config = keyed_endpoint_config(&env, 2000);
     let mut relay = env.relay(&[], &["--config", &config, "--unknown-settle-ms", "200"]);
     env.wait_streaming().await;
     let id = env.enqueue("late", json!({"n": 1})).await;
     env.wait_receipts("the event answered", 1).await;
-    let sent = |id: uuid::Uuid| {
-        target
-            .requests()
-            .iter()
-            .filter(|r| r.headers.get("idempotency-key") == Some(&id.to_string()))
-            .count()
-    };
+    let sent = |id: uuid::Uuid| target.requests_with_key(&id.to_string());
     assert_eq!(sent(id), 1);
     plant_predecessor_attempt(&env, id).await;
     env.wait_zero(
@@ -725,10 +716,7 @@ async fn a_late_attempt_of_an_answered_event_is_closed_by_its_receipt_not_sent_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_event_answered_meanwhile_is_closed_by_its_receipt_not_sent_again() {
     let (env, target) = endpoint_env("http_parked_answered", TargetSettings::default()).await;
-    let config = env.write_config(
-        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 1000\n\
-         idempotency_window_ms = 3600000\n",
-    );
+    let config = keyed_endpoint_config(&env, 1000);
     // The parked event's look-up comes 4 s after its unclear outcome: time to plant the receipt.
     let relay = env.relay(&[], &["--config", &config, "--unclear-schedule-ms", "4000"]);
     env.wait_ready(&relay).await;
@@ -745,13 +733,7 @@ async fn a_parked_event_answered_meanwhile_is_closed_by_its_receipt_not_sent_aga
         1,
     )
     .await;
-    let sent = |id: uuid::Uuid| {
-        target
-            .requests()
-            .iter()
-            .filter(|r| r.headers.get("idempotency-key") == Some(&id.to_string()))
-            .count()
-    };
+    let sent = |id: uuid::Uuid| target.requests_with_key(&id.to_string());
     assert_eq!(sent(id), 1, "the fault met the event's request");
     env.db
         .execute(
@@ -770,16 +752,11 @@ async fn a_parked_event_answered_meanwhile_is_closed_by_its_receipt_not_sent_aga
         .await;
     env.wait_receipts("the aggregate's next event published", 2)
         .await;
-    let state: String = env
-        .db
-        .query_one(
-            "SELECT state FROM outbox.attempts WHERE event_id = $1",
-            &[&id],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(state, "FOUND", "closed at the receipt");
+    assert_eq!(
+        env.attempt_state(id).await,
+        "FOUND",
+        "closed at the receipt"
+    );
     assert_eq!(
         sent(id),
         1,
@@ -801,10 +778,7 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
     use outbox_testkit::wait::wait_for;
     const LATE: Duration = Duration::from_secs(20);
     let (env, target) = endpoint_env("http_slow_lookup", TargetSettings::default()).await;
-    let config = env.write_config(
-        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 40000\n\
-         idempotency_window_ms = 3600000\n",
-    );
+    let config = keyed_endpoint_config(&env, 40000);
     // CDC mode in both suites: a poll round waits for its sends, so there the event's own
     // slow send holds the next round whatever the look-up does.
     let mut relay = env.relay(
@@ -821,13 +795,7 @@ async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay()
         ],
     );
     env.wait_ready(&relay).await;
-    let sent = |id: uuid::Uuid| {
-        target
-            .requests()
-            .iter()
-            .filter(|r| r.headers.get("idempotency-key") == Some(&id.to_string()))
-            .count()
-    };
+    let sent = |id: uuid::Uuid| target.requests_with_key(&id.to_string());
     // The event's own send, then the look-up's re-send, are answered after LATE (inside the
     // client's timeout: neither is unclear, both are merely slow).
     target.then(Behavior::Late(LATE));
@@ -899,4 +867,14 @@ async fn plant_predecessor_attempt(env: &TestEnv, id: uuid::Uuid) {
         )
         .await
         .expect("plant a predecessor's DISPATCH_UNKNOWN attempt");
+}
+
+/// `outboxd.toml` for the endpoint `billing-api` that keeps idempotency keys for an hour (so a
+/// look-up of a recent attempt is the event sent again under its key), with this request
+/// timeout; its path.
+fn keyed_endpoint_config(env: &TestEnv, request_timeout_ms: u32) -> String {
+    env.write_config(format!(
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = {request_timeout_ms}\n\
+         idempotency_window_ms = 3600000\n"
+    ))
 }

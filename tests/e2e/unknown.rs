@@ -228,16 +228,7 @@ async fn a_proven_absence_retries_to_the_frozen_destination_even_after_a_route_c
         "the retry went to the frozen destination"
     );
     assert_eq!(row.get::<_, i32>(1), 2, "attempt generation + 1");
-    let state: String = env
-        .db
-        .query_one(
-            "SELECT state FROM outbox.attempts WHERE event_id = $1",
-            &[&id],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(state, "ABSENT");
+    assert_eq!(env.attempt_state(id).await, "ABSENT");
     let cross = env
         .read_topic_of(&moved)
         .await

@@ -313,6 +313,17 @@ impl HttpTarget {
         self.state.lock().unwrap().requests.clone()
     }
 
+    /// How many requests carried idempotency key `key` (applied, deduplicated or not).
+    pub fn requests_with_key(&self, key: &str) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .requests
+            .iter()
+            .filter(|r| r.headers.get(&self.key_header).map(String::as_str) == Some(key))
+            .count()
+    }
+
     /// How many times the request with idempotency key `key` was applied.
     pub fn applied(&self, key: &str) -> u32 {
         self.state

@@ -1584,14 +1584,7 @@ impl World {
                     true,
                 ));
             }
-            let last = self
-                .ledger
-                .attempts
-                .iter()
-                .filter(|x| x.row == row)
-                .map(|x| x.attempt)
-                .max()
-                .unwrap_or(0);
+            let last = self.last_attempt(row);
             let probe = Msg {
                 id: ev.event_id,
                 row,
@@ -1630,97 +1623,49 @@ impl World {
         scan: Scan,
         probe: Option<i64>,
     ) -> Result<Resolved, End> {
-        let (row, topic, partition, attempt, relay_gen) = {
+        let (row, topic, partition, attempt) = {
             let at = &self.ledger.attempts[a];
-            (at.row, at.topic, at.partition, at.attempt, at.relay_gen)
+            (at.row, at.topic, at.partition, at.attempt)
         };
-        let last = self
-            .ledger
-            .attempts
-            .iter()
-            .filter(|x| x.row == row)
-            .map(|x| x.attempt)
-            .max()
-            .unwrap_or(0);
+        let last = self.last_attempt(row);
         let resolved = unknown::resolve(attempt, last, scan, probe);
-        // `attempts::resolve` updates only an attempt still DISPATCH_UNKNOWN.
-        let open = self.ledger.attempts[a].state == AttemptState::Unknown;
-        match resolved {
-            Resolved::Found { offset, .. } => {
-                let rc = Receipt {
-                    topic,
-                    partition,
-                    offset: offset as usize,
-                };
-                let items = vec![Item::Receipt {
-                    row,
-                    rc,
-                    payload_digest: ev.payload_digest.clone(),
-                    dest_digest: ev.destination_digest.clone(),
-                    late: false,
-                }];
-                self.accept(i, items, None)?;
-                self.relays[i].proven.insert(row);
-                if open {
-                    self.ledger.attempts[a].state = AttemptState::Found;
-                    let took = self.now.saturating_sub(self.ledger.attempts[a].unknown_at);
-                    self.c.unknown_resolution.record(took);
-                }
-                log!(
-                    self,
-                    "UNKNOWN {} FOUND at {}/{partition}@{offset}",
-                    ev.event_id,
-                    TOPICS[topic].1
-                );
-            }
-            Resolved::Retry { attempt_generation } => {
-                if open {
-                    self.ledger.attempts[a].state = AttemptState::Absent;
-                    self.absent_attempts.insert((row, relay_gen, attempt));
-                    let took = self.now.saturating_sub(self.ledger.attempts[a].unknown_at);
-                    self.c.unknown_resolution.record(took);
-                }
-                log!(
-                    self,
-                    "UNKNOWN {} ABSENT: retry as attempt {attempt_generation}",
-                    ev.event_id
-                );
-            }
-            Resolved::StoredByProbe {
-                offset,
-                attempt_generation,
-            } => {
-                // The re-send under the key was stored: the original is not there (the window
-                // would have answered with it) and the probe is the retry; its receipt.
-                if open {
-                    self.ledger.attempts[a].state = AttemptState::Absent;
-                    self.absent_attempts.insert((row, relay_gen, attempt));
-                    let took = self.now.saturating_sub(self.ledger.attempts[a].unknown_at);
-                    self.c.unknown_resolution.record(took);
-                }
-                let rc = Receipt {
-                    topic,
-                    partition,
-                    offset: offset as usize,
-                };
-                let items = vec![Item::Receipt {
-                    row,
-                    rc,
-                    payload_digest: ev.payload_digest.clone(),
-                    dest_digest: ev.destination_digest.clone(),
-                    late: false,
-                }];
-                self.accept(i, items, None)?;
-                self.relays[i].proven.insert(row);
-                log!(
-                    self,
-                    "UNKNOWN {} ABSENT, the re-send stored as attempt {attempt_generation} at {}/{partition}@{offset}",
-                    ev.event_id,
-                    TOPICS[topic].1
-                );
-            }
-            Resolved::StillUnknown => {}
+        let (state, receipt_at) = match resolved {
+            Resolved::Found { offset, .. } => (Some(AttemptState::Found), Some(offset)),
+            Resolved::StoredByProbe { offset, .. } => (Some(AttemptState::Absent), Some(offset)),
+            Resolved::Retry { .. } => (Some(AttemptState::Absent), None),
+            Resolved::StillUnknown => (None, None),
+        };
+        // As `unknown::record_lookup`: a found copy's receipt is accepted before its attempt is
+        // resolved; an absent attempt is resolved before the re-send's receipt is accepted (the
+        // re-send under the key was stored: the window would have named an earlier copy).
+        if state == Some(AttemptState::Absent) {
+            self.resolve_attempt(a, AttemptState::Absent);
         }
+        if let Some(offset) = receipt_at {
+            let rc = Receipt {
+                topic,
+                partition,
+                offset: offset as usize,
+            };
+            let items = vec![Item::Receipt {
+                row,
+                rc,
+                payload_digest: ev.payload_digest.clone(),
+                dest_digest: ev.destination_digest.clone(),
+                late: false,
+            }];
+            self.accept(i, items, None)?;
+            self.relays[i].proven.insert(row);
+        }
+        if state == Some(AttemptState::Found) {
+            self.resolve_attempt(a, AttemptState::Found);
+        }
+        log!(
+            self,
+            "UNKNOWN {} (attempt {attempt}) at {}/{partition}: {resolved:?}",
+            ev.event_id,
+            TOPICS[topic].1
+        );
         Ok(resolved)
     }
 
@@ -2184,17 +2129,12 @@ impl World {
             if !unknown::answered_already(resent, resolved, self.lookup_resends(at.sent_at)) {
                 continue;
             }
-            let (relay_gen, attempt, unknown_at) = (at.relay_gen, at.attempt, at.unknown_at);
-            self.ledger.attempts[a].state = match resolved {
+            let (relay_gen, attempt) = (at.relay_gen, at.attempt);
+            let state = match resolved {
                 Resolved::Found { .. } => AttemptState::Found,
-                _ => {
-                    self.absent_attempts.insert((row, relay_gen, attempt));
-                    AttemptState::Absent
-                }
+                _ => AttemptState::Absent,
             };
-            self.c
-                .unknown_resolution
-                .record(self.now.saturating_sub(unknown_at));
+            self.resolve_attempt(a, state);
             log!(
                 self,
                 "UNKNOWN {} (gen {relay_gen} attempt {attempt}) settled by the answer to the same key",
@@ -2203,18 +2143,42 @@ impl World {
         }
     }
 
-    /// `attempts::resolve_by_receipt`: open attempt `a` closed FOUND at its event's primary
-    /// receipt (the destination's answer under the event's key); nothing is sent.
-    fn close_by_receipt(&mut self, a: usize) -> Resolved {
-        let (row, attempt, unknown_at) = {
-            let at = &self.ledger.attempts[a];
-            (at.row, at.attempt, at.unknown_at)
-        };
-        let offset = self.ledger.primary[&row].offset as i64;
-        self.ledger.attempts[a].state = AttemptState::Found;
+    /// `attempts::last_generation`: the highest attempt generation recorded for `row`.
+    fn last_attempt(&self, row: usize) -> i32 {
+        self.ledger
+            .attempts
+            .iter()
+            .filter(|x| x.row == row)
+            .map(|x| x.attempt)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// `attempts::resolve`: attempt `a` takes `state` if it is still DISPATCH_UNKNOWN (an
+    /// absence is the judge's truth to check later appends against); its resolution time is
+    /// recorded.
+    fn resolve_attempt(&mut self, a: usize, state: AttemptState) {
+        let at = &self.ledger.attempts[a];
+        if at.state != AttemptState::Unknown {
+            return;
+        }
+        let (row, relay_gen, attempt, unknown_at) =
+            (at.row, at.relay_gen, at.attempt, at.unknown_at);
+        if state == AttemptState::Absent {
+            self.absent_attempts.insert((row, relay_gen, attempt));
+        }
+        self.ledger.attempts[a].state = state;
         self.c
             .unknown_resolution
             .record(self.now.saturating_sub(unknown_at));
+    }
+
+    /// `attempts::resolve_by_receipt`: open attempt `a` closed FOUND at its event's primary
+    /// receipt (the destination's answer under the event's key); nothing is sent.
+    fn close_by_receipt(&mut self, a: usize) -> Resolved {
+        let (row, attempt) = (self.ledger.attempts[a].row, self.ledger.attempts[a].attempt);
+        let offset = self.ledger.primary[&row].offset as i64;
+        self.resolve_attempt(a, AttemptState::Found);
         self.c.closed_by_receipt += 1;
         log!(
             self,
