@@ -333,9 +333,9 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 384215, Mutant::PollNoHeadFloor),
         (1, 11, Mutant::BugFleetWaitingFillsShare),
         (1, 54, Mutant::BugFleetNoEvening),
-        (1, 32, Mutant::BugSendsFoundEvent),
+        (1, 1, Mutant::BugSendsFoundEvent),
         (1, 42, Mutant::BugSendsFoundEvent),
-        (1, 1668, Mutant::BugIgnoresResolvedMeanwhile),
+        (1, 526, Mutant::BugIgnoresResolvedMeanwhile),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -179,7 +179,7 @@ pub enum Mutant {
     /// instead of closing the attempt by the event's receipt (`resent_published`).
     ResendsAnsweredEvent,
     /// Product bug found by the simulator once reconciliation's look-ups answered at a later
-    /// step, as the daemon's do on their own task (2026-12-04, seed 1, trace 1668): a parked
+    /// step, as the daemon's do on their own task (2026-12-04, seed 1, trace 1668; 526 now): a parked
     /// event whose attempt that look-up resolved meanwhile asked the ledger for an open
     /// attempt forever, and its aggregate stalled (`PipelineCore::resolved_meanwhile`).
     BugIgnoresResolvedMeanwhile,
@@ -1215,8 +1215,14 @@ impl World {
         if let Some(start) = start {
             core.start_streaming(start);
         }
-        // As `Pipeline::new` for Kafka: a scan waits out the settle time; the budget.
-        core.unclear_policy.settle = self.settle();
+        // As `open_pipeline`: a Kafka scan waits out the settle time; where a look-up is itself
+        // a re-send under the key (a duplicate window) it needs none (outside the window it is
+        // a scan of an attempt sent longer ago than any request can still land).
+        core.unclear_policy.settle = if self.dedup {
+            std::time::Duration::ZERO
+        } else {
+            self.settle()
+        };
         core.unclear_policy.budget = self.unclear_budget;
         core.unclear_policy.schedule = self.unclear_schedule;
         self.relays.push(Relay {
@@ -1444,8 +1450,22 @@ impl World {
         self.reconcile_attempts(i, open, When::Running)
     }
 
-    /// `relay/unknown.rs`: every open UNKNOWN attempt, before streaming.
+    /// `reconcile_at_start`: the retry generations of events whose every attempt was proven
+    /// absent (`attempts::retry_generations`: no receipt, every attempt ABSENT; the next send
+    /// is the generation above them), then every open UNKNOWN attempt, before streaming.
     fn reconcile(&mut self, i: usize) -> Result<(), End> {
+        let mut retries: HashMap<usize, (bool, i32)> = HashMap::new();
+        for at in &self.ledger.attempts {
+            let e = retries.entry(at.row).or_insert((true, 0));
+            e.0 &= at.state == AttemptState::Absent;
+            e.1 = e.1.max(at.attempt);
+        }
+        for (row, (all_absent, last)) in retries {
+            if all_absent && !self.ledger.primary.contains_key(&row) {
+                let id = self.rows[row].ev.event_id;
+                self.relays[i].core.retry_generation.insert(id, last + 1);
+            }
+        }
         let open: Vec<usize> = (0..self.ledger.attempts.len())
             .filter(|a| self.ledger.attempts[*a].state == AttemptState::Unknown)
             .collect();
@@ -1474,9 +1494,12 @@ impl World {
             };
             let gen = self.relays[i].gen;
             let now = std::time::SystemTime::UNIX_EPOCH + ms(self.now);
-            // The core's settle time at start, `--unknown-settle-ms` while running: the same
-            // for the simulated Kafka sink (none with the mutant no-settle).
-            let settle = self.settle();
+            // The core's settle time at start (none where a look-up is a re-send under the
+            // key), `--unknown-settle-ms` while running (none with the mutant no-settle).
+            let settle = match when {
+                When::Start => self.relays[i].core.unclear_policy.settle,
+                When::Running => self.settle(),
+            };
             match self.relays[i].core.reconcile(when, gen, settle, &open, now) {
                 Reconcile::Skip => continue,
                 Reconcile::HandedToRun => {
