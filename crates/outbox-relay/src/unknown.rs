@@ -132,6 +132,73 @@ pub fn resolve(attempt: i32, last: i32, scan: Scan, probe_offset: Option<i64>) -
     }
 }
 
+/// What the ledger must record for a look-up that `resolved` an attempt, in this order: the
+/// attempt's resolution first where it is `before` the receipt, then the receipt, then the
+/// resolution where it is not ([`record`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record {
+    /// The copy's primary receipt (accepted like any other: a duplicate if one exists).
+    pub receipt: Option<ReceiptAt>,
+    /// The attempt's resolution (`attempts::resolve`): FOUND at `Some(offset)`, ABSENT at
+    /// `None`.
+    pub resolve: Option<Option<i64>>,
+    /// The resolution is written before the receipt.
+    pub resolve_first: bool,
+}
+
+/// Where a look-up's copy is, and which send it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReceiptAt {
+    pub offset: i64,
+    pub attempt_generation: i32,
+    pub relay_generation: i64,
+}
+
+/// What a look-up that `resolved` an attempt sent by relay generation `attempt_relay_generation`
+/// writes, for a run of generation `generation`:
+///
+/// * found: the copy is the attempt's own send (its generations); its receipt is accepted
+///   before the attempt is resolved FOUND, so a failure in between leaves an open attempt of
+///   a published event, which reconciliation closes;
+/// * stored by the re-send under the key: the original is not there (the duplicate window
+///   would have named it) and the re-send, this run's, is the retry; the attempt is resolved
+///   ABSENT, then the re-send's receipt is accepted;
+/// * proven absent: the attempt is resolved ABSENT (the next send is the retry);
+/// * nothing proven: nothing is written.
+pub fn record(resolved: Resolved, attempt_relay_generation: i64, generation: i64) -> Record {
+    // (offset, attempt generation, relay generation) of the receipt; the resolution; whether
+    // it comes first.
+    let (receipt, resolve, resolve_first) = match resolved {
+        Resolved::Found {
+            offset,
+            attempt_generation,
+        } => (
+            Some((offset, attempt_generation, attempt_relay_generation)),
+            Some(Some(offset)),
+            false,
+        ),
+        Resolved::StoredByProbe {
+            offset,
+            attempt_generation,
+        } => (
+            Some((offset, attempt_generation, generation)),
+            Some(None),
+            true,
+        ),
+        Resolved::Retry { .. } => (None, Some(None), true),
+        Resolved::StillUnknown => (None, None, false),
+    };
+    Record {
+        receipt: receipt.map(|(offset, attempt_generation, relay_generation)| ReceiptAt {
+            offset,
+            attempt_generation,
+            relay_generation,
+        }),
+        resolve,
+        resolve_first,
+    }
+}
+
 /// Whether another open attempt of an event is settled by the answer its look-up just had,
 /// without being looked up itself. Only where both look-ups are the same re-send of the event
 /// under its key (`resent`: the one answered; `next_resends`: the other's; an HTTP retry with
@@ -213,6 +280,47 @@ mod tests {
             step(When::Running, 5, 4, s(3), s(3)),
             Step::WaitThenLookup(s(0))
         );
+    }
+
+    #[test]
+    fn a_found_copy_is_the_attempts_own_send_and_a_stored_re_send_is_this_runs_retry() {
+        let found = record(
+            Resolved::Found {
+                offset: 7,
+                attempt_generation: 1,
+            },
+            3,
+            5,
+        );
+        assert_eq!(
+            found.receipt,
+            Some(ReceiptAt {
+                offset: 7,
+                attempt_generation: 1,
+                relay_generation: 3
+            })
+        );
+        assert_eq!((found.resolve, found.resolve_first), (Some(Some(7)), false));
+        let stored = record(
+            Resolved::StoredByProbe {
+                offset: 9,
+                attempt_generation: 2,
+            },
+            3,
+            5,
+        );
+        assert_eq!(stored.receipt.map(|r| r.relay_generation), Some(5));
+        assert_eq!((stored.resolve, stored.resolve_first), (Some(None), true));
+        let retry = record(
+            Resolved::Retry {
+                attempt_generation: 2,
+            },
+            3,
+            5,
+        );
+        assert_eq!((retry.receipt, retry.resolve), (None, Some(None)));
+        let nothing = record(Resolved::StillUnknown, 3, 5);
+        assert_eq!((nothing.receipt, nothing.resolve), (None, None));
     }
 
     #[test]

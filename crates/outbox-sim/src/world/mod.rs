@@ -1646,29 +1646,27 @@ impl World {
         scan: Scan,
         probe: Option<i64>,
     ) -> Result<Resolved, End> {
-        let (row, topic, partition, attempt) = {
+        let (row, topic, partition, attempt, relay_gen) = {
             let at = &self.ledger.attempts[a];
-            (at.row, at.topic, at.partition, at.attempt)
+            (at.row, at.topic, at.partition, at.attempt, at.relay_gen)
         };
         let last = self.last_attempt(row);
         let resolved = unknown::resolve(attempt, last, scan, probe);
-        let (state, receipt_at) = match resolved {
-            Resolved::Found { offset, .. } => (Some(AttemptState::Found), Some(offset)),
-            Resolved::StoredByProbe { offset, .. } => (Some(AttemptState::Absent), Some(offset)),
-            Resolved::Retry { .. } => (Some(AttemptState::Absent), None),
-            Resolved::StillUnknown => (None, None),
+        // What to write, and in which order: `outbox_relay::unknown::record`, as the daemon's
+        // `unknown::record_lookup` (the simulated receipt carries no generations).
+        let record = unknown::record(resolved, relay_gen, self.relays[i].gen);
+        let state = |found: Option<i64>| match found {
+            Some(_) => AttemptState::Found,
+            None => AttemptState::Absent,
         };
-        // As `unknown::record_lookup`: a found copy's receipt is accepted before its attempt is
-        // resolved; an absent attempt is resolved before the re-send's receipt is accepted (the
-        // re-send under the key was stored: the window would have named an earlier copy).
-        if state == Some(AttemptState::Absent) {
-            self.resolve_attempt(a, AttemptState::Absent);
+        if let (Some(found), true) = (record.resolve, record.resolve_first) {
+            self.resolve_attempt(a, state(found));
         }
-        if let Some(offset) = receipt_at {
+        if let Some(r) = record.receipt {
             let rc = Receipt {
                 topic,
                 partition,
-                offset: offset as usize,
+                offset: r.offset as usize,
             };
             let items = vec![Item::Receipt {
                 row,
@@ -1680,8 +1678,8 @@ impl World {
             self.accept(i, items, None)?;
             self.relays[i].proven.insert(row);
         }
-        if state == Some(AttemptState::Found) {
-            self.resolve_attempt(a, AttemptState::Found);
+        if let (Some(found), false) = (record.resolve, record.resolve_first) {
+            self.resolve_attempt(a, state(found));
         }
         log!(
             self,

@@ -231,29 +231,7 @@ pub(crate) async fn record_lookup(
     started: Instant,
 ) -> Result<Resolved, RelayError> {
     let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
-    let served = pipeline.served().clone();
-    let kind = served.kind;
-    let receipt_of = |attempt: i32,
-                      relay_generation: i64,
-                      offset: i64,
-                      timestamp_ms,
-                      evidence: Option<String>| {
-        LedgerItem::Receipt(ReceiptRecord {
-            event_id: ev.event_id,
-            payload_digest: ev.payload_digest.clone(),
-            destination_digest: ev.destination_digest.clone(),
-            broker_kind: served.kind.into(),
-            broker_cluster: ev.destination.cluster.clone(),
-            topic: a.topic.clone(),
-            partition: a.partition,
-            offset,
-            timestamp_ms,
-            attempt,
-            relay_generation,
-            commit_lsn: None,
-            evidence,
-        })
-    };
+    let kind = pipeline.served().kind;
     // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
     // JetStream probe (or an HTTP retry with the same key) that was *stored* proves the
     // original absent or deduplicated, and is itself the retry.
@@ -292,34 +270,35 @@ pub(crate) async fn record_lookup(
     // Settled: the settle time has passed (slept out at start, filtered while running, and
     // counted by the core for an in-run look-up).
     let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
+    // What to write, and in which order, is the core's (`outbox_relay::unknown::record`).
+    let record = unknown::record(resolved, a.relay_generation, fence.generation);
+    if let (Some(found), true) = (record.resolve, record.resolve_first) {
+        attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
+    }
+    if let Some(r) = record.receipt {
+        let receipt = LedgerItem::Receipt(ReceiptRecord {
+            event_id: ev.event_id,
+            payload_digest: ev.payload_digest.clone(),
+            destination_digest: ev.destination_digest.clone(),
+            broker_kind: kind.into(),
+            broker_cluster: ev.destination.cluster.clone(),
+            topic: a.topic.clone(),
+            partition: a.partition,
+            offset: r.offset,
+            timestamp_ms,
+            attempt: r.attempt_generation,
+            relay_generation: r.relay_generation,
+            commit_lsn: None,
+            evidence,
+        });
+        accept::accept_batch(&mut pipeline.client, slot, &[receipt], None, Some(fence)).await?;
+    }
+    if let (Some(found), false) = (record.resolve, record.resolve_first) {
+        attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
+    }
     match resolved {
         Resolved::StillUnknown => {}
-        Resolved::Found {
-            offset,
-            attempt_generation,
-        } => {
-            accept::accept_batch(
-                &mut pipeline.client,
-                slot,
-                &[receipt_of(
-                    attempt_generation,
-                    a.relay_generation,
-                    offset,
-                    timestamp_ms,
-                    None,
-                )],
-                None,
-                Some(fence),
-            )
-            .await?;
-            attempts::resolve(
-                &pipeline.client,
-                a.id,
-                Some(offset),
-                scanned_from,
-                scanned_to,
-            )
-            .await?;
+        Resolved::Found { offset, .. } => {
             tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
                 unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
         }
@@ -327,30 +306,12 @@ pub(crate) async fn record_lookup(
             offset,
             attempt_generation: next,
         } => {
-            attempts::resolve(&pipeline.client, a.id, None, scanned_from, scanned_to).await?;
-            // The destination said it had no other copy under this key: the re-publish (the
-            // retry) is the one copy; record its receipt.
-            accept::accept_batch(
-                &mut pipeline.client,
-                slot,
-                &[receipt_of(
-                    next,
-                    fence.generation,
-                    offset,
-                    timestamp_ms,
-                    evidence,
-                )],
-                None,
-                Some(fence),
-            )
-            .await?;
             tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
                 unknown_to_resolved_ms = unknown_ms, "{}", stored_by_probe_words(kind));
         }
         Resolved::Retry {
             attempt_generation: next,
         } => {
-            attempts::resolve(&pipeline.client, a.id, None, scanned_from, scanned_to).await?;
             tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
                 scanned_from, scanned_to, next_attempt = next,
                 unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
