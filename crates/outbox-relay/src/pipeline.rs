@@ -1037,15 +1037,10 @@ impl<P: Plant> PipelineCore<P> {
     /// the next restart: found by the simulator once reconciliation's look-ups answered
     /// later, as the daemon's do).
     pub fn resolved_meanwhile(&self, event_id: Uuid) -> LookupOutcome {
-        if self.planted(Mutant::IgnoresResolvedMeanwhile) {
-            return LookupOutcome::Unresolved {
-                error: "no open DISPATCH_UNKNOWN attempt in the ledger".into(),
-                after: None,
-            };
-        }
-        if self.found.contains(&event_id) {
+        let heeded = !self.planted(Mutant::IgnoresResolvedMeanwhile);
+        if heeded && self.found.contains(&event_id) {
             LookupOutcome::Recorded
-        } else if let Some(g) = self.retry_generation.get(&event_id) {
+        } else if let Some(g) = self.retry_generation.get(&event_id).filter(|_| heeded) {
             LookupOutcome::Retry {
                 attempt_generation: *g,
             }

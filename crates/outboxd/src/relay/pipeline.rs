@@ -432,12 +432,13 @@ impl Pipeline {
                 return Ok(true);
             };
             let resends = self.sink.lookup_resends(super::unknown::sent_ago(&attempt));
-            if !self.core.closes_by_receipt(attempt.has_receipt, resends) {
-                self.spawn_lookup(event, attempt, prior, false);
-                return Ok(true);
-            }
-            let Some(offset) = attempts::resolve_by_receipt(&self.client, attempt.id).await? else {
-                // Resolved meanwhile, or the receipt is gone (purged): look it up as usual.
+            let closed_at = if self.core.closes_by_receipt(attempt.has_receipt, resends) {
+                // None: resolved meanwhile, or the receipt is gone (purged).
+                attempts::resolve_by_receipt(&self.client, attempt.id).await?
+            } else {
+                None
+            };
+            let Some(offset) = closed_at else {
                 self.spawn_lookup(event, attempt, prior, false);
                 return Ok(true);
             };
