@@ -26,6 +26,8 @@ pub enum SourceError {
     WalLevel { actual: String },
     #[error("replication slot \"{slot}\" is missing, but the ledger has a checkpoint for it at {checkpoint}: it was dropped behind outboxd's back, and events committed since may be in no slot. Recover with `outboxd run --resnapshot` (creates the slot again and publishes every outbox row without a receipt)")]
     SlotMissing { slot: String, checkpoint: Lsn },
+    #[error("replication slot \"{slot}\" was dropped behind outboxd's back after the relay planned to stream from it at {start}: events committed since may be in no slot. Recover with `outboxd run --resnapshot` (creates the slot again and publishes every outbox row without a receipt)")]
+    SlotDropped { slot: String, start: Lsn },
     #[error("replication slot \"{slot}\" is at {slot_lsn}, ahead of the ledger checkpoint {checkpoint}: the slot was recreated or advanced behind outboxd's back, and events between the two positions would be skipped. Recover with `outboxd run --resnapshot` (recreates the slot and publishes every outbox row without a receipt)")]
     SlotAhead {
         slot: String,
@@ -79,6 +81,22 @@ impl SourceError {
             }
             SourceError::Db { code, .. } => recovery(code.as_deref(), Channel::Sql).is_retry(),
             _ => false,
+        }
+    }
+}
+
+impl SourceError {
+    /// What `START_REPLICATION` failing means. The start-up plan has just read the slot (or
+    /// created it), so a slot the server no longer knows (SQLSTATE 42704) was dropped in
+    /// between by somebody else: say so and how to recover, not only what the server said.
+    pub fn at_start_replication(slot: &str, start: Lsn, e: TransportError) -> SourceError {
+        if e.sqlstate() == Some("42704") {
+            SourceError::SlotDropped {
+                slot: slot.to_string(),
+                start,
+            }
+        } else {
+            SourceError::Transport(e)
         }
     }
 }
@@ -414,13 +432,17 @@ pub fn quote_ident(s: &str) -> String {
 mod tests {
     use super::*;
 
-    fn server(code: &str) -> SourceError {
-        SourceError::Transport(TransportError::Server {
+    fn server_err(code: &str) -> TransportError {
+        TransportError::Server {
             code: code.into(),
             message: "m".into(),
             detail: None,
             hint: None,
-        })
+        }
+    }
+
+    fn server(code: &str) -> SourceError {
+        SourceError::Transport(server_err(code))
     }
 
     fn sql(code: Option<&str>) -> SourceError {
@@ -439,6 +461,19 @@ mod tests {
         assert!(server("55006").is_transient());
         assert!(!server("42704").is_transient());
         assert!(!server("42501").is_transient());
+        // A slot gone between the plan and START_REPLICATION is named as dropped, with the fix.
+        let gone = SourceError::at_start_replication("s", Lsn(7), server_err("42704"));
+        assert!(matches!(gone, SourceError::SlotDropped { .. }), "{gone}");
+        assert!(!gone.is_transient());
+        let msg = gone.to_string();
+        assert!(
+            msg.contains("behind outboxd's back") && msg.contains("--resnapshot"),
+            "{msg}"
+        );
+        assert!(matches!(
+            SourceError::at_start_replication("s", Lsn(7), server_err("57P01")),
+            SourceError::Transport(_)
+        ));
         // On the SQL connection a broken connection and an unknown code are retried, a
         // missing privilege or table is not.
         assert!(sql(None).is_transient());

@@ -461,7 +461,7 @@ async fn run_once(
             ],
         )
         .await
-        .map_err(SourceError::from)?;
+        .map_err(|e| SourceError::at_start_replication(&cfg.slot, start, e))?;
     // The plan read the slot before START_REPLICATION took it: a slot dropped and recreated
     // under the same name in between would stream from its own, later position and skip what
     // lies between (seen in CI). Now that this walsender holds the slot, nobody can drop it:
