@@ -44,8 +44,9 @@ pub mod unknown;
 pub(crate) mod testing;
 
 pub use pipeline::{
-    AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now, Pending, PipelineCore,
-    Reported, UnclearPolicy, UnclearSchedule, UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
+    AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now, OpenAttempt, ParkedInput,
+    ParkedLookup, ParkedStep, Pending, PipelineCore, Reported, UnclearPolicy, UnclearSchedule,
+    UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
 };
 pub use route::Refusal;
 

@@ -1143,7 +1143,8 @@ impl<P: Plant> PipelineCore<P> {
 
 mod unclear;
 pub use unclear::{
-    merge_lookups, LookupOutcome, Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep,
+    merge_lookups, LookupOutcome, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep,
+    Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep,
 };
 
 #[cfg(test)]

@@ -240,6 +240,169 @@ pub fn merge_lookups(prior: Option<LookupOutcome>, next: LookupOutcome) -> Looku
     }
 }
 
+/// A parked event's look-ups, from the moment one is due ([`ParkedLookup::due`]) or one has
+/// answered ([`ParkedLookup::answered`]) until its next look-up runs or every attempt of it is
+/// traced. The driver executes what [`ParkedLookup::next`] asks and answers with what it found:
+///
+/// * read the event's latest open DISPATCH_UNKNOWN attempt; none left: what the look-ups proved
+///   is done ([`PipelineCore::lookup_done`]), or, where none ran here, what this run learned
+///   meanwhile ([`PipelineCore::resolved_meanwhile`]);
+/// * an attempt whose look-up would send the event again under its key while the event has its
+///   primary receipt is closed by that receipt ([`PipelineCore::closes_by_receipt`]); the next
+///   open attempt is read again, so every attempt is traced;
+/// * otherwise the attempt is looked up on its own task, carrying what the look-ups of the
+///   event's later attempts proved; its answer starts a new `ParkedLookup`.
+///
+/// The daemon's `Pipeline` and the simulator both drive it: neither decides this sequence.
+#[derive(Debug)]
+pub struct ParkedLookup<A> {
+    event: OutboxEvent,
+    /// What the look-ups of the event's later attempts proved.
+    prior: Option<LookupOutcome>,
+    /// The last look-up proved nothing: the round ends at once.
+    unresolved: bool,
+    /// The attempt being closed at its receipt, and its attempt generation.
+    closing: Option<(A, i32)>,
+}
+
+/// An open attempt as the driver read it for [`ParkedLookup::next`].
+#[derive(Debug, Clone)]
+pub struct OpenAttempt<A> {
+    /// The driver's handle of the attempt (a ledger row, an index).
+    pub attempt: A,
+    pub attempt_generation: i32,
+    /// The event has its primary receipt in the ledger.
+    pub has_receipt: bool,
+    /// The attempt's look-up would send the event again under its key.
+    pub lookup_resends: bool,
+}
+
+/// What the driver answers [`ParkedLookup::next`] with.
+#[derive(Debug)]
+pub enum ParkedInput<A> {
+    /// The first call.
+    Begin,
+    /// The event's latest open DISPATCH_UNKNOWN attempt, if any.
+    Open(Option<OpenAttempt<A>>),
+    /// Closing the attempt at its receipt gave this offset; `None`: it was resolved meanwhile
+    /// or its receipt is gone (purged), so it is looked up instead.
+    ClosedAt(Option<i64>),
+}
+
+/// What [`ParkedLookup::next`] asks the driver to do.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum ParkedStep<A> {
+    /// Read the event's latest open DISPATCH_UNKNOWN attempt: answer [`ParkedInput::Open`].
+    ReadOpenAttempt,
+    /// Close this attempt at its event's primary receipt: answer [`ParkedInput::ClosedAt`].
+    CloseByReceipt(A),
+    /// Look the attempt up on its own task; its answer goes to [`ParkedLookup::answered`]
+    /// with `prior`. This `ParkedLookup` is over.
+    LookUp {
+        event: OutboxEvent,
+        attempt: A,
+        prior: Option<LookupOutcome>,
+    },
+    /// Every attempt is traced: hand `outcome` to [`PipelineCore::lookup_done`]. Over.
+    Done {
+        event_id: Uuid,
+        outcome: LookupOutcome,
+    },
+}
+
+impl<A: Clone> ParkedLookup<A> {
+    /// The core said `event`'s look-up is due ([`UnclearStep::Lookup`]).
+    pub fn due(event: OutboxEvent) -> Self {
+        ParkedLookup {
+            event,
+            prior: None,
+            unresolved: false,
+            closing: None,
+        }
+    }
+
+    /// The look-up of one of `event`'s attempts answered `outcome`, after the look-ups of its
+    /// later attempts proved `prior`. Nothing proven ends the round at once (asked again after
+    /// the backoff); otherwise the event's other open attempts are traced too.
+    pub fn answered(
+        event: OutboxEvent,
+        prior: Option<LookupOutcome>,
+        outcome: LookupOutcome,
+    ) -> Self {
+        let merged = merge_lookups(prior, outcome);
+        ParkedLookup {
+            event,
+            unresolved: matches!(merged, LookupOutcome::Unresolved { .. }),
+            prior: Some(merged),
+            closing: None,
+        }
+    }
+
+    /// The event whose look-ups these are.
+    pub fn event_id(&self) -> Uuid {
+        self.event.event_id
+    }
+
+    /// The next thing for the driver to do, given what it did last (`Begin` at first).
+    pub fn next<P: crate::pipeline::Plant>(
+        &mut self,
+        core: &mut PipelineCore<P>,
+        input: ParkedInput<A>,
+    ) -> ParkedStep<A> {
+        let event_id = self.event.event_id;
+        match input {
+            ParkedInput::Begin if self.unresolved => ParkedStep::Done {
+                event_id,
+                outcome: self.outcome(core),
+            },
+            ParkedInput::Begin => ParkedStep::ReadOpenAttempt,
+            ParkedInput::Open(None) => ParkedStep::Done {
+                event_id,
+                outcome: self.outcome(core),
+            },
+            ParkedInput::Open(Some(open)) => {
+                if core.closes_by_receipt(open.has_receipt, open.lookup_resends) {
+                    self.closing = Some((open.attempt.clone(), open.attempt_generation));
+                    ParkedStep::CloseByReceipt(open.attempt)
+                } else {
+                    self.look_up(open.attempt)
+                }
+            }
+            ParkedInput::ClosedAt(closed_at) => match (self.closing.take(), closed_at) {
+                (Some((_, attempt_generation)), Some(offset)) => {
+                    let found = crate::unknown::Resolved::Found {
+                        offset,
+                        attempt_generation,
+                    };
+                    core.unknown_resolved(event_id, &found);
+                    self.prior = Some(merge_lookups(self.prior.take(), found.into()));
+                    ParkedStep::ReadOpenAttempt
+                }
+                (Some((attempt, _)), None) => self.look_up(attempt),
+                // Not an answer to `CloseByReceipt`: reading the open attempts again is safe.
+                (None, _) => ParkedStep::ReadOpenAttempt,
+            },
+        }
+    }
+
+    fn look_up(&mut self, attempt: A) -> ParkedStep<A> {
+        ParkedStep::LookUp {
+            event: self.event.clone(),
+            attempt,
+            prior: self.prior.take(),
+        }
+    }
+
+    /// No attempt left to look up: what the look-ups here proved, else what this run
+    /// learned meanwhile.
+    fn outcome<P: crate::pipeline::Plant>(&mut self, core: &PipelineCore<P>) -> LookupOutcome {
+        self.prior
+            .take()
+            .unwrap_or_else(|| core.resolved_meanwhile(self.event.event_id))
+    }
+}
+
 impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// The policy for events frozen for `ev`'s destination: its cluster's own (a webhook
     /// endpoint's schedule), else the relay's.

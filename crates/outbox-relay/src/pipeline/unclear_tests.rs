@@ -496,3 +496,125 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
     unclear(&mut c, token(&cmds[0]), Persistence::PossiblyPersisted);
     assert_eq!(run(&mut c, 4, 9), Reconcile::Skip);
 }
+
+/// An open attempt as a driver reads it, for `ParkedLookup`.
+fn open_attempt(
+    attempt: u32,
+    generation: i32,
+    has_receipt: bool,
+    resends: bool,
+) -> OpenAttempt<u32> {
+    OpenAttempt {
+        attempt,
+        attempt_generation: generation,
+        has_receipt,
+        lookup_resends: resends,
+    }
+}
+
+#[test]
+fn a_parked_events_look_ups_close_answered_attempts_by_receipt_and_look_up_the_rest() {
+    let mut c = core();
+    let e = event("a", 1);
+    // Due: the latest open attempt (generation 2) would be re-sent under the key of an event
+    // that has its receipt by now: closed by that receipt, then the next one is read.
+    let mut lk = ParkedLookup::due(e.clone());
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Begin),
+        ParkedStep::ReadOpenAttempt
+    ));
+    assert!(matches!(
+        lk.next(
+            &mut c,
+            ParkedInput::Open(Some(open_attempt(7, 2, true, true)))
+        ),
+        ParkedStep::CloseByReceipt(7)
+    ));
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::ClosedAt(Some(40))),
+        ParkedStep::ReadOpenAttempt
+    ));
+    // The earlier attempt reads the broker (a scan): it is looked up, carrying what the
+    // closed one proved.
+    match lk.next(
+        &mut c,
+        ParkedInput::Open(Some(open_attempt(6, 1, true, false))),
+    ) {
+        ParkedStep::LookUp {
+            event,
+            attempt,
+            prior,
+        } => {
+            assert_eq!((event.event_id, attempt), (e.event_id, 6));
+            assert_eq!(prior, Some(LookupOutcome::Recorded));
+        }
+        other => panic!("expected the look-up of attempt 6, got {other:?}"),
+    }
+    // Its answer (absent) merged with the found copy: recorded, nothing sent again; no
+    // attempt is left open.
+    let mut lk = ParkedLookup::<u32>::answered(
+        e.clone(),
+        Some(LookupOutcome::Recorded),
+        LookupOutcome::Retry {
+            attempt_generation: 2,
+        },
+    );
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Begin),
+        ParkedStep::ReadOpenAttempt
+    ));
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Open(None)),
+        ParkedStep::Done {
+            outcome: LookupOutcome::Recorded,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn a_look_up_that_proved_nothing_ends_the_round_and_a_closed_receipt_that_is_gone_is_looked_up() {
+    let mut c = core();
+    let e = event("a", 1);
+    let mut lk = ParkedLookup::<u32>::answered(
+        e.clone(),
+        None,
+        LookupOutcome::Unresolved {
+            error: "timeout".into(),
+            after: None,
+        },
+    );
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Begin),
+        ParkedStep::Done {
+            outcome: LookupOutcome::Unresolved { .. },
+            ..
+        }
+    ));
+    // The receipt that was to close the attempt is gone (purged) or it was resolved
+    // meanwhile: it is looked up, never taken as found.
+    let mut lk = ParkedLookup::due(e.clone());
+    lk.next(&mut c, ParkedInput::Begin);
+    lk.next(
+        &mut c,
+        ParkedInput::Open(Some(open_attempt(3, 1, true, true))),
+    );
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::ClosedAt(None)),
+        ParkedStep::LookUp {
+            attempt: 3,
+            prior: None,
+            ..
+        }
+    ));
+    // Due with nothing open and nothing learned: nothing proven, asked again later.
+    let mut lk = ParkedLookup::<u32>::due(e);
+    lk.next(&mut c, ParkedInput::Begin);
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Open(None)),
+        ParkedStep::Done {
+            outcome: LookupOutcome::Unresolved { .. },
+            ..
+        }
+    ));
+}

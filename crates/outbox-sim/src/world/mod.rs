@@ -24,7 +24,10 @@ use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::release::ReleaseStep;
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
-use outbox_relay::{Command, LookupOutcome, Now, PipelineCore, Planted, Reported, UnclearStep};
+use outbox_relay::{
+    Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep, PipelineCore,
+    Planted, Reported, UnclearStep,
+};
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
 
@@ -2072,67 +2075,57 @@ impl World {
                     self.c.unclear_resends += 1;
                     self.execute(i, vec![send])?;
                 }
-                UnclearStep::Lookup { event } => {
-                    let id = event.event_id;
-                    if !self.start_lookup(i, event, None)? {
-                        // Resolved meanwhile by another path: nothing to ask the broker; what
-                        // it proved decides (`PipelineCore::resolved_meanwhile`).
-                        let outcome = self.relays[i].core.resolved_meanwhile(id);
-                        log!(self, "{id}: no open attempt left to look up: {outcome:?}");
-                        self.lookup_done(i, id, outcome)?;
-                    }
-                }
+                UnclearStep::Lookup { event } => self.drive_lookup(i, ParkedLookup::due(event))?,
             }
         }
         Ok(())
     }
 
-    /// `Pipeline::start_lookup`: the look-up of `event`'s latest open attempt starts (it
-    /// answers at a later step). False if none is open.
-    fn start_lookup(
-        &mut self,
-        i: usize,
-        event: OutboxEvent,
-        mut prior: Option<LookupOutcome>,
-    ) -> Result<bool, End> {
-        let row = self.by_id[&event.event_id];
-        let mut closed = false;
+    /// `Pipeline::drive_lookup`: does what a parked event's look-ups ask ([`ParkedLookup`]):
+    /// reads its latest open attempt (`attempts::open_unknown_of`), closes one at its receipt,
+    /// starts the look-up (it answers at a later step), or hands what was proven to the core.
+    fn drive_lookup(&mut self, i: usize, mut lookup: ParkedLookup<usize>) -> Result<(), End> {
+        let id = lookup.event_id();
+        let row = self.by_id[&id];
+        let mut input = ParkedInput::Begin;
         loop {
-            // `attempts::open_unknown_of`: the event's latest open attempt.
-            let open = (0..self.ledger.attempts.len()).rev().find(|a| {
-                let at = &self.ledger.attempts[*a];
-                at.row == row && at.state == AttemptState::Unknown
-            });
-            let Some(attempt) = open else {
-                let Some(outcome) = prior.filter(|_| closed) else {
-                    return Ok(false);
-                };
-                self.lookup_done(i, event.event_id, outcome)?;
-                return Ok(true);
-            };
-            // `Pipeline::start_lookup`: a re-send under the key of an event with its receipt
-            // by now is not made; the receipt closes the attempt.
-            let has_receipt = self.ledger.primary.contains_key(&row);
-            let resends = self.lookup_resends(self.ledger.attempts[attempt].sent_at);
-            if self.relays[i].core.closes_by_receipt(has_receipt, resends) {
-                let found = self.close_by_receipt(attempt);
-                self.relays[i].core.unknown_resolved(event.event_id, &found);
-                prior = Some(outbox_relay::pipeline::merge_lookups(
+            input = match lookup.next(&mut self.relays[i].core, input) {
+                ParkedStep::ReadOpenAttempt => {
+                    let open = (0..self.ledger.attempts.len()).rev().find(|a| {
+                        let at = &self.ledger.attempts[*a];
+                        at.row == row && at.state == AttemptState::Unknown
+                    });
+                    ParkedInput::Open(open.map(|a| OpenAttempt {
+                        attempt: a,
+                        attempt_generation: self.ledger.attempts[a].attempt,
+                        has_receipt: self.ledger.primary.contains_key(&row),
+                        lookup_resends: self.lookup_resends(self.ledger.attempts[a].sent_at),
+                    }))
+                }
+                ParkedStep::CloseByReceipt(a) => match self.close_by_receipt(a) {
+                    Resolved::Found { offset, .. } => ParkedInput::ClosedAt(Some(offset)),
+                    _ => ParkedInput::ClosedAt(None),
+                },
+                ParkedStep::LookUp {
+                    event,
+                    attempt,
                     prior,
-                    LookupOutcome::from(found),
-                ));
-                closed = true;
-                continue;
-            }
-            log!(self, "look-up of {} started", event.event_id);
-            self.relays[i].lookups.push(PendingLookup {
-                event,
-                attempt,
-                prior,
-                published: has_receipt,
-                reconciling: false,
-            });
-            return Ok(true);
+                } => {
+                    log!(self, "look-up of {id} started");
+                    self.relays[i].lookups.push(PendingLookup {
+                        event,
+                        attempt,
+                        prior,
+                        published: self.ledger.primary.contains_key(&row),
+                        reconciling: false,
+                    });
+                    return Ok(());
+                }
+                ParkedStep::Done { event_id, outcome } => {
+                    log!(self, "{event_id}: every open attempt traced: {outcome:?}");
+                    return self.lookup_done(i, event_id, outcome);
+                }
+            };
         }
     }
 
@@ -2246,13 +2239,7 @@ impl World {
                 }
             }
         };
-        let outcome = outbox_relay::pipeline::merge_lookups(prior, outcome);
-        if !matches!(outcome, LookupOutcome::Unresolved { .. })
-            && self.start_lookup(i, event, Some(outcome.clone()))?
-        {
-            return Ok(());
-        }
-        self.lookup_done(i, id, outcome)
+        self.drive_lookup(i, ParkedLookup::answered(event, prior, outcome))
     }
 
     /// `PipelineCore::lookup_done`, and the sends that follow (the retry, or the aggregate's

@@ -18,7 +18,10 @@ use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
 use outbox_relay::release::ReleaseStep;
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::Resolved;
-use outbox_relay::{Command, LookupOutcome, Now, Pending, PipelineCore, Reported, UnclearStep};
+use outbox_relay::{
+    Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep, Pending,
+    PipelineCore, Reported, UnclearStep,
+};
 use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_postgres::Client;
@@ -390,14 +393,7 @@ impl Pipeline {
             match step {
                 UnclearStep::Send(send) => self.execute(vec![send]).await?,
                 UnclearStep::Lookup { event } => {
-                    let id = event.event_id;
-                    if !self.start_lookup(event, None).await? {
-                        // Resolved meanwhile by another path (the running reconciliation's
-                        // look-up): nothing to ask the broker; what it proved decides.
-                        let outcome = self.core.resolved_meanwhile(id);
-                        let commands = self.core.lookup_done(id, outcome, self.now())?;
-                        self.execute(commands).await?;
-                    }
+                    self.drive_lookup(ParkedLookup::due(event)).await?
                 }
             }
         }
@@ -405,55 +401,51 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Starts the look-up of `event`'s latest open DISPATCH_UNKNOWN attempt on its own task,
-    /// carrying what the look-ups of its later attempts proved (`prior`). False if none is open.
-    ///
-    /// An attempt whose look-up would send the event again under its key while the event has
-    /// its primary receipt by now (`PipelineCore::closes_by_receipt`: a predecessor's salvage
-    /// or a found copy accepted it meanwhile) is closed by that receipt instead, as the
-    /// running reconciliation closes one; when no attempt is left open, the core is told
-    /// what they proved here (and true is returned: nothing for the caller to do).
-    async fn start_lookup(
+    /// Does what a parked event's look-ups ask ([`ParkedLookup`], which decides the sequence):
+    /// reads its latest open DISPATCH_UNKNOWN attempt, closes one at its receipt, starts the
+    /// look-up on its own task (the loop goes on; [`Self::on_lookup`] gets the answer), or
+    /// hands what was proven to the core and sends what follows.
+    async fn drive_lookup(
         &mut self,
-        event: OutboxEvent,
-        mut prior: Option<LookupOutcome>,
-    ) -> Result<bool, RelayError> {
-        let mut closed = false;
+        mut lookup: ParkedLookup<attempts::UnknownAttempt>,
+    ) -> Result<(), RelayError> {
+        let id = lookup.event_id();
+        let mut input = ParkedInput::Begin;
         loop {
-            let Some(attempt) =
-                attempts::open_unknown_of(&self.client, &self.slot, event.event_id).await?
-            else {
-                let Some(outcome) = prior.filter(|_| closed) else {
-                    return Ok(false);
-                };
-                let commands = self.core.lookup_done(event.event_id, outcome, self.now())?;
-                self.note_batch();
-                self.execute(commands).await?;
-                return Ok(true);
+            input = match lookup.next(&mut self.core, input) {
+                ParkedStep::ReadOpenAttempt => {
+                    let open = attempts::open_unknown_of(&self.client, &self.slot, id).await?;
+                    ParkedInput::Open(open.map(|attempt| OpenAttempt {
+                        attempt_generation: attempt.attempt_generation,
+                        has_receipt: attempt.has_receipt,
+                        lookup_resends:
+                            self.sink.lookup_resends(super::unknown::sent_ago(&attempt)),
+                        attempt,
+                    }))
+                }
+                ParkedStep::CloseByReceipt(attempt) => {
+                    // None: resolved meanwhile, or the receipt is gone (purged).
+                    let closed = attempts::resolve_by_receipt(&self.client, attempt.id).await?;
+                    if let Some(offset) = closed {
+                        tracing::info!(event_id = %id, relay_generation = attempt.relay_generation, offset,
+                            "DISPATCH_UNKNOWN of a parked event resolved by its receipt (the destination's answer under its key): not sent again");
+                    }
+                    ParkedInput::ClosedAt(closed)
+                }
+                ParkedStep::LookUp {
+                    event,
+                    attempt,
+                    prior,
+                } => {
+                    self.spawn_lookup(event, attempt, prior, false);
+                    return Ok(());
+                }
+                ParkedStep::Done { event_id, outcome } => {
+                    let commands = self.core.lookup_done(event_id, outcome, self.now())?;
+                    self.note_batch();
+                    return self.execute(commands).await;
+                }
             };
-            let resends = self.sink.lookup_resends(super::unknown::sent_ago(&attempt));
-            let closed_at = if self.core.closes_by_receipt(attempt.has_receipt, resends) {
-                // None: resolved meanwhile, or the receipt is gone (purged).
-                attempts::resolve_by_receipt(&self.client, attempt.id).await?
-            } else {
-                None
-            };
-            let Some(offset) = closed_at else {
-                self.spawn_lookup(event, attempt, prior, false);
-                return Ok(true);
-            };
-            tracing::info!(event_id = %event.event_id, relay_generation = attempt.relay_generation, offset,
-                "DISPATCH_UNKNOWN of a parked event resolved by its receipt (the destination's answer under its key): not sent again");
-            let found = Resolved::Found {
-                offset,
-                attempt_generation: attempt.attempt_generation,
-            };
-            self.core.unknown_resolved(event.event_id, &found);
-            prior = Some(outbox_relay::pipeline::merge_lookups(
-                prior,
-                LookupOutcome::from(found),
-            ));
-            closed = true;
         }
     }
 
@@ -544,16 +536,8 @@ impl Pipeline {
                 }
             }
         };
-        let outcome = outbox_relay::pipeline::merge_lookups(prior, outcome);
-        if !matches!(outcome, LookupOutcome::Unresolved { .. })
-            && self.start_lookup(event, Some(outcome.clone())).await?
-        {
-            return Ok(());
-        }
-        let commands = self.core.lookup_done(id, outcome, self.now())?;
-        self.note_batch();
-        self.execute(commands).await?;
-        Ok(())
+        self.drive_lookup(ParkedLookup::answered(event, prior, outcome))
+            .await
     }
 
     /// A look-up the running reconciliation started finished: record what it proved, close
