@@ -26,8 +26,16 @@
 //! maximum, and starts over after a run that reached streaming and streamed for
 //! [`HEALTHY_RUN`]. An unclear delivery is not a reason for a new run at all: it holds only its
 //! aggregate (`crate::pipeline::unclear`).
+//!
+//! # Before the first event
+//! A run does the same things in the same order before it streams or polls ([`RunStart`]):
+//! the attempt generations proven necessary by earlier runs are loaded, every open
+//! DISPATCH_UNKNOWN attempt is reconciled, the gate's known heads are read again (the
+//! reconciliation may have accepted receipts), and only then is the snapshot published.
 
 use std::time::Duration;
+
+use crate::pipeline::{AggKey, Mutant, PipelineCore, Plant};
 
 /// How long after sending a lease request (acquire or renew) the lease is certainly ours.
 pub fn certain_for(ttl: Duration) -> Duration {
@@ -155,6 +163,57 @@ impl Restarts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pipeline::Planted;
+    use crate::testing::served;
+
+    fn steps<P: Plant>(core: &PipelineCore<P>, snapshot: bool) -> Vec<StartStep> {
+        let mut start = RunStart::new(snapshot);
+        let mut steps = Vec::new();
+        loop {
+            let step = start.next(core);
+            steps.push(step.clone());
+            if step == StartStep::Run {
+                return steps;
+            }
+        }
+    }
+
+    #[test]
+    fn a_run_reads_the_known_heads_after_reconciling_and_before_its_snapshot() {
+        let held: AggKey = ("order".into(), "7".into());
+        let gate = || PipelineCore::gate_from(Vec::new(), vec![held.clone()]);
+        let core = PipelineCore::new(served(), 3, gate());
+        use StartStep::*;
+        assert_eq!(
+            steps(&core, true),
+            vec![
+                RetryGenerations,
+                ReconcileOpen,
+                RaiseHeads(vec![held.clone()]),
+                Snapshot,
+                Run
+            ]
+        );
+        assert_eq!(
+            steps(&core, false),
+            vec![
+                RetryGenerations,
+                ReconcileOpen,
+                RaiseHeads(vec![held.clone()]),
+                Run
+            ]
+        );
+        // The product before outbox-sim found it: no heads read after the reconciliation.
+        let planted = Planted {
+            mutant: Some(Mutant::GapHoldStrandsQueue),
+            current_route: None,
+        };
+        let bug = PipelineCore::with_plant(served(), 3, gate(), planted);
+        assert_eq!(
+            steps(&bug, true),
+            vec![RetryGenerations, ReconcileOpen, Snapshot, Run]
+        );
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
@@ -230,5 +289,59 @@ mod tests {
         assert_eq!(fatal.after_error(false, ms(0)), AfterError::Stop);
         standby.took_over();
         assert_eq!(standby.after_error(true, ms(0)), AfterError::Stop);
+    }
+}
+
+/// What a run does next before its first event ([`RunStart::next`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartStep {
+    /// Load the attempt generations of events whose every attempt was proven absent
+    /// (`attempts::retry_generations`) into [`PipelineCore::retry_generation`]: their next send
+    /// goes above them.
+    RetryGenerations,
+    /// Reconcile every open DISPATCH_UNKNOWN attempt ([`PipelineCore::reconcile`] with
+    /// `When::Start`): nothing is looked up in line, each is handed to the run.
+    ReconcileOpen,
+    /// Read the ledger's heads of these aggregates (the held ones the gate knows) and raise
+    /// the gate's ([`PipelineCore::raise_heads`]). After the reconciliation, which may have
+    /// accepted the receipt of an event it found: a snapshot or a poll round skips published
+    /// rows and would otherwise take the found event's version for a gap (found by outbox-sim,
+    /// seed 1 trace 1380).
+    RaiseHeads(Vec<AggKey>),
+    /// Publish every outbox row without a receipt (a new or recreated slot, an adopted one).
+    Snapshot,
+    /// Stream (or poll): the run's start is over.
+    Run,
+}
+
+/// The steps of a run's start, in order; the daemon's `reconcile_at_start` and the
+/// simulator's `World::start_run` execute them.
+#[derive(Debug, Clone)]
+pub struct RunStart {
+    done: u8,
+    snapshot: bool,
+}
+
+impl RunStart {
+    /// `snapshot`: the start-up plan asks for a snapshot (CDC with a backfill).
+    pub fn new(snapshot: bool) -> Self {
+        RunStart { done: 0, snapshot }
+    }
+
+    /// The next step, after the ones returned before were done.
+    pub fn next<P: Plant>(&mut self, core: &PipelineCore<P>) -> StartStep {
+        loop {
+            self.done = self.done.saturating_add(1);
+            return match self.done {
+                1 => StartStep::RetryGenerations,
+                2 => StartStep::ReconcileOpen,
+                // The mutant of the bug's first half: heads read before the reconciliation only.
+                3 if core.planted(Mutant::GapHoldStrandsQueue) => continue,
+                3 => StartStep::RaiseHeads(core.known_aggregates()),
+                4 if !self.snapshot => continue,
+                4 => StartStep::Snapshot,
+                _ => StartStep::Run,
+            };
+        }
     }
 }

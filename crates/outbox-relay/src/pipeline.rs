@@ -127,8 +127,10 @@ pub enum Mutant {
     /// A success report is taken as a receipt without checking that it names a position
     /// (librdkafka's implicit ack reports offset -1001 for a message the broker never stored).
     OkWithoutOffsetIsProof,
-    /// A version-gap hold leaves the events queued behind the aggregate's in-flight event in
-    /// the gate, where nothing sends them (the product before the simulator found it).
+    /// The product before the simulator found it (seed 1, trace 1380): a run's start reads
+    /// the gate's heads before start-up reconciliation only ([`crate::lifecycle::RunStart`]
+    /// skips `RaiseHeads`), and a version-gap hold leaves the events queued behind the
+    /// aggregate's in-flight event in the gate, where nothing sends them.
     GapHoldStrandsQueue,
     /// A parked event never comes due: no look-up or resend ever resolves an unclear
     /// outcome, so its aggregate waits forever (the simulator's `stalls`).
@@ -988,6 +990,24 @@ impl<P: Plant> PipelineCore<P> {
             }
             Resolved::StillUnknown => {}
         }
+    }
+
+    /// An open UNKNOWN attempt (of `attempt_generation`) of `event_id` was closed FOUND at its
+    /// event's primary receipt, at `offset` (`Reconcile::ClosedByReceipt`, or a parked event's
+    /// look-up, [`crate::pipeline::ParkedLookup`]): the event is published, what that proves is
+    /// remembered ([`PipelineCore::unknown_resolved`]) and returned.
+    pub fn closed_by_receipt(
+        &mut self,
+        event_id: Uuid,
+        attempt_generation: i32,
+        offset: i64,
+    ) -> crate::unknown::Resolved {
+        let found = crate::unknown::Resolved::Found {
+            offset,
+            attempt_generation,
+        };
+        self.unknown_resolved(event_id, &found);
+        found
     }
 
     /// Reconciliation's decision for open attempt `a` ([`crate::unknown::Reconcile`]), by

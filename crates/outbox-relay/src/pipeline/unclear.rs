@@ -371,11 +371,7 @@ impl<A: Clone> ParkedLookup<A> {
             }
             ParkedInput::ClosedAt(closed_at) => match (self.closing.take(), closed_at) {
                 (Some((_, attempt_generation)), Some(offset)) => {
-                    let found = crate::unknown::Resolved::Found {
-                        offset,
-                        attempt_generation,
-                    };
-                    core.unknown_resolved(event_id, &found);
+                    let found = core.closed_by_receipt(event_id, attempt_generation, offset);
                     self.prior = Some(merge_lookups(self.prior.take(), found.into()));
                     ParkedStep::ReadOpenAttempt
                 }

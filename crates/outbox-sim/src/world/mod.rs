@@ -21,6 +21,7 @@ use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, Stored};
 use outbox_core::records::LedgerItem;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
+use outbox_relay::lifecycle::{RunStart, StartStep};
 use outbox_relay::release::ReleaseStep;
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
@@ -1109,15 +1110,34 @@ impl World {
             self,
             "relay gen {gen} starts at {start} (WAL txn #{cursor})"
         );
-        let Some(i) = self.push_run(gen, Some(start), cursor) else {
-            return;
-        };
-        // Reconciliation may have accepted receipts: the gate learns the heads as they are now.
-        if self.is(Mutant::BugSnapshotGap) {
-            return self.start_snapshot(i, backfill);
+        let i = self.push_run(gen, Some(start), cursor);
+        self.start_run(i, backfill);
+    }
+
+    /// `reconcile_at_start`, then the snapshot: what `RunStart` asks, in its order.
+    fn start_run(&mut self, i: usize, snapshot: bool) {
+        let mut start = RunStart::new(snapshot);
+        loop {
+            let done = match start.next(&self.relays[i].core) {
+                StartStep::RetryGenerations => {
+                    self.load_retry_generations(i);
+                    Ok(())
+                }
+                StartStep::ReconcileOpen => self.reconcile_attempts(i, When::Start),
+                StartStep::RaiseHeads(known) => {
+                    self.raise_heads(i, known);
+                    Ok(())
+                }
+                StartStep::Snapshot => {
+                    self.start_snapshot(i, true);
+                    return;
+                }
+                StartStep::Run => return,
+            };
+            if let Err(e) = done {
+                return self.end_run(i, e);
+            }
         }
-        self.raise_known_heads(i);
-        self.start_snapshot(i, backfill);
     }
 
     /// After reconciliation at start: the snapshot, when the plan asks for one.
@@ -1137,18 +1157,15 @@ impl World {
     /// has no receipt); reconciliation at start, then the heads as they are now.
     fn start_poll_relay(&mut self, gen: i64) {
         log!(self, "relay gen {gen} starts polling");
-        let Some(i) = self.push_run(gen, None, self.wal.len()) else {
-            return;
-        };
+        let i = self.push_run(gen, None, self.wal.len());
         // Poll mode keeps the aggregates parked since the last round began (`run_once`).
         self.relays[i].core.unclear_touched = Some(Default::default());
-        self.raise_known_heads(i);
+        self.start_run(i, false);
     }
 
-    /// `reconcile_at_start`: the heads of the aggregates the gate knows (the held ones), read
-    /// again after reconciliation.
-    fn raise_known_heads(&mut self, i: usize) {
-        let known = self.relays[i].core.known_aggregates();
+    /// `reconcile_at_start`: the heads of the aggregates `known` (the held ones the gate
+    /// knows), read again after reconciliation.
+    fn raise_heads(&mut self, i: usize, known: Vec<outbox_relay::AggKey>) {
         let heads = known
             .into_iter()
             .map(|k| {
@@ -1206,7 +1223,7 @@ impl World {
 
     /// A new run of generation `gen`: its core with the gate as the ledger left it (streaming
     /// from `start` in CDC mode), then reconciliation at start. `None`: the run ended there.
-    fn push_run(&mut self, gen: i64, start: Option<Lsn>, cursor: usize) -> Option<usize> {
+    fn push_run(&mut self, gen: i64, start: Option<Lsn>, cursor: usize) -> usize {
         let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
         // Heads are read when the run first meets an aggregate (`learn_head`).
         let gate = PipelineCore::gate_from(Vec::new(), held);
@@ -1243,14 +1260,7 @@ impl World {
             started: self.now,
             lookups: Vec::new(),
         });
-        let i = self.relays.len() - 1;
-        match self.reconcile(i) {
-            Ok(()) => Some(i),
-            Err(e) => {
-                self.end_run(i, e);
-                None
-            }
-        }
+        self.relays.len() - 1
     }
 
     /// `outbox_source::poll::pending_sql`: rows without a primary receipt or an open
@@ -1447,16 +1457,13 @@ impl World {
     /// of events this run holds itself (parked, or left open at start): their own look-up
     /// resolves them.
     fn reconcile_settled(&mut self, i: usize) -> Result<(), End> {
-        let open: Vec<usize> = (0..self.ledger.attempts.len())
-            .filter(|a| self.ledger.attempts[*a].state == AttemptState::Unknown)
-            .collect();
-        self.reconcile_attempts(i, open, When::Running)
+        self.reconcile_attempts(i, When::Running)
     }
 
-    /// `reconcile_at_start`: the retry generations of events whose every attempt was proven
-    /// absent (`attempts::retry_generations`: no receipt, every attempt ABSENT; the next send
-    /// is the generation above them), then every open UNKNOWN attempt, before streaming.
-    fn reconcile(&mut self, i: usize) -> Result<(), End> {
+    /// `attempts::retry_generations`: the retry generations of events whose every attempt was
+    /// proven absent (no receipt, every attempt ABSENT; the next send is the generation above
+    /// them).
+    fn load_retry_generations(&mut self, i: usize) {
         let mut retries: HashMap<usize, (bool, i32)> = HashMap::new();
         for at in &self.ledger.attempts {
             let e = retries.entry(at.row).or_insert((true, 0));
@@ -1469,10 +1476,6 @@ impl World {
                 self.relays[i].core.retry_generation.insert(id, last + 1);
             }
         }
-        let open: Vec<usize> = (0..self.ledger.attempts.len())
-            .filter(|a| self.ledger.attempts[*a].state == AttemptState::Unknown)
-            .collect();
-        self.reconcile_attempts(i, open, When::Start)
     }
 
     /// `unknown::reconcile_unknown`. At start nothing is looked up in line: every open
@@ -1481,7 +1484,11 @@ impl World {
     /// everything else. While running, each settled attempt of another generation is looked
     /// up and what it proved recorded ([`World::record_lookup`]); a failed look-up is asked
     /// again at the next poll. Which is which is the core's (`PipelineCore::reconcile`).
-    fn reconcile_attempts(&mut self, i: usize, open: Vec<usize>, when: When) -> Result<(), End> {
+    fn reconcile_attempts(&mut self, i: usize, when: When) -> Result<(), End> {
+        // `attempts::open_unknown`: every open attempt, as the ledger has them now.
+        let open: Vec<usize> = (0..self.ledger.attempts.len())
+            .filter(|a| self.ledger.attempts[*a].state == AttemptState::Unknown)
+            .collect();
         for a in open {
             let (row, relay_gen, unknown_at, sent_at) = {
                 let at = &self.ledger.attempts[a];
@@ -1512,8 +1519,8 @@ impl World {
                 }
                 Reconcile::LookUp => {}
                 Reconcile::ClosedByReceipt => {
-                    let found = self.close_by_receipt(a);
-                    self.relays[i].core.unknown_resolved(id, &found);
+                    let (attempt, offset) = self.close_by_receipt(a);
+                    self.relays[i].core.closed_by_receipt(id, attempt, offset);
                     continue;
                 }
             }
@@ -2102,10 +2109,9 @@ impl World {
                         lookup_resends: self.lookup_resends(self.ledger.attempts[a].sent_at),
                     }))
                 }
-                ParkedStep::CloseByReceipt(a) => match self.close_by_receipt(a) {
-                    Resolved::Found { offset, .. } => ParkedInput::ClosedAt(Some(offset)),
-                    _ => ParkedInput::ClosedAt(None),
-                },
+                ParkedStep::CloseByReceipt(a) => {
+                    ParkedInput::ClosedAt(Some(self.close_by_receipt(a).1))
+                }
                 ParkedStep::LookUp {
                     event,
                     attempt,
@@ -2188,8 +2194,9 @@ impl World {
     }
 
     /// `attempts::resolve_by_receipt`: open attempt `a` closed FOUND at its event's primary
-    /// receipt (the destination's answer under the event's key); nothing is sent.
-    fn close_by_receipt(&mut self, a: usize) -> Resolved {
+    /// receipt (the destination's answer under the event's key); nothing is sent. Returns the
+    /// attempt's generation and the receipt's offset.
+    fn close_by_receipt(&mut self, a: usize) -> (i32, i64) {
         let (row, attempt) = (self.ledger.attempts[a].row, self.ledger.attempts[a].attempt);
         let offset = self.ledger.primary[&row].offset as i64;
         self.resolve_attempt(a, AttemptState::Found);
@@ -2199,10 +2206,7 @@ impl World {
             "UNKNOWN {} closed by its receipt (offset {offset})",
             self.rows[row].ev.event_id
         );
-        Resolved::Found {
-            offset,
-            attempt_generation: attempt,
-        }
+        (attempt, offset)
     }
 
     /// `Pipeline::on_lookup`: look-up `k` of run `i` answers; what it proved is recorded as

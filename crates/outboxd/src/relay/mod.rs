@@ -50,7 +50,7 @@ use tokio_postgres::Client;
 use tracing::Instrument;
 
 use crate::config::{redact_url, RelayConfig};
-use outbox_relay::lifecycle::{self, AfterError, Restarts};
+use outbox_relay::lifecycle::{self, AfterError, Restarts, RunStart, StartStep};
 use outbox_relay::schedule::{self, Schedule};
 use pipeline::Pipeline;
 
@@ -432,9 +432,7 @@ async fn run_once(
         }
     };
 
-    reconcile_at_start(cfg, &sql, &mut pipeline, fence, &current_rows).await?;
-
-    if backfill {
+    if reconcile_at_start(cfg, &sql, &mut pipeline, fence, &current_rows, backfill).await? {
         // As the relay must publish them now: with their latest destination migration.
         let n = publish_snapshot(
             cfg,
@@ -711,36 +709,43 @@ async fn open_pipeline(
     Ok(pipeline)
 }
 
-/// Before the first event of a run: retries proven necessary by an earlier run keep their
-/// attempt generation, UNKNOWN attempts are reconciled, and the gate learns the heads as they
-/// are after that (reconciliation may have accepted receipts of events it found; a snapshot or
-/// a poll round, which skip published rows, would otherwise take a found event's version for a
-/// gap: found by outbox-sim, seed 1 trace 1380).
+/// Before the first event of a run: what `outbox_relay::lifecycle::RunStart` asks, in its
+/// order (retry generations, UNKNOWN attempts reconciled, the gate's heads read again after
+/// that). True when a snapshot is next (`snapshot` asked for one), false when the run may
+/// stream or poll.
 async fn reconcile_at_start(
     cfg: &RelayConfig,
     sql: &Client,
     pipeline: &mut Pipeline,
     fence: &Fence,
     current_rows: &str,
-) -> Result<(), RelayError> {
-    pipeline
-        .core
-        .retry_generation
-        .extend(outbox_ledger::attempts::retry_generations(sql, &cfg.slot).await?);
-    unknown::reconcile_unknown(
-        cfg,
-        sql,
-        pipeline,
-        fence,
-        current_rows,
-        unknown::When::Start,
-    )
-    .await?;
-    let known = pipeline.core.known_aggregates();
-    pipeline
-        .core
-        .raise_heads(holds::heads_of(sql, &known, None).await?);
-    Ok(())
+    snapshot: bool,
+) -> Result<bool, RelayError> {
+    let mut start = RunStart::new(snapshot);
+    loop {
+        match start.next(&pipeline.core) {
+            StartStep::RetryGenerations => pipeline
+                .core
+                .retry_generation
+                .extend(outbox_ledger::attempts::retry_generations(sql, &cfg.slot).await?),
+            StartStep::ReconcileOpen => {
+                unknown::reconcile_unknown(
+                    cfg,
+                    sql,
+                    pipeline,
+                    fence,
+                    current_rows,
+                    unknown::When::Start,
+                )
+                .await?
+            }
+            StartStep::RaiseHeads(known) => pipeline
+                .core
+                .raise_heads(holds::heads_of(sql, &known, None).await?),
+            StartStep::Snapshot => return Ok(true),
+            StartStep::Run => return Ok(false),
+        }
+    }
 }
 
 /// The broker client for one run, and the channel its delivery reports arrive on.

@@ -100,11 +100,9 @@ pub(crate) async fn reconcile_unknown(
                 if let Some(offset) = attempts::resolve_by_receipt(&pipeline.client, a.id).await? {
                     tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
                         offset, "DISPATCH_UNKNOWN resolved by the event's receipt (the destination's answer under its key): not sent again");
-                    let found = Resolved::Found {
-                        offset,
-                        attempt_generation: a.attempt_generation,
-                    };
-                    pipeline.core.unknown_resolved(a.event_id, &found);
+                    pipeline
+                        .core
+                        .closed_by_receipt(a.event_id, a.attempt_generation, offset);
                 }
             }
             // On a task of its own, as a parked event's: a broker scan or an endpoint that
