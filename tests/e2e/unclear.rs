@@ -17,7 +17,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use outbox_testkit::http_target::{Behavior, Misbehave, TargetSettings};
+use outbox_testkit::http_target::{Behavior, Misbehave, TargetSettings, CLIENT_RUN_HEADER};
 use serde_json::json;
 
 use crate::harness::TestEnv;
@@ -39,10 +39,17 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     // timeout leaves a clean answer 2.5 s: with 1 s, a CI run whose two CPUs were saturated
     // by the tests beside this one had a clean 200 read after the relay had given up on it,
     // and the relay's correct resend counted as a second delivery (1 run in 3).
-    let config = env.write_config(
-        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
-         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
-    );
+    // Each relay process names itself on its requests (CLIENT_RUN_HEADER): a request the
+    // killed one wrote just before it died can reach the endpoint after the new one started,
+    // and is its predecessor's, not a second delivery of the new run (a CI run saw one).
+    let config_of_run = |run: u32| {
+        env.write_config(format!(
+            "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
+             response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n\
+             headers = {{ {CLIENT_RUN_HEADER} = \"{run}\" }}\n"
+        ))
+    };
+    let config = config_of_run(1);
     let args = ["--config", &config, "--message-timeout-ms", "6000"];
     let misbehave = Misbehave {
         one_in: 3,
@@ -84,8 +91,8 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     )
     .await;
     relay.kill9();
-    target.client_restarted();
-    let restarted_at = Instant::now();
+    let config = config_of_run(2);
+    let args = ["--config", &config, "--message-timeout-ms", "6000"];
     let mut relay = env.relay(&[], &args);
     enqueue_versions(
         &env,
@@ -140,6 +147,13 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
 
     // The faults met traffic.
     let requests = target.requests();
+    // Every request names its relay process, and both processes sent: the checks by run
+    // below are not empty.
+    assert!(
+        requests.iter().all(|r| r.client_run().is_some())
+            && requests.iter().any(|r| r.client_run() == Some("2")),
+        "requests without {CLIENT_RUN_HEADER}, or none from the second run"
+    );
     let met = |f: fn(&Behavior) -> bool| requests.iter().filter(|r| f(&r.behavior)).count();
     let ambiguous = met(Behavior::is_ambiguous);
     let not_now = met(|b| {
@@ -178,8 +192,9 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     let mut resent_after_clean = Vec::new();
     for (key, rs) in &mut by_key {
         rs.sort_by_key(|r| r.at);
-        for w in rs.windows(2) {
-            if w[0].at > restarted_at && w[0].behavior == Behavior::Normal {
+        let second_run: Vec<_> = rs.iter().filter(|r| r.client_run() == Some("2")).collect();
+        for w in second_run.windows(2) {
+            if w[0].behavior == Behavior::Normal {
                 resent_after_clean.push(*key);
             }
         }
@@ -191,7 +206,7 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     // Every ambiguous answer after the restart is a traced attempt, resolved.
     for r in requests
         .iter()
-        .filter(|r| r.at > restarted_at && r.behavior.is_ambiguous())
+        .filter(|r| r.client_run() == Some("2") && r.behavior.is_ambiguous())
     {
         let key = &r.headers["idempotency-key"];
         assert!(

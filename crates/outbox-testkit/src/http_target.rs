@@ -135,7 +135,20 @@ pub struct Request {
     pub answer: Option<(u16, String)>,
 }
 
+/// A header a test configures on each relay process it starts (`[http] headers`), a
+/// different value per process: [`HttpTarget::at_most_once_problems`] then tells the runs of
+/// the client apart by it instead of by [`HttpTarget::client_restarted`]'s mark, which a
+/// request the killed process wrote just before it died can still be read after.
+pub const CLIENT_RUN_HEADER: &str = "X-Test-Client-Run";
+
 impl Request {
+    /// The run of the client that sent it ([`CLIENT_RUN_HEADER`]), if the test marks them.
+    pub fn client_run(&self) -> Option<&str> {
+        self.headers
+            .get(&CLIENT_RUN_HEADER.to_ascii_lowercase())
+            .map(String::as_str)
+    }
+
     /// The event it carries: its `Outbox-Id` header, or its idempotency key without one.
     fn event_id(&self, key_header: &str) -> String {
         self.headers
@@ -356,7 +369,9 @@ impl HttpTarget {
 
     /// Says the client restarted (a relay SIGKILLed and started again): it may send again what
     /// its predecessor was answered but had not recorded, which is at-least-once, not a
-    /// second delivery nothing called for ([`HttpTarget::at_most_once_problems`]).
+    /// second delivery nothing called for ([`HttpTarget::at_most_once_problems`]). A request
+    /// the killed process wrote just before it died may still be read after this mark; a test
+    /// where that matters marks each run with [`CLIENT_RUN_HEADER`] instead.
     pub fn client_restarted(&self) {
         let mut st = self.state.lock().unwrap();
         let n = st.requests.len();
@@ -380,18 +395,28 @@ impl HttpTarget {
                 keys.len()
             ));
         }
-        let mut answered: HashMap<String, usize> = HashMap::new();
+        // By the client's run where requests name it, else by the restart marks.
+        let mut answered: HashMap<(Option<&str>, String), usize> = HashMap::new();
         for (i, r) in st.requests.iter().enumerate() {
             if st.restarts.contains(&i) {
-                answered.clear();
+                answered.retain(|(run, _), _| run.is_some());
             }
-            let key = r.headers.get(&self.key_header).cloned().unwrap_or_default();
+            let key = (
+                r.client_run(),
+                r.headers.get(&self.key_header).cloned().unwrap_or_default(),
+            );
             if let Some(first) = answered.get(&key) {
                 let (status, _) = st.requests[*first].answer.clone().unwrap_or_default();
+                let run = key
+                    .0
+                    .map(|r| format!(" by client run {r}"))
+                    .unwrap_or_default();
+                let gap = r.at.saturating_duration_since(st.requests[*first].at);
                 problems.push(format!(
-                    "event {} sent again (request {i}, {:?}) after request {first} was answered {status}",
+                    "event {} sent again{run} (request {i}, {:?}) {} ms after request {first} was answered {status}",
                     r.event_id(&self.key_header),
-                    r.behavior
+                    r.behavior,
+                    gap.as_millis()
                 ));
             } else if r.clearly_answered() {
                 answered.insert(key, i);
