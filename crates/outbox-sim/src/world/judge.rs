@@ -185,6 +185,11 @@ pub struct Counts {
     pub dedup_traces: u64,
     pub lookup_resends: u64,
     pub closed_by_receipt: u64,
+    /// Heads read from the ledger for aggregates the stream met first, and those of them below
+    /// the predecessor of the version met (docs/evidence_batches.md's rule for heads; measured,
+    /// not an invariant).
+    pub stream_heads_read: u64,
+    pub stream_heads_short: u64,
     /// Fleet scenarios run, and what happened in them.
     pub fleet_traces: u64,
     pub fleet_kills: u64,
@@ -292,6 +297,8 @@ impl Counts {
             dedup_traces,
             lookup_resends,
             closed_by_receipt,
+            stream_heads_read,
+            stream_heads_short,
             fleet_unserved,
             fleet_share_not_returned,
             fleet_traces,
@@ -378,6 +385,13 @@ impl Counts {
                 format!(
                     "{} ({} look-ups re-sent under the key, {} attempts closed by their receipt)",
                     self.dedup_traces, self.lookup_resends, self.closed_by_receipt
+                ),
+            ),
+            (
+                "stream_heads_short",
+                format!(
+                    "{} of {} heads read for aggregates the stream met first",
+                    self.stream_heads_short, self.stream_heads_read
                 ),
             ),
             ("broker_copies", self.broker_copies.to_string()),

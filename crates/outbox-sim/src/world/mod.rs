@@ -1749,6 +1749,18 @@ impl World {
                     "head of {} read: {head} (met v{met}, below it)",
                     key.1
                 );
+                // docs/evidence_batches.md: in the stream, every version below the one met first
+                // is resolved, so the ledger's head is that version's predecessor. Measured, not
+                // an invariant (nothing here writes a version gap).
+                self.c.stream_heads_read += 1;
+                if head < met - 1 {
+                    self.c.stream_heads_short += 1;
+                    log!(
+                        self,
+                        "head of {} short of v{met}'s predecessor: {head}",
+                        key.1
+                    );
+                }
                 (key, head)
             })
             .collect();
