@@ -185,6 +185,15 @@ pub enum Mutant {
     /// aggregate waits until the next restart ([`PipelineCore::resolved_meanwhile`]; the
     /// simulator's `stalls`, once reconciliation's look-ups answered later, as the daemon's do).
     IgnoresResolvedMeanwhile,
+    /// DISPATCH_UNKNOWN attempts are looked up without waiting out the settle time, in
+    /// reconciliation and for a parked event: a Kafka request that was still on its way lands
+    /// after the scan proved it absent, and the retry makes a second copy (the simulator's
+    /// `unknown_untraced`, wrongly absent).
+    IgnoresSettle,
+    /// The running reconciliation looks nothing up: an UNKNOWN attempt a paused predecessor
+    /// recorded after this run started stays open until the next start (the product before
+    /// the simulator found it, seed 1 trace 44; its `unknown_untraced`).
+    UnknownOnlyAtStart,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -1028,6 +1037,14 @@ impl<P: Plant> PipelineCore<P> {
         if self.is_parked(a.event_id) || self.reconciling.contains(&a.event_id) {
             return Reconcile::Skip;
         }
+        if when == When::Running && self.planted(Mutant::UnknownOnlyAtStart) {
+            return Reconcile::Skip;
+        }
+        let settle = if self.planted(Mutant::IgnoresSettle) {
+            std::time::Duration::ZERO
+        } else {
+            settle
+        };
         match step(when, generation, a.relay_generation, a.unknown_for, settle) {
             Step::Skip => Reconcile::Skip,
             Step::WaitThenLookup(_) if when == When::Start && a.has_receipt => Reconcile::Skip,

@@ -148,6 +148,8 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::FleetAbortKeepsLease,
         Mutant::ResendsAnsweredEvent,
         Mutant::BugIgnoresResolvedMeanwhile,
+        Mutant::NoSettle,
+        Mutant::BugUnknownOnlyAtStart,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[

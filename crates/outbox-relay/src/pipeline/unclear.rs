@@ -416,7 +416,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         // producer session is alive): the scan waits the settle time from the report.
         let policy = *self.unclear_policy_for(&f.ev);
         let mut wait = policy.backoff(tries, id);
-        if failure.unknown.is_some() {
+        if failure.unknown.is_some() && !self.planted(Mutant::IgnoresSettle) {
             wait = wait.max(policy.settle);
         }
         let due = now.wall + wait;

@@ -44,6 +44,7 @@ pub enum Mutant {
     /// A retry re-resolves the route policy instead of using the frozen destination.
     RetryReresolvesRoute,
     /// Reconciliation scans without waiting for the settle time (UNKNOWN racing the retry).
+    /// A product mutant in `outbox_relay::PipelineCore` (`IgnoresSettle`).
     NoSettle,
     /// A late ACK replaces the primary receipt ("last ACK wins").
     LastAckWins,
@@ -58,7 +59,8 @@ pub enum Mutant {
     /// too, the hold names only the later one and the earlier is never republished.
     BugPoisonBeforeGate,
     /// Product bug found by the simulator (seed 1, trace 44): an UNKNOWN attempt a zombie
-    /// recorded after its successor started stays open until the next relay start.
+    /// recorded after its successor started stays open until the next relay start. A product
+    /// mutant in `outbox_relay::PipelineCore::reconcile` (`UnknownOnlyAtStart`).
     BugUnknownOnlyAtStart,
     /// Product bug found by the simulator (seed 1, trace 195): a zombie's salvaged batch
     /// quarantines and holds an event that a migration published meanwhile (a stale refusal
@@ -1241,7 +1243,7 @@ impl World {
         core.unclear_policy.settle = if self.dedup {
             std::time::Duration::ZERO
         } else {
-            self.settle()
+            ms(SETTLE)
         };
         core.unclear_policy.budget = self.unclear_budget;
         core.unclear_policy.schedule = self.unclear_schedule;
@@ -1443,15 +1445,6 @@ impl World {
         self.now < self.relays[i].deadline
     }
 
-    /// The settle time the reconciler waits out (none with the no-settle mutant).
-    fn settle(&self) -> std::time::Duration {
-        if self.is(Mutant::NoSettle) {
-            std::time::Duration::ZERO
-        } else {
-            ms(SETTLE)
-        }
-    }
-
     /// `relay/unknown.rs`, while running: UNKNOWN attempts another generation recorded after
     /// this run started (a zombie's late report), once their settle time has passed; not those
     /// of events this run holds itself (parked, or left open at start): their own look-up
@@ -1508,7 +1501,7 @@ impl World {
             // key), `--unknown-settle-ms` while running (none with the mutant no-settle).
             let settle = match when {
                 When::Start => self.relays[i].core.unclear_policy.settle,
-                When::Running => self.settle(),
+                When::Running => ms(SETTLE),
             };
             match self.relays[i].core.reconcile(when, gen, settle, &open, now) {
                 Reconcile::Skip => continue,
@@ -1823,6 +1816,8 @@ impl World {
                 Some(outbox_relay::Mutant::IgnoresResolvedMeanwhile)
             }
             Mutant::PollStaleHead => Some(outbox_relay::Mutant::PollStaleHead),
+            Mutant::NoSettle => Some(outbox_relay::Mutant::IgnoresSettle),
+            Mutant::BugUnknownOnlyAtStart => Some(outbox_relay::Mutant::UnknownOnlyAtStart),
             _ => None,
         }
     }
@@ -2371,9 +2366,7 @@ impl World {
 
     /// `Pipeline::process_releases`.
     fn process_releases(&mut self, i: usize) -> Result<(), End> {
-        if !self.is(Mutant::BugUnknownOnlyAtStart) {
-            self.reconcile_settled(i)?;
-        }
+        self.reconcile_settled(i)?;
         let mut aggs: Vec<Agg> = self
             .ledger
             .holds
