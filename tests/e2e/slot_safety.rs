@@ -7,6 +7,18 @@ use serde_json::json;
 use crate::harness::TestEnv;
 
 async fn drop_and_recreate(env: &TestEnv) {
+    drop_slot(env).await;
+    env.db
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&env.slot],
+        )
+        .await
+        .expect("recreate slot");
+}
+
+/// Drops the test's slot behind the relay's back.
+async fn drop_slot(env: &TestEnv) {
     // The walsender holds the slot while the relay streams; terminate it and drop, retrying
     // while the relay reconnects.
     for _ in 0..200 {
@@ -24,13 +36,6 @@ async fn drop_and_recreate(env: &TestEnv) {
             .await
             .is_ok()
         {
-            env.db
-                .execute(
-                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-                    &[&env.slot],
-                )
-                .await
-                .expect("recreate slot");
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -55,6 +60,46 @@ cdc_only! {
             log.contains(&format!("replication slot \"{}\"", env.slot))
                 && log.contains("behind outboxd's back")
                 && log.contains("--resnapshot"),
+            "the error names the slot, the cause and the fix:\n{log}"
+        );
+    }
+}
+
+cdc_only! {
+    "CDC only: the replication slot's safety; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slot_dropped_between_the_start_plan_and_streaming_stops_the_relay_with_the_fix() {
+        // The window CI once hit by chance, held open: the relay has created its slot and
+        // published its snapshot, and waits before START_REPLICATION while the slot is
+        // dropped. Before the fix it stopped with only the server's "does not exist".
+        let env = TestEnv::new("slot_dropped_at_start").await;
+        env.enqueue("r-1", json!({})).await;
+        let mut relay = env.relay(
+            &[("OUTBOXD_FAILPOINTS", "before-start-replication=pause:5000")],
+            &[],
+        );
+        outbox_testkit::wait::wait_for(
+            "the relay paused before START_REPLICATION",
+            crate::harness::LONG,
+            || async {
+                let log = relay.log_text();
+                if log.contains("failpoint before-start-replication reached") {
+                    Ok(())
+                } else {
+                    Err(log.lines().last().unwrap_or_default().to_string())
+                }
+            },
+        )
+        .await;
+        drop_slot(&env).await;
+        let status = relay.wait_exit(Duration::from_secs(60)).await;
+        assert!(!status.success());
+        let log = relay.log_text();
+        assert!(
+            log.contains(&format!(
+                "replication slot \"{}\" was dropped behind outboxd's back",
+                env.slot
+            )) && log.contains("--resnapshot"),
             "the error names the slot, the cause and the fix:\n{log}"
         );
     }

@@ -12,6 +12,11 @@
 //! `=hang` instead of `=abort` makes the task that reaches an async point ([`hang`]) wait
 //! forever instead (the process goes on): `before-stop-drain` (a relay told to stop, before it
 //! drains; what a fleet member must abort after `STOP_GRACE`).
+//!
+//! `=pause:MS` makes the task that reaches an async point ([`pause`]) wait MS milliseconds the
+//! first time, saying so on stderr, so that a test can act in that window:
+//! `before-start-replication` (the start-up plan has read or created the slot; the relay is
+//! about to stream from it).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,6 +26,8 @@ struct Point {
     abort_at: u64,
     /// `=hang`: [`hang`] never returns.
     hang: bool,
+    /// `=pause:MS`: [`pause`] waits this long, once.
+    pause_ms: Option<u64>,
     hits: AtomicU64,
 }
 
@@ -40,6 +47,7 @@ fn points() -> &'static HashMap<String, Point> {
                     Point {
                         abort_at,
                         hang: action == "hang",
+                        pause_ms: action.strip_prefix("pause:").and_then(|ms| ms.parse().ok()),
                         hits: AtomicU64::new(0),
                     },
                 );
@@ -75,5 +83,21 @@ pub async fn hang(name: &str) {
         let n = point.hits.fetch_add(1, Ordering::SeqCst) + 1;
         eprintln!("outboxd: failpoint {name} reached (hit {n}): hanging");
         std::future::pending::<()>().await;
+    }
+}
+
+/// Passes the named async point: if it is armed with `=pause:MS`, the calling task waits MS
+/// milliseconds the first time it passes (saying so on stderr), then goes on.
+pub async fn pause(name: &str) {
+    let p = points();
+    if p.is_empty() {
+        return;
+    }
+    if let Some((point, ms)) = p.get(name).and_then(|p| p.pause_ms.map(|ms| (p, ms))) {
+        let n = point.hits.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == 1 {
+            eprintln!("outboxd: failpoint {name} reached (hit {n}): pausing {ms} ms");
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
     }
 }

@@ -448,6 +448,7 @@ async fn run_once(
     }
 
     take_over_slot(&sql, &cfg.slot).await?;
+    crate::failpoint::pause("before-start-replication").await;
     let quoted_pub = cfg.publication.replace('"', "");
     let mut stream = repl
         .start_logical_replication(
