@@ -160,6 +160,60 @@ impl Restarts {
     }
 }
 
+/// What a run does next before its first event ([`RunStart::next`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartStep {
+    /// Load the attempt generations of events whose every attempt was proven absent
+    /// (`attempts::retry_generations`) into [`PipelineCore::retry_generation`]: their next send
+    /// goes above them.
+    RetryGenerations,
+    /// Reconcile every open DISPATCH_UNKNOWN attempt ([`PipelineCore::reconcile`] with
+    /// `When::Start`): nothing is looked up in line, each is handed to the run.
+    ReconcileOpen,
+    /// Read the ledger's heads of these aggregates (the held ones the gate knows) and raise
+    /// the gate's ([`PipelineCore::raise_heads`]). After the reconciliation, which may have
+    /// accepted the receipt of an event it found: a snapshot or a poll round skips published
+    /// rows and would otherwise take the found event's version for a gap (found by outbox-sim,
+    /// seed 1 trace 1380).
+    RaiseHeads(Vec<AggKey>),
+    /// Publish every outbox row without a receipt (a new or recreated slot, an adopted one).
+    Snapshot,
+    /// Stream (or poll): the run's start is over.
+    Run,
+}
+
+/// The steps of a run's start, in order; the daemon's `reconcile_at_start` and the
+/// simulator's `World::start_run` execute them.
+#[derive(Debug, Clone)]
+pub struct RunStart {
+    done: u8,
+    snapshot: bool,
+}
+
+impl RunStart {
+    /// `snapshot`: the start-up plan asks for a snapshot (CDC with a backfill).
+    pub fn new(snapshot: bool) -> Self {
+        RunStart { done: 0, snapshot }
+    }
+
+    /// The next step, after the ones returned before were done.
+    pub fn next<P: Plant>(&mut self, core: &PipelineCore<P>) -> StartStep {
+        loop {
+            self.done = self.done.saturating_add(1);
+            return match self.done {
+                1 => StartStep::RetryGenerations,
+                2 => StartStep::ReconcileOpen,
+                // The mutant of the bug's first half: heads read before the reconciliation only.
+                3 if core.planted(Mutant::GapHoldStrandsQueue) => continue,
+                3 => StartStep::RaiseHeads(core.known_aggregates()),
+                4 if !self.snapshot => continue,
+                4 => StartStep::Snapshot,
+                _ => StartStep::Run,
+            };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,59 +343,5 @@ mod tests {
         assert_eq!(fatal.after_error(false, ms(0)), AfterError::Stop);
         standby.took_over();
         assert_eq!(standby.after_error(true, ms(0)), AfterError::Stop);
-    }
-}
-
-/// What a run does next before its first event ([`RunStart::next`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StartStep {
-    /// Load the attempt generations of events whose every attempt was proven absent
-    /// (`attempts::retry_generations`) into [`PipelineCore::retry_generation`]: their next send
-    /// goes above them.
-    RetryGenerations,
-    /// Reconcile every open DISPATCH_UNKNOWN attempt ([`PipelineCore::reconcile`] with
-    /// `When::Start`): nothing is looked up in line, each is handed to the run.
-    ReconcileOpen,
-    /// Read the ledger's heads of these aggregates (the held ones the gate knows) and raise
-    /// the gate's ([`PipelineCore::raise_heads`]). After the reconciliation, which may have
-    /// accepted the receipt of an event it found: a snapshot or a poll round skips published
-    /// rows and would otherwise take the found event's version for a gap (found by outbox-sim,
-    /// seed 1 trace 1380).
-    RaiseHeads(Vec<AggKey>),
-    /// Publish every outbox row without a receipt (a new or recreated slot, an adopted one).
-    Snapshot,
-    /// Stream (or poll): the run's start is over.
-    Run,
-}
-
-/// The steps of a run's start, in order; the daemon's `reconcile_at_start` and the
-/// simulator's `World::start_run` execute them.
-#[derive(Debug, Clone)]
-pub struct RunStart {
-    done: u8,
-    snapshot: bool,
-}
-
-impl RunStart {
-    /// `snapshot`: the start-up plan asks for a snapshot (CDC with a backfill).
-    pub fn new(snapshot: bool) -> Self {
-        RunStart { done: 0, snapshot }
-    }
-
-    /// The next step, after the ones returned before were done.
-    pub fn next<P: Plant>(&mut self, core: &PipelineCore<P>) -> StartStep {
-        loop {
-            self.done = self.done.saturating_add(1);
-            return match self.done {
-                1 => StartStep::RetryGenerations,
-                2 => StartStep::ReconcileOpen,
-                // The mutant of the bug's first half: heads read before the reconciliation only.
-                3 if core.planted(Mutant::GapHoldStrandsQueue) => continue,
-                3 => StartStep::RaiseHeads(core.known_aggregates()),
-                4 if !self.snapshot => continue,
-                4 => StartStep::Snapshot,
-                _ => StartStep::Run,
-            };
-        }
     }
 }

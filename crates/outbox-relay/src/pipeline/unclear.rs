@@ -257,10 +257,9 @@ pub fn merge_lookups(prior: Option<LookupOutcome>, next: LookupOutcome) -> Looku
 #[derive(Debug)]
 pub struct ParkedLookup<A> {
     event: OutboxEvent,
-    /// What the look-ups of the event's later attempts proved.
+    /// What the look-ups of the event's later attempts proved (nothing proven: the round
+    /// ends at once).
     prior: Option<LookupOutcome>,
-    /// The last look-up proved nothing: the round ends at once.
-    unresolved: bool,
     /// The attempt being closed at its receipt, and its attempt generation.
     closing: Option<(A, i32)>,
 }
@@ -317,7 +316,6 @@ impl<A: Clone> ParkedLookup<A> {
         ParkedLookup {
             event,
             prior: None,
-            unresolved: false,
             closing: None,
         }
     }
@@ -330,11 +328,9 @@ impl<A: Clone> ParkedLookup<A> {
         prior: Option<LookupOutcome>,
         outcome: LookupOutcome,
     ) -> Self {
-        let merged = merge_lookups(prior, outcome);
         ParkedLookup {
             event,
-            unresolved: matches!(merged, LookupOutcome::Unresolved { .. }),
-            prior: Some(merged),
+            prior: Some(merge_lookups(prior, outcome)),
             closing: None,
         }
     }
@@ -352,10 +348,12 @@ impl<A: Clone> ParkedLookup<A> {
     ) -> ParkedStep<A> {
         let event_id = self.event.event_id;
         match input {
-            ParkedInput::Begin if self.unresolved => ParkedStep::Done {
-                event_id,
-                outcome: self.outcome(core),
-            },
+            ParkedInput::Begin if matches!(self.prior, Some(LookupOutcome::Unresolved { .. })) => {
+                ParkedStep::Done {
+                    event_id,
+                    outcome: self.outcome(core),
+                }
+            }
             ParkedInput::Begin => ParkedStep::ReadOpenAttempt,
             ParkedInput::Open(None) => ParkedStep::Done {
                 event_id,

@@ -1224,7 +1224,7 @@ impl World {
     }
 
     /// A new run of generation `gen`: its core with the gate as the ledger left it (streaming
-    /// from `start` in CDC mode), then reconciliation at start. `None`: the run ended there.
+    /// from `start` in CDC mode); its start (`World::start_run`) follows. Returns its index.
     fn push_run(&mut self, gen: i64, start: Option<Lsn>, cursor: usize) -> usize {
         let held = self.ledger.holds.keys().map(|k| agg_key(*k)).collect();
         // Heads are read when the run first meets an aggregate (`learn_head`).
@@ -1498,7 +1498,7 @@ impl World {
             let gen = self.relays[i].gen;
             let now = std::time::SystemTime::UNIX_EPOCH + ms(self.now);
             // The core's settle time at start (none where a look-up is a re-send under the
-            // key), `--unknown-settle-ms` while running (none with the mutant no-settle).
+            // key), `--unknown-settle-ms` while running (the mutant no-settle is the core's).
             let settle = match when {
                 When::Start => self.relays[i].core.unclear_policy.settle,
                 When::Running => ms(SETTLE),
