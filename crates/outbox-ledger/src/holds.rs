@@ -93,9 +93,12 @@ pub const FOLD_CHUNK_PAIRS: i64 = 5_000;
 /// version with a primary receipt, purged or not, or higher where an operator skipped one
 /// (`outbox.aggregate_heads_of`, migration 0026). The relay asks once per aggregate and run,
 /// when it first meets the aggregate, for many at once. With `below` (one per key: the version
-/// met first in the stream, which every later version follows), receipts and purges count
-/// only below it: the answer is the same for every decision of the gate, and the look-up does
-/// not walk down past the stream's unpublished versions.
+/// met first in the stream, which every later version follows), it is the highest version
+/// below it that exists, purged or not (migration 0028): every such version is resolved by
+/// then (the checkpoint passes only resolved events, and an aggregate's versions commit in
+/// order), so no receipt is read, and the look-up does not walk down past the stream's
+/// unpublished versions. Without `below` (a snapshot, a release), unpublished rows exist and
+/// the receipts decide.
 pub async fn heads_of(
     client: &Client,
     keys: &[AggKey],

@@ -155,6 +155,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "digests_by_relay",
         sql: include_str!("../../../migrations/0027_digests_by_relay.sql"),
     },
+    Migration {
+        version: 28,
+        name: "stream_heads_by_existence",
+        sql: include_str!("../../../migrations/0028_stream_heads_by_existence.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -1111,7 +1111,8 @@ async fn heads_named(c: &Client, ids: &[&str]) -> Vec<(String, i64)> {
 /// Heads are read from the ledger's facts (migration 0026): an acceptance journals and upserts
 /// nothing; a head is the highest version with a primary receipt (a replay's duplicate moves
 /// nothing), or higher where an operator moved it, and a purge keeps it; what a relay before
-/// 0026 journaled is folded once and counted.
+/// 0026 journaled is folded once and counted. For the stream, below the version met first, it
+/// is the highest version that exists (migration 0028).
 #[tokio::test]
 async fn heads_are_read_from_receipts_operator_moves_purges_and_old_journals() {
     use outbox_ledger::holds;
@@ -1154,6 +1155,15 @@ async fn heads_are_read_from_receipts_operator_moves_purges_and_old_journals() {
         heads_named(&c, &["h-1", "h-2", "h-9"]).await,
         vec![("h-1".into(), 2), ("h-2".into(), 1), ("h-9".into(), 0)],
         "the highest version with a receipt; 0 for an aggregate without one"
+    );
+    // For the stream (migration 0028), below the version met first: the highest version that
+    // exists, receipt or not (every version below the one met is resolved by then).
+    assert_eq!(
+        holds::heads_of(&c, &[key("h-1"), key("h-9")], Some(&[4, 5]))
+            .await
+            .unwrap(),
+        vec![(key("h-1"), 3), (key("h-9"), 0)],
+        "h-1 v3 exists below v4, without a receipt; h-9 has no row"
     );
     // A replay's duplicate of v1 moves nothing; v3's receipt does.
     accept::accept_batch(
@@ -1216,6 +1226,13 @@ async fn heads_are_read_from_receipts_operator_moves_purges_and_old_journals() {
     .await
     .unwrap();
     assert_eq!(purged.events, 4, "every published event purged: {purged:?}");
+    assert_eq!(
+        holds::heads_of(&c, &[key("h-1")], Some(&[4]))
+            .await
+            .unwrap(),
+        vec![(key("h-1"), 3)],
+        "for the stream, a purged version below the one met counts"
+    );
     assert_eq!(
         count(
             &c,

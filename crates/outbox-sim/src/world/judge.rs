@@ -185,11 +185,11 @@ pub struct Counts {
     pub dedup_traces: u64,
     pub lookup_resends: u64,
     pub closed_by_receipt: u64,
-    /// Heads read from the ledger for aggregates the stream met first, and those of them below
-    /// the predecessor of the version met (docs/evidence_batches.md's rule for heads; measured,
-    /// not an invariant).
+    /// Heads read from the ledger for aggregates the stream met first (by existence, migration
+    /// 0028), and those of them above the highest version with a receipt below the one met
+    /// (what migration 0026 read; measured, not an invariant).
     pub stream_heads_read: u64,
-    pub stream_heads_short: u64,
+    pub stream_heads_above_receipts: u64,
     /// Fleet scenarios run, and what happened in them.
     pub fleet_traces: u64,
     pub fleet_kills: u64,
@@ -298,7 +298,7 @@ impl Counts {
             lookup_resends,
             closed_by_receipt,
             stream_heads_read,
-            stream_heads_short,
+            stream_heads_above_receipts,
             fleet_unserved,
             fleet_share_not_returned,
             fleet_traces,
@@ -388,10 +388,10 @@ impl Counts {
                 ),
             ),
             (
-                "stream_heads_short",
+                "stream_heads_above_receipts",
                 format!(
                     "{} of {} heads read for aggregates the stream met first",
-                    self.stream_heads_short, self.stream_heads_read
+                    self.stream_heads_above_receipts, self.stream_heads_read
                 ),
             ),
             ("broker_copies", self.broker_copies.to_string()),

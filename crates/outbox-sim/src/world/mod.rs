@@ -189,6 +189,9 @@ pub enum Mutant {
     /// event whose attempt that look-up resolved meanwhile asked the ledger for an open
     /// attempt forever, and its aggregate stalled (`PipelineCore::resolved_meanwhile`).
     BugIgnoresResolvedMeanwhile,
+    /// Ledger-model mutant (migration 0028's heads rule without `outbox.purged_events`): an
+    /// aggregate whose predecessor was purged looks like a gap.
+    HeadsWithoutPurged,
 }
 
 impl Mutant {
@@ -243,6 +246,7 @@ impl Mutant {
             "bug-ignores-resolved-meanwhile",
             Mutant::BugIgnoresResolvedMeanwhile,
         ),
+        ("heads-without-purged", Mutant::HeadsWithoutPurged),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -1185,21 +1189,48 @@ impl World {
         self.rows.iter().map(|r| r.agg).find(|a| agg_key(*a) == *k)
     }
 
-    /// `outbox.aggregate_heads_of` (migration 0026): the highest version of `agg` with a primary
-    /// receipt (purged or not), below `below` when given, or an operator's move, whatever its
-    /// version. Without `below` it is the ledger's head.
+    /// `outbox.aggregate_heads_of`: an aggregate's head as the ledger reads it, or an operator's
+    /// move, whatever its version.
+    ///
+    /// * Whole (`below` absent: a snapshot, a release, the start's second read): the highest
+    ///   version with a primary receipt, purged or not (migration 0026).
+    /// * For the stream (`below`: the version met first), migration 0028's rule: the highest
+    ///   version below it that exists, purged or not. Every event committed before the run's
+    ///   start is resolved and one aggregate's versions commit in order, so what exists below
+    ///   the version met is accepted or refused (and then held); no receipt is read.
+    ///
+    /// A head read too high is harmless to order (the gate keeps one event of an aggregate in
+    /// flight whatever the head, and the stream brings versions in order); one read too low
+    /// takes the version met for a gap: the mutant `heads-without-purged` forgets the purged
+    /// rows, and events are lost or stall.
     fn head_of(&self, agg: Agg, below: Option<i64>) -> i64 {
-        let below = below.unwrap_or(i64::MAX);
-        let published = self
-            .ledger
+        let moved = self.ledger.moved.get(&agg).copied().unwrap_or(0);
+        let existing = |below: i64| {
+            self.rows
+                .iter()
+                .filter(|row| row.agg == agg && row.ev.aggregate_version < below)
+                .filter(|row| !(row.purged && self.is(Mutant::HeadsWithoutPurged)))
+                .map(|row| row.ev.aggregate_version)
+                .max()
+                .unwrap_or(0)
+        };
+        let head = match below {
+            Some(below) => existing(below),
+            None => self.published_head(agg, i64::MAX),
+        };
+        head.max(moved)
+    }
+
+    /// The highest version of `agg` below `below` with a primary receipt, purged or not.
+    fn published_head(&self, agg: Agg, below: i64) -> i64 {
+        self.ledger
             .primary
             .keys()
             .map(|r| &self.rows[*r])
             .filter(|row| row.agg == agg && row.ev.aggregate_version < below)
             .map(|row| row.ev.aggregate_version)
             .max()
-            .unwrap_or(0);
-        published.max(self.ledger.moved.get(&agg).copied().unwrap_or(0))
+            .unwrap_or(0)
     }
 
     /// `Pipeline::learn_heads`: before the core meets row `row`'s aggregate for the first time,
@@ -1742,15 +1773,19 @@ impl World {
                     "head of {} read: {head} (met v{met}, below it)",
                     key.1
                 );
-                // docs/evidence_batches.md: in the stream, every version below the one met first
-                // is resolved, so the ledger's head is that version's predecessor. Measured, not
-                // an invariant (nothing here writes a version gap).
+                // Where the stream's rule (existence, migration 0028) reads above the receipts'
+                // (0026): a version below the one met that is resolved without a receipt
+                // (refused and held). Measured, not an invariant: the gate knows such an
+                // aggregate's hold, and a wrong head shows as `lost` or `order_violations`.
                 self.c.stream_heads_read += 1;
-                if head < met - 1 {
-                    self.c.stream_heads_short += 1;
+                let published = self
+                    .published_head(agg, met)
+                    .max(self.ledger.moved.get(&agg).copied().unwrap_or(0));
+                if head > published {
+                    self.c.stream_heads_above_receipts += 1;
                     log!(
                         self,
-                        "head of {} short of v{met}'s predecessor: {head}",
+                        "head of {} read above its receipts' {published}: {head}",
                         key.1
                     );
                 }
