@@ -194,6 +194,10 @@ pub enum Mutant {
     /// recorded after this run started stays open until the next start (the product before
     /// the simulator found it, seed 1 trace 44; its `unknown_untraced`).
     UnknownOnlyAtStart,
+    /// An unclear delivery report ends the run ([`CoreError::UnclearEndsRun`]) instead of
+    /// parking its event: every aggregate waits for the restart (the relay before issue 25;
+    /// the simulator's `unclear_restarts`).
+    EndsRunOnUnclear,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -255,6 +259,9 @@ pub enum CoreError {
     NeedHead,
     #[error("replication protocol: {0}")]
     Protocol(&'static str),
+    /// Only with the planted [`Mutant::EndsRunOnUnclear`]: the shipped core parks the event.
+    #[error("an unclear delivery report ended the run (planted mutant): {0}")]
+    UnclearEndsRun(String),
 }
 
 #[derive(Debug)]
@@ -317,6 +324,11 @@ pub struct PipelineCore<P = Shipped> {
     reconciling: HashSet<Uuid>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
+    /// How long the running reconciliation leaves another run's open attempt before it looks
+    /// the attempt up (`--unknown-settle-ms`, whatever the sink: that run's request may still
+    /// land while its producer lives). At start, the policy's settle time decides instead
+    /// ([`PipelineCore::reconcile`]).
+    pub reconcile_settle: std::time::Duration,
     /// A destination's own policy, by its cluster (a webhook endpoint's retry schedule), over
     /// [`Self::unclear_policy`] for the events frozen for it.
     pub unclear_policies: BTreeMap<String, unclear::Policy>,
@@ -391,6 +403,7 @@ impl<P: Plant> PipelineCore<P> {
             open_at_start: HashMap::new(),
             reconciling: HashSet::new(),
             unclear_policy: unclear::Policy::default(),
+            reconcile_settle: unclear::Policy::default().settle,
             unclear_policies: BTreeMap::new(),
             unclear_touched: None,
             round: Default::default(),
@@ -925,6 +938,9 @@ impl<P: Plant> PipelineCore<P> {
                     persistence,
                     unknown,
                 };
+                if self.planted(Mutant::EndsRunOnUnclear) {
+                    return Err(CoreError::UnclearEndsRun(failure.error));
+                }
                 self.park(f, &failure, now);
                 return Ok(Reported::Unclear(failure));
             }
@@ -1020,8 +1036,10 @@ impl<P: Plant> PipelineCore<P> {
     }
 
     /// Reconciliation's decision for open attempt `a` ([`crate::unknown::Reconcile`]), by
-    /// [`crate::unknown::step`] with this run's `generation` and `settle` time; an attempt
-    /// handed to the run is due at `now` plus what is left of its settle time. An event whose
+    /// [`crate::unknown::step`] with this run's `generation` and the settle time of `when`: at
+    /// start the policy's (the sink's: none where a look-up is itself an idempotent resend),
+    /// while running [`Self::reconcile_settle`]. An attempt handed to the run is due at `now`
+    /// plus what is left of its settle time. An event whose
     /// attempt is to be looked up is not looked up again (`Skip`) until
     /// [`PipelineCore::reconciled`] is told what the look-up proved: the driver runs it beside
     /// the loop, and the next poll finds the attempt still open meanwhile.
@@ -1029,7 +1047,6 @@ impl<P: Plant> PipelineCore<P> {
         &mut self,
         when: crate::unknown::When,
         generation: i64,
-        settle: std::time::Duration,
         a: &crate::unknown::Open,
         now: SystemTime,
     ) -> crate::unknown::Reconcile {
@@ -1040,10 +1057,10 @@ impl<P: Plant> PipelineCore<P> {
         if when == When::Running && self.planted(Mutant::UnknownOnlyAtStart) {
             return Reconcile::Skip;
         }
-        let settle = if self.planted(Mutant::IgnoresSettle) {
-            std::time::Duration::ZERO
-        } else {
-            settle
+        let settle = match when {
+            _ if self.planted(Mutant::IgnoresSettle) => std::time::Duration::ZERO,
+            When::Start => self.unclear_policy.settle,
+            When::Running => self.reconcile_settle,
         };
         match step(when, generation, a.relay_generation, a.unknown_for, settle) {
             Step::Skip => Reconcile::Skip,

@@ -117,7 +117,10 @@ fn a_trace_replays_alone_and_identically() {
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
-/// bug-fleet-no-evening, fleet-abort-keeps-lease and bug-sends-found-event. In two tests, so that they run on two threads.
+/// bug-fleet-no-evening, fleet-abort-keeps-lease, bug-sends-found-event, resends-answered-event,
+/// bug-ignores-resolved-meanwhile, no-settle, bug-unknown-only-at-start and
+/// bug-end-run-on-unclear (the list `PRODUCT` below). In two tests, so that they run on two
+/// threads.
 #[test]
 fn every_product_mutant_is_caught() {
     every_mutant_is_caught(true);
@@ -150,6 +153,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::BugIgnoresResolvedMeanwhile,
         Mutant::NoSettle,
         Mutant::BugUnknownOnlyAtStart,
+        Mutant::BugEndRunOnUnclear,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[

@@ -429,7 +429,9 @@ fn an_event_found_while_it_waits_to_be_sent_again_is_not_sent_again() {
 fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_ones_later() {
     use crate::unknown::{Open, Reconcile, Resolved, When};
     let mut c = core();
-    let settle = Duration::from_secs(3);
+    // The sink's settle time at start, `--unknown-settle-ms` while running.
+    c.unclear_policy.settle = Duration::from_secs(3);
+    c.reconcile_settle = Duration::from_secs(5);
     let at = now(10_000).wall;
     let open = |id, gen, unknown_s, has_receipt| Open {
         event_id: id,
@@ -440,7 +442,7 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
     };
     let (e1, e2) = (event("a", 1), event("b", 1));
     assert_eq!(
-        c.reconcile(When::Start, 5, settle, &open(e1.event_id, 4, 1, false), at),
+        c.reconcile(When::Start, 5, &open(e1.event_id, 4, 1, false), at),
         Reconcile::HandedToRun
     );
     assert_eq!(
@@ -448,7 +450,7 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
         Some(&(at + Duration::from_secs(2)))
     );
     assert_eq!(
-        c.reconcile(When::Start, 5, settle, &open(e2.event_id, 4, 1, true), at),
+        c.reconcile(When::Start, 5, &open(e2.event_id, 4, 1, true), at),
         Reconcile::Skip,
         "published: the running reconciliation traces it"
     );
@@ -457,13 +459,17 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
         c.reconcile(
             When::Running,
             5,
-            settle,
             &open(e2.event_id, gen, unknown_s, true),
             at,
         )
     };
     assert_eq!(run(&mut c, 5, 9), Reconcile::Skip, "this run's own");
     assert_eq!(run(&mut c, 4, 1), Reconcile::Skip, "not settled");
+    assert_eq!(
+        run(&mut c, 4, 4),
+        Reconcile::Skip,
+        "past the sink's 3 s, not past --unknown-settle-ms's 5 s"
+    );
     assert_eq!(run(&mut c, 4, 9), Reconcile::LookUp);
     // Its look-up runs beside the loop: the next poll finds the attempt still open and does
     // not look it up a second time; once told what it proved (nothing, here) it may.
@@ -479,7 +485,7 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
         ..open(e2.event_id, 4, 9, true)
     };
     assert_eq!(
-        c.reconcile(When::Running, 5, settle, &resends, at),
+        c.reconcile(When::Running, 5, &resends, at),
         Reconcile::ClosedByReceipt
     );
     let unpublished = Open {
@@ -487,7 +493,7 @@ fn reconciliation_hands_open_attempts_to_the_run_at_start_and_looks_up_settled_o
         ..resends
     };
     assert_eq!(
-        c.reconcile(When::Running, 5, settle, &unpublished, at),
+        c.reconcile(When::Running, 5, &unpublished, at),
         Reconcile::LookUp
     );
     c.reconciled(&e2, &Resolved::StillUnknown);

@@ -140,9 +140,10 @@ pub enum Mutant {
     /// `pipeline/unclear.rs`): no look-up or resend resolves an unclear outcome, and its
     /// aggregate never progresses (`stalls`).
     UnclearNeverDue,
-    /// The driver as it was before issue 25: an unclear delivery report (possibly persisted or
+    /// The relay as it was before issue 25: an unclear delivery report (possibly persisted or
     /// not persisted) ends the run, and every aggregate waits for the restart
-    /// (`unclear_restarts`).
+    /// (`unclear_restarts`). A product mutant in `outbox_relay::PipelineCore::on_report`
+    /// (`EndsRunOnUnclear`).
     BugEndRunOnUnclear,
     /// The relay's route check ignores the frozen cluster (a product mutant in
     /// `outbox_relay::PipelineCore::send_one`): an event frozen for cluster B reaches the
@@ -1277,6 +1278,8 @@ impl World {
             ms(SETTLE)
         };
         core.unclear_policy.budget = self.unclear_budget;
+        // `--unknown-settle-ms`, as the daemon sets it.
+        core.reconcile_settle = ms(SETTLE);
         core.unclear_policy.schedule = self.unclear_schedule;
         self.relays.push(Relay {
             gen,
@@ -1528,13 +1531,8 @@ impl World {
             };
             let gen = self.relays[i].gen;
             let now = std::time::SystemTime::UNIX_EPOCH + ms(self.now);
-            // The core's settle time at start (none where a look-up is a re-send under the
-            // key), `--unknown-settle-ms` while running (the mutant no-settle is the core's).
-            let settle = match when {
-                When::Start => self.relays[i].core.unclear_policy.settle,
-                When::Running => ms(SETTLE),
-            };
-            match self.relays[i].core.reconcile(when, gen, settle, &open, now) {
+            // The settle time of `when` is the core's (the mutant no-settle too).
+            match self.relays[i].core.reconcile(when, gen, &open, now) {
                 Reconcile::Skip => continue,
                 Reconcile::HandedToRun => {
                     log!(self, "UNKNOWN {id} open at start: the replay parks it");
@@ -1853,6 +1851,7 @@ impl World {
             Mutant::PollStaleHead => Some(outbox_relay::Mutant::PollStaleHead),
             Mutant::NoSettle => Some(outbox_relay::Mutant::IgnoresSettle),
             Mutant::BugUnknownOnlyAtStart => Some(outbox_relay::Mutant::UnknownOnlyAtStart),
+            Mutant::BugEndRunOnUnclear => Some(outbox_relay::Mutant::EndsRunOnUnclear),
             _ => None,
         }
     }
@@ -2053,7 +2052,13 @@ impl World {
         let reported = self.relays[i]
             .core
             .on_report(Delivery { token, outcome }, now)
-            .map_err(|_| End::Error("relay core: report"))?;
+            .map_err(|e| match e {
+                // The daemon's loop ends the run with the error (bug-end-run-on-unclear).
+                outbox_relay::CoreError::UnclearEndsRun(_) => {
+                    End::Unclear("an unclear delivery report")
+                }
+                _ => End::Error("relay core: report"),
+            })?;
         if self.is(Mutant::ConfirmBeforeAccept) {
             // The driver's half of the mutant: confirm what the tracker says, at once.
             let wm = self.relays[i].core.tracker.watermark();
@@ -2072,9 +2077,6 @@ impl World {
                         "not persisted: {} parked for a resend",
                         self.rows[f.row].ev.event_id
                     );
-                    if self.is(Mutant::BugEndRunOnUnclear) {
-                        return Err(End::Unclear("delivery not persisted"));
-                    }
                     return Ok(());
                 };
                 if self.faults && self.rng.chance(30) {
@@ -2102,9 +2104,6 @@ impl World {
                     state: AttemptState::Unknown,
                 });
                 self.c.unknown_attempts += 1;
-                if self.is(Mutant::BugEndRunOnUnclear) {
-                    return Err(End::Unclear("delivery possibly persisted"));
-                }
                 Ok(())
             }
         }

@@ -701,6 +701,7 @@ async fn open_pipeline(
         outbox_relay::PipelineCore::gate_from(Vec::new(), held),
     );
     pipeline.core.unclear_policy = policy;
+    pipeline.core.reconcile_settle = cfg.unknown_settle;
     pipeline.core.unclear_policies = cfg
         .endpoint_schedules
         .iter()

@@ -73,12 +73,6 @@ pub(crate) async fn reconcile_unknown(
     when: When,
 ) -> Result<(), RelayError> {
     let open = attempts::open_unknown(sql, &cfg.slot).await?;
-    let settle = match when {
-        // The core's settle time: the Kafka scan's; none where the look-up is itself an
-        // idempotent resend (JetStream's Msg-Id, HTTP's key).
-        When::Start => pipeline.core.unclear_policy.settle,
-        When::Running => cfg.unknown_settle,
-    };
     for a in open {
         // What to do with it now is the core's: at start nothing is looked up in line (the
         // replay parks the event when it reaches it, and the look-up runs beside everything
@@ -91,10 +85,7 @@ pub(crate) async fn reconcile_unknown(
             lookup_resends: pipeline.sink().lookup_resends(sent_ago(&a)),
         };
         let now = std::time::SystemTime::now();
-        match pipeline
-            .core
-            .reconcile(when, fence.generation, settle, &open, now)
-        {
+        match pipeline.core.reconcile(when, fence.generation, &open, now) {
             Reconcile::Skip | Reconcile::HandedToRun => {}
             Reconcile::ClosedByReceipt => {
                 if let Some(offset) = attempts::resolve_by_receipt(&pipeline.client, a.id).await? {
