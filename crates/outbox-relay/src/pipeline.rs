@@ -194,6 +194,10 @@ pub enum Mutant {
     /// recorded after this run started stays open until the next start (the product before
     /// the simulator found it, seed 1 trace 44; its `unknown_untraced`).
     UnknownOnlyAtStart,
+    /// A poll round skips only the aggregates parked while it goes on, not those parked when
+    /// it began: one resolved before the round reaches its rows is sent again from the
+    /// round's stale read (the simulator's `resent_after_proof`).
+    RoundForgetsParked,
     /// An unclear delivery report ends the run ([`CoreError::UnclearEndsRun`]) instead of
     /// parking its event: every aggregate waits for the restart (the relay before issue 25;
     /// the simulator's `unclear_restarts`).

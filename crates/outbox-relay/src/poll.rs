@@ -42,10 +42,22 @@ pub enum Polled {
 
 impl<P: Plant> PipelineCore<P> {
     /// A round begins (after what was sent since the last one was reported and accepted):
-    /// the aggregates parked since are forgotten, and it reads from the first row.
+    /// it reads from the first row, and skips the aggregates parked now as well as those
+    /// parked while it goes on. One parked now may be resolved before the round reaches its
+    /// rows (the driver waits for reports, answers and due resends between rows): its event,
+    /// read as pending, is published by then, and sending it would be a second copy after a
+    /// clear answer (found by `outbox-sim` once its rounds wait as the daemon's do; the e2e
+    /// misbehaving-endpoint test in poll mode saw it as an HTTP request answered 200 and
+    /// sent again 924 ms later).
     pub fn begin_poll_round(&mut self) {
+        let parked = if self.planted(Mutant::RoundForgetsParked) {
+            Vec::new()
+        } else {
+            self.parked_aggregates()
+        };
         if let Some(t) = self.unclear_touched.as_mut() {
             t.clear();
+            t.extend(parked);
         }
         self.round = Round::default();
     }
@@ -108,6 +120,64 @@ mod tests {
             }
             Polled::Skipped => panic!("nothing of `a` is at the broker or parked"),
         }
+    }
+
+    /// A round skips an aggregate parked when it began, even once the parked event is sent
+    /// again and answered while the round goes on: the round read the event as pending before
+    /// that and would send it a second time (the e2e misbehaving-endpoint test in poll mode).
+    /// Returns whether the round admits the event it read.
+    fn resolved_mid_round_is_admitted(mutant: Option<Mutant>) -> bool {
+        use crate::pipeline::UnclearStep;
+        use crate::testing::{failed, persisted, token};
+        use outbox_core::delivery::{FailureClass, Persistence};
+        let mut c = PipelineCore::with_plant(
+            served(),
+            7,
+            PipelineCore::gate_from(Vec::new(), Vec::new()),
+            Planted {
+                mutant,
+                current_route: None,
+            },
+        );
+        c.unclear_touched = Some(Default::default());
+        c.raise_heads(vec![(("order".to_string(), "a".to_string()), 0)]);
+        let a1 = event("a", 1);
+        c.begin_poll_round();
+        let Polled::Admitted { commands, .. } = c.admit_polled(a1.clone(), now(100)).unwrap()
+        else {
+            panic!("a/1 is pending and nothing of `a` waits")
+        };
+        let lost = failed(
+            token(&commands[0]),
+            Persistence::NotPersisted,
+            FailureClass::Transient,
+        );
+        c.on_report(lost, now(200)).unwrap();
+        // The next round begins with a/1 parked, and reads it as pending; before the round
+        // reaches it, a/1 comes due, is sent again and answered with its position.
+        c.begin_poll_round();
+        let steps = c.due_unclear(now(60_000)).unwrap();
+        let [UnclearStep::Send(resend)] = steps.as_slice() else {
+            panic!("{steps:?}")
+        };
+        c.on_report(persisted(token(resend), 7), now(60_001))
+            .unwrap();
+        matches!(
+            c.admit_polled(a1, now(60_002)).unwrap(),
+            Polled::Admitted { .. }
+        )
+    }
+
+    #[test]
+    fn a_round_skips_an_aggregate_parked_when_it_began_though_resolved_meanwhile() {
+        assert!(
+            !resolved_mid_round_is_admitted(None),
+            "skipped: its rows wait for the next round's read"
+        );
+        assert!(
+            resolved_mid_round_is_admitted(Some(Mutant::RoundForgetsParked)),
+            "the planted mutant sends a/1 a second time"
+        );
     }
 
     #[test]

@@ -268,10 +268,10 @@ fn every_mutant_is_caught(product: bool) {
             Mutant::ResendsAnsweredEvent,
             &[("resent_published", |c| c.resent_published)],
         ),
-        (
-            Mutant::BugIgnoresResolvedMeanwhile,
-            &[("stalls", |c| c.stalls)],
-        ),
+        // Its aggregate waits until the trace ends: `lost` (71 in 1,500 traces); `stalls` only
+        // where the run holding the lease went on long enough (2 in 1,500 before poll rounds
+        // waited between rows, 0 since).
+        (Mutant::BugIgnoresResolvedMeanwhile, &[("lost", |c| c.lost)]),
         (
             Mutant::HeadsWithoutPurged,
             &[("lost", |c| c.lost), ("stalls", |c| c.stalls)],
@@ -340,12 +340,13 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 56, Mutant::BugRepublishSkipped),
         (1, 189388, Mutant::BugSupersededRefusal),
         (1, 10191, Mutant::BugFoundRaisesUnknownHead),
-        (1, 384215, Mutant::PollNoHeadFloor),
+        (1, 65948, Mutant::PollNoHeadFloor),
         (1, 11, Mutant::BugFleetWaitingFillsShare),
         (1, 54, Mutant::BugFleetNoEvening),
         (1, 1, Mutant::BugSendsFoundEvent),
         (1, 42, Mutant::BugSendsFoundEvent),
-        (1, 526, Mutant::BugIgnoresResolvedMeanwhile),
+        (1, 569, Mutant::BugIgnoresResolvedMeanwhile),
+        (1, 8075, Mutant::BugRoundForgetsParked),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

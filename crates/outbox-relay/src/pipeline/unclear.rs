@@ -511,6 +511,11 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         self.parked.len()
     }
 
+    /// The aggregates of the parked events.
+    pub(crate) fn parked_aggregates(&self) -> Vec<AggKey> {
+        self.parked.values().map(|p| p.key.clone()).collect()
+    }
+
     /// When the next parked event is due (the driver wakes up then), if any is waiting.
     pub fn next_unclear_due(&self) -> Option<SystemTime> {
         if self.planted(Mutant::UnclearNeverDue) {

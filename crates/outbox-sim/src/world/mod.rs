@@ -193,6 +193,12 @@ pub enum Mutant {
     /// Ledger-model mutant (migration 0028's heads rule without `outbox.purged_events`): an
     /// aggregate whose predecessor was purged looks like a gap.
     HeadsWithoutPurged,
+    /// Product bug found by the simulator once its poll rounds wait between rows as the
+    /// daemon's do (2026-12-04, seed 1, trace 34; the CI failure of the e2e misbehaving-endpoint
+    /// test in poll mode): an aggregate parked when a round began, resolved while the round
+    /// went on, was sent again from the round's read (`resent_after_proof`). A product mutant
+    /// in `outbox_relay::PipelineCore::begin_poll_round` (`RoundForgetsParked`).
+    BugRoundForgetsParked,
 }
 
 impl Mutant {
@@ -248,6 +254,7 @@ impl Mutant {
             Mutant::BugIgnoresResolvedMeanwhile,
         ),
         ("heads-without-purged", Mutant::HeadsWithoutPurged),
+        ("bug-round-forgets-parked", Mutant::BugRoundForgetsParked),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -510,6 +517,9 @@ struct World {
     /// transient client error): a quarter of the traces, drawn from a generator of their own,
     /// as are the refusals, so that the other traces keep every draw.
     producer_refuses: Option<SplitMix64>,
+    /// Its own stream: whether a poll round waits between two rows (`World::round_waits`), so
+    /// that the traces without anything to wait for stay as they were.
+    round_waits: SplitMix64,
     /// The served cluster keeps a duplicate window ([`DEDUP_WINDOW`]) and a look-up inside it
     /// is a re-send under the event's key (`Sink::lookup_resends`), as JetStream and an HTTP
     /// endpoint with idempotency keys do: a quarter of the traces, drawn from a generator of
@@ -571,6 +581,7 @@ impl World {
             outbox_relay::UnclearPolicy::default().budget
         };
         let producer_refuses = rng.fork(4).chance(250).then(|| rng.fork(5));
+        let round_waits = rng.fork(9);
         let unclear_schedule = rng.fork(6).chance(250).then(|| {
             let ms = std::time::Duration::from_millis;
             outbox_relay::UnclearSchedule::new(&[ms(0), ms(100), ms(1_000), ms(3_000)])
@@ -582,6 +593,7 @@ impl World {
             unclear_budget,
             unclear_schedule,
             producer_refuses,
+            round_waits,
             slot_loss_at,
             poll,
             slot_lost: false,
@@ -1371,11 +1383,27 @@ impl World {
         self.ledger.poll_round = Some((self.relays[i].gen, read));
         let pending = self.poll_pending();
         log!(self, "poll round: {} pending rows", pending.len());
+        // What this run had seen on the broker when the round read: a row read as pending
+        // after that is read again by design (not `resent_after_proof`); one proven while the
+        // round goes on is not.
+        let proven_at_read = self.relays[i].proven.clone();
         // What was sent since the last round is reported and accepted before the read (the
         // round is due only then: `drain_all` at the start of `round`); which rows are
         // admitted, and the head each raises, is the core's (`outbox_relay::poll`).
         self.relays[i].core.begin_poll_round();
         for row in pending {
+            // `keep_pace`: between rows the daemon's round waits at times (`wait_one`), and
+            // what it waits for may resolve an aggregate the round read as pending: a parked
+            // event coming due and sent again, its report, a look-up's answer.
+            if self.faults
+                && (self.relays[i].core.parked() > 0 || !self.relays[i].lookups.is_empty())
+                && self.round_waits.chance(250)
+            {
+                self.round_waits(i)?;
+                if self.relays[i].killed || self.relays[i].core.lease_expired {
+                    return Ok(());
+                }
+            }
             let ev = self.rows[row].current();
             // `learn_heads`, per chunk in the daemon: the ledger's head of an aggregate the
             // gate does not know, below the round's own floor.
@@ -1389,13 +1417,46 @@ impl World {
                 .map_err(|_| End::Error("relay core: admit_polled"))?;
             if let outbox_relay::poll::Polled::Admitted { commands, .. } = polled {
                 // Read again by this round: as a replay (`decode_next`), not
-                // `resent_after_proof`.
-                self.relays[i].proven.remove(&row);
+                // `resent_after_proof`, unless proven after the read.
+                if proven_at_read.contains(&row) {
+                    self.relays[i].proven.remove(&row);
+                }
                 self.c.poll_events += 1;
                 self.execute(i, commands)?;
             }
         }
         Ok(())
+    }
+
+    /// `Pipeline::wait_one` inside a poll round: one delivery report, a parked event that is
+    /// due, or a look-up's answer, whichever there is (drawn).
+    fn round_waits(&mut self, i: usize) -> Result<(), End> {
+        let mut choices = Vec::new();
+        if !self.relays[i].in_flight.is_empty() {
+            choices.push(0);
+        }
+        if self.unclear_due(i) {
+            choices.push(1);
+        }
+        if !self.relays[i].lookups.is_empty() {
+            choices.push(2);
+        }
+        if choices.is_empty() {
+            return Ok(());
+        }
+        let r = &mut self.round_waits;
+        match choices[r.below(choices.len() as u64) as usize] {
+            0 => {
+                let k = r.below(self.relays[i].in_flight.len() as u64) as usize;
+                let token = self.relays[i].in_flight[k].token;
+                self.on_report(i, token)
+            }
+            1 => self.run_due_unclear(i),
+            _ => {
+                let k = r.below(self.relays[i].lookups.len() as u64) as usize;
+                self.on_lookup(i, k)
+            }
+        }
     }
 
     /// `publish_snapshot`: every row of the outbox table without a primary receipt, an open
@@ -1852,6 +1913,7 @@ impl World {
             Mutant::NoSettle => Some(outbox_relay::Mutant::IgnoresSettle),
             Mutant::BugUnknownOnlyAtStart => Some(outbox_relay::Mutant::UnknownOnlyAtStart),
             Mutant::BugEndRunOnUnclear => Some(outbox_relay::Mutant::EndsRunOnUnclear),
+            Mutant::BugRoundForgetsParked => Some(outbox_relay::Mutant::RoundForgetsParked),
             _ => None,
         }
     }
