@@ -269,6 +269,14 @@ async fn a_paused_server_loses_the_ack_and_the_msg_id_republish_resolves_it_with
             2,
         )
         .await;
+    // A found copy's receipt is accepted before its attempt is resolved FOUND
+    // (`outbox_relay::unknown::record`): wait for both, not for the receipt alone.
+    js.env
+        .wait_zero(
+            "the attempt resolved",
+            "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+        )
+        .await;
     let row = js
         .env
         .db

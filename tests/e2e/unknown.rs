@@ -59,6 +59,13 @@ async fn an_ack_lost_after_the_append_is_found_by_the_partition_scan_and_not_res
         1,
     )
     .await;
+    // A found copy's receipt is accepted before its attempt is resolved FOUND
+    // (`outbox_relay::unknown::record`): wait for both, not for the receipt alone.
+    env.wait_zero(
+        "the attempt resolved",
+        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+    )
+    .await;
     let msgs = env.read_topic().await;
     assert_eq!(msgs.len(), 1, "found by the scan, never sent again");
     let row = env
@@ -114,6 +121,13 @@ async fn a_send_that_ends_without_proof_is_recorded_unknown_then_reconciled() {
         "the event accepted",
         "SELECT count(*) FROM outbox.receipts",
         2,
+    )
+    .await;
+    // A found copy's receipt is accepted before its attempt is resolved FOUND
+    // (`outbox_relay::unknown::record`): wait for both, not for the receipt alone.
+    env.wait_zero(
+        "the attempt resolved",
+        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
     )
     .await;
     let copies = env
