@@ -353,13 +353,14 @@ async fn a_server_restart_mid_stream_loses_nothing_and_stores_each_event_once() 
     relay.assert_running();
     assert_eq!(js.invariants().await, Invariants::default());
     assert_eq!(js.stream().await.len(), 44, "one copy per event");
-    assert_eq!(
-        js.env
-            .count("SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'")
-            .await,
-        0,
-        "every UNKNOWN attempt resolved"
-    );
+    // Every UNKNOWN attempt resolved: waited for, since a found copy's receipt is accepted
+    // before its attempt is resolved FOUND (`outbox_relay::unknown::record`).
+    js.env
+        .wait_zero(
+            "every UNKNOWN attempt resolved",
+            "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+        )
+        .await;
     // The killed server never stored the paused publishes: the Msg-Id re-publish was not a
     // duplicate, so the original attempt is proven ABSENT and the re-publish is attempt 2.
     let absent = js
@@ -550,6 +551,14 @@ async fn outside_the_duplicate_window_an_unknown_attempt_is_resolved_by_a_subjec
     let _relay = js.relay(&[], &["--unknown-settle-ms", "300"]);
     js.env
         .wait_count("both receipts", "SELECT count(*) FROM outbox.receipts", 2)
+        .await;
+    // A found copy's receipt is accepted before its attempt is resolved FOUND
+    // (`outbox_relay::unknown::record`): wait for both, not for the receipts alone.
+    js.env
+        .wait_zero(
+            "both attempts resolved",
+            "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+        )
         .await;
     let rows = js
         .env

@@ -194,6 +194,10 @@ pub enum Mutant {
     /// recorded after this run started stays open until the next start (the product before
     /// the simulator found it, seed 1 trace 44; its `unknown_untraced`).
     UnknownOnlyAtStart,
+    /// A parked event's look-up starts while the running reconciliation is looking the same
+    /// event up (an attempt left open at start, looked up before the run reached and parked
+    /// its event): two look-ups of one event at once (the simulator's `concurrent_lookups`).
+    LookUpBesideReconciliation,
     /// A poll round skips only the aggregates parked while it goes on, not those parked when
     /// it began: one resolved before the round reaches its rows is sent again from the
     /// round's stale read (the simulator's `resent_after_proof`).

@@ -71,6 +71,8 @@ fn two_thousand_traces_violate_nothing() {
     // re-send under the event's key (JetStream, HTTP), and an open attempt of an event with
     // its receipt is closed by the receipt instead of sent again.
     assert_eq!(c.resent_published, 0);
+    // One look-up of an event at a time in a run (in `violations` too).
+    assert_eq!(c.concurrent_lookups, 0);
     assert!(c.dedup_traces > 300, "{c:?}");
     assert!(c.lookup_resends > 100 && c.closed_by_receipt > 100, "{c:?}");
     // A quarter of the traces run a fleet over several shards: members join, are SIGKILLed
@@ -154,6 +156,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::NoSettle,
         Mutant::BugUnknownOnlyAtStart,
         Mutant::BugEndRunOnUnclear,
+        Mutant::BugLookUpBesideReconciliation,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -273,6 +276,10 @@ fn every_mutant_is_caught(product: bool) {
         // waited between rows, 0 since).
         (Mutant::BugIgnoresResolvedMeanwhile, &[("lost", |c| c.lost)]),
         (
+            Mutant::BugLookUpBesideReconciliation,
+            &[("concurrent_lookups", |c| c.concurrent_lookups)],
+        ),
+        (
             Mutant::HeadsWithoutPurged,
             &[("lost", |c| c.lost), ("stalls", |c| c.stalls)],
         ),
@@ -339,7 +346,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 1881, Mutant::PollAboveHead),
         (1, 56, Mutant::BugRepublishSkipped),
         (1, 189388, Mutant::BugSupersededRefusal),
-        (1, 10191, Mutant::BugFoundRaisesUnknownHead),
+        (1, 11233, Mutant::BugFoundRaisesUnknownHead),
         (1, 65948, Mutant::PollNoHeadFloor),
         (1, 11, Mutant::BugFleetWaitingFillsShare),
         (1, 54, Mutant::BugFleetNoEvening),
@@ -347,6 +354,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 42, Mutant::BugSendsFoundEvent),
         (1, 569, Mutant::BugIgnoresResolvedMeanwhile),
         (1, 8075, Mutant::BugRoundForgetsParked),
+        (1, 4, Mutant::BugLookUpBesideReconciliation),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

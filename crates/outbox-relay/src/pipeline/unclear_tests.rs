@@ -235,6 +235,61 @@ fn an_attempt_left_open_at_start_parks_its_event_for_a_look_up_instead_of_sendin
     assert_eq!(lookups(&steps), [("a".to_string(), 1)]);
 }
 
+/// One look-up of an event at a time: an attempt left open at start that the running
+/// reconciliation looks up before the run reaches the event is not looked up a second time by
+/// the parked event; its look-up waits until reconciliation has said what it proved.
+#[test]
+fn a_parked_event_is_not_looked_up_while_reconciliation_looks_it_up() {
+    use crate::unknown::{Open, Reconcile, Resolved, When};
+    let mut c = core();
+    c.reconcile_settle = Duration::from_secs(1);
+    let ev = event("a", 1);
+    let at = now(10_000);
+    assert_eq!(
+        c.reconcile(
+            When::Start,
+            7,
+            &Open {
+                event_id: ev.event_id,
+                relay_generation: 6,
+                unknown_for: Duration::from_secs(5),
+                has_receipt: false,
+                lookup_resends: true,
+            },
+            at.wall
+        ),
+        Reconcile::HandedToRun
+    );
+    // Before the replay reaches it, the running reconciliation looks the attempt up.
+    let open = Open {
+        event_id: ev.event_id,
+        relay_generation: 6,
+        unknown_for: Duration::from_secs(5),
+        has_receipt: false,
+        lookup_resends: true,
+    };
+    assert_eq!(
+        c.reconcile(When::Running, 7, &open, at.wall),
+        Reconcile::LookUp
+    );
+    // The replay reaches it: parked for a look-up, which does not start while that one runs.
+    let cmds = admit_txn(&mut c, std::slice::from_ref(&ev), 100);
+    assert!(cmds.is_empty(), "parked, not sent");
+    assert!(c.is_parked(ev.event_id));
+    assert!(
+        lookups(&c.due_unclear(now(10_000)).unwrap()).is_empty(),
+        "no second look-up beside reconciliation's"
+    );
+    assert!(lookups(&c.due_unclear(now(10_500)).unwrap()).is_empty());
+    // Reconciliation's answer: the parked event's look-up may go (it finds the attempt
+    // closed, and takes what the run learned).
+    c.reconciled(&ev, &Resolved::StillUnknown);
+    assert_eq!(
+        lookups(&c.due_unclear(now(11_000)).unwrap()),
+        [("a".to_string(), 1)]
+    );
+}
+
 #[test]
 fn poll_mode_forgets_what_waits_behind_a_parked_event_and_a_version_published_meanwhile_leaves_no_gap(
 ) {

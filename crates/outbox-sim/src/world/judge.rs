@@ -119,6 +119,12 @@ pub struct Counts {
     /// the event had its primary receipt: the destination had answered that key, and the
     /// relay asked it again (an endpoint's idempotency key store absorbs it at best).
     pub resent_published: u64,
+    /// Look-ups a relay run started of an event it was already looking up (the running
+    /// reconciliation's of an attempt left open at start, and the parked event's own when the
+    /// run reached it): under a key, two re-sends of one event, one of which may reach the
+    /// endpoint after the other was answered (the e2e misbehaving-endpoint test in poll
+    /// mode, 2026-12-04).
+    pub concurrent_lookups: u64,
     /// Aggregates that never progress: after the drain, an aggregate with an event that is
     /// unpublished, not quarantined, not skipped and not held, although a relay run has held
     /// the lease for [`STALL_AFTER_MS`]; plus relay loops that would wait forever (a release
@@ -222,6 +228,7 @@ impl Counts {
             + self.stale_sends
             + self.resent_after_proof
             + self.resent_published
+            + self.concurrent_lookups
             + self.stalls
             + self.unclear_restarts
             + self.fleet_unserved
@@ -263,6 +270,7 @@ impl Counts {
             stale_sends,
             resent_after_proof,
             resent_published,
+            concurrent_lookups,
             stalls,
             unclear_restarts,
             late_acks,
@@ -350,6 +358,7 @@ impl Counts {
             ("stale_sends", self.stale_sends.to_string()),
             ("resent_after_proof", self.resent_after_proof.to_string()),
             ("resent_published", self.resent_published.to_string()),
+            ("concurrent_lookups", self.concurrent_lookups.to_string()),
             ("stalls", self.stalls.to_string()),
             ("unclear_restarts", self.unclear_restarts.to_string()),
             ("fleet_unserved", self.fleet_unserved.to_string()),

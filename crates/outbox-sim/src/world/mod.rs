@@ -199,6 +199,12 @@ pub enum Mutant {
     /// went on, was sent again from the round's read (`resent_after_proof`). A product mutant
     /// in `outbox_relay::PipelineCore::begin_poll_round` (`RoundForgetsParked`).
     BugRoundForgetsParked,
+    /// Product bug found by the simulator's `concurrent_lookups` (2026-12-04, seed 1, trace 4;
+    /// the same CI failure): the running reconciliation looked up an attempt left open at
+    /// start before the run reached its event, and the run then parked the event and looked
+    /// it up too. A product mutant in `outbox_relay::PipelineCore::due_unclear`
+    /// (`LookUpBesideReconciliation`).
+    BugLookUpBesideReconciliation,
 }
 
 impl Mutant {
@@ -255,6 +261,10 @@ impl Mutant {
         ),
         ("heads-without-purged", Mutant::HeadsWithoutPurged),
         ("bug-round-forgets-parked", Mutant::BugRoundForgetsParked),
+        (
+            "bug-look-up-beside-reconciliation",
+            Mutant::BugLookUpBesideReconciliation,
+        ),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -1428,6 +1438,20 @@ impl World {
         Ok(())
     }
 
+    /// A look-up of `row` starts: counted in `concurrent_lookups` if this run is already
+    /// looking it up (two look-ups of one event race: under a key, two re-sends of it).
+    fn note_lookup(&mut self, i: usize, row: usize) {
+        let id = self.rows[row].ev.event_id;
+        if self.relays[i]
+            .lookups
+            .iter()
+            .any(|l| l.event.event_id == id)
+        {
+            log!(self, "SECOND look-up of {id} while one is outstanding");
+            self.c.concurrent_lookups += 1;
+        }
+    }
+
     /// `Pipeline::wait_one` inside a poll round: one delivery report, a parked event that is
     /// due, or a look-up's answer, whichever there is (drawn).
     fn round_waits(&mut self, i: usize) -> Result<(), End> {
@@ -1610,6 +1634,7 @@ impl World {
             // On a task of its own in the daemon: it answers at a later step
             // (`World::on_reconcile_lookup`), and the core skips the event's attempts until then.
             log!(self, "reconciliation's look-up of {id} started");
+            self.note_lookup(i, row);
             self.relays[i].lookups.push(PendingLookup {
                 event: self.rows[row].current(),
                 attempt: a,
@@ -1914,6 +1939,9 @@ impl World {
             Mutant::BugUnknownOnlyAtStart => Some(outbox_relay::Mutant::UnknownOnlyAtStart),
             Mutant::BugEndRunOnUnclear => Some(outbox_relay::Mutant::EndsRunOnUnclear),
             Mutant::BugRoundForgetsParked => Some(outbox_relay::Mutant::RoundForgetsParked),
+            Mutant::BugLookUpBesideReconciliation => {
+                Some(outbox_relay::Mutant::LookUpBesideReconciliation)
+            }
             _ => None,
         }
     }
@@ -2221,6 +2249,7 @@ impl World {
                     prior,
                 } => {
                     log!(self, "look-up of {id} started");
+                    self.note_lookup(i, row);
                     self.relays[i].lookups.push(PendingLookup {
                         event,
                         attempt,
