@@ -98,11 +98,9 @@ mod tests {
     use crate::pipeline::Planted;
     use crate::testing::{event, now, served};
 
-    /// The gate knows `a` at head 1 (its v1 published by this run); v2 gets its receipt from a
-    /// paused relay's salvage after that, so the next round's first pending row of `a` is v3.
-    /// Returns whether v3 is sent (the gate raised to v2) rather than held as a gap.
-    fn third_is_sent(mutant: Option<Mutant>) -> bool {
-        let mut c = PipelineCore::with_plant(
+    /// A core of generation 7 with `mutant` planted, if any.
+    fn core_with(mutant: Option<Mutant>) -> PipelineCore<Planted> {
+        PipelineCore::with_plant(
             served(),
             7,
             PipelineCore::gate_from(Vec::new(), Vec::new()),
@@ -110,7 +108,14 @@ mod tests {
                 mutant,
                 current_route: None,
             },
-        );
+        )
+    }
+
+    /// The gate knows `a` at head 1 (its v1 published by this run); v2 gets its receipt from a
+    /// paused relay's salvage after that, so the next round's first pending row of `a` is v3.
+    /// Returns whether v3 is sent (the gate raised to v2) rather than held as a gap.
+    fn third_is_sent(mutant: Option<Mutant>) -> bool {
+        let mut c = core_with(mutant);
         c.raise_heads(vec![(("order".to_string(), "a".to_string()), 1)]);
         c.begin_poll_round();
         match c.admit_polled(event("a", 3), now(100)).unwrap() {
@@ -130,15 +135,7 @@ mod tests {
         use crate::pipeline::UnclearStep;
         use crate::testing::{failed, persisted, token};
         use outbox_core::delivery::{FailureClass, Persistence};
-        let mut c = PipelineCore::with_plant(
-            served(),
-            7,
-            PipelineCore::gate_from(Vec::new(), Vec::new()),
-            Planted {
-                mutant,
-                current_route: None,
-            },
-        );
+        let mut c = core_with(mutant);
         c.unclear_touched = Some(Default::default());
         c.raise_heads(vec![(("order".to_string(), "a".to_string()), 0)]);
         let a1 = event("a", 1);
