@@ -4,7 +4,19 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::harness::TestEnv;
+use crate::harness::{RelayProcess, TestEnv};
+
+/// The relay stops with an error whose log holds every one of `names` (the slot, the cause,
+/// the fix).
+async fn assert_stops_naming(relay: &mut RelayProcess, names: &[&str]) {
+    let status = relay.wait_exit(Duration::from_secs(60)).await;
+    assert!(!status.success());
+    let log = relay.log_text();
+    assert!(
+        names.iter().all(|n| log.contains(n)),
+        "the error names the slot, the cause and the fix:\n{log}"
+    );
+}
 
 async fn drop_and_recreate(env: &TestEnv) {
     drop_slot(env).await;
@@ -53,15 +65,8 @@ cdc_only! {
         env.wait_count("first receipt", "SELECT count(*) FROM outbox.receipts", 1)
             .await;
         drop_and_recreate(&env).await;
-        let status = relay.wait_exit(Duration::from_secs(60)).await;
-        assert!(!status.success());
-        let log = relay.log_text();
-        assert!(
-            log.contains(&format!("replication slot \"{}\"", env.slot))
-                && log.contains("behind outboxd's back")
-                && log.contains("--resnapshot"),
-            "the error names the slot, the cause and the fix:\n{log}"
-        );
+        let slot = format!("replication slot \"{}\"", env.slot);
+        assert_stops_naming(&mut relay, &[&slot, "behind outboxd's back", "--resnapshot"]).await;
     }
 }
 
@@ -92,16 +97,11 @@ cdc_only! {
         )
         .await;
         drop_slot(&env).await;
-        let status = relay.wait_exit(Duration::from_secs(60)).await;
-        assert!(!status.success());
-        let log = relay.log_text();
-        assert!(
-            log.contains(&format!(
-                "replication slot \"{}\" was dropped behind outboxd's back",
-                env.slot
-            )) && log.contains("--resnapshot"),
-            "the error names the slot, the cause and the fix:\n{log}"
+        let dropped = format!(
+            "replication slot \"{}\" was dropped behind outboxd's back",
+            env.slot
         );
+        assert_stops_naming(&mut relay, &[&dropped, "--resnapshot"]).await;
     }
 }
 

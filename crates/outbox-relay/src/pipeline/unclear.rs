@@ -548,13 +548,13 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             // after the first was answered: the e2e misbehaving-endpoint test in poll mode).
             // Asked again shortly; by then the ledger says what reconciliation proved, and
             // `ParkedLookup` finds no open attempt and takes what the run learned.
-            if self.reconciling.contains(&id) && !self.planted(Mutant::LookUpBesideReconciliation) {
-                let p = self.parked.get_mut(&id).expect("listed above");
-                p.due = now.wall + self.unclear_policy.first;
-                continue;
-            }
+            let beside_reconciliation =
+                self.reconciling.contains(&id) && !self.planted(Mutant::LookUpBesideReconciliation);
+            let first = self.unclear_policy.first;
             let p = self.parked.get_mut(&id).expect("listed above");
-            if p.lookup {
+            if beside_reconciliation {
+                p.due = now.wall + first;
+            } else if p.lookup {
                 p.running = true;
                 steps.push(UnclearStep::Lookup {
                     event: p.p.ev.clone(),

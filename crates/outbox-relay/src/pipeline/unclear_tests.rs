@@ -245,22 +245,6 @@ fn a_parked_event_is_not_looked_up_while_reconciliation_looks_it_up() {
     c.reconcile_settle = Duration::from_secs(1);
     let ev = event("a", 1);
     let at = now(10_000);
-    assert_eq!(
-        c.reconcile(
-            When::Start,
-            7,
-            &Open {
-                event_id: ev.event_id,
-                relay_generation: 6,
-                unknown_for: Duration::from_secs(5),
-                has_receipt: false,
-                lookup_resends: true,
-            },
-            at.wall
-        ),
-        Reconcile::HandedToRun
-    );
-    // Before the replay reaches it, the running reconciliation looks the attempt up.
     let open = Open {
         event_id: ev.event_id,
         relay_generation: 6,
@@ -268,6 +252,11 @@ fn a_parked_event_is_not_looked_up_while_reconciliation_looks_it_up() {
         has_receipt: false,
         lookup_resends: true,
     };
+    assert_eq!(
+        c.reconcile(When::Start, 7, &open, at.wall),
+        Reconcile::HandedToRun
+    );
+    // Before the replay reaches it, the running reconciliation looks the attempt up.
     assert_eq!(
         c.reconcile(When::Running, 7, &open, at.wall),
         Reconcile::LookUp

@@ -1227,7 +1227,6 @@ impl World {
     /// takes the version met for a gap: the mutant `heads-without-purged` forgets the purged
     /// rows, and events are lost or stall.
     fn head_of(&self, agg: Agg, below: Option<i64>) -> i64 {
-        let moved = self.ledger.moved.get(&agg).copied().unwrap_or(0);
         let existing = |below: i64| {
             self.rows
                 .iter()
@@ -1237,14 +1236,14 @@ impl World {
                 .max()
                 .unwrap_or(0)
         };
-        let head = match below {
-            Some(below) => existing(below),
+        match below {
+            Some(below) => existing(below).max(self.moved_head(agg)),
             None => self.published_head(agg, i64::MAX),
-        };
-        head.max(moved)
+        }
     }
 
-    /// The highest version of `agg` below `below` with a primary receipt, purged or not.
+    /// Migration 0026's head: the highest version of `agg` below `below` with a primary
+    /// receipt, purged or not, or an operator's move, whatever its version.
     fn published_head(&self, agg: Agg, below: i64) -> i64 {
         self.ledger
             .primary
@@ -1254,6 +1253,12 @@ impl World {
             .map(|row| row.ev.aggregate_version)
             .max()
             .unwrap_or(0)
+            .max(self.moved_head(agg))
+    }
+
+    /// `outbox.aggregate_heads`: the head an operator moved `agg` to (0 if none).
+    fn moved_head(&self, agg: Agg) -> i64 {
+        self.ledger.moved.get(&agg).copied().unwrap_or(0)
     }
 
     /// `Pipeline::learn_heads`: before the core meets row `row`'s aggregate for the first time,
@@ -1438,10 +1443,11 @@ impl World {
         Ok(())
     }
 
-    /// A look-up of `row` starts: counted in `concurrent_lookups` if this run is already
-    /// looking it up (two look-ups of one event race: under a key, two re-sends of it).
-    fn note_lookup(&mut self, i: usize, row: usize) {
-        let id = self.rows[row].ev.event_id;
+    /// A look-up starts (on its own task in the daemon; it answers at a later step): counted
+    /// in `concurrent_lookups` if this run is already looking the event up (two look-ups of
+    /// one event race: under a key, two re-sends of it).
+    fn push_lookup(&mut self, i: usize, lookup: PendingLookup) {
+        let id = lookup.event.event_id;
         if self.relays[i]
             .lookups
             .iter()
@@ -1450,6 +1456,7 @@ impl World {
             log!(self, "SECOND look-up of {id} while one is outstanding");
             self.c.concurrent_lookups += 1;
         }
+        self.relays[i].lookups.push(lookup);
     }
 
     /// `Pipeline::wait_one` inside a poll round: one delivery report, a parked event that is
@@ -1634,14 +1641,17 @@ impl World {
             // On a task of its own in the daemon: it answers at a later step
             // (`World::on_reconcile_lookup`), and the core skips the event's attempts until then.
             log!(self, "reconciliation's look-up of {id} started");
-            self.note_lookup(i, row);
-            self.relays[i].lookups.push(PendingLookup {
-                event: self.rows[row].current(),
-                attempt: a,
-                prior: None,
-                published: self.ledger.primary.contains_key(&row),
-                reconciling: true,
-            });
+            let event = self.rows[row].current();
+            self.push_lookup(
+                i,
+                PendingLookup {
+                    event,
+                    attempt: a,
+                    prior: None,
+                    published: self.ledger.primary.contains_key(&row),
+                    reconciling: true,
+                },
+            );
         }
         Ok(())
     }
@@ -1862,9 +1872,7 @@ impl World {
                 // (refused and held). Measured, not an invariant: the gate knows such an
                 // aggregate's hold, and a wrong head shows as `lost` or `order_violations`.
                 self.c.stream_heads_read += 1;
-                let published = self
-                    .published_head(agg, met)
-                    .max(self.ledger.moved.get(&agg).copied().unwrap_or(0));
+                let published = self.published_head(agg, met);
                 if head > published {
                     self.c.stream_heads_above_receipts += 1;
                     log!(
@@ -2249,14 +2257,17 @@ impl World {
                     prior,
                 } => {
                     log!(self, "look-up of {id} started");
-                    self.note_lookup(i, row);
-                    self.relays[i].lookups.push(PendingLookup {
-                        event,
-                        attempt,
-                        prior,
-                        published: self.ledger.primary.contains_key(&row),
-                        reconciling: false,
-                    });
+                    let published = self.ledger.primary.contains_key(&row);
+                    self.push_lookup(
+                        i,
+                        PendingLookup {
+                            event,
+                            attempt,
+                            prior,
+                            published,
+                            reconciling: false,
+                        },
+                    );
                     return Ok(());
                 }
                 ParkedStep::Done { event_id, outcome } => {
