@@ -33,33 +33,6 @@ pub struct Digests<'a> {
     pub destination: &'a str,
 }
 
-/// The digests a frozen row stores, compared with a receipt's at acceptance. Since migration
-/// 0027 `outbox.enqueue` stores none: the row is immutable and the relay computes both from
-/// the row it decoded (`OutboxEvent::from_text_columns`), so a receipt's digests are its row's
-/// by construction, and the audit computes them again (`outbox-ledger`'s `ledger_conflicts`).
-/// A row written otherwise may store them, and a destination migration stores its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stored<'a> {
-    pub payload: Option<&'a str>,
-    pub destination: Option<&'a str>,
-}
-
-impl<'a> Stored<'a> {
-    /// A row that stores both digests.
-    pub fn both(d: Digests<'a>) -> Self {
-        Stored {
-            payload: Some(d.payload),
-            destination: Some(d.destination),
-        }
-    }
-
-    /// Every digest the row stores equals the receipt's.
-    fn admits(&self, receipt: Digests<'_>) -> bool {
-        self.payload.map_or(true, |p| p == receipt.payload)
-            && self.destination.map_or(true, |d| d == receipt.destination)
-    }
-}
-
 /// What the acceptance point does with one transport receipt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReceiptClass {
@@ -74,11 +47,10 @@ pub enum ReceiptClass {
 /// Why a receipt was quarantined instead of accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Conflict {
-    /// Its payload or destination digest differs from the frozen row (of the latest envelope
-    /// generation, when the event was migrated).
+    /// Its destination digest differs from the one an operator's destination migration froze
+    /// for the event (`outbox.destination_migrations`): it is evidence of a copy at the old
+    /// destination.
     DigestMismatch,
-    /// No outbox row has its event id.
-    WithoutRow,
 }
 
 impl Conflict {
@@ -86,22 +58,28 @@ impl Conflict {
     pub fn reason_code(self) -> &'static str {
         match self {
             Conflict::DigestMismatch => "receipt_digest_mismatch",
-            Conflict::WithoutRow => "receipt_without_row",
         }
     }
 }
 
-/// The acceptance decision for one receipt. `row` is what the current frozen row stores
-/// (`None` if there is no row), `has_primary` whether its publish slot is already filled. It
-/// does not matter which attempt, relay generation or lease produced the ACK: a late valid ACK
-/// of an old attempt competes for the same slot as the newest one, and one whose digests differ
-/// from the row's stored ones is never accepted.
-pub fn classify(row: Option<Stored<'_>>, has_primary: bool, receipt: Digests<'_>) -> ReceiptClass {
-    match row {
-        None => ReceiptClass::Conflict(Conflict::WithoutRow),
-        Some(r) if !r.admits(receipt) => ReceiptClass::Conflict(Conflict::DigestMismatch),
-        Some(_) if has_primary => ReceiptClass::Duplicate,
-        Some(_) => ReceiptClass::Primary,
+/// The acceptance decision for one receipt. `migrated` is the destination digest of the
+/// event's latest destination migration, if an operator migrated it; `has_primary` whether its
+/// publish slot is already filled (a purged event's tombstone fills it too). It does not
+/// matter which attempt, relay generation or lease produced the ACK: a late valid ACK of an
+/// old attempt competes for the same slot as the newest one.
+///
+/// Nothing else of the row is compared, and no row is looked up: every receipt is built by a
+/// relay from a row it read (decoded, snapshotted or polled), which computed both digests from
+/// that row and checked any the row stores (`OutboxEvent::from_text_columns`); the row is
+/// immutable (migration 0027), so only an operator's migration can make a receipt's
+/// destination stale after that read. What a relay bug could still produce (digests that are
+/// not the row's, an event id with no row) is named by the audit (`outbox-ledger`'s
+/// `ledger_conflicts`), off the acceptance's path (docs/evidence_batches.md).
+pub fn classify(migrated: Option<&str>, has_primary: bool, receipt: Digests<'_>) -> ReceiptClass {
+    match migrated {
+        Some(d) if d != receipt.destination => ReceiptClass::Conflict(Conflict::DigestMismatch),
+        _ if has_primary => ReceiptClass::Duplicate,
+        _ => ReceiptClass::Primary,
     }
 }
 
@@ -427,38 +405,26 @@ mod tests {
     };
 
     #[test]
-    fn one_publish_slot_and_mismatches_are_never_accepted() {
-        let a = Some(Stored::both(A));
-        assert_eq!(classify(a, false, A), ReceiptClass::Primary);
-        assert_eq!(classify(a, true, A), ReceiptClass::Duplicate);
+    fn one_publish_slot_and_a_stale_destination_is_never_accepted() {
+        assert_eq!(classify(None, false, A), ReceiptClass::Primary);
+        assert_eq!(classify(None, true, A), ReceiptClass::Duplicate);
         let other = Digests {
             payload: "sha256:p",
             destination: "sha256:elsewhere",
         };
-        assert_eq!(
-            classify(a, false, other),
-            ReceiptClass::Conflict(Conflict::DigestMismatch)
-        );
-        // A row that stores no digests (outbox.enqueue since migration 0027) is matched by its
-        // id; a destination migration's stored digest is still compared.
-        let none = Some(Stored {
-            payload: None,
-            destination: None,
-        });
-        assert_eq!(classify(none, false, other), ReceiptClass::Primary);
-        let migrated = Some(Stored {
-            payload: None,
-            destination: Some("sha256:d"),
-        });
+        // No migration: the relay's digests of the row it read are the row's by construction.
+        assert_eq!(classify(None, false, other), ReceiptClass::Primary);
+        // A destination migration's digest is compared: a receipt for the old destination is
+        // a conflict, whether or not the slot is filled.
+        let migrated = Some("sha256:d");
+        assert_eq!(classify(migrated, false, A), ReceiptClass::Primary);
         assert_eq!(classify(migrated, true, A), ReceiptClass::Duplicate);
-        assert_eq!(
-            classify(migrated, true, other),
-            ReceiptClass::Conflict(Conflict::DigestMismatch)
-        );
-        assert_eq!(
-            classify(None, false, A),
-            ReceiptClass::Conflict(Conflict::WithoutRow)
-        );
+        for has_primary in [false, true] {
+            assert_eq!(
+                classify(migrated, has_primary, other),
+                ReceiptClass::Conflict(Conflict::DigestMismatch)
+            );
+        }
         assert_eq!(
             Conflict::DigestMismatch.reason_code(),
             "receipt_digest_mismatch"

@@ -1,16 +1,21 @@
 //! The single acceptance point.
 //!
-//! One transaction per batch: every receipt of the batch is matched against its frozen
-//! outbox row (event id, payload digest, destination digest — of the latest destination
-//! migration, if an operator migrated it; a digest the row does not store, since migration
-//! 0027, is the relay's, computed from the immutable row) and then
+//! One transaction per batch: every receipt of the batch (`outbox_core::receipt::classify`,
+//! which the simulator drives)
 //!
 //! * becomes the event's **primary receipt** if the event has none (the publish slot is the
-//!   primary key of `outbox.receipts`, so two concurrent acceptors cannot both win);
+//!   primary key of `outbox.receipts`, so two concurrent acceptors cannot both win; a purged
+//!   event's tombstone in `outbox.purged_events` keeps its slot filled);
 //! * otherwise is kept as a **duplicate transport receipt** (a replay after a crash, a late
 //!   ACK of an earlier attempt) — evidence, never a second primary;
-//! * is **quarantined** if its digests differ from the frozen row (or the row is gone), and
-//!   never accepted.
+//! * is **quarantined** if an operator migrated the event's destination and the receipt is for
+//!   another one, and never accepted.
+//!
+//! The receipt is not matched with its outbox row: the relay built it from a row it read,
+//! computed both digests from that row and checked any the row stores, and the row is
+//! immutable (migration 0027). A probe of the row per event was a fifth of the statement's
+//! cost (docs/benchmarks.md); what only a relay bug could produce (digests that are not the
+//! row's, an event id with no row) is named by the audit (`crate::audit::ledger_conflicts`).
 //!
 //! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
 //! the checkpoint. A refusal (quarantine, hold, held event) about an event that is published by
@@ -47,16 +52,15 @@ WITH input AS (
              partition, "offset", ts_ms, attempt, relay_generation, commit_lsn, evidence)
 ),
 matched AS (
-    SELECT i.*,
-           -- A row without stored digests (migration 0027: immutable, the relay computed
-           -- them from it) is matched by its id; stored ones must equal the receipt's.
-           (e.event_id IS NOT NULL
-            AND coalesce(e.payload_digest = i.payload_digest, true)
-            AND coalesce(e.destination_digest = i.destination_digest, true)) AS ok,
-           e.event_id IS NOT NULL AS row_exists,
-           e.aggregate_type, e.aggregate_id, e.aggregate_version
+    -- No match with the outbox row (docs/evidence_batches.md): the relay built every receipt from a row
+    -- it read, computed both digests from it and checked any the row stores, and the row is
+    -- immutable (0027). Only an operator's destination migration can make the receipt's
+    -- destination stale since: compared here, against a table that is usually empty.
+    SELECT i.*, coalesce(m.destination_digest = i.destination_digest, true) AS ok
     FROM input i
-    LEFT JOIN outbox.events_current e ON e.event_id = i.event_id
+    LEFT JOIN LATERAL (SELECT dm.destination_digest FROM outbox.destination_migrations dm
+                       WHERE dm.event_id = i.event_id
+                       ORDER BY dm.envelope_generation DESC LIMIT 1) m ON true
 ),
 prim AS (
     INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic, partition, "offset",
@@ -65,7 +69,9 @@ prim AS (
     SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
            to_timestamp(ts_ms / 1000.0), attempt, relay_generation, commit_lsn::pg_lsn, $13,
            payload_digest, destination_digest, evidence::jsonb
-    FROM matched WHERE ok
+    FROM matched m WHERE ok
+      -- A purged event's tombstone keeps its publish slot: a late ACK is a duplicate.
+      AND NOT EXISTS (SELECT 1 FROM outbox.purged_events pe WHERE pe.event_id = m.event_id)
     ON CONFLICT (event_id) DO NOTHING
     RETURNING event_id
 ),
@@ -90,16 +96,15 @@ dup AS (
 conflict AS (
     INSERT INTO outbox.quarantine (quarantine_key, event_id, aggregate_type, aggregate_id,
                                    aggregate_version, reason_code, reason, commit_lsn, slot_name)
-    SELECT 'receipt:' || event_id::text || ':' || topic || ':' || partition || ':' || "offset",
-           event_id, aggregate_type, aggregate_id, aggregate_version,
-           CASE WHEN row_exists THEN 'receipt_digest_mismatch' ELSE 'receipt_without_row' END,
-           CASE WHEN row_exists
-                THEN 'broker receipt at ' || topic || '/' || partition || '@' || "offset"
-                     || ' carries digests that differ from the frozen outbox row'
-                ELSE 'broker receipt at ' || topic || '/' || partition || '@' || "offset"
-                     || ' names an event id with no outbox row' END,
-           commit_lsn::pg_lsn, $13
-    FROM matched WHERE NOT ok
+    SELECT 'receipt:' || m.event_id::text || ':' || m.topic || ':' || m.partition || ':' || m."offset",
+           m.event_id, e.aggregate_type, e.aggregate_id, e.aggregate_version,
+           'receipt_digest_mismatch',
+           'broker receipt at ' || m.topic || '/' || m.partition || '@' || m."offset"
+           || ' is for another destination than the one the event was migrated to',
+           m.commit_lsn::pg_lsn, $13
+    -- A migration exists only while its row does (purge deletes both).
+    FROM matched m JOIN outbox.events e ON e.event_id = m.event_id
+    WHERE NOT m.ok
     ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
 ),
@@ -110,8 +115,7 @@ unheld AS (
 )
 -- unheld runs to completion although nothing reads it (PostgreSQL guarantees it). Heads are
 -- not written here: they are read from the receipts (migration 0026).
-SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict),
-       (SELECT count(*) FROM matched WHERE NOT row_exists)
+SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict)
 "#;
 
 const QUARANTINE_SQL: &str = r#"
@@ -130,41 +134,11 @@ SELECT count(*) FROM q
 /// The acceptance statement prepared on one connection, for [`accept_batch_prepared`]: parsed
 /// once, and after a few executions PostgreSQL reuses a generic plan instead of planning the
 /// statement for every batch (~0.5 ms of a ~2.5 ms acceptance of 100 receipts). The generic
-/// plan is safe for any batch size: its joins are hash joins or index probes.
-#[derive(Debug)]
+/// plan is safe for any batch size: its joins are index probes.
+#[derive(Debug, Default)]
 pub struct Prepared {
     accept: Option<Statement>,
-    /// How long a batch waits for outbox rows that are not visible yet (see
-    /// [`VISIBILITY_WAIT`]).
-    pub visibility_wait: std::time::Duration,
 }
-
-impl Default for Prepared {
-    fn default() -> Self {
-        Prepared::with_visibility_wait(VISIBILITY_WAIT)
-    }
-}
-
-impl Prepared {
-    /// Nothing prepared yet; invisible rows are waited for up to `wait`.
-    pub fn with_visibility_wait(wait: std::time::Duration) -> Self {
-        Prepared {
-            accept: None,
-            visibility_wait: wait,
-        }
-    }
-}
-
-/// How long an acceptance waits for an outbox row that its receipt names but that is not
-/// visible yet, before it quarantines the receipt as `receipt_without_row`.
-///
-/// PostgreSQL flushes a commit record to WAL before it makes the transaction visible to other
-/// snapshots, and a walsender may decode and send the transaction in between (with synchronous
-/// replication, until the standby answers). A fast broker can ACK the event before its row is
-/// visible to the ledger connection. Seen in `outboxd bench` at 10,000 events/s: ~30-60 of
-/// 80,000 events quarantined although their rows existed. The wait costs nothing when every row
-/// is visible: the statement runs once and reports how many were not.
-pub const VISIBILITY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Accepts `items` and moves the checkpoint of `slot` to `checkpoint` (never backwards), in one
 /// transaction. On error nothing is recorded and the caller must replay, not skip.
@@ -193,10 +167,9 @@ pub async fn accept_batch(
 /// [`accept_batch`] with the statement prepared once per connection in `prepared` (which must
 /// belong to `client`'s connection).
 ///
-/// A receipt whose outbox row is not visible yet (its transaction committed in WAL but is not
-/// visible to snapshots yet) is not a conflict: the transaction is rolled back and run again,
-/// with a growing pause, for up to `prepared.visibility_wait`; only then is it quarantined as
-/// `receipt_without_row`.
+/// A receipt is accepted whether or not its outbox row is visible to this connection yet
+/// (PostgreSQL writes a commit to WAL before the transaction becomes visible to snapshots, and
+/// a fast broker can ACK in between): nothing here reads the row.
 pub async fn accept_batch_prepared(
     client: &mut Client,
     prepared: &mut Prepared,
@@ -205,22 +178,7 @@ pub async fn accept_batch_prepared(
     checkpoint: Option<Lsn>,
     fence: Option<&crate::lease::Fence>,
 ) -> Result<AcceptOutcome, LedgerError> {
-    let started = std::time::Instant::now();
-    let mut pause = std::time::Duration::from_millis(1);
-    loop {
-        let last_try = started.elapsed() >= prepared.visibility_wait;
-        match accept_once(client, prepared, slot, items, checkpoint, fence, last_try).await? {
-            Some(out) => return Ok(out),
-            None => {
-                tracing::debug!(
-                    waited_ms = started.elapsed().as_millis() as u64,
-                    "a receipt names an outbox row that is not visible yet; accepting again"
-                );
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(std::time::Duration::from_millis(200));
-            }
-        }
-    }
+    accept_once(client, prepared, slot, items, checkpoint, fence).await
 }
 
 /// For each item of the batch, whether it is recorded: receipts always; a refusal only while
@@ -267,8 +225,7 @@ async fn standing_refusals(
         .collect())
 }
 
-/// One acceptance transaction. `None`: rolled back because a receipt's row is not visible
-/// yet and `last_try` is false.
+/// One acceptance transaction.
 async fn accept_once(
     client: &mut Client,
     prepared: &mut Prepared,
@@ -276,8 +233,7 @@ async fn accept_once(
     items: &[LedgerItem],
     checkpoint: Option<Lsn>,
     fence: Option<&crate::lease::Fence>,
-    last_try: bool,
-) -> Result<Option<AcceptOutcome>, LedgerError> {
+) -> Result<AcceptOutcome, LedgerError> {
     let mut out = AcceptOutcome::default();
     let tx = client
         .transaction()
@@ -353,12 +309,6 @@ async fn accept_once(
                 )
                 .await
                 .ctx(format!("accepting a batch of {} receipts", round.len()))?;
-            if row.get::<_, i64>(3) > 0 && !last_try {
-                tx.rollback()
-                    .await
-                    .ctx("rolling back an acceptance that must wait for its outbox rows")?;
-                return Ok(None);
-            }
             out.primary += row.get::<_, i64>(0) as u64;
             out.duplicates += row.get::<_, i64>(1) as u64;
             out.conflicts += row.get::<_, i64>(2) as u64;
@@ -490,5 +440,5 @@ async fn accept_once(
             generation: fence.map(|f| f.generation).unwrap_or(0),
         });
     }
-    Ok(Some(out))
+    Ok(out)
 }

@@ -115,14 +115,18 @@ pub struct LedgerConflict {
 }
 
 /// Open quarantine records for digest mismatches, duplicate receipts at another cluster or
-/// topic than the primary receipt, and primary receipts whose digests are not their row's.
+/// topic than the primary receipt, primary receipts whose digests are not their row's, and
+/// primary receipts that name no row.
 ///
-/// The last is where invariant 6 is checked for rows that store no digests (migration 0027):
-/// the acceptance compares a receipt's digests with the row's stored ones only, and a row from
-/// `outbox.enqueue` stores none (the relay computes them from the immutable row). Here both are
-/// computed again from the row's columns, for every receipt (the destination only while no
+/// The last two are where invariant 6 is checked against the rows: the acceptance does not
+/// read the row (`crate::accept`; it compares a receipt only with a destination migration's
+/// digest), because the relay computes both digests from the immutable row it read. Here both
+/// are computed again from the row's columns, for every receipt (the destination only while no
 /// operator migrated the event: a migration stores its own digest, which the acceptance
-/// compares). A finding means a relay computed a digest that is not its row's: a bug to report.
+/// compares), and a receipt whose event id has neither a row nor a purged tombstone is named
+/// once it is 10 s old (a row committed in WAL may become visible a moment after the broker's
+/// ACK is accepted). A finding means a relay built a receipt that is not its row's: a bug to
+/// report.
 pub async fn ledger_conflicts(client: &Client) -> Result<Vec<LedgerConflict>, LedgerError> {
     let rows = client
         .query(
@@ -151,7 +155,15 @@ pub async fn ledger_conflicts(client: &Client) -> Result<Vec<LedgerConflict>, Le
                         CASE WHEN e.envelope_generation > 1 THEN r.destination_digest
                              ELSE outbox.destination_digest_of(e) END AS destination) h
              WHERE (r.payload_digest, r.destination_digest)
-                   IS DISTINCT FROM (h.payload, h.destination)",
+                   IS DISTINCT FROM (h.payload, h.destination)
+             UNION ALL
+             SELECT r.event_id, 'receipt',
+                    format('primary receipt at %s/%s/%s@%s, accepted %s, names an event id with no outbox row and no purged tombstone',
+                           r.broker_cluster, r.topic, r.partition, r.\"offset\", r.accepted_at)
+             FROM outbox.receipts r
+             WHERE r.accepted_at < clock_timestamp() - interval '10 seconds'
+               AND NOT EXISTS (SELECT 1 FROM outbox.events e WHERE e.event_id = r.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.purged_events p WHERE p.event_id = r.event_id)",
             &[],
         )
         .await

@@ -411,16 +411,44 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         .await
         .unwrap();
 
-    // outbox.enqueue's row stores no digests (migration 0027); a row written around it may,
-    // and then a receipt must carry the same ones.
-    let stored = event(&c, with_stored_digests(&c, id, 2).await).await;
-
-    // First ACK and a broker duplicate in the same batch, plus forged receipts: against the
-    // row that stores its digests, a conflict; against the immutable row that does not, the
-    // id matches (the relay computed the digests from that row) and the audit names it
+    // An operator migrated a second event to another topic: a receipt for its old
+    // destination is a conflict, one for the new destination its primary receipt. Nothing
+    // else of a row is compared (the relay computed the digests from the immutable row it
+    // read): a forged payload digest is accepted, and the audit names it
     // (`a_receipt_whose_digests_are_not_its_rows_is_named_by_the_audit`).
-    let mut forged = receipt(&stored, 9);
-    forged.payload_digest = "sha256:00".into();
+    let moved_id = enqueue(
+        &c,
+        "order",
+        "o-10",
+        "order.created",
+        &json!({"x": 2}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let old_destination = event(&c, moved_id).await;
+    outbox_ledger::destination::record(
+        &c,
+        moved_id,
+        "kafka",
+        "default",
+        "orders.moved",
+        "NeverSent",
+        "test",
+        "test",
+    )
+    .await
+    .unwrap();
+    let mut moved = receipt(&old_destination, 6);
+    moved.topic = "orders.moved".into();
+    moved.destination_digest = c
+        .query_one(
+            "SELECT destination_digest FROM outbox.events_current WHERE event_id = $1",
+            &[&moved_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
     let mut forged_dup = receipt(&ev, 10);
     forged_dup.payload_digest = "sha256:00".into();
     let out = accept::accept_batch(
@@ -429,8 +457,8 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
         &[
             LedgerItem::Receipt(receipt(&ev, 1)),
             LedgerItem::Receipt(receipt(&ev, 2)),
-            LedgerItem::Receipt(receipt(&stored, 5)),
-            LedgerItem::Receipt(forged),
+            LedgerItem::Receipt(receipt(&old_destination, 5)),
+            LedgerItem::Receipt(moved),
             LedgerItem::Receipt(forged_dup),
         ],
         Some(Lsn(200)),
@@ -439,6 +467,18 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
     .await
     .unwrap();
     assert_eq!((out.primary, out.duplicates, out.conflicts), (2, 2, 1));
+    let moved_topic: String = c
+        .query_one(
+            "SELECT topic FROM outbox.receipts WHERE event_id = $1",
+            &[&moved_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        moved_topic, "orders.moved",
+        "the old destination's ACK is not the primary"
+    );
     let found = audit::ledger_conflicts(&c).await.unwrap();
     assert!(
         !found.iter().any(|f| f.source == "receipt"),
@@ -691,7 +731,7 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
 /// published (a paused relay's stale batch) records neither a quarantine nor a hold.
 #[tokio::test]
 async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals() {
-    use outbox_core::receipt::{classify, Digests, ReceiptClass, Stored};
+    use outbox_core::receipt::{classify, Digests, ReceiptClass};
     use outbox_ledger::HoldRecord;
 
     let (mut c, _) = fresh("ledger_classify").await;
@@ -708,42 +748,94 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
     .unwrap();
     tx.commit().await.unwrap();
     let ev = event(&c, id).await;
-    // outbox.enqueue's row stores no digests (migration 0027); a copy written around it does.
+    // A copy written around outbox.enqueue stores its digests; the acceptance does not read
+    // them (the relay checked them when it decoded the row).
     let kept = event(&c, with_stored_digests(&c, id, 2).await).await;
-    let none = Stored {
-        payload: None,
-        destination: None,
-    };
-    let frozen = Stored::both(Digests {
-        payload: &kept.payload_digest,
-        destination: &kept.destination_digest,
-    });
     let mut mismatched = receipt(&kept, 9);
     mismatched.destination_digest = "sha256:elsewhere".into();
     let mut unchecked = receipt(&ev, 11);
     unchecked.destination_digest = "sha256:elsewhere".into();
     let mut orphan = receipt(&ev, 10);
     orphan.event_id = uuid::Uuid::now_v7();
+    // A purged event's tombstone keeps its publish slot.
+    let mut late = receipt(&ev, 12);
+    late.event_id = uuid::Uuid::now_v7();
+    c.execute(
+        "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
+             aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
+             occurred_at, accepted_at)
+         VALUES ($1, 'order', 'o-gone', 1, $2, $3, $4, 0, 1, now(), now())",
+        &[
+            &late.event_id,
+            &late.payload_digest,
+            &late.destination_digest,
+            &late.topic,
+        ],
+    )
+    .await
+    .unwrap();
+    // An event an operator migrated: receipts are compared with the migration's digest.
+    let moved_id = enqueue(
+        &c,
+        "order",
+        "o-10",
+        "order.created",
+        &json!({"a": 2}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let before_move = event(&c, moved_id).await;
+    outbox_ledger::destination::record(
+        &c,
+        moved_id,
+        "kafka",
+        "default",
+        "orders.moved",
+        "NeverSent",
+        "test",
+        "test",
+    )
+    .await
+    .unwrap();
+    let migrated: String = c
+        .query_one(
+            "SELECT destination_digest FROM outbox.events_current WHERE event_id = $1",
+            &[&moved_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let stale_destination = receipt(&before_move, 20);
+    let mut moved = receipt(&before_move, 21);
+    moved.topic = "orders.moved".into();
+    moved.destination_digest = migrated.clone();
+    let mut stale_after = receipt(&before_move, 22);
+    stale_after.attempt = 2;
 
-    // (receipt, what the row it is matched against stores, publish slot already taken)
+    // (receipt, the destination digest of the event's migration, publish slot already taken)
+    let m = Some(migrated.as_str());
     let cases = [
-        (receipt(&ev, 1), Some(none), false),
-        (receipt(&ev, 2), Some(none), true),
-        (unchecked.clone(), Some(none), true),
-        (receipt(&kept, 3), Some(frozen), false),
-        (mismatched.clone(), Some(frozen), true),
+        (receipt(&ev, 1), None, false),
+        (receipt(&ev, 2), None, true),
+        (unchecked.clone(), None, true),
+        (mismatched.clone(), None, false),
         (orphan.clone(), None, false),
+        (late.clone(), None, true),
+        (stale_destination, m, false),
+        (moved, m, false),
+        (stale_after, m, true),
     ];
-    for (r, row, has_primary) in cases {
+    for (r, migrated, has_primary) in cases {
         let expected = classify(
-            row,
+            migrated,
             has_primary,
             Digests {
                 payload: &r.payload_digest,
                 destination: &r.destination_digest,
             },
         );
-        let out = accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(r)], None, None)
+        let out = accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(r.clone())], None, None)
             .await
             .unwrap();
         let got = match (out.primary, out.duplicates, out.conflicts) {
@@ -757,7 +849,7 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
             ReceiptClass::Duplicate => "duplicate",
             ReceiptClass::Conflict(_) => "conflict",
         };
-        assert_eq!(got, want);
+        assert_eq!(got, want, "receipt {r:?}");
     }
 
     let stale = [
@@ -1001,74 +1093,14 @@ async fn uncommitted_event(url: &str) -> (Client, OutboxEvent) {
 
 /// PostgreSQL writes a commit to WAL before the transaction is visible to other snapshots, so
 /// the relay can hold a broker ACK for an event whose row its ledger connection cannot see yet
-/// (an uncommitted transaction stands in for that window here). The acceptance waits for the
-/// row instead of quarantining a valid receipt as `receipt_without_row`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_receipt_waits_for_its_row_to_become_visible_instead_of_quarantining_it() {
-    let (c, url) = fresh("ledger_visibility").await;
-    let (w, ev) = uncommitted_event(&url).await;
-    let rollbacks = || async {
-        c.query_one(
-            "SELECT xact_rollback FROM pg_stat_database WHERE datname = current_database()",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get::<_, i64>(0)
-    };
-    let before = rollbacks().await;
-    let accepting = tokio::spawn({
-        let url = url.clone();
-        let item = LedgerItem::Receipt(receipt(&ev, 7));
-        async move {
-            let (mut a, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
-            tokio::spawn(conn);
-            accept::accept_batch(&mut a, "s", &[item], None, None).await
-        }
-    });
-    // The acceptance has met the invisible row at least once (and rolled back) ...
-    outbox_testkit::wait::wait_for(
-        "the acceptance to roll back while the row is invisible",
-        std::time::Duration::from_secs(30),
-        || async {
-            let now = rollbacks().await;
-            if accepting.is_finished() {
-                return Ok(()); // the old behaviour: it did not wait (asserted below)
-            }
-            if now > before {
-                Ok(())
-            } else {
-                Err(format!("{now} rollbacks"))
-            }
-        },
-    )
-    .await;
-    // ... and the row becomes visible.
-    w.batch_execute("COMMIT").await.unwrap();
-    let out = accepting.await.unwrap().unwrap();
-    assert_eq!(
-        (out.primary, out.conflicts),
-        (1, 0),
-        "the receipt is the primary once its row is visible, not a conflict"
-    );
-    let quarantined = count(&c, "SELECT count(*) FROM outbox.quarantine").await;
-    assert_eq!(quarantined, 0);
-}
-
-/// A row that never becomes visible (its transaction rolled back) is quarantined once the
-/// wait is over: the receipt names no event.
+/// (an open transaction stands in for that window here). The acceptance does not read the
+/// row: the receipt is the primary at once, while the writer's transaction is still open.
 #[tokio::test]
-async fn a_receipt_whose_row_never_appears_is_quarantined_after_the_wait() {
-    let (mut c, url) = fresh("ledger_invisible").await;
+async fn a_receipt_is_accepted_while_its_row_is_not_visible_yet() {
+    let (mut c, url) = fresh("ledger_visibility").await;
     let (w, ev) = uncommitted_event(&url).await;
-    let id = ev.event_id;
-    w.batch_execute("ROLLBACK").await.unwrap();
-    let mut prepared =
-        accept::Prepared::with_visibility_wait(std::time::Duration::from_millis(300));
-    let t = std::time::Instant::now();
-    let out = accept::accept_batch_prepared(
+    let out = accept::accept_batch(
         &mut c,
-        &mut prepared,
         "s",
         &[LedgerItem::Receipt(receipt(&ev, 7))],
         None,
@@ -1076,20 +1108,63 @@ async fn a_receipt_whose_row_never_appears_is_quarantined_after_the_wait() {
     )
     .await
     .unwrap();
-    assert!(
-        t.elapsed() >= std::time::Duration::from_millis(300),
-        "it waited"
-    );
-    assert_eq!((out.primary, out.conflicts), (0, 1));
-    let reason: String = c
+    assert_eq!((out.primary, out.conflicts), (1, 0), "{out:?}");
+    let open: i64 = w
         .query_one(
-            "SELECT reason_code FROM outbox.quarantine WHERE event_id = $1",
-            &[&id],
+            "SELECT count(*) FROM outbox.events WHERE event_id = $1",
+            &[&ev.event_id],
         )
         .await
         .unwrap()
         .get(0);
-    assert_eq!(reason, "receipt_without_row");
+    assert_eq!(open, 1, "the writer's transaction was still open");
+    assert_eq!(count(&c, "SELECT count(*) FROM outbox.quarantine").await, 0);
+    w.batch_execute("COMMIT").await.unwrap();
+    assert!(audit::ledger_conflicts(&c).await.unwrap().is_empty());
+}
+
+/// A receipt whose event id has no row and no purged tombstone (its transaction rolled back:
+/// only a relay bug could send it) is accepted, since the acceptance reads no row, and the
+/// audit names it once it is older than a row can take to become visible.
+#[tokio::test]
+async fn a_receipt_whose_row_never_appears_is_named_by_the_audit() {
+    let (mut c, url) = fresh("ledger_invisible").await;
+    let (w, ev) = uncommitted_event(&url).await;
+    let id = ev.event_id;
+    w.batch_execute("ROLLBACK").await.unwrap();
+    let out = accept::accept_batch(
+        &mut c,
+        "s",
+        &[LedgerItem::Receipt(receipt(&ev, 7))],
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!((out.primary, out.conflicts), (1, 0), "{out:?}");
+    let orphans = |found: Vec<audit::LedgerConflict>| {
+        found
+            .into_iter()
+            .filter(|f| f.detail.contains("no outbox row"))
+            .map(|f| f.event_id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        orphans(audit::ledger_conflicts(&c).await.unwrap()),
+        vec![],
+        "a fresh receipt may name a row that is not visible yet"
+    );
+    c.execute(
+        "UPDATE outbox.receipts SET accepted_at = accepted_at - interval '1 minute'
+         WHERE event_id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        orphans(audit::ledger_conflicts(&c).await.unwrap()),
+        vec![Some(id)]
+    );
 }
 
 /// The heads of `order` aggregates `ids`, by id.

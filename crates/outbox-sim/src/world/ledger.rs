@@ -246,17 +246,12 @@ impl World {
                 } => {
                     let row = *row;
                     // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of
-                    // a purged event is still recognised as a duplicate, not a conflict. What
-                    // the row stores: outbox.enqueue stores no digests (migration 0027), a
-                    // destination migration stores its own.
+                    // a purged event is still recognised as a duplicate, not a conflict. The
+                    // row is not read: only a destination migration's digest is compared.
                     let cur = self.rows[row].current();
-                    let frozen = Some(Stored {
-                        payload: None,
-                        destination: self.rows[row].migrated_digest(),
-                    });
                     let before = self.ledger.primary.get(&row).copied();
                     let class = receipt::classify(
-                        frozen,
+                        self.rows[row].migrated_digest(),
                         before.is_some(),
                         Digests {
                             payload: payload_digest,

@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
-use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, Stored};
+use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
 use outbox_core::records::LedgerItem;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
