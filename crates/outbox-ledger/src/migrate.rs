@@ -160,6 +160,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "stream_heads_by_existence",
         sql: include_str!("../../../migrations/0028_stream_heads_by_existence.sql"),
     },
+    Migration {
+        version: 29,
+        name: "heads_in_two_branches",
+        sql: include_str!("../../../migrations/0029_heads_in_two_branches.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
