@@ -102,20 +102,62 @@ pub fn expected_version(last: Option<i64>) -> i64 {
 }
 
 /// The decision for one message: `dedup` from the inbox insert, `last` the aggregate
-/// watermark, `version` the message's aggregate version.
+/// watermark, `version` the message's aggregate version. The consumer's store
+/// (`crate::store`) and [`ConsumerModel`] both decide with it.
 pub fn decide(dedup: Dedup, policy: GapPolicy, last: Option<i64>, version: i64) -> Action {
-    if dedup == Dedup::Duplicate {
-        return Action::Duplicate;
+    InboxRule::default().decide(dedup, policy, last, version)
+}
+
+/// The rule behind [`decide`], with one deliberately broken variant for the simulator:
+/// `FORGET_APPLIED` runs the handler for a message the inbox already has or the aggregate
+/// watermark has passed (a consumer that does not look at what it applied), so the
+/// simulator's `duplicate_effects` must see a redelivered message's effect run twice. Only
+/// [`InboxRule::default`] (`false`) is reachable from the store: no crate feature changes
+/// the consumer's code, so the binary tested is the one shipped.
+#[derive(Debug, Clone, Copy)]
+pub struct InboxRule<const FORGET_APPLIED: bool = false> {
+    /// Built with `default()` (the product) or the mutant's constructor only.
+    _private: (),
+}
+
+impl Default for InboxRule {
+    fn default() -> Self {
+        InboxRule { _private: () }
     }
-    let expected = expected_version(last);
-    match (last, version) {
-        (Some(l), v) if v <= l => Action::Stale { last: l },
-        (_, v) if v == expected => Action::Apply,
-        _ => match policy {
-            GapPolicy::Reject => Action::Reject { expected },
-            GapPolicy::Buffer => Action::Buffer { expected },
-            GapPolicy::Report => Action::ApplyReportingGap { expected },
-        },
+}
+
+impl InboxRule<true> {
+    /// The simulator's mutant `skip-dedup`.
+    pub fn forgetting_applied() -> Self {
+        InboxRule { _private: () }
+    }
+}
+
+impl<const FORGET_APPLIED: bool> InboxRule<FORGET_APPLIED> {
+    /// See [`decide`].
+    pub fn decide(
+        &self,
+        dedup: Dedup,
+        policy: GapPolicy,
+        last: Option<i64>,
+        version: i64,
+    ) -> Action {
+        if FORGET_APPLIED {
+            return Action::Apply;
+        }
+        if dedup == Dedup::Duplicate {
+            return Action::Duplicate;
+        }
+        let expected = expected_version(last);
+        match (last, version) {
+            (Some(l), v) if v <= l => Action::Stale { last: l },
+            (_, v) if v == expected => Action::Apply,
+            _ => match policy {
+                GapPolicy::Reject => Action::Reject { expected },
+                GapPolicy::Buffer => Action::Buffer { expected },
+                GapPolicy::Report => Action::ApplyReportingGap { expected },
+            },
+        }
     }
 }
 
@@ -264,6 +306,8 @@ pub struct ConsumerModel<E, K> {
     versions: HashMap<E, (K, i64)>,
     /// Handler runs per event id (the simulator asserts each is 1).
     pub effects: HashMap<E, u32>,
+    /// Decides with [`InboxRule::forgetting_applied`] (the simulator's `skip-dedup`).
+    forget_applied: bool,
 }
 
 impl<E: Eq + Hash + Clone, K: Eq + Hash + Clone> ConsumerModel<E, K> {
@@ -275,6 +319,16 @@ impl<E: Eq + Hash + Clone, K: Eq + Hash + Clone> ConsumerModel<E, K> {
             buffer: GapBuffer::new(max_buffered),
             versions: HashMap::new(),
             effects: HashMap::new(),
+            forget_applied: false,
+        }
+    }
+
+    /// A model whose decisions are [`InboxRule::forgetting_applied`]'s: the simulator's
+    /// mutant `skip-dedup`, planted in the rule the store runs.
+    pub fn forgetting_applied(policy: GapPolicy, max_buffered: usize) -> Self {
+        ConsumerModel {
+            forget_applied: true,
+            ..ConsumerModel::new(policy, max_buffered)
         }
     }
 
@@ -287,7 +341,11 @@ impl<E: Eq + Hash + Clone, K: Eq + Hash + Clone> ConsumerModel<E, K> {
         while let Some((id, version)) = next.take() {
             let dedup = Dedup::from_inserted(!self.inbox.contains(&id));
             let last = self.heads.get(&key).copied();
-            let action = decide(dedup, self.policy, last, version);
+            let action = if self.forget_applied {
+                InboxRule::forgetting_applied().decide(dedup, self.policy, last, version)
+            } else {
+                decide(dedup, self.policy, last, version)
+            };
             match action {
                 Action::Apply | Action::ApplyReportingGap { .. } => {
                     self.inbox.insert(id.clone());
@@ -350,6 +408,26 @@ impl<E: Eq + Hash + Clone, K: Eq + Hash + Clone> ConsumerModel<E, K> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The planted rule (the simulator's `skip-dedup`) runs a redelivered message's effect
+    /// again where the shipped one does not: the count the simulator asserts is 0 moves.
+    #[test]
+    fn the_planted_rule_applies_a_redelivered_message_again() {
+        let mut shipped: ConsumerModel<u32, &str> = ConsumerModel::new(GapPolicy::Report, 10);
+        let mut planted: ConsumerModel<u32, &str> =
+            ConsumerModel::forgetting_applied(GapPolicy::Report, 10);
+        for m in [&mut shipped, &mut planted] {
+            m.deliver(1, "a", 1);
+            m.crash();
+            m.deliver(1, "a", 1);
+        }
+        assert_eq!(shipped.duplicate_effects(), 0);
+        assert_eq!(planted.duplicate_effects(), 1);
+        assert_eq!(
+            InboxRule::forgetting_applied().decide(Dedup::Duplicate, GapPolicy::Reject, Some(3), 2),
+            Action::Apply
+        );
+    }
 
     #[test]
     fn duplicate_wins_over_everything() {

@@ -39,14 +39,8 @@ impl World {
             log!(self, "consumer {c} read a copy of purged {id}");
             self.c.purged_early += 1;
         }
-        let skip = self.is(Mutant::SkipDedup);
         let con = &mut self.consumers[c];
-        if skip {
-            // The mutant consumer runs the effect without asking its inbox.
-            *con.model.effects.entry(id).or_insert(0) += 1;
-        } else {
-            con.model.deliver(id, agg, version);
-        }
+        con.model.deliver(id, agg, version);
         con.pos[tp] += 1;
         if !self.faults || self.rng.chance(600) {
             let con = &mut self.consumers[c];

@@ -39,7 +39,9 @@ use crate::rng::SplitMix64;
 pub enum Mutant {
     /// Confirms the LSN to the slot when the broker ACKs, before the receipt is accepted.
     ConfirmBeforeAccept,
-    /// The consumer applies effects without looking at its inbox.
+    /// The consumer applies effects without looking at its inbox or the aggregate watermark.
+    /// A product mutant in `outbox_inbox::gap::InboxRule` (`forgetting_applied`), the rule
+    /// the consumer's store runs.
     SkipDedup,
     /// A retry re-resolves the route policy instead of using the frozen destination.
     RetryReresolvesRoute,
@@ -637,7 +639,11 @@ impl World {
                 .map(|_| Consumer {
                     committed: vec![0; TOPICS.len() * PARTITIONS],
                     pos: vec![0; TOPICS.len() * PARTITIONS],
-                    model: ConsumerModel::new(GapPolicy::Report, 1_000),
+                    model: if mutant == Some(Mutant::SkipDedup) {
+                        ConsumerModel::forgetting_applied(GapPolicy::Report, 1_000)
+                    } else {
+                        ConsumerModel::new(GapPolicy::Report, 1_000)
+                    },
                 })
                 .collect(),
             absent_attempts: HashSet::new(),
