@@ -73,6 +73,43 @@ async fn count(c: &Client, sql: &str) -> i64 {
     c.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// Enqueues an event of aggregate `order`/`aggregate_id` and records an operator's migration
+/// of it to topic `orders.moved`: the row as enqueued and the migrated destination's digest.
+async fn enqueue_and_move(c: &Client, aggregate_id: &str) -> (OutboxEvent, String) {
+    let id = enqueue(
+        c,
+        "order",
+        aggregate_id,
+        "order.created",
+        &json!({"moved": true}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let before = event(c, id).await;
+    outbox_ledger::destination::record(
+        c,
+        id,
+        "kafka",
+        "default",
+        "orders.moved",
+        "NeverSent",
+        "test",
+        "test",
+    )
+    .await
+    .unwrap();
+    let migrated = c
+        .query_one(
+            "SELECT destination_digest FROM outbox.events_current WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    (before, migrated)
+}
+
 fn receipt(ev: &OutboxEvent, offset: i64) -> ReceiptRecord {
     ReceiptRecord {
         event_id: ev.event_id,
@@ -416,39 +453,11 @@ async fn acceptance_keeps_one_primary_records_duplicates_and_quarantines_mismatc
     // else of a row is compared (the relay computed the digests from the immutable row it
     // read): a forged payload digest is accepted, and the audit names it
     // (`a_receipt_whose_digests_are_not_its_rows_is_named_by_the_audit`).
-    let moved_id = enqueue(
-        &c,
-        "order",
-        "o-10",
-        "order.created",
-        &json!({"x": 2}),
-        &EnqueueOptions::default(),
-    )
-    .await
-    .unwrap();
-    let old_destination = event(&c, moved_id).await;
-    outbox_ledger::destination::record(
-        &c,
-        moved_id,
-        "kafka",
-        "default",
-        "orders.moved",
-        "NeverSent",
-        "test",
-        "test",
-    )
-    .await
-    .unwrap();
+    let (old_destination, migrated) = enqueue_and_move(&c, "o-10").await;
+    let moved_id = old_destination.event_id;
     let mut moved = receipt(&old_destination, 6);
     moved.topic = "orders.moved".into();
-    moved.destination_digest = c
-        .query_one(
-            "SELECT destination_digest FROM outbox.events_current WHERE event_id = $1",
-            &[&moved_id],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    moved.destination_digest = migrated;
     let mut forged_dup = receipt(&ev, 10);
     forged_dup.payload_digest = "sha256:00".into();
     let out = accept::accept_batch(
@@ -775,37 +784,7 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
     .await
     .unwrap();
     // An event an operator migrated: receipts are compared with the migration's digest.
-    let moved_id = enqueue(
-        &c,
-        "order",
-        "o-10",
-        "order.created",
-        &json!({"a": 2}),
-        &EnqueueOptions::default(),
-    )
-    .await
-    .unwrap();
-    let before_move = event(&c, moved_id).await;
-    outbox_ledger::destination::record(
-        &c,
-        moved_id,
-        "kafka",
-        "default",
-        "orders.moved",
-        "NeverSent",
-        "test",
-        "test",
-    )
-    .await
-    .unwrap();
-    let migrated: String = c
-        .query_one(
-            "SELECT destination_digest FROM outbox.events_current WHERE event_id = $1",
-            &[&moved_id],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let (before_move, migrated) = enqueue_and_move(&c, "o-10").await;
     let stale_destination = receipt(&before_move, 20);
     let mut moved = receipt(&before_move, 21);
     moved.topic = "orders.moved".into();
