@@ -877,28 +877,15 @@ async fn a_refusal_decided_before_a_migration_is_not_recorded() {
     use outbox_ledger::HoldRecord;
 
     let (mut c, _) = fresh("ledger_superseded").await;
-    let id = enqueue(
-        &c,
-        "order",
-        "o-7",
-        "order.created",
-        &json!({"a": 1}),
-        &EnqueueOptions::default(),
-    )
-    .await
-    .unwrap();
-    let generation = outbox_ledger::destination::record(
-        &c,
-        id,
-        "kafka",
-        "default",
-        "orders.moved",
-        "NeverSent",
-        "test",
-        "test",
-    )
-    .await
-    .unwrap();
+    let id = enqueue_and_move(&c, "o-7").await.0.event_id;
+    let generation: i32 = c
+        .query_one(
+            "SELECT envelope_generation FROM outbox.events_current WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(generation, 2);
     let refusals = |g: i32| {
         [
@@ -1070,6 +1057,14 @@ async fn uncommitted_event(url: &str) -> (Client, OutboxEvent) {
     (w, ev)
 }
 
+/// Accepts one receipt of `ev` and asserts that it became the primary receipt.
+async fn accept_as_primary(c: &mut Client, ev: &OutboxEvent) {
+    let out = accept::accept_batch(c, "s", &[LedgerItem::Receipt(receipt(ev, 7))], None, None)
+        .await
+        .unwrap();
+    assert_eq!((out.primary, out.conflicts), (1, 0), "{out:?}");
+}
+
 /// PostgreSQL writes a commit to WAL before the transaction is visible to other snapshots, so
 /// the relay can hold a broker ACK for an event whose row its ledger connection cannot see yet
 /// (an open transaction stands in for that window here). The acceptance does not read the
@@ -1078,25 +1073,19 @@ async fn uncommitted_event(url: &str) -> (Client, OutboxEvent) {
 async fn a_receipt_is_accepted_while_its_row_is_not_visible_yet() {
     let (mut c, url) = fresh("ledger_visibility").await;
     let (w, ev) = uncommitted_event(&url).await;
-    let out = accept::accept_batch(
-        &mut c,
-        "s",
-        &[LedgerItem::Receipt(receipt(&ev, 7))],
-        None,
-        None,
+    accept_as_primary(&mut c, &ev).await;
+    let visible = count(
+        &c,
+        &format!(
+            "SELECT count(*) FROM outbox.events WHERE event_id = '{}'",
+            ev.event_id
+        ),
     )
-    .await
-    .unwrap();
-    assert_eq!((out.primary, out.conflicts), (1, 0), "{out:?}");
-    let open: i64 = w
-        .query_one(
-            "SELECT count(*) FROM outbox.events WHERE event_id = $1",
-            &[&ev.event_id],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(open, 1, "the writer's transaction was still open");
+    .await;
+    assert_eq!(
+        visible, 0,
+        "the row was not visible to the ledger when it accepted"
+    );
     assert_eq!(count(&c, "SELECT count(*) FROM outbox.quarantine").await, 0);
     w.batch_execute("COMMIT").await.unwrap();
     assert!(audit::ledger_conflicts(&c).await.unwrap().is_empty());
@@ -1111,16 +1100,7 @@ async fn a_receipt_whose_row_never_appears_is_named_by_the_audit() {
     let (w, ev) = uncommitted_event(&url).await;
     let id = ev.event_id;
     w.batch_execute("ROLLBACK").await.unwrap();
-    let out = accept::accept_batch(
-        &mut c,
-        "s",
-        &[LedgerItem::Receipt(receipt(&ev, 7))],
-        None,
-        None,
-    )
-    .await
-    .unwrap();
-    assert_eq!((out.primary, out.conflicts), (1, 0), "{out:?}");
+    accept_as_primary(&mut c, &ev).await;
     let orphans = |found: Vec<audit::LedgerConflict>| {
         found
             .into_iter()
