@@ -13,9 +13,10 @@
 //!
 //! The receipt is not matched with its outbox row: the relay built it from a row it read,
 //! computed both digests from that row and checked any the row stores, and the row is
-//! immutable (migration 0027). A probe of the row per event was a fifth of the statement's
-//! cost (docs/benchmarks.md); what only a relay bug could produce (digests that are not the
-//! row's, an event id with no row) is named by the audit (`crate::audit::ledger_conflicts`).
+//! immutable (migration 0027). Dropping that probe of the row per event took about a ninth off
+//! the statement's time (docs/benchmarks.md); what only a relay bug could produce (digests that
+//! are not the row's, an event id with no row) is named by the audit
+//! (`crate::audit::ledger_conflicts`).
 //!
 //! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
 //! the checkpoint. A refusal (quarantine, hold, held event) about an event that is published by
@@ -52,10 +53,10 @@ WITH input AS (
              partition, "offset", ts_ms, attempt, relay_generation, commit_lsn, evidence)
 ),
 matched AS (
-    -- No match with the outbox row (docs/evidence_batches.md): the relay built every receipt from a row
-    -- it read, computed both digests from it and checked any the row stores, and the row is
-    -- immutable (0027). Only an operator's destination migration can make the receipt's
-    -- destination stale since: compared here, against a table that is usually empty.
+    -- No match with the outbox row (docs/evidence_batches.md): the relay built every receipt
+    -- from a row it read, computed both digests from it and checked any the row stores, and
+    -- the row is immutable (0027). Only an operator's destination migration can make the
+    -- receipt's destination stale since: compared here, against a table that is usually empty.
     SELECT i.*, coalesce(m.destination_digest = i.destination_digest, true) AS ok
     FROM input i
     LEFT JOIN LATERAL (SELECT dm.destination_digest FROM outbox.destination_migrations dm
@@ -173,62 +174,6 @@ pub async fn accept_batch(
 /// (PostgreSQL writes a commit to WAL before the transaction becomes visible to snapshots, and
 /// a fast broker can ACK in between): nothing here reads the row.
 pub async fn accept_batch_prepared(
-    client: &mut Client,
-    prepared: &mut Prepared,
-    slot: &str,
-    items: &[LedgerItem],
-    checkpoint: Option<Lsn>,
-    fence: Option<&crate::lease::Fence>,
-) -> Result<AcceptOutcome, LedgerError> {
-    accept_once(client, prepared, slot, items, checkpoint, fence).await
-}
-
-/// For each item of the batch, whether it is recorded: receipts always; a refusal only while
-/// its event has no primary receipt and the refusal was decided for the event's current
-/// envelope generation ([`RefusalFilter::stands`]). Asks the ledger only when the batch holds
-/// refusals (rare), inside the acceptance transaction, after its receipts.
-async fn standing_refusals(
-    tx: &tokio_postgres::Transaction<'_>,
-    items: &[LedgerItem],
-) -> Result<Vec<bool>, LedgerError> {
-    let subjects: Vec<uuid::Uuid> = items
-        .iter()
-        .filter_map(|i| i.refusal().map(|(_, id)| id))
-        .collect();
-    // Per subject: published, and its envelope generation now (its latest migration's; none
-    // once the row is purged).
-    let now: std::collections::HashMap<uuid::Uuid, (bool, Option<i32>)> = if subjects.is_empty() {
-        Default::default()
-    } else {
-        tx.query(
-            "SELECT s.id,
-                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = s.id),
-                    (SELECT e.envelope_generation FROM outbox.events_current e
-                     WHERE e.event_id = s.id)
-             FROM unnest($1::uuid[]) AS s(id)",
-            &[&subjects],
-        )
-        .await
-        .ctx("looking up which refused events are published or migrated")?
-        .iter()
-        .map(|r| (r.get(0), (r.get(1), r.get(2))))
-        .collect()
-    };
-    let filter = RefusalFilter::default();
-    Ok(items
-        .iter()
-        .map(|i| match i.refusal() {
-            Some((kind, id)) => {
-                let (published, generation) = now.get(&id).copied().unwrap_or((false, None));
-                filter.stands(kind, published, i.superseded(generation))
-            }
-            None => true,
-        })
-        .collect())
-}
-
-/// One acceptance transaction.
-async fn accept_once(
     client: &mut Client,
     prepared: &mut Prepared,
     slot: &str,
@@ -443,4 +388,48 @@ async fn accept_once(
         });
     }
     Ok(out)
+}
+
+/// For each item of the batch, whether it is recorded: receipts always; a refusal only while
+/// its event has no primary receipt and the refusal was decided for the event's current
+/// envelope generation ([`RefusalFilter::stands`]). Asks the ledger only when the batch holds
+/// refusals (rare), inside the acceptance transaction, after its receipts.
+async fn standing_refusals(
+    tx: &tokio_postgres::Transaction<'_>,
+    items: &[LedgerItem],
+) -> Result<Vec<bool>, LedgerError> {
+    let subjects: Vec<uuid::Uuid> = items
+        .iter()
+        .filter_map(|i| i.refusal().map(|(_, id)| id))
+        .collect();
+    // Per subject: published, and its envelope generation now (its latest migration's; none
+    // once the row is purged).
+    let now: std::collections::HashMap<uuid::Uuid, (bool, Option<i32>)> = if subjects.is_empty() {
+        Default::default()
+    } else {
+        tx.query(
+            "SELECT s.id,
+                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = s.id),
+                    (SELECT e.envelope_generation FROM outbox.events_current e
+                     WHERE e.event_id = s.id)
+             FROM unnest($1::uuid[]) AS s(id)",
+            &[&subjects],
+        )
+        .await
+        .ctx("looking up which refused events are published or migrated")?
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect()
+    };
+    let filter = RefusalFilter::default();
+    Ok(items
+        .iter()
+        .map(|i| match i.refusal() {
+            Some((kind, id)) => {
+                let (published, generation) = now.get(&id).copied().unwrap_or((false, None));
+                filter.stands(kind, published, i.superseded(generation))
+            }
+            None => true,
+        })
+        .collect())
 }
