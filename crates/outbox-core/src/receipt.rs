@@ -75,11 +75,50 @@ impl Conflict {
 /// destination stale after that read. What a relay bug could still produce (digests that are
 /// not the row's, an event id with no row) is named by the audit (`outbox-ledger`'s
 /// `ledger_conflicts`), off the acceptance's path (docs/evidence_batches.md).
+///
+/// The ledger's `ACCEPT_SQL` is this rule in SQL (its agreement test is in
+/// `outbox-ledger/tests/ledger.rs`); it is [`AcceptanceRule::default`]'s.
 pub fn classify(migrated: Option<&str>, has_primary: bool, receipt: Digests<'_>) -> ReceiptClass {
-    match migrated {
-        Some(d) if d != receipt.destination => ReceiptClass::Conflict(Conflict::DigestMismatch),
-        _ if has_primary => ReceiptClass::Duplicate,
-        _ => ReceiptClass::Primary,
+    AcceptanceRule::default().classify(migrated, has_primary, receipt)
+}
+
+/// The acceptance rule, with the simulator's product mutant: `LAST_ACK_WINS` lets every valid
+/// ACK take the publish slot, replacing the primary receipt (the simulator's `last-ack-wins`,
+/// counted by `late_ack_convergence`). The ledger and [`classify`] use
+/// [`AcceptanceRule::default`] (`false`) in every build: no crate feature changes the
+/// daemon's code, so the binary tested is the one shipped.
+#[derive(Debug, Clone, Copy)]
+pub struct AcceptanceRule<const LAST_ACK_WINS: bool = false> {
+    /// Built with `default()` (the product) or the mutant's constructor only.
+    _private: (),
+}
+
+impl Default for AcceptanceRule {
+    fn default() -> Self {
+        AcceptanceRule { _private: () }
+    }
+}
+
+impl AcceptanceRule<true> {
+    /// The simulator's mutant `last-ack-wins`.
+    pub fn last_ack_wins() -> Self {
+        AcceptanceRule { _private: () }
+    }
+}
+
+impl<const LAST_ACK_WINS: bool> AcceptanceRule<LAST_ACK_WINS> {
+    /// See [`classify`].
+    pub fn classify(
+        &self,
+        migrated: Option<&str>,
+        has_primary: bool,
+        receipt: Digests<'_>,
+    ) -> ReceiptClass {
+        match migrated {
+            Some(d) if d != receipt.destination => ReceiptClass::Conflict(Conflict::DigestMismatch),
+            _ if has_primary && !LAST_ACK_WINS => ReceiptClass::Duplicate,
+            _ => ReceiptClass::Primary,
+        }
     }
 }
 
@@ -355,23 +394,55 @@ pub enum PurgeBlock {
 /// go only when nothing can bring the event back — no replay from the slot, no append still on
 /// the wire, no consumer still to read a copy. Purge keeps a tombstone (event id, digests,
 /// publish slot) so a late ACK after it is still recognised as a duplicate.
+///
+/// The ledger's purge statement (`outbox-ledger`'s `retention`) is this rule in SQL; it is
+/// [`PurgeRule::default`]'s.
 pub fn may_purge(f: PurgeFacts) -> Result<(), PurgeBlock> {
-    if !f.published {
-        return Err(PurgeBlock::Unpublished);
+    PurgeRule::default().may_purge(f)
+}
+
+/// The retention rule, with the simulator's product mutant: `IGNORE_READERS` purges without
+/// waiting for the replay window or the consumers' watermarks (the simulator's `purge-early`,
+/// counted by `purged_early`). Retention uses [`PurgeRule::default`] (`false`) in every build.
+#[derive(Debug, Clone, Copy)]
+pub struct PurgeRule<const IGNORE_READERS: bool = false> {
+    /// Built with `default()` (the product) or the mutant's constructor only.
+    _private: (),
+}
+
+impl Default for PurgeRule {
+    fn default() -> Self {
+        PurgeRule { _private: () }
     }
-    if f.replayable {
-        return Err(PurgeBlock::Replayable);
+}
+
+impl PurgeRule<true> {
+    /// The simulator's mutant `purge-early`.
+    pub fn ignoring_readers() -> Self {
+        PurgeRule { _private: () }
     }
-    if f.unknown_open {
-        return Err(PurgeBlock::Unknown);
+}
+
+impl<const IGNORE_READERS: bool> PurgeRule<IGNORE_READERS> {
+    /// See [`may_purge`].
+    pub fn may_purge(&self, f: PurgeFacts) -> Result<(), PurgeBlock> {
+        if !f.published {
+            return Err(PurgeBlock::Unpublished);
+        }
+        if f.replayable {
+            return Err(PurgeBlock::Replayable);
+        }
+        if f.unknown_open {
+            return Err(PurgeBlock::Unknown);
+        }
+        if f.since_last_send_ms < f.replay_window_ms && !IGNORE_READERS {
+            return Err(PurgeBlock::WithinReplayWindow);
+        }
+        if !f.consumed_by_all && !IGNORE_READERS {
+            return Err(PurgeBlock::NotConsumed);
+        }
+        Ok(())
     }
-    if f.since_last_send_ms < f.replay_window_ms {
-        return Err(PurgeBlock::WithinReplayWindow);
-    }
-    if !f.consumed_by_all {
-        return Err(PurgeBlock::NotConsumed);
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -506,7 +577,28 @@ mod tests {
             ),
         ] {
             assert_eq!(may_purge(f), Err(block));
+            // The simulator's `purge-early` waits for neither the replay window nor the
+            // consumers, and for everything else.
+            let early = PurgeRule::ignoring_readers().may_purge(f);
+            match block {
+                PurgeBlock::WithinReplayWindow | PurgeBlock::NotConsumed => {
+                    assert_eq!(early, Ok(()))
+                }
+                _ => assert_eq!(early, Err(block)),
+            }
         }
+    }
+
+    #[test]
+    fn the_last_ack_wins_mutant_lets_a_duplicate_take_the_slot() {
+        let rule = AcceptanceRule::last_ack_wins();
+        assert_eq!(rule.classify(None, true, A), ReceiptClass::Primary);
+        assert_eq!(classify(None, true, A), ReceiptClass::Duplicate);
+        // A stale destination is a conflict under both.
+        assert_eq!(
+            rule.classify(Some("sha256:other"), true, A),
+            ReceiptClass::Conflict(Conflict::DigestMismatch)
+        );
     }
 
     #[test]

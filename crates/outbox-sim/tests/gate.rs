@@ -115,7 +115,8 @@ fn a_trace_replays_alone_and_identically() {
 /// Each broken variant must be caught, within 1,500 traces (300 for three that are caught in
 /// most traces and slow), by every counter that names its
 /// bug; together they make every invariant counter non-zero at least once. Product mutants
-/// (planted in `outbox-relay` and `outbox-core`): confirm-before-accept, retry-reresolves-route,
+/// (planted in `outbox-relay`, `outbox-core` and `outbox-inbox`): confirm-before-accept,
+/// skip-dedup, last-ack-wins, purge-early, retry-reresolves-route,
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
@@ -137,6 +138,9 @@ fn every_model_and_driver_mutant_is_caught() {
 fn every_mutant_is_caught(product: bool) {
     const PRODUCT: &[Mutant] = &[
         Mutant::ConfirmBeforeAccept,
+        Mutant::SkipDedup,
+        Mutant::LastAckWins,
+        Mutant::PurgeEarly,
         Mutant::RetryReresolvesRoute,
         Mutant::SecondInFlight,
         Mutant::OkWithoutOffsetIsProof,

@@ -2,6 +2,7 @@
 //! two rounds, quarantines, holds, held events, the fenced checkpoint), closing a hold, and
 //! retention. A model of SQL the simulator cannot run; the relay's decisions are not here.
 
+use outbox_core::receipt::AcceptanceRule;
 use outbox_core::records::{RefusalFilter, RefusalKind};
 
 use super::*;
@@ -250,14 +251,22 @@ impl World {
                     // row is not read: only a destination migration's digest is compared.
                     let cur = self.rows[row].current();
                     let before = self.ledger.primary.get(&row).copied();
-                    let class = receipt::classify(
+                    let (migrated, digests) = (
                         self.rows[row].migrated_digest(),
-                        before.is_some(),
                         Digests {
                             payload: payload_digest,
                             destination: dest_digest,
                         },
                     );
+                    let class = if self.is(Mutant::LastAckWins) {
+                        AcceptanceRule::last_ack_wins().classify(
+                            migrated,
+                            before.is_some(),
+                            digests,
+                        )
+                    } else {
+                        receipt::classify(migrated, before.is_some(), digests)
+                    };
                     match class {
                         ReceiptClass::Primary => {
                             self.ledger.primary.insert(row, *rc);
@@ -274,9 +283,6 @@ impl World {
                         ReceiptClass::Duplicate => {
                             self.ledger.duplicates.push((row, *rc));
                             self.c.duplicate_receipts += 1;
-                            if self.is(Mutant::LastAckWins) && *late {
-                                self.ledger.primary.insert(row, *rc);
-                            }
                         }
                         ReceiptClass::Conflict(c) => {
                             log!(
@@ -445,7 +451,6 @@ impl World {
     /// can bring it back), its last send is older than the replay window (no append can still
     /// land), and every consumer's committed offset is past every copy of it.
     pub(super) fn purge(&mut self) {
-        let early = self.is(Mutant::PurgeEarly);
         let mut purged = Vec::new();
         for r in 0..self.rows.len() {
             let row = &self.rows[r];
@@ -457,7 +462,6 @@ impl World {
             let replayable = if self.poll {
                 let accepted = self.ledger.primary_accepted.get(&r).copied();
                 accepted.is_some_and(|t| self.poll_round_missed(t))
-                    && !early
                     && !self.is(Mutant::PollPurgeHeld)
             } else {
                 self.ledger.checkpoint.map_or(true, |c| row.commit_end > c)
@@ -477,10 +481,15 @@ impl World {
                 replayable,
                 unknown_open: self.ledger.unknown_open(r),
                 since_last_send_ms: self.now - row.last_send,
-                replay_window_ms: if early { 0 } else { REPLAY_WINDOW },
-                consumed_by_all: consumed_by_all || early,
+                replay_window_ms: REPLAY_WINDOW,
+                consumed_by_all,
             };
-            if receipt::may_purge(facts).is_err() {
+            let purgeable = if self.is(Mutant::PurgeEarly) {
+                receipt::PurgeRule::ignoring_readers().may_purge(facts)
+            } else {
+                receipt::may_purge(facts)
+            };
+            if purgeable.is_err() {
                 continue;
             }
             purged.push(r);

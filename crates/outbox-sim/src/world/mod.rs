@@ -48,11 +48,14 @@ pub enum Mutant {
     /// Reconciliation scans without waiting for the settle time (UNKNOWN racing the retry).
     /// A product mutant in `outbox_relay::PipelineCore` (`IgnoresSettle`).
     NoSettle,
-    /// A late ACK replaces the primary receipt ("last ACK wins").
+    /// A late ACK replaces the primary receipt ("last ACK wins"). A product mutant in
+    /// `outbox_core::receipt::AcceptanceRule` (`last_ack_wins`), the rule the ledger's
+    /// acceptance statement runs.
     LastAckWins,
     /// Destination migration does not wait for an UNKNOWN attempt to be reconciled.
     MigrateWhileUnknown,
-    /// Purge ignores the consumers' watermarks and the replay window.
+    /// Purge ignores the consumers' watermarks and the replay window. A product mutant in
+    /// `outbox_core::receipt::PurgeRule` (`ignoring_readers`), the retention rule.
     PurgeEarly,
     /// A producer retry after a lost commit ACK enqueues the event again (a second id).
     ProducerNewId,
