@@ -15,12 +15,14 @@
 //!   DISPATCH_UNKNOWN resolution rule, and when a destination migration is allowed.
 //! * [`delivery`] — what a broker said about one send (the sinks' delivery reports), and
 //!   what a sink serves.
+//! * [`lease`] — who may take a slot's lease, and when (two generations never send at once).
 //! * [`records`] — what the relay records durably (receipts, quarantine, holds).
 //! * [`policy`] — which PostgreSQL failures a retry can fix and which stop the relay with a fix.
 
 pub mod ack;
 pub mod delivery;
 pub mod envelope;
+pub mod lease;
 pub mod lsn;
 pub mod ordering;
 pub mod policy;

@@ -109,7 +109,9 @@ pub async fn unlock(client: &Client, slot: &str) -> Result<(), LedgerError> {
 /// Tries to take the lease of `slot` for `owner`: free, expired, already ours, or — when
 /// `locked` (this connection holds the lease's session lock, see [`try_lock`]) — held by a
 /// relay that took the lock too and whose slot has no walsender: that holder is gone, and the
-/// lease is taken at once instead of at its expiry (migration 0018).
+/// lease is taken at once instead of at its expiry (migration 0018). The statement is
+/// `outbox_core::lease::take` in SQL (the rule the simulator decides with); the test
+/// `a_lease_is_taken_as_the_rule_says` holds the two together.
 pub async fn try_acquire(
     client: &Client,
     slot: &str,

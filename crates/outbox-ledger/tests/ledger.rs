@@ -627,6 +627,68 @@ async fn a_lease_is_taken_early_only_when_its_holders_session_lock_is_free() {
     assert!(early && g2 == g1 + 1, "early {early}, generation {g2}");
 }
 
+/// `lease::try_acquire`'s statement and `outbox_core::lease::take` (the rule the simulator
+/// decides its takeovers with) agree on every combination of a lease's facts: free or not,
+/// expired, the taker's own, the taker holding the session lock, the holder having taken it.
+/// (A walsender streaming the slot is the one fact not set here: the slots named do not
+/// exist; the e2e takeover tests stream.)
+#[tokio::test]
+async fn a_lease_is_taken_as_the_rule_says() {
+    use outbox_core::lease::{take, LeaseFacts, Take};
+    use outbox_ledger::lease::{self, Acquire};
+    use std::time::Duration;
+    let (c, _) = fresh("ledger_lease_rule").await;
+    let mut cases = vec![LeaseFacts {
+        free: true,
+        expired: false,
+        ours: false,
+        taker_locked: false,
+        holder_locks: false,
+        slot_active: false,
+    }];
+    for bits in 0..16u8 {
+        cases.push(LeaseFacts {
+            free: false,
+            expired: bits & 1 != 0,
+            ours: bits & 2 != 0,
+            taker_locked: bits & 4 != 0,
+            holder_locks: bits & 8 != 0,
+            slot_active: false,
+        });
+    }
+    let mut taken = [0, 0];
+    for (i, f) in cases.iter().enumerate() {
+        let slot = format!("rule_{i}");
+        if !f.free {
+            c.execute(
+                "INSERT INTO outbox.relay_leases (slot_name, owner, generation, lease_until, holder_locks)
+                 VALUES ($1, 'H', 7, clock_timestamp() + CASE WHEN $2 THEN interval '-1 minute'
+                                                        ELSE interval '1 minute' END, $3)",
+                &[&slot, &f.expired, &f.holder_locks],
+            )
+            .await
+            .unwrap();
+        }
+        let owner = if f.ours { "H" } else { "T" };
+        let got = lease::try_acquire(&c, &slot, owner, Duration::from_secs(60), f.taker_locked)
+            .await
+            .unwrap();
+        let got = match got {
+            Acquire::Acquired { early, .. } => Take::Taken { early },
+            Acquire::HeldBy { .. } => Take::Held,
+        };
+        assert_eq!(got, take(*f), "{f:?}");
+        if let Take::Taken { early } = got {
+            taken[usize::from(early)] += 1;
+        }
+    }
+    // Both kinds of takeover and the refusal occur among the cases.
+    assert!(
+        taken[0] > 0 && taken[1] > 0 && taken[0] + taken[1] < cases.len(),
+        "{taken:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept() {
     use outbox_ledger::lease::{self, Acquire, Fence};

@@ -17,6 +17,7 @@ use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
+use outbox_core::lease::{self, LeaseFacts, Take, TakeoverRule};
 use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
 use outbox_core::records::LedgerItem;
 use outbox_core::{Destination, Lsn, OutboxEvent};
@@ -134,7 +135,9 @@ pub enum Mutant {
     PollOffersSkipped,
     /// The early takeover of a lease without the proof that its holder is gone (its lease
     /// session's advisory lock is free and the slot has no walsender): a paused holder loses
-    /// its lease before it expires, and resumed before its own deadline it still sends.
+    /// its lease before it expires, and resumed before its own deadline it still sends. A
+    /// product mutant in `outbox_core::lease::TakeoverRule` (`without_proof`), the rule
+    /// `lease::try_acquire`'s statement runs.
     EarlyTakeoverOfLiveHolder,
     /// Product bug found by the simulator once its operator skipped refused events (seed 1,
     /// trace 27): an event held behind another one, then released, refused and skipped kept
@@ -1065,7 +1068,22 @@ impl World {
         // lease is taken at once (`lease::try_acquire`'s early takeover, migration 0018).
         let holder_alive = self.relays.iter().any(|r| r.gen == self.ledger.lease_gen);
         let live = self.now <= self.ledger.lease_until;
-        if live && holder_alive && !self.is(Mutant::EarlyTakeoverOfLiveHolder) {
+        // The product's rule (`outbox_core::lease`, `lease::try_acquire`'s statement): a live
+        // holder's session lock is not the taker's, and its walsender streams the slot.
+        let facts = LeaseFacts {
+            free: self.ledger.lease_gen == 0,
+            expired: !live,
+            ours: false,
+            taker_locked: !holder_alive,
+            holder_locks: true,
+            slot_active: holder_alive,
+        };
+        let take = if self.is(Mutant::EarlyTakeoverOfLiveHolder) {
+            TakeoverRule::without_proof().take(facts)
+        } else {
+            lease::take(facts)
+        };
+        if take == Take::Held {
             self.now = self.ledger.lease_until + 1;
             self.land_late_appends();
         } else if live && (self.holder_killed || holder_alive) {
