@@ -436,7 +436,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             running: false,
             error: failure.error.clone(),
             p: Pending {
-                ev: f.ev,
+                ev: std::sync::Arc::unwrap_or_clone(f.ev),
                 commit_lsn: f.commit_lsn,
                 ack: f.ack,
             },
@@ -631,7 +631,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             "the aggregate was held in the ledger meanwhile: its events wait for the operator's release");
         let key = f.key.clone();
         self.record_held(Pending {
-            ev: f.ev,
+            ev: std::sync::Arc::unwrap_or_clone(f.ev),
             commit_lsn: f.commit_lsn,
             ack: f.ack,
         });
