@@ -188,9 +188,118 @@ impl<const HONOUR_STALE: bool, const HONOUR_SUPERSEDED: bool>
     }
 }
 
+/// An event's quarantine record, as a read of unpublished rows sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuarantineState {
+    /// Open: an operator decides the event's fate.
+    Open,
+    /// Released by an operator (`outboxd quarantine release`): to be published.
+    Released,
+    /// Skipped by an operator (`outboxd quarantine skip`): never to be published.
+    Skipped,
+}
+
+/// What a read of unpublished rows (a snapshot, a poll round) knows about one row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OfferFacts {
+    /// It has a primary receipt.
+    pub published: bool,
+    /// Its quarantine record, if any; a skip outranks anything else recorded for it.
+    pub quarantine: Option<QuarantineState>,
+    /// Its aggregate is held (`outbox.holds`): its events wait for the operator's release.
+    pub aggregate_held: bool,
+}
+
+/// Which rows a relay's reads offer for sending: the rule of `outbox_source`'s
+/// `pending_rows_sql` (a snapshot; a held aggregate's events are held by the gate instead) and
+/// `poll::pending_sql` (a poll round; held aggregates are left to the release), through
+/// `snapshot::QUARANTINED_OR_SKIPPED`; the test `reads_offer_what_the_rule_says` (outbox-source)
+/// holds the SQL and this rule together, and the simulator's reads decide with it.
+///
+/// `IGNORE_SKIPS` is the simulator's product mutant `poll-offers-skipped` (the read before its
+/// fix excluded only open quarantines, so a skipped event was sent again; counted by
+/// `skipped_offered`). The reads are [`OfferRule::default`]'s in every build.
+#[derive(Debug, Clone, Copy)]
+pub struct OfferRule<const IGNORE_SKIPS: bool = false> {
+    /// Built with `default()` (the product) or the mutant's constructor only.
+    _private: (),
+}
+
+impl Default for OfferRule {
+    fn default() -> Self {
+        OfferRule { _private: () }
+    }
+}
+
+impl OfferRule<true> {
+    /// The simulator's mutant `poll-offers-skipped`.
+    pub fn ignoring_skips() -> Self {
+        OfferRule { _private: () }
+    }
+}
+
+impl<const IGNORE_SKIPS: bool> OfferRule<IGNORE_SKIPS> {
+    /// Whether a snapshot offers the row.
+    pub fn by_snapshot(&self, f: OfferFacts) -> bool {
+        let blocked = match f.quarantine {
+            Some(QuarantineState::Open) => true,
+            Some(QuarantineState::Skipped) => !IGNORE_SKIPS,
+            Some(QuarantineState::Released) | None => false,
+        };
+        !f.published && !blocked
+    }
+
+    /// Whether a poll round offers the row.
+    pub fn by_poll_round(&self, f: OfferFacts) -> bool {
+        self.by_snapshot(f) && !f.aggregate_held
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_offer_unpublished_rows_no_operator_stopped() {
+        let rule = OfferRule::default();
+        let pending = OfferFacts {
+            published: false,
+            quarantine: None,
+            aggregate_held: false,
+        };
+        assert!(rule.by_snapshot(pending) && rule.by_poll_round(pending));
+        let released = OfferFacts {
+            quarantine: Some(QuarantineState::Released),
+            ..pending
+        };
+        assert!(rule.by_poll_round(released));
+        for f in [
+            OfferFacts {
+                published: true,
+                ..pending
+            },
+            OfferFacts {
+                quarantine: Some(QuarantineState::Open),
+                ..pending
+            },
+            OfferFacts {
+                quarantine: Some(QuarantineState::Skipped),
+                ..pending
+            },
+        ] {
+            assert!(!rule.by_snapshot(f) && !rule.by_poll_round(f), "{f:?}");
+        }
+        let held = OfferFacts {
+            aggregate_held: true,
+            ..pending
+        };
+        assert!(rule.by_snapshot(held) && !rule.by_poll_round(held));
+        let skipped = OfferFacts {
+            quarantine: Some(QuarantineState::Skipped),
+            ..pending
+        };
+        assert!(OfferRule::ignoring_skips().by_poll_round(skipped));
+    }
 
     #[test]
     fn a_refusal_about_a_published_event_is_stale() {

@@ -116,7 +116,8 @@ fn a_trace_replays_alone_and_identically() {
 /// most traces and slow), by every counter that names its
 /// bug; together they make every invariant counter non-zero at least once. Product mutants
 /// (planted in `outbox-relay`, `outbox-core` and `outbox-inbox`): confirm-before-accept,
-/// skip-dedup, last-ack-wins, purge-early, early-takeover-of-live-holder, retry-reresolves-route,
+/// skip-dedup, last-ack-wins, purge-early, early-takeover-of-live-holder, poll-offers-skipped,
+/// retry-reresolves-route,
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
@@ -142,6 +143,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::LastAckWins,
         Mutant::PurgeEarly,
         Mutant::EarlyTakeoverOfLiveHolder,
+        Mutant::PollOffersSkipped,
         Mutant::RetryReresolvesRoute,
         Mutant::SecondInFlight,
         Mutant::OkWithoutOffsetIsProof,

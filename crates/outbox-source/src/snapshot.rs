@@ -25,7 +25,9 @@ pub fn text_columns() -> String {
 
 /// An event no relay may offer (`e` its row): one with an open quarantine record (an operator
 /// decides its fate), or one an operator skipped (`outboxd quarantine skip`: never to be
-/// published, not even by a snapshot or a poll round that reads it again).
+/// published, not even by a snapshot or a poll round that reads it again). With the receipt
+/// (and, for a poll round, the aggregate's hold) it is `outbox_core::records::OfferRule` in SQL;
+/// `tests/reads.rs` holds the two together.
 pub const QUARANTINED_OR_SKIPPED: &str = "EXISTS (SELECT 1 FROM outbox.quarantine q
     WHERE q.event_id = e.event_id AND (q.released_at IS NULL OR q.resolution = 'skipped'))";
 

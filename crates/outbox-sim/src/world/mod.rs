@@ -19,7 +19,7 @@ use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
 use outbox_core::lease::{self, LeaseFacts, Take, TakeoverRule};
 use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
-use outbox_core::records::LedgerItem;
+use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState};
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::lifecycle::{RunStart, StartStep};
@@ -132,6 +132,8 @@ pub enum Mutant {
     /// a poll round read an event the operator had skipped (its quarantine was closed, so
     /// the read no longer excluded it) and sent it again. Fixed by
     /// `outbox_source::snapshot::QUARANTINED_OR_SKIPPED` (and migration 0016's poll positions).
+    /// A product mutant in `outbox_core::records::OfferRule` (`ignoring_skips`), the rule the
+    /// reads' SQL runs.
     PollOffersSkipped,
     /// The early takeover of a lease without the proof that its holder is gone (its lease
     /// session's advisory lock is free and the slot has no walsender): a paused holder loses
@@ -1353,6 +1355,23 @@ impl World {
         self.relays.len() - 1
     }
 
+    /// What a read of unpublished rows knows about `row` (`OfferRule`'s facts).
+    fn offer_facts(&self, row: usize) -> OfferFacts {
+        // An open record blocks under any rule; a skip only under the product's.
+        let quarantine = if self.ledger.open_quarantine(row).is_some() {
+            Some(QuarantineState::Open)
+        } else if self.ledger.skipped(row) {
+            Some(QuarantineState::Skipped)
+        } else {
+            None
+        };
+        OfferFacts {
+            published: self.ledger.primary.contains_key(&row),
+            quarantine,
+            aggregate_held: self.ledger.holds.contains_key(&self.rows[row].agg),
+        }
+    }
+
     /// `outbox_source::poll::pending_sql`: rows without a primary receipt or an open
     /// quarantine, of aggregates without a hold, in aggregate and version order, as
     /// `outbox.events_current` shows them. (The daemon reads them above each aggregate's poll
@@ -1364,11 +1383,14 @@ impl World {
         let mut pending: Vec<usize> = (0..self.rows.len())
             .filter(|r| {
                 let row = &self.rows[*r];
+                let facts = self.offer_facts(*r);
+                let offered = if self.is(Mutant::PollOffersSkipped) {
+                    OfferRule::ignoring_skips().by_poll_round(facts)
+                } else {
+                    OfferRule::default().by_poll_round(facts)
+                };
                 !row.purged
-                    && !self.ledger.primary.contains_key(r)
-                    && self.ledger.open_quarantine(*r).is_none()
-                    && (self.is(Mutant::PollOffersSkipped) || !self.ledger.skipped(*r))
-                    && !self.ledger.holds.contains_key(&row.agg)
+                    && offered
                     && (!above_head
                         || row.ev.aggregate_version
                             > self.ledger.heads.get(&row.agg).copied().unwrap_or(0))
@@ -1525,10 +1547,7 @@ impl World {
     fn snapshot(&mut self, i: usize) -> Result<(), End> {
         let mut pending: Vec<usize> = (0..self.rows.len())
             .filter(|r| {
-                !self.rows[*r].purged
-                    && !self.ledger.primary.contains_key(r)
-                    && self.ledger.open_quarantine(*r).is_none()
-                    && !self.ledger.skipped(*r)
+                !self.rows[*r].purged && OfferRule::default().by_snapshot(self.offer_facts(*r))
             })
             .collect();
         pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
