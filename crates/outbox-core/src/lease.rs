@@ -40,27 +40,14 @@ pub enum Take {
     Held,
 }
 
-/// The takeover rule, with the simulator's product mutant: `WITHOUT_PROOF` takes a live lease
-/// from a holder that took the session lock, whether or not that holder is gone (the lock and
-/// the walsender ignored). The ledger and the daemon use [`TakeoverRule::default`] (`false`)
-/// in every build.
-#[derive(Debug, Clone, Copy)]
-pub struct TakeoverRule<const WITHOUT_PROOF: bool = false> {
-    /// Built with `default()` (the product) or the mutant's constructor only.
-    _private: (),
-}
-
-impl Default for TakeoverRule {
-    fn default() -> Self {
-        TakeoverRule { _private: () }
-    }
-}
-
-impl TakeoverRule<true> {
+rule_with_mutant! {
+    /// The takeover rule, with the simulator's product mutant: `WITHOUT_PROOF` takes a live lease
+    /// from a holder that took the session lock, whether or not that holder is gone (the lock and
+    /// the walsender ignored). The ledger and the daemon use [`TakeoverRule::default`] (`false`)
+    /// in every build.
+    pub struct TakeoverRule<const WITHOUT_PROOF>;
     /// The simulator's mutant `early-takeover-of-live-holder`.
-    pub fn without_proof() -> Self {
-        TakeoverRule { _private: () }
-    }
+    pub fn without_proof;
 }
 
 impl<const WITHOUT_PROOF: bool> TakeoverRule<WITHOUT_PROOF> {

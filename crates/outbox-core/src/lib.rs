@@ -19,6 +19,40 @@
 //! * [`records`] — what the relay records durably (receipts, quarantine, holds).
 //! * [`policy`] — which PostgreSQL failures a retry can fix and which stop the relay with a fix.
 
+/// A product rule with one simulator mutant as a const-generic flag: `$name` (the flag
+/// `false`, what the product runs) is built by `default()`, `$name<true>` only by the
+/// mutant's constructor `$ctor`, which only the simulator calls. No crate feature changes the
+/// product's code, so the binary tested is the one shipped. The rule's methods are written
+/// once, generic over the flag.
+macro_rules! rule_with_mutant {
+    (
+        $(#[$attr:meta])*
+        pub struct $name:ident<const $flag:ident>;
+        $(#[$ctor_attr:meta])*
+        pub fn $ctor:ident;
+    ) => {
+        $(#[$attr])*
+        #[derive(Debug, Clone, Copy)]
+        pub struct $name<const $flag: bool = false> {
+            /// Built with `default()` (the product) or the mutant's constructor only.
+            _private: (),
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                $name { _private: () }
+            }
+        }
+
+        impl $name<true> {
+            $(#[$ctor_attr])*
+            pub fn $ctor() -> Self {
+                $name { _private: () }
+            }
+        }
+    };
+}
+
 pub mod ack;
 pub mod delivery;
 pub mod envelope;

@@ -82,28 +82,15 @@ pub fn classify(migrated: Option<&str>, has_primary: bool, receipt: Digests<'_>)
     AcceptanceRule::default().classify(migrated, has_primary, receipt)
 }
 
-/// The acceptance rule, with the simulator's product mutant: `LAST_ACK_WINS` lets every valid
-/// ACK take the publish slot, replacing the primary receipt (the simulator's `last-ack-wins`,
-/// counted by `late_ack_convergence`). The ledger and [`classify`] use
-/// [`AcceptanceRule::default`] (`false`) in every build: no crate feature changes the
-/// daemon's code, so the binary tested is the one shipped.
-#[derive(Debug, Clone, Copy)]
-pub struct AcceptanceRule<const LAST_ACK_WINS: bool = false> {
-    /// Built with `default()` (the product) or the mutant's constructor only.
-    _private: (),
-}
-
-impl Default for AcceptanceRule {
-    fn default() -> Self {
-        AcceptanceRule { _private: () }
-    }
-}
-
-impl AcceptanceRule<true> {
+rule_with_mutant! {
+    /// The acceptance rule, with the simulator's product mutant: `LAST_ACK_WINS` lets every valid
+    /// ACK take the publish slot, replacing the primary receipt (the simulator's `last-ack-wins`,
+    /// counted by `late_ack_convergence`). The ledger and [`classify`] use
+    /// [`AcceptanceRule::default`] (`false`) in every build: no crate feature changes the
+    /// daemon's code, so the binary tested is the one shipped.
+    pub struct AcceptanceRule<const LAST_ACK_WINS>;
     /// The simulator's mutant `last-ack-wins`.
-    pub fn last_ack_wins() -> Self {
-        AcceptanceRule { _private: () }
-    }
+    pub fn last_ack_wins;
 }
 
 impl<const LAST_ACK_WINS: bool> AcceptanceRule<LAST_ACK_WINS> {
@@ -401,26 +388,13 @@ pub fn may_purge(f: PurgeFacts) -> Result<(), PurgeBlock> {
     PurgeRule::default().may_purge(f)
 }
 
-/// The retention rule, with the simulator's product mutant: `IGNORE_READERS` purges without
-/// waiting for the replay window or the consumers' watermarks (the simulator's `purge-early`,
-/// counted by `purged_early`). Retention uses [`PurgeRule::default`] (`false`) in every build.
-#[derive(Debug, Clone, Copy)]
-pub struct PurgeRule<const IGNORE_READERS: bool = false> {
-    /// Built with `default()` (the product) or the mutant's constructor only.
-    _private: (),
-}
-
-impl Default for PurgeRule {
-    fn default() -> Self {
-        PurgeRule { _private: () }
-    }
-}
-
-impl PurgeRule<true> {
+rule_with_mutant! {
+    /// The retention rule, with the simulator's product mutant: `IGNORE_READERS` purges without
+    /// waiting for the replay window or the consumers' watermarks (the simulator's `purge-early`,
+    /// counted by `purged_early`). Retention uses [`PurgeRule::default`] (`false`) in every build.
+    pub struct PurgeRule<const IGNORE_READERS>;
     /// The simulator's mutant `purge-early`.
-    pub fn ignoring_readers() -> Self {
-        PurgeRule { _private: () }
-    }
+    pub fn ignoring_readers;
 }
 
 impl<const IGNORE_READERS: bool> PurgeRule<IGNORE_READERS> {

@@ -210,32 +210,19 @@ pub struct OfferFacts {
     pub aggregate_held: bool,
 }
 
-/// Which rows a relay's reads offer for sending: the rule of `outbox_source`'s
-/// `pending_rows_sql` (a snapshot; a held aggregate's events are held by the gate instead) and
-/// `poll::pending_sql` (a poll round; held aggregates are left to the release), through
-/// `snapshot::QUARANTINED_OR_SKIPPED`; the test `reads_offer_what_the_rule_says` (outbox-source)
-/// holds the SQL and this rule together, and the simulator's reads decide with it.
-///
-/// `IGNORE_SKIPS` is the simulator's product mutant `poll-offers-skipped` (the read before its
-/// fix excluded only open quarantines, so a skipped event was sent again; counted by
-/// `skipped_offered`). The reads are [`OfferRule::default`]'s in every build.
-#[derive(Debug, Clone, Copy)]
-pub struct OfferRule<const IGNORE_SKIPS: bool = false> {
-    /// Built with `default()` (the product) or the mutant's constructor only.
-    _private: (),
-}
-
-impl Default for OfferRule {
-    fn default() -> Self {
-        OfferRule { _private: () }
-    }
-}
-
-impl OfferRule<true> {
+rule_with_mutant! {
+    /// Which rows a relay's reads offer for sending: the rule of `outbox_source`'s
+    /// `pending_rows_sql` (a snapshot; a held aggregate's events are held by the gate instead) and
+    /// `poll::pending_sql` (a poll round; held aggregates are left to the release), through
+    /// `snapshot::QUARANTINED_OR_SKIPPED`; the test `reads_offer_what_the_rule_says` (outbox-source)
+    /// holds the SQL and this rule together, and the simulator's reads decide with it.
+    ///
+    /// `IGNORE_SKIPS` is the simulator's product mutant `poll-offers-skipped` (the read before its
+    /// fix excluded only open quarantines, so a skipped event was sent again; counted by
+    /// `skipped_offered`). The reads are [`OfferRule::default`]'s in every build.
+    pub struct OfferRule<const IGNORE_SKIPS>;
     /// The simulator's mutant `poll-offers-skipped`.
-    pub fn ignoring_skips() -> Self {
-        OfferRule { _private: () }
-    }
+    pub fn ignoring_skips;
 }
 
 impl<const IGNORE_SKIPS: bool> OfferRule<IGNORE_SKIPS> {
