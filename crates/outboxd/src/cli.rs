@@ -571,7 +571,8 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
     pub message_timeout_ms: Option<u64>,
     /// Events in flight (sent, receipt not yet accepted) before reading pauses. Each costs
-    /// about 2 KiB of memory (the event, its librdkafka copy, its receipt). [default: 5000]
+    /// about 2 KiB of memory (the event, its librdkafka copy, its receipt); the acceptance
+    /// transaction's batch grows with it too. [default: 3000]
     #[arg(long, env = "OUTBOXD_MAX_IN_FLIGHT")]
     pub max_in_flight: Option<u64>,
     /// Receipts per ledger transaction when no acceptance transaction is running; while one
