@@ -204,7 +204,8 @@ pub enum QuarantineState {
 pub struct OfferFacts {
     /// It has a primary receipt.
     pub published: bool,
-    /// Its quarantine record, if any; a skip outranks anything else recorded for it.
+    /// Its quarantine record, if any. With several, an open one decides (it blocks the row
+    /// under any rule), else a skip, else a release.
     pub quarantine: Option<QuarantineState>,
     /// Its aggregate is held (`outbox.holds`): its events wait for the operator's release.
     pub aggregate_held: bool,

@@ -67,7 +67,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         nats: None,
         http: Vec::new(),
         endpoint_schedules: Default::default(),
-        max_in_flight: 3_000,
+        max_in_flight: outboxd::config::DEFAULT_MAX_IN_FLIGHT,
         batch_size: 1000,
         batch_linger: Duration::from_millis(1),
         status_interval: Duration::from_millis(500),

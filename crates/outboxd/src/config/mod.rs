@@ -638,6 +638,8 @@ pub fn parse_listen_addr(what: &str, s: &str) -> anyhow::Result<SocketAddr> {
 pub const DEFAULT_SLOT: &str = "outboxd";
 pub const DEFAULT_PUBLICATION: &str = "outbox_pub";
 pub const DEFAULT_TABLE: &str = "outbox.events";
+/// `relay.max_in_flight` when unset (docs/benchmarks.md, "Thin LTO and 3,000 in flight").
+pub const DEFAULT_MAX_IN_FLIGHT: u64 = 3_000;
 
 impl RelayConfig {
     /// Checks every field; the error names the field and the rule.

@@ -350,7 +350,7 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         max_in_flight: a
             .max_in_flight
             .or(file.relay.max_in_flight)
-            .unwrap_or(3_000),
+            .unwrap_or(config::DEFAULT_MAX_IN_FLIGHT),
         batch_size: a.batch_size.or(file.relay.batch_size).unwrap_or(1000),
         batch_linger: Duration::from_millis(
             a.batch_linger_ms
