@@ -447,7 +447,7 @@ async fn run_once(
         tracing::info!(events = n, "initial snapshot published");
     }
 
-    take_over_slot(&sql, &cfg.slot).await?;
+    take_over_slot(&sql, &cfg.slot, fence).await?;
     crate::failpoint::pause("before-start-replication").await;
     let quoted_pub = cfg.publication.replace('"', "");
     let mut stream = repl
@@ -913,7 +913,11 @@ fn spawn_lease_keeper(
 
 /// A walsender still holds the slot: it belongs to a relay whose lease expired (we hold the
 /// lease now), e.g. one that is paused. Terminate it and wait until the slot is free.
-async fn take_over_slot(sql: &Client, slot_name: &str) -> Result<(), RelayError> {
+/// Terminates the walsender of a relay that streams the slot without the lease, as long as
+/// `fence` holds it: a relay paused past its lease and resumed (found by the e2e zombie test)
+/// must not cut off the walsender of the relay that took the lease over. The lease is checked
+/// in the statement that terminates, so the check and the termination are one step.
+async fn take_over_slot(sql: &Client, slot_name: &str, fence: &Fence) -> Result<(), RelayError> {
     for i in 0..200 {
         let Some(info) = slot::inspect(sql, slot_name).await? else {
             return Ok(());
@@ -927,12 +931,24 @@ async fn take_over_slot(sql: &Client, slot_name: &str) -> Result<(), RelayError>
                 "slot held by a walsender of a relay without the lease; terminating it"
             );
         }
-        sql.execute("SELECT pg_terminate_backend($1)", &[&pid])
+        let leased = sql
+            .query_opt(
+                "SELECT pg_terminate_backend($1) FROM outbox.relay_leases
+                 WHERE slot_name = $2 AND owner = $3 AND generation = $4
+                   AND lease_until > clock_timestamp()",
+                &[&pid, &slot_name, &fence.owner, &fence.generation],
+            )
             .await
             .map_err(|e| LedgerError::Db {
                 context: format!("terminating walsender {pid}"),
                 source: e,
             })?;
+        if leased.is_none() {
+            return Err(RelayError::Ledger(LedgerError::LeaseLost {
+                slot: slot_name.to_string(),
+                generation: fence.generation,
+            }));
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Err(RelayError::Internal(format!(
