@@ -34,7 +34,7 @@
 --     REPLICATION: if that is unacceptable, use poll mode.
 --   * SELECT on outbox.events (+ the views over it): the initial snapshot, released and
 --     reconciled events. No INSERT/UPDATE/DELETE: the relay can never alter an event.
---   * SELECT/INSERT/UPDATE/DELETE on the ledger tables only (receipts, duplicate receipts,
+--   * SELECT/INSERT/UPDATE/DELETE on the ledger tables only (receipt entries and batches, duplicate receipts,
 --     quarantine, checkpoints, ordering heads, holds, leases, attempts), USAGE on their id
 --     sequences.
 --   * Nothing on route_policy, aggregate_versions, destination_migrations, delivery_sets or
@@ -68,6 +68,7 @@ GRANT SELECT ON
     outbox.events,
     outbox.events_current,
     outbox.event_status,
+    outbox.receipts,
     outbox.purged_events,
     outbox.schema_migrations,
     outbox.route_policy,
@@ -77,7 +78,8 @@ TO outboxd_relay;
 
 -- Read-write: the ledger.
 GRANT SELECT, INSERT, UPDATE, DELETE ON
-    outbox.receipts,
+    outbox.receipt_entries,
+    outbox.receipt_batches,
     outbox.duplicate_receipts,
     outbox.quarantine,
     outbox.checkpoints,
@@ -91,6 +93,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox.poll_rounds,
     outbox.relay_members
 TO outboxd_relay;
+
+-- Destinations are created on first use and never changed or deleted.
+GRANT SELECT, INSERT ON outbox.receipt_destinations TO outboxd_relay;
 
 GRANT USAGE ON SEQUENCE
     outbox.duplicate_receipts_id_seq,

@@ -279,8 +279,9 @@ e2e_only! {
         assert!(
             out.contains("FAIL  ledger privileges")
                 && out.contains(&format!(
-                    "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.receipts TO {role}"
+                    "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.receipt_entries TO {role}"
                 ))
+                && out.contains(&format!("GRANT SELECT ON outbox.receipts TO {role}"))
                 && out.contains(&format!(
                     "GRANT USAGE ON SEQUENCE outbox.attempts_id_seq TO {role}"
                 )),

@@ -137,7 +137,7 @@ async fn producer_relay_and_operator_roles_work_from_their_scripts_alone() {
 
     // A relay role that lost a ledger grant refuses to start, and sends nothing.
     env.db
-        .batch_execute("REVOKE INSERT ON outbox.receipts FROM outboxd_relay")
+        .batch_execute("REVOKE INSERT ON outbox.receipt_entries FROM outboxd_relay")
         .await
         .unwrap();
     let late = {
@@ -157,11 +157,11 @@ async fn producer_relay_and_operator_roles_work_from_their_scripts_alone() {
     env.db.batch_execute(RELAY_SQL).await.unwrap();
     assert!(
         !status.success(),
-        "the relay started without INSERT on receipts:\n{log}"
+        "the relay started without INSERT on receipt entries:\n{log}"
     );
     assert!(
         log.contains("nothing was sent")
-            && log.contains("GRANT INSERT ON outbox.receipts TO outboxd_relay"),
+            && log.contains("GRANT INSERT ON outbox.receipt_entries TO outboxd_relay"),
         "the refusal does not name the missing grant:\n{log}"
     );
     let on_topic = env.read_topic().await;

@@ -312,7 +312,7 @@ async fn a_revoked_privilege_stops_the_relay_with_the_fix_and_loses_nothing() {
     env.warm_up("warm").await;
 
     env.db
-        .batch_execute("REVOKE INSERT ON outbox.receipts FROM outboxd_relay")
+        .batch_execute("REVOKE INSERT ON outbox.receipt_entries FROM outboxd_relay")
         .await
         .unwrap();
     let id = env.enqueue("after-revoke", json!({"n": 1})).await;

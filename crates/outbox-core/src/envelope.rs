@@ -35,6 +35,29 @@ pub fn sha256_digest(bytes: &[u8]) -> String {
     out
 }
 
+/// How the ledger stores a digest (`outbox.digest_bytes`, migration 0030): `sha256:<64
+/// lowercase hex>` as its 32 bytes; any other text as 0x00, its UTF-8 bytes, and one more 0x00
+/// where that would make 32 bytes, so 32 bytes always mean sha256 and
+/// `outbox.digest_text` gives the text back unchanged.
+pub fn digest_bytes(digest: &str) -> Vec<u8> {
+    if let Some(hex_digits) = digest.strip_prefix(DIGEST_PREFIX) {
+        let mut raw = [0u8; 32];
+        let lower = hex_digits
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if lower && hex::decode_to_slice(hex_digits, &mut raw).is_ok() {
+            return raw.to_vec();
+        }
+    }
+    let mut out = Vec::with_capacity(digest.len() + 2);
+    out.push(0);
+    out.extend_from_slice(digest.as_bytes());
+    if out.len() == 32 {
+        out.push(0);
+    }
+    out
+}
+
 /// `destination.v1`: where an event goes, resolved from the route policy at enqueue and
 /// frozen in the row. Retries never re-resolve it (invariant 4).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -236,6 +259,25 @@ pub(crate) mod tests {
             payload,
             destination,
         )
+    }
+
+    #[test]
+    fn digests_are_stored_as_their_bytes_and_other_text_unambiguously() {
+        let d = sha256_digest(b"x");
+        assert_eq!(digest_bytes(&d), Sha256::digest(b"x").to_vec());
+        // Not sha256 hex: never 32 bytes, always a leading 0x00.
+        for other in [
+            "weird",
+            "",
+            "sha256:ABCD",
+            &"y".repeat(31),
+            &"z".repeat(32),
+            &d.to_uppercase(),
+        ] {
+            let b = digest_bytes(other);
+            assert_ne!(b.len(), 32, "{other:?}");
+            assert_eq!(b[0], 0, "{other:?}");
+        }
     }
 
     #[test]

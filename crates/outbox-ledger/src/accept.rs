@@ -4,8 +4,8 @@
 //! which the simulator drives)
 //!
 //! * becomes the event's **primary receipt** if the event has none (the publish slot is the
-//!   primary key of `outbox.receipts`, so two concurrent acceptors cannot both win; a purged
-//!   event's tombstone in `outbox.purged_events` keeps its slot filled);
+//!   primary key of `outbox.receipt_entries`, so two concurrent acceptors cannot both win; a
+//!   purged event's tombstone in `outbox.purged_events` keeps its slot filled);
 //! * otherwise is kept as a **duplicate transport receipt** (a replay after a crash, a late
 //!   ACK of an earlier attempt) — evidence, never a second primary;
 //! * is **quarantined** if an operator migrated the event's destination and the receipt is for
@@ -18,13 +18,24 @@
 //! are not the row's, an event id with no row) is named by the audit
 //! (`crate::audit::ledger_conflicts`).
 //!
+//! The receipt is written as migration 0030 lays it out: an entry per event (position, broker
+//! time, attempt, generation, commit LSN, both digests as their 32 bytes, evidence), one
+//! `outbox.receipt_batches` row per statement for what its receipts share (slot, time,
+//! transaction), destinations by a cached id; readers read the view `outbox.receipts`. That
+//! halved the WAL a receipt writes, which the relay's walsender decodes again
+//! (docs/benchmarks.md "Receipts as entries of a batch").
+//!
 //! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
 //! the checkpoint. A refusal (quarantine, hold, held event) about an event that is published by
 //! then is stale and not recorded (`outbox_core::records::RefusalFilter`). The checkpoint: the LSN stored here covers exactly the events this and earlier batches
 //! resolved. Only after COMMIT does the relay tell the slot.
 
+use std::collections::HashMap;
+
+use outbox_core::envelope::digest_bytes;
 use outbox_core::records::RefusalFilter;
 use outbox_core::Lsn;
+use tokio_postgres::types::PgLsn;
 use tokio_postgres::{Client, Statement};
 
 use crate::{Context, LedgerError};
@@ -46,31 +57,35 @@ pub struct AcceptOutcome {
 
 const ACCEPT_SQL: &str = r#"
 WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
-                         $7::int4[], $8::int8[], $9::int8[], $10::int4[], $11::int8[], $12::text[],
-                         $14::text[])
-        AS t(event_id, payload_digest, destination_digest, broker_kind, broker_cluster, topic,
-             partition, "offset", ts_ms, attempt, relay_generation, commit_lsn, evidence)
+    SELECT * FROM unnest($1::uuid[], $2::bytea[], $3::bytea[], $4::int4[], $5::int4[], $6::int8[],
+                         $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[])
+        AS t(event_id, payload_digest, destination_digest, destination_id, partition, "offset",
+             ts_ms, attempt, relay_generation, commit_lsn, evidence)
 ),
 matched AS (
     -- No match with the outbox row (docs/evidence_batches.md): the relay built every receipt
     -- from a row it read, computed both digests from it and checked any the row stores, and
     -- the row is immutable (0027). Only an operator's destination migration can make the
     -- receipt's destination stale since: compared here, against a table that is usually empty.
-    SELECT i.*, coalesce(m.destination_digest = i.destination_digest, true) AS ok
+    SELECT i.*, coalesce(outbox.digest_bytes(m.destination_digest) = i.destination_digest, true) AS ok
     FROM input i
     LEFT JOIN LATERAL (SELECT dm.destination_digest FROM outbox.destination_migrations dm
                        WHERE dm.event_id = i.event_id
                        ORDER BY dm.envelope_generation DESC LIMIT 1) m ON true
 ),
+-- One row per acceptance statement: what its receipts share (migration 0030). Written even
+-- when every receipt turns out a duplicate; purge deletes batches left without entries.
+batch AS (
+    INSERT INTO outbox.receipt_batches (slot_name) VALUES ($11) RETURNING batch_id
+),
 prim AS (
-    INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic, partition, "offset",
-                                 broker_timestamp, attempt, relay_generation, commit_lsn, slot_name,
-                                 payload_digest, destination_digest, evidence)
+    INSERT INTO outbox.receipt_entries (event_id, batch_id, destination_id, partition, "offset",
+                                        broker_timestamp, attempt, relay_generation, commit_lsn,
+                                        payload_digest, destination_digest, evidence)
     -- ts_ms / 1000.0::float8: the same microseconds as the numeric quotient (3,000,000 values
     -- compared), without numeric arithmetic per row.
-    SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
-           to_timestamp(ts_ms / 1000.0::float8), attempt, relay_generation, commit_lsn::pg_lsn, $13,
+    SELECT event_id, (SELECT batch_id FROM batch), destination_id, partition, "offset",
+           to_timestamp(ts_ms / 1000.0::float8), attempt, relay_generation, commit_lsn,
            payload_digest, destination_digest, evidence::jsonb
     FROM matched m WHERE ok
       -- A purged event's tombstone keeps its publish slot: a late ACK is a duplicate.
@@ -82,14 +97,16 @@ dup AS (
     INSERT INTO outbox.duplicate_receipts (event_id, broker_kind, broker_cluster, topic, partition,
                                            "offset", broker_timestamp, attempt, relay_generation,
                                            commit_lsn, slot_name, evidence)
-    SELECT event_id, broker_kind, broker_cluster, topic, partition, "offset",
-           to_timestamp(ts_ms / 1000.0::float8), attempt, relay_generation, commit_lsn::pg_lsn, $13,
-           evidence::jsonb
-    FROM matched m WHERE ok AND NOT EXISTS (SELECT 1 FROM prim p WHERE p.event_id = m.event_id)
+    SELECT m.event_id, d.broker_kind, d.broker_cluster, d.topic, m.partition, m."offset",
+           to_timestamp(m.ts_ms / 1000.0::float8), m.attempt, m.relay_generation, m.commit_lsn,
+           $11, m.evidence::jsonb
+    FROM matched m JOIN outbox.receipt_destinations d ON d.destination_id = m.destination_id
+    WHERE m.ok AND NOT EXISTS (SELECT 1 FROM prim p WHERE p.event_id = m.event_id)
       -- The very ACK that is the primary receipt, recorded again, is no new evidence.
-      AND NOT EXISTS (SELECT 1 FROM outbox.receipts r
-                      WHERE r.event_id = m.event_id AND r.broker_cluster = m.broker_cluster
-                        AND r.topic = m.topic AND r.partition = m.partition
+      AND NOT EXISTS (SELECT 1 FROM outbox.receipt_entries r
+                      JOIN outbox.receipt_destinations rd ON rd.destination_id = r.destination_id
+                      WHERE r.event_id = m.event_id AND rd.broker_cluster = d.broker_cluster
+                        AND rd.topic = d.topic AND r.partition = m.partition
                         AND r."offset" = m."offset" AND r.attempt = m.attempt
                         AND r.relay_generation = m.relay_generation)
     ON CONFLICT (event_id, broker_cluster, topic, partition, "offset", attempt, relay_generation)
@@ -99,14 +116,15 @@ dup AS (
 conflict AS (
     INSERT INTO outbox.quarantine (quarantine_key, event_id, aggregate_type, aggregate_id,
                                    aggregate_version, reason_code, reason, commit_lsn, slot_name)
-    SELECT 'receipt:' || m.event_id::text || ':' || m.topic || ':' || m.partition || ':' || m."offset",
+    SELECT 'receipt:' || m.event_id::text || ':' || d.topic || ':' || m.partition || ':' || m."offset",
            m.event_id, e.aggregate_type, e.aggregate_id, e.aggregate_version,
            'receipt_digest_mismatch',
-           'broker receipt at ' || m.topic || '/' || m.partition || '@' || m."offset"
+           'broker receipt at ' || d.topic || '/' || m.partition || '@' || m."offset"
            || ' is for another destination than the one the event was migrated to',
-           m.commit_lsn::pg_lsn, $13
+           m.commit_lsn, $11
     -- A migration exists only while its row does (purge deletes both).
     FROM matched m JOIN outbox.events e ON e.event_id = m.event_id
+    JOIN outbox.receipt_destinations d ON d.destination_id = m.destination_id
     WHERE NOT m.ok
     ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
@@ -116,9 +134,29 @@ unheld AS (
     FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
     RETURNING 1
 )
--- unheld runs to completion although nothing reads it (PostgreSQL guarantees it). Heads are
--- not written here: they are read from the receipts (migration 0026).
+-- batch and unheld run to completion although nothing but prim reads them (PostgreSQL
+-- guarantees it). Heads are not written here: they are read from the receipts (migration 0026).
 SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict)
+"#;
+
+/// The destinations of `receipts` by their names: ids from `outbox.receipt_destinations`,
+/// created on first use. Runs outside the acceptance transaction, so an id in the cache always
+/// names a committed row (and rows are never deleted).
+const DESTINATIONS_SQL: &str = r#"
+WITH want AS (
+    SELECT DISTINCT * FROM unnest($1::text[], $2::text[], $3::text[]) AS w(k, c, t)
+),
+created AS (
+    INSERT INTO outbox.receipt_destinations (broker_kind, broker_cluster, topic)
+    SELECT k, c, t FROM want
+    ON CONFLICT DO NOTHING
+    RETURNING destination_id, broker_kind, broker_cluster, topic
+)
+SELECT destination_id, broker_kind, broker_cluster, topic FROM created
+UNION ALL
+SELECT d.destination_id, d.broker_kind, d.broker_cluster, d.topic
+FROM outbox.receipt_destinations d
+JOIN want w ON d.broker_kind = w.k AND d.broker_cluster = w.c AND d.topic = w.t
 "#;
 
 const QUARANTINE_SQL: &str = r#"
@@ -141,6 +179,65 @@ SELECT count(*) FROM q
 #[derive(Debug, Default)]
 pub struct Prepared {
     accept: Option<Statement>,
+    /// `outbox.receipt_destinations` ids by (broker kind, cluster, topic): a relay has a
+    /// handful, resolved once per connection.
+    destinations: HashMap<(String, String, String), i32>,
+}
+
+impl Prepared {
+    /// Fills the cache with the destinations of `receipts` it lacks. A destination another
+    /// relay creates at the same moment is not visible to the statement that found it taken,
+    /// so the look-up is asked again (at most three times).
+    async fn resolve_destinations(
+        &mut self,
+        client: &Client,
+        receipts: &[&ReceiptRecord],
+    ) -> Result<(), LedgerError> {
+        for _ in 0..3 {
+            let missing: Vec<&ReceiptRecord> = receipts
+                .iter()
+                .copied()
+                .filter(|r| !self.destinations.contains_key(&destination_key(r)))
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let rows = client
+                .query(
+                    DESTINATIONS_SQL,
+                    &[
+                        &missing
+                            .iter()
+                            .map(|r| r.broker_kind.as_str())
+                            .collect::<Vec<_>>(),
+                        &missing
+                            .iter()
+                            .map(|r| r.broker_cluster.as_str())
+                            .collect::<Vec<_>>(),
+                        &missing.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>(),
+                    ],
+                )
+                .await
+                .ctx("resolving the receipts' destinations (outbox.receipt_destinations)")?;
+            for row in rows {
+                self.destinations
+                    .insert((row.get(1), row.get(2), row.get(3)), row.get(0));
+            }
+        }
+        Err(LedgerError::Invalid(
+            "a receipt's destination could not be found in outbox.receipt_destinations after \
+             creating it three times; check that nothing deletes its rows"
+                .into(),
+        ))
+    }
+}
+
+fn destination_key(r: &ReceiptRecord) -> (String, String, String) {
+    (
+        r.broker_kind.clone(),
+        r.broker_cluster.clone(),
+        r.topic.clone(),
+    )
 }
 
 /// Accepts `items` and moves the checkpoint of `slot` to `checkpoint` (never backwards), in one
@@ -182,11 +279,6 @@ pub async fn accept_batch_prepared(
     fence: Option<&crate::lease::Fence>,
 ) -> Result<AcceptOutcome, LedgerError> {
     let mut out = AcceptOutcome::default();
-    let tx = client
-        .transaction()
-        .await
-        .ctx("beginning the receipt acceptance transaction")?;
-
     let receipts: Vec<&ReceiptRecord> = items
         .iter()
         .filter_map(|i| match i {
@@ -194,6 +286,12 @@ pub async fn accept_batch_prepared(
             _ => None,
         })
         .collect();
+    prepared.resolve_destinations(client, &receipts).await?;
+    let tx = client
+        .transaction()
+        .await
+        .ctx("beginning the receipt acceptance transaction")?;
+
     if !receipts.is_empty() {
         // The same event can occur twice in one batch (snapshot and stream overlap). The first
         // occurrence competes for the publish slot; the rest are duplicates by construction,
@@ -216,6 +314,10 @@ pub async fn accept_batch_prepared(
                     s
                 }
             };
+            let destination_ids = round
+                .iter()
+                .map(|r| prepared.destinations[&destination_key(r)])
+                .collect::<Vec<i32>>();
             let row = tx
                 .query_one(
                     &stmt,
@@ -223,21 +325,13 @@ pub async fn accept_batch_prepared(
                         &round.iter().map(|r| r.event_id).collect::<Vec<_>>(),
                         &round
                             .iter()
-                            .map(|r| r.payload_digest.as_str())
+                            .map(|r| digest_bytes(&r.payload_digest))
                             .collect::<Vec<_>>(),
                         &round
                             .iter()
-                            .map(|r| r.destination_digest.as_str())
+                            .map(|r| digest_bytes(&r.destination_digest))
                             .collect::<Vec<_>>(),
-                        &round
-                            .iter()
-                            .map(|r| r.broker_kind.as_str())
-                            .collect::<Vec<_>>(),
-                        &round
-                            .iter()
-                            .map(|r| r.broker_cluster.as_str())
-                            .collect::<Vec<_>>(),
-                        &round.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>(),
+                        &destination_ids,
                         &round.iter().map(|r| r.partition).collect::<Vec<_>>(),
                         &round.iter().map(|r| r.offset).collect::<Vec<_>>(),
                         &round.iter().map(|r| r.timestamp_ms).collect::<Vec<_>>(),
@@ -245,7 +339,7 @@ pub async fn accept_batch_prepared(
                         &round.iter().map(|r| r.relay_generation).collect::<Vec<_>>(),
                         &round
                             .iter()
-                            .map(|r| r.commit_lsn.map(|l| l.to_string()))
+                            .map(|r| r.commit_lsn.map(|l| PgLsn::from(l.as_u64())))
                             .collect::<Vec<_>>(),
                         &slot,
                         &round

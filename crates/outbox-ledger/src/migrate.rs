@@ -165,6 +165,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "heads_in_two_branches",
         sql: include_str!("../../../migrations/0029_heads_in_two_branches.sql"),
     },
+    Migration {
+        version: 30,
+        name: "receipt_entries",
+        sql: include_str!("../../../migrations/0030_receipt_entries.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

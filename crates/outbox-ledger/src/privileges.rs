@@ -48,7 +48,11 @@ const fn sequence(object: &'static str) -> Need {
 
 /// The relay's ledger: every table it writes, and the sequences behind their ids.
 pub const RELAY_LEDGER: &[Need] = &[
-    table("receipts", WRITE),
+    // Receipts are written to their tables and read through the view (migration 0030).
+    table("receipts", READ),
+    table("receipt_entries", WRITE),
+    table("receipt_batches", WRITE),
+    table("receipt_destinations", &["SELECT", "INSERT"]),
     table("duplicate_receipts", WRITE),
     table("quarantine", WRITE),
     table("checkpoints", WRITE),

@@ -1500,3 +1500,167 @@ async fn the_cheaper_enqueue_of_migration_0023_writes_what_0022s_wrote() {
         "{kept} rows, {refused} refusals"
     );
 }
+
+/// Migration 0030 on a live database: receipts accepted before it read back unchanged through
+/// the view (every column, the digests' text included), grants on the old table carry over to
+/// the view and its tables, and a receipt accepted after it stores its digests as
+/// `outbox_core::envelope::digest_bytes` says and reads them back as sent.
+#[tokio::test]
+async fn receipts_move_to_entries_and_read_back_unchanged() {
+    let url = TestPostgres::shared()
+        .create_database("ledger_entries")
+        .await
+        .unwrap();
+    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(conn);
+    // The database as migration 0029 left it.
+    c.batch_execute(
+        "CREATE SCHEMA outbox;
+         CREATE TABLE outbox.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,
+             checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .await
+    .unwrap();
+    for m in migrate::MIGRATIONS.iter().filter(|m| m.version < 30) {
+        let tx = c.transaction().await.unwrap();
+        tx.batch_execute(m.sql).await.unwrap();
+        tx.execute(
+            "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+            &[&m.version, &m.name, &m.checksum()],
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(
+            enqueue(
+                &c,
+                "order",
+                &format!("o-{i}"),
+                "x",
+                &json!({"i": i}),
+                &EnqueueOptions::default(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    // Old receipts: a sha256 digest, text that is not one (31 bytes: the padded case), a
+    // retained one with evidence, another topic and kind, no broker time, no commit LSN.
+    c.execute(
+        "INSERT INTO outbox.receipts (event_id, broker_kind, broker_cluster, topic, partition,
+             \"offset\", broker_timestamp, attempt, relay_generation, commit_lsn, slot_name,
+             payload_digest, destination_digest, retained_at, evidence)
+         SELECT id, CASE WHEN n = 3 THEN 'http' ELSE 'kafka' END, 'default',
+                CASE WHEN n = 3 THEN 'hooks' ELSE 'orders' END, n::int, 10 * n,
+                CASE WHEN n = 1 THEN NULL ELSE now() END, n::int, 7, CASE WHEN n = 2 THEN NULL ELSE '0/AB' END::pg_lsn,
+                's' || n, 'sha256:' || encode(sha256(id::text::bytea), 'hex'),
+                CASE WHEN n = 2 THEN repeat('d', 31) ELSE 'not-a-digest' END,
+                CASE WHEN n = 3 THEN now() END, CASE WHEN n = 3 THEN '{\"status\": 200}'::jsonb END
+         FROM unnest($1::uuid[]) WITH ORDINALITY AS t(id, n)",
+        &[&ids],
+    )
+    .await
+    .unwrap();
+    c.batch_execute(
+        "DO $$ BEGIN
+             IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'ledger_entries_reader') THEN
+                 CREATE ROLE ledger_entries_reader;
+             END IF;
+         END $$;
+         GRANT SELECT ON outbox.receipts, outbox.event_status TO ledger_entries_reader",
+    )
+    .await
+    .unwrap();
+    let all = "SELECT event_id, broker_kind, broker_cluster, topic, partition, \"offset\",
+                      broker_timestamp, attempt, relay_generation, commit_lsn, slot_name,
+                      payload_digest, destination_digest, accepted_at, retained_at,
+                      accepted_xact, evidence
+               FROM outbox.receipts ORDER BY event_id";
+    let before = c
+        .query_one(&format!("SELECT json_agg(r)::text FROM ({all}) r"), &[])
+        .await
+        .unwrap()
+        .get::<_, String>(0);
+    assert_eq!(migrate::run(&mut c).await.unwrap(), vec![30]);
+    let after = c
+        .query_one(&format!("SELECT json_agg(r)::text FROM ({all}) r"), &[])
+        .await
+        .unwrap()
+        .get::<_, String>(0);
+    assert_eq!(
+        after, before,
+        "receipts read back unchanged through the view"
+    );
+    let grants = c
+        .query_one(
+            "SELECT has_table_privilege('ledger_entries_reader', 'outbox.receipts', 'SELECT'),
+                    has_table_privilege('ledger_entries_reader', 'outbox.receipt_entries', 'SELECT'),
+                    has_table_privilege('ledger_entries_reader', 'outbox.event_status', 'SELECT'),
+                    has_table_privilege('ledger_entries_reader', 'outbox.receipt_entries', 'INSERT')",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (0..4).map(|i| grants.get::<_, bool>(i)).collect::<Vec<_>>(),
+        vec![true, true, true, false]
+    );
+    // Rust's encoding is SQL's, and the text comes back.
+    let texts = [
+        outbox_core::envelope::sha256_digest(b"q"),
+        "weird".to_string(),
+        String::new(),
+        "e".repeat(31),
+        "f".repeat(32),
+        "sha256:ABC".to_string(),
+    ];
+    for t in &texts {
+        let row = c
+            .query_one(
+                "SELECT outbox.digest_bytes($1) = $2, outbox.digest_text($2)",
+                &[t, &outbox_core::envelope::digest_bytes(t)],
+            )
+            .await
+            .unwrap();
+        assert!(row.get::<_, bool>(0), "{t:?}");
+        assert_eq!(&row.get::<_, String>(1), t);
+    }
+    let id = enqueue(
+        &c,
+        "order",
+        "o-new",
+        "x",
+        &json!({}),
+        &EnqueueOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ev = event(&c, id).await;
+    let r = ReceiptRecord {
+        destination_digest: "e".repeat(31),
+        ..receipt(&ev, 4)
+    };
+    let out = accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(r.clone())], None, None)
+        .await
+        .unwrap();
+    assert_eq!(out.primary, 1, "{out:?}");
+    let row = c
+        .query_one(
+            "SELECT payload_digest, destination_digest, broker_kind, topic, commit_lsn::text,
+                    (SELECT count(*) FROM outbox.receipt_destinations)
+             FROM outbox.receipts WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), r.payload_digest);
+    assert_eq!(row.get::<_, String>(1), r.destination_digest);
+    assert_eq!(row.get::<_, String>(2), "kafka");
+    assert_eq!(row.get::<_, String>(3), r.topic);
+    assert_eq!(row.get::<_, String>(4), "0/64");
+    // orders and hooks from the old receipts, the new event's topic.
+    assert_eq!(row.get::<_, i64>(5), 3);
+}
