@@ -39,22 +39,45 @@ pub fn sha256_digest(bytes: &[u8]) -> String {
 /// lowercase hex>` as its 32 bytes; any other text as 0x00, its UTF-8 bytes, and one more 0x00
 /// where that would make 32 bytes, so 32 bytes always mean sha256 and
 /// `outbox.digest_text` gives the text back unchanged.
-pub fn digest_bytes(digest: &str) -> Vec<u8> {
-    if let Some(hex_digits) = digest.strip_prefix(DIGEST_PREFIX) {
-        let mut raw = [0u8; 32];
-        let lower = hex_digits
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        if lower && hex::decode_to_slice(hex_digits, &mut raw).is_ok() {
-            return raw.to_vec();
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredDigest<'a> {
+    Sha256([u8; 32]),
+    Other(&'a str),
+}
+
+impl<'a> StoredDigest<'a> {
+    pub fn of(digest: &'a str) -> Self {
+        if let Some(hex_digits) = digest.strip_prefix(DIGEST_PREFIX) {
+            let mut raw = [0u8; 32];
+            let lower = hex_digits
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            if lower && hex::decode_to_slice(hex_digits, &mut raw).is_ok() {
+                return StoredDigest::Sha256(raw);
+            }
+        }
+        StoredDigest::Other(digest)
+    }
+
+    /// Appends the stored bytes to `out` (no allocation of its own).
+    pub fn write(&self, out: &mut impl Extend<u8>) {
+        match self {
+            StoredDigest::Sha256(raw) => out.extend(raw.iter().copied()),
+            StoredDigest::Other(text) => {
+                out.extend([0u8]);
+                out.extend(text.bytes());
+                if text.len() + 1 == 32 {
+                    out.extend([0u8]);
+                }
+            }
         }
     }
-    let mut out = Vec::with_capacity(digest.len() + 2);
-    out.push(0);
-    out.extend_from_slice(digest.as_bytes());
-    if out.len() == 32 {
-        out.push(0);
-    }
+}
+
+/// [`StoredDigest`] as bytes.
+pub fn digest_bytes(digest: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(digest.len().max(32) + 2);
+    StoredDigest::of(digest).write(&mut out);
     out
 }
 
