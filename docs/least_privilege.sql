@@ -34,9 +34,10 @@
 --     REPLICATION: if that is unacceptable, use poll mode.
 --   * SELECT on outbox.events (+ the views over it): the initial snapshot, released and
 --     reconciled events. No INSERT/UPDATE/DELETE: the relay can never alter an event.
---   * SELECT/INSERT/UPDATE/DELETE on the ledger tables only (receipt entries and batches, duplicate receipts,
---     quarantine, checkpoints, ordering heads, holds, leases, attempts), USAGE on their id
---     sequences.
+--   * SELECT/INSERT/UPDATE/DELETE on the ledger tables only (receipt entries and batches,
+--     duplicate receipts, quarantine, checkpoints, ordering heads, holds, leases, attempts),
+--     USAGE on their id sequences; SELECT/INSERT on receipt destinations (created on first
+--     use, never changed); SELECT on the view outbox.receipts (migration 0030).
 --   * Nothing on route_policy, aggregate_versions, destination_migrations, delivery_sets or
 --     schema_migrations beyond reading: routing and enqueueing belong to producers and operators.
 --     (Poll mode reads aggregate_versions to find pending events, and writes its own ledger

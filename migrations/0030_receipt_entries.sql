@@ -128,24 +128,42 @@ FROM receipt_moves m
 JOIN outbox.receipt_destinations d
   ON d.broker_kind = m.broker_kind AND d.broker_cluster = m.broker_cluster AND d.topic = m.topic;
 
--- Grants on the table and the two views over it (docs/least_privilege.sql,
--- docs/operator_role.sql) are kept: on the view, and on the three tables for whoever could
--- write receipts or read them.
+-- Views over the table (outbox.event_status, outbox.delivery_set_status, and any an operator
+-- made) go with it and come back below from their own definitions, which name
+-- outbox.receipts and so read the view.
+CREATE TEMPORARY TABLE receipt_views ON COMMIT DROP AS
+SELECT DISTINCT v.oid, quote_ident(n.nspname) || '.' || quote_ident(v.relname) AS name,
+       pg_get_viewdef(v.oid) AS definition
+FROM pg_depend d
+JOIN pg_rewrite rw ON rw.oid = d.objid
+JOIN pg_class v ON v.oid = rw.ev_class
+JOIN pg_namespace n ON n.oid = v.relnamespace
+WHERE d.classid = 'pg_rewrite'::regclass AND d.refobjid = 'outbox.receipts'::regclass
+  AND v.oid <> 'outbox.receipts'::regclass;
+
+-- Grants on the table and those views (docs/least_privilege.sql, docs/operator_role.sql) are
+-- kept: on the views, and on the three tables for whoever could read or write receipts.
 CREATE TEMPORARY TABLE receipt_grants ON COMMIT DROP AS
-SELECT c.relname::text AS relname,
+SELECT CASE WHEN c.oid = 'outbox.receipts'::regclass THEN 'outbox.receipts'
+            ELSE (SELECT name FROM receipt_views rv WHERE rv.oid = c.oid) END AS name,
        CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END AS grantee,
        a.privilege_type
 FROM pg_class c
 CROSS JOIN LATERAL aclexplode(c.relacl) a
 LEFT JOIN pg_roles r ON r.oid = a.grantee
-WHERE c.oid IN ('outbox.receipts'::regclass, 'outbox.event_status'::regclass,
-                'outbox.delivery_set_status'::regclass)
+WHERE (c.oid = 'outbox.receipts'::regclass OR c.oid IN (SELECT oid FROM receipt_views))
   AND a.grantee <> c.relowner
   AND a.privilege_type IN ('SELECT', 'INSERT', 'UPDATE', 'DELETE');
 
--- The two views over the receipts go with the table and come back unchanged below.
-DROP VIEW outbox.event_status;
-DROP VIEW outbox.delivery_set_status;
+DO $$
+DECLARE
+    v record;
+BEGIN
+    FOR v IN SELECT * FROM receipt_views LOOP
+        EXECUTE format('DROP VIEW %s', v.name);
+    END LOOP;
+END
+$$;
 DROP TABLE outbox.receipts;
 
 -- LEFT JOINs on primary keys: a reader that asks only for the event id (every EXISTS probe)
@@ -206,47 +224,23 @@ REVOKE EXECUTE ON FUNCTION outbox.receipts_write() FROM PUBLIC;
 CREATE TRIGGER receipts_write INSTEAD OF INSERT OR UPDATE OR DELETE ON outbox.receipts
 FOR EACH ROW EXECUTE FUNCTION outbox.receipts_write();
 
--- Unchanged from migration 0008.
-CREATE VIEW outbox.event_status AS
-SELECT e.event_id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type,
-       CASE
-           WHEN r.event_id IS NOT NULL AND r.retained_at IS NOT NULL THEN 'RETAINED'
-           WHEN r.event_id IS NOT NULL THEN 'PUBLISHED'
-           WHEN EXISTS (SELECT 1 FROM outbox.quarantine q
-                        WHERE q.event_id = e.event_id AND q.released_at IS NULL) THEN 'QUARANTINED'
-           WHEN EXISTS (SELECT 1 FROM outbox.held_events h
-                        WHERE h.event_id = e.event_id AND h.released_at IS NULL) THEN 'HELD'
-           WHEN EXISTS (SELECT 1 FROM outbox.attempts a
-                        WHERE a.event_id = e.event_id AND a.state = 'DISPATCH_UNKNOWN') THEN 'DISPATCH_UNKNOWN'
-           ELSE 'PENDING'
-       END AS state,
-       r.topic, r.partition, r."offset", r.accepted_at, r.relay_generation, r.attempt,
-       e.dest_topic, e.destination_digest, e.occurred_at
-FROM outbox.events e
-LEFT JOIN outbox.receipts r ON r.event_id = e.event_id;
-
--- Unchanged from migration 0007.
-CREATE VIEW outbox.delivery_set_status AS
-SELECT s.delivery_set_id, s.completion, s.targets,
-       count(r.event_id) AS published,
-       CASE
-           WHEN s.completion = 'all-of' AND count(r.event_id) = s.targets THEN 'COMPLETE'
-           WHEN s.completion = 'any-of' AND count(r.event_id) > 0 THEN 'COMPLETE'
-           WHEN count(r.event_id) > 0 THEN 'PARTIAL'
-           ELSE 'PENDING'
-       END AS state
-FROM outbox.delivery_sets s
-JOIN outbox.events e ON e.delivery_set_id = s.delivery_set_id
-LEFT JOIN outbox.receipts r ON r.event_id = e.event_id
-GROUP BY s.delivery_set_id, s.completion, s.targets;
+DO $$
+DECLARE
+    v record;
+BEGIN
+    FOR v IN SELECT * FROM receipt_views ORDER BY oid LOOP
+        EXECUTE format('CREATE VIEW %s AS %s', v.name, v.definition);
+    END LOOP;
+END
+$$;
 
 DO $$
 DECLARE
     g record;
 BEGIN
     FOR g IN SELECT * FROM receipt_grants LOOP
-        EXECUTE format('GRANT %s ON outbox.%I TO %s', g.privilege_type, g.relname, g.grantee);
-        IF g.relname = 'receipts' THEN
+        EXECUTE format('GRANT %s ON %s TO %s', g.privilege_type, g.name, g.grantee);
+        IF g.name = 'outbox.receipts' THEN
             EXECUTE format('GRANT %s ON outbox.receipt_entries, outbox.receipt_batches, '
                            'outbox.receipt_destinations TO %s', g.privilege_type, g.grantee);
         END IF;

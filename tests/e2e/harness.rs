@@ -248,10 +248,15 @@ impl TestEnv {
         self.wait_slot_streaming().await
     }
 
-    /// [`TestEnv::wait_streaming`] for a relay in CDC mode, whatever the target.
+    /// [`TestEnv::wait_streaming`] for a relay in CDC mode, whatever the target: its
+    /// walsender has begun `START_REPLICATION` (state `catchup` or `streaming`). A slot's
+    /// `active_pid` alone is set already while `CREATE_REPLICATION_SLOT` runs, before the
+    /// relay's initial snapshot.
     async fn wait_slot_streaming(&self) {
         let sql = format!(
-            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active_pid IS NOT NULL",
+            "SELECT count(*) FROM pg_replication_slots s
+             JOIN pg_stat_replication r ON r.pid = s.active_pid
+             WHERE s.slot_name = '{}' AND r.state IN ('catchup', 'streaming')",
             self.slot
         );
         self.wait_count_while_a_relay_runs("the relay to stream from its slot", &sql)

@@ -133,6 +133,16 @@ async fn purge_respects_window_and_mandatory_watermark_and_replay_stays_deduplic
     assert_eq!(env.count("SELECT count(*) FROM outbox.events").await, 4);
     assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 4);
 
+    // The uncovered event's receipt in an acceptance of its own (through the view's trigger,
+    // migration 0030), so that the covered ones' acceptances are left without receipts.
+    env.db
+        .execute(
+            "UPDATE outbox.receipts SET accepted_at = accepted_at - interval '1 millisecond'
+             WHERE event_id = $1",
+            &[&uncovered],
+        )
+        .await
+        .unwrap();
     // For real, in batches of 2: the 3 covered events go, the uncovered one stays.
     let (code, text) = purge(
         &env,
@@ -163,6 +173,23 @@ async fn purge_respects_window_and_mandatory_watermark_and_replay_stays_deduplic
         "the event billing has not covered was purged"
     );
     assert_eq!(env.count("SELECT count(*) FROM outbox.events").await, 1);
+    // Acceptances' rows go with their last receipt, never before it (migration 0030).
+    assert!(r["receipt_batches"].as_i64().unwrap() >= 1, "{text}");
+    assert_eq!(
+        env.count(
+            "SELECT count(*) FROM outbox.receipt_batches b WHERE NOT EXISTS
+                 (SELECT 1 FROM outbox.receipt_entries r WHERE r.batch_id = b.batch_id)"
+        )
+        .await,
+        0,
+        "an acceptance batch without receipts outlived a purge past its window"
+    );
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.receipts WHERE accepted_at IS NULL")
+            .await,
+        0,
+        "a receipt lost its acceptance batch"
+    );
     assert_eq!(
         env.count("SELECT count(*) FROM outbox.purged_events").await,
         3

@@ -184,6 +184,10 @@ fn print_report(r: &PurgeReport, window: Duration, inbox: Duration) {
     println!("{verb}purge attempts      {:>10}", r.attempts);
     println!("{verb}purge inbox rows    {:>10}", r.inbox_rows);
     if !r.dry_run {
+        println!(
+            "acceptance batches  {:>10}  (outbox.receipt_batches left without receipts)",
+            r.receipt_batches
+        );
         println!("batches             {:>10}", r.batches);
     }
     println!(
