@@ -234,7 +234,21 @@ cdc_only! {
                       + (SELECT count(*) FROM outbox.duplicate_receipts WHERE relay_generation = {ga})"
             ))
             .await;
-        assert!(from_a >= 1, "A's late ACKs were recorded");
+        if from_a < 1 {
+            // Seen once under the whole suite's load (2026-12-05): A's log says whether its
+            // reports came after the salvage grace or its recording failed.
+            let log = a.log_text();
+            let tail: Vec<&str> = log
+                .lines()
+                .filter(|l| !l.contains("handed to the producer"))
+                .rev()
+                .take(40)
+                .collect();
+            panic!(
+                "A's late ACKs were not recorded; A's last log lines (newest first):\n{}",
+                tail.join("\n")
+            );
+        }
         assert_eq!(
             env.count("SELECT count(*) FROM outbox.receipts").await,
             6,

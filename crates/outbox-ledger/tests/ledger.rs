@@ -1664,3 +1664,131 @@ async fn receipts_move_to_entries_and_read_back_unchanged() {
     // orders and hooks from the old receipts, the new event's topic.
     assert_eq!(row.get::<_, i64>(5), 3);
 }
+
+/// The purge statement is `outbox_core::receipt::PurgeRule::default()` in SQL (the rule the
+/// simulator's `purge-early` mutant bends): one event per combination of the rule's facts
+/// (published, replayable from the slot, an UNKNOWN attempt open, past the replay window,
+/// consumed by the mandatory consumer), one purge, and each event is gone exactly when the rule
+/// says it may go.
+#[tokio::test]
+async fn purge_deletes_what_the_rule_says() {
+    use outbox_core::receipt::{PurgeFacts, PurgeRule};
+    use outbox_ledger::retention::{purge, PurgeSettings};
+    use std::time::Duration;
+
+    let (mut c, _) = fresh("ledger_purge_rule").await;
+    c.batch_execute(
+        "INSERT INTO outbox.checkpoints (slot_name, publication, confirmed_lsn)
+         VALUES ('s', 'outbox_pub', '0/1000');
+         SELECT outbox.register_consumer('billing', true)",
+    )
+    .await
+    .unwrap();
+    let hour = 3_600_000u64;
+    let mut cases = Vec::new();
+    for i in 0..32u32 {
+        let bit = |b: u32| i & (1 << b) != 0;
+        let (published, replayable, unknown, past_window, consumed) =
+            (bit(0), bit(1), bit(2), bit(3), bit(4));
+        let id = enqueue(
+            &c,
+            "payment",
+            &format!("p-{i}"),
+            "x",
+            &json!({}),
+            &EnqueueOptions::default(),
+        )
+        .await
+        .unwrap();
+        let ev = event(&c, id).await;
+        // Each event on its own partition, at offset 0: the consumer's watermark per event.
+        let partition = i as i32;
+        if published {
+            let r = ReceiptRecord {
+                partition,
+                commit_lsn: Some(if replayable { Lsn(0x2000) } else { Lsn(0x10) }),
+                ..receipt(&ev, 0)
+            };
+            accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(r)], None, None)
+                .await
+                .unwrap();
+            if past_window {
+                c.execute(
+                    "UPDATE outbox.receipts SET accepted_at = accepted_at - interval '2 hours'
+                     WHERE event_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap();
+            }
+        }
+        if unknown {
+            c.execute(
+                "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation,
+                                              slot_name, topic, partition, sent_at, error)
+                 VALUES ($1, 0, 1, 's', $2, $3, now(), 'timed out')",
+                &[&id, &ev.destination.topic, &partition],
+            )
+            .await
+            .unwrap();
+        }
+        if consumed {
+            c.execute(
+                "INSERT INTO outbox.consumer_watermarks (consumer_id, topic, partition, next_offset)
+                 VALUES ('billing', $1, $2, 1)",
+                &[&ev.destination.topic, &partition],
+            )
+            .await
+            .unwrap();
+        }
+        let facts = PurgeFacts {
+            published,
+            replayable,
+            unknown_open: unknown,
+            since_last_send_ms: if past_window { 2 * hour } else { 0 },
+            replay_window_ms: hour,
+            consumed_by_all: consumed,
+        };
+        cases.push((id, facts, PurgeRule::default().may_purge(facts)));
+    }
+    purge(
+        &c,
+        &PurgeSettings {
+            replay_window: Duration::from_secs(3600),
+            inbox_retention: Duration::from_secs(3600),
+            batch_size: 7,
+            max_batches: None,
+            dry_run: false,
+        },
+    )
+    .await
+    .unwrap();
+    let mut disagree = Vec::new();
+    for (id, facts, verdict) in &cases {
+        let gone = count(
+            &c,
+            &format!("SELECT count(*) FROM outbox.purged_events WHERE event_id = '{id}'"),
+        )
+        .await
+            == 1
+            && count(
+                &c,
+                &format!("SELECT count(*) FROM outbox.events WHERE event_id = '{id}'"),
+            )
+            .await
+                == 0;
+        if gone != verdict.is_ok() {
+            disagree.push(format!("{facts:?}: rule {verdict:?}, purged {gone}"));
+        }
+    }
+    assert!(
+        disagree.is_empty(),
+        "the purge statement and PurgeRule disagree on {} of 32:\n{}",
+        disagree.len(),
+        disagree.join("\n")
+    );
+    assert!(
+        cases.iter().any(|(_, _, v)| v.is_ok()),
+        "some event may go, or the test proves nothing"
+    );
+}
