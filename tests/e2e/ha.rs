@@ -132,7 +132,10 @@ cdc_only! {
             )
             .await
             .unwrap();
-        let slow = ["--message-timeout-ms", "60000"];
+        // An 8 s lease (the suite's is 3 s): B's lease must not lapse while A's resume and the
+        // rest of the suite take the CPUs, or B's run ends as LeaseLost and it comes back as a
+        // third generation (a fresh-clone CI run saw the checkpoint at generation 3).
+        let slow = ["--message-timeout-ms", "60000", "--lease-ttl-ms", "8000"];
         // A logs each event it hands to the producer (trace), so the test knows when to pause it.
         let a = env.relay(
             &[(
@@ -271,7 +274,23 @@ cdc_only! {
             .await
             .unwrap()
             .get(0);
-        assert_eq!(gen, gb, "only the current generation moves the checkpoint");
+        if gen != gb {
+            let tail = |r: &crate::harness::RelayProcess| {
+                let log = r.log_text();
+                let lines: Vec<String> = log
+                    .lines()
+                    .filter(|l| !l.contains("DEBUG") && !l.contains("TRACE"))
+                    .map(String::from)
+                    .collect();
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            };
+            panic!(
+                "the checkpoint was written by generation {gen}, not B's {gb} (A's was {ga}); \
+                 A's log:\n{}\nB's log:\n{}",
+                tail(&a),
+                tail(&b)
+            );
+        }
         let fenced_writes = env
             .count(&format!(
                 "SELECT count(*) FROM test_checkpoint_writes WHERE seq > {fenced_from} AND relay_generation = {ga}"
