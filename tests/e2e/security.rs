@@ -660,29 +660,9 @@ e2e_only! {
         // records it, and its producers go on inserting.
         let old_url = pg.create_database("forge_upgrade").await.unwrap();
         let mut old = crate::harness::connect(&old_url).await;
-        old.batch_execute(
-            "CREATE SCHEMA outbox;
-             CREATE TABLE outbox.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,
-                 checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .await
-        .unwrap();
-        for m in outbox_ledger::migrate::MIGRATIONS
-            .iter()
-            .filter(|m| m.version <= 20)
-        {
-            let tx = old.transaction().await.unwrap();
-            tx.batch_execute(m.sql)
-                .await
-                .unwrap_or_else(|e| panic!("migration {}: {e}", m.version));
-            tx.execute(
-                "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-                &[&m.version, &m.name, &m.checksum()],
-            )
+        outbox_ledger::migrate::run_through(&mut old, 20)
             .await
-            .unwrap();
-            tx.commit().await.unwrap();
-        }
+            .unwrap_or_else(|e| panic!("migrating to 0020: {e}"));
         old.batch_execute(
             "CREATE TABLE public.app_outbox (event_id uuid, aggregatetype text, aggregateid text,
                                              type text, payload jsonb);

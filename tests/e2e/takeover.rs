@@ -1052,29 +1052,9 @@ async fn an_attachment_made_before_migration_0025_is_upgraded_under_writers() {
     let pg = outbox_testkit::postgres::TestPostgres::shared();
     let url = pg.create_database("takeover_upgrade").await.unwrap();
     let mut old = connect(&url).await;
-    old.batch_execute(
-        "CREATE SCHEMA outbox;
-         CREATE TABLE outbox.schema_migrations (version integer PRIMARY KEY, name text NOT NULL,
-             checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .await
-    .unwrap();
-    for m in outbox_ledger::migrate::MIGRATIONS
-        .iter()
-        .filter(|m| m.version < 25)
-    {
-        let tx = old.transaction().await.unwrap();
-        tx.batch_execute(m.sql)
-            .await
-            .unwrap_or_else(|e| panic!("migration {}: {e}", m.version));
-        tx.execute(
-            "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-            &[&m.version, &m.name, &m.checksum()],
-        )
+    outbox_ledger::migrate::run_through(&mut old, 24)
         .await
-        .unwrap();
-        tx.commit().await.unwrap();
-    }
+        .unwrap_or_else(|e| panic!("migrating to 0024: {e}"));
     old.batch_execute(TABLE_DDL).await.unwrap();
     old.batch_execute(
         "SELECT outbox.install_poller_capture('app.outbox', '\"published_at\" IS NULL');

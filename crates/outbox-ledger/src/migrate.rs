@@ -183,6 +183,12 @@ impl Migration {
 /// Applies every migration not yet applied. Returns the versions applied now (empty when the
 /// database was already up to date).
 pub async fn run(client: &mut Client) -> Result<Vec<i32>, LedgerError> {
+    run_through(client, i32::MAX).await
+}
+
+/// [`run`], stopping after migration `last`: a database as an older outboxd left it (the
+/// upgrade tests build theirs this way, then [`run`] the rest under their data).
+pub async fn run_through(client: &mut Client, last: i32) -> Result<Vec<i32>, LedgerError> {
     client
         .batch_execute(
             "CREATE SCHEMA IF NOT EXISTS outbox;
@@ -198,7 +204,7 @@ pub async fn run(client: &mut Client) -> Result<Vec<i32>, LedgerError> {
         .execute("SELECT pg_advisory_lock($1)", &[&LOCK_KEY])
         .await
         .ctx("taking the migration lock")?;
-    let result = apply_all(client).await;
+    let result = apply_all(client, last).await;
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY])
         .await
@@ -206,7 +212,7 @@ pub async fn run(client: &mut Client) -> Result<Vec<i32>, LedgerError> {
     result
 }
 
-async fn apply_all(client: &mut Client) -> Result<Vec<i32>, LedgerError> {
+async fn apply_all(client: &mut Client, last: i32) -> Result<Vec<i32>, LedgerError> {
     let rows = client
         .query(
             "SELECT version, name, checksum FROM outbox.schema_migrations ORDER BY version",
@@ -233,7 +239,7 @@ async fn apply_all(client: &mut Client) -> Result<Vec<i32>, LedgerError> {
         }
     }
     let mut done = Vec::new();
-    for m in MIGRATIONS {
+    for m in MIGRATIONS.iter().filter(|m| m.version <= last) {
         if rows.iter().any(|r| r.get::<_, i32>(0) == m.version) {
             continue;
         }

@@ -912,11 +912,11 @@ fn spawn_lease_keeper(
 }
 
 /// A walsender still holds the slot: it belongs to a relay whose lease expired (we hold the
-/// lease now), e.g. one that is paused. Terminate it and wait until the slot is free.
-/// Terminates the walsender of a relay that streams the slot without the lease, as long as
-/// `fence` holds it: a relay paused past its lease and resumed (found by the e2e zombie test)
-/// must not cut off the walsender of the relay that took the lease over. The lease is checked
-/// in the statement that terminates, so the check and the termination are one step.
+/// lease now), e.g. one that is paused. Terminate it and wait until the slot is free, as long
+/// as `fence` holds the lease: a relay paused past its lease and resumed (found by the e2e
+/// zombie test) must not cut off the walsender of the relay that took the lease over. The
+/// lease is checked in the statement that terminates, so the check and the termination are
+/// one step.
 async fn take_over_slot(sql: &Client, slot_name: &str, fence: &Fence) -> Result<(), RelayError> {
     for i in 0..200 {
         let Some(info) = slot::inspect(sql, slot_name).await? else {
