@@ -77,6 +77,19 @@ impl LedgerError {
             _ => false,
         }
     }
+
+    /// Whether a plain insert of receipt entries met an event that already has its primary
+    /// receipt (the unique violation of `receipt_entries_pkey`): the optimistic acceptance
+    /// then accepts the batch again with duplicates classified ([`accept`]).
+    pub(crate) fn is_taken_publish_slot(&self) -> bool {
+        match self {
+            LedgerError::Db { source, .. } => source.as_db_error().is_some_and(|db| {
+                *db.code() == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                    && db.constraint() == Some("receipt_entries_pkey")
+            }),
+            _ => false,
+        }
+    }
 }
 
 /// Attaches `context` to a tokio-postgres error.

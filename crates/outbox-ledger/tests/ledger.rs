@@ -797,7 +797,7 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
     );
 }
 
-/// `ACCEPT_SQL` implements `outbox_core::receipt::classify` set-wise (the rule the simulator
+/// The acceptance statements implement `outbox_core::receipt::classify` set-wise (the rule the simulator
 /// drives): the same inputs give the same verdicts. And a refusal arriving after the event was
 /// published (a paused relay's stale batch) records neither a quarantine nor a hold.
 #[tokio::test]
@@ -805,93 +805,140 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
     use outbox_core::receipt::{classify, Digests, ReceiptClass};
     use outbox_ledger::HoldRecord;
 
-    let (mut c, _) = fresh("ledger_classify").await;
-    let tx = c.transaction().await.unwrap();
-    let id = enqueue(
-        &tx,
-        "order",
-        "o-9",
-        "order.created",
-        &json!({"a": 1}),
-        &EnqueueOptions::default(),
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    let ev = event(&c, id).await;
-    // A copy written around outbox.enqueue stores its digests; the acceptance does not read
-    // them (the relay checked them when it decoded the row).
-    let kept = event(&c, with_stored_digests(&c, id, 2).await).await;
-    let mut mismatched = receipt(&kept, 9);
-    mismatched.destination_digest = "sha256:elsewhere".into();
-    let mut unchecked = receipt(&ev, 11);
-    unchecked.destination_digest = "sha256:elsewhere".into();
-    let mut orphan = receipt(&ev, 10);
-    orphan.event_id = uuid::Uuid::now_v7();
-    // A purged event's tombstone keeps its publish slot.
-    let mut late = receipt(&ev, 12);
-    late.event_id = uuid::Uuid::now_v7();
-    c.execute(
-        "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
-             aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
-             occurred_at, accepted_at)
-         VALUES ($1, 'order', 'o-gone', 1, $2, $3, $4, 0, 1, now(), now())",
-        &[
-            &late.event_id,
-            &late.payload_digest,
-            &late.destination_digest,
-            &late.topic,
-        ],
-    )
-    .await
-    .unwrap();
-    // An event an operator migrated: receipts are compared with the migration's digest.
-    let (before_move, migrated) = enqueue_and_move(&c, "o-10").await;
-    let stale_destination = receipt(&before_move, 20);
-    let mut moved = receipt(&before_move, 21);
-    moved.topic = "orders.moved".into();
-    moved.destination_digest = migrated.clone();
-    let mut stale_after = receipt(&before_move, 22);
-    stale_after.attempt = 2;
+    // Both statements: the optimistic plain insert (which falls back when a publish slot is
+    // taken) and the duplicate-aware one a relay uses after a replayed batch.
+    let mut last = None;
+    for optimistic in [true, false] {
+        let (mut c, _) = fresh(if optimistic {
+            "ledger_classify"
+        } else {
+            "ledger_classify_dup"
+        })
+        .await;
+        let tx = c.transaction().await.unwrap();
+        let id = enqueue(
+            &tx,
+            "order",
+            "o-9",
+            "order.created",
+            &json!({"a": 1}),
+            &EnqueueOptions::default(),
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let ev = event(&c, id).await;
+        // A copy written around outbox.enqueue stores its digests; the acceptance does not read
+        // them (the relay checked them when it decoded the row).
+        let kept = event(&c, with_stored_digests(&c, id, 2).await).await;
+        let mut mismatched = receipt(&kept, 9);
+        mismatched.destination_digest = "sha256:elsewhere".into();
+        let mut unchecked = receipt(&ev, 11);
+        unchecked.destination_digest = "sha256:elsewhere".into();
+        let mut orphan = receipt(&ev, 10);
+        orphan.event_id = uuid::Uuid::now_v7();
+        // A purged event's tombstone keeps its publish slot.
+        let mut late = receipt(&ev, 12);
+        late.event_id = uuid::Uuid::now_v7();
+        c.execute(
+            "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
+                 aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
+                 occurred_at, accepted_at)
+             VALUES ($1, 'order', 'o-gone', 1, $2, $3, $4, 0, 1, now(), now())",
+            &[
+                &late.event_id,
+                &late.payload_digest,
+                &late.destination_digest,
+                &late.topic,
+            ],
+        )
+        .await
+        .unwrap();
+        // A newer tombstone, so that the late ACK's id is below the newest one and the probe of
+        // the tombstones (not the "above every tombstone" shortcut) must find it.
+        c.execute(
+            "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
+                 aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
+                 occurred_at, accepted_at)
+             VALUES ($1, 'order', 'o-gone', 2, $2, $3, $4, 0, 2, now(), now())",
+            &[
+                &uuid::Uuid::now_v7(),
+                &late.payload_digest,
+                &late.destination_digest,
+                &late.topic,
+            ],
+        )
+        .await
+        .unwrap();
+        // An event an operator migrated: receipts are compared with the migration's digest.
+        let (before_move, migrated) = enqueue_and_move(&c, "o-10").await;
+        let stale_destination = receipt(&before_move, 20);
+        let mut moved = receipt(&before_move, 21);
+        moved.topic = "orders.moved".into();
+        moved.destination_digest = migrated.clone();
+        let mut stale_after = receipt(&before_move, 22);
+        stale_after.attempt = 2;
 
-    // (receipt, the destination digest of the event's migration, publish slot already taken)
-    let m = Some(migrated.as_str());
-    let cases = [
-        (receipt(&ev, 1), None, false),
-        (receipt(&ev, 2), None, true),
-        (unchecked.clone(), None, true),
-        (mismatched.clone(), None, false),
-        (orphan.clone(), None, false),
-        (late.clone(), None, true),
-        (stale_destination, m, false),
-        (moved, m, false),
-        (stale_after, m, true),
-    ];
-    for (r, migrated, has_primary) in cases {
-        let expected = classify(
-            migrated,
-            has_primary,
-            Digests {
-                payload: &r.payload_digest,
-                destination: &r.destination_digest,
-            },
-        );
-        let out = accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(r.clone())], None, None)
+        // (receipt, the destination digest of the event's migration, publish slot already taken,
+        //  and by a receipt entry that the optimistic plain insert meets as a unique violation; a
+        //  receipt for a migrated event's old destination is a conflict and never inserted)
+        let m = Some(migrated.as_str());
+        let cases = [
+            (receipt(&ev, 1), None, false, false),
+            (receipt(&ev, 2), None, true, true),
+            (unchecked.clone(), None, true, true),
+            (mismatched.clone(), None, false, false),
+            (orphan.clone(), None, false, false),
+            (late.clone(), None, true, false),
+            (stale_destination, m, false, false),
+            (moved, m, false, false),
+            (stale_after, m, true, false),
+        ];
+        for (r, migrated, has_primary, entry_taken) in cases {
+            let expected = classify(
+                migrated,
+                has_primary,
+                Digests {
+                    payload: &r.payload_digest,
+                    destination: &r.destination_digest,
+                },
+            );
+            let mut prepared = if optimistic {
+                accept::Prepared::default()
+            } else {
+                accept::Prepared::expecting_duplicates()
+            };
+            let out = accept::accept_batch_prepared(
+                &mut c,
+                &mut prepared,
+                "s",
+                &[LedgerItem::Receipt(r.clone())],
+                None,
+                None,
+            )
             .await
             .unwrap();
-        let got = match (out.primary, out.duplicates, out.conflicts) {
-            (1, 0, 0) => "primary",
-            (0, 1, 0) => "duplicate",
-            (0, 0, 1) => "conflict",
-            other => panic!("unexpected outcome {other:?}"),
-        };
-        let want = match expected {
-            ReceiptClass::Primary => "primary",
-            ReceiptClass::Duplicate => "duplicate",
-            ReceiptClass::Conflict(_) => "conflict",
-        };
-        assert_eq!(got, want, "receipt {r:?}");
+            let got = match (out.primary, out.duplicates, out.conflicts) {
+                (1, 0, 0) => "primary",
+                (0, 1, 0) => "duplicate",
+                (0, 0, 1) => "conflict",
+                other => panic!("unexpected outcome {other:?}"),
+            };
+            let want = match expected {
+                ReceiptClass::Primary => "primary",
+                ReceiptClass::Duplicate => "duplicate",
+                ReceiptClass::Conflict(_) => "conflict",
+            };
+            assert_eq!(got, want, "receipt {r:?}");
+            assert_eq!(
+                prepared.fallbacks(),
+                u64::from(optimistic && entry_taken),
+                "optimistic={optimistic}, receipt {r:?}"
+            );
+        }
+        last = Some((c, id));
     }
+    let (mut c, id) = last.unwrap();
 
     let stale = [
         LedgerItem::Quarantine(QuarantineRecord {
