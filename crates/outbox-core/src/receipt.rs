@@ -12,8 +12,9 @@
 //!   by a scan like any other. Used by both sinks; the ledger's CHECK constraints are the
 //!   backstop.
 //! * [`classify`] — the single acceptance point (DESIGN invariant 6). `outbox-ledger`'s
-//!   `ACCEPT_SQL` implements the same decision set-wise (the publish slot is the primary key of
-//!   `outbox.receipts`); a change to one is a change to both.
+//!   acceptance statements (`accept_sql`, and `accept_fast_sql` with its fallback) implement the
+//!   same decision set-wise (the publish slot is the primary key of `outbox.receipt_entries`); a
+//!   change to one is a change to both.
 //! * [`resolve_unknown`] — UNKNOWN stays unknown until proven: found on the broker → that copy is
 //!   the primary receipt of the attempt that sent it, no resend; absent over a complete scan after
 //!   the producer session closed → retry with attempt generation + 1 to the *same* frozen
@@ -76,8 +77,8 @@ impl Conflict {
 /// not the row's, an event id with no row) is named by the audit (`outbox-ledger`'s
 /// `ledger_conflicts`), off the acceptance's path (docs/evidence_batches.md).
 ///
-/// The ledger's `ACCEPT_SQL` is this rule in SQL (its agreement test is in
-/// `outbox-ledger/tests/ledger.rs`); it is [`AcceptanceRule::default`]'s.
+/// The ledger's acceptance statements are this rule in SQL (their agreement test, both
+/// statements, is in `outbox-ledger/tests/ledger.rs`); it is [`AcceptanceRule::default`]'s.
 pub fn classify(migrated: Option<&str>, has_primary: bool, receipt: Digests<'_>) -> ReceiptClass {
     AcceptanceRule::default().classify(migrated, has_primary, receipt)
 }
