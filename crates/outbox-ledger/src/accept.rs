@@ -62,7 +62,11 @@ impl AcceptOutcome {
     }
 }
 
-const ACCEPT_TEMPLATE: &str = r#"
+/// The acceptance that lets a receipt find its publish slot taken (a replay after a crash, a
+/// late ACK, two acceptors racing), meet a purged event's tombstone or an operator's
+/// destination migration: each receipt becomes a primary, a duplicate or a conflict, never an
+/// error.
+const ACCEPT_SQL: &str = r#"
 WITH input AS (
     SELECT * FROM unnest($1::uuid[], $2::bytea[], $3::bytea[], $4::int4[], $5::int4[], $6::int8[],
                          $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[])
@@ -112,14 +116,14 @@ prim AS (
            payload_digest, destination_digest, evidence::jsonb
     FROM matched m WHERE ok
       AND NOT m.purged
-    {on_conflict}
+    ON CONFLICT (event_id) DO NOTHING
     RETURNING event_id
 ),
 -- Materialized on its own: planned together with the destinations' join, the anti-join with
 -- prim became a nested loop over both CTEs (quadratic in the batch: 50 ms per 1,000).
 unprim AS MATERIALIZED (
     SELECT m.* FROM matched m
-    WHERE m.ok AND {unprimary}
+    WHERE m.ok AND NOT EXISTS (SELECT 1 FROM prim p WHERE p.event_id = m.event_id)
 ),
 dup AS (
     INSERT INTO outbox.duplicate_receipts (event_id, broker_kind, broker_cluster, topic, partition,
@@ -169,37 +173,52 @@ unheld AS (
 SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict)
 "#;
 
-/// The acceptance when no receipt of the batch is expected to find its publish slot taken:
-/// a plain insert of the entries, which fails with a unique violation on
-/// `receipt_entries_pkey` if one does, and then the batch is accepted again with
-/// [`accept_sql`]. `INSERT ... ON CONFLICT DO NOTHING` costs a speculative insertion per row
-/// (a probe of the key, a token, a confirmation record in WAL): about 1.5 us of the ~4 us a
-/// receipt's insert costs (docs/benchmarks.md "The acceptance without speculative
-/// insertion"). Every receipt that is not inserted is one of a purged event or an operator's
-/// migrated destination, so the duplicates are read off `matched`, not anti-joined with what
-/// was inserted.
-fn accept_fast_sql() -> &'static str {
-    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-        ACCEPT_TEMPLATE
-            .replace("{on_conflict}", "")
-            .replace("{unprimary}", "m.purged")
-    });
-    &SQL
-}
-
-/// The acceptance that lets a receipt find its publish slot taken (a replay after a crash, a
-/// late ACK, two acceptors racing): it is then a duplicate or a conflict, never an error.
-fn accept_sql() -> &'static str {
-    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-        ACCEPT_TEMPLATE
-            .replace("{on_conflict}", "ON CONFLICT (event_id) DO NOTHING")
-            .replace(
-                "{unprimary}",
-                "NOT EXISTS (SELECT 1 FROM prim p WHERE p.event_id = m.event_id)",
-            )
-    });
-    &SQL
-}
+/// The acceptance of a batch whose receipts can only be primary ones: all of them inserted by
+/// a plain `INSERT`, or none (`go` false) and nothing written. They can only be primary when
+/// no operator has migrated any destination (`outbox.destination_migrations` is empty) and
+/// every event id of the batch (`$13` is the smallest) is above the newest purged event's
+/// tombstone (ids are uuid v7, time-ordered, unless a caller chose its own; purge takes only
+/// old events); an event that already has its primary receipt then fails the statement with a
+/// unique violation of `receipt_entries_pkey`, and the batch is accepted again with
+/// [`ACCEPT_SQL`]. Each condition is checked once per statement.
+///
+/// What it saves against [`ACCEPT_SQL`]: the speculative insertion of `ON CONFLICT DO NOTHING`
+/// per row (a probe of the key, a token, a confirmation record in WAL), the materialised
+/// classification every row passes through, and the anti-join that finds duplicates
+/// (docs/benchmarks.md "The acceptance without speculative insertion").
+const ACCEPT_FRESH_SQL: &str = r#"
+WITH gate AS (
+    SELECT NOT EXISTS (SELECT 1 FROM outbox.destination_migrations)
+           AND $13::uuid > coalesce((SELECT pe.event_id FROM outbox.purged_events pe
+                                     ORDER BY pe.event_id DESC LIMIT 1),
+                                    '00000000-0000-0000-0000-000000000000'::uuid) AS go
+),
+batch AS (
+    INSERT INTO outbox.receipt_batches (slot_name) SELECT $11 FROM gate WHERE go
+    RETURNING batch_id
+),
+prim AS (
+    INSERT INTO outbox.receipt_entries (event_id, batch_id, destination_id, partition, "offset",
+                                        broker_timestamp, attempt, relay_generation, commit_lsn,
+                                        payload_digest, destination_digest, evidence)
+    SELECT t.event_id, (SELECT batch_id FROM batch), t.destination_id, t.partition, t."offset",
+           to_timestamp(t.ts_ms / 1000.0::float8), t.attempt, t.relay_generation, t.commit_lsn,
+           t.payload_digest, t.destination_digest, t.evidence::jsonb
+    FROM unnest($1::uuid[], $2::bytea[], $3::bytea[], $4::int4[], $5::int4[], $6::int8[],
+                $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[])
+        AS t(event_id, payload_digest, destination_digest, destination_id, partition, "offset",
+             ts_ms, attempt, relay_generation, commit_lsn, evidence)
+    WHERE (SELECT go FROM gate)
+    RETURNING event_id
+),
+unheld AS (
+    UPDATE outbox.held_events he SET released_at = clock_timestamp()
+    FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
+      AND (SELECT EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL))
+    RETURNING 1
+)
+SELECT (SELECT go FROM gate), (SELECT count(*) FROM prim)
+"#;
 
 /// The destinations of `receipts` by their names: ids from `outbox.receipt_destinations`,
 /// created on first use. Runs outside the acceptance transaction, so an id in the cache always
@@ -243,8 +262,8 @@ SELECT count(*) FROM q
 #[derive(Debug)]
 pub struct Prepared {
     accept: Option<Statement>,
-    accept_fast: Option<Statement>,
-    /// Whether the next batch tries [`accept_fast_sql`] first: false after a batch that met
+    accept_fresh: Option<Statement>,
+    /// Whether the next batch tries [`ACCEPT_FRESH_SQL`] first: false after a batch that met
     /// an accepted event, until a batch meets none.
     expect_fresh: bool,
     /// How many batches tried the plain insert, met an accepted event and were accepted again.
@@ -258,7 +277,7 @@ impl Default for Prepared {
     fn default() -> Self {
         Prepared {
             accept: None,
-            accept_fast: None,
+            accept_fresh: None,
             expect_fresh: true,
             fallbacks: 0,
             destinations: Vec::new(),
@@ -274,6 +293,11 @@ impl Prepared {
             expect_fresh: false,
             ..Prepared::default()
         }
+    }
+
+    /// Whether the next batch tries the plain insert ([`ACCEPT_FRESH_SQL`]) first.
+    pub fn tries_plain_insert_next(&self) -> bool {
+        self.expect_fresh
     }
 
     /// How many batches tried the plain insert first, met an event that already had its
@@ -410,20 +434,31 @@ pub async fn accept_batch_prepared(
     let (first, rest): (Vec<&ReceiptRecord>, Vec<&ReceiptRecord>) =
         receipts.into_iter().partition(|r| seen.insert(r.event_id));
 
-    // Optimistic first: a plain insert of the first round. A taken publish slot rolls the
-    // transaction back (nothing else was written in it) and the batch is accepted again by the
-    // statement that classifies duplicates; the next batch starts that way too, so a run of
-    // replayed batches after a restart pays for one failed attempt, not one per batch.
+    // Optimistic first: a plain insert of the first round (`ACCEPT_FRESH_SQL`). A taken
+    // publish slot rolls the transaction back (nothing else was written in it) and the batch
+    // is accepted again by the statement that classifies duplicates; the next batch starts
+    // that way too, so a run of replayed batches after a restart pays for one failed attempt,
+    // not one per batch.
     if prepared.expect_fresh && !first.is_empty() {
         let tx = client
             .transaction()
             .await
             .ctx("beginning the receipt acceptance transaction")?;
-        match accept_receipts(&tx, prepared, slot, &first, true).await {
-            Ok(counts) => {
-                out.add(counts);
-                if !rest.is_empty() {
-                    out.add(accept_receipts(&tx, prepared, slot, &rest, false).await?);
+        match accept_fresh(&tx, prepared, slot, &first).await {
+            Ok(inserted) => {
+                // None: a migration or a tombstone may concern the batch and nothing was
+                // written; the classifying statement takes it in the same transaction.
+                let rounds = match inserted {
+                    Some(n) => {
+                        out.primary += n;
+                        [&rest, &Vec::new()]
+                    }
+                    None => [&first, &rest],
+                };
+                for round in rounds {
+                    if !round.is_empty() {
+                        out.add(accept_receipts(&tx, prepared, slot, round).await?);
+                    }
                 }
                 return record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await;
             }
@@ -449,7 +484,7 @@ pub async fn accept_batch_prepared(
         .ctx("beginning the receipt acceptance transaction")?;
     for round in [&first, &rest] {
         if !round.is_empty() {
-            out.add(accept_receipts(&tx, prepared, slot, round, false).await?);
+            out.add(accept_receipts(&tx, prepared, slot, round).await?);
         }
     }
     // Only a batch that met no accepted event lets the next one try the plain insert.
@@ -457,73 +492,124 @@ pub async fn accept_batch_prepared(
     record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await
 }
 
-/// Runs one round of receipts through the acceptance statement, `fast` or duplicate-aware;
-/// returns (primary, duplicates, conflicts).
+/// The statement `sql` prepared once per connection in `cached`.
+async fn prepared_statement(
+    tx: &tokio_postgres::Transaction<'_>,
+    cached: &mut Option<Statement>,
+    sql: &str,
+) -> Result<Statement, LedgerError> {
+    if let Some(s) = cached {
+        return Ok(s.clone());
+    }
+    let s = tx
+        .prepare(sql)
+        .await
+        .ctx("preparing the receipt acceptance statement")?;
+    *cached = Some(s.clone());
+    Ok(s)
+}
+
+/// The parameters both acceptance statements take, `$1` to `$12`, one array per column.
+struct ReceiptColumns<'a> {
+    event_ids: Vec<uuid::Uuid>,
+    payload_digests: Vec<DigestParam<'a>>,
+    destination_digests: Vec<DigestParam<'a>>,
+    destination_ids: Vec<i32>,
+    partitions: Vec<i32>,
+    offsets: Vec<i64>,
+    timestamps_ms: Vec<Option<i64>>,
+    attempts: Vec<i32>,
+    relay_generations: Vec<i64>,
+    commit_lsns: Vec<Option<PgLsn>>,
+    evidence: Vec<Option<&'a str>>,
+}
+
+impl<'a> ReceiptColumns<'a> {
+    fn of(prepared: &Prepared, round: &[&'a ReceiptRecord]) -> Self {
+        ReceiptColumns {
+            event_ids: round.iter().map(|r| r.event_id).collect(),
+            payload_digests: round
+                .iter()
+                .map(|r| DigestParam(StoredDigest::of(&r.payload_digest)))
+                .collect(),
+            destination_digests: round
+                .iter()
+                .map(|r| DigestParam(StoredDigest::of(&r.destination_digest)))
+                .collect(),
+            destination_ids: round
+                .iter()
+                .map(|r| {
+                    prepared
+                        .destination_id(r)
+                        .expect("resolve_destinations found every destination of the batch")
+                })
+                .collect(),
+            partitions: round.iter().map(|r| r.partition).collect(),
+            offsets: round.iter().map(|r| r.offset).collect(),
+            timestamps_ms: round.iter().map(|r| r.timestamp_ms).collect(),
+            attempts: round.iter().map(|r| r.attempt).collect(),
+            relay_generations: round.iter().map(|r| r.relay_generation).collect(),
+            commit_lsns: round
+                .iter()
+                .map(|r| r.commit_lsn.map(|l| PgLsn::from(l.as_u64())))
+                .collect(),
+            evidence: round.iter().map(|r| r.evidence.as_deref()).collect(),
+        }
+    }
+
+    /// `$1` to `$12`, with the slot as `$11`.
+    fn params<'p>(&'p self, slot: &'p &'p str) -> [&'p (dyn ToSql + Sync); 12] {
+        [
+            &self.event_ids,
+            &self.payload_digests,
+            &self.destination_digests,
+            &self.destination_ids,
+            &self.partitions,
+            &self.offsets,
+            &self.timestamps_ms,
+            &self.attempts,
+            &self.relay_generations,
+            &self.commit_lsns,
+            slot,
+            &self.evidence,
+        ]
+    }
+}
+
+/// Runs one round of receipts through [`ACCEPT_FRESH_SQL`]: `Some(n)` when all `n` were
+/// inserted as primary receipts, `None` when its conditions do not hold and nothing was
+/// written. A taken publish slot is an error ([`LedgerError::is_taken_publish_slot`]).
+async fn accept_fresh(
+    tx: &tokio_postgres::Transaction<'_>,
+    prepared: &mut Prepared,
+    slot: &str,
+    round: &[&ReceiptRecord],
+) -> Result<Option<u64>, LedgerError> {
+    let stmt = prepared_statement(tx, &mut prepared.accept_fresh, ACCEPT_FRESH_SQL).await?;
+    let columns = ReceiptColumns::of(prepared, round);
+    let smallest = round.iter().map(|r| r.event_id).min();
+    let mut params: Vec<&(dyn ToSql + Sync)> = columns.params(&slot).to_vec();
+    params.push(&smallest);
+    let row = tx
+        .query_one(&stmt, &params)
+        .await
+        .ctx(format!("accepting a batch of {} receipts", round.len()))?;
+    let go: bool = row.get(0);
+    Ok(go.then(|| row.get::<_, i64>(1) as u64))
+}
+
+/// Runs one round of receipts through [`ACCEPT_SQL`]; returns (primary, duplicates,
+/// conflicts).
 async fn accept_receipts(
     tx: &tokio_postgres::Transaction<'_>,
     prepared: &mut Prepared,
     slot: &str,
     round: &[&ReceiptRecord],
-    fast: bool,
 ) -> Result<(u64, u64, u64), LedgerError> {
-    let cached = if fast {
-        &mut prepared.accept_fast
-    } else {
-        &mut prepared.accept
-    };
-    let stmt = match cached {
-        Some(s) => s.clone(),
-        None => {
-            let s = tx
-                .prepare(if fast {
-                    accept_fast_sql()
-                } else {
-                    accept_sql()
-                })
-                .await
-                .ctx("preparing the receipt acceptance statement")?;
-            *cached = Some(s.clone());
-            s
-        }
-    };
-    let destination_ids = round
-        .iter()
-        .map(|r| {
-            prepared
-                .destination_id(r)
-                .expect("resolve_destinations found every destination of the batch")
-        })
-        .collect::<Vec<i32>>();
+    let stmt = prepared_statement(tx, &mut prepared.accept, ACCEPT_SQL).await?;
+    let columns = ReceiptColumns::of(prepared, round);
     let row = tx
-        .query_one(
-            &stmt,
-            &[
-                &round.iter().map(|r| r.event_id).collect::<Vec<_>>(),
-                &round
-                    .iter()
-                    .map(|r| DigestParam(StoredDigest::of(&r.payload_digest)))
-                    .collect::<Vec<_>>(),
-                &round
-                    .iter()
-                    .map(|r| DigestParam(StoredDigest::of(&r.destination_digest)))
-                    .collect::<Vec<_>>(),
-                &destination_ids,
-                &round.iter().map(|r| r.partition).collect::<Vec<_>>(),
-                &round.iter().map(|r| r.offset).collect::<Vec<_>>(),
-                &round.iter().map(|r| r.timestamp_ms).collect::<Vec<_>>(),
-                &round.iter().map(|r| r.attempt).collect::<Vec<_>>(),
-                &round.iter().map(|r| r.relay_generation).collect::<Vec<_>>(),
-                &round
-                    .iter()
-                    .map(|r| r.commit_lsn.map(|l| PgLsn::from(l.as_u64())))
-                    .collect::<Vec<_>>(),
-                &slot,
-                &round
-                    .iter()
-                    .map(|r| r.evidence.as_deref())
-                    .collect::<Vec<_>>(),
-            ],
-        )
+        .query_one(&stmt, &columns.params(&slot))
         .await
         .ctx(format!("accepting a batch of {} receipts", round.len()))?;
     Ok((

@@ -797,6 +797,130 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
     );
 }
 
+/// The optimistic acceptance: a batch of fresh receipts is inserted by the plain statement; a
+/// batch holding an event that already has its primary receipt is rolled back and accepted
+/// again with the duplicate classified (one fallback), and the next batch starts classifying;
+/// a tombstone at or above the batch's smallest id, or any destination migration, keeps the
+/// plain statement out (nothing written by it) and the receipts are classified as before.
+#[tokio::test]
+async fn the_optimistic_acceptance_inserts_fresh_batches_and_falls_back_on_a_taken_slot() {
+    let (mut c, _) = fresh("ledger_optimistic").await;
+    let mut events = Vec::new();
+    for i in 0..8 {
+        let id = enqueue(
+            &c,
+            "order",
+            &format!("o-{i}"),
+            "order.created",
+            &json!({"i": i}),
+            &EnqueueOptions::default(),
+        )
+        .await
+        .unwrap();
+        events.push(event(&c, id).await);
+    }
+    let mut prepared = accept::Prepared::default();
+    let counts = |o: outbox_ledger::AcceptOutcome| (o.primary, o.duplicates, o.conflicts);
+    let batch =
+        |rs: Vec<ReceiptRecord>| rs.into_iter().map(LedgerItem::Receipt).collect::<Vec<_>>();
+
+    // Fresh: inserted by the plain statement.
+    let b = batch(events[0..3].iter().map(|e| receipt(e, 1)).collect());
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((3, 0, 0), 0));
+
+    // One of them again (a replay) among two fresh ones: one fallback, one duplicate.
+    let mut b = vec![receipt(&events[0], 2)];
+    b.extend(events[3..5].iter().map(|e| receipt(e, 1)));
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &batch(b), None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((2, 1, 0), 1));
+
+    // The next batch starts classifying (no second fallback although it replays too).
+    let b = vec![receipt(&events[1], 3), receipt(&events[5], 1)];
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &batch(b), None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((1, 1, 0), 1));
+    let row = c
+        .query_one(
+            "SELECT (SELECT count(*) FROM outbox.receipt_entries),
+                    (SELECT count(*) FROM outbox.duplicate_receipts),
+                    (SELECT count(*) FROM outbox.receipt_batches)",
+            &[],
+        )
+        .await
+        .unwrap();
+    // One batch row per statement that accepted: the rolled-back attempt left none.
+    assert_eq!(
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, i64>(2)
+        ),
+        (6, 2, 3)
+    );
+
+    // A batch that meets no accepted event lets the next one try the plain insert again.
+    assert!(!prepared.tries_plain_insert_next());
+    let b = vec![receipt(&events[6], 1)];
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &batch(b), None, None)
+        .await
+        .unwrap();
+    assert_eq!(counts(out), (1, 0, 0));
+    assert!(prepared.tries_plain_insert_next());
+
+    // A tombstone above the batch's smallest id: the plain statement stays out, the
+    // tombstoned event's late ACK is a duplicate.
+    let gone = uuid::Uuid::now_v7();
+    let mut late = receipt(&events[7], 1);
+    late.event_id = gone;
+    c.execute(
+        "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
+             aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
+             occurred_at, accepted_at)
+         VALUES ($1, 'order', 'o-gone', 1, $2, $3, $4, 0, 1, now(), now())",
+        &[
+            &gone,
+            &late.payload_digest,
+            &late.destination_digest,
+            &late.topic,
+        ],
+    )
+    .await
+    .unwrap();
+    let out = accept::accept_batch_prepared(
+        &mut c,
+        &mut prepared,
+        "s",
+        &batch(vec![late, receipt(&events[7], 1)]),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((1, 1, 0), 1));
+
+    // Any destination migration: a receipt for the migrated event's old destination is a
+    // conflict, never a primary.
+    let (before_move, _) = enqueue_and_move(&c, "o-moved").await;
+    assert!(prepared.tries_plain_insert_next());
+    let out = accept::accept_batch_prepared(
+        &mut c,
+        &mut prepared,
+        "s",
+        &batch(vec![receipt(&before_move, 1)]),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((0, 0, 1), 1));
+}
+
 /// The acceptance statements implement `outbox_core::receipt::classify` set-wise (the rule the simulator
 /// drives): the same inputs give the same verdicts. And a refusal arriving after the event was
 /// published (a paused relay's stale batch) records neither a quarantine nor a hold.
@@ -805,8 +929,8 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
     use outbox_core::receipt::{classify, Digests, ReceiptClass};
     use outbox_ledger::HoldRecord;
 
-    // Both statements: the optimistic plain insert (which falls back when a publish slot is
-    // taken) and the duplicate-aware one a relay uses after a replayed batch.
+    // Both ways in: optimistic first (its conditions do not hold, so the classifying statement
+    // runs in the same transaction) and duplicate-aware, as a relay after a replayed batch.
     let mut last = None;
     for optimistic in [true, false] {
         let (mut c, _) = fresh(if optimistic {
@@ -879,22 +1003,20 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
         let mut stale_after = receipt(&before_move, 22);
         stale_after.attempt = 2;
 
-        // (receipt, the destination digest of the event's migration, publish slot already taken,
-        //  and by a receipt entry that the optimistic plain insert meets as a unique violation; a
-        //  receipt for a migrated event's old destination is a conflict and never inserted)
+        // (receipt, the destination digest of the event's migration, publish slot already taken)
         let m = Some(migrated.as_str());
         let cases = [
-            (receipt(&ev, 1), None, false, false),
-            (receipt(&ev, 2), None, true, true),
-            (unchecked.clone(), None, true, true),
-            (mismatched.clone(), None, false, false),
-            (orphan.clone(), None, false, false),
-            (late.clone(), None, true, false),
-            (stale_destination, m, false, false),
-            (moved, m, false, false),
-            (stale_after, m, true, false),
+            (receipt(&ev, 1), None, false),
+            (receipt(&ev, 2), None, true),
+            (unchecked.clone(), None, true),
+            (mismatched.clone(), None, false),
+            (orphan.clone(), None, false),
+            (late.clone(), None, true),
+            (stale_destination, m, false),
+            (moved, m, false),
+            (stale_after, m, true),
         ];
-        for (r, migrated, has_primary, entry_taken) in cases {
+        for (r, migrated, has_primary) in cases {
             let expected = classify(
                 migrated,
                 has_primary,
@@ -930,9 +1052,12 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
                 ReceiptClass::Conflict(_) => "conflict",
             };
             assert_eq!(got, want, "receipt {r:?}");
+            // A migration and tombstones exist, so the plain statement's conditions never
+            // hold here: it writes nothing and the classifying statement decides (the open
+            // gate: the_optimistic_acceptance_inserts_fresh_batches_and_falls_back_on_a_taken_slot).
             assert_eq!(
                 prepared.fallbacks(),
-                u64::from(optimistic && entry_taken),
+                0,
                 "optimistic={optimistic}, receipt {r:?}"
             );
         }
