@@ -25,6 +25,11 @@
 //! halved the WAL a receipt writes, which the relay's walsender decodes again
 //! (docs/benchmarks.md "Receipts as entries of a batch").
 //!
+//! Two statements do it: `ACCEPT_FRESH_SQL` inserts a batch whose receipts can only be
+//! primary ones with a plain insert (the usual case; a taken publish slot makes it fail, and
+//! the transaction is rolled back), `ACCEPT_SQL` classifies each receipt (after a replay, or
+//! when a migration or a tombstone may concern the batch).
+//!
 //! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
 //! the checkpoint. A refusal (quarantine, hold, held event) about an event that is published by
 //! then is stale and not recorded (`outbox_core::records::RefusalFilter`). The checkpoint: the LSN stored here covers exactly the events this and earlier batches

@@ -110,6 +110,45 @@ async fn enqueue_and_move(c: &Client, aggregate_id: &str) -> (OutboxEvent, Strin
     (before, migrated)
 }
 
+/// Enqueues `n` events of aggregates o-0 .. o-(n-1) and reads their rows.
+async fn enqueue_orders(c: &Client, n: usize) -> Vec<OutboxEvent> {
+    let mut events = Vec::new();
+    for i in 0..n {
+        let id = enqueue(
+            c,
+            "order",
+            &format!("o-{i}"),
+            "order.created",
+            &json!({"i": i}),
+            &EnqueueOptions::default(),
+        )
+        .await
+        .unwrap();
+        events.push(event(c, id).await);
+    }
+    events
+}
+
+/// Writes the tombstone purge leaves for event `id` (version `version` of aggregate o-gone),
+/// with the digests and topic of `r`.
+async fn tombstone(c: &Client, id: uuid::Uuid, version: i64, r: &ReceiptRecord) {
+    c.execute(
+        "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
+             aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
+             occurred_at, accepted_at)
+         VALUES ($1, 'order', 'o-gone', $5, $2, $3, $4, 0, $5, now(), now())",
+        &[
+            &id,
+            &r.payload_digest,
+            &r.destination_digest,
+            &r.topic,
+            &version,
+        ],
+    )
+    .await
+    .unwrap();
+}
+
 fn receipt(ev: &OutboxEvent, offset: i64) -> ReceiptRecord {
     ReceiptRecord {
         event_id: ev.event_id,
@@ -377,20 +416,7 @@ async fn an_outbox_row_is_immutable_once_written() {
 #[tokio::test]
 async fn a_receipt_whose_digests_are_not_its_rows_is_named_by_the_audit() {
     let (mut c, _) = fresh("ledger_audit_digests").await;
-    let mut events = Vec::new();
-    for i in 0..3 {
-        let id = enqueue(
-            &c,
-            "order",
-            &format!("o-{i}"),
-            "order.created",
-            &json!({"i": i}),
-            &EnqueueOptions::default(),
-        )
-        .await
-        .unwrap();
-        events.push(event(&c, id).await);
-    }
+    let events = enqueue_orders(&c, 3).await;
     checkpoint::create(&c, "s1", "outbox_pub", "sys", 1, Lsn(50))
         .await
         .unwrap();
@@ -805,20 +831,7 @@ async fn a_stale_generation_cannot_move_the_checkpoint_but_its_receipts_are_kept
 #[tokio::test]
 async fn the_optimistic_acceptance_inserts_fresh_batches_and_falls_back_on_a_taken_slot() {
     let (mut c, _) = fresh("ledger_optimistic").await;
-    let mut events = Vec::new();
-    for i in 0..8 {
-        let id = enqueue(
-            &c,
-            "order",
-            &format!("o-{i}"),
-            "order.created",
-            &json!({"i": i}),
-            &EnqueueOptions::default(),
-        )
-        .await
-        .unwrap();
-        events.push(event(&c, id).await);
-    }
+    let events = enqueue_orders(&c, 8).await;
     let mut prepared = accept::Prepared::default();
     let counts = |o: outbox_ledger::AcceptOutcome| (o.primary, o.duplicates, o.conflicts);
     let batch =
@@ -878,20 +891,7 @@ async fn the_optimistic_acceptance_inserts_fresh_batches_and_falls_back_on_a_tak
     let gone = uuid::Uuid::now_v7();
     let mut late = receipt(&events[7], 1);
     late.event_id = gone;
-    c.execute(
-        "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
-             aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
-             occurred_at, accepted_at)
-         VALUES ($1, 'order', 'o-gone', 1, $2, $3, $4, 0, 1, now(), now())",
-        &[
-            &gone,
-            &late.payload_digest,
-            &late.destination_digest,
-            &late.topic,
-        ],
-    )
-    .await
-    .unwrap();
+    tombstone(&c, gone, 1, &late).await;
     let out = accept::accept_batch_prepared(
         &mut c,
         &mut prepared,
@@ -964,36 +964,10 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
         // A purged event's tombstone keeps its publish slot.
         let mut late = receipt(&ev, 12);
         late.event_id = uuid::Uuid::now_v7();
-        c.execute(
-            "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
-                 aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
-                 occurred_at, accepted_at)
-             VALUES ($1, 'order', 'o-gone', 1, $2, $3, $4, 0, 1, now(), now())",
-            &[
-                &late.event_id,
-                &late.payload_digest,
-                &late.destination_digest,
-                &late.topic,
-            ],
-        )
-        .await
-        .unwrap();
+        tombstone(&c, late.event_id, 1, &late).await;
         // A newer tombstone, so that the late ACK's id is below the newest one and the probe of
         // the tombstones (not the "above every tombstone" shortcut) must find it.
-        c.execute(
-            "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
-                 aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
-                 occurred_at, accepted_at)
-             VALUES ($1, 'order', 'o-gone', 2, $2, $3, $4, 0, 2, now(), now())",
-            &[
-                &uuid::Uuid::now_v7(),
-                &late.payload_digest,
-                &late.destination_digest,
-                &late.topic,
-            ],
-        )
-        .await
-        .unwrap();
+        tombstone(&c, uuid::Uuid::now_v7(), 2, &late).await;
         // An event an operator migrated: receipts are compared with the migration's digest.
         let (before_move, migrated) = enqueue_and_move(&c, "o-10").await;
         let stale_destination = receipt(&before_move, 20);
