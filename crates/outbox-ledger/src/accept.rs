@@ -59,24 +59,51 @@ pub struct AcceptOutcome {
     pub held: u64,
 }
 
-impl AcceptOutcome {
-    fn add(&mut self, (primary, duplicates, conflicts): (u64, u64, u64)) {
-        self.primary += primary;
-        self.duplicates += duplicates;
-        self.conflicts += conflicts;
-    }
+/// The receipts as rows: `$1` to `$10` and `$12`, one array per column, in the order
+/// [`ReceiptColumns::params`] binds them (`$11` is the slot). Both acceptance statements read
+/// them through this one definition.
+macro_rules! receipt_rows {
+    () => {
+        r#"unnest($1::uuid[], $2::bytea[], $3::bytea[], $4::int4[], $5::int4[], $6::int8[],
+                $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[])
+        AS t(event_id, payload_digest, destination_digest, destination_id, partition, "offset",
+             ts_ms, attempt, relay_generation, commit_lsn, evidence)"#
+    };
+}
+
+/// The entries' columns as both acceptance statements insert them.
+macro_rules! entry_columns {
+    () => {
+        r#"outbox.receipt_entries (event_id, batch_id, destination_id, partition, "offset",
+                                        broker_timestamp, attempt, relay_generation, commit_lsn,
+                                        payload_digest, destination_digest, evidence)"#
+    };
+}
+
+/// Closes the held events whose receipt `prim` just accepted. Joined only when an event is
+/// held at all (once per statement, by the partial index of open held events): the join cost
+/// ~0.7 us per receipt.
+macro_rules! unheld {
+    () => {
+        r#"unheld AS (
+    UPDATE outbox.held_events he SET released_at = clock_timestamp()
+    FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
+      AND (SELECT EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL))
+    RETURNING 1
+)"#
+    };
 }
 
 /// The acceptance that lets a receipt find its publish slot taken (a replay after a crash, a
 /// late ACK, two acceptors racing), meet a purged event's tombstone or an operator's
 /// destination migration: each receipt becomes a primary, a duplicate or a conflict, never an
 /// error.
-const ACCEPT_SQL: &str = r#"
+const ACCEPT_SQL: &str = concat!(
+    r#"
 WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::bytea[], $3::bytea[], $4::int4[], $5::int4[], $6::int8[],
-                         $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[])
-        AS t(event_id, payload_digest, destination_digest, destination_id, partition, "offset",
-             ts_ms, attempt, relay_generation, commit_lsn, evidence)
+    SELECT * FROM "#,
+    receipt_rows!(),
+    r#"
 ),
 matched AS (
     -- No match with the outbox row (docs/evidence_batches.md): the relay built every receipt
@@ -111,9 +138,9 @@ batch AS (
     INSERT INTO outbox.receipt_batches (slot_name) VALUES ($11) RETURNING batch_id
 ),
 prim AS (
-    INSERT INTO outbox.receipt_entries (event_id, batch_id, destination_id, partition, "offset",
-                                        broker_timestamp, attempt, relay_generation, commit_lsn,
-                                        payload_digest, destination_digest, evidence)
+    INSERT INTO "#,
+    entry_columns!(),
+    r#"
     -- ts_ms / 1000.0::float8: the same microseconds as the numeric quotient (3,000,000 values
     -- compared), without numeric arithmetic per row.
     SELECT event_id, (SELECT batch_id FROM batch), destination_id, partition, "offset",
@@ -165,18 +192,14 @@ conflict AS (
     ON CONFLICT (quarantine_key) WHERE released_at IS NULL DO NOTHING
     RETURNING 1
 ),
-unheld AS (
-    UPDATE outbox.held_events he SET released_at = clock_timestamp()
-    FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
-      -- Joined only when an event is held at all (once per statement, by the partial index
-      -- of open held events): the join cost ~0.7 us per receipt.
-      AND (SELECT EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL))
-    RETURNING 1
-)
+"#,
+    unheld!(),
+    r#"
 -- batch and unheld run to completion although nothing but prim reads them (PostgreSQL
 -- guarantees it). Heads are not written here: they are read from the receipts (migration 0026).
 SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*) FROM conflict)
-"#;
+"#
+);
 
 /// The acceptance of a batch whose receipts can only be primary ones: all of them inserted by
 /// a plain `INSERT`, or none (`go` false) and nothing written. They can only be primary when
@@ -191,7 +214,8 @@ SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*)
 /// per row (a probe of the key, a token, a confirmation record in WAL), the materialised
 /// classification every row passes through, and the anti-join that finds duplicates
 /// (docs/benchmarks.md "The acceptance without speculative insertion").
-const ACCEPT_FRESH_SQL: &str = r#"
+const ACCEPT_FRESH_SQL: &str = concat!(
+    r#"
 WITH gate AS (
     SELECT NOT EXISTS (SELECT 1 FROM outbox.destination_migrations)
            AND $13::uuid > coalesce((SELECT pe.event_id FROM outbox.purged_events pe
@@ -203,27 +227,24 @@ batch AS (
     RETURNING batch_id
 ),
 prim AS (
-    INSERT INTO outbox.receipt_entries (event_id, batch_id, destination_id, partition, "offset",
-                                        broker_timestamp, attempt, relay_generation, commit_lsn,
-                                        payload_digest, destination_digest, evidence)
+    INSERT INTO "#,
+    entry_columns!(),
+    r#"
     SELECT t.event_id, (SELECT batch_id FROM batch), t.destination_id, t.partition, t."offset",
            to_timestamp(t.ts_ms / 1000.0::float8), t.attempt, t.relay_generation, t.commit_lsn,
            t.payload_digest, t.destination_digest, t.evidence::jsonb
-    FROM unnest($1::uuid[], $2::bytea[], $3::bytea[], $4::int4[], $5::int4[], $6::int8[],
-                $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[])
-        AS t(event_id, payload_digest, destination_digest, destination_id, partition, "offset",
-             ts_ms, attempt, relay_generation, commit_lsn, evidence)
+    FROM "#,
+    receipt_rows!(),
+    r#"
     WHERE (SELECT go FROM gate)
     RETURNING event_id
 ),
-unheld AS (
-    UPDATE outbox.held_events he SET released_at = clock_timestamp()
-    FROM prim p WHERE he.event_id = p.event_id AND he.released_at IS NULL
-      AND (SELECT EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL))
-    RETURNING 1
-)
+"#,
+    unheld!(),
+    r#"
 SELECT (SELECT go FROM gate), (SELECT count(*) FROM prim)
-"#;
+"#
+);
 
 /// The destinations of `receipts` by their names: ids from `outbox.receipt_destinations`,
 /// created on first use. Runs outside the acceptance transaction, so an id in the cache always
@@ -258,7 +279,7 @@ WITH q AS (
 SELECT count(*) FROM q
 "#;
 
-/// The acceptance statement prepared on one connection, for [`accept_batch_prepared`]: parsed
+/// The acceptance statements prepared on one connection, for [`accept_batch_prepared`]: parsed
 /// once, and after a few executions PostgreSQL reuses a generic plan instead of planning the
 /// statement for every batch (~0.5 ms of a ~2.5 ms acceptance of 100 receipts). The generic
 /// plan stays linear in the batch: its joins are index probes or hashes, and the duplicate
@@ -451,18 +472,15 @@ pub async fn accept_batch_prepared(
             .ctx("beginning the receipt acceptance transaction")?;
         match accept_fresh(&tx, prepared, slot, &first).await {
             Ok(inserted) => {
-                // None: a migration or a tombstone may concern the batch and nothing was
-                // written; the classifying statement takes it in the same transaction.
-                let rounds = match inserted {
+                match inserted {
                     Some(n) => {
                         out.primary += n;
-                        [&rest, &Vec::new()]
+                        classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
                     }
-                    None => [&first, &rest],
-                };
-                for round in rounds {
-                    if !round.is_empty() {
-                        out.add(accept_receipts(&tx, prepared, slot, round).await?);
+                    // A migration or a tombstone may concern the batch and nothing was
+                    // written: the classifying statement takes it in the same transaction.
+                    None => {
+                        classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?
                     }
                 }
                 return record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await;
@@ -487,11 +505,7 @@ pub async fn accept_batch_prepared(
         .transaction()
         .await
         .ctx("beginning the receipt acceptance transaction")?;
-    for round in [&first, &rest] {
-        if !round.is_empty() {
-            out.add(accept_receipts(&tx, prepared, slot, round).await?);
-        }
-    }
+    classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
     // Only a batch that met no accepted event lets the next one try the plain insert.
     prepared.expect_fresh = out.duplicates == 0;
     record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await
@@ -603,25 +617,27 @@ async fn accept_fresh(
     Ok(go.then(|| row.get::<_, i64>(1) as u64))
 }
 
-/// Runs one round of receipts through [`ACCEPT_SQL`]; returns (primary, duplicates,
-/// conflicts).
-async fn accept_receipts(
+/// Runs each non-empty round of receipts, in order, through [`ACCEPT_SQL`] and adds what it
+/// recorded (primary, duplicates, conflicts) to `out`.
+async fn classify_rounds(
     tx: &tokio_postgres::Transaction<'_>,
     prepared: &mut Prepared,
     slot: &str,
-    round: &[&ReceiptRecord],
-) -> Result<(u64, u64, u64), LedgerError> {
-    let stmt = prepared_statement(tx, &mut prepared.accept, ACCEPT_SQL).await?;
-    let columns = ReceiptColumns::of(prepared, round);
-    let row = tx
-        .query_one(&stmt, &columns.params(&slot))
-        .await
-        .ctx(format!("accepting a batch of {} receipts", round.len()))?;
-    Ok((
-        row.get::<_, i64>(0) as u64,
-        row.get::<_, i64>(1) as u64,
-        row.get::<_, i64>(2) as u64,
-    ))
+    rounds: &[&[&ReceiptRecord]],
+    out: &mut AcceptOutcome,
+) -> Result<(), LedgerError> {
+    for round in rounds.iter().filter(|r| !r.is_empty()) {
+        let stmt = prepared_statement(tx, &mut prepared.accept, ACCEPT_SQL).await?;
+        let columns = ReceiptColumns::of(prepared, round);
+        let row = tx
+            .query_one(&stmt, &columns.params(&slot))
+            .await
+            .ctx(format!("accepting a batch of {} receipts", round.len()))?;
+        out.primary += row.get::<_, i64>(0) as u64;
+        out.duplicates += row.get::<_, i64>(1) as u64;
+        out.conflicts += row.get::<_, i64>(2) as u64;
+    }
+    Ok(())
 }
 
 /// The rest of an acceptance transaction after its receipts: standing refusals, holds, held
