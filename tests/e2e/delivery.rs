@@ -178,7 +178,7 @@ async fn a_malformed_row_is_quarantined_with_its_reason_and_other_events_flow() 
              SELECT gen_random_uuid(), aggregate_type, 'bad-1', 1, event_type, '{\"forged\": true}',
                  outbox.payload_digest_of(payload, payload_digest), dest_kind, dest_cluster, dest_topic, 'bad-1', dest_partitioner,
                  dest_route_generation, dest_serializer, dest_acks, destination_digest
-             FROM outbox.events WHERE event_id = $1
+             FROM outbox.events_frozen WHERE event_id = $1
              RETURNING event_id",
             &[&good1],
         )

@@ -94,7 +94,7 @@ async fn a_delivery_set_publishes_each_target_with_its_own_receipt_and_completes
     // Each member's receipt names its own frozen target.
     let cross = env
         .count(
-            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+            "SELECT count(*) FROM outbox.receipts r JOIN outbox.events_frozen e USING (event_id)
              WHERE r.topic <> e.dest_topic",
         )
         .await;

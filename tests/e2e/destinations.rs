@@ -615,7 +615,7 @@ async fn aggregate_ids_reach_only_their_own_url_path() {
         let frozen: String = env
             .db
             .query_one(
-                &format!("SELECT dest_topic FROM outbox.events WHERE event_id = '{event}'"),
+                &format!("SELECT dest_topic FROM outbox.events_frozen WHERE event_id = '{event}'"),
                 &[],
             )
             .await

@@ -149,7 +149,7 @@ impl TestEnv {
                      CASE WHEN $3 THEN 'sha256:' || repeat('0', 64) ELSE payload_digest END,
                      dest_kind, dest_cluster, dest_topic, dest_key, dest_partitioner,
                      dest_route_generation, dest_serializer, dest_acks, destination_digest
-                 FROM outbox.events WHERE event_id = $1 RETURNING event_id",
+                 FROM outbox.events_frozen WHERE event_id = $1 RETURNING event_id",
                 &[&of, &version, &corrupt],
             )
             .await

@@ -558,7 +558,7 @@ async fn a_polling_relay_is_replaced_share_by_share_and_one_share_is_handed_back
                                   'receipt=' || r.topic || '/' || r.partition || '@' || r.\"offset\")
                  FROM unnest($1::uuid[]) i
                  LEFT JOIN outbox.legacy_events l ON l.event_id = i
-                 LEFT JOIN outbox.events e ON e.event_id = i
+                 LEFT JOIN outbox.events_frozen e ON e.event_id = i
                  LEFT JOIN outbox.receipts r ON r.event_id = i LIMIT 5",
                 &[&unpublished],
             )

@@ -16,6 +16,8 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+use crate::route::RouteVersions;
+
 /// The prefix every digest carries, so the algorithm is part of the value.
 pub const DIGEST_PREFIX: &str = "sha256:";
 
@@ -379,9 +381,14 @@ impl OutboxEvent {
     /// Builds an event from the text form of its columns (as pgoutput and a text-mode query
     /// both deliver them). `get(name)` returns `Ok(None)` for SQL NULL, `Err` if the column
     /// is absent. `payload` is taken as raw bytes so it can be a zero-copy slice.
+    ///
+    /// A narrow row (migration 0031: `dest_kind` NULL, `route_version` set) gets its
+    /// destination from `versions`; a version the caller does not know is an error naming
+    /// it, never a guess. A row read through `outbox.events_current` arrives rendered.
     pub fn from_text_columns<'a>(
         get: impl Fn(&str) -> Result<Option<&'a str>, RowError>,
         payload: Option<Bytes>,
+        versions: &RouteVersions,
     ) -> Result<OutboxEvent, RowError> {
         let required = |name: &str| -> Result<&'a str, RowError> {
             get(name)?.ok_or_else(|| RowError {
@@ -408,15 +415,37 @@ impl OutboxEvent {
             None => Bytes::copy_from_slice(required("payload")?.as_bytes()),
         };
         let generation = parse_i64("envelope_generation")?;
-        let destination = Destination {
-            kind: required("dest_kind")?.to_string(),
-            cluster: required("dest_cluster")?.to_string(),
-            topic: required("dest_topic")?.to_string(),
-            key: required("dest_key")?.to_string(),
-            partitioner: required("dest_partitioner")?.to_string(),
-            route_generation: parse_i64("dest_route_generation")?,
-            serializer: required("dest_serializer")?.to_string(),
-            acks: required("dest_acks")?.to_string(),
+        let narrow = match get("dest_kind")? {
+            Some(_) => None,
+            // Absent before migration 0031.
+            None => get("route_version").ok().flatten(),
+        };
+        let destination = match narrow {
+            None => Destination {
+                kind: required("dest_kind")?.to_string(),
+                cluster: required("dest_cluster")?.to_string(),
+                topic: required("dest_topic")?.to_string(),
+                key: required("dest_key")?.to_string(),
+                partitioner: required("dest_partitioner")?.to_string(),
+                route_generation: parse_i64("dest_route_generation")?,
+                serializer: required("dest_serializer")?.to_string(),
+                acks: required("dest_acks")?.to_string(),
+            },
+            Some(v) => {
+                let id = parse_i64("route_version")?;
+                let version = versions.get(&id).ok_or_else(|| RowError {
+                    column: "route_version".into(),
+                    problem: format!(
+                        "names route version {v}, which this relay has not read (is outbox.route_versions in its publication?); the event is not published anywhere before that version is known"
+                    ),
+                })?;
+                version
+                    .destination(required("aggregate_type")?, required("aggregate_id")?)
+                    .map_err(|problem| RowError {
+                        column: "dest_topic".into(),
+                        problem: format!("rendered from route version {id}: {problem}"),
+                    })?
+            }
         };
         // A digest the row does not store (migration 0027) is the relay's to compute: the row
         // is immutable, so what was decoded is what was committed. One it stores is checked by
@@ -516,19 +545,21 @@ mod row_tests {
         let ev = tests::sample();
         let m = cols(&ev);
         assert_eq!(
-            OutboxEvent::from_text_columns(getter(&m), None).unwrap(),
+            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new()).unwrap(),
             ev
         );
         assert_eq!(EVENT_COLUMNS.len(), m.len());
 
         let mut bad = m.clone();
         bad.insert("aggregate_version", Some("seven".into()));
-        let err = OutboxEvent::from_text_columns(getter(&bad), None).unwrap_err();
+        let err =
+            OutboxEvent::from_text_columns(getter(&bad), None, &RouteVersions::new()).unwrap_err();
         assert_eq!(err.column, "aggregate_version");
 
         let mut null = m;
         null.insert("dest_topic", None);
-        let err = OutboxEvent::from_text_columns(getter(&null), None).unwrap_err();
+        let err =
+            OutboxEvent::from_text_columns(getter(&null), None, &RouteVersions::new()).unwrap_err();
         assert_eq!(err.to_string(), "outbox row column dest_topic: is NULL");
     }
 
@@ -541,7 +572,8 @@ mod row_tests {
         let mut m = cols(&ev);
         m.insert("payload_digest", None);
         m.insert("destination_digest", None);
-        let decoded = OutboxEvent::from_text_columns(getter(&m), None).unwrap();
+        let decoded =
+            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new()).unwrap();
         assert_eq!(
             decoded, ev,
             "the computed digests are the ones enqueue stored"
@@ -552,7 +584,8 @@ mod row_tests {
             "payload_digest",
             Some(format!("{DIGEST_PREFIX}{}", "0".repeat(64))),
         );
-        let wrong = OutboxEvent::from_text_columns(getter(&m), None).unwrap();
+        let wrong =
+            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new()).unwrap();
         assert_eq!(
             wrong.verify().unwrap_err().reason_code(),
             "payload_digest_mismatch"

@@ -62,10 +62,12 @@ pub mod ordering;
 pub mod policy;
 pub mod receipt;
 pub mod records;
+pub mod route;
 pub mod state;
 
 pub use ack::{AckTracker, EventToken, TxnSeq};
 pub use envelope::{Destination, EnvelopeError, OutboxEvent, RowError, EVENT_COLUMNS};
 pub use lsn::Lsn;
 pub use ordering::{Admit, HoldReason, OrderingGate};
+pub use route::{RouteVersion, RouteVersions};
 pub use state::EventState;

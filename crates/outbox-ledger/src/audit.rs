@@ -31,7 +31,7 @@ pub async fn aged_pending(
             "SELECT e.event_id, e.aggregate_type || '/' || e.aggregate_id || '@' || e.aggregate_version,
                     e.dest_topic, extract(epoch FROM clock_timestamp() - e.occurred_at)::float8,
                     count(*) OVER ()
-             FROM outbox.events e
+             FROM outbox.events_frozen e
              WHERE e.occurred_at < clock_timestamp() - make_interval(secs => $1)
                AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
                AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
@@ -226,7 +226,7 @@ pub async fn known_events(
 pub async fn outbox_topics(client: &Client) -> Result<Vec<String>, LedgerError> {
     let rows = client
         .query(
-            "SELECT dest_topic FROM outbox.events WHERE dest_kind <> 'http'
+            "SELECT dest_topic FROM outbox.events_frozen WHERE dest_kind <> 'http'
              UNION SELECT dest_topic FROM outbox.destination_migrations WHERE dest_kind <> 'http'
              UNION SELECT topic FROM outbox.receipts WHERE broker_kind <> 'http'
              UNION SELECT topic FROM outbox.purged_events WHERE topic !~ '^https?://'

@@ -170,6 +170,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "receipt_entries",
         sql: include_str!("../../../migrations/0030_receipt_entries.sql"),
     },
+    Migration {
+        version: 31,
+        name: "narrow_row",
+        sql: include_str!("../../../migrations/0031_narrow_row.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

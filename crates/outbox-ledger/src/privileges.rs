@@ -76,6 +76,8 @@ pub const RELAY_LEDGER: &[Need] = &[
 /// events (an aggregate's head counts its purged versions, migration 0026).
 pub const RELAY_READS: &[Need] = &[
     table("events_current", READ),
+    table("events_frozen", READ),
+    table("route_versions", READ),
     table("purged_events", READ),
     table("aggregate_versions", READ),
     table("route_policy", READ),

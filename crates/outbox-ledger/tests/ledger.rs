@@ -1,7 +1,7 @@
 //! The ledger against real PostgreSQL: migrations, the producer API, digest parity between
 //! SQL and Rust, and the acceptance point.
 
-use outbox_core::{Destination, Lsn, OutboxEvent, EVENT_COLUMNS};
+use outbox_core::{Destination, Lsn, OutboxEvent, RouteVersion, RouteVersions, EVENT_COLUMNS};
 use outbox_ledger::producer::{enqueue, EnqueueOptions};
 use outbox_ledger::{
     accept, audit, checkpoint, migrate, LedgerItem, QuarantineRecord, ReceiptRecord,
@@ -24,10 +24,11 @@ async fn fresh(name: &str) -> (Client, String) {
 }
 
 /// Event `id` as the relay reads it (`OutboxEvent::from_text_columns`: digests the row does not
-/// store computed).
+/// store computed, a narrow row's destination rendered from its route version).
 async fn event(c: &impl GenericClient, id: uuid::Uuid) -> OutboxEvent {
     let cols = EVENT_COLUMNS
         .iter()
+        .chain(["route_version"].iter())
         .map(|c| format!("{c}::text"))
         .collect::<Vec<_>>()
         .join(", ");
@@ -40,12 +41,44 @@ async fn event(c: &impl GenericClient, id: uuid::Uuid) -> OutboxEvent {
         .unwrap();
     OutboxEvent::from_text_columns(
         |name| {
-            let i = EVENT_COLUMNS.iter().position(|c| *c == name).unwrap();
+            let i = EVENT_COLUMNS
+                .iter()
+                .chain(["route_version"].iter())
+                .position(|c| *c == name)
+                .unwrap();
             Ok(row.get::<_, Option<&str>>(i))
         },
         None,
+        &route_versions(c).await,
     )
     .unwrap()
+}
+
+/// Every route version, as the relay reads them at start.
+async fn route_versions(c: &impl GenericClient) -> RouteVersions {
+    c.query(
+        "SELECT version_id, kind, cluster, topic_template, partitioner, route_generation,
+                serializer, acks FROM outbox.route_versions",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| {
+        (
+            r.get(0),
+            RouteVersion {
+                kind: r.get(1),
+                cluster: r.get(2),
+                topic_template: r.get(3),
+                partitioner: r.get(4),
+                route_generation: r.get(5),
+                serializer: r.get(6),
+                acks: r.get(7),
+            },
+        )
+    })
+    .collect()
 }
 
 /// A copy of event `of` at `version` written around `outbox.enqueue`, storing the digests the
@@ -1923,4 +1956,190 @@ async fn purge_deletes_what_the_rule_says() {
         cases.iter().any(|(_, _, v)| v.is_ok()),
         "some event may go, or the test proves nothing"
     );
+}
+
+/// The relay renders a narrow row's destination with `outbox_core::route::render_destination`;
+/// `outbox.events_frozen` (and so every operator query) with `outbox.render_destination`. They
+/// must agree on every value enqueue accepts, and the Rust side must refuse whatever the SQL
+/// side refuses (except white space beyond ASCII in a NATS token, which only the database's
+/// locale may refuse; a NATS value is placed verbatim, so accepting it cannot move it).
+#[tokio::test]
+async fn route_versions_render_in_rust_as_in_sql() {
+    let (c, _) = fresh("ledger_render_agree").await;
+    let templates = [
+        ("kafka", "outbox.event.{aggregate_type}"),
+        ("kafka", "billing.{aggregate_type}s.{aggregate_id}"),
+        ("kafka", "fixed"),
+        ("nats", "outbox.{aggregate_type}.{aggregate_id}"),
+        ("nats", "orders.>"),
+        ("nats", "a.{aggregate_id}.b"),
+        (
+            "http",
+            "https://h/pay/{aggregate_id}?t={aggregate_type}#{aggregate_id}",
+        ),
+        ("http", "https://{aggregate_id}.h/x"),
+        ("http", "ftp-less"),
+        (
+            "http",
+            "https://user@h:8080/{aggregate_type}/{aggregate_id}",
+        ),
+    ];
+    let values = [
+        "Order",
+        "o-1",
+        "../../admin",
+        "%2e%2e",
+        "x?token=steal#frag",
+        "a.b",
+        "*",
+        ">",
+        "",
+        ".",
+        "..",
+        "a b",
+        "tab\there",
+        "\u{a0}nbsp",
+        "Ordér",
+        "{aggregate_id}",
+        "~_-.",
+        &"t".repeat(240),
+    ];
+    let (mut compared, mut refused) = (0, 0);
+    for (kind, template) in templates {
+        for agg_type in ["Order", "Ord er", "Ordér", &"t".repeat(240)] {
+            for id in values {
+                let sql = c
+                    .query_one(
+                        "SELECT outbox.render_destination($1, $2, $3, $4)",
+                        &[&kind, &template, &agg_type, &id],
+                    )
+                    .await
+                    .map(|r| r.get::<_, String>(0));
+                let rust = outbox_core::route::render_destination(kind, template, agg_type, id);
+                let case = format!("{kind} {template:?} type {agg_type:?} id {id:?}");
+                match sql {
+                    Ok(sql) => {
+                        assert_eq!(rust.as_deref(), Ok(sql.as_str()), "{case}");
+                        compared += 1;
+                    }
+                    Err(e) => {
+                        let beyond_ascii = kind == "nats" && !id.is_ascii();
+                        assert!(
+                            rust.is_err() || beyond_ascii,
+                            "{case}: SQL refuses ({e}), Rust renders {rust:?}"
+                        );
+                        refused += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        compared > 100 && refused > 100,
+        "{compared} rendered, {refused} refused"
+    );
+}
+
+/// A database migrated while events are in flight: rows enqueued before migration 0031 keep
+/// their eight destination columns, rows enqueued after it name a route version, and both
+/// read as the same destination (the same digest) for the same route; a route changed after
+/// enqueue does not move a narrow row; versions and rows stay immutable.
+#[tokio::test]
+async fn narrow_rows_keep_the_destination_wide_rows_had() {
+    let url = TestPostgres::shared()
+        .create_database("ledger_narrow_upgrade")
+        .await
+        .unwrap();
+    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(conn);
+    assert_eq!(
+        migrate::run_through(&mut c, 30).await.unwrap(),
+        (1..=30).collect::<Vec<i32>>()
+    );
+    c.batch_execute(
+        "SELECT outbox.set_route('invoice', NULL, 'billing.{aggregate_type}s');
+         SELECT outbox.set_http_route('payment', NULL, 'hooks', 'https://h/pay/{aggregate_id}');",
+    )
+    .await
+    .unwrap();
+    let kinds = [("invoice", "i/1"), ("payment", "../p 1"), ("order", "o-1")];
+    let mut before = Vec::new();
+    for (t, id) in kinds {
+        before.push(
+            enqueue(&c, t, id, "x", &json!({}), &EnqueueOptions::default())
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(migrate::run(&mut c).await.unwrap(), vec![31]);
+    let mut after = Vec::new();
+    for (t, id) in kinds {
+        after.push(
+            enqueue(&c, t, id, "x", &json!({}), &EnqueueOptions::default())
+                .await
+                .unwrap(),
+        );
+    }
+    let narrow = |ids: &[uuid::Uuid]| {
+        let ids = ids.to_vec();
+        let c = &c;
+        async move {
+            c.query_one(
+                "SELECT count(*) FILTER (WHERE route_version IS NOT NULL AND dest_kind IS NULL)
+                 FROM outbox.events WHERE event_id = ANY ($1)",
+                &[&ids],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+    assert_eq!((narrow(&before).await, narrow(&after).await), (0, 3));
+    // A route change after enqueue: the narrow rows keep the version they were frozen to.
+    c.batch_execute(
+        "SELECT outbox.set_route('invoice', NULL, 'billing.v2');
+         SELECT outbox.set_http_route('payment', NULL, 'hooks', 'https://elsewhere/{aggregate_id}');",
+    )
+    .await
+    .unwrap();
+    for (old, new) in before.iter().zip(&after) {
+        let (old, new) = (event(&c, *old).await, event(&c, *new).await);
+        assert_eq!(old.destination, new.destination);
+        assert_eq!(old.destination_digest, new.destination_digest);
+        assert_eq!(new.verify(), Ok(()));
+        // The SQL view renders what the relay renders.
+        let row = c
+            .query_one(
+                "SELECT dest_topic, outbox.destination_digest_of(e) FROM outbox.events_current e
+                 WHERE event_id = $1",
+                &[&new.event_id],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (row.get::<_, String>(0), row.get::<_, String>(1)),
+            (
+                new.destination.topic.clone(),
+                new.destination_digest.clone()
+            )
+        );
+    }
+    assert_eq!(
+        event(&c, after[1]).await.destination.topic,
+        "https://h/pay/..%2Fp%201"
+    );
+    for refused in [
+        "UPDATE outbox.route_versions SET topic_template = 'x'",
+        "DELETE FROM outbox.route_versions",
+        "TRUNCATE outbox.route_versions CASCADE",
+        "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+             event_type, payload, route_version)
+         VALUES (gen_random_uuid(), 'order', 'o-9', 1, 'x', '{}', 424242)",
+        "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+             event_type, payload, route_version, dest_kind)
+         VALUES (gen_random_uuid(), 'order', 'o-9', 1, 'x', '{}', 0, 'kafka')",
+    ] {
+        let e = c.batch_execute(refused).await.unwrap_err();
+        assert!(e.as_db_error().is_some(), "{refused}: {e}");
+    }
 }

@@ -5,11 +5,20 @@
 //! outbox table's columns by *name*, so a column added to the table later does not shift
 //! anything. A row that cannot be read as an envelope is reported, not dropped, so the
 //! pipeline can quarantine it with the reason.
+//!
+//! It also keeps the route versions (migration 0031): a narrow row names the immutable route
+//! version its destination is frozen to. The relay seeds the decoder with every version at
+//! start ([`Decoder::know_route_versions`]); the publication carries `outbox.route_versions`,
+//! so a version made later arrives in the stream before any row that references it (earlier
+//! in WAL order, or earlier in the same transaction).
 
 use std::collections::HashMap;
 
 use bytes::Bytes;
-use outbox_core::{Lsn, OutboxEvent, RowError};
+use outbox_core::route::RouteVersion;
+#[cfg(test)]
+use outbox_core::{route::ROUTE_VERSION_COLUMNS, EVENT_COLUMNS};
+use outbox_core::{Lsn, OutboxEvent, RouteVersions, RowError};
 use outbox_pgoutput::{ColumnValue, LogicalMessage, Relation};
 
 use crate::slot::SourceError;
@@ -43,7 +52,13 @@ pub struct Decoder {
     relations: HashMap<u32, Relation>,
     /// Column name -> index, for the outbox table's current relation id.
     outbox_columns: HashMap<u32, HashMap<String, usize>>,
+    /// Column name -> index, for `outbox.route_versions`' current relation id.
+    version_columns: HashMap<u32, HashMap<String, usize>>,
+    versions: RouteVersions,
 }
+
+/// The table whose inserts are route versions.
+const ROUTE_VERSIONS: (&str, &str) = ("outbox", "route_versions");
 
 impl Decoder {
     /// Decodes inserts into `schema.table`.
@@ -53,7 +68,19 @@ impl Decoder {
             table: table.to_string(),
             relations: HashMap::new(),
             outbox_columns: HashMap::new(),
+            version_columns: HashMap::new(),
+            versions: RouteVersions::new(),
         }
+    }
+
+    /// Adds route versions read from `outbox.route_versions` (at start, before streaming).
+    pub fn know_route_versions(&mut self, versions: RouteVersions) {
+        self.versions.extend(versions);
+    }
+
+    /// The route versions this decoder knows.
+    pub fn route_versions(&self) -> &RouteVersions {
+        &self.versions
     }
 
     /// Decodes one XLogData payload.
@@ -70,21 +97,29 @@ impl Decoder {
                 end_lsn: Lsn(c.end_lsn),
             },
             LogicalMessage::Relation(r) => {
-                if r.namespace == self.schema && r.name == self.table {
-                    let cols = r
-                        .columns
+                let cols = || {
+                    r.columns
                         .iter()
                         .enumerate()
                         .map(|(i, c)| (c.name.clone(), i))
-                        .collect();
-                    self.outbox_columns.insert(r.id, cols);
-                } else {
-                    self.outbox_columns.remove(&r.id);
+                        .collect()
+                };
+                self.outbox_columns.remove(&r.id);
+                self.version_columns.remove(&r.id);
+                if r.namespace == self.schema && r.name == self.table {
+                    self.outbox_columns.insert(r.id, cols());
+                } else if (r.namespace.as_str(), r.name.as_str()) == ROUTE_VERSIONS {
+                    self.version_columns.insert(r.id, cols());
                 }
                 self.relations.insert(r.id, r);
                 Decoded::Nothing
             }
             LogicalMessage::Insert(ins) => {
+                if let Some(cols) = self.version_columns.get(&ins.relation_id) {
+                    let (id, version) = route_version_of(cols, &ins.new.columns)?;
+                    self.versions.insert(id, version);
+                    return Ok(Decoded::Nothing);
+                }
                 let Some(cols) = self.outbox_columns.get(&ins.relation_id) else {
                     if !self.relations.contains_key(&ins.relation_id) {
                         return Err(SourceError::Protocol(format!(
@@ -126,7 +161,11 @@ impl Decoder {
                     Some(ColumnValue::Text(b)) => Some(b.clone()),
                     _ => None,
                 });
-                Decoded::Event(Box::new(OutboxEvent::from_text_columns(get, payload)))
+                Decoded::Event(Box::new(OutboxEvent::from_text_columns(
+                    get,
+                    payload,
+                    &self.versions,
+                )))
             }
             LogicalMessage::Origin(_)
             | LogicalMessage::Type(_)
@@ -135,5 +174,168 @@ impl Decoder {
             | LogicalMessage::Truncate(_)
             | LogicalMessage::Message(_) => Decoded::Nothing,
         })
+    }
+}
+
+/// A streamed row of `outbox.route_versions`. Malformed is a protocol error, not a
+/// quarantine: the table's columns are NOT NULL and its rows are written by migration 0031's
+/// trigger only, so a row that cannot be read means the stream is not what the relay expects.
+fn route_version_of(
+    cols: &HashMap<String, usize>,
+    values: &[ColumnValue],
+) -> Result<(i64, RouteVersion), SourceError> {
+    let text = |name: &str| -> Result<String, SourceError> {
+        cols.get(name)
+            .and_then(|i| values.get(*i))
+            .and_then(ColumnValue::as_text)
+            .map(str::to_string)
+            .ok_or_else(|| {
+                SourceError::Protocol(format!(
+                    "a row of outbox.route_versions without a text {name} column"
+                ))
+            })
+    };
+    let int = |name: &str| -> Result<i64, SourceError> {
+        let t = text(name)?;
+        t.parse().map_err(|_| {
+            SourceError::Protocol(format!(
+                "outbox.route_versions.{name} {t:?} is not an integer"
+            ))
+        })
+    };
+    Ok((
+        int("version_id")?,
+        RouteVersion {
+            kind: text("kind")?,
+            cluster: text("cluster")?,
+            topic_template: text("topic_template")?,
+            partitioner: text("partitioner")?,
+            route_generation: int("route_generation")?,
+            serializer: text("serializer")?,
+            acks: text("acks")?,
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cstr(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(s.as_bytes());
+        out.push(0);
+    }
+
+    /// A pgoutput Relation message (protocol 1) with text columns.
+    fn relation(id: u32, namespace: &str, name: &str, cols: &[&str]) -> Bytes {
+        let mut m = vec![b'R'];
+        m.extend_from_slice(&id.to_be_bytes());
+        cstr(&mut m, namespace);
+        cstr(&mut m, name);
+        m.push(b'd');
+        m.extend_from_slice(&(cols.len() as i16).to_be_bytes());
+        for c in cols {
+            m.push(0);
+            cstr(&mut m, c);
+            m.extend_from_slice(&25u32.to_be_bytes());
+            m.extend_from_slice(&(-1i32).to_be_bytes());
+        }
+        Bytes::from(m)
+    }
+
+    /// A pgoutput Insert message; `None` is SQL NULL.
+    fn insert(id: u32, values: &[Option<&str>]) -> Bytes {
+        let mut m = vec![b'I'];
+        m.extend_from_slice(&id.to_be_bytes());
+        m.push(b'N');
+        m.extend_from_slice(&(values.len() as i16).to_be_bytes());
+        for v in values {
+            match v {
+                None => m.push(b'n'),
+                Some(t) => {
+                    m.push(b't');
+                    m.extend_from_slice(&(t.len() as i32).to_be_bytes());
+                    m.extend_from_slice(t.as_bytes());
+                }
+            }
+        }
+        Bytes::from(m)
+    }
+
+    fn events_columns() -> Vec<&'static str> {
+        EVENT_COLUMNS
+            .iter()
+            .copied()
+            .chain(["route_version"])
+            .collect()
+    }
+
+    /// A narrow row (migration 0031): the envelope, no dest_* column, a route version.
+    fn narrow_row(version: &str) -> Bytes {
+        let values: Vec<Option<&str>> = events_columns()
+            .iter()
+            .map(|c| match *c {
+                "event_id" => Some("01a24513-7b9b-710d-9f45-3e95dea81d26"),
+                "envelope_generation" | "aggregate_version" => Some("1"),
+                "aggregate_type" => Some("Pay"),
+                "aggregate_id" => Some("../../admin"),
+                "event_type" => Some("Paid"),
+                "payload" => Some("{}"),
+                "occurred_at" => Some("2026-12-05 07:00:00+00"),
+                "route_version" => Some(version),
+                _ => None,
+            })
+            .collect();
+        insert(1, &values)
+    }
+
+    fn event(d: Decoded) -> Result<OutboxEvent, RowError> {
+        match d {
+            Decoded::Event(e) => *e,
+            other => panic!("expected an event, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_narrow_row_renders_from_a_streamed_version_and_an_unknown_one_is_never_guessed() {
+        let mut d = Decoder::new("outbox", "events");
+        d.decode(relation(1, "outbox", "events", &events_columns()))
+            .unwrap();
+        d.decode(relation(
+            2,
+            "outbox",
+            "route_versions",
+            ROUTE_VERSION_COLUMNS,
+        ))
+        .unwrap();
+        let err = event(d.decode(narrow_row("7")).unwrap()).unwrap_err();
+        assert_eq!(err.column, "route_version", "{err}");
+        assert!(err.problem.contains("route version 7"), "{err}");
+
+        let version = [
+            Some("7"),
+            Some("http"),
+            Some("hooks"),
+            Some("https://h/pay/{aggregate_id}"),
+            Some("none"),
+            Some("3"),
+            Some("json"),
+            Some("all"),
+        ];
+        assert_eq!(d.decode(insert(2, &version)).unwrap(), Decoded::Nothing);
+        let ev = event(d.decode(narrow_row("7")).unwrap()).unwrap();
+        assert_eq!(ev.destination.topic, "https://h/pay/..%2F..%2Fadmin");
+        assert_eq!(ev.destination.key, "../../admin");
+        assert_eq!(ev.destination.route_generation, 3);
+        assert_eq!(ev.destination_digest, ev.destination.digest());
+        assert_eq!(ev.verify(), Ok(()));
+
+        // Seeded at start instead of streamed: the same destination.
+        let mut seeded = Decoder::new("outbox", "events");
+        seeded.know_route_versions(d.route_versions().clone());
+        seeded
+            .decode(relation(1, "outbox", "events", &events_columns()))
+            .unwrap();
+        assert_eq!(event(seeded.decode(narrow_row("7")).unwrap()).unwrap(), ev);
     }
 }

@@ -13,7 +13,8 @@
 //! The decision is a pure function, [`plan`], so every case is unit-tested.
 
 use outbox_core::policy::{self, recovery, Channel};
-use outbox_core::Lsn;
+use outbox_core::route::RouteVersion;
+use outbox_core::{Lsn, RouteVersions};
 use tokio_postgres::Client;
 
 use crate::transport::TransportError;
@@ -339,7 +340,7 @@ pub async fn ensure_shard_publication(
                     e,
                 )
             })?;
-            Ok(())
+            publish_route_versions(client, publication).await
         }
         Some(r) => {
             let inserts: bool = r.get(0);
@@ -385,9 +386,85 @@ pub async fn ensure_shard_publication(
                     )));
                 }
             }
-            Ok(())
+            if all {
+                return Ok(());
+            }
+            publish_route_versions(client, publication).await
         }
     }
+}
+
+/// Adds `outbox.route_versions` to the publication when it is missing (migration 0031): a
+/// narrow row names the route version its destination is frozen to, and the relay learns the
+/// versions made after its start from the stream. Nothing to do on a database that predates
+/// the table.
+async fn publish_route_versions(client: &Client, publication: &str) -> Result<(), SourceError> {
+    let row = client
+        .query_one(
+            "SELECT to_regclass('outbox.route_versions') IS NOT NULL,
+                    EXISTS (SELECT 1 FROM pg_publication_tables
+                            WHERE pubname = $1 AND schemaname = 'outbox'
+                              AND tablename = 'route_versions')",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| {
+            db_err(
+                "reading whether the publication carries outbox.route_versions",
+                e,
+            )
+        })?;
+    let (exists, published): (bool, bool) = (row.get(0), row.get(1));
+    if !exists || published {
+        return Ok(());
+    }
+    let sql = format!(
+        "ALTER PUBLICATION {} ADD TABLE outbox.route_versions",
+        quote_ident(publication)
+    );
+    client.batch_execute(&sql).await.map_err(|e| {
+        db_err(
+            format!("adding outbox.route_versions to publication {publication} (the relay learns new route versions from it; run as the publication's owner: {sql})"),
+            e,
+        )
+    })
+}
+
+/// Every route version (`outbox.route_versions`, migration 0031), read once at start; the
+/// stream brings the ones made later. Empty on a database that predates the table.
+pub async fn route_versions(client: &Client) -> Result<RouteVersions, SourceError> {
+    let rows = client
+        .query(
+            "SELECT version_id, kind, cluster, topic_template, partitioner, route_generation,
+                    serializer, acks
+             FROM outbox.route_versions",
+            &[],
+        )
+        .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
+            return Ok(RouteVersions::new())
+        }
+        Err(e) => return Err(db_err("reading outbox.route_versions", e)),
+    };
+    Ok(rows
+        .iter()
+        .map(|r| {
+            (
+                r.get(0),
+                RouteVersion {
+                    kind: r.get(1),
+                    cluster: r.get(2),
+                    topic_template: r.get(3),
+                    partitioner: r.get(4),
+                    route_generation: r.get(5),
+                    serializer: r.get(6),
+                    acks: r.get(7),
+                },
+            )
+        })
+        .collect())
 }
 
 /// Drops the slot (terminating its walsender if one holds it). Only for `--resnapshot`.

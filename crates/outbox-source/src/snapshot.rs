@@ -10,7 +10,7 @@
 //!
 //! Only rows without a primary receipt and without an open quarantine record are read.
 
-use outbox_core::{OutboxEvent, RowError, EVENT_COLUMNS};
+use outbox_core::{OutboxEvent, RouteVersions, RowError, EVENT_COLUMNS};
 use tokio_postgres::Row;
 
 /// The query that lists unpublished rows, oldest version first per aggregate.
@@ -64,6 +64,8 @@ pub fn event_from_row(row: &Row) -> Result<OutboxEvent, RowError> {
             })
         },
         None,
+        // The view renders a narrow row's destination (migration 0031).
+        &RouteVersions::new(),
     )
 }
 

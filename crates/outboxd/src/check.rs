@@ -793,7 +793,7 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
     let topics: Vec<String> = match db
         .query(
             "SELECT DISTINCT topic FROM (
-                 (SELECT e.dest_topic AS topic FROM outbox.events e
+                 (SELECT e.dest_topic AS topic FROM outbox.events_frozen e
                   WHERE e.dest_kind = 'kafka' AND e.dest_cluster = $1
                     AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
                   LIMIT 10000)

@@ -484,6 +484,9 @@ async fn run_once(
 
     pipeline.enable_pipelined_accept(connect_sql(url).await?);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
+    // After the publication took outbox.route_versions in (ensure_shard_publication above):
+    // a version made before that is read here, one made after arrives in the stream.
+    decoder.know_route_versions(slot::route_versions(&sql).await?);
     let mut stage = Stage::default();
     pipeline.core.start_streaming(start);
     // When the loop does what is decided by the core's schedule; time is measured from here.
