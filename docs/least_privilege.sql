@@ -68,6 +68,8 @@ GRANT SELECT ON
     outbox.aggregate_versions,
     outbox.events,
     outbox.events_current,
+    outbox.events_frozen,
+    outbox.route_versions,
     outbox.event_status,
     outbox.receipts,
     outbox.purged_events,
