@@ -112,6 +112,12 @@ END
 $$;
 
 ALTER TABLE outbox.events ADD COLUMN route_version bigint;
+-- The writing transaction's id was stored in every row and read by nothing (no decision of the
+-- relay, no header, no query of outboxd's uses it); the walsender formatted it for each event.
+-- New rows leave it NULL (the WAL still says which transaction wrote a row).
+ALTER TABLE outbox.events
+    ALTER COLUMN created_xid DROP DEFAULT,
+    ALTER COLUMN created_xid DROP NOT NULL;
 ALTER TABLE outbox.events
     ALTER COLUMN dest_kind DROP NOT NULL,
     ALTER COLUMN dest_cluster DROP NOT NULL,
@@ -121,20 +127,6 @@ ALTER TABLE outbox.events
     ALTER COLUMN dest_route_generation DROP NOT NULL,
     ALTER COLUMN dest_serializer DROP NOT NULL,
     ALTER COLUMN dest_acks DROP NOT NULL;
--- NOT VALID, then validated: the scan of a live table runs without blocking its writers.
-ALTER TABLE outbox.events ADD CONSTRAINT events_destination_frozen CHECK (
-    (route_version IS NULL
-     AND dest_kind IS NOT NULL AND dest_cluster IS NOT NULL AND dest_topic IS NOT NULL
-     AND dest_key IS NOT NULL AND dest_partitioner IS NOT NULL
-     AND dest_route_generation IS NOT NULL AND dest_serializer IS NOT NULL
-     AND dest_acks IS NOT NULL)
-    OR (route_version IS NOT NULL
-        AND dest_kind IS NULL AND dest_cluster IS NULL AND dest_topic IS NULL
-        AND dest_key IS NULL AND dest_partitioner IS NULL AND dest_route_generation IS NULL
-        AND dest_serializer IS NULL AND dest_acks IS NULL
-        AND destination_digest IS NULL)) NOT VALID;
-ALTER TABLE outbox.events VALIDATE CONSTRAINT events_destination_frozen;
-
 -- Every row with its destination: stored, or rendered from its version. The shortcut for the
 -- default template gives what outbox.render_destination gives for every row the table can
 -- hold (outbox.enqueue and the trigger below refused the rest).
@@ -215,8 +207,9 @@ BEGIN
 END
 $$;
 
--- A row written around outbox.enqueue that names a route version is held to what enqueue
--- checks: the version exists, and the destination renders (or the insert is refused).
+-- A row written around outbox.enqueue has its destination either way, whole; one that names a
+-- route version is held to what enqueue checks: the version exists, and the destination
+-- renders (or the insert is refused).
 CREATE OR REPLACE FUNCTION outbox.note_row_around_enqueue() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -230,6 +223,21 @@ BEGIN
             TG_TABLE_SCHEMA, TG_TABLE_NAME, TG_NAME
             USING ERRCODE = '42501',
                   HINT = 'it is the trigger events_row_around_enqueue of outbox.events (migration 0016); do not attach it elsewhere';
+    END IF;
+    IF NOT ((NEW.route_version IS NULL
+             AND NEW.dest_kind IS NOT NULL AND NEW.dest_cluster IS NOT NULL
+             AND NEW.dest_topic IS NOT NULL AND NEW.dest_key IS NOT NULL
+             AND NEW.dest_partitioner IS NOT NULL AND NEW.dest_route_generation IS NOT NULL
+             AND NEW.dest_serializer IS NOT NULL AND NEW.dest_acks IS NOT NULL)
+            OR (NEW.route_version IS NOT NULL
+             AND NEW.dest_kind IS NULL AND NEW.dest_cluster IS NULL AND NEW.dest_topic IS NULL
+             AND NEW.dest_key IS NULL AND NEW.dest_partitioner IS NULL
+             AND NEW.dest_route_generation IS NULL AND NEW.dest_serializer IS NULL
+             AND NEW.dest_acks IS NULL AND NEW.destination_digest IS NULL)) THEN
+        RAISE EXCEPTION 'outbox.events: event % has neither a whole frozen destination (all eight dest_* columns, no route_version) nor a route version alone (route_version, every dest_* column and destination_digest NULL)',
+            NEW.event_id
+            USING ERRCODE = '23514',
+                  HINT = 'insert events through outbox.enqueue, which writes the route version in force';
     END IF;
     IF NEW.route_version IS NOT NULL THEN
         SELECT kind, topic_template INTO v_kind, v_template

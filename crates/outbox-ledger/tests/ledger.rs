@@ -2152,6 +2152,9 @@ async fn narrow_rows_keep_the_destination_wide_rows_had() {
         "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
              event_type, payload, route_version, dest_kind)
          VALUES (gen_random_uuid(), 'order', 'o-9', 1, 'x', '{}', 0, 'kafka')",
+        "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+             event_type, payload)
+         VALUES (gen_random_uuid(), 'order', 'o-9', 1, 'x', '{}')",
     ] {
         let e = c.batch_execute(refused).await.unwrap_err();
         assert!(e.as_db_error().is_some(), "{refused}: {e}");
