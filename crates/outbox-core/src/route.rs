@@ -251,25 +251,18 @@ pub fn render_destination(
         rest = &rest[at + len..];
     }
     out.push_str(rest);
+    let kafka_illegal = || {
+        out.is_empty()
+            || !out.chars().all(kafka_char)
+            || out.chars().count() > 249
+            || out == "."
+            || out == ".."
+    };
     match kind {
-        "kafka" => {
-            if out.is_empty()
-                || !out.chars().all(kafka_char)
-                || out.chars().count() > 249
-                || out == "."
-                || out == ".."
-            {
-                return Err(format!("the Kafka topic {out:?} (route template {template:?}, aggregate type {aggregate_type:?}) is not a legal topic name"));
-            }
-        }
-        "nats" => {
-            if nats_bad_token(&out) || out.chars().any(space_or_control) {
-                return Err(format!("the NATS subject {out:?} (route template {template:?}) has an empty or wildcard token, or white space"));
-            }
-        }
-        _ => {}
+        "kafka" if kafka_illegal() => Err(format!("the Kafka topic {out:?} (route template {template:?}, aggregate type {aggregate_type:?}) is not a legal topic name")),
+        "nats" if nats_bad_token(&out) || out.chars().any(space_or_control) => Err(format!("the NATS subject {out:?} (route template {template:?}) has an empty or wildcard token, or white space")),
+        _ => Ok(out),
     }
-    Ok(out)
 }
 
 #[cfg(test)]
