@@ -59,8 +59,32 @@ pub fn loadavg() -> f64 {
 #[derive(Debug)]
 pub struct ClusterCpu {
     postmaster: i32,
-    /// pid -> (ticks at the start or 0, ticks at the last sample)
-    seen: HashMap<i32, (u64, u64)>,
+    /// pid -> (ticks at the start or 0, ticks at the last sample, what the process is)
+    seen: HashMap<i32, (u64, u64, &'static str)>,
+}
+
+/// What a PostgreSQL process is, from the title it sets (`postgres: walsender ...`,
+/// `postgres: autovacuum worker ...`; a client's backend shows its user and database).
+fn role(pid: i32, postmaster: i32) -> &'static str {
+    if pid == postmaster {
+        return "postmaster";
+    }
+    let title = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let title = String::from_utf8_lossy(&title);
+    let title = title.trim_start_matches("postgres: ");
+    for (prefix, role) in [
+        ("walsender", "walsender"),
+        ("autovacuum", "autovacuum"),
+        ("checkpointer", "checkpointer"),
+        ("background writer", "background writer"),
+        ("walwriter", "walwriter"),
+        ("logical replication", "logical replication workers"),
+    ] {
+        if title.starts_with(prefix) {
+            return role;
+        }
+    }
+    "client backends"
 }
 
 impl ClusterCpu {
@@ -71,7 +95,7 @@ impl ClusterCpu {
             seen: HashMap::new(),
         };
         for (pid, t) in c.processes() {
-            c.seen.insert(pid, (t, t));
+            c.seen.insert(pid, (t, t, role(pid, postmaster)));
         }
         c
     }
@@ -102,13 +126,31 @@ impl ClusterCpu {
             self.seen
                 .entry(pid)
                 .and_modify(|e| e.1 = e.1.max(t))
-                .or_insert((0, t));
+                .or_insert_with(|| (0, t, role(pid, self.postmaster)));
         }
+    }
+
+    /// [`Self::secs`] by what the processes are, largest first.
+    pub fn secs_by_role(&self) -> Vec<(&'static str, f64)> {
+        let mut by: HashMap<&'static str, u64> = HashMap::new();
+        for (a, b, role) in self.seen.values() {
+            *by.entry(role).or_default() += b.saturating_sub(*a);
+        }
+        let mut out: Vec<_> = by
+            .into_iter()
+            .map(|(r, t)| (r, t as f64 / ticks_per_sec()))
+            .collect();
+        out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+        out
     }
 
     /// CPU seconds the cluster used since [`Self::start`], as of the last sample.
     pub fn secs(&self) -> f64 {
-        let ticks: u64 = self.seen.values().map(|(a, b)| b.saturating_sub(*a)).sum();
+        let ticks: u64 = self
+            .seen
+            .values()
+            .map(|(a, b, _)| b.saturating_sub(*a))
+            .sum();
         ticks as f64 / ticks_per_sec()
     }
 }

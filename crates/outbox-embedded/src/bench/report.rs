@@ -62,6 +62,9 @@ fn phase_json(p: &Phase) -> serde_json::Value {
         "relay_cpu_s": p.relay_cpu_s, "pg_cpu_s": p.pg_cpu_s,
         "relay_cpu_us_per_event": p.relay_us_per_event(),
         "pg_cpu_us_per_event": p.pg_us_per_event(),
+        "pg_cpu_us_per_event_by_process": p.pg_cpu_by_role.iter()
+            .map(|(r, s)| (r.to_string(), json!(1e6 * s / p.events.max(1) as f64)))
+            .collect::<serde_json::Map<_, _>>(),
         "bench_cpu_s": p.bench_cpu_s,
         "bench_cpu_us_per_event": p.bench_us_per_event(),
         "wal_retained_peak_mib": p.wal_retained_peak_mib,
@@ -186,6 +189,11 @@ impl Report {
             self.drain.pg_us_per_event(),
             r.drain.pg_us_per_event(),
             1,
+        );
+        println!(
+            "  by process: outboxd: {}; Debezium: {}",
+            self.drain.pg_us_per_event_by_role(),
+            r.drain.pg_us_per_event_by_role()
         );
         line(
             "steady: achieved events/s",
@@ -414,6 +422,13 @@ impl Report {
                 loads.join(", ")
             );
         }
+        // Where PostgreSQL's CPU went: the walsender decoding, the relay's own sessions (the
+        // acceptance), or the background (autovacuum after a large load, the checkpointer).
+        println!(
+            "PostgreSQL CPU µs/event by process: decode limit: {}; relay drain: {}",
+            self.decode.pg_us_per_event_by_role(),
+            self.drain.pg_us_per_event_by_role()
+        );
         self.print_debezium();
         if !self.variants.is_empty() {
             println!("{:-<112}", "");
