@@ -1,7 +1,7 @@
 //! The ledger against real PostgreSQL: migrations, the producer API, digest parity between
 //! SQL and Rust, and the acceptance point.
 
-use outbox_core::{Destination, Lsn, OutboxEvent, RouteVersion, RouteVersions, EVENT_COLUMNS};
+use outbox_core::{Destination, Lsn, OutboxEvent, EVENT_COLUMNS};
 use outbox_ledger::producer::{enqueue, EnqueueOptions};
 use outbox_ledger::{
     accept, audit, checkpoint, migrate, LedgerItem, QuarantineRecord, ReceiptRecord,
@@ -52,47 +52,10 @@ async fn event(c: &impl GenericClient, id: uuid::Uuid) -> OutboxEvent {
             Ok(row.get::<_, Option<&str>>(i))
         },
         None,
-        &route_versions(c).await,
+        // As the relay reads them at start (none before migration 0031).
+        &outbox_source::slot::route_versions(c).await.unwrap(),
     )
     .unwrap()
-}
-
-/// Every route version, as the relay reads them at start (none before migration 0031).
-async fn route_versions(c: &impl GenericClient) -> RouteVersions {
-    let exists: bool = c
-        .query_one(
-            "SELECT to_regclass('outbox.route_versions') IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    if !exists {
-        return RouteVersions::new();
-    }
-    c.query(
-        "SELECT version_id, kind, cluster, topic_template, partitioner, route_generation,
-                serializer, acks FROM outbox.route_versions",
-        &[],
-    )
-    .await
-    .unwrap()
-    .iter()
-    .map(|r| {
-        (
-            r.get(0),
-            RouteVersion {
-                kind: r.get(1),
-                cluster: r.get(2),
-                topic_template: r.get(3),
-                partitioner: r.get(4),
-                route_generation: r.get(5),
-                serializer: r.get(6),
-                acks: r.get(7),
-            },
-        )
-    })
-    .collect()
 }
 
 /// A copy of event `of` at `version` written around `outbox.enqueue`, storing the digests the

@@ -432,7 +432,9 @@ async fn publish_route_versions(client: &Client, publication: &str) -> Result<()
 
 /// Every route version (`outbox.route_versions`, migration 0031), read once at start; the
 /// stream brings the ones made later. Empty on a database that predates the table.
-pub async fn route_versions(client: &Client) -> Result<RouteVersions, SourceError> {
+pub async fn route_versions(
+    client: &impl tokio_postgres::GenericClient,
+) -> Result<RouteVersions, SourceError> {
     let rows = client
         .query(
             "SELECT version_id, kind, cluster, topic_template, partitioner, route_generation,
