@@ -184,6 +184,14 @@ fn every_mutant_is_caught(product: bool) {
             &[("cross_destination_retries", |c| c.cross_destination_retries)],
         ),
         (
+            Mutant::RenderCurrentRoute,
+            &[("cross_destination_retries", |c| c.cross_destination_retries)],
+        ),
+        (
+            Mutant::VersionsOnlyAtStart,
+            &[("unknown_route_versions", |c| c.unknown_route_versions)],
+        ),
+        (
             Mutant::NoSettle,
             &[("unknown_untraced (wrongly absent)", |c| {
                 c.unknown_wrongly_absent

@@ -134,6 +134,10 @@ pub struct Counts {
     /// refusal, a look-up that proved nothing at start): an unclear answer holds its
     /// aggregate, never the relay (issue 25).
     pub unclear_restarts: u64,
+    /// Narrow rows (migration 0031) decoded with a route version the run did not know: the
+    /// product quarantines such a row instead of guessing, so a version it should have read
+    /// at start or from the stream and did not is a row kept from its destination.
+    pub unknown_route_versions: u64,
     /// Fleets (`fleet.rs`): a shard no relay streamed past its bound (2 s after its holder was
     /// SIGKILLed or handed it over, the lease TTL + 2 s after its holder paused).
     pub fleet_unserved: u64,
@@ -231,6 +235,7 @@ impl Counts {
             + self.concurrent_lookups
             + self.stalls
             + self.unclear_restarts
+            + self.unknown_route_versions
             + self.fleet_unserved
             + self.fleet_share_not_returned
             + (self.late_acks - self.late_acks_converged)
@@ -273,6 +278,7 @@ impl Counts {
             concurrent_lookups,
             stalls,
             unclear_restarts,
+            unknown_route_versions,
             late_acks,
             late_acks_converged,
             events,
@@ -361,6 +367,10 @@ impl Counts {
             ("concurrent_lookups", self.concurrent_lookups.to_string()),
             ("stalls", self.stalls.to_string()),
             ("unclear_restarts", self.unclear_restarts.to_string()),
+            (
+                "unknown_route_versions",
+                self.unknown_route_versions.to_string(),
+            ),
             ("fleet_unserved", self.fleet_unserved.to_string()),
             (
                 "fleet_share_not_returned",

@@ -46,6 +46,12 @@ pub enum Mutant {
     SkipDedup,
     /// A retry re-resolves the route policy instead of using the frozen destination.
     RetryReresolvesRoute,
+    /// The decode renders a narrow row's destination from the route version in force now
+    /// instead of the one the row names (migration 0031).
+    RenderCurrentRoute,
+    /// The run knows only the route versions it read at start, not those the stream brings
+    /// (`outbox.route_versions` left out of the publication).
+    VersionsOnlyAtStart,
     /// Reconciliation scans without waiting for the settle time (UNKNOWN racing the retry).
     /// A product mutant in `outbox_relay::PipelineCore` (`IgnoresSettle`).
     NoSettle,
@@ -222,6 +228,8 @@ impl Mutant {
         ("confirm-before-accept", Mutant::ConfirmBeforeAccept),
         ("skip-dedup", Mutant::SkipDedup),
         ("retry-reresolves-route", Mutant::RetryReresolvesRoute),
+        ("render-current-route", Mutant::RenderCurrentRoute),
+        ("versions-only-at-start", Mutant::VersionsOnlyAtStart),
         ("no-settle", Mutant::NoSettle),
         ("last-ack-wins", Mutant::LastAckWins),
         ("migrate-while-unknown", Mutant::MigrateWhileUnknown),
@@ -379,6 +387,9 @@ struct Row {
     agg: Agg,
     commit_end: Lsn,
     business: u64,
+    /// The route version the row names (`World::route_versions`): a narrow row stores it
+    /// instead of the rendered destination, which the relay renders when it decodes the row.
+    route_version: usize,
     /// Destination migrations (envelope generation 2, 3, …), latest last.
     migrations: Vec<(Destination, String)>,
     purged: bool,
@@ -442,6 +453,8 @@ struct Relay {
     proven: HashSet<usize>,
     /// When the run started (the judge's `stalls` count only runs that had time).
     started: u64,
+    /// Route versions committed before the run started: the ones it read at start.
+    versions_at_start: usize,
     /// Look-ups of parked events running on their own task (`Pipeline::run_due_unclear`):
     /// each answers at a later step (`Pipeline::on_lookup`).
     lookups: Vec<PendingLookup>,
@@ -495,6 +508,9 @@ struct World {
     business_next: u64,
     route_gen: i64,
     route_topic: usize,
+    /// `outbox.route_versions`: (topic, route generation, commit LSN), immutable, one per
+    /// route change; the last is in force.
+    route_versions: Vec<(usize, i64, Lsn)>,
 
     slot_confirmed: Option<Lsn>,
     ledger: Ledger,
@@ -634,6 +650,7 @@ impl World {
             business_next: 0,
             route_gen: 1,
             route_topic: 0,
+            route_versions: vec![(0, 1, Lsn(0))],
             slot_confirmed: None,
             ledger: Ledger::default(),
             broker: (0..TOPICS.len())
@@ -1005,11 +1022,14 @@ impl World {
     fn commit_row(&mut self, ev: OutboxEvent, agg: Agg, business: u64, end: Lsn) -> usize {
         let row = self.rows.len();
         self.by_id.insert(ev.event_id, row);
+        // The version in force when the row was enqueued (in the same step).
+        let route_version = self.route_versions.len() - 1;
         self.rows.push(Row {
             ev,
             agg,
             commit_end: end,
             business,
+            route_version,
             migrations: Vec::new(),
             purged: false,
             last_send: 0,
@@ -1052,10 +1072,40 @@ impl World {
             TOPICS[self.route_topic].0,
             TOPICS[self.route_topic].1
         );
+        self.route_versions
+            .push((self.route_topic, self.route_gen, Lsn(self.next_lsn)));
         let route = self.current_route();
         for r in &mut self.relays {
             r.core.plant.current_route = Some(route.clone());
         }
+    }
+
+    /// The decode of row `r` by run `i` (`outbox_source::decode`): a narrow row's destination
+    /// rendered from the route version it names, the digest computed from it, as the relay
+    /// does. The run knows every version committed before its start (read at start) and, from
+    /// the stream, every one committed before the row (a version precedes the rows naming it).
+    fn decoded(&mut self, i: usize, r: usize) -> OutboxEvent {
+        let row = &self.rows[r];
+        let v = if self.is(Mutant::RenderCurrentRoute) {
+            self.route_versions.len() - 1
+        } else {
+            row.route_version
+        };
+        let (topic, gen, committed) = self.route_versions[v];
+        let streamed = !self.is(Mutant::VersionsOnlyAtStart) && committed <= row.commit_end;
+        if v >= self.relays[i].versions_at_start && !streamed {
+            self.c.unknown_route_versions += 1;
+            log!(
+                self,
+                "UNKNOWN ROUTE VERSION {v} for {} (run {})",
+                row.ev.event_id,
+                self.relays[i].gen
+            );
+        }
+        let mut ev = row.ev.clone();
+        ev.destination = self.destination(row.agg, topic, gen);
+        ev.destination_digest = ev.destination.digest();
+        ev
     }
 
     // ---------------------------------------------------------------------------- the relay
@@ -1350,6 +1400,7 @@ impl World {
             late: HashSet::new(),
             proven: HashSet::new(),
             started: self.now,
+            versions_at_start: self.route_versions.len(),
             lookups: Vec::new(),
         });
         self.relays.len() - 1
@@ -1872,10 +1923,10 @@ impl World {
         let (end, rows) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
         let mut messages = vec![Staged::Begin(end)];
-        messages.extend(
-            rows.iter()
-                .map(|r| Staged::Row(Box::new(Ok(self.rows[*r].ev.clone())))),
-        );
+        for r in rows {
+            let ev = self.decoded(i, r);
+            messages.push(Staged::Row(Box::new(Ok(ev))));
+        }
         messages.push(Staged::Commit(end));
         if self.relays[i].cursor == self.wal.len() {
             // A keepalive: nothing committed after the last transaction.
