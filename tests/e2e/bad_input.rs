@@ -321,5 +321,18 @@ e2e_only! {
                 && out.contains("1 of 2 do not exist: outbox.event.never_created_topic"),
             "{out}"
         );
+        // The publication was made without the route versions (migration 0031): its owner's
+        // relay adds them at start; another role is told the statement to run.
+        assert!(
+            out.contains("WARN  route versions published")
+                && out.contains("the relay adds it at start"),
+            "{out}"
+        );
+        let (_, out) = check(&["--database-url", &url, "--slot", &env.slot]);
+        assert!(
+            out.contains("FAIL  route versions published")
+                && out.contains("ALTER PUBLICATION outbox_pub ADD TABLE outbox.route_versions"),
+            "{out}"
+        );
     }
 }

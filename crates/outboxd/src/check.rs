@@ -321,6 +321,7 @@ async fn check_database(
     }
     if !poll {
         check_publication(r, &client, publication, schema, table).await;
+        check_route_versions_published(r, &client, publication).await;
         check_slot(r, &client, slot).await;
     }
     Some(client)
@@ -624,6 +625,48 @@ async fn check_publication(
             }
         }
         Err(e) => r.add(Level::Fail, "publication", e.to_string()),
+    }
+}
+
+/// A narrow row names a route version (migration 0031); the relay learns the versions made
+/// after its start from its publication, and adds `outbox.route_versions` to it at start when
+/// it can.
+async fn check_route_versions_published(
+    r: &mut Report,
+    client: &tokio_postgres::Client,
+    publication: &str,
+) {
+    let what = "route versions published";
+    let row = client
+        .query_opt(
+            "SELECT p.puballtables OR EXISTS (SELECT 1 FROM pg_publication_tables t
+                        WHERE t.pubname = p.pubname AND t.schemaname = 'outbox'
+                          AND t.tablename = 'route_versions'),
+                    pg_has_role(current_user, p.pubowner, 'USAGE')
+             FROM pg_publication p
+             WHERE p.pubname = $1 AND to_regclass('outbox.route_versions') IS NOT NULL",
+            &[&publication],
+        )
+        .await;
+    match row {
+        // No publication yet (reported above), or a database before migration 0031.
+        Ok(None) => {}
+        Ok(Some(row)) if row.get::<_, bool>(0) => r.add(
+            Level::Ok,
+            what,
+            format!("{publication} carries outbox.route_versions"),
+        ),
+        Ok(Some(row)) if row.get::<_, bool>(1) => r.add(
+            Level::Warn,
+            what,
+            format!("{publication} does not carry outbox.route_versions; the relay adds it at start (route versions made while it runs reach it through the publication)"),
+        ),
+        Ok(Some(_)) => r.add(
+            Level::Fail,
+            what,
+            format!("{publication} does not carry outbox.route_versions and this role does not own it, so the relay cannot add it: as its owner, ALTER PUBLICATION {publication} ADD TABLE outbox.route_versions"),
+        ),
+        Err(e) => r.add(Level::Fail, what, e.to_string()),
     }
 }
 
