@@ -17,6 +17,7 @@
 //! into `outbox.route_versions` its publication streams before any row that references them.
 
 use std::collections::HashMap;
+use std::fmt::Write;
 
 use crate::envelope::Destination;
 
@@ -111,14 +112,13 @@ fn nats_bad_token(subject: &str) -> bool {
         .any(|t| t.is_empty() || t == "*" || t == ">")
 }
 
-/// `outbox.route_template_problem`: why a template is unusable for `kind`, or `None`.
+/// `outbox.route_template_problem` for the kinds `outbox.render_destination` asks it about
+/// (HTTP, and NATS with a placeholder): why the template is unusable, or `None`. A Kafka
+/// template is judged by its rendered topic instead, as in SQL.
 fn template_problem(kind: &str, template: &str) -> Option<String> {
     if template.is_empty() {
         return Some("the template is empty".into());
     }
-    let sample = template
-        .replace(AGGREGATE_TYPE, "x")
-        .replace(AGGREGATE_ID, "x");
     match kind {
         "http" => {
             // ^[A-Za-z][A-Za-z0-9+.-]*:(?://[^/?#]*)?
@@ -148,6 +148,9 @@ fn template_problem(kind: &str, template: &str) -> Option<String> {
             None
         }
         "nats" => {
+            let sample = template
+                .replace(AGGREGATE_TYPE, "x")
+                .replace(AGGREGATE_ID, "x");
             if sample.chars().any(space_or_control) {
                 return Some(
                     "a NATS subject must contain no white space or control character".into(),
@@ -157,18 +160,6 @@ fn template_problem(kind: &str, template: &str) -> Option<String> {
                 return Some(
                     "a NATS subject to publish to must have no empty token and no \"*\" or \">\" wildcard token".into(),
                 );
-            }
-            None
-        }
-        "kafka" => {
-            if !sample.chars().all(kafka_char) {
-                return Some("a Kafka topic name may contain only ASCII letters, digits, \".\", \"_\" and \"-\" (and the placeholders {aggregate_type}, {aggregate_id})".into());
-            }
-            if sample.chars().count() > 249 {
-                return Some("a Kafka topic name has at most 249 characters".into());
-            }
-            if sample == "." || sample == ".." {
-                return Some("a Kafka topic name cannot be \".\" or \"..\"".into());
             }
             None
         }
@@ -193,7 +184,7 @@ fn destination_value(
                 if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
                     out.push(b as char);
                 } else {
-                    out.push_str(&format!("%{b:02X}"));
+                    let _ = write!(out, "%{b:02X}");
                 }
             }
             Ok(out)
@@ -227,7 +218,6 @@ pub fn render_destination(
     aggregate_type: &str,
     aggregate_id: &str,
 ) -> Result<String, String> {
-    // The shortcut outbox.enqueue takes (migration 0023) gives what the loop below gives.
     if kind == "http" || (kind == "nats" && template.contains('{')) {
         if let Some(problem) = template_problem(kind, template) {
             return Err(format!(

@@ -13,7 +13,7 @@
 //! The decision is a pure function, [`plan`], so every case is unit-tested.
 
 use outbox_core::policy::{self, recovery, Channel};
-use outbox_core::route::RouteVersion;
+use outbox_core::route::{RouteVersion, ROUTE_VERSION_COLUMNS};
 use outbox_core::{Lsn, RouteVersions};
 use tokio_postgres::Client;
 
@@ -435,14 +435,12 @@ async fn publish_route_versions(client: &Client, publication: &str) -> Result<()
 pub async fn route_versions(
     client: &impl tokio_postgres::GenericClient,
 ) -> Result<RouteVersions, SourceError> {
-    let rows = client
-        .query(
-            "SELECT version_id, kind, cluster, topic_template, partitioner, route_generation,
-                    serializer, acks
-             FROM outbox.route_versions",
-            &[],
-        )
-        .await;
+    // Read by position below, in the order of ROUTE_VERSION_COLUMNS.
+    let sql = format!(
+        "SELECT {} FROM outbox.route_versions",
+        ROUTE_VERSION_COLUMNS.join(", ")
+    );
+    let rows = client.query(&sql, &[]).await;
     let rows = match rows {
         Ok(rows) => rows,
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {

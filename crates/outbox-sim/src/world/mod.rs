@@ -506,10 +506,8 @@ struct World {
     next_lsn: u64,
     agg_version: Vec<i64>,
     business_next: u64,
-    route_gen: i64,
-    route_topic: usize,
     /// `outbox.route_versions`: (topic, route generation, commit LSN), immutable, one per
-    /// route change; the last is in force.
+    /// route change; the last is the route policy in force (`World::route`).
     route_versions: Vec<(usize, i64, Lsn)>,
 
     slot_confirmed: Option<Lsn>,
@@ -648,8 +646,6 @@ impl World {
             next_lsn: 0x100,
             agg_version: vec![0; AGGREGATES as usize],
             business_next: 0,
-            route_gen: 1,
-            route_topic: 0,
             route_versions: vec![(0, 1, Lsn(0))],
             slot_confirmed: None,
             ledger: Ledger::default(),
@@ -968,7 +964,8 @@ impl World {
     }
 
     fn enqueue(&mut self, agg: Agg, business: u64, version: i64) -> OutboxEvent {
-        let destination = self.destination(agg, self.route_topic, self.route_gen);
+        let (topic, gen) = self.route();
+        let destination = self.destination(agg, topic, gen);
         let payload = Bytes::from(format!("{{\"business\": {business}}}"));
         OutboxEvent::frozen(
             self.new_id(),
@@ -1058,22 +1055,26 @@ impl World {
         self.wal.push((end, vec![row]));
     }
 
+    /// The route policy in force: (topic index, route generation).
+    fn route(&self) -> (usize, i64) {
+        let (topic, gen, _) = *self.route_versions.last().expect("version 0 always exists");
+        (topic, gen)
+    }
+
     fn route_change(&mut self) {
-        self.route_gen += 1;
-        self.route_topic = if self.faults {
+        let gen = self.route().1 + 1;
+        let topic = if self.faults {
             [0, 1, 1, 2, 3][self.rng.below(5) as usize]
         } else {
             0
         };
         log!(
             self,
-            "route policy generation {} -> {}/{}",
-            self.route_gen,
-            TOPICS[self.route_topic].0,
-            TOPICS[self.route_topic].1
+            "route policy generation {gen} -> {}/{}",
+            TOPICS[topic].0,
+            TOPICS[topic].1
         );
-        self.route_versions
-            .push((self.route_topic, self.route_gen, Lsn(self.next_lsn)));
+        self.route_versions.push((topic, gen, Lsn(self.next_lsn)));
         let route = self.current_route();
         for r in &mut self.relays {
             r.core.plant.current_route = Some(route.clone());
@@ -2053,11 +2054,8 @@ impl World {
 
     /// The route policy now: (cluster, topic, route generation).
     fn current_route(&self) -> outbox_relay::CurrentRoute {
-        (
-            TOPICS[self.route_topic].0.into(),
-            TOPICS[self.route_topic].1.into(),
-            self.route_gen,
-        )
+        let (topic, gen) = self.route();
+        (TOPICS[topic].0.into(), TOPICS[topic].1.into(), gen)
     }
 
     /// The driver's side of `Command::Send`: the simulated broker takes the message.
@@ -2750,7 +2748,7 @@ impl World {
             }
             Ok(p) => {
                 let to = if old == 0 { 1 } else { 0 };
-                let d = self.destination(self.rows[row].agg, to, self.route_gen);
+                let d = self.destination(self.rows[row].agg, to, self.route().1);
                 let digest = d.digest();
                 log!(
                     self,
@@ -2822,7 +2820,7 @@ impl World {
         self.down_until = [0; 4];
         self.now += self.max_append_delay + 1;
         self.land_late_appends();
-        if self.route_topic != 0 {
+        if self.route().0 != 0 {
             self.route_change();
         }
         for r in &mut self.relays {
