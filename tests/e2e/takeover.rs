@@ -1084,7 +1084,7 @@ async fn an_attachment_made_before_migration_0025_is_upgraded_under_writers() {
                         ],
                     )
                     .await
-                    .unwrap_or_else(|e| panic!("a producer of {ty} during the migration: {e}"));
+                    .unwrap_or_else(|e| panic!("a producer of {ty} during the migration: {e:?}"));
                     n += 1;
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
