@@ -35,3 +35,9 @@ GRANT USAGE ON SCHEMA outbox TO outboxd_producer;
 GRANT SELECT ON outbox.route_policy TO outboxd_producer;
 GRANT SELECT, INSERT, UPDATE ON outbox.aggregate_versions TO outboxd_producer;
 GRANT INSERT ON outbox.events, outbox.delivery_sets TO outboxd_producer;
+-- The next version of an aggregate the version table has no row for (a new aggregate, or the
+-- unlogged table emptied by a crash of the server: migration 0032) comes after the highest
+-- one the rows hold, which these two read for the producer.
+GRANT EXECUTE ON FUNCTION outbox.last_version_written(text, text, uuid),
+                          outbox.next_aggregate_version(text, text)
+    TO outboxd_producer;

@@ -165,6 +165,48 @@ async fn poll_mode_killed_after_the_broker_ack_records_one_primary_receipt_after
     assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 1);
 }
 
+/// `outbox.aggregate_versions` is unlogged (migration 0032): a crash of the server empties it,
+/// and poll mode finds pending events through it. A poll run restores it from the rows when it
+/// starts; without that, these events would wait for their aggregates' next event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poll_mode_publishes_the_events_a_crash_hid_from_the_unlogged_version_table() {
+    let env = TestEnv::new_on(replica_only_cluster(), "poll_versions_lost").await;
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        ids.push(env.enqueue(&format!("v-{}", i % 3), json!({"i": i})).await);
+    }
+    // What crash recovery does to an unlogged table (every other test of the process has its
+    // own database, so the server itself is not crashed here).
+    env.db
+        .batch_execute("TRUNCATE outbox.aggregate_versions")
+        .await
+        .unwrap();
+    let relay = env.relay(&[], &POLL);
+    env.wait_ready(&relay).await;
+    env.wait_receipts("a receipt for every event written before the loss", 6)
+        .await;
+    let msgs = env.verify_receipts(&[&env.topic]).await.messages;
+    let mut sent: Vec<String> = msgs.iter().map(|m| m.id().to_string()).collect();
+    sent.sort();
+    sent.dedup();
+    let mut want: Vec<String> = ids.iter().map(|u| u.to_string()).collect();
+    want.sort();
+    assert_eq!(sent, want, "every event on the broker, nothing else");
+    // The count resumes after the rows' versions: the next event of v-0 is its third.
+    let next = env.enqueue("v-0", json!({"i": 6})).await;
+    let version: i64 = env
+        .db
+        .query_one(
+            "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
+            &[&next],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 3);
+    env.wait_receipts("the event after the loss", 7).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_mode_holds_only_the_aggregate_of_an_oversized_payload_until_released() {
     let env = TestEnv::new_on(replica_only_cluster(), "poll_poison").await;

@@ -69,14 +69,14 @@ impl<T> Agg<T> {
 /// Per-aggregate ordering state for one relay run.
 #[derive(Debug)]
 pub struct OrderingGate<K, T> {
-    aggs: HashMap<K, Agg<T>>,
+    aggs: HashMap<K, Agg<T>, foldhash::fast::RandomState>,
     queued: usize,
 }
 
 impl<K: Hash + Eq + Clone, T> Default for OrderingGate<K, T> {
     fn default() -> Self {
         OrderingGate {
-            aggs: HashMap::new(),
+            aggs: HashMap::default(),
             queued: 0,
         }
     }

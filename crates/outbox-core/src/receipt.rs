@@ -179,7 +179,9 @@ pub fn apply_migration(
     if envelope_generation > ev.envelope_generation {
         ev.envelope_generation = envelope_generation;
         ev.destination = destination;
+        // Stored by the migration, not computed here: `verify` checks it.
         ev.destination_digest = destination_digest;
+        ev.digests_checked = false;
     }
 }
 

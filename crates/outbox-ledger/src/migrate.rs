@@ -175,6 +175,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "narrow_row",
         sql: include_str!("../../../migrations/0031_narrow_row.sql"),
     },
+    Migration {
+        version: 32,
+        name: "versions_unlogged",
+        sql: include_str!("../../../migrations/0032_versions_unlogged.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

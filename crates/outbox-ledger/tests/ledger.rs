@@ -2048,7 +2048,7 @@ async fn narrow_rows_keep_the_destination_wide_rows_had() {
                 .unwrap(),
         );
     }
-    assert_eq!(migrate::run(&mut c).await.unwrap(), vec![31]);
+    assert_eq!(migrate::run_through(&mut c, 31).await.unwrap(), vec![31]);
     let mut after = Vec::new();
     for (t, id) in kinds {
         after.push(
@@ -2122,4 +2122,128 @@ async fn narrow_rows_keep_the_destination_wide_rows_had() {
         let e = c.batch_execute(refused).await.unwrap_err();
         assert!(e.as_db_error().is_some(), "{refused}: {e}");
     }
+}
+
+/// `outbox.aggregate_versions` is unlogged (migration 0032): a crash of the server, a promoted
+/// standby or a restored base backup leaves it empty. No version may be given twice after that:
+/// every writer of versions resumes after what the rows and the purged events' tombstones hold,
+/// and a row written around `outbox.enqueue` is judged against them.
+#[tokio::test]
+async fn versions_resume_after_the_rows_when_the_unlogged_version_table_is_emptied() {
+    let (c, _) = fresh("ledger_versions_unlogged").await;
+    let persistence: String = c
+        .query_one(
+            "SELECT relpersistence::text FROM pg_class
+             WHERE oid = 'outbox.aggregate_versions'::regclass",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(persistence, "u", "no WAL for the version rows");
+    let opts = EnqueueOptions::default();
+    let mut first = None;
+    for _ in 0..3 {
+        let id = enqueue(&c, "order", "o-1", "x", &json!({}), &opts)
+            .await
+            .unwrap();
+        first.get_or_insert(id);
+    }
+    c.batch_execute(
+        "SELECT outbox.enqueue_set('order', 'o-1', 'x', '{}', ARRAY['t1', 't2']);
+         INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
+             aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
+             occurred_at, accepted_at)
+         VALUES (gen_random_uuid(), 'order', 'o-gone', 7, 'sha256:00', 'sha256:00', 't', 0, 0,
+                 now(), now());",
+    )
+    .await
+    .unwrap();
+    let lose = "TRUNCATE outbox.aggregate_versions";
+    let version = |id: uuid::Uuid| {
+        let c = &c;
+        async move {
+            c.query_one(
+                "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+
+    c.batch_execute(lose).await.unwrap();
+    let id = enqueue(&c, "order", "o-1", "x", &json!({}), &opts)
+        .await
+        .unwrap();
+    assert_eq!(version(id).await, 5, "after the delivery set's shared 4");
+    c.batch_execute(lose).await.unwrap();
+    let set: uuid::Uuid = c
+        .query_one(
+            "SELECT outbox.enqueue_set('order', 'o-1', 'x', '{}', ARRAY['t1'])",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let set_version: i64 = c
+        .query_one(
+            "SELECT aggregate_version FROM outbox.events WHERE delivery_set_id = $1",
+            &[&set],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(set_version, 6);
+    c.batch_execute(lose).await.unwrap();
+    let id = enqueue(&c, "order", "o-gone", "x", &json!({}), &opts)
+        .await
+        .unwrap();
+    assert_eq!(version(id).await, 8, "after the purged event's tombstone");
+
+    // A row written around outbox.enqueue: the next version is no gap, a used one is refused.
+    c.batch_execute(lose).await.unwrap();
+    with_stored_digests(&c, first.unwrap(), 7).await;
+    assert_eq!(
+        c.query_one("SELECT count(*) FROM outbox.holds", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0),
+        0,
+        "version 7 follows 6: no gap"
+    );
+    // A purged version is only in its tombstone (the rows' unique key no longer sees it).
+    c.batch_execute(lose).await.unwrap();
+    let reused = c
+        .batch_execute(
+            "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_version,
+                 event_type, payload, route_version)
+             VALUES (gen_random_uuid(), 'order', 'o-gone', 6, 'x', '{}', 0)",
+        )
+        .await
+        .unwrap_err();
+    let why = reused.as_db_error().map(|e| e.message().to_string());
+    assert!(
+        why.as_deref()
+            .is_some_and(|m| m.contains("reuses version 6")),
+        "{reused:?}"
+    );
+
+    // What a poll relay runs at start: every aggregate's row back, from the rows.
+    c.batch_execute(lose).await.unwrap();
+    c.batch_execute("SELECT outbox.restore_aggregate_versions()")
+        .await
+        .unwrap();
+    let rows: Vec<(String, i64)> = c
+        .query(
+            "SELECT aggregate_id, last_version FROM outbox.aggregate_versions ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, vec![("o-1".into(), 7), ("o-gone".into(), 8)]);
 }

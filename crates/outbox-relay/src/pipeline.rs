@@ -311,7 +311,7 @@ pub struct PipelineCore<P = Shipped> {
     pub tracker: AckTracker,
     gate: OrderingGate<AggKey, Pending>,
     next_token: u64,
-    in_flight: HashMap<u64, InFlight>,
+    in_flight: HashMap<u64, InFlight, foldhash::fast::RandomState>,
     batch: Vec<LedgerItem>,
     batch_acks: Vec<EventToken>,
     /// A send was refused because the lease was not certainly held.
@@ -326,7 +326,7 @@ pub struct PipelineCore<P = Shipped> {
     /// Events whose send ended unclear, holding their aggregates (module `unclear`).
     parked: BTreeMap<Uuid, unclear::Parked>,
     /// Look-ups and resends of an event since its last clear answer.
-    unclear_tries: HashMap<Uuid, u32>,
+    unclear_tries: HashMap<Uuid, u32, foldhash::fast::RandomState>,
     /// Events with a DISPATCH_UNKNOWN attempt open at start, and when its look-up is due (its
     /// settle time): parked, not sent, when the replay admits them, and looked up while the
     /// run goes on, concurrently with everything else.
@@ -403,7 +403,7 @@ impl<P: Plant> PipelineCore<P> {
             tracker: AckTracker::new(Lsn::ZERO),
             gate,
             next_token: 0,
-            in_flight: HashMap::new(),
+            in_flight: HashMap::default(),
             batch: Vec::new(),
             batch_acks: Vec::new(),
             lease_expired: false,
@@ -412,7 +412,7 @@ impl<P: Plant> PipelineCore<P> {
             retry_generation: HashMap::new(),
             in_flight_bytes: 0,
             parked: BTreeMap::new(),
-            unclear_tries: HashMap::new(),
+            unclear_tries: HashMap::default(),
             open_at_start: HashMap::new(),
             reconciling: HashSet::new(),
             unclear_policy: unclear::Policy::default(),
@@ -995,7 +995,13 @@ impl<P: Plant> PipelineCore<P> {
         if self.batch.is_empty() && checkpoint.is_none() {
             return Ok(None);
         }
-        Ok(Some((std::mem::take(&mut self.batch), checkpoint)))
+        // The next batch starts with the room this one needed, instead of growing to it one
+        // doubling (and one copy of every item) at a time.
+        let room = self.batch.len();
+        Ok(Some((
+            std::mem::replace(&mut self.batch, Vec::with_capacity(room)),
+            checkpoint,
+        )))
     }
 
     /// After a failed acceptance transaction: the batch goes back in front of the pending

@@ -44,6 +44,9 @@ pub enum Decoded {
     Nothing,
 }
 
+/// A relation's column positions by name, looked up for every column of every row.
+type Columns = HashMap<String, usize, foldhash::fast::RandomState>;
+
 /// Stateful pgoutput decoder for one replication stream.
 #[derive(Debug)]
 pub struct Decoder {
@@ -51,9 +54,9 @@ pub struct Decoder {
     table: String,
     relations: HashMap<u32, Relation>,
     /// Column name -> index, for the outbox table's current relation id.
-    outbox_columns: HashMap<u32, HashMap<String, usize>>,
+    outbox_columns: HashMap<u32, Columns>,
     /// Column name -> index, for `outbox.route_versions`' current relation id.
-    version_columns: HashMap<u32, HashMap<String, usize>>,
+    version_columns: HashMap<u32, Columns>,
     versions: RouteVersions,
 }
 
@@ -181,7 +184,7 @@ impl Decoder {
 /// quarantine: the table's columns are NOT NULL and its rows are written by migration 0031's
 /// trigger only, so a row that cannot be read means the stream is not what the relay expects.
 fn route_version_of(
-    cols: &HashMap<String, usize>,
+    cols: &Columns,
     values: &[ColumnValue],
 ) -> Result<(i64, RouteVersion), SourceError> {
     let text = |name: &str| -> Result<String, SourceError> {

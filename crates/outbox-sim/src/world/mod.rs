@@ -403,6 +403,7 @@ impl Row {
         if let Some((d, digest)) = self.migrations.last() {
             ev.destination = d.clone();
             ev.destination_digest = digest.clone();
+            ev.digests_checked = false;
             ev.envelope_generation += self.migrations.len() as i32;
         }
         ev

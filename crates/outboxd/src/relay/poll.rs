@@ -50,6 +50,12 @@ pub(super) async fn run_once(
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
+    sql.execute(poll::RESTORE_VERSIONS_SQL, &[])
+        .await
+        .map_err(|source| LedgerError::Db {
+            context: "restoring outbox.aggregate_versions from the rows (migration 0032)".into(),
+            source,
+        })?;
     // As the relay must publish them now: with their latest destination migration.
     let current_rows = "outbox.events_current";
     let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
