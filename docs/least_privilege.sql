@@ -100,8 +100,9 @@ TO outboxd_relay;
 -- Destinations are created on first use and never changed or deleted.
 GRANT SELECT, INSERT ON outbox.receipt_destinations TO outboxd_relay;
 
--- Poll mode restores outbox.aggregate_versions from the rows when a run starts (the table is
--- unlogged, and a crash of the server empties it: migration 0032).
+-- A run restores outbox.aggregate_versions from the rows when it starts, if the table lost
+-- them (it is unlogged, and a crash of the server empties it: migration 0032). Poll mode needs
+-- it whole; the stream only warns without it.
 GRANT EXECUTE ON FUNCTION outbox.restore_aggregate_versions() TO outboxd_relay;
 
 GRANT USAGE ON SEQUENCE

@@ -37,7 +37,8 @@ GRANT USAGE ON SCHEMA outbox TO outboxd_operator;
 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA outbox TO outboxd_operator;
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA outbox TO outboxd_operator;
 REVOKE INSERT, UPDATE ON outbox.events FROM outboxd_operator;
-REVOKE INSERT, UPDATE, DELETE ON outbox.aggregate_versions, outbox.schema_migrations
+REVOKE INSERT, UPDATE, DELETE ON outbox.aggregate_versions, outbox.aggregate_versions_intact,
+                                  outbox.schema_migrations
     FROM outboxd_operator;
 -- `share take` / `give-back`: the ownership canary in the poller's table, and marking the rows
 -- outboxd takes (migration 0025; each checks its row is a canary, or outboxd's).

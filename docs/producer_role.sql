@@ -35,9 +35,11 @@ GRANT USAGE ON SCHEMA outbox TO outboxd_producer;
 GRANT SELECT ON outbox.route_policy TO outboxd_producer;
 GRANT SELECT, INSERT, UPDATE ON outbox.aggregate_versions TO outboxd_producer;
 GRANT INSERT ON outbox.events, outbox.delivery_sets TO outboxd_producer;
--- The next version of an aggregate the version table has no row for (a new aggregate, or the
--- unlogged table emptied by a crash of the server: migration 0032) comes after the highest
--- one the rows hold, which these two read for the producer.
+-- The next version of an aggregate the version table has no row for is 1 while the table is
+-- intact (its mark, outbox.aggregate_versions_intact), else after the highest one the rows
+-- hold, which these two read for the producer (the table is unlogged: a crash of the server
+-- empties it; migration 0032).
 GRANT EXECUTE ON FUNCTION outbox.last_version_written(text, text, uuid),
                           outbox.next_aggregate_version(text, text)
     TO outboxd_producer;
+GRANT SELECT ON outbox.aggregate_versions_intact TO outboxd_producer;

@@ -16,16 +16,20 @@
 -- * outbox.last_version_written(type, id) is the highest version the rows and tombstones hold
 --   for an aggregate: what the table's row said before it was lost, since every version the
 --   table ever gave was written into a row in the same transaction (or rolled back with it).
+-- * outbox.aggregate_versions_intact, unlogged too, has its one row while the table has a row
+--   for every aggregate that has a version (this migration puts it there; the loss takes it
+--   with the rest). No row of an aggregate then means a new aggregate: version 1.
 -- * outbox.enqueue updates the aggregate's row as before (its lock still serialises the
---   writers); only when there is no row (a new aggregate, or the table was emptied) does it
---   insert one, starting after last_version_written. Two writers that both find no row meet on
---   the primary key: the second waits for the first and then takes the next version, as
---   before. outbox.enqueue_set and the rows written around outbox.enqueue (trigger
+--   writers); only when there is no row does it insert one: at 1 while the table is intact,
+--   after last_version_written once it is not. Two writers that both find no row meet on the
+--   primary key: the second waits for the first and then takes the next version, as before.
+--   outbox.enqueue_set and the rows written around outbox.enqueue (trigger
 --   events_row_around_enqueue) do the same.
--- * Poll mode finds pending events through this table, so a poll relay restores every
---   aggregate's row from last_version_written when its run starts
---   (outbox.restore_aggregate_versions(); a crash of the server ends every run, so a restart
---   follows each loss). The stream (CDC) never reads the table.
+-- * outbox.restore_aggregate_versions() gives every aggregate its row back from the rows and
+--   tombstones and marks the table intact again; a relay runs it when a run starts (a no-op
+--   while the table is intact; a crash of the server ends every run, so a restart follows each
+--   loss). Poll mode finds pending events through this table and needs it whole; the stream
+--   never reads it.
 --
 -- A version is never given twice: a lost row is recovered from the rows committed before the
 -- writer reads them, and a writer that read them is then serialised by the row it inserts.
@@ -51,14 +55,21 @@ $$;
 
 ALTER TABLE outbox.aggregate_versions SET UNLOGGED;
 
+CREATE UNLOGGED TABLE outbox.aggregate_versions_intact (
+    intact boolean PRIMARY KEY DEFAULT true CHECK (intact)
+);
+INSERT INTO outbox.aggregate_versions_intact VALUES (true);
+
 -- The highest version of the aggregate in outbox.events (both branches of its version index:
 -- delivery set members share theirs) and outbox.purged_events, 0 when none; p_except leaves out
 -- one event (the row a trigger is checking). SECURITY DEFINER: producers may not read the rows,
 -- and what it answers they can read in outbox.aggregate_versions already.
+-- PL/pgSQL, not SQL: a SQL function with SET is planned at every call (~100 us).
 CREATE FUNCTION outbox.last_version_written(p_type text, p_id text, p_except uuid DEFAULT NULL)
 RETURNS bigint
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
-    SELECT greatest(
+LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RETURN greatest(
         (SELECT max(e.aggregate_version) FROM outbox.events e
          WHERE e.delivery_set_id IS NULL AND e.aggregate_type = p_type AND e.aggregate_id = p_id
            AND e.event_id IS DISTINCT FROM p_except),
@@ -67,7 +78,8 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
            AND e.aggregate_id = p_id AND e.event_id IS DISTINCT FROM p_except),
         (SELECT max(p.aggregate_version) FROM outbox.purged_events p
          WHERE p.aggregate_type = p_type AND p.aggregate_id = p_id),
-        0)
+        0);
+END
 $$;
 
 -- The next version of an aggregate, under its row lock (held until the caller's transaction
@@ -83,7 +95,9 @@ BEGIN
     RETURNING av.last_version INTO v_next;
     IF NOT FOUND THEN
         INSERT INTO outbox.aggregate_versions AS av (aggregate_type, aggregate_id, last_version)
-        VALUES (p_type, p_id, outbox.last_version_written(p_type, p_id) + 1)
+        VALUES (p_type, p_id,
+                CASE WHEN EXISTS (SELECT 1 FROM outbox.aggregate_versions_intact) THEN 1
+                     ELSE outbox.last_version_written(p_type, p_id) + 1 END)
         ON CONFLICT ON CONSTRAINT aggregate_versions_pkey
         DO UPDATE SET last_version = av.last_version + 1
         RETURNING av.last_version INTO v_next;
@@ -92,14 +106,18 @@ BEGIN
 END
 $$;
 
--- Every aggregate's row raised to what its rows and tombstones hold (never lowered); run by a
--- poll relay when its run starts. Its cost grows with the rows (one pass over the version
--- index), like a first poll round's.
+-- After a loss, every aggregate's row raised to what its rows and tombstones hold (never
+-- lowered), and the table marked intact in the same transaction; nothing while it is intact.
+-- Run by every relay when its run starts. A restore costs one pass over the rows, like a first
+-- poll round.
 CREATE FUNCTION outbox.restore_aggregate_versions() RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     n bigint;
 BEGIN
+    IF EXISTS (SELECT 1 FROM outbox.aggregate_versions_intact) THEN
+        RETURN 0;
+    END IF;
     INSERT INTO outbox.aggregate_versions AS av (aggregate_type, aggregate_id, last_version)
     SELECT aggregate_type, aggregate_id, max(aggregate_version)
     FROM (SELECT aggregate_type, aggregate_id, aggregate_version FROM outbox.events
@@ -109,6 +127,7 @@ BEGIN
     ON CONFLICT ON CONSTRAINT aggregate_versions_pkey
     DO UPDATE SET last_version = EXCLUDED.last_version WHERE av.last_version < EXCLUDED.last_version;
     GET DIAGNOSTICS n = ROW_COUNT;
+    INSERT INTO outbox.aggregate_versions_intact VALUES (true) ON CONFLICT DO NOTHING;
     RETURN n;
 END
 $$;
@@ -171,16 +190,18 @@ BEGIN
     END IF;
 
     -- The next version, under the aggregate's row lock, held until the producing transaction
-    -- ends: it serialises the writers of one aggregate (migration 0001). Without a row (a new
-    -- aggregate, or the unlogged table emptied by a crash) the count resumes after the
-    -- highest version the rows hold (outbox.next_aggregate_version, inline).
+    -- ends: it serialises the writers of one aggregate (migration 0001). Without a row: 1
+    -- while the table is intact, else after the highest version the rows hold
+    -- (outbox.next_aggregate_version, inline).
     UPDATE outbox.aggregate_versions av SET last_version = av.last_version + 1
     WHERE av.aggregate_type = enqueue.aggregate_type AND av.aggregate_id = enqueue.aggregate_id
     RETURNING av.last_version INTO v_next;
     IF NOT FOUND THEN
         INSERT INTO outbox.aggregate_versions AS av (aggregate_type, aggregate_id, last_version)
         VALUES (enqueue.aggregate_type, enqueue.aggregate_id,
-                outbox.last_version_written(enqueue.aggregate_type, enqueue.aggregate_id) + 1)
+                CASE WHEN EXISTS (SELECT 1 FROM outbox.aggregate_versions_intact) THEN 1
+                     ELSE outbox.last_version_written(enqueue.aggregate_type,
+                                                      enqueue.aggregate_id) + 1 END)
         ON CONFLICT ON CONSTRAINT aggregate_versions_pkey
         DO UPDATE SET last_version = av.last_version + 1
         RETURNING av.last_version INTO v_next;
@@ -306,9 +327,9 @@ BEGIN
     SELECT last_version INTO v_last FROM outbox.aggregate_versions
     WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id
     FOR UPDATE;
-    IF NOT FOUND THEN
-        -- A new aggregate, or the unlogged table emptied by a crash: its last version is in
-        -- the rows (this one left out) and tombstones; NULL when there is none, as before.
+    IF NOT FOUND AND NOT EXISTS (SELECT 1 FROM outbox.aggregate_versions_intact) THEN
+        -- The unlogged table was emptied: the last version is in the rows (this one left out)
+        -- and tombstones; NULL when there is none, as for a new aggregate.
         v_last := nullif(outbox.last_version_written(NEW.aggregate_type, NEW.aggregate_id,
                                                      NEW.event_id), 0);
     END IF;
@@ -339,8 +360,8 @@ $$;
 
 
 -- Who may call what (migration 0021: no SECURITY DEFINER function of schema outbox is
--- PUBLIC's): whoever may take versions (producers) the two that give them; whoever keeps poll
--- positions (a poll relay) the restore.
+-- PUBLIC's): whoever may take versions (producers) the two that give them, and the mark; a
+-- relay (whoever keeps poll positions) the restore.
 REVOKE EXECUTE ON FUNCTION outbox.last_version_written(text, text, uuid),
                            outbox.next_aggregate_version(text, text),
                            outbox.restore_aggregate_versions() FROM PUBLIC;
@@ -352,6 +373,7 @@ BEGIN
              WHERE table_schema = 'outbox' AND table_name = 'aggregate_versions'
                AND privilege_type = 'UPDATE' AND grantee <> current_user LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.last_version_written(text, text, uuid), outbox.next_aggregate_version(text, text) TO %I', g.grantee);
+        EXECUTE format('GRANT SELECT ON outbox.aggregate_versions_intact TO %I', g.grantee);
     END LOOP;
     FOR g IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
              WHERE table_schema = 'outbox' AND table_name = 'poll_positions'

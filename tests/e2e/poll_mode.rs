@@ -178,7 +178,7 @@ async fn poll_mode_publishes_the_events_a_crash_hid_from_the_unlogged_version_ta
     // What crash recovery does to an unlogged table (every other test of the process has its
     // own database, so the server itself is not crashed here).
     env.db
-        .batch_execute("TRUNCATE outbox.aggregate_versions")
+        .batch_execute("TRUNCATE outbox.aggregate_versions, outbox.aggregate_versions_intact")
         .await
         .unwrap();
     let relay = env.relay(&[], &POLL);

@@ -49,3 +49,18 @@ pub async fn enqueue<C: GenericClient>(
         ))?;
     Ok(row.get(0))
 }
+
+/// Gives `outbox.aggregate_versions` back every row it lost, from the rows and the purged
+/// events' tombstones, and marks it intact; nothing while it is intact. The table is unlogged
+/// (migration 0032): a crash of the server, a promoted standby or a restored base backup
+/// empties it. Writers stay correct meanwhile (they read the rows while the table is not
+/// intact), but poll mode finds pending events through it, and a writer of a new aggregate
+/// pays a look-up until the mark is back. A relay calls this when a run starts: a crash ends
+/// every run, so a restart follows each loss. Returns the rows restored.
+pub async fn restore_aggregate_versions<C: GenericClient>(client: &C) -> Result<i64, LedgerError> {
+    let row = client
+        .query_one("SELECT outbox.restore_aggregate_versions()", &[])
+        .await
+        .ctx("restoring outbox.aggregate_versions from the rows (migration 0032)")?;
+    Ok(row.get(0))
+}

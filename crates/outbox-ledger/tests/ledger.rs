@@ -2159,7 +2159,7 @@ async fn versions_resume_after_the_rows_when_the_unlogged_version_table_is_empti
     )
     .await
     .unwrap();
-    let lose = "TRUNCATE outbox.aggregate_versions";
+    let lose = "TRUNCATE outbox.aggregate_versions, outbox.aggregate_versions_intact";
     let version = |id: uuid::Uuid| {
         let c = &c;
         async move {
@@ -2232,9 +2232,19 @@ async fn versions_resume_after_the_rows_when_the_unlogged_version_table_is_empti
 
     // What a poll relay runs at start: every aggregate's row back, from the rows.
     c.batch_execute(lose).await.unwrap();
-    c.batch_execute("SELECT outbox.restore_aggregate_versions()")
-        .await
-        .unwrap();
+    assert_eq!(
+        outbox_ledger::producer::restore_aggregate_versions(&c)
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(
+        outbox_ledger::producer::restore_aggregate_versions(&c)
+            .await
+            .unwrap(),
+        0,
+        "marked intact again: nothing to restore"
+    );
     let rows: Vec<(String, i64)> = c
         .query(
             "SELECT aggregate_id, last_version FROM outbox.aggregate_versions ORDER BY 1",
@@ -2246,4 +2256,8 @@ async fn versions_resume_after_the_rows_when_the_unlogged_version_table_is_empti
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(rows, vec![("o-1".into(), 7), ("o-gone".into(), 8)]);
+    let id = enqueue(&c, "order", "o-new", "x", &json!({}), &opts)
+        .await
+        .unwrap();
+    assert_eq!(version(id).await, 1, "intact: a new aggregate starts at 1");
 }

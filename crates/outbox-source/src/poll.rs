@@ -57,13 +57,6 @@ pub const ADVANCE_SQL: &str = "SELECT outbox.advance_poll_positions()";
 /// [`ADVANCE_SQL`] for some aggregates only.
 pub const ADVANCE_SOME_SQL: &str = "SELECT outbox.advance_poll_positions($1::text[], $2::text[])";
 
-/// Every aggregate's row of `outbox.aggregate_versions` raised to the versions its rows and
-/// tombstones hold (migration 0032). The table is unlogged: a crash of the server, a promoted
-/// standby or a restored base backup leaves it empty, and an aggregate without a row is
-/// invisible to [`pending_sql`] until its next event. A crash ends every run, so running this
-/// when a run starts finds every event the loss hid.
-pub const RESTORE_VERSIONS_SQL: &str = "SELECT outbox.restore_aggregate_versions()";
-
 /// Records the snapshot of this round's read for the lease (`$1` its name, `$2` the
 /// generation); the first statement of the round's REPEATABLE READ transaction, so the
 /// snapshot is the read's (migration 0015).

@@ -332,6 +332,35 @@ fn spawn_heartbeat(client: Client, interval: Duration) -> AbortOnDrop {
     }))
 }
 
+/// `outbox.aggregate_versions` lost its rows (an unlogged table, migration 0032): they are
+/// given back before the run reads anything (`outbox_ledger::producer::restore_aggregate_versions`).
+/// Poll mode finds pending events through the table (`required`); the stream does not, and a
+/// failure there only leaves writers of new aggregates a look-up slower, so it is logged with
+/// the fix and the run goes on.
+pub(super) async fn restore_versions(
+    sql: &tokio_postgres::Client,
+    required: bool,
+) -> Result<(), RelayError> {
+    match outbox_ledger::producer::restore_aggregate_versions(sql).await {
+        Ok(0) => Ok(()),
+        Ok(restored) => {
+            tracing::warn!(
+                restored,
+                "outbox.aggregate_versions had lost its rows (a crash of the server, a promoted standby or a restored base backup: the table is unlogged); restored them from the outbox rows"
+            );
+            Ok(())
+        }
+        Err(e) if !required => {
+            tracing::warn!(
+                error = %e,
+                "could not restore outbox.aggregate_versions (the stream does not need it; writers of new aggregates read the rows until it is restored): GRANT EXECUTE ON FUNCTION outbox.restore_aggregate_versions() TO this relay's role"
+            );
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 async fn run_once(
     cfg: &RelayConfig,
     progress: &Arc<Progress>,
@@ -344,6 +373,7 @@ async fn run_once(
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
+    restore_versions(&sql, false).await?;
     // wal_level and the REPLICATION privilege were checked once, before the first run.
     slot::ensure_shard_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table, cfg.shard)
         .await?;

@@ -25,7 +25,8 @@ use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
 use super::{
-    connect_sql, keep_lease, open_pipeline, reconcile_at_start, Progress, RelayError, RELEASE_POLL,
+    connect_sql, keep_lease, open_pipeline, reconcile_at_start, restore_versions, Progress,
+    RelayError, RELEASE_POLL,
 };
 use crate::config::RelayConfig;
 
@@ -50,12 +51,8 @@ pub(super) async fn run_once(
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
-    sql.execute(poll::RESTORE_VERSIONS_SQL, &[])
-        .await
-        .map_err(|source| LedgerError::Db {
-            context: "restoring outbox.aggregate_versions from the rows (migration 0032)".into(),
-            source,
-        })?;
+    // Pending events are found through outbox.aggregate_versions: it must be whole.
+    restore_versions(&sql, true).await?;
     // As the relay must publish them now: with their latest destination migration.
     let current_rows = "outbox.events_current";
     let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
