@@ -334,5 +334,25 @@ e2e_only! {
                 && out.contains("ALTER PUBLICATION outbox_pub ADD TABLE outbox.route_versions"),
             "{out}"
         );
+
+        // The unlogged version table as a crash of the server leaves it (migration 0032).
+        let (_, out) = check(&["--database-url", &env.url, "--slot", &env.slot]);
+        assert!(out.contains("ok    version table"), "{out}");
+        env.db
+            .batch_execute("TRUNCATE outbox.aggregate_versions, outbox.aggregate_versions_intact")
+            .await
+            .unwrap();
+        let (_, out) = check(&["--database-url", &env.url, "--slot", &env.slot]);
+        assert!(
+            out.contains("WARN  version table")
+                && out.contains("SELECT outbox.restore_aggregate_versions()"),
+            "{out}"
+        );
+        let (_, out) = check(&["--database-url", &env.url, "--mode", "poll"]);
+        assert!(
+            out.contains("FAIL  version table")
+                && out.contains("poll mode cannot find pending events"),
+            "{out}"
+        );
     }
 }

@@ -318,6 +318,7 @@ async fn check_database(
     if schema_ok {
         check_privileges(r, &client, schema, table, purge).await;
         check_frozen_destinations(r, &client).await;
+        check_versions_intact(r, &client, poll).await;
     }
     if !poll {
         check_publication(r, &client, publication, schema, table).await;
@@ -325,6 +326,44 @@ async fn check_database(
         check_slot(r, &client, slot).await;
     }
     Some(client)
+}
+
+/// `outbox.aggregate_versions` is unlogged (migration 0032): after a crash of the server, a
+/// promoted standby or a restored base backup it is empty until a relay run restores it.
+/// Writers stay correct meanwhile; poll mode cannot find pending events without it.
+async fn check_versions_intact(r: &mut Report, client: &tokio_postgres::Client, poll: bool) {
+    let what = "version table";
+    let row = client
+        .query_opt(
+            "SELECT EXISTS (SELECT 1 FROM outbox.aggregate_versions_intact)
+             WHERE to_regclass('outbox.aggregate_versions_intact') IS NOT NULL",
+            &[],
+        )
+        .await;
+    match row {
+        // A database before migration 0032 (reported above).
+        Ok(None) => {}
+        Ok(Some(row)) if row.get::<_, bool>(0) => r.add(
+            Level::Ok,
+            what,
+            "outbox.aggregate_versions has every aggregate's row",
+        ),
+        Ok(Some(_)) => r.add(
+            if poll { Level::Fail } else { Level::Warn },
+            what,
+            format!(
+                "outbox.aggregate_versions lost its rows (it is unlogged: a crash of the server, a promoted standby or a restored base backup); no version is given twice meanwhile, but {}: a relay restores it when its run starts, or run SELECT outbox.restore_aggregate_versions() as the schema owner",
+                if poll {
+                    "poll mode cannot find pending events without it"
+                } else {
+                    "writers of new aggregates read the outbox rows until it is restored"
+                }
+            ),
+        ),
+        // A relay's role need not read the mark (its restore runs with the owner's rights).
+        Err(e) if e.code().map(|c| c.code()) == Some("42501") => {}
+        Err(e) => r.add(Level::Fail, what, e.to_string()),
+    }
 }
 
 /// Unpublished events whose destination was frozen before migration 0022 from a value its
