@@ -106,15 +106,26 @@ BEGIN
 END
 $$;
 
--- After a loss, every aggregate's row raised to what its rows and tombstones hold (never
--- lowered), and the table marked intact in the same transaction; nothing while it is intact.
--- Run by every relay when its run starts. A restore costs one pass over the rows, like a first
--- poll round.
+-- After a loss, every aggregate without a row given one at what its rows and tombstones hold,
+-- and the table marked intact in the same transaction; nothing while it is intact. A row that
+-- exists was written since the loss by a writer that read the rows already, so it is left as
+-- it is. Run by every relay when its run starts. A restore costs one pass over the rows, like
+-- a first poll round.
+--
+-- Writers keep writing meanwhile, and one that enqueues for two aggregates in one transaction
+-- could wait for the restore's row of one while the restore waits for its row of the other.
+-- The restore must lose that race, never the producer's business transaction: it waits for no
+-- lock longer than 100 ms (lock_timeout, far below deadlock_timeout), and the relay tries again.
+-- Restores of several relays (shards) run one at a time (the advisory lock).
 CREATE FUNCTION outbox.restore_aggregate_versions() RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET lock_timeout = '100ms' AS $$
 DECLARE
     n bigint;
 BEGIN
+    IF EXISTS (SELECT 1 FROM outbox.aggregate_versions_intact) THEN
+        RETURN 0;
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtext('outbox.restore_aggregate_versions'));
     IF EXISTS (SELECT 1 FROM outbox.aggregate_versions_intact) THEN
         RETURN 0;
     END IF;
@@ -124,8 +135,7 @@ BEGIN
           UNION ALL
           SELECT aggregate_type, aggregate_id, aggregate_version FROM outbox.purged_events) w
     GROUP BY aggregate_type, aggregate_id
-    ON CONFLICT ON CONSTRAINT aggregate_versions_pkey
-    DO UPDATE SET last_version = EXCLUDED.last_version WHERE av.last_version < EXCLUDED.last_version;
+    ON CONFLICT ON CONSTRAINT aggregate_versions_pkey DO NOTHING;
     GET DIAGNOSTICS n = ROW_COUNT;
     INSERT INTO outbox.aggregate_versions_intact VALUES (true) ON CONFLICT DO NOTHING;
     RETURN n;

@@ -3,6 +3,7 @@
 //! aggregate's lock, digests, route freezing), so producers in any language get the same
 //! guarantees; this is only a typed wrapper.
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::GenericClient;
 use uuid::Uuid;
 
@@ -57,10 +58,25 @@ pub async fn enqueue<C: GenericClient>(
 /// intact), but poll mode finds pending events through it, and a writer of a new aggregate
 /// pays a look-up until the mark is back. A relay calls this when a run starts: a crash ends
 /// every run, so a restart follows each loss. Returns the rows restored.
+///
+/// The restore gives way to writers (it waits for no lock longer than 100 ms, so a producer's
+/// transaction never loses a deadlock to it); it is tried again every 50 ms, for at most 30 s.
 pub async fn restore_aggregate_versions<C: GenericClient>(client: &C) -> Result<i64, LedgerError> {
-    let row = client
-        .query_one("SELECT outbox.restore_aggregate_versions()", &[])
-        .await
-        .ctx("restoring outbox.aggregate_versions from the rows (migration 0032)")?;
-    Ok(row.get(0))
+    let mut tries = 0;
+    loop {
+        match client
+            .query_one("SELECT outbox.restore_aggregate_versions()", &[])
+            .await
+        {
+            Ok(row) => return Ok(row.get(0)),
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) && tries < 600 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => {
+                return Err(e)
+                    .ctx("restoring outbox.aggregate_versions from the rows (migration 0032)")
+            }
+        }
+    }
 }
