@@ -12,7 +12,7 @@
 //!   by a scan like any other. Used by both sinks; the ledger's CHECK constraints are the
 //!   backstop.
 //! * [`classify`] — the single acceptance point (DESIGN invariant 6). `outbox-ledger`'s
-//!   acceptance statements (`ACCEPT_SQL`, and `ACCEPT_FRESH_SQL` where only primaries are
+//!   acceptance statements (`ACCEPT_SQL`, and the plain `COPY` of `accept_fresh` where only primaries are
 //!   possible) implement the same decision set-wise (the publish slot is the primary key of `outbox.receipt_entries`); a
 //!   change to one is a change to both.
 //! * [`resolve_unknown`] — UNKNOWN stays unknown until proven: found on the broker → that copy is

@@ -25,20 +25,21 @@
 //! halved the WAL a receipt writes, which the relay's walsender decodes again
 //! (docs/benchmarks.md "Receipts as entries of a batch").
 //!
-//! Two statements do it: `ACCEPT_FRESH_SQL` inserts a batch whose receipts can only be
-//! primary ones with a plain insert (the usual case; a taken publish slot makes it fail, and
-//! the transaction is rolled back), `ACCEPT_SQL` classifies each receipt (after a replay, or
-//! when a migration or a tombstone may concern the batch).
+//! Two ways do it: [`accept_fresh`] writes a batch whose receipts can only be primary ones
+//! with a plain binary `COPY` of its entries (the usual case; a taken publish slot makes it
+//! fail, and the transaction is rolled back), `ACCEPT_SQL` classifies each receipt (after a
+//! replay, or when a migration or a tombstone may concern the batch).
 //!
 //! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
 //! the checkpoint. A refusal (quarantine, hold, held event) about an event that is published by
 //! then is stale and not recorded (`outbox_core::records::RefusalFilter`). The checkpoint: the LSN stored here covers exactly the events this and earlier batches
 //! resolved. Only after COMMIT does the relay tell the slot.
 
-use bytes::BytesMut;
+use bytes::{BufMut, BytesMut};
 use outbox_core::envelope::StoredDigest;
 use outbox_core::records::RefusalFilter;
 use outbox_core::Lsn;
+use tokio_postgres::binary_copy::BinaryCopyInWriter;
 use tokio_postgres::types::{accepts, to_sql_checked, IsNull, PgLsn, ToSql, Type};
 use tokio_postgres::{Client, Statement};
 
@@ -201,50 +202,65 @@ SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*)
 "#
 );
 
-/// The acceptance of a batch whose receipts can only be primary ones: all of them inserted by
-/// a plain `INSERT`, or none (`go` false) and nothing written. They can only be primary when
-/// no operator has migrated any destination (`outbox.destination_migrations` is empty) and
-/// every event id of the batch (`$13` is the smallest) is above the newest purged event's
-/// tombstone (ids are uuid v7, time-ordered, unless a caller chose its own; purge takes only
-/// old events); an event that already has its primary receipt then fails the statement with a
-/// unique violation of `receipt_entries_pkey`, and the batch is accepted again with
-/// [`ACCEPT_SQL`]. Each condition is checked once per statement.
+/// The gate and the batch row of the acceptance whose receipts can only be primary ones
+/// ([`accept_fresh`]): `go`, the new batch's id when `go`, and whether any held event is open.
+/// The receipts can only be primary when no operator has migrated any destination
+/// (`outbox.destination_migrations` is empty) and every event id of the batch (`$2` is the
+/// smallest) is above the newest purged event's tombstone (ids are uuid v7, time-ordered,
+/// unless a caller chose its own; purge takes only old events); an event that already has its
+/// primary receipt then fails the entries' `COPY` ([`FRESH_ENTRIES_COPY`]) with a unique
+/// violation of `receipt_entries_pkey`, and the batch is accepted again with [`ACCEPT_SQL`].
+/// Each condition is checked once per statement.
 ///
 /// What it saves against [`ACCEPT_SQL`]: the speculative insertion of `ON CONFLICT DO NOTHING`
 /// per row (a probe of the key, a token, a confirmation record in WAL), the materialised
 /// classification every row passes through, and the anti-join that finds duplicates
 /// (docs/benchmarks.md "The acceptance without speculative insertion").
-const ACCEPT_FRESH_SQL: &str = concat!(
-    r#"
+const FRESH_BATCH_SQL: &str = r#"
 WITH gate AS (
     SELECT NOT EXISTS (SELECT 1 FROM outbox.destination_migrations)
-           AND $13::uuid > coalesce((SELECT pe.event_id FROM outbox.purged_events pe
-                                     ORDER BY pe.event_id DESC LIMIT 1),
-                                    '00000000-0000-0000-0000-000000000000'::uuid) AS go
+           AND $2::uuid > coalesce((SELECT pe.event_id FROM outbox.purged_events pe
+                                    ORDER BY pe.event_id DESC LIMIT 1),
+                                   '00000000-0000-0000-0000-000000000000'::uuid) AS go
 ),
 batch AS (
-    INSERT INTO outbox.receipt_batches (slot_name) SELECT $11 FROM gate WHERE go
+    INSERT INTO outbox.receipt_batches (slot_name) SELECT $1 FROM gate WHERE go
     RETURNING batch_id
-),
-prim AS (
-    INSERT INTO "#,
-    entry_columns!(),
-    r#"
-    SELECT t.event_id, (SELECT batch_id FROM batch), t.destination_id, t.partition, t."offset",
-           to_timestamp(t.ts_ms / 1000.0::float8), t.attempt, t.relay_generation, t.commit_lsn,
-           t.payload_digest, t.destination_digest, t.evidence::jsonb
-    FROM "#,
-    receipt_rows!(),
-    r#"
-    WHERE (SELECT go FROM gate)
-    RETURNING event_id
-),
-"#,
-    unheld!(),
-    r#"
-SELECT (SELECT go FROM gate), (SELECT count(*) FROM prim)
-"#
-);
+)
+SELECT (SELECT go FROM gate), (SELECT batch_id FROM batch),
+       EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL)
+"#;
+
+/// The entries of a batch whose receipts can only be primary ones, by binary `COPY`: half the
+/// server's CPU per receipt of an `INSERT ... SELECT FROM unnest(...)` of the same rows
+/// (PostgreSQL inserts a `COPY`'s rows in multi-row batches, one WAL record per page instead
+/// of one per row, and parses no parameter arrays; docs/benchmarks.md "Receipt entries by
+/// COPY"). The columns are [`ENTRY_TYPES`].
+const FRESH_ENTRIES_COPY: &str = concat!("COPY ", entry_columns!(), " FROM STDIN (FORMAT binary)");
+
+/// The types of [`FRESH_ENTRIES_COPY`]'s columns, in its order.
+const ENTRY_TYPES: [Type; 12] = [
+    Type::UUID,
+    Type::INT8,
+    Type::INT4,
+    Type::INT4,
+    Type::INT8,
+    Type::TIMESTAMPTZ,
+    Type::INT4,
+    Type::INT8,
+    Type::PG_LSN,
+    Type::BYTEA,
+    Type::BYTEA,
+    Type::JSONB,
+];
+
+/// Closes the held events of `$1` (event ids just accepted as primary); run only when
+/// [`FRESH_BATCH_SQL`] found any held event open.
+const FRESH_UNHELD_SQL: &str = r#"
+UPDATE outbox.held_events he SET released_at = clock_timestamp()
+FROM unnest($1::uuid[]) AS p(event_id)
+WHERE he.event_id = p.event_id AND he.released_at IS NULL
+"#;
 
 /// The destinations of `receipts` by their names: ids from `outbox.receipt_destinations`,
 /// created on first use. Runs outside the acceptance transaction, so an id in the cache always
@@ -288,8 +304,10 @@ SELECT count(*) FROM q
 #[derive(Debug)]
 pub struct Prepared {
     accept: Option<Statement>,
-    accept_fresh: Option<Statement>,
-    /// Whether the next batch tries [`ACCEPT_FRESH_SQL`] first: false after a batch that met
+    fresh_batch: Option<Statement>,
+    fresh_copy: Option<Statement>,
+    fresh_unheld: Option<Statement>,
+    /// Whether the next batch tries the plain insert ([`accept_fresh`]) first: false after a batch that met
     /// an accepted event, until a batch meets none.
     expect_fresh: bool,
     /// How many batches tried the plain insert, met an accepted event and were accepted again.
@@ -303,7 +321,9 @@ impl Default for Prepared {
     fn default() -> Self {
         Prepared {
             accept: None,
-            accept_fresh: None,
+            fresh_batch: None,
+            fresh_copy: None,
+            fresh_unheld: None,
             expect_fresh: true,
             fallbacks: 0,
             destinations: Vec::new(),
@@ -321,7 +341,7 @@ impl Prepared {
         }
     }
 
-    /// Whether the next batch tries the plain insert ([`ACCEPT_FRESH_SQL`]) first.
+    /// Whether the next batch tries the plain insert ([`accept_fresh`]) first.
     pub fn tries_plain_insert_next(&self) -> bool {
         self.expect_fresh
     }
@@ -406,6 +426,51 @@ impl ToSql for DigestParam<'_> {
     to_sql_checked!();
 }
 
+/// A broker timestamp in milliseconds since the Unix epoch as `timestamptz`: the microseconds
+/// `to_timestamp(ms / 1000.0::float8)` gives (the classifying statement's conversion).
+#[derive(Debug)]
+struct MillisParam(i64);
+
+impl ToSql for MillisParam {
+    fn to_sql(
+        &self,
+        _: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        // PostgreSQL counts from 2000-01-01, 946,684,800 s after the Unix epoch.
+        let micros = self
+            .0
+            .checked_mul(1000)
+            .and_then(|us| us.checked_sub(946_684_800_000_000))
+            .ok_or_else(|| format!("broker timestamp {} ms is out of range", self.0))?;
+        out.put_i64(micros);
+        Ok(IsNull::No)
+    }
+
+    accepts!(TIMESTAMPTZ);
+    to_sql_checked!();
+}
+
+/// A receipt's evidence (JSON text) as `jsonb`, which PostgreSQL parses as `::jsonb` would.
+#[derive(Debug)]
+struct JsonbParam<'a>(&'a str);
+
+impl ToSql for JsonbParam<'_> {
+    fn to_sql(
+        &self,
+        _: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        // jsonb's binary format: a version byte (1), then the text.
+        out.put_u8(1);
+        out.put_slice(self.0.as_bytes());
+        Ok(IsNull::No)
+    }
+
+    accepts!(JSONB);
+    to_sql_checked!();
+}
+
 /// Accepts `items` and moves the checkpoint of `slot` to `checkpoint` (never backwards), in one
 /// transaction. On error nothing is recorded and the caller must replay, not skip.
 ///
@@ -460,7 +525,7 @@ pub async fn accept_batch_prepared(
     let (first, rest): (Vec<&ReceiptRecord>, Vec<&ReceiptRecord>) =
         receipts.into_iter().partition(|r| seen.insert(r.event_id));
 
-    // Optimistic first: a plain insert of the first round (`ACCEPT_FRESH_SQL`). A taken
+    // Optimistic first: a plain insert of the first round ([`accept_fresh`]). A taken
     // publish slot rolls the transaction back (nothing else was written in it) and the batch
     // is accepted again by the statement that classifies duplicates; the next batch starts
     // that way too, so a run of replayed batches after a restart pays for one failed attempt,
@@ -595,26 +660,69 @@ impl<'a> ReceiptColumns<'a> {
     }
 }
 
-/// Runs one round of receipts through [`ACCEPT_FRESH_SQL`]: `Some(n)` when all `n` were
-/// inserted as primary receipts, `None` when its conditions do not hold and nothing was
-/// written. A taken publish slot is an error ([`LedgerError::is_taken_publish_slot`]).
+/// Accepts one round of receipts that can only be primary ones ([`FRESH_BATCH_SQL`], then the
+/// entries by [`FRESH_ENTRIES_COPY`]): `Some(n)` when all `n` were inserted as primary
+/// receipts, `None` when the gate's conditions do not hold and nothing was written. A taken
+/// publish slot is an error ([`LedgerError::is_taken_publish_slot`]), reported when the `COPY`
+/// ends.
 async fn accept_fresh(
     tx: &tokio_postgres::Transaction<'_>,
     prepared: &mut Prepared,
     slot: &str,
     round: &[&ReceiptRecord],
 ) -> Result<Option<u64>, LedgerError> {
-    let stmt = prepared_statement(tx, &mut prepared.accept_fresh, ACCEPT_FRESH_SQL).await?;
-    let columns = ReceiptColumns::of(prepared, round);
+    let stmt = prepared_statement(tx, &mut prepared.fresh_batch, FRESH_BATCH_SQL).await?;
     let smallest = round.iter().map(|r| r.event_id).min();
-    let mut params: Vec<&(dyn ToSql + Sync)> = columns.params(&slot).to_vec();
-    params.push(&smallest);
     let row = tx
-        .query_one(&stmt, &params)
+        .query_one(&stmt, &[&slot, &smallest])
         .await
-        .ctx(format!("accepting a batch of {} receipts", round.len()))?;
-    let go: bool = row.get(0);
-    Ok(go.then(|| row.get::<_, i64>(1) as u64))
+        .ctx("opening a batch of receipts (outbox.receipt_batches)")?;
+    let (go, batch_id, held_open): (bool, Option<i64>, bool) = (row.get(0), row.get(1), row.get(2));
+    let Some(batch_id) = batch_id.filter(|_| go) else {
+        return Ok(None);
+    };
+    let copy = prepared_statement(tx, &mut prepared.fresh_copy, FRESH_ENTRIES_COPY).await?;
+    let context = || {
+        format!(
+            "accepting a batch of {} receipts (COPY outbox.receipt_entries)",
+            round.len()
+        )
+    };
+    let sink = tx.copy_in(&copy).await.ctx(context())?;
+    let writer = BinaryCopyInWriter::new(sink, &ENTRY_TYPES);
+    tokio::pin!(writer);
+    for r in round {
+        let destination_id = prepared
+            .destination_id(r)
+            .expect("resolve_destinations found every destination of the batch");
+        writer
+            .as_mut()
+            .write(&[
+                &r.event_id,
+                &batch_id,
+                &destination_id,
+                &r.partition,
+                &r.offset,
+                &r.timestamp_ms.map(MillisParam),
+                &r.attempt,
+                &r.relay_generation,
+                &r.commit_lsn.map(|l| PgLsn::from(l.as_u64())),
+                &DigestParam(StoredDigest::of(&r.payload_digest)),
+                &DigestParam(StoredDigest::of(&r.destination_digest)),
+                &r.evidence.as_deref().map(JsonbParam),
+            ])
+            .await
+            .ctx(context())?;
+    }
+    let inserted = writer.as_mut().finish().await.ctx(context())?;
+    if held_open {
+        let unheld = prepared_statement(tx, &mut prepared.fresh_unheld, FRESH_UNHELD_SQL).await?;
+        let ids: Vec<uuid::Uuid> = round.iter().map(|r| r.event_id).collect();
+        tx.execute(&unheld, &[&ids])
+            .await
+            .ctx("closing the held events of accepted receipts (outbox.held_events)")?;
+    }
+    Ok(Some(inserted))
 }
 
 /// Runs each non-empty round of receipts, in order, through [`ACCEPT_SQL`] and adds what it

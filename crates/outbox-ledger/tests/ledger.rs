@@ -931,6 +931,160 @@ async fn the_optimistic_acceptance_inserts_fresh_batches_and_falls_back_on_a_tak
     assert_eq!((counts(out), prepared.fallbacks()), ((0, 0, 1), 1));
 }
 
+/// The plain acceptance writes its entries by binary `COPY`: every column of a receipt reads
+/// back as the classifying statement stores it (broker time, evidence, commit LSN, digests,
+/// position, attempt, generation; present and absent), and an open held event of an accepted
+/// receipt is closed as the classifying statement closes it.
+#[tokio::test]
+async fn the_copied_entries_read_back_as_the_classifying_statement_writes_them() {
+    let (mut c, _) = fresh("ledger_copy_entries").await;
+    let events = enqueue_orders(&c, 4).await;
+    let full = |ev: &OutboxEvent| ReceiptRecord {
+        partition: 5,
+        timestamp_ms: Some(1_700_000_000_123),
+        attempt: 3,
+        relay_generation: 7,
+        commit_lsn: Some(Lsn(0x1_0000_0042)),
+        evidence: Some(r#"{"status": 202, "response_id": "r-1"}"#.into()),
+        ..receipt(ev, 41)
+    };
+    let bare = |ev: &OutboxEvent| ReceiptRecord {
+        timestamp_ms: None,
+        commit_lsn: None,
+        evidence: None,
+        ..receipt(ev, 42)
+    };
+    for ev in &events[0..2] {
+        c.execute(
+            "INSERT INTO outbox.held_events (event_id, aggregate_type, aggregate_id,
+                                             aggregate_version, commit_lsn, slot_name)
+             VALUES ($1, 'order', $2, 1, '0/10', 's')",
+            &[&ev.event_id, &ev.aggregate_id],
+        )
+        .await
+        .unwrap();
+    }
+    let items =
+        |rs: [ReceiptRecord; 2]| rs.into_iter().map(LedgerItem::Receipt).collect::<Vec<_>>();
+
+    let mut plain = accept::Prepared::default();
+    let out = accept::accept_batch_prepared(
+        &mut c,
+        &mut plain,
+        "s",
+        &items([full(&events[0]), bare(&events[2])]),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (out.primary, plain.fallbacks()),
+        (2, 0),
+        "copied, no fallback"
+    );
+    let mut classifying = accept::Prepared::expecting_duplicates();
+    let out = accept::accept_batch_prepared(
+        &mut c,
+        &mut classifying,
+        "s",
+        &items([full(&events[1]), bare(&events[3])]),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.primary, 2);
+
+    let read = |id: uuid::Uuid| {
+        let c = &c;
+        async move {
+            let r = c
+                .query_one(
+                    "SELECT broker_timestamp::text, evidence::text, commit_lsn::text, attempt,
+                            relay_generation, partition, \"offset\", broker_kind, broker_cluster,
+                            topic, payload_digest, destination_digest, slot_name,
+                            (SELECT released_at IS NOT NULL FROM outbox.held_events h
+                             WHERE h.event_id = r.event_id)
+                     FROM outbox.receipts r WHERE event_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap();
+            (
+                (
+                    r.get::<_, Option<String>>(0),
+                    r.get::<_, Option<String>>(1),
+                    r.get::<_, Option<String>>(2),
+                    r.get::<_, i32>(3),
+                    r.get::<_, i64>(4),
+                    r.get::<_, i32>(5),
+                    r.get::<_, i64>(6),
+                ),
+                (
+                    r.get::<_, String>(7),
+                    r.get::<_, String>(8),
+                    r.get::<_, String>(9),
+                    r.get::<_, String>(10),
+                    r.get::<_, String>(11),
+                    r.get::<_, String>(12),
+                    r.get::<_, Option<bool>>(13),
+                ),
+            )
+        }
+    };
+    // The same receipt fields on two events of the same topic: the same stored columns, but
+    // for the digests, which are each event's own.
+    let (copied, classified) = (
+        read(events[0].event_id).await,
+        read(events[1].event_id).await,
+    );
+    assert_eq!(copied.0, classified.0);
+    assert_eq!(
+        copied.0 .0.as_deref(),
+        Some("2023-11-14 22:13:20.123+00"),
+        "the broker time to the millisecond"
+    );
+    assert_eq!(
+        (copied.1 .3.as_str(), copied.1 .4.as_str()),
+        (
+            events[0].payload_digest.as_str(),
+            events[0].destination_digest.as_str()
+        )
+    );
+    assert_eq!(
+        (classified.1 .3.as_str(), classified.1 .4.as_str()),
+        (
+            events[1].payload_digest.as_str(),
+            events[1].destination_digest.as_str()
+        )
+    );
+    assert_eq!(
+        (
+            &copied.1 .0,
+            &copied.1 .1,
+            &copied.1 .2,
+            &copied.1 .5,
+            copied.1 .6
+        ),
+        (
+            &classified.1 .0,
+            &classified.1 .1,
+            &classified.1 .2,
+            &classified.1 .5,
+            Some(true)
+        ),
+        "kind, cluster, topic, slot; the held event closed by either"
+    );
+    let (copied, classified) = (
+        read(events[2].event_id).await,
+        read(events[3].event_id).await,
+    );
+    assert_eq!(copied.0, classified.0);
+    assert_eq!((copied.0 .0, copied.0 .1, copied.0 .2), (None, None, None));
+    assert_eq!((copied.1 .6, classified.1 .6), (None, None));
+}
+
 /// The acceptance statements implement `outbox_core::receipt::classify` set-wise (the rule the simulator
 /// drives): the same inputs give the same verdicts. And a refusal arriving after the event was
 /// published (a paused relay's stale batch) records neither a quarantine nor a hold.
