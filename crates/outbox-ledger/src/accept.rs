@@ -905,7 +905,7 @@ async fn standing_refusals(
     } else {
         tx.query(
             "SELECT s.id,
-                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = s.id),
+                    EXISTS (SELECT 1 FROM outbox.receipt_of(s.id)),
                     (SELECT e.envelope_generation FROM outbox.events_current e
                      WHERE e.event_id = s.id)
              FROM unnest($1::uuid[]) AS s(id)",

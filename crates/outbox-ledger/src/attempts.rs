@@ -104,7 +104,7 @@ async fn open_attempts(
                     coalesce((SELECT max(r.\"offset\") FROM outbox.receipts r
                               WHERE r.topic = a.topic AND r.partition = a.partition
                                 AND r.accepted_at < a.sent_at - interval '60 seconds'), -1),
-                    EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = a.event_id),
+                    EXISTS (SELECT 1 FROM outbox.receipt_of(a.event_id)),
                     extract(epoch FROM clock_timestamp() - a.sent_at)::float8
              FROM outbox.attempts a
              WHERE a.slot_name = $1 AND a.state = 'DISPATCH_UNKNOWN'
@@ -140,8 +140,9 @@ pub async fn resolve_by_receipt(client: &Client, id: i64) -> Result<Option<i64>,
             "UPDATE outbox.attempts a
              SET state = 'FOUND', found_offset = r.\"offset\", scanned_from = r.\"offset\",
                  scanned_to = r.\"offset\", resolved_at = clock_timestamp()
-             FROM outbox.receipts r
-             WHERE a.id = $1 AND a.state = 'DISPATCH_UNKNOWN' AND r.event_id = a.event_id
+             FROM (SELECT x.id, p.\"offset\" FROM outbox.attempts x
+                   CROSS JOIN LATERAL outbox.receipt_of(x.event_id) p WHERE x.id = $1) r
+             WHERE a.id = r.id AND a.state = 'DISPATCH_UNKNOWN'
              RETURNING r.\"offset\"",
             &[&id],
         )
@@ -198,7 +199,7 @@ pub async fn retry_generations(
             "SELECT a.event_id, max(a.attempt_generation) + 1
              FROM outbox.attempts a
              WHERE a.slot_name = $1
-               AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = a.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.receipt_of(a.event_id))
              GROUP BY a.event_id
              HAVING bool_and(a.state = 'ABSENT')",
             &[&slot],

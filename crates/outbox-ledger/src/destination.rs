@@ -41,8 +41,8 @@ pub async fn facts(client: &Client, event_id: Uuid) -> Result<Option<MigrationFa
         .query_opt(
             "SELECT c.envelope_generation, c.dest_cluster, c.dest_topic,
                     outbox.destination_digest_of(c),
-                    (SELECT topic || '/' || partition || '@' || \"offset\" FROM outbox.receipts r
-                     WHERE r.event_id = c.event_id),
+                    (SELECT topic || '/' || partition || '@' || \"offset\"
+                     FROM outbox.receipt_of(c.event_id)),
                     EXISTS (SELECT 1 FROM outbox.attempts a
                             WHERE a.event_id = c.event_id AND a.state = 'DISPATCH_UNKNOWN'),
                     (SELECT q.reason_code FROM outbox.quarantine q

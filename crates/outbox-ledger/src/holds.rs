@@ -184,7 +184,7 @@ pub async fn republish_set(
              FROM outbox.events e
              LEFT JOIN outbox.held_events he ON he.event_id = e.event_id
              WHERE e.aggregate_type = $1 AND e.aggregate_id = $2
-               AND NOT EXISTS (SELECT 1 FROM outbox.receipts rc WHERE rc.event_id = e.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.receipt_of(e.event_id))
                AND NOT EXISTS (SELECT 1 FROM outbox.quarantine q
                                WHERE q.event_id = e.event_id
                                  AND (q.released_at IS NULL OR q.resolution = 'skipped'))
@@ -236,7 +236,7 @@ pub async fn close(client: &Client, key: &AggKey, last: Option<i64>) -> Result<b
         .execute(
             "UPDATE outbox.held_events he SET released_at = clock_timestamp()
              WHERE he.aggregate_type = $1 AND he.aggregate_id = $2 AND he.released_at IS NULL
-               AND (EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = he.event_id)
+               AND (EXISTS (SELECT 1 FROM outbox.receipt_of(he.event_id))
                     OR EXISTS (SELECT 1 FROM outbox.quarantine q
                                WHERE q.event_id = he.event_id AND q.resolution = 'skipped'))",
             &[&key.0, &key.1],

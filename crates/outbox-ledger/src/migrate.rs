@@ -180,6 +180,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "versions_unlogged",
         sql: include_str!("../../../migrations/0032_versions_unlogged.sql"),
     },
+    Migration {
+        version: 33,
+        name: "receipt_of",
+        sql: include_str!("../../../migrations/0033_receipt_of.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

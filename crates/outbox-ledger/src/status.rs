@@ -194,7 +194,7 @@ pub async fn event_history(
                            topic, partition, \"offset\", relay_generation, attempt, accepted_at,
                            coalesce(', answered ' || (evidence ->> 'status')
                                     || coalesce(' (response id ' || (evidence ->> 'response_id') || ')', ''), ''))
-             FROM outbox.receipts WHERE event_id = $1",
+             FROM outbox.receipt_of($1)",
         ),
         (
             "duplicate",
@@ -403,7 +403,7 @@ pub async fn receipts(
         .query(
             "SELECT 'primary', broker_cluster, topic, partition, \"offset\", attempt,
                     relay_generation, commit_lsn::text, accepted_at::text, 0::int8 AS ord
-             FROM outbox.receipts WHERE event_id = $1
+             FROM outbox.receipt_of($1)
              UNION ALL
              SELECT 'duplicate', broker_cluster, topic, partition, \"offset\", attempt,
                     relay_generation, commit_lsn::text, received_at::text, id

@@ -1085,6 +1085,64 @@ async fn the_copied_entries_read_back_as_the_classifying_statement_writes_them()
     assert_eq!((copied.1 .6, classified.1 .6), (None, None));
 }
 
+/// `outbox.receipt_of(id)` (migration 0033) is how a reader asks about one event: the row the
+/// view has for it, none without a receipt, and planned as the probe of the view it replaces
+/// (PostgreSQL inlines it: no function scan, the entries' key), which is what keeps the
+/// readers' plans when the layout behind it changes (docs/evidence_batches.md).
+#[tokio::test]
+async fn receipt_of_is_the_views_row_and_is_inlined_into_an_index_probe() {
+    let (mut c, _) = fresh("ledger_receipt_of").await;
+    let events = enqueue_orders(&c, 2).await;
+    let items = vec![LedgerItem::Receipt(receipt(&events[0], 7))];
+    accept::accept_batch(&mut c, "s", &items, None, None)
+        .await
+        .unwrap();
+    let row = |sql: &'static str, id: uuid::Uuid| {
+        let c = &c;
+        async move {
+            c.query(sql, &[&id])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    (
+                        r.get::<_, String>(0),
+                        r.get::<_, i64>(1),
+                        r.get::<_, String>(2),
+                    )
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let via_function = "SELECT topic, \"offset\", payload_digest FROM outbox.receipt_of($1)";
+    let via_view =
+        "SELECT topic, \"offset\", payload_digest FROM outbox.receipts WHERE event_id = $1";
+    let published = row(via_function, events[0].event_id).await;
+    assert_eq!(published, row(via_view, events[0].event_id).await);
+    assert_eq!(published.len(), 1);
+    assert_eq!(published[0].1, 7);
+    assert!(row(via_function, events[1].event_id).await.is_empty());
+
+    for probe in [
+        "EXPLAIN SELECT EXISTS (SELECT 1 FROM outbox.receipt_of($1::uuid))",
+        "EXPLAIN SELECT e.event_id FROM outbox.events e
+         WHERE e.event_id = $1::uuid AND NOT EXISTS (SELECT 1 FROM outbox.receipt_of(e.event_id))",
+    ] {
+        let plan: Vec<String> = c
+            .query(probe, &[&events[0].event_id])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let plan = plan.join("\n");
+        assert!(
+            !plan.contains("Function Scan") && plan.contains("receipt_entries_pkey"),
+            "outbox.receipt_of is not inlined into a probe of the entries' key:\n{plan}"
+        );
+    }
+}
+
 /// The acceptance statements implement `outbox_core::receipt::classify` set-wise (the rule the simulator
 /// drives): the same inputs give the same verdicts. And a refusal arriving after the event was
 /// published (a paused relay's stale batch) records neither a quarantine nor a hold.

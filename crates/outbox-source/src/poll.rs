@@ -42,7 +42,7 @@ pub fn pending_sql(events: &str) -> String {
          WHERE v.last_version > coalesce(p.version, 0)
            AND NOT EXISTS (SELECT 1 FROM outbox.holds ho
                            WHERE ho.aggregate_type = v.aggregate_type AND ho.aggregate_id = v.aggregate_id)
-           AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)
+           AND NOT EXISTS (SELECT 1 FROM outbox.receipt_of(e.event_id))
            AND NOT {quarantined_or_skipped}
          ORDER BY v.aggregate_type, v.aggregate_id, e.aggregate_version
          LIMIT $1"

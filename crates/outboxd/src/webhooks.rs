@@ -66,7 +66,7 @@ SELECT e.dest_cluster, 'in_doubt', a.event_id, e.aggregate_type, e.aggregate_id,
 FROM outbox.attempts a
 JOIN outbox.events_current e ON e.event_id = a.event_id
 WHERE a.state = 'DISPATCH_UNKNOWN' AND e.dest_kind = 'http'
-  AND NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = a.event_id)
+  AND NOT EXISTS (SELECT 1 FROM outbox.receipt_of(a.event_id))
 GROUP BY e.dest_cluster, a.event_id, e.aggregate_type, e.aggregate_id, e.aggregate_version
 "#;
 
@@ -241,7 +241,7 @@ pub async fn resend(a: ResendArgs) -> anyhow::Result<()> {
                 let attempt: i32 = client
                     .query_one(
                         "SELECT coalesce(max(attempt), 0) + 1 FROM (
-                             SELECT attempt FROM outbox.receipts WHERE event_id = $1
+                             SELECT attempt FROM outbox.receipt_of($1)
                              UNION ALL
                              SELECT attempt FROM outbox.duplicate_receipts WHERE event_id = $1) a",
                         &[&ev.event_id],
