@@ -86,6 +86,67 @@ fn missing_settings_and_unknown_config_keys_are_named() {
     assert!(!ok && err.contains("slot"), "{err}");
 }
 
+/// A binary started on a schema older than its own migrations (the operator upgraded the
+/// binary and forgot `outboxd migrate`) stops before it sends anything, saying where the schema
+/// is, what it needs and the command; an unmigrated database is named the same way.
+#[tokio::test]
+async fn a_schema_behind_the_binary_is_named_with_the_migrate_command() {
+    let env = TestEnv::new("bad_input_schema").await;
+    let pg = outbox_testkit::postgres::TestPostgres::shared();
+    let latest = outbox_ledger::migrate::latest();
+    let behind = pg.create_database("bad_input_behind").await.unwrap();
+    let mut c = crate::harness::connect(&behind).await;
+    outbox_ledger::migrate::run_through(&mut c, latest - 1)
+        .await
+        .unwrap();
+    let bare = pg.create_database("bad_input_bare").await.unwrap();
+    for (url, at) in [
+        (&behind, format!("at migration {}", latest - 1)),
+        (&bare, "not migrated".to_string()),
+    ] {
+        // With a deadline: a relay that does not refuse would stream on.
+        let mut child = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["run", "--database-url", url, "--bootstrap-servers"])
+            .arg(env.kafka.bootstrap_servers())
+            .args(["--slot", &env.slot])
+            .env_remove("OUTBOXD_DATABASE_URL")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run outboxd");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("the relay kept running for 60 s on a schema {at}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert!(!status.success(), "the relay ran on a schema {at}");
+        assert!(
+            err.contains(&format!("schema outbox is {at}"))
+                && err.contains(&format!("needs migration {latest}"))
+                && err.contains("outboxd migrate"),
+            "{err}"
+        );
+    }
+    // Nothing was created for a slot the relay never started.
+    let slots: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&env.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(slots, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_broker_and_missing_replication_privilege_are_named() {
     let env = TestEnv::new("bad_input").await;

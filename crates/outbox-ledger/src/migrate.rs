@@ -195,6 +195,34 @@ impl Migration {
     }
 }
 
+/// The newest migration this build knows (and whose objects its code uses).
+pub fn latest() -> i32 {
+    MIGRATIONS.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
+/// The newest migration applied to the database, or `None` when schema `outbox` has never been
+/// migrated (no `outbox.schema_migrations`).
+pub async fn applied(client: &Client) -> Result<Option<i32>, LedgerError> {
+    let row = client
+        .query_one(
+            "SELECT to_regclass('outbox.schema_migrations') IS NOT NULL",
+            &[],
+        )
+        .await
+        .ctx("looking for outbox.schema_migrations")?;
+    if !row.get::<_, bool>(0) {
+        return Ok(None);
+    }
+    let row = client
+        .query_one(
+            "SELECT coalesce(max(version), 0) FROM outbox.schema_migrations",
+            &[],
+        )
+        .await
+        .ctx("reading the newest applied migration (outbox.schema_migrations)")?;
+    Ok(Some(row.get(0)))
+}
+
 /// Applies every migration not yet applied. Returns the versions applied now (empty when the
 /// database was already up to date).
 pub async fn run(client: &mut Client) -> Result<Vec<i32>, LedgerError> {

@@ -170,6 +170,21 @@ pub async fn run(
             missing.join("; ")
         ))));
     }
+    // The schema this build's statements use (e.g. `outbox.receipt_of`, migration 0033): a
+    // relay started before `outboxd migrate` would otherwise stream and publish, and stop at
+    // the first statement that names what is missing. A newer schema is fine (a rollback).
+    if let Some(client) = &client {
+        let needed = outbox_ledger::migrate::latest();
+        match outbox_ledger::migrate::applied(client).await? {
+            Some(at) if at >= needed => {}
+            at => {
+                let at = at.map_or("not migrated".to_string(), |v| format!("at migration {v}"));
+                return Err(RelayError::Ledger(LedgerError::Invalid(format!(
+                    "schema outbox is {at}, and this outboxd needs migration {needed}, so nothing was sent: run `outboxd migrate --database-url ...` (as the schema's owner) with this binary, then start it again; relays of the earlier version keep running meanwhile (docs/operations.md, \"Upgrades and rollback\")"
+                ))));
+            }
+        }
+    }
     drop(client);
     let mut resnapshot = cfg.resnapshot;
     // Whether an ended run reconnects or stops the process: `outbox_relay::lifecycle`.
