@@ -203,8 +203,8 @@ SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*)
 );
 
 /// The gate and the batch row of the acceptance whose receipts can only be primary ones
-/// ([`accept_fresh`]): `go`, the new batch's id when `go`, and whether any held event is open.
-/// The receipts can only be primary when no operator has migrated any destination
+/// ([`accept_fresh`]): the new batch's id, NULL when the gate is shut (nothing written), and
+/// whether any held event is open. The receipts can only be primary when no operator has migrated any destination
 /// (`outbox.destination_migrations` is empty) and every event id of the batch (`$2` is the
 /// smallest) is above the newest purged event's tombstone (ids are uuid v7, time-ordered,
 /// unless a caller chose its own; purge takes only old events); an event that already has its
@@ -227,7 +227,7 @@ batch AS (
     INSERT INTO outbox.receipt_batches (slot_name) SELECT $1 FROM gate WHERE go
     RETURNING batch_id
 )
-SELECT (SELECT go FROM gate), (SELECT batch_id FROM batch),
+SELECT (SELECT batch_id FROM batch),
        EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL)
 "#;
 
@@ -254,13 +254,13 @@ const ENTRY_TYPES: [Type; 12] = [
     Type::JSONB,
 ];
 
-/// Closes the held events of `$1` (event ids just accepted as primary); run only when
-/// [`FRESH_BATCH_SQL`] found any held event open.
-const FRESH_UNHELD_SQL: &str = r#"
-UPDATE outbox.held_events he SET released_at = clock_timestamp()
-FROM unnest($1::uuid[]) AS p(event_id)
-WHERE he.event_id = p.event_id AND he.released_at IS NULL
-"#;
+/// Closes the held events of `$1` (event ids just accepted as primary) as the classifying
+/// statement does ([`unheld!`]); run only when [`FRESH_BATCH_SQL`] found any held event open.
+const FRESH_UNHELD_SQL: &str = concat!(
+    "WITH prim AS (SELECT unnest($1::uuid[]) AS event_id),\n",
+    unheld!(),
+    "\nSELECT count(*) FROM unheld"
+);
 
 /// The destinations of `receipts` by their names: ids from `outbox.receipt_destinations`,
 /// created on first use. Runs outside the acceptance transaction, so an id in the cache always
@@ -677,8 +677,8 @@ async fn accept_fresh(
         .query_one(&stmt, &[&slot, &smallest])
         .await
         .ctx("opening a batch of receipts (outbox.receipt_batches)")?;
-    let (go, batch_id, held_open): (bool, Option<i64>, bool) = (row.get(0), row.get(1), row.get(2));
-    let Some(batch_id) = batch_id.filter(|_| go) else {
+    let (batch_id, held_open): (Option<i64>, bool) = (row.get(0), row.get(1));
+    let Some(batch_id) = batch_id else {
         return Ok(None);
     };
     let copy = prepared_statement(tx, &mut prepared.fresh_copy, FRESH_ENTRIES_COPY).await?;
@@ -718,7 +718,7 @@ async fn accept_fresh(
     if held_open {
         let unheld = prepared_statement(tx, &mut prepared.fresh_unheld, FRESH_UNHELD_SQL).await?;
         let ids: Vec<uuid::Uuid> = round.iter().map(|r| r.event_id).collect();
-        tx.execute(&unheld, &[&ids])
+        tx.query_one(&unheld, &[&ids])
             .await
             .ctx("closing the held events of accepted receipts (outbox.held_events)")?;
     }

@@ -263,7 +263,7 @@ async fn apply_all(client: &mut Client, last: i32) -> Result<Vec<i32>, LedgerErr
         )
         .await
         .ctx("reading applied migrations")?;
-    let known_max = MIGRATIONS.iter().map(|m| m.version).max().unwrap_or(0);
+    let known_max = latest();
     for row in &rows {
         let version: i32 = row.get(0);
         if version > known_max {

@@ -285,11 +285,7 @@ async fn check_database(
     } else {
         check_replication(r, &client, slot).await;
     }
-    let latest = outbox_ledger::migrate::MIGRATIONS
-        .iter()
-        .map(|m| m.version)
-        .max()
-        .unwrap_or(0);
+    let latest = outbox_ledger::migrate::latest();
     let mut schema_ok = false;
     match one("SELECT coalesce(max(version), 0) FROM outbox.schema_migrations").await {
         Ok(row) if row.get::<_, i32>(0) == latest => {
