@@ -110,6 +110,71 @@ impl<const LAST_ACK_WINS: bool> AcceptanceRule<LAST_ACK_WINS> {
     }
 }
 
+/// Where a row stands in its slot's stream: the commit LSN of its transaction, then the LSN
+/// of its own change record (the `XLogData` start the walsender sends with it). The stream
+/// delivers rows in this order (transactions in commit order, a transaction's changes in WAL
+/// order), and both halves are the WAL's own, so a row read again after a restart, whatever
+/// the publication's filter or the relay's batching, has the same position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamPosition {
+    pub commit_lsn: crate::Lsn,
+    pub change_lsn: crate::Lsn,
+}
+
+/// Whether every receipt of a batch is proven new to its slot: each has a stream position,
+/// and each is past `accepted_through`, the highest position among the receipts the slot's
+/// acceptances recorded so far (read under the slot's checkpoint row lock; `None` when none
+/// had a position). A receipt past that position cannot have been recorded by the slot
+/// before, so the batch's receipts can only be primary ones, unless another slot accepted the
+/// same event (the ledger's key on the publish slot still refuses that). A batch that is not
+/// proven new (a replay after a restart, a receipt from a snapshot, a release or a look-up,
+/// without a position) is classified receipt by receipt ([`classify`]).
+///
+/// The ledger chooses its acceptance path by this (`outbox-ledger`'s `accept`), and the
+/// simulator counts the batches it proves new although one of their events already had a
+/// primary receipt (`fresh_proofs_wrong`, which must be 0).
+pub fn proved_new(
+    accepted_through: Option<StreamPosition>,
+    positions: impl IntoIterator<Item = Option<StreamPosition>>,
+) -> bool {
+    FreshnessRule::default().proved_new(accepted_through, positions)
+}
+
+rule_with_mutant! {
+    /// The freshness rule, with the simulator's product mutant: `COMMIT_ONLY` compares only the
+    /// commit LSN, and counts a receipt of the last accepted transaction as new (the
+    /// simulator's `fresh-by-commit`, counted by `fresh_proofs_wrong`): a transaction split
+    /// over two acceptance batches, read again after a restart, would pass. The ledger uses
+    /// [`FreshnessRule::default`] (`false`) in every build.
+    pub struct FreshnessRule<const COMMIT_ONLY>;
+    /// The simulator's mutant `fresh-by-commit`.
+    pub fn commit_only;
+}
+
+impl<const COMMIT_ONLY: bool> FreshnessRule<COMMIT_ONLY> {
+    /// See [`proved_new`].
+    pub fn proved_new(
+        &self,
+        accepted_through: Option<StreamPosition>,
+        positions: impl IntoIterator<Item = Option<StreamPosition>>,
+    ) -> bool {
+        let mut any = false;
+        for p in positions {
+            let Some(p) = p else { return false };
+            any = true;
+            let new = match accepted_through {
+                None => true,
+                Some(h) if COMMIT_ONLY => p.commit_lsn >= h.commit_lsn,
+                Some(h) => p > h,
+            };
+            if !new {
+                return false;
+            }
+        }
+        any
+    }
+}
+
 /// Why a broker's success report does not prove a stored copy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NotProof {
@@ -424,6 +489,31 @@ impl<const IGNORE_READERS: bool> PurgeRule<IGNORE_READERS> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_batch_is_proven_new_only_past_the_slots_last_accepted_position() {
+        let at = |c: u64, l: u64| {
+            Some(StreamPosition {
+                commit_lsn: crate::Lsn(c),
+                change_lsn: crate::Lsn(l),
+            })
+        };
+        let h = at(200, 150);
+        // Nothing accepted with a position yet: any positioned batch is new.
+        assert!(proved_new(None, [at(100, 10), at(200, 5)]));
+        // Past H: a later transaction, or a later change of H's own transaction.
+        assert!(proved_new(h, [at(300, 10), at(200, 160)]));
+        // At or below H: a replay, or the part of H's transaction already accepted.
+        assert!(!proved_new(h, [at(300, 10), at(200, 150)]));
+        assert!(!proved_new(h, [at(200, 140)]));
+        assert!(!proved_new(h, [at(100, 190)]));
+        // A receipt without a position (snapshot, release, look-up) proves nothing.
+        assert!(!proved_new(None, [at(300, 10), None]));
+        assert!(!proved_new(None, std::iter::empty()));
+        // The mutant reads H's transaction as new when it is not.
+        assert!(FreshnessRule::commit_only().proved_new(h, [at(200, 140)]));
+        assert!(!FreshnessRule::commit_only().proved_new(h, [at(100, 190)]));
+    }
     use super::*;
 
     #[test]

@@ -23,9 +23,35 @@ pub struct ReceiptRecord {
     /// Commit LSN of the producing transaction; `None` for events published from the
     /// initial snapshot (they predate the slot).
     pub commit_lsn: Option<Lsn>,
+    /// The LSN of the row's own change record, as the stream delivered it: with `commit_lsn`
+    /// the row's stream position ([`ReceiptRecord::position`]). `None` for rows not read from
+    /// the stream (snapshot, release, poll mode, a look-up's receipt).
+    pub change_lsn: Option<Lsn>,
     /// What proves it beyond the position, as JSON (an HTTP endpoint's answer); `None` for
     /// brokers.
     pub evidence: Option<String>,
+}
+
+impl ReceiptRecord {
+    /// Where its row stands in the slot's stream, when it was read from the stream.
+    pub fn position(&self) -> Option<crate::receipt::StreamPosition> {
+        Some(crate::receipt::StreamPosition {
+            commit_lsn: self.commit_lsn?,
+            change_lsn: self.change_lsn?,
+        })
+    }
+
+    /// The highest stream position its row can have: its position, or, for a receipt that
+    /// knows only its transaction's commit LSN (a release of a held event), the end of that
+    /// transaction. What an acceptance raises the slot's accepted position to: a bound too
+    /// high only sends more batches to be classified, never one that holds a replay to the
+    /// plain insert.
+    pub fn position_bound(&self) -> Option<crate::receipt::StreamPosition> {
+        Some(crate::receipt::StreamPosition {
+            commit_lsn: self.commit_lsn?,
+            change_lsn: self.change_lsn.unwrap_or(Lsn(u64::MAX)),
+        })
+    }
 }
 
 /// An event the relay refuses to publish, with its reason.

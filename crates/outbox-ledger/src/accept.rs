@@ -28,7 +28,15 @@
 //! Two ways do it: [`accept_fresh`] writes a batch whose receipts can only be primary ones
 //! with a plain binary `COPY` of its entries (the usual case; a taken publish slot makes it
 //! fail, and the transaction is rolled back), `ACCEPT_SQL` classifies each receipt (after a
-//! replay, or when a migration or a tombstone may concern the batch).
+//! replay, or when a migration or a tombstone may concern the batch). Which one is a proof,
+//! not a guess, for receipts read from the stream: every acceptance first locks the slot's
+//! checkpoint row and reads the position its receipts were accepted through (migration
+//! 0034); a batch whose receipts are all past it is new to the slot
+//! (`outbox_core::receipt::proved_new`), any other is classified, and the transaction raises
+//! the position to its highest receipt's. So a replay after a restart costs no failed
+//! attempt, and the acceptances of one slot commit in the order they took the lock (the
+//! order evidence per batch without a per-event key will rely on;
+//! docs/evidence_batches.md).
 //!
 //! Quarantine records from decoding (malformed rows) ride in the same transaction, and so does
 //! the checkpoint. A refusal (quarantine, hold, held event) about an event that is published by
@@ -37,6 +45,7 @@
 
 use bytes::{BufMut, BytesMut};
 use outbox_core::envelope::StoredDigest;
+use outbox_core::receipt::{self, StreamPosition};
 use outbox_core::records::RefusalFilter;
 use outbox_core::Lsn;
 use tokio_postgres::binary_copy::BinaryCopyInWriter;
@@ -307,8 +316,12 @@ pub struct Prepared {
     fresh_batch: Option<Statement>,
     fresh_copy: Option<Statement>,
     fresh_unheld: Option<Statement>,
-    /// Whether the next batch tries the plain insert ([`accept_fresh`]) first: false after a batch that met
-    /// an accepted event, until a batch meets none.
+    lock_accepted: Option<Statement>,
+    raise_accepted: Option<Statement>,
+    /// For a batch that its positions cannot prove new (receipts from a snapshot, a release,
+    /// a look-up, poll mode; a slot without a checkpoint row): whether it tries the plain
+    /// insert ([`accept_fresh`]) first. False after such a batch met an accepted event, until
+    /// one meets none.
     expect_fresh: bool,
     /// How many batches tried the plain insert, met an accepted event and were accepted again.
     fallbacks: u64,
@@ -324,6 +337,8 @@ impl Default for Prepared {
             fresh_batch: None,
             fresh_copy: None,
             fresh_unheld: None,
+            lock_accepted: None,
+            raise_accepted: None,
             expect_fresh: true,
             fallbacks: 0,
             destinations: Vec::new(),
@@ -341,13 +356,15 @@ impl Prepared {
         }
     }
 
-    /// Whether the next batch tries the plain insert ([`accept_fresh`]) first.
+    /// Whether the next batch that its positions cannot prove new tries the plain insert
+    /// ([`accept_fresh`]) first.
     pub fn tries_plain_insert_next(&self) -> bool {
         self.expect_fresh
     }
 
     /// How many batches tried the plain insert first, met an event that already had its
-    /// primary receipt, and were accepted again with duplicates classified.
+    /// primary receipt, and were accepted again with duplicates classified. A batch proven new
+    /// by its positions meets one only if another slot accepted the same event.
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks
     }
@@ -525,55 +542,146 @@ pub async fn accept_batch_prepared(
     let (first, rest): (Vec<&ReceiptRecord>, Vec<&ReceiptRecord>) =
         receipts.into_iter().partition(|r| seen.insert(r.event_id));
 
-    // Optimistic first: a plain insert of the first round ([`accept_fresh`]). A taken
-    // publish slot rolls the transaction back (nothing else was written in it) and the batch
-    // is accepted again by the statement that classifies duplicates; the next batch starts
-    // that way too, so a run of replayed batches after a restart pays for one failed attempt,
-    // not one per batch.
-    if prepared.expect_fresh && !first.is_empty() {
+    // The slot's position after this batch: the highest its receipts' rows can have (the
+    // WAL's insert position when a receipt knows nothing of its row's: `Raise::ToWalEnd`).
+    let highest = first
+        .iter()
+        .chain(&rest)
+        .map(|r| r.position_bound().map_or(Raise::ToWalEnd, Raise::To))
+        .max();
+    let positioned = !first.is_empty() && first.iter().all(|r| r.position().is_some());
+
+    // The plain insert of the first round ([`accept_fresh`]) when the batch is proven new to
+    // the slot (`outbox_core::receipt::proved_new`: every receipt past the position the
+    // slot's receipts were accepted through, read under the checkpoint row's lock), else the
+    // statement that classifies duplicates. A batch without positions (or a slot without a
+    // checkpoint row) has no proof: it tries the plain insert optimistically unless the last
+    // such batch met an accepted event. A taken publish slot (another slot accepted the
+    // event, or the optimistic guess was wrong) rolls the transaction back (nothing else was
+    // written in it) and the batch is classified in a new one.
+    for attempt in 0..2 {
         let tx = client
             .transaction()
             .await
             .ctx("beginning the receipt acceptance transaction")?;
-        match accept_fresh(&tx, prepared, slot, &first).await {
-            Ok(inserted) => {
-                match inserted {
-                    Some(n) => {
-                        out.primary += n;
-                        classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
+        let lock = prepared_statement(
+            &tx,
+            &mut prepared.lock_accepted,
+            crate::checkpoint::LOCK_ACCEPTED_SQL,
+        )
+        .await?;
+        let through = tx
+            .query_opt(&lock, &[&slot])
+            .await
+            .ctx(format!("locking the checkpoint row of slot {slot}"))?
+            .map(|row| accepted_position(row.get(0), row.get(1)));
+        let proof = through.filter(|_| positioned);
+        let plain = attempt == 0
+            && !first.is_empty()
+            && match proof {
+                Some(h) => receipt::proved_new(h, first.iter().map(|r| r.position())),
+                None => prepared.expect_fresh,
+            };
+        if plain {
+            match accept_fresh(&tx, prepared, slot, &first).await {
+                Ok(inserted) => {
+                    match inserted {
+                        Some(n) => {
+                            out.primary += n;
+                            classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
+                        }
+                        // A migration or a tombstone may concern the batch and nothing was
+                        // written: the classifying statement takes it in the same transaction.
+                        None => {
+                            classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?
+                        }
                     }
-                    // A migration or a tombstone may concern the batch and nothing was
-                    // written: the classifying statement takes it in the same transaction.
-                    None => {
-                        classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?
-                    }
+                    raise_accepted(&tx, prepared, slot, through.flatten(), highest).await?;
+                    return record_refusals_and_commit(tx, items, slot, checkpoint, fence, out)
+                        .await;
                 }
-                return record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await;
+                Err(e) if e.is_taken_publish_slot() => {
+                    tracing::debug!(
+                        slot,
+                        receipts = first.len(),
+                        proven_new = proof.is_some(),
+                        "a receipt of the batch found its publish slot taken; accepting the \
+                         batch again with duplicates classified"
+                    );
+                    tx.rollback()
+                        .await
+                        .ctx("rolling back the optimistic receipt acceptance")?;
+                    if proof.is_none() {
+                        prepared.expect_fresh = false;
+                    }
+                    prepared.fallbacks += 1;
+                    continue;
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) if e.is_taken_publish_slot() => {
-                tracing::debug!(
-                    slot,
-                    receipts = first.len(),
-                    "a receipt of the batch found its publish slot taken (a replay); \
-                     accepting the batch again with duplicates classified"
-                );
-                tx.rollback()
-                    .await
-                    .ctx("rolling back the optimistic receipt acceptance")?;
-                prepared.expect_fresh = false;
-                prepared.fallbacks += 1;
-            }
-            Err(e) => return Err(e),
         }
+        classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
+        if proof.is_none() {
+            // Only a batch that met no accepted event lets the next one try the plain insert.
+            prepared.expect_fresh = out.duplicates == 0;
+        }
+        raise_accepted(&tx, prepared, slot, through.flatten(), highest).await?;
+        return record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await;
     }
-    let tx = client
-        .transaction()
-        .await
-        .ctx("beginning the receipt acceptance transaction")?;
-    classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
-    // Only a batch that met no accepted event lets the next one try the plain insert.
-    prepared.expect_fresh = out.duplicates == 0;
-    record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await
+    unreachable!("the second attempt classifies the batch and returns")
+}
+
+/// A checkpoint row's accepted position, from its two columns (both NULL before the first).
+fn accepted_position(commit: Option<PgLsn>, change: Option<PgLsn>) -> Option<StreamPosition> {
+    Some(StreamPosition {
+        commit_lsn: Lsn(u64::from(commit?)),
+        change_lsn: Lsn(u64::from(change?)),
+    })
+}
+
+/// What an acceptance raises its slot's accepted position to: the highest position its
+/// receipts' rows can have, or, when a receipt knows nothing of its row's position, the WAL's
+/// insert position (above every known position: `To` orders before `ToWalEnd`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Raise {
+    To(StreamPosition),
+    ToWalEnd,
+}
+
+/// Raises the slot's accepted position to `highest` (what the batch's receipts need), when
+/// that can be past `through` (what the lock read), in the acceptance transaction.
+async fn raise_accepted(
+    tx: &tokio_postgres::Transaction<'_>,
+    prepared: &mut Prepared,
+    slot: &str,
+    through: Option<StreamPosition>,
+    highest: Option<Raise>,
+) -> Result<(), LedgerError> {
+    let h = match highest {
+        None => return Ok(()),
+        Some(Raise::To(h)) if through.is_some_and(|t| h <= t) => return Ok(()),
+        Some(Raise::To(h)) => Some(h),
+        Some(Raise::ToWalEnd) => None,
+    };
+    let stmt = prepared_statement(
+        tx,
+        &mut prepared.raise_accepted,
+        crate::checkpoint::RAISE_ACCEPTED_SQL,
+    )
+    .await?;
+    tx.execute(
+        &stmt,
+        &[
+            &slot,
+            &h.map(|h| PgLsn::from(h.commit_lsn.as_u64())),
+            &h.map(|h| PgLsn::from(h.change_lsn.as_u64())),
+        ],
+    )
+    .await
+    .ctx(format!(
+        "recording how far slot {slot}'s receipts are accepted"
+    ))?;
+    Ok(())
 }
 
 /// The statement `sql` prepared once per connection in `cached`.

@@ -91,6 +91,28 @@ pub async fn create(
     Ok(())
 }
 
+/// Locks `slot`'s checkpoint row for the acceptance transaction and reads how far its
+/// receipts have been accepted (migration 0034): `$1` the slot; one row, `accepted_commit_lsn`
+/// and `accepted_change_lsn` (both NULL before the first positioned receipt), or none when the
+/// slot has no checkpoint row. Every acceptance takes this lock first, so the acceptances of
+/// one slot commit in the order they took it (a paused relay's salvage included), and the
+/// position read stays true until this transaction commits.
+pub(crate) const LOCK_ACCEPTED_SQL: &str =
+    "SELECT accepted_commit_lsn, accepted_change_lsn FROM outbox.checkpoints
+     WHERE slot_name = $1 FOR UPDATE";
+
+/// Raises how far `$1`'s receipts have been accepted to (`$2`, `$3`), inside the acceptance
+/// transaction that recorded a receipt at or below that position (never lowers it). `$2`
+/// NULL: a receipt of the batch knows nothing of its row's position (a snapshot's, a
+/// look-up's), and the WAL's insert position now, past every committed row, bounds it.
+pub(crate) const RAISE_ACCEPTED_SQL: &str = "UPDATE outbox.checkpoints c
+     SET accepted_commit_lsn = p.commit_lsn, accepted_change_lsn = p.change_lsn
+     FROM (SELECT coalesce($2::pg_lsn, pg_current_wal_lsn()) AS commit_lsn,
+                  coalesce($3::pg_lsn, 'FFFFFFFF/FFFFFFFF'::pg_lsn) AS change_lsn) p
+     WHERE c.slot_name = $1
+       AND (c.accepted_commit_lsn IS NULL
+            OR (c.accepted_commit_lsn, c.accepted_change_lsn) < (p.commit_lsn, p.change_lsn))";
+
 /// The initial snapshot of `slot` has been published and accepted.
 pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), LedgerError> {
     client

@@ -185,6 +185,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "receipt_of",
         sql: include_str!("../../../migrations/0033_receipt_of.sql"),
     },
+    Migration {
+        version: 34,
+        name: "accepted_through",
+        sql: include_str!("../../../migrations/0034_accepted_through.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

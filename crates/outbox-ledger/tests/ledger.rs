@@ -173,6 +173,7 @@ fn receipt(ev: &OutboxEvent, offset: i64) -> ReceiptRecord {
         attempt: 1,
         relay_generation: 0,
         commit_lsn: Some(Lsn(100)),
+        change_lsn: None,
         evidence: None,
     }
 }
@@ -931,6 +932,137 @@ async fn the_optimistic_acceptance_inserts_fresh_batches_and_falls_back_on_a_tak
     assert_eq!((counts(out), prepared.fallbacks()), ((0, 0, 1), 1));
 }
 
+/// Slot `s`'s accepted position as text (migration 0034).
+async fn through(c: &Client) -> (Option<String>, Option<String>) {
+    let row = c
+        .query_one(
+            "SELECT accepted_commit_lsn::text, accepted_change_lsn::text
+             FROM outbox.checkpoints WHERE slot_name = 's'",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Receipts read from the stream carry their position (commit LSN, change LSN), and the
+/// slot's checkpoint row keeps the highest one accepted (migration 0034): a batch past it is
+/// inserted plainly, a replay is classified without a failed attempt first, a batch proven new
+/// whose event another slot accepted still falls back on the key, a receipt without a position
+/// raises it to the WAL's insert position, and it never moves back, not even when the slot is
+/// recreated.
+#[tokio::test]
+async fn the_slots_accepted_position_decides_the_plain_insert_without_a_failed_attempt() {
+    let (mut c, _) = fresh("ledger_accepted_through").await;
+    checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x10))
+        .await
+        .unwrap();
+    let events = enqueue_orders(&c, 6).await;
+    let at = |ev: &OutboxEvent, commit: u64, change: u64| ReceiptRecord {
+        commit_lsn: Some(Lsn(commit)),
+        change_lsn: Some(Lsn(change)),
+        ..receipt(ev, 1)
+    };
+    // A copy sent again (another offset: the same ACK recorded twice is no new evidence).
+    let again = |r: ReceiptRecord| ReceiptRecord { offset: 2, ..r };
+    let batch =
+        |rs: Vec<ReceiptRecord>| rs.into_iter().map(LedgerItem::Receipt).collect::<Vec<_>>();
+    let counts = |o: outbox_ledger::AcceptOutcome| (o.primary, o.duplicates, o.conflicts);
+    let pos = |a: &str, b: &str| (Some(a.to_string()), Some(b.to_string()));
+    assert_eq!(through(&c).await, (None, None), "nothing accepted yet");
+
+    let mut prepared = accept::Prepared::default();
+    // Two rows of the transaction committed at 0/200.
+    let b = batch(vec![
+        at(&events[0], 0x200, 0x150),
+        at(&events[1], 0x200, 0x160),
+    ]);
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((2, 0, 0), 0));
+    assert_eq!(through(&c).await, pos("0/200", "0/160"));
+
+    // A replay of the second (as after a restart) with the transaction's next row: not past
+    // the position, so classified at once: no failed plain insert (the guess would have
+    // tried one, as the_optimistic_acceptance_... shows).
+    let b = batch(vec![
+        again(at(&events[1], 0x200, 0x160)),
+        at(&events[2], 0x200, 0x170),
+    ]);
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((1, 1, 0), 0));
+    assert_eq!(through(&c).await, pos("0/200", "0/170"));
+
+    // A replay wholly below it leaves it where it is.
+    let b = batch(vec![again(at(&events[0], 0x200, 0x150))]);
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((0, 1, 0), 0));
+    assert_eq!(through(&c).await, pos("0/200", "0/170"));
+
+    // Another slot accepted event 3 (no checkpoint row there: nothing is proven for it);
+    // slot s then reads it past its position: proven new, the key refuses it, one fallback,
+    // a duplicate, and the position still rises.
+    let out = accept::accept_batch(
+        &mut c,
+        "t",
+        &batch(vec![receipt(&events[3], 9)]),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(counts(out), (1, 0, 0));
+    let b = batch(vec![
+        at(&events[3], 0x300, 0x250),
+        at(&events[4], 0x300, 0x260),
+    ]);
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((1, 1, 0), 1));
+    assert_eq!(through(&c).await, pos("0/300", "0/260"));
+
+    // A receipt that knows nothing of its row's position (a look-up's at start): the WAL's
+    // insert position bounds it, and the whole of that transaction.
+    let lookup = ReceiptRecord {
+        commit_lsn: None,
+        ..receipt(&events[5], 1)
+    };
+    let out =
+        accept::accept_batch_prepared(&mut c, &mut prepared, "s", &batch(vec![lookup]), None, None)
+            .await
+            .unwrap();
+    assert_eq!(counts(out), (1, 0, 0));
+    let bounded = through(&c).await;
+    let wal_end: String = c
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let above: bool = c
+        .query_one(
+            "SELECT $1::text::pg_lsn > '0/300' AND $1::text::pg_lsn <= $2::text::pg_lsn",
+            &[&bounded.0, &wal_end],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(above, "{bounded:?} against the WAL's {wal_end}");
+    assert_eq!(bounded.1.as_deref(), Some("FFFFFFFF/FFFFFFFF"));
+
+    // The slot recreated under the same name keeps it: positions are the cluster's WAL
+    // positions, and a paused relay of the old slot may still salvage receipts it read there.
+    checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x400))
+        .await
+        .unwrap();
+    assert_eq!(through(&c).await, bounded);
+}
+
 /// The plain acceptance writes its entries by binary `COPY`: every column of a receipt reads
 /// back as the classifying statement stores it (broker time, evidence, commit LSN, digests,
 /// position, attempt, generation; present and absent), and an open held event of an accepted
@@ -945,12 +1077,14 @@ async fn the_copied_entries_read_back_as_the_classifying_statement_writes_them()
         attempt: 3,
         relay_generation: 7,
         commit_lsn: Some(Lsn(0x1_0000_0042)),
+        change_lsn: None,
         evidence: Some(r#"{"status": 202, "response_id": "r-1"}"#.into()),
         ..receipt(ev, 41)
     };
     let bare = |ev: &OutboxEvent| ReceiptRecord {
         timestamp_ms: None,
         commit_lsn: None,
+        change_lsn: None,
         evidence: None,
         ..receipt(ev, 42)
     };
@@ -1986,6 +2120,38 @@ async fn receipts_move_to_entries_and_read_back_unchanged() {
         assert!(row.get::<_, bool>(0), "{t:?}");
         assert_eq!(&row.get::<_, String>(1), t);
     }
+    // The rest of the migrations, as an upgrade runs them: 0034 takes each slot's accepted
+    // position from its newest receipt's commit LSN (slot s1's is 0/AB; s2's has none).
+    c.execute(
+        "INSERT INTO outbox.checkpoints (slot_name, publication, confirmed_lsn)
+         VALUES ('s1', 'p', '0/10'), ('s2', 'p', '0/10')",
+        &[],
+    )
+    .await
+    .unwrap();
+    migrate::run(&mut c).await.unwrap();
+    let upgraded: Vec<(String, Option<String>, Option<String>)> = c
+        .query(
+            "SELECT slot_name, accepted_commit_lsn::text, accepted_change_lsn::text
+             FROM outbox.checkpoints ORDER BY slot_name",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        upgraded,
+        vec![
+            (
+                "s1".to_string(),
+                Some("0/AB".to_string()),
+                Some("FFFFFFFF/FFFFFFFF".to_string())
+            ),
+            ("s2".to_string(), None, None),
+        ]
+    );
     let id = enqueue(
         &c,
         "order",
@@ -2065,6 +2231,7 @@ async fn purge_deletes_what_the_rule_says() {
             let r = ReceiptRecord {
                 partition,
                 commit_lsn: Some(if replayable { Lsn(0x2000) } else { Lsn(0x10) }),
+                change_lsn: None,
                 ..receipt(&ev, 0)
             };
             accept::accept_batch(&mut c, "s", &[LedgerItem::Receipt(r)], None, None)

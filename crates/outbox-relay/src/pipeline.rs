@@ -58,6 +58,9 @@ pub struct Pending {
     pub ev: OutboxEvent,
     /// `None` for events published from the initial snapshot or an operator's release.
     pub commit_lsn: Option<Lsn>,
+    /// The LSN of the row's change record when it was read from the stream (with
+    /// `commit_lsn` its stream position, which the receipt carries); `None` otherwise.
+    pub change_lsn: Option<Lsn>,
     /// The ack tracker's token: resolving it lets the checkpoint pass the event.
     pub ack: Option<EventToken>,
 }
@@ -286,6 +289,7 @@ struct InFlight {
     /// relay's peak heap at 5,000 in flight (heaptrack, docs/benchmarks.md).
     ev: Arc<OutboxEvent>,
     commit_lsn: Option<Lsn>,
+    change_lsn: Option<Lsn>,
     ack: Option<EventToken>,
     /// Payload bytes, counted in [`PipelineCore::in_flight_bytes`].
     bytes: usize,
@@ -510,6 +514,7 @@ impl<P: Plant> PipelineCore<P> {
         &mut self,
         ev: OutboxEvent,
         commit_lsn: Option<Lsn>,
+        change_lsn: Option<Lsn>,
         ack: Option<EventToken>,
         now: Now,
     ) -> Result<Vec<Command>, CoreError> {
@@ -532,6 +537,7 @@ impl<P: Plant> PipelineCore<P> {
                 let p = Pending {
                     ev,
                     commit_lsn,
+                    change_lsn,
                     ack,
                 };
                 if self.gate.is_held(&key) {
@@ -551,6 +557,7 @@ impl<P: Plant> PipelineCore<P> {
             Pending {
                 ev,
                 commit_lsn,
+                change_lsn,
                 ack,
             },
         ) {
@@ -560,6 +567,7 @@ impl<P: Plant> PipelineCore<P> {
                     let p = Pending {
                         ev,
                         commit_lsn,
+                        change_lsn,
                         ack: None,
                     };
                     self.send_now(p, now)
@@ -782,6 +790,7 @@ impl<P: Plant> PipelineCore<P> {
                 attempt,
                 ev: Arc::clone(&ev),
                 commit_lsn: p.commit_lsn,
+                change_lsn: p.change_lsn,
                 ack: p.ack,
                 bytes,
             },
@@ -907,6 +916,7 @@ impl<P: Plant> PipelineCore<P> {
                         attempt: f.attempt,
                         relay_generation: self.generation,
                         commit_lsn: f.commit_lsn,
+                        change_lsn: f.change_lsn,
                         evidence,
                     }),
                     ack,

@@ -87,7 +87,7 @@ impl<P: Plant> PipelineCore<P> {
         }
         Ok(Polled::Admitted {
             first_of: first.then_some(key),
-            commands: self.admit(ev, None, None, now)?,
+            commands: self.admit(ev, None, None, None, now)?,
         })
     }
 }

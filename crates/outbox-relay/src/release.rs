@@ -74,6 +74,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             .map(|(ev, commit_lsn)| Pending {
                 ev,
                 commit_lsn,
+                change_lsn: None,
                 ack: None,
             })
             .collect();

@@ -31,8 +31,10 @@ pub const STAGE_BYTES: usize = 4 << 20;
 #[derive(Debug)]
 pub enum Staged {
     Begin(Lsn),
-    /// Boxed: a row is rare next to the other messages' size.
-    Row(Box<Result<OutboxEvent, String>>),
+    /// A row (boxed: a row is rare next to the other messages' size) and the LSN of its
+    /// change record, the `XLogData` start the walsender sent it with: with the Begin's
+    /// commit LSN its stream position (`outbox_core::receipt::StreamPosition`).
+    Row(Box<Result<OutboxEvent, String>>, Lsn),
     Commit(Lsn),
     Keepalive {
         wal_end: Lsn,
@@ -58,11 +60,11 @@ impl Stage {
     /// aggregate whose head the core does not know yet.
     pub fn offer<P: Plant>(&mut self, core: &PipelineCore<P>, m: Staged) -> Option<Staged> {
         let hold = !self.is_empty()
-            || matches!(&m, Staged::Row(row) if row.as_ref().as_ref().is_ok_and(|ev| !core.knows_aggregate_of(ev)));
+            || matches!(&m, Staged::Row(row, _) if row.as_ref().as_ref().is_ok_and(|ev| !core.knows_aggregate_of(ev)));
         if !hold {
             return Some(m);
         }
-        if let Staged::Row(row) = &m {
+        if let Staged::Row(row, _) = &m {
             self.rows += 1;
             self.bytes += row.as_ref().as_ref().map_or(0, |ev| ev.payload.len());
         }
@@ -78,7 +80,7 @@ impl Stage {
     /// The staged events (whose aggregates to look up).
     pub fn events(&self) -> impl Iterator<Item = &OutboxEvent> {
         self.messages.iter().filter_map(|m| match m {
-            Staged::Row(row) => row.as_ref().as_ref().ok(),
+            Staged::Row(row, _) => row.as_ref().as_ref().ok(),
             _ => None,
         })
     }
@@ -98,7 +100,7 @@ mod tests {
     use crate::testing::*;
 
     fn row(ev: &OutboxEvent) -> Staged {
-        Staged::Row(Box::new(Ok(ev.clone())))
+        Staged::Row(Box::new(Ok(ev.clone())), Lsn(ev.aggregate_version as u64))
     }
 
     /// A row of an aggregate the core does not know is held, and so is everything after it,
@@ -124,7 +126,7 @@ mod tests {
             .take()
             .iter()
             .map(|m| match m {
-                Staged::Row(r) => r.as_ref().as_ref().unwrap().aggregate_id.clone(),
+                Staged::Row(r, _) => r.as_ref().as_ref().unwrap().aggregate_id.clone(),
                 Staged::Commit(_) => "commit".into(),
                 _ => "other".into(),
             })

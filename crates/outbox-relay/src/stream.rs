@@ -54,10 +54,12 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
 
     /// A decoded outbox row of the open transaction: admitted (route, ordering gate, send),
     /// or, when it could not be read as an envelope (`Err(why)`), quarantined as
-    /// `unreadable_row` under the key `lsn:<commit LSN>:<row number>`.
+    /// `unreadable_row` under the key `lsn:<commit LSN>:<row number>`. `change_lsn` is the
+    /// row's change record's LSN (its `XLogData` start): its receipt carries it.
     pub fn on_row(
         &mut self,
         row: Result<OutboxEvent, String>,
+        change_lsn: Lsn,
         now: Now,
     ) -> Result<Vec<Command>, CoreError> {
         let txn = self
@@ -72,7 +74,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         } = *txn;
         let ack = self.tracker.add_event(seq)?;
         match row {
-            Ok(ev) => self.admit(ev, Some(commit_lsn), Some(ack), now),
+            Ok(ev) => self.admit(ev, Some(commit_lsn), Some(change_lsn), Some(ack), now),
             Err(why) => {
                 self.quarantine_unreadable(
                     format!("lsn:{commit_lsn}:{rows}"),
@@ -154,7 +156,7 @@ mod tests {
     fn rows_and_commits_need_a_begin() {
         let mut c = core();
         assert!(matches!(
-            c.on_row(Ok(event("a", 1)), now(0)),
+            c.on_row(Ok(event("a", 1)), Lsn(11), now(0)),
             Err(CoreError::Protocol(_))
         ));
         assert!(matches!(c.on_commit(Lsn(20)), Err(CoreError::Protocol(_))));
@@ -166,7 +168,7 @@ mod tests {
     fn a_transaction_holds_the_watermark_until_its_commit_and_its_events_resolve() {
         let mut c = core();
         c.on_begin(Lsn(20)).unwrap();
-        let sent = c.on_row(Ok(event("a", 1)), now(0)).unwrap();
+        let sent = c.on_row(Ok(event("a", 1)), Lsn(11), now(0)).unwrap();
         assert_eq!(sent.len(), 1);
         // A keepalive inside the transaction does not move the idle position past it.
         c.on_keepalive(Lsn(50));
@@ -182,7 +184,7 @@ mod tests {
         let mut c = core();
         c.on_begin(Lsn(20)).unwrap();
         assert!(c
-            .on_row(Err("no payload".into()), now(0))
+            .on_row(Err("no payload".into()), Lsn(12), now(0))
             .unwrap()
             .is_empty());
         c.on_commit(Lsn(21)).unwrap();

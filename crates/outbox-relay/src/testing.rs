@@ -62,8 +62,14 @@ pub(crate) fn admit_txn(c: &mut PipelineCore, events: &[OutboxEvent], end: u64) 
     let mut cmds = Vec::new();
     for (ev, tok) in events.iter().zip(tokens) {
         cmds.extend(
-            c.admit(ev.clone(), Some(Lsn(end)), Some(tok), now(0))
-                .unwrap(),
+            c.admit(
+                ev.clone(),
+                Some(Lsn(end)),
+                Some(Lsn(end - 1)),
+                Some(tok),
+                now(0),
+            )
+            .unwrap(),
         );
     }
     cmds

@@ -122,8 +122,8 @@ fn a_trace_replays_alone_and_identically() {
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
 /// bug-fleet-no-evening, fleet-abort-keeps-lease, bug-sends-found-event, resends-answered-event,
-/// bug-ignores-resolved-meanwhile, no-settle, bug-unknown-only-at-start and
-/// bug-end-run-on-unclear (the list `PRODUCT` below). In two tests, so that they run on two
+/// bug-ignores-resolved-meanwhile, no-settle, bug-unknown-only-at-start,
+/// bug-end-run-on-unclear and fresh-by-commit (the list `PRODUCT` below). In two tests, so that they run on two
 /// threads.
 #[test]
 fn every_product_mutant_is_caught() {
@@ -164,6 +164,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::BugUnknownOnlyAtStart,
         Mutant::BugEndRunOnUnclear,
         Mutant::BugLookUpBesideReconciliation,
+        Mutant::FreshByCommit,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -208,6 +209,10 @@ fn every_mutant_is_caught(product: bool) {
             &[("cross_destination_retries", |c| c.cross_destination_retries)],
         ),
         (Mutant::PurgeEarly, &[("purged_early", |c| c.purged_early)]),
+        (
+            Mutant::FreshByCommit,
+            &[("fresh_proofs_wrong", |c| c.fresh_proofs_wrong)],
+        ),
         (Mutant::ProducerNewId, &[("second_ids", |c| c.second_ids)]),
         (
             Mutant::SecondInFlight,

@@ -581,6 +581,7 @@ mod tests {
                 attempt: 1,
                 relay_generation: 1,
                 commit_lsn,
+                change_lsn: None,
                 evidence: None,
             })
         };

@@ -263,6 +263,7 @@ pub async fn resend(a: ResendArgs) -> anyhow::Result<()> {
                     attempt,
                     relay_generation: 0,
                     commit_lsn: None,
+                    change_lsn: None,
                     evidence: Some(evidence.to_string()),
                 });
                 let out =

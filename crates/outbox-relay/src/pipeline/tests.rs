@@ -188,7 +188,7 @@ fn without_the_lease_nothing_is_sent_and_the_event_stays_unresolved() {
         ..now(0)
     };
     let cmds = c
-        .admit(event("a", 1), Some(Lsn(10)), Some(tok), stale)
+        .admit(event("a", 1), Some(Lsn(10)), Some(Lsn(9)), Some(tok), stale)
         .unwrap();
     assert!(cmds.is_empty());
     assert!(c.lease_expired);

@@ -438,6 +438,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             p: Pending {
                 ev: std::sync::Arc::unwrap_or_clone(f.ev),
                 commit_lsn: f.commit_lsn,
+                change_lsn: f.change_lsn,
                 ack: f.ack,
             },
         };
@@ -633,6 +634,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         self.record_held(Pending {
             ev: std::sync::Arc::unwrap_or_clone(f.ev),
             commit_lsn: f.commit_lsn,
+            change_lsn: f.change_lsn,
             ack: f.ack,
         });
         for queued in self.gate.hold(&key) {

@@ -299,7 +299,7 @@ fn poll_mode_forgets_what_waits_behind_a_parked_event_and_a_version_published_me
         .unwrap();
     assert!(next.is_empty(), "nothing queued any more");
     // The next round: a/2 was published meanwhile (skipped by the read), a/3 is pending.
-    let again = c.admit(a3, None, None, now(60_002)).unwrap();
+    let again = c.admit(a3, None, None, None, now(60_002)).unwrap();
     assert_eq!(again.len(), 1, "a/3 is sent, not taken for a gap");
     assert!(c.take_batch(true).unwrap().is_none(), "no hold");
 }

@@ -143,6 +143,11 @@ pub struct Counts {
     pub fleet_unserved: u64,
     /// Fleets: a member that resumed or joined and streamed less than its share 10 s later.
     pub fleet_share_not_returned: u64,
+    /// Acceptance batches proven new to the slot by their positions
+    /// (`outbox_core::receipt::proved_new`) that held an event with a primary receipt: the
+    /// plain insert's proof was wrong (the entries' key refuses it today; evidence per batch
+    /// without a key would record a second primary). Counted per such event.
+    pub fresh_proofs_wrong: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
     pub late_acks: u64,
     pub late_acks_converged: u64,
@@ -238,6 +243,7 @@ impl Counts {
             + self.unknown_route_versions
             + self.fleet_unserved
             + self.fleet_share_not_returned
+            + self.fresh_proofs_wrong
             + (self.late_acks - self.late_acks_converged)
     }
 
@@ -315,6 +321,7 @@ impl Counts {
             stream_heads_above_receipts,
             fleet_unserved,
             fleet_share_not_returned,
+            fresh_proofs_wrong,
             fleet_traces,
             fleet_kills,
             fleet_pauses,
@@ -376,6 +383,7 @@ impl Counts {
                 "fleet_share_not_returned",
                 self.fleet_share_not_returned.to_string(),
             ),
+            ("fresh_proofs_wrong", self.fresh_proofs_wrong.to_string()),
             ("events_committed", self.events.to_string()),
             ("transactions_rolled_back", self.rolled_back.to_string()),
             ("relay_sigkills", self.relay_crashes.to_string()),

@@ -2,7 +2,8 @@
 //! two rounds, quarantines, holds, held events, the fenced checkpoint), closing a hold, and
 //! retention. A model of SQL the simulator cannot run; the relay's decisions are not here.
 
-use outbox_core::receipt::AcceptanceRule;
+use outbox_core::receipt::{AcceptanceRule, FreshnessRule};
+use outbox_core::records::ReceiptRecord;
 use outbox_core::records::{RefusalFilter, RefusalKind};
 
 use super::*;
@@ -76,6 +77,11 @@ pub(super) struct Ledger {
     pub(super) moved: HashMap<Agg, i64>,
     pub(super) attempts: Vec<Attempt>,
     pub(super) checkpoint: Option<Lsn>,
+    /// `checkpoints.accepted_commit_lsn`/`accepted_change_lsn` (migration 0034): the highest
+    /// stream position among the receipts accepted for the slot. Kept when the slot is
+    /// recreated: positions are the cluster's WAL positions, and a paused run of the old slot
+    /// may still salvage receipts it read there.
+    pub(super) accepted_through: Option<StreamPosition>,
     /// `checkpoints.snapshot_done`: the rows the slot will not stream were published.
     pub(super) snapshot_done: bool,
     pub(super) lease_gen: i64,
@@ -116,6 +122,10 @@ pub(super) enum Item {
         payload_digest: String,
         dest_digest: String,
         late: bool,
+        /// The receipt's stream position, and the highest its row can have
+        /// (`ReceiptRecord::position`, `ReceiptRecord::position_bound`).
+        position: Option<StreamPosition>,
+        bound: Option<StreamPosition>,
     },
     /// `superseded`: decided for an envelope generation a migration has replaced since
     /// (`LedgerItem::superseded`, asked when the batch is accepted).
@@ -135,6 +145,16 @@ pub(super) enum Item {
 }
 
 impl World {
+    /// The highest position `r`'s row can have (`accept.rs`'s raise of the accepted
+    /// position): its own bound, or for a receipt that knows nothing of its row's position
+    /// the WAL's insert position now (`pg_current_wal_lsn()`), past every committed row.
+    pub(super) fn position_bound(&self, r: &ReceiptRecord) -> StreamPosition {
+        r.position_bound().unwrap_or(StreamPosition {
+            commit_lsn: Lsn(self.next_lsn),
+            change_lsn: Lsn(u64::MAX),
+        })
+    }
+
     /// The core's ledger records, by row index (what the simulated ledger keys on).
     pub(super) fn sim_items(&mut self, i: usize, items: &[LedgerItem]) -> Vec<Item> {
         let row_of = |w: &World, id: &Uuid| w.by_id[id];
@@ -156,6 +176,8 @@ impl World {
                     late: self.relays[i]
                         .late
                         .remove(&(r.event_id, r.partition, r.offset)),
+                    position: r.position(),
+                    bound: Some(self.position_bound(r)),
                 },
                 LedgerItem::Quarantine(q) => {
                     let row = row_of(self, &q.event_id.expect("simulated rows are readable"));
@@ -220,6 +242,43 @@ impl World {
                 }
             }
         }
+        // The acceptance's path (`accept_batch_prepared`): the first round proven new to the
+        // slot goes by the plain insert, which the entries' key would refuse for an event
+        // with a primary receipt (a fallback, in the product): a proof that was wrong.
+        let firsts = order.iter().filter_map(|it| match it {
+            Item::Receipt { row, position, .. } => Some((*row, *position)),
+            _ => None,
+        });
+        let through = self.ledger.accepted_through;
+        let proved = if self.is(Mutant::FreshByCommit) {
+            FreshnessRule::commit_only().proved_new(through, firsts.clone().map(|f| f.1))
+        } else {
+            receipt::proved_new(through, firsts.clone().map(|f| f.1))
+        };
+        if proved {
+            let wrong: Vec<usize> = firsts
+                .map(|(row, _)| row)
+                .filter(|row| self.ledger.primary.contains_key(row))
+                .collect();
+            for row in wrong {
+                log!(
+                    self,
+                    "batch proven new holds {}, which has its primary receipt",
+                    self.rows[row].ev.event_id
+                );
+                self.c.fresh_proofs_wrong += 1;
+            }
+        }
+        let highest = items
+            .iter()
+            .filter_map(|it| match it {
+                Item::Receipt { bound, .. } => *bound,
+                _ => None,
+            })
+            .max();
+        if highest > through {
+            self.ledger.accepted_through = highest;
+        }
         order.extend(rest);
         for it in &items {
             if matches!(it, Item::Quarantine { .. }) {
@@ -244,6 +303,7 @@ impl World {
                     payload_digest,
                     dest_digest,
                     late,
+                    ..
                 } => {
                     let row = *row;
                     // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of

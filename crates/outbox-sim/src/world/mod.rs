@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
 use outbox_core::lease::{self, LeaseFacts, Take, TakeoverRule};
-use outbox_core::receipt::{self, Digests, ReceiptClass, Scan};
+use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, StreamPosition};
 use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState};
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
@@ -221,6 +221,10 @@ pub enum Mutant {
     /// it up too. A product mutant in `outbox_relay::PipelineCore::due_unclear`
     /// (`LookUpBesideReconciliation`).
     BugLookUpBesideReconciliation,
+    /// The acceptance's freshness proof compares commit LSNs only (a receipt of the slot's
+    /// last accepted transaction counts as new): a product mutant in
+    /// `outbox_core::receipt::FreshnessRule` (`commit_only`), counted by `fresh_proofs_wrong`.
+    FreshByCommit,
 }
 
 impl Mutant {
@@ -278,6 +282,7 @@ impl Mutant {
             Mutant::BugIgnoresResolvedMeanwhile,
         ),
         ("heads-without-purged", Mutant::HeadsWithoutPurged),
+        ("fresh-by-commit", Mutant::FreshByCommit),
         ("bug-round-forgets-parked", Mutant::BugRoundForgetsParked),
         (
             "bug-look-up-beside-reconciliation",
@@ -1611,7 +1616,7 @@ impl World {
             let now = self.now_for(i);
             let commands = self.relays[i]
                 .core
-                .admit(ev, None, None, now)
+                .admit(ev, None, None, None, now)
                 .map_err(|_| End::Error("relay core: admit"))?;
             self.c.snapshot_events += 1;
             self.execute(i, commands)?;
@@ -1901,6 +1906,11 @@ impl World {
                 payload_digest: ev.payload_digest.clone(),
                 dest_digest: ev.destination_digest.clone(),
                 late: false,
+                position: None,
+                bound: Some(StreamPosition {
+                    commit_lsn: Lsn(self.next_lsn),
+                    change_lsn: Lsn(u64::MAX),
+                }),
             }];
             self.accept(i, items, None)?;
             self.relays[i].proven.insert(row);
@@ -1925,9 +1935,12 @@ impl World {
         let (end, rows) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
         let mut messages = vec![Staged::Begin(end)];
-        for r in rows {
+        // Each row's change record lies before its commit record, in the order of the rows
+        // (the same on every read of the transaction, as the WAL's are).
+        let first_change = end.0 - rows.len() as u64;
+        for (k, r) in rows.into_iter().enumerate() {
             let ev = self.decoded(i, r);
-            messages.push(Staged::Row(Box::new(Ok(ev))));
+            messages.push(Staged::Row(Box::new(Ok(ev)), Lsn(first_change + k as u64)));
         }
         messages.push(Staged::Commit(end));
         if self.relays[i].cursor == self.wal.len() {
@@ -1993,7 +2006,7 @@ impl World {
                 .core
                 .on_begin(lsn)
                 .map_err(|_| End::Error("relay core: begin"))?,
-            Staged::Row(row) => {
+            Staged::Row(row, change_lsn) => {
                 let ev = (*row).expect("the simulated WAL holds readable rows");
                 // Read again (a replay, or the stream's overlap with a snapshot or a
                 // release): sent again by design, recorded as a duplicate; not
@@ -2003,7 +2016,7 @@ impl World {
                 let now = self.now_for(i);
                 let commands = self.relays[i]
                     .core
-                    .on_row(Ok(ev), now)
+                    .on_row(Ok(ev), change_lsn, now)
                     .map_err(|_| End::Error("relay core: row"))?;
                 self.execute(i, commands)?;
             }

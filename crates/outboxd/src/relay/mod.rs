@@ -590,7 +590,7 @@ async fn run_once(
                                     Some(Staged::Begin(commit_lsn))
                                 }
                                 Decoded::Event(res) => {
-                                    Some(Staged::Row(Box::new((*res).map_err(|e| e.to_string()))))
+                                    Some(Staged::Row(Box::new((*res).map_err(|e| e.to_string())), Lsn(wal_start)))
                                 }
                                 Decoded::Commit { end_lsn, .. } => Some(Staged::Commit(end_lsn)),
                                 Decoded::Nothing => None,
@@ -1088,7 +1088,7 @@ async fn publish_snapshot(
         for (i, row) in chunk.drain(..) {
             match row {
                 Ok(ev) => {
-                    pipeline.admit(ev, None, None).await?;
+                    pipeline.admit(ev, None, None, None).await?;
                     crate::failpoint::hit("after-snapshot-send");
                 }
                 Err(e) => {

@@ -205,10 +205,11 @@ impl Pipeline {
         &mut self,
         ev: OutboxEvent,
         commit_lsn: Option<Lsn>,
+        change_lsn: Option<Lsn>,
         ack: Option<EventToken>,
     ) -> Result<(), RelayError> {
         let now = self.now();
-        let commands = self.core.admit(ev, commit_lsn, ack, now)?;
+        let commands = self.core.admit(ev, commit_lsn, change_lsn, ack, now)?;
         self.note_batch();
         self.execute(commands).await
     }
@@ -276,7 +277,7 @@ impl Pipeline {
     ) -> Result<(), RelayError> {
         match m {
             Staged::Begin(lsn) => self.core.on_begin(lsn)?,
-            Staged::Row(row) => self.on_row(*row).await?,
+            Staged::Row(row, change_lsn) => self.on_row(*row, change_lsn).await?,
             Staged::Commit(lsn) => self.core.on_commit(lsn)?,
             Staged::Keepalive {
                 wal_end,
@@ -292,9 +293,13 @@ impl Pipeline {
     }
 
     /// A decoded row of the open transaction ([`PipelineCore::on_row`]).
-    pub async fn on_row(&mut self, row: Result<OutboxEvent, String>) -> Result<(), RelayError> {
+    pub async fn on_row(
+        &mut self,
+        row: Result<OutboxEvent, String>,
+        change_lsn: Lsn,
+    ) -> Result<(), RelayError> {
         let now = self.now();
-        let commands = self.core.on_row(row, now)?;
+        let commands = self.core.on_row(row, change_lsn, now)?;
         self.note_batch();
         self.execute(commands).await
     }

@@ -278,6 +278,7 @@ pub(crate) async fn record_lookup(
             attempt: r.attempt_generation,
             relay_generation: r.relay_generation,
             commit_lsn: None,
+            change_lsn: None,
             evidence,
         });
         accept::accept_batch(&mut pipeline.client, slot, &[receipt], None, Some(fence)).await?;
