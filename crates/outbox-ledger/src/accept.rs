@@ -597,8 +597,16 @@ pub async fn accept_batch_prepared(
                         }
                     }
                     raise_accepted(&tx, prepared, slot, through.flatten(), highest).await?;
-                    return record_refusals_and_commit(tx, items, slot, checkpoint, fence, out)
-                        .await;
+                    return record_refusals_and_commit(
+                        tx,
+                        items,
+                        slot,
+                        checkpoint,
+                        fence,
+                        through.is_some(),
+                        out,
+                    )
+                    .await;
                 }
                 Err(e) if e.is_taken_publish_slot() => {
                     tracing::debug!(
@@ -626,7 +634,16 @@ pub async fn accept_batch_prepared(
             prepared.expect_fresh = out.duplicates == 0;
         }
         raise_accepted(&tx, prepared, slot, through.flatten(), highest).await?;
-        return record_refusals_and_commit(tx, items, slot, checkpoint, fence, out).await;
+        return record_refusals_and_commit(
+            tx,
+            items,
+            slot,
+            checkpoint,
+            fence,
+            through.is_some(),
+            out,
+        )
+        .await;
     }
     unreachable!("the second attempt classifies the batch and returns")
 }
@@ -864,6 +881,7 @@ async fn record_refusals_and_commit(
     slot: &str,
     checkpoint: Option<Lsn>,
     fence: Option<&crate::lease::Fence>,
+    locked: bool,
     mut out: AcceptOutcome,
 ) -> Result<AcceptOutcome, LedgerError> {
     // Refusals about events that are published by now (this batch's receipts included) are
@@ -980,7 +998,7 @@ async fn record_refusals_and_commit(
 
     let mut fenced = false;
     if let Some(lsn) = checkpoint {
-        fenced = !crate::checkpoint::advance_in(&tx, slot, lsn, fence).await?;
+        fenced = !crate::checkpoint::advance_in(&tx, slot, lsn, fence, locked).await?;
     }
     tx.commit()
         .await

@@ -127,21 +127,26 @@ pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), Ledge
 }
 
 /// Moves the checkpoint forward (never back) inside the caller's transaction. With a fence,
-/// only while the fence holds the slot's lease; returns `false` when fenced off.
+/// only while the fence holds the slot's lease; returns `false` when fenced off. `locked`:
+/// the transaction has already read and locked the row (`LOCK_ACCEPTED_SQL`), so it is not
+/// looked for again.
 pub async fn advance_in<C: GenericClient>(
     client: &C,
     slot: &str,
     lsn: Lsn,
     fence: Option<&crate::lease::Fence>,
+    locked: bool,
 ) -> Result<bool, LedgerError> {
-    let exists = client
-        .query_opt(
-            "SELECT 1 FROM outbox.checkpoints WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .ctx(format!("reading the checkpoint of slot {slot}"))?;
-    if exists.is_none() {
+    let exists = locked
+        || client
+            .query_opt(
+                "SELECT 1 FROM outbox.checkpoints WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .ctx(format!("reading the checkpoint of slot {slot}"))?
+            .is_some();
+    if !exists {
         return Err(LedgerError::Invalid(format!(
             "slot {slot} has no checkpoint row; the relay must create it before streaming"
         )));
