@@ -584,29 +584,14 @@ pub async fn accept_batch_prepared(
             };
         if plain {
             match accept_fresh(&tx, prepared, slot, &first).await {
-                Ok(inserted) => {
-                    match inserted {
-                        Some(n) => {
-                            out.primary += n;
-                            classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
-                        }
-                        // A migration or a tombstone may concern the batch and nothing was
-                        // written: the classifying statement takes it in the same transaction.
-                        None => {
-                            classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?
-                        }
-                    }
-                    raise_accepted(&tx, prepared, slot, through.flatten(), highest).await?;
-                    return record_refusals_and_commit(
-                        tx,
-                        items,
-                        slot,
-                        checkpoint,
-                        fence,
-                        through.is_some(),
-                        out,
-                    )
-                    .await;
+                Ok(Some(n)) => {
+                    out.primary += n;
+                    classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
+                }
+                // A migration or a tombstone may concern the batch and nothing was written:
+                // the classifying statement takes it in the same transaction.
+                Ok(None) => {
+                    classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?
                 }
                 Err(e) if e.is_taken_publish_slot() => {
                     tracing::debug!(
@@ -627,23 +612,17 @@ pub async fn accept_batch_prepared(
                 }
                 Err(e) => return Err(e),
             }
-        }
-        classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
-        if proof.is_none() {
-            // Only a batch that met no accepted event lets the next one try the plain insert.
-            prepared.expect_fresh = out.duplicates == 0;
+        } else {
+            classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
+            if proof.is_none() {
+                // Only a batch that met no accepted event lets the next one try the plain
+                // insert.
+                prepared.expect_fresh = out.duplicates == 0;
+            }
         }
         raise_accepted(&tx, prepared, slot, through.flatten(), highest).await?;
-        return record_refusals_and_commit(
-            tx,
-            items,
-            slot,
-            checkpoint,
-            fence,
-            through.is_some(),
-            out,
-        )
-        .await;
+        let locked = through.is_some();
+        return record_refusals_and_commit(tx, items, slot, checkpoint, fence, locked, out).await;
     }
     unreachable!("the second attempt classifies the batch and returns")
 }
