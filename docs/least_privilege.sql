@@ -86,6 +86,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox.duplicate_receipts,
     outbox.quarantine,
     outbox.checkpoints,
+    outbox.accepted_positions,
     outbox.aggregate_heads,
     outbox.head_journal,
     outbox.holds,

@@ -123,21 +123,74 @@ pub struct StreamPosition {
 
 /// Whether every receipt of a batch is proven new to its slot: each has a stream position,
 /// and each is past `accepted_through`, the highest position among the receipts the slot's
-/// acceptances recorded so far (read under the slot's checkpoint row lock; `None` when none
-/// had a position). A receipt past that position cannot have been recorded by the slot
-/// before, so the batch's receipts can only be primary ones, unless another slot accepted the
-/// same event (the ledger's key on the publish slot still refuses that). A batch that is not
+/// other runs' acceptances recorded (read under the slot's checkpoint row lock; `None` when
+/// there is none; see [`batch_floor`]). A run reads the stream once, in position order,
+/// from where the last run's confirmed checkpoint was: a receipt past every other run's
+/// positions cannot have been recorded before, so the batch's receipts can only be primary
+/// ones, unless another slot accepted the same event (the ledger's key on the publish slot
+/// still refuses that). A batch that is not
 /// proven new (a replay after a restart, a receipt from a snapshot, a release or a look-up,
 /// without a position) is classified receipt by receipt ([`classify`]).
 ///
-/// The ledger chooses its acceptance path by this (`outbox-ledger`'s `accept`), and the
-/// simulator counts the batches it proves new although one of their events already had a
-/// primary receipt (`fresh_proofs_wrong`, which must be 0).
+/// The ledger's acceptance makes this comparison in its gate statement, under the slot's lock
+/// and without a round trip of its own: the batch's [`batch_floor`] against the other runs'
+/// highest position (`outbox-ledger`'s `FRESH_BATCH_SQL`; its ledger test holds the boundary:
+/// at the position is not new, past it is). The simulator decides by this function and counts
+/// the batches it proves new although one of their events already had a primary receipt
+/// (`fresh_proofs_wrong`, which must be 0).
 pub fn proved_new(
     accepted_through: Option<StreamPosition>,
     positions: impl IntoIterator<Item = Option<StreamPosition>>,
 ) -> bool {
     FreshnessRule::default().proved_new(accepted_through, positions)
+}
+
+/// The relay generation under which receipts without a stream position (a snapshot's, a
+/// release's, a look-up's) raise their slot's accepted positions: every run's proof counts it.
+pub const UNPOSITIONED_GENERATION: i64 = -1;
+
+/// What a batch is proven new with: the relay generation all of its receipts share and the
+/// lowest of their stream positions, when every one has a position; `None` otherwise (a
+/// receipt from a snapshot, a release or a look-up, or receipts of two runs: nothing to prove
+/// the batch new with). The batch is new when that position is past every *other* run's
+/// ([`proved_new`]; the ledger's gate statement compares the two under the slot's lock). A run
+/// is not proven against its own positions: it accepts its receipts in the order the broker
+/// answers, not the stream's, so its own positions are no prefix of what it read.
+pub fn batch_floor(receipts: &[&crate::records::ReceiptRecord]) -> Option<(i64, StreamPosition)> {
+    let g = receipts.first()?.relay_generation;
+    let mut floor: Option<StreamPosition> = None;
+    for r in receipts {
+        let p = r.position().filter(|_| r.relay_generation == g)?;
+        floor = Some(floor.map_or(p, |f| f.min(p)));
+    }
+    Some((g, floor?))
+}
+
+/// What an acceptance of `receipts` raises (`outbox.accepted_positions`, migration 0034): per
+/// relay generation, the highest position among its positioned receipts; under
+/// [`UNPOSITIONED_GENERATION`], the highest bound of the others (the end of a receipt's
+/// transaction when it knows only its commit LSN), `None` meaning the WAL's insert position
+/// now (a receipt that knows nothing of its row's position). A bound too high only sends more
+/// batches to be classified; one too low could prove a replay new.
+pub fn raises(receipts: &[&crate::records::ReceiptRecord]) -> Vec<(i64, Option<StreamPosition>)> {
+    let mut out: Vec<(i64, Option<StreamPosition>)> = Vec::new();
+    for r in receipts {
+        let (g, p) = match (r.position(), r.position_bound()) {
+            (Some(p), _) => (r.relay_generation, Some(p)),
+            (None, b) => (UNPOSITIONED_GENERATION, b),
+        };
+        match out.iter_mut().find(|(k, _)| *k == g) {
+            // `None` (the WAL's insert position) is above every position.
+            Some((_, at)) => {
+                *at = match (*at, p) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    _ => None,
+                }
+            }
+            None => out.push((g, p)),
+        }
+    }
+    out
 }
 
 rule_with_mutant! {
@@ -489,6 +542,57 @@ impl<const IGNORE_READERS: bool> PurgeRule<IGNORE_READERS> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_acceptance_raises_each_runs_position_and_bounds_the_unpositioned() {
+        use crate::records::ReceiptRecord;
+        use crate::Lsn;
+        let r = |g: i64, commit: Option<u64>, change: Option<u64>| ReceiptRecord {
+            event_id: uuid::Uuid::nil(),
+            payload_digest: String::new(),
+            destination_digest: String::new(),
+            broker_kind: "kafka".into(),
+            broker_cluster: "c".into(),
+            topic: "t".into(),
+            partition: 0,
+            offset: 0,
+            timestamp_ms: None,
+            attempt: 1,
+            relay_generation: g,
+            commit_lsn: commit.map(Lsn),
+            change_lsn: change.map(Lsn),
+            evidence: None,
+        };
+        let at = |c: u64, l: u64| StreamPosition {
+            commit_lsn: Lsn(c),
+            change_lsn: Lsn(l),
+        };
+        let (a, b, c) = (
+            r(3, Some(200), Some(150)),
+            r(3, Some(100), Some(190)),
+            r(2, Some(300), Some(10)),
+        );
+        assert_eq!(batch_floor(&[&a, &b]), Some((3, at(100, 190))));
+        assert_eq!(batch_floor(&[&a, &c]), None, "two runs");
+        assert_eq!(batch_floor(&[]), None);
+        assert_eq!(
+            raises(&[&a, &b, &c]),
+            vec![(3, Some(at(200, 150))), (2, Some(at(300, 10)))]
+        );
+        // A release's receipt (commit LSN only) bounds its whole transaction; one that knows
+        // nothing is bounded by the WAL's insert position (None), above everything.
+        let release = r(3, Some(400), None);
+        assert_eq!(batch_floor(&[&a, &release]), None);
+        assert_eq!(
+            raises(&[&release]),
+            vec![(UNPOSITIONED_GENERATION, Some(at(400, u64::MAX)))]
+        );
+        let lookup = r(3, None, None);
+        assert_eq!(
+            raises(&[&release, &lookup, &a]),
+            vec![(UNPOSITIONED_GENERATION, None), (3, Some(at(200, 150)))]
+        );
+    }
 
     #[test]
     fn a_batch_is_proven_new_only_past_the_slots_last_accepted_position() {

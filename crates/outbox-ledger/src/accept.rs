@@ -30,10 +30,10 @@
 //! fail, and the transaction is rolled back), `ACCEPT_SQL` classifies each receipt (after a
 //! replay, or when a migration or a tombstone may concern the batch). Which one is a proof,
 //! not a guess, for receipts read from the stream: every acceptance first locks the slot's
-//! checkpoint row and reads the position its receipts were accepted through (migration
-//! 0034); a batch whose receipts are all past it is new to the slot
-//! (`outbox_core::receipt::proved_new`), any other is classified, and the transaction raises
-//! the position to its highest receipt's. So a replay after a restart costs no failed
+//! checkpoint row and reads how far the receipts of the slot's other relay runs were accepted
+//! (`outbox.accepted_positions`, migration 0034); a batch whose receipts are all past that is
+//! new to the slot (`outbox_core::receipt::proved_new`), any other is classified, and the
+//! transaction raises its run's position. So a replay after a restart costs no failed
 //! attempt, and the acceptances of one slot commit in the order they took the lock (the
 //! order evidence per batch without a per-event key will rely on;
 //! docs/evidence_batches.md).
@@ -212,8 +212,11 @@ SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*)
 );
 
 /// The gate and the batch row of the acceptance whose receipts can only be primary ones
-/// ([`accept_fresh`]): the new batch's id, NULL when the gate is shut (nothing written), and
-/// whether any held event is open. The receipts can only be primary when no operator has migrated any destination
+/// ([`accept_fresh`]), in one statement with the lock of the slot's checkpoint row, the proof
+/// that the batch is new to the slot and the raise of its accepted positions (migration 0034;
+/// on the drain's path they cost no statement of their own): the new batch's id, NULL when
+/// the gate is shut (nothing written, nothing raised), whether any held event is open, and
+/// whether the slot has a checkpoint row (locked). The receipts can only be primary when no operator has migrated any destination
 /// (`outbox.destination_migrations` is empty) and every event id of the batch (`$2` is the
 /// smallest) is above the newest purged event's tombstone (ids are uuid v7, time-ordered,
 /// unless a caller chose its own; purge takes only old events); an event that already has its
@@ -226,18 +229,49 @@ SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*)
 /// classification every row passes through, and the anti-join that finds duplicates
 /// (docs/benchmarks.md "The acceptance without speculative insertion").
 const FRESH_BATCH_SQL: &str = r#"
-WITH gate AS (
-    SELECT NOT EXISTS (SELECT 1 FROM outbox.destination_migrations)
+WITH locked AS (
+    -- The slot's checkpoint row, locked first: the acceptances of one slot commit in the
+    -- order they took it (migration 0034).
+    SELECT 1 FROM outbox.checkpoints c WHERE c.slot_name = $1 FOR UPDATE
+),
+others AS (
+    -- How far the slot's other runs' receipts were accepted (`$3` is this batch's run).
+    SELECT p.commit_lsn, p.change_lsn FROM outbox.accepted_positions p
+    WHERE p.slot_name = $1 AND p.relay_generation <> $3
+    ORDER BY p.commit_lsn DESC, p.change_lsn DESC LIMIT 1
+),
+gate AS (
+    SELECT EXISTS (SELECT 1 FROM locked) AS locked,
+           NOT EXISTS (SELECT 1 FROM outbox.destination_migrations)
            AND $2::uuid > coalesce((SELECT pe.event_id FROM outbox.purged_events pe
                                     ORDER BY pe.event_id DESC LIMIT 1),
-                                   '00000000-0000-0000-0000-000000000000'::uuid) AS go
+                                   '00000000-0000-0000-0000-000000000000'::uuid)
+           -- The proof (`outbox_core::receipt::proved_new`): the batch's lowest position
+           -- (`$4`, `$5`) past every other run's; `$4` NULL: no proof asked (receipts
+           -- without positions try the plain insert on the relay's guess).
+           AND ($4::pg_lsn IS NULL
+                OR (EXISTS (SELECT 1 FROM locked)
+                    AND NOT EXISTS (SELECT 1 FROM others o
+                                    WHERE (o.commit_lsn, o.change_lsn)
+                                          >= ($4::pg_lsn, $5::pg_lsn)))) AS go
+),
+raise AS (
+    INSERT INTO outbox.accepted_positions AS a (slot_name, relay_generation, commit_lsn, change_lsn)
+    SELECT $1, r.g, coalesce(r.c, pg_current_wal_lsn()), coalesce(r.l, 'FFFFFFFF/FFFFFFFF'::pg_lsn)
+    FROM unnest($6::int8[], $7::pg_lsn[], $8::pg_lsn[]) AS r(g, c, l), gate
+    WHERE gate.go AND gate.locked
+    ON CONFLICT (slot_name, relay_generation) DO UPDATE
+    SET commit_lsn = EXCLUDED.commit_lsn, change_lsn = EXCLUDED.change_lsn
+    WHERE (a.commit_lsn, a.change_lsn) < (EXCLUDED.commit_lsn, EXCLUDED.change_lsn)
+    RETURNING 1
 ),
 batch AS (
     INSERT INTO outbox.receipt_batches (slot_name) SELECT $1 FROM gate WHERE go
     RETURNING batch_id
 )
 SELECT (SELECT batch_id FROM batch),
-       EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL)
+       EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL),
+       (SELECT locked FROM gate)
 "#;
 
 /// The entries of a batch whose receipts can only be primary ones, by binary `COPY`: half the
@@ -542,69 +576,52 @@ pub async fn accept_batch_prepared(
     let (first, rest): (Vec<&ReceiptRecord>, Vec<&ReceiptRecord>) =
         receipts.into_iter().partition(|r| seen.insert(r.event_id));
 
-    // The slot's position after this batch: the highest its receipts' rows can have (the
-    // WAL's insert position when a receipt knows nothing of its row's: `Raise::ToWalEnd`).
-    let highest = first
-        .iter()
-        .chain(&rest)
-        .map(|r| r.position_bound().map_or(Raise::ToWalEnd, Raise::To))
-        .max();
-    let positioned = !first.is_empty() && first.iter().all(|r| r.position().is_some());
+    // What this batch raises (per relay run, the highest position of its receipts), and what
+    // proves it new: its run and lowest position, when every receipt of the first round has
+    // a position.
+    let all: Vec<&ReceiptRecord> = first.iter().chain(&rest).copied().collect();
+    let raises = receipt::raises(&all);
+    let floor = receipt::batch_floor(&first);
 
-    // The plain insert of the first round ([`accept_fresh`]) when the batch is proven new to
-    // the slot (`outbox_core::receipt::proved_new`: every receipt past the position the
-    // slot's receipts were accepted through, read under the checkpoint row's lock), else the
-    // statement that classifies duplicates. A batch without positions (or a slot without a
-    // checkpoint row) has no proof: it tries the plain insert optimistically unless the last
-    // such batch met an accepted event. A taken publish slot (another slot accepted the
-    // event, or the optimistic guess was wrong) rolls the transaction back (nothing else was
-    // written in it) and the batch is classified in a new one.
+    // The plain insert of the first round ([`accept_fresh`]) when its gate proves the batch
+    // new to the slot (`outbox_core::receipt::proved_new`: its lowest position past every
+    // other run's, read under the checkpoint row's lock); when the gate does not, the
+    // statement that classifies duplicates, in the same transaction. A batch without
+    // positions has no proof: it tries the plain insert on a guess, unless the last such
+    // batch met an accepted event. A taken publish slot (another slot accepted the event, or
+    // the guess was wrong) rolls the transaction back (nothing else was written in it) and
+    // the batch is classified in a new one.
     for attempt in 0..2 {
         let tx = client
             .transaction()
             .await
             .ctx("beginning the receipt acceptance transaction")?;
-        let lock = prepared_statement(
-            &tx,
-            &mut prepared.lock_accepted,
-            crate::checkpoint::LOCK_ACCEPTED_SQL,
-        )
-        .await?;
-        let through = tx
-            .query_opt(&lock, &[&slot])
-            .await
-            .ctx(format!("locking the checkpoint row of slot {slot}"))?
-            .map(|row| accepted_position(row.get(0), row.get(1)));
-        let proof = through.filter(|_| positioned);
-        let plain = attempt == 0
-            && !first.is_empty()
-            && match proof {
-                Some(h) => receipt::proved_new(h, first.iter().map(|r| r.position())),
-                None => prepared.expect_fresh,
-            };
+        let plain = attempt == 0 && !first.is_empty() && (floor.is_some() || prepared.expect_fresh);
+        let mut locked = None;
         if plain {
-            match accept_fresh(&tx, prepared, slot, &first).await {
-                Ok(Some(n)) => {
-                    out.primary += n;
+            match accept_fresh(&tx, prepared, slot, &first, floor, &raises).await {
+                Ok(Fresh::Inserted { primary, locked: l }) => {
+                    out.primary += primary;
                     classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
+                    return record_refusals_and_commit(tx, items, slot, checkpoint, fence, l, out)
+                        .await;
                 }
-                // A migration or a tombstone may concern the batch and nothing was written:
-                // the classifying statement takes it in the same transaction.
-                Ok(None) => {
-                    classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?
-                }
+                // Not proven new, or a migration or a tombstone may concern the batch, and
+                // nothing was written: the classifying statement takes it in the same
+                // transaction, which holds the lock already.
+                Ok(Fresh::Shut { locked: l }) => locked = Some(l),
                 Err(e) if e.is_taken_publish_slot() => {
                     tracing::debug!(
                         slot,
                         receipts = first.len(),
-                        proven_new = proof.is_some(),
+                        proven_new = floor.is_some(),
                         "a receipt of the batch found its publish slot taken; accepting the \
                          batch again with duplicates classified"
                     );
                     tx.rollback()
                         .await
                         .ctx("rolling back the optimistic receipt acceptance")?;
-                    if proof.is_none() {
+                    if floor.is_none() {
                         prepared.expect_fresh = false;
                     }
                     prepared.fallbacks += 1;
@@ -612,71 +629,87 @@ pub async fn accept_batch_prepared(
                 }
                 Err(e) => return Err(e),
             }
-        } else {
-            classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
-            if proof.is_none() {
-                // Only a batch that met no accepted event lets the next one try the plain
-                // insert.
-                prepared.expect_fresh = out.duplicates == 0;
-            }
         }
-        raise_accepted(&tx, prepared, slot, through.flatten(), highest).await?;
-        let locked = through.is_some();
+        let shut = locked.is_some();
+        let locked = match locked {
+            Some(l) => l,
+            None => {
+                let lock = prepared_statement(
+                    &tx,
+                    &mut prepared.lock_accepted,
+                    crate::checkpoint::LOCK_SQL,
+                )
+                .await?;
+                tx.query_opt(&lock, &[&slot])
+                    .await
+                    .ctx(format!("locking the checkpoint row of slot {slot}"))?
+                    .is_some()
+            }
+        };
+        classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
+        if floor.is_none() && !shut {
+            // Only a batch that met no accepted event lets the next one try the plain insert
+            // (a shut gate, which met a migration or a tombstone, says nothing about that).
+            prepared.expect_fresh = out.duplicates == 0;
+        }
+        if locked {
+            raise_accepted(&tx, prepared, slot, &raises).await?;
+        }
         return record_refusals_and_commit(tx, items, slot, checkpoint, fence, locked, out).await;
     }
     unreachable!("the second attempt classifies the batch and returns")
 }
 
-/// A checkpoint row's accepted position, from its two columns (both NULL before the first).
-fn accepted_position(commit: Option<PgLsn>, change: Option<PgLsn>) -> Option<StreamPosition> {
-    Some(StreamPosition {
-        commit_lsn: Lsn(u64::from(commit?)),
-        change_lsn: Lsn(u64::from(change?)),
-    })
+/// What [`accept_fresh`] did.
+enum Fresh {
+    /// Every receipt of the round inserted as a primary one; the slot's positions raised.
+    Inserted { primary: u64, locked: bool },
+    /// The gate was shut: nothing written, nothing raised (the lock is held all the same).
+    Shut { locked: bool },
 }
 
-/// What an acceptance raises its slot's accepted position to: the highest position its
-/// receipts' rows can have, or, when a receipt knows nothing of its row's position, the WAL's
-/// insert position (above every known position: `To` orders before `ToWalEnd`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Raise {
-    To(StreamPosition),
-    ToWalEnd,
+/// `raises` as the gate statement's three arrays: generations, commit LSNs, change LSNs
+/// (NULL: the WAL's insert position).
+type RaiseColumns = (Vec<i64>, Vec<Option<PgLsn>>, Vec<Option<PgLsn>>);
+
+fn raise_columns(raises: &[(i64, Option<StreamPosition>)]) -> RaiseColumns {
+    (
+        raises.iter().map(|r| r.0).collect(),
+        raises
+            .iter()
+            .map(|r| r.1.map(|p| PgLsn::from(p.commit_lsn.as_u64())))
+            .collect(),
+        raises
+            .iter()
+            .map(|r| r.1.map(|p| PgLsn::from(p.change_lsn.as_u64())))
+            .collect(),
+    )
 }
 
-/// Raises the slot's accepted position to `highest` (what the batch's receipts need), when
-/// that can be past `through` (what the lock read), in the acceptance transaction.
+/// Raises the slot's accepted positions by `raises` (`outbox_core::receipt::raises`), in the
+/// acceptance transaction, after the classifying statement (the plain insert's gate raises
+/// them itself).
 async fn raise_accepted(
     tx: &tokio_postgres::Transaction<'_>,
     prepared: &mut Prepared,
     slot: &str,
-    through: Option<StreamPosition>,
-    highest: Option<Raise>,
+    raises: &[(i64, Option<StreamPosition>)],
 ) -> Result<(), LedgerError> {
-    let h = match highest {
-        None => return Ok(()),
-        Some(Raise::To(h)) if through.is_some_and(|t| h <= t) => return Ok(()),
-        Some(Raise::To(h)) => Some(h),
-        Some(Raise::ToWalEnd) => None,
-    };
+    if raises.is_empty() {
+        return Ok(());
+    }
     let stmt = prepared_statement(
         tx,
         &mut prepared.raise_accepted,
         crate::checkpoint::RAISE_ACCEPTED_SQL,
     )
     .await?;
-    tx.execute(
-        &stmt,
-        &[
-            &slot,
-            &h.map(|h| PgLsn::from(h.commit_lsn.as_u64())),
-            &h.map(|h| PgLsn::from(h.change_lsn.as_u64())),
-        ],
-    )
-    .await
-    .ctx(format!(
-        "recording how far slot {slot}'s receipts are accepted"
-    ))?;
+    let (generations, commits, changes) = raise_columns(raises);
+    tx.execute(&stmt, &[&slot, &generations, &commits, &changes])
+        .await
+        .ctx(format!(
+            "recording how far slot {slot}'s receipts are accepted (outbox.accepted_positions)"
+        ))?;
     Ok(())
 }
 
@@ -765,8 +798,8 @@ impl<'a> ReceiptColumns<'a> {
 }
 
 /// Accepts one round of receipts that can only be primary ones ([`FRESH_BATCH_SQL`], then the
-/// entries by [`FRESH_ENTRIES_COPY`]): `Some(n)` when all `n` were inserted as primary
-/// receipts, `None` when the gate's conditions do not hold and nothing was written. A taken
+/// entries by [`FRESH_ENTRIES_COPY`]): [`Fresh::Inserted`] when all were inserted as primary
+/// receipts, [`Fresh::Shut`] when the gate's conditions do not hold and nothing was written. A taken
 /// publish slot is an error ([`LedgerError::is_taken_publish_slot`]), reported when the `COPY`
 /// ends.
 async fn accept_fresh(
@@ -774,16 +807,35 @@ async fn accept_fresh(
     prepared: &mut Prepared,
     slot: &str,
     round: &[&ReceiptRecord],
-) -> Result<Option<u64>, LedgerError> {
+    floor: Option<(i64, StreamPosition)>,
+    raises: &[(i64, Option<StreamPosition>)],
+) -> Result<Fresh, LedgerError> {
     let stmt = prepared_statement(tx, &mut prepared.fresh_batch, FRESH_BATCH_SQL).await?;
     let smallest = round.iter().map(|r| r.event_id).min();
+    // A batch without a run of its own is compared with no run (-2 is none).
+    let generation = floor.map_or(-2, |f| f.0);
+    let lowest = floor.map(|f| f.1);
+    let (generations, commits, changes) = raise_columns(raises);
     let row = tx
-        .query_one(&stmt, &[&slot, &smallest])
+        .query_one(
+            &stmt,
+            &[
+                &slot,
+                &smallest,
+                &generation,
+                &lowest.map(|p| PgLsn::from(p.commit_lsn.as_u64())),
+                &lowest.map(|p| PgLsn::from(p.change_lsn.as_u64())),
+                &generations,
+                &commits,
+                &changes,
+            ],
+        )
         .await
         .ctx("opening a batch of receipts (outbox.receipt_batches)")?;
-    let (batch_id, held_open): (Option<i64>, bool) = (row.get(0), row.get(1));
+    let (batch_id, held_open, locked): (Option<i64>, bool, bool) =
+        (row.get(0), row.get(1), row.get(2));
     let Some(batch_id) = batch_id else {
-        return Ok(None);
+        return Ok(Fresh::Shut { locked });
     };
     let copy = prepared_statement(tx, &mut prepared.fresh_copy, FRESH_ENTRIES_COPY).await?;
     let context = || {
@@ -826,7 +878,10 @@ async fn accept_fresh(
             .await
             .ctx("closing the held events of accepted receipts (outbox.held_events)")?;
     }
-    Ok(Some(inserted))
+    Ok(Fresh::Inserted {
+        primary: inserted,
+        locked,
+    })
 }
 
 /// Runs each non-empty round of receipts, in order, through [`ACCEPT_SQL`] and adds what it

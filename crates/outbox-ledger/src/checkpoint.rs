@@ -91,27 +91,25 @@ pub async fn create(
     Ok(())
 }
 
-/// Locks `slot`'s checkpoint row for the acceptance transaction and reads how far its
-/// receipts have been accepted (migration 0034): `$1` the slot; one row, `accepted_commit_lsn`
-/// and `accepted_change_lsn` (both NULL before the first positioned receipt), or none when the
-/// slot has no checkpoint row. Every acceptance takes this lock first, so the acceptances of
-/// one slot commit in the order they took it (a paused relay's salvage included), and the
-/// position read stays true until this transaction commits.
-pub(crate) const LOCK_ACCEPTED_SQL: &str =
-    "SELECT accepted_commit_lsn, accepted_change_lsn FROM outbox.checkpoints
-     WHERE slot_name = $1 FOR UPDATE";
+/// Locks `$1`'s checkpoint row for an acceptance transaction that classifies its receipts
+/// (the plain insert's gate takes the same lock itself): every acceptance takes it first, so
+/// the acceptances of one slot commit in the order they took it (a paused run's salvage
+/// included; migration 0034). No row when the slot has none.
+pub(crate) const LOCK_SQL: &str =
+    "SELECT 1 FROM outbox.checkpoints WHERE slot_name = $1 FOR UPDATE";
 
-/// Raises how far `$1`'s receipts have been accepted to (`$2`, `$3`), inside the acceptance
-/// transaction that recorded a receipt at or below that position (never lowers it). `$2`
-/// NULL: a receipt of the batch knows nothing of its row's position (a snapshot's, a
+/// Raises how far slot `$1`'s relay runs `$2` have their receipts accepted to (`$3`, `$4`),
+/// inside the acceptance transaction that recorded receipts at or below those positions (never
+/// lowers one): `outbox_core::receipt::raises`. Generation -1 holds receipts without a
+/// position; a NULL commit LSN: one knows nothing of its row's position (a snapshot's, a
 /// look-up's), and the WAL's insert position now, past every committed row, bounds it.
-pub(crate) const RAISE_ACCEPTED_SQL: &str = "UPDATE outbox.checkpoints c
-     SET accepted_commit_lsn = p.commit_lsn, accepted_change_lsn = p.change_lsn
-     FROM (SELECT coalesce($2::pg_lsn, pg_current_wal_lsn()) AS commit_lsn,
-                  coalesce($3::pg_lsn, 'FFFFFFFF/FFFFFFFF'::pg_lsn) AS change_lsn) p
-     WHERE c.slot_name = $1
-       AND (c.accepted_commit_lsn IS NULL
-            OR (c.accepted_commit_lsn, c.accepted_change_lsn) < (p.commit_lsn, p.change_lsn))";
+pub(crate) const RAISE_ACCEPTED_SQL: &str =
+    "INSERT INTO outbox.accepted_positions AS a (slot_name, relay_generation, commit_lsn, change_lsn)
+     SELECT $1, r.g, coalesce(r.c, pg_current_wal_lsn()), coalesce(r.l, 'FFFFFFFF/FFFFFFFF'::pg_lsn)
+     FROM unnest($2::int8[], $3::pg_lsn[], $4::pg_lsn[]) AS r(g, c, l)
+     ON CONFLICT (slot_name, relay_generation) DO UPDATE
+     SET commit_lsn = EXCLUDED.commit_lsn, change_lsn = EXCLUDED.change_lsn
+     WHERE (a.commit_lsn, a.change_lsn) < (EXCLUDED.commit_lsn, EXCLUDED.change_lsn)";
 
 /// The initial snapshot of `slot` has been published and accepted.
 pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), LedgerError> {

@@ -56,6 +56,7 @@ pub const RELAY_LEDGER: &[Need] = &[
     table("duplicate_receipts", WRITE),
     table("quarantine", WRITE),
     table("checkpoints", WRITE),
+    table("accepted_positions", WRITE),
     table("aggregate_heads", WRITE),
     table("head_journal", WRITE),
     table("holds", WRITE),

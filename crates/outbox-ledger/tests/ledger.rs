@@ -932,33 +932,36 @@ async fn the_optimistic_acceptance_inserts_fresh_batches_and_falls_back_on_a_tak
     assert_eq!((counts(out), prepared.fallbacks()), ((0, 0, 1), 1));
 }
 
-/// Slot `s`'s accepted position as text (migration 0034).
-async fn through(c: &Client) -> (Option<String>, Option<String>) {
-    let row = c
-        .query_one(
-            "SELECT accepted_commit_lsn::text, accepted_change_lsn::text
-             FROM outbox.checkpoints WHERE slot_name = 's'",
-            &[],
-        )
-        .await
-        .unwrap();
-    (row.get(0), row.get(1))
+/// Slot `s`'s accepted positions (migration 0034): (relay generation, commit LSN, change LSN).
+async fn through(c: &Client) -> Vec<(i64, String, String)> {
+    c.query(
+        "SELECT relay_generation, commit_lsn::text, change_lsn::text
+         FROM outbox.accepted_positions WHERE slot_name = 's' ORDER BY relay_generation",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+    .collect()
 }
 
-/// Receipts read from the stream carry their position (commit LSN, change LSN), and the
-/// slot's checkpoint row keeps the highest one accepted (migration 0034): a batch past it is
-/// inserted plainly, a replay is classified without a failed attempt first, a batch proven new
-/// whose event another slot accepted still falls back on the key, a receipt without a position
-/// raises it to the WAL's insert position, and it never moves back, not even when the slot is
-/// recreated.
+/// Receipts read from the stream carry their position (commit LSN, change LSN), and each relay
+/// run's highest accepted one is kept (migration 0034): a run's batch past the other runs'
+/// positions is inserted plainly, even when the run accepts its own receipts out of stream
+/// order; a replay by the next run is classified without a failed attempt first; a batch
+/// proven new whose event another slot accepted still falls back on the key; a receipt
+/// without a position raises generation -1 to the WAL's insert position, which every run's
+/// proof counts; and recreating the slot keeps them all.
 #[tokio::test]
 async fn the_slots_accepted_position_decides_the_plain_insert_without_a_failed_attempt() {
     let (mut c, _) = fresh("ledger_accepted_through").await;
     checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x10))
         .await
         .unwrap();
-    let events = enqueue_orders(&c, 6).await;
-    let at = |ev: &OutboxEvent, commit: u64, change: u64| ReceiptRecord {
+    let events = enqueue_orders(&c, 8).await;
+    let at = |ev: &OutboxEvent, run: i64, commit: u64, change: u64| ReceiptRecord {
+        relay_generation: run,
         commit_lsn: Some(Lsn(commit)),
         change_lsn: Some(Lsn(change)),
         ..receipt(ev, 1)
@@ -968,49 +971,56 @@ async fn the_slots_accepted_position_decides_the_plain_insert_without_a_failed_a
     let batch =
         |rs: Vec<ReceiptRecord>| rs.into_iter().map(LedgerItem::Receipt).collect::<Vec<_>>();
     let counts = |o: outbox_ledger::AcceptOutcome| (o.primary, o.duplicates, o.conflicts);
-    let pos = |a: &str, b: &str| (Some(a.to_string()), Some(b.to_string()));
-    assert_eq!(through(&c).await, (None, None), "nothing accepted yet");
+    let row = |g: i64, a: &str, b: &str| (g, a.to_string(), b.to_string());
+    assert!(through(&c).await.is_empty(), "nothing accepted yet");
 
     let mut prepared = accept::Prepared::default();
-    // Two rows of the transaction committed at 0/200.
+    // Run 1: two rows of the transaction committed at 0/200, then one it read before them
+    // (the broker answered it later): still new, no other run has accepted anything.
     let b = batch(vec![
-        at(&events[0], 0x200, 0x150),
-        at(&events[1], 0x200, 0x160),
+        at(&events[0], 1, 0x200, 0x150),
+        at(&events[1], 1, 0x200, 0x160),
     ]);
     let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
         .await
         .unwrap();
     assert_eq!((counts(out), prepared.fallbacks()), ((2, 0, 0), 0));
-    assert_eq!(through(&c).await, pos("0/200", "0/160"));
+    let b = batch(vec![at(&events[2], 1, 0x200, 0x140)]);
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
+        .await
+        .unwrap();
+    assert_eq!((counts(out), prepared.fallbacks()), ((1, 0, 0), 0));
+    assert_eq!(through(&c).await, vec![row(1, "0/200", "0/160")]);
 
-    // A replay of the second (as after a restart) with the transaction's next row: not past
-    // the position, so classified at once: no failed plain insert (the guess would have
-    // tried one, as the_optimistic_acceptance_... shows).
+    // Run 2 (after a restart) reads the transaction again: not past run 1's position, so
+    // classified at once, without a failed plain insert first (the guess would have tried
+    // one, as the_optimistic_acceptance_... shows).
     let b = batch(vec![
-        again(at(&events[1], 0x200, 0x160)),
-        at(&events[2], 0x200, 0x170),
+        again(at(&events[1], 2, 0x200, 0x160)),
+        at(&events[3], 2, 0x300, 0x10),
     ]);
     let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
         .await
         .unwrap();
     assert_eq!((counts(out), prepared.fallbacks()), ((1, 1, 0), 0));
-    assert_eq!(through(&c).await, pos("0/200", "0/170"));
-
-    // A replay wholly below it leaves it where it is.
-    let b = batch(vec![again(at(&events[0], 0x200, 0x150))]);
+    // Past run 1's: new.
+    let b = batch(vec![at(&events[4], 2, 0x300, 0x20)]);
     let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
         .await
         .unwrap();
-    assert_eq!((counts(out), prepared.fallbacks()), ((0, 1, 0), 0));
-    assert_eq!(through(&c).await, pos("0/200", "0/170"));
+    assert_eq!((counts(out), prepared.fallbacks()), ((1, 0, 0), 0));
+    assert_eq!(
+        through(&c).await,
+        vec![row(1, "0/200", "0/160"), row(2, "0/300", "0/20")]
+    );
 
-    // Another slot accepted event 3 (no checkpoint row there: nothing is proven for it);
-    // slot s then reads it past its position: proven new, the key refuses it, one fallback,
-    // a duplicate, and the position still rises.
+    // Another slot accepted event 5 (no checkpoint row there: nothing is proven for it);
+    // slot s then reads it past its other runs' positions: proven new, the key refuses it,
+    // one fallback, a duplicate.
     let out = accept::accept_batch(
         &mut c,
         "t",
-        &batch(vec![receipt(&events[3], 9)]),
+        &batch(vec![receipt(&events[5], 9)]),
         None,
         None,
     )
@@ -1018,49 +1028,46 @@ async fn the_slots_accepted_position_decides_the_plain_insert_without_a_failed_a
     .unwrap();
     assert_eq!(counts(out), (1, 0, 0));
     let b = batch(vec![
-        at(&events[3], 0x300, 0x250),
-        at(&events[4], 0x300, 0x260),
+        at(&events[5], 2, 0x300, 0x30),
+        at(&events[6], 2, 0x300, 0x40),
     ]);
     let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &b, None, None)
         .await
         .unwrap();
     assert_eq!((counts(out), prepared.fallbacks()), ((1, 1, 0), 1));
-    assert_eq!(through(&c).await, pos("0/300", "0/260"));
 
     // A receipt that knows nothing of its row's position (a look-up's at start): the WAL's
-    // insert position bounds it, and the whole of that transaction.
+    // insert position bounds it, under generation -1, and every run's proof counts it.
     let lookup = ReceiptRecord {
         commit_lsn: None,
-        ..receipt(&events[5], 1)
+        ..receipt(&events[7], 1)
     };
     let out =
         accept::accept_batch_prepared(&mut c, &mut prepared, "s", &batch(vec![lookup]), None, None)
             .await
             .unwrap();
     assert_eq!(counts(out), (1, 0, 0));
-    let bounded = through(&c).await;
-    let wal_end: String = c
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let above: bool = c
+    let rows = through(&c).await;
+    let (g, commit, change) = rows[0].clone();
+    let bounded: bool = c
         .query_one(
-            "SELECT $1::text::pg_lsn > '0/300' AND $1::text::pg_lsn <= $2::text::pg_lsn",
-            &[&bounded.0, &wal_end],
+            "SELECT $1::text::pg_lsn > '0/300' AND $1::text::pg_lsn <= pg_current_wal_lsn()",
+            &[&commit],
         )
         .await
         .unwrap()
         .get(0);
-    assert!(above, "{bounded:?} against the WAL's {wal_end}");
-    assert_eq!(bounded.1.as_deref(), Some("FFFFFFFF/FFFFFFFF"));
+    assert!(
+        bounded && g == -1 && change == "FFFFFFFF/FFFFFFFF",
+        "{rows:?}"
+    );
 
-    // The slot recreated under the same name keeps it: positions are the cluster's WAL
-    // positions, and a paused relay of the old slot may still salvage receipts it read there.
+    // The slot recreated under the same name keeps them: positions are the cluster's WAL
+    // positions, and a paused run of the old slot may still salvage receipts it read there.
     checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x400))
         .await
         .unwrap();
-    assert_eq!(through(&c).await, bounded);
+    assert_eq!(through(&c).await, rows);
 }
 
 /// The plain acceptance writes its entries by binary `COPY`: every column of a receipt reads
@@ -2121,37 +2128,55 @@ async fn receipts_move_to_entries_and_read_back_unchanged() {
         assert_eq!(&row.get::<_, String>(1), t);
     }
     // The rest of the migrations, as an upgrade runs them: 0034 takes each slot's accepted
-    // position from its newest receipt's commit LSN (slot s1's is 0/AB; s2's has none).
-    c.execute(
-        "INSERT INTO outbox.checkpoints (slot_name, publication, confirmed_lsn)
-         VALUES ('s1', 'p', '0/10'), ('s2', 'p', '0/10')",
-        &[],
+    // position from its newest receipt's commit LSN, and lets whoever may update the
+    // checkpoints (a relay's role) write the new table.
+    c.batch_execute(
+        "DO $$ BEGIN
+             IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'ledger_checkpoint_writer') THEN
+                 CREATE ROLE ledger_checkpoint_writer;
+             END IF;
+         END $$;
+         GRANT SELECT, UPDATE ON outbox.checkpoints TO ledger_checkpoint_writer",
     )
     .await
     .unwrap();
     migrate::run(&mut c).await.unwrap();
-    let upgraded: Vec<(String, Option<String>, Option<String>)> = c
+    let writes: bool = c
+        .query_one(
+            "SELECT has_table_privilege('ledger_checkpoint_writer', 'outbox.accepted_positions',
+                                        'INSERT')
+                AND has_table_privilege('ledger_checkpoint_writer', 'outbox.accepted_positions',
+                                        'UPDATE')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        writes,
+        "the checkpoints' writer may write outbox.accepted_positions"
+    );
+    let upgraded: Vec<(String, i64, String, String)> = c
         .query(
-            "SELECT slot_name, accepted_commit_lsn::text, accepted_change_lsn::text
-             FROM outbox.checkpoints ORDER BY slot_name",
+            "SELECT slot_name, relay_generation, commit_lsn::text, change_lsn::text
+             FROM outbox.accepted_positions ORDER BY slot_name",
             &[],
         )
         .await
         .unwrap()
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
         .collect();
-    assert_eq!(
-        upgraded,
-        vec![
-            (
-                "s1".to_string(),
-                Some("0/AB".to_string()),
-                Some("FFFFFFFF/FFFFFFFF".to_string())
-            ),
-            ("s2".to_string(), None, None),
-        ]
-    );
+    // s1's and s3's newest receipts have commit LSN 0/AB; s2's has none.
+    let row = |s: &str| {
+        (
+            s.to_string(),
+            -1,
+            "0/AB".to_string(),
+            "FFFFFFFF/FFFFFFFF".to_string(),
+        )
+    };
+    assert_eq!(upgraded, vec![row("s1"), row("s3")]);
     let id = enqueue(
         &c,
         "order",

@@ -77,11 +77,12 @@ pub(super) struct Ledger {
     pub(super) moved: HashMap<Agg, i64>,
     pub(super) attempts: Vec<Attempt>,
     pub(super) checkpoint: Option<Lsn>,
-    /// `checkpoints.accepted_commit_lsn`/`accepted_change_lsn` (migration 0034): the highest
-    /// stream position among the receipts accepted for the slot. Kept when the slot is
+    /// `outbox.accepted_positions` (migration 0034): per relay run (generation; -1 for
+    /// receipts without a position), the highest stream position among the receipts it
+    /// recorded for the slot (`outbox_core::receipt::raises`). Kept when the slot is
     /// recreated: positions are the cluster's WAL positions, and a paused run of the old slot
     /// may still salvage receipts it read there.
-    pub(super) accepted_through: Option<StreamPosition>,
+    pub(super) accepted_through: HashMap<i64, StreamPosition>,
     /// `checkpoints.snapshot_done`: the rows the slot will not stream were published.
     pub(super) snapshot_done: bool,
     pub(super) lease_gen: i64,
@@ -143,6 +144,10 @@ pub(super) enum Item {
         row: usize,
     },
 }
+
+/// The key under which receipts without a stream position raise the slot's accepted
+/// position: every run's proof counts it.
+const UNPOSITIONED: i64 = -1;
 
 impl World {
     /// The highest position `r`'s row can have (`accept.rs`'s raise of the accepted
@@ -249,7 +254,14 @@ impl World {
             Item::Receipt { row, position, .. } => Some((*row, *position)),
             _ => None,
         });
-        let through = self.ledger.accepted_through;
+        let gen = self.relays[i].gen;
+        let through = self
+            .ledger
+            .accepted_through
+            .iter()
+            .filter(|(g, _)| **g != gen)
+            .map(|(_, p)| *p)
+            .max();
         let proved = if self.is(Mutant::FreshByCommit) {
             FreshnessRule::commit_only().proved_new(through, firsts.clone().map(|f| f.1))
         } else {
@@ -269,15 +281,19 @@ impl World {
                 self.c.fresh_proofs_wrong += 1;
             }
         }
-        let highest = items
-            .iter()
-            .filter_map(|it| match it {
-                Item::Receipt { bound, .. } => *bound,
-                _ => None,
-            })
-            .max();
-        if highest > through {
-            self.ledger.accepted_through = highest;
+        for it in &items {
+            if let Item::Receipt {
+                position, bound, ..
+            } = it
+            {
+                let (key, p) = match (position, bound) {
+                    (Some(p), _) => (gen, *p),
+                    (None, Some(b)) => (UNPOSITIONED, *b),
+                    (None, None) => continue,
+                };
+                let at = self.ledger.accepted_through.entry(key).or_insert(p);
+                *at = (*at).max(p);
+            }
         }
         order.extend(rest);
         for it in &items {
