@@ -190,6 +190,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "accepted_through",
         sql: include_str!("../../../migrations/0034_accepted_through.sql"),
     },
+    Migration {
+        version: 35,
+        name: "heads_below_one",
+        sql: include_str!("../../../migrations/0035_heads_below_one.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
