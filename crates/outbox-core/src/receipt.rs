@@ -542,6 +542,7 @@ impl<const IGNORE_READERS: bool> PurgeRule<IGNORE_READERS> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn an_acceptance_raises_each_runs_position_and_bounds_the_unpositioned() {
@@ -618,7 +619,6 @@ mod tests {
         assert!(FreshnessRule::commit_only().proved_new(h, [at(200, 140)]));
         assert!(!FreshnessRule::commit_only().proved_new(h, [at(100, 190)]));
     }
-    use super::*;
 
     #[test]
     fn a_success_report_is_proof_only_with_a_position_in_the_container_sent_to() {

@@ -90,6 +90,35 @@ macro_rules! entry_columns {
     };
 }
 
+/// Locks the slot `$1`'s checkpoint row, first in every acceptance transaction (migration
+/// 0034): the acceptances of one slot commit in the order they took it, a paused run's
+/// salvage included. One row, or none when the slot has no checkpoint row.
+macro_rules! lock_checkpoint {
+    () => {
+        "SELECT 1 FROM outbox.checkpoints c WHERE c.slot_name = $1 FOR UPDATE"
+    };
+}
+
+/// Raises how far the slot `$1`'s relay runs have their receipts accepted, from the rows
+/// `$rows` (`r(g, c, l)`: generation, commit LSN, change LSN; `outbox_core::receipt::raises`),
+/// never lowering one. Generation -1 holds receipts without a position; a NULL commit LSN: one
+/// knows nothing of its row's position (a snapshot's, a look-up's), and the WAL's insert
+/// position now, past every committed row, bounds it.
+macro_rules! raise_positions {
+    ($rows:literal) => {
+        concat!(
+            "INSERT INTO outbox.accepted_positions AS a (slot_name, relay_generation, commit_lsn, change_lsn)
+    SELECT $1, r.g, coalesce(r.c, pg_current_wal_lsn()), coalesce(r.l, 'FFFFFFFF/FFFFFFFF'::pg_lsn)
+    FROM ",
+            $rows,
+            "
+    ON CONFLICT (slot_name, relay_generation) DO UPDATE
+    SET commit_lsn = EXCLUDED.commit_lsn, change_lsn = EXCLUDED.change_lsn
+    WHERE (a.commit_lsn, a.change_lsn) < (EXCLUDED.commit_lsn, EXCLUDED.change_lsn)"
+        )
+    };
+}
+
 /// Closes the held events whose receipt `prim` just accepted. Joined only when an event is
 /// held at all (once per statement, by the partial index of open held events): the join cost
 /// ~0.7 us per receipt.
@@ -228,11 +257,10 @@ SELECT (SELECT count(*) FROM prim), (SELECT count(*) FROM dup), (SELECT count(*)
 /// per row (a probe of the key, a token, a confirmation record in WAL), the materialised
 /// classification every row passes through, and the anti-join that finds duplicates
 /// (docs/benchmarks.md "The acceptance without speculative insertion").
-const FRESH_BATCH_SQL: &str = r#"
-WITH locked AS (
-    -- The slot's checkpoint row, locked first: the acceptances of one slot commit in the
-    -- order they took it (migration 0034).
-    SELECT 1 FROM outbox.checkpoints c WHERE c.slot_name = $1 FOR UPDATE
+const FRESH_BATCH_SQL: &str = concat!(
+    "WITH locked AS (\n    ",
+    lock_checkpoint!(),
+    r#"
 ),
 others AS (
     -- How far the slot's other runs' receipts were accepted (`$3` is this batch's run).
@@ -256,13 +284,11 @@ gate AS (
                                           >= ($4::pg_lsn, $5::pg_lsn)))) AS go
 ),
 raise AS (
-    INSERT INTO outbox.accepted_positions AS a (slot_name, relay_generation, commit_lsn, change_lsn)
-    SELECT $1, r.g, coalesce(r.c, pg_current_wal_lsn()), coalesce(r.l, 'FFFFFFFF/FFFFFFFF'::pg_lsn)
-    FROM unnest($6::int8[], $7::pg_lsn[], $8::pg_lsn[]) AS r(g, c, l), gate
-    WHERE gate.go AND gate.locked
-    ON CONFLICT (slot_name, relay_generation) DO UPDATE
-    SET commit_lsn = EXCLUDED.commit_lsn, change_lsn = EXCLUDED.change_lsn
-    WHERE (a.commit_lsn, a.change_lsn) < (EXCLUDED.commit_lsn, EXCLUDED.change_lsn)
+    "#,
+    raise_positions!(
+        "unnest($6::int8[], $7::pg_lsn[], $8::pg_lsn[]) AS r(g, c, l), gate WHERE gate.go AND gate.locked"
+    ),
+    r#"
     RETURNING 1
 ),
 batch AS (
@@ -272,7 +298,17 @@ batch AS (
 SELECT (SELECT batch_id FROM batch),
        EXISTS (SELECT 1 FROM outbox.held_events o WHERE o.released_at IS NULL),
        (SELECT locked FROM gate)
-"#;
+"#
+);
+
+/// The lock every acceptance takes first, for one that classifies its receipts (the plain
+/// insert's gate takes it itself: [`FRESH_BATCH_SQL`]).
+const LOCK_SQL: &str = lock_checkpoint!();
+
+/// Raises the slot's accepted positions after the classifying statement (`$2`, `$3`, `$4`:
+/// generations, commit LSNs, change LSNs); the plain insert's gate raises them itself.
+const RAISE_SQL: &str =
+    raise_positions!("unnest($2::int8[], $3::pg_lsn[], $4::pg_lsn[]) AS r(g, c, l)");
 
 /// The entries of a batch whose receipts can only be primary ones, by binary `COPY`: half the
 /// server's CPU per receipt of an `INSERT ... SELECT FROM unnest(...)` of the same rows
@@ -350,8 +386,8 @@ pub struct Prepared {
     fresh_batch: Option<Statement>,
     fresh_copy: Option<Statement>,
     fresh_unheld: Option<Statement>,
-    lock_accepted: Option<Statement>,
-    raise_accepted: Option<Statement>,
+    lock: Option<Statement>,
+    raise: Option<Statement>,
     /// For a batch that its positions cannot prove new (receipts from a snapshot, a release,
     /// a look-up, poll mode; a slot without a checkpoint row): whether it tries the plain
     /// insert ([`accept_fresh`]) first. False after such a batch met an accepted event, until
@@ -371,8 +407,8 @@ impl Default for Prepared {
             fresh_batch: None,
             fresh_copy: None,
             fresh_unheld: None,
-            lock_accepted: None,
-            raise_accepted: None,
+            lock: None,
+            raise: None,
             expect_fresh: true,
             fallbacks: 0,
             destinations: Vec::new(),
@@ -597,19 +633,22 @@ pub async fn accept_batch_prepared(
             .await
             .ctx("beginning the receipt acceptance transaction")?;
         let plain = attempt == 0 && !first.is_empty() && (floor.is_some() || prepared.expect_fresh);
-        let mut locked = None;
+        // `Some(locked)` when the plain insert's gate was shut: it took the lock already.
+        let mut shut = None;
         if plain {
             match accept_fresh(&tx, prepared, slot, &first, floor, &raises).await {
-                Ok(Fresh::Inserted { primary, locked: l }) => {
+                Ok(Fresh::Inserted { primary, locked }) => {
                     out.primary += primary;
                     classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
-                    return record_refusals_and_commit(tx, items, slot, checkpoint, fence, l, out)
-                        .await;
+                    return record_refusals_and_commit(
+                        tx, items, slot, checkpoint, fence, locked, out,
+                    )
+                    .await;
                 }
                 // Not proven new, or a migration or a tombstone may concern the batch, and
                 // nothing was written: the classifying statement takes it in the same
                 // transaction, which holds the lock already.
-                Ok(Fresh::Shut { locked: l }) => locked = Some(l),
+                Ok(Fresh::Shut { locked }) => shut = Some(locked),
                 Err(e) if e.is_taken_publish_slot() => {
                     tracing::debug!(
                         slot,
@@ -630,16 +669,10 @@ pub async fn accept_batch_prepared(
                 Err(e) => return Err(e),
             }
         }
-        let shut = locked.is_some();
-        let locked = match locked {
-            Some(l) => l,
+        let locked = match shut {
+            Some(locked) => locked,
             None => {
-                let lock = prepared_statement(
-                    &tx,
-                    &mut prepared.lock_accepted,
-                    crate::checkpoint::LOCK_SQL,
-                )
-                .await?;
+                let lock = prepared_statement(&tx, &mut prepared.lock, LOCK_SQL).await?;
                 tx.query_opt(&lock, &[&slot])
                     .await
                     .ctx(format!("locking the checkpoint row of slot {slot}"))?
@@ -647,7 +680,7 @@ pub async fn accept_batch_prepared(
             }
         };
         classify_rounds(&tx, prepared, slot, &[&first, &rest], &mut out).await?;
-        if floor.is_none() && !shut {
+        if floor.is_none() && shut.is_none() {
             // Only a batch that met no accepted event lets the next one try the plain insert
             // (a shut gate, which met a migration or a tombstone, says nothing about that).
             prepared.expect_fresh = out.duplicates == 0;
@@ -698,12 +731,7 @@ async fn raise_accepted(
     if raises.is_empty() {
         return Ok(());
     }
-    let stmt = prepared_statement(
-        tx,
-        &mut prepared.raise_accepted,
-        crate::checkpoint::RAISE_ACCEPTED_SQL,
-    )
-    .await?;
+    let stmt = prepared_statement(tx, &mut prepared.raise, RAISE_SQL).await?;
     let (generations, commits, changes) = raise_columns(raises);
     tx.execute(&stmt, &[&slot, &generations, &commits, &changes])
         .await

@@ -91,26 +91,6 @@ pub async fn create(
     Ok(())
 }
 
-/// Locks `$1`'s checkpoint row for an acceptance transaction that classifies its receipts
-/// (the plain insert's gate takes the same lock itself): every acceptance takes it first, so
-/// the acceptances of one slot commit in the order they took it (a paused run's salvage
-/// included; migration 0034). No row when the slot has none.
-pub(crate) const LOCK_SQL: &str =
-    "SELECT 1 FROM outbox.checkpoints WHERE slot_name = $1 FOR UPDATE";
-
-/// Raises how far slot `$1`'s relay runs `$2` have their receipts accepted to (`$3`, `$4`),
-/// inside the acceptance transaction that recorded receipts at or below those positions (never
-/// lowers one): `outbox_core::receipt::raises`. Generation -1 holds receipts without a
-/// position; a NULL commit LSN: one knows nothing of its row's position (a snapshot's, a
-/// look-up's), and the WAL's insert position now, past every committed row, bounds it.
-pub(crate) const RAISE_ACCEPTED_SQL: &str =
-    "INSERT INTO outbox.accepted_positions AS a (slot_name, relay_generation, commit_lsn, change_lsn)
-     SELECT $1, r.g, coalesce(r.c, pg_current_wal_lsn()), coalesce(r.l, 'FFFFFFFF/FFFFFFFF'::pg_lsn)
-     FROM unnest($2::int8[], $3::pg_lsn[], $4::pg_lsn[]) AS r(g, c, l)
-     ON CONFLICT (slot_name, relay_generation) DO UPDATE
-     SET commit_lsn = EXCLUDED.commit_lsn, change_lsn = EXCLUDED.change_lsn
-     WHERE (a.commit_lsn, a.change_lsn) < (EXCLUDED.commit_lsn, EXCLUDED.change_lsn)";
-
 /// The initial snapshot of `slot` has been published and accepted.
 pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), LedgerError> {
     client
@@ -126,8 +106,8 @@ pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), Ledge
 
 /// Moves the checkpoint forward (never back) inside the caller's transaction. With a fence,
 /// only while the fence holds the slot's lease; returns `false` when fenced off. `locked`:
-/// the transaction has already read and locked the row (`LOCK_ACCEPTED_SQL`), so it is not
-/// looked for again.
+/// the transaction has already read and locked the row (the acceptance's lock,
+/// `crate::accept`), so it is not looked for again.
 pub async fn advance_in<C: GenericClient>(
     client: &C,
     slot: &str,

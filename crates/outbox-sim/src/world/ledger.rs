@@ -3,7 +3,6 @@
 //! retention. A model of SQL the simulator cannot run; the relay's decisions are not here.
 
 use outbox_core::receipt::{AcceptanceRule, FreshnessRule};
-use outbox_core::records::ReceiptRecord;
 use outbox_core::records::{RefusalFilter, RefusalKind};
 
 use super::*;
@@ -123,10 +122,8 @@ pub(super) enum Item {
         payload_digest: String,
         dest_digest: String,
         late: bool,
-        /// The receipt's stream position, and the highest its row can have
-        /// (`ReceiptRecord::position`, `ReceiptRecord::position_bound`).
+        /// The receipt's stream position (`ReceiptRecord::position`).
         position: Option<StreamPosition>,
-        bound: Option<StreamPosition>,
     },
     /// `superseded`: decided for an envelope generation a migration has replaced since
     /// (`LedgerItem::superseded`, asked when the batch is accepted).
@@ -145,21 +142,7 @@ pub(super) enum Item {
     },
 }
 
-/// The key under which receipts without a stream position raise the slot's accepted
-/// position: every run's proof counts it.
-const UNPOSITIONED: i64 = -1;
-
 impl World {
-    /// The highest position `r`'s row can have (`accept.rs`'s raise of the accepted
-    /// position): its own bound, or for a receipt that knows nothing of its row's position
-    /// the WAL's insert position now (`pg_current_wal_lsn()`), past every committed row.
-    pub(super) fn position_bound(&self, r: &ReceiptRecord) -> StreamPosition {
-        r.position_bound().unwrap_or(StreamPosition {
-            commit_lsn: Lsn(self.next_lsn),
-            change_lsn: Lsn(u64::MAX),
-        })
-    }
-
     /// The core's ledger records, by row index (what the simulated ledger keys on).
     pub(super) fn sim_items(&mut self, i: usize, items: &[LedgerItem]) -> Vec<Item> {
         let row_of = |w: &World, id: &Uuid| w.by_id[id];
@@ -182,7 +165,6 @@ impl World {
                         .late
                         .remove(&(r.event_id, r.partition, r.offset)),
                     position: r.position(),
-                    bound: Some(self.position_bound(r)),
                 },
                 LedgerItem::Quarantine(q) => {
                     let row = row_of(self, &q.event_id.expect("simulated rows are readable"));
@@ -222,10 +204,13 @@ impl World {
     }
 
     /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
+    /// `raises`: what its receipts raise the accepted positions by (`receipt::raises` of the
+    /// batch's receipts; `None`, the WAL's insert position, is `next_lsn` here).
     pub(super) fn accept(
         &mut self,
         i: usize,
         items: Vec<Item>,
+        raises: Vec<(i64, Option<StreamPosition>)>,
         checkpoint: Option<Lsn>,
     ) -> Result<bool, End> {
         if self.faults && self.rng.chance(15) {
@@ -281,19 +266,13 @@ impl World {
                 self.c.fresh_proofs_wrong += 1;
             }
         }
-        for it in &items {
-            if let Item::Receipt {
-                position, bound, ..
-            } = it
-            {
-                let (key, p) = match (position, bound) {
-                    (Some(p), _) => (gen, *p),
-                    (None, Some(b)) => (UNPOSITIONED, *b),
-                    (None, None) => continue,
-                };
-                let at = self.ledger.accepted_through.entry(key).or_insert(p);
-                *at = (*at).max(p);
-            }
+        for (key, p) in raises {
+            let p = p.unwrap_or(StreamPosition {
+                commit_lsn: Lsn(self.next_lsn),
+                change_lsn: Lsn(u64::MAX),
+            });
+            let at = self.ledger.accepted_through.entry(key).or_insert(p);
+            *at = (*at).max(p);
         }
         order.extend(rest);
         for it in &items {

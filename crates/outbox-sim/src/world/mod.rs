@@ -19,7 +19,7 @@ use bytes::Bytes;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
 use outbox_core::lease::{self, LeaseFacts, Take, TakeoverRule};
 use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, StreamPosition};
-use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState};
+use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState, ReceiptRecord};
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::lifecycle::{RunStart, StartStep};
@@ -1907,12 +1907,11 @@ impl World {
                 dest_digest: ev.destination_digest.clone(),
                 late: false,
                 position: None,
-                bound: Some(StreamPosition {
-                    commit_lsn: Lsn(self.next_lsn),
-                    change_lsn: Lsn(u64::MAX),
-                }),
             }];
-            self.accept(i, items, None)?;
+            // The look-up's receipt knows nothing of its row's position (the daemon's
+            // `unknown::record_lookup` builds it without LSNs): what `receipt::raises` gives it.
+            let raises = vec![(receipt::UNPOSITIONED_GENERATION, None)];
+            self.accept(i, items, raises, None)?;
             self.relays[i].proven.insert(row);
         }
         if let (Some(found), false) = (record.resolve, record.resolve_first) {
@@ -2574,7 +2573,15 @@ impl World {
             return Ok(());
         };
         let sim_items = self.sim_items(i, &items);
-        let fenced = match self.accept(i, sim_items, checkpoint) {
+        let receipts: Vec<&ReceiptRecord> = items
+            .iter()
+            .filter_map(|it| match it {
+                LedgerItem::Receipt(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        let raises = receipt::raises(&receipts);
+        let fenced = match self.accept(i, sim_items, raises, checkpoint) {
             Ok(fenced) => fenced,
             Err(e) => {
                 self.relays[i].core.restore_batch(items, false);
