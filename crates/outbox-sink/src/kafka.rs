@@ -66,9 +66,19 @@ impl Default for KafkaSinkConfig {
     }
 }
 
-struct SinkContext {
+pub(crate) struct SinkContext {
     tx: UnboundedSender<Delivery>,
     errors: std::sync::Mutex<RepeatGate>,
+}
+
+impl SinkContext {
+    /// A context whose delivery reports go to `tx`.
+    pub(crate) fn new(tx: UnboundedSender<Delivery>) -> SinkContext {
+        SinkContext {
+            tx,
+            errors: std::sync::Mutex::new(RepeatGate::default()),
+        }
+    }
 }
 
 /// Which of librdkafka's repeated global errors reach the log. While a broker is down,
@@ -109,9 +119,9 @@ impl RepeatGate {
 
 /// What the delivery callback needs of the send: the caller's token and the topic it was sent
 /// to (a success report is checked against it).
-struct Sent {
-    token: u64,
-    topic: String,
+pub(crate) struct Sent {
+    pub(crate) token: u64,
+    pub(crate) topic: String,
 }
 
 impl ClientContext for SinkContext {
@@ -140,6 +150,11 @@ impl ProducerContext for SinkContext {
     type DeliveryOpaque = Box<Sent>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, sent: Box<Sent>) {
+        // A transactional batch record's answer is its transaction's commit, not a report
+        // (`kafka_txn`): the pipeline only ever hears of its own events.
+        if sent.token == crate::kafka_txn::BATCH_RECORD_TOKEN {
+            return;
+        }
         let outcome = match result {
             Ok(m) => success_outcome(
                 &sent.topic,
@@ -332,39 +347,19 @@ impl KafkaSink {
         reports: UnboundedSender<Delivery>,
         linger: Option<Duration>,
     ) -> Result<ThreadedProducer<SinkContext>, SinkError> {
-        let mut cc = ClientConfig::new();
-        cc.set("bootstrap.servers", &config.bootstrap_servers)
-            .set("partitioner", &config.partitioner)
-            .set(
-                "message.timeout.ms",
-                config.message_timeout.as_millis().to_string(),
-            )
-            .set(
-                "linger.ms",
-                (config.linger.as_secs_f64() * 1000.0).to_string(),
-            )
-            .set("queue.buffering.max.messages", "200000")
-            .set(
-                "client.id",
-                if linger.is_some() {
-                    "outboxd-express"
-                } else {
-                    "outboxd"
-                },
-            );
-        for (k, v) in &config.properties {
-            cc.set(k, v);
-        }
+        let client_id = if linger.is_some() {
+            "outboxd-express"
+        } else {
+            "outboxd"
+        };
+        let mut cc = producer_config(config, client_id);
         if let Some(l) = linger {
             cc.set("linger.ms", (l.as_secs_f64() * 1000.0).to_string());
         }
         // The relay's guarantees rest on these two; they are not overridable.
         cc.set("enable.idempotence", "true").set("acks", "all");
-        cc.create_with_context(SinkContext {
-            tx: reports,
-            errors: std::sync::Mutex::new(RepeatGate::default()),
-        })
-        .map_err(|e| SinkError::Config(Box::new(e)))
+        cc.create_with_context(SinkContext::new(reports))
+            .map_err(|e| SinkError::Config(Box::new(e)))
     }
 
     /// Tells the sink whether the relay is bound by round trips: more events wait behind their
@@ -426,39 +421,7 @@ impl KafkaSink {
     /// Enqueues one event; its delivery report arrives later with `token`. Waits (async)
     /// while librdkafka's queue is full.
     pub async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
-        let mut headers = event_headers(ev);
-        crate::headers::add_optional_headers(&mut headers, ev, &self.config.headers);
-        loop {
-            let mut oh = OwnedHeaders::new_with_capacity(headers.len());
-            for (k, v) in &headers {
-                oh = oh.insert(Header {
-                    key: k,
-                    value: Some(&v[..]),
-                });
-            }
-            let sent = Box::new(Sent {
-                token,
-                topic: ev.destination.topic.clone(),
-            });
-            let record = BaseRecord::with_opaque_to(&ev.destination.topic, sent)
-                .key(ev.destination.key.as_bytes())
-                .payload(&ev.payload[..])
-                .headers(oh);
-            match self.lane().send(record) {
-                Ok(()) => return Ok(()),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err((source, _)) => {
-                    return Err(SinkError::Enqueue {
-                        event_id: ev.event_id.to_string(),
-                        topic: ev.destination.topic.clone(),
-                        class: classify(&source),
-                        source: Box::new(source),
-                    })
-                }
-            }
-        }
+        enqueue(|| self.lane(), ev, token, &self.config.headers).await
     }
 
     /// Messages enqueued and not yet reported.
@@ -474,6 +437,86 @@ impl KafkaSink {
             let _ = x.flush(deadline.saturating_duration_since(std::time::Instant::now()));
         }
     }
+}
+
+/// The librdkafka settings every producer of outboxd starts from: the sink's own, then the
+/// operator's `kafka.*` properties (which win over these, not over what the caller sets
+/// after).
+pub(crate) fn producer_config(config: &KafkaSinkConfig, client_id: &str) -> ClientConfig {
+    let mut cc = ClientConfig::new();
+    cc.set("bootstrap.servers", &config.bootstrap_servers)
+        .set("partitioner", &config.partitioner)
+        .set(
+            "message.timeout.ms",
+            config.message_timeout.as_millis().to_string(),
+        )
+        .set(
+            "linger.ms",
+            (config.linger.as_secs_f64() * 1000.0).to_string(),
+        )
+        .set("queue.buffering.max.messages", "200000")
+        .set("client.id", client_id);
+    for (k, v) in &config.properties {
+        cc.set(k, v);
+    }
+    cc
+}
+
+/// An event's headers as it is sent: the envelope's, the producer's own, the optional families.
+fn message_headers<'a>(ev: &'a OutboxEvent, options: &crate::HeaderOptions) -> Headers<'a> {
+    let mut headers = event_headers(ev);
+    crate::headers::add_optional_headers(&mut headers, ev, options);
+    headers
+}
+
+/// Enqueues `ev` on the producer `lane` gives (asked again after each wait); its delivery
+/// report arrives later with `token`. Waits (async) while librdkafka's queue is full.
+pub(crate) async fn enqueue<'p>(
+    lane: impl Fn() -> &'p ThreadedProducer<SinkContext>,
+    ev: &OutboxEvent,
+    token: u64,
+    options: &crate::HeaderOptions,
+) -> Result<(), SinkError> {
+    let headers = message_headers(ev, options);
+    loop {
+        match lane().send(event_record(ev, token, &headers)) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err((source, _)) => {
+                return Err(SinkError::Enqueue {
+                    event_id: ev.event_id.to_string(),
+                    topic: ev.destination.topic.clone(),
+                    class: classify(&source),
+                    source: Box::new(source),
+                })
+            }
+        }
+    }
+}
+
+/// The record of `ev` for its frozen topic and key; its delivery report carries `token`.
+fn event_record<'a>(
+    ev: &'a OutboxEvent,
+    token: u64,
+    headers: &Headers<'_>,
+) -> BaseRecord<'a, [u8], [u8], Box<Sent>> {
+    let mut oh = OwnedHeaders::new_with_capacity(headers.len());
+    for (k, v) in headers {
+        oh = oh.insert(Header {
+            key: k,
+            value: Some(&v[..]),
+        });
+    }
+    let sent = Box::new(Sent {
+        token,
+        topic: ev.destination.topic.clone(),
+    });
+    BaseRecord::with_opaque_to(&ev.destination.topic, sent)
+        .key(ev.destination.key.as_bytes())
+        .payload(&ev.payload[..])
+        .headers(oh)
 }
 
 impl Sink for KafkaSink {

@@ -37,6 +37,7 @@ pub mod http;
 pub mod http_endpoints;
 pub mod jetstream;
 pub mod kafka;
+pub mod kafka_txn;
 pub mod redact;
 
 pub use headers::HeaderOptions;
@@ -107,6 +108,16 @@ pub enum SinkError {
         what: String,
         message: String,
     },
+    #[error("Kafka transactions of {transactional_id}: {step} failed ({failure:?}): {source}; {}", failure.what_to_do())]
+    Transaction {
+        step: &'static str,
+        transactional_id: String,
+        failure: kafka_txn::TxnFailure,
+        #[source]
+        source: Box<KafkaError>,
+    },
+    #[error("cannot read the committed batches in Kafka topic {topic}: {reason}; check that the topic exists and the relay may read it")]
+    PositionsUnread { topic: String, reason: String },
     #[error("the delivery channel is closed (pipeline shutting down)")]
     Closed,
 }
@@ -140,6 +151,15 @@ impl SinkError {
                 | SinkError::HttpUnanswered { .. }
                 | SinkError::Publish {
                     class: FailureClass::Transient,
+                    ..
+                }
+                | SinkError::PositionsUnread { .. }
+                // Fenced: another relay holds the slot now; this run ends and waits as a
+                // standby, as after a lost lease.
+                | SinkError::Transaction {
+                    failure: kafka_txn::TxnFailure::Fenced
+                        | kafka_txn::TxnFailure::Abortable
+                        | kafka_txn::TxnFailure::Retriable,
                     ..
                 }
         )

@@ -1,0 +1,417 @@
+//! The transactional Kafka producer that `delivery = "exactly-once"` is to be built on (issue
+//! 30; docs/exactly_once.md has the design). Not used by the relay yet: this module is the
+//! broker side of the mode, proven on real Kafka by `tests/kafka_txn.rs` before the relay
+//! relies on it.
+//!
+//! What it gives, and what the design relies on:
+//! * **One transaction per acceptance batch.** [`TxnSink::begin`], [`TxnSink::send`] for each
+//!   event (several of one aggregate may be in flight: a transaction is visible to
+//!   `read_committed` consumers all at once or not at all), then [`TxnSink::commit`] with the
+//!   batch's [`BatchRecord`]. The delivery reports of the events arrive before the commit
+//!   (their offsets are final, the records not yet visible); the batch record, written into the
+//!   positions topic inside the same transaction, carries those receipts and the LSN the
+//!   checkpoint may move to. So the broker alone knows which batches it has committed.
+//! * **Fencing by the transactional id.** [`TxnSink::open`] initialises transactions under an
+//!   id stable per slot (`transactional_id`): the broker bumps the id's epoch, aborts whatever
+//!   transaction the previous holder left open, and refuses every later request of that
+//!   previous producer ([`TxnFailure::Fenced`]). A relay paused past its lease and resumed can
+//!   commit nothing.
+//! * **Recovery from the broker's record.** [`committed_batches`] reads the positions topic as
+//!   a `read_committed` consumer up to its last stable offset: every batch committed there,
+//!   with its receipts. A batch committed on the broker whose ledger acceptance a crash cut off
+//!   is accepted from this record at the next start, never sent again.
+//!
+//! An unclear commit (a timeout) is not guessed: [`TxnFailure::Retriable`] says to ask again
+//! (librdkafka completes a commit it had started), and a new holder's `open` settles it either
+//! way, after which [`committed_batches`] says whether the batch is there.
+
+use std::time::Duration;
+
+use outbox_core::{Lsn, OutboxEvent};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::Message;
+use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::kafka::{classify, enqueue, producer_config, Sent, SinkContext};
+use crate::{Delivery, KafkaSinkConfig, SinkError};
+
+/// The delivery-report token of a batch record: its report is not forwarded (the commit is
+/// its answer). The relay's tokens count up from 0 and never reach it.
+pub const BATCH_RECORD_TOKEN: u64 = u64::MAX;
+
+/// What a committed batch proves: written into the positions topic inside the batch's own
+/// transaction, keyed by slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRecord {
+    pub slot: String,
+    /// The lease generation of the relay that committed it.
+    pub generation: i64,
+    /// The batch's number within the slot, increasing.
+    pub batch: u64,
+    /// The LSN the checkpoint may move to once this batch is accepted.
+    pub through: Lsn,
+    /// Every event of the batch where the broker stored it.
+    pub receipts: Vec<BatchReceipt>,
+}
+
+/// One event of a committed batch, at its position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchReceipt {
+    pub event_id: String,
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl BatchRecord {
+    /// The record's value: JSON, so that an operator can read the topic with any consumer.
+    pub fn encode(&self) -> String {
+        let receipts: Vec<_> = self
+            .receipts
+            .iter()
+            .map(|r| serde_json::json!([r.event_id, r.topic, r.partition, r.offset]))
+            .collect();
+        serde_json::json!({
+            "slot": self.slot,
+            "generation": self.generation,
+            "batch": self.batch,
+            "through": self.through.to_string(),
+            "receipts": receipts,
+        })
+        .to_string()
+    }
+
+    /// Reads a record's value back; an error names what is missing or malformed.
+    pub fn decode(value: &[u8]) -> Result<BatchRecord, String> {
+        let v: serde_json::Value =
+            serde_json::from_slice(value).map_err(|e| format!("not JSON: {e}"))?;
+        let field = |name: &str| v.get(name).ok_or_else(|| format!("no field {name:?}"));
+        let int = |name: &str| -> Result<i64, String> {
+            field(name)?
+                .as_i64()
+                .ok_or_else(|| format!("{name:?} is not an integer"))
+        };
+        let text = |name: &str| -> Result<String, String> {
+            field(name)?
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| format!("{name:?} is not a string"))
+        };
+        let through = text("through")?;
+        let mut receipts = Vec::new();
+        for r in field("receipts")?
+            .as_array()
+            .ok_or("\"receipts\" is not an array")?
+        {
+            let bad = || format!("receipt {r} is not [event_id, topic, partition, offset]");
+            let part = |i: usize| r.get(i).ok_or_else(bad);
+            receipts.push(BatchReceipt {
+                event_id: part(0)?.as_str().ok_or_else(bad)?.to_string(),
+                topic: part(1)?.as_str().ok_or_else(bad)?.to_string(),
+                partition: part(2)?
+                    .as_i64()
+                    .and_then(|p| i32::try_from(p).ok())
+                    .ok_or_else(bad)?,
+                offset: part(3)?.as_i64().ok_or_else(bad)?,
+            });
+        }
+        Ok(BatchRecord {
+            slot: text("slot")?,
+            generation: int("generation")?,
+            batch: u64::try_from(int("batch")?).map_err(|_| "\"batch\" is negative")?,
+            through: through
+                .parse()
+                .map_err(|_| format!("\"through\" {through:?} is not an LSN"))?,
+            receipts,
+        })
+    }
+}
+
+/// How a transactional step failed, as the relay must act on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxnFailure {
+    /// Another producer initialised the same transactional id: this one lost the slot and
+    /// must stop; nothing of its open transaction becomes visible.
+    Fenced,
+    /// The transaction cannot commit (a send failed): abort it; nothing of it is visible.
+    Abortable,
+    /// The outcome is not known yet (e.g. a timeout): ask again; never send the batch anew
+    /// before the broker said it is not committed.
+    Retriable,
+    /// The producer cannot go on (misconfiguration, an unsupported broker).
+    Fatal,
+}
+
+impl TxnFailure {
+    /// What the operator reads after the error.
+    pub fn what_to_do(&self) -> &'static str {
+        match self {
+            TxnFailure::Fenced => "another relay opened the same transactional id and holds the slot now; this one sends nothing more",
+            TxnFailure::Abortable => "the batch is aborted (nothing of it is visible) and sent again in a new transaction",
+            TxnFailure::Retriable => "the outcome is not known yet: ask again, or let the next holder's start settle it; the batch is not sent anew before the broker says it is not committed",
+            TxnFailure::Fatal => "the broker must support transactions (Kafka 2.5+, transaction.state.log.replication.factor and transaction.state.log.min.isr at most the brokers up) and let this principal use the transactional id (docs/exactly_once.md)",
+        }
+    }
+}
+
+/// Sorts a transactional error the way [`TxnFailure`] says to act on it.
+fn failure_of(e: &KafkaError) -> TxnFailure {
+    use RDKafkaErrorCode as C;
+    let KafkaError::Transaction(t) = e else {
+        return TxnFailure::Fatal;
+    };
+    match t.code() {
+        C::ProducerFenced | C::InvalidProducerEpoch | C::Fenced => TxnFailure::Fenced,
+        _ if t.txn_requires_abort() => TxnFailure::Abortable,
+        _ if t.is_retriable() => TxnFailure::Retriable,
+        _ => TxnFailure::Fatal,
+    }
+}
+
+/// A transactional, idempotent, `acks=all` producer for one slot.
+pub struct TxnSink {
+    producer: ThreadedProducer<SinkContext>,
+    config: KafkaSinkConfig,
+    transactional_id: String,
+    positions_topic: String,
+}
+
+impl std::fmt::Debug for TxnSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxnSink")
+            .field("bootstrap_servers", &self.config.bootstrap_servers)
+            .field("transactional_id", &self.transactional_id)
+            .field("positions_topic", &self.positions_topic)
+            .finish()
+    }
+}
+
+impl TxnSink {
+    /// Builds the producer and initialises transactions under `transactional_id`, fencing
+    /// any earlier producer of that id (its open transaction is aborted by the broker).
+    /// Blocking for up to `timeout`: call it from a blocking thread.
+    pub fn open(
+        config: KafkaSinkConfig,
+        transactional_id: &str,
+        positions_topic: &str,
+        reports: UnboundedSender<Delivery>,
+        timeout: Duration,
+    ) -> Result<TxnSink, SinkError> {
+        let mut cc = producer_config(&config, "outboxd-txn");
+        // A dead holder's open transaction holds `read_committed` readers back until the
+        // next holder opens, or until this timeout: the lease TTL's default, or the message
+        // timeout if longer (librdkafka refuses a message timeout past it).
+        if !config
+            .properties
+            .iter()
+            .any(|(k, _)| k == "transaction.timeout.ms")
+        {
+            let ms = config.message_timeout.as_millis().max(10_000);
+            cc.set("transaction.timeout.ms", ms.to_string());
+        }
+        cc.set("transactional.id", transactional_id)
+            .set("enable.idempotence", "true")
+            .set("acks", "all");
+        let producer: ThreadedProducer<SinkContext> = cc
+            .create_with_context(SinkContext::new(reports))
+            .map_err(|e| SinkError::Config(Box::new(e)))?;
+        producer
+            .init_transactions(timeout)
+            .map_err(|e| txn_error("initialising transactions", transactional_id, e))?;
+        Ok(TxnSink {
+            producer,
+            config,
+            transactional_id: transactional_id.to_string(),
+            positions_topic: positions_topic.to_string(),
+        })
+    }
+
+    /// Starts the next batch's transaction.
+    pub fn begin(&self) -> Result<(), SinkError> {
+        self.producer
+            .begin_transaction()
+            .map_err(|e| txn_error("beginning a transaction", &self.transactional_id, e))
+    }
+
+    /// Enqueues one event into the open transaction; its delivery report (final offset, not
+    /// yet visible to `read_committed` consumers) arrives with `token`.
+    pub async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
+        enqueue(|| &self.producer, ev, token, &self.config.headers).await
+    }
+
+    /// Writes `record` into the positions topic and commits the transaction: the batch's
+    /// events and its record become visible together. Blocking for up to `timeout`.
+    pub fn commit(&self, record: &BatchRecord, timeout: Duration) -> Result<(), SinkError> {
+        let value = record.encode();
+        let sent = Box::new(Sent {
+            token: BATCH_RECORD_TOKEN,
+            topic: self.positions_topic.clone(),
+        });
+        let row = BaseRecord::with_opaque_to(&self.positions_topic, sent)
+            .key(record.slot.as_bytes())
+            .payload(value.as_bytes());
+        self.producer
+            .send(row)
+            .map_err(|(source, _)| SinkError::Enqueue {
+                event_id: format!("batch {} of slot {}", record.batch, record.slot),
+                topic: self.positions_topic.clone(),
+                class: classify(&source),
+                source: Box::new(source),
+            })?;
+        self.producer
+            .commit_transaction(timeout)
+            .map_err(|e| txn_error("committing a batch", &self.transactional_id, e))
+    }
+
+    /// Aborts the open transaction: nothing sent in it becomes visible. Blocking.
+    pub fn abort(&self, timeout: Duration) -> Result<(), SinkError> {
+        self.producer
+            .abort_transaction(timeout)
+            .map_err(|e| txn_error("aborting a batch", &self.transactional_id, e))
+    }
+}
+
+fn txn_error(step: &'static str, transactional_id: &str, e: KafkaError) -> SinkError {
+    SinkError::Transaction {
+        step,
+        transactional_id: transactional_id.to_string(),
+        failure: failure_of(&e),
+        source: Box::new(e),
+    }
+}
+
+/// Every batch of `slot` committed in `positions_topic`, in the order committed: what a
+/// `read_committed` consumer sees up to the last stable offset of each partition. A batch
+/// still open (or left open by a dead producer that nobody fenced yet) is not there, and
+/// nothing after it is read: a new holder's [`TxnSink::open`] settles it first. Blocking.
+pub fn committed_batches(
+    bootstrap_servers: &str,
+    positions_topic: &str,
+    slot: &str,
+    timeout: Duration,
+) -> Result<Vec<BatchRecord>, SinkError> {
+    let unreachable = |e: KafkaError| SinkError::Unreachable {
+        bootstrap: bootstrap_servers.to_string(),
+        source: Box::new(e),
+    };
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers)
+        .set("group.id", "outboxd-positions-reader")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("enable.partition.eof", "true")
+        .create()
+        .map_err(|e| SinkError::Config(Box::new(e)))?;
+    let deadline = std::time::Instant::now() + timeout;
+    let metadata = consumer
+        .fetch_metadata(Some(positions_topic), timeout)
+        .map_err(unreachable)?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .iter()
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect();
+    if partitions.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut tpl = TopicPartitionList::new();
+    for p in &partitions {
+        tpl.add_partition_offset(positions_topic, *p, Offset::Beginning)
+            .map_err(unreachable)?;
+    }
+    consumer.assign(&tpl).map_err(unreachable)?;
+    let mut at_end = std::collections::HashSet::new();
+    let mut batches = Vec::new();
+    while at_end.len() < partitions.len() {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(SinkError::PositionsUnread {
+                topic: positions_topic.to_string(),
+                reason: format!(
+                    "{} of {} partitions read to their last stable offset within {timeout:?}",
+                    at_end.len(),
+                    partitions.len()
+                ),
+            });
+        }
+        match consumer.poll(left.min(Duration::from_millis(200))) {
+            None => {}
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                at_end.insert(p);
+            }
+            Some(Err(e)) => return Err(unreachable(e)),
+            Some(Ok(m)) => {
+                at_end.remove(&m.partition());
+                if m.key() != Some(slot.as_bytes()) {
+                    continue;
+                }
+                let record =
+                    BatchRecord::decode(m.payload().unwrap_or_default()).map_err(|reason| {
+                        SinkError::PositionsUnread {
+                            topic: positions_topic.to_string(),
+                            reason: format!(
+                                "the record at partition {} offset {}: {reason}",
+                                m.partition(),
+                                m.offset()
+                            ),
+                        }
+                    })?;
+                batches.push(record);
+            }
+        }
+    }
+    Ok(batches)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> BatchRecord {
+        BatchRecord {
+            slot: "orders".into(),
+            generation: 7,
+            batch: 42,
+            through: Lsn(0x16B_3748),
+            receipts: vec![
+                BatchReceipt {
+                    event_id: "0190a1b2-0000-7000-8000-000000000001".into(),
+                    topic: "outbox.event.order".into(),
+                    partition: 3,
+                    offset: 1_000_000_000_007,
+                },
+                BatchReceipt {
+                    event_id: "0190a1b2-0000-7000-8000-000000000002".into(),
+                    topic: "outbox.event.order".into(),
+                    partition: 0,
+                    offset: 0,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn a_batch_record_reads_back_as_written() {
+        let r = record();
+        assert_eq!(BatchRecord::decode(r.encode().as_bytes()), Ok(r));
+    }
+
+    #[test]
+    fn a_malformed_batch_record_is_refused_naming_what_is_wrong() {
+        let mut v: serde_json::Value = serde_json::from_str(&record().encode()).unwrap();
+        v["receipts"][1] = serde_json::json!(["id", "topic", "three", 0]);
+        let err = BatchRecord::decode(v.to_string().as_bytes()).unwrap_err();
+        assert!(
+            err.contains("is not [event_id, topic, partition, offset]"),
+            "{err}"
+        );
+        v["receipts"] = serde_json::json!([]);
+        v["through"] = serde_json::json!("not an lsn");
+        let err = BatchRecord::decode(v.to_string().as_bytes()).unwrap_err();
+        assert!(err.contains("\"through\""), "{err}");
+        assert!(BatchRecord::decode(b"{}").unwrap_err().contains("no field"));
+    }
+}
