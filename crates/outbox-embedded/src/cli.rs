@@ -94,8 +94,10 @@ pub struct BenchArgs {
     /// Steady phase: total events per second, over all writers.
     #[arg(long, default_value_t = 10_000)]
     pub rate: u64,
-    /// Steady phase: duration, seconds.
-    #[arg(long, default_value_t = 20.0)]
+    /// Steady phase: duration, seconds. A minute by default: the p99 of a 10-20 s phase moved
+    /// by 10-25 ms from run to run on 2 CPUs, decided by how many of the relay's and the
+    /// server's rare pauses it happened to hold (docs/benchmarks.md, "mimalloc shipped").
+    #[arg(long, default_value_t = 60.0)]
     pub steady_secs: f64,
     /// Steady phase: concurrent writers (one connection each).
     #[arg(long, default_value_t = 4)]
