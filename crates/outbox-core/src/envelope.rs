@@ -104,6 +104,21 @@ pub struct Destination {
 }
 
 impl Destination {
+    /// A Kafka destination as a first route generation freezes one (Java-compatible
+    /// partitioner, JSON, `acks=all`): for tests, fixtures and the simulator.
+    pub fn kafka(cluster: &str, topic: &str, key: &str) -> Destination {
+        Destination {
+            kind: "kafka".into(),
+            cluster: cluster.into(),
+            topic: topic.into(),
+            key: key.into(),
+            partitioner: "murmur2_random".into(),
+            route_generation: 1,
+            serializer: "json".into(),
+            acks: "all".into(),
+        }
+    }
+
     /// The canonical text hashed into the destination digest. Must match
     /// `outbox.destination_canonical(...)` in the migrations byte for byte.
     pub fn canonical(&self) -> String {

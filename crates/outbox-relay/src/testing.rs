@@ -21,16 +21,7 @@ pub(crate) fn event(aggregate: &str, version: i64) -> OutboxEvent {
 }
 
 pub(crate) fn event_for(aggregate: &str, version: i64, cluster: &str) -> OutboxEvent {
-    let destination = Destination {
-        kind: "kafka".into(),
-        cluster: cluster.into(),
-        topic: "outbox.order".into(),
-        key: aggregate.into(),
-        partitioner: "murmur2_random".into(),
-        route_generation: 1,
-        serializer: "json".into(),
-        acks: "all".into(),
-    };
+    let destination = Destination::kafka(cluster, "outbox.order", aggregate);
     OutboxEvent::frozen(
         uuid::Uuid::now_v7(),
         ("order", aggregate, version),

@@ -19,16 +19,7 @@ use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 fn event(topic: &str, aggregate_id: &str) -> OutboxEvent {
-    let destination = Destination {
-        kind: "kafka".into(),
-        cluster: "default".into(),
-        topic: topic.into(),
-        key: "same-key".into(),
-        partitioner: "murmur2_random".into(),
-        route_generation: 1,
-        serializer: "json".into(),
-        acks: "all".into(),
-    };
+    let destination = Destination::kafka("default", topic, "same-key");
     OutboxEvent::frozen(
         uuid::Uuid::now_v7(),
         ("order", aggregate_id, 1),

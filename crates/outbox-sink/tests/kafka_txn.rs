@@ -30,22 +30,12 @@ use tokio::task::block_in_place;
 const WAIT: Duration = Duration::from_secs(30);
 
 fn event(topic: &str, aggregate_id: &str, version: i64) -> OutboxEvent {
-    let destination = Destination {
-        kind: "kafka".into(),
-        cluster: "default".into(),
-        topic: topic.into(),
-        key: aggregate_id.into(),
-        partitioner: "murmur2_random".into(),
-        route_generation: 1,
-        serializer: "json".into(),
-        acks: "all".into(),
-    };
     OutboxEvent::frozen(
         uuid::Uuid::now_v7(),
         ("order", aggregate_id, version),
         "order.changed",
         Bytes::from(format!("{{\"v\": {version}}}")),
-        destination,
+        Destination::kafka("default", topic, aggregate_id),
     )
 }
 
