@@ -69,6 +69,8 @@ impl Default for KafkaSinkConfig {
 pub(crate) struct SinkContext {
     tx: UnboundedSender<Delivery>,
     errors: std::sync::Mutex<RepeatGate>,
+    /// Where the last transactional batch record was stored (`kafka_txn`), from its report.
+    pub(crate) record_position: std::sync::Mutex<Option<(i32, i64)>>,
 }
 
 impl SinkContext {
@@ -77,6 +79,7 @@ impl SinkContext {
         SinkContext {
             tx,
             errors: std::sync::Mutex::new(RepeatGate::default()),
+            record_position: std::sync::Mutex::new(None),
         }
     }
 }
@@ -151,8 +154,12 @@ impl ProducerContext for SinkContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, sent: Box<Sent>) {
         // A transactional batch record's answer is its transaction's commit, not a report
-        // (`kafka_txn`): the pipeline only ever hears of its own events.
+        // (`kafka_txn`): the pipeline only ever hears of its own events. Its position is kept
+        // for the commit to return.
         if sent.token == crate::kafka_txn::BATCH_RECORD_TOKEN {
+            if let (Ok(m), Ok(mut slot)) = (result, self.record_position.lock()) {
+                *slot = Some((m.partition(), m.offset()));
+            }
             return;
         }
         let outcome = match result {

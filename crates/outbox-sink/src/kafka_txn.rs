@@ -16,9 +16,10 @@
 //!   transaction the previous holder left open, and refuses every later request of that
 //!   previous producer ([`TxnFailure::Fenced`]). A relay paused past its lease and resumed can
 //!   commit nothing.
-//! * **Recovery from the broker's record.** [`committed_batches`] reads the positions topic as
-//!   a `read_committed` consumer up to its last stable offset: every batch committed there,
-//!   with its receipts. A batch committed on the broker whose ledger acceptance a crash cut off
+//! * **Recovery from the broker's record.** [`TxnSink::commit`] returns where the record is
+//!   stored; [`committed_batches`] reads the positions topic after such positions as a
+//!   `read_committed` consumer up to its last stable offset: every batch committed there
+//!   since, with its receipts. A batch committed on the broker whose ledger acceptance a crash cut off
 //!   is accepted from this record at the next start, never sent again.
 //!
 //! An unclear commit (a timeout) is not guessed: [`TxnFailure::Retriable`] says to ask again
@@ -55,6 +56,14 @@ pub struct BatchRecord {
     pub through: Lsn,
     /// Every event of the batch where the broker stored it.
     pub receipts: Vec<BatchReceipt>,
+}
+
+/// Where a batch record is stored in the positions topic: a restart reads the batches
+/// committed after the last one the ledger accepted ([`committed_batches`]'s `after`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordPosition {
+    pub partition: i32,
+    pub offset: i64,
 }
 
 /// One event of a committed batch, at its position.
@@ -243,8 +252,14 @@ impl TxnSink {
     }
 
     /// Writes `record` into the positions topic and commits the transaction: the batch's
-    /// events and its record become visible together. Blocking for up to `timeout`.
-    pub fn commit(&self, record: &BatchRecord, timeout: Duration) -> Result<(), SinkError> {
+    /// events and its record become visible together. Returns where the record is stored
+    /// (`None` only if librdkafka did not report it before the commit returned; reading from
+    /// the previous record's position still finds it). Blocking for up to `timeout`.
+    pub fn commit(
+        &self,
+        record: &BatchRecord,
+        timeout: Duration,
+    ) -> Result<Option<RecordPosition>, SinkError> {
         let value = record.encode();
         let sent = Box::new(Sent {
             token: BATCH_RECORD_TOKEN,
@@ -253,6 +268,10 @@ impl TxnSink {
         let row = BaseRecord::with_opaque_to(&self.positions_topic, sent)
             .key(record.slot.as_bytes())
             .payload(value.as_bytes());
+        let position = &self.producer.context().record_position;
+        if let Ok(mut p) = position.lock() {
+            *p = None;
+        }
         self.producer
             .send(row)
             .map_err(|(source, _)| SinkError::Enqueue {
@@ -261,9 +280,16 @@ impl TxnSink {
                 class: classify(&source),
                 source: Box::new(source),
             })?;
+        // The commit flushes every message of the transaction: the record's report (and its
+        // position) has been served when it returns.
         self.producer
             .commit_transaction(timeout)
-            .map_err(|e| txn_error("committing a batch", &self.transactional_id, e))
+            .map_err(|e| txn_error("committing a batch", &self.transactional_id, e))?;
+        Ok(position
+            .lock()
+            .ok()
+            .and_then(|p| *p)
+            .map(|(partition, offset)| RecordPosition { partition, offset }))
     }
 
     /// Aborts the open transaction: nothing sent in it becomes visible. Blocking.
@@ -283,14 +309,17 @@ fn txn_error(step: &'static str, transactional_id: &str, e: KafkaError) -> SinkE
     }
 }
 
-/// Every batch of `slot` committed in `positions_topic`, in the order committed: what a
-/// `read_committed` consumer sees up to the last stable offset of each partition. A batch
+/// Every batch of `slot` committed in `positions_topic` after the records at `after` (one per
+/// partition at most; a partition not named is read from its beginning), in the order
+/// committed: what a `read_committed` consumer sees up to the last stable offset of each
+/// partition. A batch
 /// still open (or left open by a dead producer that nobody fenced yet) is not there, and
 /// nothing after it is read: a new holder's [`TxnSink::open`] settles it first. Blocking.
 pub fn committed_batches(
     bootstrap_servers: &str,
     positions_topic: &str,
     slot: &str,
+    after: &[RecordPosition],
     timeout: Duration,
 ) -> Result<Vec<BatchRecord>, SinkError> {
     let unreachable = |e: KafkaError| SinkError::Unreachable {
@@ -319,7 +348,11 @@ pub fn committed_batches(
     }
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {
-        tpl.add_partition_offset(positions_topic, *p, Offset::Beginning)
+        let from = match after.iter().find(|a| a.partition == *p) {
+            Some(a) => Offset::Offset(a.offset + 1),
+            None => Offset::Beginning,
+        };
+        tpl.add_partition_offset(positions_topic, *p, from)
             .map_err(unreachable)?;
     }
     consumer.assign(&tpl).map_err(unreachable)?;

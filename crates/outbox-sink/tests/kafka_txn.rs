@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_sink::kafka_txn::{
-    committed_batches, BatchReceipt, BatchRecord, TxnFailure, TxnSink, BATCH_RECORD_TOKEN,
+    committed_batches, BatchReceipt, BatchRecord, RecordPosition, TxnFailure, TxnSink,
+    BATCH_RECORD_TOKEN,
 };
 use outbox_sink::{Delivery, DeliveryOutcome, KafkaSinkConfig, SinkError};
 use outbox_testkit::apache_kafka;
@@ -210,7 +211,9 @@ async fn a_batch_and_its_record_become_visible_together_and_an_aborted_batch_nev
     let uncommitted = block_in_place(|| read_all(&bootstrap, &events_topic, "read_uncommitted"));
     assert_receipts_hold(&receipts, &uncommitted);
     let record = batch("orders", 3, 1, receipts.clone());
-    block_in_place(|| sink.commit(&record, WAIT)).expect("commit");
+    let at = block_in_place(|| sink.commit(&record, WAIT))
+        .expect("commit")
+        .expect("the batch record's position");
 
     let committed = block_in_place(|| read_all(&bootstrap, &events_topic, "read_committed"));
     let mut want: Vec<String> = first.iter().map(|e| e.event_id.to_string()).collect();
@@ -227,12 +230,25 @@ async fn a_batch_and_its_record_become_visible_together_and_an_aborted_batch_nev
         receipts[0].offset < receipts[1].offset,
         "o-1 out of order: {receipts:?}"
     );
-    let batches = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", WAIT))
+    let batches = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[], WAIT))
         .expect("committed batches");
     assert_eq!(
         batches,
         vec![record.clone()],
         "the broker's record of batch 1"
+    );
+    // Read from where the commit said the record is: it, and after it nothing.
+    let before_it = RecordPosition {
+        offset: at.offset - 1,
+        ..at
+    };
+    let from_it =
+        block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[before_it], WAIT))
+            .expect("committed batches");
+    assert_eq!(
+        from_it,
+        vec![record.clone()],
+        "the record is not where the commit said"
     );
 
     // Batch 2: sent, stored, aborted.
@@ -247,11 +263,14 @@ async fn a_batch_and_its_record_become_visible_together_and_an_aborted_batch_nev
     block_in_place(|| sink.abort(WAIT)).expect("abort");
     let after = block_in_place(|| read_all(&bootstrap, &events_topic, "read_committed"));
     assert_eq!(ids(&after), want, "an aborted batch became visible");
-    let batches = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", WAIT))
+    let batches = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[], WAIT))
         .expect("committed batches");
     assert_eq!(batches, vec![record], "an aborted batch has a record");
+    let after = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[at], WAIT))
+        .expect("committed batches");
+    assert!(after.is_empty(), "committed after batch 1: {after:?}");
     // Another slot's reader finds nothing of this one.
-    let other = block_in_place(|| committed_batches(&bootstrap, &positions, "payments", WAIT))
+    let other = block_in_place(|| committed_batches(&bootstrap, &positions, "payments", &[], WAIT))
         .expect("committed batches");
     assert!(other.is_empty(), "{other:?}");
 }
@@ -297,11 +316,19 @@ async fn a_second_holder_of_the_slot_fences_the_first_and_its_open_batch_stays_i
     new.begin().expect("begin");
     let receipts = send_all(&new, &mut new_rx, &fresh).await;
     let record = batch("orders", 2, 1, receipts.clone());
-    block_in_place(|| new.commit(&record, WAIT)).expect("commit");
+    let at = block_in_place(|| new.commit(&record, WAIT))
+        .expect("commit")
+        .expect("the batch record's position");
     let committed = block_in_place(|| read_all(&bootstrap, &events_topic, "read_committed"));
     assert_eq!(ids(&committed), vec![fresh[0].event_id.to_string()]);
     assert_receipts_hold(&receipts, &committed);
-    let batches = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", WAIT))
+    let after = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[at], WAIT))
+        .expect("committed batches");
+    assert!(
+        after.is_empty(),
+        "committed after the new holder's batch: {after:?}"
+    );
+    let batches = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[], WAIT))
         .expect("committed batches");
     assert_eq!(
         batches,
