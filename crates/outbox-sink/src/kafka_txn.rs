@@ -19,8 +19,8 @@
 //! * **Recovery from the broker's record.** [`TxnSink::commit`] returns where the record is
 //!   stored; [`committed_batches`] reads the positions topic after such positions as a
 //!   `read_committed` consumer up to its last stable offset: every batch committed there
-//!   since, with its receipts. A batch committed on the broker whose ledger acceptance a crash cut off
-//!   is accepted from this record at the next start, never sent again.
+//!   since, with its receipts. A batch committed on the broker whose ledger acceptance a
+//!   crash cut off is accepted from this record at the next start, never sent again.
 //!
 //! An unclear commit (a timeout) is not guessed: [`TxnFailure::Retriable`] says to ask again
 //! (librdkafka completes a commit it had started), and a new holder's `open` settles it either
@@ -312,9 +312,9 @@ fn txn_error(step: &'static str, transactional_id: &str, e: KafkaError) -> SinkE
 /// Every batch of `slot` committed in `positions_topic` after the records at `after` (one per
 /// partition at most; a partition not named is read from its beginning), in the order
 /// committed: what a `read_committed` consumer sees up to the last stable offset of each
-/// partition. A batch
-/// still open (or left open by a dead producer that nobody fenced yet) is not there, and
-/// nothing after it is read: a new holder's [`TxnSink::open`] settles it first. Blocking.
+/// partition. A batch still open (or left open by a dead producer that nobody fenced yet) is
+/// not there, and nothing after it is read: a new holder's [`TxnSink::open`] settles it
+/// first. A positions topic the broker does not know is an error. Blocking.
 pub fn committed_batches(
     bootstrap_servers: &str,
     positions_topic: &str,
@@ -338,13 +338,24 @@ pub fn committed_batches(
     let metadata = consumer
         .fetch_metadata(Some(positions_topic), timeout)
         .map_err(unreachable)?;
-    let partitions: Vec<i32> = metadata
+    // A topic the broker does not know is an error, never "nothing committed": a restart
+    // that read no batch would send again what the broker already holds.
+    let topic = metadata
         .topics()
         .iter()
-        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-        .collect();
+        .find(|t| t.name() == positions_topic);
+    let partitions: Vec<i32> = topic
+        .filter(|t| t.error().is_none())
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
     if partitions.is_empty() {
-        return Ok(Vec::new());
+        let answer = topic.and_then(|t| t.error());
+        return Err(SinkError::PositionsUnread {
+            topic: positions_topic.to_string(),
+            reason: format!(
+                "the broker lists no partition of it ({answer:?}); create it before the relay starts"
+            ),
+        });
     }
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {

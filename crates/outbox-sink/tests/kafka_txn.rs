@@ -273,6 +273,14 @@ async fn a_batch_and_its_record_become_visible_together_and_an_aborted_batch_nev
     let other = block_in_place(|| committed_batches(&bootstrap, &positions, "payments", &[], WAIT))
         .expect("committed batches");
     assert!(other.is_empty(), "{other:?}");
+    // A positions topic the broker does not know is no "nothing committed".
+    let missing = format!("{positions}-missing");
+    let err = block_in_place(|| committed_batches(&bootstrap, &missing, "orders", &[], WAIT))
+        .expect_err("a missing positions topic read as empty");
+    assert!(
+        matches!(err, SinkError::PositionsUnread { .. }),
+        "not reported as unread: {err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
