@@ -53,9 +53,9 @@ fn main() {
 /// mimalloc (the relay's own allocations) is built without transparent huge pages (the
 /// `no_thp` feature of `libmimalloc-sys`: with them its peak RSS was 82-116 MiB) and gives
 /// freed memory back at once (`purge_delay` 0, by default 1 s) without committing its arenas
-/// ahead (`arena_eager_commit` 0): its peak RSS is then glibc's (a longer purge delay bought
-/// a lower steady p99 in 10-second runs only with more RSS: 66 MiB at 1 s). The two options are set
-/// through the option numbers of `mimalloc.h`'s `mi_option_e`, which mimalloc keeps stable
+/// ahead (`arena_eager_commit` 0): its peak RSS is then glibc's (a longer purge delay costs
+/// RSS: 66 MiB at 1 s, and bought no measurable p99). The two options are set through the
+/// option numbers of `mimalloc.h`'s `mi_option_e`, which mimalloc keeps stable
 /// across versions (v2 and v3 alike); `MIMALLOC_PURGE_DELAY` and `MIMALLOC_ARENA_EAGER_COMMIT`
 /// in the environment win.
 ///
