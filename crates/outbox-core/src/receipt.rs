@@ -550,6 +550,7 @@ mod tests {
         use crate::Lsn;
         let r = |g: i64, commit: Option<u64>, change: Option<u64>| ReceiptRecord {
             event_id: uuid::Uuid::nil(),
+            aggregate_version: 1,
             payload_digest: String::new(),
             destination_digest: String::new(),
             broker_kind: "kafka".into(),

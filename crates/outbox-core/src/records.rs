@@ -10,6 +10,10 @@ use crate::Lsn;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReceiptRecord {
     pub event_id: Uuid,
+    /// The version of its aggregate the event was published with (its envelope's). Kept with
+    /// the receipt (migration 0036) so that a row whose version the relay assigned finds it
+    /// again after a restart (docs/versions_by_relay.md).
+    pub aggregate_version: i64,
     pub payload_digest: String,
     pub destination_digest: String,
     pub broker_kind: String,

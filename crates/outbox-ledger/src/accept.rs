@@ -69,15 +69,15 @@ pub struct AcceptOutcome {
     pub held: u64,
 }
 
-/// The receipts as rows: `$1` to `$10` and `$12`, one array per column, in the order
+/// The receipts as rows: `$1` to `$10`, `$12` and `$13`, one array per column, in the order
 /// [`ReceiptColumns::params`] binds them (`$11` is the slot). Both acceptance statements read
 /// them through this one definition.
 macro_rules! receipt_rows {
     () => {
         r#"unnest($1::uuid[], $2::bytea[], $3::bytea[], $4::int4[], $5::int4[], $6::int8[],
-                $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[])
+                $7::int8[], $8::int4[], $9::int8[], $10::pg_lsn[], $12::text[], $13::int8[])
         AS t(event_id, payload_digest, destination_digest, destination_id, partition, "offset",
-             ts_ms, attempt, relay_generation, commit_lsn, evidence)"#
+             ts_ms, attempt, relay_generation, commit_lsn, evidence, aggregate_version)"#
     };
 }
 
@@ -86,7 +86,8 @@ macro_rules! entry_columns {
     () => {
         r#"outbox.receipt_entries (event_id, batch_id, destination_id, partition, "offset",
                                         broker_timestamp, attempt, relay_generation, commit_lsn,
-                                        payload_digest, destination_digest, evidence)"#
+                                        payload_digest, destination_digest, evidence,
+                                        aggregate_version)"#
     };
 }
 
@@ -184,7 +185,7 @@ prim AS (
     -- compared), without numeric arithmetic per row.
     SELECT event_id, (SELECT batch_id FROM batch), destination_id, partition, "offset",
            to_timestamp(ts_ms / 1000.0::float8), attempt, relay_generation, commit_lsn,
-           payload_digest, destination_digest, evidence::jsonb
+           payload_digest, destination_digest, evidence::jsonb, aggregate_version
     FROM matched m WHERE ok
       AND NOT m.purged
     ON CONFLICT (event_id) DO NOTHING
@@ -318,7 +319,7 @@ const RAISE_SQL: &str =
 const FRESH_ENTRIES_COPY: &str = concat!("COPY ", entry_columns!(), " FROM STDIN (FORMAT binary)");
 
 /// The types of [`FRESH_ENTRIES_COPY`]'s columns, in its order.
-const ENTRY_TYPES: [Type; 12] = [
+const ENTRY_TYPES: [Type; 13] = [
     Type::UUID,
     Type::INT8,
     Type::INT4,
@@ -331,6 +332,7 @@ const ENTRY_TYPES: [Type; 12] = [
     Type::BYTEA,
     Type::BYTEA,
     Type::JSONB,
+    Type::INT8,
 ];
 
 /// Closes the held events of `$1` (event ids just accepted as primary) as the classifying
@@ -758,7 +760,7 @@ async fn prepared_statement(
     Ok(s)
 }
 
-/// The parameters both acceptance statements take, `$1` to `$12`, one array per column.
+/// The parameters both acceptance statements take, `$1` to `$13`, one array per column.
 struct ReceiptColumns<'a> {
     event_ids: Vec<uuid::Uuid>,
     payload_digests: Vec<DigestParam<'a>>,
@@ -771,6 +773,7 @@ struct ReceiptColumns<'a> {
     relay_generations: Vec<i64>,
     commit_lsns: Vec<Option<PgLsn>>,
     evidence: Vec<Option<&'a str>>,
+    aggregate_versions: Vec<i64>,
 }
 
 impl<'a> ReceiptColumns<'a> {
@@ -803,11 +806,12 @@ impl<'a> ReceiptColumns<'a> {
                 .map(|r| r.commit_lsn.map(|l| PgLsn::from(l.as_u64())))
                 .collect(),
             evidence: round.iter().map(|r| r.evidence.as_deref()).collect(),
+            aggregate_versions: round.iter().map(|r| r.aggregate_version).collect(),
         }
     }
 
-    /// `$1` to `$12`, with the slot as `$11`.
-    fn params<'p>(&'p self, slot: &'p &'p str) -> [&'p (dyn ToSql + Sync); 12] {
+    /// `$1` to `$13`, with the slot as `$11`.
+    fn params<'p>(&'p self, slot: &'p &'p str) -> [&'p (dyn ToSql + Sync); 13] {
         [
             &self.event_ids,
             &self.payload_digests,
@@ -821,6 +825,7 @@ impl<'a> ReceiptColumns<'a> {
             &self.commit_lsns,
             slot,
             &self.evidence,
+            &self.aggregate_versions,
         ]
     }
 }
@@ -894,6 +899,7 @@ async fn accept_fresh(
                 &DigestParam(StoredDigest::of(&r.payload_digest)),
                 &DigestParam(StoredDigest::of(&r.destination_digest)),
                 &r.evidence.as_deref().map(JsonbParam),
+                &r.aggregate_version,
             ])
             .await
             .ctx(context())?;

@@ -195,6 +195,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "heads_below_one",
         sql: include_str!("../../../migrations/0035_heads_below_one.sql"),
     },
+    Migration {
+        version: 36,
+        name: "receipt_versions",
+        sql: include_str!("../../../migrations/0036_receipt_versions.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

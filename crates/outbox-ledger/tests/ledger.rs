@@ -162,6 +162,7 @@ async fn tombstone(c: &Client, id: uuid::Uuid, version: i64, r: &ReceiptRecord) 
 fn receipt(ev: &OutboxEvent, offset: i64) -> ReceiptRecord {
     ReceiptRecord {
         event_id: ev.event_id,
+        aggregate_version: ev.aggregate_version,
         payload_digest: ev.payload_digest.clone(),
         destination_digest: ev.destination_digest.clone(),
         broker_kind: "kafka".into(),
@@ -1224,6 +1225,55 @@ async fn the_copied_entries_read_back_as_the_classifying_statement_writes_them()
     assert_eq!(copied.0, classified.0);
     assert_eq!((copied.0 .0, copied.0 .1, copied.0 .2), (None, None, None));
     assert_eq!((copied.1 .6, classified.1 .6), (None, None));
+}
+
+/// A receipt keeps the version its event was published with (migration 0036), written by both
+/// acceptance paths (the plain `COPY` and the classifying statement) from the receipt, not
+/// read from the row: a relay that assigns versions (docs/versions_by_relay.md) publishes rows
+/// that hold none. Here each receipt names a version its row does not hold (the rows are
+/// version 1), so a path that stored the row's version, or none, fails.
+#[tokio::test]
+async fn a_receipt_keeps_the_version_it_was_published_with() {
+    let (mut c, _) = fresh("ledger_receipt_versions").await;
+    let events = enqueue_orders(&c, 2).await;
+    let published = |ev: &OutboxEvent, version: i64| ReceiptRecord {
+        aggregate_version: version,
+        ..receipt(ev, version)
+    };
+    for (path, prepared, ev, version) in [
+        ("the plain COPY", accept::Prepared::default(), &events[0], 7),
+        ("the classifying statement", accept::Prepared::expecting_duplicates(), &events[1], 9),
+    ] {
+        let mut prepared = prepared;
+        let out = accept::accept_batch_prepared(
+            &mut c,
+            &mut prepared,
+            "s",
+            &[LedgerItem::Receipt(published(ev, version))],
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+        assert_eq!(out.primary, 1);
+        let (stored, row): (Option<i64>, i64) = {
+            let r = c
+                .query_one(
+                    "SELECT r.aggregate_version, e.aggregate_version
+                     FROM outbox.receipts r JOIN outbox.events e USING (event_id)
+                     WHERE r.event_id = $1",
+                    &[&ev.event_id],
+                )
+                .await
+                .unwrap();
+            (r.get(0), r.get(1))
+        };
+        assert_eq!(
+            (stored, row),
+            (Some(version), 1),
+            "accepted by {path}, the receipt holds the version it was published with"
+        );
+    }
 }
 
 /// `outbox.receipt_of(id)` (migration 0033) is how a reader asks about one event: the row the

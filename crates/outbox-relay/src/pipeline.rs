@@ -905,6 +905,7 @@ impl<P: Plant> PipelineCore<P> {
                 self.push(
                     LedgerItem::Receipt(ReceiptRecord {
                         event_id: ev.event_id,
+                        aggregate_version: ev.aggregate_version,
                         payload_digest: ev.payload_digest,
                         destination_digest: ev.destination_digest,
                         broker_kind: self.served.kind.into(),

@@ -570,6 +570,7 @@ mod tests {
         let receipt = |commit_lsn| {
             LedgerItem::Receipt(outbox_ledger::ReceiptRecord {
                 event_id: uuid::Uuid::nil(),
+                aggregate_version: 1,
                 payload_digest: String::new(),
                 destination_digest: String::new(),
                 broker_kind: "kafka".into(),

@@ -252,6 +252,7 @@ pub async fn resend(a: ResendArgs) -> anyhow::Result<()> {
                 evidence["resent_by"] = by.clone().into();
                 let item = LedgerItem::Receipt(ReceiptRecord {
                     event_id: ev.event_id,
+                    aggregate_version: ev.aggregate_version,
                     payload_digest: ev.payload_digest.clone(),
                     destination_digest: ev.destination_digest.clone(),
                     broker_kind: "http".into(),

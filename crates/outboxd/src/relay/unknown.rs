@@ -267,6 +267,7 @@ pub(crate) async fn record_lookup(
     if let Some(r) = record.receipt {
         let receipt = LedgerItem::Receipt(ReceiptRecord {
             event_id: ev.event_id,
+            aggregate_version: ev.aggregate_version,
             payload_digest: ev.payload_digest.clone(),
             destination_digest: ev.destination_digest.clone(),
             broker_kind: kind.into(),
