@@ -209,6 +209,51 @@ fn destination_value(
     }
 }
 
+/// One row of `outbox.route_policy`, as far as choosing a route reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyRule {
+    /// The aggregate type it applies to; `None`: every type.
+    pub aggregate_type: Option<String>,
+    /// The event type it applies to; `None`: every type.
+    pub event_type: Option<String>,
+    pub priority: i32,
+    /// Unique per row (`outbox.route_generation_seq`): the last tie-break.
+    pub generation: i64,
+    pub active: bool,
+    /// The immutable version the row's route is (`outbox.route_versions`).
+    pub route_version: i64,
+}
+
+/// The route version an event of (`aggregate_type`, `event_type`) is frozen to under `rules`:
+/// the choice `outbox.enqueue` and `outbox.route_template` make. Among the active rules that
+/// match (a `None` type matches any), the most specific first (an aggregate type named beats
+/// an event type named, which beats neither), then the highest priority, then the newest
+/// generation; version 0 (the default route) when none matches.
+///
+/// The relay's half of the writer's plain INSERT (docs/versions_by_relay.md): a row written
+/// without a route version gets the one the policy in force at its commit gives. Held to the
+/// SQL by the ledger's agreement test, as [`render_destination`] is.
+pub fn choose_route_version(rules: &[PolicyRule], aggregate_type: &str, event_type: &str) -> i64 {
+    rules
+        .iter()
+        .filter(|r| {
+            r.active
+                && r.aggregate_type
+                    .as_deref()
+                    .is_none_or(|t| t == aggregate_type)
+                && r.event_type.as_deref().is_none_or(|t| t == event_type)
+        })
+        .max_by_key(|r| {
+            (
+                r.aggregate_type.is_some(),
+                r.event_type.is_some(),
+                r.priority,
+                r.generation,
+            )
+        })
+        .map_or(0, |r| r.route_version)
+}
+
 /// `outbox.render_destination`: the destination a route template gives an event, each
 /// placeholder replaced by its value encoded for `kind` (or refused), in one pass, then the
 /// whole checked. The error says what the SQL function would have refused.
@@ -258,6 +303,57 @@ pub fn render_destination(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn rule(agg: Option<&str>, ev: Option<&str>, priority: i32, generation: i64) -> PolicyRule {
+        PolicyRule {
+            aggregate_type: agg.map(Into::into),
+            event_type: ev.map(Into::into),
+            priority,
+            generation,
+            active: true,
+            route_version: generation * 10,
+        }
+    }
+
+    #[test]
+    fn the_most_specific_active_rule_wins_then_priority_then_the_newest() {
+        let rules = vec![
+            rule(None, None, 9, 1),
+            rule(None, Some("placed"), 0, 2),
+            rule(Some("order"), None, 0, 3),
+            rule(Some("order"), Some("placed"), 0, 4),
+            rule(Some("order"), Some("placed"), 0, 5),
+            PolicyRule {
+                active: false,
+                ..rule(Some("order"), Some("placed"), 99, 6)
+            },
+            rule(Some("user"), None, 1, 7),
+            rule(Some("user"), None, 0, 8),
+        ];
+        let choose = |a, e| choose_route_version(&rules, a, e);
+        assert_eq!(
+            choose("order", "placed"),
+            50,
+            "both named, newest; inactive ignored"
+        );
+        assert_eq!(
+            choose("order", "paid"),
+            30,
+            "aggregate type named beats event type"
+        );
+        assert_eq!(
+            choose("cart", "placed"),
+            20,
+            "event type named beats neither"
+        );
+        assert_eq!(choose("cart", "paid"), 10, "the catch-all");
+        assert_eq!(choose("user", "x"), 70, "priority before generation");
+        assert_eq!(
+            choose_route_version(&[], "order", "placed"),
+            0,
+            "no rule: the default"
+        );
+    }
 
     #[test]
     fn renders_each_kind_and_refuses_what_would_change_the_destination() {

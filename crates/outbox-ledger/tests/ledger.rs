@@ -1242,7 +1242,12 @@ async fn a_receipt_keeps_the_version_it_was_published_with() {
     };
     for (path, prepared, ev, version) in [
         ("the plain COPY", accept::Prepared::default(), &events[0], 7),
-        ("the classifying statement", accept::Prepared::expecting_duplicates(), &events[1], 9),
+        (
+            "the classifying statement",
+            accept::Prepared::expecting_duplicates(),
+            &events[1],
+            9,
+        ),
     ] {
         let mut prepared = prepared;
         let out = accept::accept_batch_prepared(
@@ -2472,6 +2477,104 @@ async fn route_versions_render_in_rust_as_in_sql() {
     assert!(
         compared > 100 && refused > 100,
         "{compared} rendered, {refused} refused"
+    );
+}
+
+/// A relay that gives a row written by a plain INSERT its route (docs/versions_by_relay.md)
+/// chooses it with `outbox_core::route::choose_route_version`; `outbox.enqueue` chooses in
+/// SQL. They must pick the same version for every (aggregate type, event type) under every
+/// policy: rules made, deactivated and outranked over several rounds (specific and catch-all
+/// rules, priorities, ties broken by generation), each round compared on every pair.
+#[tokio::test]
+async fn routes_are_chosen_in_rust_as_enqueue_chooses_them() {
+    use outbox_core::route::{choose_route_version, PolicyRule};
+    let (c, _) = fresh("ledger_route_choice_agree").await;
+    let types = [None, Some("order"), Some("user")];
+    let events = [None, Some("placed"), Some("paid")];
+    // A fixed sequence of rules (an LCG: the same cases on every run), six per round.
+    let mut state: u64 = 0x5eed;
+    let mut next = |n: u64| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    let (mut compared, mut chosen) = (0, std::collections::BTreeSet::new());
+    for round in 0..8 {
+        for k in 0..6 {
+            c.execute(
+                "INSERT INTO outbox.route_policy (aggregate_type, event_type, priority, topic)
+                 VALUES ($1, $2, $3, $4)",
+                &[
+                    &types[next(3) as usize],
+                    &events[next(3) as usize],
+                    &(next(3) as i32),
+                    &format!("r{round}.{k}"),
+                ],
+            )
+            .await
+            .unwrap();
+        }
+        c.execute(
+            "UPDATE outbox.route_policy SET active = false
+             WHERE policy_id = (SELECT policy_id FROM outbox.route_policy WHERE active
+                                ORDER BY md5(policy_id::text || $1) LIMIT 1)",
+            &[&round.to_string()],
+        )
+        .await
+        .unwrap();
+        let rules: Vec<PolicyRule> = c
+            .query(
+                "SELECT aggregate_type, event_type, priority, generation, active, route_version
+                 FROM outbox.route_policy",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| PolicyRule {
+                aggregate_type: r.get(0),
+                event_type: r.get(1),
+                priority: r.get(2),
+                generation: r.get(3),
+                active: r.get(4),
+                route_version: r.get(5),
+            })
+            .collect();
+        for agg_type in ["order", "user", "cart"] {
+            for event_type in ["placed", "paid", "shipped"] {
+                let id = enqueue(
+                    &c,
+                    agg_type,
+                    "a-1",
+                    event_type,
+                    &json!({}),
+                    &EnqueueOptions::default(),
+                )
+                .await
+                .unwrap();
+                let sql: i64 = c
+                    .query_one(
+                        "SELECT route_version FROM outbox.events WHERE event_id = $1",
+                        &[&id],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                let rust = choose_route_version(&rules, agg_type, event_type);
+                assert_eq!(
+                    rust, sql,
+                    "round {round}, ({agg_type}, {event_type}) under {rules:#?}"
+                );
+                compared += 1;
+                chosen.insert(sql);
+            }
+        }
+    }
+    assert_eq!(compared, 72);
+    assert!(
+        chosen.len() >= 10,
+        "the rounds reach many routes ({chosen:?}), or the comparison proves little"
     );
 }
 
