@@ -9,6 +9,8 @@
 //! * [`state`] — the event life cycle (PENDING → SENDING → PUBLISHED …).
 //! * [`ack`] — the ack tracker: the contiguous low-watermark of accepted receipts, which is
 //!   the only LSN the relay may ever confirm to the slot (invariant 5).
+//! * [`numbering`] — versions from commit order for rows written without one, and what a
+//!   checkpoint must write so that a restart numbers them again the same way.
 //! * [`ordering`] — the ordering gate: one in-flight event per aggregate, gaps hold the
 //!   aggregate (invariant 7).
 //! * [`receipt`] — the acceptance decisions: primary / duplicate / conflicting receipt, the
@@ -58,6 +60,7 @@ pub mod delivery;
 pub mod envelope;
 pub mod lease;
 pub mod lsn;
+pub mod numbering;
 pub mod ordering;
 pub mod policy;
 pub mod receipt;

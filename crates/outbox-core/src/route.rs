@@ -240,8 +240,8 @@ pub fn choose_route_version(rules: &[PolicyRule], aggregate_type: &str, event_ty
             r.active
                 && r.aggregate_type
                     .as_deref()
-                    .is_none_or(|t| t == aggregate_type)
-                && r.event_type.as_deref().is_none_or(|t| t == event_type)
+                    .map_or(true, |t| t == aggregate_type)
+                && r.event_type.as_deref().map_or(true, |t| t == event_type)
         })
         .max_by_key(|r| {
             (

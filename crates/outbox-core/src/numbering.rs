@@ -1,0 +1,236 @@
+//! Versions from commit order: how a relay numbers the rows a writer inserted without one.
+//!
+//! # Why
+//! `outbox.enqueue` takes each event's aggregate version under the aggregate's row lock, in
+//! the writer's transaction, and that is most of what makes it cost twice a plain INSERT
+//! (docs/benchmarks.md, "What a writer's event costs, bottom up"). The stream already
+//! delivers an aggregate's rows in commit order, which is the order that lock gave, so the
+//! relay can number them instead: a row's version is its aggregate's last version + 1
+//! (docs/versions_by_relay.md).
+//!
+//! # The rule that makes it survive restarts
+//! A run streams from the slot's checkpoint C, and the slot sends again exactly the
+//! transactions whose commit record is at or past C (`commit_lsn >= C`). So the numbering a
+//! restart needs is, per aggregate, the version of its last row committed before C. The relay
+//! writes that, for the aggregates it numbered since the last checkpoint, in the transaction
+//! that moves the checkpoint to C ([`Numbering::checkpoint`]); a restart seeds each aggregate
+//! it meets from it ([`Numbering::set_head`]) and numbers the rows from C again, in the same
+//! order, to the same versions, whatever the previous run sent, accepted or lost. Reading an
+//! aggregate's highest recorded version instead would be wrong: a paused run's salvage can
+//! accept k+1 while k's receipt was lost, and k would be numbered k+2.
+//!
+//! Pure: the caller supplies the heads it reads and writes what [`Numbering::checkpoint`]
+//! returns, in the checkpoint's own transaction.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::Hash;
+
+use crate::Lsn;
+
+/// The version a row gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Number {
+    Version(i64),
+    /// The run has not met this aggregate: read its numbering at the run's checkpoint, call
+    /// [`Numbering::set_head`], and ask again.
+    NeedHead,
+}
+
+#[derive(Debug, Default)]
+struct Agg {
+    /// The version of the last row numbered.
+    last: i64,
+    /// Rows numbered past the last checkpoint written: (commit LSN, version of the
+    /// transaction's last row of this aggregate), in commit order.
+    pending: VecDeque<(Lsn, i64)>,
+}
+
+/// Per-aggregate numbering for one relay run.
+#[derive(Debug)]
+pub struct Numbering<K> {
+    aggs: HashMap<K, Agg, foldhash::fast::RandomState>,
+    /// Aggregates with pending rows.
+    dirty: HashSet<K, foldhash::fast::RandomState>,
+}
+
+impl<K: Hash + Eq + Clone> Default for Numbering<K> {
+    fn default() -> Self {
+        Numbering {
+            aggs: HashMap::default(),
+            dirty: HashSet::default(),
+        }
+    }
+}
+
+impl<K: Hash + Eq + Clone> Numbering<K> {
+    /// The version of the next row of `key` the stream delivers, committed at `commit_lsn`.
+    /// Rows must be offered in stream order (commit order, and within a transaction the order
+    /// of its changes).
+    pub fn number(&mut self, key: &K, commit_lsn: Lsn) -> Number {
+        let Some(agg) = self.aggs.get_mut(key) else {
+            return Number::NeedHead;
+        };
+        agg.last += 1;
+        match agg.pending.back_mut() {
+            Some((lsn, v)) if *lsn == commit_lsn => *v = agg.last,
+            _ => agg.pending.push_back((commit_lsn, agg.last)),
+        }
+        if agg.pending.len() == 1 && !self.dirty.contains(key) {
+            self.dirty.insert(key.clone());
+        }
+        Number::Version(agg.last)
+    }
+
+    /// The last version numbered before the run's checkpoint for `key` (0 for an aggregate
+    /// never numbered). Ignored when the run already numbers `key`.
+    pub fn set_head(&mut self, key: K, last: i64) {
+        self.aggs.entry(key).or_insert(Agg {
+            last,
+            pending: VecDeque::new(),
+        });
+    }
+
+    /// The checkpoint moves to `through`: for every aggregate with rows committed before it
+    /// numbered since the last checkpoint, the version of its last such row. The caller writes
+    /// them in the transaction that moves the checkpoint (if that transaction fails, the
+    /// restart streams from the old checkpoint, whose numbering is still written). Rows at or
+    /// past `through` stay pending for a later checkpoint.
+    pub fn checkpoint(&mut self, through: Lsn) -> Vec<(K, i64)> {
+        let mut out = Vec::new();
+        let aggs = &mut self.aggs;
+        self.dirty.retain(|key| {
+            let agg = aggs.get_mut(key).expect("a dirty aggregate is known");
+            let mut reached = None;
+            while let Some(&(lsn, v)) = agg.pending.front() {
+                if lsn >= through {
+                    break;
+                }
+                reached = Some(v);
+                agg.pending.pop_front();
+            }
+            if let Some(v) = reached {
+                out.push((key.clone(), v));
+            }
+            !agg.pending.is_empty()
+        });
+        out
+    }
+
+    /// Aggregates with rows numbered past the last checkpoint written.
+    pub fn pending(&self) -> usize {
+        self.dirty.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn numbered(n: &mut Numbering<u8>, key: u8, commit: u64) -> i64 {
+        match n.number(&key, Lsn(commit)) {
+            Number::Version(v) => v,
+            Number::NeedHead => {
+                n.set_head(key, 0);
+                numbered(n, key, commit)
+            }
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_writes_the_last_version_committed_before_it() {
+        let mut n = Numbering::default();
+        assert_eq!(n.number(&1, Lsn(10)), Number::NeedHead);
+        n.set_head(1, 4);
+        assert_eq!(n.number(&1, Lsn(10)), Number::Version(5));
+        assert_eq!(n.number(&1, Lsn(10)), Number::Version(6));
+        assert_eq!(numbered(&mut n, 2, 20), 1);
+        assert_eq!(n.number(&1, Lsn(30)), Number::Version(7));
+        assert_eq!(n.checkpoint(Lsn(10)), vec![], "nothing committed before 10");
+        let mut at_25 = n.checkpoint(Lsn(25));
+        at_25.sort();
+        assert_eq!(at_25, vec![(1, 6), (2, 1)], "not the row committed at 30");
+        assert_eq!(n.pending(), 1);
+        assert_eq!(n.checkpoint(Lsn(31)), vec![(1, 7)]);
+        assert_eq!(n.checkpoint(Lsn(40)), vec![], "written once");
+        assert_eq!(n.pending(), 0);
+        n.set_head(1, 99);
+        assert_eq!(
+            n.number(&1, Lsn(50)),
+            Number::Version(8),
+            "a known head stays"
+        );
+    }
+
+    /// A stream of transactions: (commit LSN, the aggregates of its rows in change order).
+    fn stream() -> impl Strategy<Value = Vec<(u64, Vec<u8>)>> {
+        prop::collection::vec(prop::collection::vec(0u8..6, 1..5), 1..40).prop_map(|txns| {
+            txns.into_iter()
+                .enumerate()
+                .map(|(i, rows)| (10 * (i as u64 + 1), rows))
+                .collect()
+        })
+    }
+
+    proptest! {
+        /// Runs that crash anywhere and restart from their last written checkpoint give every
+        /// row the version one uninterrupted run gives it: dense per aggregate, in commit order.
+        #[test]
+        fn restarts_number_every_row_as_one_run_does(
+            txns in stream(),
+            runs in prop::collection::vec(
+                (0usize..50, prop::collection::vec((0usize..50, 0usize..4), 0..4)),
+                0..5,
+            ),
+        ) {
+            let mut reference = Numbering::default();
+            let want: Vec<Vec<i64>> = txns
+                .iter()
+                .map(|(lsn, rows)| rows.iter().map(|&k| numbered(&mut reference, k, *lsn)).collect())
+                .collect();
+
+            // What the ledger holds: the checkpoint (an index into txns: everything before it is
+            // committed before it) and the numbering written with it.
+            let (mut checkpoint, mut table) = (0usize, HashMap::<u8, i64>::new());
+            // The last run crashes nowhere: every row is numbered at least once.
+            let last = (usize::MAX, vec![]);
+            let mut rows_checked = 0;
+            for (crash_after, checkpoints_at) in runs.iter().chain([&last]) {
+                let mut n = Numbering::default();
+                let mut checkpoints_at = checkpoints_at.clone();
+                checkpoints_at.sort();
+                let start = checkpoint;
+                for (i, (lsn, rows)) in txns.iter().enumerate().skip(start) {
+                    if i - start >= *crash_after {
+                        break;
+                    }
+                    for (j, &k) in rows.iter().enumerate() {
+                        let v = match n.number(&k, Lsn(*lsn)) {
+                            Number::Version(v) => v,
+                            Number::NeedHead => {
+                                n.set_head(k, table.get(&k).copied().unwrap_or(0));
+                                match n.number(&k, Lsn(*lsn)) {
+                                    Number::Version(v) => v,
+                                    Number::NeedHead => unreachable!(),
+                                }
+                            }
+                        };
+                        prop_assert_eq!(v, want[i][j], "txn {} row {} (aggregate {})", i, j, k);
+                        rows_checked += 1;
+                    }
+                    // A checkpoint may move to any transaction the run has streamed through,
+                    // and usually lags behind what it streamed (`lag` transactions).
+                    while let Some(&(_, lag)) = checkpoints_at.first().filter(|c| c.0 <= i - start) {
+                        let to = (i + 1).saturating_sub(lag).max(checkpoint);
+                        let through = txns.get(to).map_or(Lsn(u64::MAX), |t| Lsn(t.0));
+                        table.extend(n.checkpoint(through));
+                        checkpoint = to;
+                        checkpoints_at.remove(0);
+                    }
+                }
+            }
+            let total: usize = txns.iter().map(|t| t.1.len()).sum();
+            prop_assert!(rows_checked >= total, "{} of {} rows numbered", rows_checked, total);
+        }
+    }
+}
