@@ -10,8 +10,8 @@
 --
 -- outbox.receipt_entries.aggregate_version: the version the relay published, written by
 -- every acceptance from now on. NULL for receipts accepted before this migration and for rows
--- written through outbox.receipts without one (an operator's, a test's): their row's
--- aggregate_version is the version. Adding a nullable column without a default rewrites
+-- written through outbox.receipts (an operator's, a test's: the view's write trigger of 0030
+-- is kept, and does not carry it): their row's aggregate_version is the version. Adding a nullable column without a default rewrites
 -- nothing.
 
 -- Acceptances write the entries while status readers read outbox.receipts; the view is
@@ -48,49 +48,3 @@ SELECT r.event_id, d.broker_kind, d.broker_cluster, d.topic, r.partition, r."off
 FROM outbox.receipt_entries r
 LEFT JOIN outbox.receipt_batches b ON b.batch_id = r.batch_id
 LEFT JOIN outbox.receipt_destinations d ON d.destination_id = r.destination_id;
-
--- As in 0030, carrying the version through writes to the view.
-CREATE OR REPLACE FUNCTION outbox.receipts_write() RETURNS trigger
-LANGUAGE plpgsql AS $$
-DECLARE
-    b bigint;
-BEGIN
-    IF TG_OP = 'DELETE' THEN
-        DELETE FROM outbox.receipt_entries WHERE event_id = OLD.event_id;
-        RETURN OLD;
-    END IF;
-    IF TG_OP = 'UPDATE' AND (NEW.slot_name, NEW.accepted_at, NEW.accepted_xact)
-                            IS NOT DISTINCT FROM (OLD.slot_name, OLD.accepted_at, OLD.accepted_xact) THEN
-        b := OLD.batch_id;
-    ELSE
-        INSERT INTO outbox.receipt_batches (slot_name, accepted_at, accepted_xact)
-        VALUES (NEW.slot_name, coalesce(NEW.accepted_at, clock_timestamp()),
-                coalesce(NEW.accepted_xact, pg_current_xact_id()))
-        RETURNING batch_id INTO b;
-    END IF;
-    IF TG_OP = 'INSERT' THEN
-        INSERT INTO outbox.receipt_entries (event_id, batch_id, destination_id, partition, "offset",
-                                            broker_timestamp, attempt, relay_generation, commit_lsn,
-                                            payload_digest, destination_digest, evidence, retained_at,
-                                            aggregate_version)
-        VALUES (NEW.event_id, b, outbox.receipt_destination(NEW.broker_kind, NEW.broker_cluster, NEW.topic),
-                NEW.partition, NEW."offset", NEW.broker_timestamp, coalesce(NEW.attempt, 1),
-                coalesce(NEW.relay_generation, 0), NEW.commit_lsn,
-                outbox.digest_bytes(NEW.payload_digest), outbox.digest_bytes(NEW.destination_digest),
-                NEW.evidence, NEW.retained_at, NEW.aggregate_version);
-    ELSE
-        UPDATE outbox.receipt_entries SET
-            event_id = NEW.event_id, batch_id = b,
-            destination_id = outbox.receipt_destination(NEW.broker_kind, NEW.broker_cluster, NEW.topic),
-            partition = NEW.partition, "offset" = NEW."offset", broker_timestamp = NEW.broker_timestamp,
-            attempt = NEW.attempt, relay_generation = NEW.relay_generation, commit_lsn = NEW.commit_lsn,
-            payload_digest = outbox.digest_bytes(NEW.payload_digest),
-            destination_digest = outbox.digest_bytes(NEW.destination_digest),
-            evidence = NEW.evidence, retained_at = NEW.retained_at,
-            aggregate_version = NEW.aggregate_version
-        WHERE event_id = OLD.event_id;
-    END IF;
-    RETURN NEW;
-END
-$$;
-REVOKE EXECUTE ON FUNCTION outbox.receipts_write() FROM PUBLIC;
