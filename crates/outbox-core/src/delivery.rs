@@ -67,3 +67,13 @@ pub struct Served {
     /// partitions (JetStream: one sequence per stream, order per subject).
     pub partitioner: Option<String>,
 }
+
+/// Where the broker stores a batch's transaction record (exactly-once into Kafka,
+/// docs/exactly_once.md): the positions topic's partition and offset. The ledger keeps the
+/// last one a slot accepted; a restart reads the batches committed after it
+/// (`outbox_sink::kafka_txn::committed_batches`) and accepts them from their records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RecordPosition {
+    pub partition: i32,
+    pub offset: i64,
+}

@@ -44,6 +44,7 @@
 //! resolved. Only after COMMIT does the relay tell the slot.
 
 use bytes::{BufMut, BytesMut};
+use outbox_core::delivery::RecordPosition;
 use outbox_core::envelope::StoredDigest;
 use outbox_core::receipt::{self, StreamPosition};
 use outbox_core::records::RefusalFilter;
@@ -598,6 +599,53 @@ pub async fn accept_batch_prepared(
     checkpoint: Option<Lsn>,
     fence: Option<&crate::lease::Fence>,
 ) -> Result<AcceptOutcome, LedgerError> {
+    let end = End {
+        checkpoint,
+        fence,
+        record: None,
+    };
+    accept(client, prepared, slot, items, &end).await
+}
+
+/// [`accept_batch_prepared`] for a batch the broker committed as one transaction with its
+/// record at `record` in the positions topic (exactly-once mode, docs/exactly_once.md): the
+/// slot's checkpoint row keeps `record` (never lowered) in the same transaction as the
+/// receipts, so a restart reads only the batches committed after it. Kept even when the
+/// fence was lost (the receipts are too, and the broker holds the batch).
+pub async fn accept_committed_batch(
+    client: &mut Client,
+    prepared: &mut Prepared,
+    slot: &str,
+    items: &[LedgerItem],
+    checkpoint: Option<Lsn>,
+    fence: Option<&crate::lease::Fence>,
+    record: RecordPosition,
+) -> Result<AcceptOutcome, LedgerError> {
+    let end = End {
+        checkpoint,
+        fence,
+        record: Some(record),
+    };
+    accept(client, prepared, slot, items, &end).await
+}
+
+/// What an acceptance transaction moves besides its records, just before it commits.
+#[derive(Clone, Copy)]
+struct End<'f> {
+    /// The checkpoint, forward only, while `fence` holds the lease.
+    checkpoint: Option<Lsn>,
+    fence: Option<&'f crate::lease::Fence>,
+    /// The transaction record of a batch the broker committed (exactly-once mode).
+    record: Option<RecordPosition>,
+}
+
+async fn accept(
+    client: &mut Client,
+    prepared: &mut Prepared,
+    slot: &str,
+    items: &[LedgerItem],
+    end: &End<'_>,
+) -> Result<AcceptOutcome, LedgerError> {
     let mut out = AcceptOutcome::default();
     let receipts: Vec<&ReceiptRecord> = items
         .iter()
@@ -642,10 +690,7 @@ pub async fn accept_batch_prepared(
                 Ok(Fresh::Inserted { primary, locked }) => {
                     out.primary += primary;
                     classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
-                    return record_refusals_and_commit(
-                        tx, items, slot, checkpoint, fence, locked, out,
-                    )
-                    .await;
+                    return record_refusals_and_commit(tx, items, slot, end, locked, out).await;
                 }
                 // Not proven new, or a migration or a tombstone may concern the batch, and
                 // nothing was written: the classifying statement takes it in the same
@@ -690,7 +735,7 @@ pub async fn accept_batch_prepared(
         if locked {
             raise_accepted(&tx, prepared, slot, &raises).await?;
         }
-        return record_refusals_and_commit(tx, items, slot, checkpoint, fence, locked, out).await;
+        return record_refusals_and_commit(tx, items, slot, end, locked, out).await;
     }
     unreachable!("the second attempt classifies the batch and returns")
 }
@@ -947,11 +992,15 @@ async fn record_refusals_and_commit(
     tx: tokio_postgres::Transaction<'_>,
     items: &[LedgerItem],
     slot: &str,
-    checkpoint: Option<Lsn>,
-    fence: Option<&crate::lease::Fence>,
+    end: &End<'_>,
     locked: bool,
     mut out: AcceptOutcome,
 ) -> Result<AcceptOutcome, LedgerError> {
+    let End {
+        checkpoint,
+        fence,
+        record,
+    } = *end;
     // Refusals about events that are published by now (this batch's receipts included) are
     // stale and not recorded: the decision is `RefusalFilter::stands`, which the simulator's
     // ledger model runs too.
@@ -1067,6 +1116,16 @@ async fn record_refusals_and_commit(
     let mut fenced = false;
     if let Some(lsn) = checkpoint {
         fenced = !crate::checkpoint::advance_in(&tx, slot, lsn, fence, locked).await?;
+    }
+    if let Some(record) = record {
+        if !locked {
+            return Err(LedgerError::Invalid(format!(
+                "slot {slot} has no checkpoint row to keep transaction record {}@{} on; \
+                 the relay must create it before streaming",
+                record.partition, record.offset
+            )));
+        }
+        crate::checkpoint::raise_txn_record_in(&tx, slot, record).await?;
     }
     tx.commit()
         .await

@@ -7,6 +7,7 @@
 //! A slot whose `confirmed_flush_lsn` is *ahead* of the ledger was moved by someone else (or
 //! dropped and recreated), and the relay refuses to run on it.
 
+use outbox_core::delivery::RecordPosition;
 use outbox_core::Lsn;
 use tokio_postgres::{Client, GenericClient};
 
@@ -102,6 +103,57 @@ pub async fn mark_snapshot_done(client: &Client, slot: &str) -> Result<(), Ledge
         .await
         .ctx(format!("marking the snapshot of slot {slot} done"))?;
     Ok(())
+}
+
+/// Keeps `record` as the last transaction record `slot` accepted (exactly-once mode,
+/// migration 0037), inside the caller's acceptance transaction, which holds the checkpoint
+/// row's lock; never lowered within its partition (a slot's records share one partition: a
+/// new partition means the positions topic was repartitioned, and the newest record wins).
+pub(crate) async fn raise_txn_record_in<C: GenericClient>(
+    client: &C,
+    slot: &str,
+    record: RecordPosition,
+) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "UPDATE outbox.checkpoints
+             SET txn_record_partition = $2, txn_record_offset = $3
+             WHERE slot_name = $1
+               AND (txn_record_offset IS NULL OR txn_record_partition <> $2
+                    OR txn_record_offset < $3)",
+            &[&slot, &record.partition, &record.offset],
+        )
+        .await
+        .ctx(format!(
+            "keeping transaction record {}@{} on the checkpoint of slot {slot}",
+            record.partition, record.offset
+        ))?;
+    Ok(())
+}
+
+/// Where the broker stores the last transaction record `slot` accepted (exactly-once mode):
+/// a restart accepts the batches committed after it from their records. `None`: none yet, or
+/// the slot has no checkpoint row.
+pub async fn last_txn_record<C: GenericClient>(
+    client: &C,
+    slot: &str,
+) -> Result<Option<RecordPosition>, LedgerError> {
+    let row = client
+        .query_opt(
+            "SELECT txn_record_partition, txn_record_offset FROM outbox.checkpoints
+             WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ctx(format!(
+            "reading the last transaction record of slot {slot}"
+        ))?;
+    Ok(row.and_then(|r| {
+        Some(RecordPosition {
+            partition: r.get::<_, Option<i32>>(0)?,
+            offset: r.get::<_, Option<i64>>(1)?,
+        })
+    }))
 }
 
 /// Moves the checkpoint forward (never back) inside the caller's transaction. With a fence,

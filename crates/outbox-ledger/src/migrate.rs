@@ -200,6 +200,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "receipt_versions",
         sql: include_str!("../../../migrations/0036_receipt_versions.sql"),
     },
+    Migration {
+        version: 37,
+        name: "transaction_records",
+        sql: include_str!("../../../migrations/0037_transaction_records.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

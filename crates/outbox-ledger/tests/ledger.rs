@@ -2822,3 +2822,131 @@ async fn versions_resume_after_the_rows_when_the_unlogged_version_table_is_empti
         .unwrap();
     assert_eq!(version(id).await, 1, "intact: a new aggregate starts at 1");
 }
+
+/// Exactly-once mode (docs/exactly_once.md): an acceptance of a batch the broker committed
+/// keeps the batch's transaction record on the slot's checkpoint row, in the transaction that
+/// takes its receipts in, so a restart reads only the batches committed after it. Raised,
+/// never lowered; kept with the receipts when the lease was lost (the broker holds the batch);
+/// not kept when the acceptance fails (nor are the receipts); refused for a slot without a
+/// checkpoint row, naming it.
+#[tokio::test]
+async fn an_accepted_batch_keeps_its_transaction_record_with_its_receipts() {
+    use outbox_core::delivery::RecordPosition;
+    use outbox_ledger::lease::Fence;
+    let (mut c, _) = fresh("ledger_txn_records").await;
+    checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(10))
+        .await
+        .unwrap();
+    let events = enqueue_orders(&c, 5).await;
+    let at = |offset| RecordPosition {
+        partition: 0,
+        offset,
+    };
+    let mut prepared = accept::Prepared::default();
+    assert_eq!(checkpoint::last_txn_record(&c, "s").await.unwrap(), None);
+
+    let mut kept = Vec::new();
+    for (ev, offset) in [(&events[0], 41), (&events[1], 57), (&events[2], 50)] {
+        accept::accept_committed_batch(
+            &mut c,
+            &mut prepared,
+            "s",
+            &[LedgerItem::Receipt(receipt(ev, 1))],
+            Some(Lsn(20)),
+            None,
+            at(offset),
+        )
+        .await
+        .unwrap();
+        kept.push(checkpoint::last_txn_record(&c, "s").await.unwrap());
+    }
+    assert_eq!(
+        kept,
+        [Some(at(41)), Some(at(57)), Some(at(57))],
+        "raised with each batch, never lowered"
+    );
+
+    async fn has_receipt(c: &Client, ev: &OutboxEvent) -> bool {
+        c.query_one(
+            "SELECT count(*) FROM outbox.receipts WHERE event_id = $1",
+            &[&ev.event_id],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+            == 1
+    }
+    // A receipt the database refuses (no broker position) fails the whole acceptance.
+    let refused = ReceiptRecord {
+        partition: -1,
+        ..receipt(&events[3], 2)
+    };
+    accept::accept_committed_batch(
+        &mut c,
+        &mut prepared,
+        "s",
+        &[LedgerItem::Receipt(refused)],
+        Some(Lsn(30)),
+        None,
+        at(99),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        (
+            checkpoint::last_txn_record(&c, "s").await.unwrap(),
+            has_receipt(&c, &events[3]).await
+        ),
+        (Some(at(57)), false),
+        "a failed acceptance keeps neither its receipts nor its record"
+    );
+
+    // Fenced off (no lease of this generation): the checkpoint stays, receipts and record
+    // are kept.
+    let stale = Fence {
+        owner: "gone".into(),
+        generation: 999,
+    };
+    let err = accept::accept_committed_batch(
+        &mut c,
+        &mut prepared,
+        "s",
+        &[LedgerItem::Receipt(receipt(&events[4], 3))],
+        Some(Lsn(40)),
+        Some(&stale),
+        at(70),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, outbox_ledger::LedgerError::LeaseLost { .. }),
+        "{err}"
+    );
+    let confirmed = checkpoint::load(&c, "s")
+        .await
+        .unwrap()
+        .unwrap()
+        .confirmed_lsn;
+    assert_eq!(
+        (
+            checkpoint::last_txn_record(&c, "s").await.unwrap(),
+            has_receipt(&c, &events[4]).await,
+            confirmed
+        ),
+        (Some(at(70)), true, Lsn(20)),
+        "a fenced acceptance keeps its receipts and its record, not the checkpoint"
+    );
+
+    let err = accept::accept_committed_batch(
+        &mut c,
+        &mut prepared,
+        "no-such-slot",
+        &[LedgerItem::Receipt(receipt(&events[4], 4))],
+        None,
+        None,
+        at(1),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("no-such-slot"), "{err}");
+}

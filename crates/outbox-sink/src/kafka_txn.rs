@@ -28,6 +28,7 @@
 
 use std::time::Duration;
 
+pub use outbox_core::delivery::RecordPosition;
 use outbox_core::{Lsn, OutboxEvent};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -56,14 +57,6 @@ pub struct BatchRecord {
     pub through: Lsn,
     /// Every event of the batch where the broker stored it.
     pub receipts: Vec<BatchReceipt>,
-}
-
-/// Where a batch record is stored in the positions topic: a restart reads the batches
-/// committed after the last one the ledger accepted ([`committed_batches`]'s `after`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RecordPosition {
-    pub partition: i32,
-    pub offset: i64,
 }
 
 /// One event of a committed batch, at its position.
