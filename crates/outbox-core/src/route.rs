@@ -209,8 +209,9 @@ fn destination_value(
     }
 }
 
-/// One row of `outbox.route_policy`, as far as choosing a route reads it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One row of `outbox.route_policy`, as far as choosing a route reads it; an element of a
+/// policy generation's `rules` (migration 0038), whose rules are all active.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
 pub struct PolicyRule {
     /// The aggregate type it applies to; `None`: every type.
     pub aggregate_type: Option<String>,
@@ -219,9 +220,22 @@ pub struct PolicyRule {
     pub priority: i32,
     /// Unique per row (`outbox.route_generation_seq`): the last tie-break.
     pub generation: i64,
+    /// A generation holds active rules only: absent there, true.
+    #[serde(default = "active")]
     pub active: bool,
     /// The immutable version the row's route is (`outbox.route_versions`).
     pub route_version: i64,
+}
+
+fn active() -> bool {
+    true
+}
+
+/// The rules of a policy generation (`outbox.policy_generations.rules`, migration 0038), as
+/// the stream or a read by id delivers them. An error names what is wrong: a generation the
+/// relay cannot read routes nothing (its rows wait), it is never guessed.
+pub fn policy_rules_from_json(rules: &str) -> Result<Vec<PolicyRule>, String> {
+    serde_json::from_str(rules).map_err(|e| format!("a policy generation's rules: {e}"))
 }
 
 /// The route version an event of (`aggregate_type`, `event_type`) is frozen to under `rules`:

@@ -205,6 +205,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "transaction_records",
         sql: include_str!("../../../migrations/0037_transaction_records.sql"),
     },
+    Migration {
+        version: 38,
+        name: "policy_generations",
+        sql: include_str!("../../../migrations/0038_policy_generations.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

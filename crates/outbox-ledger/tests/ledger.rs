@@ -2481,13 +2481,15 @@ async fn route_versions_render_in_rust_as_in_sql() {
 }
 
 /// A relay that gives a row written by a plain INSERT its route (docs/versions_by_relay.md)
-/// chooses it with `outbox_core::route::choose_route_version`; `outbox.enqueue` chooses in
-/// SQL. They must pick the same version for every (aggregate type, event type) under every
-/// policy: rules made, deactivated and outranked over several rounds (specific and catch-all
-/// rules, priorities, ties broken by generation), each round compared on every pair.
+/// chooses it with `outbox_core::route::choose_route_version` over the policy generation in
+/// force (migration 0038); `outbox.enqueue` chooses in SQL from `outbox.route_policy`. They
+/// must pick the same version for every (aggregate type, event type) under every policy:
+/// rules made, deactivated and outranked over several rounds (specific and catch-all rules,
+/// priorities, ties broken by generation), each round compared on every pair, with the rules
+/// read from the table and from the newest generation, which every changing statement wrote.
 #[tokio::test]
 async fn routes_are_chosen_in_rust_as_enqueue_chooses_them() {
-    use outbox_core::route::{choose_route_version, PolicyRule};
+    use outbox_core::route::{choose_route_version, policy_rules_from_json, PolicyRule};
     let (c, _) = fresh("ledger_route_choice_agree").await;
     let types = [None, Some("order"), Some("user")];
     let events = [None, Some("placed"), Some("paid")];
@@ -2541,6 +2543,21 @@ async fn routes_are_chosen_in_rust_as_enqueue_chooses_them() {
                 route_version: r.get(5),
             })
             .collect();
+        let row = c
+            .query_one(
+                "SELECT count(*), (SELECT g.rules::text FROM outbox.policy_generations g
+                                   ORDER BY g.generation_id DESC LIMIT 1)
+                 FROM outbox.policy_generations",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            row.get::<_, i64>(0),
+            1 + 7 * (i64::from(round) + 1),
+            "one generation per statement that changed the policy, after the migration's own"
+        );
+        let generation = policy_rules_from_json(&row.get::<_, String>(1)).unwrap();
         for agg_type in ["order", "user", "cart"] {
             for event_type in ["placed", "paid", "shipped"] {
                 let id = enqueue(
@@ -2565,6 +2582,12 @@ async fn routes_are_chosen_in_rust_as_enqueue_chooses_them() {
                 assert_eq!(
                     rust, sql,
                     "round {round}, ({agg_type}, {event_type}) under {rules:#?}"
+                );
+                assert_eq!(
+                    choose_route_version(&generation, agg_type, event_type),
+                    sql,
+                    "round {round}, ({agg_type}, {event_type}) under the newest generation \
+                     {generation:#?}"
                 );
                 compared += 1;
                 chosen.insert(sql);
@@ -2949,4 +2972,67 @@ async fn an_accepted_batch_keeps_its_transaction_record_with_its_receipts() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("no-such-slot"), "{err}");
+}
+
+/// PostgreSQL lets every role EXECUTE a new function and checks EXECUTE on a trigger function
+/// only when a trigger is created: a SECURITY DEFINER or trigger function of schema outbox
+/// left open to PUBLIC can be put on a role's own table to write as the owner (migration
+/// 0021). Every such function, in every migration since, is closed to a role granted nothing;
+/// and the policy generations they write cannot be changed afterwards.
+#[tokio::test]
+async fn definer_and_trigger_functions_are_closed_to_public() {
+    let (c, _) = fresh("ledger_definer_closed").await;
+    c.batch_execute(
+        "DO $$ BEGIN
+             IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'ledger_probe_nobody') THEN
+                 CREATE ROLE ledger_probe_nobody;
+             END IF;
+         END $$",
+    )
+    .await
+    .unwrap();
+    let rows = c
+        .query(
+            "SELECT p.oid::regprocedure::text, p.prosecdef
+             FROM pg_proc p
+             WHERE p.pronamespace = 'outbox'::regnamespace
+               AND (p.prosecdef OR p.prorettype = 'trigger'::regtype)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let open: Vec<String> = {
+        let mut open = Vec::new();
+        for r in &rows {
+            let f: String = r.get(0);
+            let can: bool = c
+                .query_one(
+                    "SELECT has_function_privilege('ledger_probe_nobody', $1::text::regprocedure, 'EXECUTE')",
+                    &[&f],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if can {
+                open.push(f);
+            }
+        }
+        open
+    };
+    assert!(
+        rows.iter().any(|r| r.get::<_, bool>(1)) && rows.len() >= 5,
+        "the functions were found ({} of them)",
+        rows.len()
+    );
+    assert_eq!(open, Vec::<String>::new(), "open to PUBLIC");
+
+    let err = c
+        .execute("UPDATE outbox.policy_generations SET rules = '[]'", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE),
+        "{err}"
+    );
 }
