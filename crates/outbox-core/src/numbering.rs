@@ -20,7 +20,10 @@
 //! accept k+1 while k's receipt was lost, and k would be numbered k+2.
 //!
 //! Pure: the caller supplies the heads it reads and writes what [`Numbering::checkpoint`]
-//! returns, in the checkpoint's own transaction.
+//! returns, in the checkpoint's own transaction. Not wired into the relay yet: how the
+//! numbering is stored is to be priced first (an upsert per aggregate per checkpoint is about
+//! one per event in a wide drain; docs/versions_by_relay.md), and whatever store is chosen
+//! must give back what this rule's property test demands.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::Hash;
