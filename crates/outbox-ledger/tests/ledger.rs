@@ -2993,7 +2993,8 @@ async fn definer_and_trigger_functions_are_closed_to_public() {
     .unwrap();
     let rows = c
         .query(
-            "SELECT p.oid::regprocedure::text, p.prosecdef
+            "SELECT p.oid::regprocedure::text, p.prosecdef,
+                    has_function_privilege('ledger_probe_nobody', p.oid, 'EXECUTE')
              FROM pg_proc p
              WHERE p.pronamespace = 'outbox'::regnamespace
                AND (p.prosecdef OR p.prorettype = 'trigger'::regtype)",
@@ -3001,24 +3002,11 @@ async fn definer_and_trigger_functions_are_closed_to_public() {
         )
         .await
         .unwrap();
-    let open: Vec<String> = {
-        let mut open = Vec::new();
-        for r in &rows {
-            let f: String = r.get(0);
-            let can: bool = c
-                .query_one(
-                    "SELECT has_function_privilege('ledger_probe_nobody', $1::text::regprocedure, 'EXECUTE')",
-                    &[&f],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if can {
-                open.push(f);
-            }
-        }
-        open
-    };
+    let open: Vec<String> = rows
+        .iter()
+        .filter(|r| r.get::<_, bool>(2))
+        .map(|r| r.get(0))
+        .collect();
     assert!(
         rows.iter().any(|r| r.get::<_, bool>(1)) && rows.len() >= 5,
         "the functions were found ({} of them)",
