@@ -75,6 +75,7 @@ GRANT SELECT ON
     outbox.purged_events,
     outbox.schema_migrations,
     outbox.route_policy,
+    outbox.policy_generations,
     outbox.destination_migrations,
     outbox.delivery_sets
 TO outboxd_relay;
@@ -87,6 +88,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox.quarantine,
     outbox.checkpoints,
     outbox.accepted_positions,
+    outbox.stream_versions,
     outbox.aggregate_heads,
     outbox.head_journal,
     outbox.holds,

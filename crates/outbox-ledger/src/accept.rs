@@ -603,6 +603,29 @@ pub async fn accept_batch_prepared(
         checkpoint,
         fence,
         record: None,
+        numbered: None,
+    };
+    accept(client, prepared, slot, items, &end).await
+}
+
+/// [`accept_batch_prepared`] for a run that numbers rows written without a version
+/// (docs/versions_by_relay.md): when the checkpoint moves to `checkpoint`, the same
+/// transaction keeps `numbered`, the numbering up to it ([`crate::numbering`]). A fenced run
+/// keeps its receipts but neither the checkpoint nor the numbering.
+pub async fn accept_numbered_batch(
+    client: &mut Client,
+    prepared: &mut Prepared,
+    slot: &str,
+    items: &[LedgerItem],
+    checkpoint: Lsn,
+    fence: Option<&crate::lease::Fence>,
+    numbered: &crate::numbering::Numbered,
+) -> Result<AcceptOutcome, LedgerError> {
+    let end = End {
+        checkpoint: Some(checkpoint),
+        fence,
+        record: None,
+        numbered: Some(numbered),
     };
     accept(client, prepared, slot, items, &end).await
 }
@@ -625,6 +648,7 @@ pub async fn accept_committed_batch(
         checkpoint,
         fence,
         record: Some(record),
+        numbered: None,
     };
     accept(client, prepared, slot, items, &end).await
 }
@@ -637,6 +661,8 @@ struct End<'f> {
     fence: Option<&'f crate::lease::Fence>,
     /// The transaction record of a batch the broker committed (exactly-once mode).
     record: Option<RecordPosition>,
+    /// The numbering up to `checkpoint`, kept only when the checkpoint moves.
+    numbered: Option<&'f crate::numbering::Numbered>,
 }
 
 async fn accept(
@@ -1000,6 +1026,7 @@ async fn record_refusals_and_commit(
         checkpoint,
         fence,
         record,
+        numbered,
     } = *end;
     // Refusals about events that are published by now (this batch's receipts included) are
     // stale and not recorded: the decision is `RefusalFilter::stands`, which the simulator's
@@ -1116,6 +1143,9 @@ async fn record_refusals_and_commit(
     let mut fenced = false;
     if let Some(lsn) = checkpoint {
         fenced = !crate::checkpoint::advance_in(&tx, slot, lsn, fence, locked).await?;
+        if let Some(numbered) = numbered.filter(|_| !fenced) {
+            crate::numbering::write_in(&tx, slot, lsn, numbered).await?;
+        }
     }
     if let Some(record) = record {
         if !locked {

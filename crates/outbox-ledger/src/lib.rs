@@ -7,6 +7,8 @@
 //! * [`attempts`] — DISPATCH_UNKNOWN attempts and their reconciliation.
 //! * [`destination`] — explicit destination migration (new envelope generation, with proof).
 //! * [`checkpoint`] — the per-slot checkpoint row: the only LSN the relay may confirm.
+//! * [`numbering`] — the versions the relay gave rows written without one, kept with the
+//!   checkpoint.
 //! * [`lease`] — relay leases and generations (one active relay per slot, fenced).
 //! * [`holds`] — held aggregates: loading them, operator release/skip, republishing.
 //! * [`status`] — read-only views for `outboxd status`.
@@ -28,6 +30,7 @@ pub mod destination;
 pub mod holds;
 pub mod lease;
 pub mod migrate;
+pub mod numbering;
 pub mod privileges;
 pub mod producer;
 pub mod retention;

@@ -210,6 +210,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "policy_generations",
         sql: include_str!("../../../migrations/0038_policy_generations.sql"),
     },
+    Migration {
+        version: 39,
+        name: "stream_versions",
+        sql: include_str!("../../../migrations/0039_stream_versions.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -3024,3 +3024,130 @@ async fn definer_and_trigger_functions_are_closed_to_public() {
         "{err}"
     );
 }
+
+/// Versions by the relay (migration 0039, docs/versions_by_relay.md): the acceptance that
+/// moves a slot's checkpoint keeps the numbering up to it, and the policy generation in force
+/// there, in the same transaction. Read back per aggregate in the order asked (0 for one never
+/// numbered), per slot; raised, never lowered; neither kept when the acceptance fails, nor when
+/// the run was fenced off (its receipts are, as always).
+#[tokio::test]
+async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
+    use outbox_ledger::lease::Fence;
+    use outbox_ledger::numbering::{policy_generation, versions_of, Numbered};
+    let (mut c, _) = fresh("ledger_stream_versions").await;
+    for slot in ["s", "t"] {
+        checkpoint::create(&c, slot, "outbox_pub", "sys", 1, Lsn(10))
+            .await
+            .unwrap();
+    }
+    let events = enqueue_orders(&c, 4).await;
+    let key = |id: &str| ("order".to_string(), id.to_string());
+    let numbered = |versions: &[(&str, i64)], generation| Numbered {
+        versions: versions.iter().map(|&(id, v)| (key(id), v)).collect(),
+        policy_generation: generation,
+    };
+    let asked = [key("a"), key("b"), key("never")];
+    let mut prepared = accept::Prepared::default();
+
+    accept::accept_numbered_batch(
+        &mut c,
+        &mut prepared,
+        "s",
+        &[LedgerItem::Receipt(receipt(&events[0], 1))],
+        Lsn(20),
+        None,
+        &numbered(&[("a", 3), ("b", 1)], Some(5)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(versions_of(&c, "s", &asked).await.unwrap(), [3, 1, 0]);
+    assert_eq!(policy_generation(&c, "s").await.unwrap(), Some(5));
+    assert_eq!(
+        versions_of(&c, "t", &asked).await.unwrap(),
+        [0, 0, 0],
+        "another slot's numbering is its own"
+    );
+
+    // A later checkpoint raises b; a (stale) lower version of a does not lower it.
+    accept::accept_numbered_batch(
+        &mut c,
+        &mut prepared,
+        "s",
+        &[LedgerItem::Receipt(receipt(&events[1], 2))],
+        Lsn(30),
+        None,
+        &numbered(&[("a", 2), ("b", 4)], Some(6)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(versions_of(&c, "s", &asked).await.unwrap(), [3, 4, 0]);
+    assert_eq!(policy_generation(&c, "s").await.unwrap(), Some(6));
+
+    // A receipt the database refuses fails the whole acceptance: no numbering.
+    let refused = ReceiptRecord {
+        partition: -1,
+        ..receipt(&events[2], 3)
+    };
+    accept::accept_numbered_batch(
+        &mut c,
+        &mut prepared,
+        "s",
+        &[LedgerItem::Receipt(refused)],
+        Lsn(40),
+        None,
+        &numbered(&[("a", 9), ("never", 1)], Some(7)),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        (
+            versions_of(&c, "s", &asked).await.unwrap(),
+            policy_generation(&c, "s").await.unwrap()
+        ),
+        (vec![3, 4, 0], Some(6)),
+        "a failed acceptance keeps no numbering"
+    );
+
+    // Fenced off: the receipt is kept, the checkpoint and its numbering are not.
+    let stale = Fence {
+        owner: "gone".into(),
+        generation: 999,
+    };
+    let err = accept::accept_numbered_batch(
+        &mut c,
+        &mut prepared,
+        "s",
+        &[LedgerItem::Receipt(receipt(&events[3], 4))],
+        Lsn(50),
+        Some(&stale),
+        &numbered(&[("a", 9), ("never", 1)], Some(7)),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, outbox_ledger::LedgerError::LeaseLost { .. }),
+        "{err}"
+    );
+    let receipts: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.receipts WHERE event_id = $1",
+            &[&events[3].event_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        (
+            receipts,
+            versions_of(&c, "s", &asked).await.unwrap(),
+            policy_generation(&c, "s").await.unwrap(),
+            checkpoint::load(&c, "s")
+                .await
+                .unwrap()
+                .unwrap()
+                .confirmed_lsn
+        ),
+        (1, vec![3, 4, 0], Some(6), Lsn(30)),
+        "a fenced run keeps its receipts, not the checkpoint or the numbering"
+    );
+}
