@@ -54,3 +54,56 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- Policy generations in commit order (a fix to migration 0038). Two transactions that changed
+-- the route policy at once each wrote the rules their own snapshot saw, so the later
+-- generation lacked the other's change: a relay routing by generations would have routed by
+-- a policy that never stood. Now the trigger takes a lock held to the end of the changing
+-- transaction before it reads the rules: generations commit one at a time, in id order, and
+-- under READ COMMITTED each reads every change committed before it. Under REPEATABLE READ
+-- or SERIALIZABLE the snapshot predates the lock; when a generation id was handed out that
+-- the snapshot does not see, the change is refused as a serialization failure (retry it).
+CREATE OR REPLACE FUNCTION outbox.note_policy_generation() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_seen bigint;
+    v_issued bigint;
+BEGIN
+    IF TG_RELID <> 'outbox.route_policy'::regclass OR TG_WHEN <> 'AFTER' OR TG_LEVEL <> 'STATEMENT' THEN
+        RAISE EXCEPTION 'outbox.note_policy_generation fired on %.% (trigger %); it serves outbox.route_policy only',
+            TG_TABLE_SCHEMA, TG_TABLE_NAME, TG_NAME
+            USING ERRCODE = '42501';
+    END IF;
+    LOCK TABLE outbox.policy_generations IN SHARE ROW EXCLUSIVE MODE;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        SELECT max(generation_id) INTO v_seen FROM outbox.policy_generations;
+        SELECT CASE WHEN is_called THEN last_value END INTO v_issued
+        FROM outbox.policy_generations_generation_id_seq;
+        IF v_issued IS DISTINCT FROM v_seen THEN
+            RAISE EXCEPTION 'outbox.route_policy changed by another transaction since this one''s snapshot (policy generation % is not visible to it)',
+                v_issued
+                USING ERRCODE = '40001',
+                      HINT = 'retry the transaction; its new snapshot includes the other change';
+        END IF;
+    END IF;
+    INSERT INTO outbox.policy_generations (rules) VALUES (outbox.policy_rules());
+    RETURN NULL;
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox.note_policy_generation() FROM PUBLIC;
+
+-- The writer's plain INSERT (docs/versions_by_relay.md) is a row without an aggregate version:
+-- the rows-around-enqueue trigger (0016) is not for it, and not evaluating its setting is most
+-- of what a plain row saves. Rows without a version exist only where an operator allowed them
+-- (`ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL`; docs/versions_by_relay.md
+-- says what a relay in poll mode then does).
+DROP TRIGGER events_row_around_enqueue ON outbox.events;
+CREATE TRIGGER events_row_around_enqueue
+    AFTER INSERT ON outbox.events
+    FOR EACH ROW
+    WHEN (NEW.aggregate_version IS NOT NULL
+          AND NEW.event_id::text IS DISTINCT FROM current_setting('outbox.enqueuing', true))
+    EXECUTE FUNCTION outbox.note_row_around_enqueue();
+
+-- A plain INSERT names no event id: it gets a time-ordered one, as outbox.enqueue gives.
+ALTER TABLE outbox.events ALTER COLUMN event_id SET DEFAULT outbox.uuid_v7();

@@ -3151,3 +3151,153 @@ async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
         "a fenced run keeps its receipts, not the checkpoint or the numbering"
     );
 }
+
+/// Policy generations are written one at a time, in commit order (migration 0039's fix to
+/// 0038): two transactions that change the route policy at once under READ COMMITTED give
+/// two generations, the later holding both changes; under REPEATABLE READ the second is
+/// refused as a serialization failure instead of writing a generation without the first's
+/// change. Without the lock, the later generation lacked the other's rule.
+#[tokio::test]
+async fn concurrent_policy_changes_give_generations_in_commit_order() {
+    use std::time::Duration;
+    use tokio_postgres::IsolationLevel;
+    async fn newest_topics(c: &Client) -> Vec<String> {
+        let mut topics: Vec<String> = c
+            .query(
+                "SELECT v.topic_template
+                 FROM (SELECT rules FROM outbox.policy_generations
+                       ORDER BY generation_id DESC LIMIT 1) g,
+                      jsonb_array_elements(g.rules) r
+                 JOIN outbox.route_versions v ON v.version_id = (r ->> 'route_version')::bigint",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        topics.sort();
+        topics
+    }
+    let (c, url) = fresh("ledger_policy_generation_order").await;
+    let add = "INSERT INTO outbox.route_policy (aggregate_type, event_type, priority, topic)
+               VALUES ($1, NULL, 0, $2)";
+    for (isolation, tag) in [
+        (IsolationLevel::ReadCommitted, "rc"),
+        (IsolationLevel::RepeatableRead, "rr"),
+    ] {
+        let mut clients = Vec::new();
+        for _ in 0..2 {
+            let (client, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+            tokio::spawn(conn);
+            clients.push(client);
+        }
+        let (a, b) = clients.split_at_mut(1);
+        let ta = a[0]
+            .build_transaction()
+            .isolation_level(isolation)
+            .start()
+            .await
+            .unwrap();
+        let tb = b[0]
+            .build_transaction()
+            .isolation_level(isolation)
+            .start()
+            .await
+            .unwrap();
+        // Both snapshots are taken before either change.
+        for t in [&ta, &tb] {
+            t.query_one("SELECT count(*) FROM outbox.route_policy", &[])
+                .await
+                .unwrap();
+        }
+        let (topic_a, topic_b) = (format!("topic_a_{tag}"), format!("topic_b_{tag}"));
+        ta.execute(add, &[&format!("a_{tag}"), &topic_a])
+            .await
+            .unwrap();
+        let b_change = async {
+            tb.execute(add, &[&format!("b_{tag}"), &topic_b]).await?;
+            tb.commit().await
+        };
+        tokio::pin!(b_change);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut b_change)
+                .await
+                .is_err(),
+            "{tag}: b's change waits for a's lock"
+        );
+        ta.commit().await.unwrap();
+        let outcome = tokio::time::timeout(Duration::from_secs(10), b_change)
+            .await
+            .expect("b's change finishes once a committed");
+        let topics = newest_topics(&c).await;
+        if tag == "rc" {
+            outcome.unwrap();
+            assert!(
+                topics.contains(&topic_a) && topics.contains(&topic_b),
+                "the later generation holds both changes: {topics:?}"
+            );
+        } else {
+            let err = outcome.unwrap_err();
+            assert_eq!(
+                err.code(),
+                Some(&tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE),
+                "{err}"
+            );
+            assert!(
+                topics.contains(&topic_a) && !topics.contains(&topic_b),
+                "the refused change wrote no generation: {topics:?}"
+            );
+        }
+    }
+}
+
+/// The writer's plain INSERT (migration 0039, docs/versions_by_relay.md): refused while the
+/// outbox does not allow rows without a version (the default: poll mode cannot order them);
+/// once an operator allows them, four columns make an event (id and time by default), and
+/// neither the rows-around-enqueue trigger nor the version table is touched. A row that names
+/// a version is still held to what enqueue checks (here: a destination).
+#[tokio::test]
+async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
+    let (c, _) = fresh("ledger_plain_insert").await;
+    let plain = "INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', 'p-1', 'order.placed', '{\"total\": 42}') RETURNING event_id";
+    let err = c.query_one(plain, &[]).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::NOT_NULL_VIOLATION),
+        "{err}"
+    );
+    c.batch_execute("ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL")
+        .await
+        .unwrap();
+    let id: uuid::Uuid = c.query_one(plain, &[]).await.unwrap().get(0);
+    assert_eq!(id.get_version_num(), 7, "a time-ordered id by default");
+    let (versions, holds, generation): (i64, i64, i32) = {
+        let r = c
+            .query_one(
+                "SELECT (SELECT count(*) FROM outbox.aggregate_versions),
+                        (SELECT count(*) FROM outbox.holds),
+                        (SELECT envelope_generation FROM outbox.events WHERE event_id = $1)",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!((versions, holds, generation), (0, 0, 1));
+    let err = c
+        .execute(
+            "INSERT INTO outbox.events (aggregate_type, aggregate_id, aggregate_version,
+                                        event_type, payload)
+             VALUES ('order', 'p-2', 1, 'order.placed', '{}')",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION),
+        "{err}"
+    );
+}
