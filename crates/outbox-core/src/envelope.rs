@@ -172,6 +172,10 @@ pub struct OutboxEvent {
     /// replaces the payload, the destination or a digest afterwards computes the digest again
     /// or clears this.
     pub digests_checked: bool,
+    /// The row was written without an aggregate version (the writer's plain INSERT,
+    /// docs/versions_by_relay.md): `aggregate_version` is 0 as decoded, and the relay core
+    /// gives it its aggregate's next version in commit order before anything else reads it.
+    pub version_by_relay: bool,
 }
 
 /// Why a row cannot be published as it stands. Each variant names the field at fault.
@@ -239,6 +243,7 @@ impl OutboxEvent {
             destination,
             delivery_set_id: None,
             digests_checked: true,
+            version_by_relay: false,
         }
     }
 }
@@ -418,10 +423,17 @@ impl OutboxEvent {
     /// A narrow row (migration 0031: `dest_kind` NULL, `route_version` set) gets its
     /// destination from `versions`; a version the caller does not know is an error naming
     /// it, never a guess. A row read through `outbox.events_current` arrives rendered.
+    ///
+    /// A row written plainly (docs/versions_by_relay.md) may have neither a destination nor a
+    /// route version: it gets the route version `policy`, the route policy generation in
+    /// force at its commit, chooses ([`crate::route::choose_route_version`]); without a policy
+    /// (a read outside the stream) that is an error naming the column. Without an aggregate
+    /// version it is marked [`OutboxEvent::version_by_relay`].
     pub fn from_text_columns<'a>(
         get: impl Fn(&str) -> Result<Option<&'a str>, RowError>,
         payload: Option<Bytes>,
         versions: &RouteVersions,
+        policy: Option<&crate::route::PolicyGeneration>,
     ) -> Result<OutboxEvent, RowError> {
         let required = |name: &str| -> Result<&'a str, RowError> {
             get(name)?.ok_or_else(|| RowError {
@@ -451,9 +463,27 @@ impl OutboxEvent {
         let narrow = match get("dest_kind")? {
             Some(_) => None,
             // Absent before migration 0031.
-            None => get("route_version").ok().flatten(),
+            None => match get("route_version").ok().flatten() {
+                Some(v) => Some(v.to_string()),
+                // Neither: the writer's plain INSERT, routed by the policy in force.
+                None if get("route_version").is_ok() => {
+                    let policy = policy.ok_or_else(|| RowError {
+                        column: "route_version".into(),
+                        problem: "is NULL and so is dest_kind: a row written without a route is routed by the relay from the stream (docs/versions_by_relay.md), not when read by a query".into(),
+                    })?;
+                    Some(
+                        crate::route::choose_route_version(
+                            &policy.rules,
+                            required("aggregate_type")?,
+                            required("event_type")?,
+                        )
+                        .to_string(),
+                    )
+                }
+                None => None,
+            },
         };
-        let destination = match narrow {
+        let destination = match narrow.as_deref() {
             None => Destination {
                 kind: required("dest_kind")?.to_string(),
                 cluster: required("dest_cluster")?.to_string(),
@@ -465,7 +495,10 @@ impl OutboxEvent {
                 acks: required("dest_acks")?.to_string(),
             },
             Some(v) => {
-                let id = parse_i64("route_version")?;
+                let id: i64 = v.parse().map_err(|_| RowError {
+                    column: "route_version".into(),
+                    problem: format!("{v:?} is not an integer"),
+                })?;
                 let version = versions.get(&id).ok_or_else(|| RowError {
                     column: "route_version".into(),
                     problem: format!(
@@ -493,6 +526,7 @@ impl OutboxEvent {
                 None => computed,
             })
         };
+        let version_by_relay = get("aggregate_version")?.is_none();
         let payload_digest = digest("payload_digest", sha256_digest(&payload))?;
         let destination_digest = digest("destination_digest", destination.digest())?;
         Ok(OutboxEvent {
@@ -503,7 +537,11 @@ impl OutboxEvent {
             })?,
             aggregate_type: required("aggregate_type")?.to_string(),
             aggregate_id: required("aggregate_id")?.to_string(),
-            aggregate_version: parse_i64("aggregate_version")?,
+            aggregate_version: if version_by_relay {
+                0
+            } else {
+                parse_i64("aggregate_version")?
+            },
             event_type: required("event_type")?.to_string(),
             payload_schema: optional("payload_schema")?,
             payload,
@@ -523,6 +561,7 @@ impl OutboxEvent {
                 })?),
             },
             digests_checked,
+            version_by_relay,
         })
     }
 }
@@ -583,21 +622,21 @@ mod row_tests {
         let ev = tests::sample();
         let m = cols(&ev);
         assert_eq!(
-            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new()).unwrap(),
+            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new(), None).unwrap(),
             ev
         );
         assert_eq!(EVENT_COLUMNS.len(), m.len());
 
         let mut bad = m.clone();
         bad.insert("aggregate_version", Some("seven".into()));
-        let err =
-            OutboxEvent::from_text_columns(getter(&bad), None, &RouteVersions::new()).unwrap_err();
+        let err = OutboxEvent::from_text_columns(getter(&bad), None, &RouteVersions::new(), None)
+            .unwrap_err();
         assert_eq!(err.column, "aggregate_version");
 
         let mut null = m;
         null.insert("dest_topic", None);
-        let err =
-            OutboxEvent::from_text_columns(getter(&null), None, &RouteVersions::new()).unwrap_err();
+        let err = OutboxEvent::from_text_columns(getter(&null), None, &RouteVersions::new(), None)
+            .unwrap_err();
         assert_eq!(err.to_string(), "outbox row column dest_topic: is NULL");
     }
 
@@ -611,7 +650,7 @@ mod row_tests {
         m.insert("payload_digest", None);
         m.insert("destination_digest", None);
         let decoded =
-            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new()).unwrap();
+            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new(), None).unwrap();
         assert_eq!(
             decoded, ev,
             "the computed digests are the ones enqueue stored"
@@ -623,7 +662,7 @@ mod row_tests {
             Some(format!("{DIGEST_PREFIX}{}", "0".repeat(64))),
         );
         let wrong =
-            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new()).unwrap();
+            OutboxEvent::from_text_columns(getter(&m), None, &RouteVersions::new(), None).unwrap();
         assert_eq!(
             wrong.verify().unwrap_err().reason_code(),
             "payload_digest_mismatch"

@@ -20,10 +20,11 @@
 //! accept k+1 while k's receipt was lost, and k would be numbered k+2.
 //!
 //! Pure: the caller supplies the heads it reads and writes what [`Numbering::checkpoint`]
-//! returns, in the checkpoint's own transaction. Not wired into the relay yet: how the
-//! numbering is stored is to be priced first (an upsert per aggregate per checkpoint is about
-//! one per event in a wide drain; docs/versions_by_relay.md), and whatever store is chosen
-//! must give back what this rule's property test demands.
+//! returns, in the checkpoint's own transaction (`outbox.stream_versions`, migration 0039:
+//! an upsert per aggregate per checkpoint, about one per event in a drain over many
+//! aggregates; a cheaper store is priced in docs/versions_by_relay.md, and whatever store
+//! replaces it must give back what this rule's property test demands). [`Generations`] does
+//! the same for the route policy generation in force at the checkpoint.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::Hash;
@@ -125,12 +126,94 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
     pub fn pending(&self) -> usize {
         self.dirty.len()
     }
+
+    /// Whether the run numbers `key` (its head was given, or it numbered a row of it).
+    pub fn knows(&self, key: &K) -> bool {
+        self.aggs.contains_key(key)
+    }
+}
+
+/// The route policy generations of a run (migration 0038): the one in force at its
+/// checkpoint, and those the stream delivered since, at their commit positions. A row written
+/// without a route is routed by the generation in force at its commit (the decoder applies
+/// them in stream order); a restart needs the one in force at its checkpoint, so the
+/// transaction that moves the checkpoint writes it ([`Generations::checkpoint`]) with the
+/// numbering, under the same rule: a generation committed before the checkpoint C is in force
+/// at C.
+#[derive(Debug, Default)]
+pub struct Generations {
+    /// In force at the last checkpoint this run computed.
+    at_checkpoint: Option<i64>,
+    /// What the ledger holds with the checkpoint (not written again).
+    written: Option<i64>,
+    /// (commit LSN, generation) delivered by the stream past the last checkpoint computed.
+    since: VecDeque<(Lsn, i64)>,
+}
+
+impl Generations {
+    /// A run that starts with `in_force` (read by id from the checkpoint's `written`, or the
+    /// newest when the checkpoint has none).
+    pub fn starting(in_force: Option<i64>, written: Option<i64>) -> Self {
+        Generations {
+            at_checkpoint: in_force,
+            written,
+            since: VecDeque::new(),
+        }
+    }
+
+    /// The stream delivered generation `id` in the transaction committed at `commit_lsn`.
+    pub fn note(&mut self, commit_lsn: Lsn, id: i64) {
+        self.since.push_back((commit_lsn, id));
+    }
+
+    /// The checkpoint moves to `through`: the generation in force there, if the ledger does
+    /// not hold it with the checkpoint yet (then the caller writes it in the same
+    /// transaction). Like [`Numbering::checkpoint`], taken once per checkpoint, before its
+    /// transaction; if that fails, the run ends.
+    pub fn checkpoint(&mut self, through: Lsn) -> Option<i64> {
+        while let Some(&(lsn, id)) = self.since.front() {
+            if lsn >= through {
+                break;
+            }
+            self.at_checkpoint = Some(id);
+            self.since.pop_front();
+        }
+        if self.at_checkpoint == self.written {
+            return None;
+        }
+        self.written = self.at_checkpoint;
+        self.written
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A generation committed before the checkpoint is in force at it, one at or past it is
+    /// not yet; the ledger is asked to write a generation only when it changes.
+    #[test]
+    fn the_generation_in_force_at_a_checkpoint_is_the_last_committed_before_it() {
+        let mut g = Generations::starting(Some(1), None);
+        assert_eq!(
+            g.checkpoint(Lsn(10)),
+            Some(1),
+            "the start's, not yet written"
+        );
+        assert_eq!(g.checkpoint(Lsn(20)), None, "written already");
+        g.note(Lsn(25), 2);
+        g.note(Lsn(30), 3);
+        assert_eq!(
+            g.checkpoint(Lsn(25)),
+            None,
+            "committed at the checkpoint: not before it"
+        );
+        assert_eq!(g.checkpoint(Lsn(26)), Some(2));
+        assert_eq!(g.checkpoint(Lsn(40)), Some(3));
+        let mut kept = Generations::starting(Some(7), Some(7));
+        assert_eq!(kept.checkpoint(Lsn(5)), None, "the checkpoint holds it");
+    }
 
     /// The version `n` gives the next row of `key`, seeding an aggregate it has not met with
     /// `head` (what the ledger holds for it).

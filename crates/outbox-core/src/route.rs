@@ -231,6 +231,16 @@ fn active() -> bool {
     true
 }
 
+/// A route policy generation (`outbox.policy_generations`, migration 0038): the active rules
+/// as they stood after one change of the policy. The relay routes a row written without a
+/// route by the generation in force at its commit: the last one the stream delivered before
+/// it, or the one kept with the checkpoint it started from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyGeneration {
+    pub id: i64,
+    pub rules: Vec<PolicyRule>,
+}
+
 /// The rules of a policy generation (`outbox.policy_generations.rules`, migration 0038), as
 /// the stream or a read by id delivers them. An error names what is wrong: a generation the
 /// relay cannot read routes nothing (its rows wait), it is never guessed.

@@ -54,6 +54,7 @@ async fn event(c: &impl GenericClient, id: uuid::Uuid) -> OutboxEvent {
         None,
         // As the relay reads them at start (none before migration 0031).
         &outbox_source::slot::route_versions(c).await.unwrap(),
+        None,
     )
     .unwrap()
 }

@@ -367,8 +367,29 @@ pub struct PipelineCore<P = Shipped> {
     pub(crate) durable: Lsn,
     /// Send -> delivery report times since [`Self::take_report_times`] (count, sum ms, max ms).
     report_ms: (u64, f64, f64),
+    /// Versions for rows written without one, in commit order (docs/versions_by_relay.md).
+    pub(crate) numbering: outbox_core::numbering::Numbering<AggKey>,
+    /// The route policy generations of the run, for the checkpoint to keep.
+    pub(crate) generations: outbox_core::numbering::Generations,
     /// What it plants ([`Plant`]).
     pub plant: P,
+}
+
+/// What the transaction that moves the checkpoint keeps besides it, for rows written without
+/// a version or a route ([`PipelineCore::numbered_through`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct NumberedThrough {
+    /// Per aggregate, the version of its last row committed before the checkpoint (each once).
+    pub versions: Vec<(AggKey, i64)>,
+    /// The route policy generation in force at the checkpoint, when the ledger does not
+    /// hold it yet.
+    pub policy_generation: Option<i64>,
+}
+
+impl NumberedThrough {
+    pub fn is_empty(&self) -> bool {
+        self.versions.is_empty() && self.policy_generation.is_none()
+    }
 }
 
 impl PipelineCore<Shipped> {
@@ -430,6 +451,8 @@ impl<P: Plant> PipelineCore<P> {
             last_received: Lsn::ZERO,
             durable: Lsn::ZERO,
             report_ms: (0, 0.0, 0.0),
+            numbering: Default::default(),
+            generations: Default::default(),
             plant,
         }
     }
@@ -519,6 +542,17 @@ impl<P: Plant> PipelineCore<P> {
         now: Now,
     ) -> Result<Vec<Command>, CoreError> {
         let key = key_of(&ev);
+        if ev.version_by_relay && ev.aggregate_version < 1 {
+            // Only the stream numbers rows written without a version ([`Self::on_row`]); a
+            // snapshot, a poll round or a release reads them in no commit order.
+            self.ensure_known(&key);
+            let reason = format!(
+                "event {} was written without an aggregate version, and only the replication stream numbers such rows (in commit order); it was read by a snapshot, a poll round or a release, which cannot (docs/versions_by_relay.md)",
+                ev.event_id
+            );
+            self.poison(&ev, "unnumbered_row", reason, commit_lsn, ack);
+            return Ok(Vec::new());
+        }
         self.ensure_known(&key);
         if self.found.contains(&ev.event_id) {
             // Reconciliation proved the broker has it and recorded the receipt: no resend.
@@ -1206,14 +1240,67 @@ impl<P: Plant> PipelineCore<P> {
         let mut seen = HashSet::new();
         events
             .into_iter()
+            .filter(|ev| !ev.version_by_relay)
             .map(|ev| (key_of(ev), ev.aggregate_version))
             .filter(|(k, _)| !self.gate.is_known(k) && seen.insert(k.clone()))
             .collect()
     }
 
-    /// Whether the gate knows the head of `ev`'s aggregate.
+    /// The aggregates of rows among `events` written without a version whose numbering the
+    /// run does not know yet, each once, in the order met: the driver reads what the
+    /// checkpoint kept for them (`outbox.stream_versions`) and gives it to
+    /// [`PipelineCore::seed_numbering`] before it hands the rows over.
+    pub fn unnumbered_aggregates<'a>(
+        &self,
+        events: impl IntoIterator<Item = &'a OutboxEvent>,
+    ) -> Vec<AggKey> {
+        let mut seen = HashSet::new();
+        events
+            .into_iter()
+            .filter(|ev| ev.version_by_relay)
+            .map(key_of)
+            .filter(|k| !self.numbering.knows(k) && seen.insert(k.clone()))
+            .collect()
+    }
+
+    /// The numbering the checkpoint kept for `heads` (aggregate, version of its last row
+    /// committed before the run's checkpoint; 0 for none). It is also the aggregate's head
+    /// for the gate: every row committed before the checkpoint is resolved, and the rows the
+    /// run meets continue from it. A gate that already knows the aggregate (rows of it written
+    /// with versions met first in this run) keeps its head.
+    pub fn seed_numbering(&mut self, heads: Vec<(AggKey, i64)>) {
+        for (k, v) in heads {
+            if !self.gate.is_known(&k) {
+                self.gate.set_head(k.clone(), v, false);
+            }
+            self.numbering.set_head(k, v);
+        }
+    }
+
+    /// The route policy generation in force where the run starts, and the one the checkpoint
+    /// holds (`None`: none yet).
+    pub fn start_generations(&mut self, in_force: Option<i64>, written: Option<i64>) {
+        self.generations = outbox_core::numbering::Generations::starting(in_force, written);
+    }
+
+    /// What the acceptance transaction that moves the checkpoint to `checkpoint` keeps with
+    /// it (empty when the run numbered nothing and the policy generation is unchanged). Taken
+    /// once per checkpoint, just before its transaction; a run whose acceptance fails ends.
+    pub fn numbered_through(&mut self, checkpoint: Lsn) -> NumberedThrough {
+        NumberedThrough {
+            versions: self.numbering.checkpoint(checkpoint),
+            policy_generation: self.generations.checkpoint(checkpoint),
+        }
+    }
+
+    /// Whether the core knows what it needs to take `ev` in: the head of its aggregate, or,
+    /// for a row written without a version, its aggregate's numbering.
     pub fn knows_aggregate_of(&self, ev: &OutboxEvent) -> bool {
-        self.gate.is_known(&key_of(ev))
+        if ev.version_by_relay {
+            self.numbering.knows(&key_of(ev))
+        } else {
+            self.gate.is_known(&key_of(ev))
+        }
     }
 
     /// Every aggregate the gate knows (after reconciliation at start: whose heads to read).

@@ -36,6 +36,8 @@ pub enum Staged {
     /// commit LSN its stream position (`outbox_core::receipt::StreamPosition`).
     Row(Box<Result<OutboxEvent, String>>, Lsn),
     Commit(Lsn),
+    /// A route policy generation of the open transaction (migration 0038).
+    PolicyGeneration(i64),
     Keepalive {
         wal_end: Lsn,
         reply_requested: bool,
@@ -78,7 +80,7 @@ impl Stage {
     }
 
     /// The staged events (whose aggregates to look up).
-    pub fn events(&self) -> impl Iterator<Item = &OutboxEvent> {
+    pub fn events(&self) -> impl Iterator<Item = &OutboxEvent> + Clone {
         self.messages.iter().filter_map(|m| match m {
             Staged::Row(row, _) => row.as_ref().as_ref().ok(),
             _ => None,

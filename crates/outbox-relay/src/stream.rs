@@ -14,6 +14,7 @@
 //! and a transaction's end LSN is known only at its Commit: so the tracker's watermark can
 //! never pass a transaction whose events the relay has not all seen.
 
+use outbox_core::numbering::Number;
 use outbox_core::{AckTracker, Lsn, OutboxEvent, TxnSeq};
 
 use crate::pipeline::{Command, CoreError, Now, PipelineCore};
@@ -72,6 +73,19 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             commit_lsn,
             rows,
         } = *txn;
+        let mut row = row;
+        if let Ok(ev) = &mut row {
+            if ev.version_by_relay {
+                // Written without a version: the next of its aggregate, in commit order.
+                match self
+                    .numbering
+                    .number(&crate::pipeline::key_of(ev), commit_lsn)
+                {
+                    Number::Version(v) => ev.aggregate_version = v,
+                    Number::NeedHead => return Err(CoreError::NeedHead),
+                }
+            }
+        }
         let ack = self.tracker.add_event(seq)?;
         match row {
             Ok(ev) => self.admit(ev, Some(commit_lsn), Some(change_lsn), Some(ack), now),
@@ -85,6 +99,16 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 Ok(Vec::new())
             }
         }
+    }
+
+    /// A route policy generation (migration 0038) in the open transaction: in force for the
+    /// rows committed after it, so at every checkpoint past this transaction's commit.
+    pub fn on_policy_generation(&mut self, id: i64) -> Result<(), CoreError> {
+        let txn = self.txn.as_ref().ok_or(CoreError::Protocol(
+            "a policy generation outside a transaction",
+        ))?;
+        self.generations.note(txn.commit_lsn, id);
+        Ok(())
     }
 
     /// A decoded Commit: the transaction's end LSN, which the checkpoint may pass once all of
@@ -213,5 +237,107 @@ mod tests {
         c.checkpoint_committed(Lsn(40));
         assert_eq!(c.standby_status().flush, Lsn(40));
         assert!(c.take_batch(true).unwrap().is_none(), "nothing past it");
+    }
+
+    /// A row written without a version (`version_by_relay`, version 0 as decoded).
+    fn plain(aggregate: &str) -> OutboxEvent {
+        OutboxEvent {
+            version_by_relay: true,
+            ..event(aggregate, 0)
+        }
+    }
+
+    fn versions_sent(cmds: &[crate::pipeline::Command]) -> Vec<(String, i64)> {
+        cmds.iter()
+            .map(|crate::pipeline::Command::Send { event, .. }| {
+                (event.aggregate_id.clone(), event.aggregate_version)
+            })
+            .collect()
+    }
+
+    /// The writer's plain INSERT (docs/versions_by_relay.md): rows without a version wait for
+    /// their aggregate's numbering (the driver stages them), then take the next versions in
+    /// stream order, from what the checkpoint kept; the acceptance that moves the checkpoint
+    /// keeps, per aggregate, the version of its last row committed before it, and the route
+    /// policy generation in force there.
+    #[test]
+    fn rows_without_a_version_are_numbered_in_stream_order_from_what_the_checkpoint_kept() {
+        let mut c = core();
+        c.start_generations(Some(1), Some(1));
+        let (a, b) = (
+            ("order".to_string(), "a".to_string()),
+            ("order".to_string(), "b".to_string()),
+        );
+        assert!(
+            !c.knows_aggregate_of(&plain("a")),
+            "staged until its numbering is read"
+        );
+        assert_eq!(
+            c.unnumbered_aggregates(&[plain("a"), plain("b"), plain("a"), event("c", 1)]),
+            vec![a.clone(), b.clone()],
+            "each once; a versioned row needs a head, not a numbering"
+        );
+        c.on_begin(Lsn(20)).unwrap();
+        assert!(matches!(
+            c.on_row(Ok(plain("a")), Lsn(11), now(0)),
+            Err(CoreError::NeedHead)
+        ));
+        c.seed_numbering(vec![(a.clone(), 4), (b.clone(), 0)]);
+        assert!(c.knows_aggregate_of(&plain("a")));
+        let first = c.on_row(Ok(plain("a")), Lsn(11), now(0)).unwrap();
+        let queued = c.on_row(Ok(plain("a")), Lsn(12), now(0)).unwrap();
+        let other = c.on_row(Ok(plain("b")), Lsn(13), now(0)).unwrap();
+        c.on_commit(Lsn(21)).unwrap();
+        assert_eq!(
+            versions_sent(&first),
+            [("a".to_string(), 5)],
+            "after the 4 kept"
+        );
+        assert!(queued.is_empty(), "version 6 waits behind 5");
+        assert_eq!(versions_sent(&other), [("b".to_string(), 1)]);
+        c.on_begin(Lsn(30)).unwrap();
+        c.on_policy_generation(2).unwrap();
+        c.on_row(Ok(plain("b")), Lsn(22), now(0)).unwrap();
+        c.on_commit(Lsn(31)).unwrap();
+
+        // A checkpoint between the two transactions keeps the first's last versions, and
+        // the generation still in force there (unchanged: nothing to write).
+        let mut through = c.numbered_through(Lsn(21));
+        through.versions.sort();
+        assert_eq!(
+            through,
+            crate::pipeline::NumberedThrough {
+                versions: vec![(a.clone(), 6), (b.clone(), 1)],
+                policy_generation: None,
+            }
+        );
+        assert_eq!(
+            c.numbered_through(Lsn(31)),
+            crate::pipeline::NumberedThrough {
+                versions: vec![(b, 2)],
+                policy_generation: Some(2),
+            }
+        );
+        assert!(c.numbered_through(Lsn(40)).is_empty());
+    }
+
+    /// A row without a version read outside the stream (a snapshot, a poll round, a release)
+    /// has no commit order to be numbered by: quarantined with the reason, its aggregate
+    /// held, never published as version 0.
+    #[test]
+    fn a_row_without_a_version_read_outside_the_stream_is_quarantined() {
+        let mut c = core();
+        let cmds = c.admit(plain("a"), None, None, None, now(0)).unwrap();
+        assert!(cmds.is_empty(), "nothing sent");
+        let (items, _) = c.take_batch(false).unwrap().unwrap();
+        let codes: Vec<&str> = items
+            .iter()
+            .filter_map(|i| match i {
+                LedgerItem::Quarantine(q) => Some(q.reason_code.as_str()),
+                LedgerItem::Hold(h) => Some(h.reason_code.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert!(codes.contains(&"unnumbered_row"), "{items:?}");
     }
 }

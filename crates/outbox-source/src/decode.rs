@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 
 use bytes::Bytes;
-use outbox_core::route::RouteVersion;
+use outbox_core::route::{policy_rules_from_json, PolicyGeneration, RouteVersion};
 #[cfg(test)]
 use outbox_core::{route::ROUTE_VERSION_COLUMNS, EVENT_COLUMNS};
 use outbox_core::{Lsn, OutboxEvent, RouteVersions, RowError};
@@ -39,6 +39,9 @@ pub enum Decoded {
     /// The transaction ended; `end_lsn` is the position to confirm once all its events are
     /// resolved.
     Commit { commit_lsn: Lsn, end_lsn: Lsn },
+    /// A route policy generation (migration 0038): the decoder routes the rows after it that
+    /// were written without a route by it; the relay core keeps it with its checkpoint.
+    PolicyGeneration(i64),
     /// Anything the relay has no use for (relation/type announcements, other tables,
     /// logical messages such as our own heartbeats).
     Nothing,
@@ -58,10 +61,18 @@ pub struct Decoder {
     /// Column name -> index, for `outbox.route_versions`' current relation id.
     version_columns: HashMap<u32, Columns>,
     versions: RouteVersions,
+    /// Column name -> index, for `outbox.policy_generations`' current relation id.
+    policy_columns: HashMap<u32, Columns>,
+    /// The route policy generation in force at the stream's position: seeded at start
+    /// ([`Decoder::know_policy`]), then each one the stream delivers.
+    policy: Option<PolicyGeneration>,
 }
 
 /// The table whose inserts are route versions.
 const ROUTE_VERSIONS: (&str, &str) = ("outbox", "route_versions");
+
+/// The table whose inserts are route policy generations.
+const POLICY_GENERATIONS: (&str, &str) = ("outbox", "policy_generations");
 
 impl Decoder {
     /// Decodes inserts into `schema.table`.
@@ -73,7 +84,21 @@ impl Decoder {
             outbox_columns: HashMap::new(),
             version_columns: HashMap::new(),
             versions: RouteVersions::new(),
+            policy_columns: HashMap::new(),
+            policy: None,
         }
+    }
+
+    /// The route policy generation in force where the stream starts (the one kept with the
+    /// checkpoint, or the newest): rows written without a route are routed by it until the
+    /// stream delivers the next.
+    pub fn know_policy(&mut self, generation: PolicyGeneration) {
+        self.policy = Some(generation);
+    }
+
+    /// The route policy generation in force at the position decoded last.
+    pub fn policy(&self) -> Option<&PolicyGeneration> {
+        self.policy.as_ref()
     }
 
     /// Adds route versions read from `outbox.route_versions` (at start, before streaming).
@@ -109,10 +134,13 @@ impl Decoder {
                 };
                 self.outbox_columns.remove(&r.id);
                 self.version_columns.remove(&r.id);
+                self.policy_columns.remove(&r.id);
                 if r.namespace == self.schema && r.name == self.table {
                     self.outbox_columns.insert(r.id, cols());
                 } else if (r.namespace.as_str(), r.name.as_str()) == ROUTE_VERSIONS {
                     self.version_columns.insert(r.id, cols());
+                } else if (r.namespace.as_str(), r.name.as_str()) == POLICY_GENERATIONS {
+                    self.policy_columns.insert(r.id, cols());
                 }
                 self.relations.insert(r.id, r);
                 Decoded::Nothing
@@ -122,6 +150,12 @@ impl Decoder {
                     let (id, version) = route_version_of(cols, &ins.new.columns)?;
                     self.versions.insert(id, version);
                     return Ok(Decoded::Nothing);
+                }
+                if let Some(cols) = self.policy_columns.get(&ins.relation_id) {
+                    let generation = policy_generation_of(cols, &ins.new.columns)?;
+                    let id = generation.id;
+                    self.policy = Some(generation);
+                    return Ok(Decoded::PolicyGeneration(id));
                 }
                 let Some(cols) = self.outbox_columns.get(&ins.relation_id) else {
                     if !self.relations.contains_key(&ins.relation_id) {
@@ -168,6 +202,7 @@ impl Decoder {
                     get,
                     payload,
                     &self.versions,
+                    self.policy.as_ref(),
                 )))
             }
             LogicalMessage::Origin(_)
@@ -218,6 +253,34 @@ fn route_version_of(
             acks: text("acks")?,
         },
     ))
+}
+
+/// A streamed row of `outbox.policy_generations`. Malformed is a protocol error, as for a
+/// route version: its rows are written by migration 0038's trigger only, and a generation
+/// the relay cannot read must not be guessed at.
+fn policy_generation_of(
+    cols: &Columns,
+    values: &[ColumnValue],
+) -> Result<PolicyGeneration, SourceError> {
+    let text = |name: &str| -> Result<&str, SourceError> {
+        cols.get(name)
+            .and_then(|i| values.get(*i))
+            .and_then(ColumnValue::as_text)
+            .ok_or_else(|| {
+                SourceError::Protocol(format!(
+                    "a row of outbox.policy_generations without a text {name} column"
+                ))
+            })
+    };
+    let id = text("generation_id")?;
+    let id: i64 = id.parse().map_err(|_| {
+        SourceError::Protocol(format!(
+            "outbox.policy_generations.generation_id {id:?} is not an integer"
+        ))
+    })?;
+    let rules = policy_rules_from_json(text("rules")?)
+        .map_err(|e| SourceError::Protocol(format!("outbox.policy_generations row {id}: {e}")))?;
+    Ok(PolicyGeneration { id, rules })
 }
 
 #[cfg(test)]
@@ -340,5 +403,96 @@ mod tests {
             .decode(relation(1, "outbox", "events", &events_columns()))
             .unwrap();
         assert_eq!(event(seeded.decode(narrow_row("7")).unwrap()).unwrap(), ev);
+    }
+
+    /// The writer's plain INSERT (docs/versions_by_relay.md): a row without a version or a
+    /// route is marked for the relay's numbering and routed by the policy generation in force
+    /// at its position: none known is an error naming the column, never a guess; a streamed
+    /// generation replaces the seeded one for the rows after it.
+    #[test]
+    fn a_plain_row_is_routed_by_the_policy_generation_in_force() {
+        let plain = || {
+            let values: Vec<Option<&str>> = events_columns()
+                .iter()
+                .map(|c| match *c {
+                    "event_id" => Some("01a24513-7b9b-710d-9f45-3e95dea81d26"),
+                    "envelope_generation" => Some("1"),
+                    "aggregate_type" => Some("order"),
+                    "aggregate_id" => Some("o-1"),
+                    "event_type" => Some("placed"),
+                    "payload" => Some("{}"),
+                    "occurred_at" => Some("2026-12-05 07:00:00+00"),
+                    _ => None,
+                })
+                .collect();
+            insert(1, &values)
+        };
+        let version = |id: &'static str, topic: &'static str| {
+            insert(
+                2,
+                &[
+                    Some(id),
+                    Some("kafka"),
+                    Some("default"),
+                    Some(topic),
+                    Some("murmur2_random"),
+                    Some("1"),
+                    Some("json"),
+                    Some("all"),
+                ],
+            )
+        };
+        let mut d = Decoder::new("outbox", "events");
+        d.decode(relation(1, "outbox", "events", &events_columns()))
+            .unwrap();
+        d.decode(relation(
+            2,
+            "outbox",
+            "route_versions",
+            ROUTE_VERSION_COLUMNS,
+        ))
+        .unwrap();
+        d.decode(relation(
+            3,
+            "outbox",
+            "policy_generations",
+            &["generation_id", "rules", "created_at"],
+        ))
+        .unwrap();
+        let err = event(d.decode(plain()).unwrap()).unwrap_err();
+        assert_eq!(err.column, "route_version", "{err}");
+
+        d.decode(version("0", "outbox.event.{aggregate_type}"))
+            .unwrap();
+        d.decode(version("5", "orders.{aggregate_id}")).unwrap();
+        d.know_policy(PolicyGeneration {
+            id: 1,
+            rules: Vec::new(),
+        });
+        let ev = event(d.decode(plain()).unwrap()).unwrap();
+        assert_eq!(
+            (ev.version_by_relay, ev.aggregate_version),
+            (true, 0),
+            "numbered by the relay core, not here"
+        );
+        assert_eq!(
+            ev.destination.topic, "outbox.event.order",
+            "no rule: the default"
+        );
+
+        let rules = r#"[{"aggregate_type": "order", "event_type": null, "priority": 0,
+                          "generation": 9, "route_version": 5}]"#;
+        assert_eq!(
+            d.decode(insert(3, &[Some("2"), Some(rules), Some("2026-12-05")]))
+                .unwrap(),
+            Decoded::PolicyGeneration(2)
+        );
+        let ev = event(d.decode(plain()).unwrap()).unwrap();
+        assert_eq!(
+            ev.destination.topic, "orders.o-1",
+            "the streamed generation"
+        );
+        assert_eq!(ev.destination_digest, ev.destination.digest());
+        assert_eq!(d.policy().map(|p| p.id), Some(2));
     }
 }

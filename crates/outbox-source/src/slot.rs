@@ -394,40 +394,88 @@ pub async fn ensure_shard_publication(
     }
 }
 
-/// Adds `outbox.route_versions` to the publication when it is missing (migration 0031): a
-/// narrow row names the route version its destination is frozen to, and the relay learns the
-/// versions made after its start from the stream. Nothing to do on a database that predates
-/// the table.
+/// Adds `outbox.route_versions` (migration 0031) and `outbox.policy_generations` (0038) to
+/// the publication when they are missing: a narrow row names the route version its
+/// destination is frozen to, a row written without a route is routed by the policy
+/// generation in force at its commit, and the relay learns both from the stream after its
+/// start. Nothing to do for a table the database predates.
 async fn publish_route_versions(client: &Client, publication: &str) -> Result<(), SourceError> {
-    let row = client
-        .query_one(
-            "SELECT to_regclass('outbox.route_versions') IS NOT NULL,
-                    EXISTS (SELECT 1 FROM pg_publication_tables
-                            WHERE pubname = $1 AND schemaname = 'outbox'
-                              AND tablename = 'route_versions')",
-            &[&publication],
-        )
-        .await
-        .map_err(|e| {
+    for (table, why) in [
+        (
+            "route_versions",
+            "the relay learns new route versions from it",
+        ),
+        (
+            "policy_generations",
+            "the relay routes rows written without a route by the policy in force at their commit",
+        ),
+    ] {
+        let row = client
+            .query_one(
+                "SELECT to_regclass('outbox.' || $2) IS NOT NULL,
+                        EXISTS (SELECT 1 FROM pg_publication_tables
+                                WHERE pubname = $1 AND schemaname = 'outbox'
+                                  AND tablename = $2)",
+                &[&publication, &table],
+            )
+            .await
+            .map_err(|e| {
+                db_err(
+                    format!("reading whether the publication carries outbox.{table}"),
+                    e,
+                )
+            })?;
+        let (exists, published): (bool, bool) = (row.get(0), row.get(1));
+        if !exists || published {
+            continue;
+        }
+        let sql = format!(
+            "ALTER PUBLICATION {} ADD TABLE outbox.{table}",
+            quote_ident(publication)
+        );
+        client.batch_execute(&sql).await.map_err(|e| {
             db_err(
-                "reading whether the publication carries outbox.route_versions",
+                format!("adding outbox.{table} to publication {publication} ({why}; run as the publication's owner: {sql})"),
                 e,
             )
         })?;
-    let (exists, published): (bool, bool) = (row.get(0), row.get(1));
-    if !exists || published {
-        return Ok(());
     }
-    let sql = format!(
-        "ALTER PUBLICATION {} ADD TABLE outbox.route_versions",
-        quote_ident(publication)
-    );
-    client.batch_execute(&sql).await.map_err(|e| {
-        db_err(
-            format!("adding outbox.route_versions to publication {publication} (the relay learns new route versions from it; run as the publication's owner: {sql})"),
-            e,
+    Ok(())
+}
+
+/// The route policy generation `id` (migration 0038), or the newest when `id` is `None`;
+/// `None` on a database that predates the table.
+pub async fn policy_generation(
+    client: &impl tokio_postgres::GenericClient,
+    id: Option<i64>,
+) -> Result<Option<outbox_core::route::PolicyGeneration>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT generation_id, rules::text FROM outbox.policy_generations
+             WHERE $1::int8 IS NULL OR generation_id = $1
+             ORDER BY generation_id DESC LIMIT 1",
+            &[&id],
         )
-    })
+        .await;
+    let row = match row {
+        Ok(row) => row,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
+            return Ok(None)
+        }
+        Err(e) => return Err(db_err("reading outbox.policy_generations", e)),
+    };
+    let Some(row) = row else {
+        return match id {
+            Some(id) => Err(SourceError::Protocol(format!(
+                "policy generation {id}, kept with the checkpoint, is not in outbox.policy_generations (its rows are never deleted: was the table restored from elsewhere?)"
+            ))),
+            None => Ok(None),
+        };
+    };
+    let id: i64 = row.get(0);
+    let rules = outbox_core::route::policy_rules_from_json(row.get(1))
+        .map_err(|e| SourceError::Protocol(format!("outbox.policy_generations row {id}: {e}")))?;
+    Ok(Some(outbox_core::route::PolicyGeneration { id, rules }))
 }
 
 /// Every route version (`outbox.route_versions`, migration 0031), read once at start; the

@@ -66,6 +66,8 @@ pub fn event_from_row(row: &Row) -> Result<OutboxEvent, RowError> {
         None,
         // The view renders a narrow row's destination (migration 0031).
         &RouteVersions::new(),
+        // A row written without a route is routed from the stream only.
+        None,
     )
 }
 

@@ -2023,6 +2023,10 @@ impl World {
                 .core
                 .on_commit(lsn)
                 .map_err(|_| End::Error("relay core: commit"))?,
+            Staged::PolicyGeneration(id) => self.relays[i]
+                .core
+                .on_policy_generation(id)
+                .map_err(|_| End::Error("relay core: policy generation"))?,
             Staged::Keepalive { wal_end, .. } => self.relays[i].core.on_keepalive(wal_end),
         }
         Ok(())

@@ -532,6 +532,14 @@ async fn run_once(
     // After the publication took outbox.route_versions in (ensure_shard_publication above):
     // a version made before that is read here, one made after arrives in the stream.
     decoder.know_route_versions(slot::route_versions(&sql).await?);
+    // The route policy generation in force at the checkpoint (kept with it), or the newest
+    // when the checkpoint has none yet: rows written without a route are routed by it until
+    // the stream delivers the next (docs/versions_by_relay.md).
+    let kept = outbox_ledger::numbering::policy_generation(&sql, &cfg.slot).await?;
+    if let Some(generation) = slot::policy_generation(&sql, kept).await? {
+        pipeline.core.start_generations(Some(generation.id), kept);
+        decoder.know_policy(generation);
+    }
     let mut stage = Stage::default();
     pipeline.core.start_streaming(start);
     // When the loop does what is decided by the core's schedule; time is measured from here.
@@ -593,6 +601,7 @@ async fn run_once(
                                     Some(Staged::Row(Box::new((*res).map_err(|e| e.to_string())), Lsn(wal_start)))
                                 }
                                 Decoded::Commit { end_lsn, .. } => Some(Staged::Commit(end_lsn)),
+                                Decoded::PolicyGeneration(id) => Some(Staged::PolicyGeneration(id)),
                                 Decoded::Nothing => None,
                             }
                         }

@@ -118,6 +118,24 @@ pub(crate) async fn unclear_due(core: &PipelineCore) {
     }
 }
 
+/// One acceptance transaction, keeping `numbered` with the checkpoint when there is any.
+async fn accept_with_numbering(
+    client: &mut Client,
+    prepared: &mut accept::Prepared,
+    slot: &str,
+    items: &[LedgerItem],
+    checkpoint: Option<Lsn>,
+    fence: Option<&Fence>,
+    numbered: Option<&outbox_ledger::numbering::Numbered>,
+) -> Result<AcceptOutcome, outbox_ledger::LedgerError> {
+    match (checkpoint, numbered) {
+        (Some(c), Some(n)) => {
+            accept::accept_numbered_batch(client, prepared, slot, items, c, fence, n).await
+        }
+        _ => accept::accept_batch_prepared(client, prepared, slot, items, checkpoint, fence).await,
+    }
+}
+
 pub(crate) type AcceptDone = (
     (Client, accept::Prepared),
     Vec<LedgerItem>,
@@ -236,11 +254,28 @@ impl Pipeline {
     /// `stream`: the events come from the replication stream, where every later version of an
     /// aggregate follows the one met first, so only what is below it needs reading
     /// ([`holds::heads_of`]); a snapshot, which skips published rows, reads whole heads.
+    ///
+    /// From the stream, rows written without a version need their aggregates' numbering
+    /// instead: what the checkpoint kept for them (`outbox.stream_versions`), read in one
+    /// query too.
     pub async fn learn_heads<'a>(
         &mut self,
-        events: impl IntoIterator<Item = &'a OutboxEvent>,
+        events: impl IntoIterator<Item = &'a OutboxEvent> + Clone,
         stream: bool,
     ) -> Result<(), RelayError> {
+        if stream {
+            let keys = self.core.unnumbered_aggregates(events.clone());
+            if !keys.is_empty() {
+                let versions =
+                    outbox_ledger::numbering::versions_of(&self.client, &self.slot, &keys).await?;
+                tracing::debug!(
+                    aggregates = keys.len(),
+                    "numbering read for aggregates of rows written without a version"
+                );
+                self.core
+                    .seed_numbering(keys.into_iter().zip(versions).collect());
+            }
+        }
         let (keys, met): (Vec<AggKey>, Vec<i64>) =
             self.core.unknown_aggregates(events).into_iter().unzip();
         if !keys.is_empty() {
@@ -279,6 +314,7 @@ impl Pipeline {
             Staged::Begin(lsn) => self.core.on_begin(lsn)?,
             Staged::Row(row, change_lsn) => self.on_row(*row, change_lsn).await?,
             Staged::Commit(lsn) => self.core.on_commit(lsn)?,
+            Staged::PolicyGeneration(id) => self.core.on_policy_generation(id)?,
             Staged::Keepalive {
                 wal_end,
                 reply_requested,
@@ -677,6 +713,20 @@ impl Pipeline {
         Ok(taken)
     }
 
+    /// What the acceptance that moves the checkpoint to `checkpoint` keeps with it for rows
+    /// written without a version or route ([`PipelineCore::numbered_through`]); `None` when
+    /// there is nothing (the common case: the plain acceptance).
+    fn numbered_through(
+        &mut self,
+        checkpoint: Option<Lsn>,
+    ) -> Option<outbox_ledger::numbering::Numbered> {
+        let n = self.core.numbered_through(checkpoint?);
+        (!n.is_empty()).then(|| outbox_ledger::numbering::Numbered {
+            versions: n.versions,
+            policy_generation: n.policy_generation,
+        })
+    }
+
     /// After a committed acceptance transaction: failpoint, checkpoint, counters.
     fn accepted(
         &mut self,
@@ -709,12 +759,16 @@ impl Pipeline {
         let Some((items, checkpoint)) = self.take_batch(track)? else {
             return Ok(AcceptOutcome::default());
         };
-        match accept::accept_batch(
+        let numbered = self.numbered_through(checkpoint);
+        let mut prepared = accept::Prepared::default();
+        match accept_with_numbering(
             &mut self.client,
+            &mut prepared,
             &self.slot,
             &items,
             checkpoint,
             Some(&self.fence),
+            numbered.as_ref(),
         )
         .await
         {
@@ -745,14 +799,16 @@ impl Pipeline {
             return Ok(());
         };
         let (slot, fence) = (self.slot.clone(), self.fence.clone());
+        let numbered = self.numbered_through(checkpoint);
         let task = tokio::spawn(async move {
-            let r = accept::accept_batch_prepared(
+            let r = accept_with_numbering(
                 &mut client,
                 &mut prepared,
                 &slot,
                 &items,
                 checkpoint,
                 Some(&fence),
+                numbered.as_ref(),
             )
             .await;
             ((client, prepared), items, r)
