@@ -55,6 +55,8 @@ pub(crate) mod migration;
 pub(crate) mod observability;
 #[path = "e2e/ordering.rs"]
 pub(crate) mod ordering;
+#[path = "e2e/plain_insert.rs"]
+pub(crate) mod plain_insert;
 #[path = "e2e/purge.rs"]
 pub(crate) mod purge;
 #[path = "e2e/receipts.rs"]

@@ -46,6 +46,7 @@ pub(crate) mod migration;
 pub(crate) mod nats_nkey;
 pub(crate) mod observability;
 pub(crate) mod ordering;
+pub(crate) mod plain_insert;
 pub(crate) mod poll_mode;
 pub(crate) mod purge;
 pub(crate) mod real_kafka;

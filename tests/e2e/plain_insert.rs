@@ -1,0 +1,135 @@
+//! The writer's plain INSERT (issue 27, docs/versions_by_relay.md): rows written without an
+//! aggregate version or a route, numbered and routed by the relay from the stream.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::harness::TestEnv;
+
+/// Inserts one event of `aggregate_id` the plain way, in its own committed transaction.
+async fn insert_plain(env: &TestEnv, aggregate_id: &str, n: i64) -> uuid::Uuid {
+    env.db
+        .query_one(
+            "INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, $2, 'test.happened', jsonb_build_object('n', $3::int8))
+             RETURNING event_id",
+            &[&env.aggregate_type, &aggregate_id, &n],
+        )
+        .await
+        .expect("plain insert")
+        .get(0)
+}
+
+cdc_only! {
+    "CDC only: poll mode refuses rows written without a version (poll_mode::a_poll_relay_refuses_an_outbox_that_allows_rows_without_a_version)";
+
+    /// Rows written by a plain INSERT get versions 1, 2, 3... per aggregate in commit order,
+    /// across a relay killed after a broker ACK and before its acceptance: the restart streams
+    /// the overlap again from the checkpoint and numbers it again from what that checkpoint
+    /// kept, so every copy on the broker carries its receipt's version. A route change made
+    /// while the relay is down routes the rows written after it, and only those (the policy
+    /// generation the stream delivers at its position). Counted: receipts whose versions are
+    /// not 1..n in commit order, and copies whose version differs from their receipt's; both
+    /// must be 0 (a relay that does not keep its numbering with the checkpoint numbers the
+    /// overlap from 0 again and fails both).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plain_inserts_are_numbered_in_commit_order_and_renumbered_alike_after_a_crash() {
+        let env = TestEnv::new("plain_insert").await;
+        env.db
+            .batch_execute("ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL")
+            .await
+            .expect("allow rows without a version");
+        let rerouted = format!("{}.rerouted", env.topic);
+        env.kafka.create_topic(&rerouted, 3).expect("create topic");
+        let aggregates = ["a0", "a1", "a2", "a3"];
+        // Per aggregate, its events in commit order (one transaction each, one writer).
+        let mut written: HashMap<&str, Vec<uuid::Uuid>> = HashMap::new();
+        let mut routed_later = Vec::new();
+        // The next `count` events to write: (aggregate, sequence number), round robin.
+        let mut n = 0;
+        let mut next = |count: usize| -> Vec<(&str, i64)> {
+            (0..count)
+                .map(|_| {
+                    n += 1;
+                    (aggregates[(n - 1) % aggregates.len()], n as i64)
+                })
+                .collect()
+        };
+
+        let mut relay = env.relay(&[("OUTBOXD_FAILPOINTS", "after-broker-ack=abort@25")], &[]);
+        env.wait_streaming().await;
+        for (agg, i) in next(40) {
+            written.entry(agg).or_default().push(insert_plain(&env, agg, i).await);
+        }
+        let status = relay.wait_exit(Duration::from_secs(60)).await;
+        assert!(!status.success(), "the failpoint aborts the relay");
+
+        // While it is down: more rows, a route change, more rows.
+        for (agg, i) in next(10) {
+            written.entry(agg).or_default().push(insert_plain(&env, agg, i).await);
+        }
+        env.route_to(&rerouted).await;
+        for (agg, i) in next(10) {
+            let id = insert_plain(&env, agg, i).await;
+            written.entry(agg).or_default().push(id);
+            routed_later.push(id);
+        }
+
+        let _relay = env.restart_until_receipts(60).await;
+        let receipts: HashMap<uuid::Uuid, (i64, String)> = env
+            .db
+            .query(
+                "SELECT event_id, aggregate_version, topic FROM outbox.receipts",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), (r.get(1), r.get(2))))
+            .collect();
+        let mut not_in_commit_order = Vec::new();
+        for (agg, ids) in &written {
+            for (k, id) in ids.iter().enumerate() {
+                let version = receipts.get(id).map(|r| r.0);
+                if version != Some(k as i64 + 1) {
+                    not_in_commit_order.push(format!("{agg} #{}: {id} has {version:?}", k + 1));
+                }
+            }
+        }
+        assert_eq!(not_in_commit_order, Vec::<String>::new(), "receipts not 1..n in commit order");
+
+        let mut messages = env.read_topic().await;
+        let first_topic = messages.len();
+        messages.extend(env.read_topic_of(&rerouted).await);
+        assert!(messages.len() > 60, "the crash left copies to replay: {} messages", messages.len());
+        let mut version_differs = Vec::new();
+        for (k, m) in messages.iter().enumerate() {
+            let id: uuid::Uuid = m.id().parse().expect("an event id header");
+            let (version, topic) = &receipts[&id];
+            if m.headers.get("aggregate_version") != Some(&version.to_string()) {
+                version_differs.push(format!(
+                    "{id} at {}@{}: header {:?}, receipt {version}",
+                    m.partition,
+                    m.offset,
+                    m.headers.get("aggregate_version")
+                ));
+            }
+            let expected = if routed_later.contains(&id) { &rerouted } else { &env.topic };
+            assert_eq!(topic, expected, "{id}: routed by the policy in force at its commit");
+            assert_eq!(k >= first_topic, topic == &rerouted, "{id}: read from its own topic");
+        }
+        assert_eq!(version_differs, Vec::<String>::new(), "copies whose version is not their receipt's");
+        env.wait_count(
+            "the numbering kept with the checkpoint past the last row",
+            &format!(
+                "SELECT count(*) FROM outbox.stream_versions
+                 WHERE slot_name = '{}' AND version = 15",
+                env.slot
+            ),
+            4,
+        )
+        .await;
+
+        assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
+    }
+}
