@@ -229,3 +229,38 @@ async fn check_passes_poll_mode_where_cdc_mode_fails_on_wal_level() {
     assert!(ok && out.contains("poll: no slot"), "{out}");
     assert!(!out.contains("FAIL"), "{out}");
 }
+
+/// Poll mode finds pending rows through the version table, so a row written by a plain INSERT
+/// (no version, docs/versions_by_relay.md) would never be found. A poll relay refuses an
+/// outbox that allows such rows, with the fix, at start and when the outbox is changed under
+/// it; the rows written meanwhile stay for a CDC relay, never skipped as published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_relay_refuses_an_outbox_that_allows_rows_without_a_version() {
+    let env = TestEnv::new_on(replica_only_cluster(), "poll_plain_refused").await;
+    let allow = |yes: bool| {
+        format!(
+            "ALTER TABLE outbox.events ALTER COLUMN aggregate_version {} NOT NULL",
+            if yes { "DROP" } else { "SET" }
+        )
+    };
+    env.db.batch_execute(&allow(true)).await.unwrap();
+    let mut refused = env.relay(&[], &POLL);
+    let status = refused.wait_exit(Duration::from_secs(60)).await;
+    assert!(!status.success(), "refused at start");
+    let log = refused.log_text();
+    assert!(
+        log.contains("poll mode cannot find or order") && log.contains("--mode cdc"),
+        "names the cause and the fix: {log}"
+    );
+
+    env.db.batch_execute(&allow(false)).await.unwrap();
+    let mut relay = env.relay(&[], &POLL);
+    env.wait_ready(&relay).await;
+    env.enqueue("p-1", json!({"v": 1})).await;
+    env.wait_count("the receipt", "SELECT count(*) FROM outbox.receipts", 1)
+        .await;
+    env.db.batch_execute(&allow(true)).await.unwrap();
+    let status = relay.wait_exit(Duration::from_secs(60)).await;
+    assert!(!status.success(), "refused once the outbox allows them");
+    assert!(relay.log_text().contains("poll mode cannot find or order"));
+}

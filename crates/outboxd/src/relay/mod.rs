@@ -113,6 +113,9 @@ pub enum RelayError {
     StreamEnded,
     #[error("internal error: {0}")]
     Internal(String),
+    /// What this relay cannot serve as configured; the message names the fix.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl RelayError {

@@ -34,6 +34,33 @@ use crate::config::RelayConfig;
 const ROUND_LIMIT: i64 = 10_000;
 
 /// One poll-mode run, while this relay holds the lease.
+/// Poll mode finds pending rows through `outbox.aggregate_versions`, in version order: a row
+/// written by a plain INSERT (no version: docs/versions_by_relay.md) would never be found, so
+/// an outbox that allows them is refused, at start and while the relay runs, never served
+/// with those rows silently left behind.
+async fn refuse_rows_without_versions(sql: &tokio_postgres::Client) -> Result<(), RelayError> {
+    let allowed: bool = sql
+        .query_one(
+            "SELECT NOT attnotnull FROM pg_attribute
+             WHERE attrelid = 'outbox.events'::regclass AND attname = 'aggregate_version'",
+            &[],
+        )
+        .await
+        .map_err(|source| {
+            RelayError::Ledger(outbox_ledger::LedgerError::Db {
+                context: "reading whether outbox.events allows rows without a version".into(),
+                source,
+            })
+        })?
+        .get(0);
+    if allowed {
+        return Err(RelayError::Unsupported(
+            "outbox.events allows rows without an aggregate version (the writer's plain INSERT), which poll mode cannot find or order: only the replication stream numbers them, in commit order. Run the relay with --mode cdc, or, if no writer inserts plainly, ALTER TABLE outbox.events ALTER COLUMN aggregate_version SET NOT NULL".into(),
+        ));
+    }
+    Ok(())
+}
+
 pub(super) async fn run_once(
     cfg: &RelayConfig,
     progress: &Arc<Progress>,
@@ -51,6 +78,7 @@ pub(super) async fn run_once(
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_sql(url).await?;
     let mut sql = connect_sql(url).await?;
+    refuse_rows_without_versions(&sql).await?;
     // Pending events are found through outbox.aggregate_versions: it must be whole.
     restore_versions(&sql, true).await?;
     // As the relay must publish them now: with their latest destination migration.
@@ -87,6 +115,7 @@ pub(super) async fn run_once(
             .await?;
             super::still_leased(cfg, &pipeline, &lease_state, fence)?;
             if last_releases.elapsed() >= RELEASE_POLL {
+                refuse_rows_without_versions(&sql).await?;
                 super::releases_and_unknown(
                     cfg,
                     &sql,
