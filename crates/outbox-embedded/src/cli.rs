@@ -174,6 +174,14 @@ pub struct BenchArgs {
     /// ~/.cache/outboxd). Ignored with --bootstrap-servers.
     #[arg(long, value_enum, default_value_t = BenchBroker::Embedded)]
     pub broker: BenchBroker,
+    /// How outboxd's writers write an event (backlog, steady phase, kill loop). `enqueue`:
+    /// `outbox.enqueue`, which gives the version and the route in the writer's transaction.
+    /// `plain`: a plain INSERT of four columns into `outbox.events`, whose version and route
+    /// the relay gives from the stream (docs/versions_by_relay.md); the bench's databases then
+    /// allow rows without a version. The poll baseline always enqueues (poll mode cannot
+    /// serve plain rows).
+    #[arg(long, value_enum, default_value_t = BenchWriter::Enqueue)]
+    pub writer: BenchWriter,
     /// Publish to this running Kafka instead (bootstrap servers, plaintext). The bench creates
     /// its topics there (`outbox.event.bench_*`, `outbox.event.poll_*`, replication factor 1)
     /// if missing; give it a broker you can throw away.
@@ -211,6 +219,13 @@ pub struct BenchArgs {
 pub enum BenchBroker {
     Embedded,
     Apache,
+}
+
+/// How the bench's outboxd writers write (see `--writer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchWriter {
+    Enqueue,
+    Plain,
 }
 
 /// Whether `outbox-embedded bench` runs the Debezium phase (see `--debezium`).

@@ -86,6 +86,8 @@ pub(crate) struct Db {
     pub slot: String,
     pub recv_slot: String,
     pub agg_type: String,
+    /// Its writers write plain INSERTs into `outbox.events` (`--writer plain`).
+    pub plain_writers: bool,
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -114,10 +116,12 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     if a.producer_secs > 0.0 {
         let p = producer::run(ctx, &main).await?;
         eprintln!(
-            "bench: producer: outbox.enqueue {:.0} TPS, plain INSERT {:.0} TPS ({:.2}x)",
+            "bench: producer: outbox.enqueue {:.0} TPS, plain INSERT {:.0} TPS ({:.2}x), outbox.events INSERT {:.0} TPS ({:.2}x)",
             p.enqueue.tps,
             p.plain.tps,
-            p.ratio()
+            p.ratio(),
+            p.fast_path.tps,
+            p.fast_path_ratio()
         );
         report.producer = Some(p);
     }
@@ -702,12 +706,22 @@ impl Ctx {
         for r in relays {
             r.terminate()?;
         }
+        let plain_writers = self.args.writer == crate::cli::BenchWriter::Plain;
+        if plain_writers {
+            client
+                .batch_execute(
+                    "ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL",
+                )
+                .await
+                .context("allowing rows without a version (--writer plain)")?;
+        }
         Ok(Db {
             url,
             client,
             slot,
             recv_slot: String::new(),
             agg_type,
+            plain_writers,
         })
     }
 
@@ -937,7 +951,7 @@ impl Ctx {
         let writers = workload::Writers::start(
             self,
             &db.url,
-            workload::Target::Outbox(db.agg_type.clone()),
+            workload::Target::of(db),
             sc,
             a.rate as f64,
             Duration::from_secs_f64(a.steady_secs),
@@ -1035,7 +1049,7 @@ impl Ctx {
         let writers = workload::Writers::start(
             self,
             &db.url,
-            workload::Target::Outbox(db.agg_type.clone()),
+            workload::Target::of(db),
             sc,
             a.rate as f64,
             Duration::from_secs_f64(a.crash_secs),

@@ -178,6 +178,7 @@ pub async fn baseline(
         slot: String::new(),
         recv_slot: String::new(),
         agg_type: agg_type.clone(),
+        plain_writers: false,
     };
     workload::enqueue_backlog(&db, sc, a.txn_size).await?;
     let client = db.client;

@@ -2,11 +2,14 @@
 //! pays without outboxd — a Debezium-style outbox row (uuid id, aggregate type, aggregate id,
 //! type, jsonb payload) inserted in its own transaction.
 //!
-//! Both run under `pgbench` (from the server's own bin directory), with the same payload, the
+//! A third side is the writer's fast path: a plain INSERT of four columns into
+//! `outbox.events`, whose version and route the relay gives (docs/versions_by_relay.md).
+//!
+//! All run under `pgbench` (from the server's own bin directory), with the same payload, the
 //! same number of clients, one event per transaction, aggregate ids drawn from
 //! `--producer-aggregates` (10,000 by default), in a database of their own with no replication
-//! slot (the cost measured is the producer's, not the decoder's). The two alternate (plain,
-//! enqueue, plain, enqueue) so that a noisy neighbour hits both; the figures are the means.
+//! slot (the cost measured is the producer's, not the decoder's). They alternate (plain,
+//! enqueue, fast path, twice) so that a noisy neighbour hits all; the figures are the means.
 //! PostgreSQL CPU per event comes from the cluster's processes (`procstat::ClusterCpu`), and
 //! includes the work of every backend the clients use.
 
@@ -48,12 +51,20 @@ pub(crate) struct Producer {
     pub secs: f64,
     pub enqueue: ProducerSide,
     pub plain: ProducerSide,
+    /// The writer's plain INSERT into `outbox.events` (no version, no route: the relay
+    /// numbers and routes it; docs/versions_by_relay.md).
+    pub fast_path: ProducerSide,
 }
 
 impl Producer {
     /// `outbox.enqueue` TPS / plain INSERT TPS (the target is at least 0.8).
     pub fn ratio(&self) -> f64 {
         self.enqueue.tps / self.plain.tps.max(f64::MIN_POSITIVE)
+    }
+
+    /// The writer's plain INSERT into `outbox.events` TPS / plain INSERT TPS.
+    pub fn fast_path_ratio(&self) -> f64 {
+        self.fast_path.tps / self.plain.tps.max(f64::MIN_POSITIVE)
     }
 }
 
@@ -90,6 +101,21 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
              VALUES ('bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb);\n"
         ),
     )?;
+    // The writer's fast path: four columns into outbox.events, id and time by default. This
+    // database has no relay; the outbox allows rows without a version as an operator would.
+    client
+        .batch_execute("ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL")
+        .await
+        .context("allowing rows without a version in the producer's database")?;
+    let fast_path = ctx.dir.path().join("producer-fast-path.sql");
+    std::fs::write(
+        &fast_path,
+        format!(
+            "\\set aid random(1, {aggregates})\n\
+             INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb);\n"
+        ),
+    )?;
     let mut out = Producer {
         clients,
         aggregates,
@@ -98,7 +124,11 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
     };
     let rounds = 2.0;
     for _ in 0..2 {
-        for (script, side) in [(&plain, &mut out.plain), (&enqueue, &mut out.enqueue)] {
+        for (script, side) in [
+            (&plain, &mut out.plain),
+            (&enqueue, &mut out.enqueue),
+            (&fast_path, &mut out.fast_path),
+        ] {
             let (tps, us) = pgbench(ctx, &url, script, clients, secs).await?;
             side.tps += tps / rounds;
             side.pg_cpu_us_per_event += us / rounds;

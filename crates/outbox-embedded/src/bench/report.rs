@@ -48,6 +48,8 @@ pub(crate) struct Report {
     pub load: Vec<(String, f64)>,
     /// `outbox.enqueue` against a plain outbox INSERT, under pgbench.
     pub producer: Option<super::producer::Producer>,
+    /// outboxd's writers wrote plain INSERTs into `outbox.events` (`--writer plain`).
+    pub plain_writers: bool,
     /// Debezium on the same workload, or why it did not run.
     pub debezium: Option<super::debezium::Outcome>,
     /// `--fanout`: (kind, N, the N decoders at once): `slots_on_one_database` or `databases`.
@@ -98,6 +100,7 @@ impl Report {
             rate: a.rate as f64,
             writers: a.writers,
             events_per_txn: a.events_per_txn,
+            plain_writers: a.writer == crate::cli::BenchWriter::Plain,
             ..Report::default()
         }
     }
@@ -274,7 +277,12 @@ impl Report {
         };
         println!(
             "{:<34} {:>12.0}",
-            "enqueue backlog (outbox.enqueue)", self.enqueue_events_per_s
+            if self.plain_writers {
+                "write backlog (outbox.events INSERT)"
+            } else {
+                "enqueue backlog (outbox.enqueue)"
+            },
+            self.enqueue_events_per_s
         );
         if let Some(p) = &self.producer {
             println!(
@@ -286,6 +294,16 @@ impl Report {
                 p.enqueue.pg_cpu_us_per_event,
                 "-",
                 format!("{:.2}x plain INSERT", p.ratio())
+            );
+            println!(
+                "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
+                format!("producer: outbox.events INSERT ({} cl.)", p.clients),
+                p.fast_path.tps,
+                p.secs,
+                "-",
+                p.fast_path.pg_cpu_us_per_event,
+                "-",
+                format!("{:.2}x plain INSERT", p.fast_path_ratio())
             );
             println!(
                 "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
@@ -460,12 +478,15 @@ impl Report {
             "broker": self.broker,
             "machine_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "enqueue_events_per_s": self.enqueue_events_per_s,
+            "writer": if self.plain_writers { "plain INSERT into outbox.events" } else { "outbox.enqueue" },
             "producer": self.producer.as_ref().map(|p| json!({
                 "clients": p.clients, "aggregates": p.aggregates, "seconds_per_run": p.secs,
                 "enqueue_tps": p.enqueue.tps, "plain_insert_tps": p.plain.tps,
                 "enqueue_over_plain": p.ratio(),
                 "enqueue_pg_cpu_us_per_event": p.enqueue.pg_cpu_us_per_event,
                 "plain_insert_pg_cpu_us_per_event": p.plain.pg_cpu_us_per_event,
+                "fast_path_tps": p.fast_path.tps, "fast_path_over_plain": p.fast_path_ratio(),
+                "fast_path_pg_cpu_us_per_event": p.fast_path.pg_cpu_us_per_event,
             })),
             "wal_retained_backlog_mib": self.wal_backlog_mib,
             "decode_limit": phase_json(&self.decode),

@@ -35,7 +35,22 @@ fn pad_sql(len: usize) -> String {
 /// Enqueues the scenario's backlog with `outbox.enqueue`, in transactions of `txn_size`, on two
 /// connections at once (the machine has two cores). Returns the seconds it took.
 pub async fn enqueue_backlog(db: &Db, sc: &Scenario, txn_size: u64) -> anyhow::Result<f64> {
-    insert_backlog(&db.url, &db.agg_type, None, sc, txn_size).await
+    let rows = if db.plain_writers {
+        Rows::OutboxEvents
+    } else {
+        Rows::Enqueue
+    };
+    insert_backlog(&db.url, &db.agg_type, rows, sc, txn_size).await
+}
+
+/// How a backlog's rows are written.
+enum Rows<'a> {
+    /// `outbox.enqueue`.
+    Enqueue,
+    /// A plain INSERT into `outbox.events` (`--writer plain`).
+    OutboxEvents,
+    /// A plain INSERT into a Debezium-style outbox table.
+    Debezium(&'a str),
 }
 
 /// The same backlog as [`enqueue_backlog`] (same transactions, keys and payloads), into a
@@ -47,21 +62,26 @@ pub async fn insert_plain_backlog(
     sc: &Scenario,
     txn_size: u64,
 ) -> anyhow::Result<f64> {
-    insert_backlog(url, agg_type, Some(table), sc, txn_size).await
+    insert_backlog(url, agg_type, Rows::Debezium(table), sc, txn_size).await
 }
 
 async fn insert_backlog(
     url: &str,
     agg_type: &str,
-    plain_table: Option<&str>,
+    rows: Rows<'_>,
     sc: &Scenario,
     txn_size: u64,
 ) -> anyhow::Result<f64> {
     const CONNS: u64 = 2;
     let txns = sc.events.div_ceil(txn_size);
-    let (head, tail) = match plain_table {
-        None => ("PERFORM outbox.enqueue(".to_string(), ")"),
-        Some(t) => (
+    let (head, tail) = match rows {
+        Rows::Enqueue => ("PERFORM outbox.enqueue(".to_string(), ")"),
+        Rows::OutboxEvents => (
+            "INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload) SELECT "
+                .to_string(),
+            "",
+        ),
+        Rows::Debezium(t) => (
             format!("INSERT INTO {t} (aggregatetype, aggregateid, type, payload) SELECT "),
             "",
         ),
@@ -122,14 +142,31 @@ pub async fn backlog_end(client: &Client) -> anyhow::Result<String> {
 pub enum Target {
     /// `outbox.enqueue` with this aggregate type; accepted = `outbox.receipts.accepted_at`.
     Outbox(String),
+    /// A plain INSERT into `outbox.events` with this aggregate type (`--writer plain`);
+    /// accepted as for [`Target::Outbox`].
+    OutboxPlain(String),
     /// A plain INSERT into a Debezium-style outbox table (aggregate type, table); accepted
     /// is read from the topic, not from the database (`debezium`).
     Plain(String, String),
 }
 
 impl Target {
+    /// Where `db`'s writers write (`--writer`).
+    pub fn of(db: &Db) -> Target {
+        if db.plain_writers {
+            Target::OutboxPlain(db.agg_type.clone())
+        } else {
+            Target::Outbox(db.agg_type.clone())
+        }
+    }
+
     fn insert_sql(&self) -> String {
         match self {
+            Target::OutboxPlain(agg) => format!(
+                "INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload)
+                 SELECT '{agg}', a, 'bench.tick', jsonb_build_object('i', 0, 'pad', $1::text)
+                 FROM unnest($2::text[]) a RETURNING event_id"
+            ),
             Target::Outbox(agg) => format!(
                 "SELECT outbox.enqueue('{agg}', a, 'bench.tick', jsonb_build_object('i', 0, 'pad', $1::text))
                  FROM unnest($2::text[]) a"
@@ -144,7 +181,7 @@ impl Target {
 
     fn accepted_sql(&self) -> Option<&'static str> {
         match self {
-            Target::Outbox(_) => Some(
+            Target::Outbox(_) | Target::OutboxPlain(_) => Some(
                 "SELECT event_id, extract(epoch FROM accepted_at)::float8 FROM outbox.receipts
                  WHERE event_id = ANY($1)",
             ),
