@@ -93,10 +93,7 @@ $$;
 REVOKE EXECUTE ON FUNCTION outbox.note_policy_generation() FROM PUBLIC;
 
 -- The writer's plain INSERT (docs/versions_by_relay.md) is a row without an aggregate version:
--- the rows-around-enqueue trigger (0016) is not for it, and not evaluating its setting is most
--- of what a plain row saves. Rows without a version exist only where an operator allowed them
--- (`ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL`; docs/versions_by_relay.md
--- says what a relay in poll mode then does).
+-- the rows-around-enqueue trigger (0016) is not for it (its WHEN now tests the version first).
 DROP TRIGGER events_row_around_enqueue ON outbox.events;
 CREATE TRIGGER events_row_around_enqueue
     AFTER INSERT ON outbox.events
@@ -104,6 +101,34 @@ CREATE TRIGGER events_row_around_enqueue
     WHEN (NEW.aggregate_version IS NOT NULL
           AND NEW.event_id::text IS DISTINCT FROM current_setting('outbox.enqueuing', true))
     EXECUTE FUNCTION outbox.note_row_around_enqueue();
+
+-- Rows without a version exist only where the outbox's owner allows them. Allowing them also
+-- drops that trigger: even with a false WHEN, an AFTER ROW trigger costs every INSERT
+-- statement the compilation of its condition, ~30% of a plain row's insert (docs/benchmarks.md,
+-- "The writer's plain INSERT, built"). A row written by hand with a version is then checked by
+-- the relay instead of at insert (a gap holds its aggregate, a malformed destination is
+-- quarantined, a reused version is refused by the rows' key). Disallowing them again restores
+-- both, and fails while rows without a version exist.
+CREATE FUNCTION outbox.allow_plain_inserts(allow boolean) RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF allow THEN
+        ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL;
+        DROP TRIGGER IF EXISTS events_row_around_enqueue ON outbox.events;
+        RETURN 'outbox.events takes plain INSERTs (aggregate_type, aggregate_id, event_type, payload); a relay in CDC mode numbers and routes them; poll mode refuses this outbox';
+    END IF;
+    ALTER TABLE outbox.events ALTER COLUMN aggregate_version SET NOT NULL;
+    DROP TRIGGER IF EXISTS events_row_around_enqueue ON outbox.events;
+    CREATE TRIGGER events_row_around_enqueue
+        AFTER INSERT ON outbox.events
+        FOR EACH ROW
+        WHEN (NEW.aggregate_version IS NOT NULL
+              AND NEW.event_id::text IS DISTINCT FROM current_setting('outbox.enqueuing', true))
+        EXECUTE FUNCTION outbox.note_row_around_enqueue();
+    RETURN 'outbox.events takes events through outbox.enqueue (or rows with a version and a destination) only';
+END
+$$;
+REVOKE EXECUTE ON FUNCTION outbox.allow_plain_inserts(boolean) FROM PUBLIC;
 
 -- A plain INSERT names no event id: it gets a time-ordered one, as outbox.enqueue gives.
 ALTER TABLE outbox.events ALTER COLUMN event_id SET DEFAULT outbox.uuid_v7();

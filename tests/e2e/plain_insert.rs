@@ -36,7 +36,7 @@ cdc_only! {
     async fn plain_inserts_are_numbered_in_commit_order_and_renumbered_alike_after_a_crash() {
         let env = TestEnv::new("plain_insert").await;
         env.db
-            .batch_execute("ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL")
+            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
             .await
             .expect("allow rows without a version");
         let rerouted = format!("{}.rerouted", env.topic);
@@ -130,6 +130,29 @@ cdc_only! {
         )
         .await;
 
+        assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
+    }
+
+    /// A slot new to the ledger has no numbering to continue: over rows already written
+    /// without a version, the first start is refused with the reason and what to do, and
+    /// nothing is published (a snapshot would number them in no commit order).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_slot_over_rows_without_a_version_is_refused() {
+        let env = TestEnv::new("plain_new_slot").await;
+        env.db
+            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
+            .await
+            .unwrap();
+        insert_plain(&env, "n-1", 1).await;
+        let mut relay = env.relay(&[], &[]);
+        let status = relay.wait_exit(Duration::from_secs(60)).await;
+        assert!(!status.success(), "refused");
+        let log = relay.log_text();
+        assert!(
+            log.contains("cannot continue their numbering") && log.contains("before any writer inserts plainly"),
+            "names the cause and the way out: {log}"
+        );
+        assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 0);
         assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
     }
 }

@@ -3254,51 +3254,72 @@ async fn concurrent_policy_changes_give_generations_in_commit_order() {
 }
 
 /// The writer's plain INSERT (migration 0039, docs/versions_by_relay.md): refused while the
-/// outbox does not allow rows without a version (the default: poll mode cannot order them);
-/// once an operator allows them, four columns make an event (id and time by default), and
-/// neither the rows-around-enqueue trigger nor the version table is touched. A row that names
-/// a version is still held to what enqueue checks (here: a destination).
+/// outbox does not allow rows without a version (the default: poll mode cannot order them),
+/// where a row written by hand with a version is still held to what enqueue checks (here: a
+/// destination). Once the owner allows them, four columns make an event (id and time by
+/// default), the version table is not touched, and the rows-around-enqueue trigger is gone
+/// (its cost is a third of the fast path's); disallowing them fails while such a row exists,
+/// and afterwards restores both.
 #[tokio::test]
 async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
+    use tokio_postgres::error::SqlState;
     let (c, _) = fresh("ledger_plain_insert").await;
     let plain = "INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload)
                  VALUES ('order', 'p-1', 'order.placed', '{\"total\": 42}') RETURNING event_id";
-    let err = c.query_one(plain, &[]).await.unwrap_err();
+    let by_hand = "INSERT INTO outbox.events (aggregate_type, aggregate_id, aggregate_version,
+                                              event_type, payload)
+                   VALUES ('order', 'p-2', 1, 'order.placed', '{}')";
+    let code = |e: tokio_postgres::Error| e.code().cloned();
+    let trigger = "SELECT count(*) FROM pg_trigger
+                   WHERE tgrelid = 'outbox.events'::regclass AND tgname = 'events_row_around_enqueue'";
     assert_eq!(
-        err.code(),
-        Some(&tokio_postgres::error::SqlState::NOT_NULL_VIOLATION),
-        "{err}"
+        code(c.query_one(plain, &[]).await.unwrap_err()),
+        Some(SqlState::NOT_NULL_VIOLATION)
     );
-    c.batch_execute("ALTER TABLE outbox.events ALTER COLUMN aggregate_version DROP NOT NULL")
+    assert_eq!(
+        code(c.execute(by_hand, &[]).await.unwrap_err()),
+        Some(SqlState::CHECK_VIOLATION)
+    );
+
+    c.batch_execute("SELECT outbox.allow_plain_inserts(true)")
         .await
         .unwrap();
     let id: uuid::Uuid = c.query_one(plain, &[]).await.unwrap().get(0);
     assert_eq!(id.get_version_num(), 7, "a time-ordered id by default");
-    let (versions, holds, generation): (i64, i64, i32) = {
-        let r = c
-            .query_one(
+    let r = c
+        .query_one(
+            &format!(
                 "SELECT (SELECT count(*) FROM outbox.aggregate_versions),
                         (SELECT count(*) FROM outbox.holds),
-                        (SELECT envelope_generation FROM outbox.events WHERE event_id = $1)",
-                &[&id],
-            )
-            .await
-            .unwrap();
-        (r.get(0), r.get(1), r.get(2))
-    };
-    assert_eq!((versions, holds, generation), (0, 0, 1));
-    let err = c
-        .execute(
-            "INSERT INTO outbox.events (aggregate_type, aggregate_id, aggregate_version,
-                                        event_type, payload)
-             VALUES ('order', 'p-2', 1, 'order.placed', '{}')",
-            &[],
+                        (SELECT envelope_generation FROM outbox.events WHERE event_id = $1),
+                        ({trigger})"
+            ),
+            &[&id],
         )
         .await
-        .unwrap_err();
+        .unwrap();
+    let got: (i64, i64, i32, i64) = (r.get(0), r.get(1), r.get(2), r.get(3));
+    assert_eq!(got, (0, 0, 1, 0));
+
     assert_eq!(
-        err.code(),
-        Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION),
-        "{err}"
+        code(
+            c.batch_execute("SELECT outbox.allow_plain_inserts(false)")
+                .await
+                .unwrap_err()
+        ),
+        Some(SqlState::NOT_NULL_VIOLATION),
+        "not while a row without a version exists"
+    );
+    c.execute("DELETE FROM outbox.events WHERE event_id = $1", &[&id])
+        .await
+        .unwrap();
+    c.batch_execute("SELECT outbox.allow_plain_inserts(false)")
+        .await
+        .unwrap();
+    assert_eq!(c.query_one(trigger, &[]).await.unwrap().get::<_, i64>(0), 1);
+    assert_eq!(
+        code(c.execute(by_hand, &[]).await.unwrap_err()),
+        Some(SqlState::CHECK_VIOLATION),
+        "checked at insert again"
     );
 }

@@ -132,6 +132,57 @@ impl RelayError {
     }
 }
 
+/// A slot new to the ledger starts with no numbering (`outbox.stream_versions` is per slot):
+/// rows already written without a version would be numbered from 1 again, or read by the
+/// initial snapshot in no commit order. Until a new slot can seed its numbering from the
+/// receipts (docs/versions_by_relay.md, "Not built yet"), it is refused while such rows exist;
+/// an outbox that does not allow them, or has none, is not read further.
+async fn refuse_new_slot_over_plain_rows(
+    sql: &tokio_postgres::Client,
+    cfg: &RelayConfig,
+) -> Result<(), RelayError> {
+    let table = format!(
+        "\"{}\".\"{}\"",
+        cfg.schema.replace('"', "\"\""),
+        cfg.table.replace('"', "\"\"")
+    );
+    let db = |source| {
+        RelayError::Ledger(LedgerError::Db {
+            context: format!("reading whether {table} holds rows without a version"),
+            source,
+        })
+    };
+    let allowed: Option<bool> = sql
+        .query_opt(
+            "SELECT NOT attnotnull FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attname = 'aggregate_version'",
+            &[&table],
+        )
+        .await
+        .map_err(db)?
+        .map(|r| r.get(0));
+    if allowed != Some(true) {
+        return Ok(());
+    }
+    let plain: i64 = sql
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM (SELECT 1 FROM {table} WHERE aggregate_version IS NULL LIMIT 1) x"
+            ),
+            &[],
+        )
+        .await
+        .map_err(db)?
+        .get(0);
+    if plain > 0 {
+        return Err(RelayError::Unsupported(format!(
+            "slot {} is new to the ledger, and {table} already holds rows written without an aggregate version: a new slot (first start, --resnapshot, a lost slot, another shard layout) cannot continue their numbering yet (docs/versions_by_relay.md, \"Not built yet\"). Start the relay on its existing slot, or, for a first start, before any writer inserts plainly",
+            cfg.slot
+        )));
+    }
+    Ok(())
+}
+
 /// Runs the relay until `shutdown` turns true or a definite error. Errors before the first
 /// successful start are returned at once (misconfiguration should fail fast, with the fix),
 /// except a few transient ones after a standby took the lease over; after that, transient
@@ -457,6 +508,9 @@ async fn run_once(
             lsn,
         )
     };
+    if matches!(plan, StartPlan::Create | StartPlan::Recreate) || ledger.is_none() {
+        refuse_new_slot_over_plain_rows(&sql, cfg).await?;
+    }
     let (start, backfill, exported) = match plan {
         StartPlan::Create | StartPlan::Recreate => {
             if plan == StartPlan::Recreate && slot_info.is_some() {

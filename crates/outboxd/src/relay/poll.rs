@@ -55,7 +55,7 @@ async fn refuse_rows_without_versions(sql: &tokio_postgres::Client) -> Result<()
         .get(0);
     if allowed {
         return Err(RelayError::Unsupported(
-            "outbox.events allows rows without an aggregate version (the writer's plain INSERT), which poll mode cannot find or order: only the replication stream numbers them, in commit order. Run the relay with --mode cdc, or, if no writer inserts plainly, ALTER TABLE outbox.events ALTER COLUMN aggregate_version SET NOT NULL".into(),
+            "outbox.events allows rows without an aggregate version (the writer's plain INSERT), which poll mode cannot find or order: only the replication stream numbers them, in commit order. Run the relay with --mode cdc, or, if no writer inserts plainly, SELECT outbox.allow_plain_inserts(false) as the outbox's owner".into(),
         ));
     }
     Ok(())
