@@ -69,7 +69,7 @@ impl Ctx {
         let writers = workload::Writers::start(
             self,
             &db.url,
-            workload::Target::of(&db),
+            workload::Target::of(db),
             &sc,
             a.rate as f64,
             duration,
