@@ -121,8 +121,9 @@ pub struct BenchArgs {
     /// Kill loop: aggregates the burst is spread over.
     #[arg(long, default_value_t = 50)]
     pub kill_aggregates: u64,
-    /// Producer phase: seconds per pgbench run (two of `outbox.enqueue`, two of a plain outbox
-    /// INSERT, alternating); 0 skips the phase.
+    /// Producer phase: seconds per pgbench run (`outbox.enqueue`, a plain INSERT into
+    /// `outbox.events` and a plain outbox INSERT, each with the simple protocol and prepared,
+    /// alternating, twice: twelve runs); 0 skips the phase.
     #[arg(long, default_value_t = 10.0)]
     pub producer_secs: f64,
     /// Producer phase: pgbench clients (one event per transaction each).

@@ -116,12 +116,14 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     if a.producer_secs > 0.0 {
         let p = producer::run(ctx, &main).await?;
         eprintln!(
-            "bench: producer: outbox.enqueue {:.0} TPS, plain INSERT {:.0} TPS ({:.2}x), outbox.events INSERT {:.0} TPS ({:.2}x)",
+            "bench: producer: outbox.enqueue {:.0} TPS, plain INSERT {:.0} TPS ({:.2}x), outbox.events INSERT {:.0} TPS ({:.2}x); prepared: {:.2}x and {:.2}x",
             p.enqueue.tps,
             p.plain.tps,
             p.ratio(),
             p.fast_path.tps,
-            p.fast_path_ratio()
+            p.fast_path_ratio(),
+            p.prepared.ratio(),
+            p.prepared.fast_path_ratio()
         );
         report.producer = Some(p);
     }

@@ -8,8 +8,9 @@
 //! All run under `pgbench` (from the server's own bin directory), with the same payload, the
 //! same number of clients, one event per transaction, aggregate ids drawn from
 //! `--producer-aggregates` (10,000 by default), in a database of their own with no replication
-//! slot (the cost measured is the producer's, not the decoder's). They alternate (plain,
-//! enqueue, fast path, twice) so that a noisy neighbour hits all; the figures are the means.
+//! slot (the cost measured is the producer's, not the decoder's), each with pgbench's default
+//! simple protocol and with prepared statements. They alternate (plain, enqueue, fast path,
+//! simple then prepared, twice) so that a noisy neighbour hits all; the figures are the means.
 //! PostgreSQL CPU per event comes from the cluster's processes (`procstat::ClusterCpu`), and
 //! includes the work of every backend the clients use.
 
@@ -54,6 +55,18 @@ pub(crate) struct Producer {
     /// The writer's plain INSERT into `outbox.events` (no version, no route: the relay
     /// numbers and routes it; docs/versions_by_relay.md).
     pub fast_path: ProducerSide,
+    /// The same three with prepared statements (`pgbench -M prepared`: what JDBC, pgx and
+    /// asyncpg send); the fields above use pgbench's default, the simple protocol, where an
+    /// INSERT is planned every time.
+    pub prepared: PreparedSides,
+}
+
+/// [`Producer`]'s sides with prepared statements.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PreparedSides {
+    pub enqueue: ProducerSide,
+    pub plain: ProducerSide,
+    pub fast_path: ProducerSide,
 }
 
 impl Producer {
@@ -63,6 +76,16 @@ impl Producer {
     }
 
     /// The writer's plain INSERT into `outbox.events` TPS / plain INSERT TPS.
+    pub fn fast_path_ratio(&self) -> f64 {
+        self.fast_path.tps / self.plain.tps.max(f64::MIN_POSITIVE)
+    }
+}
+
+impl PreparedSides {
+    pub fn ratio(&self) -> f64 {
+        self.enqueue.tps / self.plain.tps.max(f64::MIN_POSITIVE)
+    }
+
     pub fn fast_path_ratio(&self) -> f64 {
         self.fast_path.tps / self.plain.tps.max(f64::MIN_POSITIVE)
     }
@@ -124,12 +147,16 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
     };
     let rounds = 2.0;
     for _ in 0..2 {
-        for (script, side) in [
-            (&plain, &mut out.plain),
-            (&enqueue, &mut out.enqueue),
-            (&fast_path, &mut out.fast_path),
+        let p = &mut out.prepared;
+        for (script, prepared, side) in [
+            (&plain, false, &mut out.plain),
+            (&enqueue, false, &mut out.enqueue),
+            (&fast_path, false, &mut out.fast_path),
+            (&plain, true, &mut p.plain),
+            (&enqueue, true, &mut p.enqueue),
+            (&fast_path, true, &mut p.fast_path),
         ] {
-            let (tps, us) = pgbench(ctx, &url, script, clients, secs).await?;
+            let (tps, us) = pgbench(ctx, &url, script, clients, secs, prepared).await?;
             side.tps += tps / rounds;
             side.pg_cpu_us_per_event += us / rounds;
         }
@@ -144,6 +171,7 @@ async fn pgbench(
     script: &Path,
     clients: u32,
     secs: f64,
+    prepared: bool,
 ) -> anyhow::Result<(f64, f64)> {
     let exe = ctx.bindir.join("pgbench");
     if !exe.exists() {
@@ -153,6 +181,9 @@ async fn pgbench(
         );
     }
     let mut cmd = Command::new(&exe);
+    if prepared {
+        cmd.args(["-M", "prepared"]);
+    }
     cmd.args(["-n", "-c", &clients.to_string(), "-j"])
         .arg(clients.min(2).to_string())
         .args(["-T", &format!("{}", secs.ceil().max(1.0) as u64), "-f"])

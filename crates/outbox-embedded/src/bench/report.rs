@@ -285,36 +285,26 @@ impl Report {
             self.enqueue_events_per_s
         );
         if let Some(p) = &self.producer {
-            println!(
-                "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
-                format!("producer: outbox.enqueue ({} cl.)", p.clients),
-                p.enqueue.tps,
-                p.secs,
-                "-",
-                p.enqueue.pg_cpu_us_per_event,
-                "-",
-                format!("{:.2}x plain INSERT", p.ratio())
-            );
-            println!(
-                "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
-                format!("producer: outbox.events INSERT ({} cl.)", p.clients),
-                p.fast_path.tps,
-                p.secs,
-                "-",
-                p.fast_path.pg_cpu_us_per_event,
-                "-",
-                format!("{:.2}x plain INSERT", p.fast_path_ratio())
-            );
-            println!(
-                "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
-                format!("producer: plain INSERT ({} cl.)", p.clients),
-                p.plain.tps,
-                p.secs,
-                "-",
-                p.plain.pg_cpu_us_per_event,
-                "-",
-                ""
-            );
+            let q = &p.prepared;
+            for (what, side, ratio) in [
+                ("outbox.enqueue", &p.enqueue, Some(p.ratio())),
+                ("outbox.events INSERT", &p.fast_path, Some(p.fast_path_ratio())),
+                ("plain INSERT", &p.plain, None),
+                ("outbox.enqueue, prep.", &q.enqueue, Some(q.ratio())),
+                ("outbox.events INSERT, prep.", &q.fast_path, Some(q.fast_path_ratio())),
+                ("plain INSERT, prep.", &q.plain, None),
+            ] {
+                println!(
+                    "{:<34} {:>11.0} {:>8.2} {:>12} {:>10.1} {:>12} {:>20}",
+                    format!("producer: {what} ({} cl.)", p.clients),
+                    side.tps,
+                    p.secs,
+                    "-",
+                    side.pg_cpu_us_per_event,
+                    "-",
+                    ratio.map_or(String::new(), |r| format!("{r:.2}x plain INSERT"))
+                );
+            }
         }
         row("decode limit (pg_recvlogical)", &self.decode, String::new());
         row(
@@ -487,6 +477,15 @@ impl Report {
                 "plain_insert_pg_cpu_us_per_event": p.plain.pg_cpu_us_per_event,
                 "fast_path_tps": p.fast_path.tps, "fast_path_over_plain": p.fast_path_ratio(),
                 "fast_path_pg_cpu_us_per_event": p.fast_path.pg_cpu_us_per_event,
+                "prepared": {
+                    "enqueue_tps": p.prepared.enqueue.tps, "plain_insert_tps": p.prepared.plain.tps,
+                    "fast_path_tps": p.prepared.fast_path.tps,
+                    "enqueue_over_plain": p.prepared.ratio(),
+                    "fast_path_over_plain": p.prepared.fast_path_ratio(),
+                    "enqueue_pg_cpu_us_per_event": p.prepared.enqueue.pg_cpu_us_per_event,
+                    "plain_insert_pg_cpu_us_per_event": p.prepared.plain.pg_cpu_us_per_event,
+                    "fast_path_pg_cpu_us_per_event": p.prepared.fast_path.pg_cpu_us_per_event,
+                },
             })),
             "wal_retained_backlog_mib": self.wal_backlog_mib,
             "decode_limit": phase_json(&self.decode),
