@@ -386,6 +386,7 @@ e2e_only! {
         // relay adds them at start; another role is told the statement to run.
         assert!(
             out.contains("WARN  route versions published")
+                && out.contains("WARN  policy generations published")
                 && out.contains("the relay adds it at start"),
             "{out}"
         );

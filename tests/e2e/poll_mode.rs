@@ -247,6 +247,19 @@ async fn a_poll_relay_refuses_an_outbox_that_allows_rows_without_a_version() {
         log.contains("poll mode cannot find or order") && log.contains("--mode cdc"),
         "names the cause and the fix: {log}"
     );
+    let (ok, out) = crate::harness::outboxd(&[
+        "check",
+        "--database-url",
+        &env.url,
+        "--mode",
+        "poll",
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+    ]);
+    assert!(
+        !ok && out.contains("FAIL  plain inserts") && out.contains("--mode cdc"),
+        "outboxd check says so too: {out}"
+    );
 
     env.db.batch_execute(&allow(false)).await.unwrap();
     let mut relay = env.relay(&[], &POLL);

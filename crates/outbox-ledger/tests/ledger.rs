@@ -3300,6 +3300,34 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
         .unwrap();
     let got: (i64, i64, i32, i64) = (r.get(0), r.get(1), r.get(2), r.get(3));
     assert_eq!(got, (0, 0, 1, 0));
+    // The rows' key holds versioned rows only, and still refuses a version written twice.
+    let key: String = c
+        .query_one(
+            "SELECT indexdef FROM pg_indexes
+             WHERE schemaname = 'outbox' AND indexname = 'events_aggregate_version_key'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(key.contains("(aggregate_version IS NOT NULL)"), "{key}");
+    let opts = EnqueueOptions::default();
+    enqueue(&c, "order", "p-3", "order.placed", &json!({}), &opts)
+        .await
+        .unwrap();
+    assert_eq!(
+        code(
+            c.execute(
+                "INSERT INTO outbox.events (aggregate_type, aggregate_id, aggregate_version,
+                                            event_type, payload, route_version)
+                 VALUES ('order', 'p-3', 1, 'order.placed', '{}', 0)",
+                &[],
+            )
+            .await
+            .unwrap_err()
+        ),
+        Some(SqlState::UNIQUE_VIOLATION)
+    );
 
     assert_eq!(
         code(

@@ -211,6 +211,12 @@ pub enum Mutant {
     /// parking its event: every aggregate waits for the restart (the relay before issue 25;
     /// the simulator's `unclear_restarts`).
     EndsRunOnUnclear,
+    /// The acceptance that moves the checkpoint keeps no numbering
+    /// ([`PipelineCore::numbered_through`] gives nothing): a restart seeds the aggregates of
+    /// rows written without a version from what an older checkpoint kept, or 0, and numbers
+    /// them again from there (the simulator's `plain_version_wrong`; the e2e test
+    /// `plain_insert` planted the same by hand and saw receipts restart at 1).
+    NumberingNotKept,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
@@ -1287,6 +1293,9 @@ impl<P: Plant> PipelineCore<P> {
     /// it (empty when the run numbered nothing and the policy generation is unchanged). Taken
     /// once per checkpoint, just before its transaction; a run whose acceptance fails ends.
     pub fn numbered_through(&mut self, checkpoint: Lsn) -> NumberedThrough {
+        if self.planted(Mutant::NumberingNotKept) {
+            return NumberedThrough::default();
+        }
         NumberedThrough {
             versions: self.numbering.checkpoint(checkpoint),
             policy_generation: self.generations.checkpoint(checkpoint),

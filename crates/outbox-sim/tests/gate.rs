@@ -53,6 +53,14 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.receipt_rollbacks > 10, "{c:?}");
     // A quarter of the traces run the relay in poll mode.
     assert!(c.poll_traces > 300 && c.poll_events > 10_000, "{c:?}");
+    // A quarter of the CDC traces whose slot is never lost write some aggregates plainly
+    // (no version: the relay numbers them in commit order); every receipt and copy of those
+    // rows carries its commit rank (in `violations` too), and restarts continue numberings
+    // that checkpoints kept.
+    assert_eq!(c.plain_version_wrong, 0);
+    assert_eq!(c.plain_rows_unreadable, 0);
+    assert!(c.plain_traces > 200 && c.plain_events > 3_000, "{c:?}");
+    assert!(c.numberings_read_above_0 > 300, "{c:?}");
     // Unclear outcomes park their events while the run goes on: looked up (some look-ups
     // fail), sent again, left open at start, and now and then past the budget (where they
     // keep waiting: never held, never skipped).
@@ -123,7 +131,7 @@ fn a_trace_replays_alone_and_identically() {
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
 /// bug-fleet-no-evening, fleet-abort-keeps-lease, bug-sends-found-event, resends-answered-event,
 /// bug-ignores-resolved-meanwhile, no-settle, bug-unknown-only-at-start,
-/// bug-end-run-on-unclear and fresh-by-commit (the list `PRODUCT` below). In two tests, so that they run on two
+/// bug-end-run-on-unclear, fresh-by-commit and numbering-not-kept (the list `PRODUCT` below). In two tests, so that they run on two
 /// threads.
 #[test]
 fn every_product_mutant_is_caught() {
@@ -165,6 +173,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::BugEndRunOnUnclear,
         Mutant::BugLookUpBesideReconciliation,
         Mutant::FreshByCommit,
+        Mutant::NumberingNotKept,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -302,6 +311,10 @@ fn every_mutant_is_caught(product: bool) {
         (
             Mutant::HeadsWithoutPurged,
             &[("lost", |c| c.lost), ("stalls", |c| c.stalls)],
+        ),
+        (
+            Mutant::NumberingNotKept,
+            &[("plain_version_wrong", |c| c.plain_version_wrong)],
         ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000),
         // poll-purge-held (1 in 1,000,000) and, since issue 25, poll-above-head (first at

@@ -315,13 +315,48 @@ async fn check_database(
         check_privileges(r, &client, schema, table, purge).await;
         check_frozen_destinations(r, &client).await;
         check_versions_intact(r, &client, poll).await;
+        check_plain_inserts(r, &client, poll).await;
     }
     if !poll {
         check_publication(r, &client, publication, schema, table).await;
-        check_route_versions_published(r, &client, publication).await;
+        check_route_versions_published(r, &client, publication, "route_versions").await;
+        check_route_versions_published(r, &client, publication, "policy_generations").await;
         check_slot(r, &client, slot).await;
     }
     Some(client)
+}
+
+/// Whether the outbox takes the writer's plain INSERT (`outbox.allow_plain_inserts`,
+/// migration 0039): rows without a version, which only the stream can number. Poll mode
+/// refuses such an outbox.
+async fn check_plain_inserts(r: &mut Report, client: &tokio_postgres::Client, poll: bool) {
+    let what = "plain inserts";
+    let row = client
+        .query_opt(
+            "SELECT NOT attnotnull FROM pg_attribute
+             WHERE attrelid = 'outbox.events'::regclass AND attname = 'aggregate_version'",
+            &[],
+        )
+        .await;
+    match row {
+        Ok(Some(row)) if row.get::<_, bool>(0) => {
+            if poll {
+                r.add(
+                    Level::Fail,
+                    what,
+                    "outbox.events takes rows without a version (outbox.allow_plain_inserts(true)), which poll mode cannot find or order: run --mode cdc, or SELECT outbox.allow_plain_inserts(false) if no writer inserts plainly",
+                )
+            } else {
+                r.add(
+                    Level::Ok,
+                    what,
+                    "outbox.events takes plain INSERTs (preview): the relay numbers and routes them from the stream (docs/versions_by_relay.md)",
+                )
+            }
+        }
+        Ok(_) => {}
+        Err(e) => r.add(Level::Fail, what, e.to_string()),
+    }
 }
 
 /// `outbox.aggregate_versions` is unlogged (migration 0032): after a crash of the server, a
@@ -663,43 +698,45 @@ async fn check_publication(
     }
 }
 
-/// A narrow row names a route version (migration 0031); the relay learns the versions made
-/// after its start from its publication, and adds `outbox.route_versions` to it at start when
-/// it can.
+/// A narrow row names a route version (migration 0031), a row written without a route is
+/// routed by the policy generation in force (0038); the relay learns those made after its
+/// start from its publication, and adds `outbox.route_versions` and
+/// `outbox.policy_generations` (`table`) to it at start when it can.
 async fn check_route_versions_published(
     r: &mut Report,
     client: &tokio_postgres::Client,
     publication: &str,
+    table: &str,
 ) {
-    let what = "route versions published";
+    let what = format!("{} published", table.replace('_', " "));
     let row = client
         .query_opt(
             "SELECT p.puballtables OR EXISTS (SELECT 1 FROM pg_publication_tables t
                         WHERE t.pubname = p.pubname AND t.schemaname = 'outbox'
-                          AND t.tablename = 'route_versions'),
+                          AND t.tablename = $2),
                     pg_has_role(current_user, p.pubowner, 'USAGE')
              FROM pg_publication p
-             WHERE p.pubname = $1 AND to_regclass('outbox.route_versions') IS NOT NULL",
-            &[&publication],
+             WHERE p.pubname = $1 AND to_regclass('outbox.' || $2) IS NOT NULL",
+            &[&publication, &table],
         )
         .await;
     match row {
-        // No publication yet (reported above), or a database before migration 0031.
+        // No publication yet (reported above), or a database before the table's migration.
         Ok(None) => {}
         Ok(Some(row)) if row.get::<_, bool>(0) => r.add(
             Level::Ok,
             what,
-            format!("{publication} carries outbox.route_versions"),
+            format!("{publication} carries outbox.{table}"),
         ),
         Ok(Some(row)) if row.get::<_, bool>(1) => r.add(
             Level::Warn,
             what,
-            format!("{publication} does not carry outbox.route_versions; the relay adds it at start (route versions made while it runs reach it through the publication)"),
+            format!("{publication} does not carry outbox.{table}; the relay adds it at start (rows made while it runs reach it through the publication)"),
         ),
         Ok(Some(_)) => r.add(
             Level::Fail,
             what,
-            format!("{publication} does not carry outbox.route_versions and this role does not own it, so the relay cannot add it: as its owner, ALTER PUBLICATION {publication} ADD TABLE outbox.route_versions"),
+            format!("{publication} does not carry outbox.{table} and this role does not own it, so the relay cannot add it: as its owner, ALTER PUBLICATION {publication} ADD TABLE outbox.{table}"),
         ),
         Err(e) => r.add(Level::Fail, what, e.to_string()),
     }

@@ -288,10 +288,18 @@ impl Report {
             let q = &p.prepared;
             for (what, side, ratio) in [
                 ("outbox.enqueue", &p.enqueue, Some(p.ratio())),
-                ("outbox.events INSERT", &p.fast_path, Some(p.fast_path_ratio())),
+                (
+                    "outbox.events INSERT",
+                    &p.fast_path,
+                    Some(p.fast_path_ratio()),
+                ),
                 ("plain INSERT", &p.plain, None),
                 ("outbox.enqueue, prep.", &q.enqueue, Some(q.ratio())),
-                ("outbox.events INSERT, prep.", &q.fast_path, Some(q.fast_path_ratio())),
+                (
+                    "outbox.events INSERT, prep.",
+                    &q.fast_path,
+                    Some(q.fast_path_ratio()),
+                ),
                 ("plain INSERT, prep.", &q.plain, None),
             ] {
                 println!(

@@ -9,6 +9,9 @@ pub(super) struct Msg {
     /// The event id the message carries (header `id`), as sent.
     pub(super) id: Uuid,
     pub(super) row: usize,
+    /// The aggregate version it carries (the header), as the relay sent it: for a row written
+    /// plainly, the version the relay numbered it with.
+    pub(super) version: i64,
     pub(super) dest_digest: String,
     pub(super) relay_gen: i64,
     pub(super) attempt: i32,

@@ -31,9 +31,11 @@ impl World {
             self.consumer_crash(c); // before the transaction commits
             return;
         }
+        // The version the message carries (its header), which for a plain row is the
+        // relay's numbering: what a consumer's aggregate watermark sees.
         let (id, agg, version) = {
             let row = &self.rows[m.row];
-            (row.ev.event_id, row.agg, row.ev.aggregate_version)
+            (row.ev.event_id, row.agg, m.version)
         };
         if self.rows[m.row].purged {
             log!(self, "consumer {c} read a copy of purged {id}");

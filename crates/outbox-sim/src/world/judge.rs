@@ -148,6 +148,16 @@ pub struct Counts {
     /// plain insert's proof was wrong (the entries' key refuses it today; evidence per batch
     /// without a key would record a second primary). Counted per such event.
     pub fresh_proofs_wrong: u64,
+    /// Rows written without a version (the writer's plain INSERT, docs/versions_by_relay.md)
+    /// published with a version other than their commit rank among their aggregate's rows:
+    /// each accepted receipt that says so, and each copy on the broker that carries one (the
+    /// relay's numbering must give every row the version one run from the first commit would).
+    pub plain_version_wrong: u64,
+    /// Plain rows a relay run needed to read from SQL where the daemon cannot (no version,
+    /// no route): the running reconciliation's look-up loads the attempt's event, the load
+    /// fails, and the daemon stops (an open product bug; the model keeps such attempts from
+    /// being recorded unless a test asks: `World::plain_unknown_after_handover`).
+    pub plain_rows_unreadable: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
     pub late_acks: u64,
     pub late_acks_converged: u64,
@@ -205,6 +215,12 @@ pub struct Counts {
     /// (what migration 0026 read; measured, not an invariant).
     pub stream_heads_read: u64,
     pub stream_heads_above_receipts: u64,
+    /// Traces with aggregates written plainly, their rows, and the numberings runs read from
+    /// `outbox.stream_versions` for them (of which above 0: a restart continuing a numbering).
+    pub plain_traces: u64,
+    pub plain_events: u64,
+    pub numberings_read: u64,
+    pub numberings_read_above_0: u64,
     /// Fleet scenarios run, and what happened in them.
     pub fleet_traces: u64,
     pub fleet_kills: u64,
@@ -244,6 +260,8 @@ impl Counts {
             + self.fleet_unserved
             + self.fleet_share_not_returned
             + self.fresh_proofs_wrong
+            + self.plain_version_wrong
+            + self.plain_rows_unreadable
             + (self.late_acks - self.late_acks_converged)
     }
 
@@ -322,6 +340,12 @@ impl Counts {
             fleet_unserved,
             fleet_share_not_returned,
             fresh_proofs_wrong,
+            plain_version_wrong,
+            plain_rows_unreadable,
+            plain_traces,
+            plain_events,
+            numberings_read,
+            numberings_read_above_0,
             fleet_traces,
             fleet_kills,
             fleet_pauses,
@@ -384,6 +408,11 @@ impl Counts {
                 self.fleet_share_not_returned.to_string(),
             ),
             ("fresh_proofs_wrong", self.fresh_proofs_wrong.to_string()),
+            ("plain_version_wrong", self.plain_version_wrong.to_string()),
+            (
+                "plain_rows_unreadable",
+                self.plain_rows_unreadable.to_string(),
+            ),
             ("events_committed", self.events.to_string()),
             ("transactions_rolled_back", self.rolled_back.to_string()),
             ("relay_sigkills", self.relay_crashes.to_string()),
@@ -430,6 +459,16 @@ impl Counts {
             ("snapshot_events", self.snapshot_events.to_string()),
             ("poll_mode_traces", self.poll_traces.to_string()),
             ("poll_mode_events", self.poll_events.to_string()),
+            (
+                "plain_traces",
+                format!(
+                    "{} ({} rows written without a version; {} numberings read, {} above 0)",
+                    self.plain_traces,
+                    self.plain_events,
+                    self.numberings_read,
+                    self.numberings_read_above_0
+                ),
+            ),
             ("migrations", self.migrations.to_string()),
             ("migrations_refused", self.migrations_refused.to_string()),
             ("operator_skips", self.skips.to_string()),
@@ -638,7 +677,7 @@ impl World {
                 let mut last: HashMap<Agg, i64> = HashMap::new();
                 for m in p {
                     if seen.insert(m.row) {
-                        let v = self.rows[m.row].ev.aggregate_version;
+                        let v = self.rows[m.row].version;
                         let agg = self.rows[m.row].agg;
                         if last.get(&agg).is_some_and(|l| *l > v) {
                             order += 1;
@@ -651,6 +690,22 @@ impl World {
         self.c.order_violations = order;
 
         self.c.broker_copies = self.broker.iter().flatten().map(|p| p.len() as u64).sum();
+
+        // Plain rows: every copy on the broker carries the row's commit rank as its version.
+        let mut wrong = 0;
+        for m in self.broker.iter().flatten().flatten() {
+            let row = &self.rows[m.row];
+            if row.plain && m.version != row.version {
+                if self.verbose {
+                    self.log.push(format!(
+                        "PLAIN VERSION WRONG: copy of {} carries v{}, committed as v{} (gen {} attempt {})",
+                        row.ev.event_id, m.version, row.version, m.relay_gen, m.attempt
+                    ));
+                }
+                wrong += 1;
+            }
+        }
+        self.c.plain_version_wrong = self.plain_receipts_wrong + wrong;
 
         // Stalls: after the drain, aggregates with an event nothing holds back (unpublished,
         // no open quarantine, not skipped, the aggregate not held) although the relay run that

@@ -84,6 +84,11 @@ pub(super) struct Ledger {
     pub(super) accepted_through: HashMap<i64, StreamPosition>,
     /// `checkpoints.snapshot_done`: the rows the slot will not stream were published.
     pub(super) snapshot_done: bool,
+    /// `outbox.stream_versions` (migration 0039) of the slot: per aggregate written plainly,
+    /// the version of its last row committed before the slot's checkpoint, as the acceptance
+    /// transactions that moved the checkpoint kept it (raised, never lowered; absent: 0).
+    /// Only the one slot: the traces with plain rows never recreate it.
+    pub(super) stream_versions: HashMap<Agg, i64>,
     pub(super) lease_gen: i64,
     pub(super) lease_until: u64,
 }
@@ -119,6 +124,8 @@ pub(super) enum Item {
     Receipt {
         row: usize,
         rc: Receipt,
+        /// The version it was published with (`ReceiptRecord::aggregate_version`).
+        version: i64,
         payload_digest: String,
         dest_digest: String,
         late: bool,
@@ -159,6 +166,7 @@ impl World {
                         partition: r.partition as usize,
                         offset: r.offset as usize,
                     },
+                    version: r.aggregate_version,
                     payload_digest: r.payload_digest.clone(),
                     dest_digest: r.destination_digest.clone(),
                     late: self.relays[i]
@@ -205,13 +213,16 @@ impl World {
 
     /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
     /// `raises`: what its receipts raise the accepted positions by (`receipt::raises` of the
-    /// batch's receipts; `None`, the WAL's insert position, is `next_lsn` here).
+    /// batch's receipts; `None`, the WAL's insert position, is `next_lsn` here). `numbered`:
+    /// with a checkpoint, the numbering up to it (`accept::accept_numbered_batch`), kept in
+    /// `outbox.stream_versions` only if the checkpoint moves (not when fenced), by GREATEST.
     pub(super) fn accept(
         &mut self,
         i: usize,
         items: Vec<Item>,
         raises: Vec<(i64, Option<StreamPosition>)>,
         checkpoint: Option<Lsn>,
+        numbered: Vec<(outbox_relay::AggKey, i64)>,
     ) -> Result<bool, End> {
         if self.faults && self.rng.chance(15) {
             log!(self, "receipt transaction rolled back");
@@ -295,12 +306,24 @@ impl World {
                 Item::Receipt {
                     row,
                     rc,
+                    version,
                     payload_digest,
                     dest_digest,
                     late,
                     ..
                 } => {
                     let row = *row;
+                    // A plain row's receipt keeps the version the relay published it with:
+                    // its commit rank, or status, the audit and consumers are told another.
+                    if self.rows[row].plain && *version != self.rows[row].version {
+                        log!(
+                            self,
+                            "PLAIN VERSION WRONG: receipt of {} says v{version}, committed as v{}",
+                            self.rows[row].ev.event_id,
+                            self.rows[row].version
+                        );
+                        self.plain_receipts_wrong += 1;
+                    }
                     // Purge keeps a tombstone (event id, digests, publish slot): a late ACK of
                     // a purged event is still recognised as a duplicate, not a conflict. The
                     // row is not read: only a destination migration's digest is compared.
@@ -328,7 +351,7 @@ impl World {
                             let tick = self.ledger.tick();
                             self.ledger.primary_accepted.insert(row, tick);
                             let agg = self.rows[row].agg;
-                            let v = self.rows[row].ev.aggregate_version;
+                            let v = self.rows[row].version;
                             let h = self.ledger.heads.entry(agg).or_insert(0);
                             *h = (*h).max(v);
                             if let Some(released) = self.ledger.held.get_mut(&row) {
@@ -457,6 +480,14 @@ impl World {
             if self.ledger.lease_gen == gen && self.now <= self.ledger.lease_until {
                 let cp = self.ledger.checkpoint.get_or_insert(c);
                 *cp = (*cp).max(c);
+                for (key, v) in numbered {
+                    let kept = self
+                        .ledger
+                        .stream_versions
+                        .entry(agg_of(&key.1))
+                        .or_insert(0);
+                    *kept = (*kept).max(v);
+                }
             } else {
                 fenced = true;
             }

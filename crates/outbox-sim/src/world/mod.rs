@@ -225,6 +225,12 @@ pub enum Mutant {
     /// last accepted transaction counts as new): a product mutant in
     /// `outbox_core::receipt::FreshnessRule` (`commit_only`), counted by `fresh_proofs_wrong`.
     FreshByCommit,
+    /// The acceptance that moves the checkpoint keeps no numbering of the rows written
+    /// without a version (`outbox.stream_versions` never written): a restart numbers them
+    /// again from 0, so receipts and copies carry versions below their commit rank
+    /// (`plain_version_wrong`). A product mutant in
+    /// `outbox_relay::PipelineCore::numbered_through` (`NumberingNotKept`).
+    NumberingNotKept,
 }
 
 impl Mutant {
@@ -288,6 +294,7 @@ impl Mutant {
             "bug-look-up-beside-reconciliation",
             Mutant::BugLookUpBesideReconciliation,
         ),
+        ("numbering-not-kept", Mutant::NumberingNotKept),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -387,8 +394,19 @@ fn served() -> Served {
 
 /// A committed outbox row.
 struct Row {
-    /// The row as the WAL carries it (generation 1, the destination frozen at enqueue).
+    /// The row as the WAL carries it (generation 1, the destination frozen at enqueue). A row
+    /// written plainly (`plain`) carries no version: `version_by_relay`, version 0, as the
+    /// decoder gives it; the relay core numbers it from the stream.
     ev: OutboxEvent,
+    /// The truth: the row's version, which is its rank among its aggregate's committed rows
+    /// (1-based, in commit order). A row written through `outbox.enqueue` carries it (taken
+    /// under the aggregate's lock, so committed transactions take them in commit order); a
+    /// plain row must be published with it, by the relay's numbering
+    /// (`plain_version_wrong` counts every receipt or copy that says otherwise).
+    version: i64,
+    /// Written plainly, without a version (docs/versions_by_relay.md): its aggregate is one
+    /// of [`World::plain`]'s.
+    plain: bool,
     agg: Agg,
     commit_end: Lsn,
     business: u64,
@@ -565,6 +583,24 @@ struct World {
     /// endpoint with idempotency keys do: a quarter of the traces, drawn from a generator of
     /// their own.
     dedup: bool,
+    /// The aggregates written plainly (`INSERT INTO outbox.events` without a version or a
+    /// route; docs/versions_by_relay.md), each of them only so (an aggregate is written one
+    /// way only: the documented rule). A quarter of the CDC traces whose slot is never lost,
+    /// drawn from generators of their own (so that the other traces keep every draw), write
+    /// one to all of the aggregates plainly. Never in poll mode (it refuses an outbox that
+    /// allows such rows: it cannot see commit order) nor where the slot is lost (a new slot
+    /// starts with no numbering, and the product refuses it over plain rows: "Not built yet").
+    plain: [bool; AGGREGATES as usize],
+    /// Whether a run that may have a successor (salvaging, or superseded) records the
+    /// DISPATCH_UNKNOWN attempts of plain rows. Off: such a run dies before the attempt is
+    /// durable instead (a boundary the model has anyway), because the successor's running
+    /// reconciliation would load the event from SQL, which the daemon cannot do for a plain
+    /// row (no route, no version: `unknown::load` fails and the process stops) — an open
+    /// product bug counted by `plain_rows_unreadable`, shown by a test that turns this on.
+    plain_unknown_after_handover: bool,
+    /// Accepted receipts of plain rows whose version is not the row's commit rank (with the
+    /// copies on the broker that carry one, the judge's `plain_version_wrong`).
+    plain_receipts_wrong: u64,
 }
 
 macro_rules! log {
@@ -628,8 +664,20 @@ impl World {
                 .expect("a valid schedule")
         });
         let dedup = rng.fork(8).chance(250);
+        // Aggregates written plainly: a quarter of the CDC traces whose slot is never lost
+        // (`World::plain` says why only those), one to all of the aggregates.
+        let mut plain = [false; AGGREGATES as usize];
+        if !poll && slot_loss_at.is_none() && rng.fork(10).chance(250) {
+            let mask = rng.fork(11).range(1, 1 << AGGREGATES);
+            for (a, p) in plain.iter_mut().enumerate() {
+                *p = mask & (1 << a) != 0;
+            }
+        }
         World {
             dedup,
+            plain,
+            plain_unknown_after_handover: false,
+            plain_receipts_wrong: 0,
             unclear_budget,
             unclear_schedule,
             producer_refuses,
@@ -685,6 +733,13 @@ impl World {
     fn run(&mut self) {
         let steps = self.rng.range(60, 260);
         let max_events = self.rng.range(4, 30);
+        if self.plain.contains(&true) {
+            let plain: Vec<String> = (0..AGGREGATES)
+                .filter(|a| self.plain[*a as usize])
+                .map(|a| format!("o-{a}"))
+                .collect();
+            log!(self, "written plainly (no version): {}", plain.join(", "));
+        }
         // The first start creates the slot, before anything is committed (its snapshot is
         // empty); a lost slot later is recreated with --resnapshot and a snapshot of the table.
         self.start_relay();
@@ -696,6 +751,7 @@ impl World {
         }
         self.drain();
         self.c.poll_traces = u64::from(self.poll);
+        self.c.plain_traces = u64::from(self.plain.contains(&true));
         self.c.dedup_traces = u64::from(self.dedup);
         self.judge();
     }
@@ -969,22 +1025,36 @@ impl World {
         .into_uuid()
     }
 
+    /// The row a writer inserts for `agg`: through `outbox.enqueue` with `version`, or, for a
+    /// plain aggregate, plainly: no version (`version_by_relay`, 0 as decoded), which the
+    /// relay gives it in commit order.
     fn enqueue(&mut self, agg: Agg, business: u64, version: i64) -> OutboxEvent {
         let (topic, gen) = self.route();
         let destination = self.destination(agg, topic, gen);
         let payload = Bytes::from(format!("{{\"business\": {business}}}"));
-        OutboxEvent::frozen(
-            self.new_id(),
-            ("order", &format!("o-{agg}"), version),
-            "order.changed",
-            payload,
-            destination,
-        )
+        let plain = self.plain[agg as usize];
+        OutboxEvent {
+            version_by_relay: plain,
+            ..OutboxEvent::frozen(
+                self.new_id(),
+                (
+                    "order",
+                    &format!("o-{agg}"),
+                    if plain { 0 } else { version },
+                ),
+                "order.changed",
+                payload,
+                destination,
+            )
+        }
     }
 
     /// One business transaction: 1–3 events, committed or rolled back (a crash before COMMIT
     /// is a rollback). Versions are allocated under the aggregate's lock, so only committed
-    /// transactions consume them.
+    /// transactions consume them. For a plain aggregate nothing is allocated in the writer's
+    /// transaction, but the count kept here is the same: each committed row's rank among its
+    /// aggregate's committed rows (transactions commit one at a time, in this order), the
+    /// version the relay must give it.
     fn producer_txn(&mut self) {
         let n = self.rng.range(1, 4);
         let mut versions = self.agg_version.clone();
@@ -995,7 +1065,7 @@ impl World {
             let business = self.business_next;
             self.business_next += 1;
             let ev = self.enqueue(agg, business, versions[agg as usize]);
-            evs.push((agg, business, ev));
+            evs.push((agg, business, ev, versions[agg as usize]));
         }
         self.next_lsn += self.rng.range(16, 200);
         if self.faults && self.rng.chance(120) {
@@ -1006,29 +1076,40 @@ impl World {
         self.agg_version = versions;
         let end = Lsn(self.next_lsn);
         let mut ids = Vec::new();
-        for (agg, business, ev) in evs {
+        for (agg, business, ev, version) in evs {
             log!(
                 self,
-                "commit {} o-{agg} v{} -> {}/{} at {end}",
+                "commit {} o-{agg} v{version}{} -> {}/{} at {end}",
                 ev.event_id,
-                ev.aggregate_version,
+                if ev.version_by_relay { " (plain)" } else { "" },
                 ev.destination.cluster,
                 ev.destination.topic
             );
-            ids.push(self.commit_row(ev, agg, business, end));
+            ids.push(self.commit_row(ev, version, agg, business, end));
         }
         self.wal.push((end, ids));
         self.next_lsn += 8;
     }
 
-    /// A committed outbox row; returns its index.
-    fn commit_row(&mut self, ev: OutboxEvent, agg: Agg, business: u64, end: Lsn) -> usize {
+    /// A committed outbox row, `version` its rank among its aggregate's; returns its index.
+    fn commit_row(
+        &mut self,
+        ev: OutboxEvent,
+        version: i64,
+        agg: Agg,
+        business: u64,
+        end: Lsn,
+    ) -> usize {
         let row = self.rows.len();
         self.by_id.insert(ev.event_id, row);
         // The version in force when the row was enqueued (in the same step).
         let route_version = self.route_versions.len() - 1;
+        let plain = ev.version_by_relay;
+        self.c.plain_events += u64::from(plain);
         self.rows.push(Row {
             ev,
+            version,
+            plain,
             agg,
             commit_end: end,
             business,
@@ -1054,10 +1135,11 @@ impl World {
         let agg = self.rows[r].agg;
         let business = self.rows[r].business;
         self.agg_version[agg as usize] += 1;
-        let ev = self.enqueue(agg, business, self.agg_version[agg as usize]);
+        let version = self.agg_version[agg as usize];
+        let ev = self.enqueue(agg, business, version);
         self.next_lsn += 64;
         let end = Lsn(self.next_lsn);
-        let row = self.commit_row(ev, agg, business, end);
+        let row = self.commit_row(ev, version, agg, business, end);
         self.wal.push((end, vec![row]));
     }
 
@@ -1069,11 +1151,19 @@ impl World {
 
     fn route_change(&mut self) {
         let gen = self.route().1 + 1;
-        let topic = if self.faults {
+        let mut topic = if self.faults {
             [0, 1, 1, 2, 3][self.rng.below(5) as usize]
         } else {
             0
         };
+        // Where aggregates are written plainly, routes stay on the served, accepting topics:
+        // a refused event holds its aggregate, and the release of a held aggregate reads its
+        // rows from SQL, where a plain row has no version (the core quarantines it as
+        // `unnumbered_row`: "Not built yet" in docs/versions_by_relay.md), so such a hold
+        // could never be released. The draw is the same, so the traces keep every draw.
+        if self.plain.contains(&true) && topic >= REJECTING_TOPIC {
+            topic = 1;
+        }
         log!(
             self,
             "route policy generation {gen} -> {}/{}",
@@ -1316,9 +1406,9 @@ impl World {
         let existing = |below: i64| {
             self.rows
                 .iter()
-                .filter(|row| row.agg == agg && row.ev.aggregate_version < below)
+                .filter(|row| row.agg == agg && row.version < below)
                 .filter(|row| !(row.purged && self.is(Mutant::HeadsWithoutPurged)))
-                .map(|row| row.ev.aggregate_version)
+                .map(|row| row.version)
                 .max()
                 .unwrap_or(0)
         };
@@ -1335,8 +1425,8 @@ impl World {
             .primary
             .keys()
             .map(|r| &self.rows[*r])
-            .filter(|row| row.agg == agg && row.ev.aggregate_version < below)
-            .map(|row| row.ev.aggregate_version)
+            .filter(|row| row.agg == agg && row.version < below)
+            .map(|row| row.version)
             .max()
             .unwrap_or(0)
             .max(self.moved_head(agg))
@@ -1355,13 +1445,13 @@ impl World {
         if self.relays[i].core.knows_aggregate_of(ev) {
             return;
         }
-        let below = stream.then_some(ev.aggregate_version);
+        let below = stream.then_some(self.rows[row].version);
         let head = self.head_of(self.rows[row].agg, below);
         log!(
             self,
             "head of {} read: {head} (met v{}{})",
             agg_key(self.rows[row].agg).1,
-            self.rows[row].ev.aggregate_version,
+            self.rows[row].version,
             if stream { ", below it" } else { "" }
         );
         let key = agg_key(self.rows[row].agg);
@@ -1450,11 +1540,10 @@ impl World {
                 !row.purged
                     && offered
                     && (!above_head
-                        || row.ev.aggregate_version
-                            > self.ledger.heads.get(&row.agg).copied().unwrap_or(0))
+                        || row.version > self.ledger.heads.get(&row.agg).copied().unwrap_or(0))
             })
             .collect();
-        pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
+        pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].version));
         pending
     }
 
@@ -1608,7 +1697,7 @@ impl World {
                 !self.rows[*r].purged && OfferRule::default().by_snapshot(self.offer_facts(*r))
             })
             .collect();
-        pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].ev.aggregate_version));
+        pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].version));
         log!(self, "snapshot: {} unpublished rows", pending.len());
         for row in pending {
             self.learn_head(i, row, false);
@@ -1742,6 +1831,20 @@ impl World {
                     continue;
                 }
             }
+            if self.rows[row].plain {
+                // The daemon loads the attempt's event from SQL (`unknown::load`), where a
+                // row written plainly has neither a route nor a version: `event_from_row`
+                // fails, and that error is not transient, so the process stops. (Were the
+                // row routed, its receipt would say version 0.) A product bug, open: the
+                // model keeps such attempts from being recorded unless a test asks
+                // (`World::plain_unknown_after_handover`).
+                log!(
+                    self,
+                    "PLAIN ROW UNREADABLE: reconciliation cannot load {id} from SQL; the relay stops"
+                );
+                self.c.plain_rows_unreadable += 1;
+                return Err(End::Error("a plain row's event loaded from SQL"));
+            }
             // On a task of its own in the daemon: it answers at a later step
             // (`World::on_reconcile_lookup`), and the core skips the event's attempts until then.
             log!(self, "reconciliation's look-up of {id} started");
@@ -1843,6 +1946,7 @@ impl World {
             let probe = Msg {
                 id: ev.event_id,
                 row,
+                version: ev.aggregate_version,
                 dest_digest: ev.destination_digest.clone(),
                 relay_gen: self.relays[i].gen,
                 attempt: last + 1,
@@ -1903,6 +2007,7 @@ impl World {
             let items = vec![Item::Receipt {
                 row,
                 rc,
+                version: ev.aggregate_version,
                 payload_digest: ev.payload_digest.clone(),
                 dest_digest: ev.destination_digest.clone(),
                 late: false,
@@ -1911,7 +2016,7 @@ impl World {
             // The look-up's receipt knows nothing of its row's position (the daemon's
             // `unknown::record_lookup` builds it without LSNs): what `receipt::raises` gives it.
             let raises = vec![(receipt::UNPOSITIONED_GENERATION, None)];
-            self.accept(i, items, raises, None)?;
+            self.accept(i, items, raises, None, Vec::new())?;
             self.relays[i].proven.insert(row);
         }
         if let (Some(found), false) = (record.resolve, record.resolve_first) {
@@ -1933,10 +2038,16 @@ impl World {
     fn decode_next(&mut self, i: usize) -> Result<(), End> {
         let (end, rows) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
-        let mut messages = vec![Staged::Begin(end)];
+        // pgoutput's Begin names the commit record's LSN, the Commit the end of that record
+        // (the position a checkpoint names): the commit record lies just before its end, so
+        // a checkpoint at this transaction's end is past its commit LSN, and the numbering it
+        // keeps covers this transaction (`outbox_core::numbering`: rows committed before C),
+        // while a restart from it streams only the transactions ending after it.
+        let commit = Lsn(end.0 - 1);
+        let mut messages = vec![Staged::Begin(commit)];
         // Each row's change record lies before its commit record, in the order of the rows
         // (the same on every read of the transaction, as the WAL's are).
-        let first_change = end.0 - rows.len() as u64;
+        let first_change = commit.0 - rows.len() as u64;
         for (k, r) in rows.into_iter().enumerate() {
             let ev = self.decoded(i, r);
             messages.push(Staged::Row(Box::new(Ok(ev)), Lsn(first_change + k as u64)));
@@ -1964,9 +2075,26 @@ impl World {
         Ok(())
     }
 
-    /// `Pipeline::learn_heads` for the stream: the heads of the staged rows' aggregates the
-    /// core does not know, each read below the version met first.
+    /// `Pipeline::learn_heads` for the stream: the numbering of the staged plain rows'
+    /// aggregates the core does not number yet (`numbering::versions_of`: what the slot's
+    /// checkpoint kept, 0 for none), then the heads of the staged rows' aggregates the core
+    /// does not know, each read below the version met first.
     fn learn_heads(&mut self, i: usize, stage: &Stage) {
+        let unnumbered = self.relays[i].core.unnumbered_aggregates(stage.events());
+        if !unnumbered.is_empty() {
+            let seeds: Vec<_> = unnumbered
+                .into_iter()
+                .map(|key| {
+                    let agg = self.aggs_by_key(&key).expect("a staged row's aggregate");
+                    let kept = self.ledger.stream_versions.get(&agg).copied().unwrap_or(0);
+                    log!(self, "numbering of {} read: {kept}", key.1);
+                    self.c.numberings_read += 1;
+                    self.c.numberings_read_above_0 += u64::from(kept > 0);
+                    (key, kept)
+                })
+                .collect();
+            self.relays[i].core.seed_numbering(seeds);
+        }
         let unknown = self.relays[i].core.unknown_aggregates(stage.events());
         let heads: Vec<_> = unknown
             .into_iter()
@@ -2065,6 +2193,7 @@ impl World {
             Mutant::BugLookUpBesideReconciliation => {
                 Some(outbox_relay::Mutant::LookUpBesideReconciliation)
             }
+            Mutant::NumberingNotKept => Some(outbox_relay::Mutant::NumberingNotKept),
             _ => None,
         }
     }
@@ -2183,6 +2312,7 @@ impl World {
             let msg = Msg {
                 id: ev.event_id,
                 row,
+                version: ev.aggregate_version,
                 dest_digest: ev.destination_digest.clone(),
                 relay_gen: self.relays[i].gen,
                 attempt,
@@ -2191,9 +2321,14 @@ impl World {
             let report = self.broker_send(topic, partition, msg);
             log!(
                 self,
-                "send {} v{} attempt {attempt} gen {} -> {}/{partition}",
+                "send {} v{}{} attempt {attempt} gen {} -> {}/{partition}",
                 ev.event_id,
                 ev.aggregate_version,
+                if ev.version_by_relay {
+                    " (numbered)"
+                } else {
+                    ""
+                },
                 self.relays[i].gen,
                 TOPICS[topic].1
             );
@@ -2292,6 +2427,15 @@ impl World {
                 if self.faults && self.rng.chance(30) {
                     // The process dies before the attempt is durable: the same boundary as a
                     // SIGKILL with the send in flight (nothing learned, nothing recorded).
+                    self.sigkill(i);
+                    return Err(End::Error("killed"));
+                }
+                let handed_over =
+                    self.relays[i].salvaging || self.relays[i].gen != self.ledger.lease_gen;
+                if handed_over && self.rows[f.row].plain && !self.plain_unknown_after_handover {
+                    // The same boundary, for the attempts of plain rows recorded by a run a
+                    // successor may be running beside: their look-up by its reconciliation
+                    // stops the daemon (an open product bug: `World::plain_unknown_after_handover`).
                     self.sigkill(i);
                     return Err(End::Error("killed"));
                 }
@@ -2585,7 +2729,15 @@ impl World {
             })
             .collect();
         let raises = receipt::raises(&receipts);
-        let fenced = match self.accept(i, sim_items, raises, checkpoint) {
+        // `Pipeline::numbered_through`: what the transaction that moves the checkpoint keeps
+        // for the rows written without a version (per aggregate, the version of its last row
+        // committed before the checkpoint), taken just before it; if it fails, the run ends.
+        // (The simulator does not model policy generations: its plain rows are routed by the
+        // route version in force at their commit, rendered as a narrow row's.)
+        let numbered = checkpoint.map_or_else(Vec::new, |c| {
+            self.relays[i].core.numbered_through(c).versions
+        });
+        let fenced = match self.accept(i, sim_items, raises, checkpoint, numbered) {
             Ok(fenced) => fenced,
             Err(e) => {
                 self.relays[i].core.restore_batch(items, false);
@@ -2655,7 +2807,7 @@ impl World {
                 .map(|r| (self.rows[r].current(), None))
                 .collect();
             log!(self, "republishing released o-{agg}: {} events", set.len());
-            let blocking_version = blocking.map(|b| self.rows[b].ev.aggregate_version);
+            let blocking_version = blocking.map(|b| self.rows[b].version);
             let mut release = self.relays[i].core.start_release(
                 agg_key(agg),
                 blocking_version,
@@ -3052,6 +3204,35 @@ mod tests {
             untraced > 0,
             "no attempt resolved ABSENT before its late append in 200 traces"
         );
+    }
+
+    /// An open product bug (2026-12-05), found by giving the model plain rows: a run that
+    /// may have a successor (a salvage, a paused relay resumed) records a DISPATCH_UNKNOWN
+    /// attempt of a row written plainly; the successor's running reconciliation looks it up
+    /// and loads its event from SQL (`outboxd`'s `unknown::load`), where the row has neither
+    /// version nor route: the load fails with a non-transient error and the daemon stops. The
+    /// model keeps such attempts from being recorded (`World::plain_unknown_after_handover`);
+    /// here it records them, and `plain_rows_unreadable` names the runs that would stop. Once
+    /// the product looks such attempts up with the numbered event (or leaves them to a
+    /// restart's replay, which parks the event it numbered), this test's traces pass and the
+    /// knob goes.
+    #[test]
+    fn a_plain_rows_attempt_looked_up_by_a_successors_reconciliation_is_unreadable() {
+        let run = |record: bool| {
+            (0..400)
+                .map(|trace| {
+                    let mut w = World::new(SplitMix64::for_trace(1, trace), None, false);
+                    w.plain_unknown_after_handover = record;
+                    w.run();
+                    w.c.plain_rows_unreadable
+                })
+                .sum::<u64>()
+        };
+        assert!(
+            run(true) > 0,
+            "no successor looked up a plain row's attempt in 400 traces"
+        );
+        assert_eq!(run(false), 0);
     }
 
     #[test]
