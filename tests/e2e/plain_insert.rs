@@ -129,8 +129,23 @@ cdc_only! {
             4,
         )
         .await;
-
         assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
+
+        // `status --event` reads what the relay gave a row that has neither itself.
+        let later = routed_later[0];
+        let (ok, out) = crate::harness::outboxd(&[
+            "status",
+            "--database-url",
+            &env.url,
+            "--event",
+            &later.to_string(),
+        ]);
+        let (version, _) = &receipts[&later];
+        assert!(
+            ok && out.contains(&format!("@{version} (numbered by the relay)"))
+                && out.contains(&format!("{rerouted} (routed by the relay)")),
+            "{out}"
+        );
     }
 
     /// A slot new to the ledger has no numbering to continue: over rows already written

@@ -28,8 +28,9 @@ pub async fn aged_pending(
 ) -> Result<(Vec<AgedPending>, i64), LedgerError> {
     let rows = client
         .query(
-            "SELECT e.event_id, e.aggregate_type || '/' || e.aggregate_id || '@' || e.aggregate_version,
-                    e.dest_topic, extract(epoch FROM clock_timestamp() - e.occurred_at)::float8,
+            "SELECT e.event_id, e.aggregate_type || '/' || e.aggregate_id || '@'
+                        || coalesce(e.aggregate_version::text, '(numbered by the relay)'),
+                    coalesce(e.dest_topic, '(routed by the relay)'), extract(epoch FROM clock_timestamp() - e.occurred_at)::float8,
                     count(*) OVER ()
              FROM outbox.events_frozen e
              WHERE e.occurred_at < clock_timestamp() - make_interval(secs => $1)

@@ -180,7 +180,10 @@ pub async fn republish_set(
 ) -> Result<Vec<(Uuid, i64, Option<Lsn>)>, LedgerError> {
     let rows = client
         .query(
-            "SELECT e.event_id, e.aggregate_version, he.commit_lsn::text
+            // A row written without a version (docs/versions_by_relay.md) has the one the
+            // relay gave it in its held record.
+            "SELECT e.event_id, coalesce(e.aggregate_version, he.aggregate_version, 0),
+                    he.commit_lsn::text
              FROM outbox.events e
              LEFT JOIN outbox.held_events he ON he.event_id = e.event_id
              WHERE e.aggregate_type = $1 AND e.aggregate_id = $2
@@ -190,7 +193,7 @@ pub async fn republish_set(
                                  AND (q.released_at IS NULL OR q.resolution = 'skipped'))
                AND ((he.event_id IS NOT NULL AND he.released_at IS NULL)
                     OR ($4 AND e.event_id = $3))
-             ORDER BY e.aggregate_version",
+             ORDER BY 2",
             &[
                 &r.key.0,
                 &r.key.1,

@@ -209,7 +209,8 @@ pub async fn purge(client: &Client, s: &PurgeSettings) -> Result<PurgeReport, Le
                  INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
                      aggregate_version, payload_digest, destination_digest, topic, partition,
                      \"offset\", occurred_at, accepted_at)
-                 SELECT e.event_id, e.aggregate_type, e.aggregate_id, e.aggregate_version,
+                 SELECT e.event_id, e.aggregate_type, e.aggregate_id,
+                        coalesce(e.aggregate_version, r.aggregate_version),
                         coalesce(e.payload_digest, r.payload_digest), r.destination_digest,
                         r.topic, r.partition, r.\"offset\", e.occurred_at, r.accepted_at
                  FROM v JOIN outbox.events e ON e.event_id = v.event_id

@@ -162,9 +162,17 @@ pub async fn event_history(
 ) -> Result<Option<Vec<String>>, LedgerError> {
     let Some(s) = client
         .query_opt(
-            "SELECT state, aggregate_type || '/' || aggregate_id || '@' || aggregate_version,
-                    event_type, dest_topic, occurred_at::text
-             FROM outbox.event_status WHERE event_id = $1",
+            // A row written without a version or route (docs/versions_by_relay.md) shows the
+            // ones the relay gave it, from its receipt, or says they are still to be given.
+            "SELECT s.state, s.aggregate_type || '/' || s.aggregate_id || '@'
+                        || coalesce(s.aggregate_version::text, r.aggregate_version::text || ' (numbered by the relay)',
+                                    '? (numbered by the relay when it publishes it)'),
+                    s.event_type,
+                    coalesce(s.dest_topic, r.topic || ' (routed by the relay)',
+                             '? (routed by the relay when it publishes it)'),
+                    s.occurred_at::text
+             FROM outbox.event_status s LEFT JOIN LATERAL outbox.receipt_of(s.event_id) r ON true
+             WHERE s.event_id = $1",
             &[&event_id],
         )
         .await
