@@ -355,6 +355,25 @@ mod tests {
         insert(1, &values)
     }
 
+    /// A decoder that has been told the relations of the outbox table (id 1), the route
+    /// versions (2) and the policy generations (3).
+    fn decoder() -> Decoder {
+        let mut d = Decoder::new("outbox", "events");
+        for m in [
+            relation(1, "outbox", "events", &events_columns()),
+            relation(2, "outbox", "route_versions", ROUTE_VERSION_COLUMNS),
+            relation(
+                3,
+                "outbox",
+                "policy_generations",
+                &["generation_id", "rules", "created_at"],
+            ),
+        ] {
+            assert_eq!(d.decode(m).unwrap(), Decoded::Nothing);
+        }
+        d
+    }
+
     fn event(d: Decoded) -> Result<OutboxEvent, RowError> {
         match d {
             Decoded::Event(e) => *e,
@@ -364,16 +383,7 @@ mod tests {
 
     #[test]
     fn a_narrow_row_renders_from_a_streamed_version_and_an_unknown_one_is_never_guessed() {
-        let mut d = Decoder::new("outbox", "events");
-        d.decode(relation(1, "outbox", "events", &events_columns()))
-            .unwrap();
-        d.decode(relation(
-            2,
-            "outbox",
-            "route_versions",
-            ROUTE_VERSION_COLUMNS,
-        ))
-        .unwrap();
+        let mut d = decoder();
         let err = event(d.decode(narrow_row("7")).unwrap()).unwrap_err();
         assert_eq!(err.column, "route_version", "{err}");
         assert!(err.problem.contains("route version 7"), "{err}");
@@ -442,23 +452,7 @@ mod tests {
                 ],
             )
         };
-        let mut d = Decoder::new("outbox", "events");
-        d.decode(relation(1, "outbox", "events", &events_columns()))
-            .unwrap();
-        d.decode(relation(
-            2,
-            "outbox",
-            "route_versions",
-            ROUTE_VERSION_COLUMNS,
-        ))
-        .unwrap();
-        d.decode(relation(
-            3,
-            "outbox",
-            "policy_generations",
-            &["generation_id", "rules", "created_at"],
-        ))
-        .unwrap();
+        let mut d = decoder();
         let err = event(d.decode(plain()).unwrap()).unwrap_err();
         assert_eq!(err.column, "route_version", "{err}");
 

@@ -107,21 +107,21 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
         "x".repeat(workload::pad_len(sc.payload))
     );
     let aggregates = ctx.args.producer_aggregates.max(1);
-    let enqueue = ctx.dir.path().join("producer-enqueue.sql");
-    std::fs::write(
-        &enqueue,
-        format!(
-            "\\set aid random(1, {aggregates})\n\
-             SELECT outbox.enqueue('bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb);\n"
-        ),
-    )?;
-    let plain = ctx.dir.path().join("producer-plain.sql");
-    std::fs::write(
-        &plain,
-        format!(
-            "\\set aid random(1, {aggregates})\n\
-             INSERT INTO public.plain_outbox (aggregatetype, aggregateid, type, payload) \
-             VALUES ('bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb);\n"
+    // One pgbench script per side: one event per transaction, of an aggregate drawn at random.
+    let script = |name: &str, statement: &str| -> anyhow::Result<std::path::PathBuf> {
+        let path = ctx.dir.path().join(format!("producer-{name}.sql"));
+        std::fs::write(
+            &path,
+            format!("\\set aid random(1, {aggregates})\n{statement};\n"),
+        )?;
+        Ok(path)
+    };
+    let values = format!("'bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb");
+    let enqueue = script("enqueue", &format!("SELECT outbox.enqueue({values})"))?;
+    let plain = script(
+        "plain",
+        &format!(
+            "INSERT INTO public.plain_outbox (aggregatetype, aggregateid, type, payload) VALUES ({values})"
         ),
     )?;
     // The writer's fast path: four columns into outbox.events, id and time by default. This
@@ -130,13 +130,10 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
         .batch_execute("SELECT outbox.allow_plain_inserts(true)")
         .await
         .context("allowing rows without a version in the producer's database")?;
-    let fast_path = ctx.dir.path().join("producer-fast-path.sql");
-    std::fs::write(
-        &fast_path,
-        format!(
-            "\\set aid random(1, {aggregates})\n\
-             INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload) \
-             VALUES ('bench_producer', 'a-' || :aid, 'bench.tick', '{payload}'::jsonb);\n"
+    let fast_path = script(
+        "fast-path",
+        &format!(
+            "INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload) VALUES ({values})"
         ),
     )?;
     let mut out = Producer {
