@@ -45,8 +45,11 @@ struct Agg {
     /// The version of the last row numbered.
     last: i64,
     /// Rows numbered past the last checkpoint written: (commit LSN, version of the
-    /// transaction's last row of this aggregate), in commit order.
-    pending: VecDeque<(Lsn, i64)>,
+    /// transaction's last row of this aggregate), in commit order. The run keeps an entry for
+    /// every aggregate it numbered, and few have pending rows at any moment: boxed, an entry
+    /// is 24 bytes smaller (as the ordering gate's queues are).
+    #[allow(clippy::box_collection)] // the box is the point: 8 bytes inline instead of 32
+    pending: Option<Box<VecDeque<(Lsn, i64)>>>,
 }
 
 /// Per-aggregate numbering for one relay run.
@@ -75,13 +78,14 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
             return Number::NeedHead;
         };
         agg.last += 1;
-        match agg.pending.back_mut() {
+        let pending = agg.pending.get_or_insert_with(Box::default);
+        match pending.back_mut() {
             Some((lsn, v)) if *lsn == commit_lsn => *v = agg.last,
             _ => {
-                if agg.pending.is_empty() {
+                if pending.is_empty() {
                     self.dirty.insert(key.clone());
                 }
-                agg.pending.push_back((commit_lsn, agg.last));
+                pending.push_back((commit_lsn, agg.last));
             }
         }
         Number::Version(agg.last)
@@ -92,7 +96,7 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
     pub fn set_head(&mut self, key: K, last: i64) {
         self.aggs.entry(key).or_insert(Agg {
             last,
-            pending: VecDeque::new(),
+            pending: None,
         });
     }
 
@@ -106,18 +110,24 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
         let aggs = &mut self.aggs;
         self.dirty.retain(|key| {
             let agg = aggs.get_mut(key).expect("a dirty aggregate is known");
+            let pending = agg.pending.as_mut().expect("a dirty aggregate has pending rows");
             let mut reached = None;
-            while let Some(&(lsn, v)) = agg.pending.front() {
+            while let Some(&(lsn, v)) = pending.front() {
                 if lsn >= through {
                     break;
                 }
                 reached = Some(v);
-                agg.pending.pop_front();
+                pending.pop_front();
             }
             if let Some(v) = reached {
                 out.push((key.clone(), v));
             }
-            !agg.pending.is_empty()
+            if pending.is_empty() {
+                // Its buffer back: most aggregates have nothing pending most of the time.
+                agg.pending = None;
+                return false;
+            }
+            true
         });
         out
     }
