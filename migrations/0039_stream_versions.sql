@@ -145,5 +145,10 @@ END
 $$;
 REVOKE EXECUTE ON FUNCTION outbox.allow_plain_inserts(boolean) FROM PUBLIC;
 
+-- An unclear attempt of a row written without a version keeps the version and route version
+-- the relay gave it: read from SQL the row has neither, and its look-up must publish it as
+-- the relay did (the simulator found a relay stopping on such a row otherwise).
+ALTER TABLE outbox.attempts ADD COLUMN relay_version bigint, ADD COLUMN relay_route_version bigint;
+
 -- A plain INSERT names no event id: it gets a time-ordered one, as outbox.enqueue gives.
 ALTER TABLE outbox.events ALTER COLUMN event_id SET DEFAULT outbox.uuid_v7();

@@ -170,4 +170,65 @@ cdc_only! {
         assert_eq!(env.count("SELECT count(*) FROM outbox.receipts").await, 0);
         assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
     }
+
+    /// An unclear attempt of a plain row recorded by another relay generation (a paused
+    /// relay's salvage) while this one runs: the running reconciliation looks it up with the
+    /// version and route version the attempt kept (the row itself has neither) and closes it
+    /// at the copy it finds. Found by the simulator: the relay loaded the row from SQL, could
+    /// not read it, and stopped, again at every restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unclear_attempt_of_a_plain_row_is_looked_up_as_the_relay_published_it() {
+        let env = TestEnv::new("plain_unknown").await;
+        env.db
+            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
+            .await
+            .unwrap();
+        let mut relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
+        env.wait_streaming().await;
+        for n in 1..=3 {
+            insert_plain(&env, "u-1", n).await;
+        }
+        env.wait_receipts("the plain rows' receipts", 3).await;
+        let (id, version, partition): (uuid::Uuid, i64, i32) = {
+            let r = env
+                .db
+                .query_one(
+                    "SELECT event_id, aggregate_version, partition FROM outbox.receipts
+                     ORDER BY aggregate_version DESC LIMIT 1",
+                    &[],
+                )
+                .await
+                .unwrap();
+            (r.get(0), r.get(1), r.get(2))
+        };
+        // What a paused relay of generation 0 records for it, as the relay records it.
+        env.db
+            .execute(
+                "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
+                                              topic, partition, sent_at, error, relay_version,
+                                              relay_route_version)
+                 VALUES ($1, 0, 1, $2, $3, $4, clock_timestamp(), 'Local: Message timed out',
+                         $5, 0)",
+                &[&id, &env.slot, &env.topic, &partition, &version],
+            )
+            .await
+            .unwrap();
+        env.wait_zero(
+            "the plain row's unclear attempt, looked up",
+            &format!(
+                "SELECT count(*) FROM outbox.attempts
+                 WHERE event_id = '{id}' AND state = 'DISPATCH_UNKNOWN'"
+            ),
+        )
+        .await;
+        relay.assert_running();
+        assert_eq!(version, 3);
+        let copies = env
+            .read_topic()
+            .await
+            .into_iter()
+            .filter(|m| m.id() == id.to_string())
+            .count();
+        assert!(copies >= 1);
+    }
 }

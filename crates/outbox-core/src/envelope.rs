@@ -176,6 +176,11 @@ pub struct OutboxEvent {
     /// docs/versions_by_relay.md): `aggregate_version` is 0 as decoded, and the relay core
     /// gives it its aggregate's next version in commit order before anything else reads it.
     pub version_by_relay: bool,
+    /// The route version its destination was rendered from (a narrow row's, or the one the
+    /// relay chose for a row written without a route); `None` for a row that stores its
+    /// destination whole. Kept so that an unclear attempt of a row written without a route
+    /// records the route its look-up must use (the row itself has none).
+    pub route_version: Option<i64>,
 }
 
 /// Why a row cannot be published as it stands. Each variant names the field at fault.
@@ -244,6 +249,7 @@ impl OutboxEvent {
             delivery_set_id: None,
             digests_checked: true,
             version_by_relay: false,
+            route_version: None,
         }
     }
 }
@@ -483,6 +489,7 @@ impl OutboxEvent {
                 None => None,
             },
         };
+        let mut route_version = None;
         let destination = match narrow.as_deref() {
             None => Destination {
                 kind: required("dest_kind")?.to_string(),
@@ -499,6 +506,7 @@ impl OutboxEvent {
                     column: "route_version".into(),
                     problem: format!("{v:?} is not an integer"),
                 })?;
+                route_version = Some(id);
                 let version = versions.get(&id).ok_or_else(|| RowError {
                     column: "route_version".into(),
                     problem: format!(
@@ -562,6 +570,7 @@ impl OutboxEvent {
             },
             digests_checked,
             version_by_relay,
+            route_version,
         })
     }
 }

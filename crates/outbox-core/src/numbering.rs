@@ -110,7 +110,10 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
         let aggs = &mut self.aggs;
         self.dirty.retain(|key| {
             let agg = aggs.get_mut(key).expect("a dirty aggregate is known");
-            let pending = agg.pending.as_mut().expect("a dirty aggregate has pending rows");
+            let pending = agg
+                .pending
+                .as_mut()
+                .expect("a dirty aggregate has pending rows");
             let mut reached = None;
             while let Some(&(lsn, v)) = pending.front() {
                 if lsn >= through {

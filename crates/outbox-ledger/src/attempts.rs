@@ -32,6 +32,9 @@ pub struct UnknownAttempt {
     /// Seconds since it was sent, by the database clock (what a broker's duplicate window
     /// counts from, give or take clock skew, which the sink's margin covers).
     pub sent_ago_s: f64,
+    /// For a row written without a version: the version and route version the relay gave it
+    /// when it sent this attempt (migration 0039).
+    pub by_relay: Option<(i64, Option<i64>)>,
 }
 
 /// Records an attempt that ended without proof. Durable before the relay does anything else.
@@ -46,12 +49,18 @@ pub async fn record_unknown(
     partition: i32,
     sent_at: SystemTime,
     error: &str,
+    by_relay: Option<(i64, Option<i64>)>,
 ) -> Result<(), LedgerError> {
+    let (version, route) = match by_relay {
+        Some((v, r)) => (Some(v), r),
+        None => (None, None),
+    };
     client
         .execute(
             "INSERT INTO outbox.attempts (event_id, relay_generation, attempt_generation, slot_name,
-                                          topic, partition, sent_at, error)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                                          topic, partition, sent_at, error, relay_version,
+                                          relay_route_version)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
              ON CONFLICT (event_id, relay_generation, attempt_generation) DO NOTHING",
             &[
                 &event_id,
@@ -62,6 +71,8 @@ pub async fn record_unknown(
                 &partition,
                 &sent_at,
                 &error,
+                &version,
+                &route,
             ],
         )
         .await
@@ -105,7 +116,8 @@ async fn open_attempts(
                               WHERE r.topic = a.topic AND r.partition = a.partition
                                 AND r.accepted_at < a.sent_at - interval '60 seconds'), -1),
                     EXISTS (SELECT 1 FROM outbox.receipt_of(a.event_id)),
-                    extract(epoch FROM clock_timestamp() - a.sent_at)::float8
+                    extract(epoch FROM clock_timestamp() - a.sent_at)::float8,
+                    a.relay_version, a.relay_route_version
              FROM outbox.attempts a
              WHERE a.slot_name = $1 AND a.state = 'DISPATCH_UNKNOWN'
                AND ($2::uuid IS NULL OR a.event_id = $2)
@@ -127,6 +139,9 @@ async fn open_attempts(
             scan_from: r.get(7),
             has_receipt: r.get(8),
             sent_ago_s: r.get(9),
+            by_relay: r
+                .get::<_, Option<i64>>(10)
+                .map(|v| (v, r.get::<_, Option<i64>>(11))),
         })
         .collect())
 }

@@ -1626,9 +1626,28 @@ async fn a_retry_keeps_its_attempt_generation_across_restarts() {
     .await
     .unwrap();
     let sent = std::time::SystemTime::now();
-    outbox_ledger::attempts::record_unknown(&c, "s", id, 1, 1, "t", 0, sent, "timed out")
+    outbox_ledger::attempts::record_unknown(&c, "s", id, 1, 1, "t", 0, sent, "timed out", None)
         .await
         .unwrap();
+    // An attempt of a row written without a version keeps what the relay gave it.
+    outbox_ledger::attempts::record_unknown(
+        &c,
+        "other",
+        id,
+        2,
+        1,
+        "t",
+        0,
+        sent,
+        "timed out",
+        Some((4, Some(9))),
+    )
+    .await
+    .unwrap();
+    let kept = outbox_ledger::attempts::open_unknown(&c, "other")
+        .await
+        .unwrap();
+    assert_eq!(kept[0].by_relay, Some((4, Some(9))));
     assert!(
         outbox_ledger::attempts::retry_generations(&c, "s")
             .await

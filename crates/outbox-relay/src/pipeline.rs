@@ -99,6 +99,9 @@ pub struct UnknownAttempt {
     pub partition: i32,
     pub sent_at: SystemTime,
     pub error: String,
+    /// For a row written without a version: the version and route version the relay gave it
+    /// (read from SQL the row has neither, and a look-up must publish as the relay did).
+    pub by_relay: Option<(i64, Option<i64>)>,
 }
 
 /// What a delivery report led to.
@@ -345,6 +348,10 @@ pub struct PipelineCore<P = Shipped> {
     /// up (on a task of its own: the relay's loop does not wait on a broker scan or an
     /// endpoint): not looked up again until [`PipelineCore::reconciled`] says what it proved.
     reconciling: HashSet<Uuid>,
+    /// Events whose open attempt of another generation the running reconciliation cannot look
+    /// up (a row written without a version or route: read from SQL it has neither;
+    /// [`PipelineCore::reconcile_deferred`]): not asked about again in this run.
+    pub(crate) deferred: HashSet<Uuid>,
     /// How unclear outcomes are retried, and for how long.
     pub unclear_policy: unclear::Policy,
     /// How long the running reconciliation leaves another run's open attempt before it looks
@@ -446,6 +453,7 @@ impl<P: Plant> PipelineCore<P> {
             unclear_tries: HashMap::default(),
             open_at_start: HashMap::new(),
             reconciling: HashSet::new(),
+            deferred: HashSet::new(),
             unclear_policy: unclear::Policy::default(),
             reconcile_settle: unclear::Policy::default().settle,
             unclear_policies: BTreeMap::new(),
@@ -996,6 +1004,10 @@ impl<P: Plant> PipelineCore<P> {
                             partition,
                             sent_at: f.sent_at,
                             error: error.clone(),
+                            by_relay: f
+                                .ev
+                                .version_by_relay
+                                .then_some((f.ev.aggregate_version, f.ev.route_version)),
                         }
                     });
                 let failure = DeliveryFailure {
@@ -1123,7 +1135,10 @@ impl<P: Plant> PipelineCore<P> {
         now: SystemTime,
     ) -> crate::unknown::Reconcile {
         use crate::unknown::{step, Reconcile, Step, When};
-        if self.is_parked(a.event_id) || self.reconciling.contains(&a.event_id) {
+        if self.is_parked(a.event_id)
+            || self.reconciling.contains(&a.event_id)
+            || self.deferred.contains(&a.event_id)
+        {
             return Reconcile::Skip;
         }
         if when == When::Running && self.planted(Mutant::UnknownOnlyAtStart) {
@@ -1188,6 +1203,17 @@ impl<P: Plant> PipelineCore<P> {
     /// reconciliation found). A look-up that reads what the broker holds still runs.
     pub fn closes_by_receipt(&self, has_receipt: bool, lookup_resends: bool) -> bool {
         has_receipt && lookup_resends && !self.planted(Mutant::ResendsAnsweredEvent)
+    }
+
+    /// The driver cannot load the event of an attempt [`Self::reconcile`] said to look up:
+    /// a row written without a version or route (docs/versions_by_relay.md) has neither when
+    /// read from SQL, and the version and destination the relay gave it live in the stream's
+    /// order. Its look-up waits for a run whose replay parks the event, numbered, and looks it
+    /// up then (an attempt open at start is handed to the run); meanwhile the attempt stays
+    /// open, and nothing is sent or recorded on a guess.
+    pub fn reconcile_deferred(&mut self, event_id: Uuid) {
+        self.reconciling.remove(&event_id);
+        self.deferred.insert(event_id);
     }
 
     /// What reconciling an open UNKNOWN attempt of `ev` proved (at start, or while running

@@ -154,9 +154,9 @@ pub struct Counts {
     /// relay's numbering must give every row the version one run from the first commit would).
     pub plain_version_wrong: u64,
     /// Plain rows a relay run needed to read from SQL where the daemon cannot (no version,
-    /// no route): the running reconciliation's look-up loads the attempt's event, the load
-    /// fails, and the daemon stops (an open product bug; the model keeps such attempts from
-    /// being recorded unless a test asks: `World::plain_unknown_after_handover`).
+    /// no route): the running reconciliation's look-up loaded the attempt's event, the load
+    /// failed, and the daemon stopped (the product before its fix, modelled by
+    /// `World::plain_lookups_as_daemon`; the attempt now keeps what the relay gave the row).
     pub plain_rows_unreadable: u64,
     /// Late valid ACKs accepted, and how many of them converged to the publish slot.
     pub late_acks: u64,
@@ -221,6 +221,10 @@ pub struct Counts {
     pub plain_events: u64,
     pub numberings_read: u64,
     pub numberings_read_above_0: u64,
+    /// Look-ups of plain rows' attempts by the running reconciliation, with the version the
+    /// relay gave the row, which the attempt keeps (before that fix the daemon stopped:
+    /// `plain_rows_unreadable`, `World::plain_lookups_as_daemon`).
+    pub plain_reconcile_lookups: u64,
     /// Fleet scenarios run, and what happened in them.
     pub fleet_traces: u64,
     pub fleet_kills: u64,
@@ -346,6 +350,7 @@ impl Counts {
             plain_events,
             numberings_read,
             numberings_read_above_0,
+            plain_reconcile_lookups,
             fleet_traces,
             fleet_kills,
             fleet_pauses,
@@ -462,11 +467,12 @@ impl Counts {
             (
                 "plain_traces",
                 format!(
-                    "{} ({} rows written without a version; {} numberings read, {} above 0)",
+                    "{} ({} rows written without a version; {} numberings read, {} above 0; {} attempts looked up by the running reconciliation)",
                     self.plain_traces,
                     self.plain_events,
                     self.numberings_read,
-                    self.numberings_read_above_0
+                    self.numberings_read_above_0,
+                    self.plain_reconcile_lookups
                 ),
             ),
             ("migrations", self.migrations.to_string()),

@@ -176,7 +176,7 @@ async fn refuse_new_slot_over_plain_rows(
         .get(0);
     if plain > 0 {
         return Err(RelayError::Unsupported(format!(
-            "slot {} is new to the ledger, and {table} already holds rows written without an aggregate version: a new slot (first start, --resnapshot, a lost slot, another shard layout) cannot continue their numbering yet (docs/versions_by_relay.md, \"Not built yet\"). Start the relay on its existing slot, or, for a first start, before any writer inserts plainly",
+            "slot {} is new to the ledger or has not finished its first snapshot, and {table} already holds rows written without an aggregate version: a new slot (first start, --resnapshot, a lost slot, another shard layout) cannot continue their numbering yet, nor can a snapshot read them in commit order (docs/versions_by_relay.md, \"Not built yet\"). Start the relay on its existing slot, or, for a first start, before any writer inserts plainly",
             cfg.slot
         )));
     }
@@ -508,7 +508,13 @@ async fn run_once(
             lsn,
         )
     };
-    if matches!(plan, StartPlan::Create | StartPlan::Recreate) || ledger.is_none() {
+    // A new slot, an adopted one, or one whose first snapshot a run did not finish (found by
+    // reading, with the simulator's report: the snapshot would read plain rows).
+    if matches!(
+        plan,
+        StartPlan::Create | StartPlan::Recreate | StartPlan::Resume { backfill: true, .. }
+    ) || ledger.is_none()
+    {
         refuse_new_slot_over_plain_rows(&sql, cfg).await?;
     }
     let (start, backfill, exported) = match plan {

@@ -416,6 +416,7 @@ impl Pipeline {
                         u.partition,
                         u.sent_at,
                         &u.error,
+                        u.by_relay,
                     )
                     .await?;
                     tracing::warn!(event_id = %u.event_id, error = %u.error, topic = %u.topic, partition = u.partition,

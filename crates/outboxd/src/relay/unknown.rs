@@ -99,21 +99,27 @@ pub(crate) async fn reconcile_unknown(
             // On a task of its own, as a parked event's: a broker scan or an endpoint that
             // takes its time holds this event only, never the relay's loop
             // (`Pipeline::on_lookup` records it and tells `PipelineCore::reconciled`).
-            Reconcile::LookUp => {
-                let ev = load(sql, qualified_table, &a).await?;
-                pipeline.start_reconcile_lookup(ev, a);
-            }
+            Reconcile::LookUp => match load(sql, qualified_table, &a).await? {
+                Some(ev) => pipeline.start_reconcile_lookup(ev, a),
+                None => {
+                    tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
+                        "DISPATCH_UNKNOWN of a row written without a version or route: looked up when a run's replay brings the event, numbered; it stays open until then");
+                    pipeline.core.reconcile_deferred(a.event_id);
+                }
+            },
         }
     }
     Ok(())
 }
 
-/// Attempt `a`'s event as the relay must publish it now.
+/// Attempt `a`'s event as the relay must publish it now; `None` for a row written without a
+/// version (docs/versions_by_relay.md), which only the stream numbers and routes
+/// (`PipelineCore::reconcile_deferred`).
 async fn load(
     sql: &Client,
     qualified_table: &str,
     a: &attempts::UnknownAttempt,
-) -> Result<OutboxEvent, RelayError> {
+) -> Result<Option<OutboxEvent>, RelayError> {
     let rows = sql
         .query(
             &outbox_source::snapshot::rows_by_id_sql(qualified_table),
@@ -130,7 +136,51 @@ async fn load(
             a.event_id
         )));
     };
-    outbox_source::snapshot::event_from_row(row).map_err(|e| RelayError::Internal(e.to_string()))
+    let column = |name: &str| {
+        outbox_core::EVENT_COLUMNS
+            .iter()
+            .position(|c| *c == name)
+            .map(|i| row.get::<_, Option<&str>>(i))
+    };
+    if column("aggregate_version").flatten().is_some() {
+        return outbox_source::snapshot::event_from_row(row)
+            .map(Some)
+            .map_err(|e| RelayError::Internal(e.to_string()));
+    }
+    // Written without a version (docs/versions_by_relay.md): the version and route the relay
+    // gave it when it sent the attempt, as the attempt kept them.
+    let Some((version, route)) = a.by_relay else {
+        return Ok(None);
+    };
+    let version = version.to_string();
+    let route = route.map(|r| r.to_string());
+    let routes = outbox_source::slot::route_versions(sql).await?;
+    let mut ev = outbox_core::OutboxEvent::from_text_columns(
+        |name| match name {
+            "aggregate_version" => Ok(Some(version.as_str())),
+            // The view renders a row that names its route version; one written without
+            // renders from the attempt's.
+            "route_version" | "dest_kind"
+                if route.is_some() && column("dest_kind").flatten().is_none() =>
+            {
+                Ok(if name == "route_version" {
+                    route.as_deref()
+                } else {
+                    None
+                })
+            }
+            _ => column(name).ok_or_else(|| outbox_core::RowError {
+                column: name.to_string(),
+                problem: "unknown column".into(),
+            }),
+        },
+        None,
+        &routes,
+        None,
+    )
+    .map_err(|e| RelayError::Internal(format!("event {}: {e}", a.event_id)))?;
+    ev.version_by_relay = true;
+    Ok(Some(ev))
 }
 
 /// After a look-up of one of `ev`'s attempts that re-sent it under its key (`resent`) was
