@@ -146,6 +146,33 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
     }
 }
 
+/// What the transaction that moves a checkpoint keeps besides it, for rows written without a
+/// version or a route: the relay core computes it ([`Numbering::checkpoint`],
+/// [`Generations::checkpoint`]) and the ledger writes it (`outbox_ledger::numbering`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumberedThrough<K> {
+    /// Per aggregate, the version of its last row committed before the checkpoint (each once).
+    pub versions: Vec<(K, i64)>,
+    /// The route policy generation in force at the checkpoint, when the ledger does not
+    /// hold it yet.
+    pub policy_generation: Option<i64>,
+}
+
+impl<K> Default for NumberedThrough<K> {
+    fn default() -> Self {
+        NumberedThrough {
+            versions: Vec::new(),
+            policy_generation: None,
+        }
+    }
+}
+
+impl<K> NumberedThrough<K> {
+    pub fn is_empty(&self) -> bool {
+        self.versions.is_empty() && self.policy_generation.is_none()
+    }
+}
+
 /// The route policy generations of a run (migration 0038): the one in force at its
 /// checkpoint, and those the stream delivered since, at their commit positions. A row written
 /// without a route is routed by the generation in force at its commit (the decoder applies

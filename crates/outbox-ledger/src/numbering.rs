@@ -20,16 +20,9 @@ use tokio_postgres::{Client, GenericClient};
 
 use crate::{Context, LedgerError};
 
-/// What a checkpoint's acceptance writes besides the checkpoint: the numbering up to it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Numbered {
-    /// ((aggregate type, aggregate id), version of its last row committed before the
-    /// checkpoint), each aggregate once: what `outbox_core::numbering::Numbering::checkpoint`
-    /// returns.
-    pub versions: Vec<((String, String), i64)>,
-    /// The route policy generation in force at the checkpoint, if the run knows one.
-    pub policy_generation: Option<i64>,
-}
+/// What a checkpoint's acceptance writes besides the checkpoint: the numbering up to it and
+/// the policy generation in force there, as the relay core computes it.
+pub type Numbered = outbox_core::numbering::NumberedThrough<(String, String)>;
 
 /// Writes `numbered` for `slot`, whose checkpoint this transaction has just moved to
 /// `through` (the caller's transaction, after the checkpoint's own update).
@@ -107,6 +100,26 @@ pub async fn versions_of(
             keys.len()
         ))?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// Whether `table` (a qualified, quoted name; `outbox.events` by default) takes rows written
+/// without a version (`outbox.allow_plain_inserts(true)`, migration 0039); `None` when there
+/// is no such table. What poll mode, `outboxd check` and a new slot each ask.
+pub async fn plain_inserts_allowed<C: GenericClient>(
+    client: &C,
+    table: &str,
+) -> Result<Option<bool>, LedgerError> {
+    let row = client
+        .query_opt(
+            "SELECT NOT attnotnull FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attname = 'aggregate_version'",
+            &[&table],
+        )
+        .await
+        .ctx(format!(
+            "reading whether {table} takes rows without a version"
+        ))?;
+    Ok(row.map(|r| r.get(0)))
 }
 
 /// The route policy generation kept with `slot`'s checkpoint (`None`: no checkpoint row, or

@@ -390,20 +390,7 @@ pub struct PipelineCore<P = Shipped> {
 
 /// What the transaction that moves the checkpoint keeps besides it, for rows written without
 /// a version or a route ([`PipelineCore::numbered_through`]).
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct NumberedThrough {
-    /// Per aggregate, the version of its last row committed before the checkpoint (each once).
-    pub versions: Vec<(AggKey, i64)>,
-    /// The route policy generation in force at the checkpoint, when the ledger does not
-    /// hold it yet.
-    pub policy_generation: Option<i64>,
-}
-
-impl NumberedThrough {
-    pub fn is_empty(&self) -> bool {
-        self.versions.is_empty() && self.policy_generation.is_none()
-    }
-}
+pub type NumberedThrough = outbox_core::numbering::NumberedThrough<AggKey>;
 
 impl PipelineCore<Shipped> {
     /// The ordering gate as the ledger left it: every aggregate's last accepted version, and
@@ -556,10 +543,10 @@ impl<P: Plant> PipelineCore<P> {
         now: Now,
     ) -> Result<Vec<Command>, CoreError> {
         let key = key_of(&ev);
+        self.ensure_known(&key);
         if ev.version_by_relay && ev.aggregate_version < 1 {
             // Only the stream numbers rows written without a version ([`Self::on_row`]); a
             // snapshot, a poll round or a release reads them in no commit order.
-            self.ensure_known(&key);
             let reason = format!(
                 "event {} was written without an aggregate version, and only the replication stream numbers such rows (in commit order); it was read by a snapshot, a poll round or a release, which cannot (docs/versions_by_relay.md)",
                 ev.event_id
@@ -567,7 +554,6 @@ impl<P: Plant> PipelineCore<P> {
             self.poison(&ev, "unnumbered_row", reason, commit_lsn, ack);
             return Ok(Vec::new());
         }
-        self.ensure_known(&key);
         if self.found.contains(&ev.event_id) {
             // Reconciliation proved the broker has it and recorded the receipt: no resend.
             self.gate.consume(&key, ev.aggregate_version);

@@ -59,7 +59,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// row's change record's LSN (its `XLogData` start): its receipt carries it.
     pub fn on_row(
         &mut self,
-        row: Result<OutboxEvent, String>,
+        mut row: Result<OutboxEvent, String>,
         change_lsn: Lsn,
         now: Now,
     ) -> Result<Vec<Command>, CoreError> {
@@ -73,7 +73,6 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             commit_lsn,
             rows,
         } = *txn;
-        let mut row = row;
         if let Ok(ev) = &mut row {
             if ev.version_by_relay {
                 // Written without a version: the next of its aggregate, in commit order.

@@ -331,15 +331,8 @@ async fn check_database(
 /// refuses such an outbox.
 async fn check_plain_inserts(r: &mut Report, client: &tokio_postgres::Client, poll: bool) {
     let what = "plain inserts";
-    let row = client
-        .query_opt(
-            "SELECT NOT attnotnull FROM pg_attribute
-             WHERE attrelid = 'outbox.events'::regclass AND attname = 'aggregate_version'",
-            &[],
-        )
-        .await;
-    match row {
-        Ok(Some(row)) if row.get::<_, bool>(0) => {
+    match outbox_ledger::numbering::plain_inserts_allowed(client, "outbox.events").await {
+        Ok(Some(true)) => {
             if poll {
                 r.add(
                     Level::Fail,

@@ -146,24 +146,15 @@ async fn refuse_new_slot_over_plain_rows(
         cfg.schema.replace('"', "\"\""),
         cfg.table.replace('"', "\"\"")
     );
+    if outbox_ledger::numbering::plain_inserts_allowed(sql, &table).await? != Some(true) {
+        return Ok(());
+    }
     let db = |source| {
         RelayError::Ledger(LedgerError::Db {
             context: format!("reading whether {table} holds rows without a version"),
             source,
         })
     };
-    let allowed: Option<bool> = sql
-        .query_opt(
-            "SELECT NOT attnotnull FROM pg_attribute
-             WHERE attrelid = to_regclass($1) AND attname = 'aggregate_version'",
-            &[&table],
-        )
-        .await
-        .map_err(db)?
-        .map(|r| r.get(0));
-    if allowed != Some(true) {
-        return Ok(());
-    }
     let plain: i64 = sql
         .query_one(
             &format!(

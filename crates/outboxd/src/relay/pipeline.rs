@@ -722,10 +722,7 @@ impl Pipeline {
         checkpoint: Option<Lsn>,
     ) -> Option<outbox_ledger::numbering::Numbered> {
         let n = self.core.numbered_through(checkpoint?);
-        (!n.is_empty()).then_some(outbox_ledger::numbering::Numbered {
-            versions: n.versions,
-            policy_generation: n.policy_generation,
-        })
+        (!n.is_empty()).then_some(n)
     }
 
     /// After a committed acceptance transaction: failpoint, checkpoint, counters.

@@ -39,21 +39,7 @@ const ROUND_LIMIT: i64 = 10_000;
 /// an outbox that allows them is refused, at start and while the relay runs, never served
 /// with those rows silently left behind.
 async fn refuse_rows_without_versions(sql: &tokio_postgres::Client) -> Result<(), RelayError> {
-    let allowed: bool = sql
-        .query_one(
-            "SELECT NOT attnotnull FROM pg_attribute
-             WHERE attrelid = 'outbox.events'::regclass AND attname = 'aggregate_version'",
-            &[],
-        )
-        .await
-        .map_err(|source| {
-            RelayError::Ledger(outbox_ledger::LedgerError::Db {
-                context: "reading whether outbox.events allows rows without a version".into(),
-                source,
-            })
-        })?
-        .get(0);
-    if allowed {
+    if outbox_ledger::numbering::plain_inserts_allowed(sql, "outbox.events").await? == Some(true) {
         return Err(RelayError::Unsupported(
             "outbox.events allows rows without an aggregate version (the writer's plain INSERT), which poll mode cannot find or order: only the replication stream numbers them, in commit order. Run the relay with --mode cdc, or, if no writer inserts plainly, SELECT outbox.allow_plain_inserts(false) as the outbox's owner".into(),
         ));

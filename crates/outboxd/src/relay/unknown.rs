@@ -159,15 +159,9 @@ async fn load(
         |name| match name {
             "aggregate_version" => Ok(Some(version.as_str())),
             // The view renders a row that names its route version; one written without
-            // renders from the attempt's.
-            "route_version" | "dest_kind"
-                if route.is_some() && column("dest_kind").flatten().is_none() =>
-            {
-                Ok(if name == "route_version" {
-                    route.as_deref()
-                } else {
-                    None
-                })
+            // (no destination) renders from the attempt's.
+            "route_version" if route.is_some() && column("dest_kind").flatten().is_none() => {
+                Ok(route.as_deref())
             }
             _ => column(name).ok_or_else(|| outbox_core::RowError {
                 column: name.to_string(),
