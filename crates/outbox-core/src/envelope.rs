@@ -466,31 +466,31 @@ impl OutboxEvent {
             None => Bytes::copy_from_slice(required("payload")?.as_bytes()),
         };
         let generation = parse_i64("envelope_generation")?;
-        let narrow = match get("dest_kind")? {
+        // The route version a row without a whole destination renders from: its own, or, for
+        // the writer's plain INSERT (neither), the one the policy in force chooses.
+        let route_version = match get("dest_kind")? {
             Some(_) => None,
-            // Absent before migration 0031.
-            None => match get("route_version").ok().flatten() {
-                Some(v) => Some(v.to_string()),
-                // Neither: the writer's plain INSERT, routed by the policy in force.
-                None if get("route_version").is_ok() => {
+            None => match get("route_version") {
+                Ok(Some(v)) => Some(v.parse::<i64>().map_err(|_| RowError {
+                    column: "route_version".into(),
+                    problem: format!("{v:?} is not an integer"),
+                })?),
+                Ok(None) => {
                     let policy = policy.ok_or_else(|| RowError {
                         column: "route_version".into(),
                         problem: "is NULL and so is dest_kind: a row written without a route is routed by the relay from the stream (docs/versions_by_relay.md), not when read by a query".into(),
                     })?;
-                    Some(
-                        crate::route::choose_route_version(
-                            &policy.rules,
-                            required("aggregate_type")?,
-                            required("event_type")?,
-                        )
-                        .to_string(),
-                    )
+                    Some(crate::route::choose_route_version(
+                        &policy.rules,
+                        required("aggregate_type")?,
+                        required("event_type")?,
+                    ))
                 }
-                None => None,
+                // Absent before migration 0031.
+                Err(_) => None,
             },
         };
-        let mut route_version = None;
-        let destination = match narrow.as_deref() {
+        let destination = match route_version {
             None => Destination {
                 kind: required("dest_kind")?.to_string(),
                 cluster: required("dest_cluster")?.to_string(),
@@ -501,16 +501,11 @@ impl OutboxEvent {
                 serializer: required("dest_serializer")?.to_string(),
                 acks: required("dest_acks")?.to_string(),
             },
-            Some(v) => {
-                let id: i64 = v.parse().map_err(|_| RowError {
-                    column: "route_version".into(),
-                    problem: format!("{v:?} is not an integer"),
-                })?;
-                route_version = Some(id);
+            Some(id) => {
                 let version = versions.get(&id).ok_or_else(|| RowError {
                     column: "route_version".into(),
                     problem: format!(
-                        "names route version {v}, which this relay has not read (is outbox.route_versions in its publication?); the event is not published anywhere before that version is known"
+                        "names route version {id}, which this relay has not read (is outbox.route_versions in its publication?); the event is not published anywhere before that version is known"
                     ),
                 })?;
                 version
