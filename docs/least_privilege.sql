@@ -103,6 +103,10 @@ TO outboxd_relay;
 -- Destinations are created on first use and never changed or deleted.
 GRANT SELECT, INSERT ON outbox.receipt_destinations TO outboxd_relay;
 
+-- The numbering's log (migration 0040) is inserted, folded and deleted, never updated.
+GRANT SELECT, INSERT, DELETE ON outbox.stream_version_log TO outboxd_relay;
+GRANT SELECT ON outbox.stream_numbering TO outboxd_relay;
+
 -- A run restores outbox.aggregate_versions from the rows when it starts, if the table lost
 -- them (it is unlogged, and a crash of the server empties it: migration 0032). Poll mode needs
 -- it whole; the stream only warns without it.

@@ -122,7 +122,7 @@ cdc_only! {
         env.wait_count(
             "the numbering kept with the checkpoint past the last row",
             &format!(
-                "SELECT count(*) FROM outbox.stream_versions
+                "SELECT count(*) FROM outbox.stream_numbering
                  WHERE slot_name = '{}' AND version = 15",
                 env.slot
             ),

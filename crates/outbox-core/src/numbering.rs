@@ -20,11 +20,12 @@
 //! accept k+1 while k's receipt was lost, and k would be numbered k+2.
 //!
 //! Pure: the caller supplies the heads it reads and writes what [`Numbering::checkpoint`]
-//! returns, in the checkpoint's own transaction (`outbox.stream_versions`, migration 0039:
-//! an upsert per aggregate per checkpoint, about one per event in a drain over many
-//! aggregates; a cheaper store is priced in docs/versions_by_relay.md, and whatever store
-//! replaces it must give back what this rule's property test demands). [`Generations`] does
-//! the same for the route policy generation in force at the checkpoint.
+//! returns, in the checkpoint's own transaction: one row of `outbox.stream_version_log` per
+//! checkpoint (migration 0040), folded into the map `outbox.stream_versions` at a run's start
+//! and every [`FOLD_ENTRIES`] entries or [`FOLD_ROWS`] rows ([`Numbering::logged`]). A run
+//! reads only the folded map, and that is enough: what the log holds beyond it was written by
+//! the run itself, for aggregates it keeps. [`Generations`] does the same for the route
+//! policy generation in force at the checkpoint.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::Hash;
@@ -52,12 +53,26 @@ struct Agg {
     pending: Option<Box<VecDeque<(Lsn, i64)>>>,
 }
 
+/// A run folds the numbering's log into its map once it has written this many entries
+/// (aggregate, version) since the last fold. The fold costs an upsert per distinct aggregate,
+/// what writing the map directly cost per aggregate per checkpoint: the larger the window,
+/// the more checkpoints of one aggregate it folds into one upsert. Two million entries of
+/// three short strings and a number are ~100 MB of log at most between folds.
+pub const FOLD_ENTRIES: u64 = 2_000_000;
+
+/// ... or this many log rows (checkpoints), whatever their size: a relay of few hot
+/// aggregates writes small rows often.
+pub const FOLD_ROWS: u64 = 20_000;
+
 /// Per-aggregate numbering for one relay run.
 #[derive(Debug)]
 pub struct Numbering<K> {
     aggs: HashMap<K, Agg, foldhash::fast::RandomState>,
     /// Aggregates with pending rows.
     dirty: HashSet<K, foldhash::fast::RandomState>,
+    /// Entries and rows this run wrote to the log since its last fold.
+    logged_entries: u64,
+    logged_rows: u64,
 }
 
 impl<K: Hash + Eq + Clone> Default for Numbering<K> {
@@ -65,6 +80,8 @@ impl<K: Hash + Eq + Clone> Default for Numbering<K> {
         Numbering {
             aggs: HashMap::default(),
             dirty: HashSet::default(),
+            logged_entries: 0,
+            logged_rows: 0,
         }
     }
 }
@@ -135,6 +152,24 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
         out
     }
 
+    /// A checkpoint's transaction writes `entries` (what [`Numbering::checkpoint`] gave) as
+    /// one log row: whether that transaction also folds the log into the map. A failed
+    /// transaction ends the run, and the next run folds at its start, so the count is not
+    /// restored.
+    pub fn logged(&mut self, entries: usize) -> bool {
+        if entries == 0 {
+            return false;
+        }
+        self.logged_entries += entries as u64;
+        self.logged_rows += 1;
+        if self.logged_entries >= FOLD_ENTRIES || self.logged_rows >= FOLD_ROWS {
+            self.logged_entries = 0;
+            self.logged_rows = 0;
+            return true;
+        }
+        false
+    }
+
     /// Aggregates with rows numbered past the last checkpoint written.
     pub fn pending(&self) -> usize {
         self.dirty.len()
@@ -156,6 +191,9 @@ pub struct NumberedThrough<K> {
     /// The route policy generation in force at the checkpoint, when the ledger does not
     /// hold it yet.
     pub policy_generation: Option<i64>,
+    /// Whether the transaction folds the slot's numbering log into its map after writing
+    /// `versions` to it ([`Numbering::logged`]).
+    pub fold: bool,
 }
 
 impl<K> Default for NumberedThrough<K> {
@@ -163,6 +201,7 @@ impl<K> Default for NumberedThrough<K> {
         NumberedThrough {
             versions: Vec::new(),
             policy_generation: None,
+            fold: false,
         }
     }
 }
@@ -230,6 +269,24 @@ impl Generations {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The log is folded once enough entries or enough rows were written since the last
+    /// fold, and a checkpoint that numbered nothing writes no row and counts for nothing.
+    #[test]
+    fn the_log_is_folded_after_enough_entries_or_rows() {
+        let mut n = Numbering::<u32>::default();
+        assert!(!n.logged(0));
+        assert!(!n.logged((FOLD_ENTRIES - 1) as usize));
+        assert!(n.logged(1), "the entry that reaches the limit folds");
+        assert!(!n.logged(1), "the count starts again after a fold");
+        for _ in 1..FOLD_ROWS - 1 {
+            assert!(!n.logged(1));
+        }
+        for _ in 0..5 {
+            assert!(!n.logged(0), "no row, nothing counted");
+        }
+        assert!(n.logged(1), "the row that reaches the limit folds");
+    }
 
     /// A generation committed before the checkpoint is in force at it, one at or past it is
     /// not yet; the ledger is asked to write a generation only when it changes.

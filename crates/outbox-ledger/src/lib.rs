@@ -65,6 +65,12 @@ pub enum LedgerError {
     Invalid(String),
     #[error("relay generation {generation} no longer holds the lease of slot {slot}: another relay took over; receipts of requests already sent were recorded, the checkpoint was not moved")]
     LeaseLost { slot: String, generation: i64 },
+    #[error("the checkpoint of slot {slot} moved to {checkpoint} after this run planned to stream from {start} (a relay that lost the lease committed a last acceptance); the run starts again from the checkpoint")]
+    CheckpointMoved {
+        slot: String,
+        start: outbox_core::Lsn,
+        checkpoint: outbox_core::Lsn,
+    },
 }
 
 impl LedgerError {
@@ -76,7 +82,7 @@ impl LedgerError {
             LedgerError::Db { source, .. } => {
                 recovery(source.code().map(|c| c.code()), Channel::Sql).is_retry()
             }
-            LedgerError::LeaseLost { .. } => true,
+            LedgerError::LeaseLost { .. } | LedgerError::CheckpointMoved { .. } => true,
             _ => false,
         }
     }

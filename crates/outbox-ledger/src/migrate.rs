@@ -215,6 +215,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "stream_versions",
         sql: include_str!("../../../migrations/0039_stream_versions.sql"),
     },
+    Migration {
+        version: 40,
+        name: "stream_version_log",
+        sql: include_str!("../../../migrations/0040_stream_version_log.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -25,7 +25,8 @@ use crate::{Context, LedgerError};
 pub type Numbered = outbox_core::numbering::NumberedThrough<(String, String)>;
 
 /// Writes `numbered` for `slot`, whose checkpoint this transaction has just moved to
-/// `through` (the caller's transaction, after the checkpoint's own update).
+/// `through` (the caller's transaction, after the checkpoint's own update): one row of the
+/// numbering's log, folded into the map when `numbered.fold` says so.
 pub(crate) async fn write_in<C: GenericClient>(
     client: &C,
     slot: &str,
@@ -46,17 +47,18 @@ pub(crate) async fn write_in<C: GenericClient>(
         }
         client
             .execute(
-                "INSERT INTO outbox.stream_versions AS s
-                     (slot_name, aggregate_type, aggregate_id, version)
-                 SELECT $1, t, i, v FROM unnest($2::text[], $3::text[], $4::int8[]) AS u(t, i, v)
-                 ON CONFLICT (slot_name, aggregate_type, aggregate_id)
-                 DO UPDATE SET version = GREATEST(s.version, EXCLUDED.version)",
-                &[&slot, &types, &ids, &versions],
+                "INSERT INTO outbox.stream_version_log
+                     (slot_name, checkpoint_lsn, aggregate_types, aggregate_ids, versions)
+                 VALUES ($1, $2::text::pg_lsn, $3, $4, $5)",
+                &[&slot, &through.to_string(), &types, &ids, &versions],
             )
             .await
             .ctx(format!(
-                "writing the numbering of {n} aggregates of slot {slot} at checkpoint {through}"
+                "logging the numbering of {n} aggregates of slot {slot} at checkpoint {through}"
             ))?;
+        if numbered.fold {
+            fold_in(client, slot).await?;
+        }
     }
     if let Some(generation) = numbered.policy_generation {
         // Only where the checkpoint stands at `through`: a checkpoint already past it (it
@@ -75,9 +77,82 @@ pub(crate) async fn write_in<C: GenericClient>(
     Ok(())
 }
 
+/// Folds `slot`'s numbering log into its map (`outbox.stream_versions`): per aggregate the
+/// highest version logged, raised into the map, never lowered; the log rows folded are
+/// deleted. Returns how many aggregates it raised or added. Rows inserted by transactions
+/// that commit after this statement's snapshot stay in the log for the next fold.
+async fn fold_in<C: GenericClient>(client: &C, slot: &str) -> Result<u64, LedgerError> {
+    // In key order, so that two folds of one slot (a run's and the next run's start) take
+    // the map's row locks in the same order and cannot deadlock.
+    client
+        .execute(
+            "WITH folded AS (
+                 DELETE FROM outbox.stream_version_log WHERE slot_name = $1
+                 RETURNING aggregate_types, aggregate_ids, versions
+             )
+             INSERT INTO outbox.stream_versions AS s
+                 (slot_name, aggregate_type, aggregate_id, version)
+             SELECT $1, u.t, u.i, max(u.v)
+             FROM folded, unnest(aggregate_types, aggregate_ids, versions) AS u(t, i, v)
+             GROUP BY u.t, u.i
+             ORDER BY u.t, u.i
+             ON CONFLICT (slot_name, aggregate_type, aggregate_id)
+             DO UPDATE SET version = EXCLUDED.version WHERE s.version < EXCLUDED.version",
+            &[&slot],
+        )
+        .await
+        .ctx(format!("folding the numbering log of slot {slot}"))
+}
+
+/// A run's start, once it holds `slot`'s lease and before it reads any numbering: locks the
+/// slot's checkpoint row (every acceptance that moves the checkpoint locks it first, so an
+/// acceptance of a run that lost the lease either committed before this, and its log row is
+/// folded, or comes after it and finds itself fenced, writing nothing) and folds the log into
+/// the map. Fails with [`LedgerError::CheckpointMoved`] when the checkpoint is past `start`,
+/// where the run planned to stream from: a run that lost the lease committed a last
+/// acceptance after the plan was read, and the numbering folded now belongs to the later
+/// checkpoint; the run restarts from it. Returns the aggregates folded.
+pub async fn fold_at_start(
+    client: &mut Client,
+    slot: &str,
+    start: outbox_core::Lsn,
+) -> Result<u64, LedgerError> {
+    let tx = client
+        .transaction()
+        .await
+        .ctx("beginning the numbering's fold at start")?;
+    let row = tx
+        .query_opt(
+            "SELECT confirmed_lsn::text FROM outbox.checkpoints WHERE slot_name = $1 FOR UPDATE",
+            &[&slot],
+        )
+        .await
+        .ctx(format!("locking the checkpoint of slot {slot}"))?;
+    if let Some(checkpoint) = row.and_then(|r| r.get::<_, Option<String>>(0)) {
+        let checkpoint: outbox_core::Lsn = checkpoint.parse().map_err(|e| {
+            LedgerError::Invalid(format!(
+                "slot {slot}'s checkpoint {checkpoint:?} is no LSN: {e}"
+            ))
+        })?;
+        if checkpoint > start {
+            return Err(LedgerError::CheckpointMoved {
+                slot: slot.to_string(),
+                start,
+                checkpoint,
+            });
+        }
+    }
+    let folded = fold_in(&tx, slot).await?;
+    tx.commit()
+        .await
+        .ctx(format!("committing the numbering's fold of slot {slot}"))?;
+    Ok(folded)
+}
+
 /// For each of `keys` (aggregate type, aggregate id), the version of its last row the
-/// relay numbered before `slot`'s checkpoint; 0 for an aggregate the slot never numbered.
-/// In the order of `keys`.
+/// relay numbered before `slot`'s checkpoint, as folded into the map; 0 for an aggregate the
+/// slot never numbered. In the order of `keys`. Only the map is read: a run folds the log at
+/// its start ([`fold_at_start`]), and what it logs itself is of aggregates it numbers.
 pub async fn versions_of(
     client: &Client,
     slot: &str,

@@ -58,6 +58,8 @@ pub const RELAY_LEDGER: &[Need] = &[
     table("checkpoints", WRITE),
     table("accepted_positions", WRITE),
     table("stream_versions", WRITE),
+    table("stream_version_log", &["SELECT", "INSERT", "DELETE"]),
+    table("stream_numbering", READ),
     table("aggregate_heads", WRITE),
     table("head_journal", WRITE),
     table("holds", WRITE),

@@ -3048,15 +3048,17 @@ async fn definer_and_trigger_functions_are_closed_to_public() {
     );
 }
 
-/// Versions by the relay (migration 0039, docs/versions_by_relay.md): the acceptance that
-/// moves a slot's checkpoint keeps the numbering up to it, and the policy generation in force
-/// there, in the same transaction. Read back per aggregate in the order asked (0 for one never
-/// numbered), per slot; raised, never lowered; neither kept when the acceptance fails, nor when
-/// the run was fenced off (its receipts are, as always).
+/// Versions by the relay (migrations 0039 and 0040, docs/versions_by_relay.md): the acceptance
+/// that moves a slot's checkpoint logs the numbering up to it, and keeps the policy generation
+/// in force there, in the same transaction. A run reads the map the log is folded into (at its
+/// start, which a checkpoint past its planned start refuses, or by an acceptance that asks),
+/// per aggregate in the order asked (0 for one never numbered), per slot; raised, never
+/// lowered; neither kept when the acceptance fails, nor when the run was fenced off (its
+/// receipts are, as always).
 #[tokio::test]
 async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
     use outbox_ledger::lease::Fence;
-    use outbox_ledger::numbering::{policy_generation, versions_of, Numbered};
+    use outbox_ledger::numbering::{fold_at_start, policy_generation, versions_of, Numbered};
     let (mut c, _) = fresh("ledger_stream_versions").await;
     for slot in ["s", "t"] {
         checkpoint::create(&c, slot, "outbox_pub", "sys", 1, Lsn(10))
@@ -3068,6 +3070,7 @@ async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
     let numbered = |versions: &[(&str, i64)], generation| Numbered {
         versions: versions.iter().map(|&(id, v)| (key(id), v)).collect(),
         policy_generation: generation,
+        fold: false,
     };
     let asked = [key("a"), key("b"), key("never")];
     let mut prepared = accept::Prepared::default();
@@ -3083,6 +3086,31 @@ async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
     )
     .await
     .unwrap();
+    // Logged (migration 0040), not yet in the map a run reads: a run folds at its start.
+    assert_eq!(versions_of(&c, "s", &asked).await.unwrap(), [0, 0, 0]);
+    let logged: Vec<(String, i64)> = c
+        .query(
+            "SELECT aggregate_id, version FROM outbox.stream_numbering
+             WHERE slot_name = 's' ORDER BY aggregate_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(logged, [("a".to_string(), 3), ("b".to_string(), 1)]);
+    let moved = fold_at_start(&mut c, "s", Lsn(19)).await.unwrap_err();
+    assert!(
+        matches!(moved, outbox_ledger::LedgerError::CheckpointMoved { .. }) && moved.is_transient(),
+        "a run that planned to stream from before the checkpoint starts again: {moved}"
+    );
+    assert_eq!(
+        versions_of(&c, "s", &asked).await.unwrap(),
+        [0, 0, 0],
+        "a refused start folds nothing"
+    );
+    assert_eq!(fold_at_start(&mut c, "s", Lsn(20)).await.unwrap(), 2);
     assert_eq!(versions_of(&c, "s", &asked).await.unwrap(), [3, 1, 0]);
     assert_eq!(policy_generation(&c, "s").await.unwrap(), Some(5));
     assert_eq!(
@@ -3099,11 +3127,24 @@ async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
         &[LedgerItem::Receipt(receipt(&events[1], 2))],
         Lsn(30),
         None,
-        &numbered(&[("a", 2), ("b", 4)], Some(6)),
+        &Numbered {
+            fold: true,
+            ..numbered(&[("a", 2), ("b", 4)], Some(6))
+        },
     )
     .await
     .unwrap();
-    assert_eq!(versions_of(&c, "s", &asked).await.unwrap(), [3, 4, 0]);
+    assert_eq!(
+        versions_of(&c, "s", &asked).await.unwrap(),
+        [3, 4, 0],
+        "folded by the acceptance that asked for it"
+    );
+    let log_rows: i64 = c
+        .query_one("SELECT count(*) FROM outbox.stream_version_log", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(log_rows, 0, "a fold empties the log");
     assert_eq!(policy_generation(&c, "s").await.unwrap(), Some(6));
 
     // A receipt the database refuses fails the whole acceptance: no numbering.
@@ -3122,6 +3163,7 @@ async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
     )
     .await
     .unwrap_err();
+    assert_eq!(fold_at_start(&mut c, "s", Lsn(30)).await.unwrap(), 0);
     assert_eq!(
         (
             versions_of(&c, "s", &asked).await.unwrap(),
@@ -3151,6 +3193,7 @@ async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
         matches!(err, outbox_ledger::LedgerError::LeaseLost { .. }),
         "{err}"
     );
+    assert_eq!(fold_at_start(&mut c, "s", Lsn(30)).await.unwrap(), 0);
     let receipts: i64 = c
         .query_one(
             "SELECT count(*) FROM outbox.receipts WHERE event_id = $1",

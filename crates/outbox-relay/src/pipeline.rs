@@ -1308,8 +1308,10 @@ impl<P: Plant> PipelineCore<P> {
         if self.planted(Mutant::NumberingNotKept) {
             return NumberedThrough::default();
         }
+        let versions = self.numbering.checkpoint(checkpoint);
         NumberedThrough {
-            versions: self.numbering.checkpoint(checkpoint),
+            fold: self.numbering.logged(versions.len()),
+            versions,
             policy_generation: self.generations.checkpoint(checkpoint),
         }
     }

@@ -308,6 +308,7 @@ mod tests {
             crate::pipeline::NumberedThrough {
                 versions: vec![(a.clone(), 6), (b.clone(), 1)],
                 policy_generation: None,
+                fold: false,
             }
         );
         assert_eq!(
@@ -315,6 +316,7 @@ mod tests {
             crate::pipeline::NumberedThrough {
                 versions: vec![(b, 2)],
                 policy_generation: Some(2),
+                fold: false,
             }
         );
         assert!(c.numbered_through(Lsn(40)).is_empty());

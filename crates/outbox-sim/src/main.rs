@@ -39,7 +39,8 @@ struct Args {
     /// bug-poison-before-gate, bug-unknown-only-at-start, bug-stale-quarantine,
     /// bug-migrate-replayable, bug-proof-after-migration, bug-snapshot-gap, poll-above-head,
     /// poll-migrate-held, poll-stale-head, poll-purge-held, bug-republish-skipped,
-    /// bug-end-run-on-unclear, bug-superseded-refusal (docs/simulation.md).
+    /// bug-end-run-on-unclear, bug-superseded-refusal, bug-numbering-log-not-folded
+    /// (docs/simulation.md).
     #[arg(long)]
     mutant: Option<String>,
     /// Worker threads; each trace runs single-threaded and alone, so the counts do not depend

@@ -85,15 +85,27 @@ pub(super) struct Ledger {
     /// `checkpoints.snapshot_done`: the rows the slot will not stream were published.
     pub(super) snapshot_done: bool,
     /// `outbox.stream_versions` (migration 0039) of the slot: per aggregate written plainly,
-    /// the version of its last row committed before the slot's checkpoint, as the acceptance
-    /// transactions that moved the checkpoint kept it (raised, never lowered; absent: 0).
-    /// Only the one slot: the traces with plain rows never recreate it.
+    /// the version of its last row committed before the slot's checkpoint, as folded from the
+    /// log (raised, never lowered; absent: 0). Only the one slot: the traces with plain rows
+    /// never recreate it.
     pub(super) stream_versions: HashMap<Agg, i64>,
+    /// `outbox.stream_version_log` (migration 0040): one row per checkpoint moved, the
+    /// numbering up to it; folded into `stream_versions` at a run's start and whenever an
+    /// acceptance folds ([`Ledger::fold_numbering_log`]).
+    pub(super) stream_version_log: Vec<Vec<(Agg, i64)>>,
     pub(super) lease_gen: i64,
     pub(super) lease_until: u64,
 }
 
 impl Ledger {
+    /// `numbering::fold_in`: the log's versions raised into the map, the log emptied.
+    pub(super) fn fold_numbering_log(&mut self) {
+        for (agg, v) in self.stream_version_log.drain(..).flatten() {
+            let kept = self.stream_versions.entry(agg).or_insert(0);
+            *kept = (*kept).max(v);
+        }
+    }
+
     /// The next tick of the ledger's clock.
     pub(super) fn tick(&mut self) -> u64 {
         self.seq += 1;
@@ -214,8 +226,9 @@ impl World {
     /// `accept::accept_batch`: one transaction. Returns whether the checkpoint was fenced.
     /// `raises`: what its receipts raise the accepted positions by (`receipt::raises` of the
     /// batch's receipts; `None`, the WAL's insert position, is `next_lsn` here). `numbered`:
-    /// with a checkpoint, the numbering up to it (`accept::accept_numbered_batch`), kept in
-    /// `outbox.stream_versions` only if the checkpoint moves (not when fenced), by GREATEST.
+    /// with a checkpoint, the numbering up to it (`accept::accept_numbered_batch`), logged in
+    /// `outbox.stream_version_log` only if the checkpoint moves (not when fenced), and the log
+    /// folded after it when `fold` says so.
     pub(super) fn accept(
         &mut self,
         i: usize,
@@ -223,6 +236,7 @@ impl World {
         raises: Vec<(i64, Option<StreamPosition>)>,
         checkpoint: Option<Lsn>,
         numbered: Vec<(outbox_relay::AggKey, i64)>,
+        fold: bool,
     ) -> Result<bool, End> {
         if self.faults && self.rng.chance(15) {
             log!(self, "receipt transaction rolled back");
@@ -480,13 +494,12 @@ impl World {
             if self.ledger.lease_gen == gen && self.now <= self.ledger.lease_until {
                 let cp = self.ledger.checkpoint.get_or_insert(c);
                 *cp = (*cp).max(c);
-                for (key, v) in numbered {
-                    let kept = self
-                        .ledger
-                        .stream_versions
-                        .entry(agg_of(&key.1))
-                        .or_insert(0);
-                    *kept = (*kept).max(v);
+                if !numbered.is_empty() {
+                    let row = numbered.into_iter().map(|(k, v)| (agg_of(&k.1), v));
+                    self.ledger.stream_version_log.push(row.collect());
+                    if fold {
+                        self.ledger.fold_numbering_log();
+                    }
                 }
             } else {
                 fenced = true;

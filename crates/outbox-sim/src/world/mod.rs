@@ -231,6 +231,11 @@ pub enum Mutant {
     /// (`plain_version_wrong`). A product mutant in
     /// `outbox_relay::PipelineCore::numbered_through` (`NumberingNotKept`).
     NumberingNotKept,
+    /// A run starts without folding the numbering log into the map it reads
+    /// (`numbering::fold_at_start` not called): the numbering the last runs logged since the
+    /// last fold is missed, and rows are numbered again from older versions
+    /// (`plain_version_wrong`).
+    BugNumberingLogNotFolded,
 }
 
 impl Mutant {
@@ -295,6 +300,10 @@ impl Mutant {
             Mutant::BugLookUpBesideReconciliation,
         ),
         ("numbering-not-kept", Mutant::NumberingNotKept),
+        (
+            "bug-numbering-log-not-folded",
+            Mutant::BugNumberingLogNotFolded,
+        ),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -1321,6 +1330,10 @@ impl World {
             self,
             "relay gen {gen} starts at {start} (WAL txn #{cursor})"
         );
+        // `numbering::fold_at_start`: what earlier runs logged, into the map this run reads.
+        if !self.is(Mutant::BugNumberingLogNotFolded) {
+            self.ledger.fold_numbering_log();
+        }
         let i = self.push_run(gen, Some(start), cursor);
         self.start_run(i, backfill);
     }
@@ -2025,7 +2038,7 @@ impl World {
             // The look-up's receipt knows nothing of its row's position (the daemon's
             // `unknown::record_lookup` builds it without LSNs): what `receipt::raises` gives it.
             let raises = vec![(receipt::UNPOSITIONED_GENERATION, None)];
-            self.accept(i, items, raises, None, Vec::new())?;
+            self.accept(i, items, raises, None, Vec::new(), false)?;
             self.relays[i].proven.insert(row);
         }
         if let (Some(found), false) = (record.resolve, record.resolve_first) {
@@ -2734,10 +2747,14 @@ impl World {
         // committed before the checkpoint), taken just before it; if it fails, the run ends.
         // (The simulator does not model policy generations: its plain rows are routed by the
         // route version in force at their commit, rendered as a narrow row's.)
-        let numbered = checkpoint.map_or_else(Vec::new, |c| {
-            self.relays[i].core.numbered_through(c).versions
+        // The ledger may fold its log at any acceptance, not only when the core asks (its
+        // limits are millions of entries, beyond a trace): a fold is never to change a number.
+        let (numbered, fold) = checkpoint.map_or((Vec::new(), false), |c| {
+            let n = self.relays[i].core.numbered_through(c);
+            (n.versions, n.fold)
         });
-        let fenced = match self.accept(i, sim_items, raises, checkpoint, numbered) {
+        let fold = fold || (!numbered.is_empty() && self.rng.chance(250));
+        let fenced = match self.accept(i, sim_items, raises, checkpoint, numbered, fold) {
             Ok(fenced) => fenced,
             Err(e) => {
                 self.relays[i].core.restore_batch(items, false);

@@ -547,6 +547,13 @@ async fn run_once(
     }
 
     take_over_slot(&sql, &cfg.slot, fence).await?;
+    // The numbering of rows written without a version that earlier runs logged, folded into
+    // the map this run reads when it first meets an aggregate (migration 0040); refused when
+    // the checkpoint moved past `start` since the plan read it.
+    let folded = outbox_ledger::numbering::fold_at_start(&mut sql, &cfg.slot, start).await?;
+    if folded > 0 {
+        tracing::info!(aggregates = folded, "folded the numbering log");
+    }
     crate::failpoint::pause("before-start-replication").await;
     let quoted_pub = cfg.publication.replace('"', "");
     let mut stream = repl
