@@ -220,6 +220,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "stream_version_log",
         sql: include_str!("../../../migrations/0040_stream_version_log.sql"),
     },
+    Migration {
+        version: 41,
+        name: "event_id_default",
+        sql: include_str!("../../../migrations/0041_event_id_default.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -3351,6 +3351,16 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
         .unwrap();
     let id: uuid::Uuid = c.query_one(plain, &[]).await.unwrap().get(0);
     assert_eq!(id.get_version_num(), 7, "a time-ordered id by default");
+    assert_eq!(id.get_variant(), uuid::Variant::RFC4122);
+    let (secs, _) = id.get_timestamp().expect("a v7 id's time").to_unix();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(
+        secs.abs_diff(now) < 60,
+        "the id holds the insert's time: {secs} s against {now} s"
+    );
     let r = c
         .query_one(
             &format!(
