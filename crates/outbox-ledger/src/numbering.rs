@@ -162,10 +162,15 @@ pub async fn versions_of(
     let ids: Vec<&str> = keys.iter().map(|(_, i)| i.as_str()).collect();
     let rows = client
         .query(
-            "SELECT coalesce(s.version, 0)
+            // One probe of the map's key per aggregate, whatever the planner estimates: as a
+            // join, a map without statistics (or a large batch) got a hash join over the
+            // slot's whole map for every batch, ~10 us per aggregate asked at 100,000
+            // aggregates against ~1.7 for the probes (docs/benchmarks.md, "The numbering's
+            // read").
+            "SELECT coalesce((SELECT s.version FROM outbox.stream_versions s
+                              WHERE s.slot_name = $1 AND s.aggregate_type = k.t
+                                AND s.aggregate_id = k.i), 0)
              FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS k(t, i, n)
-             LEFT JOIN outbox.stream_versions s
-               ON s.slot_name = $1 AND s.aggregate_type = k.t AND s.aggregate_id = k.i
              ORDER BY k.n",
             &[&slot, &types, &ids],
         )
