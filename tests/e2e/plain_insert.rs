@@ -231,4 +231,119 @@ cdc_only! {
             .count();
         assert!(copies >= 1);
     }
+
+    /// A plain row the broker refuses (too large for the producer's limit) holds its
+    /// aggregate, and the rows behind it are held with the versions the stream gave them.
+    /// After a restart with the limit raised, an operator's release publishes the refused row
+    /// and the held ones from SQL, where they have neither version nor route, as the stream
+    /// numbered and routed them (the hold and the held records keep both, migration 0042):
+    /// versions 1..n on the broker in order, every copy with its receipt's version, and the
+    /// aggregate flows again. Without what the records keep, the release quarantined the
+    /// held rows as `unnumbered_row` and held the aggregate for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_released_plain_aggregate_publishes_its_held_rows_as_the_stream_numbered_them() {
+        let env = TestEnv::new("plain_release").await;
+        env.db
+            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
+            .await
+            .unwrap();
+        let mut relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
+        env.wait_streaming().await;
+        let mut ids = vec![insert_plain(&env, "r-1", 1).await];
+        let big: uuid::Uuid = env
+            .db
+            .query_one(
+                "INSERT INTO outbox.events (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ($1, 'r-1', 'test.happened', jsonb_build_object('blob', repeat('y', 5000)))
+                 RETURNING event_id",
+                &[&env.aggregate_type],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        ids.push(big);
+        for n in 3..=4 {
+            ids.push(insert_plain(&env, "r-1", n).await);
+        }
+        env.wait_count(
+            "the large row refused and the two behind it held",
+            "SELECT count(*) FROM outbox.held_events",
+            2,
+        )
+        .await;
+        let (code, held_route): (String, Option<i64>) = {
+            let r = env
+                .db
+                .query_one(
+                    "SELECT q.reason_code, h.blocking_route_version
+                     FROM outbox.quarantine q JOIN outbox.holds h ON h.blocking_event_id = q.event_id
+                     WHERE q.event_id = $1",
+                    &[&big],
+                )
+                .await
+                .unwrap();
+            (r.get(0), r.get(1))
+        };
+        assert_eq!(code, "broker_rejected");
+        assert!(held_route.is_some(), "the hold keeps the route the relay gave the row");
+
+        relay.kill9();
+        let relay = env.relay(&[], &[]);
+        env.wait_ready(&relay).await;
+        ids.push(insert_plain(&env, "r-1", 5).await);
+        env.wait_count("r-1 #5 held too", "SELECT count(*) FROM outbox.held_events", 3)
+            .await;
+        let (released, out) = crate::harness::outboxd(&[
+            "quarantine",
+            "release",
+            "--database-url",
+            &env.url,
+            "--event",
+            &big.to_string(),
+            "--by",
+            "test",
+        ]);
+        assert!(released, "{out}");
+        env.wait_receipts("the released rows published", 5).await;
+        env.wait_zero("the hold closed", "SELECT count(*) FROM outbox.holds").await;
+        ids.push(insert_plain(&env, "r-1", 6).await);
+        env.wait_receipts("the aggregate flowing again", 6).await;
+
+        let receipts: HashMap<uuid::Uuid, i64> = env
+            .db
+            .query("SELECT event_id, aggregate_version FROM outbox.receipts", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let not_in_commit_order: Vec<String> = ids
+            .iter()
+            .enumerate()
+            .filter(|(k, id)| receipts.get(*id) != Some(&(*k as i64 + 1)))
+            .map(|(k, id)| format!("#{}: {id} has {:?}", k + 1, receipts.get(id)))
+            .collect();
+        assert_eq!(not_in_commit_order, Vec::<String>::new(), "receipts not 1..n in commit order");
+        let messages = env.read_topic().await;
+        let differs: Vec<String> = messages
+            .iter()
+            .filter_map(|m| {
+                let id: uuid::Uuid = m.id().parse().ok()?;
+                let header = m.headers.get("aggregate_version")?;
+                (receipts.get(&id).map(|v| v.to_string()).as_ref() != Some(header))
+                    .then(|| format!("{id}: header {header}"))
+            })
+            .collect();
+        assert_eq!(differs, Vec::<String>::new(), "copies whose version is not their receipt's");
+        assert_eq!(
+            crate::ordering::first_occurrences(&messages)["r-1"],
+            vec![1, 2, 3, 4, 5, 6],
+            "published in version order"
+        );
+        assert_eq!(
+            env.count("SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL").await,
+            0,
+            "nothing quarantined again"
+        );
+    }
 }

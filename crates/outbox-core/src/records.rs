@@ -87,6 +87,10 @@ pub struct HoldRecord {
     pub blocking_version: Option<i64>,
     /// The envelope generation of the blocking event the hold was decided for.
     pub blocking_generation: Option<i32>,
+    /// For a blocking row written without a version: the route version the relay routed it
+    /// by, if the row names none and stores no destination (`Some(None)`: it does), so that a
+    /// release can publish it as the stream would have (as [`HeldRecord::by_relay`]).
+    pub blocking_by_relay: Option<Option<i64>>,
 }
 
 /// An event of a held aggregate, recorded instead of published.
@@ -97,6 +101,11 @@ pub struct HeldRecord {
     pub aggregate_id: String,
     pub aggregate_version: i64,
     pub commit_lsn: Option<Lsn>,
+    /// For a row written without a version (docs/versions_by_relay.md): the route version the
+    /// relay routed it by, if the row names none and stores no destination (`Some(None)`: it
+    /// does), so that a release publishes it as the stream would have; `None` for a row written
+    /// with its version. `aggregate_version` is then the relay's numbering.
+    pub by_relay: Option<Option<i64>>,
 }
 
 /// One thing to record durably.
@@ -400,6 +409,7 @@ mod tests {
             aggregate_id: "1".into(),
             aggregate_version: 2,
             commit_lsn: None,
+            by_relay: None,
         };
         assert_eq!(
             LedgerItem::Held(held).refusal(),

@@ -1077,12 +1077,15 @@ async fn record_refusals_and_commit(
         if let LedgerItem::Hold(h) = item {
             tx.execute(
                 "INSERT INTO outbox.holds (aggregate_type, aggregate_id, reason_code, reason,
-                                           blocking_event_id, blocking_version)
-                 VALUES ($1, $2, $3, $4, $5::uuid, $6::int8)
+                                           blocking_event_id, blocking_version,
+                                           blocking_route_version)
+                 VALUES ($1, $2, $3, $4, $5::uuid, $6::int8, $7::int8)
                  ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET
                      state = 'HELD', reason_code = EXCLUDED.reason_code, reason = EXCLUDED.reason,
                      blocking_event_id = EXCLUDED.blocking_event_id,
-                     blocking_version = EXCLUDED.blocking_version, publish_blocking = true,
+                     blocking_version = EXCLUDED.blocking_version,
+                     blocking_route_version = EXCLUDED.blocking_route_version,
+                     publish_blocking = true,
                      held_at = clock_timestamp(), release_requested_at = NULL
                  WHERE outbox.holds.state = 'RELEASING'",
                 &[
@@ -1092,6 +1095,7 @@ async fn record_refusals_and_commit(
                     &h.reason,
                     &h.blocking_event_id,
                     &h.blocking_version,
+                    &h.blocking_by_relay.flatten(),
                 ],
             )
             .await
@@ -1112,10 +1116,12 @@ async fn record_refusals_and_commit(
         let n = tx
             .execute(
                 "INSERT INTO outbox.held_events (event_id, aggregate_type, aggregate_id,
-                                                 aggregate_version, commit_lsn, slot_name)
-                 SELECT id, at, ai, av, nullif(l, '0/0')::pg_lsn, $6
-                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[])
-                      AS t(id, at, ai, av, l)
+                                                 aggregate_version, commit_lsn, slot_name,
+                                                 relay_route_version)
+                 SELECT id, at, ai, av, nullif(l, '0/0')::pg_lsn, $6, rv
+                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[],
+                             $7::int8[])
+                      AS t(id, at, ai, av, l, rv)
                  ON CONFLICT (event_id) DO NOTHING",
                 &[
                     &held.iter().map(|h| h.event_id).collect::<Vec<_>>(),
@@ -1133,6 +1139,10 @@ async fn record_refusals_and_commit(
                         .map(|h| h.commit_lsn.unwrap_or(Lsn::ZERO).to_string())
                         .collect::<Vec<_>>(),
                     &slot,
+                    &held
+                        .iter()
+                        .map(|h| h.by_relay.flatten())
+                        .collect::<Vec<_>>(),
                 ],
             )
             .await

@@ -138,6 +138,9 @@ pub struct Release {
     pub blocking_event_id: Option<Uuid>,
     pub blocking_version: Option<i64>,
     pub publish_blocking: bool,
+    /// For a blocking row written without a version: the route version the relay routed it
+    /// by (migration 0042), which publishing it needs.
+    pub blocking_route_version: Option<i64>,
 }
 
 /// Holds an operator has released and the relay has not finished republishing.
@@ -152,7 +155,8 @@ pub async fn releasing(
     let rows = client
         .query(
             &format!(
-                "SELECT aggregate_type, aggregate_id, blocking_event_id, blocking_version, publish_blocking
+                "SELECT aggregate_type, aggregate_id, blocking_event_id, blocking_version, publish_blocking,
+                        blocking_route_version
                  FROM outbox.holds WHERE state = 'RELEASING' {of_shard} ORDER BY release_requested_at"
             ),
             &[],
@@ -166,24 +170,39 @@ pub async fn releasing(
             blocking_event_id: r.get(2),
             blocking_version: r.get(3),
             publish_blocking: r.get(4),
+            blocking_route_version: r.get(5),
         })
         .collect())
+}
+
+/// One event a release publishes ([`republish_set`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Republish {
+    pub event_id: Uuid,
+    pub version: i64,
+    pub commit_lsn: Option<Lsn>,
+    /// For a row written without a version (docs/versions_by_relay.md): `version` is the
+    /// relay's numbering, and this is the route version the relay routed it by when the row
+    /// names none and stores no destination, as its held record kept them. `None`: the row
+    /// has its own version.
+    pub by_relay: Option<Option<i64>>,
 }
 
 /// What a release publishes, in version order: the blocking event (unless skipped) and every
 /// held event without a receipt, an open quarantine or a skip (an event held behind another
 /// one, later refused itself and skipped, keeps its held record: found by outbox-sim, it was
-/// sent again at every release). Returns `(event id, version, commit lsn)`.
-pub async fn republish_set(
-    client: &Client,
-    r: &Release,
-) -> Result<Vec<(Uuid, i64, Option<Lsn>)>, LedgerError> {
+/// sent again at every release).
+pub async fn republish_set(client: &Client, r: &Release) -> Result<Vec<Republish>, LedgerError> {
     let rows = client
         .query(
             // A row written without a version (docs/versions_by_relay.md) has the one the
-            // relay gave it in its held record.
-            "SELECT e.event_id, coalesce(e.aggregate_version, he.aggregate_version, 0),
-                    he.commit_lsn::text
+            // relay gave it, and its route, in its held record (migration 0042); the
+            // blocking event, which has none, the hold's blocking version.
+            "SELECT e.event_id,
+                    coalesce(e.aggregate_version, he.aggregate_version,
+                             CASE WHEN e.event_id = $3 THEN $5::int8 END, 0),
+                    he.commit_lsn::text, e.aggregate_version IS NULL,
+                    CASE WHEN e.event_id = $3 THEN $6::int8 ELSE he.relay_route_version END
              FROM outbox.events e
              LEFT JOIN outbox.held_events he ON he.event_id = e.event_id
              WHERE e.aggregate_type = $1 AND e.aggregate_id = $2
@@ -199,6 +218,8 @@ pub async fn republish_set(
                 &r.key.1,
                 &r.blocking_event_id,
                 &r.publish_blocking,
+                &r.blocking_version,
+                &r.blocking_route_version,
             ],
         )
         .await
@@ -209,11 +230,17 @@ pub async fn republish_set(
     rows.iter()
         .map(|row| {
             let lsn: Option<String> = row.get(2);
-            let lsn = lsn
+            let commit_lsn = lsn
                 .map(|l| l.parse::<Lsn>())
                 .transpose()
                 .map_err(|e| LedgerError::Invalid(e.to_string()))?;
-            Ok((row.get(0), row.get(1), lsn))
+            let plain: bool = row.get(3);
+            Ok(Republish {
+                event_id: row.get(0),
+                version: row.get(1),
+                commit_lsn,
+                by_relay: plain.then(|| row.get(4)),
+            })
         })
         .collect()
 }

@@ -225,6 +225,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "event_id_default",
         sql: include_str!("../../../migrations/0041_event_id_default.sql"),
     },
+    Migration {
+        version: 42,
+        name: "held_route_versions",
+        sql: include_str!("../../../migrations/0042_held_route_versions.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

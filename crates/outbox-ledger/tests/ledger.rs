@@ -1482,6 +1482,7 @@ async fn the_acceptance_sql_agrees_with_the_core_rule_and_ignores_stale_refusals
             blocking_event_id: Some(id),
             blocking_version: Some(1),
             blocking_generation: Some(1),
+            blocking_by_relay: None,
         }),
     ];
     accept::accept_batch(&mut c, "s", &stale, None, None)
@@ -1539,6 +1540,7 @@ async fn a_refusal_decided_before_a_migration_is_not_recorded() {
                 blocking_event_id: Some(id),
                 blocking_version: Some(1),
                 blocking_generation: Some(g),
+                blocking_by_relay: None,
             }),
         ]
     };

@@ -545,13 +545,7 @@ impl<P: Plant> PipelineCore<P> {
         let key = key_of(&ev);
         self.ensure_known(&key);
         if ev.version_by_relay && ev.aggregate_version < 1 {
-            // Only the stream numbers rows written without a version ([`Self::on_row`]); a
-            // snapshot, a poll round or a release reads them in no commit order.
-            let reason = format!(
-                "event {} was written without an aggregate version, and only the replication stream numbers such rows (in commit order); it was read by a snapshot, a poll round or a release, which cannot (docs/versions_by_relay.md)",
-                ev.event_id
-            );
-            self.poison(&ev, "unnumbered_row", reason, commit_lsn, ack);
+            self.poison_unnumbered(&ev, commit_lsn, ack);
             return Ok(Vec::new());
         }
         if self.found.contains(&ev.event_id) {
@@ -627,6 +621,7 @@ impl<P: Plant> PipelineCore<P> {
                         blocking_event_id: Some(p.ev.event_id),
                         blocking_version: Some(got),
                         blocking_generation: Some(p.ev.envelope_generation),
+                        blocking_by_relay: p.ev.version_by_relay.then_some(p.ev.route_version),
                     }),
                     None,
                 );
@@ -647,6 +642,7 @@ impl<P: Plant> PipelineCore<P> {
 
     pub(crate) fn record_held(&mut self, p: Pending) {
         tracing::debug!(event_id = %p.ev.event_id, version = p.ev.aggregate_version, "event held");
+        let by_relay = p.ev.version_by_relay.then_some(p.ev.route_version);
         self.push(
             LedgerItem::Held(HeldRecord {
                 event_id: p.ev.event_id,
@@ -654,9 +650,26 @@ impl<P: Plant> PipelineCore<P> {
                 aggregate_id: p.ev.aggregate_id,
                 aggregate_version: p.ev.aggregate_version,
                 commit_lsn: p.commit_lsn,
+                by_relay,
             }),
             p.ack,
         );
+    }
+
+    /// Only the stream numbers rows written without a version ([`Self::on_row`]); a snapshot or
+    /// a poll round reads them in no commit order, and a release must publish the version the
+    /// held record kept. Such a row met anywhere else without a version is quarantined.
+    pub(crate) fn poison_unnumbered(
+        &mut self,
+        ev: &OutboxEvent,
+        commit_lsn: Option<Lsn>,
+        ack: Option<EventToken>,
+    ) {
+        let reason = format!(
+            "event {} was written without an aggregate version, and only the replication stream numbers such rows (in commit order); it was read by a snapshot, a poll round or a release without the version the stream gave it (docs/versions_by_relay.md)",
+            ev.event_id
+        );
+        self.poison(ev, "unnumbered_row", reason, commit_lsn, ack);
     }
 
     /// Quarantines `ev` with its reason and holds its aggregate; what waited behind it is held.
@@ -668,31 +681,21 @@ impl<P: Plant> PipelineCore<P> {
         commit_lsn: Option<Lsn>,
         ack: Option<EventToken>,
     ) {
-        let blocking = (
-            ev.event_id,
-            ev.aggregate_version,
-            ev.envelope_generation,
-            commit_lsn,
-            ack,
-        );
-        self.poison_key(&key_of(ev), blocking, code, reason);
+        self.poison_key(&key_of(ev), ev, (commit_lsn, ack), code, reason);
     }
 
-    /// [`Self::poison`] for an event known by its key, id, version, envelope generation (the
-    /// one the refusal is decided for), commit LSN and ack token.
+    /// [`Self::poison`] for an event whose aggregate's key is known, with its commit LSN and
+    /// ack token. The refusal is decided for its envelope generation.
     fn poison_key(
         &mut self,
         key: &AggKey,
-        (event_id, version, generation, commit_lsn, ack): (
-            Uuid,
-            i64,
-            i32,
-            Option<Lsn>,
-            Option<EventToken>,
-        ),
+        ev: &OutboxEvent,
+        (commit_lsn, ack): (Option<Lsn>, Option<EventToken>),
         code: &str,
         reason: String,
     ) {
+        let (event_id, version, generation) =
+            (ev.event_id, ev.aggregate_version, ev.envelope_generation);
         tracing::warn!(%event_id, aggregate = %format!("{}/{}", key.0, key.1),
             version, code, %reason, "event quarantined; aggregate held");
         self.push(
@@ -718,6 +721,7 @@ impl<P: Plant> PipelineCore<P> {
                 blocking_event_id: Some(event_id),
                 blocking_version: Some(version),
                 blocking_generation: Some(generation),
+                blocking_by_relay: ev.version_by_relay.then_some(ev.route_version),
             }),
             None,
         );
@@ -855,13 +859,8 @@ impl<P: Plant> PipelineCore<P> {
         if let Some(why) = permanent {
             self.poison_key(
                 &f.key,
-                (
-                    f.ev.event_id,
-                    f.ev.aggregate_version,
-                    f.ev.envelope_generation,
-                    f.commit_lsn,
-                    f.ack,
-                ),
+                &f.ev,
+                (f.commit_lsn, f.ack),
                 "broker_rejected",
                 format!("the producer refused the message permanently: {why}"),
             );
@@ -964,13 +963,8 @@ impl<P: Plant> PipelineCore<P> {
             } => {
                 self.poison_key(
                     &f.key,
-                    (
-                        f.ev.event_id,
-                        f.ev.aggregate_version,
-                        f.ev.envelope_generation,
-                        f.commit_lsn,
-                        f.ack,
-                    ),
+                    &f.ev,
+                    (f.commit_lsn, f.ack),
                     "broker_rejected",
                     format!("the broker rejected the message permanently: {error}"),
                 );

@@ -120,6 +120,10 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 close: Some(r.last),
             };
         };
+        if p.ev.version_by_relay && p.ev.aggregate_version < 1 {
+            self.poison_unnumbered(&p.ev, p.commit_lsn, None);
+            return ReleaseStep::Done { close: None };
+        }
         // The route may have changed while the aggregate was held.
         if let Err(refusal) = route::check(&p.ev, self.served()) {
             self.poison(&p.ev, refusal.code, refusal.reason, p.commit_lsn, None);

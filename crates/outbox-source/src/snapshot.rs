@@ -50,25 +50,58 @@ pub fn pending_rows_sql(qualified_table: &str, shard: Option<crate::shard::Shard
 /// Reads one row of [`pending_rows_sql`].
 pub fn event_from_row(row: &Row) -> Result<OutboxEvent, RowError> {
     OutboxEvent::from_text_columns(
-        |name| {
-            let idx = EVENT_COLUMNS
-                .iter()
-                .position(|c| *c == name)
-                .ok_or_else(|| RowError {
-                    column: name.to_string(),
-                    problem: "unknown column".into(),
-                })?;
-            row.try_get::<_, Option<&str>>(idx).map_err(|e| RowError {
-                column: name.to_string(),
-                problem: e.to_string(),
-            })
-        },
+        |name| column_of(row, name),
         None,
         // The view renders a narrow row's destination (migration 0031).
         &RouteVersions::new(),
         // A row written without a route is routed from the stream only.
         None,
     )
+}
+
+/// Column `name` of a row read with [`text_columns`].
+fn column_of<'r>(row: &'r Row, name: &str) -> Result<Option<&'r str>, RowError> {
+    let idx = EVENT_COLUMNS
+        .iter()
+        .position(|c| *c == name)
+        .ok_or_else(|| RowError {
+            column: name.to_string(),
+            problem: "unknown column".into(),
+        })?;
+    row.try_get::<_, Option<&str>>(idx).map_err(|e| RowError {
+        column: name.to_string(),
+        problem: e.to_string(),
+    })
+}
+
+/// A row written without a version (docs/versions_by_relay.md) as the relay published it from
+/// the stream: with the `version` the relay's numbering gave it and, for a row that names no
+/// route and stores no destination, the `route` version the policy in force at its commit
+/// chose (`routes` renders it), as an unclear attempt or a held record kept them. Read from
+/// SQL the row has neither, and only the stream can number and route it again.
+pub fn event_from_row_numbered(
+    row: &Row,
+    version: i64,
+    route: Option<i64>,
+    routes: &RouteVersions,
+) -> Result<OutboxEvent, RowError> {
+    let version = version.to_string();
+    let route = route.map(|r| r.to_string());
+    // The view renders a row that names its route version; one written without (no
+    // destination) renders from the relay's.
+    let stores_destination = column_of(row, "dest_kind")?.is_some();
+    let mut ev = OutboxEvent::from_text_columns(
+        |name| match name {
+            "aggregate_version" => Ok(Some(version.as_str())),
+            "route_version" if route.is_some() && !stores_destination => Ok(route.as_deref()),
+            _ => column_of(row, name),
+        },
+        None,
+        routes,
+        None,
+    )?;
+    ev.version_by_relay = true;
+    Ok(ev)
 }
 
 /// The query that loads given events (`$1::uuid[]`) in version order, for republishing a

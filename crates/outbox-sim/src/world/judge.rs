@@ -225,6 +225,9 @@ pub struct Counts {
     /// relay gave the row, which the attempt keeps (before that fix the daemon stopped:
     /// `plain_rows_unreadable`, `World::plain_lookups_as_daemon`).
     pub plain_reconcile_lookups: u64,
+    /// Plain rows a release republished with the version their held record kept
+    /// (migration 0042).
+    pub plain_released: u64,
     /// Fleet scenarios run, and what happened in them.
     pub fleet_traces: u64,
     pub fleet_kills: u64,
@@ -351,6 +354,7 @@ impl Counts {
             numberings_read,
             numberings_read_above_0,
             plain_reconcile_lookups,
+            plain_released,
             fleet_traces,
             fleet_kills,
             fleet_pauses,
@@ -467,12 +471,13 @@ impl Counts {
             (
                 "plain_traces",
                 format!(
-                    "{} ({} rows written without a version; {} numberings read, {} above 0; {} attempts looked up by the running reconciliation)",
+                    "{} ({} rows written without a version; {} numberings read, {} above 0; {} attempts looked up by the running reconciliation; {} republished by releases)",
                     self.plain_traces,
                     self.plain_events,
                     self.numberings_read,
                     self.numberings_read_above_0,
-                    self.plain_reconcile_lookups
+                    self.plain_reconcile_lookups,
+                    self.plain_released
                 ),
             ),
             ("migrations", self.migrations.to_string()),

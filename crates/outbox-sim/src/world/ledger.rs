@@ -71,6 +71,9 @@ pub(super) struct Ledger {
     pub(super) primary_accepted: HashMap<usize, u64>,
     /// `held_events`: row → released.
     pub(super) held: HashMap<usize, bool>,
+    /// `held_events.aggregate_version` of a row written without a version: the version the
+    /// relay gave it, which its release publishes (migration 0042).
+    pub(super) held_versions: HashMap<usize, i64>,
     pub(super) heads: HashMap<Agg, i64>,
     /// `aggregate_heads`: the heads operators moved (a skipped version counts as passed).
     pub(super) moved: HashMap<Agg, i64>,
@@ -158,6 +161,8 @@ pub(super) enum Item {
     },
     Held {
         row: usize,
+        /// For a row written without a version: the version the relay gave it.
+        by_relay: Option<i64>,
     },
 }
 
@@ -206,6 +211,7 @@ impl World {
                 }
                 LedgerItem::Held(h) => Item::Held {
                     row: row_of(self, &h.event_id),
+                    by_relay: h.by_relay.map(|_| h.aggregate_version),
                 },
             })
             .collect()
@@ -480,9 +486,14 @@ impl World {
                     }
                     Some(_) => {}
                 },
-                Item::Held { row } => {
+                Item::Held { row, by_relay } => {
                     let published = self.ledger.primary.contains_key(row);
                     if self.refusal_stands(RefusalKind::Held, published, false) {
+                        if !self.ledger.held.contains_key(row) {
+                            if let Some(v) = by_relay {
+                                self.ledger.held_versions.insert(*row, *v);
+                            }
+                        }
                         self.ledger.held.entry(*row).or_insert(false);
                     }
                 }

@@ -231,6 +231,11 @@ pub enum Mutant {
     /// (`plain_version_wrong`). A product mutant in
     /// `outbox_relay::PipelineCore::numbered_through` (`NumberingNotKept`).
     NumberingNotKept,
+    /// A release republishes held rows written without a version as SQL reads them, without
+    /// the version their held records kept (before migration 0042): the core quarantines them
+    /// as `unnumbered_row` and holds the aggregate again, which no release can end: the
+    /// events behind them are never published (`lost`).
+    BugReleaseReadsPlainRows,
     /// A run starts without folding the numbering log into the map it reads
     /// (`numbering::fold_at_start` not called): the numbering the last runs logged since the
     /// last fold is missed, and rows are numbered again from older versions
@@ -303,6 +308,10 @@ impl Mutant {
         (
             "bug-numbering-log-not-folded",
             Mutant::BugNumberingLogNotFolded,
+        ),
+        (
+            "bug-release-reads-plain-rows",
+            Mutant::BugReleaseReadsPlainRows,
         ),
     ];
 
@@ -1166,19 +1175,13 @@ impl World {
 
     fn route_change(&mut self) {
         let gen = self.route().1 + 1;
-        let mut topic = if self.faults {
+        let topic = if self.faults {
             [0, 1, 1, 2, 3][self.rng.below(5) as usize]
         } else {
             0
         };
-        // Where aggregates are written plainly, routes stay on the served, accepting topics:
-        // a refused event holds its aggregate, and the release of a held aggregate reads its
-        // rows from SQL, where a plain row has no version (the core quarantines it as
-        // `unnumbered_row`: "Not built yet" in docs/versions_by_relay.md), so such a hold
-        // could never be released. The draw is the same, so the traces keep every draw.
-        if self.plain.contains(&true) && topic >= REJECTING_TOPIC {
-            topic = 1;
-        }
+        // Aggregates written plainly go to refusing topics too since a release publishes a
+        // held plain row with the version its held record kept (migration 0042).
         log!(
             self,
             "route policy generation {gen} -> {}/{}",
@@ -2810,7 +2813,10 @@ impl World {
             };
             let (blocking, publish_blocking) = (h.blocking, h.publish_blocking);
             // `holds::republish_set`: the blocking event (unless skipped) and every held event
-            // without a receipt or an open quarantine.
+            // without a receipt or an open quarantine; a row written without a version with
+            // the version its held record kept (the blocking one: the hold's), and the route
+            // the relay gave it (the simulated row holds it already).
+            let blocking_version = blocking.map(|b| self.rows[b].version);
             let set: Vec<(OutboxEvent, Option<Lsn>)> = (0..self.rows.len())
                 .filter(|r| {
                     self.rows[*r].agg == agg
@@ -2821,10 +2827,24 @@ impl World {
                         && (self.ledger.held.get(r) == Some(&false)
                             || (publish_blocking && blocking == Some(*r)))
                 })
-                .map(|r| (self.rows[r].current(), None))
+                .map(|r| {
+                    let mut ev = self.rows[r].current();
+                    if ev.version_by_relay {
+                        let kept = if blocking == Some(r) {
+                            blocking_version
+                        } else {
+                            self.ledger.held_versions.get(&r).copied()
+                        };
+                        if !self.is(Mutant::BugReleaseReadsPlainRows) {
+                            ev.aggregate_version = kept.unwrap_or(0);
+                        }
+                    }
+                    (ev, None)
+                })
                 .collect();
             log!(self, "republishing released o-{agg}: {} events", set.len());
-            let blocking_version = blocking.map(|b| self.rows[b].version);
+            self.c.plain_released +=
+                set.iter().filter(|(ev, _)| ev.version_by_relay).count() as u64;
             let mut release = self.relays[i].core.start_release(
                 agg_key(agg),
                 blocking_version,

@@ -891,8 +891,16 @@ impl Pipeline {
             // Held records of this aggregate may sit in the batch: make them durable first.
             self.flush(true, progress).await?;
             let set = holds::republish_set(&self.client, &r).await?;
-            let ids: Vec<Uuid> = set.iter().map(|(id, _, _)| *id).collect();
-            let lsns: HashMap<Uuid, Option<Lsn>> = set.iter().map(|(id, _, l)| (*id, *l)).collect();
+            let ids: Vec<Uuid> = set.iter().map(|p| p.event_id).collect();
+            let by_id: HashMap<Uuid, &holds::Republish> =
+                set.iter().map(|p| (p.event_id, p)).collect();
+            // Rows written without a version are published as the stream numbered and routed
+            // them (their held records kept both).
+            let routes = if set.iter().any(|p| p.by_relay.is_some()) {
+                Some(outbox_source::slot::route_versions(sql).await?)
+            } else {
+                None
+            };
             let rows = sql
                 .query(
                     &outbox_source::snapshot::rows_by_id_sql(qualified_table),
@@ -905,9 +913,26 @@ impl Pipeline {
                 })?;
             let mut events = Vec::with_capacity(rows.len());
             for row in &rows {
-                let ev = outbox_source::snapshot::event_from_row(row)
-                    .map_err(|e| RelayError::Internal(format!("released event unreadable: {e}")))?;
-                let commit_lsn = lsns.get(&ev.event_id).copied().flatten();
+                let id: Uuid = row
+                    .try_get::<_, Option<&str>>(0)
+                    .ok()
+                    .flatten()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| RelayError::Internal("released event without an id".into()))?;
+                let listed = by_id.get(&id);
+                let ev = match (listed.and_then(|p| p.by_relay), &routes) {
+                    (Some(route), Some(routes)) => {
+                        let version = listed.map_or(0, |p| p.version);
+                        outbox_source::snapshot::event_from_row_numbered(
+                            row, version, route, routes,
+                        )
+                    }
+                    _ => outbox_source::snapshot::event_from_row(row),
+                }
+                .map_err(|e| {
+                    RelayError::Internal(format!("released event {id} unreadable: {e}"))
+                })?;
+                let commit_lsn = listed.and_then(|p| p.commit_lsn);
                 events.push((ev, commit_lsn));
             }
             tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), events = events.len(), "republishing a released aggregate");

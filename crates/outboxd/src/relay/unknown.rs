@@ -136,13 +136,10 @@ async fn load(
             a.event_id
         )));
     };
-    let column = |name: &str| {
-        outbox_core::EVENT_COLUMNS
-            .iter()
-            .position(|c| *c == name)
-            .map(|i| row.get::<_, Option<&str>>(i))
-    };
-    if column("aggregate_version").flatten().is_some() {
+    let version_col = outbox_core::EVENT_COLUMNS
+        .iter()
+        .position(|c| *c == "aggregate_version");
+    if version_col.is_some_and(|i| row.get::<_, Option<&str>>(i).is_some()) {
         return outbox_source::snapshot::event_from_row(row)
             .map(Some)
             .map_err(|e| RelayError::Internal(e.to_string()));
@@ -152,29 +149,10 @@ async fn load(
     let Some((version, route)) = a.by_relay else {
         return Ok(None);
     };
-    let version = version.to_string();
-    let route = route.map(|r| r.to_string());
     let routes = outbox_source::slot::route_versions(sql).await?;
-    let mut ev = outbox_core::OutboxEvent::from_text_columns(
-        |name| match name {
-            "aggregate_version" => Ok(Some(version.as_str())),
-            // The view renders a row that names its route version; one written without
-            // (no destination) renders from the attempt's.
-            "route_version" if route.is_some() && column("dest_kind").flatten().is_none() => {
-                Ok(route.as_deref())
-            }
-            _ => column(name).ok_or_else(|| outbox_core::RowError {
-                column: name.to_string(),
-                problem: "unknown column".into(),
-            }),
-        },
-        None,
-        &routes,
-        None,
-    )
-    .map_err(|e| RelayError::Internal(format!("event {}: {e}", a.event_id)))?;
-    ev.version_by_relay = true;
-    Ok(Some(ev))
+    outbox_source::snapshot::event_from_row_numbered(row, version, route, &routes)
+        .map(Some)
+        .map_err(|e| RelayError::Internal(format!("event {}: {e}", a.event_id)))
 }
 
 /// After a look-up of one of `ev`'s attempts that re-sent it under its key (`resent`) was
