@@ -59,8 +59,9 @@ pub fn event_from_row(row: &Row) -> Result<OutboxEvent, RowError> {
     )
 }
 
-/// Column `name` of a row read with [`text_columns`].
-fn column_of<'r>(row: &'r Row, name: &str) -> Result<Option<&'r str>, RowError> {
+/// Column `name` of a row read with [`text_columns`] (as [`rows_by_id_sql`] and
+/// [`pending_rows_sql`] read them).
+pub fn column_of<'r>(row: &'r Row, name: &str) -> Result<Option<&'r str>, RowError> {
     let idx = EVENT_COLUMNS
         .iter()
         .position(|c| *c == name)

@@ -913,8 +913,7 @@ impl Pipeline {
                 })?;
             let mut events = Vec::with_capacity(rows.len());
             for row in &rows {
-                let id: Uuid = row
-                    .try_get::<_, Option<&str>>(0)
+                let id: Uuid = outbox_source::snapshot::column_of(row, "event_id")
                     .ok()
                     .flatten()
                     .and_then(|s| s.parse().ok())

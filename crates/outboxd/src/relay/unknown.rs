@@ -136,10 +136,9 @@ async fn load(
             a.event_id
         )));
     };
-    let version_col = outbox_core::EVENT_COLUMNS
-        .iter()
-        .position(|c| *c == "aggregate_version");
-    if version_col.is_some_and(|i| row.get::<_, Option<&str>>(i).is_some()) {
+    let own_version = outbox_source::snapshot::column_of(row, "aggregate_version")
+        .map_err(|e| RelayError::Internal(format!("event {}: {e}", a.event_id)))?;
+    if own_version.is_some() {
         return outbox_source::snapshot::event_from_row(row)
             .map(Some)
             .map_err(|e| RelayError::Internal(e.to_string()));
