@@ -948,6 +948,174 @@ async fn through(c: &Client) -> Vec<(i64, String, String)> {
     .collect()
 }
 
+/// `sql`'s count for the events `ids`.
+async fn count_of(c: &Client, sql: &str, ids: &[uuid::Uuid]) -> i64 {
+    c.query_one(sql, &[&ids]).await.unwrap().get(0)
+}
+
+/// A packed receipt as `outbox.receipt_of` and the view read it back: topic, partition,
+/// offset, broker time in ms, attempt, run, commit LSN, digests, version, slot.
+async fn read_back(c: &Client, id: uuid::Uuid) -> Vec<String> {
+    let sql = "SELECT concat_ws('|', topic, partition, \"offset\",
+                      coalesce(round(extract(epoch FROM broker_timestamp) * 1000)::text, '-'),
+                      attempt, relay_generation, coalesce(commit_lsn::text, '-'),
+                      payload_digest, destination_digest, aggregate_version, slot_name)";
+    let mut out = Vec::new();
+    for from in [
+        "FROM outbox.receipt_of($1)",
+        "FROM outbox.receipts WHERE event_id = $1",
+    ] {
+        for r in c.query(&format!("{sql} {from}"), &[&id]).await.unwrap() {
+            out.push(r.get::<_, String>(0));
+        }
+    }
+    out
+}
+
+/// Receipts of a batch proven new, from a run that may pack them, are kept in their batch row
+/// (migration 0043), read back through `outbox.receipt_of` and the view exactly as written, and
+/// stay the events' primary receipts without a key: the next run's replay, the same ACK
+/// recorded again and a receipt without a position (which would take the entries' plain insert
+/// on a guess) are classified against them; a write through the view unpacks the batch into
+/// entries, and every event keeps one primary receipt throughout.
+#[tokio::test]
+async fn packed_receipts_read_back_as_written_and_stay_the_primary_ones() {
+    let (mut c, _) = fresh("ledger_packed").await;
+    checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x10))
+        .await
+        .unwrap();
+    let events = enqueue_orders(&c, 5).await;
+    let at = |i: usize, run: i64, commit: u64, change: u64| ReceiptRecord {
+        relay_generation: run,
+        partition: i as i32,
+        timestamp_ms: (i != 1).then_some(1_700_000_000_123 + i as i64),
+        commit_lsn: Some(Lsn(commit)),
+        change_lsn: Some(Lsn(change)),
+        ..receipt(&events[i], 10 + i as i64)
+    };
+    let batch =
+        |rs: Vec<ReceiptRecord>| rs.into_iter().map(LedgerItem::Receipt).collect::<Vec<_>>();
+    let counts = |o: outbox_ledger::AcceptOutcome| (o.primary, o.duplicates, o.conflicts);
+    let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.event_id).collect();
+    let entries = "SELECT count(*) FROM outbox.receipt_entries WHERE event_id = ANY($1)";
+    let packed = "SELECT count(*) FROM outbox.receipt_batches WHERE packed IS NOT NULL AND $1::uuid[] IS NOT NULL";
+    let twice =
+        "SELECT count(*) FROM (SELECT event_id FROM outbox.receipts WHERE event_id = ANY($1)
+                 GROUP BY event_id HAVING count(*) > 1) t";
+
+    // Run 1 packs events 0-2 (one without a broker time).
+    let mut prepared = accept::Prepared::default();
+    prepared.set_packing(true);
+    let first: Vec<ReceiptRecord> = (0..3).map(|i| at(i, 1, 0x200, 0x100 + i as u64)).collect();
+    let out = accept::accept_batch_prepared(
+        &mut c,
+        &mut prepared,
+        "s",
+        &batch(first.clone()),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(counts(out), (3, 0, 0));
+    assert_eq!(
+        (
+            count_of(&c, entries, &ids).await,
+            count_of(&c, packed, &ids).await
+        ),
+        (0, 1),
+        "packed, no entries"
+    );
+    for r in &first {
+        let want = format!(
+            "{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|s",
+            r.topic,
+            r.partition,
+            r.offset,
+            r.timestamp_ms.map_or("-".into(), |t| t.to_string()),
+            r.attempt,
+            r.relay_generation,
+            r.commit_lsn.unwrap(),
+            r.payload_digest,
+            r.destination_digest,
+            r.aggregate_version
+        );
+        assert_eq!(read_back(&c, r.event_id).await, vec![want.clone(), want]);
+    }
+    assert!(read_back(&c, events[3].event_id).await.is_empty());
+
+    // Run 2 reads events 1 and 2 again (not past run 1's positions) and event 3: classified
+    // against the packed batch, two duplicates and one primary receipt.
+    let replay = vec![
+        ReceiptRecord {
+            offset: 21,
+            ..at(1, 2, 0x200, 0x101)
+        },
+        ReceiptRecord {
+            offset: 22,
+            ..at(2, 2, 0x200, 0x102)
+        },
+        at(3, 2, 0x300, 0x10),
+    ];
+    let out = accept::accept_batch_prepared(&mut c, &mut prepared, "s", &batch(replay), None, None)
+        .await
+        .unwrap();
+    assert_eq!(counts(out), (1, 2, 0));
+    // Run 1's ACK of event 0 recorded again: no new evidence, not a duplicate.
+    let out = accept::accept_batch_prepared(
+        &mut c,
+        &mut prepared,
+        "s",
+        &batch(vec![first[0].clone()]),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(counts(out), (0, 0, 0));
+    // A receipt without a position for event 0 (a look-up's) tries the entries' plain insert
+    // on a guess; the packed batch's id range shuts it, and it is classified: a duplicate.
+    let lookup = ReceiptRecord {
+        commit_lsn: None,
+        offset: 40,
+        ..receipt(&events[0], 40)
+    };
+    let mut guessing = accept::Prepared::default();
+    let out =
+        accept::accept_batch_prepared(&mut c, &mut guessing, "s", &batch(vec![lookup]), None, None)
+            .await
+            .unwrap();
+    assert_eq!((counts(out), guessing.fallbacks()), ((0, 1, 0), 0));
+    assert_eq!(
+        count_of(&c, twice, &ids).await,
+        0,
+        "an event with two primary receipts"
+    );
+
+    // A write through the view unpacks the batch: the receipts become entries, read the same.
+    let before = read_back(&c, events[2].event_id).await;
+    c.execute(
+        "UPDATE outbox.receipts SET retained_at = now() WHERE event_id = $1",
+        &[&events[0].event_id],
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (
+            count_of(&c, entries, &ids).await,
+            count_of(&c, packed, &ids).await
+        ),
+        (4, 0),
+        "unpacked"
+    );
+    assert_eq!(read_back(&c, events[2].event_id).await, before);
+    assert_eq!(
+        count_of(&c, twice, &ids).await,
+        0,
+        "an event with two primary receipts"
+    );
+}
+
 /// Receipts read from the stream carry their position (commit LSN, change LSN), and each relay
 /// run's highest accepted one is kept (migration 0034): a run's batch past the other runs'
 /// positions is inserted plainly, even when the run accepts its own receipts out of stream
@@ -1338,7 +1506,9 @@ async fn receipt_of_is_the_views_row_and_is_inlined_into_an_index_probe() {
             .collect();
         let plan = plan.join("\n");
         assert!(
-            !plan.contains("receipt_of") && plan.contains("receipt_entries_pkey"),
+            !plan.contains("Function Scan on receipt_of")
+                && plan.contains("receipt_entries_pkey")
+                && plan.contains("receipt_batches_packed_range"),
             "outbox.receipt_of is not inlined into a probe of the entries' key:\n{plan}"
         );
     }
