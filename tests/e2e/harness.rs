@@ -1004,6 +1004,21 @@ pub fn outboxd(args: &[&str]) -> (bool, String) {
     )
 }
 
+/// `outboxd migrate-destination ARGS`, run again while it refuses only because the relay has
+/// not passed the event yet (its answer says "retry in a moment": the checkpoint, or in poll
+/// mode the round that read the event, is older than the quarantine it found), for at most
+/// 30 s; returns the last answer, which the test checks.
+pub fn migrate_destination(args: &[&str]) -> (bool, String) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (ok, out) = outboxd(&[&["migrate-destination"], args].concat());
+        if !out.contains("retry in a moment") || Instant::now() > deadline {
+            return (ok, out);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Publishes one message around the relay (a bypass, a rogue poller): `key`, header `id` when
 /// given, `payload`; flushed before it returns.
 pub fn produce_raw(bootstrap: &str, topic: &str, key: &str, id: Option<&str>, payload: &str) {

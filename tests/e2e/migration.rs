@@ -5,7 +5,7 @@ use serde_json::json;
 use crate::harness::TestEnv;
 
 fn migrate(args: &[&str]) -> (bool, String) {
-    crate::harness::outboxd(&[&["migrate-destination"], args].concat())
+    crate::harness::migrate_destination(args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

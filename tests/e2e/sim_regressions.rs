@@ -3,7 +3,7 @@
 
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
-use crate::harness::{outboxd, TestEnv};
+use crate::harness::{migrate_destination, outboxd, TestEnv};
 
 /// outbox-sim `--mutant bug-poison-before-gate` (seed 1, trace 143): version 2 was refused by
 /// the route check while version 1 was still in flight; the broker then rejected version 1.
@@ -70,8 +70,7 @@ async fn a_refusal_behind_an_in_flight_rejection_keeps_the_earlier_event_as_the_
     );
 
     // Migrating version 1 republishes it; version 2 is then judged at the head and refused.
-    let (ok, out) = outboxd(&[
-        "migrate-destination",
+    let (ok, out) = migrate_destination(&[
         "--database-url",
         &env.url,
         "--event",
