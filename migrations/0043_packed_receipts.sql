@@ -60,8 +60,10 @@ COMMENT ON COLUMN outbox.receipt_batches.packed IS
 CREATE INDEX receipt_batches_packed_range ON outbox.receipt_batches (last_event, first_event)
     WHERE packed IS NOT NULL;
 
--- The receipts of one packed value, in the order the relay wrote them. PL/pgSQL: the value is
--- read from its out-of-line storage once, into p, instead of once per field.
+-- The receipts of one packed value, in the order the relay wrote them. PL/pgSQL, and p is a
+-- copy made by a concatenation: an assignment alone kept the out-of-line pointer, and every
+-- field then fetched its slice of the value from the toast table again (33 us per receipt
+-- against 2.6 with the copy, 646 receipts).
 CREATE FUNCTION outbox.packed_receipts(packed bytea)
 RETURNS TABLE (event_id uuid, destination_id integer, partition integer, "offset" bigint,
                broker_timestamp timestamptz, attempt integer, relay_generation bigint,
@@ -69,7 +71,7 @@ RETURNS TABLE (event_id uuid, destination_id integer, partition integer, "offset
                destination_digest bytea)
 LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
 DECLARE
-    p bytea := packed;
+    p bytea := packed || '\x'::bytea;
 BEGIN
     RETURN QUERY
     SELECT encode(substr(p, o + 1, 16), 'hex')::uuid,
@@ -145,6 +147,38 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
     ) x
     ORDER BY x.batch_id LIMIT 1
 $$;
+
+-- The primary receipts of many events at once, as outbox.receipts has them: their entries by
+-- the key, and each packed batch whose id range holds one of them unpacked once (a probe of
+-- the view for a set of ids would unpack every packed batch).
+CREATE FUNCTION outbox.receipts_of(ids uuid[]) RETURNS SETOF outbox.receipts
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT r.event_id, d.broker_kind, d.broker_cluster, d.topic, r.partition, r."offset",
+           r.broker_timestamp, r.attempt, r.relay_generation, r.commit_lsn, b.slot_name,
+           outbox.digest_text(r.payload_digest), outbox.digest_text(r.destination_digest),
+           b.accepted_at, r.retained_at, b.accepted_xact, r.evidence, r.batch_id,
+           r.aggregate_version
+    FROM outbox.receipt_entries r
+    LEFT JOIN outbox.receipt_batches b ON b.batch_id = r.batch_id
+    LEFT JOIN outbox.receipt_destinations d ON d.destination_id = r.destination_id
+    WHERE r.event_id = ANY(ids)
+    UNION ALL
+    SELECT u.event_id, d.broker_kind, d.broker_cluster, d.topic, u.partition, u."offset",
+           u.broker_timestamp, u.attempt, u.relay_generation, u.commit_lsn, b.slot_name,
+           outbox.digest_text(u.payload_digest), outbox.digest_text(u.destination_digest),
+           b.accepted_at, NULL::timestamptz, b.accepted_xact, NULL::jsonb, b.batch_id,
+           u.aggregate_version
+    FROM (SELECT DISTINCT c.batch_id FROM unnest(ids) i(id)
+          JOIN outbox.receipt_batches c
+            ON c.packed IS NOT NULL AND c.last_event >= i.id AND c.first_event <= i.id) k
+    JOIN outbox.receipt_batches b ON b.batch_id = k.batch_id
+    CROSS JOIN LATERAL outbox.packed_receipts(b.packed) u
+    JOIN (SELECT DISTINCT w.id FROM unnest(ids) w(id)) w ON w.id = u.event_id
+    LEFT JOIN outbox.receipt_destinations d ON d.destination_id = u.destination_id
+$$;
+
+COMMENT ON FUNCTION outbox.receipts_of(uuid[]) IS
+    'The primary receipts of the events ids, as outbox.receipts has them. Ask this, not the view, for a set of events: packed batches are unpacked only where their id range can hold one.';
 
 -- Moves one packed batch's receipts into entries (keeping the batch row, its time and slot),
 -- so that what changes one receipt (purge's RETAINED mark, a write through the view) changes

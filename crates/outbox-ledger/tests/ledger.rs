@@ -953,7 +953,7 @@ async fn count_of(c: &Client, sql: &str, ids: &[uuid::Uuid]) -> i64 {
     c.query_one(sql, &[&ids]).await.unwrap().get(0)
 }
 
-/// A packed receipt as `outbox.receipt_of` and the view read it back: topic, partition,
+/// A packed receipt as `outbox.receipt_of`, the view and `outbox.receipts_of` read it back: topic, partition,
 /// offset, broker time in ms, attempt, run, commit LSN, digests, version, slot.
 async fn read_back(c: &Client, id: uuid::Uuid) -> Vec<String> {
     let sql = "SELECT concat_ws('|', topic, partition, \"offset\",
@@ -964,6 +964,7 @@ async fn read_back(c: &Client, id: uuid::Uuid) -> Vec<String> {
     for from in [
         "FROM outbox.receipt_of($1)",
         "FROM outbox.receipts WHERE event_id = $1",
+        "FROM outbox.receipts_of(ARRAY[$1, gen_random_uuid()])",
     ] {
         for r in c.query(&format!("{sql} {from}"), &[&id]).await.unwrap() {
             out.push(r.get::<_, String>(0));
@@ -1040,7 +1041,7 @@ async fn packed_receipts_read_back_as_written_and_stay_the_primary_ones() {
             r.destination_digest,
             r.aggregate_version
         );
-        assert_eq!(read_back(&c, r.event_id).await, vec![want.clone(), want]);
+        assert_eq!(read_back(&c, r.event_id).await, vec![want; 3]);
     }
     assert!(read_back(&c, events[3].event_id).await.is_empty());
 
