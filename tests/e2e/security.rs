@@ -312,9 +312,7 @@ async fn a_revoked_privilege_stops_the_relay_with_the_fix_and_loses_nothing() {
     env.warm_up("warm").await;
 
     env.db
-        // Every acceptance writes its batch row (packed receipts or entries'), so this is
-        // the grant the next acceptance needs whichever way it goes.
-        .batch_execute("REVOKE INSERT ON outbox.receipt_batches FROM outboxd_relay")
+        .batch_execute("REVOKE INSERT ON outbox.receipt_entries FROM outboxd_relay")
         .await
         .unwrap();
     let id = env.enqueue("after-revoke", json!({"n": 1})).await;

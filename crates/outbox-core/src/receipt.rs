@@ -145,23 +145,6 @@ pub fn proved_new(
     FreshnessRule::default().proved_new(accepted_through, positions)
 }
 
-/// Whether a receipt can be packed into its acceptance batch's row (migration 0043, 132 bytes
-/// per receipt): it has a stream position (so its batch can be proven new), no evidence (a
-/// broker's receipt), an event id that is a uuid v7 (time-ordered, so a packed batch's id
-/// range is narrow and a probe for one event unpacks few batches), and both digests as
-/// sha256. Any other receipt is written as an entry with its key.
-pub fn packable(r: &crate::records::ReceiptRecord) -> bool {
-    use crate::envelope::StoredDigest;
-    r.position().is_some()
-        && r.evidence.is_none()
-        && r.event_id.get_version_num() == 7
-        && matches!(StoredDigest::of(&r.payload_digest), StoredDigest::Sha256(_))
-        && matches!(
-            StoredDigest::of(&r.destination_digest),
-            StoredDigest::Sha256(_)
-        )
-}
-
 /// The relay generation under which receipts without a stream position (a snapshot's, a
 /// release's, a look-up's) raise their slot's accepted positions: every run's proof counts it.
 pub const UNPOSITIONED_GENERATION: i64 = -1;

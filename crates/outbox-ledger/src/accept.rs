@@ -146,17 +146,6 @@ WITH input AS (
     receipt_rows!(),
     r#"
 ),
--- Receipts packed into their batch (migration 0043) have no key: the packed batches whose id
--- range holds one of the input's ids are unpacked once per statement, and a receipt found
--- there is the event's primary one.
-packed_hit AS MATERIALIZED (
-    SELECT u.event_id, u.destination_id, u.partition, u."offset", u.attempt, u.relay_generation
-    FROM outbox.receipt_batches b CROSS JOIN LATERAL outbox.packed_receipts(b.packed) u
-    WHERE b.packed IS NOT NULL
-      AND b.last_event >= (SELECT i.event_id FROM input i ORDER BY i.event_id LIMIT 1)
-      AND b.first_event <= (SELECT i.event_id FROM input i ORDER BY i.event_id DESC LIMIT 1)
-      AND u.event_id IN (SELECT i.event_id FROM input i)
-),
 matched AS (
     -- No match with the outbox row (docs/evidence_batches.md): the relay built every receipt
     -- from a row it read, computed both digests from it and checked any the row stores, and
@@ -200,7 +189,6 @@ prim AS (
            payload_digest, destination_digest, evidence::jsonb, aggregate_version
     FROM matched m WHERE ok
       AND NOT m.purged
-      AND NOT EXISTS (SELECT 1 FROM packed_hit h WHERE h.event_id = m.event_id)
     ON CONFLICT (event_id) DO NOTHING
     RETURNING event_id
 ),
@@ -225,10 +213,6 @@ dup AS (
                         AND rd.topic = d.topic AND r.partition = m.partition
                         AND r."offset" = m."offset" AND r.attempt = m.attempt
                         AND r.relay_generation = m.relay_generation)
-      AND NOT EXISTS (SELECT 1 FROM packed_hit h
-                      WHERE h.event_id = m.event_id AND h.destination_id = m.destination_id
-                        AND h.partition = m.partition AND h."offset" = m."offset"
-                        AND h.attempt = m.attempt AND h.relay_generation = m.relay_generation)
     ON CONFLICT (event_id, broker_cluster, topic, partition, "offset", attempt, relay_generation)
     DO NOTHING
     RETURNING 1
@@ -299,14 +283,7 @@ gate AS (
                 OR (EXISTS (SELECT 1 FROM locked)
                     AND NOT EXISTS (SELECT 1 FROM others o
                                     WHERE (o.commit_lsn, o.change_lsn)
-                                          >= ($4::pg_lsn, $5::pg_lsn))))
-           -- Entries (`$9` NULL) meet only the entries' key: no packed batch may hold one of
-           -- their ids (`$2` to `$10`, the batch's id range; migration 0043). A packed batch
-           -- (`$9`) is proven new by the positions above and the run's rule.
-           AND ($9::bytea IS NOT NULL
-                OR NOT EXISTS (SELECT 1 FROM outbox.receipt_batches pb
-                               WHERE pb.packed IS NOT NULL AND pb.last_event >= $2::uuid
-                                 AND pb.first_event <= $10::uuid)) AS go
+                                          >= ($4::pg_lsn, $5::pg_lsn)))) AS go
 ),
 raise AS (
     "#,
@@ -317,10 +294,7 @@ raise AS (
     RETURNING 1
 ),
 batch AS (
-    INSERT INTO outbox.receipt_batches (slot_name, first_event, last_event, packed)
-    SELECT $1, CASE WHEN $9::bytea IS NOT NULL THEN $2::uuid END,
-           CASE WHEN $9::bytea IS NOT NULL THEN $10::uuid END, $9::bytea
-    FROM gate WHERE go
+    INSERT INTO outbox.receipt_batches (slot_name) SELECT $1 FROM gate WHERE go
     RETURNING batch_id
 )
 SELECT (SELECT batch_id FROM batch),
@@ -424,21 +398,9 @@ pub struct Prepared {
     expect_fresh: bool,
     /// How many batches tried the plain insert, met an accepted event and were accepted again.
     fallbacks: u64,
-    /// Whether a batch proven new may be packed into its batch row (migration 0043); the
-    /// relay's run says so per batch (`PipelineCore::may_pack`). Off by default.
-    packing: bool,
     /// `outbox.receipt_destinations` ids by (broker kind, cluster, topic): a relay has a
     /// handful, resolved once per connection and found without allocating per receipt.
     destinations: Vec<(String, String, String, i32)>,
-}
-
-impl Prepared {
-    /// Lets (or stops) a batch proven new being packed into its batch row (migration 0043).
-    /// Only a caller that knows its run cannot have accepted the batch's events already may
-    /// set it (the relay's `PipelineCore::may_pack`).
-    pub fn set_packing(&mut self, on: bool) {
-        self.packing = on;
-    }
 }
 
 impl Default for Prepared {
@@ -452,7 +414,6 @@ impl Default for Prepared {
             raise: None,
             expect_fresh: true,
             fallbacks: 0,
-            packing: false,
             destinations: Vec::new(),
         }
     }
@@ -733,8 +694,6 @@ async fn accept(
     let all: Vec<&ReceiptRecord> = first.iter().chain(&rest).copied().collect();
     let raises = receipt::raises(&all);
     let floor = receipt::batch_floor(&first);
-    // Packed only when proven new and the run allows it: a packed receipt has no key.
-    let pack = prepared.packing && floor.is_some() && first.iter().all(|r| receipt::packable(r));
 
     // The plain insert of the first round ([`accept_fresh`]) when its gate proves the batch
     // new to the slot (`outbox_core::receipt::proved_new`: its lowest position past every
@@ -753,7 +712,7 @@ async fn accept(
         // `Some(locked)` when the plain insert's gate was shut: it took the lock already.
         let mut shut = None;
         if plain {
-            match accept_fresh(&tx, prepared, slot, &first, floor, &raises, pack).await {
+            match accept_fresh(&tx, prepared, slot, &first, floor, &raises).await {
                 Ok(Fresh::Inserted { primary, locked }) => {
                     out.primary += primary;
                     classify_rounds(&tx, prepared, slot, &[&rest], &mut out).await?;
@@ -954,12 +913,9 @@ async fn accept_fresh(
     round: &[&ReceiptRecord],
     floor: Option<(i64, StreamPosition)>,
     raises: &[(i64, Option<StreamPosition>)],
-    pack: bool,
 ) -> Result<Fresh, LedgerError> {
     let stmt = prepared_statement(tx, &mut prepared.fresh_batch, FRESH_BATCH_SQL).await?;
     let smallest = round.iter().map(|r| r.event_id).min();
-    let largest = round.iter().map(|r| r.event_id).max();
-    let packed = pack.then(|| packed_receipts(prepared, round));
     // A batch without a run of its own is compared with no run (-2 is none).
     let generation = floor.map_or(-2, |f| f.0);
     let lowest = floor.map(|f| f.1);
@@ -976,8 +932,6 @@ async fn accept_fresh(
                 &generations,
                 &commits,
                 &changes,
-                &packed,
-                &largest,
             ],
         )
         .await
@@ -987,13 +941,6 @@ async fn accept_fresh(
     let Some(batch_id) = batch_id else {
         return Ok(Fresh::Shut { locked });
     };
-    if packed.is_some() {
-        close_held(tx, prepared, round, held_open).await?;
-        return Ok(Fresh::Inserted {
-            primary: round.len() as u64,
-            locked,
-        });
-    }
     let copy = prepared_statement(tx, &mut prepared.fresh_copy, FRESH_ENTRIES_COPY).await?;
     let context = || {
         format!(
@@ -1029,20 +976,6 @@ async fn accept_fresh(
             .ctx(context())?;
     }
     let inserted = writer.as_mut().finish().await.ctx(context())?;
-    close_held(tx, prepared, round, held_open).await?;
-    Ok(Fresh::Inserted {
-        primary: inserted,
-        locked,
-    })
-}
-
-/// Closes the held events of a fresh batch's receipts, when any held event is open at all.
-async fn close_held(
-    tx: &tokio_postgres::Transaction<'_>,
-    prepared: &mut Prepared,
-    round: &[&ReceiptRecord],
-    held_open: bool,
-) -> Result<(), LedgerError> {
     if held_open {
         let unheld = prepared_statement(tx, &mut prepared.fresh_unheld, FRESH_UNHELD_SQL).await?;
         let ids: Vec<uuid::Uuid> = round.iter().map(|r| r.event_id).collect();
@@ -1050,35 +983,10 @@ async fn close_held(
             .await
             .ctx("closing the held events of accepted receipts (outbox.held_events)")?;
     }
-    Ok(())
-}
-
-/// The bytes of one receipt in a packed batch (migration 0043's layout, which
-/// `outbox.packed_receipts` reads).
-pub const PACKED_RECEIPT_LEN: usize = 132;
-
-/// A round of [`receipt::packable`] receipts as the `packed` value of their batch row:
-/// [`PACKED_RECEIPT_LEN`] bytes each, big-endian, in the round's order (migration 0043).
-fn packed_receipts(prepared: &Prepared, round: &[&ReceiptRecord]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(round.len() * PACKED_RECEIPT_LEN);
-    for r in round {
-        let destination_id = prepared
-            .destination_id(r)
-            .expect("resolve_destinations found every destination of the batch");
-        out.extend_from_slice(r.event_id.as_bytes());
-        out.extend_from_slice(&destination_id.to_be_bytes());
-        out.extend_from_slice(&r.partition.to_be_bytes());
-        out.extend_from_slice(&r.offset.to_be_bytes());
-        out.extend_from_slice(&r.timestamp_ms.unwrap_or(i64::MIN).to_be_bytes());
-        out.extend_from_slice(&r.attempt.to_be_bytes());
-        out.extend_from_slice(&r.relay_generation.to_be_bytes());
-        out.extend_from_slice(&r.commit_lsn.map_or(0, |l| l.as_u64()).to_be_bytes());
-        out.extend_from_slice(&r.aggregate_version.to_be_bytes());
-        StoredDigest::of(&r.payload_digest).write(&mut out);
-        StoredDigest::of(&r.destination_digest).write(&mut out);
-    }
-    debug_assert_eq!(out.len(), round.len() * PACKED_RECEIPT_LEN);
-    out
+    Ok(Fresh::Inserted {
+        primary: inserted,
+        locked,
+    })
 }
 
 /// Runs each non-empty round of receipts, in order, through [`ACCEPT_SQL`] and adds what it

@@ -230,11 +230,6 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "held_route_versions",
         sql: include_str!("../../../migrations/0042_held_route_versions.sql"),
     },
-    Migration {
-        version: 43,
-        name: "packed_receipts",
-        sql: include_str!("../../../migrations/0043_packed_receipts.sql"),
-    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -170,24 +170,6 @@ pub async fn purge(client: &Client, s: &PurgeSettings) -> Result<PurgeReport, Le
             .ctx("counting inbox rows purge would delete")?
             .get(0);
     } else {
-        // Receipts packed into their batch (migration 0043) past the replay window become
-        // entries first: the RETAINED mark and the deletes below are per receipt.
-        loop {
-            let n = client
-                .execute(
-                    "SELECT outbox.unpack_receipt_batch(b.batch_id)
-                     FROM (SELECT batch_id FROM outbox.receipt_batches
-                           WHERE packed IS NOT NULL
-                             AND accepted_at < clock_timestamp() - make_interval(secs => $1)
-                           ORDER BY batch_id LIMIT 100) b",
-                    &[&window],
-                )
-                .await
-                .ctx("unpacking packed receipt batches past the replay window")?;
-            if n < 100 {
-                break;
-            }
-        }
         loop {
             let n = client
                 .execute(
@@ -275,9 +257,6 @@ pub async fn purge(client: &Client, s: &PurgeSettings) -> Result<PurgeReport, Le
             .execute(
                 "DELETE FROM outbox.receipt_batches b
                  WHERE b.accepted_at < clock_timestamp() - make_interval(secs => $1)
-                   -- A packed batch holds its receipts itself (migration 0043): one packed
-                   -- since the unpacking above is not empty.
-                   AND b.packed IS NULL
                    AND NOT EXISTS (SELECT 1 FROM outbox.receipt_entries r
                                    WHERE r.batch_id = b.batch_id)",
                 &[&window],

@@ -72,11 +72,7 @@ pub async fn read(client: &Client) -> Result<Status, LedgerError> {
         .query_one(
             &format!(
                 "SELECT (SELECT count(*) FROM outbox.events),
-                        -- Counted without unpacking packed batches (migration 0043): the
-                        -- length of a packed value is known without reading it.
-                        (SELECT count(*) FROM outbox.receipt_entries)
-                        + (SELECT coalesce(sum(length(b.packed) / 132), 0)::bigint
-                           FROM outbox.receipt_batches b WHERE b.packed IS NOT NULL),
+                        (SELECT count(*) FROM outbox.receipts),
                         (SELECT count(*) FROM outbox.duplicate_receipts),
                         (SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL),
                         p.n, p.age

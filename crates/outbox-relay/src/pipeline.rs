@@ -331,8 +331,6 @@ pub struct PipelineCore<P = Shipped> {
     pub lease_expired: bool,
     /// The run is ending: record reports, send nothing.
     salvaging: bool,
-    /// Whether this run's batches may still be packed ([`Self::may_pack`]).
-    packing: bool,
     /// Events whose UNKNOWN attempt reconciliation found on the broker: never sent again.
     pub found: HashSet<Uuid>,
     /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
@@ -435,7 +433,6 @@ impl<P: Plant> PipelineCore<P> {
             batch_acks: Vec::new(),
             lease_expired: false,
             salvaging: false,
-            packing: true,
             found: HashSet::new(),
             retry_generation: HashMap::new(),
             in_flight_bytes: 0,
@@ -1041,15 +1038,6 @@ impl<P: Plant> PipelineCore<P> {
         if self.batch.is_empty() && checkpoint.is_none() {
             return Ok(None);
         }
-        // A receipt without a stream position (a snapshot's, a release's, a look-up's) may
-        // name an event this run accepts again from the stream: packing ends for the run.
-        if self
-            .batch
-            .iter()
-            .any(|i| matches!(i, LedgerItem::Receipt(r) if r.position().is_none()))
-        {
-            self.packing = false;
-        }
         // The next batch starts with the room this one needed, instead of growing to it one
         // doubling (and one copy of every item) at a time.
         let room = self.batch.len();
@@ -1065,24 +1053,11 @@ impl<P: Plant> PipelineCore<P> {
     /// item is recorded already, and recording it again would store each receipt a second
     /// time as a duplicate of itself.
     pub fn restore_batch(&mut self, items: Vec<LedgerItem>, fenced: bool) {
-        // The failed transaction may have committed: its receipts, accepted again by this
-        // run, must meet a key or the classifying statement, never a packed batch.
-        self.packing = false;
         if fenced {
             return;
         }
         let rest = std::mem::replace(&mut self.batch, items);
         self.batch.extend(rest);
-    }
-
-    /// Whether the batch just taken may be packed into its batch row when the ledger proves
-    /// it new to the slot (migration 0043): true until this run hands out a receipt without a
-    /// stream position or an acceptance fails. A packed receipt has no per-event key, so the
-    /// only receipts a run may pack are ones it cannot have accepted before: the proof covers
-    /// the slot's other runs, this rule the run's own (a failed transaction that committed,
-    /// a look-up's receipt for an event the stream also delivers).
-    pub fn may_pack(&self) -> bool {
-        self.packing
     }
 
     /// The run is ending: reports are still recorded, nothing more is sent.

@@ -182,8 +182,8 @@ impl Target {
     fn accepted_sql(&self) -> Option<&'static str> {
         match self {
             Target::Outbox(_) | Target::OutboxPlain(_) => Some(
-                "SELECT event_id, extract(epoch FROM accepted_at)::float8
-                 FROM outbox.receipts_of($1::uuid[])",
+                "SELECT event_id, extract(epoch FROM accepted_at)::float8 FROM outbox.receipts
+                 WHERE event_id = ANY($1)",
             ),
             Target::Plain(..) => None,
         }

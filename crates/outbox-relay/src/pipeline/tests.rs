@@ -270,32 +270,6 @@ fn a_failed_acceptance_puts_its_batch_back_unless_it_was_fenced_after_commit() {
     assert!(c.take_batch(false).unwrap().is_none());
 }
 
-/// A run packs its batches (migration 0043, no per-event key) only while it cannot have
-/// accepted their events already: until it hands out a receipt without a stream position (a
-/// snapshot's, a release's, a look-up's) or an acceptance fails (it may have committed).
-#[test]
-fn a_run_packs_until_a_receipt_without_a_position_or_a_failed_acceptance() {
-    let mut c = core();
-    let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
-    continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
-    c.take_batch(true).unwrap().unwrap();
-    assert!(c.may_pack(), "a run whose receipts all had positions");
-    let cmds = c
-        .admit(event("b", 1), Some(Lsn(20)), None, None, now(2))
-        .unwrap();
-    continued(c.on_report(persisted(token(&cmds[0]), 1), now(3)).unwrap());
-    c.take_batch(false).unwrap().unwrap();
-    assert!(!c.may_pack(), "a receipt without a position was handed out");
-
-    let mut c = core();
-    let cmds = admit_txn(&mut c, &[event("a", 1)], 10);
-    continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
-    let (items, _) = c.take_batch(true).unwrap().unwrap();
-    assert!(c.may_pack());
-    c.restore_batch(items, false);
-    assert!(!c.may_pack(), "an acceptance failed");
-}
-
 #[test]
 fn in_flight_bytes_follow_sends_and_reports() {
     let mut c = core();

@@ -759,7 +759,6 @@ impl Pipeline {
         };
         let numbered = self.numbered_through(checkpoint);
         let mut prepared = accept::Prepared::default();
-        prepared.set_packing(self.core.may_pack());
         match accept_with_numbering(
             &mut self.client,
             &mut prepared,
@@ -799,7 +798,6 @@ impl Pipeline {
         };
         let (slot, fence) = (self.slot.clone(), self.fence.clone());
         let numbered = self.numbered_through(checkpoint);
-        prepared.set_packing(self.core.may_pack());
         let task = tokio::spawn(async move {
             let r = accept_with_numbering(
                 &mut client,
