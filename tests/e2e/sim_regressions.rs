@@ -3,7 +3,7 @@
 
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
-use crate::harness::{migrate_destination, outboxd, TestEnv};
+use crate::harness::{migrate_destination, TestEnv};
 
 /// outbox-sim `--mutant bug-poison-before-gate` (seed 1, trace 143): version 2 was refused by
 /// the route check while version 1 was still in flight; the broker then rejected version 1.
@@ -121,7 +121,7 @@ e2e_only! {
             .await
             .unwrap();
         let migrate = || {
-            outboxd(&[
+            crate::harness::outboxd(&[
                 "migrate-destination",
                 "--database-url",
                 &env.url,
