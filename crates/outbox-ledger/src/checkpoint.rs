@@ -68,10 +68,19 @@ pub async fn create(
 ) -> Result<(), LedgerError> {
     client
         .execute(
+            // The route policy generation in force at the new slot's start: a run that
+            // stops before its first checkpoint moves must not route the rows it read by a
+            // generation committed after them (the next run would otherwise take the newest;
+            // tests/e2e/plain_insert.rs failed so when its failpoint came before the first
+            // checkpoint). A generation committed between the slot's creation and this
+            // statement is both in the stream and read here: a window of milliseconds.
             "INSERT INTO outbox.checkpoints (slot_name, publication, system_identifier, timeline,
-                                             confirmed_lsn, consistent_point, snapshot_done)
-             VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $5::text::pg_lsn, false)
+                                             confirmed_lsn, consistent_point, snapshot_done,
+                                             policy_generation)
+             VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $5::text::pg_lsn, false,
+                     (SELECT max(g.generation_id) FROM outbox.policy_generations g))
              ON CONFLICT (slot_name) DO UPDATE SET
+                policy_generation = EXCLUDED.policy_generation,
                 publication = EXCLUDED.publication,
                 system_identifier = EXCLUDED.system_identifier,
                 timeline = EXCLUDED.timeline,

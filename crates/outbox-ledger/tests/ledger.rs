@@ -3057,6 +3057,62 @@ async fn definer_and_trigger_functions_are_closed_to_public() {
 /// per aggregate in the order asked (0 for one never numbered), per slot; raised, never
 /// lowered; neither kept when the acceptance fails, nor when the run was fenced off (its
 /// receipts are, as always).
+/// A new slot's checkpoint row holds the route policy generation in force at its start, so a
+/// run that stops before its first checkpoint moves does not leave the next run to route the
+/// rows it reads again by a generation committed after them (the newest); recreating the
+/// slot starts it again at the generation in force then.
+#[tokio::test]
+async fn a_new_slots_checkpoint_keeps_the_policy_generation_in_force_at_its_start() {
+    let (c, _) = fresh("ledger_policy_at_start").await;
+    c.execute(
+        "SELECT outbox.set_route('invoice', NULL, 'billing.v1')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let at_start: i64 = c
+        .query_one(
+            "SELECT max(generation_id) FROM outbox.policy_generations",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x10))
+        .await
+        .unwrap();
+    c.execute(
+        "SELECT outbox.set_route('invoice', NULL, 'billing.v2')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let kept = outbox_ledger::numbering::policy_generation(&c, "s")
+        .await
+        .unwrap();
+    assert_eq!(
+        kept,
+        Some(at_start),
+        "the generation in force at the slot's start"
+    );
+    let now: i64 = c
+        .query_one(
+            "SELECT max(generation_id) FROM outbox.policy_generations",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(now > at_start);
+    checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x20))
+        .await
+        .unwrap();
+    let kept = outbox_ledger::numbering::policy_generation(&c, "s")
+        .await
+        .unwrap();
+    assert_eq!(kept, Some(now), "a recreated slot starts at the newest");
+}
+
 #[tokio::test]
 async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
     use outbox_ledger::lease::Fence;
