@@ -3057,6 +3057,17 @@ async fn definer_and_trigger_functions_are_closed_to_public() {
 /// per aggregate in the order asked (0 for one never numbered), per slot; raised, never
 /// lowered; neither kept when the acceptance fails, nor when the run was fenced off (its
 /// receipts are, as always).
+/// The newest route policy generation.
+async fn newest_generation(c: &Client) -> i64 {
+    c.query_one(
+        "SELECT max(generation_id) FROM outbox.policy_generations",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 /// A new slot's checkpoint row holds the route policy generation in force at its start, so a
 /// run that stops before its first checkpoint moves does not leave the next run to route the
 /// rows it reads again by a generation committed after them (the newest); recreating the
@@ -3070,14 +3081,7 @@ async fn a_new_slots_checkpoint_keeps_the_policy_generation_in_force_at_its_star
     )
     .await
     .unwrap();
-    let at_start: i64 = c
-        .query_one(
-            "SELECT max(generation_id) FROM outbox.policy_generations",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let at_start = newest_generation(&c).await;
     checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x10))
         .await
         .unwrap();
@@ -3095,14 +3099,7 @@ async fn a_new_slots_checkpoint_keeps_the_policy_generation_in_force_at_its_star
         Some(at_start),
         "the generation in force at the slot's start"
     );
-    let now: i64 = c
-        .query_one(
-            "SELECT max(generation_id) FROM outbox.policy_generations",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let now = newest_generation(&c).await;
     assert!(now > at_start);
     checkpoint::create(&c, "s", "outbox_pub", "sys", 1, Lsn(0x20))
         .await
