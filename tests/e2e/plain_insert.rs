@@ -346,4 +346,92 @@ cdc_only! {
             "nothing quarantined again"
         );
     }
+
+    /// An outbox written through `outbox.enqueue` and then switched to plain INSERTs
+    /// (`outbox.allow_plain_inserts(true)`, migration 0043): `outbox.enqueue` itself writes rows
+    /// without a version from the switch on (a session that called it before the switch
+    /// included), and the relay numbers each aggregate's first plain row after the versions its
+    /// rows were written with, whether the row came from `outbox.enqueue` or a plain INSERT.
+    /// Counted: receipts whose versions are not 1..n in commit order, and copies whose version
+    /// differs from their receipt's; both must be 0 (a relay that seeds its numbering from the
+    /// checkpoint alone numbers the first plain row 1 again and fails both).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_outbox_switched_to_plain_inserts_continues_each_aggregate_after_its_versions() {
+        let env = TestEnv::new("plain_switch").await;
+        let _relay = env.relay(&[], &[]);
+        env.wait_streaming().await;
+        let enqueue = |aggregate_id: &'static str, n: i64| {
+            let db = &env.db;
+            let aggregate_type = env.aggregate_type.clone();
+            async move {
+                let id: uuid::Uuid = db
+                    .query_one(
+                        "SELECT outbox.enqueue($1, $2, 'test.happened', jsonb_build_object('n', $3::int8))",
+                        &[&aggregate_type, &aggregate_id, &n],
+                    )
+                    .await
+                    .expect("enqueue")
+                    .get(0);
+                id
+            }
+        };
+        // Per aggregate, its events in commit order (one transaction each, one writer).
+        let mut written: HashMap<&str, Vec<uuid::Uuid>> = HashMap::new();
+        for (agg, n) in [("s-1", 1), ("s-2", 2), ("s-1", 3), ("s-1", 4), ("s-2", 5)] {
+            written.entry(agg).or_default().push(enqueue(agg, n).await);
+        }
+        env.db
+            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
+            .await
+            .expect("allow rows without a version");
+        for (agg, n, plain) in [
+            ("s-1", 6, false),
+            ("s-2", 7, true),
+            ("s-3", 8, false),
+            ("s-1", 9, true),
+            ("s-2", 10, false),
+        ] {
+            let id = if plain { insert_plain(&env, agg, n).await } else { enqueue(agg, n).await };
+            written.entry(agg).or_default().push(id);
+        }
+        let unversioned = env
+            .count("SELECT count(*) FROM outbox.events WHERE aggregate_version IS NULL")
+            .await;
+        assert_eq!(unversioned, 5, "outbox.enqueue writes rows without a version after the switch");
+        env.wait_receipts("every event's receipt", 10).await;
+
+        let receipts: HashMap<uuid::Uuid, i64> = env
+            .db
+            .query("SELECT event_id, aggregate_version FROM outbox.receipts", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let mut not_in_commit_order = Vec::new();
+        for (agg, ids) in &written {
+            for (k, id) in ids.iter().enumerate() {
+                let version = receipts.get(id);
+                if version != Some(&(k as i64 + 1)) {
+                    not_in_commit_order.push(format!("{agg} #{}: {id} has {version:?}", k + 1));
+                }
+            }
+        }
+        assert_eq!(not_in_commit_order, Vec::<String>::new(), "receipts not 1..n in commit order");
+        let messages = env.read_topic().await;
+        assert_eq!(messages.len(), 10, "one copy per event");
+        let mut version_differs = Vec::new();
+        for m in &messages {
+            let id: uuid::Uuid = m.id().parse().expect("an event id header");
+            if m.headers.get("aggregate_version") != Some(&receipts[&id].to_string()) {
+                version_differs.push(format!(
+                    "{id}: header {:?}, receipt {}",
+                    m.headers.get("aggregate_version"),
+                    receipts[&id]
+                ));
+            }
+        }
+        assert_eq!(version_differs, Vec::<String>::new(), "copies whose version is not their receipt's");
+        assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
+    }
 }

@@ -230,6 +230,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "held_route_versions",
         sql: include_str!("../../../migrations/0042_held_route_versions.sql"),
     },
+    Migration {
+        version: 43,
+        name: "enqueue_by_relay",
+        sql: include_str!("../../../migrations/0043_enqueue_by_relay.sql"),
+    },
 ];
 
 const LOCK_KEY: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"

@@ -153,6 +153,16 @@ pub async fn fold_at_start(
 /// relay numbered before `slot`'s checkpoint, as folded into the map; 0 for an aggregate the
 /// slot never numbered. In the order of `keys`. Only the map is read: a run folds the log at
 /// its start ([`fold_at_start`]), and what it logs itself is of aggregates it numbers.
+///
+/// Or, where higher, the highest version written with the rows (kept or purged): an aggregate
+/// written through `outbox.enqueue` before its outbox took plain INSERTs continues after its
+/// versions (migration 0043). `outbox.allow_plain_inserts(true)` waits for every transaction
+/// that wrote to the outbox, so those rows all commit before the first row without a version;
+/// an aggregate still written both ways afterwards is not numbered by this rule
+/// (docs/versions_by_relay.md). Each table is probed only when it has such a row at all
+/// (checked once per statement, in the order of the index that holds them: an `EXISTS`
+/// could be planned as a scan of the whole outbox), so an outbox written plainly from the
+/// start pays no probe.
 pub async fn versions_of(
     client: &Client,
     slot: &str,
@@ -167,9 +177,26 @@ pub async fn versions_of(
             // slot's whole map for every batch, ~10 us per aggregate asked at 100,000
             // aggregates against ~1.7 for the probes (docs/benchmarks.md, "The numbering's
             // read").
-            "SELECT coalesce((SELECT s.version FROM outbox.stream_versions s
-                              WHERE s.slot_name = $1 AND s.aggregate_type = k.t
-                                AND s.aggregate_id = k.i), 0)
+            "SELECT greatest(
+                 coalesce((SELECT s.version FROM outbox.stream_versions s
+                           WHERE s.slot_name = $1 AND s.aggregate_type = k.t
+                             AND s.aggregate_id = k.i), 0),
+                 CASE WHEN (SELECT e.aggregate_type FROM outbox.events e
+                            WHERE e.delivery_set_id IS NULL AND e.aggregate_version IS NOT NULL
+                            ORDER BY e.aggregate_type LIMIT 1) IS NOT NULL
+                      THEN (SELECT max(e.aggregate_version) FROM outbox.events e
+                            WHERE e.delivery_set_id IS NULL AND e.aggregate_version IS NOT NULL
+                              AND e.aggregate_type = k.t AND e.aggregate_id = k.i) END,
+                 CASE WHEN (SELECT e.delivery_set_id FROM outbox.events e
+                            WHERE e.delivery_set_id IS NOT NULL
+                            ORDER BY e.delivery_set_id LIMIT 1) IS NOT NULL
+                      THEN (SELECT max(e.aggregate_version) FROM outbox.events e
+                            WHERE e.delivery_set_id IS NOT NULL
+                              AND e.aggregate_type = k.t AND e.aggregate_id = k.i) END,
+                 CASE WHEN (SELECT p.event_id FROM outbox.purged_events p
+                            ORDER BY p.event_id LIMIT 1) IS NOT NULL
+                      THEN (SELECT max(p.aggregate_version) FROM outbox.purged_events p
+                            WHERE p.aggregate_type = k.t AND p.aggregate_id = k.i) END)
              FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS k(t, i, n)
              ORDER BY k.n",
             &[&slot, &types, &ids],

@@ -3378,8 +3378,10 @@ async fn concurrent_policy_changes_give_generations_in_commit_order() {
 /// where a row written by hand with a version is still held to what enqueue checks (here: a
 /// destination). Once the owner allows them, four columns make an event (id and time by
 /// default), the version table is not touched, and the rows-around-enqueue trigger is gone
-/// (its cost is a third of the fast path's); disallowing them fails while such a row exists,
-/// and afterwards restores both.
+/// (its cost is a third of the fast path's), and `outbox.enqueue` writes such rows too
+/// (migration 0043); disallowing them fails while such a row exists, and afterwards restores
+/// both, and `outbox.enqueue` continues each aggregate after the highest version its rows and
+/// tombstones hold (the relay numbered past the version table meanwhile).
 #[tokio::test]
 async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
     use tokio_postgres::error::SqlState;
@@ -3442,22 +3444,36 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
         .get(0);
     assert!(key.contains("(aggregate_version IS NOT NULL)"), "{key}");
     let opts = EnqueueOptions::default();
-    enqueue(&c, "order", "p-3", "order.placed", &json!({}), &opts)
+    let enqueued = enqueue(&c, "order", "p-3", "order.placed", &json!({}), &opts)
         .await
         .unwrap();
+    let r = c
+        .query_one(
+            "SELECT aggregate_version, route_version FROM outbox.events WHERE event_id = $1",
+            &[&enqueued],
+        )
+        .await
+        .unwrap();
+    let got: (Option<i64>, Option<i64>) = (r.get(0), r.get(1));
     assert_eq!(
-        code(
-            c.execute(
-                "INSERT INTO outbox.events (aggregate_type, aggregate_id, aggregate_version,
-                                            event_type, payload, route_version)
-                 VALUES ('order', 'p-3', 1, 'order.placed', '{}', 0)",
-                &[],
-            )
-            .await
-            .unwrap_err()
-        ),
+        got,
+        (None, None),
+        "enqueue leaves version and route to the relay"
+    );
+    let versioned = "INSERT INTO outbox.events (aggregate_type, aggregate_id, aggregate_version,
+                                                event_type, payload, route_version)
+                     VALUES ('order', 'p-3', 1, 'order.placed', '{}', 0)";
+    c.execute(versioned, &[]).await.unwrap();
+    assert_eq!(
+        code(c.execute(versioned, &[]).await.unwrap_err()),
         Some(SqlState::UNIQUE_VIOLATION)
     );
+    c.execute(
+        "DELETE FROM outbox.events WHERE event_id = $1",
+        &[&enqueued],
+    )
+    .await
+    .unwrap();
 
     assert_eq!(
         code(
@@ -3471,6 +3487,17 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
     c.execute("DELETE FROM outbox.events WHERE event_id = $1", &[&id])
         .await
         .unwrap();
+    // The relay numbered p-3 up to 7 meanwhile, and those rows were purged: their tombstones
+    // keep the versions.
+    c.execute(
+        "INSERT INTO outbox.purged_events (event_id, aggregate_type, aggregate_id,
+             aggregate_version, payload_digest, destination_digest, topic, partition, \"offset\",
+             occurred_at, accepted_at)
+         VALUES (gen_random_uuid(), 'order', 'p-3', 7, 'd', 'd', 't', 0, 0, now(), now())",
+        &[],
+    )
+    .await
+    .unwrap();
     c.batch_execute("SELECT outbox.allow_plain_inserts(false)")
         .await
         .unwrap();
@@ -3479,5 +3506,21 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
         code(c.execute(by_hand, &[]).await.unwrap_err()),
         Some(SqlState::CHECK_VIOLATION),
         "checked at insert again"
+    );
+    let next = enqueue(&c, "order", "p-3", "order.placed", &json!({}), &opts)
+        .await
+        .unwrap();
+    let version: Option<i64> = c
+        .query_one(
+            "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
+            &[&next],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        version,
+        Some(8),
+        "enqueue continues after the relay's versions"
     );
 }

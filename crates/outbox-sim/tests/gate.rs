@@ -321,6 +321,10 @@ fn every_mutant_is_caught(product: bool) {
             &[("plain_version_wrong", |c| c.plain_version_wrong)],
         ),
         (Mutant::BugReleaseReadsPlainRows, &[("lost", |c| c.lost)]),
+        (
+            Mutant::NumberingWithoutWrittenVersions,
+            &[("plain_version_wrong", |c| c.plain_version_wrong)],
+        ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000),
         // poll-purge-held (1 in 1,000,000) and, since issue 25, poll-above-head (first at
         // trace 24790) are too rare for 1,500 traces: the_traces_that_found_bugs_stay_fixed

@@ -221,6 +221,11 @@ pub struct Counts {
     pub plain_events: u64,
     pub numberings_read: u64,
     pub numberings_read_above_0: u64,
+    /// Plain aggregates whose first rows were written through `outbox.enqueue` (the switch
+    /// of migration 0043, `World::plain_from`), and the numberings read for them that started
+    /// after those rows' versions.
+    pub plain_switched: u64,
+    pub numberings_after_written: u64,
     /// Look-ups of plain rows' attempts by the running reconciliation, with the version the
     /// relay gave the row, which the attempt keeps (before that fix the daemon stopped:
     /// `plain_rows_unreadable`, `World::plain_lookups_as_daemon`).
@@ -353,6 +358,8 @@ impl Counts {
             plain_events,
             numberings_read,
             numberings_read_above_0,
+            plain_switched,
+            numberings_after_written,
             plain_reconcile_lookups,
             plain_released,
             fleet_traces,
@@ -471,11 +478,13 @@ impl Counts {
             (
                 "plain_traces",
                 format!(
-                    "{} ({} rows written without a version; {} numberings read, {} above 0; {} attempts looked up by the running reconciliation; {} republished by releases)",
+                    "{} ({} rows written without a version; {} numberings read, {} above 0; {} aggregates switched from outbox.enqueue, {} numberings after their written versions; {} attempts looked up by the running reconciliation; {} republished by releases)",
                     self.plain_traces,
                     self.plain_events,
                     self.numberings_read,
                     self.numberings_read_above_0,
+                    self.plain_switched,
+                    self.numberings_after_written,
                     self.plain_reconcile_lookups,
                     self.plain_released
                 ),

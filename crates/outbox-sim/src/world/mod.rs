@@ -241,6 +241,12 @@ pub enum Mutant {
     /// last fold is missed, and rows are numbered again from older versions
     /// (`plain_version_wrong`).
     BugNumberingLogNotFolded,
+    /// A run seeds the numbering of an aggregate it meets first at a row without a version from
+    /// what the checkpoint kept only, not from the versions its rows were written with: an
+    /// aggregate written through `outbox.enqueue` before its outbox took plain INSERTs
+    /// (migration 0043) is numbered from 1 again (`plain_version_wrong`). A model mutant of
+    /// `outbox_ledger::numbering::versions_of`'s SQL.
+    NumberingWithoutWrittenVersions,
 }
 
 impl Mutant {
@@ -312,6 +318,10 @@ impl Mutant {
         (
             "bug-release-reads-plain-rows",
             Mutant::BugReleaseReadsPlainRows,
+        ),
+        (
+            "numbering-without-written-versions",
+            Mutant::NumberingWithoutWrittenVersions,
         ),
     ];
 
@@ -423,7 +433,7 @@ struct Row {
     /// (`plain_version_wrong` counts every receipt or copy that says otherwise).
     version: i64,
     /// Written plainly, without a version (docs/versions_by_relay.md): its aggregate is one
-    /// of [`World::plain`]'s.
+    /// of [`World::plain`]'s, at or past its [`World::plain_from`].
     plain: bool,
     agg: Agg,
     commit_end: Lsn,
@@ -602,13 +612,20 @@ struct World {
     /// their own.
     dedup: bool,
     /// The aggregates written plainly (`INSERT INTO outbox.events` without a version or a
-    /// route; docs/versions_by_relay.md), each of them only so (an aggregate is written one
-    /// way only: the documented rule). A quarter of the CDC traces whose slot is never lost,
+    /// route; docs/versions_by_relay.md), each of them only so from its [`World::plain_from`]
+    /// on (an aggregate is written one way at a time: the documented rule). A quarter of the CDC traces whose slot is never lost,
     /// drawn from generators of their own (so that the other traces keep every draw), write
     /// one to all of the aggregates plainly. Never in poll mode (it refuses an outbox that
     /// allows such rows: it cannot see commit order) nor where the slot is lost (a new slot
     /// starts with no numbering, and the product refuses it over plain rows: "Not built yet").
     plain: [bool; AGGREGATES as usize],
+    /// The version from which each of [`World::plain`]'s aggregates is written plainly: 1 for
+    /// half of them; the others' first rows go through `outbox.enqueue`, and the outbox's
+    /// owner allows plain INSERTs between (migration 0043: `outbox.enqueue` itself then writes
+    /// plain rows). The switch waits for every writer of the outbox, so the aggregate's
+    /// versioned rows all commit before its first plain one, and the relay must number that
+    /// one after them.
+    plain_from: [i64; AGGREGATES as usize],
     /// How the running reconciliation gets the event of a plain row's open attempt (one of
     /// another generation, or of an event published before the run started: the run does
     /// not replay it into a parked event of its own). The daemon loaded it from SQL
@@ -697,9 +714,21 @@ impl World {
                 *p = mask & (1 << a) != 0;
             }
         }
+        // Drawn from a generator of its own, only in traces with plain aggregates, so that
+        // every other trace keeps its draws.
+        let mut plain_from = [1; AGGREGATES as usize];
+        if plain.contains(&true) {
+            let mut draw = rng.fork(15);
+            for (from, p) in plain_from.iter_mut().zip(plain) {
+                if p && draw.chance(500) {
+                    *from = draw.range(2, 6) as i64;
+                }
+            }
+        }
         World {
             dedup,
             plain,
+            plain_from,
             plain_lookups_as_daemon: false,
             plain_receipts_wrong: 0,
             unclear_budget,
@@ -760,7 +789,10 @@ impl World {
         if self.plain.contains(&true) {
             let plain: Vec<String> = (0..AGGREGATES)
                 .filter(|a| self.plain[*a as usize])
-                .map(|a| format!("o-{a}"))
+                .map(|a| match self.plain_from[a as usize] {
+                    1 => format!("o-{a}"),
+                    v => format!("o-{a} (from v{v})"),
+                })
                 .collect();
             log!(self, "written plainly (no version): {}", plain.join(", "));
         }
@@ -776,6 +808,7 @@ impl World {
         self.drain();
         self.c.poll_traces = u64::from(self.poll);
         self.c.plain_traces = u64::from(self.plain.contains(&true));
+        self.c.plain_switched = self.plain_from.iter().filter(|v| **v > 1).count() as u64;
         self.c.dedup_traces = u64::from(self.dedup);
         self.judge();
     }
@@ -1056,7 +1089,7 @@ impl World {
         let (topic, gen) = self.route();
         let destination = self.destination(agg, topic, gen);
         let payload = Bytes::from(format!("{{\"business\": {business}}}"));
-        let plain = self.plain[agg as usize];
+        let plain = self.plain[agg as usize] && version >= self.plain_from[agg as usize];
         OutboxEvent {
             version_by_relay: plain,
             ..OutboxEvent::frozen(
@@ -2111,7 +2144,15 @@ impl World {
                 .into_iter()
                 .map(|key| {
                     let agg = self.aggs_by_key(&key).expect("a staged row's aggregate");
-                    let kept = self.ledger.stream_versions.get(&agg).copied().unwrap_or(0);
+                    let mut kept = self.ledger.stream_versions.get(&agg).copied().unwrap_or(0);
+                    // Or, where higher, the highest version a row of the aggregate was written
+                    // with (kept or purged): its rows before the switch to plain INSERTs.
+                    let written = self.rows.iter().filter(|r| r.agg == agg && !r.plain);
+                    let written = written.map(|r| r.version).max().unwrap_or(0);
+                    if written > kept && !self.is(Mutant::NumberingWithoutWrittenVersions) {
+                        kept = written;
+                        self.c.numberings_after_written += 1;
+                    }
                     log!(self, "numbering of {} read: {kept}", key.1);
                     self.c.numberings_read += 1;
                     self.c.numberings_read_above_0 += u64::from(kept > 0);
