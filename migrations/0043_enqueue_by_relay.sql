@@ -15,8 +15,9 @@
 --
 -- Which way enqueue writes is outbox.writes_by_relay(), a constant that
 -- outbox.allow_plain_inserts rewrites: planned into enqueue's cached plan as a constant and
--- invalidated with the function, so the choice costs a call nothing (a lookup of the mode per
--- call cost ~3% of its TPS). allow_plain_inserts changes outbox.events under an ACCESS
+-- invalidated with the function (a session that called enqueue before the switch writes the
+-- new way after it), so the choice costs a call no lookup. allow_plain_inserts changes
+-- outbox.events under an ACCESS
 -- EXCLUSIVE lock, so every transaction that wrote a version commits before the first row
 -- without one: an aggregate written through enqueue before the switch continues after its
 -- highest version (the relay seeds its numbering from it, outbox_ledger::numbering).
@@ -26,10 +27,13 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT false $$;
 
 DO $$
 BEGIN
-    -- An outbox that already takes plain INSERTs (0039) writes by the relay from now on.
+    -- An outbox that already takes plain INSERTs (0039) writes by the relay from now on: as
+    -- the switch does, after every transaction that wrote to it (outbox.enqueue gave versions
+    -- until now), and before any that writes next.
     IF EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = 'outbox.events'::regclass AND attname = 'aggregate_version'
                  AND NOT attnotnull) THEN
+        LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE;
         CREATE OR REPLACE FUNCTION outbox.writes_by_relay() RETURNS boolean
         LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $f$ SELECT true $f$;
     END IF;

@@ -3524,3 +3524,103 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
         "enqueue continues after the relay's versions"
     );
 }
+
+/// Migration 0043 on an outbox that already takes plain INSERTs (0039): `outbox.enqueue`
+/// writes plain rows from then on, on a session that called it before the upgrade too, and
+/// the migration waits for a transaction that enqueued with a version before it (so that row
+/// commits before the first plain one); on an outbox that does not take them, enqueue keeps
+/// giving versions.
+#[tokio::test]
+async fn migration_0043_makes_enqueue_write_plain_rows_where_the_outbox_takes_them() {
+    let url = TestPostgres::shared()
+        .create_database("ledger_enqueue_by_relay_upgrade")
+        .await
+        .unwrap();
+    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(conn);
+    migrate::run_through(&mut c, 42).await.unwrap();
+    c.batch_execute("SELECT outbox.allow_plain_inserts(true)")
+        .await
+        .unwrap();
+    let opts = EnqueueOptions::default();
+    let version_of = |id: uuid::Uuid| {
+        let c = &c;
+        async move {
+            c.query_one(
+                "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap()
+            .get::<_, Option<i64>>(0)
+        }
+    };
+    let before = enqueue(&c, "order", "u-1", "x", &json!({}), &opts)
+        .await
+        .unwrap();
+    assert_eq!(
+        version_of(before).await,
+        Some(1),
+        "0042's enqueue gives versions"
+    );
+
+    // A writer's transaction that enqueued (with a version) and has not committed yet.
+    let (mut w, wconn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(wconn);
+    let wtx = w.transaction().await.unwrap();
+    let open = enqueue(&wtx, "order", "u-1", "x", &json!({}), &opts)
+        .await
+        .unwrap();
+    let (mut m, mconn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    tokio::spawn(mconn);
+    let migrating = tokio::spawn(async move { migrate::run(&mut m).await });
+    // The migration waits for the writer: its lock request is queued behind the writer's.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waiting: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_locks
+                 WHERE relation = 'outbox.events'::regclass AND NOT granted",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the migration never waited for the open writer"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(!migrating.is_finished(), "applied while a writer was open");
+    wtx.commit().await.unwrap();
+    assert_eq!(migrating.await.unwrap().unwrap(), vec![43]);
+    assert_eq!(version_of(open).await, Some(2));
+
+    let after = enqueue(&c, "order", "u-1", "x", &json!({}), &opts)
+        .await
+        .unwrap();
+    assert_eq!(
+        version_of(after).await,
+        None,
+        "the same session's enqueue leaves the version to the relay after the upgrade"
+    );
+
+    // An outbox that does not take plain INSERTs: versions as before.
+    let (c2, _) = fresh("ledger_enqueue_versions_kept").await;
+    let id = enqueue(&c2, "order", "v-1", "x", &json!({}), &opts)
+        .await
+        .unwrap();
+    let v: Option<i64> = c2
+        .query_one(
+            "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(v, Some(1));
+}

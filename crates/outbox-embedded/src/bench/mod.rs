@@ -116,13 +116,16 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     if a.producer_secs > 0.0 {
         let p = producer::run(ctx, &main).await?;
         eprintln!(
-            "bench: producer: outbox.enqueue {:.0} TPS, plain INSERT {:.0} TPS ({:.2}x), outbox.events INSERT {:.0} TPS ({:.2}x); prepared: {:.2}x and {:.2}x",
+            "bench: producer: outbox.enqueue {:.0} TPS, plain INSERT {:.0} TPS ({:.2}x), outbox.enqueue where the relay numbers {:.0} TPS ({:.2}x), outbox.events INSERT {:.0} TPS ({:.2}x); prepared: {:.2}x, {:.2}x and {:.2}x",
             p.enqueue.tps,
             p.plain.tps,
             p.ratio(),
+            p.enqueue_by_relay.tps,
+            p.by_relay_ratio(),
             p.fast_path.tps,
             p.fast_path_ratio(),
             p.prepared.ratio(),
+            p.prepared.by_relay_ratio(),
             p.prepared.fast_path_ratio()
         );
         report.producer = Some(p);

@@ -3,14 +3,18 @@
 //! type, jsonb payload) inserted in its own transaction.
 //!
 //! A third side is the writer's fast path: a plain INSERT of four columns into
-//! `outbox.events`, whose version and route the relay gives (docs/versions_by_relay.md).
+//! `outbox.events`, whose version and route the relay gives (docs/versions_by_relay.md); a
+//! fourth, `outbox.enqueue` in an outbox that takes such rows, where it writes the same row
+//! (migration 0043). Those two run in a second database whose owner allowed plain INSERTs;
+//! `outbox.enqueue` with versions and the Debezium-style INSERT in the first.
 //!
 //! All run under `pgbench` (from the server's own bin directory), with the same payload, the
 //! same number of clients, one event per transaction, aggregate ids drawn from
 //! `--producer-aggregates` (10,000 by default), in a database of their own with no replication
 //! slot (the cost measured is the producer's, not the decoder's), each with pgbench's default
-//! simple protocol and with prepared statements. They alternate (plain, enqueue, fast path,
-//! simple then prepared, twice) so that a noisy neighbour hits all; the figures are the means.
+//! simple protocol and with prepared statements. They alternate (plain, enqueue, enqueue where
+//! the relay numbers, fast path, simple then prepared, twice) so that a noisy neighbour hits
+//! all; the figures are the means.
 //! PostgreSQL CPU per event comes from the cluster's processes (`procstat::ClusterCpu`), and
 //! includes the work of every backend the clients use.
 
@@ -55,7 +59,10 @@ pub(crate) struct Producer {
     /// The writer's plain INSERT into `outbox.events` (no version, no route: the relay
     /// numbers and routes it; docs/versions_by_relay.md).
     pub fast_path: ProducerSide,
-    /// The same three with prepared statements (`pgbench -M prepared`: what JDBC, pgx and
+    /// `outbox.enqueue` where the outbox takes plain INSERTs: it writes the fast path's row,
+    /// checked, and returns its id (migration 0043).
+    pub enqueue_by_relay: ProducerSide,
+    /// The same four with prepared statements (`pgbench -M prepared`: what JDBC, pgx and
     /// asyncpg send); the fields above use pgbench's default, the simple protocol, where an
     /// INSERT is planned every time.
     pub prepared: PreparedSides,
@@ -67,6 +74,7 @@ pub(crate) struct PreparedSides {
     pub enqueue: ProducerSide,
     pub plain: ProducerSide,
     pub fast_path: ProducerSide,
+    pub enqueue_by_relay: ProducerSide,
 }
 
 impl Producer {
@@ -79,6 +87,11 @@ impl Producer {
     pub fn fast_path_ratio(&self) -> f64 {
         self.fast_path.tps / self.plain.tps.max(f64::MIN_POSITIVE)
     }
+
+    /// `outbox.enqueue` where the relay numbers, TPS / plain INSERT TPS.
+    pub fn by_relay_ratio(&self) -> f64 {
+        self.enqueue_by_relay.tps / self.plain.tps.max(f64::MIN_POSITIVE)
+    }
 }
 
 impl PreparedSides {
@@ -88,6 +101,10 @@ impl PreparedSides {
 
     pub fn fast_path_ratio(&self) -> f64 {
         self.fast_path.tps / self.plain.tps.max(f64::MIN_POSITIVE)
+    }
+
+    pub fn by_relay_ratio(&self) -> f64 {
+        self.enqueue_by_relay.tps / self.plain.tps.max(f64::MIN_POSITIVE)
     }
 }
 
@@ -124,12 +141,16 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
             "INSERT INTO public.plain_outbox (aggregatetype, aggregateid, type, payload) VALUES ({values})"
         ),
     )?;
-    // The writer's fast path: four columns into outbox.events, id and time by default. This
-    // database has no relay; the outbox allows rows without a version as an operator would.
-    client
+    // The writer's fast path: four columns into outbox.events, id and time by default, and
+    // outbox.enqueue writing the same row. This database has no relay either; its outbox
+    // allows rows without a version as an operator would.
+    let by_relay_url = ctx.pg.create_database("bench_producer_by_relay").await?;
+    outboxd::migrate(&by_relay_url).await?;
+    outboxd::connect(&by_relay_url)
+        .await?
         .batch_execute("SELECT outbox.allow_plain_inserts(true)")
         .await
-        .context("allowing rows without a version in the producer's database")?;
+        .context("allowing rows without a version in the producer's second database")?;
     let fast_path = script(
         "fast-path",
         &format!(
@@ -145,15 +166,17 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Producer> {
     let rounds = 2.0;
     for _ in 0..2 {
         let p = &mut out.prepared;
-        for (script, prepared, side) in [
-            (&plain, false, &mut out.plain),
-            (&enqueue, false, &mut out.enqueue),
-            (&fast_path, false, &mut out.fast_path),
-            (&plain, true, &mut p.plain),
-            (&enqueue, true, &mut p.enqueue),
-            (&fast_path, true, &mut p.fast_path),
+        for (db, script, prepared, side) in [
+            (&url, &plain, false, &mut out.plain),
+            (&url, &enqueue, false, &mut out.enqueue),
+            (&by_relay_url, &enqueue, false, &mut out.enqueue_by_relay),
+            (&by_relay_url, &fast_path, false, &mut out.fast_path),
+            (&url, &plain, true, &mut p.plain),
+            (&url, &enqueue, true, &mut p.enqueue),
+            (&by_relay_url, &enqueue, true, &mut p.enqueue_by_relay),
+            (&by_relay_url, &fast_path, true, &mut p.fast_path),
         ] {
-            let (tps, us) = pgbench(ctx, &url, script, clients, secs, prepared).await?;
+            let (tps, us) = pgbench(ctx, db, script, clients, secs, prepared).await?;
             side.tps += tps / rounds;
             side.pg_cpu_us_per_event += us / rounds;
         }

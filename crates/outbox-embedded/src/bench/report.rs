@@ -289,12 +289,22 @@ impl Report {
             for (what, side, ratio) in [
                 ("outbox.enqueue", &p.enqueue, Some(p.ratio())),
                 (
+                    "outbox.enqueue, relay numbers",
+                    &p.enqueue_by_relay,
+                    Some(p.by_relay_ratio()),
+                ),
+                (
                     "outbox.events INSERT",
                     &p.fast_path,
                     Some(p.fast_path_ratio()),
                 ),
                 ("plain INSERT", &p.plain, None),
                 ("outbox.enqueue, prep.", &q.enqueue, Some(q.ratio())),
+                (
+                    "outbox.enqueue, relay numbers, prep.",
+                    &q.enqueue_by_relay,
+                    Some(q.by_relay_ratio()),
+                ),
                 (
                     "outbox.events INSERT, prep.",
                     &q.fast_path,
@@ -485,6 +495,9 @@ impl Report {
                 "plain_insert_pg_cpu_us_per_event": p.plain.pg_cpu_us_per_event,
                 "fast_path_tps": p.fast_path.tps, "fast_path_over_plain": p.fast_path_ratio(),
                 "fast_path_pg_cpu_us_per_event": p.fast_path.pg_cpu_us_per_event,
+                "enqueue_by_relay_tps": p.enqueue_by_relay.tps,
+                "enqueue_by_relay_over_plain": p.by_relay_ratio(),
+                "enqueue_by_relay_pg_cpu_us_per_event": p.enqueue_by_relay.pg_cpu_us_per_event,
                 "prepared": {
                     "enqueue_tps": p.prepared.enqueue.tps, "plain_insert_tps": p.prepared.plain.tps,
                     "fast_path_tps": p.prepared.fast_path.tps,
@@ -493,6 +506,9 @@ impl Report {
                     "enqueue_pg_cpu_us_per_event": p.prepared.enqueue.pg_cpu_us_per_event,
                     "plain_insert_pg_cpu_us_per_event": p.prepared.plain.pg_cpu_us_per_event,
                     "fast_path_pg_cpu_us_per_event": p.prepared.fast_path.pg_cpu_us_per_event,
+                    "enqueue_by_relay_tps": p.prepared.enqueue_by_relay.tps,
+                    "enqueue_by_relay_over_plain": p.prepared.by_relay_ratio(),
+                    "enqueue_by_relay_pg_cpu_us_per_event": p.prepared.enqueue_by_relay.pg_cpu_us_per_event,
                 },
             })),
             "wal_retained_backlog_mib": self.wal_backlog_mib,

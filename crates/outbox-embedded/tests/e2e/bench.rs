@@ -82,12 +82,14 @@ fn tiny_bench(extra: &[&str], broker: &str) {
     assert_eq!(v["drain"]["events"], 2000);
     assert_eq!(v["variants"].as_array().map(|a| a.len()), Some(1));
     assert!(v["steady"]["latency"]["count"].as_u64().unwrap_or(0) > 0);
-    // The producer phase ran both sides and measured PostgreSQL's CPU for each.
+    // The producer phase ran its sides and measured PostgreSQL's CPU for each.
     for key in [
         "enqueue_tps",
         "plain_insert_tps",
+        "enqueue_by_relay_tps",
         "enqueue_pg_cpu_us_per_event",
         "plain_insert_pg_cpu_us_per_event",
+        "enqueue_by_relay_pg_cpu_us_per_event",
     ] {
         assert!(
             v["producer"][key].as_f64().unwrap_or(0.0) > 0.0,
