@@ -434,4 +434,61 @@ cdc_only! {
         assert_eq!(version_differs, Vec::<String>::new(), "copies whose version is not their receipt's");
         assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
     }
+
+    /// A due fold of the numbering log runs beside the acceptances while the relay streams
+    /// (`outbox_ledger::numbering::fold` on a connection of its own, after the acceptance that
+    /// found it due committed): folded inside that acceptance, a log of two million entries
+    /// held it, and every receipt behind it, for 1.4 s. With a fold due after every second
+    /// log row (`OUTBOXD_NUMBERING_FOLD_ROWS=2`), the map holds the numbering while the run
+    /// goes on (the run's start folded an empty log: only a fold during the run writes the
+    /// map), and the versions stay 1..n. A relay that never folds during a run fails it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_numbering_log_is_folded_while_the_relay_runs() {
+        let env = TestEnv::new("plain_fold").await;
+        env.db
+            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
+            .await
+            .unwrap();
+        let relay = env.relay(&[("OUTBOXD_NUMBERING_FOLD_ROWS", "2")], &[]);
+        env.wait_streaming().await;
+        let mut written: HashMap<&str, Vec<uuid::Uuid>> = HashMap::new();
+        // One acceptance, and one checkpoint with its log row, per round.
+        for round in 0..6 {
+            for agg in ["f-1", "f-2"] {
+                written
+                    .entry(agg)
+                    .or_default()
+                    .push(insert_plain(&env, agg, round).await);
+            }
+            env.wait_receipts("this round's receipts", 2 * (round as usize + 1))
+                .await;
+        }
+        env.wait_count(
+            "the map written by a fold during the run",
+            &format!(
+                "SELECT count(*) FROM outbox.stream_versions WHERE slot_name = '{}' AND version >= 2",
+                env.slot
+            ),
+            2,
+        )
+        .await;
+        assert!(
+            relay.log_text().contains("numbering log folded"),
+            "the fold is in the relay's log"
+        );
+        let receipts: HashMap<uuid::Uuid, i64> = env
+            .db
+            .query("SELECT event_id, aggregate_version FROM outbox.receipts", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        for (agg, ids) in &written {
+            let versions: Vec<Option<&i64>> = ids.iter().map(|id| receipts.get(id)).collect();
+            let expected: Vec<Option<&i64>> = [1, 2, 3, 4, 5, 6].iter().map(Some).collect();
+            assert_eq!(versions, expected, "{agg}: versions 1..n in commit order");
+        }
+        env.read_topic().await;
+    }
 }

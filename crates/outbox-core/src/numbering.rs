@@ -73,6 +73,10 @@ pub struct Numbering<K> {
     /// Entries and rows this run wrote to the log since its last fold.
     logged_entries: u64,
     logged_rows: u64,
+    /// When the log is due: [`FOLD_ENTRIES`] and [`FOLD_ROWS`] unless a test asked for
+    /// sooner ([`Numbering::fold_every`]).
+    fold_entries: u64,
+    fold_rows: u64,
 }
 
 impl<K: Hash + Eq + Clone> Default for Numbering<K> {
@@ -82,6 +86,8 @@ impl<K: Hash + Eq + Clone> Default for Numbering<K> {
             dirty: HashSet::default(),
             logged_entries: 0,
             logged_rows: 0,
+            fold_entries: FOLD_ENTRIES,
+            fold_rows: FOLD_ROWS,
         }
     }
 }
@@ -162,12 +168,19 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
         }
         self.logged_entries += entries as u64;
         self.logged_rows += 1;
-        if self.logged_entries >= FOLD_ENTRIES || self.logged_rows >= FOLD_ROWS {
+        if self.logged_entries >= self.fold_entries || self.logged_rows >= self.fold_rows {
             self.logged_entries = 0;
             self.logged_rows = 0;
             return true;
         }
         false
+    }
+
+    /// The log is due for a fold after `entries` entries or `rows` rows instead of the
+    /// defaults (a test's way to see folds during a run).
+    pub fn fold_every(&mut self, entries: u64, rows: u64) {
+        self.fold_entries = entries.max(1);
+        self.fold_rows = rows.max(1);
     }
 
     /// Aggregates with rows numbered past the last checkpoint written.

@@ -3191,9 +3191,15 @@ async fn a_moved_checkpoint_keeps_the_numbering_up_to_it() {
     .unwrap();
     assert_eq!(
         versions_of(&c, "s", &asked).await.unwrap(),
-        [3, 4, 0],
-        "folded by the acceptance that asked for it"
+        [3, 1, 0],
+        "an acceptance never folds (a fold of millions of entries held its receipts): its caller folds after the commit"
     );
+    assert_eq!(
+        outbox_ledger::numbering::fold(&c, "s").await.unwrap(),
+        1,
+        "b raised; a's older version kept"
+    );
+    assert_eq!(versions_of(&c, "s", &asked).await.unwrap(), [3, 4, 0]);
     let log_rows: i64 = c
         .query_one("SELECT count(*) FROM outbox.stream_version_log", &[])
         .await

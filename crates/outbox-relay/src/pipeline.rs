@@ -1276,7 +1276,9 @@ impl<P: Plant> PipelineCore<P> {
     }
 
     /// The numbering the checkpoint kept for `heads` (aggregate, version of its last row
-    /// committed before the run's checkpoint; 0 for none). It is also the aggregate's head
+    /// committed before the run's checkpoint, or the highest version its rows were written
+    /// with where that is higher; 0 for none: `outbox_ledger::numbering::versions_of`). It is
+    /// also the aggregate's head
     /// for the gate: every row committed before the checkpoint is resolved, and the rows the
     /// run meets continue from it. A gate that already knows the aggregate (rows of it written
     /// with versions met first in this run) keeps its head.
@@ -1287,6 +1289,12 @@ impl<P: Plant> PipelineCore<P> {
             }
             self.numbering.set_head(k, v);
         }
+    }
+
+    /// The numbering log is due for a fold after `entries` entries or `rows` rows logged
+    /// instead of `outbox_core::numbering::FOLD_ENTRIES` / `FOLD_ROWS` (a test's knob).
+    pub fn fold_numbering_every(&mut self, entries: u64, rows: u64) {
+        self.numbering.fold_every(entries, rows);
     }
 
     /// The route policy generation in force where the run starts, and the one the checkpoint

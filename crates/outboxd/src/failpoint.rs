@@ -17,6 +17,10 @@
 //! first time, saying so on stderr, so that a test can act in that window:
 //! `before-start-replication` (the start-up plan has read or created the slot; the relay is
 //! about to stream from it).
+//!
+//! `OUTBOXD_NUMBERING_FOLD_ROWS=N` makes a run fold its numbering log after every N rows it
+//! logged instead of every 20,000 ([`numbering_fold_rows`]), so that a test sees folds
+//! during a run.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -100,4 +104,11 @@ pub async fn pause(name: &str) {
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
     }
+}
+
+/// `OUTBOXD_NUMBERING_FOLD_ROWS`, when set to a number.
+pub fn numbering_fold_rows() -> Option<u64> {
+    std::env::var("OUTBOXD_NUMBERING_FOLD_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
 }

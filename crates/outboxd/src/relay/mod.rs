@@ -588,7 +588,7 @@ async fn run_once(
     tracing::Span::current().record("start_lsn", tracing::field::display(start));
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
 
-    pipeline.enable_pipelined_accept(connect_sql(url).await?);
+    pipeline.enable_pipelined_accept(connect_sql(url).await?, url);
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
     // After the publication took outbox.route_versions in (ensure_shard_publication above):
     // a version made before that is read here, one made after arrives in the stream.
@@ -826,6 +826,11 @@ async fn open_pipeline(
         .map(|(name, s)| (name.clone(), outbox_relay::UnclearPolicy::for_endpoint(*s)))
         .collect();
     pipeline.shard_filter = cfg.shard.map(|s| s.filter_sql("aggregate_id"));
+    if let Some(rows) = crate::failpoint::numbering_fold_rows() {
+        pipeline
+            .core
+            .fold_numbering_every(outbox_core::numbering::FOLD_ENTRIES, rows);
+    }
     Ok(pipeline)
 }
 

@@ -53,6 +53,12 @@ pub(crate) struct Pipeline {
     /// transaction runs (the connection is inside [`Self::accepting`]) or when not enabled.
     accept_client: Option<(Client, accept::Prepared)>,
     pub accepting: Option<Accepting>,
+    /// Where a due fold of the numbering log runs: a connection of its own, opened per fold
+    /// ([`Self::enable_background_fold`]); without it, on [`Self::client`] after the
+    /// acceptance's commit.
+    fold_url: Option<String>,
+    /// The fold running in the background, if one does (one at a time).
+    folding: Option<tokio::task::JoinHandle<()>>,
     /// For the relay of one shard: the condition on `aggregate_id` of its aggregates, the only
     /// ones whose releases it publishes.
     pub shard_filter: Option<String>,
@@ -65,6 +71,8 @@ pub(crate) struct Pipeline {
 pub(crate) struct Accepting {
     task: tokio::task::JoinHandle<AcceptDone>,
     checkpoint: Option<Lsn>,
+    /// Whether the numbering log is due for a fold once this transaction commits.
+    fold: bool,
     started: Instant,
 }
 
@@ -118,6 +126,18 @@ pub(crate) async fn unclear_due(core: &PipelineCore) {
     }
 }
 
+/// What a fold of the numbering log did, in the relay's log.
+fn log_fold<E: std::fmt::Display>(slot: &str, r: Result<u64, E>) {
+    match r {
+        Ok(n) => tracing::info!(slot, aggregates = n, "numbering log folded"),
+        Err(e) => tracing::warn!(
+            slot,
+            error = %e,
+            "folding the numbering log failed; it stays logged, and the next run folds it at its start"
+        ),
+    }
+}
+
 /// One acceptance transaction, keeping `numbered` with the checkpoint when there is any.
 async fn accept_with_numbering(
     client: &mut Client,
@@ -166,6 +186,8 @@ impl Pipeline {
             slot: slot.to_string(),
             accept_client: None,
             accepting: None,
+            fold_url: None,
+            folding: None,
             shard_filter: None,
         }
     }
@@ -180,9 +202,37 @@ impl Pipeline {
     }
 
     /// Gives the pipeline a second ledger connection, so that acceptance transactions run
-    /// concurrently with streaming ([`Self::flush_pipelined`]).
-    pub fn enable_pipelined_accept(&mut self, client: Client) {
+    /// concurrently with streaming ([`Self::flush_pipelined`]), and the database's `url`, so
+    /// that a due fold of the numbering log runs beside them ([`Self::fold_in_background`]).
+    pub fn enable_pipelined_accept(&mut self, client: Client, url: &str) {
         self.accept_client = Some((client, accept::Prepared::default()));
+        self.fold_url = Some(url.to_string());
+    }
+
+    /// After the commit of an acceptance whose numbering said the log is due: folds it
+    /// (`outbox_ledger::numbering::fold`) on a connection of its own, beside the
+    /// acceptances, unless a fold runs already (it takes what it sees; the next is due a
+    /// few million entries later). Without a URL ([`Self::enable_pipelined_accept`] not
+    /// called) it returns `false`, and the caller folds on its own connection. A failed fold
+    /// is only logged: the log stays, and every run folds it at its start.
+    fn fold_in_background(&mut self) -> bool {
+        let Some(url) = self.fold_url.clone() else {
+            return false;
+        };
+        if self.folding.as_ref().is_some_and(|t| !t.is_finished()) {
+            return true;
+        }
+        let slot = self.slot.clone();
+        self.folding = Some(tokio::spawn(async move {
+            let r = match super::connect_sql(&url).await {
+                Ok(c) => outbox_ledger::numbering::fold(&c, &slot)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            log_fold(&slot, r);
+        }));
+        true
     }
 
     /// Sent, or waiting behind an aggregate's in-flight event.
@@ -758,6 +808,7 @@ impl Pipeline {
             return Ok(AcceptOutcome::default());
         };
         let numbered = self.numbered_through(checkpoint);
+        let fold = numbered.as_ref().is_some_and(|n| n.fold);
         let mut prepared = accept::Prepared::default();
         match accept_with_numbering(
             &mut self.client,
@@ -772,6 +823,10 @@ impl Pipeline {
         {
             Ok(out) => {
                 self.accepted(&items, &out, checkpoint, progress);
+                if fold && !self.fold_in_background() {
+                    let folded = outbox_ledger::numbering::fold(&self.client, &self.slot).await;
+                    log_fold(&self.slot, folded);
+                }
                 Ok(out)
             }
             Err(e) => {
@@ -798,6 +853,7 @@ impl Pipeline {
         };
         let (slot, fence) = (self.slot.clone(), self.fence.clone());
         let numbered = self.numbered_through(checkpoint);
+        let fold = numbered.as_ref().is_some_and(|n| n.fold);
         let task = tokio::spawn(async move {
             let r = accept_with_numbering(
                 &mut client,
@@ -814,6 +870,7 @@ impl Pipeline {
         self.accepting = Some(Accepting {
             task,
             checkpoint,
+            fold,
             started: Instant::now(),
         });
         Ok(())
@@ -836,9 +893,9 @@ impl Pipeline {
         joined: Result<AcceptDone, tokio::task::JoinError>,
         progress: &Progress,
     ) -> Result<(), RelayError> {
-        let (checkpoint, started) = match self.accepting.take() {
-            Some(a) => (a.checkpoint, Some(a.started)),
-            None => (None, None),
+        let (checkpoint, started, fold) = match self.accepting.take() {
+            Some(a) => (a.checkpoint, Some(a.started), a.fold),
+            None => (None, None, false),
         };
         let (client, items, result) =
             joined.map_err(|e| RelayError::Internal(format!("acceptance task: {e}")))?;
@@ -855,6 +912,10 @@ impl Pipeline {
         match result {
             Ok(out) => {
                 self.accepted(&items, &out, checkpoint, progress);
+                if fold {
+                    // Pipelined acceptance comes with the URL (enable_pipelined_accept).
+                    self.fold_in_background();
+                }
                 Ok(())
             }
             Err(e) => {
