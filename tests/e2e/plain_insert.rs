@@ -20,6 +20,68 @@ async fn insert_plain(env: &TestEnv, aggregate_id: &str, n: i64) -> uuid::Uuid {
         .get(0)
 }
 
+/// Allows rows without a version in `env`'s outbox, as its owner would.
+async fn allow_plain(env: &TestEnv) {
+    env.db
+        .batch_execute("SELECT outbox.allow_plain_inserts(true)")
+        .await
+        .expect("allow rows without a version");
+}
+
+/// Every primary receipt's version and topic, by event id.
+async fn receipts_of(env: &TestEnv) -> HashMap<uuid::Uuid, (i64, String)> {
+    env.db
+        .query(
+            "SELECT event_id, aggregate_version, topic FROM outbox.receipts",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect()
+}
+
+/// The events of `written` (per aggregate, in commit order) whose receipt's version is not
+/// their rank 1..n: what must be empty.
+fn not_in_commit_order(
+    written: &HashMap<&str, Vec<uuid::Uuid>>,
+    receipts: &HashMap<uuid::Uuid, (i64, String)>,
+) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for (agg, ids) in written {
+        for (k, id) in ids.iter().enumerate() {
+            let version = receipts.get(id).map(|r| r.0);
+            if version != Some(k as i64 + 1) {
+                wrong.push(format!("{agg} #{}: {id} has {version:?}", k + 1));
+            }
+        }
+    }
+    wrong
+}
+
+/// The copies among `messages` whose `aggregate_version` header is not their receipt's:
+/// what must be empty.
+fn versions_differ(
+    messages: &[crate::harness::TopicMessage],
+    receipts: &HashMap<uuid::Uuid, (i64, String)>,
+) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for m in messages {
+        let id: uuid::Uuid = m.id().parse().expect("an event id header");
+        let version = receipts[&id].0;
+        if m.headers.get("aggregate_version") != Some(&version.to_string()) {
+            wrong.push(format!(
+                "{id} at {}@{}: header {:?}, receipt {version}",
+                m.partition,
+                m.offset,
+                m.headers.get("aggregate_version")
+            ));
+        }
+    }
+    wrong
+}
+
 cdc_only! {
     "CDC only: poll mode refuses rows written without a version (poll_mode::a_poll_relay_refuses_an_outbox_that_allows_rows_without_a_version)";
 
@@ -35,10 +97,7 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn plain_inserts_are_numbered_in_commit_order_and_renumbered_alike_after_a_crash() {
         let env = TestEnv::new("plain_insert").await;
-        env.db
-            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
-            .await
-            .expect("allow rows without a version");
+        allow_plain(&env).await;
         let rerouted = format!("{}.rerouted", env.topic);
         env.kafka.create_topic(&rerouted, 3).expect("create topic");
         let aggregates = ["a0", "a1", "a2", "a3"];
@@ -76,49 +135,21 @@ cdc_only! {
         }
 
         let _relay = env.restart_until_receipts(60).await;
-        let receipts: HashMap<uuid::Uuid, (i64, String)> = env
-            .db
-            .query(
-                "SELECT event_id, aggregate_version, topic FROM outbox.receipts",
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| (r.get(0), (r.get(1), r.get(2))))
-            .collect();
-        let mut not_in_commit_order = Vec::new();
-        for (agg, ids) in &written {
-            for (k, id) in ids.iter().enumerate() {
-                let version = receipts.get(id).map(|r| r.0);
-                if version != Some(k as i64 + 1) {
-                    not_in_commit_order.push(format!("{agg} #{}: {id} has {version:?}", k + 1));
-                }
-            }
-        }
-        assert_eq!(not_in_commit_order, Vec::<String>::new(), "receipts not 1..n in commit order");
+        let receipts = receipts_of(&env).await;
+        assert_eq!(not_in_commit_order(&written, &receipts), Vec::<String>::new(), "receipts not 1..n in commit order");
 
         let mut messages = env.read_topic().await;
         let first_topic = messages.len();
         messages.extend(env.read_topic_of(&rerouted).await);
         assert!(messages.len() > 60, "the crash left copies to replay: {} messages", messages.len());
-        let mut version_differs = Vec::new();
         for (k, m) in messages.iter().enumerate() {
             let id: uuid::Uuid = m.id().parse().expect("an event id header");
-            let (version, topic) = &receipts[&id];
-            if m.headers.get("aggregate_version") != Some(&version.to_string()) {
-                version_differs.push(format!(
-                    "{id} at {}@{}: header {:?}, receipt {version}",
-                    m.partition,
-                    m.offset,
-                    m.headers.get("aggregate_version")
-                ));
-            }
+            let topic = &receipts[&id].1;
             let expected = if routed_later.contains(&id) { &rerouted } else { &env.topic };
             assert_eq!(topic, expected, "{id}: routed by the policy in force at its commit");
             assert_eq!(k >= first_topic, topic == &rerouted, "{id}: read from its own topic");
         }
-        assert_eq!(version_differs, Vec::<String>::new(), "copies whose version is not their receipt's");
+        assert_eq!(versions_differ(&messages, &receipts), Vec::<String>::new(), "copies whose version is not their receipt's");
         env.wait_count(
             "the numbering kept with the checkpoint past the last row",
             &format!(
@@ -140,7 +171,7 @@ cdc_only! {
             "--event",
             &later.to_string(),
         ]);
-        let (version, _) = &receipts[&later];
+        let version = receipts[&later].0;
         assert!(
             ok && out.contains(&format!("@{version} (numbered by the relay)"))
                 && out.contains(&format!("{rerouted} (routed by the relay)")),
@@ -154,10 +185,7 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_new_slot_over_rows_without_a_version_is_refused() {
         let env = TestEnv::new("plain_new_slot").await;
-        env.db
-            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
-            .await
-            .unwrap();
+        allow_plain(&env).await;
         insert_plain(&env, "n-1", 1).await;
         let mut relay = env.relay(&[], &[]);
         let status = relay.wait_exit(Duration::from_secs(60)).await;
@@ -179,10 +207,7 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_unclear_attempt_of_a_plain_row_is_looked_up_as_the_relay_published_it() {
         let env = TestEnv::new("plain_unknown").await;
-        env.db
-            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
-            .await
-            .unwrap();
+        allow_plain(&env).await;
         let mut relay = env.relay(&[], &["--unknown-settle-ms", "300"]);
         env.wait_streaming().await;
         for n in 1..=3 {
@@ -243,10 +268,7 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_released_plain_aggregate_publishes_its_held_rows_as_the_stream_numbered_them() {
         let env = TestEnv::new("plain_release").await;
-        env.db
-            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
-            .await
-            .unwrap();
+        allow_plain(&env).await;
         let mut relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
         env.wait_streaming().await;
         let mut ids = vec![insert_plain(&env, "r-1", 1).await];
@@ -380,10 +402,7 @@ cdc_only! {
         for (agg, n) in [("s-1", 1), ("s-2", 2), ("s-1", 3), ("s-1", 4), ("s-2", 5)] {
             written.entry(agg).or_default().push(enqueue(agg, n).await);
         }
-        env.db
-            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
-            .await
-            .expect("allow rows without a version");
+        allow_plain(&env).await;
         for (agg, n, plain) in [
             ("s-1", 6, false),
             ("s-2", 7, true),
@@ -400,38 +419,11 @@ cdc_only! {
         assert_eq!(unversioned, 5, "outbox.enqueue writes rows without a version after the switch");
         env.wait_receipts("every event's receipt", 10).await;
 
-        let receipts: HashMap<uuid::Uuid, i64> = env
-            .db
-            .query("SELECT event_id, aggregate_version FROM outbox.receipts", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .collect();
-        let mut not_in_commit_order = Vec::new();
-        for (agg, ids) in &written {
-            for (k, id) in ids.iter().enumerate() {
-                let version = receipts.get(id);
-                if version != Some(&(k as i64 + 1)) {
-                    not_in_commit_order.push(format!("{agg} #{}: {id} has {version:?}", k + 1));
-                }
-            }
-        }
-        assert_eq!(not_in_commit_order, Vec::<String>::new(), "receipts not 1..n in commit order");
+        let receipts = receipts_of(&env).await;
+        assert_eq!(not_in_commit_order(&written, &receipts), Vec::<String>::new(), "receipts not 1..n in commit order");
         let messages = env.read_topic().await;
         assert_eq!(messages.len(), 10, "one copy per event");
-        let mut version_differs = Vec::new();
-        for m in &messages {
-            let id: uuid::Uuid = m.id().parse().expect("an event id header");
-            if m.headers.get("aggregate_version") != Some(&receipts[&id].to_string()) {
-                version_differs.push(format!(
-                    "{id}: header {:?}, receipt {}",
-                    m.headers.get("aggregate_version"),
-                    receipts[&id]
-                ));
-            }
-        }
-        assert_eq!(version_differs, Vec::<String>::new(), "copies whose version is not their receipt's");
+        assert_eq!(versions_differ(&messages, &receipts), Vec::<String>::new(), "copies whose version is not their receipt's");
         assert_eq!(env.count("SELECT count(*) FROM outbox.quarantine").await, 0);
     }
 
@@ -445,10 +437,7 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_numbering_log_is_folded_while_the_relay_runs() {
         let env = TestEnv::new("plain_fold").await;
-        env.db
-            .batch_execute("SELECT outbox.allow_plain_inserts(true)")
-            .await
-            .unwrap();
+        allow_plain(&env).await;
         let relay = env.relay(&[("OUTBOXD_NUMBERING_FOLD_ROWS", "2")], &[]);
         env.wait_streaming().await;
         let mut written: HashMap<&str, Vec<uuid::Uuid>> = HashMap::new();
@@ -476,19 +465,9 @@ cdc_only! {
             relay.log_text().contains("numbering log folded"),
             "the fold is in the relay's log"
         );
-        let receipts: HashMap<uuid::Uuid, i64> = env
-            .db
-            .query("SELECT event_id, aggregate_version FROM outbox.receipts", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .collect();
-        for (agg, ids) in &written {
-            let versions: Vec<Option<&i64>> = ids.iter().map(|id| receipts.get(id)).collect();
-            let expected: Vec<Option<&i64>> = [1, 2, 3, 4, 5, 6].iter().map(Some).collect();
-            assert_eq!(versions, expected, "{agg}: versions 1..n in commit order");
-        }
-        env.read_topic().await;
+        let receipts = receipts_of(&env).await;
+        assert_eq!(not_in_commit_order(&written, &receipts), Vec::<String>::new(), "receipts not 1..n in commit order");
+        let messages = env.read_topic().await;
+        assert_eq!(versions_differ(&messages, &receipts), Vec::<String>::new(), "copies whose version is not their receipt's");
     }
 }

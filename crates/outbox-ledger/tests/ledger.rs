@@ -10,10 +10,16 @@ use outbox_testkit::postgres::TestPostgres;
 use serde_json::json;
 use tokio_postgres::{Client, GenericClient, NoTls};
 
-async fn fresh(name: &str) -> (Client, String) {
+/// A new, empty database `name` on the shared cluster, and a connection to it.
+async fn bare(name: &str) -> (Client, String) {
     let url = TestPostgres::shared().create_database(name).await.unwrap();
-    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+    let (c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
     tokio::spawn(conn);
+    (c, url)
+}
+
+async fn fresh(name: &str) -> (Client, String) {
+    let (mut c, url) = bare(name).await;
     let applied = migrate::run(&mut c).await.unwrap();
     let all: Vec<i32> = migrate::MIGRATIONS.iter().map(|m| m.version).collect();
     assert_eq!(
@@ -2100,12 +2106,7 @@ async fn the_cheaper_enqueue_of_migration_0023_writes_what_0022s_wrote() {
 /// `outbox_core::envelope::digest_bytes` says and reads them back as sent.
 #[tokio::test]
 async fn receipts_move_to_entries_and_read_back_unchanged() {
-    let url = TestPostgres::shared()
-        .create_database("ledger_entries")
-        .await
-        .unwrap();
-    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
-    tokio::spawn(conn);
+    let (mut c, _) = bare("ledger_entries").await;
     // The database as migration 0029 left it.
     assert_eq!(
         migrate::run_through(&mut c, 29).await.unwrap(),
@@ -2632,12 +2633,7 @@ async fn routes_are_chosen_in_rust_as_enqueue_chooses_them() {
 /// enqueue does not move a narrow row; versions and rows stay immutable.
 #[tokio::test]
 async fn narrow_rows_keep_the_destination_wide_rows_had() {
-    let url = TestPostgres::shared()
-        .create_database("ledger_narrow_upgrade")
-        .await
-        .unwrap();
-    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
-    tokio::spawn(conn);
+    let (mut c, _) = bare("ledger_narrow_upgrade").await;
     assert_eq!(
         migrate::run_through(&mut c, 30).await.unwrap(),
         (1..=30).collect::<Vec<i32>>()
@@ -3538,12 +3534,7 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
 /// giving versions.
 #[tokio::test]
 async fn migration_0043_makes_enqueue_write_plain_rows_where_the_outbox_takes_them() {
-    let url = TestPostgres::shared()
-        .create_database("ledger_enqueue_by_relay_upgrade")
-        .await
-        .unwrap();
-    let (mut c, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
-    tokio::spawn(conn);
+    let (mut c, url) = bare("ledger_enqueue_by_relay_upgrade").await;
     migrate::run_through(&mut c, 42).await.unwrap();
     c.batch_execute("SELECT outbox.allow_plain_inserts(true)")
         .await

@@ -56,11 +56,16 @@ fn two_thousand_traces_violate_nothing() {
     // A quarter of the CDC traces whose slot is never lost write some aggregates plainly
     // (no version: the relay numbers them in commit order); every receipt and copy of those
     // rows carries its commit rank (in `violations` too), and restarts continue numberings
-    // that checkpoints kept.
+    // that checkpoints kept. Half of those aggregates were written through `outbox.enqueue`
+    // first (migration 0043's switch): their numbering starts after their written versions.
     assert_eq!(c.plain_version_wrong, 0);
     assert_eq!(c.plain_rows_unreadable, 0);
-    assert!(c.plain_traces > 200 && c.plain_events > 3_000, "{c:?}");
+    assert!(c.plain_traces > 200 && c.plain_events > 2_000, "{c:?}");
     assert!(c.numberings_read_above_0 > 300, "{c:?}");
+    assert!(
+        c.plain_switched > 100 && c.numberings_after_written > 200,
+        "{c:?}"
+    );
     // Unclear outcomes park their events while the run goes on: looked up (some look-ups
     // fail), sent again, left open at start, and now and then past the budget (where they
     // keep waiting: never held, never skipped).
