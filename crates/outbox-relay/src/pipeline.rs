@@ -311,6 +311,27 @@ pub(crate) fn key_of(ev: &OutboxEvent) -> AggKey {
     (ev.aggregate_type.clone(), ev.aggregate_id.clone())
 }
 
+/// An aggregate as the numbering keeps it: its type and id in one allocation, a NUL between
+/// them (PostgreSQL text cannot hold one, so the split is exact). The numbering holds an
+/// entry for every aggregate a run numbered: as a pair of `String`s, 100,000 aggregates cost
+/// the relay 10 MiB more RSS than a run that numbered nothing (58.8 against 49.2 MiB peak,
+/// embedded broker, 1,000,000 events).
+pub(crate) type NumKey = Box<str>;
+
+pub(crate) fn num_key(aggregate_type: &str, aggregate_id: &str) -> NumKey {
+    let mut k = String::with_capacity(aggregate_type.len() + 1 + aggregate_id.len());
+    k.push_str(aggregate_type);
+    k.push('\0');
+    k.push_str(aggregate_id);
+    k.into_boxed_str()
+}
+
+/// The aggregate `k` ([`num_key`]) names.
+fn agg_of_num_key(k: &str) -> AggKey {
+    let (t, i) = k.split_once('\0').expect("a numbering key holds a NUL");
+    (t.to_string(), i.to_string())
+}
+
 /// The pipeline's state and decisions. See the module documentation for the contract. `P`:
 /// what it plants ([`Shipped`] in the daemon: nothing).
 #[derive(Debug)]
@@ -380,8 +401,9 @@ pub struct PipelineCore<P = Shipped> {
     pub(crate) durable: Lsn,
     /// Send -> delivery report times since [`Self::take_report_times`] (count, sum ms, max ms).
     report_ms: (u64, f64, f64),
-    /// Versions for rows written without one, in commit order (docs/versions_by_relay.md).
-    pub(crate) numbering: outbox_core::numbering::Numbering<AggKey>,
+    /// Versions for rows written without one, in commit order (docs/versions_by_relay.md),
+    /// by [`NumKey`].
+    pub(crate) numbering: outbox_core::numbering::Numbering<NumKey>,
     /// The route policy generations of the run, for the checkpoint to keep.
     pub(crate) generations: outbox_core::numbering::Generations,
     /// What it plants ([`Plant`]).
@@ -1270,8 +1292,13 @@ impl<P: Plant> PipelineCore<P> {
         events
             .into_iter()
             .filter(|ev| ev.version_by_relay)
+            .filter(|ev| {
+                !self
+                    .numbering
+                    .knows(&num_key(&ev.aggregate_type, &ev.aggregate_id))
+            })
             .map(key_of)
-            .filter(|k| !self.numbering.knows(k) && seen.insert(k.clone()))
+            .filter(|k| seen.insert(k.clone()))
             .collect()
     }
 
@@ -1287,7 +1314,7 @@ impl<P: Plant> PipelineCore<P> {
             if !self.gate.is_known(&k) {
                 self.gate.set_head(k.clone(), v, false);
             }
-            self.numbering.set_head(k, v);
+            self.numbering.set_head(num_key(&k.0, &k.1), v);
         }
     }
 
@@ -1310,7 +1337,12 @@ impl<P: Plant> PipelineCore<P> {
         if self.planted(Mutant::NumberingNotKept) {
             return NumberedThrough::default();
         }
-        let versions = self.numbering.checkpoint(checkpoint);
+        let versions: Vec<(AggKey, i64)> = self
+            .numbering
+            .checkpoint(checkpoint)
+            .into_iter()
+            .map(|(k, v)| (agg_of_num_key(&k), v))
+            .collect();
         NumberedThrough {
             fold: self.numbering.logged(versions.len()),
             versions,
@@ -1322,7 +1354,8 @@ impl<P: Plant> PipelineCore<P> {
     /// for a row written without a version, its aggregate's numbering.
     pub fn knows_aggregate_of(&self, ev: &OutboxEvent) -> bool {
         if ev.version_by_relay {
-            self.numbering.knows(&key_of(ev))
+            self.numbering
+                .knows(&num_key(&ev.aggregate_type, &ev.aggregate_id))
         } else {
             self.gate.is_known(&key_of(ev))
         }

@@ -76,10 +76,10 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         if let Ok(ev) = &mut row {
             if ev.version_by_relay {
                 // Written without a version: the next of its aggregate, in commit order.
-                match self
-                    .numbering
-                    .number(&crate::pipeline::key_of(ev), commit_lsn)
-                {
+                match self.numbering.number(
+                    &crate::pipeline::num_key(&ev.aggregate_type, &ev.aggregate_id),
+                    commit_lsn,
+                ) {
                     Number::Version(v) => ev.aggregate_version = v,
                     Number::NeedHead => return Err(CoreError::NeedHead),
                 }

@@ -394,3 +394,16 @@ fn unknown_aggregates_are_named_once_and_known_once_their_heads_are_given() {
     let (items, _) = c.take_batch(true).unwrap().unwrap();
     assert_eq!(codes(&items), vec!["hold:version_gap", "held:7"]);
 }
+
+/// The numbering's one-allocation key names exactly one aggregate: it gives back the pair it
+/// was made of, and pairs that concatenate alike stay apart.
+#[test]
+fn a_numbering_key_names_one_aggregate() {
+    for (t, i) in [("order", "o-1"), ("", "x"), ("a b", ""), ("ünï", "😀/../1")] {
+        assert_eq!(
+            agg_of_num_key(&num_key(t, i)),
+            (t.to_string(), i.to_string())
+        );
+    }
+    assert_ne!(num_key("ab", "c"), num_key("a", "bc"));
+}
