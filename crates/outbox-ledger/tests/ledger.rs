@@ -10,6 +10,17 @@ use outbox_testkit::postgres::TestPostgres;
 use serde_json::json;
 use tokio_postgres::{Client, GenericClient, NoTls};
 
+/// The version event `id`'s row holds (`None`: the relay numbers it).
+async fn version_of(c: &impl GenericClient, id: uuid::Uuid) -> Option<i64> {
+    c.query_one(
+        "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
+        &[&id],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 /// A new, empty database `name` on the shared cluster, and a connection to it.
 async fn bare(name: &str) -> (Client, String) {
     let url = TestPostgres::shared().create_database(name).await.unwrap();
@@ -3512,16 +3523,8 @@ async fn a_plain_insert_is_an_event_where_the_outbox_allows_it() {
     let next = enqueue(&c, "order", "p-3", "order.placed", &json!({}), &opts)
         .await
         .unwrap();
-    let version: Option<i64> = c
-        .query_one(
-            "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
-            &[&next],
-        )
-        .await
-        .unwrap()
-        .get(0);
     assert_eq!(
-        version,
+        version_of(&c, next).await,
         Some(8),
         "enqueue continues after the relay's versions"
     );
@@ -3540,23 +3543,11 @@ async fn migration_0043_makes_enqueue_write_plain_rows_where_the_outbox_takes_th
         .await
         .unwrap();
     let opts = EnqueueOptions::default();
-    let version_of = |id: uuid::Uuid| {
-        let c = &c;
-        async move {
-            c.query_one(
-                "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
-                &[&id],
-            )
-            .await
-            .unwrap()
-            .get::<_, Option<i64>>(0)
-        }
-    };
     let before = enqueue(&c, "order", "u-1", "x", &json!({}), &opts)
         .await
         .unwrap();
     assert_eq!(
-        version_of(before).await,
+        version_of(&c, before).await,
         Some(1),
         "0042's enqueue gives versions"
     );
@@ -3595,13 +3586,13 @@ async fn migration_0043_makes_enqueue_write_plain_rows_where_the_outbox_takes_th
     assert!(!migrating.is_finished(), "applied while a writer was open");
     wtx.commit().await.unwrap();
     assert_eq!(migrating.await.unwrap().unwrap(), vec![43]);
-    assert_eq!(version_of(open).await, Some(2));
+    assert_eq!(version_of(&c, open).await, Some(2));
 
     let after = enqueue(&c, "order", "u-1", "x", &json!({}), &opts)
         .await
         .unwrap();
     assert_eq!(
-        version_of(after).await,
+        version_of(&c, after).await,
         None,
         "the same session's enqueue leaves the version to the relay after the upgrade"
     );
@@ -3611,13 +3602,5 @@ async fn migration_0043_makes_enqueue_write_plain_rows_where_the_outbox_takes_th
     let id = enqueue(&c2, "order", "v-1", "x", &json!({}), &opts)
         .await
         .unwrap();
-    let v: Option<i64> = c2
-        .query_one(
-            "SELECT aggregate_version FROM outbox.events WHERE event_id = $1",
-            &[&id],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(v, Some(1));
+    assert_eq!(version_of(&c2, id).await, Some(1));
 }
