@@ -461,10 +461,19 @@ cdc_only! {
             2,
         )
         .await;
-        assert!(
-            relay.log_text().contains("numbering log folded"),
-            "the fold is in the relay's log"
-        );
+        // The fold's task writes its line just after its statement commits.
+        outbox_testkit::wait::wait_for(
+            "the fold in the relay's log",
+            Duration::from_secs(30),
+            || async {
+                if relay.log_text().contains("numbering log folded") {
+                    Ok(())
+                } else {
+                    Err("not yet".to_string())
+                }
+            },
+        )
+        .await;
         let receipts = receipts_of(&env).await;
         assert_eq!(not_in_commit_order(&written, &receipts), Vec::<String>::new(), "receipts not 1..n in commit order");
         let messages = env.read_topic().await;
