@@ -76,21 +76,16 @@ pub(crate) async fn write_in<C: GenericClient>(
     Ok(())
 }
 
-/// Folds `slot`'s numbering log into its map, in a transaction of its own: what a running
-/// relay does, beside its acceptances, when the core says the log is due
-/// (`outbox_core::numbering::Numbering::logged`). Safe at any moment: the map only rises, a
-/// reader reads it only after the fold at its start ([`fold_at_start`]), and a log row
-/// committed after this statement's snapshot stays for the next fold. Returns the aggregates
-/// raised or added.
-pub async fn fold(client: &Client, slot: &str) -> Result<u64, LedgerError> {
-    fold_in(client, slot).await
-}
-
 /// Folds `slot`'s numbering log into its map (`outbox.stream_versions`): per aggregate the
 /// highest version logged, raised into the map, never lowered; the log rows folded are
 /// deleted. Returns how many aggregates it raised or added. Rows inserted by transactions
 /// that commit after this statement's snapshot stay in the log for the next fold.
-async fn fold_in<C: GenericClient>(client: &C, slot: &str) -> Result<u64, LedgerError> {
+///
+/// A running relay calls it on a connection of its own, beside its acceptances, when the
+/// core says the log is due (`outbox_core::numbering::Numbering::logged`); a run's start
+/// calls it under the checkpoint row's lock ([`fold_at_start`]). Safe at any moment: the map
+/// only rises, and a reader reads it only after the fold at its start.
+pub async fn fold<C: GenericClient>(client: &C, slot: &str) -> Result<u64, LedgerError> {
     // In key order, so that two folds of one slot (a run's and the next run's start) take
     // the map's row locks in the same order and cannot deadlock.
     client
@@ -151,7 +146,7 @@ pub async fn fold_at_start(
             });
         }
     }
-    let folded = fold_in(&tx, slot).await?;
+    let folded = fold(&tx, slot).await?;
     tx.commit()
         .await
         .ctx(format!("committing the numbering's fold of slot {slot}"))?;

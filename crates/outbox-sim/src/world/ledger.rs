@@ -101,7 +101,7 @@ pub(super) struct Ledger {
 }
 
 impl Ledger {
-    /// `numbering::fold_in`: the log's versions raised into the map, the log emptied.
+    /// `numbering::fold`: the log's versions raised into the map, the log emptied.
     pub(super) fn fold_numbering_log(&mut self) {
         for (agg, v) in self.stream_version_log.drain(..).flatten() {
             let kept = self.stream_versions.entry(agg).or_insert(0);

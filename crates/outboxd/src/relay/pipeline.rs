@@ -54,8 +54,8 @@ pub(crate) struct Pipeline {
     accept_client: Option<(Client, accept::Prepared)>,
     pub accepting: Option<Accepting>,
     /// Where a due fold of the numbering log runs: a connection of its own, opened per fold
-    /// ([`Self::enable_background_fold`]); without it, on [`Self::client`] after the
-    /// acceptance's commit.
+    /// ([`Self::fold_in_background`], set by [`Self::enable_pipelined_accept`]); without it,
+    /// on [`Self::client`] after the acceptance's commit.
     fold_url: Option<String>,
     /// The fold running in the background, if one does (one at a time).
     folding: Option<tokio::task::JoinHandle<()>>,
