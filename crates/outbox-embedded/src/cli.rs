@@ -135,6 +135,14 @@ pub struct BenchArgs {
     /// Skip the polling baseline (outboxd's poll mode).
     #[arg(long)]
     pub no_poll: bool,
+    /// Where the drain's PostgreSQL time goes, by statement: the cluster loads
+    /// `pg_stat_statements`, and after the main drain the bench prints the statements of the
+    /// drained database by total execution time (calls, rows, us per drained event; in the JSON
+    /// too). Execution time, not CPU: the walsender's decoding and autovacuum are not in it.
+    /// The extension's hooks cost every statement a little, so compare figures of runs that
+    /// both have it, or both not
+    #[arg(long)]
+    pub pg_statements: bool,
     /// Polling baseline: backlog size (at most --events, the same backlog by default).
     #[arg(long, default_value_t = 1_000_000)]
     pub poll_events: u64,

@@ -39,6 +39,7 @@ pub(crate) mod poll;
 mod procstat;
 mod producer;
 mod report;
+mod statements;
 mod workload;
 
 use std::path::{Path, PathBuf};
@@ -167,8 +168,26 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     }
     load("drain", &mut report);
     eprintln!("bench: pg_recvlogical {:.0} events/s", report.decode.rate);
+    let wal_start = if a.pg_statements {
+        statements::reset(&db.client).await?;
+        Some(statements::wal_lsn(&db.client).await?)
+    } else {
+        None
+    };
     let (mut relay, drain) = ctx.drain(&db, end, main.events).await?;
     report.drain = drain;
+    if let Some(wal_start) = wal_start {
+        let top = statements::top(&db.client, 20).await?;
+        statements::print("drain", &top, main.events);
+        report.drain_statements = statements::json(&top, main.events);
+        let wal_end = statements::wal_lsn(&db.client).await?;
+        let data: String = db
+            .client
+            .query_one("SHOW data_directory", &[])
+            .await?
+            .get(0);
+        statements::print_wal(&ctx.bindir, &data, &wal_start, &wal_end, main.events);
+    }
     report.drain_series = workload::receipt_series(&db.client, report.drain.started_epoch).await?;
     eprintln!("bench: relay drain {:.0} events/s", report.drain.rate);
 
@@ -556,9 +575,16 @@ impl Ctx {
         // Before any server starts: a missing relay binary fails at once.
         let exe = outboxd_binary()?;
         eprintln!("bench: starting a throwaway PostgreSQL cluster (wal_level=logical) ...");
-        let pg = tokio::task::spawn_blocking(|| TestPostgres::start_throwaway(None))
-            .await?
-            .context("starting the throwaway PostgreSQL")?;
+        let settings = if args.pg_statements {
+            statements::SETTINGS
+        } else {
+            ""
+        };
+        let pg = tokio::task::spawn_blocking(move || {
+            TestPostgres::start_throwaway_configured(settings)
+        })
+        .await?
+        .context("starting the throwaway PostgreSQL")?;
         let bindir = outbox_testkit::postgres::find_bindir()?;
         let (kafka, apache) = match (&args.bootstrap_servers, args.broker) {
             (Some(b), _) => {

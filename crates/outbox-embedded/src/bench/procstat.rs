@@ -84,8 +84,10 @@ fn role(pid: i32, postmaster: i32) -> &'static str {
             return role;
         }
     }
-    "client backends"
+    CLIENT
 }
+
+const CLIENT: &str = "client backends";
 
 impl ClusterCpu {
     /// Starts measuring now.
@@ -123,10 +125,19 @@ impl ClusterCpu {
 
     pub fn sample(&mut self) {
         for (pid, t) in self.processes() {
+            let postmaster = self.postmaster;
             self.seen
                 .entry(pid)
-                .and_modify(|e| e.1 = e.1.max(t))
-                .or_insert_with(|| (0, t, role(pid, self.postmaster)));
+                .and_modify(|e| {
+                    e.1 = e.1.max(t);
+                    // A process seen right after its fork still has the postmaster's title
+                    // or its start-up one: a relay's walsender was counted as a client
+                    // backend for a whole drain. Titles only become more specific.
+                    if e.2 == CLIENT {
+                        e.2 = role(pid, postmaster);
+                    }
+                })
+                .or_insert_with(|| (0, t, role(pid, postmaster)));
         }
     }
 

@@ -34,6 +34,8 @@ pub(crate) struct Report {
     pub decode: Phase,
     pub drain: Phase,
     pub drain_series: Vec<(f64, f64)>,
+    /// `--pg-statements`: the drain's statements by execution time (JSON array), else null.
+    pub drain_statements: serde_json::Value,
     /// After the drain: (WAL the slot still retained, MiB; seconds until confirmed past it).
     pub catchup: (f64, f64),
     pub steady: Steady,
@@ -515,6 +517,7 @@ impl Report {
             "decode_limit": phase_json(&self.decode),
             "drain": phase_json(&self.drain),
             "drain_series": self.drain_series,
+            "drain_statements": self.drain_statements,
             "after_drain_wal_retained_mib": self.catchup.0,
             "after_drain_catch_up_s": self.catchup.1,
             "steady": steady_json(&self.steady),
