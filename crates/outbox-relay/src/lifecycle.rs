@@ -31,7 +31,10 @@
 //! A run does the same things in the same order before it streams or polls ([`RunStart`]):
 //! the attempt generations proven necessary by earlier runs are loaded, every open
 //! DISPATCH_UNKNOWN attempt is reconciled, the gate's known heads are read again (the
-//! reconciliation may have accepted receipts), and only then is the snapshot published.
+//! reconciliation may have accepted receipts), and only then is the snapshot published. A CDC
+//! run wraps that in the slot's own steps ([`CdcStart`]): refuse plain rows a new slot cannot
+//! number, drop, create and record the slot, [`RunStart`]'s steps, take the slot over from a
+//! walsender without the lease, fold the numbering log, then stream.
 
 use std::time::Duration;
 
@@ -214,6 +217,108 @@ impl RunStart {
     }
 }
 
+/// What the start-up plan (`outbox_source::slot::plan`, pure) decided about the slot, as a CDC
+/// run's start needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotStart {
+    /// Create the slot and publish a snapshot of what it will not stream: the first run, or
+    /// `--resnapshot` (`drop_existing`: a slot of that name is there and goes first).
+    Create { drop_existing: bool },
+    /// Stream from the slot's position. `adopt`: the ledger has no row for the slot yet (the
+    /// slot was made by someone else); `backfill`: publish a snapshot first (the first one
+    /// never finished, or the slot is adopted).
+    Resume { adopt: bool, backfill: bool },
+}
+
+impl SlotStart {
+    /// A snapshot is published before streaming.
+    pub fn snapshot(self) -> bool {
+        match self {
+            SlotStart::Create { .. } => true,
+            SlotStart::Resume { backfill, .. } => backfill,
+        }
+    }
+}
+
+/// What a CDC run does next before it streams ([`CdcStart::next`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CdcStep {
+    /// Refuse to go on when the outbox takes plain INSERTs and already holds such a row: a
+    /// new slot, an adopted one or an unfinished snapshot cannot continue their numbering,
+    /// and a snapshot cannot read them in commit order (docs/versions_by_relay.md).
+    RefusePlainRows,
+    /// Drop the slot that is there (`--resnapshot`).
+    DropSlot,
+    /// Create the slot; its consistent point is where the run streams from, and its exported
+    /// snapshot is what the snapshot reads.
+    CreateSlot,
+    /// Write the ledger's row that makes the slot this relay's, at the run's start position
+    /// (a created slot's consistent point, an adopted slot's position).
+    RecordSlot,
+    /// One of [`RunStart`]'s steps, in its order; [`StartStep::Snapshot`] is published and
+    /// then marked done in the ledger. [`StartStep::Run`] is never returned here.
+    Start(StartStep),
+    /// End any walsender still attached to the slot (a relay without the lease), checking
+    /// the lease in the same statement.
+    TakeOverSlot,
+    /// Fold the numbering log of earlier runs (rows written without a version) into the map
+    /// this run reads; refused when the checkpoint moved past the run's start since the plan.
+    FoldNumbering,
+    /// Start replication at the run's start position, check that the slot, now held, is not
+    /// ahead of it, and stream: the start is over.
+    Stream,
+}
+
+/// The steps of a CDC run's start, in order: the daemon's `run_once` and the simulator's
+/// `World::start_relay` execute them (issue 26: the simulator had its own order, and folded
+/// the numbering log before the snapshot where the daemon folds after it).
+#[derive(Debug, Clone)]
+pub struct CdcStart {
+    slot: SlotStart,
+    done: u8,
+    run: RunStart,
+}
+
+impl CdcStart {
+    pub fn new(slot: SlotStart) -> Self {
+        CdcStart {
+            slot,
+            done: 0,
+            run: RunStart::new(slot.snapshot()),
+        }
+    }
+
+    /// The next step, after the ones returned before were done.
+    pub fn next<P: Plant>(&mut self, core: &PipelineCore<P>) -> CdcStep {
+        let (creates, drop_existing, adopt, backfill) = match self.slot {
+            SlotStart::Create { drop_existing } => (true, drop_existing, false, true),
+            SlotStart::Resume { adopt, backfill } => (false, false, adopt, backfill),
+        };
+        loop {
+            self.done = self.done.saturating_add(1);
+            return match self.done {
+                1 if creates || adopt || backfill => CdcStep::RefusePlainRows,
+                2 if drop_existing => CdcStep::DropSlot,
+                3 if creates => CdcStep::CreateSlot,
+                4 if creates || adopt => CdcStep::RecordSlot,
+                5 => match self.run.next(core) {
+                    StartStep::Run => continue,
+                    step => {
+                        // The run's start is not over: ask it again next time.
+                        self.done -= 1;
+                        CdcStep::Start(step)
+                    }
+                },
+                6 => CdcStep::TakeOverSlot,
+                7 if core.planted(Mutant::NumberingLogNotFolded) => continue,
+                7 => CdcStep::FoldNumbering,
+                1..=4 => continue,
+                _ => CdcStep::Stream,
+            };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,6 +372,114 @@ mod tests {
             steps(&bug, true),
             vec![RetryGenerations, ReconcileOpen, Snapshot, Run]
         );
+    }
+
+    fn cdc_steps<P: Plant>(core: &PipelineCore<P>, slot: SlotStart) -> Vec<CdcStep> {
+        let mut start = CdcStart::new(slot);
+        let mut steps = Vec::new();
+        loop {
+            let step = start.next(core);
+            steps.push(step.clone());
+            if step == CdcStep::Stream {
+                return steps;
+            }
+            assert!(steps.len() < 20, "the start never ends: {steps:?}");
+        }
+    }
+
+    #[test]
+    fn a_cdc_run_records_its_slot_before_reconciling_and_folds_the_numbering_after_its_snapshot() {
+        let core = PipelineCore::new(served(), 3, PipelineCore::gate_from(Vec::new(), Vec::new()));
+        use CdcStep::*;
+        use StartStep::*;
+        let after_slot = |snapshot: bool| {
+            let mut v = vec![
+                Start(RetryGenerations),
+                Start(ReconcileOpen),
+                Start(RaiseHeads(Vec::new())),
+            ];
+            if snapshot {
+                v.push(Start(Snapshot));
+            }
+            v.extend([TakeOverSlot, FoldNumbering, Stream]);
+            v
+        };
+        let with = |head: Vec<CdcStep>, snapshot: bool| {
+            let mut v = head;
+            v.extend(after_slot(snapshot));
+            v
+        };
+        assert_eq!(
+            cdc_steps(
+                &core,
+                SlotStart::Create {
+                    drop_existing: false
+                }
+            ),
+            with(vec![RefusePlainRows, CreateSlot, RecordSlot], true)
+        );
+        assert_eq!(
+            cdc_steps(
+                &core,
+                SlotStart::Create {
+                    drop_existing: true
+                }
+            ),
+            with(
+                vec![RefusePlainRows, DropSlot, CreateSlot, RecordSlot],
+                true
+            )
+        );
+        assert_eq!(
+            cdc_steps(
+                &core,
+                SlotStart::Resume {
+                    adopt: true,
+                    backfill: true
+                }
+            ),
+            with(vec![RefusePlainRows, RecordSlot], true)
+        );
+        assert_eq!(
+            cdc_steps(
+                &core,
+                SlotStart::Resume {
+                    adopt: false,
+                    backfill: true
+                }
+            ),
+            with(vec![RefusePlainRows], true)
+        );
+        // An ordinary restart: nothing about the slot, no snapshot.
+        assert_eq!(
+            cdc_steps(
+                &core,
+                SlotStart::Resume {
+                    adopt: false,
+                    backfill: false
+                }
+            ),
+            after_slot(false)
+        );
+        // The planted bug: no fold of the numbering log.
+        let planted = Planted {
+            mutant: Some(Mutant::NumberingLogNotFolded),
+            current_route: None,
+        };
+        let bug = PipelineCore::with_plant(
+            served(),
+            3,
+            PipelineCore::gate_from(Vec::new(), Vec::new()),
+            planted,
+        );
+        let steps = cdc_steps(
+            &bug,
+            SlotStart::Resume {
+                adopt: false,
+                backfill: false,
+            },
+        );
+        assert!(!steps.contains(&FoldNumbering), "{steps:?}");
     }
 
     fn ms(n: u64) -> Duration {

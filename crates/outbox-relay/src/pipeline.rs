@@ -220,6 +220,11 @@ pub enum Mutant {
     /// them again from there (the simulator's `plain_version_wrong`; the e2e test
     /// `plain_insert` planted the same by hand and saw receipts restart at 1).
     NumberingNotKept,
+    /// A CDC run starts without folding the numbering log into the map it reads
+    /// ([`crate::lifecycle::CdcStart`] skips [`crate::lifecycle::CdcStep::FoldNumbering`]):
+    /// what the last runs logged since the last fold is missed, and rows written without a
+    /// version are numbered again from older versions (the simulator's `plain_version_wrong`).
+    NumberingLogNotFolded,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).

@@ -136,7 +136,8 @@ fn a_trace_replays_alone_and_identically() {
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
 /// bug-fleet-no-evening, fleet-abort-keeps-lease, bug-sends-found-event, resends-answered-event,
 /// bug-ignores-resolved-meanwhile, no-settle, bug-unknown-only-at-start,
-/// bug-end-run-on-unclear, fresh-by-commit and numbering-not-kept (the list `PRODUCT` below). In two tests, so that they run on two
+/// bug-end-run-on-unclear, fresh-by-commit, numbering-not-kept and bug-numbering-log-not-folded
+/// (the list `PRODUCT` below). In two tests, so that they run on two
 /// threads.
 #[test]
 fn every_product_mutant_is_caught() {
@@ -179,6 +180,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::BugLookUpBesideReconciliation,
         Mutant::FreshByCommit,
         Mutant::NumberingNotKept,
+        Mutant::BugNumberingLogNotFolded,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[

@@ -580,11 +580,10 @@ impl Ctx {
         } else {
             ""
         };
-        let pg = tokio::task::spawn_blocking(move || {
-            TestPostgres::start_throwaway_configured(settings)
-        })
-        .await?
-        .context("starting the throwaway PostgreSQL")?;
+        let pg =
+            tokio::task::spawn_blocking(move || TestPostgres::start_throwaway_configured(settings))
+                .await?
+                .context("starting the throwaway PostgreSQL")?;
         let bindir = outbox_testkit::postgres::find_bindir()?;
         let (kafka, apache) = match (&args.bootstrap_servers, args.broker) {
             (Some(b), _) => {

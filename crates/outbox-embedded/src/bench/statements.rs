@@ -151,7 +151,7 @@ pub(crate) fn print_wal(bindir: &Path, data: &str, start: &str, end: &str, event
             format!("{kind}: {n} records, {record} B + {fpi} B of page images"),
         ));
     }
-    rows.sort_by(|a, b| b.0.cmp(&a.0));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.0));
     for (combined, line) in rows.iter().take(20) {
         eprintln!(
             "  {:>7.1} B/event  {line}",

@@ -22,7 +22,7 @@ use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, StreamPosition};
 use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState, ReceiptRecord};
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
-use outbox_relay::lifecycle::{RunStart, StartStep};
+use outbox_relay::lifecycle::{CdcStart, CdcStep, RunStart, SlotStart, StartStep};
 use outbox_relay::release::ReleaseStep;
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
@@ -236,10 +236,10 @@ pub enum Mutant {
     /// as `unnumbered_row` and holds the aggregate again, which no release can end: the
     /// events behind them are never published (`lost`).
     BugReleaseReadsPlainRows,
-    /// A run starts without folding the numbering log into the map it reads
-    /// (`numbering::fold_at_start` not called): the numbering the last runs logged since the
-    /// last fold is missed, and rows are numbered again from older versions
-    /// (`plain_version_wrong`).
+    /// A run starts without folding the numbering log into the map it reads: a product
+    /// mutant (`outbox_relay::Mutant::NumberingLogNotFolded`, `CdcStart` skips the fold): the
+    /// numbering the last runs logged since the last fold is missed, and rows are numbered
+    /// again from older versions (`plain_version_wrong`).
     BugNumberingLogNotFolded,
     /// A run seeds the numbering of an aggregate it meets first at a row without a version from
     /// what the checkpoint kept only, not from the versions its rows were written with: an
@@ -1317,7 +1317,7 @@ impl World {
             snapshot_done: self.ledger.snapshot_done,
             system_identifier: Some("sim".into()),
         });
-        let (start, backfill) = match slot::plan(
+        let plan = match slot::plan(
             "sim_slot",
             "sim",
             "sim",
@@ -1325,22 +1325,7 @@ impl World {
             ledger_view.as_ref(),
             self.resnapshot,
         ) {
-            Ok(plan @ (StartPlan::Create | StartPlan::Recreate)) => {
-                // The new slot's consistent point: everything committed before it is read
-                // from the table's snapshot, everything after it from the slot.
-                let at = Lsn(self.next_lsn);
-                self.slot_confirmed = Some(at);
-                self.ledger.checkpoint = Some(at);
-                self.ledger.snapshot_done = false;
-                if plan == StartPlan::Recreate {
-                    log!(self, "--resnapshot: slot recreated at {at}");
-                    self.resnapshot = false;
-                    self.slot_lost = false;
-                    self.c.resnapshots += 1;
-                }
-                (at, true)
-            }
-            Ok(StartPlan::Resume { start, backfill }) => (start, backfill),
+            Ok(plan) => plan,
             Err(e) if self.slot_lost => {
                 // The correct refusal: the ledger names a slot that is gone. The operator
                 // reads the error and restarts with --resnapshot.
@@ -1357,6 +1342,24 @@ impl World {
                 return;
             }
         };
+        // As the daemon's `run_once`: the plan's decision, then `CdcStart`'s steps in order. A
+        // new slot's consistent point is the next WAL position: everything committed before
+        // it is read from the table's snapshot, everything after it from the slot.
+        let (slot_start, start) = match plan {
+            StartPlan::Create | StartPlan::Recreate => (
+                SlotStart::Create {
+                    drop_existing: plan == StartPlan::Recreate && self.slot_confirmed.is_some(),
+                },
+                Lsn(self.next_lsn),
+            ),
+            StartPlan::Resume { start, backfill } => (
+                SlotStart::Resume {
+                    adopt: self.ledger.checkpoint.is_none(),
+                    backfill,
+                },
+                start,
+            ),
+        };
         let cursor = self
             .wal
             .iter()
@@ -1366,33 +1369,60 @@ impl World {
             self,
             "relay gen {gen} starts at {start} (WAL txn #{cursor})"
         );
-        // `numbering::fold_at_start`: what earlier runs logged, into the map this run reads.
-        if !self.is(Mutant::BugNumberingLogNotFolded) {
-            self.ledger.fold_numbering_log();
-        }
         let i = self.push_run(gen, Some(start), cursor);
-        self.start_run(i, backfill);
-    }
-
-    /// `reconcile_at_start`, then the snapshot: what `RunStart` asks, in its order.
-    fn start_run(&mut self, i: usize, snapshot: bool) {
-        let mut start = RunStart::new(snapshot);
+        let mut steps = CdcStart::new(slot_start);
         loop {
-            let done = match start.next(&self.relays[i].core) {
-                StartStep::RetryGenerations => {
-                    self.load_retry_generations(i);
+            let done = match steps.next(&self.relays[i].core) {
+                // `refuse_new_slot_over_plain_rows`: the outbox holds a row written without a
+                // version (not purged: purge deletes it).
+                CdcStep::RefusePlainRows => {
+                    if self.rows.iter().any(|r| r.plain && !r.purged) {
+                        log!(
+                            self,
+                            "relay refused to start: a new slot, an adopted one or an unfinished snapshot over rows written without a version"
+                        );
+                        self.c.start_refused = 1;
+                        // As a refused plan: no run (nothing was done in its name yet).
+                        self.relays.pop();
+                        return;
+                    }
                     Ok(())
                 }
-                StartStep::ReconcileOpen => self.reconcile_attempts(i, When::Start),
-                StartStep::RaiseHeads(known) => {
-                    self.raise_heads(i, known);
+                CdcStep::DropSlot => {
+                    self.slot_confirmed = None;
                     Ok(())
                 }
-                StartStep::Snapshot => {
-                    self.start_snapshot(i, true);
-                    return;
+                CdcStep::CreateSlot => {
+                    self.slot_confirmed = Some(start);
+                    self.ledger.snapshot_done = false;
+                    if plan == StartPlan::Recreate {
+                        log!(self, "--resnapshot: slot recreated at {start}");
+                        self.resnapshot = false;
+                        self.slot_lost = false;
+                        self.c.resnapshots += 1;
+                    }
+                    Ok(())
                 }
-                StartStep::Run => return,
+                CdcStep::RecordSlot => {
+                    self.ledger.checkpoint = Some(start);
+                    Ok(())
+                }
+                CdcStep::Start(StartStep::Snapshot) => match self.snapshot(i) {
+                    Ok(()) if self.relays[i].core.lease_expired => {
+                        Err(End::Error("lease expired during the snapshot"))
+                    }
+                    done => done,
+                },
+                CdcStep::Start(step) => self.start_step(i, step),
+                // The simulated lease cut every other run's stream when it was taken.
+                CdcStep::TakeOverSlot => Ok(()),
+                // `numbering::fold_at_start`: what earlier runs logged, into the map this run
+                // reads.
+                CdcStep::FoldNumbering => {
+                    self.ledger.fold_numbering_log();
+                    Ok(())
+                }
+                CdcStep::Stream => return,
             };
             if let Err(e) = done {
                 return self.end_run(i, e);
@@ -1400,16 +1430,33 @@ impl World {
         }
     }
 
-    /// After reconciliation at start: the snapshot, when the plan asks for one.
-    fn start_snapshot(&mut self, i: usize, backfill: bool) {
-        if backfill {
-            match self.snapshot(i) {
-                Err(e) => self.end_run(i, e),
-                Ok(()) if self.relays[i].core.lease_expired => {
-                    self.end_run(i, End::Error("lease expired during the snapshot"))
-                }
-                Ok(()) => {}
+    /// `reconcile_at_start` of a poll-mode run: what `RunStart` asks, in its order.
+    fn start_run(&mut self, i: usize) {
+        let mut start = RunStart::new(false);
+        loop {
+            let done = match start.next(&self.relays[i].core) {
+                StartStep::Snapshot | StartStep::Run => return,
+                step => self.start_step(i, step),
+            };
+            if let Err(e) = done {
+                return self.end_run(i, e);
             }
+        }
+    }
+
+    /// `start_step`: one of `RunStart`'s steps before the snapshot.
+    fn start_step(&mut self, i: usize, step: StartStep) -> Result<(), End> {
+        match step {
+            StartStep::RetryGenerations => {
+                self.load_retry_generations(i);
+                Ok(())
+            }
+            StartStep::ReconcileOpen => self.reconcile_attempts(i, When::Start),
+            StartStep::RaiseHeads(known) => {
+                self.raise_heads(i, known);
+                Ok(())
+            }
+            StartStep::Snapshot | StartStep::Run => Err(End::Error("a start step the caller's")),
         }
     }
 
@@ -1420,7 +1467,7 @@ impl World {
         let i = self.push_run(gen, None, self.wal.len());
         // Poll mode keeps the aggregates parked since the last round began (`run_once`).
         self.relays[i].core.unclear_touched = Some(Default::default());
-        self.start_run(i, false);
+        self.start_run(i);
     }
 
     /// `reconcile_at_start`: the heads of the aggregates `known` (the held ones the gate
@@ -2260,6 +2307,7 @@ impl World {
                 Some(outbox_relay::Mutant::LookUpBesideReconciliation)
             }
             Mutant::NumberingNotKept => Some(outbox_relay::Mutant::NumberingNotKept),
+            Mutant::BugNumberingLogNotFolded => Some(outbox_relay::Mutant::NumberingLogNotFolded),
             _ => None,
         }
     }

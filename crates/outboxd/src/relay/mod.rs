@@ -50,7 +50,9 @@ use tokio_postgres::Client;
 use tracing::Instrument;
 
 use crate::config::{redact_url, RelayConfig};
-use outbox_relay::lifecycle::{self, AfterError, Restarts, RunStart, StartStep};
+use outbox_relay::lifecycle::{
+    self, AfterError, CdcStart, CdcStep, Restarts, RunStart, SlotStart, StartStep,
+};
 use outbox_relay::schedule::{self, Schedule};
 use pipeline::Pipeline;
 
@@ -488,72 +490,96 @@ async fn run_once(
 
     let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
 
-    // The ledger row that makes this slot ours, starting at `lsn`.
-    let record_slot = |lsn: Lsn| {
-        checkpoint::create(
-            &sql,
-            &cfg.slot,
-            &cfg.publication,
-            &ident.system_id,
-            ident.timeline,
-            lsn,
-        )
+    // What the plan decided, run in the core's order (`outbox_relay::lifecycle::CdcStart`,
+    // which the simulator runs too).
+    let (slot_start, mut start) = match plan {
+        StartPlan::Create => (
+            SlotStart::Create {
+                drop_existing: false,
+            },
+            None,
+        ),
+        StartPlan::Recreate => (
+            SlotStart::Create {
+                drop_existing: slot_info.is_some(),
+            },
+            None,
+        ),
+        StartPlan::Resume { start, backfill } => (
+            SlotStart::Resume {
+                adopt: ledger.is_none(),
+                backfill,
+            },
+            Some(start),
+        ),
     };
-    // A new slot, an adopted one, or one whose first snapshot a run did not finish (found by
-    // reading, with the simulator's report: the snapshot would read plain rows).
-    if matches!(
-        plan,
-        StartPlan::Create | StartPlan::Recreate | StartPlan::Resume { backfill: true, .. }
-    ) || ledger.is_none()
-    {
-        refuse_new_slot_over_plain_rows(&sql, cfg).await?;
-    }
-    let (start, backfill, exported) = match plan {
-        StartPlan::Create | StartPlan::Recreate => {
-            if plan == StartPlan::Recreate && slot_info.is_some() {
-                slot::drop_slot(&sql, &cfg.slot).await?;
+    let mut exported = None;
+    let mut steps = CdcStart::new(slot_start);
+    let start = loop {
+        let at = || {
+            start.ok_or_else(|| {
+                RelayError::Internal("a start step before the slot had a position".into())
+            })
+        };
+        match steps.next(&pipeline.core) {
+            CdcStep::RefusePlainRows => refuse_new_slot_over_plain_rows(&sql, cfg).await?,
+            CdcStep::DropSlot => slot::drop_slot(&sql, &cfg.slot).await?,
+            CdcStep::CreateSlot => {
+                let created = repl
+                    .create_logical_slot(&cfg.slot, true)
+                    .await
+                    .map_err(SourceError::from)?;
+                let cp = Lsn(created.consistent_point);
+                tracing::info!(consistent_point = %cp, "created replication slot");
+                start = Some(cp);
+                exported = created.snapshot_name;
             }
-            let created = repl
-                .create_logical_slot(&cfg.slot, true)
-                .await
-                .map_err(SourceError::from)?;
-            let cp = Lsn(created.consistent_point);
-            record_slot(cp).await?;
-            tracing::info!(consistent_point = %cp, "created replication slot");
-            (cp, true, created.snapshot_name)
-        }
-        StartPlan::Resume { start, backfill } => {
-            if ledger.is_none() {
-                tracing::warn!(slot_lsn = %start, "adopting a slot the ledger does not know; publishing a snapshot of unpublished rows first");
-                record_slot(start).await?;
+            CdcStep::RecordSlot => {
+                let lsn = at()?;
+                if matches!(slot_start, SlotStart::Resume { adopt: true, .. }) {
+                    tracing::warn!(slot_lsn = %lsn, "adopting a slot the ledger does not know; publishing a snapshot of unpublished rows first");
+                }
+                checkpoint::create(
+                    &sql,
+                    &cfg.slot,
+                    &cfg.publication,
+                    &ident.system_id,
+                    ident.timeline,
+                    lsn,
+                )
+                .await?;
             }
-            (start, backfill, None)
+            CdcStep::Start(StartStep::Snapshot) => {
+                // As the relay must publish them now: with their latest destination migration.
+                let n = publish_snapshot(
+                    cfg,
+                    &mut sql,
+                    &mut pipeline,
+                    &current_rows,
+                    exported.as_deref(),
+                    progress,
+                )
+                .await?;
+                checkpoint::mark_snapshot_done(&sql, &cfg.slot).await?;
+                tracing::info!(events = n, "initial snapshot published");
+            }
+            CdcStep::Start(step) => {
+                start_step(cfg, &sql, &mut pipeline, fence, &current_rows, step).await?
+            }
+            CdcStep::TakeOverSlot => take_over_slot(&sql, &cfg.slot, fence).await?,
+            // The numbering of rows written without a version that earlier runs logged,
+            // folded into the map this run reads when it first meets an aggregate (migration
+            // 0040); refused when the checkpoint moved past `start` since the plan read it.
+            CdcStep::FoldNumbering => {
+                let folded =
+                    outbox_ledger::numbering::fold_at_start(&mut sql, &cfg.slot, at()?).await?;
+                if folded > 0 {
+                    tracing::info!(aggregates = folded, "folded the numbering log");
+                }
+            }
+            CdcStep::Stream => break at()?,
         }
     };
-
-    if reconcile_at_start(cfg, &sql, &mut pipeline, fence, &current_rows, backfill).await? {
-        // As the relay must publish them now: with their latest destination migration.
-        let n = publish_snapshot(
-            cfg,
-            &mut sql,
-            &mut pipeline,
-            &current_rows,
-            exported.as_deref(),
-            progress,
-        )
-        .await?;
-        checkpoint::mark_snapshot_done(&sql, &cfg.slot).await?;
-        tracing::info!(events = n, "initial snapshot published");
-    }
-
-    take_over_slot(&sql, &cfg.slot, fence).await?;
-    // The numbering of rows written without a version that earlier runs logged, folded into
-    // the map this run reads when it first meets an aggregate (migration 0040); refused when
-    // the checkpoint moved past `start` since the plan read it.
-    let folded = outbox_ledger::numbering::fold_at_start(&mut sql, &cfg.slot, start).await?;
-    if folded > 0 {
-        tracing::info!(aggregates = folded, "folded the numbering log");
-    }
     crate::failpoint::pause("before-start-replication").await;
     let quoted_pub = cfg.publication.replace('"', "");
     let mut stream = repl
@@ -834,43 +860,61 @@ async fn open_pipeline(
     Ok(pipeline)
 }
 
-/// Before the first event of a run: what `outbox_relay::lifecycle::RunStart` asks, in its
-/// order (retry generations, UNKNOWN attempts reconciled, the gate's heads read again after
-/// that). True when a snapshot is next (`snapshot` asked for one), false when the run may
-/// stream or poll.
+/// Before the first event of a poll-mode run: what `outbox_relay::lifecycle::RunStart` asks,
+/// in its order (retry generations, UNKNOWN attempts reconciled, the gate's heads read again
+/// after that); a poll run has no snapshot. A CDC run executes the same steps inside its
+/// `CdcStart`.
 async fn reconcile_at_start(
     cfg: &RelayConfig,
     sql: &Client,
     pipeline: &mut Pipeline,
     fence: &Fence,
     current_rows: &str,
-    snapshot: bool,
-) -> Result<bool, RelayError> {
-    let mut start = RunStart::new(snapshot);
+) -> Result<(), RelayError> {
+    let mut start = RunStart::new(false);
     loop {
         match start.next(&pipeline.core) {
-            StartStep::RetryGenerations => pipeline
-                .core
-                .retry_generation
-                .extend(outbox_ledger::attempts::retry_generations(sql, &cfg.slot).await?),
-            StartStep::ReconcileOpen => {
-                unknown::reconcile_unknown(
-                    cfg,
-                    sql,
-                    pipeline,
-                    fence,
-                    current_rows,
-                    unknown::When::Start,
-                )
-                .await?
-            }
-            StartStep::RaiseHeads(known) => pipeline
-                .core
-                .raise_heads(holds::heads_of(sql, &known, None).await?),
-            StartStep::Snapshot => return Ok(true),
-            StartStep::Run => return Ok(false),
+            StartStep::Run | StartStep::Snapshot => return Ok(()),
+            step => start_step(cfg, sql, pipeline, fence, current_rows, step).await?,
         }
     }
+}
+
+/// One of `RunStart`'s steps before the snapshot (the snapshot and the run are the caller's).
+async fn start_step(
+    cfg: &RelayConfig,
+    sql: &Client,
+    pipeline: &mut Pipeline,
+    fence: &Fence,
+    current_rows: &str,
+    step: StartStep,
+) -> Result<(), RelayError> {
+    match step {
+        StartStep::RetryGenerations => pipeline
+            .core
+            .retry_generation
+            .extend(outbox_ledger::attempts::retry_generations(sql, &cfg.slot).await?),
+        StartStep::ReconcileOpen => {
+            unknown::reconcile_unknown(
+                cfg,
+                sql,
+                pipeline,
+                fence,
+                current_rows,
+                unknown::When::Start,
+            )
+            .await?
+        }
+        StartStep::RaiseHeads(known) => pipeline
+            .core
+            .raise_heads(holds::heads_of(sql, &known, None).await?),
+        StartStep::Snapshot | StartStep::Run => {
+            return Err(RelayError::Internal(format!(
+                "start step {step:?} is the caller's"
+            )))
+        }
+    }
+    Ok(())
 }
 
 /// The broker client for one run, and the channel its delivery reports arrive on.

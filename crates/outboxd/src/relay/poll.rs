@@ -72,7 +72,7 @@ pub(super) async fn run_once(
     let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
     pipeline.core.unclear_touched = Some(Default::default());
     // No snapshot in poll mode: every round reads what has no receipt.
-    reconcile_at_start(cfg, &sql, &mut pipeline, fence, current_rows, false).await?;
+    reconcile_at_start(cfg, &sql, &mut pipeline, fence, current_rows).await?;
     // Not prepared: planned at every round with the statistics of the moment (receipts and
     // positions grow from nothing; a plan made for empty tables does not scale).
     let pending = poll::pending_sql(current_rows);
