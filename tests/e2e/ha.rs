@@ -384,3 +384,57 @@ cdc_only! {
         );
     }
 }
+
+cdc_only! {
+    "CDC only: the checkpoint row's lock and the slot; a poll relay's acceptance has the same session limits";
+    /// A relay stopped (SIGSTOP) inside its acceptance transaction holds the slot's checkpoint
+    /// row lock and a transaction id for as long as it is stopped. The relay that takes its
+    /// lease over locks that row at its start, and would wait until the stopped one resumed:
+    /// it ends the sessions of the slot's earlier generations first
+    /// (`relay::end_stale_sessions`, by their `application_name`). Planted: without that, B
+    /// waits for A's idle-in-transaction limit (10 s) and its log does not say it ended A's
+    /// session; without the limit as well, B never publishes while A is stopped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_stopped_inside_its_acceptance_does_not_hold_the_next_holder() {
+        let env = TestEnv::new("stopped_in_accept").await;
+        let a = env.relay(
+            &[("OUTBOXD_FAILPOINTS", "accept-before-commit=pause:600000")],
+            &["--relay-id", "relay-a"],
+        );
+        env.enqueue("s-1", json!({"n": 1})).await;
+        // A's first acceptance waits before its commit, its checkpoint row locked.
+        wait_log(&a, "failpoint accept-before-commit reached").await;
+        a.signal(libc::SIGSTOP);
+        let stopped = Instant::now();
+        let b = env.relay(&[], &["--relay-id", "relay-b"]);
+        // B streams only once A's transaction is gone: its event and one written now are
+        // published (the first again, A's acceptance never committed).
+        env.enqueue("s-2", json!({"n": 2})).await;
+        wait_for("B's receipts of both events", LONG, || async {
+            let n = env.count("SELECT count(*) FROM outbox.receipts").await;
+            if n >= 2 {
+                Ok(())
+            } else {
+                let log = b.log_text();
+                let last = log.lines().last().unwrap_or_default().to_string();
+                Err(format!("{n} receipts; B's last log line: {last}"))
+            }
+        })
+        .await;
+        let took = stopped.elapsed();
+        assert_eq!(
+            lease_owner(&env).await.map(|(o, _)| o),
+            Some("relay-b".to_string())
+        );
+        assert!(
+            b.log_text().contains("ended sessions of an earlier holder"),
+            "B did not end A's session: {}",
+            b.log_text()
+        );
+        println!(
+            "stopped_in_accept: B published {:.1} s after A was stopped inside its acceptance (lease TTL 3 s)",
+            took.as_secs_f64()
+        );
+        a.signal(libc::SIGCONT);
+    }
+}

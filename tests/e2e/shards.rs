@@ -259,10 +259,51 @@ async fn wait_holdings(
         if active == i64::from(n) && held.values().sum::<i64>() == i64::from(n) && ok(&held) {
             Ok(held)
         } else {
-            Err(format!("{active} of {n} slots streaming; leases {held:?}"))
+            Err(format!(
+                "{active} of {n} slots streaming; leases {held:?}; the server's busy sessions: {}",
+                busy_sessions(env).await
+            ))
         }
     })
     .await
+}
+
+/// What every session of the server that is not idle does, and who blocks it: what a wait
+/// that timed out shows (a relay's start waiting on a lock or a transaction elsewhere).
+async fn busy_sessions(env: &TestEnv) -> String {
+    let rows = env
+        .db
+        .query(
+            "SELECT pid, datname, backend_type, state, wait_event_type, wait_event,
+                    pg_blocking_pids(pid)::text, left(regexp_replace(query, '\\s+', ' ', 'g'), 80),
+                    extract(epoch FROM clock_timestamp() - coalesce(xact_start, query_start))::int
+             FROM pg_stat_activity
+             WHERE state IS DISTINCT FROM 'idle' AND pid <> pg_backend_pid()
+               AND backend_type IN ('client backend', 'walsender')",
+            &[],
+        )
+        .await;
+    match rows {
+        Ok(rows) => rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "[{} {:?} {} {:?} {:?}/{:?} blocked by {:?} for {:?} s: {:?}]",
+                    r.get::<_, i32>(0),
+                    r.get::<_, Option<String>>(1),
+                    r.get::<_, String>(2),
+                    r.get::<_, Option<String>>(3),
+                    r.get::<_, Option<String>>(4),
+                    r.get::<_, Option<String>>(5),
+                    r.get::<_, Option<String>>(6),
+                    r.get::<_, Option<i32>>(8),
+                    r.get::<_, Option<String>>(7),
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+        Err(e) => format!("(pg_stat_activity: {e})"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

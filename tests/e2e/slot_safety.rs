@@ -143,3 +143,66 @@ cdc_only! {
         assert!(ids.contains(&skipped.to_string()));
     }
 }
+
+cdc_only! {
+    "CDC only: the replication slot's creation; poll mode has no slot";
+    /// A slot another session is still creating (a relay that lost the lease while it created
+    /// the slot: stopped, or a fleet member's shard relay aborted after a hand-over) has no
+    /// confirmed position yet. The relay that holds the lease ends that session (the unfinished
+    /// slot goes with it) and creates the slot itself. Before the fix it adopted the slot at
+    /// 0/0, the creator's end dropped it, and every later start was refused as a slot dropped
+    /// behind outboxd's back (seen in the fleet e2e tests).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slot_another_session_is_still_creating_is_created_again_not_adopted() {
+        let env = TestEnv::new("slot_in_creation").await;
+        // A transaction with an id keeps any logical slot's creation waiting.
+        let holder = crate::harness::connect(&env.url).await;
+        holder
+            .batch_execute(
+                "CREATE TABLE hold_creation (n int); BEGIN; INSERT INTO hold_creation VALUES (1)",
+            )
+            .await
+            .unwrap();
+        let creator = crate::harness::connect(&env.url).await;
+        let slot = env.slot.clone();
+        let creating = tokio::spawn(async move {
+            creator
+                .execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&slot])
+                .await
+        });
+        env.wait_count(
+            "the slot in creation",
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots
+                 WHERE slot_name = '{}' AND confirmed_flush_lsn IS NULL AND active",
+                env.slot
+            ),
+            1,
+        )
+        .await;
+        let relay = env.relay(&[], &[]);
+        outbox_testkit::wait::wait_for(
+            "the relay to end the slot's creator",
+            crate::harness::LONG,
+            || async {
+                if relay.log_text().contains("still being created by a session without the lease") {
+                    Ok(())
+                } else {
+                    Err(relay.log_text().lines().last().unwrap_or_default().to_string())
+                }
+            },
+        )
+        .await;
+        let ended = creating.await.unwrap();
+        assert!(ended.is_err(), "the creator's session was ended");
+        // The relay's own creation waits for the same transaction.
+        holder.batch_execute("COMMIT").await.unwrap();
+        env.wait_streaming().await;
+        env.enqueue("c-1", json!({"n": 1})).await;
+        env.wait_count("the event's receipt", "SELECT count(*) FROM outbox.receipts", 1)
+            .await;
+        let log = relay.log_text();
+        assert!(!log.contains("adopting a slot"), "{log}");
+        assert!(log.contains("created replication slot"), "{log}");
+    }
+}

@@ -1167,6 +1167,7 @@ async fn record_refusals_and_commit(
         }
         crate::checkpoint::raise_txn_record_in(&tx, slot, record).await?;
     }
+    crate::hooks::before_accept_commit().await;
     tx.commit()
         .await
         .ctx("committing the receipt acceptance transaction")?;

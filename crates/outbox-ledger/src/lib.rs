@@ -28,6 +28,7 @@ pub mod checkpoint;
 pub mod consumers;
 pub mod destination;
 pub mod holds;
+pub mod hooks;
 pub mod lease;
 pub mod migrate;
 pub mod numbering;

@@ -325,16 +325,25 @@ mod tests {
     use crate::pipeline::Planted;
     use crate::testing::served;
 
-    fn steps<P: Plant>(core: &PipelineCore<P>, snapshot: bool) -> Vec<StartStep> {
-        let mut start = RunStart::new(snapshot);
+    /// The steps `next` returns, up to and including `last`.
+    fn until<S: Clone + PartialEq + std::fmt::Debug>(
+        mut next: impl FnMut() -> S,
+        last: S,
+    ) -> Vec<S> {
         let mut steps = Vec::new();
         loop {
-            let step = start.next(core);
+            let step = next();
             steps.push(step.clone());
-            if step == StartStep::Run {
+            if step == last {
                 return steps;
             }
+            assert!(steps.len() < 20, "the start never ends: {steps:?}");
         }
+    }
+
+    fn steps<P: Plant>(core: &PipelineCore<P>, snapshot: bool) -> Vec<StartStep> {
+        let mut start = RunStart::new(snapshot);
+        until(|| start.next(core), StartStep::Run)
     }
 
     #[test]
@@ -376,15 +385,7 @@ mod tests {
 
     fn cdc_steps<P: Plant>(core: &PipelineCore<P>, slot: SlotStart) -> Vec<CdcStep> {
         let mut start = CdcStart::new(slot);
-        let mut steps = Vec::new();
-        loop {
-            let step = start.next(core);
-            steps.push(step.clone());
-            if step == CdcStep::Stream {
-                return steps;
-            }
-            assert!(steps.len() < 20, "the start never ends: {steps:?}");
-        }
+        until(|| start.next(core), CdcStep::Stream)
     }
 
     #[test]

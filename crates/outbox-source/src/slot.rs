@@ -35,6 +35,8 @@ pub enum SourceError {
         slot_lsn: Lsn,
         checkpoint: Lsn,
     },
+    #[error("replication slot \"{slot}\" has no confirmed position yet: another session is still creating it (a relay that lost this slot's lease while it created the slot, or a CREATE_REPLICATION_SLOT of your own). The relay that holds the slot's lease ends the creating session (pg_stat_activity.pid = the slot's active_pid) and creates the slot itself; if this persists, end that session and start the relay again")]
+    SlotInCreation { slot: String },
     #[error("replication slot \"{slot}\" is invalidated (wal_status = {wal_status}): PostgreSQL removed WAL it still needed (see max_slot_wal_keep_size). Recover with `outboxd run --resnapshot`")]
     SlotInvalidated { slot: String, wal_status: String },
     #[error("replication slot \"{slot}\" uses output plugin '{plugin}' on database '{database}'; outboxd needs a pgoutput slot on '{expected_db}'. Choose another --slot name")]
@@ -81,6 +83,7 @@ impl SourceError {
                     && recovery(t.sqlstate(), Channel::Replication).is_retry()
             }
             SourceError::Db { code, .. } => recovery(code.as_deref(), Channel::Sql).is_retry(),
+            SourceError::SlotInCreation { .. } => true,
             _ => false,
         }
     }
@@ -191,7 +194,16 @@ pub fn plan(
                     });
                 }
             }
-            let slot_lsn = s.confirmed_flush.unwrap_or(Lsn::ZERO);
+            // A logical slot has a confirmed position from the end of its creation on; without
+            // one it is still being created by another session, and its position is not known:
+            // adopting it at 0/0 recorded a checkpoint that its creator's end then orphaned (the
+            // slot is dropped with the session that was creating it), and every later start
+            // was refused as a slot dropped behind outboxd's back.
+            let Some(slot_lsn) = s.confirmed_flush else {
+                return Err(SourceError::SlotInCreation {
+                    slot: slot_name.into(),
+                });
+            };
             match ledger {
                 // A slot with no ledger row: we crashed between creating the slot and
                 // recording it, or an operator pre-created it. Adopt it and publish a
@@ -738,6 +750,28 @@ mod tests {
                 true
             )
             .unwrap(),
+            StartPlan::Recreate
+        );
+    }
+
+    /// A slot another session is still creating has no confirmed position: it is neither
+    /// adopted at 0/0 nor streamed from, and the error is retried (seen in the fleet e2e
+    /// tests: a member handed a shard over while its relay was creating the slot).
+    #[test]
+    fn a_slot_still_being_created_is_not_adopted_and_the_start_is_retried() {
+        let creating = SlotInfo {
+            active_pid: Some(7),
+            confirmed_flush: None,
+            ..slot(0)
+        };
+        for ledger in [None, Some(ledger(150, true))] {
+            let e = plan("s", "app", "42", Some(&creating), ledger.as_ref(), false).unwrap_err();
+            assert!(matches!(e, SourceError::SlotInCreation { .. }), "{e}");
+            assert!(e.is_transient(), "{e}");
+        }
+        // --resnapshot drops whatever is there.
+        assert_eq!(
+            plan("s", "app", "42", Some(&creating), None, true).unwrap(),
             StartPlan::Recreate
         );
     }

@@ -16,7 +16,8 @@
 //! `=pause:MS` makes the task that reaches an async point ([`pause`]) wait MS milliseconds the
 //! first time, saying so on stderr, so that a test can act in that window:
 //! `before-start-replication` (the start-up plan has read or created the slot; the relay is
-//! about to stream from it).
+//! about to stream from it), `accept-before-commit` (an acceptance transaction wrote its
+//! receipts and locked the checkpoint row; armed in the ledger by [`arm_ledger_hooks`]).
 //!
 //! `OUTBOXD_NUMBERING_FOLD_ROWS=N` makes a run fold its numbering log after every N rows it
 //! logged instead of every 20,000 ([`numbering_fold_rows`]), so that a test sees folds
@@ -103,6 +104,15 @@ pub async fn pause(name: &str) {
             eprintln!("outboxd: failpoint {name} reached (hit {n}): pausing {ms} ms");
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
+    }
+}
+
+/// Arms the ledger's own point (`outbox_ledger::hooks`) when `accept-before-commit` is set:
+/// an acceptance transaction, its checkpoint row locked, waits there before its commit
+/// (`=pause:MS`, once).
+pub fn arm_ledger_hooks() {
+    if points().contains_key("accept-before-commit") {
+        outbox_ledger::hooks::set_before_accept_commit(|| Box::pin(pause("accept-before-commit")));
     }
 }
 

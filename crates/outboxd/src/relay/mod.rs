@@ -186,6 +186,7 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), RelayError> {
     let poll = cfg.mode == crate::values::RunMode::Poll;
+    crate::failpoint::arm_ledger_hooks();
     // Preflight: the settings that no amount of retrying will fix are reported at once.
     let client = match connect_sql(cfg.database_url.expose()).await {
         Ok(client) => Some(client),
@@ -366,6 +367,109 @@ async fn connect_sql(url: &str) -> Result<Client, RelayError> {
     })
 }
 
+/// How long one of the relay's acceptance sessions may sit idle inside a transaction before
+/// the server ends it: the lease TTL, and never less than 10 s. A live relay never comes near
+/// it (an acceptance takes milliseconds); a relay stopped between two statements of one (see
+/// [`end_stale_sessions`]) has its transaction rolled back within this time even when nobody
+/// takes its lease over, so it does not hold up, for as long as it is stopped, the creation of
+/// every logical slot on the server (which waits for all running transactions).
+pub(crate) fn acceptance_session_limit(lease_ttl: Duration) -> Duration {
+    lease_ttl.max(Duration::from_secs(10))
+}
+
+/// The `application_name` of a run's sessions that can hold the slot's ledger locks (its SQL
+/// and acceptance connections): `outboxd <12 hex digits of md5(slot)> g<generation>`, short
+/// enough for any slot name, so that the next holder finds and ends them
+/// ([`end_stale_sessions`]). `$1` the slot, `$2` the generation.
+const SESSION_NAME: &str = "'outboxd ' || left(md5($1::text), 12) || ' g' || $2::bigint";
+
+/// Names `client`'s session as one of this run's ([`SESSION_NAME`]).
+async fn name_session(client: &Client, slot: &str, fence: &Fence) -> Result<(), RelayError> {
+    client
+        .query_one(
+            &format!("SELECT set_config('application_name', {SESSION_NAME}, false)"),
+            &[&slot, &fence.generation],
+        )
+        .await
+        .map_err(|e| {
+            RelayError::Ledger(LedgerError::Db {
+                context: format!("naming a session of slot {slot}'s relay"),
+                source: e,
+            })
+        })?;
+    Ok(())
+}
+
+/// A connection for acceptance transactions: [`connect_sql`], named as this run's session
+/// ([`name_session`]), with [`acceptance_session_limit`] as its
+/// `idle_in_transaction_session_timeout`.
+pub(crate) async fn connect_acceptance(
+    url: &str,
+    lease_ttl: Duration,
+    slot: &str,
+    fence: &Fence,
+) -> Result<Client, RelayError> {
+    let client = connect_sql(url).await?;
+    name_session(&client, slot, fence).await?;
+    let ms = acceptance_session_limit(lease_ttl).as_millis();
+    client
+        .batch_execute(&format!("SET idle_in_transaction_session_timeout = {ms}"))
+        .await
+        .map_err(|e| {
+            RelayError::Ledger(LedgerError::Db {
+                context: "limiting the acceptance session (idle_in_transaction_session_timeout)"
+                    .into(),
+                source: e,
+            })
+        })?;
+    Ok(client)
+}
+
+/// At the start of a run that holds the lease: ends every session of an earlier generation of
+/// this slot's relays ([`SESSION_NAME`]), checking the lease in the same statement.
+///
+/// An acceptance transaction locks the slot's checkpoint row and holds a transaction id until
+/// it ends. A relay stopped inside one (SIGSTOP, a frozen VM, a debugger, a fleet member's
+/// shard relay aborted mid-way) keeps both for as long as it is stopped, and the server cannot
+/// tell a stopped client from a slow one: in the middle of a `COPY` of receipts it waits for
+/// the client's data, where neither `statement_timeout` nor the idle limit applies. This run
+/// would then wait on that row lock (its start folds the numbering under it, its acceptances
+/// take it), and every logical slot created on the server would wait for the transaction.
+/// The stale session's lease is gone; ending it rolls its transaction back, and nothing it
+/// had not committed was evidence (this run publishes those events again from the checkpoint).
+/// Found by the fleet e2e test: a paused member's `COPY` held two shards for 90 s.
+async fn end_stale_sessions(sql: &Client, slot: &str, fence: &Fence) -> Result<(), RelayError> {
+    let ended: i64 = sql
+        .query_one(
+            &format!(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid))
+                 FROM pg_stat_activity a
+                 WHERE a.application_name LIKE 'outboxd ' || left(md5($1::text), 12) || ' g%'
+                   AND a.application_name <> {SESSION_NAME}
+                   AND a.pid <> pg_backend_pid()
+                   AND EXISTS (SELECT 1 FROM outbox.relay_leases l
+                               WHERE l.slot_name = $1 AND l.generation = $2 AND l.owner = $3
+                                 AND l.lease_until > clock_timestamp())"
+            ),
+            &[&slot, &fence.generation, &fence.owner],
+        )
+        .await
+        .map_err(|e| {
+            RelayError::Ledger(LedgerError::Db {
+                context: format!("ending the sessions of slot {slot}'s earlier relays"),
+                source: e,
+            })
+        })?
+        .get(0);
+    if ended > 0 {
+        tracing::warn!(
+            sessions = ended,
+            "ended sessions of an earlier holder of the slot (stopped or hung inside a transaction)"
+        );
+    }
+    Ok(())
+}
+
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -433,8 +537,10 @@ async fn run_once(
 ) -> Result<(), RelayError> {
     let url = cfg.database_url.expose();
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
-    let ledger_client = connect_sql(url).await?;
+    let ledger_client = connect_acceptance(url, cfg.lease_ttl, &cfg.slot, fence).await?;
     let mut sql = connect_sql(url).await?;
+    name_session(&sql, &cfg.slot, fence).await?;
+    end_stale_sessions(&sql, &cfg.slot, fence).await?;
     restore_versions(&sql, false).await?;
     // wal_level and the REPLICATION privilege were checked once, before the first run.
     slot::ensure_shard_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table, cfg.shard)
@@ -471,7 +577,20 @@ async fn run_once(
 
     tracing::Span::current().record("db", dbname.as_str());
 
-    let slot_info = slot::inspect(&sql, &cfg.slot).await?;
+    let mut slot_info = slot::inspect(&sql, &cfg.slot).await?;
+    // A slot without a confirmed position is still being created, by a session of a relay
+    // that lost this lease while it created the slot (stopped, or a fleet member's shard relay
+    // aborted after a hand-over); `slot::plan` refuses to adopt it. This run holds the lease:
+    // it ends that session, the unfinished slot is dropped with it, and the plan creates the
+    // slot again. (The simulator's slot creation is atomic: it never sees one half made.)
+    if slot_info
+        .as_ref()
+        .is_some_and(|s| s.confirmed_flush.is_none() && s.active_pid.is_some())
+    {
+        tracing::warn!("replication slot is still being created by a session without the lease; ending that session");
+        take_over_slot(&sql, &cfg.slot, fence).await?;
+        slot_info = slot::inspect(&sql, &cfg.slot).await?;
+    }
     let ledger = checkpoint::load(&sql, &cfg.slot).await?;
     let view = ledger.as_ref().map(|c| LedgerView {
         checkpoint: c.confirmed_lsn,
@@ -614,7 +733,10 @@ async fn run_once(
     tracing::Span::current().record("start_lsn", tracing::field::display(start));
     let _heartbeat = spawn_heartbeat(connect_sql(url).await?, cfg.heartbeat_interval);
 
-    pipeline.enable_pipelined_accept(connect_sql(url).await?, url);
+    pipeline.enable_pipelined_accept(
+        connect_acceptance(url, cfg.lease_ttl, &cfg.slot, fence).await?,
+        url,
+    );
     let mut decoder = Decoder::new(&cfg.schema, &cfg.table);
     // After the publication took outbox.route_versions in (ensure_shard_publication above):
     // a version made before that is read here, one made after arrives in the stream.

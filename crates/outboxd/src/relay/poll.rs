@@ -25,8 +25,8 @@ use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
 use super::{
-    connect_sql, keep_lease, open_pipeline, reconcile_at_start, restore_versions, Progress,
-    RelayError, RELEASE_POLL,
+    connect_acceptance, connect_sql, end_stale_sessions, keep_lease, name_session, open_pipeline,
+    reconcile_at_start, restore_versions, Progress, RelayError, RELEASE_POLL,
 };
 use crate::config::RelayConfig;
 
@@ -62,8 +62,10 @@ pub(super) async fn run_once(
         )));
     }
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
-    let ledger_client = connect_sql(url).await?;
+    let ledger_client = connect_acceptance(url, cfg.lease_ttl, &cfg.slot, fence).await?;
     let mut sql = connect_sql(url).await?;
+    name_session(&sql, &cfg.slot, fence).await?;
+    end_stale_sessions(&sql, &cfg.slot, fence).await?;
     refuse_rows_without_versions(&sql).await?;
     // Pending events are found through outbox.aggregate_versions: it must be whole.
     restore_versions(&sql, true).await?;
