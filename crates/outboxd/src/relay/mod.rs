@@ -426,7 +426,9 @@ pub(crate) async fn connect_acceptance(
 }
 
 /// At the start of a run that holds the lease: ends every session of an earlier generation of
-/// this slot's relays ([`SESSION_NAME`]), checking the lease in the same statement.
+/// this slot's relays ([`SESSION_NAME`]) that is inside a transaction, checking the lease in
+/// the same statement. Idle ones hold nothing and are left alone: a paused relay that resumes
+/// records its late delivery reports through them (as duplicate receipts).
 ///
 /// An acceptance transaction locks the slot's checkpoint row and holds a transaction id until
 /// it ends. A relay stopped inside one (SIGSTOP, a frozen VM, a debugger, a fleet member's
@@ -446,6 +448,7 @@ async fn end_stale_sessions(sql: &Client, slot: &str, fence: &Fence) -> Result<(
                  FROM pg_stat_activity a
                  WHERE a.application_name LIKE 'outboxd ' || left(md5($1::text), 12) || ' g%'
                    AND a.application_name <> {SESSION_NAME}
+                   AND a.xact_start IS NOT NULL
                    AND a.pid <> pg_backend_pid()
                    AND EXISTS (SELECT 1 FROM outbox.relay_leases l
                                WHERE l.slot_name = $1 AND l.generation = $2 AND l.owner = $3
