@@ -151,12 +151,9 @@ async fn refuse_new_slot_over_plain_rows(
     if outbox_ledger::numbering::plain_inserts_allowed(sql, &table).await? != Some(true) {
         return Ok(());
     }
-    let db = |source| {
-        RelayError::Ledger(LedgerError::Db {
-            context: format!("reading whether {table} holds rows without a version"),
-            source,
-        })
-    };
+    let db = ledger_db(format!(
+        "reading whether {table} holds rows without a version"
+    ));
     let plain: i64 = sql
         .query_one(
             &format!(
@@ -383,6 +380,11 @@ pub(crate) fn acceptance_session_limit(lease_ttl: Duration) -> Duration {
 /// ([`end_stale_sessions`]). `$1` the slot, `$2` the generation.
 const SESSION_NAME: &str = "'outboxd ' || left(md5($1::text), 12) || ' g' || $2::bigint";
 
+/// A ledger statement of the relay's own that failed, with what it was doing.
+fn ledger_db(context: String) -> impl FnOnce(tokio_postgres::Error) -> RelayError {
+    move |source| RelayError::Ledger(LedgerError::Db { context, source })
+}
+
 /// Names `client`'s session as one of this run's ([`SESSION_NAME`]).
 async fn name_session(client: &Client, slot: &str, fence: &Fence) -> Result<(), RelayError> {
     client
@@ -391,12 +393,9 @@ async fn name_session(client: &Client, slot: &str, fence: &Fence) -> Result<(), 
             &[&slot, &fence.generation],
         )
         .await
-        .map_err(|e| {
-            RelayError::Ledger(LedgerError::Db {
-                context: format!("naming a session of slot {slot}'s relay"),
-                source: e,
-            })
-        })?;
+        .map_err(ledger_db(format!(
+            "naming a session of slot {slot}'s relay"
+        )))?;
     Ok(())
 }
 
@@ -415,13 +414,9 @@ pub(crate) async fn connect_acceptance(
     client
         .batch_execute(&format!("SET idle_in_transaction_session_timeout = {ms}"))
         .await
-        .map_err(|e| {
-            RelayError::Ledger(LedgerError::Db {
-                context: "limiting the acceptance session (idle_in_transaction_session_timeout)"
-                    .into(),
-                source: e,
-            })
-        })?;
+        .map_err(ledger_db(
+            "limiting the acceptance session (idle_in_transaction_session_timeout)".into(),
+        ))?;
     Ok(client)
 }
 
@@ -457,12 +452,9 @@ async fn end_stale_sessions(sql: &Client, slot: &str, fence: &Fence) -> Result<(
             &[&slot, &fence.generation, &fence.owner],
         )
         .await
-        .map_err(|e| {
-            RelayError::Ledger(LedgerError::Db {
-                context: format!("ending the sessions of slot {slot}'s earlier relays"),
-                source: e,
-            })
-        })?
+        .map_err(ledger_db(format!(
+            "ending the sessions of slot {slot}'s earlier relays"
+        )))?
         .get(0);
     if ended > 0 {
         tracing::warn!(
