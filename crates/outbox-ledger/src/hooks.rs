@@ -1,5 +1,6 @@
 //! A point a test can hold the relay's acceptance transaction at: after everything is
-//! written and the checkpoint row is locked, before the commit. The daemon arms it from its
+//! written (the checkpoint row locked, when the acceptance moves the checkpoint), before the
+//! commit. The daemon arms it from its
 //! failpoints (`OUTBOXD_FAILPOINTS=accept-before-commit=pause:MS`), so that an end-to-end
 //! test can stop a relay while its transaction holds the slot's locks (the e2e test
 //! `ha::a_relay_stopped_inside_its_acceptance_does_not_hold_the_next_holder`). Unarmed it is

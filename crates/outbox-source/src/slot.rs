@@ -149,12 +149,17 @@ pub enum StartPlan {
     /// No slot and no history: create the slot with an exported snapshot, publish the
     /// snapshot, then stream from the consistent point.
     Create,
-    /// Drop whatever is there and create afresh, then publish every row without a receipt
-    /// (operator asked for `--resnapshot`).
-    Recreate,
+    /// Drop whatever is there (`drop_existing`: a slot of that name exists) and create
+    /// afresh, then publish every row without a receipt (operator asked for `--resnapshot`).
+    Recreate { drop_existing: bool },
     /// Stream from `start`. `backfill` asks for a snapshot publish first (the initial one
-    /// never completed, or the slot was adopted).
-    Resume { start: Lsn, backfill: bool },
+    /// never completed, or the slot was adopted); `adopt`: the ledger has no row for the slot,
+    /// which the run writes first.
+    Resume {
+        start: Lsn,
+        backfill: bool,
+        adopt: bool,
+    },
 }
 
 /// The start-up decision. Pure.
@@ -177,7 +182,9 @@ pub fn plan(
         }
     }
     if resnapshot {
-        return Ok(StartPlan::Recreate);
+        return Ok(StartPlan::Recreate {
+            drop_existing: slot.is_some(),
+        });
     }
     match (slot, ledger) {
         (None, None) => Ok(StartPlan::Create),
@@ -211,6 +218,7 @@ pub fn plan(
                 None => Ok(StartPlan::Resume {
                     start: slot_lsn,
                     backfill: true,
+                    adopt: true,
                 }),
                 Some(l) => {
                     if let Some(sys) = &l.system_identifier {
@@ -237,6 +245,7 @@ pub fn plan(
                     Ok(StartPlan::Resume {
                         start: slot_lsn.max(l.checkpoint),
                         backfill: !l.snapshot_done,
+                        adopt: false,
                     })
                 }
             }
@@ -659,7 +668,8 @@ mod tests {
             p.unwrap(),
             StartPlan::Resume {
                 start: Lsn(150),
-                backfill: false
+                backfill: false,
+                adopt: false
             }
         );
     }
@@ -678,7 +688,8 @@ mod tests {
             p.unwrap(),
             StartPlan::Resume {
                 start: Lsn(100),
-                backfill: true
+                backfill: true,
+                adopt: false
             }
         );
     }
@@ -737,7 +748,8 @@ mod tests {
             plan("s", "app", "42", Some(&slot(100)), None, false).unwrap(),
             StartPlan::Resume {
                 start: Lsn(100),
-                backfill: true
+                backfill: true,
+                adopt: true
             }
         );
         assert_eq!(
@@ -750,7 +762,15 @@ mod tests {
                 true
             )
             .unwrap(),
-            StartPlan::Recreate
+            StartPlan::Recreate {
+                drop_existing: true
+            }
+        );
+        assert_eq!(
+            plan("s", "app", "42", None, Some(&ledger(150, true)), true).unwrap(),
+            StartPlan::Recreate {
+                drop_existing: false
+            }
         );
     }
 
@@ -772,7 +792,9 @@ mod tests {
         // --resnapshot drops whatever is there.
         assert_eq!(
             plan("s", "app", "42", Some(&creating), None, true).unwrap(),
-            StartPlan::Recreate
+            StartPlan::Recreate {
+                drop_existing: true
+            }
         );
     }
 }

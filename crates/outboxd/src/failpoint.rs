@@ -17,7 +17,8 @@
 //! first time, saying so on stderr, so that a test can act in that window:
 //! `before-start-replication` (the start-up plan has read or created the slot; the relay is
 //! about to stream from it), `accept-before-commit` (an acceptance transaction wrote its
-//! receipts and locked the checkpoint row; armed in the ledger by [`arm_ledger_hooks`]).
+//! receipts, and locked the checkpoint row if it moves it; armed in the ledger by
+//! [`arm_ledger_hooks`]).
 //!
 //! `OUTBOXD_NUMBERING_FOLD_ROWS=N` makes a run fold its numbering log after every N rows it
 //! logged instead of every 20,000 ([`numbering_fold_rows`]), so that a test sees folds
@@ -108,8 +109,7 @@ pub async fn pause(name: &str) {
 }
 
 /// Arms the ledger's own point (`outbox_ledger::hooks`) when `accept-before-commit` is set:
-/// an acceptance transaction, its checkpoint row locked, waits there before its commit
-/// (`=pause:MS`, once).
+/// an acceptance transaction waits there before its commit (`=pause:MS`, once).
 pub fn arm_ledger_hooks() {
     if points().contains_key("accept-before-commit") {
         outbox_ledger::hooks::set_before_accept_commit(|| Box::pin(pause("accept-before-commit")));

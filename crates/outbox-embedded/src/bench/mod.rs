@@ -42,7 +42,7 @@ mod report;
 mod statements;
 mod workload;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -64,6 +64,8 @@ pub(crate) struct Ctx {
     _apache: Option<KafkaCluster>,
     bootstrap: String,
     bindir: PathBuf,
+    /// The cluster's data directory (its WAL is read by `--pg-statements`).
+    data: PathBuf,
     postmaster: i32,
     exe: PathBuf,
     dir: tempfile::TempDir,
@@ -181,12 +183,7 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         statements::print("drain", &top, main.events);
         report.drain_statements = statements::json(&top, main.events);
         let wal_end = statements::wal_lsn(&db.client).await?;
-        let data: String = db
-            .client
-            .query_one("SHOW data_directory", &[])
-            .await?
-            .get(0);
-        statements::print_wal(&ctx.bindir, &data, &wal_start, &wal_end, main.events);
+        statements::print_wal(&ctx.bindir, &ctx.data, &wal_start, &wal_end, main.events);
     }
     report.drain_series = workload::receipt_series(&db.client, report.drain.started_epoch).await?;
     eprintln!("bench: relay drain {:.0} events/s", report.drain.rate);
@@ -624,7 +621,8 @@ impl Ctx {
                 .with_context(|| format!("setting synchronous_commit = on: {sql}"))?;
         }
         let data: String = admin.query_one("SHOW data_directory", &[]).await?.get(0);
-        let pid_file = Path::new(&data).join("postmaster.pid");
+        let data = PathBuf::from(data);
+        let pid_file = data.join("postmaster.pid");
         let postmaster = std::fs::read_to_string(&pid_file)
             .with_context(|| format!("reading {}", pid_file.display()))?
             .lines()
@@ -641,6 +639,7 @@ impl Ctx {
             _apache: apache,
             bootstrap,
             bindir,
+            data,
             postmaster,
             exe,
             dir,

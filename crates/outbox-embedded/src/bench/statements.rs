@@ -103,10 +103,10 @@ pub(crate) async fn wal_lsn(client: &Client) -> anyhow::Result<String> {
 /// --stats=record`), with bytes per drained event: in a drain all of it is the relay's ledger,
 /// which the walsender then decodes and drops and the server writes, checksums and zero-fills
 /// segments for. Best effort: a failure is printed, not raised.
-pub(crate) fn print_wal(bindir: &Path, data: &str, start: &str, end: &str, events: u64) {
+pub(crate) fn print_wal(bindir: &Path, data: &Path, start: &str, end: &str, events: u64) {
     let out = std::process::Command::new(bindir.join("pg_waldump"))
         .arg("--path")
-        .arg(Path::new(data).join("pg_wal"))
+        .arg(data.join("pg_wal"))
         .args(["--start", start, "--end", end, "--stats=record"])
         .output();
     let out = match out {

@@ -1346,19 +1346,20 @@ impl World {
         // new slot's consistent point is the next WAL position: everything committed before
         // it is read from the table's snapshot, everything after it from the slot.
         let (slot_start, start) = match plan {
-            StartPlan::Create | StartPlan::Recreate => (
+            StartPlan::Create => (
                 SlotStart::Create {
-                    drop_existing: plan == StartPlan::Recreate && self.slot_confirmed.is_some(),
+                    drop_existing: false,
                 },
                 Lsn(self.next_lsn),
             ),
-            StartPlan::Resume { start, backfill } => (
-                SlotStart::Resume {
-                    adopt: self.ledger.checkpoint.is_none(),
-                    backfill,
-                },
+            StartPlan::Recreate { drop_existing } => {
+                (SlotStart::Create { drop_existing }, Lsn(self.next_lsn))
+            }
+            StartPlan::Resume {
                 start,
-            ),
+                backfill,
+                adopt,
+            } => (SlotStart::Resume { adopt, backfill }, start),
         };
         let cursor = self
             .wal
@@ -1395,7 +1396,7 @@ impl World {
                 CdcStep::CreateSlot => {
                     self.slot_confirmed = Some(start);
                     self.ledger.snapshot_done = false;
-                    if plan == StartPlan::Recreate {
+                    if matches!(plan, StartPlan::Recreate { .. }) {
                         log!(self, "--resnapshot: slot recreated at {start}");
                         self.resnapshot = false;
                         self.slot_lost = false;

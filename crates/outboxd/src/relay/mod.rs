@@ -375,21 +375,23 @@ pub(crate) fn acceptance_session_limit(lease_ttl: Duration) -> Duration {
 }
 
 /// The `application_name` of a run's sessions that can hold the slot's ledger locks (its SQL
-/// and acceptance connections): `outboxd <12 hex digits of md5(slot)> g<generation>`, short
-/// enough for any slot name, so that the next holder finds and ends them
-/// ([`end_stale_sessions`]). `$1` the slot, `$2` the generation.
-const SESSION_NAME: &str = "'outboxd ' || left(md5($1::text), 12) || ' g' || $2::bigint";
+/// and acceptance connections) is this SQL expression followed by the generation:
+/// `outboxd <12 hex digits of md5(slot)> g<generation>`, short enough for any slot name, so
+/// that the next holder finds and ends them ([`end_stale_sessions`]). `$1` the slot.
+const SESSION_PREFIX: &str = "'outboxd ' || left(md5($1::text), 12) || ' g'";
 
 /// A ledger statement of the relay's own that failed, with what it was doing.
 fn ledger_db(context: String) -> impl FnOnce(tokio_postgres::Error) -> RelayError {
     move |source| RelayError::Ledger(LedgerError::Db { context, source })
 }
 
-/// Names `client`'s session as one of this run's ([`SESSION_NAME`]).
+/// Names `client`'s session as one of this run's ([`SESSION_PREFIX`]).
 async fn name_session(client: &Client, slot: &str, fence: &Fence) -> Result<(), RelayError> {
     client
         .query_one(
-            &format!("SELECT set_config('application_name', {SESSION_NAME}, false)"),
+            &format!(
+                "SELECT set_config('application_name', {SESSION_PREFIX} || $2::bigint, false)"
+            ),
             &[&slot, &fence.generation],
         )
         .await
@@ -421,7 +423,7 @@ pub(crate) async fn connect_acceptance(
 }
 
 /// At the start of a run that holds the lease: ends every session of an earlier generation of
-/// this slot's relays ([`SESSION_NAME`]) that is inside a transaction, checking the lease in
+/// this slot's relays ([`SESSION_PREFIX`]) that is inside a transaction, checking the lease in
 /// the same statement. Idle ones hold nothing and are left alone: a paused relay that resumes
 /// records its late delivery reports through them (as duplicate receipts).
 ///
@@ -441,8 +443,8 @@ async fn end_stale_sessions(sql: &Client, slot: &str, fence: &Fence) -> Result<(
             &format!(
                 "SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid))
                  FROM pg_stat_activity a
-                 WHERE a.application_name LIKE 'outboxd ' || left(md5($1::text), 12) || ' g%'
-                   AND a.application_name <> {SESSION_NAME}
+                 WHERE a.application_name LIKE {SESSION_PREFIX} || '%'
+                   AND a.application_name <> {SESSION_PREFIX} || $2::bigint
                    AND a.xact_start IS NOT NULL
                    AND a.pid <> pg_backend_pid()
                    AND EXISTS (SELECT 1 FROM outbox.relay_leases l
@@ -572,34 +574,36 @@ async fn run_once(
 
     tracing::Span::current().record("db", dbname.as_str());
 
-    let mut slot_info = slot::inspect(&sql, &cfg.slot).await?;
-    // A slot without a confirmed position is still being created, by a session of a relay
-    // that lost this lease while it created the slot (stopped, or a fleet member's shard relay
-    // aborted after a hand-over); `slot::plan` refuses to adopt it. This run holds the lease:
-    // it ends that session, the unfinished slot is dropped with it, and the plan creates the
-    // slot again. (The simulator's slot creation is atomic: it never sees one half made.)
-    if slot_info
-        .as_ref()
-        .is_some_and(|s| s.confirmed_flush.is_none() && s.active_pid.is_some())
-    {
-        tracing::warn!("replication slot is still being created by a session without the lease; ending that session");
-        take_over_slot(&sql, &cfg.slot, fence).await?;
-        slot_info = slot::inspect(&sql, &cfg.slot).await?;
-    }
+    let slot_info = slot::inspect(&sql, &cfg.slot).await?;
     let ledger = checkpoint::load(&sql, &cfg.slot).await?;
     let view = ledger.as_ref().map(|c| LedgerView {
         checkpoint: c.confirmed_lsn,
         snapshot_done: c.snapshot_done,
         system_identifier: c.system_identifier.clone(),
     });
-    let plan = slot::plan(
-        &cfg.slot,
-        &dbname,
-        &ident.system_id,
-        slot_info.as_ref(),
-        view.as_ref(),
-        resnapshot,
-    )?;
+    let plan_for = |slot_info: Option<slot::SlotInfo>| {
+        slot::plan(
+            &cfg.slot,
+            &dbname,
+            &ident.system_id,
+            slot_info.as_ref(),
+            view.as_ref(),
+            resnapshot,
+        )
+    };
+    let plan = match plan_for(slot_info) {
+        // The slot is still being created, by a session of a relay that lost this lease while
+        // it created the slot (stopped, or a fleet member's shard relay aborted after a
+        // hand-over). This run holds the lease: it ends that session, the unfinished slot is
+        // dropped with it, and the plan is made again (it creates the slot). (The simulator's
+        // slot creation is atomic: it never sees one half made.)
+        Err(SourceError::SlotInCreation { .. }) => {
+            tracing::warn!("replication slot is still being created by a session without the lease; ending that session");
+            take_over_slot(&sql, &cfg.slot, fence).await?;
+            plan_for(slot::inspect(&sql, &cfg.slot).await?)?
+        }
+        plan => plan?,
+    };
     tracing::info!(?plan, "start plan");
 
     let mut pipeline = open_pipeline(cfg, &sql, ledger_client, fence, &lease_state).await?;
@@ -613,19 +617,12 @@ async fn run_once(
             },
             None,
         ),
-        StartPlan::Recreate => (
-            SlotStart::Create {
-                drop_existing: slot_info.is_some(),
-            },
-            None,
-        ),
-        StartPlan::Resume { start, backfill } => (
-            SlotStart::Resume {
-                adopt: ledger.is_none(),
-                backfill,
-            },
-            Some(start),
-        ),
+        StartPlan::Recreate { drop_existing } => (SlotStart::Create { drop_existing }, None),
+        StartPlan::Resume {
+            start,
+            backfill,
+            adopt,
+        } => (SlotStart::Resume { adopt, backfill }, Some(start)),
     };
     let mut exported = None;
     let mut steps = CdcStart::new(slot_start);
