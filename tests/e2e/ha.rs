@@ -391,7 +391,7 @@ cdc_only! {
     /// row lock and a transaction id for as long as it is stopped. The relay that takes its
     /// lease over locks that row at its start, and would wait until the stopped one resumed:
     /// it ends the sessions of the slot's earlier generations first
-    /// (`relay::end_stale_sessions`, by their `application_name`). Planted: without that, B
+    /// (`outbox_ledger::sessions::end_stale_sessions`, by their `application_name`). Planted: without that, B
     /// waits for A's idle-in-transaction limit (10 s) and its log does not say it ended A's
     /// session; without the limit as well, B never publishes while A is stopped.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,6 +10,8 @@
 //! * [`numbering`] — the versions the relay gave rows written without one, kept with the
 //!   checkpoint.
 //! * [`lease`] — relay leases and generations (one active relay per slot, fenced).
+//! * [`sessions`] — a run's sessions, named by slot and generation; an earlier holder's
+//!   ended by the next, under the lease.
 //! * [`holds`] — held aggregates: loading them, operator release/skip, republishing.
 //! * [`status`] — read-only views for `outboxd status`.
 //! * [`consumers`] — the consumer registry (mandatory/optional) and what consumers applied.
@@ -35,6 +37,7 @@ pub mod numbering;
 pub mod privileges;
 pub mod producer;
 pub mod retention;
+pub mod sessions;
 pub mod status;
 
 pub use accept::{

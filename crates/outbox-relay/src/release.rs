@@ -12,6 +12,9 @@
 //!
 //! A release may start only when no event of the aggregate is at the broker
 //! ([`PipelineCore::may_release`]), and after the batch holding its held records is accepted.
+//! The whole poll — the settled UNKNOWN attempts of other generations first, then each
+//! released aggregate, the batch accepted before and after, the hold closed — is
+//! [`ReleasePoll`], which the daemon and the simulator execute step by step.
 
 use std::collections::VecDeque;
 
@@ -148,6 +151,197 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     }
 }
 
+/// An aggregate an operator released, as the ledger lists it (`holds::releasing`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    pub key: AggKey,
+    /// The version of the hold's blocking (quarantined) event.
+    pub blocking_version: Option<i64>,
+    /// Whether the release publishes the blocking event (`false`: the operator skipped it).
+    pub publish_blocking: bool,
+}
+
+/// What the driver does next in a release poll ([`ReleasePoll::next`]).
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum PollStep {
+    /// Reconcile the settled DISPATCH_UNKNOWN attempts another generation recorded after this
+    /// run started ([`PipelineCore::reconcile`] with `When::Running`): a resumed zombie's
+    /// late report. First, so that a release never waits behind an attempt nobody looks up.
+    ReconcileSettled,
+    /// Read the aggregates operators released, and hand them over with
+    /// [`ReleasePoll::releasing`].
+    ReadReleasing,
+    /// Accept the batch, with the checkpoint (a release's held records must be durable before
+    /// its events go out, and its own receipts before its hold closes).
+    Flush,
+    /// Load what the release of this aggregate publishes (`holds::republish_set`, each event
+    /// as the relay must publish it now), and hand it over with [`ReleasePoll::loaded`].
+    LoadSet(Released),
+    /// Execute this send, then ask again.
+    Send(Command),
+    /// Wait for this token's delivery report (or whatever resolves a parked event), hand it to
+    /// the core, then ask again.
+    Await(u64),
+    /// Close the hold of `key` in the ledger with `last`, the last version the release
+    /// published; when the ledger closed it, read the aggregate's head and tell the core
+    /// ([`PipelineCore::release_closed`]).
+    CloseHold { key: AggKey, last: Option<i64> },
+    /// The poll is over.
+    Done,
+}
+
+/// One release poll, in the order both the daemon (`Pipeline::release_poll`) and the
+/// simulator execute: the settled UNKNOWN attempts of other generations, then each released
+/// aggregate whose events are all reported on — the batch accepted, its events loaded and
+/// republished one at a time ([`Release`]), the batch accepted again, the hold closed.
+#[derive(Debug, Default)]
+pub struct ReleasePoll {
+    phase: PollPhase,
+    queue: VecDeque<Released>,
+    current: Option<Release>,
+}
+
+#[derive(Debug, Default)]
+enum PollPhase {
+    #[default]
+    Reconcile,
+    Read,
+    /// Waiting for [`ReleasePoll::releasing`].
+    Reading,
+    /// The next aggregate of the queue.
+    Next,
+    /// Waiting for [`ReleasePoll::loaded`] of this aggregate.
+    Loading(Released),
+    /// Republishing [`ReleasePoll::current`].
+    Releasing,
+    /// The release ended: the batch is accepted, then the hold closed when `close` says so.
+    Closing {
+        key: AggKey,
+        close: Option<Option<i64>>,
+        flushed: bool,
+    },
+}
+
+impl ReleasePoll {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The aggregates operators released, in the order the ledger listed them
+    /// (the answer to [`PollStep::ReadReleasing`]).
+    pub fn releasing(&mut self, released: Vec<Released>) {
+        self.queue = released.into();
+        self.phase = PollPhase::Next;
+    }
+
+    /// What the release of the aggregate [`PollStep::LoadSet`] named publishes, each event with
+    /// its commit LSN.
+    pub fn loaded<P: crate::pipeline::Plant>(
+        &mut self,
+        core: &PipelineCore<P>,
+        events: Vec<(OutboxEvent, Option<Lsn>)>,
+    ) {
+        if let PollPhase::Loading(r) = std::mem::take(&mut self.phase) {
+            self.current =
+                Some(core.start_release(r.key, r.blocking_version, r.publish_blocking, events));
+            self.phase = PollPhase::Releasing;
+        }
+    }
+
+    /// The aggregate [`PollStep::LoadSet`] named is no longer released (its hold is gone):
+    /// the poll goes on with the next.
+    pub fn skip(&mut self) {
+        if matches!(self.phase, PollPhase::Loading(_)) {
+            self.phase = PollPhase::Next;
+        }
+    }
+
+    /// The next step, after the ones returned before were done.
+    pub fn next<P: crate::pipeline::Plant>(
+        &mut self,
+        core: &mut PipelineCore<P>,
+        now: Now,
+    ) -> PollStep {
+        loop {
+            match std::mem::take(&mut self.phase) {
+                PollPhase::Reconcile => {
+                    self.phase = PollPhase::Read;
+                    return PollStep::ReconcileSettled;
+                }
+                PollPhase::Read | PollPhase::Reading => {
+                    self.phase = PollPhase::Reading;
+                    return PollStep::ReadReleasing;
+                }
+                PollPhase::Next => {
+                    let Some(r) = self.queue.pop_front() else {
+                        self.phase = PollPhase::Next;
+                        return PollStep::Done;
+                    };
+                    if !core.may_release(&r.key) {
+                        // An earlier event of it is still at the broker: the next poll.
+                        self.phase = PollPhase::Next;
+                        continue;
+                    }
+                    self.phase = PollPhase::Loading(r.clone());
+                    return PollStep::Flush;
+                }
+                PollPhase::Loading(r) => {
+                    self.phase = PollPhase::Loading(r.clone());
+                    return PollStep::LoadSet(r);
+                }
+                PollPhase::Releasing => {
+                    let Some(release) = self.current.as_mut() else {
+                        self.phase = PollPhase::Next;
+                        continue;
+                    };
+                    match core.release_step(release, now) {
+                        ReleaseStep::Done { close } => {
+                            let key = release.key.clone();
+                            self.current = None;
+                            self.phase = PollPhase::Closing {
+                                key,
+                                close,
+                                flushed: false,
+                            };
+                        }
+                        step => {
+                            self.phase = PollPhase::Releasing;
+                            return match step {
+                                ReleaseStep::Send(send) => PollStep::Send(send),
+                                ReleaseStep::Await(token) => PollStep::Await(token),
+                                ReleaseStep::Done { .. } => unreachable!("handled above"),
+                            };
+                        }
+                    }
+                }
+                PollPhase::Closing {
+                    key,
+                    close,
+                    flushed: false,
+                } => {
+                    self.phase = PollPhase::Closing {
+                        key,
+                        close,
+                        flushed: true,
+                    };
+                    return PollStep::Flush;
+                }
+                PollPhase::Closing {
+                    key,
+                    close,
+                    flushed: true,
+                } => {
+                    self.phase = PollPhase::Next;
+                    if let Some(last) = close {
+                        return PollStep::CloseHold { key, last };
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence};
@@ -265,5 +459,127 @@ mod tests {
             ReleaseStep::Done { close: None }
         ));
         assert!(c.lease_expired);
+    }
+
+    fn released(publish_blocking: bool) -> Released {
+        Released {
+            key: key(),
+            blocking_version: Some(1),
+            publish_blocking,
+        }
+    }
+
+    /// Drives a poll of `released` to its end as the daemon does, answering each step; the
+    /// broker persists every send at once. Returns the steps by name.
+    fn drive(
+        c: &mut PipelineCore,
+        released: Vec<Released>,
+        set: Vec<(OutboxEvent, Option<Lsn>)>,
+    ) -> Vec<String> {
+        let mut poll = ReleasePoll::new();
+        let mut seen = Vec::new();
+        let mut released = Some(released);
+        let mut set = Some(set);
+        let mut offset = 0;
+        for _ in 0..100 {
+            let step = poll.next(c, now());
+            seen.push(match &step {
+                PollStep::ReconcileSettled => "reconcile".to_string(),
+                PollStep::ReadReleasing => "read".to_string(),
+                PollStep::Flush => "flush".to_string(),
+                PollStep::LoadSet(r) => format!("load {}", r.key.1),
+                PollStep::Send(Command::Send { event, .. }) => {
+                    format!("send v{}", event.aggregate_version)
+                }
+                PollStep::Await(_) => "await".to_string(),
+                PollStep::CloseHold { last, .. } => format!("close {last:?}"),
+                PollStep::Done => "done".to_string(),
+            });
+            match step {
+                PollStep::ReadReleasing => poll.releasing(released.take().unwrap_or_default()),
+                PollStep::LoadSet(_) => poll.loaded(c, set.take().unwrap_or_default()),
+                PollStep::Send(Command::Send { token, .. }) => {
+                    c.on_report(persisted(token, offset), now()).unwrap();
+                    offset += 1;
+                }
+                PollStep::Done => return seen,
+                _ => {}
+            }
+        }
+        panic!("the poll never ended: {seen:?}");
+    }
+
+    #[test]
+    fn a_poll_reconciles_first_then_accepts_releases_and_closes_each_hold() {
+        let mut c = core();
+        let steps = drive(
+            &mut c,
+            vec![released(true)],
+            vec![event(2, "c1"), event(1, "c1")],
+        );
+        assert_eq!(
+            steps,
+            [
+                "reconcile",
+                "read",
+                "flush",
+                "load a",
+                "send v1",
+                "send v2",
+                "flush",
+                "close Some(2)",
+                "done"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_poll_without_releases_reads_and_ends() {
+        let mut c = core();
+        assert_eq!(drive(&mut c, vec![], vec![]), ["reconcile", "read", "done"]);
+    }
+
+    #[test]
+    fn an_aggregate_with_an_event_at_the_broker_waits_for_the_next_poll() {
+        let mut c = PipelineCore::new(served(), 1, PipelineCore::gate_from(vec![], vec![]));
+        let Some(Command::Send { .. }) = c
+            .admit(event_for("a", 1, "c1"), Some(Lsn(1)), None, None, now())
+            .unwrap()
+            .into_iter()
+            .next()
+        else {
+            panic!("the event was not sent");
+        };
+        assert!(!c.may_release(&key()));
+        assert_eq!(
+            drive(&mut c, vec![released(true)], vec![]),
+            ["reconcile", "read", "done"]
+        );
+    }
+
+    #[test]
+    fn a_release_refused_again_is_accepted_and_its_hold_stays() {
+        let mut c = core();
+        let steps = drive(&mut c, vec![released(true)], vec![event(1, "other")]);
+        assert_eq!(
+            steps,
+            ["reconcile", "read", "flush", "load a", "flush", "done"]
+        );
+    }
+
+    #[test]
+    fn a_hold_gone_before_its_set_is_loaded_is_skipped() {
+        let mut c = core();
+        let mut poll = ReleasePoll::new();
+        assert!(matches!(
+            poll.next(&mut c, now()),
+            PollStep::ReconcileSettled
+        ));
+        assert!(matches!(poll.next(&mut c, now()), PollStep::ReadReleasing));
+        poll.releasing(vec![released(false)]);
+        assert!(matches!(poll.next(&mut c, now()), PollStep::Flush));
+        assert!(matches!(poll.next(&mut c, now()), PollStep::LoadSet(_)));
+        poll.skip();
+        assert!(matches!(poll.next(&mut c, now()), PollStep::Done));
     }
 }

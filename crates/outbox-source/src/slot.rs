@@ -72,6 +72,14 @@ pub enum SourceError {
     Decode(#[from] outbox_pgoutput::DecodeError),
     #[error("replication protocol: {0}")]
     Protocol(String),
+    /// An outbox row read again by id (a release, a reconciliation) that the relay cannot
+    /// publish as it is: an operator quarantines or fixes it (docs/operations.md).
+    #[error("event {event} of {table} cannot be read again: {problem}")]
+    UnreadableRow {
+        table: String,
+        event: String,
+        problem: outbox_core::RowError,
+    },
 }
 
 impl SourceError {

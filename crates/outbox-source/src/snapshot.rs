@@ -12,6 +12,7 @@
 
 use outbox_core::{OutboxEvent, RouteVersions, RowError, EVENT_COLUMNS};
 use tokio_postgres::Row;
+use uuid::Uuid;
 
 /// The query that lists unpublished rows, oldest version first per aggregate.
 /// `e.<column>::text, ...` for every envelope column, in [`EVENT_COLUMNS`] order.
@@ -113,4 +114,75 @@ pub fn rows_by_id_sql(qualified_table: &str) -> String {
         "SELECT {cols} FROM {qualified_table} e WHERE e.event_id = ANY($1::uuid[])
          ORDER BY e.aggregate_version"
     )
+}
+
+/// How the relay publishes an event it reads again by id ([`events_by_id`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Numbering {
+    /// As its row says (a row with its own version).
+    Row,
+    /// A row written without a version: with the version, and the route version, the relay
+    /// gave it when it first sent it (an unclear attempt or a held record kept both).
+    ByRelay { version: i64, route: Option<i64> },
+}
+
+/// Events read again by id for a release or a reconciliation's look-up, in version order, each
+/// as the relay must publish it now. `None` for a row written without a version that `wanted`
+/// gives no numbering for: only the stream can number and route it. Ids without a row are
+/// missing from the result; a row that cannot be read is an error naming it.
+pub async fn events_by_id(
+    client: &impl tokio_postgres::GenericClient,
+    qualified_table: &str,
+    wanted: &[(Uuid, Numbering)],
+) -> Result<Vec<(Uuid, Option<OutboxEvent>)>, crate::SourceError> {
+    let ids: Vec<Uuid> = wanted.iter().map(|(id, _)| *id).collect();
+    let rows = client
+        .query(&rows_by_id_sql(qualified_table), &[&ids])
+        .await
+        .map_err(|e| {
+            crate::slot::db_err(
+                format!("reading events {ids:?} of {qualified_table} again"),
+                e,
+            )
+        })?;
+    let routes = if wanted.iter().any(|(_, n)| *n != Numbering::Row) {
+        crate::slot::route_versions(client).await?
+    } else {
+        RouteVersions::new()
+    };
+    let unreadable = |event: String, problem: RowError| crate::SourceError::UnreadableRow {
+        table: qualified_table.to_string(),
+        event,
+        problem,
+    };
+    let mut events = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let id: Uuid = column_of(row, "event_id")
+            .ok()
+            .flatten()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| {
+                let problem = RowError {
+                    column: "event_id".into(),
+                    problem: "missing or not a UUID".into(),
+                };
+                unreadable("without an id".into(), problem)
+            })?;
+        let numbering = wanted
+            .iter()
+            .find(|(w, _)| *w == id)
+            .map_or(Numbering::Row, |(_, n)| *n);
+        let ev = match numbering {
+            Numbering::ByRelay { version, route } => {
+                Some(event_from_row_numbered(row, version, route, &routes))
+            }
+            Numbering::Row if column_of(row, "aggregate_version").ok().flatten().is_none() => None,
+            Numbering::Row => Some(event_from_row(row)),
+        };
+        events.push((
+            id,
+            ev.transpose().map_err(|e| unreadable(id.to_string(), e))?,
+        ));
+    }
+    Ok(events)
 }

@@ -23,7 +23,7 @@ use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState, R
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::lifecycle::{CdcStart, CdcStep, RunStart, SlotStart, StartStep};
-use outbox_relay::release::ReleaseStep;
+use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{
@@ -2882,98 +2882,110 @@ impl World {
         }
     }
 
-    /// `Pipeline::process_releases`.
+    /// `Pipeline::release_poll`: one release poll, executed as the core's
+    /// [`ReleasePoll`] asks.
     fn process_releases(&mut self, i: usize) -> Result<(), End> {
-        self.reconcile_settled(i)?;
-        let mut aggs: Vec<Agg> = self
-            .ledger
-            .holds
-            .iter()
-            .filter(|(_, h)| h.state == HoldState::Releasing)
-            .map(|(a, _)| *a)
-            .collect();
-        aggs.sort();
-        for agg in aggs {
-            if !self.relays[i].core.may_release(&agg_key(agg)) {
-                continue;
-            }
-            self.flush(i, true)?;
-            let Some(h) = self.ledger.holds.get(&agg) else {
-                continue;
-            };
-            let (blocking, publish_blocking) = (h.blocking, h.publish_blocking);
-            // `holds::republish_set`: the blocking event (unless skipped) and every held event
-            // without a receipt or an open quarantine; a row written without a version with
-            // the version its held record kept (the blocking one: the hold's), and the route
-            // the relay gave it (the simulated row holds it already).
-            let blocking_version = blocking.map(|b| self.rows[b].version);
-            let set: Vec<(OutboxEvent, Option<Lsn>)> = (0..self.rows.len())
-                .filter(|r| {
-                    self.rows[*r].agg == agg
-                        && !self.rows[*r].purged
-                        && !self.ledger.primary.contains_key(r)
-                        && self.ledger.open_quarantine(*r).is_none()
-                        && (self.is(Mutant::BugRepublishSkipped) || !self.ledger.skipped(*r))
-                        && (self.ledger.held.get(r) == Some(&false)
-                            || (publish_blocking && blocking == Some(*r)))
-                })
-                .map(|r| {
-                    let mut ev = self.rows[r].current();
-                    if ev.version_by_relay {
-                        let kept = if blocking == Some(r) {
-                            blocking_version
-                        } else {
-                            self.ledger.held_versions.get(&r).copied()
-                        };
-                        if !self.is(Mutant::BugReleaseReadsPlainRows) {
-                            ev.aggregate_version = kept.unwrap_or(0);
-                        }
-                    }
-                    (ev, None)
-                })
-                .collect();
-            log!(self, "republishing released o-{agg}: {} events", set.len());
-            self.c.plain_released +=
-                set.iter().filter(|(ev, _)| ev.version_by_relay).count() as u64;
-            let mut release = self.relays[i].core.start_release(
-                agg_key(agg),
-                blocking_version,
-                publish_blocking,
-                set,
-            );
-            let waiting_since = self.now;
-            let close = loop {
-                let now = self.now_for(i);
-                match self.relays[i].core.release_step(&mut release, now) {
-                    ReleaseStep::Send(send) => self.execute(i, vec![send])?,
-                    ReleaseStep::Await(token)
-                        if self.relays[i].in_flight.iter().any(|f| f.token == token) =>
-                    {
-                        self.on_report(i, token)?
-                    }
-                    // Parked after an unclear outcome: `wait_one` until it is resolved.
-                    ReleaseStep::Await(_) => {
-                        if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
-                            log!(self, "RELAY HUNG: a release waits for a parked event that never comes due");
-                            self.c.stalls += 1;
-                            return Err(End::Error("release waits forever"));
-                        }
-                    }
-                    ReleaseStep::Done { close } => break close,
+        let mut poll = ReleasePoll::new();
+        let waiting_since = self.now;
+        loop {
+            let now = self.now_for(i);
+            match poll.next(&mut self.relays[i].core, now) {
+                PollStep::ReconcileSettled => self.reconcile_settled(i)?,
+                // `holds::releasing`: the aggregates operators released, in key order.
+                PollStep::ReadReleasing => {
+                    let mut aggs: Vec<Agg> = self
+                        .ledger
+                        .holds
+                        .iter()
+                        .filter(|(_, h)| h.state == HoldState::Releasing)
+                        .map(|(a, _)| *a)
+                        .collect();
+                    aggs.sort();
+                    let released = aggs
+                        .into_iter()
+                        .map(|agg| {
+                            let h = &self.ledger.holds[&agg];
+                            Released {
+                                key: agg_key(agg),
+                                blocking_version: h.blocking.map(|b| self.rows[b].version),
+                                publish_blocking: h.publish_blocking,
+                            }
+                        })
+                        .collect();
+                    poll.releasing(released);
                 }
-            };
-            self.flush(i, true)?;
-            if let Some(last) = close {
-                if self.close_hold(agg, last) {
-                    let head = self.ledger.heads.get(&agg).copied().unwrap_or(0);
-                    let next = self.relays[i]
-                        .core
-                        .release_closed(&agg_key(agg), head, last);
-                    log!(self, "hold of o-{agg} released; next version {next}");
+                PollStep::Flush => self.flush(i, true)?,
+                PollStep::LoadSet(r) => {
+                    let agg = agg_of(&r.key.1);
+                    let Some(h) = self.ledger.holds.get(&agg) else {
+                        poll.skip();
+                        continue;
+                    };
+                    let (blocking, publish_blocking) = (h.blocking, h.publish_blocking);
+                    // `holds::republish_set`: the blocking event (unless skipped) and every held
+                    // event without a receipt or an open quarantine; a row written without a
+                    // version with the version its held record kept (the blocking one: the
+                    // hold's), and the route the relay gave it (the simulated row holds it
+                    // already).
+                    let set: Vec<(OutboxEvent, Option<Lsn>)> = (0..self.rows.len())
+                        .filter(|r| {
+                            self.rows[*r].agg == agg
+                                && !self.rows[*r].purged
+                                && !self.ledger.primary.contains_key(r)
+                                && self.ledger.open_quarantine(*r).is_none()
+                                && (self.is(Mutant::BugRepublishSkipped)
+                                    || !self.ledger.skipped(*r))
+                                && (self.ledger.held.get(r) == Some(&false)
+                                    || (publish_blocking && blocking == Some(*r)))
+                        })
+                        .map(|row| {
+                            let mut ev = self.rows[row].current();
+                            if ev.version_by_relay {
+                                let kept = if blocking == Some(row) {
+                                    r.blocking_version
+                                } else {
+                                    self.ledger.held_versions.get(&row).copied()
+                                };
+                                if !self.is(Mutant::BugReleaseReadsPlainRows) {
+                                    ev.aggregate_version = kept.unwrap_or(0);
+                                }
+                            }
+                            (ev, None)
+                        })
+                        .collect();
+                    log!(self, "republishing released o-{agg}: {} events", set.len());
+                    self.c.plain_released +=
+                        set.iter().filter(|(ev, _)| ev.version_by_relay).count() as u64;
+                    poll.loaded(&self.relays[i].core, set);
                 }
+                PollStep::Send(send) => self.execute(i, vec![send])?,
+                PollStep::Await(token)
+                    if self.relays[i].in_flight.iter().any(|f| f.token == token) =>
+                {
+                    self.on_report(i, token)?
+                }
+                // Parked after an unclear outcome: `wait_one` until it is resolved.
+                PollStep::Await(_) => {
+                    if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
+                        log!(
+                            self,
+                            "RELAY HUNG: a release waits for a parked event that never comes due"
+                        );
+                        self.c.stalls += 1;
+                        return Err(End::Error("release waits forever"));
+                    }
+                }
+                PollStep::CloseHold { key, last } => {
+                    let agg = agg_of(&key.1);
+                    if self.close_hold(agg, last) {
+                        let head = self.ledger.heads.get(&agg).copied().unwrap_or(0);
+                        let next = self.relays[i].core.release_closed(&key, head, last);
+                        log!(self, "hold of o-{agg} released; next version {next}");
+                    }
+                }
+                PollStep::Done => return Ok(()),
             }
         }
-        Ok(())
     }
 
     // ----------------------------------------------------------------------------- operator

@@ -37,6 +37,7 @@ use outbox_core::Lsn;
 use outbox_ledger::holds;
 use outbox_ledger::lease::{self, Acquire, Fence};
 use outbox_ledger::privileges;
+use outbox_ledger::sessions;
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_sink::{AnySink, HttpEndpoints, JetStreamSink, KafkaSink, Sink, SinkError};
@@ -364,46 +365,14 @@ async fn connect_sql(url: &str) -> Result<Client, RelayError> {
     })
 }
 
-/// How long one of the relay's acceptance sessions may sit idle inside a transaction before
-/// the server ends it: the lease TTL, and never less than 10 s. A live relay never comes near
-/// it (an acceptance takes milliseconds); a relay stopped between two statements of one (see
-/// [`end_stale_sessions`]) has its transaction rolled back within this time even when nobody
-/// takes its lease over, so it does not hold up, for as long as it is stopped, the creation of
-/// every logical slot on the server (which waits for all running transactions).
-pub(crate) fn acceptance_session_limit(lease_ttl: Duration) -> Duration {
-    lease_ttl.max(Duration::from_secs(10))
-}
-
-/// The `application_name` of a run's sessions that can hold the slot's ledger locks (its SQL
-/// and acceptance connections) is this SQL expression followed by the generation:
-/// `outboxd <12 hex digits of md5(slot)> g<generation>`, short enough for any slot name, so
-/// that the next holder finds and ends them ([`end_stale_sessions`]). `$1` the slot.
-const SESSION_PREFIX: &str = "'outboxd ' || left(md5($1::text), 12) || ' g'";
-
 /// A ledger statement of the relay's own that failed, with what it was doing.
 fn ledger_db(context: String) -> impl FnOnce(tokio_postgres::Error) -> RelayError {
     move |source| RelayError::Ledger(LedgerError::Db { context, source })
 }
 
-/// Names `client`'s session as one of this run's ([`SESSION_PREFIX`]).
-async fn name_session(client: &Client, slot: &str, fence: &Fence) -> Result<(), RelayError> {
-    client
-        .query_one(
-            &format!(
-                "SELECT set_config('application_name', {SESSION_PREFIX} || $2::bigint, false)"
-            ),
-            &[&slot, &fence.generation],
-        )
-        .await
-        .map_err(ledger_db(format!(
-            "naming a session of slot {slot}'s relay"
-        )))?;
-    Ok(())
-}
-
-/// A connection for acceptance transactions: [`connect_sql`], named as this run's session
-/// ([`name_session`]), with [`acceptance_session_limit`] as its
-/// `idle_in_transaction_session_timeout`.
+/// A connection for acceptance transactions: [`connect_sql`], made one of this run's
+/// acceptance sessions (`outbox_ledger::sessions::make_acceptance_session`: named after the
+/// slot and the generation, with an idle-in-transaction limit).
 pub(crate) async fn connect_acceptance(
     url: &str,
     lease_ttl: Duration,
@@ -411,53 +380,20 @@ pub(crate) async fn connect_acceptance(
     fence: &Fence,
 ) -> Result<Client, RelayError> {
     let client = connect_sql(url).await?;
-    name_session(&client, slot, fence).await?;
-    let ms = acceptance_session_limit(lease_ttl).as_millis();
-    client
-        .batch_execute(&format!("SET idle_in_transaction_session_timeout = {ms}"))
-        .await
-        .map_err(ledger_db(
-            "limiting the acceptance session (idle_in_transaction_session_timeout)".into(),
-        ))?;
+    sessions::make_acceptance_session(&client, lease_ttl, slot, fence).await?;
     Ok(client)
 }
 
-/// At the start of a run that holds the lease: ends every session of an earlier generation of
-/// this slot's relays ([`SESSION_PREFIX`]) that is inside a transaction, checking the lease in
-/// the same statement. Idle ones hold nothing and are left alone: a paused relay that resumes
-/// records its late delivery reports through them (as duplicate receipts).
-///
-/// An acceptance transaction locks the slot's checkpoint row and holds a transaction id until
-/// it ends. A relay stopped inside one (SIGSTOP, a frozen VM, a debugger, a fleet member's
-/// shard relay aborted mid-way) keeps both for as long as it is stopped, and the server cannot
-/// tell a stopped client from a slow one: in the middle of a `COPY` of receipts it waits for
-/// the client's data, where neither `statement_timeout` nor the idle limit applies. This run
-/// would then wait on that row lock (its start folds the numbering under it, its acceptances
-/// take it), and every logical slot created on the server would wait for the transaction.
-/// The stale session's lease is gone; ending it rolls its transaction back, and nothing it
-/// had not committed was evidence (this run publishes those events again from the checkpoint).
-/// Found by the fleet e2e test: a paused member's `COPY` held two shards for 90 s.
-async fn end_stale_sessions(sql: &Client, slot: &str, fence: &Fence) -> Result<(), RelayError> {
-    let ended: i64 = sql
-        .query_one(
-            &format!(
-                "SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid))
-                 FROM pg_stat_activity a
-                 WHERE a.application_name LIKE {SESSION_PREFIX} || '%'
-                   AND a.application_name <> {SESSION_PREFIX} || $2::bigint
-                   AND a.xact_start IS NOT NULL
-                   AND a.pid <> pg_backend_pid()
-                   AND EXISTS (SELECT 1 FROM outbox.relay_leases l
-                               WHERE l.slot_name = $1 AND l.generation = $2 AND l.owner = $3
-                                 AND l.lease_until > clock_timestamp())"
-            ),
-            &[&slot, &fence.generation, &fence.owner],
-        )
-        .await
-        .map_err(ledger_db(format!(
-            "ending the sessions of slot {slot}'s earlier relays"
-        )))?
-        .get(0);
+/// At the start of a run that holds the lease: names its SQL session as one of this run's and
+/// ends the sessions of earlier holders that are still inside a transaction
+/// (`outbox_ledger::sessions::end_stale_sessions` says why).
+pub(super) async fn own_sessions(
+    sql: &Client,
+    slot: &str,
+    fence: &Fence,
+) -> Result<(), RelayError> {
+    sessions::name_session(sql, slot, fence).await?;
+    let ended = sessions::end_stale_sessions(sql, slot, fence).await?;
     if ended > 0 {
         tracing::warn!(
             sessions = ended,
@@ -536,8 +472,7 @@ async fn run_once(
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_acceptance(url, cfg.lease_ttl, &cfg.slot, fence).await?;
     let mut sql = connect_sql(url).await?;
-    name_session(&sql, &cfg.slot, fence).await?;
-    end_stale_sessions(&sql, &cfg.slot, fence).await?;
+    own_sessions(&sql, &cfg.slot, fence).await?;
     restore_versions(&sql, false).await?;
     // wal_level and the REPLICATION privilege were checked once, before the first run.
     slot::ensure_shard_publication(&sql, &cfg.publication, &cfg.schema, &cfg.table, cfg.shard)
@@ -833,7 +768,7 @@ async fn run_once(
         }
         still_leased(cfg, &pipeline, &lease_state, fence)?;
         if due.releases {
-            releases_and_unknown(cfg, &sql, &mut pipeline, fence, &current_rows, progress).await?;
+            pipeline.release_poll(cfg, &sql, &current_rows, progress).await?;
         }
         if due.status {
             confirm(&mut stream, &pipeline.core).await?;
@@ -858,30 +793,6 @@ async fn salvage_after(
         }
     }
     result
-}
-
-/// While running: sends what operators released, and resolves the settled UNKNOWN attempts
-/// of other generations (a resumed zombie's late report).
-async fn releases_and_unknown(
-    cfg: &RelayConfig,
-    sql: &Client,
-    pipeline: &mut Pipeline,
-    fence: &Fence,
-    current_rows: &str,
-    progress: &Progress,
-) -> Result<(), RelayError> {
-    pipeline
-        .process_releases(sql, current_rows, progress)
-        .await?;
-    unknown::reconcile_unknown(
-        cfg,
-        sql,
-        pipeline,
-        fence,
-        current_rows,
-        unknown::When::Running,
-    )
-    .await
 }
 
 /// An error if this run's lease is lost (taken over, or not renewed in time): it must stop
@@ -1193,11 +1104,8 @@ fn spawn_lease_keeper(
 }
 
 /// A walsender still holds the slot: it belongs to a relay whose lease expired (we hold the
-/// lease now), e.g. one that is paused. Terminate it and wait until the slot is free, as long
-/// as `fence` holds the lease: a relay paused past its lease and resumed (found by the e2e
-/// zombie test) must not cut off the walsender of the relay that took the lease over. The
-/// lease is checked in the statement that terminates, so the check and the termination are
-/// one step.
+/// lease now), e.g. one that is paused. Terminate it, as long as `fence` holds the lease
+/// (`outbox_ledger::sessions::terminate_if_leased`), and wait until the slot is free.
 async fn take_over_slot(sql: &Client, slot_name: &str, fence: &Fence) -> Result<(), RelayError> {
     for i in 0..200 {
         let Some(info) = slot::inspect(sql, slot_name).await? else {
@@ -1212,24 +1120,7 @@ async fn take_over_slot(sql: &Client, slot_name: &str, fence: &Fence) -> Result<
                 "slot held by a walsender of a relay without the lease; terminating it"
             );
         }
-        let leased = sql
-            .query_opt(
-                "SELECT pg_terminate_backend($1) FROM outbox.relay_leases
-                 WHERE slot_name = $2 AND owner = $3 AND generation = $4
-                   AND lease_until > clock_timestamp()",
-                &[&pid, &slot_name, &fence.owner, &fence.generation],
-            )
-            .await
-            .map_err(|e| LedgerError::Db {
-                context: format!("terminating walsender {pid}"),
-                source: e,
-            })?;
-        if leased.is_none() {
-            return Err(RelayError::Ledger(LedgerError::LeaseLost {
-                slot: slot_name.to_string(),
-                generation: fence.generation,
-            }));
-        }
+        sessions::terminate_if_leased(sql, slot_name, pid, fence).await?;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Err(RelayError::Internal(format!(

@@ -15,7 +15,7 @@ use outbox_ledger::attempts;
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
-use outbox_relay::release::ReleaseStep;
+use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::Resolved;
 use outbox_relay::{
@@ -23,11 +23,12 @@ use outbox_relay::{
     PipelineCore, Reported, UnclearStep,
 };
 use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError};
+use outbox_source::snapshot::{events_by_id, Numbering};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_postgres::Client;
-use uuid::Uuid;
 
-use super::{Progress, RelayError};
+use super::{unknown, Progress, RelayError};
+use crate::config::RelayConfig;
 use crate::failpoint;
 
 pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
@@ -935,95 +936,113 @@ impl Pipeline {
         self.core.restore_batch(items, fenced);
     }
 
-    /// Republishes aggregates an operator released ([`outbox_relay::release`] decides what is
-    /// sent when and whether the hold closes). Runs between stream messages; the stream waits
+    /// One release poll, executed as the core's [`ReleasePoll`] asks: the settled UNKNOWN
+    /// attempts of other generations (a resumed zombie's late report), then what operators
+    /// released, one aggregate at a time. Runs between stream messages; the stream waits
     /// meanwhile (releases are rare).
-    pub async fn process_releases(
+    pub async fn release_poll(
         &mut self,
+        cfg: &RelayConfig,
         sql: &Client,
         qualified_table: &str,
         progress: &Progress,
     ) -> Result<(), RelayError> {
-        let releases = holds::releasing(&self.client, self.shard_filter.as_deref()).await?;
-        for r in releases {
-            if !self.core.may_release(&r.key) {
-                continue; // an earlier event of it is still at the broker; next round
-            }
-            // Held records of this aggregate may sit in the batch: make them durable first.
-            self.flush(true, progress).await?;
-            let set = holds::republish_set(&self.client, &r).await?;
-            let ids: Vec<Uuid> = set.iter().map(|p| p.event_id).collect();
-            let by_id: HashMap<Uuid, &holds::Republish> =
-                set.iter().map(|p| (p.event_id, p)).collect();
-            // Rows written without a version are published as the stream numbered and routed
-            // them (their held records kept both).
-            let routes = if set.iter().any(|p| p.by_relay.is_some()) {
-                Some(outbox_source::slot::route_versions(sql).await?)
-            } else {
-                None
-            };
-            let rows = sql
-                .query(
-                    &outbox_source::snapshot::rows_by_id_sql(qualified_table),
-                    &[&ids],
-                )
-                .await
-                .map_err(|e| outbox_ledger::LedgerError::Db {
-                    context: "loading released events".into(),
-                    source: e,
-                })?;
-            let mut events = Vec::with_capacity(rows.len());
-            for row in &rows {
-                let id: Uuid = outbox_source::snapshot::column_of(row, "event_id")
-                    .ok()
-                    .flatten()
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| RelayError::Internal("released event without an id".into()))?;
-                let listed = by_id.get(&id);
-                let ev = match (listed.and_then(|p| p.by_relay), &routes) {
-                    (Some(route), Some(routes)) => {
-                        let version = listed.map_or(0, |p| p.version);
-                        outbox_source::snapshot::event_from_row_numbered(
-                            row, version, route, routes,
-                        )
-                    }
-                    _ => outbox_source::snapshot::event_from_row(row),
+        let mut poll = ReleasePoll::new();
+        let mut listed: HashMap<AggKey, holds::Release> = HashMap::new();
+        loop {
+            let now = self.now();
+            match poll.next(&mut self.core, now) {
+                PollStep::ReconcileSettled => {
+                    let fence = self.fence.clone();
+                    unknown::reconcile_unknown(
+                        cfg,
+                        sql,
+                        self,
+                        &fence,
+                        qualified_table,
+                        unknown::When::Running,
+                    )
+                    .await?
                 }
-                .map_err(|e| {
-                    RelayError::Internal(format!("released event {id} unreadable: {e}"))
-                })?;
-                let commit_lsn = listed.and_then(|p| p.commit_lsn);
-                events.push((ev, commit_lsn));
-            }
-            tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), events = events.len(), "republishing a released aggregate");
-            let mut release = self.core.start_release(
-                r.key.clone(),
-                r.blocking_version,
-                r.publish_blocking,
-                events,
-            );
-            let close = loop {
-                let now = self.now();
-                match self.core.release_step(&mut release, now) {
-                    ReleaseStep::Send(send) => self.execute(vec![send]).await?,
-                    ReleaseStep::Await(_) => {
-                        self.wait_one(None).await?;
-                    }
-                    ReleaseStep::Done { close } => break close,
+                PollStep::ReadReleasing => {
+                    let releases =
+                        holds::releasing(&self.client, self.shard_filter.as_deref()).await?;
+                    poll.releasing(
+                        releases
+                            .iter()
+                            .map(|r| Released {
+                                key: r.key.clone(),
+                                blocking_version: r.blocking_version,
+                                publish_blocking: r.publish_blocking,
+                            })
+                            .collect(),
+                    );
+                    listed = releases.into_iter().map(|r| (r.key.clone(), r)).collect();
                 }
-                self.note_batch();
-            };
+                PollStep::Flush => {
+                    self.flush(true, progress).await?;
+                }
+                PollStep::LoadSet(r) => {
+                    let Some(release) = listed.get(&r.key) else {
+                        poll.skip();
+                        continue;
+                    };
+                    let events = self.released_events(sql, qualified_table, release).await?;
+                    tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), events = events.len(), "republishing a released aggregate");
+                    poll.loaded(&self.core, events);
+                }
+                PollStep::Send(send) => self.execute(vec![send]).await?,
+                PollStep::Await(_) => {
+                    self.wait_one(None).await?;
+                }
+                PollStep::CloseHold { key, last } => {
+                    if holds::close(&self.client, &key, last).await? {
+                        let head = holds::head(&self.client, &key).await?;
+                        let next = self.core.release_closed(&key, head, last);
+                        tracing::info!(aggregate = %format!("{}/{}", key.0, key.1), next_version = next, "hold released");
+                    }
+                }
+                PollStep::Done => return Ok(()),
+            }
             self.note_batch();
-            self.flush(true, progress).await?;
-            if let Some(last) = close {
-                if holds::close(&self.client, &r.key, last).await? {
-                    let head = holds::head(&self.client, &r.key).await?;
-                    let next = self.core.release_closed(&r.key, head, last);
-                    tracing::info!(aggregate = %format!("{}/{}", r.key.0, r.key.1), next_version = next, "hold released");
-                }
-            }
         }
-        Ok(())
+    }
+
+    /// What the release `r` publishes (`holds::republish_set`), each event as the relay must
+    /// publish it now, with its commit LSN. Rows written without a version are published as
+    /// the stream numbered and routed them (their held records kept both).
+    async fn released_events(
+        &self,
+        sql: &Client,
+        qualified_table: &str,
+        r: &holds::Release,
+    ) -> Result<Vec<(OutboxEvent, Option<Lsn>)>, RelayError> {
+        let set = holds::republish_set(&self.client, r).await?;
+        let wanted: Vec<_> = set
+            .iter()
+            .map(|p| {
+                let numbering = match p.by_relay {
+                    Some(route) => Numbering::ByRelay {
+                        version: p.version,
+                        route,
+                    },
+                    None => Numbering::Row,
+                };
+                (p.event_id, numbering)
+            })
+            .collect();
+        let mut events = Vec::with_capacity(set.len());
+        for (id, ev) in events_by_id(sql, qualified_table, &wanted).await? {
+            let ev = ev.ok_or_else(|| {
+                RelayError::Internal(format!("released event {id} has no version to publish"))
+            })?;
+            let commit_lsn = set
+                .iter()
+                .find(|p| p.event_id == id)
+                .and_then(|p| p.commit_lsn);
+            events.push((ev, commit_lsn));
+        }
+        Ok(events)
     }
 }
 

@@ -25,8 +25,8 @@ use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
 use super::{
-    connect_acceptance, connect_sql, end_stale_sessions, keep_lease, name_session, open_pipeline,
-    reconcile_at_start, restore_versions, Progress, RelayError, RELEASE_POLL,
+    connect_acceptance, connect_sql, keep_lease, open_pipeline, own_sessions, reconcile_at_start,
+    restore_versions, Progress, RelayError, RELEASE_POLL,
 };
 use crate::config::RelayConfig;
 
@@ -64,8 +64,7 @@ pub(super) async fn run_once(
     let (lease_state, _keeper) = keep_lease(cfg, fence, held);
     let ledger_client = connect_acceptance(url, cfg.lease_ttl, &cfg.slot, fence).await?;
     let mut sql = connect_sql(url).await?;
-    name_session(&sql, &cfg.slot, fence).await?;
-    end_stale_sessions(&sql, &cfg.slot, fence).await?;
+    own_sessions(&sql, &cfg.slot, fence).await?;
     refuse_rows_without_versions(&sql).await?;
     // Pending events are found through outbox.aggregate_versions: it must be whole.
     restore_versions(&sql, true).await?;
@@ -104,15 +103,9 @@ pub(super) async fn run_once(
             super::still_leased(cfg, &pipeline, &lease_state, fence)?;
             if last_releases.elapsed() >= RELEASE_POLL {
                 refuse_rows_without_versions(&sql).await?;
-                super::releases_and_unknown(
-                    cfg,
-                    &sql,
-                    &mut pipeline,
-                    fence,
-                    current_rows,
-                    progress,
-                )
-                .await?;
+                pipeline
+                    .release_poll(cfg, &sql, current_rows, progress)
+                    .await?;
                 last_releases = Instant::now();
             }
             progress.metrics.unclear(pipeline.core.parked());

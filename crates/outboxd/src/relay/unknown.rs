@@ -52,8 +52,9 @@ use std::time::{Duration, Instant};
 
 use outbox_core::receipt::Scan;
 use outbox_core::OutboxEvent;
-use outbox_ledger::{accept, attempts, LedgerError, LedgerItem, ReceiptRecord};
+use outbox_ledger::{accept, attempts, LedgerItem, ReceiptRecord};
 use outbox_sink::{Lookup, Sink, UnknownLookup};
+use outbox_source::snapshot::{events_by_id, Numbering};
 use tokio_postgres::Client;
 
 use super::pipeline::Pipeline;
@@ -113,45 +114,27 @@ pub(crate) async fn reconcile_unknown(
 }
 
 /// Attempt `a`'s event as the relay must publish it now; `None` for a row written without a
-/// version (docs/versions_by_relay.md), which only the stream numbers and routes
-/// (`PipelineCore::reconcile_deferred`).
+/// version (docs/versions_by_relay.md) whose attempt kept no numbering: only the stream
+/// numbers and routes it (`PipelineCore::reconcile_deferred`).
 async fn load(
     sql: &Client,
     qualified_table: &str,
     a: &attempts::UnknownAttempt,
 ) -> Result<Option<OutboxEvent>, RelayError> {
-    let rows = sql
-        .query(
-            &outbox_source::snapshot::rows_by_id_sql(qualified_table),
-            &[&vec![a.event_id]],
-        )
-        .await
-        .map_err(|e| LedgerError::Db {
-            context: format!("loading event {} for reconciliation", a.event_id),
-            source: e,
-        })?;
-    let Some(row) = rows.first() else {
-        return Err(RelayError::Internal(format!(
+    // Written without a version: the version and route the relay gave it when it sent the
+    // attempt, as the attempt kept them.
+    let numbering = match a.by_relay {
+        Some((version, route)) => Numbering::ByRelay { version, route },
+        None => Numbering::Row,
+    };
+    let read = events_by_id(sql, qualified_table, &[(a.event_id, numbering)]).await?;
+    match read.into_iter().next() {
+        Some((_, ev)) => Ok(ev),
+        None => Err(RelayError::Internal(format!(
             "DISPATCH_UNKNOWN event {} has no outbox row",
             a.event_id
-        )));
-    };
-    let own_version = outbox_source::snapshot::column_of(row, "aggregate_version")
-        .map_err(|e| RelayError::Internal(format!("event {}: {e}", a.event_id)))?;
-    if own_version.is_some() {
-        return outbox_source::snapshot::event_from_row(row)
-            .map(Some)
-            .map_err(|e| RelayError::Internal(e.to_string()));
+        ))),
     }
-    // Written without a version (docs/versions_by_relay.md): the version and route the relay
-    // gave it when it sent the attempt, as the attempt kept them.
-    let Some((version, route)) = a.by_relay else {
-        return Ok(None);
-    };
-    let routes = outbox_source::slot::route_versions(sql).await?;
-    outbox_source::snapshot::event_from_row_numbered(row, version, route, &routes)
-        .map(Some)
-        .map_err(|e| RelayError::Internal(format!("event {}: {e}", a.event_id)))
 }
 
 /// After a look-up of one of `ev`'s attempts that re-sent it under its key (`resent`) was
