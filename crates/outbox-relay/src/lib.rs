@@ -26,6 +26,8 @@
 //! * [`fleet`] — a fleet member's share of the shards: which to take, hand over or give up.
 //! * [`unknown`] — which DISPATCH_UNKNOWN attempts to look up now, and what a look-up means
 //!   for the relay.
+//! * [`txn`] — exactly-once into Kafka: a slot's events in broker transactions, one per
+//!   batch; what a restart accepts from the broker's records instead of sending again.
 //!
 //! The start-up plan is `outbox_source::slot::plan` (pure as well).
 
@@ -38,6 +40,7 @@ pub mod route;
 pub mod schedule;
 pub mod stage;
 pub mod stream;
+pub mod txn;
 pub mod unknown;
 
 #[cfg(test)]

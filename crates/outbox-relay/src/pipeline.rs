@@ -225,6 +225,24 @@ pub enum Mutant {
     /// what the last runs logged since the last fold is missed, and rows written without a
     /// version are numbered again from older versions (the simulator's `plain_version_wrong`).
     NumberingLogNotFolded,
+    /// Exactly-once mode ([`crate::txn`]): the start accepts none of the batches the broker
+    /// recorded after the ledger's last, and the stream sends them again (the simulator's
+    /// `txn_seen_twice`).
+    TxnIgnoresRecords,
+    /// Exactly-once mode: a commit whose outcome is unknown is taken for aborted and its
+    /// batch sent again in the next transaction (`txn_seen_twice` when the broker had
+    /// committed it).
+    TxnUnknownIsAborted,
+    /// Exactly-once mode: a batch's checkpoint is the last stream commit admitted, not the
+    /// last one the batch covers: accepted, it passes events still queued, which a crash then
+    /// skips (`txn_lost`).
+    TxnThroughPastBatch,
+    /// Exactly-once mode: an aborted transaction's stored events are accepted as receipts
+    /// (`txn_receipt_mismatch`: the broker holds them in an aborted transaction).
+    TxnAcceptsAborted,
+    /// Exactly-once mode: an event read again whose receipt the ledger holds is sent again
+    /// (`txn_seen_twice`: a stream transaction split over two batches, after a crash).
+    TxnReplaysAccepted,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).

@@ -1,0 +1,576 @@
+//! Exactly-once into Kafka (issue 30, docs/exactly_once.md): a slot's events go to the broker
+//! in transactions, one per batch, and the broker's own record of each committed batch is what
+//! a restart accepts instead of sending the batch again.
+//!
+//! [`TxnCore`] decides; the driver executes what it asks ([`TxnStep`]) and tells it what
+//! happened (`on_*`). Pure: no I/O, no clock. The simulator's transactional world
+//! (`crates/outbox-sim/src/world/txn.rs`) drives the same code against a broker with
+//! transactions, fencing and unknown commit outcomes; the daemon is to execute it with
+//! `outbox_sink::kafka_txn` (docs/exactly_once.md, "Order of landing", step 4).
+//!
+//! The rules, each guarded by a counter of the simulator and a mutant that makes it non-zero:
+//! * **One transaction at a time, in batch order.** A batch is the queue's next events, in
+//!   stream order; several versions of one aggregate may be in one transaction (a committed
+//!   reader sees all of it or nothing, and one partition keeps their order). The next
+//!   transaction begins only after this one committed or aborted, so batches commit in order.
+//! * **A failed send aborts the whole transaction**, and its events are queued again in front,
+//!   in order, for the next one: nothing of an aborted transaction is ever accepted as a
+//!   receipt ([`Mutant::TxnAcceptsAborted`]). An event the broker refuses for good is
+//!   quarantined and its aggregate held: what follows of that aggregate is recorded held, not
+//!   sent, until an operator releases it.
+//! * **The checkpoint moves only with an accepted batch, to `through`**: the end of the last
+//!   stream transaction whose events are all in this batch or an earlier one
+//!   ([`Mutant::TxnThroughPastBatch`]). A stream transaction split over two batches is read
+//!   again after a crash; its events with an accepted receipt are not sent again
+//!   ([`TxnCore::admit`], [`Mutant::TxnReplaysAccepted`]).
+//! * **A committed batch is accepted, never sent again**: after a crash between the broker's
+//!   commit and the ledger's acceptance, the start accepts every batch the broker recorded
+//!   after the ledger's last ([`TxnCore::recover`], [`Mutant::TxnIgnoresRecords`]).
+//! * **An unknown commit outcome is settled, not guessed** ([`TxnStep::Settle`]): the driver
+//!   opens the producer again under the same transactional id (which completes or aborts the
+//!   transaction) and reads the broker's records; the batch is committed if its record is
+//!   there, aborted otherwise ([`Mutant::TxnUnknownIsAborted`]). Until then nothing else is
+//!   sent: this is the one place where an unclear outcome holds the slot (bounded by the
+//!   transaction timeout).
+//! * **Fenced means stop**: another relay opened the transactional id; nothing more is sent,
+//!   committed or accepted by this one.
+
+use std::collections::{HashMap, VecDeque};
+
+use outbox_core::delivery::RecordPosition;
+use outbox_core::{Lsn, OutboxEvent};
+use uuid::Uuid;
+
+use crate::pipeline::{key_of, AggKey, Mutant, Plant, Shipped};
+
+/// One event of a batch where the broker stored it. (The ledger builds the receipt from the
+/// event's row: the rows are immutable, so their digests are the ones the send computed.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxnReceipt {
+    pub event_id: Uuid,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// An event the batch records in the ledger without sending it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kept {
+    /// Refused by the broker for good: quarantined with the reason, its aggregate held.
+    Quarantined { event: OutboxEvent, reason: String },
+    /// Of an aggregate that is held: waits for the operator's release.
+    Held(OutboxEvent),
+}
+
+/// A batch the broker recorded as committed, as the start reads it back (the batch record in
+/// the positions topic; `outbox_sink::kafka_txn::BatchRecord`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    pub batch: u64,
+    pub through: Lsn,
+    /// Every event of the batch where the broker stored it.
+    pub receipts: Vec<TxnReceipt>,
+    /// Where the record is stored.
+    pub record: RecordPosition,
+}
+
+/// What the driver does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)]
+pub enum TxnStep {
+    /// Begin the transaction of `batch`.
+    Begin { batch: u64 },
+    /// Send `event` inside the open transaction; its delivery report comes back with `token`.
+    Send { token: u64, event: OutboxEvent },
+    /// Commit the open transaction with its batch record (written into the positions topic
+    /// inside it): `receipts` and `through` as given. Answer with [`TxnCore::on_committed`].
+    Commit {
+        batch: u64,
+        through: Lsn,
+        receipts: Vec<TxnReceipt>,
+    },
+    /// Abort the open transaction. Answer with [`TxnCore::on_aborted`].
+    Abort { batch: u64 },
+    /// The commit's outcome is unknown: open the producer again under the same transactional
+    /// id and read the broker's records after the ledger's last; answer with
+    /// [`TxnCore::on_settled`].
+    Settle { batch: u64 },
+    /// Accept in the ledger, in one transaction and in batch order: the receipts, what the
+    /// batch keeps without sending, the checkpoint `through`, and where the broker stores the
+    /// batch's record (`None` for a batch that sent nothing). Answer with
+    /// [`TxnCore::on_accepted`].
+    Accept {
+        batch: u64,
+        receipts: Vec<TxnReceipt>,
+        kept: Vec<Kept>,
+        through: Lsn,
+        record: Option<RecordPosition>,
+    },
+    /// Another relay holds the transactional id: stop, sending and accepting nothing more.
+    Stop,
+}
+
+/// How a commit ended, as the driver learned it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    Committed(RecordPosition),
+    /// The broker did not take the commit (the transaction is aborted).
+    Aborted,
+    /// Nobody knows yet (a timeout): settle it.
+    Unknown,
+    Fenced,
+}
+
+/// A delivery report of a send inside the open transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TxnReport {
+    /// Stored at this position (not visible before the commit).
+    Stored {
+        partition: i32,
+        offset: i64,
+    },
+    /// Not stored; the transaction must be aborted. `permanent`: the broker will never take
+    /// this event (quarantine it), with the reason.
+    Failed {
+        permanent: Option<String>,
+    },
+    Fenced,
+}
+
+#[derive(Debug)]
+struct Queued {
+    /// Events admitted before this one.
+    seq: u64,
+    event: OutboxEvent,
+}
+
+/// A send's report so far: `None` none yet, `Some(None)` not stored, `Some(Some(..))` stored
+/// at that partition and offset.
+type Report = Option<Option<(i32, i64)>>;
+
+#[derive(Debug)]
+struct Open {
+    batch: u64,
+    /// In send order: (token, event, its report).
+    sent: Vec<(u64, Queued, Report)>,
+    kept: Vec<Kept>,
+    /// The stream commits this batch covers, given back if it aborts.
+    covers: Vec<(u64, Lsn)>,
+    through: Lsn,
+    reported: usize,
+    failed: bool,
+    /// Refused for good: (token, reason).
+    refused: Vec<(u64, String)>,
+    phase: OpenPhase,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpenPhase {
+    Sending,
+    Committing,
+    Aborting,
+    Settling,
+}
+
+/// A slot's transactional relay. See the module docs.
+#[derive(Debug)]
+pub struct TxnCore<P: Plant = Shipped> {
+    plant: P,
+    batch_size: usize,
+    next_batch: u64,
+    next_token: u64,
+    /// Events admitted so far (their sequence numbers).
+    admitted: u64,
+    queue: VecDeque<Queued>,
+    /// Stream commits not covered by a batch yet: (events admitted before it, its end LSN).
+    commits: VecDeque<(u64, Lsn)>,
+    open: Option<Open>,
+    /// Batches whose acceptance was asked and not answered, in order: (batch, through).
+    accepting: VecDeque<(u64, Lsn)>,
+    durable: Lsn,
+    /// Held aggregates, from this version on (an aggregate the ledger holds: from 0; one whose
+    /// event was refused for good in this run: from that event's version, so that its earlier
+    /// versions in the same aborted batch are still sent).
+    held: HashMap<AggKey, i64>,
+    steps: VecDeque<TxnStep>,
+    stopped: bool,
+}
+
+impl TxnCore<Shipped> {
+    /// The core of a run that starts at the ledger's checkpoint `durable`, after the ledger's
+    /// last accepted batch `last_batch`, with the aggregates the ledger holds.
+    pub fn new(batch_size: usize, durable: Lsn, last_batch: u64, held: Vec<AggKey>) -> Self {
+        TxnCore::planted(Shipped, batch_size, durable, last_batch, held)
+    }
+}
+
+impl<P: Plant> TxnCore<P> {
+    /// [`TxnCore::new`] with `plant` (the simulator's mutants).
+    pub fn planted(
+        plant: P,
+        batch_size: usize,
+        durable: Lsn,
+        last_batch: u64,
+        held: Vec<AggKey>,
+    ) -> Self {
+        TxnCore {
+            plant,
+            batch_size: batch_size.max(1),
+            next_batch: last_batch + 1,
+            next_token: 0,
+            admitted: 0,
+            queue: VecDeque::new(),
+            commits: VecDeque::new(),
+            open: None,
+            accepting: VecDeque::new(),
+            durable,
+            held: held.into_iter().map(|k| (k, i64::MIN)).collect(),
+            steps: VecDeque::new(),
+            stopped: false,
+        }
+    }
+
+    /// The checkpoint the ledger holds: the slot may be confirmed up to here.
+    pub fn durable(&self) -> Lsn {
+        self.durable
+    }
+
+    /// Whether this core was fenced and stopped.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Events admitted and not yet in an accepted batch, nor in one being accepted.
+    pub fn unfinished(&self) -> usize {
+        self.queue.len()
+            + self
+                .open
+                .as_ref()
+                .map_or(0, |o| o.sent.len() + o.kept.len())
+    }
+
+    /// Whether a transaction is in progress.
+    pub fn in_transaction(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// At the start, after the producer was opened (which settled the previous holder's
+    /// transaction): the batches the broker recorded after the ledger's last accepted one, in
+    /// order. Each is accepted from its record and none is sent again; the stream then starts
+    /// from [`TxnCore::durable`] once they are accepted.
+    pub fn recover(&mut self, recorded: Vec<Recorded>) {
+        if self.plant.planted(Mutant::TxnIgnoresRecords) {
+            return;
+        }
+        for r in recorded {
+            if r.batch < self.next_batch {
+                continue; // accepted already
+            }
+            self.next_batch = r.batch + 1;
+            self.accepting.push_back((r.batch, r.through));
+            self.steps.push_back(TxnStep::Accept {
+                batch: r.batch,
+                receipts: r.receipts,
+                kept: Vec::new(),
+                through: r.through,
+                record: Some(r.record),
+            });
+        }
+    }
+
+    /// An event of the stream, in stream order. `accepted`: the ledger holds its receipt (a
+    /// stream transaction split over two batches, read again after a crash): it is not sent
+    /// again.
+    pub fn admit(&mut self, event: OutboxEvent, accepted: bool) {
+        self.admitted += 1;
+        if accepted && !self.plant.planted(Mutant::TxnReplaysAccepted) {
+            return;
+        }
+        self.queue.push_back(Queued {
+            seq: self.admitted - 1,
+            event,
+        });
+    }
+
+    /// The stream transaction whose events were admitted last ended at `end`.
+    pub fn stream_commit(&mut self, end: Lsn) {
+        self.commits.push_back((self.admitted, end));
+    }
+
+    /// The batch is due (full, or its linger passed; the driver's schedule decides): begins a
+    /// transaction for what is queued, when none is in progress. A batch of nothing but stream
+    /// commits moves the checkpoint without a transaction.
+    pub fn flush(&mut self) {
+        if self.stopped || self.open.is_some() {
+            return;
+        }
+        let take = self.queue.len().min(self.batch_size);
+        // The events of this batch are those with seq < `upto`.
+        let upto = match self.queue.get(take) {
+            Some(next) => next.seq,
+            None => self.admitted,
+        };
+        let mut covers = Vec::new();
+        while let Some(&(before, end)) = self.commits.front() {
+            if before > upto && !self.plant.planted(Mutant::TxnThroughPastBatch) {
+                break;
+            }
+            covers.push((before, end));
+            self.commits.pop_front();
+        }
+        let through = covers.last().map_or(self.last_through(), |c| c.1);
+        if take == 0 && covers.is_empty() {
+            return;
+        }
+        let batch = self.next_batch;
+        self.next_batch += 1;
+        let mut open = Open {
+            batch,
+            sent: Vec::new(),
+            kept: Vec::new(),
+            covers,
+            through,
+            reported: 0,
+            failed: false,
+            refused: Vec::new(),
+            phase: OpenPhase::Sending,
+        };
+        let mut sends = Vec::new();
+        for q in self.queue.drain(..take) {
+            let held_from = self.held.get(&key_of(&q.event));
+            if held_from.is_some_and(|v| q.event.aggregate_version >= *v) {
+                open.kept.push(Kept::Held(q.event));
+                continue;
+            }
+            let token = self.next_token;
+            self.next_token += 1;
+            sends.push(TxnStep::Send {
+                token,
+                event: q.event.clone(),
+            });
+            open.sent.push((token, q, None));
+        }
+        if sends.is_empty() {
+            // Nothing for the broker: the ledger alone records it.
+            self.accepting.push_back((batch, through));
+            self.steps.push_back(TxnStep::Accept {
+                batch,
+                receipts: Vec::new(),
+                kept: open.kept,
+                through,
+                record: None,
+            });
+            return;
+        }
+        self.steps.push_back(TxnStep::Begin { batch });
+        self.steps.extend(sends);
+        self.open = Some(open);
+    }
+
+    /// The checkpoint the last batch asked for (accepted or not), or the durable one.
+    fn last_through(&self) -> Lsn {
+        self.accepting.back().map_or(self.durable, |a| a.1)
+    }
+
+    /// A delivery report of the open transaction's send `token`.
+    pub fn on_report(&mut self, token: u64, report: TxnReport) {
+        if self.stopped {
+            return;
+        }
+        let Some(open) = self.open.as_mut() else {
+            return;
+        };
+        let Some(slot) = open.sent.iter_mut().find(|s| s.0 == token) else {
+            return;
+        };
+        if slot.2.is_some() {
+            return;
+        }
+        match report {
+            TxnReport::Stored { partition, offset } => {
+                slot.2 = Some(Some((partition, offset)));
+            }
+            TxnReport::Failed { permanent } => {
+                open.failed = true;
+                slot.2 = Some(None);
+                if let Some(reason) = permanent {
+                    open.refused.push((token, reason));
+                }
+            }
+            TxnReport::Fenced => return self.stop(),
+        }
+        open.reported += 1;
+        if open.reported < open.sent.len() {
+            return;
+        }
+        if open.failed {
+            open.phase = OpenPhase::Aborting;
+            self.steps.push_back(TxnStep::Abort { batch: open.batch });
+        } else {
+            open.phase = OpenPhase::Committing;
+            let receipts = receipts_of(open);
+            self.steps.push_back(TxnStep::Commit {
+                batch: open.batch,
+                through: open.through,
+                receipts,
+            });
+        }
+    }
+
+    /// How the open transaction's commit ended.
+    pub fn on_committed(&mut self, outcome: CommitOutcome) {
+        if self.stopped || !self.open_in(OpenPhase::Committing) {
+            return;
+        }
+        match outcome {
+            CommitOutcome::Committed(record) => self.committed(record),
+            CommitOutcome::Aborted => self.aborted(),
+            CommitOutcome::Unknown if self.plant.planted(Mutant::TxnUnknownIsAborted) => {
+                self.aborted()
+            }
+            CommitOutcome::Unknown => {
+                let open = self.open.as_mut().expect("checked");
+                open.phase = OpenPhase::Settling;
+                self.steps.push_back(TxnStep::Settle { batch: open.batch });
+            }
+            CommitOutcome::Fenced => self.stop(),
+        }
+    }
+
+    /// The open transaction's abort is done (`fenced`: another relay had opened the id
+    /// first, which aborted it as well).
+    pub fn on_aborted(&mut self, fenced: bool) {
+        if fenced {
+            return self.stop();
+        }
+        if !self.stopped && self.open_in(OpenPhase::Aborting) {
+            self.aborted();
+        }
+    }
+
+    /// The settled outcome of a commit that was unknown: the batch's record as the broker
+    /// holds it, or `None` when the broker has no record of it (aborted).
+    pub fn on_settled(&mut self, record: Option<RecordPosition>) {
+        if self.stopped || !self.open_in(OpenPhase::Settling) {
+            return;
+        }
+        match record {
+            Some(record) => self.committed(record),
+            None => self.aborted(),
+        }
+    }
+
+    /// The ledger accepted `batch` (the oldest asked): the checkpoint is its `through`.
+    pub fn on_accepted(&mut self, batch: u64) {
+        if let Some(&(b, through)) = self.accepting.front() {
+            if b == batch {
+                self.accepting.pop_front();
+                self.durable = self.durable.max(through);
+            }
+        }
+    }
+
+    /// An operator released `key`: its events flow again.
+    pub fn release(&mut self, key: &AggKey) {
+        self.held.remove(key);
+    }
+
+    /// The next thing to do, if any.
+    pub fn poll_step(&mut self) -> Option<TxnStep> {
+        self.steps.pop_front()
+    }
+
+    fn open_in(&self, phase: OpenPhase) -> bool {
+        self.open.as_ref().is_some_and(|o| o.phase == phase)
+    }
+
+    fn committed(&mut self, record: RecordPosition) {
+        let open = self.open.take().expect("an open transaction");
+        let receipts = receipts_of(&open);
+        self.accepting.push_back((open.batch, open.through));
+        self.steps.push_back(TxnStep::Accept {
+            batch: open.batch,
+            receipts,
+            kept: open.kept,
+            through: open.through,
+            record: Some(record),
+        });
+    }
+
+    /// Nothing of the transaction is visible: its events go back in front of the queue, in
+    /// order, and the stream commits it covered with them; one refused for good is
+    /// quarantined instead and its aggregate held (what follows of it is kept held by the
+    /// next batch).
+    fn aborted(&mut self) {
+        let open = self.open.take().expect("an open transaction");
+        if self.plant.planted(Mutant::TxnAcceptsAborted) {
+            let receipts = receipts_of(&open);
+            self.accepting.push_back((open.batch, open.through));
+            self.steps.push_back(TxnStep::Accept {
+                batch: open.batch,
+                receipts,
+                kept: open.kept.clone(),
+                through: open.through,
+                record: None,
+            });
+        }
+        let mut kept = open.kept;
+        let mut again = Vec::with_capacity(open.sent.len());
+        for (token, q, _) in open.sent {
+            match open.refused.iter().find(|r| r.0 == token) {
+                Some((_, reason)) => {
+                    let from = self.held.entry(key_of(&q.event)).or_insert(i64::MAX);
+                    *from = (*from).min(q.event.aggregate_version);
+                    kept.push(Kept::Quarantined {
+                        event: q.event,
+                        reason: reason.clone(),
+                    });
+                }
+                None => again.push(q),
+            }
+        }
+        for q in again.into_iter().rev() {
+            self.queue.push_front(q);
+        }
+        for c in open.covers.into_iter().rev() {
+            self.commits.push_front(c);
+        }
+        if !kept.is_empty() {
+            // Recorded on their own, at the checkpoint already asked for: the events queued
+            // again are not past it.
+            let batch = self.next_batch;
+            self.next_batch += 1;
+            let through = self.last_through();
+            self.accepting.push_back((batch, through));
+            self.steps.push_back(TxnStep::Accept {
+                batch,
+                receipts: Vec::new(),
+                kept,
+                through,
+                record: None,
+            });
+        }
+    }
+
+    fn stop(&mut self) {
+        self.stopped = true;
+        self.open = None;
+        self.steps.clear();
+        self.steps.push_back(TxnStep::Stop);
+    }
+}
+
+fn receipts_of(open: &Open) -> Vec<TxnReceipt> {
+    open.sent
+        .iter()
+        .filter_map(|(_, q, at)| {
+            at.flatten().map(|(partition, offset)| TxnReceipt {
+                event_id: q.event.event_id,
+                partition,
+                offset,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

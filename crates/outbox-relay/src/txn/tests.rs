@@ -1,0 +1,311 @@
+use super::*;
+use crate::pipeline::Planted;
+use crate::testing::event;
+
+fn steps<P: Plant>(c: &mut TxnCore<P>) -> Vec<TxnStep> {
+    std::iter::from_fn(|| c.poll_step()).collect()
+}
+
+fn sends(steps: &[TxnStep]) -> Vec<(u64, i64)> {
+    steps
+        .iter()
+        .filter_map(|s| match s {
+            TxnStep::Send { token, event } => Some((*token, event.aggregate_version)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn stored(offset: i64) -> TxnReport {
+    TxnReport::Stored {
+        partition: 0,
+        offset,
+    }
+}
+
+fn at(offset: i64) -> RecordPosition {
+    RecordPosition {
+        partition: 0,
+        offset,
+    }
+}
+
+/// Three versions of one aggregate in one stream transaction ending at 30.
+fn three<P: Plant>(c: &mut TxnCore<P>) -> Vec<OutboxEvent> {
+    let evs: Vec<_> = (1..=3).map(|v| event("a", v)).collect();
+    for e in &evs {
+        c.admit(e.clone(), false);
+    }
+    c.stream_commit(Lsn(30));
+    evs
+}
+
+#[test]
+fn a_batch_is_one_transaction_with_every_version_in_flight_then_committed_and_accepted() {
+    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    let s = steps(&mut c);
+    assert_eq!(s[0], TxnStep::Begin { batch: 1 });
+    assert_eq!(
+        sends(&s),
+        [(0, 1), (1, 2), (2, 3)],
+        "several versions in flight at once"
+    );
+    for t in 0..3 {
+        c.on_report(t, stored(t as i64));
+    }
+    let s = steps(&mut c);
+    assert!(
+        matches!(&s[..], [TxnStep::Commit { batch: 1, through: Lsn(30), receipts }] if receipts.len() == 3)
+    );
+    c.on_committed(CommitOutcome::Committed(at(7)));
+    let s = steps(&mut c);
+    assert!(
+        matches!(&s[..], [TxnStep::Accept { batch: 1, through: Lsn(30), record: Some(r), .. }] if *r == at(7))
+    );
+    assert_eq!(c.durable(), Lsn(10), "not before the ledger accepted it");
+    c.on_accepted(1);
+    assert_eq!(c.durable(), Lsn(30));
+}
+
+#[test]
+fn one_failed_send_aborts_the_transaction_and_the_whole_batch_goes_again_in_order() {
+    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    c.on_report(0, stored(0));
+    c.on_report(1, TxnReport::Failed { permanent: None });
+    c.on_report(2, stored(2));
+    assert_eq!(steps(&mut c), [TxnStep::Abort { batch: 1 }]);
+    c.on_aborted(false);
+    assert!(steps(&mut c).is_empty(), "nothing of it is accepted");
+    c.flush();
+    let s = steps(&mut c);
+    assert_eq!(s[0], TxnStep::Begin { batch: 2 });
+    assert_eq!(sends(&s).iter().map(|s| s.1).collect::<Vec<_>>(), [1, 2, 3]);
+}
+
+#[test]
+fn an_event_refused_for_good_is_quarantined_and_what_follows_of_its_aggregate_is_held() {
+    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    c.on_report(0, stored(0));
+    c.on_report(
+        1,
+        TxnReport::Failed {
+            permanent: Some("too large".into()),
+        },
+    );
+    c.on_report(2, stored(2));
+    steps(&mut c);
+    c.on_aborted(false);
+    let s = steps(&mut c);
+    assert!(
+        matches!(&s[..], [TxnStep::Accept { kept, receipts, through: Lsn(10), record: None, .. }]
+            if receipts.is_empty() && matches!(&kept[..], [Kept::Quarantined { event, .. }] if event.aggregate_version == 2)),
+        "{s:?}"
+    );
+    c.flush();
+    let s = steps(&mut c);
+    assert_eq!(
+        sends(&s).iter().map(|s| s.1).collect::<Vec<_>>(),
+        [1],
+        "v3 waits behind the hold"
+    );
+    c.on_report(sends(&s)[0].0, stored(5));
+    let s = steps(&mut c);
+    assert!(matches!(
+        &s[..],
+        [TxnStep::Commit {
+            through: Lsn(30),
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn an_unknown_commit_is_settled_by_the_broker_not_sent_again() {
+    for committed in [true, false] {
+        let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+        three(&mut c);
+        c.flush();
+        steps(&mut c);
+        for t in 0..3 {
+            c.on_report(t, stored(t as i64));
+        }
+        steps(&mut c);
+        c.on_committed(CommitOutcome::Unknown);
+        assert_eq!(steps(&mut c), [TxnStep::Settle { batch: 1 }]);
+        c.flush();
+        assert!(
+            steps(&mut c).is_empty(),
+            "nothing else is sent while it is unknown"
+        );
+        c.on_settled(committed.then_some(at(3)));
+        let s = steps(&mut c);
+        if committed {
+            assert!(matches!(&s[..], [TxnStep::Accept { batch: 1, .. }]));
+        } else {
+            assert!(s.is_empty());
+            c.flush();
+            assert_eq!(sends(&steps(&mut c)).len(), 3, "aborted: sent again");
+        }
+    }
+}
+
+#[test]
+fn the_checkpoint_stops_before_a_stream_transaction_the_batch_splits() {
+    let mut c = TxnCore::new(2, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    c.on_report(0, stored(0));
+    c.on_report(1, stored(1));
+    let s = steps(&mut c);
+    assert!(
+        matches!(
+            &s[..],
+            [TxnStep::Commit {
+                through: Lsn(10),
+                ..
+            }]
+        ),
+        "{s:?}"
+    );
+}
+
+#[test]
+fn a_start_accepts_what_the_broker_recorded_and_skips_events_with_receipts() {
+    let mut c = TxnCore::new(10, Lsn(10), 4, vec![]);
+    let id = uuid::Uuid::now_v7();
+    let recorded = |batch| Recorded {
+        batch,
+        through: Lsn(50),
+        receipts: vec![TxnReceipt {
+            event_id: id,
+            partition: 0,
+            offset: 9,
+        }],
+        record: at(1),
+    };
+    c.recover(vec![recorded(4), recorded(5)]);
+    let s = steps(&mut c);
+    assert!(
+        matches!(
+            &s[..],
+            [TxnStep::Accept {
+                batch: 5,
+                through: Lsn(50),
+                ..
+            }]
+        ),
+        "batch 4 was accepted already: {s:?}"
+    );
+    c.on_accepted(5);
+    assert_eq!(c.durable(), Lsn(50));
+    c.admit(event("a", 1), true);
+    c.admit(event("a", 2), false);
+    c.stream_commit(Lsn(60));
+    c.flush();
+    let s = steps(&mut c);
+    assert_eq!(s[0], TxnStep::Begin { batch: 6 });
+    assert_eq!(sends(&s).iter().map(|s| s.1).collect::<Vec<_>>(), [2]);
+}
+
+#[test]
+fn fenced_stops_everything() {
+    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    c.on_report(0, TxnReport::Fenced);
+    assert_eq!(steps(&mut c), [TxnStep::Stop]);
+    assert!(c.stopped());
+    c.on_report(1, stored(1));
+    c.flush();
+    assert!(steps(&mut c).is_empty());
+}
+
+#[test]
+fn stream_commits_without_events_move_the_checkpoint_without_a_transaction() {
+    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    c.stream_commit(Lsn(20));
+    c.flush();
+    let s = steps(&mut c);
+    assert!(
+        matches!(
+            &s[..],
+            [TxnStep::Accept {
+                through: Lsn(20),
+                record: None,
+                ..
+            }]
+        ),
+        "{s:?}"
+    );
+}
+
+#[test]
+fn each_mutant_changes_its_decision() {
+    let planted = |m| Planted {
+        mutant: Some(m),
+        current_route: None,
+    };
+    let mut c = TxnCore::planted(planted(Mutant::TxnIgnoresRecords), 10, Lsn(10), 0, vec![]);
+    c.recover(vec![Recorded {
+        batch: 1,
+        through: Lsn(20),
+        receipts: vec![],
+        record: at(0),
+    }]);
+    assert!(steps(&mut c).is_empty());
+
+    let mut c = TxnCore::planted(planted(Mutant::TxnReplaysAccepted), 10, Lsn(10), 0, vec![]);
+    c.admit(event("a", 1), true);
+    c.flush();
+    assert_eq!(sends(&steps(&mut c)).len(), 1);
+
+    let mut c = TxnCore::planted(planted(Mutant::TxnThroughPastBatch), 2, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    c.on_report(0, stored(0));
+    c.on_report(1, stored(1));
+    assert!(matches!(
+        &steps(&mut c)[..],
+        [TxnStep::Commit {
+            through: Lsn(30),
+            ..
+        }]
+    ));
+
+    let mut c = TxnCore::planted(planted(Mutant::TxnAcceptsAborted), 10, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    c.on_report(0, stored(0));
+    c.on_report(1, TxnReport::Failed { permanent: None });
+    c.on_report(2, stored(2));
+    steps(&mut c);
+    c.on_aborted(false);
+    assert!(
+        matches!(&steps(&mut c)[..], [TxnStep::Accept { receipts, .. }] if receipts.len() == 2)
+    );
+
+    let mut c = TxnCore::planted(planted(Mutant::TxnUnknownIsAborted), 10, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    for t in 0..3 {
+        c.on_report(t, stored(t as i64));
+    }
+    steps(&mut c);
+    c.on_committed(CommitOutcome::Unknown);
+    assert!(steps(&mut c).is_empty());
+    c.flush();
+    assert_eq!(sends(&steps(&mut c)).len(), 3);
+}
