@@ -72,7 +72,7 @@ pub struct Served {
 /// docs/exactly_once.md): the positions topic's partition and offset. The ledger keeps the
 /// last one a slot accepted; a restart reads the batches committed after it
 /// (`outbox_sink::kafka_txn::committed_batches`) and accepts them from their records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct RecordPosition {
     pub partition: i32,
     pub offset: i64,

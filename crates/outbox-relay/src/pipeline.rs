@@ -243,6 +243,13 @@ pub enum Mutant {
     /// Exactly-once mode: an event read again whose receipt the ledger holds is sent again
     /// (`txn_seen_twice`: a stream transaction split over two batches, after a crash).
     TxnReplaysAccepted,
+    /// Exactly-once mode: the start skips the first batch the broker recorded after the
+    /// ledger's last (an off-by-one in the batch numbers): its events are sent again and its
+    /// record never accepted (`txn_unaccepted`, `txn_seen_twice`).
+    TxnSkipsFirstRecord,
+    /// Exactly-once mode: an aborted transaction's events are queued again behind what was
+    /// admitted meanwhile, not in front of it (`txn_order_violations`).
+    TxnRequeuesAtBack,
 }
 
 /// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).

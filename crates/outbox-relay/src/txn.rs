@@ -52,13 +52,30 @@ pub struct TxnReceipt {
     pub offset: i64,
 }
 
-/// An event the batch records in the ledger without sending it.
+/// An event a batch records in the ledger without sending it. Written into the batch's
+/// record with its receipts, so that a start that accepts the batch from the broker's record
+/// keeps it too (without it, the checkpoint would pass an event recorded nowhere: found by the
+/// simulator's `txn_lost`, seed 1 trace 431).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Kept {
-    /// Refused by the broker for good: quarantined with the reason, its aggregate held.
-    Quarantined { event: OutboxEvent, reason: String },
-    /// Of an aggregate that is held: waits for the operator's release.
-    Held(OutboxEvent),
+pub struct Kept {
+    pub event_id: Uuid,
+    pub aggregate: AggKey,
+    pub version: i64,
+    /// `Some(reason)`: refused by the broker for good, quarantined with the reason, its
+    /// aggregate held from this version. `None`: of an aggregate that is held; it waits for
+    /// the operator's release.
+    pub quarantined: Option<String>,
+}
+
+impl Kept {
+    fn of(event: &OutboxEvent, quarantined: Option<String>) -> Kept {
+        Kept {
+            event_id: event.event_id,
+            aggregate: key_of(event),
+            version: event.aggregate_version,
+            quarantined,
+        }
+    }
 }
 
 /// A batch the broker recorded as committed, as the start reads it back (the batch record in
@@ -69,6 +86,8 @@ pub struct Recorded {
     pub through: Lsn,
     /// Every event of the batch where the broker stored it.
     pub receipts: Vec<TxnReceipt>,
+    /// What the batch keeps without sending it.
+    pub kept: Vec<Kept>,
     /// Where the record is stored.
     pub record: RecordPosition,
 }
@@ -82,11 +101,14 @@ pub enum TxnStep {
     /// Send `event` inside the open transaction; its delivery report comes back with `token`.
     Send { token: u64, event: OutboxEvent },
     /// Commit the open transaction with its batch record (written into the positions topic
-    /// inside it): `receipts` and `through` as given. Answer with [`TxnCore::on_committed`].
+    /// inside it): `receipts`, `kept` and `through` as given. A batch that sends nothing but
+    /// keeps events commits a transaction with its record alone. Answer with
+    /// [`TxnCore::on_committed`].
     Commit {
         batch: u64,
         through: Lsn,
         receipts: Vec<TxnReceipt>,
+        kept: Vec<Kept>,
     },
     /// Abort the open transaction. Answer with [`TxnCore::on_aborted`].
     Abort { batch: u64 },
@@ -96,8 +118,8 @@ pub enum TxnStep {
     Settle { batch: u64 },
     /// Accept in the ledger, in one transaction and in batch order: the receipts, what the
     /// batch keeps without sending, the checkpoint `through`, and where the broker stores the
-    /// batch's record (`None` for a batch that sent nothing). Answer with
-    /// [`TxnCore::on_accepted`].
+    /// batch's record (`None` for a batch of stream commits alone, which holds no event and
+    /// needs no transaction). Answer with [`TxnCore::on_accepted`].
     Accept {
         batch: u64,
         receipts: Vec<TxnReceipt>,
@@ -184,12 +206,14 @@ pub struct TxnCore<P: Plant = Shipped> {
     /// Stream commits not covered by a batch yet: (events admitted before it, its end LSN).
     commits: VecDeque<(u64, Lsn)>,
     open: Option<Open>,
+    /// Decided to be kept (an aborted transaction's quarantined and held events), for the next
+    /// batch's record.
+    pending_kept: Vec<Kept>,
     /// Batches whose acceptance was asked and not answered, in order: (batch, through).
     accepting: VecDeque<(u64, Lsn)>,
     durable: Lsn,
-    /// Held aggregates, from this version on (an aggregate the ledger holds: from 0; one whose
-    /// event was refused for good in this run: from that event's version, so that its earlier
-    /// versions in the same aborted batch are still sent).
+    /// Held aggregates, from this version on (their blocking event's: its earlier versions in
+    /// the same aborted batch, or read again, are still sent).
     held: HashMap<AggKey, i64>,
     steps: VecDeque<TxnStep>,
     stopped: bool,
@@ -197,8 +221,9 @@ pub struct TxnCore<P: Plant = Shipped> {
 
 impl TxnCore<Shipped> {
     /// The core of a run that starts at the ledger's checkpoint `durable`, after the ledger's
-    /// last accepted batch `last_batch`, with the aggregates the ledger holds.
-    pub fn new(batch_size: usize, durable: Lsn, last_batch: u64, held: Vec<AggKey>) -> Self {
+    /// last accepted batch `last_batch`, with the aggregates the ledger holds and the version
+    /// each is held from (its blocking event's).
+    pub fn new(batch_size: usize, durable: Lsn, last_batch: u64, held: Vec<(AggKey, i64)>) -> Self {
         TxnCore::planted(Shipped, batch_size, durable, last_batch, held)
     }
 }
@@ -210,7 +235,7 @@ impl<P: Plant> TxnCore<P> {
         batch_size: usize,
         durable: Lsn,
         last_batch: u64,
-        held: Vec<AggKey>,
+        held: Vec<(AggKey, i64)>,
     ) -> Self {
         TxnCore {
             plant,
@@ -221,9 +246,10 @@ impl<P: Plant> TxnCore<P> {
             queue: VecDeque::new(),
             commits: VecDeque::new(),
             open: None,
+            pending_kept: Vec::new(),
             accepting: VecDeque::new(),
             durable,
-            held: held.into_iter().map(|k| (k, i64::MIN)).collect(),
+            held: held.into_iter().collect(),
             steps: VecDeque::new(),
             stopped: false,
         }
@@ -242,6 +268,7 @@ impl<P: Plant> TxnCore<P> {
     /// Events admitted and not yet in an accepted batch, nor in one being accepted.
     pub fn unfinished(&self) -> usize {
         self.queue.len()
+            + self.pending_kept.len()
             + self
                 .open
                 .as_ref()
@@ -262,7 +289,9 @@ impl<P: Plant> TxnCore<P> {
             return;
         }
         for r in recorded {
-            if r.batch < self.next_batch {
+            let skipped =
+                self.plant.planted(Mutant::TxnSkipsFirstRecord) && r.batch == self.next_batch;
+            if r.batch < self.next_batch || skipped {
                 continue; // accepted already
             }
             self.next_batch = r.batch + 1;
@@ -270,7 +299,7 @@ impl<P: Plant> TxnCore<P> {
             self.steps.push_back(TxnStep::Accept {
                 batch: r.batch,
                 receipts: r.receipts,
-                kept: Vec::new(),
+                kept: r.kept,
                 through: r.through,
                 record: Some(r.record),
             });
@@ -318,7 +347,7 @@ impl<P: Plant> TxnCore<P> {
             self.commits.pop_front();
         }
         let through = covers.last().map_or(self.last_through(), |c| c.1);
-        if take == 0 && covers.is_empty() {
+        if take == 0 && covers.is_empty() && self.pending_kept.is_empty() {
             return;
         }
         let batch = self.next_batch;
@@ -326,7 +355,7 @@ impl<P: Plant> TxnCore<P> {
         let mut open = Open {
             batch,
             sent: Vec::new(),
-            kept: Vec::new(),
+            kept: std::mem::take(&mut self.pending_kept),
             covers,
             through,
             reported: 0,
@@ -338,7 +367,7 @@ impl<P: Plant> TxnCore<P> {
         for q in self.queue.drain(..take) {
             let held_from = self.held.get(&key_of(&q.event));
             if held_from.is_some_and(|v| q.event.aggregate_version >= *v) {
-                open.kept.push(Kept::Held(q.event));
+                open.kept.push(Kept::of(&q.event, None));
                 continue;
             }
             let token = self.next_token;
@@ -349,19 +378,30 @@ impl<P: Plant> TxnCore<P> {
             });
             open.sent.push((token, q, None));
         }
-        if sends.is_empty() {
-            // Nothing for the broker: the ledger alone records it.
+        if sends.is_empty() && open.kept.is_empty() {
+            // Stream commits alone: no event to record, the ledger moves the checkpoint. (Lost
+            // in a crash, it is only read again.)
             self.accepting.push_back((batch, through));
             self.steps.push_back(TxnStep::Accept {
                 batch,
                 receipts: Vec::new(),
-                kept: open.kept,
+                kept: Vec::new(),
                 through,
                 record: None,
             });
             return;
         }
         self.steps.push_back(TxnStep::Begin { batch });
+        if sends.is_empty() {
+            // Kept events alone: a transaction with the record only.
+            open.phase = OpenPhase::Committing;
+            self.steps.push_back(TxnStep::Commit {
+                batch,
+                through,
+                receipts: Vec::new(),
+                kept: open.kept.clone(),
+            });
+        }
         self.steps.extend(sends);
         self.open = Some(open);
     }
@@ -412,6 +452,7 @@ impl<P: Plant> TxnCore<P> {
                 batch: open.batch,
                 through: open.through,
                 receipts,
+                kept: open.kept.clone(),
             });
         }
     }
@@ -498,8 +539,8 @@ impl<P: Plant> TxnCore<P> {
 
     /// Nothing of the transaction is visible: its events go back in front of the queue, in
     /// order, and the stream commits it covered with them; one refused for good is
-    /// quarantined instead and its aggregate held (what follows of it is kept held by the
-    /// next batch).
+    /// quarantined instead and its aggregate held from its version. What it kept, and those
+    /// quarantines, go into the next batch's record.
     fn aborted(&mut self) {
         let open = self.open.take().expect("an open transaction");
         if self.plant.planted(Mutant::TxnAcceptsAborted) {
@@ -513,41 +554,28 @@ impl<P: Plant> TxnCore<P> {
                 record: None,
             });
         }
-        let mut kept = open.kept;
+        self.pending_kept.extend(open.kept);
         let mut again = Vec::with_capacity(open.sent.len());
         for (token, q, _) in open.sent {
             match open.refused.iter().find(|r| r.0 == token) {
                 Some((_, reason)) => {
                     let from = self.held.entry(key_of(&q.event)).or_insert(i64::MAX);
                     *from = (*from).min(q.event.aggregate_version);
-                    kept.push(Kept::Quarantined {
-                        event: q.event,
-                        reason: reason.clone(),
-                    });
+                    self.pending_kept
+                        .push(Kept::of(&q.event, Some(reason.clone())));
                 }
                 None => again.push(q),
             }
         }
-        for q in again.into_iter().rev() {
-            self.queue.push_front(q);
+        if self.plant.planted(Mutant::TxnRequeuesAtBack) {
+            self.queue.extend(again);
+        } else {
+            for q in again.into_iter().rev() {
+                self.queue.push_front(q);
+            }
         }
         for c in open.covers.into_iter().rev() {
             self.commits.push_front(c);
-        }
-        if !kept.is_empty() {
-            // Recorded on their own, at the checkpoint already asked for: the events queued
-            // again are not past it.
-            let batch = self.next_batch;
-            self.next_batch += 1;
-            let through = self.last_through();
-            self.accepting.push_back((batch, through));
-            self.steps.push_back(TxnStep::Accept {
-                batch,
-                receipts: Vec::new(),
-                kept,
-                through,
-                record: None,
-            });
         }
     }
 

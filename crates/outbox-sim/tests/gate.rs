@@ -51,6 +51,22 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.migrations > 100 && c.migrations_refused > 10, "{c:?}");
     assert!(c.purges > 100, "{c:?}");
     assert!(c.receipt_rollbacks > 10, "{c:?}");
+    // A quarter of the traces also run a relay in exactly-once mode (`world/txn.rs`): no
+    // event a committed reader sees twice, none lost, all in order, every receipt at its
+    // event's committed position, every committed batch accepted; and its faults met traffic.
+    assert_eq!(c.txn_seen_twice, 0);
+    assert_eq!(c.txn_lost, 0);
+    assert_eq!(c.txn_order_violations, 0);
+    assert_eq!(c.txn_receipt_mismatch, 0);
+    assert_eq!(c.txn_unaccepted, 0);
+    assert!(c.txn_traces > 300, "{c:?}");
+    assert!(
+        c.txn_aborts > 100
+            && c.txn_unknown_commits > 30
+            && c.txn_recovered > 100
+            && c.txn_fenced > 100,
+        "{c:?}"
+    );
     // A quarter of the traces run the relay in poll mode.
     assert!(c.poll_traces > 300 && c.poll_events > 10_000, "{c:?}");
     // A quarter of the CDC traces whose slot is never lost write some aggregates plainly
@@ -136,7 +152,9 @@ fn a_trace_replays_alone_and_identically() {
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
 /// bug-fleet-no-evening, fleet-abort-keeps-lease, bug-sends-found-event, resends-answered-event,
 /// bug-ignores-resolved-meanwhile, no-settle, bug-unknown-only-at-start,
-/// bug-end-run-on-unclear, fresh-by-commit, numbering-not-kept and bug-numbering-log-not-folded
+/// bug-end-run-on-unclear, fresh-by-commit, numbering-not-kept, bug-numbering-log-not-folded
+/// and exactly-once mode's txn-ignores-records, txn-unknown-is-aborted, txn-through-past-batch,
+/// txn-accepts-aborted, txn-replays-accepted, txn-skips-first-record and txn-requeues-at-back
 /// (the list `PRODUCT` below). In two tests, so that they run on two
 /// threads.
 #[test]
@@ -181,6 +199,13 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::FreshByCommit,
         Mutant::NumberingNotKept,
         Mutant::BugNumberingLogNotFolded,
+        Mutant::TxnIgnoresRecords,
+        Mutant::TxnUnknownIsAborted,
+        Mutant::TxnThroughPastBatch,
+        Mutant::TxnAcceptsAborted,
+        Mutant::TxnReplaysAccepted,
+        Mutant::TxnSkipsFirstRecord,
+        Mutant::TxnRequeuesAtBack,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -329,6 +354,31 @@ fn every_mutant_is_caught(product: bool) {
         ),
         (Mutant::BugReleaseReadsPlainRows, &[("lost", |c| c.lost)]),
         (
+            Mutant::TxnIgnoresRecords,
+            &[("txn_seen_twice", |c| c.txn_seen_twice)],
+        ),
+        (
+            Mutant::TxnUnknownIsAborted,
+            &[("txn_seen_twice", |c| c.txn_seen_twice)],
+        ),
+        (Mutant::TxnThroughPastBatch, &[("txn_lost", |c| c.txn_lost)]),
+        (
+            Mutant::TxnAcceptsAborted,
+            &[("txn_receipt_mismatch", |c| c.txn_receipt_mismatch)],
+        ),
+        (
+            Mutant::TxnReplaysAccepted,
+            &[("txn_seen_twice", |c| c.txn_seen_twice)],
+        ),
+        (
+            Mutant::TxnSkipsFirstRecord,
+            &[("txn_unaccepted", |c| c.txn_unaccepted)],
+        ),
+        (
+            Mutant::TxnRequeuesAtBack,
+            &[("txn_order_violations", |c| c.txn_order_violations)],
+        ),
+        (
             Mutant::NumberingWithoutWrittenVersions,
             &[("plain_version_wrong", |c| c.plain_version_wrong)],
         ),
@@ -404,6 +454,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 569, Mutant::BugIgnoresResolvedMeanwhile),
         (1, 8075, Mutant::BugRoundForgetsParked),
         (1, 4, Mutant::BugLookUpBesideReconciliation),
+        (7, 33528, Mutant::BugSendsFoundEvent),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

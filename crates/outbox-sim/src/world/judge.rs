@@ -143,6 +143,19 @@ pub struct Counts {
     pub fleet_unserved: u64,
     /// Fleets: a member that resumed or joined and streamed less than its share 10 s later.
     pub fleet_share_not_returned: u64,
+    /// Exactly-once mode (`world/txn.rs`): copies of an event a `read_committed` consumer
+    /// sees beyond the first.
+    pub txn_seen_twice: u64,
+    /// Exactly-once mode: events neither visible to a `read_committed` consumer nor kept by
+    /// the ledger (quarantined, or held behind a quarantined one).
+    pub txn_lost: u64,
+    /// Exactly-once mode: an aggregate's versions out of order for a committed reader.
+    pub txn_order_violations: u64,
+    /// Exactly-once mode: receipts whose position does not hold their event in a committed
+    /// transaction.
+    pub txn_receipt_mismatch: u64,
+    /// Exactly-once mode: batches the broker committed that the ledger never accepted.
+    pub txn_unaccepted: u64,
     /// Acceptance batches proven new to the slot by their positions
     /// (`outbox_core::receipt::proved_new`) that held an event with a primary receipt: the
     /// plain insert's proof was wrong (the entries' key refuses it today; evidence per batch
@@ -241,6 +254,14 @@ pub struct Counts {
     pub fleet_handovers: u64,
     /// Simulated milliseconds from a member's SIGKILL to each of its shards streaming again.
     pub fleet_takeover: ResolutionTimes,
+    pub txn_traces: u64,
+    pub txn_commits: u64,
+    pub txn_aborts: u64,
+    pub txn_unknown_commits: u64,
+    /// Batches a start accepted from the broker's records instead of sending them again.
+    pub txn_recovered: u64,
+    pub txn_fenced: u64,
+    pub txn_kills: u64,
 }
 
 /// Simulated time a relay run must have held the lease before an aggregate that does not
@@ -271,6 +292,11 @@ impl Counts {
             + self.unknown_route_versions
             + self.fleet_unserved
             + self.fleet_share_not_returned
+            + self.txn_seen_twice
+            + self.txn_lost
+            + self.txn_order_violations
+            + self.txn_receipt_mismatch
+            + self.txn_unaccepted
             + self.fresh_proofs_wrong
             + self.plain_version_wrong
             + self.plain_rows_unreadable
@@ -351,6 +377,18 @@ impl Counts {
             stream_heads_above_receipts,
             fleet_unserved,
             fleet_share_not_returned,
+            txn_seen_twice,
+            txn_lost,
+            txn_order_violations,
+            txn_receipt_mismatch,
+            txn_unaccepted,
+            txn_traces,
+            txn_commits,
+            txn_aborts,
+            txn_unknown_commits,
+            txn_recovered,
+            txn_fenced,
+            txn_kills,
             fresh_proofs_wrong,
             plain_version_wrong,
             plain_rows_unreadable,
@@ -423,6 +461,11 @@ impl Counts {
                 "fleet_share_not_returned",
                 self.fleet_share_not_returned.to_string(),
             ),
+            ("txn_seen_twice", self.txn_seen_twice.to_string()),
+            ("txn_lost", self.txn_lost.to_string()),
+            ("txn_order_violations", self.txn_order_violations.to_string()),
+            ("txn_receipt_mismatch", self.txn_receipt_mismatch.to_string()),
+            ("txn_unaccepted", self.txn_unaccepted.to_string()),
             ("fresh_proofs_wrong", self.fresh_proofs_wrong.to_string()),
             ("plain_version_wrong", self.plain_version_wrong.to_string()),
             (
@@ -503,6 +546,19 @@ impl Counts {
                     self.fleet_kills,
                     self.fleet_pauses,
                     self.fleet_handovers
+                ),
+            ),
+            (
+                "txn_traces",
+                format!(
+                    "{} ({} SIGKILLs, {} commits, {} aborts, {} commits unknown, {} batches accepted from the broker's records, {} runs fenced)",
+                    self.txn_traces,
+                    self.txn_kills,
+                    self.txn_commits,
+                    self.txn_aborts,
+                    self.txn_unknown_commits,
+                    self.txn_recovered,
+                    self.txn_fenced
                 ),
             ),
             (

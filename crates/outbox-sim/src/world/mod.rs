@@ -247,6 +247,24 @@ pub enum Mutant {
     /// (migration 0043) is numbered from 1 again (`plain_version_wrong`). A model mutant of
     /// `outbox_ledger::numbering::versions_of`'s SQL.
     NumberingWithoutWrittenVersions,
+    /// Product mutant (`outbox_relay::txn`): the start of an exactly-once run accepts none of
+    /// the batches the broker recorded (`txn_seen_twice`).
+    TxnIgnoresRecords,
+    /// Product mutant: an unknown commit outcome is taken for aborted (`txn_seen_twice`).
+    TxnUnknownIsAborted,
+    /// Product mutant: a batch's checkpoint passes events it does not hold (`txn_lost`).
+    TxnThroughPastBatch,
+    /// Product mutant: an aborted transaction's events are accepted (`txn_receipt_mismatch`).
+    TxnAcceptsAborted,
+    /// Product mutant: an event read again with its receipt accepted is sent again
+    /// (`txn_seen_twice`).
+    TxnReplaysAccepted,
+    /// Product mutant: the start skips the first batch the broker recorded after the
+    /// ledger's last (`txn_unaccepted`).
+    TxnSkipsFirstRecord,
+    /// Product mutant: an aborted transaction's events are queued behind later ones
+    /// (`txn_order_violations`).
+    TxnRequeuesAtBack,
 }
 
 impl Mutant {
@@ -323,6 +341,13 @@ impl Mutant {
             "numbering-without-written-versions",
             Mutant::NumberingWithoutWrittenVersions,
         ),
+        ("txn-ignores-records", Mutant::TxnIgnoresRecords),
+        ("txn-unknown-is-aborted", Mutant::TxnUnknownIsAborted),
+        ("txn-through-past-batch", Mutant::TxnThroughPastBatch),
+        ("txn-accepts-aborted", Mutant::TxnAcceptsAborted),
+        ("txn-replays-accepted", Mutant::TxnReplaysAccepted),
+        ("txn-skips-first-record", Mutant::TxnSkipsFirstRecord),
+        ("txn-requeues-at-back", Mutant::TxnRequeuesAtBack),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {
@@ -656,6 +681,7 @@ mod consumer;
 mod fleet;
 mod judge;
 mod ledger;
+mod txn;
 
 use broker::{Msg, Report};
 use consumer::Consumer;
@@ -672,6 +698,14 @@ pub fn run_trace(seed: u64, trace: u64, mutant: Option<Mutant>, verbose: bool) -
     let log = verbose.then_some(&mut w.log);
     fleet::run(
         SplitMix64::for_trace(seed, trace).fork(7),
+        mutant,
+        &mut w.c,
+        log,
+    );
+    // Exactly-once mode, on a stream of its own as well.
+    let log = verbose.then_some(&mut w.log);
+    txn::run(
+        SplitMix64::for_trace(seed, trace).fork(8),
         mutant,
         &mut w.c,
         log,
