@@ -13,6 +13,9 @@
 //!   stream order; several versions of one aggregate may be in one transaction (a committed
 //!   reader sees all of it or nothing, and one partition keeps their order). The next
 //!   transaction begins only after this one committed or aborted, so batches commit in order.
+//! * **Only what this relay serves is sent**: an event frozen for another destination is
+//!   quarantined at its turn in a batch (`crate::route::check`, as in the default mode), and
+//!   its aggregate held ([`Mutant::RouteIgnoresCluster`]).
 //! * **A failed send aborts the whole transaction**, and its events are queued again in front,
 //!   in order, for the next one: nothing of an aborted transaction is ever accepted as a
 //!   receipt ([`Mutant::TxnAcceptsAborted`]). An event the broker refuses for good is
@@ -37,11 +40,12 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use outbox_core::delivery::RecordPosition;
+use outbox_core::delivery::{RecordPosition, Served};
 use outbox_core::{Lsn, OutboxEvent};
 use uuid::Uuid;
 
 use crate::pipeline::{key_of, AggKey, Mutant, Plant, Shipped};
+use crate::route;
 
 /// One event of a batch where the broker stored it. (The ledger builds the receipt from the
 /// event's row: the rows are immutable, so their digests are the ones the send computed.)
@@ -197,6 +201,7 @@ enum OpenPhase {
 #[derive(Debug)]
 pub struct TxnCore<P: Plant = Shipped> {
     plant: P,
+    served: Served,
     batch_size: usize,
     next_batch: u64,
     next_token: u64,
@@ -223,8 +228,14 @@ impl TxnCore<Shipped> {
     /// The core of a run that starts at the ledger's checkpoint `durable`, after the ledger's
     /// last accepted batch `last_batch`, with the aggregates the ledger holds and the version
     /// each is held from (its blocking event's).
-    pub fn new(batch_size: usize, durable: Lsn, last_batch: u64, held: Vec<(AggKey, i64)>) -> Self {
-        TxnCore::planted(Shipped, batch_size, durable, last_batch, held)
+    pub fn new(
+        served: Served,
+        batch_size: usize,
+        durable: Lsn,
+        last_batch: u64,
+        held: Vec<(AggKey, i64)>,
+    ) -> Self {
+        TxnCore::planted(Shipped, served, batch_size, durable, last_batch, held)
     }
 }
 
@@ -232,6 +243,7 @@ impl<P: Plant> TxnCore<P> {
     /// [`TxnCore::new`] with `plant` (the simulator's mutants).
     pub fn planted(
         plant: P,
+        served: Served,
         batch_size: usize,
         durable: Lsn,
         last_batch: u64,
@@ -239,6 +251,7 @@ impl<P: Plant> TxnCore<P> {
     ) -> Self {
         TxnCore {
             plant,
+            served,
             batch_size: batch_size.max(1),
             next_batch: last_batch + 1,
             next_token: 0,
@@ -364,10 +377,21 @@ impl<P: Plant> TxnCore<P> {
             phase: OpenPhase::Sending,
         };
         let mut sends = Vec::new();
-        for q in self.queue.drain(..take) {
-            let held_from = self.held.get(&key_of(&q.event));
+        let batch_events: Vec<Queued> = self.queue.drain(..take).collect();
+        for q in batch_events {
+            let key = key_of(&q.event);
+            let held_from = self.held.get(&key);
             if held_from.is_some_and(|v| q.event.aggregate_version >= *v) {
                 open.kept.push(Kept::of(&q.event, None));
+                continue;
+            }
+            // The route check, as the default mode's at its aggregate's turn: an event frozen
+            // for a destination this relay does not serve is quarantined in the batch's
+            // record, and its aggregate held from it (what follows of it in this batch too).
+            if let Err(refusal) = self.route_check(&q.event) {
+                let from = self.held.entry(key).or_insert(i64::MAX);
+                *from = (*from).min(q.event.aggregate_version);
+                open.kept.push(Kept::of(&q.event, Some(refusal.reason)));
                 continue;
             }
             let token = self.next_token;
@@ -404,6 +428,15 @@ impl<P: Plant> TxnCore<P> {
         }
         self.steps.extend(sends);
         self.open = Some(open);
+    }
+
+    fn route_check(&self, event: &OutboxEvent) -> Result<(), route::Refusal> {
+        if self.plant.planted(Mutant::RouteIgnoresCluster) {
+            let mut any = self.served.clone();
+            any.clusters.push(event.destination.cluster.clone());
+            return route::check(event, &any);
+        }
+        route::check(event, &self.served)
     }
 
     /// The checkpoint the last batch asked for (accepted or not), or the durable one.

@@ -1,6 +1,6 @@
 use super::*;
 use crate::pipeline::Planted;
-use crate::testing::event;
+use crate::testing::{event, event_for, served};
 
 fn steps<P: Plant>(c: &mut TxnCore<P>) -> Vec<TxnStep> {
     std::iter::from_fn(|| c.poll_step()).collect()
@@ -42,7 +42,7 @@ fn three<P: Plant>(c: &mut TxnCore<P>) -> Vec<OutboxEvent> {
 
 #[test]
 fn a_batch_is_one_transaction_with_every_version_in_flight_then_committed_and_accepted() {
-    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
     three(&mut c);
     c.flush();
     let s = steps(&mut c);
@@ -71,7 +71,7 @@ fn a_batch_is_one_transaction_with_every_version_in_flight_then_committed_and_ac
 
 #[test]
 fn one_failed_send_aborts_the_transaction_and_the_whole_batch_goes_again_in_order() {
-    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -89,7 +89,7 @@ fn one_failed_send_aborts_the_transaction_and_the_whole_batch_goes_again_in_orde
 
 #[test]
 fn an_event_refused_for_good_is_quarantined_and_what_follows_of_its_aggregate_is_held() {
-    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -133,7 +133,13 @@ fn an_event_refused_for_good_is_quarantined_and_what_follows_of_its_aggregate_is
 
 #[test]
 fn a_batch_that_only_keeps_events_commits_its_record_alone() {
-    let mut c = TxnCore::new(10, Lsn(10), 0, vec![(("order".into(), "a".into()), 1)]);
+    let mut c = TxnCore::new(
+        served(),
+        10,
+        Lsn(10),
+        0,
+        vec![(("order".into(), "a".into()), 1)],
+    );
     three(&mut c);
     c.flush();
     let s = steps(&mut c);
@@ -149,7 +155,7 @@ fn a_batch_that_only_keeps_events_commits_its_record_alone() {
 #[test]
 fn an_unknown_commit_is_settled_by_the_broker_not_sent_again() {
     for committed in [true, false] {
-        let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+        let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
         three(&mut c);
         c.flush();
         steps(&mut c);
@@ -178,7 +184,7 @@ fn an_unknown_commit_is_settled_by_the_broker_not_sent_again() {
 
 #[test]
 fn the_checkpoint_stops_before_a_stream_transaction_the_batch_splits() {
-    let mut c = TxnCore::new(2, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::new(served(), 2, Lsn(10), 0, vec![]);
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -199,7 +205,7 @@ fn the_checkpoint_stops_before_a_stream_transaction_the_batch_splits() {
 
 #[test]
 fn a_start_accepts_what_the_broker_recorded_and_skips_events_with_receipts() {
-    let mut c = TxnCore::new(10, Lsn(10), 4, vec![]);
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 4, vec![]);
     let id = uuid::Uuid::now_v7();
     let recorded = |batch| Recorded {
         batch,
@@ -238,7 +244,7 @@ fn a_start_accepts_what_the_broker_recorded_and_skips_events_with_receipts() {
 
 #[test]
 fn fenced_stops_everything() {
-    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -252,7 +258,7 @@ fn fenced_stops_everything() {
 
 #[test]
 fn stream_commits_without_events_move_the_checkpoint_without_a_transaction() {
-    let mut c = TxnCore::new(10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
     c.stream_commit(Lsn(20));
     c.flush();
     let s = steps(&mut c);
@@ -275,7 +281,14 @@ fn each_mutant_changes_its_decision() {
         mutant: Some(m),
         current_route: None,
     };
-    let mut c = TxnCore::planted(planted(Mutant::TxnIgnoresRecords), 10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::planted(
+        planted(Mutant::TxnIgnoresRecords),
+        served(),
+        10,
+        Lsn(10),
+        0,
+        vec![],
+    );
     c.recover(vec![Recorded {
         batch: 1,
         through: Lsn(20),
@@ -285,12 +298,26 @@ fn each_mutant_changes_its_decision() {
     }]);
     assert!(steps(&mut c).is_empty());
 
-    let mut c = TxnCore::planted(planted(Mutant::TxnReplaysAccepted), 10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::planted(
+        planted(Mutant::TxnReplaysAccepted),
+        served(),
+        10,
+        Lsn(10),
+        0,
+        vec![],
+    );
     c.admit(event("a", 1), true);
     c.flush();
     assert_eq!(sends(&steps(&mut c)).len(), 1);
 
-    let mut c = TxnCore::planted(planted(Mutant::TxnThroughPastBatch), 2, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::planted(
+        planted(Mutant::TxnThroughPastBatch),
+        served(),
+        2,
+        Lsn(10),
+        0,
+        vec![],
+    );
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -304,7 +331,14 @@ fn each_mutant_changes_its_decision() {
         }]
     ));
 
-    let mut c = TxnCore::planted(planted(Mutant::TxnAcceptsAborted), 10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::planted(
+        planted(Mutant::TxnAcceptsAborted),
+        served(),
+        10,
+        Lsn(10),
+        0,
+        vec![],
+    );
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -317,7 +351,14 @@ fn each_mutant_changes_its_decision() {
         matches!(&steps(&mut c)[..], [TxnStep::Accept { receipts, .. }] if receipts.len() == 2)
     );
 
-    let mut c = TxnCore::planted(planted(Mutant::TxnUnknownIsAborted), 10, Lsn(10), 0, vec![]);
+    let mut c = TxnCore::planted(
+        planted(Mutant::TxnUnknownIsAborted),
+        served(),
+        10,
+        Lsn(10),
+        0,
+        vec![],
+    );
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -329,4 +370,38 @@ fn each_mutant_changes_its_decision() {
     assert!(steps(&mut c).is_empty());
     c.flush();
     assert_eq!(sends(&steps(&mut c)).len(), 3);
+}
+
+#[test]
+fn an_event_frozen_for_another_cluster_is_quarantined_in_the_record_never_sent() {
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+    c.admit(event_for("a", 1, "c1"), false);
+    c.admit(event_for("a", 2, "elsewhere"), false);
+    c.admit(event_for("a", 3, "c1"), false);
+    c.admit(event_for("b", 1, "c1"), false);
+    c.stream_commit(Lsn(20));
+    c.flush();
+    let s = steps(&mut c);
+    assert_eq!(sends(&s).len(), 2, "a v1 and b v1: {s:?}");
+    for (t, _) in sends(&s) {
+        c.on_report(t, stored(t as i64));
+    }
+    let s = steps(&mut c);
+    let [TxnStep::Commit { kept, .. }] = &s[..] else {
+        panic!("{s:?}");
+    };
+    let kept: Vec<_> = kept
+        .iter()
+        .map(|k| (k.version, k.quarantined.is_some()))
+        .collect();
+    assert_eq!(kept, [(2, true), (3, false)]);
+
+    let planted = Planted {
+        mutant: Some(Mutant::RouteIgnoresCluster),
+        current_route: None,
+    };
+    let mut c = TxnCore::planted(planted, served(), 10, Lsn(10), 0, vec![]);
+    c.admit(event_for("a", 1, "elsewhere"), false);
+    c.flush();
+    assert_eq!(sends(&steps(&mut c)).len(), 1, "the mutant sends it");
 }

@@ -18,6 +18,8 @@
 //! * `txn_order_violations` — an aggregate's versions out of order for that consumer;
 //! * `txn_receipt_mismatch` — a receipt whose position does not hold its event in a committed
 //!   transaction;
+//! * `cross_destination_retries` (the event world's counter) — a send of an event frozen for
+//!   a cluster this relay does not serve;
 //! * `txn_unaccepted` — a batch the broker committed whose receipts (at its positions) and
 //!   kept events the ledger does not hold.
 
@@ -29,7 +31,7 @@ use outbox_relay::txn::{CommitOutcome, Kept, Recorded, TxnCore, TxnReceipt, TxnR
 use outbox_relay::Planted;
 use uuid::Uuid;
 
-use super::{Counts, Mutant};
+use super::{served, Counts, Mutant, SERVED_CLUSTER};
 use crate::rng::SplitMix64;
 
 const AGGREGATES: u64 = 4;
@@ -45,6 +47,7 @@ fn product_mutant(m: Mutant) -> Option<outbox_relay::Mutant> {
         Mutant::TxnReplaysAccepted => Some(outbox_relay::Mutant::TxnReplaysAccepted),
         Mutant::TxnSkipsFirstRecord => Some(outbox_relay::Mutant::TxnSkipsFirstRecord),
         Mutant::TxnRequeuesAtBack => Some(outbox_relay::Mutant::TxnRequeuesAtBack),
+        Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
         _ => None,
     }
 }
@@ -208,12 +211,19 @@ impl Txn<'_> {
                 versions[agg as usize] += 1;
                 let id = Uuid::from_u64_pair(self.rng.next_u64(), self.rng.next_u64());
                 let aggregate_id = format!("t-{agg}");
+                // Now and then frozen for a cluster this relay does not serve: quarantined,
+                // never sent (the route check).
+                let cluster = if self.rng.chance(30) {
+                    "B"
+                } else {
+                    SERVED_CLUSTER
+                };
                 let ev = OutboxEvent::frozen(
                     id,
                     ("order", &aggregate_id, versions[agg as usize]),
                     "order.changed",
                     bytes::Bytes::from_static(b"{}"),
-                    Destination::kafka("A", "outbox.order", &aggregate_id),
+                    Destination::kafka(cluster, "outbox.order", &aggregate_id),
                 );
                 self.by_id.insert(id, self.events.len());
                 ids.push(self.events.len());
@@ -322,6 +332,7 @@ impl Txn<'_> {
             .collect();
         let core = TxnCore::planted(
             self.plant.clone(),
+            served(),
             self.batch_size,
             self.ledger.checkpoint,
             self.ledger.last_batch,
@@ -429,6 +440,15 @@ impl Txn<'_> {
         let Some(txn) = self.broker.open(self.relays[i].txn, self.relays[i].epoch) else {
             return TxnReport::Fenced;
         };
+        if self.events[e].ev.destination.cluster != SERVED_CLUSTER {
+            // The producer reaches the served cluster only: a send of an event frozen for
+            // another one lands on the served cluster's topic of that name.
+            self.say(format!(
+                "CROSS-CLUSTER send of {}",
+                self.events[e].ev.event_id
+            ));
+            self.c.cross_destination_retries += 1;
+        }
         if self.events[e].poison {
             return TxnReport::Failed {
                 permanent: Some("message too large".into()),
