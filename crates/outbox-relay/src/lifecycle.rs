@@ -319,6 +319,83 @@ impl CdcStart {
     }
 }
 
+/// How a run ends ([`RunEnd`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Something ended it (the lease lost, the stream broken, an error): the answers the
+    /// broker already gave are evidence worth keeping, so they are recorded, within a grace
+    /// period; nothing more is sent and the checkpoint does not move (the run may no longer
+    /// hold the lease).
+    Salvage,
+    /// An operator asked it to stop: outstanding reports are awaited within a bound, the last
+    /// batch is accepted with its checkpoint, and the slot is confirmed up to it.
+    Stop,
+}
+
+/// What an ending run does next ([`RunEnd::next`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndStep {
+    /// Wait for one delivery report and hand it to the core, unless the grace period is over
+    /// (then tell [`RunEnd::grace_over`]).
+    AwaitReport,
+    /// Accept the batch; with its checkpoint when `track`.
+    Accept { track: bool },
+    /// Send the standby status that confirms the durable checkpoint to the slot.
+    Confirm,
+    /// The run is over.
+    Done,
+}
+
+/// The end of a run, in the order the daemon (`salvage_after`, `drain_and_stop`) and the
+/// simulator (`World::salvage`) execute it.
+#[derive(Debug, Clone)]
+pub struct RunEnd {
+    ending: Ending,
+    grace_over: bool,
+    accepted: bool,
+    confirmed: bool,
+}
+
+impl RunEnd {
+    /// Begins ending a run as `ending` says; a salvage tells the core, which then sends
+    /// nothing more.
+    pub fn new<P: Plant>(ending: Ending, core: &mut PipelineCore<P>) -> Self {
+        if ending == Ending::Salvage {
+            core.begin_salvage();
+        }
+        RunEnd {
+            ending,
+            grace_over: false,
+            accepted: false,
+            confirmed: false,
+        }
+    }
+
+    /// The time allowed for outstanding reports is over (or no report can come any more):
+    /// what is still in flight stays unrecorded, and the next run sends it again.
+    pub fn grace_over(&mut self) {
+        self.grace_over = true;
+    }
+
+    /// The next step, after the ones returned before were done.
+    pub fn next<P: Plant>(&mut self, core: &PipelineCore<P>) -> EndStep {
+        if !self.grace_over && core.in_flight() > 0 {
+            return EndStep::AwaitReport;
+        }
+        if !self.accepted {
+            self.accepted = true;
+            return EndStep::Accept {
+                track: self.ending == Ending::Stop,
+            };
+        }
+        if self.ending == Ending::Stop && !self.confirmed {
+            self.confirmed = true;
+            return EndStep::Confirm;
+        }
+        EndStep::Done
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -557,5 +634,32 @@ mod tests {
         assert_eq!(fatal.after_error(false, ms(0)), AfterError::Stop);
         standby.took_over();
         assert_eq!(standby.after_error(true, ms(0)), AfterError::Stop);
+    }
+
+    #[test]
+    fn a_salvage_records_reports_within_its_grace_and_never_moves_the_checkpoint() {
+        let mut c = crate::testing::core();
+        let sent = crate::testing::admit_txn(&mut c, &[crate::testing::event("a", 1)], 10);
+        let mut end = RunEnd::new(Ending::Salvage, &mut c);
+        assert_eq!(end.next(&c), EndStep::AwaitReport);
+        c.on_report(
+            crate::testing::persisted(crate::testing::token(&sent[0]), 0),
+            crate::testing::now(0),
+        )
+        .unwrap();
+        assert_eq!(end.next(&c), EndStep::Accept { track: false });
+        assert_eq!(end.next(&c), EndStep::Done, "a salvage confirms nothing");
+    }
+
+    #[test]
+    fn a_stop_past_its_grace_accepts_with_the_checkpoint_and_confirms() {
+        let mut c = crate::testing::core();
+        crate::testing::admit_txn(&mut c, &[crate::testing::event("a", 1)], 10);
+        let mut end = RunEnd::new(Ending::Stop, &mut c);
+        assert_eq!(end.next(&c), EndStep::AwaitReport);
+        end.grace_over();
+        assert_eq!(end.next(&c), EndStep::Accept { track: true });
+        assert_eq!(end.next(&c), EndStep::Confirm);
+        assert_eq!(end.next(&c), EndStep::Done);
     }
 }

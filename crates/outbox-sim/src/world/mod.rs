@@ -22,7 +22,9 @@ use outbox_core::receipt::{self, Digests, ReceiptClass, Scan, StreamPosition};
 use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState, ReceiptRecord};
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
-use outbox_relay::lifecycle::{CdcStart, CdcStep, RunStart, SlotStart, StartStep};
+use outbox_relay::lifecycle::{
+    CdcStart, CdcStep, EndStep, Ending, RunEnd, RunStart, SlotStart, StartStep,
+};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
@@ -515,6 +517,8 @@ struct Relay {
     /// The new lease holder terminated this run's walsender.
     stream_cut: bool,
     salvaging: bool,
+    /// A salvaging run's end, in the core's order (`lifecycle::RunEnd`).
+    end: Option<RunEnd>,
     /// The product's decisions: gate, ack tracker, in-flight bookkeeping, batch.
     core: PipelineCore<Planted>,
     /// Next WAL transaction to stream.
@@ -1049,34 +1053,52 @@ impl World {
             self.relays[i].gen
         );
         self.relays[i].salvaging = true;
-        self.relays[i].core.begin_salvage();
+        let end = RunEnd::new(Ending::Salvage, &mut self.relays[i].core);
+        self.relays[i].end = Some(end);
         // Salvage waits for delivery reports only: the answers of running look-ups are lost
         // with the run (their attempts stay open for the next start).
         self.relays[i].lookups.clear();
     }
 
-    /// `Pipeline::salvage`: record what the broker already confirmed, send nothing, do not move
-    /// the checkpoint. Outstanding reports arrive within the grace period, or not at all.
+    /// `Pipeline::end_run` for a salvage, in the core's order (`lifecycle::RunEnd`): record
+    /// what the broker already confirmed, send nothing, do not move the checkpoint.
+    /// Outstanding reports arrive within the grace period, or not at all. A paused run goes on
+    /// when it resumes.
     fn salvage(&mut self, i: usize) {
-        while !self.relays[i].in_flight.is_empty() && !self.relays[i].paused {
-            if self.faults && self.rng.chance(150) {
-                break; // grace period over
+        while !self.relays[i].paused {
+            let r = &mut self.relays[i];
+            let end = r.end.as_mut().expect("a salvaging run has its end");
+            match end.next(&r.core) {
+                EndStep::AwaitReport if r.in_flight.is_empty() => end.grace_over(),
+                EndStep::AwaitReport => {
+                    if self.faults && self.rng.chance(150) {
+                        // The grace period is over.
+                        let end = self.relays[i].end.as_mut().expect("checked");
+                        end.grace_over();
+                        continue;
+                    }
+                    let token = self.relays[i].in_flight[0].token;
+                    if self.on_report(i, token).is_err() {
+                        log!(self, "salvage stopped by an error");
+                        self.relays.remove(i);
+                        return;
+                    }
+                    if self.relays[i].killed {
+                        self.relays.remove(i);
+                        return;
+                    }
+                }
+                EndStep::Accept { track } => {
+                    let _ = self.flush(i, track);
+                }
+                // A salvage confirms nothing.
+                EndStep::Confirm => {}
+                EndStep::Done => {
+                    log!(self, "relay gen {} ended", self.relays[i].gen);
+                    self.relays.remove(i);
+                    return;
+                }
             }
-            let token = self.relays[i].in_flight[0].token;
-            if self.on_report(i, token).is_err() {
-                log!(self, "salvage stopped by an error");
-                self.relays.remove(i);
-                return;
-            }
-            if self.relays[i].killed {
-                self.relays.remove(i);
-                return;
-            }
-        }
-        if !self.relays[i].paused {
-            let _ = self.flush(i, false);
-            log!(self, "relay gen {} ended", self.relays[i].gen);
-            self.relays.remove(i);
         }
     }
 
@@ -1628,6 +1650,7 @@ impl World {
             paused: false,
             stream_cut: false,
             salvaging: false,
+            end: None,
             core,
             cursor,
             in_flight: Vec::new(),

@@ -52,7 +52,7 @@ use tracing::Instrument;
 
 use crate::config::{redact_url, RelayConfig};
 use outbox_relay::lifecycle::{
-    self, AfterError, CdcStart, CdcStep, Restarts, RunStart, SlotStart, StartStep,
+    self, AfterError, CdcStart, CdcStep, Ending, Restarts, RunStart, SlotStart, StartStep,
 };
 use outbox_relay::schedule::{self, Schedule};
 use pipeline::Pipeline;
@@ -788,7 +788,11 @@ async fn salvage_after(
     result: Result<(), RelayError>,
 ) -> Result<(), RelayError> {
     if let Err(e) = &result {
-        if let Some(secondary) = pipeline.salvage(progress, SALVAGE_GRACE).await {
+        let deadline = tokio::time::Instant::now() + SALVAGE_GRACE;
+        if let Err(secondary) = pipeline
+            .end_run(Ending::Salvage, deadline, None, progress)
+            .await
+        {
             tracing::debug!(error = %secondary, first = %e, "could not record outstanding receipts");
         }
     }
@@ -991,7 +995,7 @@ fn load_of(pipeline: &Pipeline, since: impl Fn(Instant) -> Duration) -> schedule
 /// [`outbox_relay::schedule::standby_status`]): `flush` is the checkpoint the ledger
 /// committed together with the receipts that justify it, which the core learns only after
 /// that transaction's COMMIT ([`outbox_relay::PipelineCore::checkpoint_committed`]).
-async fn confirm(
+pub(super) async fn confirm(
     stream: &mut outbox_source::transport::ReplicationStream,
     core: &outbox_relay::PipelineCore,
 ) -> Result<(), RelayError> {
@@ -1131,23 +1135,19 @@ async fn take_over_slot(sql: &Client, slot_name: &str, fence: &Fence) -> Result<
 /// How often the relay looks for holds an operator released.
 const RELEASE_POLL: Duration = Duration::from_secs(1);
 
-/// Graceful stop: wait (bounded) for outstanding delivery reports, accept them, confirm.
+/// Graceful stop: wait (bounded) for outstanding delivery reports, accept them, confirm
+/// (`Pipeline::end_run`).
 async fn drain_and_stop(
     pipeline: &mut Pipeline,
     stream: &mut outbox_source::transport::ReplicationStream,
     progress: &Progress,
 ) -> Result<(), RelayError> {
     crate::failpoint::hang("before-stop-drain").await;
-    let deadline = Instant::now() + pipeline.sink().ack_timeout().min(Duration::from_secs(10));
-    while pipeline.in_flight() > 0 && Instant::now() < deadline {
-        match tokio::time::timeout(Duration::from_millis(100), pipeline.reports.recv()).await {
-            Ok(Some(d)) => pipeline.on_report(d).await?,
-            Ok(None) => break,
-            Err(_) => {}
-        }
-    }
-    pipeline.flush(true, progress).await?;
-    confirm(stream, &pipeline.core).await?;
+    let grace = pipeline.sink().ack_timeout().min(Duration::from_secs(10));
+    let deadline = tokio::time::Instant::now() + grace;
+    pipeline
+        .end_run(Ending::Stop, deadline, Some(stream), progress)
+        .await?;
     tracing::info!(checkpoint = %pipeline.core.durable(), unresolved = pipeline.outstanding(), "stopped");
     Ok(())
 }

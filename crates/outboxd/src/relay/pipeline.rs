@@ -15,6 +15,7 @@ use outbox_ledger::attempts;
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
+use outbox_relay::lifecycle::{EndStep, Ending, RunEnd};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::Resolved;
@@ -239,10 +240,6 @@ impl Pipeline {
     /// Sent, or waiting behind an aggregate's in-flight event.
     pub fn outstanding(&self) -> usize {
         self.core.outstanding()
-    }
-
-    pub fn in_flight(&self) -> usize {
-        self.core.in_flight()
     }
 
     /// Payload bytes of the events sent and not yet reported on.
@@ -1047,29 +1044,37 @@ impl Pipeline {
 }
 
 impl Pipeline {
-    /// The run is ending (lease lost, stream broken): record what the broker already confirmed
-    /// — receipts of requests this generation sent are valid evidence — without sending
-    /// anything more and without moving the checkpoint. Waits at most `grace` for outstanding
-    /// delivery reports. Returns the error that recording hit, if any.
-    pub async fn salvage(
+    /// Ends the run as `ending` says, in the core's order (`outbox_relay::lifecycle::RunEnd`):
+    /// the outstanding delivery reports recorded until `deadline` (an unclear one records its
+    /// UNKNOWN attempt, so every send outstanding when the run ended has its outcome traced),
+    /// the batch accepted (with its checkpoint on a stop only: a salvaging run may have lost
+    /// its lease, and sends nothing more), and on a stop the slot confirmed through `stream`.
+    pub async fn end_run(
         &mut self,
+        ending: Ending,
+        deadline: tokio::time::Instant,
+        mut stream: Option<&mut outbox_source::transport::ReplicationStream>,
         progress: &Progress,
-        grace: std::time::Duration,
-    ) -> Option<RelayError> {
-        self.core.begin_salvage();
-        let deadline = tokio::time::Instant::now() + grace;
-        while self.core.in_flight() > 0 {
-            match tokio::time::timeout_at(deadline, self.reports.recv()).await {
-                // An unclear one records its UNKNOWN attempt (if possibly persisted), so every
-                // send outstanding when the run ended has its outcome traced.
-                Ok(Some(d)) => {
-                    if let Err(e) = self.on_report(d).await {
-                        return Some(e);
+    ) -> Result<(), RelayError> {
+        let mut end = RunEnd::new(ending, &mut self.core);
+        loop {
+            match end.next(&self.core) {
+                EndStep::AwaitReport => {
+                    match tokio::time::timeout_at(deadline, self.reports.recv()).await {
+                        Ok(Some(d)) => self.on_report(d).await?,
+                        Ok(None) | Err(_) => end.grace_over(),
                     }
                 }
-                Ok(None) | Err(_) => break,
+                EndStep::Accept { track } => {
+                    self.flush(track, progress).await?;
+                }
+                EndStep::Confirm => {
+                    if let Some(stream) = stream.as_deref_mut() {
+                        super::confirm(stream, &self.core).await?;
+                    }
+                }
+                EndStep::Done => return Ok(()),
             }
         }
-        self.flush(false, progress).await.err()
     }
 }
