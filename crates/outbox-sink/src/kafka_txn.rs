@@ -57,6 +57,22 @@ pub struct BatchRecord {
     pub through: Lsn,
     /// Every event of the batch where the broker stored it.
     pub receipts: Vec<BatchReceipt>,
+    /// The events the batch records without sending them (`outbox_relay::txn::Kept`): a start
+    /// that accepts the batch from this record keeps them too. Absent in records written
+    /// before they were (read as none).
+    pub kept: Vec<BatchKept>,
+}
+
+/// An event a committed batch recorded without sending it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchKept {
+    pub event_id: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub version: i64,
+    /// Refused by the broker for good (quarantined, its aggregate held from it), with the
+    /// reason; `None`: an event of a held aggregate.
+    pub quarantined: Option<String>,
 }
 
 /// One event of a committed batch, at its position.
@@ -76,12 +92,26 @@ impl BatchRecord {
             .iter()
             .map(|r| serde_json::json!([r.event_id, r.topic, r.partition, r.offset]))
             .collect();
+        let kept: Vec<_> = self
+            .kept
+            .iter()
+            .map(|k| {
+                serde_json::json!([
+                    k.event_id,
+                    k.aggregate_type,
+                    k.aggregate_id,
+                    k.version,
+                    k.quarantined
+                ])
+            })
+            .collect();
         serde_json::json!({
             "slot": self.slot,
             "generation": self.generation,
             "batch": self.batch,
             "through": self.through.to_string(),
             "receipts": receipts,
+            "kept": kept,
         })
         .to_string()
     }
@@ -120,6 +150,32 @@ impl BatchRecord {
                 offset: part(3)?.as_i64().ok_or_else(bad)?,
             });
         }
+        let mut kept = Vec::new();
+        for k in v
+            .get("kept")
+            .and_then(|k| k.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let bad = || {
+                format!("kept {k} is not [event_id, aggregate_type, aggregate_id, version, reason or null]")
+            };
+            let part = |i: usize| k.get(i).ok_or_else(bad);
+            let text = |i: usize| -> Result<String, String> {
+                Ok(part(i)?.as_str().ok_or_else(bad)?.to_string())
+            };
+            let quarantined = match part(4)? {
+                serde_json::Value::Null => None,
+                r => Some(r.as_str().ok_or_else(bad)?.to_string()),
+            };
+            kept.push(BatchKept {
+                event_id: text(0)?,
+                aggregate_type: text(1)?,
+                aggregate_id: text(2)?,
+                version: part(3)?.as_i64().ok_or_else(bad)?,
+                quarantined,
+            });
+        }
         Ok(BatchRecord {
             slot: text("slot")?,
             generation: int("generation")?,
@@ -128,6 +184,7 @@ impl BatchRecord {
                 .parse()
                 .map_err(|_| format!("\"through\" {through:?} is not an LSN"))?,
             receipts,
+            kept,
         })
     }
 }
@@ -307,14 +364,15 @@ fn txn_error(step: &'static str, transactional_id: &str, e: KafkaError) -> SinkE
 /// committed: what a `read_committed` consumer sees up to the last stable offset of each
 /// partition. A batch still open (or left open by a dead producer that nobody fenced yet) is
 /// not there, and nothing after it is read: a new holder's [`TxnSink::open`] settles it
-/// first. A positions topic the broker does not know is an error. Blocking.
+/// first. Each with where it is stored (what the ledger keeps once it accepted it). A
+/// positions topic the broker does not know is an error. Blocking.
 pub fn committed_batches(
     bootstrap_servers: &str,
     positions_topic: &str,
     slot: &str,
     after: &[RecordPosition],
     timeout: Duration,
-) -> Result<Vec<BatchRecord>, SinkError> {
+) -> Result<Vec<(RecordPosition, BatchRecord)>, SinkError> {
     let unreachable = |e: KafkaError| SinkError::Unreachable {
         bootstrap: bootstrap_servers.to_string(),
         source: Box::new(e),
@@ -396,7 +454,11 @@ pub fn committed_batches(
                             ),
                         }
                     })?;
-                batches.push(record);
+                let at = RecordPosition {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                };
+                batches.push((at, record));
             }
         }
     }
@@ -427,6 +489,22 @@ mod tests {
                     offset: 0,
                 },
             ],
+            kept: vec![
+                BatchKept {
+                    event_id: "0190a1b2-0000-7000-8000-000000000003".into(),
+                    aggregate_type: "order".into(),
+                    aggregate_id: "o-9".into(),
+                    version: 4,
+                    quarantined: Some("message too large".into()),
+                },
+                BatchKept {
+                    event_id: "0190a1b2-0000-7000-8000-000000000004".into(),
+                    aggregate_type: "order".into(),
+                    aggregate_id: "o-9".into(),
+                    version: 5,
+                    quarantined: None,
+                },
+            ],
         }
     }
 
@@ -450,5 +528,18 @@ mod tests {
         let err = BatchRecord::decode(v.to_string().as_bytes()).unwrap_err();
         assert!(err.contains("\"through\""), "{err}");
         assert!(BatchRecord::decode(b"{}").unwrap_err().contains("no field"));
+        let mut v: serde_json::Value = serde_json::from_str(&record().encode()).unwrap();
+        v["kept"][0] = serde_json::json!(["id", "order", "o-9", "four", null]);
+        let err = BatchRecord::decode(v.to_string().as_bytes()).unwrap_err();
+        assert!(err.contains("kept"), "{err}");
+    }
+
+    #[test]
+    fn a_record_written_before_kept_events_reads_as_keeping_none() {
+        let mut v: serde_json::Value = serde_json::from_str(&record().encode()).unwrap();
+        v.as_object_mut().unwrap().remove("kept");
+        let r = BatchRecord::decode(v.to_string().as_bytes()).unwrap();
+        assert!(r.kept.is_empty());
+        assert_eq!(r.receipts, record().receipts);
     }
 }

@@ -185,6 +185,7 @@ fn batch(slot: &str, generation: i64, n: u64, receipts: Vec<BatchReceipt>) -> Ba
         batch: n,
         through: Lsn(0x1000 * n),
         receipts,
+        kept: Vec::new(),
     }
 }
 
@@ -234,8 +235,8 @@ async fn a_batch_and_its_record_become_visible_together_and_an_aborted_batch_nev
         .expect("committed batches");
     assert_eq!(
         batches,
-        vec![record.clone()],
-        "the broker's record of batch 1"
+        vec![(at, record.clone())],
+        "the broker's record of batch 1, where the commit said it is"
     );
     // Read from where the commit said the record is: it, and after it nothing.
     let before_it = RecordPosition {
@@ -247,7 +248,7 @@ async fn a_batch_and_its_record_become_visible_together_and_an_aborted_batch_nev
             .expect("committed batches");
     assert_eq!(
         from_it,
-        vec![record.clone()],
+        vec![(at, record.clone())],
         "the record is not where the commit said"
     );
 
@@ -265,7 +266,7 @@ async fn a_batch_and_its_record_become_visible_together_and_an_aborted_batch_nev
     assert_eq!(ids(&after), want, "an aborted batch became visible");
     let batches = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[], WAIT))
         .expect("committed batches");
-    assert_eq!(batches, vec![record], "an aborted batch has a record");
+    assert_eq!(batches, vec![(at, record)], "an aborted batch has a record");
     let after = block_in_place(|| committed_batches(&bootstrap, &positions, "orders", &[at], WAIT))
         .expect("committed batches");
     assert!(after.is_empty(), "committed after batch 1: {after:?}");
@@ -340,7 +341,7 @@ async fn a_second_holder_of_the_slot_fences_the_first_and_its_open_batch_stays_i
         .expect("committed batches");
     assert_eq!(
         batches,
-        vec![record],
+        vec![(at, record)],
         "only the new holder's batch is recorded"
     );
 }
