@@ -636,14 +636,8 @@ impl Txn<'_> {
                 .position(|r| r.gen != self.ledger.lease_gen)
             {
                 // A stale run finishes what it has pending; every step of it is fenced.
-                let r = &self.relays[i];
-                match () {
-                    _ if !r.reports.is_empty() => self.report(i),
-                    _ if r.commit.is_some() => self.commit(i),
-                    _ if r.abort => self.abort(i),
-                    _ if r.settle.is_some() => self.settle(i),
-                    _ if !r.accepts.is_empty() => self.accept(i),
-                    _ => self.relays[i].ended = true,
+                if !self.pending_step(i) {
+                    self.relays[i].ended = true;
                 }
                 continue;
             }
@@ -651,30 +645,44 @@ impl Txn<'_> {
                 self.start();
                 continue;
             };
-            let r = &self.relays[i];
-            match () {
-                _ if !r.reports.is_empty() => self.report(i),
-                _ if r.commit.is_some() => self.commit(i),
-                _ if r.abort => self.abort(i),
-                _ if r.settle.is_some() => self.settle(i),
-                _ if !r.accepts.is_empty() => self.accept(i),
-                _ if r.cursor < self.wal.len() => self.read(i),
-                _ => {
-                    self.relays[i].core.flush();
-                    self.execute(i);
-                    let r = &self.relays[i];
-                    let idle = r.reports.is_empty()
-                        && r.commit.is_none()
-                        && !r.abort
-                        && r.settle.is_none()
-                        && r.accepts.is_empty();
-                    if idle && r.core.unfinished() == 0 {
-                        return;
-                    }
-                }
+            if self.pending_step(i) {
+                continue;
+            }
+            if self.relays[i].cursor < self.wal.len() {
+                self.read(i);
+                continue;
+            }
+            self.relays[i].core.flush();
+            self.execute(i);
+            if !self.has_pending(i) && self.relays[i].core.unfinished() == 0 {
+                return;
             }
         }
         self.say("DRAIN did not finish".into());
+    }
+
+    /// Whether run `i` waits for an answer of the broker or the ledger.
+    fn has_pending(&self, i: usize) -> bool {
+        let r = &self.relays[i];
+        !r.reports.is_empty()
+            || r.commit.is_some()
+            || r.abort
+            || r.settle.is_some()
+            || !r.accepts.is_empty()
+    }
+
+    /// Gives run `i` the next answer it waits for, if any.
+    fn pending_step(&mut self, i: usize) -> bool {
+        let r = &self.relays[i];
+        match () {
+            _ if !r.reports.is_empty() => self.report(i),
+            _ if r.commit.is_some() => self.commit(i),
+            _ if r.abort => self.abort(i),
+            _ if r.settle.is_some() => self.settle(i),
+            _ if !r.accepts.is_empty() => self.accept(i),
+            _ => return false,
+        }
+        true
     }
 
     fn judge(&mut self) {
