@@ -38,6 +38,7 @@ pub(crate) mod debezium;
 pub(crate) mod delivery;
 pub(crate) mod delivery_sets;
 pub(crate) mod destinations;
+pub(crate) mod exactly_once;
 pub(crate) mod ha;
 pub(crate) mod http;
 pub(crate) mod inbox;

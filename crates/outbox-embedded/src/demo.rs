@@ -81,6 +81,8 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         mode: outboxd::values::RunMode::Cdc,
         poll_interval: Duration::from_millis(100),
         shard: None,
+        delivery: outboxd::values::Delivery::AtLeastOnce,
+        positions_topic: outboxd::config::DEFAULT_POSITIONS_TOPIC.into(),
     }
 }
 

@@ -5,8 +5,8 @@
 //! [`TxnCore`] decides; the driver executes what it asks ([`TxnStep`]) and tells it what
 //! happened (`on_*`). Pure: no I/O, no clock. The simulator's transactional world
 //! (`crates/outbox-sim/src/world/txn.rs`) drives the same code against a broker with
-//! transactions, fencing and unknown commit outcomes; the daemon is to execute it with
-//! `outbox_sink::kafka_txn` (docs/exactly_once.md, "Order of landing", step 4).
+//! transactions, fencing and unknown commit outcomes; the daemon (`outboxd`'s `relay/txn.rs`)
+//! executes it with `outbox_sink::kafka_txn`.
 //!
 //! The rules, each guarded by a counter of the simulator and a mutant that makes it non-zero:
 //! * **One transaction at a time, in batch order.** A batch is the queue's next events, in
@@ -65,19 +65,19 @@ pub struct Kept {
     pub event_id: Uuid,
     pub aggregate: AggKey,
     pub version: i64,
-    /// `Some(reason)`: refused by the broker for good, quarantined with the reason, its
-    /// aggregate held from this version. `None`: of an aggregate that is held; it waits for
-    /// the operator's release.
-    pub quarantined: Option<String>,
+    /// `Some((code, reason))`: refused for good (by the broker, or by the route check),
+    /// quarantined with the reason, its aggregate held from this version. `None`: of an
+    /// aggregate that is held; it waits for the operator's release.
+    pub quarantined: Option<(String, String)>,
 }
 
 impl Kept {
-    fn of(event: &OutboxEvent, quarantined: Option<String>) -> Kept {
+    fn of(event: &OutboxEvent, quarantined: Option<(&str, String)>) -> Kept {
         Kept {
             event_id: event.event_id,
             aggregate: key_of(event),
             version: event.aggregate_version,
-            quarantined,
+            quarantined: quarantined.map(|(code, reason)| (code.to_string(), reason)),
         }
     }
 }
@@ -391,7 +391,8 @@ impl<P: Plant> TxnCore<P> {
             if let Err(refusal) = self.route_check(&q.event) {
                 let from = self.held.entry(key).or_insert(i64::MAX);
                 *from = (*from).min(q.event.aggregate_version);
-                open.kept.push(Kept::of(&q.event, Some(refusal.reason)));
+                open.kept
+                    .push(Kept::of(&q.event, Some((refusal.code, refusal.reason))));
                 continue;
             }
             let token = self.next_token;
@@ -594,8 +595,10 @@ impl<P: Plant> TxnCore<P> {
                 Some((_, reason)) => {
                     let from = self.held.entry(key_of(&q.event)).or_insert(i64::MAX);
                     *from = (*from).min(q.event.aggregate_version);
-                    self.pending_kept
-                        .push(Kept::of(&q.event, Some(reason.clone())));
+                    self.pending_kept.push(Kept::of(
+                        &q.event,
+                        Some(("broker_rejected", reason.clone())),
+                    ));
                 }
                 None => again.push(q),
             }

@@ -1,7 +1,6 @@
-//! The transactional Kafka producer that `delivery = "exactly-once"` is to be built on (issue
-//! 30; docs/exactly_once.md has the design). Not used by the relay yet: this module is the
-//! broker side of the mode, proven on real Kafka by `tests/kafka_txn.rs` before the relay
-//! relies on it.
+//! The transactional Kafka producer of `delivery = "exactly-once"` (issue 30;
+//! docs/exactly_once.md): the broker side of the mode, proven on real Kafka by
+//! `tests/kafka_txn.rs`, executed by the relay's `relay/txn.rs`.
 //!
 //! What it gives, and what the design relies on:
 //! * **One transaction per acceptance batch.** [`TxnSink::begin`], [`TxnSink::send`] for each
@@ -30,11 +29,11 @@ use std::time::Duration;
 
 pub use outbox_core::delivery::RecordPosition;
 use outbox_core::{Lsn, OutboxEvent};
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::kafka::{classify, enqueue, producer_config, Sent, SinkContext};
@@ -70,9 +69,9 @@ pub struct BatchKept {
     pub aggregate_type: String,
     pub aggregate_id: String,
     pub version: i64,
-    /// Refused by the broker for good (quarantined, its aggregate held from it), with the
+    /// Refused for good (quarantined, its aggregate held from it): the reason's code and the
     /// reason; `None`: an event of a held aggregate.
-    pub quarantined: Option<String>,
+    pub quarantined: Option<(String, String)>,
 }
 
 /// One event of a committed batch, at its position.
@@ -101,7 +100,8 @@ impl BatchRecord {
                     k.aggregate_type,
                     k.aggregate_id,
                     k.version,
-                    k.quarantined
+                    k.quarantined.as_ref().map(|q| &q.0),
+                    k.quarantined.as_ref().map(|q| &q.1)
                 ])
             })
             .collect();
@@ -158,15 +158,18 @@ impl BatchRecord {
             .flatten()
         {
             let bad = || {
-                format!("kept {k} is not [event_id, aggregate_type, aggregate_id, version, reason or null]")
+                format!("kept {k} is not [event_id, aggregate_type, aggregate_id, version, code or null, reason or null]")
             };
             let part = |i: usize| k.get(i).ok_or_else(bad);
             let text = |i: usize| -> Result<String, String> {
                 Ok(part(i)?.as_str().ok_or_else(bad)?.to_string())
             };
-            let quarantined = match part(4)? {
-                serde_json::Value::Null => None,
-                r => Some(r.as_str().ok_or_else(bad)?.to_string()),
+            let quarantined = match (part(4)?, part(5)?) {
+                (serde_json::Value::Null, _) => None,
+                (code, reason) => Some((
+                    code.as_str().ok_or_else(bad)?.to_string(),
+                    reason.as_str().ok_or_else(bad)?.to_string(),
+                )),
             };
             kept.push(BatchKept {
                 event_id: text(0)?,
@@ -359,6 +362,24 @@ fn txn_error(step: &'static str, transactional_id: &str, e: KafkaError) -> SinkE
     }
 }
 
+/// The positions reader's context: the end of a partition is how the read knows it is done,
+/// not an error to log (librdkafka reports it as a global error too).
+struct PositionsReader;
+
+impl ClientContext for PositionsReader {
+    fn error(&self, error: KafkaError, reason: &str) {
+        let eof = matches!(
+            error,
+            KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
+        );
+        if !eof {
+            tracing::error!(%error, reason, "reading the positions topic");
+        }
+    }
+}
+
+impl ConsumerContext for PositionsReader {}
+
 /// Every batch of `slot` committed in `positions_topic` after the records at `after` (one per
 /// partition at most; a partition not named is read from its beginning), in the order
 /// committed: what a `read_committed` consumer sees up to the last stable offset of each
@@ -377,13 +398,13 @@ pub fn committed_batches(
         bootstrap: bootstrap_servers.to_string(),
         source: Box::new(e),
     };
-    let consumer: BaseConsumer = ClientConfig::new()
+    let consumer: BaseConsumer<PositionsReader> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap_servers)
         .set("group.id", "outboxd-positions-reader")
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "true")
-        .create()
+        .create_with_context(PositionsReader)
         .map_err(|e| SinkError::Config(Box::new(e)))?;
     let deadline = std::time::Instant::now() + timeout;
     let metadata = consumer
@@ -495,7 +516,7 @@ mod tests {
                     aggregate_type: "order".into(),
                     aggregate_id: "o-9".into(),
                     version: 4,
-                    quarantined: Some("message too large".into()),
+                    quarantined: Some(("broker_rejected".into(), "message too large".into())),
                 },
                 BatchKept {
                     event_id: "0190a1b2-0000-7000-8000-000000000004".into(),
@@ -529,7 +550,7 @@ mod tests {
         assert!(err.contains("\"through\""), "{err}");
         assert!(BatchRecord::decode(b"{}").unwrap_err().contains("no field"));
         let mut v: serde_json::Value = serde_json::from_str(&record().encode()).unwrap();
-        v["kept"][0] = serde_json::json!(["id", "order", "o-9", "four", null]);
+        v["kept"][0] = serde_json::json!(["id", "order", "o-9", "four", null, null]);
         let err = BatchRecord::decode(v.to_string().as_bytes()).unwrap_err();
         assert!(err.contains("kept"), "{err}");
     }

@@ -634,6 +634,17 @@ pub struct RunArgs {
     /// Poll mode: the pause after a round that found nothing new. [default: 100]
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL_MS")]
     pub poll_interval_ms: Option<u64>,
+    /// Kafka only: `at-least-once` (the default: after a crash some events reach the broker
+    /// twice, recorded as duplicate receipts; consumers deduplicate) or `exactly-once` (each
+    /// batch one Kafka transaction: a `read_committed` consumer sees every event once; needs
+    /// the positions topic and rows with their own version; docs/exactly_once.md).
+    /// [default: at-least-once, or delivery in the `[kafka]` section of the config file]
+    #[arg(long, value_enum, env = "OUTBOXD_DELIVERY")]
+    pub delivery: Option<crate::values::Delivery>,
+    /// Exactly-once mode: the topic of the committed batches' records (one partition; create
+    /// it before the relay starts). [default: outboxd.positions]
+    #[arg(long, env = "OUTBOXD_POSITIONS_TOPIC")]
+    pub positions_topic: Option<String>,
     /// Publish one shard of a sharded outbox (`outboxd migrate --shards N` first): INDEX/COUNT,
     /// e.g. 3/8. The relay's slot and publication are `<slot>_shard3of8` and
     /// `<publication>_shard3of8`, and it publishes, snapshots and releases only the aggregates

@@ -7,7 +7,9 @@
 //! Points: `before-send` (an event is about to be handed to the producer),
 //! `after-broker-ack` (a delivery report said persisted; nothing recorded yet),
 //! `after-accept` (a receipt batch committed in the ledger; the slot not yet told),
-//! `after-snapshot-send` (an initial-snapshot event was handed to the producer).
+//! `after-snapshot-send` (an initial-snapshot event was handed to the producer),
+//! `txn-after-commit` (exactly-once mode: the broker committed a batch's transaction; the
+//! ledger has not accepted it).
 //!
 //! `=hang` instead of `=abort` makes the task that reaches an async point ([`hang`]) wait
 //! forever instead (the process goes on): `before-stop-drain` (a relay told to stop, before it

@@ -41,6 +41,23 @@ pub enum RunMode {
     Poll,
 }
 
+/// What a Kafka relay promises about copies (docs/exactly_once.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Delivery {
+    /// Every event reaches the broker at least once, in order per aggregate; after a crash
+    /// what the broker acknowledged and the ledger had not accepted is sent again (recorded as
+    /// duplicate receipts), and consumers deduplicate with the inbox.
+    #[default]
+    AtLeastOnce,
+    /// Kafka only, CDC only: each batch is one Kafka transaction with its record in the
+    /// positions topic; a consumer reading with `isolation.level=read_committed` sees every
+    /// event once, whatever crashed. Needs the positions topic (`positions_topic`) and
+    /// transactions on the brokers; rows must carry their own version. The initial snapshot
+    /// is still published at least once.
+    ExactlyOnce,
+}
+
 /// Parses `KEY=VALUE`.
 pub fn parse_kv(s: &str) -> Result<(String, String), String> {
     s.split_once('=')

@@ -426,6 +426,11 @@ pub struct KafkaFile {
     /// CloudEvents `source`; `{aggregate_type}` is replaced. Default
     /// `/outboxd/{aggregate_type}`. Setting it turns CloudEvents on.
     pub cloudevents_source: Option<String>,
+    /// `at-least-once` (the default) or `exactly-once` (docs/exactly_once.md).
+    pub delivery: Option<crate::values::Delivery>,
+    /// Exactly-once mode: the topic that holds each committed batch's record. Default
+    /// `outboxd.positions`; create it before the relay starts (one partition).
+    pub positions_topic: Option<String>,
     /// librdkafka properties passed through verbatim (e.g. `"security.protocol" = "SSL"`).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
@@ -555,7 +560,14 @@ pub struct RelayConfig {
     /// The shard this relay publishes, in a sharded outbox (`--shard I/N`); `slot` and
     /// `publication` are then the shard's (`<name>_shard<I>of<N>`).
     pub shard: Option<outbox_source::shard::Shard>,
+    /// At least once, or exactly once into Kafka (docs/exactly_once.md).
+    pub delivery: crate::values::Delivery,
+    /// Exactly-once mode: the topic of the committed batches' records.
+    pub positions_topic: String,
 }
+
+/// The positions topic's default name (exactly-once mode).
+pub const DEFAULT_POSITIONS_TOPIC: &str = "outboxd.positions";
 
 /// The admin endpoints, resolved (flags > environment > `[admin]` in the file > defaults).
 #[derive(Debug, Clone)]

@@ -375,6 +375,12 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
                 .unwrap_or(100),
         ),
         shard: a.shard,
+        delivery: a.delivery.or(file.kafka.delivery).unwrap_or_default(),
+        positions_topic: a
+            .positions_topic
+            .clone()
+            .or(file.kafka.positions_topic.clone())
+            .unwrap_or_else(|| config::DEFAULT_POSITIONS_TOPIC.into()),
         relay_id: a
             .relay_id
             .clone()
@@ -413,6 +419,14 @@ fn schedule(ms: &[u64], what: &str) -> anyhow::Result<Option<outbox_relay::Uncle
 fn finish_run(a: &RunArgs, mut cfg: RelayConfig) -> anyhow::Result<RelayConfig> {
     if a.fleet && cfg.mode == crate::values::RunMode::Poll {
         anyhow::bail!("--fleet needs --mode cdc: a poll-mode relay reads every aggregate");
+    }
+    if cfg.delivery == crate::values::Delivery::ExactlyOnce {
+        if cfg.nats.is_some() || !cfg.http.is_empty() {
+            anyhow::bail!("delivery = exactly-once is for Kafka only: NATS JetStream and HTTP endpoints have no transactions (their look-ups and idempotency keys keep copies out instead; docs/exactly_once.md)");
+        }
+        if cfg.mode == crate::values::RunMode::Poll {
+            anyhow::bail!("delivery = exactly-once needs --mode cdc (a poll round is not a stream position a batch record can name)");
+        }
     }
     if let Some(s) = cfg.shard {
         cfg.slot = s.name(&cfg.slot);
@@ -555,6 +569,56 @@ mod tests {
         assert!(e.to_string().contains("--sink nats"), "{e}");
         let e = resolve_run(&run_args(&["--sink", "nats"])).unwrap_err();
         assert!(e.to_string().contains("--nats-url"), "{e}");
+    }
+
+    #[test]
+    fn exactly_once_comes_from_the_kafka_section_or_the_flag_and_is_refused_where_it_cannot_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| write_file(&dir, name, text);
+        let plain = resolve_run(&run_args(&["--bootstrap-servers", "k:9092"])).unwrap();
+        assert_eq!(plain.delivery, crate::values::Delivery::AtLeastOnce);
+        assert_eq!(plain.positions_topic, "outboxd.positions");
+        let path = write(
+            "eo.toml",
+            "[kafka]\ndelivery = \"exactly-once\"\npositions_topic = \"shop.positions\"\n",
+        );
+        let cfg = resolve_run(&run_args(&[
+            "--bootstrap-servers",
+            "k:9092",
+            "--config",
+            &path,
+        ]))
+        .unwrap();
+        assert_eq!(
+            (cfg.delivery, cfg.positions_topic.as_str()),
+            (crate::values::Delivery::ExactlyOnce, "shop.positions")
+        );
+        let flag = resolve_run(&run_args(&[
+            "--bootstrap-servers",
+            "k:9092",
+            "--delivery",
+            "exactly-once",
+        ]))
+        .unwrap();
+        assert_eq!(flag.delivery, crate::values::Delivery::ExactlyOnce);
+        let poll = resolve_run(&run_args(&[
+            "--bootstrap-servers",
+            "k:9092",
+            "--delivery",
+            "exactly-once",
+            "--mode",
+            "poll",
+        ]));
+        assert!(
+            poll.unwrap_err().to_string().contains("needs --mode cdc"),
+            "poll mode accepted"
+        );
+        let nats = write(
+            "nats.toml",
+            "sink = \"nats\"\n[nats]\nurl = \"nats://n:4222\"\n[kafka]\ndelivery = \"exactly-once\"\n",
+        );
+        let err = resolve_run(&run_args(&["--config", &nats])).unwrap_err();
+        assert!(err.to_string().contains("Kafka only"), "{err}");
     }
 
     #[test]

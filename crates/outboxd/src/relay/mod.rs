@@ -25,6 +25,7 @@ pub mod databases;
 pub mod fleet;
 mod pipeline;
 mod poll;
+mod txn;
 mod unknown;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -675,6 +676,26 @@ async fn run_once(
     if let Some(generation) = slot::policy_generation(&sql, kept).await? {
         pipeline.core.start_generations(Some(generation.id), kept);
         decoder.know_policy(generation);
+    }
+    if cfg.delivery == crate::values::Delivery::ExactlyOnce {
+        // The start (reconciliation, snapshot) ran at least once; from here every batch is
+        // a Kafka transaction (`txn`). A transaction left open by an error is aborted by
+        // the next holder's producer: there is nothing to salvage.
+        let ledger = connect_acceptance(url, cfg.lease_ttl, &cfg.slot, fence).await?;
+        return txn::stream(
+            cfg,
+            progress,
+            shutdown,
+            &sql,
+            ledger,
+            &mut stream,
+            &mut decoder,
+            start,
+            fence,
+            &lease_state,
+            &current_rows,
+        )
+        .await;
     }
     let mut stage = Stage::default();
     pipeline.core.start_streaming(start);

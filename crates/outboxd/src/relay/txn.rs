@@ -1,0 +1,891 @@
+//! Exactly-once mode's stream (`delivery = "exactly-once"`, issue 30, docs/exactly_once.md):
+//! once a CDC run's start is over, the stream's events go to Kafka in transactions, one per
+//! batch, as `outbox_relay::txn::TxnCore` decides; this module only executes what it asks.
+//!
+//! * The transactional producer (`outbox_sink::kafka_txn::TxnSink`) is opened under the slot's
+//!   transactional id, which fences every earlier holder's producer and settles what it left
+//!   open; then the batches the broker recorded after the ledger's last are accepted from
+//!   their records, before any event is read (`TxnCore::recover`).
+//! * Each event read is given to the core with whether it is published already: the ledger's
+//!   head of its aggregate, read when the run first meets it, says so (the stream read again
+//!   after a crash, or after a batch accepted from its record, brings such events).
+//! * The broker's calls that block (commit, abort, opening the producer, reading the records)
+//!   run on the blocking pool, one at a time, as the core orders them; acceptances run on the
+//!   acceptance session, one at a time, in batch order.
+//! * The slot is confirmed up to `TxnCore::durable`, the checkpoint the ledger holds.
+//!
+//! Not yet in this mode (docs/exactly_once.md): rows written without a version, releases of
+//! held aggregates (a held aggregate's events are recorded held; `quarantine release` takes
+//! effect in the default mode), and the initial snapshot, which is published at least once.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use outbox_core::delivery::{DeliveryOutcome, FailureClass, RecordPosition};
+use outbox_core::records::{HeldRecord, HoldRecord, QuarantineRecord};
+use outbox_core::{Lsn, OutboxEvent};
+use outbox_ledger::holds::{self, AggKey};
+use outbox_ledger::lease::Fence;
+use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem, ReceiptRecord};
+use outbox_relay::txn::{CommitOutcome, Kept, Recorded, TxnCore, TxnReceipt, TxnReport, TxnStep};
+use outbox_sink::kafka_txn::{
+    committed_batches, BatchKept, BatchReceipt, BatchRecord, TxnFailure, TxnSink,
+};
+use outbox_sink::{Delivery, SinkError};
+use outbox_source::snapshot::{events_by_id, Numbering};
+use outbox_source::transport::{ReplicationMessage, ReplicationStream};
+use outbox_source::{Decoded, Decoder, SourceError};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use super::{LeaseState, Progress, RelayError};
+use crate::config::RelayConfig;
+
+/// How long a blocking call of the transactional producer may take (commit, abort, opening
+/// it, reading the records).
+const BROKER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The transactional id of `slot`'s producer on `cluster`: stable across restarts and
+/// takeovers, so that the next holder fences the last.
+pub fn transactional_id(cluster: &str, slot: &str) -> String {
+    format!("outboxd-{cluster}-{slot}")
+}
+
+/// An event the run admitted, kept until its batch is accepted: the receipt is built from it.
+struct Admitted {
+    event: OutboxEvent,
+    commit_lsn: Lsn,
+    change_lsn: Lsn,
+}
+
+/// What a blocking broker call answered.
+enum BrokerDone {
+    Commit(Result<Option<RecordPosition>, SinkError>),
+    Abort(Result<(), SinkError>),
+    Settle(Result<(TxnSink, Option<RecordPosition>), SinkError>),
+}
+
+type AcceptDone = (Client, u64, Result<AcceptOutcome, LedgerError>);
+
+struct Run<'a> {
+    cfg: &'a RelayConfig,
+    /// Where the outbox's rows are read as the relay must publish them (a narrow row's
+    /// destination rendered: `outbox.events_current`).
+    current_rows: &'a str,
+    progress: &'a Progress,
+    fence: &'a Fence,
+    core: TxnCore,
+    sink: Arc<TxnSink>,
+    reports_tx: mpsc::UnboundedSender<Delivery>,
+    /// Admitted events by id, until their batch is accepted.
+    admitted: HashMap<Uuid, Admitted>,
+    /// The heads of the aggregates met so far (the highest version with a receipt when met).
+    heads: HashMap<AggKey, i64>,
+    broker: Option<JoinHandle<BrokerDone>>,
+    /// The open transaction's batch, while a commit is asked.
+    committing: Option<u64>,
+    accepts: VecDeque<TxnStep>,
+    accepting: Option<JoinHandle<AcceptDone>>,
+    ledger: Option<Client>,
+    batch_started: Option<Instant>,
+    /// The last batch record the broker is known to hold (recovered or committed by this
+    /// run): a settle reads the records after it.
+    last_record: Option<RecordPosition>,
+}
+
+/// Streams in exactly-once mode from `start` until the run ends: a stop (`shutdown`), an
+/// error, or another relay taking the slot.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn stream(
+    cfg: &RelayConfig,
+    progress: &Progress,
+    shutdown: &mut watch::Receiver<bool>,
+    sql: &Client,
+    ledger: Client,
+    stream: &mut ReplicationStream,
+    decoder: &mut Decoder,
+    start: Lsn,
+    fence: &Fence,
+    lease_state: &LeaseState,
+    current_rows: &str,
+) -> Result<(), RelayError> {
+    let (reports_tx, mut reports) = mpsc::unbounded_channel();
+    let id = transactional_id(&cfg.sink.cluster_name, &cfg.slot);
+    let sink = open_sink(cfg, &id, reports_tx.clone()).await?;
+    let held = holds::load_held(sql)
+        .await?
+        .into_iter()
+        .map(|k| (k, i64::MIN))
+        .collect();
+    let served = outbox_core::delivery::Served {
+        kind: "kafka",
+        clusters: vec![cfg.sink.cluster_name.clone()],
+        partitioner: Some(cfg.sink.partitioner.clone()),
+    };
+    let mut run = Run {
+        cfg,
+        current_rows,
+        progress,
+        fence,
+        core: TxnCore::new(served, cfg.batch_size, start, 0, held),
+        sink: Arc::new(sink),
+        reports_tx,
+        admitted: HashMap::new(),
+        heads: HashMap::new(),
+        broker: None,
+        committing: None,
+        accepts: VecDeque::new(),
+        accepting: None,
+        ledger: Some(ledger),
+        batch_started: None,
+        last_record: checkpoint::last_txn_record(sql, &cfg.slot).await?,
+    };
+    run.recover(sql).await?;
+    tracing::info!(transactional_id = %id, checkpoint = %run.core.durable(), "streaming in exactly-once mode");
+    progress.set_checkpoint(run.core.durable());
+
+    let mut received = start;
+    let mut status = tokio::time::interval(cfg.status_interval);
+    status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let linger = cfg.batch_linger.max(Duration::from_millis(1));
+    // Rows of the stream transaction being read: (event or why it is unreadable, change LSN).
+    let mut rows: Vec<(Result<OutboxEvent, String>, Lsn)> = Vec::new();
+    let mut commit_lsn = Lsn::ZERO;
+    loop {
+        if lease_state.is_lost() || !lease_state.valid() {
+            return Err(RelayError::Ledger(LedgerError::LeaseLost {
+                slot: cfg.slot.clone(),
+                generation: fence.generation,
+            }));
+        }
+        if run.core.stopped() {
+            return Err(fenced(&id));
+        }
+        let can_read =
+            run.core.unfinished() < usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+        let linger_at = run.batch_started.map(|s| s + linger);
+        tokio::select! {
+            biased;
+            _ = shutdown.changed() => return run.stop(stream, sql, fence).await,
+            Some(d) = reports.recv() => {
+                let (token, report) = report_of(d);
+                run.core.on_report(token, report);
+            }
+            done = broker_done(&mut run.broker) => run.on_broker(done)?,
+            done = accept_done(&mut run.accepting) => run.on_accepted(done)?,
+            _ = status.tick() => confirm(stream, received, run.core.durable()).await?,
+            _ = sleep_until(linger_at) => {
+                run.core.flush();
+                run.batch_started = None;
+            }
+            msg = stream.next_message(), if can_read => {
+                let mut msg = msg;
+                loop {
+                    match msg.map_err(SourceError::from)? {
+                        None => return Err(RelayError::StreamEnded),
+                        Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
+                            received = received.max(Lsn(wal_end));
+                            if reply_requested {
+                                confirm(stream, received, run.core.durable()).await?;
+                            }
+                        }
+                        Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
+                            received = received.max(Lsn(wal_start));
+                            match decoder.decode(data)? {
+                                Decoded::Begin { commit_lsn: c, .. } => commit_lsn = c,
+                                Decoded::Event(res) => rows.push(((*res).map_err(|e| e.to_string()), Lsn(wal_start))),
+                                Decoded::Commit { end_lsn, .. } => {
+                                    run.admit(sql, std::mem::take(&mut rows), commit_lsn).await?;
+                                    run.core.stream_commit(end_lsn);
+                                    received = received.max(end_lsn);
+                                }
+                                Decoded::PolicyGeneration(_) | Decoded::Nothing => {}
+                            }
+                        }
+                    }
+                    // More already here: read it before anything else, up to a batch (whole
+                    // stream transactions).
+                    if rows.is_empty() && run.core.unfinished() >= cfg.batch_size {
+                        break;
+                    }
+                    match stream.next_message().now_or_never() {
+                        Some(next) => msg = next,
+                        None => break,
+                    }
+                }
+                if run.core.unfinished() >= cfg.batch_size {
+                    run.core.flush();
+                    run.batch_started = None;
+                } else if run.batch_started.is_none() && run.core.unfinished() > 0 {
+                    run.batch_started = Some(Instant::now());
+                }
+            }
+        }
+        run.execute().await?;
+    }
+}
+
+async fn open_sink(
+    cfg: &RelayConfig,
+    id: &str,
+    reports: mpsc::UnboundedSender<Delivery>,
+) -> Result<TxnSink, RelayError> {
+    let (config, id, positions) = (
+        cfg.sink.clone(),
+        id.to_string(),
+        cfg.positions_topic.clone(),
+    );
+    tokio::task::spawn_blocking(move || {
+        TxnSink::open(config, &id, &positions, reports, BROKER_TIMEOUT)
+    })
+    .await
+    .map_err(|e| RelayError::Internal(format!("opening the transactional producer: {e}")))?
+    .map_err(RelayError::from)
+}
+
+fn fenced(id: &str) -> RelayError {
+    RelayError::Internal(format!(
+        "another relay opened the transactional id {id} and holds the slot now; this run stops (a standby again)"
+    ))
+}
+
+/// A delivery report as the core takes it: stored at a position, or not stored.
+fn report_of(d: Delivery) -> (u64, TxnReport) {
+    let report = match d.outcome {
+        DeliveryOutcome::Persisted {
+            partition, offset, ..
+        } if offset >= 0 => TxnReport::Stored { partition, offset },
+        // An implicit ack names no position: nothing proves the message is stored.
+        DeliveryOutcome::Persisted { .. } => TxnReport::Failed { permanent: None },
+        DeliveryOutcome::Failed { error, class, .. } => TxnReport::Failed {
+            permanent: (class == FailureClass::Permanent).then_some(error),
+        },
+    };
+    (d.token, report)
+}
+
+async fn broker_done(h: &mut Option<JoinHandle<BrokerDone>>) -> Result<BrokerDone, RelayError> {
+    let Some(task) = h.as_mut() else {
+        return std::future::pending().await;
+    };
+    let done = task.await;
+    *h = None;
+    done.map_err(|e| RelayError::Internal(format!("a call of the transactional producer: {e}")))
+}
+
+async fn accept_done(h: &mut Option<JoinHandle<AcceptDone>>) -> Result<AcceptDone, RelayError> {
+    let Some(task) = h.as_mut() else {
+        return std::future::pending().await;
+    };
+    let done = task.await;
+    *h = None;
+    done.map_err(|e| RelayError::Internal(format!("an acceptance: {e}")))
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn confirm(
+    stream: &mut ReplicationStream,
+    received: Lsn,
+    durable: Lsn,
+) -> Result<(), RelayError> {
+    stream
+        .send_standby_status(received.0, durable.0, durable.0, false)
+        .await
+        .map_err(SourceError::from)?;
+    Ok(())
+}
+
+impl Run<'_> {
+    /// The batches the broker recorded after the ledger's last, accepted from their records
+    /// before anything is read.
+    async fn recover(&mut self, sql: &Client) -> Result<(), RelayError> {
+        let after: Vec<RecordPosition> = checkpoint::last_txn_record(sql, &self.cfg.slot)
+            .await?
+            .into_iter()
+            .collect();
+        let (servers, positions, slot) = (
+            self.cfg.sink.bootstrap_servers.clone(),
+            self.cfg.positions_topic.clone(),
+            self.cfg.slot.clone(),
+        );
+        let records = tokio::task::spawn_blocking(move || {
+            committed_batches(&servers, &positions, &slot, &after, BROKER_TIMEOUT)
+        })
+        .await
+        .map_err(|e| RelayError::Internal(format!("reading the batch records: {e}")))??;
+        let mut recorded = Vec::with_capacity(records.len());
+        for (record, r) in records {
+            self.last_record = self.last_record.max(Some(record));
+            recorded.push(Recorded {
+                batch: r.batch,
+                through: r.through,
+                receipts: r
+                    .receipts
+                    .iter()
+                    .map(|x| {
+                        Ok(TxnReceipt {
+                            event_id: x.event_id.parse().map_err(|_| {
+                                RelayError::Internal(format!(
+                                    "batch record {} of slot {}: event id {:?} is not a UUID",
+                                    r.batch, r.slot, x.event_id
+                                ))
+                            })?,
+                            partition: x.partition,
+                            offset: x.offset,
+                        })
+                    })
+                    .collect::<Result<_, RelayError>>()?,
+                kept: r
+                    .kept
+                    .iter()
+                    .map(|k| {
+                        Ok(Kept {
+                            event_id: k.event_id.parse().map_err(|_| {
+                                RelayError::Internal(format!(
+                                    "batch record {} of slot {}: kept event id {:?} is not a UUID",
+                                    r.batch, r.slot, k.event_id
+                                ))
+                            })?,
+                            aggregate: (k.aggregate_type.clone(), k.aggregate_id.clone()),
+                            version: k.version,
+                            quarantined: k.quarantined.clone(),
+                        })
+                    })
+                    .collect::<Result<_, RelayError>>()?,
+                record,
+            });
+        }
+        if !recorded.is_empty() {
+            tracing::warn!(batches = recorded.len(), "accepting batches the broker committed before the last run's acceptance: not sent again");
+        }
+        self.core.recover(recorded);
+        // Accepted in order, before the stream is read: the heads of their aggregates are
+        // read after them.
+        while let Some(step) = self.core.poll_step() {
+            let TxnStep::Accept { batch, .. } = &step else {
+                return Err(RelayError::Internal(format!("recovery asked for {step:?}")));
+            };
+            let batch = *batch;
+            let mut client = self.ledger.take().expect("the acceptance session");
+            let items = self.items(sql, &step).await?;
+            let result = accept_step(&mut client, &self.cfg.slot, self.fence, &step, &items).await;
+            self.ledger = Some(client);
+            self.accepted(batch, result)?;
+        }
+        Ok(())
+    }
+
+    /// One stream transaction's rows, given to the core in order: an unreadable row is
+    /// quarantined at once (it has no aggregate to hold).
+    async fn admit(
+        &mut self,
+        sql: &Client,
+        rows: Vec<(Result<OutboxEvent, String>, Lsn)>,
+        commit_lsn: Lsn,
+    ) -> Result<(), RelayError> {
+        let unknown: Vec<AggKey> = rows
+            .iter()
+            .filter_map(|(r, _)| r.as_ref().ok())
+            .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
+            .filter(|k| !self.heads.contains_key(k))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if !unknown.is_empty() {
+            for (k, head) in holds::heads_of(sql, &unknown, None).await? {
+                self.heads.insert(k, head);
+            }
+            for k in unknown {
+                self.heads.entry(k).or_insert(0);
+            }
+        }
+        for (n, (row, change_lsn)) in rows.into_iter().enumerate() {
+            let event = match row {
+                Ok(ev) => ev,
+                Err(reason) => {
+                    let key = format!("lsn:{commit_lsn}:{n}");
+                    tracing::warn!(%key, %reason, "unreadable outbox row quarantined");
+                    let item = LedgerItem::Quarantine(QuarantineRecord {
+                        key,
+                        event_id: None,
+                        aggregate_type: None,
+                        aggregate_id: None,
+                        aggregate_version: None,
+                        reason_code: "unreadable_row".into(),
+                        reason,
+                        commit_lsn,
+                        envelope_generation: None,
+                    });
+                    self.settle_acceptance().await?;
+                    let mut client = self.ledger.take().expect("the acceptance session");
+                    let r = accept::accept_batch(
+                        &mut client,
+                        &self.cfg.slot,
+                        &[item],
+                        None,
+                        Some(self.fence),
+                    )
+                    .await;
+                    self.ledger = Some(client);
+                    r?;
+                    continue;
+                }
+            };
+            if event.version_by_relay {
+                return Err(RelayError::Unsupported(format!(
+                    "event {} was written without a version: exactly-once mode does not number rows yet (docs/exactly_once.md); run the slot in the default mode",
+                    event.event_id
+                )));
+            }
+            let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+            let accepted = self
+                .heads
+                .get(&key)
+                .is_some_and(|h| event.aggregate_version <= *h);
+            if !accepted {
+                self.admitted.insert(
+                    event.event_id,
+                    Admitted {
+                        event: event.clone(),
+                        commit_lsn,
+                        change_lsn,
+                    },
+                );
+            }
+            self.core.admit(event, accepted);
+        }
+        Ok(())
+    }
+
+    /// Waits for the acceptance that runs, if one does.
+    async fn settle_acceptance(&mut self) -> Result<(), RelayError> {
+        if self.accepting.is_some() {
+            let done = accept_done(&mut self.accepting).await;
+            self.on_accepted(done)?;
+        }
+        Ok(())
+    }
+
+    /// Executes what the core asks, in order; the broker's blocking calls and the acceptances
+    /// start here and answer in the loop.
+    async fn execute(&mut self) -> Result<(), RelayError> {
+        while let Some(step) = self.core.poll_step() {
+            match step {
+                TxnStep::Begin { .. } => {
+                    if let Err(e) = self.sink.begin() {
+                        return Err(e.into());
+                    }
+                }
+                TxnStep::Send { token, event } => {
+                    if let Err(e) = self.sink.send(&event, token).await {
+                        let permanent = e.permanent_refusal();
+                        let _ = self.reports_tx.send(Delivery {
+                            token,
+                            outcome: DeliveryOutcome::Failed {
+                                error: e.to_string(),
+                                persistence: outbox_core::delivery::Persistence::NotPersisted,
+                                class: if permanent.is_some() {
+                                    FailureClass::Permanent
+                                } else {
+                                    FailureClass::Transient
+                                },
+                                partition: -1,
+                            },
+                        });
+                    }
+                }
+                TxnStep::Commit {
+                    batch,
+                    through,
+                    receipts,
+                    kept,
+                } => {
+                    let record = self.record(batch, through, &receipts, &kept);
+                    let sink = self.sink.clone();
+                    self.committing = Some(batch);
+                    self.broker = Some(tokio::task::spawn_blocking(move || {
+                        BrokerDone::Commit(sink.commit(&record, BROKER_TIMEOUT))
+                    }));
+                }
+                TxnStep::Abort { .. } => {
+                    let sink = self.sink.clone();
+                    self.broker = Some(tokio::task::spawn_blocking(move || {
+                        BrokerDone::Abort(sink.abort(BROKER_TIMEOUT))
+                    }));
+                }
+                TxnStep::Settle { batch } => {
+                    tracing::warn!(batch, "the commit's outcome is unknown: opening the producer again and reading the broker's records");
+                    let (config, id, positions, reports) = (
+                        self.cfg.sink.clone(),
+                        transactional_id(&self.cfg.sink.cluster_name, &self.cfg.slot),
+                        self.cfg.positions_topic.clone(),
+                        self.reports_tx.clone(),
+                    );
+                    let slot = self.cfg.slot.clone();
+                    let after = self.last_record;
+                    self.broker = Some(tokio::task::spawn_blocking(move || {
+                        BrokerDone::Settle((|| {
+                            let sink = TxnSink::open(
+                                config.clone(),
+                                &id,
+                                &positions,
+                                reports,
+                                BROKER_TIMEOUT,
+                            )?;
+                            let after: Vec<RecordPosition> = after.into_iter().collect();
+                            let found = committed_batches(
+                                &config.bootstrap_servers,
+                                &positions,
+                                &slot,
+                                &after,
+                                BROKER_TIMEOUT,
+                            )?
+                            .into_iter()
+                            .find(|(_, r)| r.batch == batch)
+                            .map(|(at, _)| at);
+                            Ok((sink, found))
+                        })())
+                    }));
+                }
+                a @ TxnStep::Accept { .. } => self.accepts.push_back(a),
+                TxnStep::Stop => {
+                    return Err(fenced(&transactional_id(
+                        &self.cfg.sink.cluster_name,
+                        &self.cfg.slot,
+                    )))
+                }
+            }
+        }
+        self.start_acceptance().await
+    }
+}
+
+impl Run<'_> {
+    /// The batch record the commit writes into the positions topic.
+    fn record(
+        &self,
+        batch: u64,
+        through: Lsn,
+        receipts: &[TxnReceipt],
+        kept: &[Kept],
+    ) -> BatchRecord {
+        BatchRecord {
+            slot: self.cfg.slot.clone(),
+            generation: self.fence.generation,
+            batch,
+            through,
+            receipts: receipts
+                .iter()
+                .map(|r| BatchReceipt {
+                    event_id: r.event_id.to_string(),
+                    topic: self
+                        .admitted
+                        .get(&r.event_id)
+                        .map(|a| a.event.destination.topic.clone())
+                        .unwrap_or_default(),
+                    partition: r.partition,
+                    offset: r.offset,
+                })
+                .collect(),
+            kept: kept
+                .iter()
+                .map(|k| BatchKept {
+                    event_id: k.event_id.to_string(),
+                    aggregate_type: k.aggregate.0.clone(),
+                    aggregate_id: k.aggregate.1.clone(),
+                    version: k.version,
+                    quarantined: k.quarantined.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// What a blocking broker call answered, told to the core.
+    fn on_broker(&mut self, done: Result<BrokerDone, RelayError>) -> Result<(), RelayError> {
+        let failure = |e: &SinkError| match e {
+            SinkError::Transaction { failure, .. } => Some(*failure),
+            _ => None,
+        };
+        match done? {
+            BrokerDone::Commit(r) => {
+                let batch = self.committing.take();
+                let outcome = match r {
+                    Ok(Some(at)) => {
+                        // Tests: a crash between the broker's commit and the ledger's
+                        // acceptance (the next start accepts the batch from its record).
+                        crate::failpoint::hit("txn-after-commit");
+                        self.last_record = self.last_record.max(Some(at));
+                        CommitOutcome::Committed(at)
+                    }
+                    // Committed, but the record's report named no position: the broker's
+                    // records say where it is.
+                    Ok(None) => CommitOutcome::Unknown,
+                    Err(e) => match failure(&e) {
+                        Some(TxnFailure::Fenced) => CommitOutcome::Fenced,
+                        Some(TxnFailure::Retriable) => CommitOutcome::Unknown,
+                        Some(TxnFailure::Abortable) => {
+                            // The producer must abort before its next transaction; the core
+                            // sends the batch again in it.
+                            self.sink.abort(BROKER_TIMEOUT)?;
+                            CommitOutcome::Aborted
+                        }
+                        _ => return Err(e.into()),
+                    },
+                };
+                tracing::debug!(?batch, ?outcome, "commit answered");
+                self.core.on_committed(outcome);
+            }
+            BrokerDone::Abort(r) => match r {
+                Ok(()) => self.core.on_aborted(false),
+                Err(e) if failure(&e) == Some(TxnFailure::Fenced) => self.core.on_aborted(true),
+                Err(e) => return Err(e.into()),
+            },
+            BrokerDone::Settle(r) => {
+                let (sink, found) = r?;
+                self.sink = Arc::new(sink);
+                self.last_record = self.last_record.max(found);
+                tracing::info!(found = ?found, "unknown commit settled");
+                self.core.on_settled(found);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the next acceptance, when none runs.
+    async fn start_acceptance(&mut self) -> Result<(), RelayError> {
+        if self.accepting.is_some() {
+            return Ok(());
+        }
+        let Some(step) = self.accepts.pop_front() else {
+            return Ok(());
+        };
+        let TxnStep::Accept { batch, .. } = &step else {
+            return Ok(());
+        };
+        let batch = *batch;
+        let items = self.live_items(&step)?;
+        let mut client = self.ledger.take().expect("the acceptance session");
+        let (slot, fence) = (self.cfg.slot.clone(), self.fence.clone());
+        self.accepting = Some(tokio::spawn(async move {
+            let r = accept_step(&mut client, &slot, &fence, &step, &items).await;
+            (client, batch, r)
+        }));
+        Ok(())
+    }
+
+    fn on_accepted(&mut self, done: Result<AcceptDone, RelayError>) -> Result<(), RelayError> {
+        let (client, batch, result) = done?;
+        self.ledger = Some(client);
+        self.accepted(batch, result)
+    }
+
+    fn accepted(
+        &mut self,
+        batch: u64,
+        result: Result<AcceptOutcome, LedgerError>,
+    ) -> Result<(), RelayError> {
+        let out = result?;
+        self.core.on_accepted(batch);
+        self.progress.set_checkpoint(self.core.durable());
+        self.progress.record(&out);
+        Ok(())
+    }
+
+    /// The ledger's records of a batch this run sent (its events admitted by it).
+    fn live_items(&mut self, step: &TxnStep) -> Result<Vec<LedgerItem>, RelayError> {
+        let TxnStep::Accept { receipts, kept, .. } = step else {
+            return Ok(Vec::new());
+        };
+        let mut items = Vec::with_capacity(receipts.len() + kept.len());
+        for r in receipts {
+            let a = self.admitted.remove(&r.event_id).ok_or_else(|| {
+                RelayError::Internal(format!(
+                    "a receipt of event {} this run did not admit",
+                    r.event_id
+                ))
+            })?;
+            items.push(receipt(
+                &a.event,
+                r,
+                self.fence.generation,
+                Some(a.commit_lsn),
+                Some(a.change_lsn),
+            ));
+        }
+        for k in kept {
+            let a = self.admitted.remove(&k.event_id);
+            let commit_lsn = a.as_ref().map(|a| a.commit_lsn);
+            items.extend(kept_items(k, a.as_ref().map(|a| &a.event), commit_lsn));
+        }
+        Ok(items)
+    }
+
+    /// The ledger's records of a batch accepted from the broker's record: its events read
+    /// again by id (the rows are immutable: their digests are the ones the send computed).
+    async fn items(&self, sql: &Client, step: &TxnStep) -> Result<Vec<LedgerItem>, RelayError> {
+        let TxnStep::Accept { receipts, kept, .. } = step else {
+            return Ok(Vec::new());
+        };
+        let wanted: Vec<(Uuid, Numbering)> = receipts
+            .iter()
+            .map(|r| r.event_id)
+            .chain(kept.iter().map(|k| k.event_id))
+            .map(|id| (id, Numbering::Row))
+            .collect();
+        let events: HashMap<Uuid, OutboxEvent> = events_by_id(sql, self.current_rows, &wanted)
+            .await?
+            .into_iter()
+            .filter_map(|(id, ev)| ev.map(|e| (id, e)))
+            .collect();
+        let mut items = Vec::new();
+        for r in receipts {
+            let ev = events.get(&r.event_id).ok_or_else(|| {
+                RelayError::Internal(format!(
+                    "event {} of a committed batch has no outbox row",
+                    r.event_id
+                ))
+            })?;
+            items.push(receipt(ev, r, self.fence.generation, None, None));
+        }
+        for k in kept {
+            items.extend(kept_items(k, events.get(&k.event_id), None));
+        }
+        Ok(items)
+    }
+
+    /// A graceful stop: nothing more is read; the open transaction and the acceptances finish
+    /// (bounded), the slot is confirmed, the lease given back.
+    async fn stop(
+        &mut self,
+        stream: &mut ReplicationStream,
+        sql: &Client,
+        fence: &Fence,
+    ) -> Result<(), RelayError> {
+        self.core.flush();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        self.execute().await?;
+        while (self.core.in_transaction() || self.accepting.is_some() || !self.accepts.is_empty())
+            && Instant::now() < deadline
+        {
+            tokio::select! {
+                done = broker_done(&mut self.broker) => self.on_broker(done)?,
+                done = accept_done(&mut self.accepting) => self.on_accepted(done)?,
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            self.execute().await?;
+        }
+        confirm(stream, self.core.durable(), self.core.durable()).await?;
+        outbox_ledger::lease::release(sql, &self.cfg.slot, fence).await?;
+        tracing::info!(checkpoint = %self.core.durable(), "stopped");
+        Ok(())
+    }
+}
+
+/// The receipt of `ev` at `r`, by this run.
+fn receipt(
+    ev: &OutboxEvent,
+    r: &TxnReceipt,
+    generation: i64,
+    commit_lsn: Option<Lsn>,
+    change_lsn: Option<Lsn>,
+) -> LedgerItem {
+    LedgerItem::Receipt(ReceiptRecord {
+        event_id: ev.event_id,
+        aggregate_version: ev.aggregate_version,
+        payload_digest: ev.payload_digest.clone(),
+        destination_digest: ev.destination_digest.clone(),
+        broker_kind: "kafka".into(),
+        broker_cluster: ev.destination.cluster.clone(),
+        topic: ev.destination.topic.clone(),
+        partition: r.partition,
+        offset: r.offset,
+        timestamp_ms: None,
+        attempt: 1,
+        relay_generation: generation,
+        commit_lsn,
+        change_lsn,
+        evidence: None,
+    })
+}
+
+/// The ledger's records of an event a batch kept without sending it: a quarantine and its
+/// aggregate's hold, or a held record.
+fn kept_items(k: &Kept, ev: Option<&OutboxEvent>, commit_lsn: Option<Lsn>) -> Vec<LedgerItem> {
+    let generation = ev.map(|e| e.envelope_generation);
+    match &k.quarantined {
+        Some((code, reason)) => vec![
+            LedgerItem::Quarantine(QuarantineRecord {
+                key: k.event_id.to_string(),
+                event_id: Some(k.event_id),
+                aggregate_type: Some(k.aggregate.0.clone()),
+                aggregate_id: Some(k.aggregate.1.clone()),
+                aggregate_version: Some(k.version),
+                reason_code: code.clone(),
+                reason: reason.clone(),
+                commit_lsn: commit_lsn.unwrap_or(Lsn::ZERO),
+                envelope_generation: generation,
+            }),
+            LedgerItem::Hold(HoldRecord {
+                aggregate_type: k.aggregate.0.clone(),
+                aggregate_id: k.aggregate.1.clone(),
+                reason_code: code.clone(),
+                reason: reason.clone(),
+                blocking_event_id: Some(k.event_id),
+                blocking_version: Some(k.version),
+                blocking_generation: generation,
+                blocking_by_relay: None,
+            }),
+        ],
+        None => vec![LedgerItem::Held(HeldRecord {
+            event_id: k.event_id,
+            aggregate_type: k.aggregate.0.clone(),
+            aggregate_id: k.aggregate.1.clone(),
+            aggregate_version: k.version,
+            commit_lsn,
+            by_relay: None,
+        })],
+    }
+}
+
+/// One acceptance as the core asked it: with the batch record's position when the broker
+/// committed it, with the checkpoint `through`.
+async fn accept_step(
+    client: &mut Client,
+    slot: &str,
+    fence: &Fence,
+    step: &TxnStep,
+    items: &[LedgerItem],
+) -> Result<AcceptOutcome, LedgerError> {
+    let TxnStep::Accept {
+        through, record, ..
+    } = step
+    else {
+        return Ok(AcceptOutcome::default());
+    };
+    let mut prepared = accept::Prepared::default();
+    match record {
+        Some(at) => {
+            accept::accept_committed_batch(
+                client,
+                &mut prepared,
+                slot,
+                items,
+                Some(*through),
+                Some(fence),
+                *at,
+            )
+            .await
+        }
+        None => accept::accept_batch(client, slot, items, Some(*through), Some(fence)).await,
+    }
+}
