@@ -362,6 +362,97 @@ fn txn_error(step: &'static str, transactional_id: &str, e: KafkaError) -> SinkE
     }
 }
 
+/// Creates the positions topic when the brokers do not have it: one partition (a slot's
+/// records are keyed by the slot, and read in order), replicated on up to three brokers,
+/// `cleanup.policy=delete`. A topic that exists is left as it is. A principal that may not
+/// create topics gets an error naming the topic to create. Blocking.
+pub fn ensure_positions_topic(
+    config: &KafkaSinkConfig,
+    positions_topic: &str,
+    timeout: Duration,
+) -> Result<(), SinkError> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let unread = |reason: String| SinkError::PositionsUnread {
+        topic: positions_topic.to_string(),
+        reason,
+    };
+    let mut cc = ClientConfig::new();
+    cc.set("bootstrap.servers", &config.bootstrap_servers);
+    for (k, v) in &config.properties {
+        cc.set(k, v);
+    }
+    let consumer: BaseConsumer = cc
+        .clone()
+        .set("log_level", "3")
+        .create()
+        .map_err(|e| SinkError::Config(Box::new(e)))?;
+    let metadata = consumer
+        .fetch_metadata(None, timeout)
+        .map_err(|e| SinkError::Unreachable {
+            bootstrap: config.bootstrap_servers.clone(),
+            source: Box::new(e),
+        })?;
+    let exists = metadata
+        .topics()
+        .iter()
+        .any(|t| t.name() == positions_topic && t.error().is_none() && !t.partitions().is_empty());
+    if exists {
+        return Ok(());
+    }
+    let brokers = i32::try_from(metadata.brokers().len())
+        .unwrap_or(1)
+        .clamp(1, 3);
+    let admin: AdminClient<DefaultClientContext> =
+        cc.create().map_err(|e| SinkError::Config(Box::new(e)))?;
+    let topic = NewTopic::new(positions_topic, 1, TopicReplication::Fixed(brokers))
+        .set("cleanup.policy", "delete");
+    let opts = AdminOptions::new()
+        .request_timeout(Some(timeout))
+        .operation_timeout(Some(timeout));
+    let results =
+        futures::executor::block_on(admin.create_topics([&topic], &opts)).map_err(|e| {
+            unread(format!(
+                "it is missing and creating it failed ({e}); create it (one partition)"
+            ))
+        })?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((_, code)) => {
+                return Err(unread(format!(
+                    "it is missing and creating it failed ({code}); create it (one partition), or let the relay's principal create topics"
+                )))
+            }
+        }
+    }
+    // Until the brokers' metadata shows it (the records are read right after).
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let md = consumer.fetch_metadata(Some(positions_topic), timeout);
+        let ready = md.as_ref().is_ok_and(|m| {
+            m.topics()
+                .iter()
+                .any(|t| t.error().is_none() && !t.partitions().is_empty())
+        });
+        if ready {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(unread(format!(
+                "created, but not in the brokers' metadata within {timeout:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tracing::info!(
+        topic = positions_topic,
+        replication = brokers,
+        "created the positions topic"
+    );
+    Ok(())
+}
+
 /// The positions reader's context: the end of a partition is how the read knows it is done,
 /// not an error to log (librdkafka reports it as a global error too).
 struct PositionsReader;

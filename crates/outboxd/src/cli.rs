@@ -641,8 +641,8 @@ pub struct RunArgs {
     /// [default: at-least-once, or delivery in the `[kafka]` section of the config file]
     #[arg(long, value_enum, env = "OUTBOXD_DELIVERY")]
     pub delivery: Option<crate::values::Delivery>,
-    /// Exactly-once mode: the topic of the committed batches' records (one partition; create
-    /// it before the relay starts). [default: outboxd.positions]
+    /// Exactly-once mode: the topic of the committed batches' records (one partition; created
+    /// at start when the brokers lack it). [default: outboxd.positions]
     #[arg(long, env = "OUTBOXD_POSITIONS_TOPIC")]
     pub positions_topic: Option<String>,
     /// Publish one shard of a sharded outbox (`outboxd migrate --shards N` first): INDEX/COUNT,

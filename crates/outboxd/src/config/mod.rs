@@ -429,7 +429,7 @@ pub struct KafkaFile {
     /// `at-least-once` (the default) or `exactly-once` (docs/exactly_once.md).
     pub delivery: Option<crate::values::Delivery>,
     /// Exactly-once mode: the topic that holds each committed batch's record. Default
-    /// `outboxd.positions`; create it before the relay starts (one partition).
+    /// `outboxd.positions`; created at start when the brokers lack it (one partition).
     pub positions_topic: Option<String>,
     /// librdkafka properties passed through verbatim (e.g. `"security.protocol" = "SSL"`).
     #[serde(default)]

@@ -31,7 +31,8 @@ use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem, ReceiptRecord};
 use outbox_relay::txn::{CommitOutcome, Kept, Recorded, TxnCore, TxnReceipt, TxnReport, TxnStep};
 use outbox_sink::kafka_txn::{
-    committed_batches, BatchKept, BatchReceipt, BatchRecord, TxnFailure, TxnSink,
+    committed_batches, ensure_positions_topic, BatchKept, BatchReceipt, BatchRecord, TxnFailure,
+    TxnSink,
 };
 use outbox_sink::{Delivery, SinkError};
 use outbox_source::snapshot::{events_by_id, Numbering};
@@ -229,6 +230,8 @@ pub(super) async fn stream(
     }
 }
 
+/// Creates the positions topic if the brokers lack it, then opens the transactional
+/// producer (which fences every earlier holder's).
 async fn open_sink(
     cfg: &RelayConfig,
     id: &str,
@@ -240,6 +243,7 @@ async fn open_sink(
         cfg.positions_topic.clone(),
     );
     tokio::task::spawn_blocking(move || {
+        ensure_positions_topic(&config, &positions, BROKER_TIMEOUT)?;
         TxnSink::open(config, &id, &positions, reports, BROKER_TIMEOUT)
     })
     .await
