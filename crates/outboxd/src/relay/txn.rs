@@ -72,6 +72,10 @@ enum BrokerDone {
 
 type AcceptDone = (Client, u64, Result<AcceptOutcome, LedgerError>);
 
+/// A stream transaction read whole: its rows (each an event, or why it is unreadable, with its
+/// change LSN), its commit LSN and its end.
+type StreamTxn = (Vec<(Result<OutboxEvent, String>, Lsn)>, Lsn, Lsn);
+
 struct Run<'a> {
     cfg: &'a RelayConfig,
     /// Where the outbox's rows are read as the relay must publish them (a narrow row's
@@ -156,6 +160,9 @@ pub(super) async fn stream(
     // Rows of the stream transaction being read: (event or why it is unreadable, change LSN).
     let mut rows: Vec<(Result<OutboxEvent, String>, Lsn)> = Vec::new();
     let mut commit_lsn = Lsn::ZERO;
+    // Stream transactions read whole and not yet given to the core: (rows, commit LSN, end).
+    let mut read: Vec<StreamTxn> = Vec::new();
+    let mut read_rows = 0;
     loop {
         if lease_state.is_lost() || !lease_state.valid() {
             return Err(RelayError::Ledger(LedgerError::LeaseLost {
@@ -200,8 +207,8 @@ pub(super) async fn stream(
                                 Decoded::Begin { commit_lsn: c, .. } => commit_lsn = c,
                                 Decoded::Event(res) => rows.push(((*res).map_err(|e| e.to_string()), Lsn(wal_start))),
                                 Decoded::Commit { end_lsn, .. } => {
-                                    run.admit(sql, std::mem::take(&mut rows), commit_lsn).await?;
-                                    run.core.stream_commit(end_lsn);
+                                    read_rows += rows.len();
+                                    read.push((std::mem::take(&mut rows), commit_lsn, end_lsn));
                                     received = received.max(end_lsn);
                                 }
                                 Decoded::PolicyGeneration(_) | Decoded::Nothing => {}
@@ -209,8 +216,9 @@ pub(super) async fn stream(
                         }
                     }
                     // More already here: read it before anything else, up to a batch (whole
-                    // stream transactions).
-                    if rows.is_empty() && run.core.unfinished() >= cfg.batch_size {
+                    // stream transactions), so that one look-up reads the heads of all the
+                    // aggregates they meet first.
+                    if rows.is_empty() && run.core.unfinished() + read_rows >= cfg.batch_size {
                         break;
                     }
                     match stream.next_message().now_or_never() {
@@ -218,6 +226,8 @@ pub(super) async fn stream(
                         None => break,
                     }
                 }
+                run.admit(sql, std::mem::take(&mut read)).await?;
+                read_rows = 0;
                 if run.core.unfinished() >= cfg.batch_size {
                     run.core.flush();
                     run.batch_started = None;
@@ -389,16 +399,15 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// One stream transaction's rows, given to the core in order: an unreadable row is
-    /// quarantined at once (it has no aggregate to hold).
-    async fn admit(
-        &mut self,
-        sql: &Client,
-        rows: Vec<(Result<OutboxEvent, String>, Lsn)>,
-        commit_lsn: Lsn,
-    ) -> Result<(), RelayError> {
-        let unknown: Vec<AggKey> = rows
+    /// Stream transactions read whole, given to the core in order, each followed by its
+    /// commit; the heads of the aggregates they meet first are read in one look-up.
+    async fn admit(&mut self, sql: &Client, read: Vec<StreamTxn>) -> Result<(), RelayError> {
+        if read.is_empty() {
+            return Ok(());
+        }
+        let unknown: Vec<AggKey> = read
             .iter()
+            .flat_map(|(rows, _, _)| rows.iter())
             .filter_map(|(r, _)| r.as_ref().ok())
             .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
             .filter(|k| !self.heads.contains_key(k))
@@ -413,6 +422,20 @@ impl Run<'_> {
                 self.heads.entry(k).or_insert(0);
             }
         }
+        for (rows, commit_lsn, end_lsn) in read {
+            self.admit_txn(rows, commit_lsn).await?;
+            self.core.stream_commit(end_lsn);
+        }
+        Ok(())
+    }
+
+    /// One stream transaction's rows, given to the core in order: an unreadable row is
+    /// quarantined at once (it has no aggregate to hold).
+    async fn admit_txn(
+        &mut self,
+        rows: Vec<(Result<OutboxEvent, String>, Lsn)>,
+        commit_lsn: Lsn,
+    ) -> Result<(), RelayError> {
         for (n, (row, change_lsn)) in rows.into_iter().enumerate() {
             let event = match row {
                 Ok(ev) => ev,
@@ -640,7 +663,8 @@ impl Run<'_> {
                         Some(TxnFailure::Abortable) => {
                             // The producer must abort before its next transaction; the core
                             // sends the batch again in it.
-                            self.sink.abort(BROKER_TIMEOUT)?;
+                            let sink = self.sink.clone();
+                            tokio::task::block_in_place(|| sink.abort(BROKER_TIMEOUT))?;
                             CommitOutcome::Aborted
                         }
                         _ => return Err(e.into()),
