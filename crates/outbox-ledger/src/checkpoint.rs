@@ -140,6 +140,27 @@ pub(crate) async fn raise_txn_record_in<C: GenericClient>(
     Ok(())
 }
 
+/// The highest commit LSN among the stream rows whose receipts `slot` accepted, in any run
+/// (`outbox.accepted_positions`, migration 0034; a receipt without a stream position counts as
+/// the WAL's position when it was accepted). A row the stream brings with a later commit LSN
+/// has no receipt: exactly-once mode looks receipts up only at or below this.
+pub async fn accepted_through<C: GenericClient>(
+    client: &C,
+    slot: &str,
+) -> Result<Option<Lsn>, LedgerError> {
+    let row = client
+        .query_one(
+            "SELECT max(commit_lsn)::text FROM outbox.accepted_positions WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| LedgerError::Db {
+            context: format!("reading how far slot {slot}'s receipts are accepted"),
+            source: e,
+        })?;
+    lsn_of(row.get(0))
+}
+
 /// Where the broker stores the last transaction record `slot` accepted (exactly-once mode):
 /// a restart accepts the batches committed after it from their records. `None`: none yet, or
 /// the slot has no checkpoint row.

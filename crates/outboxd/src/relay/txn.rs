@@ -70,7 +70,10 @@ enum BrokerDone {
     Settle(Result<(TxnSink, Option<RecordPosition>), SinkError>),
 }
 
-type AcceptDone = (Client, u64, Result<AcceptOutcome, LedgerError>);
+/// The acceptance session and its prepared statements.
+type Session = (Client, accept::Prepared);
+
+type AcceptDone = (Session, u64, Result<AcceptOutcome, LedgerError>);
 
 /// A stream transaction read whole: its rows (each an event, or why it is unreadable, with its
 /// change LSN), its commit LSN and its end.
@@ -95,11 +98,14 @@ struct Run<'a> {
     committing: Option<u64>,
     accepts: VecDeque<TxnStep>,
     accepting: Option<JoinHandle<AcceptDone>>,
-    ledger: Option<Client>,
+    ledger: Option<Session>,
     batch_started: Option<Instant>,
     /// The last batch record the broker is known to hold (recovered or committed by this
     /// run): a settle reads the records after it.
     last_record: Option<RecordPosition>,
+    /// Rows with a later commit LSN have no receipt (`checkpoint::accepted_through`, read
+    /// after the recovery): only rows at or below it are looked up.
+    replay_bound: Option<Lsn>,
 }
 
 /// Streams in exactly-once mode from `start` until the run ends: a stop (`shutdown`), an
@@ -145,11 +151,13 @@ pub(super) async fn stream(
         committing: None,
         accepts: VecDeque::new(),
         accepting: None,
-        ledger: Some(ledger),
+        ledger: Some((ledger, accept::Prepared::default())),
         batch_started: None,
         last_record: checkpoint::last_txn_record(sql, &cfg.slot).await?,
+        replay_bound: None,
     };
     run.recover(sql).await?;
+    run.replay_bound = checkpoint::accepted_through(sql, &cfg.slot).await?;
     tracing::info!(transactional_id = %id, checkpoint = %run.core.durable(), "streaming in exactly-once mode");
     progress.set_checkpoint(run.core.durable());
 
@@ -163,6 +171,7 @@ pub(super) async fn stream(
     // Stream transactions read whole and not yet given to the core: (rows, commit LSN, end).
     let mut read: Vec<StreamTxn> = Vec::new();
     let mut read_rows = 0;
+    let mut in_txn = false;
     loop {
         if lease_state.is_lost() || !lease_state.valid() {
             return Err(RelayError::Ledger(LedgerError::LeaseLost {
@@ -196,6 +205,12 @@ pub(super) async fn stream(
                     match msg.map_err(SourceError::from)? {
                         None => return Err(RelayError::StreamEnded),
                         Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
+                            // Outside a transaction nothing is outstanding up to the server's
+                            // position: an idle relay's checkpoint follows it (past heartbeats
+                            // and other tables' changes), as in the default mode.
+                            if !in_txn && Lsn(wal_end) > received {
+                                read.push((Vec::new(), Lsn(wal_end), Lsn(wal_end)));
+                            }
                             received = received.max(Lsn(wal_end));
                             if reply_requested {
                                 confirm(stream, received, run.core.durable()).await?;
@@ -204,9 +219,13 @@ pub(super) async fn stream(
                         Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
                             received = received.max(Lsn(wal_start));
                             match decoder.decode(data)? {
-                                Decoded::Begin { commit_lsn: c, .. } => commit_lsn = c,
+                                Decoded::Begin { commit_lsn: c, .. } => {
+                                    commit_lsn = c;
+                                    in_txn = true;
+                                }
                                 Decoded::Event(res) => rows.push(((*res).map_err(|e| e.to_string()), Lsn(wal_start))),
                                 Decoded::Commit { end_lsn, .. } => {
+                                    in_txn = false;
                                     read_rows += rows.len();
                                     read.push((std::mem::take(&mut rows), commit_lsn, end_lsn));
                                     received = received.max(end_lsn);
@@ -226,12 +245,15 @@ pub(super) async fn stream(
                         None => break,
                     }
                 }
+                let moved = !read.is_empty();
                 run.admit(sql, std::mem::take(&mut read)).await?;
                 read_rows = 0;
                 if run.core.unfinished() >= cfg.batch_size {
                     run.core.flush();
                     run.batch_started = None;
-                } else if run.batch_started.is_none() && run.core.unfinished() > 0 {
+                } else if run.batch_started.is_none() && moved {
+                    // Events, or a position the checkpoint may follow: a batch within the
+                    // linger.
                     run.batch_started = Some(Instant::now());
                 }
             }
@@ -390,10 +412,10 @@ impl Run<'_> {
                 return Err(RelayError::Internal(format!("recovery asked for {step:?}")));
             };
             let batch = *batch;
-            let mut client = self.ledger.take().expect("the acceptance session");
+            let mut session = self.ledger.take().expect("the acceptance session");
             let items = self.items(sql, &step).await?;
-            let result = accept_step(&mut client, &self.cfg.slot, self.fence, &step, &items).await;
-            self.ledger = Some(client);
+            let result = accept_step(&mut session, &self.cfg.slot, self.fence, &step, &items).await;
+            self.ledger = Some(session);
             self.accepted(batch, result)?;
         }
         Ok(())
@@ -405,8 +427,10 @@ impl Run<'_> {
         if read.is_empty() {
             return Ok(());
         }
+        let bound = self.replay_bound;
         let unknown: Vec<AggKey> = read
             .iter()
+            .filter(|(_, commit_lsn, _)| bound.is_some_and(|b| *commit_lsn <= b))
             .flat_map(|(rows, _, _)| rows.iter())
             .filter_map(|(r, _)| r.as_ref().ok())
             .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
@@ -423,7 +447,8 @@ impl Run<'_> {
             }
         }
         for (rows, commit_lsn, end_lsn) in read {
-            self.admit_txn(rows, commit_lsn).await?;
+            let replayed = bound.is_some_and(|b| commit_lsn <= b);
+            self.admit_txn(rows, commit_lsn, replayed).await?;
             self.core.stream_commit(end_lsn);
         }
         Ok(())
@@ -435,6 +460,7 @@ impl Run<'_> {
         &mut self,
         rows: Vec<(Result<OutboxEvent, String>, Lsn)>,
         commit_lsn: Lsn,
+        replayed: bool,
     ) -> Result<(), RelayError> {
         for (n, (row, change_lsn)) in rows.into_iter().enumerate() {
             let event = match row {
@@ -454,16 +480,18 @@ impl Run<'_> {
                         envelope_generation: None,
                     });
                     self.settle_acceptance().await?;
-                    let mut client = self.ledger.take().expect("the acceptance session");
-                    let r = accept::accept_batch(
+                    let (mut client, mut prepared) =
+                        self.ledger.take().expect("the acceptance session");
+                    let r = accept::accept_batch_prepared(
                         &mut client,
+                        &mut prepared,
                         &self.cfg.slot,
                         &[item],
                         None,
                         Some(self.fence),
                     )
                     .await;
-                    self.ledger = Some(client);
+                    self.ledger = Some((client, prepared));
                     r?;
                     continue;
                 }
@@ -475,10 +503,13 @@ impl Run<'_> {
                 )));
             }
             let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
-            let accepted = self
-                .heads
-                .get(&key)
-                .is_some_and(|h| event.aggregate_version <= *h);
+            // Read again after a crash (at or below the replay bound): published if its
+            // aggregate's head, read when first met, is at or above it.
+            let accepted = replayed
+                && self
+                    .heads
+                    .get(&key)
+                    .is_some_and(|h| event.aggregate_version <= *h);
             if !accepted {
                 self.admitted.insert(
                     event.event_id,
@@ -702,18 +733,18 @@ impl Run<'_> {
         };
         let batch = *batch;
         let items = self.live_items(&step)?;
-        let mut client = self.ledger.take().expect("the acceptance session");
+        let mut session = self.ledger.take().expect("the acceptance session");
         let (slot, fence) = (self.cfg.slot.clone(), self.fence.clone());
         self.accepting = Some(tokio::spawn(async move {
-            let r = accept_step(&mut client, &slot, &fence, &step, &items).await;
-            (client, batch, r)
+            let r = accept_step(&mut session, &slot, &fence, &step, &items).await;
+            (session, batch, r)
         }));
         Ok(())
     }
 
     fn on_accepted(&mut self, done: Result<AcceptDone, RelayError>) -> Result<(), RelayError> {
-        let (client, batch, result) = done?;
-        self.ledger = Some(client);
+        let (session, batch, result) = done?;
+        self.ledger = Some(session);
         self.accepted(batch, result)
     }
 
@@ -888,7 +919,7 @@ fn kept_items(k: &Kept, ev: Option<&OutboxEvent>, commit_lsn: Option<Lsn>) -> Ve
 /// One acceptance as the core asked it: with the batch record's position when the broker
 /// committed it, with the checkpoint `through`.
 async fn accept_step(
-    client: &mut Client,
+    (client, prepared): &mut Session,
     slot: &str,
     fence: &Fence,
     step: &TxnStep,
@@ -900,12 +931,11 @@ async fn accept_step(
     else {
         return Ok(AcceptOutcome::default());
     };
-    let mut prepared = accept::Prepared::default();
     match record {
         Some(at) => {
             accept::accept_committed_batch(
                 client,
-                &mut prepared,
+                prepared,
                 slot,
                 items,
                 Some(*through),
@@ -914,6 +944,16 @@ async fn accept_step(
             )
             .await
         }
-        None => accept::accept_batch(client, slot, items, Some(*through), Some(fence)).await,
+        None => {
+            accept::accept_batch_prepared(
+                client,
+                prepared,
+                slot,
+                items,
+                Some(*through),
+                Some(fence),
+            )
+            .await
+        }
     }
 }
