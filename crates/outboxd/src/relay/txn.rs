@@ -73,7 +73,8 @@ enum BrokerDone {
 /// The acceptance session and its prepared statements.
 type Session = (Client, accept::Prepared);
 
-type AcceptDone = (Session, u64, Result<AcceptOutcome, LedgerError>);
+/// An acceptance's answer: the session back, the batches it took in, what the ledger did.
+type AcceptDone = (Session, Vec<u64>, Result<AcceptOutcome, LedgerError>);
 
 /// A stream transaction read whole: its rows (each an event, or why it is unreadable, with its
 /// change LSN), its commit LSN and its end.
@@ -722,30 +723,56 @@ impl Run<'_> {
 
     /// Starts the next acceptance, when none runs.
     async fn start_acceptance(&mut self) -> Result<(), RelayError> {
-        if self.accepting.is_some() {
+        if self.accepting.is_some() || self.accepts.is_empty() {
             return Ok(());
         }
-        let Some(step) = self.accepts.pop_front() else {
-            return Ok(());
+        // Every batch waiting, in one ledger transaction (in order: the last one's checkpoint
+        // and record cover the others'), so that acceptances keep up with the broker's
+        // commits: the batches accepted together grow with the ledger's latency.
+        let steps: Vec<TxnStep> = self.accepts.drain(..).collect();
+        let mut batches = Vec::with_capacity(steps.len());
+        let mut items = Vec::new();
+        let (mut through, mut record) = (self.core.durable(), None);
+        for step in &steps {
+            if let TxnStep::Accept {
+                batch,
+                through: t,
+                record: r,
+                ..
+            } = step
+            {
+                batches.push(*batch);
+                through = through.max(*t);
+                record = record.max(*r);
+            }
+            items.extend(self.live_items(step)?);
+        }
+        let merged = TxnStep::Accept {
+            batch: *batches.last().expect("a batch"),
+            receipts: Vec::new(),
+            kept: Vec::new(),
+            through,
+            record,
         };
-        let TxnStep::Accept { batch, .. } = &step else {
-            return Ok(());
-        };
-        let batch = *batch;
-        let items = self.live_items(&step)?;
         let mut session = self.ledger.take().expect("the acceptance session");
         let (slot, fence) = (self.cfg.slot.clone(), self.fence.clone());
         self.accepting = Some(tokio::spawn(async move {
-            let r = accept_step(&mut session, &slot, &fence, &step, &items).await;
-            (session, batch, r)
+            let r = accept_step(&mut session, &slot, &fence, &merged, &items).await;
+            (session, batches, r)
         }));
         Ok(())
     }
 
     fn on_accepted(&mut self, done: Result<AcceptDone, RelayError>) -> Result<(), RelayError> {
-        let (session, batch, result) = done?;
+        let (session, batches, result) = done?;
         self.ledger = Some(session);
-        self.accepted(batch, result)
+        let out = result?;
+        for batch in batches {
+            self.core.on_accepted(batch);
+        }
+        self.progress.set_checkpoint(self.core.durable());
+        self.progress.record(&out);
+        Ok(())
     }
 
     fn accepted(
