@@ -694,6 +694,7 @@ async fn run_once(
             fence,
             &lease_state,
             &current_rows,
+            (&ident.system_id, &dbname),
         )
         .await;
     }

@@ -50,10 +50,34 @@ use crate::config::RelayConfig;
 /// it, reading the records).
 const BROKER_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The transactional id of `slot`'s producer on `cluster`: stable across restarts and
-/// takeovers, so that the next holder fences the last.
-pub fn transactional_id(cluster: &str, slot: &str) -> String {
-    format!("outboxd-{cluster}-{slot}")
+/// Whose transactions and records these are: one slot of one database.
+#[derive(Debug, Clone)]
+pub(super) struct StreamIdentity {
+    /// The producer's transactional id: `outboxd-<cluster>-<system id>-<database>-<slot>`,
+    /// stable across restarts, takeovers and the slot's re-creation, so that the next holder
+    /// fences every earlier one; another database's slot of the same name is another id.
+    pub transactional_id: String,
+    /// The key of the batch records: the same with the slot's incarnation (the consistent
+    /// point its ledger row was created at). A start accepts only its incarnation's records:
+    /// a slot created again (`--resnapshot`), or a ledger made anew, never takes an earlier
+    /// one's batches, whose positions are not its stream's.
+    pub record_key: String,
+}
+
+impl StreamIdentity {
+    pub(super) fn new(
+        cluster: &str,
+        system_id: &str,
+        database: &str,
+        slot: &str,
+        incarnation: Lsn,
+    ) -> Self {
+        let transactional_id = format!("outboxd-{cluster}-{system_id}-{database}-{slot}");
+        StreamIdentity {
+            record_key: format!("{transactional_id}@{incarnation}"),
+            transactional_id,
+        }
+    }
 }
 
 /// An event the run admitted, kept until its batch is accepted: the receipt is built from it.
@@ -82,6 +106,7 @@ type StreamTxn = (Vec<(Result<OutboxEvent, String>, Lsn)>, Lsn, Lsn);
 
 struct Run<'a> {
     cfg: &'a RelayConfig,
+    ident: StreamIdentity,
     /// Where the outbox's rows are read as the relay must publish them (a narrow row's
     /// destination rendered: `outbox.events_current`).
     current_rows: &'a str,
@@ -124,9 +149,21 @@ pub(super) async fn stream(
     fence: &Fence,
     lease_state: &LeaseState,
     current_rows: &str,
+    (system_id, database): (&str, &str),
 ) -> Result<(), RelayError> {
     let (reports_tx, mut reports) = mpsc::unbounded_channel();
-    let id = transactional_id(&cfg.sink.cluster_name, &cfg.slot);
+    let incarnation = checkpoint::load(sql, &cfg.slot)
+        .await?
+        .and_then(|c| c.consistent_point)
+        .unwrap_or(Lsn::ZERO);
+    let ident = StreamIdentity::new(
+        &cfg.sink.cluster_name,
+        system_id,
+        database,
+        &cfg.slot,
+        incarnation,
+    );
+    let id = ident.transactional_id.clone();
     let sink = open_sink(cfg, &id, reports_tx.clone()).await?;
     let held = holds::load_held(sql)
         .await?
@@ -140,6 +177,7 @@ pub(super) async fn stream(
     };
     let mut run = Run {
         cfg,
+        ident,
         current_rows,
         progress,
         fence,
@@ -353,7 +391,7 @@ impl Run<'_> {
         let (servers, positions, slot) = (
             self.cfg.sink.bootstrap_servers.clone(),
             self.cfg.positions_topic.clone(),
-            self.cfg.slot.clone(),
+            self.ident.record_key.clone(),
         );
         let records = tokio::task::spawn_blocking(move || {
             committed_batches(&servers, &positions, &slot, &after, BROKER_TIMEOUT)
@@ -586,11 +624,11 @@ impl Run<'_> {
                     tracing::warn!(batch, "the commit's outcome is unknown: opening the producer again and reading the broker's records");
                     let (config, id, positions, reports) = (
                         self.cfg.sink.clone(),
-                        transactional_id(&self.cfg.sink.cluster_name, &self.cfg.slot),
+                        self.ident.transactional_id.clone(),
                         self.cfg.positions_topic.clone(),
                         self.reports_tx.clone(),
                     );
-                    let slot = self.cfg.slot.clone();
+                    let slot = self.ident.record_key.clone();
                     let after = self.last_record;
                     self.broker = Some(tokio::task::spawn_blocking(move || {
                         BrokerDone::Settle((|| {
@@ -617,12 +655,7 @@ impl Run<'_> {
                     }));
                 }
                 a @ TxnStep::Accept { .. } => self.accepts.push_back(a),
-                TxnStep::Stop => {
-                    return Err(fenced(&transactional_id(
-                        &self.cfg.sink.cluster_name,
-                        &self.cfg.slot,
-                    )))
-                }
+                TxnStep::Stop => return Err(fenced(&self.ident.transactional_id)),
             }
         }
         self.start_acceptance().await
@@ -639,7 +672,7 @@ impl Run<'_> {
         kept: &[Kept],
     ) -> BatchRecord {
         BatchRecord {
-            slot: self.cfg.slot.clone(),
+            slot: self.ident.record_key.clone(),
             generation: self.fence.generation,
             batch,
             through,
@@ -982,5 +1015,26 @@ async fn accept_step(
             )
             .await
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_of_another_database_or_incarnation_has_other_transactions_or_records() {
+        let at =
+            |db: &str, slot: &str, cp: u64| StreamIdentity::new("k", "7301", db, slot, Lsn(cp));
+        let a = at("shop", "outboxd", 0x10);
+        assert_eq!(a.transactional_id, "outboxd-k-7301-shop-outboxd");
+        assert_ne!(
+            a.transactional_id,
+            at("billing", "outboxd", 0x10).transactional_id
+        );
+        // The slot created again: the same producer (it fences the earlier), other records.
+        let again = at("shop", "outboxd", 0x20);
+        assert_eq!(a.transactional_id, again.transactional_id);
+        assert_ne!(a.record_key, again.record_key);
     }
 }
