@@ -91,7 +91,11 @@ async fn a_read_committed_consumer_sees_every_event_once_through_a_crash_between
         "exactly-once",
         "--positions-topic",
         positions.as_str(),
+        // Transactions of at most 20 events (a transaction takes up to max_in_flight), so
+        // that run 1 commits several before the failpoint's third.
         "--batch-size",
+        "20",
+        "--max-in-flight",
         "20",
     ];
     const EVENTS: usize = 240;
@@ -174,5 +178,40 @@ async fn a_read_committed_consumer_sees_every_event_once_through_a_crash_between
     assert!(misplaced.is_empty(), "receipts not at a committed copy: {misplaced:?}");
     // (The suite's `verify_receipts` reads without isolation and asserts contiguous offsets,
     // which a transactional topic does not have: its commit markers take offsets too.)
+}
+}
+
+e2e_only! {
+/// `outboxd check --delivery exactly-once`: a transaction runs under the check id, and a
+/// missing positions topic is named (the relay creates it at start); once it exists, it is ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_runs_a_transaction_and_names_a_missing_positions_topic() {
+    let env = TestEnv::new("exactly_once_check").await;
+    let positions = format!("{}.positions", env.topic);
+    let check = || {
+        crate::harness::outboxd(&[
+            "check",
+            "--database-url",
+            &env.url,
+            "--bootstrap-servers",
+            env.kafka.bootstrap_servers(),
+            "--slot",
+            &env.slot,
+            "--delivery",
+            "exactly-once",
+            "--config",
+            &env.write_config(format!("[kafka]\npositions_topic = \"{positions}\"\n")),
+        ])
+    };
+    let (ok, out) = check();
+    assert!(ok, "{out}");
+    assert!(out.contains("ok    kafka transactions"), "{out}");
+    assert!(
+        out.contains("WARN  positions topic") && out.contains("the relay creates it at start"),
+        "{out}"
+    );
+    env.kafka.create_topic(&positions, 1).expect("positions topic");
+    let (ok, out) = check();
+    assert!(ok && out.contains("ok    positions topic"), "{out}");
 }
 }

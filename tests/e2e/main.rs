@@ -65,13 +65,14 @@ pub(crate) mod unknown;
 pub(crate) mod webhook_signatures;
 
 /// `e2e_poll` compiles every module of this suite but these (each test in them pins its relay
-/// mode, starts its own Apache Kafka cluster, or tests a client of the relay whose mode does
+/// mode (exactly-once mode is CDC only), starts its own Apache Kafka cluster, or tests a client of the relay whose mode does
 /// not matter to it — another language's consumer, a webhook receiver, NATS authentication:
 /// they run once, here).
 #[cfg(test)]
 const E2E_ONLY_MODULES: &[&str] = &[
     "chaos",
     "consumer_recipe",
+    "exactly_once",
     "nats_nkey",
     "poll_mode",
     "real_kafka",

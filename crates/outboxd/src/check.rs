@@ -132,6 +132,9 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
                 ..cfg.sink.clone()
             };
             check_broker(&mut r, &sink, db.as_ref()).await;
+            if cfg.delivery == crate::values::Delivery::ExactlyOnce {
+                check_transactions(&mut r, &sink, &cfg.positions_topic, &cfg.slot);
+            }
         }
         (Some(_), None) => r.add(
             Level::Warn,
@@ -197,6 +200,8 @@ fn resolve(a: &CheckArgs, file: &FileConfig, r: &mut Report) -> Option<Vec<Relay
         slot: a.slot.clone(),
         publication: a.publication.clone(),
         config: a.config.clone(),
+        mode: a.mode,
+        delivery: a.delivery,
         ..RunArgs::default()
     };
     let what = if a.config.is_some() {
@@ -986,6 +991,47 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
 }
 
 /// A metadata/admin client config: the bootstrap list plus the security settings.
+/// `--delivery exactly-once`: the brokers run a transaction (a producer opened under a check
+/// id, which needs Kafka 2.5+, the transaction state log within its `min.isr` and the
+/// TransactionalId ACLs, then a transaction begun and aborted), and the positions topic is
+/// there, or the relay will create it at start.
+fn check_transactions(r: &mut Report, sink: &KafkaSinkConfig, positions: &str, slot: &str) {
+    use outbox_sink::kafka_txn::TxnSink;
+    let id = format!("outboxd-check-{}-{slot}", sink.cluster_name);
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let ran = tokio::task::block_in_place(|| {
+        let p = TxnSink::open(sink.clone(), &id, positions, tx, Duration::from_secs(15))?;
+        p.begin()?;
+        p.abort(Duration::from_secs(15))
+    });
+    match ran {
+        Ok(()) => r.add(
+            Level::Ok,
+            "kafka transactions",
+            format!("a transaction under {id} began and aborted"),
+        ),
+        Err(e) => r.add(Level::Fail, "kafka transactions", e.to_string()),
+    }
+    let consumer: Result<BaseConsumer, _> = metadata_config(sink).create();
+    let present = consumer.ok().and_then(|c| {
+        c.fetch_metadata(Some(positions), Duration::from_secs(10))
+            .ok()
+            .map(|m| {
+                m.topics()
+                    .iter()
+                    .any(|t| t.error().is_none() && !t.partitions().is_empty())
+            })
+    });
+    match present {
+        Some(true) => r.add(Level::Ok, "positions topic", positions.to_string()),
+        _ => r.add(
+            Level::Warn,
+            "positions topic",
+            format!("{positions} is missing: the relay creates it at start (one partition), which needs CREATE on the cluster or the topic; or create it yourself"),
+        ),
+    }
+}
+
 fn metadata_config(sink: &KafkaSinkConfig) -> ClientConfig {
     let mut cc = ClientConfig::new();
     for (k, v) in &sink.properties {

@@ -472,6 +472,12 @@ pub struct CheckArgs {
     /// [default: cdc, or mode in the `[relay]` section of the config file]
     #[arg(long, value_enum, env = "OUTBOXD_MODE")]
     pub mode: Option<crate::values::RunMode>,
+    /// Check for `outboxd run --delivery exactly-once`: the brokers run a transaction under a
+    /// check id (`outboxd-check-<cluster>-<slot>`, opened and aborted), and the positions topic
+    /// is there or may be created. [default: delivery in the `[kafka]` section of the config
+    /// file, else at-least-once]
+    #[arg(long, value_enum, env = "OUTBOXD_DELIVERY")]
+    pub delivery: Option<crate::values::Delivery>,
 }
 
 #[derive(Debug, Default, Args)]
