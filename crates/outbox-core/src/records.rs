@@ -76,6 +76,24 @@ pub struct QuarantineRecord {
     pub envelope_generation: Option<i32>,
 }
 
+impl QuarantineRecord {
+    /// A row that could not even be read as an envelope (no aggregate to hold), under `key`
+    /// (`lsn:<commit lsn>:<n>`), with why.
+    pub fn unreadable(key: String, reason: String, commit_lsn: Lsn) -> QuarantineRecord {
+        QuarantineRecord {
+            key,
+            event_id: None,
+            aggregate_type: None,
+            aggregate_id: None,
+            aggregate_version: None,
+            reason_code: "unreadable_row".into(),
+            reason,
+            commit_lsn,
+            envelope_generation: None,
+        }
+    }
+}
+
 /// An aggregate that must not publish until an operator releases it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HoldRecord {

@@ -792,17 +792,7 @@ impl<P: Plant> PipelineCore<P> {
     ) {
         tracing::warn!(%key, %reason, lsn = %commit_lsn, "unreadable outbox row quarantined");
         self.push(
-            LedgerItem::Quarantine(QuarantineRecord {
-                key,
-                event_id: None,
-                aggregate_type: None,
-                aggregate_id: None,
-                aggregate_version: None,
-                reason_code: "unreadable_row".into(),
-                reason,
-                commit_lsn,
-                envelope_generation: None,
-            }),
+            LedgerItem::Quarantine(QuarantineRecord::unreadable(key, reason, commit_lsn)),
             ack,
         );
     }

@@ -335,6 +335,16 @@ async fn open_sink(
     .map_err(RelayError::from)
 }
 
+/// An event id of batch record `r`, which must be a UUID.
+fn id_in(r: &BatchRecord, id: &str) -> Result<Uuid, RelayError> {
+    id.parse().map_err(|_| {
+        RelayError::Internal(format!(
+            "batch record {} of {}: event id {id:?} is not a UUID",
+            r.batch, r.slot
+        ))
+    })
+}
+
 fn fenced(id: &str) -> RelayError {
     RelayError::Internal(format!(
         "another relay opened the transactional id {id} and holds the slot now; this run stops (a standby again)"
@@ -422,12 +432,7 @@ impl Run<'_> {
                     .iter()
                     .map(|x| {
                         Ok(TxnReceipt {
-                            event_id: x.event_id.parse().map_err(|_| {
-                                RelayError::Internal(format!(
-                                    "batch record {} of slot {}: event id {:?} is not a UUID",
-                                    r.batch, r.slot, x.event_id
-                                ))
-                            })?,
+                            event_id: id_in(&r, &x.event_id)?,
                             partition: x.partition,
                             offset: x.offset,
                         })
@@ -438,12 +443,7 @@ impl Run<'_> {
                     .iter()
                     .map(|k| {
                         Ok(Kept {
-                            event_id: k.event_id.parse().map_err(|_| {
-                                RelayError::Internal(format!(
-                                    "batch record {} of slot {}: kept event id {:?} is not a UUID",
-                                    r.batch, r.slot, k.event_id
-                                ))
-                            })?,
+                            event_id: id_in(&r, &k.event_id)?,
                             aggregate: (k.aggregate_type.clone(), k.aggregate_id.clone()),
                             version: k.version,
                             quarantined: k.quarantined.clone(),
@@ -520,17 +520,9 @@ impl Run<'_> {
                 Err(reason) => {
                     let key = format!("lsn:{commit_lsn}:{n}");
                     tracing::warn!(%key, %reason, "unreadable outbox row quarantined");
-                    let item = LedgerItem::Quarantine(QuarantineRecord {
-                        key,
-                        event_id: None,
-                        aggregate_type: None,
-                        aggregate_id: None,
-                        aggregate_version: None,
-                        reason_code: "unreadable_row".into(),
-                        reason,
-                        commit_lsn,
-                        envelope_generation: None,
-                    });
+                    let item = LedgerItem::Quarantine(QuarantineRecord::unreadable(
+                        key, reason, commit_lsn,
+                    ));
                     self.settle_acceptance().await?;
                     let (mut client, mut prepared) =
                         self.ledger.take().expect("the acceptance session");
