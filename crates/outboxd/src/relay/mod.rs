@@ -788,7 +788,7 @@ async fn run_once(
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
         }
-        still_leased(cfg, &pipeline, &lease_state, fence)?;
+        still_leased(cfg, pipeline.core.lease_expired, &lease_state, fence)?;
         if due.releases {
             pipeline.release_poll(cfg, &sql, &current_rows, progress).await?;
         }
@@ -823,13 +823,14 @@ async fn salvage_after(
 
 /// An error if this run's lease is lost (taken over, or not renewed in time): it must stop
 /// sending and moving its checkpoint.
+/// `expired`: the run's own clock says the lease's deadline passed.
 fn still_leased(
     cfg: &RelayConfig,
-    pipeline: &Pipeline,
+    expired: bool,
     lease_state: &LeaseState,
     fence: &Fence,
 ) -> Result<(), RelayError> {
-    if pipeline.core.lease_expired || lease_state.is_lost() {
+    if expired || lease_state.is_lost() {
         tracing::warn!(
             generation = fence.generation,
             "lease lost to another relay; recording what the broker confirmed and stopping"

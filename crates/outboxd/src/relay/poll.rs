@@ -100,7 +100,7 @@ pub(super) async fn run_once(
                 progress,
             )
             .await?;
-            super::still_leased(cfg, &pipeline, &lease_state, fence)?;
+            super::still_leased(cfg, pipeline.core.lease_expired, &lease_state, fence)?;
             if last_releases.elapsed() >= RELEASE_POLL {
                 refuse_rows_without_versions(&sql).await?;
                 pipeline

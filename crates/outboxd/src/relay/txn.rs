@@ -120,8 +120,6 @@ struct Run<'a> {
     /// The heads of the aggregates met so far (the highest version with a receipt when met).
     heads: HashMap<AggKey, i64>,
     broker: Option<JoinHandle<BrokerDone>>,
-    /// The open transaction's batch, while a commit is asked.
-    committing: Option<u64>,
     accepts: VecDeque<TxnStep>,
     accepting: Option<JoinHandle<AcceptDone>>,
     ledger: Option<Session>,
@@ -193,7 +191,6 @@ pub(super) async fn stream(
         admitted: HashMap::new(),
         heads: HashMap::new(),
         broker: None,
-        committing: None,
         accepts: VecDeque::new(),
         accepting: None,
         ledger: Some((ledger, accept::Prepared::default())),
@@ -218,12 +215,7 @@ pub(super) async fn stream(
     let mut read_rows = 0;
     let mut in_txn = false;
     loop {
-        if lease_state.is_lost() || !lease_state.valid() {
-            return Err(RelayError::Ledger(LedgerError::LeaseLost {
-                slot: cfg.slot.clone(),
-                generation: fence.generation,
-            }));
-        }
+        super::still_leased(cfg, !lease_state.valid(), lease_state, fence)?;
         if run.core.stopped() {
             return Err(fenced(&id));
         }
@@ -407,10 +399,8 @@ impl Run<'_> {
     /// The batches the broker recorded after the ledger's last, accepted from their records
     /// before anything is read.
     async fn recover(&mut self, sql: &Client) -> Result<(), RelayError> {
-        let after: Vec<RecordPosition> = checkpoint::last_txn_record(sql, &self.cfg.slot)
-            .await?
-            .into_iter()
-            .collect();
+        // The ledger's last accepted record, read when the run was made.
+        let after: Vec<RecordPosition> = self.last_record.into_iter().collect();
         let (servers, positions, slot) = (
             self.cfg.sink.bootstrap_servers.clone(),
             self.cfg.positions_topic.clone(),
@@ -468,7 +458,7 @@ impl Run<'_> {
             let items = self.items(sql, &step).await?;
             let result = accept_step(&mut session, &self.cfg.slot, self.fence, &step, &items).await;
             self.ledger = Some(session);
-            self.accepted(batch, result)?;
+            self.accepted(&[batch], result)?;
         }
         Ok(())
     }
@@ -620,7 +610,6 @@ impl Run<'_> {
                     );
                     let record = self.record(batch, through, &receipts, &kept);
                     let sink = self.sink.clone();
-                    self.committing = Some(batch);
                     self.broker = Some(tokio::task::spawn_blocking(move || {
                         BrokerDone::Commit(sink.commit(&record, BROKER_TIMEOUT))
                     }));
@@ -721,7 +710,6 @@ impl Run<'_> {
         };
         match done? {
             BrokerDone::Commit(r) => {
-                let batch = self.committing.take();
                 let outcome = match r {
                     Ok(Some(at)) => {
                         // Tests: a crash between the broker's commit and the ledger's
@@ -746,7 +734,7 @@ impl Run<'_> {
                         _ => return Err(e.into()),
                     },
                 };
-                tracing::debug!(?batch, ?outcome, "commit answered");
+                tracing::debug!(?outcome, "commit answered");
                 self.core.on_committed(outcome);
             }
             BrokerDone::Abort(r) => match r {
@@ -810,22 +798,19 @@ impl Run<'_> {
     fn on_accepted(&mut self, done: Result<AcceptDone, RelayError>) -> Result<(), RelayError> {
         let (session, batches, result) = done?;
         self.ledger = Some(session);
-        let out = result?;
-        for batch in batches {
-            self.core.on_accepted(batch);
-        }
-        self.progress.set_checkpoint(self.core.durable());
-        self.progress.record(&out);
-        Ok(())
+        self.accepted(&batches, result)
     }
 
+    /// The ledger took `batches` in (in order): the core's checkpoint follows.
     fn accepted(
         &mut self,
-        batch: u64,
+        batches: &[u64],
         result: Result<AcceptOutcome, LedgerError>,
     ) -> Result<(), RelayError> {
         let out = result?;
-        self.core.on_accepted(batch);
+        for batch in batches {
+            self.core.on_accepted(*batch);
+        }
         self.progress.set_checkpoint(self.core.durable());
         self.progress.record(&out);
         Ok(())
