@@ -114,9 +114,10 @@ pub enum TxnStep {
         receipts: Vec<TxnReceipt>,
         kept: Vec<Kept>,
     },
-    /// Abort the open transaction. Answer with [`TxnCore::on_aborted`].
+    /// Abort the open transaction. Answer with [`TxnCore::on_aborted`], or
+    /// [`TxnCore::on_abort_unclear`] when the abort did not answer.
     Abort { batch: u64 },
-    /// The commit's outcome is unknown: open the producer again under the same transactional
+    /// The commit's outcome is unknown (or the abort did not answer): open the producer again under the same transactional
     /// id and read the broker's records after the ledger's last; answer with
     /// [`TxnCore::on_settled`].
     Settle { batch: u64 },
@@ -520,6 +521,18 @@ impl<P: Plant> TxnCore<P> {
         if !self.stopped && self.open_in(OpenPhase::Aborting) {
             self.aborted();
         }
+    }
+
+    /// The open transaction's abort did not answer (the producer is unusable): settled as an
+    /// unknown commit is, by a new producer under the same id (which aborts the transaction:
+    /// its commit never began) and the broker's records.
+    pub fn on_abort_unclear(&mut self) {
+        if self.stopped || !self.open_in(OpenPhase::Aborting) {
+            return;
+        }
+        let open = self.open.as_mut().expect("checked");
+        open.phase = OpenPhase::Settling;
+        self.steps.push_back(TxnStep::Settle { batch: open.batch });
     }
 
     /// The settled outcome of a commit that was unknown: the batch's record as the broker

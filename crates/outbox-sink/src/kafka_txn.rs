@@ -214,7 +214,7 @@ impl TxnFailure {
             TxnFailure::Fenced => "another relay opened the same transactional id and holds the slot now; this one sends nothing more",
             TxnFailure::Abortable => "the batch is aborted (nothing of it is visible) and sent again in a new transaction",
             TxnFailure::Retriable => "the outcome is not known yet: ask again, or let the next holder's start settle it; the batch is not sent anew before the broker says it is not committed",
-            TxnFailure::Fatal => "the broker must support transactions (Kafka 2.5+, transaction.state.log.replication.factor and transaction.state.log.min.isr at most the brokers up) and let this principal use the transactional id (docs/exactly_once.md)",
+            TxnFailure::Fatal => "this producer cannot go on: a running relay opens a new one under the same id and settles the batch from the broker's records; if opening fails too, the broker must support transactions (Kafka 2.5+, transaction.state.log.replication.factor and transaction.state.log.min.isr at most the brokers up) and let this principal use the transactional id (docs/exactly_once.md)",
         }
     }
 }

@@ -153,6 +153,30 @@ fn a_batch_that_only_keeps_events_commits_its_record_alone() {
 }
 
 #[test]
+fn an_abort_that_does_not_answer_is_settled_by_a_new_producer_then_sent_again() {
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    c.on_report(0, stored(0));
+    c.on_report(1, TxnReport::Failed { permanent: None });
+    c.on_report(2, stored(2));
+    assert_eq!(steps(&mut c), [TxnStep::Abort { batch: 1 }]);
+    c.on_abort_unclear();
+    assert_eq!(steps(&mut c), [TxnStep::Settle { batch: 1 }]);
+    c.flush();
+    assert!(
+        steps(&mut c).is_empty(),
+        "nothing is sent before it is settled"
+    );
+    c.on_settled(None);
+    c.flush();
+    let s = steps(&mut c);
+    assert_eq!(s[0], TxnStep::Begin { batch: 2 });
+    assert_eq!(sends(&s).iter().map(|s| s.1).collect::<Vec<_>>(), [1, 2, 3]);
+}
+
+#[test]
 fn an_unknown_commit_is_settled_by_the_broker_not_sent_again() {
     for committed in [true, false] {
         let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);

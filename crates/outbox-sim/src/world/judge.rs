@@ -258,6 +258,8 @@ pub struct Counts {
     pub txn_commits: u64,
     pub txn_aborts: u64,
     pub txn_unknown_commits: u64,
+    /// Aborts that did not answer (settled by a new producer).
+    pub txn_unclear_aborts: u64,
     /// Batches a start accepted from the broker's records instead of sending them again.
     pub txn_recovered: u64,
     pub txn_fenced: u64,
@@ -386,6 +388,7 @@ impl Counts {
             txn_commits,
             txn_aborts,
             txn_unknown_commits,
+            txn_unclear_aborts,
             txn_recovered,
             txn_fenced,
             txn_kills,
@@ -551,12 +554,13 @@ impl Counts {
             (
                 "txn_traces",
                 format!(
-                    "{} ({} SIGKILLs, {} commits, {} aborts, {} commits unknown, {} batches accepted from the broker's records, {} runs fenced)",
+                    "{} ({} SIGKILLs, {} commits, {} aborts, {} commits unknown, {} aborts unanswered, {} batches accepted from the broker's records, {} runs fenced)",
                     self.txn_traces,
                     self.txn_kills,
                     self.txn_commits,
                     self.txn_aborts,
                     self.txn_unknown_commits,
+                    self.txn_unclear_aborts,
                     self.txn_recovered,
                     self.txn_fenced
                 ),

@@ -515,6 +515,15 @@ impl Txn<'_> {
 
     fn abort(&mut self, i: usize) {
         self.relays[i].abort = false;
+        if self.faults && self.rng.chance(20) {
+            // The abort does not answer (the producer is unusable): the transaction stays
+            // open on the broker until a new producer of the id settles it.
+            self.say(format!("gen {} abort unanswered", self.relays[i].gen));
+            self.c.txn_unclear_aborts += 1;
+            self.relays[i].core.on_abort_unclear();
+            self.execute(i);
+            return;
+        }
         let fenced = match self.broker.open(self.relays[i].txn, self.relays[i].epoch) {
             Some(txn) => {
                 self.broker.txns[txn].0 = TxnState::Aborted;

@@ -120,6 +120,12 @@ pub enum RelayError {
     /// What this relay cannot serve as configured; the message names the fix.
     #[error("{0}")]
     Unsupported(String),
+    /// Exactly-once mode: the broker refused this run's producer because a newer producer of
+    /// its transactional id exists (another relay took the slot, or an earlier producer of
+    /// this one bumped the id's epoch late). Transient: the next run takes the lease again
+    /// if it can, and opening the producer fences every other one; otherwise it stands by.
+    #[error("the broker fenced the producer of transactional id {transactional_id}: a newer producer of the id exists; this run ends (the next one takes the slot again if its lease allows, or stands by)")]
+    Fenced { transactional_id: String },
 }
 
 impl RelayError {
@@ -131,6 +137,7 @@ impl RelayError {
             RelayError::Sink(e) => e.is_transient(),
             RelayError::Connect { .. } => true,
             RelayError::StreamEnded => true,
+            RelayError::Fenced { .. } => true,
             _ => false,
         }
     }

@@ -112,8 +112,14 @@ struct Run<'a> {
     current_rows: &'a str,
     progress: &'a Progress,
     fence: &'a Fence,
+    /// The lease as the keeper knows it: a settle opens the producer again (fencing every
+    /// other holder of the id) only while it holds.
+    lease: &'a LeaseState,
     core: TxnCore,
-    sink: Arc<TxnSink>,
+    /// The producer; `None` only while a settle replaces it (the old one is destroyed before
+    /// the new one opens, so that nothing it still had queued, such as its own epoch bump,
+    /// reaches the coordinator after the new one and fences it: seen on three nodes).
+    sink: Option<Arc<TxnSink>>,
     reports_tx: mpsc::UnboundedSender<Delivery>,
     /// Admitted events by id, until their batch is accepted.
     admitted: HashMap<Uuid, Admitted>,
@@ -185,8 +191,9 @@ pub(super) async fn stream(
         current_rows,
         progress,
         fence,
+        lease: lease_state,
         core: TxnCore::new(served, batch_size, start, 0, held),
-        sink: Arc::new(sink),
+        sink: Some(Arc::new(sink)),
         reports_tx,
         admitted: HashMap::new(),
         heads: HashMap::new(),
@@ -338,9 +345,9 @@ fn id_in(r: &BatchRecord, id: &str) -> Result<Uuid, RelayError> {
 }
 
 fn fenced(id: &str) -> RelayError {
-    RelayError::Internal(format!(
-        "another relay opened the transactional id {id} and holds the slot now; this run stops (a standby again)"
-    ))
+    RelayError::Fenced {
+        transactional_id: id.to_string(),
+    }
 }
 
 /// A delivery report as the core takes it: stored at a position, or not stored.
@@ -575,12 +582,12 @@ impl Run<'_> {
             match step {
                 TxnStep::Begin { batch } => {
                     tracing::debug!(batch, "transaction begins");
-                    if let Err(e) = self.sink.begin() {
+                    if let Err(e) = self.sink()?.begin() {
                         return Err(e.into());
                     }
                 }
                 TxnStep::Send { token, event } => {
-                    if let Err(e) = self.sink.send(&event, token).await {
+                    if let Err(e) = self.sink()?.send(&event, token).await {
                         let permanent = e.permanent_refusal();
                         let _ = self.reports_tx.send(Delivery {
                             token,
@@ -609,19 +616,26 @@ impl Run<'_> {
                         "every send stored: committing"
                     );
                     let record = self.record(batch, through, &receipts, &kept);
-                    let sink = self.sink.clone();
+                    let sink = self.sink()?.clone();
                     self.broker = Some(tokio::task::spawn_blocking(move || {
                         BrokerDone::Commit(sink.commit(&record, BROKER_TIMEOUT))
                     }));
                 }
-                TxnStep::Abort { .. } => {
-                    let sink = self.sink.clone();
+                TxnStep::Abort { batch } => {
+                    tracing::warn!(
+                        batch,
+                        "a send of the transaction failed: aborting it (nothing of it becomes visible; its events are sent again in the next)"
+                    );
+                    let sink = self.sink()?.clone();
                     self.broker = Some(tokio::task::spawn_blocking(move || {
                         BrokerDone::Abort(sink.abort(BROKER_TIMEOUT))
                     }));
                 }
                 TxnStep::Settle { batch } => {
-                    tracing::warn!(batch, "the commit's outcome is unknown: opening the producer again and reading the broker's records");
+                    // Opening the producer fences whoever holds the id: a run whose lease
+                    // lapsed (paused past it) must not fence the relay that took the slot.
+                    super::still_leased(self.cfg, !self.lease.valid(), self.lease, self.fence)?;
+                    tracing::warn!(batch, "the transaction's outcome is unknown: opening the producer again (which aborts it unless its commit began) and reading the broker's records");
                     let (config, id, positions, reports) = (
                         self.cfg.sink.clone(),
                         self.ident.transactional_id.clone(),
@@ -630,7 +644,10 @@ impl Run<'_> {
                     );
                     let slot = self.ident.record_key.clone();
                     let after = self.last_record;
+                    let old = self.sink.take();
                     self.broker = Some(tokio::task::spawn_blocking(move || {
+                        // The last reference: librdkafka's instance is destroyed here.
+                        drop(old);
                         BrokerDone::Settle((|| {
                             let sink = TxnSink::open(
                                 config.clone(),
@@ -663,6 +680,13 @@ impl Run<'_> {
 }
 
 impl Run<'_> {
+    /// The producer (there is one except while a settle opens the next).
+    fn sink(&self) -> Result<&Arc<TxnSink>, RelayError> {
+        self.sink.as_ref().ok_or_else(|| {
+            RelayError::Internal("no transactional producer while a settle opens one".into())
+        })
+    }
+
     /// The batch record the commit writes into the positions topic.
     fn record(
         &self,
@@ -723,15 +747,14 @@ impl Run<'_> {
                     Ok(None) => CommitOutcome::Unknown,
                     Err(e) => match failure(&e) {
                         Some(TxnFailure::Fenced) => CommitOutcome::Fenced,
-                        Some(TxnFailure::Retriable) => CommitOutcome::Unknown,
-                        Some(TxnFailure::Abortable) => {
-                            // The producer must abort before its next transaction; the core
-                            // sends the batch again in it.
-                            let sink = self.sink.clone();
-                            tokio::task::block_in_place(|| sink.abort(BROKER_TIMEOUT))?;
-                            CommitOutcome::Aborted
+                        // Retriable, abortable (the producer must abort: its abort can fail
+                        // as well, found on three nodes with a broker paused) or fatal for
+                        // this producer: settled by opening a new one, which aborts the
+                        // transaction unless its commit began, and reading the records.
+                        _ => {
+                            tracing::warn!(error = %e, "the commit did not answer");
+                            CommitOutcome::Unknown
                         }
-                        _ => return Err(e.into()),
                     },
                 };
                 tracing::debug!(?outcome, "commit answered");
@@ -740,11 +763,17 @@ impl Run<'_> {
             BrokerDone::Abort(r) => match r {
                 Ok(()) => self.core.on_aborted(false),
                 Err(e) if failure(&e) == Some(TxnFailure::Fenced) => self.core.on_aborted(true),
-                Err(e) => return Err(e.into()),
+                // The producer is unusable (an abort after a send timed out failed with
+                // INVALID_TXN_STATE on three nodes with a broker paused): settled like an
+                // unknown commit, by a new producer.
+                Err(e) => {
+                    tracing::warn!(error = %e, "the abort did not answer");
+                    self.core.on_abort_unclear();
+                }
             },
             BrokerDone::Settle(r) => {
                 let (sink, found) = r?;
-                self.sink = Arc::new(sink);
+                self.sink = Some(Arc::new(sink));
                 self.last_record = self.last_record.max(found);
                 tracing::info!(found = ?found, "unknown commit settled");
                 self.core.on_settled(found);
