@@ -40,9 +40,9 @@ fn three<P: Plant>(c: &mut TxnCore<P>) -> Vec<OutboxEvent> {
     evs
 }
 
-/// Three events in one transaction whose second send failed: the core asks to abort it.
-fn second_of_three_failed() -> TxnCore {
-    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+/// Three events in one transaction of `c` whose second send failed: the core asks to abort
+/// it.
+fn second_of_three_failed<P: Plant>(mut c: TxnCore<P>) -> TxnCore<P> {
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -84,7 +84,7 @@ fn a_batch_is_one_transaction_with_every_version_in_flight_then_committed_and_ac
 
 #[test]
 fn one_failed_send_aborts_the_transaction_and_the_whole_batch_goes_again_in_order() {
-    let mut c = second_of_three_failed();
+    let mut c = second_of_three_failed(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
     c.on_aborted(false);
     assert!(steps(&mut c).is_empty(), "nothing of it is accepted");
     c.flush();
@@ -160,7 +160,7 @@ fn a_batch_that_only_keeps_events_commits_its_record_alone() {
 
 #[test]
 fn an_abort_that_does_not_answer_is_settled_by_a_new_producer_then_sent_again() {
-    let mut c = second_of_three_failed();
+    let mut c = second_of_three_failed(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
     c.on_abort_unclear();
     assert_eq!(steps(&mut c), [TxnStep::Settle { batch: 1 }]);
     c.flush();
@@ -354,21 +354,14 @@ fn each_mutant_changes_its_decision() {
         }]
     ));
 
-    let mut c = TxnCore::planted(
+    let mut c = second_of_three_failed(TxnCore::planted(
         planted(Mutant::TxnAcceptsAborted),
         served(),
         10,
         Lsn(10),
         0,
         vec![],
-    );
-    three(&mut c);
-    c.flush();
-    steps(&mut c);
-    c.on_report(0, stored(0));
-    c.on_report(1, TxnReport::Failed { permanent: None });
-    c.on_report(2, stored(2));
-    steps(&mut c);
+    ));
     c.on_aborted(false);
     assert!(
         matches!(&steps(&mut c)[..], [TxnStep::Accept { receipts, .. }] if receipts.len() == 2)

@@ -390,6 +390,10 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
+/// The standby status of this mode: `flush` (what the server may recycle) is `durable`, the
+/// `through` of the last batch the ledger accepted, which is never past a stream transaction
+/// some of whose events are in a batch not yet accepted (`TxnCore`'s rule; the default mode's
+/// argument for why a confirmed LSN is safe is at `outbox_relay::schedule::standby_status`).
 async fn confirm(
     stream: &mut ReplicationStream,
     received: Lsn,
