@@ -320,6 +320,11 @@ async fn check_runs_a_transaction_and_names_a_missing_positions_topic() {
     let (ok, out) = check();
     assert!(ok, "{out}");
     assert!(out.contains("ok    kafka transactions"), "{out}");
+    // The suite's node: its transaction state log's replication factor and min.isr are 1.
+    assert!(
+        out.contains("ok    transaction state log") && out.contains("1 broker(s) up"),
+        "{out}"
+    );
     assert!(
         out.contains("WARN  positions topic") && out.contains("the relay creates it at start"),
         "{out}"

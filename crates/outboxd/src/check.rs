@@ -1012,6 +1012,19 @@ fn check_transactions(r: &mut Report, sink: &KafkaSinkConfig, positions: &str, s
         ),
         Err(e) => r.add(Level::Fail, "kafka transactions", e.to_string()),
     }
+    // What a failed transaction most often comes from, by name: a transaction state log that
+    // needs more brokers than the cluster has up.
+    match transaction_log_settings(sink) {
+        Some((rf, min_isr, brokers)) => match transaction_log_verdict(rf, min_isr, brokers) {
+            Ok(m) => r.add(Level::Ok, "transaction state log", m),
+            Err(m) => r.add(Level::Fail, "transaction state log", m),
+        },
+        None => r.add(
+            Level::Warn,
+            "transaction state log",
+            "cannot read the brokers' transaction.state.log.* settings (DescribeConfigs on a broker needs DESCRIBE_CONFIGS on the cluster); the transaction above is the proof".to_string(),
+        ),
+    }
     let consumer: Result<BaseConsumer, _> = metadata_config(sink).create();
     let present = consumer.ok().and_then(|c| {
         c.fetch_metadata(Some(positions), Duration::from_secs(10))
@@ -1114,6 +1127,55 @@ fn describe_configs(
 ) -> Option<Vec<rdkafka::admin::ConfigResourceResult>> {
     let opts = rdkafka::admin::AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
     futures::executor::block_on(admin.describe_configs(specs, &opts)).ok()
+}
+
+/// A broker's `transaction.state.log.replication.factor` and `transaction.state.log.min.isr`
+/// (DescribeConfigs), and how many brokers the metadata lists; `None` if unreadable.
+fn transaction_log_settings(sink: &KafkaSinkConfig) -> Option<(i64, i64, usize)> {
+    use rdkafka::admin::ResourceSpecifier;
+    let admin = admin_client(sink)?;
+    let md = admin
+        .inner()
+        .fetch_metadata(None, Duration::from_secs(10))
+        .ok()?;
+    let broker = md.brokers().first()?.id();
+    let res = describe_configs(&admin, &[ResourceSpecifier::Broker(broker)])?;
+    let resource = res.into_iter().next()?.ok()?;
+    let setting = |name: &str| -> Option<i64> {
+        resource
+            .entries
+            .iter()
+            .find(|e| e.name == name)?
+            .value
+            .as_deref()?
+            .parse()
+            .ok()
+    };
+    Some((
+        setting("transaction.state.log.replication.factor")?,
+        setting("transaction.state.log.min.isr")?,
+        md.brokers().len(),
+    ))
+}
+
+/// Whether the transaction state log can be written with `brokers` up: its replication factor
+/// (needed when the log is first created) and its `min.isr` (needed by every commit) must not
+/// exceed them. The message names the setting to lower, or says what holds.
+fn transaction_log_verdict(rf: i64, min_isr: i64, brokers: usize) -> Result<String, String> {
+    let up = brokers as i64;
+    if rf > up {
+        return Err(format!(
+            "transaction.state.log.replication.factor is {rf} and {up} broker(s) are up: the broker cannot create its transaction state log and no transaction can begin; lower it to at most {up} (or start more brokers)"
+        ));
+    }
+    if min_isr > up {
+        return Err(format!(
+            "transaction.state.log.min.isr is {min_isr} and {up} broker(s) are up: no transaction can commit; lower it to at most {up} (or start more brokers)"
+        ));
+    }
+    Ok(format!(
+        "replication factor {rf}, min.isr {min_isr}, {up} broker(s) up (a commit needs {min_isr} in sync)"
+    ))
 }
 
 /// The broker's `auto.create.topics.enable`, if it can be read (DescribeConfigs).
@@ -1233,5 +1295,23 @@ async fn check_nats(
                 budget.as_secs_f64()
             ),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transaction_log_verdict;
+
+    #[test]
+    fn a_transaction_log_that_needs_more_brokers_than_are_up_is_named() {
+        assert!(transaction_log_verdict(1, 1, 1).is_ok());
+        assert!(transaction_log_verdict(3, 2, 3).is_ok());
+        let e = transaction_log_verdict(3, 2, 1).unwrap_err();
+        assert!(
+            e.contains("transaction.state.log.replication.factor is 3") && e.contains("at most 1"),
+            "{e}"
+        );
+        let e = transaction_log_verdict(1, 2, 1).unwrap_err();
+        assert!(e.contains("transaction.state.log.min.isr is 2"), "{e}");
     }
 }
