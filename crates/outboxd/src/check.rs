@@ -1129,9 +1129,9 @@ fn describe_configs(
     futures::executor::block_on(admin.describe_configs(specs, &opts)).ok()
 }
 
-/// A broker's `transaction.state.log.replication.factor` and `transaction.state.log.min.isr`
-/// (DescribeConfigs), and how many brokers the metadata lists; `None` if unreadable.
-fn transaction_log_settings(sink: &KafkaSinkConfig) -> Option<(i64, i64, usize)> {
+/// The configuration of the first broker the metadata lists (DescribeConfigs), and how many
+/// brokers it lists; `None` if either is unreadable.
+fn broker_config(sink: &KafkaSinkConfig) -> Option<(rdkafka::admin::ConfigResource, usize)> {
     use rdkafka::admin::ResourceSpecifier;
     let admin = admin_client(sink)?;
     let md = admin
@@ -1140,21 +1140,19 @@ fn transaction_log_settings(sink: &KafkaSinkConfig) -> Option<(i64, i64, usize)>
         .ok()?;
     let broker = md.brokers().first()?.id();
     let res = describe_configs(&admin, &[ResourceSpecifier::Broker(broker)])?;
-    let resource = res.into_iter().next()?.ok()?;
-    let setting = |name: &str| -> Option<i64> {
-        resource
-            .entries
-            .iter()
-            .find(|e| e.name == name)?
-            .value
-            .as_deref()?
-            .parse()
-            .ok()
-    };
+    Some((res.into_iter().next()?.ok()?, md.brokers().len()))
+}
+
+/// A broker's `transaction.state.log.replication.factor` and `transaction.state.log.min.isr`,
+/// and how many brokers are up; `None` if unreadable.
+fn transaction_log_settings(sink: &KafkaSinkConfig) -> Option<(i64, i64, usize)> {
+    let (resource, brokers) = broker_config(sink)?;
+    let setting =
+        |name: &str| -> Option<i64> { resource.get(name)?.value.as_deref()?.parse().ok() };
     Some((
         setting("transaction.state.log.replication.factor")?,
         setting("transaction.state.log.min.isr")?,
-        md.brokers().len(),
+        brokers,
     ))
 }
 
@@ -1180,20 +1178,12 @@ fn transaction_log_verdict(rf: i64, min_isr: i64, brokers: usize) -> Result<Stri
 
 /// The broker's `auto.create.topics.enable`, if it can be read (DescribeConfigs).
 fn broker_auto_create(sink: &KafkaSinkConfig) -> Option<bool> {
-    use rdkafka::admin::ResourceSpecifier;
-    let admin = admin_client(sink)?;
-    let md = admin
-        .inner()
-        .fetch_metadata(None, Duration::from_secs(10))
-        .ok()?;
-    let broker = md.brokers().first()?.id();
-    let res = describe_configs(&admin, &[ResourceSpecifier::Broker(broker)])?;
-    let resource = res.into_iter().next()?.ok()?;
-    let entry = resource
-        .entries
-        .iter()
-        .find(|e| e.name == "auto.create.topics.enable")?;
-    entry.value.as_deref().map(|v| v == "true")
+    let (resource, _) = broker_config(sink)?;
+    let value = resource
+        .get("auto.create.topics.enable")?
+        .value
+        .as_deref()?;
+    Some(value == "true")
 }
 
 /// The JetStream part: server identity, JetStream enabled, the stream, and its duplicate window
