@@ -555,10 +555,7 @@ async fn exactly_once_on_three_kafka_nodes_through_relay_and_broker_faults() {
     // past its lease; a standby takes the slot and the transactional id; the paused relay,
     // resumed, is fenced on the broker and in the ledger, and goes back to standby.
     let standby = start("relay-b");
-    wait_for("relay-b in standby", LONG, || async {
-        if standby.log_text().contains("standby") { Ok(()) } else { Err("not yet".to_string()) }
-    })
-    .await;
+    crate::ha::wait_log(&standby, "standby").await;
     let open_transaction = |text: &str| text.matches("transaction begins").count() > ended(text);
     let mut tries = 0;
     loop {
@@ -573,24 +570,7 @@ async fn exactly_once_on_three_kafka_nodes_through_relay_and_broker_faults() {
         tokio::time::sleep(Duration::from_millis(7)).await;
     }
     let before = receipts().await;
-    let generation = |owner: &'static str| {
-        let env = &env;
-        async move {
-            wait_for("the standby to take the lease", LONG, || async {
-                let row = env
-                    .db
-                    .query_opt(
-                        "SELECT generation FROM outbox.relay_leases WHERE slot_name = $1 AND owner = $2",
-                        &[&env.slot, &owner],
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                row.map(|r| r.get::<_, i64>(0)).ok_or_else(|| "not yet".to_string())
-            })
-            .await
-        }
-    };
-    let gb = generation("relay-b").await;
+    let gb = crate::ha::wait_owner(&env, "relay-b").await;
     more_receipts("the standby's receipts", before, 60).await;
     relay.signal(libc::SIGCONT);
     wait_for("the resumed relay to stand by", LONG, || async {

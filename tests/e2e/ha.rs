@@ -19,7 +19,7 @@ async fn lease_owner(env: &TestEnv) -> Option<(String, i64)> {
         .map(|r| (r.get(0), r.get(1)))
 }
 
-async fn wait_owner(env: &TestEnv, owner: &str) -> i64 {
+pub(crate) async fn wait_owner(env: &TestEnv, owner: &str) -> i64 {
     wait_owner_within(env, owner, LONG).await
 }
 
@@ -33,7 +33,7 @@ async fn wait_owner_within(env: &TestEnv, owner: &str, within: Duration) -> i64 
     .await
 }
 
-async fn wait_log(relay: &crate::harness::RelayProcess, needle: &str) {
+pub(crate) async fn wait_log(relay: &crate::harness::RelayProcess, needle: &str) {
     wait_for(&format!("relay log to say {needle:?}"), LONG, || async {
         if relay.log_text().contains(needle) {
             Ok(())

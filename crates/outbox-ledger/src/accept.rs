@@ -630,11 +630,12 @@ pub async fn accept_numbered_batch(
     accept(client, prepared, slot, items, &end).await
 }
 
-/// [`accept_batch_prepared`] for a batch the broker committed as one transaction with its
-/// record at `record` in the positions topic (exactly-once mode, docs/exactly_once.md): the
-/// slot's checkpoint row keeps `record` (never lowered) in the same transaction as the
-/// receipts, so a restart reads only the batches committed after it. Kept even when the
-/// fence was lost (the receipts are too, and the broker holds the batch).
+/// [`accept_batch_prepared`] for a batch of exactly-once mode (docs/exactly_once.md). One the
+/// broker committed as one transaction has its record at `record` in the positions topic: the
+/// slot's checkpoint row keeps it (never lowered) in the same transaction as the receipts, so
+/// a restart reads only the batches committed after it; kept even when the fence was lost
+/// (the receipts are too, and the broker holds the batch). `None`: a batch of stream commits
+/// alone, which needed no broker transaction.
 pub async fn accept_committed_batch(
     client: &mut Client,
     prepared: &mut Prepared,
@@ -642,12 +643,12 @@ pub async fn accept_committed_batch(
     items: &[LedgerItem],
     checkpoint: Option<Lsn>,
     fence: Option<&crate::lease::Fence>,
-    record: RecordPosition,
+    record: Option<RecordPosition>,
 ) -> Result<AcceptOutcome, LedgerError> {
     let end = End {
         checkpoint,
         fence,
-        record: Some(record),
+        record,
         numbered: None,
     };
     accept(client, prepared, slot, items, &end).await

@@ -154,10 +154,9 @@ pub async fn accepted_through<C: GenericClient>(
             &[&slot],
         )
         .await
-        .map_err(|e| LedgerError::Db {
-            context: format!("reading how far slot {slot}'s receipts are accepted"),
-            source: e,
-        })?;
+        .ctx(format!(
+            "reading how far slot {slot}'s receipts are accepted"
+        ))?;
     lsn_of(row.get(0))
 }
 

@@ -2909,7 +2909,7 @@ async fn an_accepted_batch_keeps_its_transaction_record_with_its_receipts() {
             &[LedgerItem::Receipt(receipt(ev, 1))],
             Some(Lsn(20)),
             None,
-            at(offset),
+            Some(at(offset)),
         )
         .await
         .unwrap();
@@ -2943,7 +2943,7 @@ async fn an_accepted_batch_keeps_its_transaction_record_with_its_receipts() {
         &[LedgerItem::Receipt(refused)],
         Some(Lsn(30)),
         None,
-        at(99),
+        Some(at(99)),
     )
     .await
     .unwrap_err();
@@ -2969,7 +2969,7 @@ async fn an_accepted_batch_keeps_its_transaction_record_with_its_receipts() {
         &[LedgerItem::Receipt(receipt(&events[4], 3))],
         Some(Lsn(40)),
         Some(&stale),
-        at(70),
+        Some(at(70)),
     )
     .await
     .unwrap_err();
@@ -2999,7 +2999,7 @@ async fn an_accepted_batch_keeps_its_transaction_record_with_its_receipts() {
         &[LedgerItem::Receipt(receipt(&events[4], 4))],
         None,
         None,
-        at(1),
+        Some(at(1)),
     )
     .await
     .unwrap_err();

@@ -1020,31 +1020,16 @@ async fn accept_step(
     else {
         return Ok(AcceptOutcome::default());
     };
-    match record {
-        Some(at) => {
-            accept::accept_committed_batch(
-                client,
-                prepared,
-                slot,
-                items,
-                Some(*through),
-                Some(fence),
-                *at,
-            )
-            .await
-        }
-        None => {
-            accept::accept_batch_prepared(
-                client,
-                prepared,
-                slot,
-                items,
-                Some(*through),
-                Some(fence),
-            )
-            .await
-        }
-    }
+    accept::accept_committed_batch(
+        client,
+        prepared,
+        slot,
+        items,
+        Some(*through),
+        Some(fence),
+        *record,
+    )
+    .await
 }
 
 #[cfg(test)]
