@@ -233,6 +233,100 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     );
 }
 
+/// One aggregate's handler is down (503 to each of its requests) while its events keep
+/// coming, more of them than `--max-in-flight`: they wait behind its unclear answer, and the
+/// slot is still read, so every other aggregate's events are published meanwhile. Before
+/// 2026-12-06 the waiting events counted against `max_in_flight`, the relay stopped reading,
+/// and every aggregate waited for the one whose handler was down (this test timed out
+/// waiting for the other aggregates). When the handler is back, the waiting aggregate is
+/// published in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_others() {
+    const MARK: &str = "handler-down-for-this-tenant";
+    const HOT_EVENTS: i64 = 60;
+    let (env, target) = endpoint_env("unclear_waiting", TargetSettings::default()).await;
+    let config = env.write_config(
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
+         idempotency_window_ms = 3600000\n"
+            .to_string(),
+    );
+    target.unavailable_for(Some(MARK));
+    let mut relay = env.relay(
+        &[],
+        &[
+            "--config",
+            &config,
+            "--max-in-flight",
+            "20",
+            "--unclear-schedule-ms",
+            "300",
+        ],
+    );
+    env.wait_streaming().await;
+    let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+    let mut hot = Vec::new();
+    for v in 1..=HOT_EVENTS {
+        let id = env.enqueue("hot", json!({"tenant": MARK, "v": v})).await;
+        committed.insert(id, ("hot".to_string(), v));
+        hot.push(id);
+    }
+    // The first of them met the handler that is down: the rest wait behind it.
+    outbox_testkit::wait::wait_for(
+        "the hot aggregate's first event answered 503",
+        crate::harness::LONG,
+        || async {
+            match target.requests_with_key(&hot[0].to_string()) {
+                0 => Err("no request yet".to_string()),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
+    let before = committed.len();
+    enqueue_versions(&env, &mut committed, "cold", 20, 1..=2).await;
+    env.wait_receipts(
+        "every other aggregate's events accepted while the hot one waits",
+        committed.len() - before,
+    )
+    .await;
+    let hot_receipts = env
+        .count(&format!(
+            "SELECT count(*) FROM outbox.receipts WHERE event_id IN ({})",
+            hot.iter()
+                .map(|id| format!("'{id}'"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ))
+        .await;
+    assert_eq!(
+        hot_receipts, 0,
+        "the handler is down: nothing of hot is answered"
+    );
+    // The fault met traffic: the first event was asked again, and only the first was sent.
+    assert!(target.requests_with_key(&hot[0].to_string()) >= 2);
+    assert!(
+        hot[1..]
+            .iter()
+            .all(|id| target.requests_with_key(&id.to_string()) == 0),
+        "a later event of the waiting aggregate was sent before the first was answered"
+    );
+    relay.assert_running();
+    assert!(
+        !relay.log_text().contains("the slot is not read"),
+        "60 events waiting is under the default bound"
+    );
+
+    target.unavailable_for(None);
+    env.wait_receipts(
+        "every event accepted once the handler is back",
+        committed.len(),
+    )
+    .await;
+    relay.assert_running();
+    let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
+    check_named_endpoint(&env, &target, &committed, &topic, "billing-api").await;
+}
+
 /// Enqueues `versions` of `aggregates` aggregates named `prefix-N`, one transaction per
 /// version (each touching every aggregate), and records them in `committed`.
 async fn enqueue_versions(

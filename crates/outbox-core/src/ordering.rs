@@ -223,6 +223,11 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
     pub fn queued(&self) -> usize {
         self.queued
     }
+
+    /// Events of `key` waiting behind its in-flight event.
+    pub fn queue_len(&self, key: &K) -> usize {
+        self.aggs.get(key).map_or(0, Agg::queue_len)
+    }
 }
 
 #[cfg(test)]

@@ -210,6 +210,11 @@ pub enum Mutant {
     /// it began: one resolved before the round reaches its rows is sent again from the
     /// round's stale read (the simulator's `resent_after_proof`).
     RoundForgetsParked,
+    /// Events that wait on an unclear outcome count against `max_in_flight`
+    /// ([`PipelineCore::waiting_on_unclear`] says none do): an aggregate whose events keep
+    /// coming behind its unclear one stops the slot being read for every aggregate (the
+    /// simulator's `reading_stopped_by_unclear`).
+    UnclearWaitCountsAsInFlight,
     /// An unclear delivery report ends the run ([`CoreError::UnclearEndsRun`]) instead of
     /// parking its event: every aggregate waits for the restart (the relay before issue 25;
     /// the simulator's `unclear_restarts`).

@@ -20,8 +20,12 @@ pub struct Settings {
     pub batch_linger: Duration,
     /// A batch this long is accepted at once.
     pub batch_size: usize,
-    /// Events read from the slot and not yet resolved, beyond which the slot is not read.
+    /// Events read from the slot and not yet resolved, beyond which the slot is not read;
+    /// those waiting on an unclear outcome are not counted ([`Load::waiting_on_unclear`]).
     pub max_in_flight: u64,
+    /// Events waiting on unclear outcomes, beyond which the slot is not read: they hold only
+    /// their aggregates, but each is kept in memory until its aggregate moves again.
+    pub max_waiting_on_unclear: u64,
     /// Payload bytes sent and not yet reported on, beyond which the slot is not read.
     pub max_in_flight_bytes: usize,
     /// How often operator releases (and UNKNOWN attempts of other generations) are polled.
@@ -40,6 +44,10 @@ pub struct Load {
     pub checkpoint_behind: bool,
     /// Events read and not yet resolved (the ack tracker's count).
     pub unresolved: u64,
+    /// Of those, the events parked after an unclear outcome and those queued behind them
+    /// (`PipelineCore::waiting_on_unclear`). A driver may leave it 0 while `unresolved` is
+    /// below `max_in_flight`: it only matters past it.
+    pub waiting_on_unclear: u64,
     /// Payload bytes sent and not yet reported on.
     pub in_flight_bytes: usize,
     /// The stream is inside a transaction (between Begin and Commit).
@@ -84,10 +92,24 @@ impl Schedule {
     }
 
     /// Backpressure: stop reading the slot while too much is unresolved or in flight;
-    /// reports, acceptance and status updates keep flowing meanwhile.
+    /// reports, acceptance and status updates keep flowing meanwhile. What waits on an
+    /// unclear outcome holds only its aggregate, and has a bound of its own: a handler that
+    /// is down for one aggregate whose events keep coming must not stop every other
+    /// aggregate once `max_in_flight` of them are read (an unclear outcome holds one
+    /// aggregate, never the relay).
     pub fn can_read(&self, load: &Load) -> bool {
-        load.unresolved < self.settings.max_in_flight
-            && load.in_flight_bytes < self.settings.max_in_flight_bytes
+        within_bounds(
+            self.settings.max_in_flight,
+            self.settings.max_waiting_on_unclear,
+            load.unresolved,
+            load.waiting_on_unclear,
+        ) && load.in_flight_bytes < self.settings.max_in_flight_bytes
+    }
+
+    /// Whether the events waiting on unclear outcomes are what stops the slot being read
+    /// (the driver says so in its log: raise the bound, or fix the destination).
+    pub fn reading_held_by_unclear(&self, load: &Load) -> bool {
+        load.waiting_on_unclear.min(load.unresolved) >= self.settings.max_waiting_on_unclear
     }
 
     /// When the loop must wake up even if nothing arrives: the periodic status, the batch
@@ -147,6 +169,15 @@ impl Schedule {
     }
 }
 
+/// Whether `unresolved` events, `waiting` of which wait on unclear outcomes, leave room to
+/// read more: fewer than `max_in_flight` others, fewer than `max_waiting` waiting. The rule of
+/// [`Schedule::can_read`], for readers outside the stream's loop too (the initial snapshot, a
+/// poll round).
+pub fn within_bounds(max_in_flight: u64, max_waiting: u64, unresolved: u64, waiting: u64) -> bool {
+    let waiting = waiting.min(unresolved);
+    unresolved - waiting < max_in_flight && waiting < max_waiting
+}
+
 /// A standby status update: the positions the relay reports to the walsender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StandbyStatus {
@@ -192,6 +223,7 @@ mod tests {
             batch_linger: ms(5),
             batch_size: 100,
             max_in_flight: 10,
+            max_waiting_on_unclear: 50,
             max_in_flight_bytes: 1000,
             release_poll: ms(500),
         }
@@ -211,6 +243,32 @@ mod tests {
         load.unresolved = 0;
         load.in_flight_bytes = 1000;
         assert!(!s.can_read(&load));
+    }
+
+    #[test]
+    fn what_waits_on_unclear_outcomes_has_a_bound_of_its_own() {
+        let s = Schedule::new(settings(), ms(0));
+        // 9 sent and unresolved, 40 parked or queued behind parked events: still read.
+        let mut load = Load {
+            unresolved: 49,
+            waiting_on_unclear: 40,
+            ..Load::default()
+        };
+        assert!(s.can_read(&load));
+        assert!(!s.reading_held_by_unclear(&load));
+        load.unresolved = 50;
+        assert!(!s.can_read(&load), "10 others unresolved: max_in_flight");
+        assert!(!s.reading_held_by_unclear(&load));
+        load.unresolved = 55;
+        load.waiting_on_unclear = 50;
+        assert!(!s.can_read(&load), "the bound of what waits");
+        assert!(s.reading_held_by_unclear(&load));
+        // A driver that leaves the count 0 below max_in_flight reads as before.
+        let load = Load {
+            unresolved: 9,
+            ..Load::default()
+        };
+        assert!(s.can_read(&load));
     }
 
     #[test]

@@ -32,7 +32,9 @@ fn two_thousand_traces_violate_nothing() {
     assert_eq!(c.late_acks, c.late_acks_converged);
     assert_eq!(c.stalls, 0);
     assert_eq!(c.unclear_restarts, 0);
+    assert_eq!(c.reading_stopped_by_unclear, 0);
     // The faults really happened (a gate that injects nothing proves nothing).
+    assert!(c.reads_held_back > 1_000, "backpressure met traffic: {c:?}");
     assert!(c.relay_crashes > 1_000, "{c:?}");
     assert!(c.relay_pauses > 1_000, "{c:?}");
     assert!(c.unknown_attempts > 1_000, "{c:?}");
@@ -195,6 +197,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::NoSettle,
         Mutant::BugUnknownOnlyAtStart,
         Mutant::BugEndRunOnUnclear,
+        Mutant::BugUnclearWaitCountsAsInFlight,
         Mutant::BugLookUpBesideReconciliation,
         Mutant::FreshByCommit,
         Mutant::NumberingNotKept,
@@ -295,6 +298,12 @@ fn every_mutant_is_caught(product: bool) {
         (
             Mutant::BugEndRunOnUnclear,
             &[("unclear_restarts", |c| c.unclear_restarts)],
+        ),
+        (
+            Mutant::BugUnclearWaitCountsAsInFlight,
+            &[("reading_stopped_by_unclear", |c| {
+                c.reading_stopped_by_unclear
+            })],
         ),
         (
             Mutant::RouteIgnoresCluster,

@@ -12,6 +12,8 @@
 //! * answer a redirect (307, ...) to another URL, without applying;
 //! * misbehave at random on a share of requests ([`Misbehave`]), as real receivers do;
 //! * refuse one poison payload with 400, always;
+//! * answer 503 to every request whose body contains a given text, until told otherwise
+//!   ([`HttpTarget::unavailable_for`]: one tenant's or aggregate's handler that is down);
 //! * serve HTTPS with a given certificate ([`TargetSettings::tls`]).
 //!
 //! With `dedupe` on (an endpoint that keeps idempotency keys), a request whose key was applied
@@ -196,6 +198,8 @@ struct State {
     next_id: u64,
     misbehave: Option<Misbehave>,
     rng: u64,
+    /// Bodies containing this are answered 503 without applying ([`HttpTarget::unavailable_for`]).
+    unavailable_for: Option<String>,
 }
 
 /// The running server; dropping it stops it.
@@ -319,6 +323,13 @@ impl HttpTarget {
         let mut st = self.state.lock().unwrap();
         st.rng = m.map_or(1, |m| m.seed | 1);
         st.misbehave = m;
+    }
+
+    /// From now on, answers 503 (no `Retry-After`, nothing applied) to every request whose body
+    /// contains `text` (`None`: serves them again): an endpoint whose handler for one tenant
+    /// or aggregate is down while the others work.
+    pub fn unavailable_for(&self, text: Option<&str>) {
+        self.state.lock().unwrap().unavailable_for = text.map(str::to_string);
     }
 
     /// Every request read so far.
@@ -491,9 +502,18 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
             .is_some_and(|p| String::from_utf8_lossy(&req.body).contains(p.as_str()));
         let (behavior, answer, index) = {
             let mut st = state.lock().unwrap();
+            let unavailable = st
+                .unavailable_for
+                .as_ref()
+                .is_some_and(|t| String::from_utf8_lossy(&req.body).contains(t.as_str()));
             let behavior = if poison {
                 Behavior::Status {
                     status: 400,
+                    retry_after: None,
+                }
+            } else if unavailable {
+                Behavior::Status {
+                    status: 503,
                     retry_after: None,
                 }
             } else if let Some(b) = st.queue.pop_front() {

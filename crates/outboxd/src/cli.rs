@@ -614,6 +614,14 @@ pub struct RunArgs {
     /// Watch `outboxd_unclear_events`. [default: 30]
     #[arg(long, env = "OUTBOXD_UNCLEAR_BUDGET")]
     pub unclear_budget: Option<u32>,
+    /// Events waiting on unclear outcomes (each parked event and those of its aggregate
+    /// queued behind it) before the relay stops reading the slot. They hold only their
+    /// aggregates and do not count against --max-in-flight, so one aggregate whose events
+    /// keep coming while its destination is down does not stop the others; each is kept in
+    /// memory (about 1-2 KiB) until its aggregate moves. Past the bound every aggregate
+    /// waits, and the relay logs why. [default: 20000]
+    #[arg(long, env = "OUTBOXD_UNCLEAR_MAX_WAITING")]
+    pub unclear_max_waiting: Option<u64>,
     /// A retry schedule for unclear outcomes instead of the doubling from 200 ms to 10 s: the
     /// waits after the first, second, ... unclear outcome of one event, ms, comma-separated
     /// (1 to 16 steps; the last repeats), each moved by up to a tenth either way. Webhook

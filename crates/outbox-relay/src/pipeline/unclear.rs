@@ -512,6 +512,23 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         self.parked.len()
     }
 
+    /// Events that wait on an unclear outcome: each parked event and what its aggregate has
+    /// queued behind it. They stay unresolved (the checkpoint stays behind them) but hold
+    /// only their aggregates, so the schedule counts them apart from `max_in_flight`
+    /// ([`crate::schedule::Load::waiting_on_unclear`]): an aggregate whose events keep coming
+    /// while its handler is down must not stop the slot being read for every other one.
+    /// Linear in the parked aggregates; the driver asks only when `max_in_flight` is reached.
+    pub fn waiting_on_unclear(&self) -> u64 {
+        if self.planted(Mutant::UnclearWaitCountsAsInFlight) {
+            return 0;
+        }
+        let mut keys: Vec<&AggKey> = self.parked.values().map(|p| &p.key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let queued: usize = keys.iter().map(|k| self.gate.queue_len(k)).sum();
+        (self.parked.len() + queued) as u64
+    }
+
     /// The aggregates of the parked events.
     pub(crate) fn parked_aggregates(&self) -> Vec<AggKey> {
         self.parked.values().map(|p| p.key.clone()).collect()

@@ -51,6 +51,10 @@ fn an_unclear_outcome_holds_its_aggregate_and_every_other_aggregate_flows() {
     assert_eq!(more.len(), 1);
     let Command::Send { event: sent, .. } = &more[0];
     assert_eq!(sent.aggregate_id, "b");
+    // What waits on a/1 (a/1, a/2, a/3) is counted apart from b/2 in flight: the schedule
+    // does not let it stop the slot being read for b.
+    assert_eq!(c.waiting_on_unclear(), 3);
+    assert_eq!(c.outstanding(), 4);
 }
 
 #[test]

@@ -134,6 +134,12 @@ pub struct Counts {
     /// refusal, a look-up that proved nothing at start): an unclear answer holds its
     /// aggregate, never the relay (issue 25).
     pub unclear_restarts: u64,
+    /// Steps in which a CDC relay did not read the slot (backpressure, the product's
+    /// `Schedule::can_read`) although the slot had more and everything the relay held
+    /// unresolved waited on unclear outcomes (nothing sent and unanswered, nothing to
+    /// accept): an unclear answer held every aggregate, not only its own. Traces whose
+    /// `max_in_flight` is small (a quarter of them) reach it.
+    pub reading_stopped_by_unclear: u64,
     /// Narrow rows (migration 0031) decoded with a route version the run did not know: the
     /// product quarantines such a row instead of guessing, so a version it should have read
     /// at start or from the stream and did not is a row kept from its destination.
@@ -179,6 +185,9 @@ pub struct Counts {
     pub rolled_back: u64,
     pub relay_crashes: u64,
     pub relay_pauses: u64,
+    /// Steps in which the slot had more and backpressure held the relay from reading it (the
+    /// traces with a small `max_in_flight`): the schedule's rule met traffic.
+    pub reads_held_back: u64,
     pub unknown_attempts: u64,
     pub broker_copies: u64,
     pub duplicate_receipts: u64,
@@ -291,6 +300,7 @@ impl Counts {
             + self.concurrent_lookups
             + self.stalls
             + self.unclear_restarts
+            + self.reading_stopped_by_unclear
             + self.unknown_route_versions
             + self.fleet_unserved
             + self.fleet_share_not_returned
@@ -342,6 +352,7 @@ impl Counts {
             concurrent_lookups,
             stalls,
             unclear_restarts,
+            reading_stopped_by_unclear,
             unknown_route_versions,
             late_acks,
             late_acks_converged,
@@ -349,6 +360,7 @@ impl Counts {
             rolled_back,
             relay_crashes,
             relay_pauses,
+            reads_held_back,
             unknown_attempts,
             broker_copies,
             duplicate_receipts,
@@ -456,6 +468,10 @@ impl Counts {
             ("stalls", self.stalls.to_string()),
             ("unclear_restarts", self.unclear_restarts.to_string()),
             (
+                "reading_stopped_by_unclear",
+                self.reading_stopped_by_unclear.to_string(),
+            ),
+            (
                 "unknown_route_versions",
                 self.unknown_route_versions.to_string(),
             ),
@@ -480,6 +496,7 @@ impl Counts {
             ("relay_sigkills", self.relay_crashes.to_string()),
             ("early_takeovers", self.early_takeovers.to_string()),
             ("relay_pauses_zombies", self.relay_pauses.to_string()),
+            ("reads_held_back", self.reads_held_back.to_string()),
             ("unknown_attempts", self.unknown_attempts.to_string()),
             (
                 "unknown_resolution_ms",

@@ -163,6 +163,11 @@ pub enum Mutant {
     /// (`unclear_restarts`). A product mutant in `outbox_relay::PipelineCore::on_report`
     /// (`EndsRunOnUnclear`).
     BugEndRunOnUnclear,
+    /// What waits behind an unclear outcome counts against `max_in_flight` (a product mutant
+    /// in `outbox_relay::PipelineCore::waiting_on_unclear`, `UnclearWaitCountsAsInFlight`):
+    /// an aggregate whose events keep coming behind its unclear one stops the slot being read
+    /// for every other (`reading_stopped_by_unclear`).
+    BugUnclearWaitCountsAsInFlight,
     /// The relay's route check ignores the frozen cluster (a product mutant in
     /// `outbox_relay::PipelineCore::send_one`): an event frozen for cluster B reaches the
     /// served cluster's topic of the same name (`cross_destination_retries`).
@@ -302,6 +307,10 @@ impl Mutant {
         ("bug-republish-skipped", Mutant::BugRepublishSkipped),
         ("unclear-never-due", Mutant::UnclearNeverDue),
         ("bug-end-run-on-unclear", Mutant::BugEndRunOnUnclear),
+        (
+            "bug-unclear-wait-counts-as-in-flight",
+            Mutant::BugUnclearWaitCountsAsInFlight,
+        ),
         ("route-ignores-cluster", Mutant::RouteIgnoresCluster),
         (
             "bug-found-raises-unknown-head",
@@ -393,6 +402,8 @@ const DEDUP_MARGIN: u64 = 1_000;
 /// instead of simulated forever. Far above any resolution the traces see (UNKNOWN resolution
 /// max ~40 s; past the budget a parked event is asked every 10 s).
 const WAITS_FOREVER_AFTER: u64 = 30 * 60 * 1000;
+/// `relay.unclear_max_waiting` of the traces with backpressure: beyond what a trace waits.
+const MAX_WAITING_ON_UNCLEAR: u64 = 10_000;
 /// Retention: nothing is purged before this long after its last send.
 const REPLAY_WINDOW: u64 = 10_000;
 /// Drain iterations (half a second each) with nothing to do and nothing due after which the
@@ -640,6 +651,9 @@ struct World {
     /// endpoint with idempotency keys do: a quarter of the traces, drawn from a generator of
     /// their own.
     dedup: bool,
+    /// The relay's `max_in_flight` (`u64::MAX`: no backpressure); what waits on unclear
+    /// outcomes has [`MAX_WAITING_ON_UNCLEAR`].
+    max_in_flight: u64,
     /// The aggregates written plainly (`INSERT INTO outbox.events` without a version or a
     /// route; docs/versions_by_relay.md), each of them only so from its [`World::plain_from`]
     /// on (an aggregate is written one way at a time: the documented rule). A quarter of the CDC traces whose slot is never lost,
@@ -740,6 +754,16 @@ impl World {
                 .expect("a valid schedule")
         });
         let dedup = rng.fork(8).chance(250);
+        // A quarter of the traces read the slot under the product's backpressure with a
+        // `max_in_flight` of 2 to 5, which what waits behind an unclear outcome reaches; the
+        // rest with none, so that their draws stay as they were. (Stream 225 is the first
+        // above 20 whose draw leaves every trace of `the_traces_that_found_bugs_stay_fixed`
+        // without backpressure, so they replay as docs/simulation.md lists them.)
+        let max_in_flight = if rng.fork(225).chance(250) {
+            rng.fork(226).range(2, 6)
+        } else {
+            u64::MAX
+        };
         // Aggregates written plainly: a quarter of the CDC traces whose slot is never lost
         // (`World::plain` says why only those), one to all of the aggregates. (Stream 13's
         // draw leaves every trace of `the_traces_that_found_bugs_stay_fixed` written through
@@ -765,6 +789,7 @@ impl World {
         }
         World {
             dedup,
+            max_in_flight,
             plain,
             plain_from,
             plain_lookups_as_daemon: false,
@@ -886,9 +911,20 @@ impl World {
             if self.poll {
                 self.round_due(i)
             } else {
-                !r.stream_cut && r.cursor < self.wal.len()
+                !r.stream_cut && r.cursor < self.wal.len() && self.can_read(i)
             }
         });
+        if let Some(i) = active {
+            let r = &self.relays[i];
+            // Not read, with more in the slot, while all the relay holds unresolved waits on
+            // unclear outcomes: nothing sent and unanswered, nothing to accept.
+            if !self.poll && !r.stream_cut && r.cursor < self.wal.len() && !self.can_read(i) {
+                self.c.reads_held_back += 1;
+                if r.in_flight.is_empty() && r.core.batch_len() == 0 {
+                    self.c.reading_stopped_by_unclear += 1;
+                }
+            }
+        }
         let reports = self
             .relays
             .iter()
@@ -1016,6 +1052,31 @@ impl World {
             _ => unreachable!(),
         }
         self.relays.retain(|r| !r.killed);
+    }
+
+    /// The daemon's backpressure (`Schedule::can_read`, via `relay/mod.rs`'s `load_of`): read
+    /// the slot only while fewer than `max_in_flight` events are unresolved besides those
+    /// waiting on unclear outcomes, and fewer of those than their own bound.
+    fn can_read(&self, i: usize) -> bool {
+        if self.max_in_flight == u64::MAX {
+            return true;
+        }
+        let core = &self.relays[i].core;
+        let settings = outbox_relay::schedule::Settings {
+            status_interval: ms(1_000),
+            batch_linger: ms(1),
+            batch_size: 1_000,
+            max_in_flight: self.max_in_flight,
+            max_waiting_on_unclear: MAX_WAITING_ON_UNCLEAR,
+            max_in_flight_bytes: usize::MAX,
+            release_poll: ms(500),
+        };
+        let load = outbox_relay::schedule::Load {
+            unresolved: core.tracker.in_flight(),
+            waiting_on_unclear: core.waiting_on_unclear(),
+            ..Default::default()
+        };
+        outbox_relay::schedule::Schedule::new(settings, ms(0)).can_read(&load)
     }
 
     /// Runs a relay operation; an error ends that run (salvage, then a new run may start).
@@ -2360,6 +2421,9 @@ impl World {
             Mutant::NoSettle => Some(outbox_relay::Mutant::IgnoresSettle),
             Mutant::BugUnknownOnlyAtStart => Some(outbox_relay::Mutant::UnknownOnlyAtStart),
             Mutant::BugEndRunOnUnclear => Some(outbox_relay::Mutant::EndsRunOnUnclear),
+            Mutant::BugUnclearWaitCountsAsInFlight => {
+                Some(outbox_relay::Mutant::UnclearWaitCountsAsInFlight)
+            }
             Mutant::BugRoundForgetsParked => Some(outbox_relay::Mutant::RoundForgetsParked),
             Mutant::BugLookUpBesideReconciliation => {
                 Some(outbox_relay::Mutant::LookUpBesideReconciliation)

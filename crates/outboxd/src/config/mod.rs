@@ -449,6 +449,8 @@ pub struct RelayFile {
     pub relay_id: Option<String>,
     pub unknown_settle_ms: Option<u64>,
     pub unclear_budget: Option<u32>,
+    /// Events waiting on unclear outcomes before the slot is not read (`--unclear-max-waiting`).
+    pub unclear_max_waiting: Option<u64>,
     /// Waits after each unclear outcome of one event, ms (the last repeats), instead of the
     /// doubling from 200 ms to 10 s; e.g. `[0, 5000, 300000, 1800000, 7200000]`.
     pub unclear_schedule_ms: Option<Vec<u64>>,
@@ -548,6 +550,10 @@ pub struct RelayConfig {
     /// Unclear outcomes of one event (sends and look-ups) before the relay logs an error
     /// about it (it keeps asking).
     pub unclear_budget: u32,
+    /// Events waiting on unclear outcomes (parked, or queued behind a parked event of their
+    /// aggregate) before the relay stops reading the slot; they do not count against
+    /// `max_in_flight`.
+    pub unclear_max_waiting: u64,
     /// The operator's retry schedule for unclear outcomes, if any (else the doubling).
     pub unclear_schedule: Option<outbox_relay::UnclearSchedule>,
     /// Webhook endpoints' own retry schedules, by endpoint name (`[[http.endpoints]]
@@ -652,6 +658,9 @@ pub const DEFAULT_PUBLICATION: &str = "outbox_pub";
 pub const DEFAULT_TABLE: &str = "outbox.events";
 /// `relay.max_in_flight` when unset (docs/benchmarks.md, "Thin LTO and 3,000 in flight").
 pub const DEFAULT_MAX_IN_FLIGHT: u64 = 3_000;
+/// `relay.unclear_max_waiting` when unset: about 20-40 MiB of events kept while their
+/// aggregates wait, a bound that only an outage of a busy destination reaches.
+pub const DEFAULT_UNCLEAR_MAX_WAITING: u64 = 20_000;
 
 impl RelayConfig {
     /// Checks every field; the error names the field and the rule.
@@ -736,6 +745,9 @@ impl RelayConfig {
         }
         if self.max_in_flight == 0 {
             bail!("relay.max_in_flight must be at least 1");
+        }
+        if self.unclear_max_waiting == 0 {
+            bail!("relay.unclear_max_waiting must be at least 1");
         }
         if self.batch_size == 0 {
             bail!("relay.batch_size must be at least 1");

@@ -399,6 +399,10 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
             .or(file.relay.unclear_budget)
             .or(unclear_schedule.map(|s| s.budget()))
             .unwrap_or(outbox_relay::UnclearPolicy::default().budget),
+        unclear_max_waiting: a
+            .unclear_max_waiting
+            .or(file.relay.unclear_max_waiting)
+            .unwrap_or(config::DEFAULT_UNCLEAR_MAX_WAITING),
         unclear_schedule,
         endpoint_schedules,
     })

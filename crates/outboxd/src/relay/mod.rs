@@ -716,19 +716,32 @@ async fn run_once(
             batch_linger: cfg.batch_linger,
             batch_size: cfg.batch_size,
             max_in_flight: cfg.max_in_flight,
+            max_waiting_on_unclear: cfg.unclear_max_waiting,
             max_in_flight_bytes: pipeline::MAX_IN_FLIGHT_BYTES,
             release_poll: RELEASE_POLL,
         },
         Duration::ZERO,
     );
 
+    let mut reading_held_by_unclear = false;
     let result: Result<(), RelayError> = async {
     loop {
-        let load = load_of(&pipeline, since);
+        let load = load_of(&pipeline, cfg.max_in_flight, since);
         let accepting = load.accepting;
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
         let can_read = schedule.can_read(&load);
+        let held = !can_read && schedule.reading_held_by_unclear(&load);
+        if held != reading_held_by_unclear {
+            reading_held_by_unclear = held;
+            if held {
+                tracing::warn!(waiting = load.waiting_on_unclear, parked = pipeline.core.parked(),
+                    limit = cfg.unclear_max_waiting,
+                    "the slot is not read: this many events wait on unclear outcomes (relay.unclear_max_waiting), so every aggregate waits until some move; see outboxd_unclear_events and fix the destination, or raise the bound (each waiting event is kept in memory)");
+            } else {
+                tracing::info!("reading the slot again: fewer events wait on unclear outcomes");
+            }
+        }
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
@@ -791,7 +804,7 @@ async fn run_once(
 
         progress.metrics.in_flight(pipeline.core.tracker.in_flight());
         progress.metrics.unclear(pipeline.core.parked());
-        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, since));
+        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, cfg.max_in_flight, since));
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
         }
@@ -1008,13 +1021,24 @@ async fn open_sink(
 }
 
 /// What the schedule needs to know about the pipeline now.
-fn load_of(pipeline: &Pipeline, since: impl Fn(Instant) -> Duration) -> schedule::Load {
+fn load_of(
+    pipeline: &Pipeline,
+    max_in_flight: u64,
+    since: impl Fn(Instant) -> Duration,
+) -> schedule::Load {
+    let unresolved = pipeline.core.tracker.in_flight();
     schedule::Load {
         accepting: pipeline.accepting.is_some(),
         batch_len: pipeline.batch_len(),
         batch_started: pipeline.batch_started.map(since),
         checkpoint_behind: pipeline.core.tracker.watermark() > pipeline.core.durable(),
-        unresolved: pipeline.core.tracker.in_flight(),
+        unresolved,
+        // Walks the parked events: only where it can change what the schedule decides.
+        waiting_on_unclear: if unresolved < max_in_flight {
+            0
+        } else {
+            pipeline.core.waiting_on_unclear()
+        },
         in_flight_bytes: pipeline.in_flight_bytes(),
         in_transaction: pipeline.core.in_transaction(),
     }
@@ -1220,7 +1244,7 @@ async fn publish_snapshot(
         .map_err(db("reading unpublished outbox rows"))?;
     pin_mut!(rows);
     let mut n: u64 = 0;
-    let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+    let max_in_flight = (cfg.max_in_flight, cfg.unclear_max_waiting);
     // Rows in chunks: the heads of a chunk's new aggregates are read in one query (`outbox_relay::stage`).
     let mut chunk: Vec<(u64, Result<outbox_core::OutboxEvent, String>)> = Vec::new();
     let mut ended = false;

@@ -32,6 +32,7 @@ use super::{unknown, Progress, RelayError};
 use crate::config::RelayConfig;
 use crate::failpoint;
 
+use outbox_relay::schedule::within_bounds;
 pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
 
 pub(crate) struct Pipeline {
@@ -705,15 +706,33 @@ impl Pipeline {
         }
     }
 
+    /// Events outstanding ([`Self::outstanding`]) and, once they reach `max_in_flight`, how
+    /// many of them wait on unclear outcomes (counted only then: it walks the parked events).
+    pub fn outstanding_and_waiting(&self, max_in_flight: u64) -> (u64, u64) {
+        let outstanding = self.outstanding() as u64;
+        let waiting = if outstanding < max_in_flight {
+            0
+        } else {
+            self.core.waiting_on_unclear()
+        };
+        (outstanding, waiting)
+    }
+
     /// After an event admitted outside the stream (a snapshot, a poll round): waits while
-    /// `max_in_flight` events are outstanding, and accepts a full batch.
+    /// `max_in_flight` events are outstanding besides those waiting on unclear outcomes, or
+    /// `max_waiting` of those (`outbox_relay::schedule::within_bounds`), and accepts a full
+    /// batch.
     pub async fn keep_pace(
         &mut self,
-        max_in_flight: usize,
+        (max_in_flight, max_waiting): (u64, u64),
         batch_size: usize,
         progress: &Progress,
     ) -> Result<(), RelayError> {
-        while self.outstanding() >= max_in_flight {
+        loop {
+            let (outstanding, waiting) = self.outstanding_and_waiting(max_in_flight);
+            if within_bounds(max_in_flight, max_waiting, outstanding, waiting) {
+                break;
+            }
             self.wait_one(None).await?;
         }
         if self.batch_len() >= batch_size {

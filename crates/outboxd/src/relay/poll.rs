@@ -206,7 +206,7 @@ async fn round(
         .await
         .map_err(db("reading pending outbox events"))?;
     pin_mut!(rows);
-    let max_in_flight = usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+    let max_in_flight = (cfg.max_in_flight, cfg.unclear_max_waiting);
     let mut n: u64 = 0;
     // Rows in chunks: the heads of a chunk's aggregates the gate does not know are read in one
     // query first (migration 0026), the floor below the round's own "every version below the
