@@ -247,8 +247,7 @@ async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_ot
     let (env, target) = endpoint_env("unclear_waiting", TargetSettings::default()).await;
     let config = env.write_config(
         "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
-         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n"
-            .to_string(),
+         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
     );
     target.unavailable_for(Some(MARK));
     let mut relay = env.relay(

@@ -77,6 +77,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         lease_ttl: Duration::from_secs(10),
         unknown_settle: Duration::from_secs(5),
         unclear_budget: 30,
+        unclear_max_waiting: outboxd::config::DEFAULT_UNCLEAR_MAX_WAITING,
         unclear_schedule: None,
         mode: outboxd::values::RunMode::Cdc,
         poll_interval: Duration::from_millis(100),
