@@ -1400,7 +1400,7 @@ impl<P: Plant> PipelineCore<P> {
 mod unclear;
 pub use unclear::{
     merge_lookups, LookupOutcome, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep,
-    Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep,
+    Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep, UNANSWERED_AFTER,
 };
 
 #[cfg(test)]

@@ -36,6 +36,12 @@ use uuid::Uuid;
 use super::PipelineCore;
 use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Mutant, Now, Pending};
 
+/// How long a send may go unanswered before it counts, with what waits behind it, as
+/// waiting on an unclear outcome ([`PipelineCore::waiting_on_unclear`]): far above a
+/// healthy destination's answer (milliseconds, a second under load), far below the message
+/// timeouts that park it (Kafka 30 s by default).
+pub const UNANSWERED_AFTER: Duration = Duration::from_secs(5);
+
 /// How unclear outcomes are retried, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Policy {
@@ -512,21 +518,31 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         self.parked.len()
     }
 
-    /// Events that wait on an unclear outcome: each parked event and what its aggregate has
-    /// queued behind it. They stay unresolved (the checkpoint stays behind them) but hold
-    /// only their aggregates, so the schedule counts them apart from `max_in_flight`
-    /// ([`crate::schedule::Load::waiting_on_unclear`]): an aggregate whose events keep coming
-    /// while its handler is down must not stop the slot being read for every other one.
-    /// Linear in the parked aggregates; the driver asks only when `max_in_flight` is reached.
-    pub fn waiting_on_unclear(&self) -> u64 {
+    /// Events that wait on an unclear outcome: each parked event, each send unanswered for
+    /// [`UNANSWERED_AFTER`] at `now` (an outcome becoming unclear: a partition without a
+    /// leader keeps its sends until the message timeout parks them), and what their
+    /// aggregates have queued behind them. They stay unresolved (the checkpoint stays behind
+    /// them) but hold only their aggregates, so the schedule counts them apart from
+    /// `max_in_flight` ([`crate::schedule::Load::waiting_on_unclear`]): an aggregate whose
+    /// events keep coming while its destination is down must not stop the slot being read
+    /// for every other one. Linear in the parked and in-flight events; the driver asks only
+    /// when `max_in_flight` is reached.
+    pub fn waiting_on_unclear(&self, now: SystemTime) -> u64 {
         if self.planted(Mutant::UnclearWaitCountsAsInFlight) {
             return 0;
         }
+        let unanswered = self.in_flight.values().filter(|f| {
+            now.duration_since(f.sent_at)
+                .is_ok_and(|age| age >= UNANSWERED_AFTER)
+        });
         let mut keys: Vec<&AggKey> = self.parked.values().map(|p| &p.key).collect();
+        keys.extend(unanswered.map(|f| &f.key));
+        // Each parked or unanswered event is the head of its aggregate: one per aggregate.
+        let heads = keys.len();
         keys.sort_unstable();
         keys.dedup();
         let queued: usize = keys.iter().map(|k| self.gate.queue_len(k)).sum();
-        (self.parked.len() + queued) as u64
+        (heads + queued) as u64
     }
 
     /// The aggregates of the parked events.

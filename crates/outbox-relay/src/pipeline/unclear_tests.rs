@@ -53,8 +53,29 @@ fn an_unclear_outcome_holds_its_aggregate_and_every_other_aggregate_flows() {
     assert_eq!(sent.aggregate_id, "b");
     // What waits on a/1 (a/1, a/2, a/3) is counted apart from b/2 in flight: the schedule
     // does not let it stop the slot being read for b.
-    assert_eq!(c.waiting_on_unclear(), 3);
+    assert_eq!(c.waiting_on_unclear(now(1600).wall), 3);
     assert_eq!(c.outstanding(), 4);
+}
+
+#[test]
+fn a_send_unanswered_for_five_seconds_counts_with_what_waits_behind_it() {
+    let mut c = core();
+    let cmds = admit_txn(&mut c, &[event("a", 1), event("a", 2), event("b", 1)], 100);
+    assert_eq!(cmds.len(), 2, "a/1 and b/1 out");
+    let sent = now(0).wall;
+    let waiting = |c: &PipelineCore, after_ms: u64| {
+        c.waiting_on_unclear(sent + Duration::from_millis(after_ms))
+    };
+    assert_eq!(waiting(&c, 0), 0, "just sent: in flight, not waiting");
+    // b answers; a/1 does not (a partition without a leader): past UNANSWERED_AFTER a/1 and
+    // a/2 behind it wait on an outcome becoming unclear.
+    continued(
+        c.on_report(persisted(token(&cmds[1]), 5), now(1600))
+            .unwrap(),
+    );
+    let later = UNANSWERED_AFTER.as_millis() as u64 + 2_000;
+    assert_eq!(waiting(&c, later), 2);
+    assert_eq!(waiting(&c, 1_000), 0);
 }
 
 #[test]

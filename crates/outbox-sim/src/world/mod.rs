@@ -917,10 +917,17 @@ impl World {
         if let Some(i) = active {
             let r = &self.relays[i];
             // Not read, with more in the slot, while all the relay holds unresolved waits on
-            // unclear outcomes: nothing sent and unanswered, nothing to accept.
+            // unclear outcomes: nothing to accept, and no send answered within
+            // `UNANSWERED_AFTER` still unanswered (a send older than that is an outcome
+            // becoming unclear).
+            let unanswered = outbox_relay::pipeline::UNANSWERED_AFTER.as_millis() as u64;
             if !self.poll && !r.stream_cut && r.cursor < self.wal.len() && !self.can_read(i) {
                 self.c.reads_held_back += 1;
-                if r.in_flight.is_empty() && r.core.batch_len() == 0 {
+                if r.in_flight
+                    .iter()
+                    .all(|f| self.now >= f.sent_at + unanswered)
+                    && r.core.batch_len() == 0
+                {
                     self.c.reading_stopped_by_unclear += 1;
                 }
             }
@@ -1073,7 +1080,7 @@ impl World {
         };
         let load = outbox_relay::schedule::Load {
             unresolved: core.tracker.in_flight(),
-            waiting_on_unclear: core.waiting_on_unclear(),
+            waiting_on_unclear: core.waiting_on_unclear(self.now_for(i).wall),
             ..Default::default()
         };
         outbox_relay::schedule::Schedule::new(settings, ms(0)).can_read(&load)

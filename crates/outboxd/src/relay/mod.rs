@@ -1037,7 +1037,9 @@ fn load_of(
         waiting_on_unclear: if unresolved < max_in_flight {
             0
         } else {
-            pipeline.core.waiting_on_unclear()
+            pipeline
+                .core
+                .waiting_on_unclear(std::time::SystemTime::now())
         },
         in_flight_bytes: pipeline.in_flight_bytes(),
         in_transaction: pipeline.core.in_transaction(),

@@ -713,7 +713,7 @@ impl Pipeline {
         let waiting = if outstanding < max_in_flight {
             0
         } else {
-            self.core.waiting_on_unclear()
+            self.core.waiting_on_unclear(self.now().wall)
         };
         (outstanding, waiting)
     }
