@@ -250,6 +250,8 @@ async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_ot
          response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
     );
     target.unavailable_for(Some(MARK));
+    let port = outbox_testkit::ports::free_port().unwrap();
+    let admin = format!("127.0.0.1:{port}");
     let mut relay = env.relay(
         &[],
         &[
@@ -259,8 +261,14 @@ async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_ot
             "20",
             "--unclear-schedule-ms",
             "300",
+            "--admin-addr",
+            &admin,
         ],
     );
+    let waiting = || async move {
+        let text = crate::observability::scrape(port).await;
+        crate::observability::sample(&text, "outboxd_waiting_on_unclear_events").unwrap_or(0.0)
+    };
     env.wait_streaming().await;
     let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
     let mut hot = Vec::new();
@@ -314,11 +322,35 @@ async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_ot
         !relay.log_text().contains("the slot is not read"),
         "60 events waiting is under the default bound"
     );
+    // The gauge says how many wait (all 60 in CDC mode; a poll round forgets what waits
+    // behind a parked event and reads it again later).
+    outbox_testkit::wait::wait_for(
+        "outboxd_waiting_on_unclear_events to count the waiting aggregate",
+        crate::harness::LONG,
+        || async {
+            match waiting().await {
+                n if n >= 1.0 => Ok(()),
+                n => Err(format!("{n}")),
+            }
+        },
+    )
+    .await;
 
     target.unavailable_for(None);
     env.wait_receipts(
         "every event accepted once the handler is back",
         committed.len(),
+    )
+    .await;
+    outbox_testkit::wait::wait_for(
+        "outboxd_waiting_on_unclear_events back to 0",
+        crate::harness::LONG,
+        || async {
+            match waiting().await {
+                n if n == 0.0 => Ok(()),
+                n => Err(format!("{n}")),
+            }
+        },
     )
     .await;
     relay.assert_running();

@@ -54,6 +54,7 @@ pub struct Metrics {
     pub commit_to_receipt: HistogramVec,
     pub in_flight: IntGaugeVec,
     pub unclear: IntGaugeVec,
+    pub waiting_on_unclear: IntGaugeVec,
     pub streaming: IntGaugeVec,
     pub broker_reachable: IntGauge,
     pub database_reachable: IntGaugeVec,
@@ -156,6 +157,10 @@ impl Metrics {
             unclear: relay_gauge(
                 "outboxd_unclear_events",
                 "Events whose last send or look-up ended without a clear answer (timeout, dropped connection, 5xx, possibly persisted): each holds only its aggregate while the relay looks it up or sends it again.",
+            ),
+            waiting_on_unclear: relay_gauge(
+                "outboxd_waiting_on_unclear_events",
+                "Events waiting on unclear outcomes: parked, sent and unanswered for 5 s, or behind one of those in their aggregate. Not counted against max_in_flight; at unclear_max_waiting the relay stops reading the slot. Sampled once per status interval.",
             ),
             streaming: relay_gauge(
                 "outboxd_streaming",
@@ -307,6 +312,7 @@ impl Metrics {
             commit_to_receipt: self.commit_to_receipt.with_label_values(&l),
             in_flight: self.in_flight.with_label_values(&l),
             unclear: self.unclear.with_label_values(&l),
+            waiting_on_unclear: self.waiting_on_unclear.with_label_values(&l),
             streaming: self.streaming.with_label_values(&l),
             checkpoint_lsn: self.checkpoint_lsn.with_label_values(&l),
             commit_times: Mutex::new(BTreeMap::new()),
@@ -322,6 +328,7 @@ impl Metrics {
         r.streaming(false);
         r.in_flight(0);
         r.unclear(0);
+        r.waiting_on_unclear(0);
         r.checkpoint(Lsn(1));
         r.accepted(&AcceptOutcome::default());
         r.reconnect();
@@ -384,6 +391,7 @@ pub struct RelayMetrics {
     commit_to_receipt: Histogram,
     in_flight: IntGauge,
     unclear: IntGauge,
+    waiting_on_unclear: IntGauge,
     streaming: IntGauge,
     checkpoint_lsn: IntGauge,
     /// Commit LSN → commit time (µs since the PostgreSQL epoch) of transactions streamed and
@@ -411,6 +419,7 @@ impl RelayMetrics {
         if !on {
             self.in_flight.set(0);
             self.unclear.set(0);
+            self.waiting_on_unclear.set(0);
         }
     }
 
@@ -422,6 +431,7 @@ impl RelayMetrics {
         let _ = m.streaming.remove_label_values(&l);
         let _ = m.in_flight.remove_label_values(&l);
         let _ = m.unclear.remove_label_values(&l);
+        let _ = m.waiting_on_unclear.remove_label_values(&l);
         let _ = m.checkpoint_lsn.remove_label_values(&l);
     }
 
@@ -433,6 +443,12 @@ impl RelayMetrics {
     /// Events parked after an unclear outcome, each holding its aggregate.
     pub fn unclear(&self, n: usize) {
         self.unclear.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Events waiting on unclear outcomes (`PipelineCore::waiting_on_unclear`).
+    pub fn waiting_on_unclear(&self, n: u64) {
+        self.waiting_on_unclear
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// A transaction began in the stream: remember its commit time for the latency histogram.
@@ -497,6 +513,7 @@ mod tests {
         "outboxd_commit_to_receipt_seconds",
         "outboxd_in_flight_events",
         "outboxd_unclear_events",
+        "outboxd_waiting_on_unclear_events",
         "outboxd_unknown_attempts",
         "outboxd_oldest_unknown_age_seconds",
         "outboxd_quarantined_events",

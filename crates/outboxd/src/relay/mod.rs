@@ -814,6 +814,9 @@ async fn run_once(
         }
         if due.status {
             confirm(&mut stream, &pipeline.core).await?;
+            progress
+                .metrics
+                .waiting_on_unclear(pipeline.waiting_on_unclear());
         }
     }
     }
@@ -1037,9 +1040,7 @@ fn load_of(
         waiting_on_unclear: if unresolved < max_in_flight {
             0
         } else {
-            pipeline
-                .core
-                .waiting_on_unclear(std::time::SystemTime::now())
+            pipeline.waiting_on_unclear()
         },
         in_flight_bytes: pipeline.in_flight_bytes(),
         in_transaction: pipeline.core.in_transaction(),

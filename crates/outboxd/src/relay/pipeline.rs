@@ -65,7 +65,15 @@ pub(crate) struct Pipeline {
     /// For the relay of one shard: the condition on `aggregate_id` of its aggregates, the only
     /// ones whose releases it publishes.
     pub shard_filter: Option<String>,
+    /// The last count of events waiting on unclear outcomes and when it was taken
+    /// ([`Self::waiting_on_unclear`]).
+    waiting_sample: std::sync::Mutex<Option<(Instant, u64)>>,
 }
+
+/// How long a count of the events waiting on unclear outcomes serves the schedule: counting
+/// walks the in-flight table (3,000 entries at the default `max_in_flight`), which a wide
+/// drain at that bound would otherwise do at every turn of the loop.
+const WAITING_SAMPLE: Duration = Duration::from_millis(20);
 
 /// An acceptance transaction running on its own task while the relay goes on reading the
 /// slot, sending and collecting reports. At most one runs at a time, and no other acceptance
@@ -192,6 +200,26 @@ impl Pipeline {
             fold_url: None,
             folding: None,
             shard_filter: None,
+            waiting_sample: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Events waiting on unclear outcomes ([`PipelineCore::waiting_on_unclear`]), counted at
+    /// most every [`WAITING_SAMPLE`]: the schedule's backpressure may lag that much behind a
+    /// park or a report.
+    pub fn waiting_on_unclear(&self) -> u64 {
+        let now = Instant::now();
+        let mut sample = self
+            .waiting_sample
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match *sample {
+            Some((at, n)) if now.duration_since(at) < WAITING_SAMPLE => n,
+            _ => {
+                let n = self.core.waiting_on_unclear(self.now().wall);
+                *sample = Some((now, n));
+                n
+            }
         }
     }
 
@@ -713,7 +741,7 @@ impl Pipeline {
         let waiting = if outstanding < max_in_flight {
             0
         } else {
-            self.core.waiting_on_unclear(self.now().wall)
+            self.waiting_on_unclear()
         };
         (outstanding, waiting)
     }

@@ -109,6 +109,9 @@ pub(super) async fn run_once(
                 last_releases = Instant::now();
             }
             progress.metrics.unclear(pipeline.core.parked());
+            progress
+                .metrics
+                .waiting_on_unclear(pipeline.waiting_on_unclear());
             if n < ROUND_LIMIT as u64 {
                 // Parked events are looked up (or sent again) meanwhile.
                 let until = tokio::time::Instant::now() + cfg.poll_interval;
