@@ -347,7 +347,7 @@ async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_ot
         crate::harness::LONG,
         || async {
             match waiting().await {
-                n if n == 0.0 => Ok(()),
+                0.0 => Ok(()),
                 n => Err(format!("{n}")),
             }
         },

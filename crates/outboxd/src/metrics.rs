@@ -533,7 +533,7 @@ mod tests {
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .map(|l| l.split(' ').next().unwrap())
             .collect();
-        assert_eq!(families.len(), 24, "{text}");
+        assert_eq!(families.len(), 25, "{text}");
         assert!(families.iter().all(|f| f.starts_with("outboxd_")));
         // The families the operations guide promises (docs/operations.md).
         for f in REQUIRED_FAMILIES {
