@@ -358,6 +358,55 @@ async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_ot
     check_named_endpoint(&env, &target, &committed, &topic, "billing-api").await;
 }
 
+cdc_only! {
+    "CDC only: a poll round forgets what waits behind a parked event and reads it again later, so it never holds the bound's worth";
+    /// Past `--unclear-max-waiting` events waiting on unclear outcomes the relay stops reading
+    /// the slot (what it keeps in memory is bounded), says so in its log, and reads again once
+    /// the waiting aggregate moves: nothing is skipped, every event is published in order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_the_bound_of_waiting_events_the_slot_is_not_read_and_the_log_says_why() {
+        const MARK: &str = "handler-down-past-the-bound";
+        let (env, target) = endpoint_env("unclear_bound", TargetSettings::default()).await;
+        let config = env.write_config(
+            "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
+             response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
+        );
+        target.unavailable_for(Some(MARK));
+        let mut relay = env.relay(
+            &[],
+            // While its first event is sent again, the hot aggregate's events are in flight,
+            // not waiting: the in-flight bound holds them then, the waiting bound while the
+            // event is parked; without that bound the relay would read on while it is.
+            &["--config", &config, "--max-in-flight", "10", "--unclear-max-waiting", "10",
+              "--unclear-schedule-ms", "300"],
+        );
+        env.wait_streaming().await;
+        let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
+        for v in 1..=30 {
+            let id = env.enqueue("hot", json!({"tenant": MARK, "v": v})).await;
+            committed.insert(id, ("hot".to_string(), v));
+        }
+        crate::ha::wait_log(&relay, "the slot is not read: this many events wait on unclear outcomes")
+            .await;
+        // Written after the bound was reached: not read while the hot aggregate waits.
+        enqueue_versions(&env, &mut committed, "cold", 5, 1..=1).await;
+        let mut seen = 0;
+        for _ in 0..20 {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            seen = seen.max(env.count("SELECT count(*) FROM outbox.receipts").await);
+        }
+        assert_eq!(seen, 0, "the slot was read past the bound");
+        relay.assert_running();
+        target.unavailable_for(None);
+        env.wait_receipts("every event accepted once the handler is back", committed.len())
+            .await;
+        assert!(relay.log_text().contains("reading the slot again"));
+        relay.assert_running();
+        let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
+        check_named_endpoint(&env, &target, &committed, &topic, "billing-api").await;
+    }
+}
+
 /// Enqueues `versions` of `aggregates` aggregates named `prefix-N`, one transaction per
 /// version (each touching every aggregate), and records them in `committed`.
 async fn enqueue_versions(

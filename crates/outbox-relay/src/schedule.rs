@@ -178,6 +178,14 @@ pub fn within_bounds(max_in_flight: u64, max_waiting: u64, unresolved: u64, wait
     unresolved - waiting < max_in_flight && waiting < max_waiting
 }
 
+/// Whether the count of events waiting on unclear outcomes can change what
+/// [`within_bounds`] decides for `unresolved` events: only from the smaller of the two bounds
+/// on (below it, every event may be read whatever waits). Counting walks the parked and
+/// in-flight events, so a driver counts only then.
+pub fn waiting_matters(max_in_flight: u64, max_waiting: u64, unresolved: u64) -> bool {
+    unresolved >= max_in_flight.min(max_waiting)
+}
+
 /// A standby status update: the positions the relay reports to the walsender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StandbyStatus {
@@ -263,12 +271,24 @@ mod tests {
         load.waiting_on_unclear = 50;
         assert!(!s.can_read(&load), "the bound of what waits");
         assert!(s.reading_held_by_unclear(&load));
-        // A driver that leaves the count 0 below max_in_flight reads as before.
-        let load = Load {
-            unresolved: 9,
-            ..Load::default()
-        };
-        assert!(s.can_read(&load));
+        // A driver leaves the count 0 where it cannot matter: below both bounds.
+        assert!(!waiting_matters(10, 50, 9));
+        assert!(waiting_matters(10, 50, 10));
+        assert!(
+            waiting_matters(100, 10, 10),
+            "the bound of what waits is the smaller"
+        );
+        for unresolved in 0..10 {
+            let load = Load {
+                unresolved,
+                ..Load::default()
+            };
+            let counted = Load {
+                waiting_on_unclear: unresolved,
+                ..load
+            };
+            assert_eq!(s.can_read(&load), s.can_read(&counted));
+        }
     }
 
     #[test]

@@ -724,24 +724,30 @@ async fn run_once(
     );
 
     let mut reading_held_by_unclear = false;
+    let mut held_warned: Option<Instant> = None;
+    let mut episode_warned = false;
     let result: Result<(), RelayError> = async {
     loop {
-        let load = load_of(&pipeline, cfg.max_in_flight, since);
+        let load = load_of(&pipeline, (cfg.max_in_flight, cfg.unclear_max_waiting), since);
         let accepting = load.accepting;
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
         let can_read = schedule.can_read(&load);
+        // Said once a minute at most: at the bound, reading stops and starts again as single
+        // events move.
         let held = !can_read && schedule.reading_held_by_unclear(&load);
-        if held != reading_held_by_unclear {
-            reading_held_by_unclear = held;
-            if held {
+        if held && !reading_held_by_unclear {
+            episode_warned = held_warned.map_or(true, |at: Instant| at.elapsed() >= HELD_WARNING_EVERY);
+            if episode_warned {
                 tracing::warn!(waiting = load.waiting_on_unclear, parked = pipeline.core.parked(),
                     limit = cfg.unclear_max_waiting,
                     "the slot is not read: this many events wait on unclear outcomes (relay.unclear_max_waiting), so every aggregate waits until some move; see outboxd_unclear_events and fix the destination, or raise the bound (each waiting event is kept in memory)");
-            } else {
-                tracing::info!("reading the slot again: fewer events wait on unclear outcomes");
+                held_warned = Some(Instant::now());
             }
+        } else if !held && reading_held_by_unclear && episode_warned {
+            tracing::info!("reading the slot again: fewer events wait on unclear outcomes");
         }
+        reading_held_by_unclear = held;
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
@@ -804,7 +810,7 @@ async fn run_once(
 
         progress.metrics.in_flight(pipeline.core.tracker.in_flight());
         progress.metrics.unclear(pipeline.core.parked());
-        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, cfg.max_in_flight, since));
+        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, (cfg.max_in_flight, cfg.unclear_max_waiting), since));
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
         }
@@ -1026,7 +1032,7 @@ async fn open_sink(
 /// What the schedule needs to know about the pipeline now.
 fn load_of(
     pipeline: &Pipeline,
-    max_in_flight: u64,
+    (max_in_flight, max_waiting): (u64, u64),
     since: impl Fn(Instant) -> Duration,
 ) -> schedule::Load {
     let unresolved = pipeline.core.tracker.in_flight();
@@ -1036,11 +1042,12 @@ fn load_of(
         batch_started: pipeline.batch_started.map(since),
         checkpoint_behind: pipeline.core.tracker.watermark() > pipeline.core.durable(),
         unresolved,
-        // Walks the parked events: only where it can change what the schedule decides.
-        waiting_on_unclear: if unresolved < max_in_flight {
-            0
-        } else {
+        // Walks the parked and in-flight events: only where it can change what the
+        // schedule decides.
+        waiting_on_unclear: if schedule::waiting_matters(max_in_flight, max_waiting, unresolved) {
             pipeline.waiting_on_unclear()
+        } else {
+            0
         },
         in_flight_bytes: pipeline.in_flight_bytes(),
         in_transaction: pipeline.core.in_transaction(),
@@ -1063,6 +1070,10 @@ pub(super) async fn confirm(
         .map_err(SourceError::from)?;
     Ok(())
 }
+
+/// The warning that events waiting on unclear outcomes stop the slot being read is logged at
+/// most this often.
+const HELD_WARNING_EVERY: Duration = Duration::from_secs(60);
 
 /// How long a relay whose run is ending waits for outstanding delivery reports to record them.
 const SALVAGE_GRACE: Duration = Duration::from_secs(2);

@@ -32,7 +32,7 @@ use super::{unknown, Progress, RelayError};
 use crate::config::RelayConfig;
 use crate::failpoint;
 
-use outbox_relay::schedule::within_bounds;
+use outbox_relay::schedule::{waiting_matters, within_bounds};
 pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
 
 pub(crate) struct Pipeline {
@@ -734,14 +734,14 @@ impl Pipeline {
         }
     }
 
-    /// Events outstanding ([`Self::outstanding`]) and, once they reach `max_in_flight`, how
-    /// many of them wait on unclear outcomes (counted only then: it walks the parked events).
-    pub fn outstanding_and_waiting(&self, max_in_flight: u64) -> (u64, u64) {
+    /// Events outstanding ([`Self::outstanding`]) and, where it matters
+    /// (`outbox_relay::schedule::waiting_matters`), how many of them wait on unclear outcomes.
+    pub fn outstanding_and_waiting(&self, max_in_flight: u64, max_waiting: u64) -> (u64, u64) {
         let outstanding = self.outstanding() as u64;
-        let waiting = if outstanding < max_in_flight {
-            0
-        } else {
+        let waiting = if waiting_matters(max_in_flight, max_waiting, outstanding) {
             self.waiting_on_unclear()
+        } else {
+            0
         };
         (outstanding, waiting)
     }
@@ -757,7 +757,7 @@ impl Pipeline {
         progress: &Progress,
     ) -> Result<(), RelayError> {
         loop {
-            let (outstanding, waiting) = self.outstanding_and_waiting(max_in_flight);
+            let (outstanding, waiting) = self.outstanding_and_waiting(max_in_flight, max_waiting);
             if within_bounds(max_in_flight, max_waiting, outstanding, waiting) {
                 break;
             }
