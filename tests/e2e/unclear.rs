@@ -245,10 +245,7 @@ async fn events_waiting_behind_one_aggregates_unclear_answers_do_not_stop_the_ot
     const MARK: &str = "handler-down-for-this-tenant";
     const HOT_EVENTS: i64 = 60;
     let (env, target) = endpoint_env("unclear_waiting", TargetSettings::default()).await;
-    let config = env.write_config(
-        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
-         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
-    );
+    let config = keyed_config(&env);
     target.unavailable_for(Some(MARK));
     let port = outbox_testkit::ports::free_port().unwrap();
     let admin = format!("127.0.0.1:{port}");
@@ -367,10 +364,7 @@ cdc_only! {
     async fn past_the_bound_of_waiting_events_the_slot_is_not_read_and_the_log_says_why() {
         const MARK: &str = "handler-down-past-the-bound";
         let (env, target) = endpoint_env("unclear_bound", TargetSettings::default()).await;
-        let config = env.write_config(
-            "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
-             response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
-        );
+        let config = keyed_config(&env);
         target.unavailable_for(Some(MARK));
         let mut relay = env.relay(
             &[],
@@ -405,6 +399,15 @@ cdc_only! {
         let topic = target.url(&format!("/hooks/{}", env.aggregate_type));
         check_named_endpoint(&env, &target, &committed, &topic, "billing-api").await;
     }
+}
+
+/// The endpoint's config for a test of one aggregate whose handler is down: keys kept, the
+/// response id recorded with each receipt.
+fn keyed_config(env: &TestEnv) -> String {
+    env.write_config(
+        "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
+         response_id_header = \"X-Response-Id\"\nidempotency_window_ms = 3600000\n",
+    )
 }
 
 /// Enqueues `versions` of `aggregates` aggregates named `prefix-N`, one transaction per

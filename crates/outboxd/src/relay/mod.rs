@@ -741,7 +741,7 @@ async fn run_once(
             if episode_warned {
                 tracing::warn!(waiting = load.waiting_on_unclear, parked = pipeline.core.parked(),
                     limit = cfg.unclear_max_waiting,
-                    "the slot is not read: this many events wait on unclear outcomes (relay.unclear_max_waiting), so every aggregate waits until some move; see outboxd_unclear_events and fix the destination, or raise the bound (each waiting event is kept in memory)");
+                    "the slot is not read: this many events wait on unclear outcomes (relay.unclear_max_waiting), so every aggregate waits until some move; see outboxd_waiting_on_unclear_events and outboxd_unclear_events, and fix the destination or raise the bound (each waiting event is kept in memory)");
                 held_warned = Some(Instant::now());
             }
         } else if !held && reading_held_by_unclear && episode_warned {
