@@ -224,9 +224,13 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
         self.queued
     }
 
-    /// Events of `key` waiting behind its in-flight event.
-    pub fn queue_len(&self, key: &K) -> usize {
-        self.aggs.get(key).map_or(0, Agg::queue_len)
+    /// The events of `key` waiting behind its in-flight event, in order.
+    pub fn queue_of(&self, key: &K) -> impl Iterator<Item = &T> {
+        self.aggs
+            .get(key)
+            .and_then(|a| a.queue.as_deref())
+            .into_iter()
+            .flatten()
     }
 }
 

@@ -49,7 +49,7 @@ pub(crate) mod testing;
 pub use pipeline::{
     AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now, OpenAttempt, ParkedInput,
     ParkedLookup, ParkedStep, Pending, PipelineCore, Reported, UnclearPolicy, UnclearSchedule,
-    UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
+    UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES, MAX_WAITING_BYTES,
 };
 pub use route::Refusal;
 

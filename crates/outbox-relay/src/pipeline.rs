@@ -43,6 +43,12 @@ pub type AggKey = (String, String);
 /// otherwise grow the relay's memory with `max_in_flight` × payload size.
 pub const MAX_IN_FLIGHT_BYTES: usize = 16 * 1024 * 1024;
 
+/// Payload bytes of the events waiting on unclear outcomes beyond which the relay stops
+/// reading the slot (with `unclear_max_waiting` events): the count alone would let large
+/// payloads grow the relay's memory with the count × payload size while a destination is
+/// down.
+pub const MAX_WAITING_BYTES: u64 = 64 * 1024 * 1024;
+
 /// What the driver knows that the core may not find out by itself.
 #[derive(Debug, Clone, Copy)]
 pub struct Now {

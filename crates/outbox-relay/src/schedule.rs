@@ -23,9 +23,10 @@ pub struct Settings {
     /// Events read from the slot and not yet resolved, beyond which the slot is not read;
     /// those waiting on an unclear outcome are not counted ([`Load::waiting_on_unclear`]).
     pub max_in_flight: u64,
-    /// Events waiting on unclear outcomes, beyond which the slot is not read: they hold only
-    /// their aggregates, but each is kept in memory until its aggregate moves again.
-    pub max_waiting_on_unclear: u64,
+    /// Events waiting on unclear outcomes, and their payload bytes, beyond which the slot is
+    /// not read: they hold only their aggregates, but each is kept in memory until its
+    /// aggregate moves again.
+    pub max_waiting_on_unclear: Waiting,
     /// Payload bytes sent and not yet reported on, beyond which the slot is not read.
     pub max_in_flight_bytes: usize,
     /// How often operator releases (and UNKNOWN attempts of other generations) are polled.
@@ -47,11 +48,19 @@ pub struct Load {
     /// Of those, the events parked after an unclear outcome and those queued behind them
     /// (`PipelineCore::waiting_on_unclear`). A driver may leave it 0 while `unresolved` is
     /// below `max_in_flight`: it only matters past it.
-    pub waiting_on_unclear: u64,
+    pub waiting_on_unclear: Waiting,
     /// Payload bytes sent and not yet reported on.
     pub in_flight_bytes: usize,
     /// The stream is inside a transaction (between Begin and Commit).
     pub in_transaction: bool,
+}
+
+/// Events waiting on unclear outcomes (`PipelineCore::waiting_on_unclear`), or a bound of them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Waiting {
+    pub events: u64,
+    /// Their payloads' bytes.
+    pub bytes: u64,
 }
 
 /// What is due now.
@@ -109,7 +118,11 @@ impl Schedule {
     /// Whether the events waiting on unclear outcomes are what stops the slot being read
     /// (the driver says so in its log: raise the bound, or fix the destination).
     pub fn reading_held_by_unclear(&self, load: &Load) -> bool {
-        load.waiting_on_unclear.min(load.unresolved) >= self.settings.max_waiting_on_unclear
+        let (waiting, max) = (
+            load.waiting_on_unclear,
+            self.settings.max_waiting_on_unclear,
+        );
+        waiting.events.min(load.unresolved) >= max.events || waiting.bytes >= max.bytes
     }
 
     /// When the loop must wake up even if nothing arrives: the periodic status, the batch
@@ -170,20 +183,29 @@ impl Schedule {
 }
 
 /// Whether `unresolved` events, `waiting` of which wait on unclear outcomes, leave room to
-/// read more: fewer than `max_in_flight` others, fewer than `max_waiting` waiting. The rule of
-/// [`Schedule::can_read`], for readers outside the stream's loop too (the initial snapshot, a
-/// poll round).
-pub fn within_bounds(max_in_flight: u64, max_waiting: u64, unresolved: u64, waiting: u64) -> bool {
-    let waiting = waiting.min(unresolved);
-    unresolved - waiting < max_in_flight && waiting < max_waiting
+/// read more: fewer than `max_in_flight` others, fewer waiting than `max_waiting` (events and
+/// payload bytes). The rule of [`Schedule::can_read`], for readers outside the stream's loop
+/// too (the initial snapshot, a poll round).
+pub fn within_bounds(
+    max_in_flight: u64,
+    max_waiting: Waiting,
+    unresolved: u64,
+    waiting: Waiting,
+) -> bool {
+    let events = waiting.events.min(unresolved);
+    unresolved - events < max_in_flight
+        && events < max_waiting.events
+        && waiting.bytes < max_waiting.bytes
 }
 
 /// Whether the count of events waiting on unclear outcomes can change what
-/// [`within_bounds`] decides for `unresolved` events: only from the smaller of the two bounds
-/// on (below it, every event may be read whatever waits). Counting walks the parked and
-/// in-flight events, so a driver counts only then.
-pub fn waiting_matters(max_in_flight: u64, max_waiting: u64, unresolved: u64) -> bool {
-    unresolved >= max_in_flight.min(max_waiting)
+/// [`within_bounds`] decides for `unresolved` events: only from the smaller of the two
+/// event bounds on. Below it every event may be read whatever waits, as before waiting events
+/// had bounds of their own (their bytes among them: below `max_in_flight` the relay never
+/// bounded the bytes of events queued behind their aggregates). Counting walks the parked,
+/// in-flight and queued events, so a driver counts only then.
+pub fn waiting_matters(max_in_flight: u64, max_waiting: Waiting, unresolved: u64) -> bool {
+    unresolved >= max_in_flight.min(max_waiting.events)
 }
 
 /// A standby status update: the positions the relay reports to the walsender.
@@ -231,7 +253,10 @@ mod tests {
             batch_linger: ms(5),
             batch_size: 100,
             max_in_flight: 10,
-            max_waiting_on_unclear: 50,
+            max_waiting_on_unclear: Waiting {
+                events: 50,
+                bytes: 5_000,
+            },
             max_in_flight_bytes: 1000,
             release_poll: ms(500),
         }
@@ -254,12 +279,13 @@ mod tests {
     }
 
     #[test]
-    fn what_waits_on_unclear_outcomes_has_a_bound_of_its_own() {
+    fn what_waits_on_unclear_outcomes_has_bounds_of_its_own() {
         let s = Schedule::new(settings(), ms(0));
+        let waiting = |events, bytes| Waiting { events, bytes };
         // 9 sent and unresolved, 40 parked or queued behind parked events: still read.
         let mut load = Load {
             unresolved: 49,
-            waiting_on_unclear: 40,
+            waiting_on_unclear: waiting(40, 4_000),
             ..Load::default()
         };
         assert!(s.can_read(&load));
@@ -268,14 +294,19 @@ mod tests {
         assert!(!s.can_read(&load), "10 others unresolved: max_in_flight");
         assert!(!s.reading_held_by_unclear(&load));
         load.unresolved = 55;
-        load.waiting_on_unclear = 50;
+        load.waiting_on_unclear = waiting(50, 4_000);
         assert!(!s.can_read(&load), "the bound of what waits");
         assert!(s.reading_held_by_unclear(&load));
-        // A driver leaves the count 0 where it cannot matter: below both bounds.
-        assert!(!waiting_matters(10, 50, 9));
-        assert!(waiting_matters(10, 50, 10));
+        load.unresolved = 49;
+        load.waiting_on_unclear = waiting(40, 5_000);
+        assert!(!s.can_read(&load), "the bound of their payloads");
+        assert!(s.reading_held_by_unclear(&load));
+        // A driver leaves the count 0 where it cannot matter: below both event bounds.
+        let max = waiting(50, 5_000);
+        assert!(!waiting_matters(10, max, 9));
+        assert!(waiting_matters(10, max, 10));
         assert!(
-            waiting_matters(100, 10, 10),
+            waiting_matters(100, waiting(10, 5_000), 10),
             "the bound of what waits is the smaller"
         );
         for unresolved in 0..10 {
@@ -284,7 +315,7 @@ mod tests {
                 ..Load::default()
             };
             let counted = Load {
-                waiting_on_unclear: unresolved,
+                waiting_on_unclear: waiting(unresolved, unresolved * 100),
                 ..load
             };
             assert_eq!(s.can_read(&load), s.can_read(&counted));

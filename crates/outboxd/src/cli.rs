@@ -618,8 +618,9 @@ pub struct RunArgs {
     /// queued behind it) before the relay stops reading the slot. They hold only their
     /// aggregates and do not count against --max-in-flight, so one aggregate whose events
     /// keep coming while its destination is down does not stop the others; each is kept in
-    /// memory (about 1.2 KiB plus its payload) until its aggregate moves. Past the bound every aggregate
-    /// waits, and the relay logs why. [default: 20000]
+    /// memory (about 1.2 KiB plus its payload) until its aggregate moves. Past the bound (or
+    /// past 64 MiB of their payloads) every aggregate waits, and the relay logs why.
+    /// [default: 20000]
     #[arg(long, env = "OUTBOXD_UNCLEAR_MAX_WAITING")]
     pub unclear_max_waiting: Option<u64>,
     /// A retry schedule for unclear outcomes instead of the doubling from 200 ms to 10 s: the

@@ -35,6 +35,7 @@ use uuid::Uuid;
 
 use super::PipelineCore;
 use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Mutant, Now, Pending};
+use crate::schedule::Waiting;
 
 /// How long a send may go unanswered before it counts, with what waits behind it, as
 /// waiting on an unclear outcome ([`PipelineCore::waiting_on_unclear`]): far above a
@@ -527,22 +528,35 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// events keep coming while its destination is down must not stop the slot being read
     /// for every other one. Linear in the parked and in-flight events; the driver asks only
     /// when `max_in_flight` is reached.
-    pub fn waiting_on_unclear(&self, now: SystemTime) -> u64 {
+    pub fn waiting_on_unclear(&self, now: SystemTime) -> Waiting {
         if self.planted(Mutant::UnclearWaitCountsAsInFlight) {
-            return 0;
+            return Waiting::default();
+        }
+        let payload = |ev: &OutboxEvent| ev.payload.len() as u64;
+        let mut w = Waiting::default();
+        let mut keys: Vec<&AggKey> = Vec::new();
+        for p in self.parked.values() {
+            w.events += 1;
+            w.bytes += payload(&p.p.ev);
+            keys.push(&p.key);
         }
         let unanswered = self.in_flight.values().filter(|f| {
             now.duration_since(f.sent_at)
                 .is_ok_and(|age| age >= UNANSWERED_AFTER)
         });
-        let mut keys: Vec<&AggKey> = self.parked.values().map(|p| &p.key).collect();
-        keys.extend(unanswered.map(|f| &f.key));
+        for f in unanswered {
+            w.events += 1;
+            w.bytes += payload(&f.ev);
+            keys.push(&f.key);
+        }
         // Each parked or unanswered event is the head of its aggregate: one per aggregate.
-        let heads = keys.len();
         keys.sort_unstable();
         keys.dedup();
-        let queued: usize = keys.iter().map(|k| self.gate.queue_len(k)).sum();
-        (heads + queued) as u64
+        for p in keys.iter().flat_map(|k| self.gate.queue_of(k)) {
+            w.events += 1;
+            w.bytes += payload(&p.ev);
+        }
+        w
     }
 
     /// The aggregates of the parked events.

@@ -53,7 +53,13 @@ fn an_unclear_outcome_holds_its_aggregate_and_every_other_aggregate_flows() {
     assert_eq!(sent.aggregate_id, "b");
     // What waits on a/1 (a/1, a/2, a/3) is counted apart from b/2 in flight: the schedule
     // does not let it stop the slot being read for b.
-    assert_eq!(c.waiting_on_unclear(now(1600).wall), 3);
+    let waiting = c.waiting_on_unclear(now(1600).wall);
+    assert_eq!(waiting.events, 3);
+    let payloads: u64 = [event("a", 1), event("a", 2), event("a", 3)]
+        .iter()
+        .map(|e| e.payload.len() as u64)
+        .sum();
+    assert_eq!(waiting.bytes, payloads);
     assert_eq!(c.outstanding(), 4);
 }
 
@@ -65,6 +71,7 @@ fn a_send_unanswered_for_five_seconds_counts_with_what_waits_behind_it() {
     let sent = now(0).wall;
     let waiting = |c: &PipelineCore, after_ms: u64| {
         c.waiting_on_unclear(sent + Duration::from_millis(after_ms))
+            .events
     };
     assert_eq!(waiting(&c, 0), 0, "just sent: in flight, not waiting");
     // b answers; a/1 does not (a partition without a leader): past UNANSWERED_AFTER a/1 and

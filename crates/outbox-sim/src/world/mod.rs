@@ -1074,7 +1074,10 @@ impl World {
             batch_linger: ms(1),
             batch_size: 1_000,
             max_in_flight: self.max_in_flight,
-            max_waiting_on_unclear: MAX_WAITING_ON_UNCLEAR,
+            max_waiting_on_unclear: outbox_relay::schedule::Waiting {
+                events: MAX_WAITING_ON_UNCLEAR,
+                bytes: u64::MAX,
+            },
             max_in_flight_bytes: usize::MAX,
             release_poll: ms(500),
         };

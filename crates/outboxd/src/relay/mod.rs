@@ -716,7 +716,7 @@ async fn run_once(
             batch_linger: cfg.batch_linger,
             batch_size: cfg.batch_size,
             max_in_flight: cfg.max_in_flight,
-            max_waiting_on_unclear: cfg.unclear_max_waiting,
+            max_waiting_on_unclear: max_waiting(cfg),
             max_in_flight_bytes: pipeline::MAX_IN_FLIGHT_BYTES,
             release_poll: RELEASE_POLL,
         },
@@ -728,7 +728,7 @@ async fn run_once(
     let mut episode_warned = false;
     let result: Result<(), RelayError> = async {
     loop {
-        let load = load_of(&pipeline, (cfg.max_in_flight, cfg.unclear_max_waiting), since);
+        let load = load_of(&pipeline, (cfg.max_in_flight, max_waiting(cfg)), since);
         let accepting = load.accepting;
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
@@ -739,8 +739,9 @@ async fn run_once(
         if held && !reading_held_by_unclear {
             episode_warned = held_warned.map_or(true, |at: Instant| at.elapsed() >= HELD_WARNING_EVERY);
             if episode_warned {
-                tracing::warn!(waiting = load.waiting_on_unclear, parked = pipeline.core.parked(),
-                    limit = cfg.unclear_max_waiting,
+                tracing::warn!(waiting = load.waiting_on_unclear.events,
+                    waiting_bytes = load.waiting_on_unclear.bytes, parked = pipeline.core.parked(),
+                    limit = cfg.unclear_max_waiting, limit_bytes = outbox_relay::MAX_WAITING_BYTES,
                     "the slot is not read: this many events wait on unclear outcomes (relay.unclear_max_waiting), so every aggregate waits until some move; see outboxd_waiting_on_unclear_events and outboxd_unclear_events, and fix the destination or raise the bound (each waiting event is kept in memory)");
                 held_warned = Some(Instant::now());
             }
@@ -810,7 +811,7 @@ async fn run_once(
 
         progress.metrics.in_flight(pipeline.core.tracker.in_flight());
         progress.metrics.unclear(pipeline.core.parked());
-        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, (cfg.max_in_flight, cfg.unclear_max_waiting), since));
+        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, (cfg.max_in_flight, max_waiting(cfg)), since));
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
         }
@@ -822,7 +823,7 @@ async fn run_once(
             confirm(&mut stream, &pipeline.core).await?;
             progress
                 .metrics
-                .waiting_on_unclear(pipeline.waiting_on_unclear());
+                .waiting_on_unclear(pipeline.waiting_on_unclear().events);
         }
     }
     }
@@ -1032,7 +1033,7 @@ async fn open_sink(
 /// What the schedule needs to know about the pipeline now.
 fn load_of(
     pipeline: &Pipeline,
-    (max_in_flight, max_waiting): (u64, u64),
+    (max_in_flight, max_waiting): (u64, schedule::Waiting),
     since: impl Fn(Instant) -> Duration,
 ) -> schedule::Load {
     let unresolved = pipeline.core.tracker.in_flight();
@@ -1047,7 +1048,7 @@ fn load_of(
         waiting_on_unclear: if schedule::waiting_matters(max_in_flight, max_waiting, unresolved) {
             pipeline.waiting_on_unclear()
         } else {
-            0
+            schedule::Waiting::default()
         },
         in_flight_bytes: pipeline.in_flight_bytes(),
         in_transaction: pipeline.core.in_transaction(),
@@ -1069,6 +1070,15 @@ pub(super) async fn confirm(
         .await
         .map_err(SourceError::from)?;
     Ok(())
+}
+
+/// The bounds of what waits on unclear outcomes: `relay.unclear_max_waiting` events, and
+/// [`outbox_relay::MAX_WAITING_BYTES`] of their payloads.
+pub(super) fn max_waiting(cfg: &RelayConfig) -> schedule::Waiting {
+    schedule::Waiting {
+        events: cfg.unclear_max_waiting,
+        bytes: outbox_relay::MAX_WAITING_BYTES,
+    }
 }
 
 /// The warning that events waiting on unclear outcomes stop the slot being read is logged at
@@ -1258,7 +1268,7 @@ async fn publish_snapshot(
         .map_err(db("reading unpublished outbox rows"))?;
     pin_mut!(rows);
     let mut n: u64 = 0;
-    let max_in_flight = (cfg.max_in_flight, cfg.unclear_max_waiting);
+    let max_in_flight = (cfg.max_in_flight, max_waiting(cfg));
     // Rows in chunks: the heads of a chunk's new aggregates are read in one query (`outbox_relay::stage`).
     let mut chunk: Vec<(u64, Result<outbox_core::OutboxEvent, String>)> = Vec::new();
     let mut ended = false;

@@ -32,7 +32,7 @@ use super::{unknown, Progress, RelayError};
 use crate::config::RelayConfig;
 use crate::failpoint;
 
-use outbox_relay::schedule::{waiting_matters, within_bounds};
+use outbox_relay::schedule::{waiting_matters, within_bounds, Waiting};
 pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
 
 pub(crate) struct Pipeline {
@@ -67,7 +67,7 @@ pub(crate) struct Pipeline {
     pub shard_filter: Option<String>,
     /// The last count of events waiting on unclear outcomes and when it was taken
     /// ([`Self::waiting_on_unclear`]).
-    waiting_sample: std::sync::Mutex<Option<(Instant, u64)>>,
+    waiting_sample: std::sync::Mutex<Option<(Instant, Waiting)>>,
 }
 
 /// How long a count of the events waiting on unclear outcomes serves the schedule: counting
@@ -207,7 +207,7 @@ impl Pipeline {
     /// Events waiting on unclear outcomes ([`PipelineCore::waiting_on_unclear`]), counted at
     /// most every [`WAITING_SAMPLE`]: the schedule's backpressure may lag that much behind a
     /// park or a report.
-    pub fn waiting_on_unclear(&self) -> u64 {
+    pub fn waiting_on_unclear(&self) -> Waiting {
         let now = Instant::now();
         let mut sample = self
             .waiting_sample
@@ -736,12 +736,16 @@ impl Pipeline {
 
     /// Events outstanding ([`Self::outstanding`]) and, where it matters
     /// (`outbox_relay::schedule::waiting_matters`), how many of them wait on unclear outcomes.
-    pub fn outstanding_and_waiting(&self, max_in_flight: u64, max_waiting: u64) -> (u64, u64) {
+    pub fn outstanding_and_waiting(
+        &self,
+        max_in_flight: u64,
+        max_waiting: Waiting,
+    ) -> (u64, Waiting) {
         let outstanding = self.outstanding() as u64;
         let waiting = if waiting_matters(max_in_flight, max_waiting, outstanding) {
             self.waiting_on_unclear()
         } else {
-            0
+            Waiting::default()
         };
         (outstanding, waiting)
     }
@@ -752,7 +756,7 @@ impl Pipeline {
     /// batch.
     pub async fn keep_pace(
         &mut self,
-        (max_in_flight, max_waiting): (u64, u64),
+        (max_in_flight, max_waiting): (u64, Waiting),
         batch_size: usize,
         progress: &Progress,
     ) -> Result<(), RelayError> {

@@ -111,7 +111,7 @@ pub(super) async fn run_once(
             progress.metrics.unclear(pipeline.core.parked());
             progress
                 .metrics
-                .waiting_on_unclear(pipeline.waiting_on_unclear());
+                .waiting_on_unclear(pipeline.waiting_on_unclear().events);
             if n < ROUND_LIMIT as u64 {
                 // Parked events are looked up (or sent again) meanwhile.
                 let until = tokio::time::Instant::now() + cfg.poll_interval;
@@ -209,7 +209,7 @@ async fn round(
         .await
         .map_err(db("reading pending outbox events"))?;
     pin_mut!(rows);
-    let max_in_flight = (cfg.max_in_flight, cfg.unclear_max_waiting);
+    let max_in_flight = (cfg.max_in_flight, super::max_waiting(cfg));
     let mut n: u64 = 0;
     // Rows in chunks: the heads of a chunk's aggregates the gate does not know are read in one
     // query first (migration 0026), the floor below the round's own "every version below the
