@@ -490,6 +490,7 @@ e2e_only! {
         assert!(!stalled.is_empty(), "no aggregate on partition 0");
         let flowing = AGGS - stalled.len();
 
+        let paused = std::time::Instant::now();
         c.pause(leader);
         enqueue_versions(&env, &mut committed, "k", AGGS, 2..=6).await;
         // The other partitions' aggregates are all published while the node is stopped.
@@ -503,6 +504,14 @@ e2e_only! {
             (flowing * 6) as i64,
         )
         .await;
+        // Within the producer's socket timeout (10 s) and some: its drain after a timed-out
+        // message waited on a request to the stopped node for librdkafka's default 60 s, and
+        // every aggregate with it, in about one run of four.
+        let flowed = paused.elapsed();
+        assert!(
+            flowed < std::time::Duration::from_secs(30),
+            "the other partitions' aggregates waited {flowed:?} for the stopped node"
+        );
         env.wait_count(
             "a send to the stopped leader ended unclear",
             "SELECT count(*) FROM outbox.attempts",
@@ -535,7 +544,7 @@ e2e_only! {
             .collect();
         assert!(out_of_order.is_empty(), "out of order: {out_of_order:?}");
         println!(
-            "stalled leader of {topic}/0: {} aggregates held, {flowing} flowed ({} events) while it was stopped, {during} receipts on partition 0 meanwhile; {} attempts ({} found, {} proven absent), {} receipts checked against the topic",
+            "stalled leader of {topic}/0: {} aggregates held, {flowing} flowed ({} events, in {flowed:?}) while it was stopped, {during} receipts on partition 0 meanwhile; {} attempts ({} found, {} proven absent), {} receipts checked against the topic",
             stalled.len(),
             flowing * 5,
             env.count("SELECT count(*) FROM outbox.attempts").await,
