@@ -45,9 +45,9 @@ pub struct Load {
     pub checkpoint_behind: bool,
     /// Events read and not yet resolved (the ack tracker's count).
     pub unresolved: u64,
-    /// Of those, the events parked after an unclear outcome and those queued behind them
-    /// (`PipelineCore::waiting_on_unclear`). A driver may leave it 0 while `unresolved` is
-    /// below `max_in_flight`: it only matters past it.
+    /// Of those, the events waiting on unclear outcomes (`PipelineCore::waiting_on_unclear`:
+    /// parked, sent and unanswered, and queued behind either). A driver may leave it 0 where
+    /// [`waiting_matters`] says it cannot change a decision.
     pub waiting_on_unclear: Waiting,
     /// Payload bytes sent and not yet reported on.
     pub in_flight_bytes: usize,
@@ -118,11 +118,11 @@ impl Schedule {
     /// Whether the events waiting on unclear outcomes are what stops the slot being read
     /// (the driver says so in its log: raise the bound, or fix the destination).
     pub fn reading_held_by_unclear(&self, load: &Load) -> bool {
-        let (waiting, max) = (
-            load.waiting_on_unclear,
+        !waiting_within(
             self.settings.max_waiting_on_unclear,
-        );
-        waiting.events.min(load.unresolved) >= max.events || waiting.bytes >= max.bytes
+            load.unresolved,
+            load.waiting_on_unclear,
+        )
     }
 
     /// When the loop must wake up even if nothing arrives: the periodic status, the batch
@@ -192,10 +192,13 @@ pub fn within_bounds(
     unresolved: u64,
     waiting: Waiting,
 ) -> bool {
-    let events = waiting.events.min(unresolved);
-    unresolved - events < max_in_flight
-        && events < max_waiting.events
-        && waiting.bytes < max_waiting.bytes
+    unresolved - waiting.events.min(unresolved) < max_in_flight
+        && waiting_within(max_waiting, unresolved, waiting)
+}
+
+/// Whether what waits on unclear outcomes, of `unresolved` events, is within its own bounds.
+fn waiting_within(max: Waiting, unresolved: u64, waiting: Waiting) -> bool {
+    waiting.events.min(unresolved) < max.events && waiting.bytes < max.bytes
 }
 
 /// Whether the count of events waiting on unclear outcomes can change what

@@ -117,8 +117,9 @@ pub enum TxnStep {
     /// Abort the open transaction. Answer with [`TxnCore::on_aborted`], or
     /// [`TxnCore::on_abort_unclear`] when the abort did not answer.
     Abort { batch: u64 },
-    /// The commit's outcome is unknown (or the abort did not answer): open the producer again under the same transactional
-    /// id and read the broker's records after the ledger's last; answer with
+    /// The commit's outcome is unknown (or the abort did not answer): open the producer again
+    /// under the same transactional id and read the broker's records after the ledger's last;
+    /// answer with
     /// [`TxnCore::on_settled`].
     Settle { batch: u64 },
     /// Accept in the ledger, in one transaction and in batch order: the receipts, what the

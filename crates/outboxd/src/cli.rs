@@ -614,8 +614,9 @@ pub struct RunArgs {
     /// Watch `outboxd_unclear_events`. [default: 30]
     #[arg(long, env = "OUTBOXD_UNCLEAR_BUDGET")]
     pub unclear_budget: Option<u32>,
-    /// Events waiting on unclear outcomes (each parked event and those of its aggregate
-    /// queued behind it) before the relay stops reading the slot. They hold only their
+    /// Events waiting on unclear outcomes (each parked event, each send unanswered for 5 s,
+    /// and those of their aggregates queued behind them) before the relay stops reading the
+    /// slot. They hold only their
     /// aggregates and do not count against --max-in-flight, so one aggregate whose events
     /// keep coming while its destination is down does not stop the others; each is kept in
     /// memory (about 1.2 KiB plus its payload) until its aggregate moves. Past the bound (or

@@ -526,8 +526,8 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// them) but hold only their aggregates, so the schedule counts them apart from
     /// `max_in_flight` ([`crate::schedule::Load::waiting_on_unclear`]): an aggregate whose
     /// events keep coming while its destination is down must not stop the slot being read
-    /// for every other one. Linear in the parked and in-flight events; the driver asks only
-    /// when `max_in_flight` is reached.
+    /// for every other one. Linear in the parked, in-flight and queued events; the driver
+    /// asks only where [`crate::schedule::waiting_matters`] says the count can matter.
     pub fn waiting_on_unclear(&self, now: SystemTime) -> Waiting {
         if self.planted(Mutant::UnclearWaitCountsAsInFlight) {
             return Waiting::default();

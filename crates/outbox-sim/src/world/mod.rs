@@ -906,30 +906,33 @@ impl World {
         self.land_late_appends();
         self.end_stale_runs();
         let active = self.active();
-        let has_next = active.is_some_and(|i| {
+        // The slot has more for the CDC relay, and whether backpressure lets it read.
+        let slot_has_more = active.filter(|&i| {
             let r = &self.relays[i];
+            !self.poll && !r.stream_cut && r.cursor < self.wal.len()
+        });
+        let can_read = slot_has_more.is_some_and(|i| self.can_read(i));
+        let has_next = active.is_some_and(|i| {
             if self.poll {
                 self.round_due(i)
             } else {
-                !r.stream_cut && r.cursor < self.wal.len() && self.can_read(i)
+                can_read
             }
         });
-        if let Some(i) = active {
+        if let Some(i) = slot_has_more.filter(|_| !can_read) {
             let r = &self.relays[i];
             // Not read, with more in the slot, while all the relay holds unresolved waits on
             // unclear outcomes: nothing to accept, and no send answered within
             // `UNANSWERED_AFTER` still unanswered (a send older than that is an outcome
             // becoming unclear).
             let unanswered = outbox_relay::pipeline::UNANSWERED_AFTER.as_millis() as u64;
-            if !self.poll && !r.stream_cut && r.cursor < self.wal.len() && !self.can_read(i) {
-                self.c.reads_held_back += 1;
-                if r.in_flight
-                    .iter()
-                    .all(|f| self.now >= f.sent_at + unanswered)
-                    && r.core.batch_len() == 0
-                {
-                    self.c.reading_stopped_by_unclear += 1;
-                }
+            self.c.reads_held_back += 1;
+            if r.in_flight
+                .iter()
+                .all(|f| self.now >= f.sent_at + unanswered)
+                && r.core.batch_len() == 0
+            {
+                self.c.reading_stopped_by_unclear += 1;
             }
         }
         let reports = self

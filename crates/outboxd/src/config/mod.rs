@@ -550,9 +550,9 @@ pub struct RelayConfig {
     /// Unclear outcomes of one event (sends and look-ups) before the relay logs an error
     /// about it (it keeps asking).
     pub unclear_budget: u32,
-    /// Events waiting on unclear outcomes (parked, or queued behind a parked event of their
-    /// aggregate) before the relay stops reading the slot; they do not count against
-    /// `max_in_flight`.
+    /// Events waiting on unclear outcomes (parked, sent and unanswered for 5 s, or queued
+    /// behind either in their aggregate) before the relay stops reading the slot; they do not
+    /// count against `max_in_flight`.
     pub unclear_max_waiting: u64,
     /// The operator's retry schedule for unclear outcomes, if any (else the doubling).
     pub unclear_schedule: Option<outbox_relay::UnclearSchedule>,

@@ -710,13 +710,14 @@ async fn run_once(
     // When the loop does what is decided by the core's schedule; time is measured from here.
     let run_started = Instant::now();
     let since = |i: Instant| i.saturating_duration_since(run_started);
+    let bounds = bounds(cfg);
     let mut schedule = Schedule::new(
         schedule::Settings {
             status_interval: cfg.status_interval,
             batch_linger: cfg.batch_linger,
             batch_size: cfg.batch_size,
-            max_in_flight: cfg.max_in_flight,
-            max_waiting_on_unclear: max_waiting(cfg),
+            max_in_flight: bounds.0,
+            max_waiting_on_unclear: bounds.1,
             max_in_flight_bytes: pipeline::MAX_IN_FLIGHT_BYTES,
             release_poll: RELEASE_POLL,
         },
@@ -728,7 +729,7 @@ async fn run_once(
     let mut episode_warned = false;
     let result: Result<(), RelayError> = async {
     loop {
-        let load = load_of(&pipeline, (cfg.max_in_flight, max_waiting(cfg)), since);
+        let load = load_of(&pipeline, bounds, since);
         let accepting = load.accepting;
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
@@ -811,7 +812,7 @@ async fn run_once(
 
         progress.metrics.in_flight(pipeline.core.tracker.in_flight());
         progress.metrics.unclear(pipeline.core.parked());
-        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, (cfg.max_in_flight, max_waiting(cfg)), since));
+        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, bounds, since));
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
         }
@@ -1033,7 +1034,7 @@ async fn open_sink(
 /// What the schedule needs to know about the pipeline now.
 fn load_of(
     pipeline: &Pipeline,
-    (max_in_flight, max_waiting): (u64, schedule::Waiting),
+    bounds: (u64, schedule::Waiting),
     since: impl Fn(Instant) -> Duration,
 ) -> schedule::Load {
     let unresolved = pipeline.core.tracker.in_flight();
@@ -1043,13 +1044,7 @@ fn load_of(
         batch_started: pipeline.batch_started.map(since),
         checkpoint_behind: pipeline.core.tracker.watermark() > pipeline.core.durable(),
         unresolved,
-        // Walks the parked and in-flight events: only where it can change what the
-        // schedule decides.
-        waiting_on_unclear: if schedule::waiting_matters(max_in_flight, max_waiting, unresolved) {
-            pipeline.waiting_on_unclear()
-        } else {
-            schedule::Waiting::default()
-        },
+        waiting_on_unclear: pipeline.waiting_where_it_matters(bounds, unresolved),
         in_flight_bytes: pipeline.in_flight_bytes(),
         in_transaction: pipeline.core.in_transaction(),
     }
@@ -1072,13 +1067,15 @@ pub(super) async fn confirm(
     Ok(())
 }
 
-/// The bounds of what waits on unclear outcomes: `relay.unclear_max_waiting` events, and
+/// The backpressure's bounds: `relay.max_in_flight` unresolved events besides those waiting
+/// on unclear outcomes, and for those `relay.unclear_max_waiting` events and
 /// [`outbox_relay::MAX_WAITING_BYTES`] of their payloads.
-pub(super) fn max_waiting(cfg: &RelayConfig) -> schedule::Waiting {
-    schedule::Waiting {
+pub(super) fn bounds(cfg: &RelayConfig) -> (u64, schedule::Waiting) {
+    let waiting = schedule::Waiting {
         events: cfg.unclear_max_waiting,
         bytes: outbox_relay::MAX_WAITING_BYTES,
-    }
+    };
+    (cfg.max_in_flight, waiting)
 }
 
 /// The warning that events waiting on unclear outcomes stop the slot being read is logged at
@@ -1268,7 +1265,7 @@ async fn publish_snapshot(
         .map_err(db("reading unpublished outbox rows"))?;
     pin_mut!(rows);
     let mut n: u64 = 0;
-    let max_in_flight = (cfg.max_in_flight, max_waiting(cfg));
+    let bounds = bounds(cfg);
     // Rows in chunks: the heads of a chunk's new aggregates are read in one query (`outbox_relay::stage`).
     let mut chunk: Vec<(u64, Result<outbox_core::OutboxEvent, String>)> = Vec::new();
     let mut ended = false;
@@ -1297,9 +1294,7 @@ async fn publish_snapshot(
                     pipeline.quarantine_unreadable(format!("snapshot:{i}"), e, Lsn::ZERO, None)
                 }
             }
-            pipeline
-                .keep_pace(max_in_flight, cfg.batch_size, progress)
-                .await?;
+            pipeline.keep_pace(bounds, cfg.batch_size, progress).await?;
         }
     }
     // Everything, parked events too: the snapshot is done only when each row is resolved.

@@ -734,20 +734,18 @@ impl Pipeline {
         }
     }
 
-    /// Events outstanding ([`Self::outstanding`]) and, where it matters
-    /// (`outbox_relay::schedule::waiting_matters`), how many of them wait on unclear outcomes.
-    pub fn outstanding_and_waiting(
+    /// Of `unresolved` events, those waiting on unclear outcomes, counted only where it can
+    /// change what the bounds decide (`outbox_relay::schedule::waiting_matters`; 0 elsewhere).
+    pub fn waiting_where_it_matters(
         &self,
-        max_in_flight: u64,
-        max_waiting: Waiting,
-    ) -> (u64, Waiting) {
-        let outstanding = self.outstanding() as u64;
-        let waiting = if waiting_matters(max_in_flight, max_waiting, outstanding) {
+        (max_in_flight, max_waiting): (u64, Waiting),
+        unresolved: u64,
+    ) -> Waiting {
+        if waiting_matters(max_in_flight, max_waiting, unresolved) {
             self.waiting_on_unclear()
         } else {
             Waiting::default()
-        };
-        (outstanding, waiting)
+        }
     }
 
     /// After an event admitted outside the stream (a snapshot, a poll round): waits while
@@ -761,7 +759,8 @@ impl Pipeline {
         progress: &Progress,
     ) -> Result<(), RelayError> {
         loop {
-            let (outstanding, waiting) = self.outstanding_and_waiting(max_in_flight, max_waiting);
+            let outstanding = self.outstanding() as u64;
+            let waiting = self.waiting_where_it_matters((max_in_flight, max_waiting), outstanding);
             if within_bounds(max_in_flight, max_waiting, outstanding, waiting) {
                 break;
             }

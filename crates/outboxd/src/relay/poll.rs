@@ -209,7 +209,7 @@ async fn round(
         .await
         .map_err(db("reading pending outbox events"))?;
     pin_mut!(rows);
-    let max_in_flight = (cfg.max_in_flight, super::max_waiting(cfg));
+    let bounds = super::bounds(cfg);
     let mut n: u64 = 0;
     // Rows in chunks: the heads of a chunk's aggregates the gate does not know are read in one
     // query first (migration 0026), the floor below the round's own "every version below the
@@ -254,9 +254,7 @@ async fn round(
                     pipeline.quarantine_unreadable(format!("poll:{id}"), e, Lsn::ZERO, None)
                 }
             }
-            pipeline
-                .keep_pace(max_in_flight, cfg.batch_size, progress)
-                .await?;
+            pipeline.keep_pace(bounds, cfg.batch_size, progress).await?;
         }
     }
     tx.commit()
