@@ -11,7 +11,9 @@
 //! counting while the process is paused: a relay resumed after SIGSTOP finds its lease over
 //! and sends nothing. Renewals run every third of the TTL ([`renew_every`]), so two can fail
 //! in a row before the lease lapses. A standby asks again after at most a third of the TTL
-//! ([`standby_wait`]).
+//! ([`standby_wait`]). [`LeaseKeeper`] holds these decisions for one run: the daemon's keeper
+//! task executes it, the simulator drives it with a pause possible between a renewal's
+//! question and its answer.
 //!
 //! # After an error
 //! One rule decides ([`Restarts::after_error`]): an error that reconnecting cannot fix
@@ -38,7 +40,7 @@
 
 use std::time::Duration;
 
-use crate::pipeline::{AggKey, Mutant, PipelineCore, Plant};
+use crate::pipeline::{AggKey, Mutant, PipelineCore, Plant, Shipped};
 
 /// How long after sending a lease request (acquire or renew) the lease is certainly ours.
 pub fn certain_for(ttl: Duration) -> Duration {
@@ -65,6 +67,130 @@ pub fn standby_poll(remaining: Duration, ttl: Duration) -> Duration {
 
 /// How often, at most, a standby asks for a lease that another relay holds.
 pub const EARLY_TAKEOVER_POLL: Duration = Duration::from_millis(200);
+
+/// What a lease renewal's answer said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// The ledger extended the lease: it is certainly ours until [`certain_for`] after the
+    /// renewal was *asked*.
+    Renewed,
+    /// The lease is not ours any more (another relay took it, or it expired): lost.
+    Refused,
+    /// The renewal failed (a network error, a timeout): nothing is known, the deadline is not
+    /// extended. Two can fail in a row before the lease lapses.
+    Failed,
+}
+
+/// The lease keeper's decisions for one run: when to renew, until when the lease is
+/// certainly ours, and when it is lost. Pure: time is a [`Duration`] on the driver's monotonic
+/// clock (the daemon's keeper task, the simulator's relay runs), which keeps counting while
+/// the process is paused. The daemon's `spawn_lease_keeper` asks [`LeaseKeeper::renewal_due`]
+/// and executes the renewal; the simulator drives the same keeper, with a pause possible
+/// between a renewal's question and its answer.
+///
+/// The one rule that matters: a renewal's answer makes the lease certain from when the
+/// renewal was *asked*, never from when its answer was read. A relay paused after the ledger
+/// stamped the renewal and before it read the answer resumes with an answer that is as old as
+/// the pause: counted from its reading, the relay would think the lease its own for a TTL that
+/// ended while it was stopped, and send beside the relay that took the lease over.
+#[derive(Debug, Clone)]
+pub struct LeaseKeeper<P: Plant = Shipped> {
+    ttl: Duration,
+    deadline: Duration,
+    next_renewal: Duration,
+    /// A renewal asked and not yet answered: when it was asked.
+    asked: Option<Duration>,
+    /// The lease's session holds its advisory lock (migration 0018).
+    locked: bool,
+    lost: bool,
+    plant: P,
+}
+
+impl LeaseKeeper<Shipped> {
+    /// The keeper of a lease taken by a request sent at `asked` (`now` on the same clock),
+    /// whose session holds the lease's lock if `locked`.
+    pub fn new(ttl: Duration, asked: Duration, now: Duration, locked: bool) -> Self {
+        LeaseKeeper::planted(ttl, asked, now, locked, Shipped)
+    }
+}
+
+impl<P: Plant> LeaseKeeper<P> {
+    /// [`LeaseKeeper::new`] with a mutant planted (the simulator's).
+    pub fn planted(ttl: Duration, asked: Duration, now: Duration, locked: bool, plant: P) -> Self {
+        LeaseKeeper {
+            ttl,
+            deadline: asked + certain_for(ttl),
+            next_renewal: now + renew_every(ttl),
+            asked: None,
+            locked,
+            lost: false,
+            plant,
+        }
+    }
+
+    /// Whether a renewal is due at `now` (every [`renew_every`], one at a time).
+    pub fn renewal_due(&self, now: Duration) -> bool {
+        !self.lost && self.asked.is_none() && now >= self.next_renewal
+    }
+
+    /// When the next renewal is due.
+    pub fn next_renewal(&self) -> Duration {
+        self.next_renewal
+    }
+
+    /// A renewal is asked at `now`. Returns whether the lease's session lock must be taken
+    /// first: it was still held by an earlier holder's session when this relay took the
+    /// lease, and once taken a standby may take the lease early if this relay dies.
+    pub fn asking(&mut self, now: Duration) -> bool {
+        self.asked = Some(now);
+        self.next_renewal = now + renew_every(self.ttl);
+        !self.locked
+    }
+
+    /// The session lock was taken (see [`LeaseKeeper::asking`]).
+    pub fn lock_taken(&mut self) {
+        self.locked = true;
+    }
+
+    /// The renewal asked last was answered, read at `now`.
+    pub fn answered(&mut self, renewal: Renewal, now: Duration) {
+        let Some(asked) = self.asked.take() else {
+            return;
+        };
+        match renewal {
+            Renewal::Renewed => {
+                let from = if self.plant.planted(Mutant::LeaseFromAnswer) {
+                    now
+                } else {
+                    asked
+                };
+                self.deadline = self.deadline.max(from + certain_for(self.ttl));
+            }
+            Renewal::Refused => self.lost = true,
+            Renewal::Failed => {}
+        }
+    }
+
+    /// The lease's session closed: its lock is free, so a standby may take the lease at once.
+    pub fn session_closed(&mut self) {
+        self.lost = true;
+    }
+
+    /// Whether the lease is certainly ours at `now`.
+    pub fn valid(&self, now: Duration) -> bool {
+        !self.lost && now < self.deadline
+    }
+
+    /// Until when the lease is certainly ours (if not lost).
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// Whether the lease is known lost (refused at a renewal, or its session closed).
+    pub fn is_lost(&self) -> bool {
+        self.lost
+    }
+}
 
 /// What a run that ended with an error leads to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -401,6 +527,63 @@ mod tests {
     use super::*;
     use crate::pipeline::Planted;
     use crate::testing::served;
+
+    #[test]
+    fn the_lease_keeper_renews_every_third_of_the_ttl_and_counts_from_the_question() {
+        let ttl = ms(3_000);
+        // Taken by a request asked at 0, the keeper started at 10.
+        let mut k = LeaseKeeper::new(ttl, ms(0), ms(10), true);
+        assert_eq!(k.deadline(), ms(2_400));
+        assert!(k.valid(ms(2_399)) && !k.valid(ms(2_400)));
+        assert!(!k.renewal_due(ms(1_009)));
+        assert!(k.renewal_due(ms(1_010)));
+        assert!(!k.asking(ms(1_010)), "the lock is held: nothing to take");
+        assert!(!k.renewal_due(ms(5_000)), "one renewal at a time");
+        // Answered much later (the process was paused between): certain from the question.
+        k.answered(Renewal::Renewed, ms(4_000));
+        assert_eq!(k.deadline(), ms(1_010 + 2_400));
+        assert!(!k.valid(ms(4_000)));
+        assert_eq!(k.next_renewal(), ms(2_010));
+        // A failed renewal extends nothing and loses nothing.
+        k.asking(ms(4_000));
+        k.answered(Renewal::Failed, ms(4_001));
+        assert_eq!(k.deadline(), ms(3_410));
+        assert!(!k.is_lost());
+        // A refused one loses the lease, whatever the deadline says.
+        k.asking(ms(5_000));
+        k.answered(Renewal::Renewed, ms(5_001));
+        assert!(k.valid(ms(5_002)));
+        k.asking(ms(6_000));
+        k.answered(Renewal::Refused, ms(6_001));
+        assert!(k.is_lost() && !k.valid(ms(6_002)));
+        assert!(!k.renewal_due(ms(9_000)), "a lost lease is not renewed");
+    }
+
+    #[test]
+    fn the_lease_keeper_takes_the_lock_it_did_not_get_and_a_closed_session_loses_the_lease() {
+        let mut k = LeaseKeeper::new(ms(3_000), ms(0), ms(0), false);
+        assert!(k.asking(ms(1_000)), "take the lock first");
+        k.lock_taken();
+        k.answered(Renewal::Renewed, ms(1_001));
+        assert!(!k.asking(ms(2_000)));
+        k.session_closed();
+        assert!(!k.valid(ms(2_001)));
+    }
+
+    #[test]
+    fn the_planted_keeper_counts_from_the_answer() {
+        let plant = Planted {
+            mutant: Some(Mutant::LeaseFromAnswer),
+            ..Planted::default()
+        };
+        let mut k = LeaseKeeper::planted(ms(3_000), ms(0), ms(0), true, plant);
+        k.asking(ms(1_000));
+        k.answered(Renewal::Renewed, ms(4_000));
+        assert!(
+            k.valid(ms(6_000)),
+            "the mutant's lease outlives the ledger's"
+        );
+    }
 
     /// The steps `next` returns, up to and including `last`.
     fn until<S: Clone + PartialEq + std::fmt::Debug>(

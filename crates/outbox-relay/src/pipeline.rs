@@ -236,6 +236,11 @@ pub enum Mutant {
     /// what the last runs logged since the last fold is missed, and rows written without a
     /// version are numbered again from older versions (the simulator's `plain_version_wrong`).
     NumberingLogNotFolded,
+    /// A lease renewal's answer makes the lease certain from when the answer was read, not
+    /// from when the renewal was asked ([`crate::lifecycle::LeaseKeeper::answered`]): a relay
+    /// paused between the two resumes believing in a lease that expired while it was stopped,
+    /// and sends beside the relay that took it over (the simulator's `stale_sends`).
+    LeaseFromAnswer,
     /// Exactly-once mode ([`crate::txn`]): the start accepts none of the batches the broker
     /// recorded after the ledger's last, and the stream sends them again (the simulator's
     /// `txn_seen_twice`).

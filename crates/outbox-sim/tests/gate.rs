@@ -147,7 +147,8 @@ fn a_trace_replays_alone_and_identically() {
 /// most traces and slow; traces run until it is), by every counter that names its
 /// bug; together they make every invariant counter non-zero at least once. Product mutants
 /// (planted in `outbox-relay`, `outbox-core` and `outbox-inbox`): confirm-before-accept,
-/// skip-dedup, last-ack-wins, purge-early, early-takeover-of-live-holder, poll-offers-skipped,
+/// skip-dedup, last-ack-wins, purge-early, early-takeover-of-live-holder, lease-from-answer,
+/// poll-offers-skipped,
 /// retry-reresolves-route,
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
@@ -177,6 +178,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::LastAckWins,
         Mutant::PurgeEarly,
         Mutant::EarlyTakeoverOfLiveHolder,
+        Mutant::LeaseFromAnswer,
         Mutant::PollOffersSkipped,
         Mutant::RetryReresolvesRoute,
         Mutant::SecondInFlight,
@@ -286,6 +288,10 @@ fn every_mutant_is_caught(product: bool) {
         ),
         (
             Mutant::EarlyTakeoverOfLiveHolder,
+            &[("stale_sends", |c| c.stale_sends)],
+        ),
+        (
+            Mutant::LeaseFromAnswer,
             &[("stale_sends", |c| c.stale_sends)],
         ),
         (

@@ -23,7 +23,8 @@ use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState, R
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::lifecycle::{
-    CdcStart, CdcStep, EndStep, Ending, RunEnd, RunStart, SlotStart, StartStep,
+    CdcStart, CdcStep, EndStep, Ending, LeaseKeeper, Renewal, RunEnd, RunStart, SlotStart,
+    StartStep,
 };
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
@@ -149,6 +150,12 @@ pub enum Mutant {
     /// product mutant in `outbox_core::lease::TakeoverRule` (`without_proof`), the rule
     /// `lease::try_acquire`'s statement runs.
     EarlyTakeoverOfLiveHolder,
+    /// A lease renewal's answer counts from when it was read, not from when the renewal was
+    /// asked (a product mutant in `outbox_relay::lifecycle::LeaseKeeper::answered`,
+    /// `LeaseFromAnswer`): a relay paused between the question and the answer resumes
+    /// believing in a lease that expired meanwhile, and sends beside its successor
+    /// (`stale_sends`).
+    LeaseFromAnswer,
     /// Product bug found by the simulator once its operator skipped refused events (seed 1,
     /// trace 27): an event held behind another one, then released, refused and skipped kept
     /// its held record, so every later release of its aggregate sent it again (and the hold
@@ -304,6 +311,7 @@ impl Mutant {
             "early-takeover-of-live-holder",
             Mutant::EarlyTakeoverOfLiveHolder,
         ),
+        ("lease-from-answer", Mutant::LeaseFromAnswer),
         ("bug-republish-skipped", Mutant::BugRepublishSkipped),
         ("unclear-never-due", Mutant::UnclearNeverDue),
         ("bug-end-run-on-unclear", Mutant::BugEndRunOnUnclear),
@@ -381,11 +389,6 @@ pub struct TraceResult {
 
 const LEASE_TTL: u64 = 3_000;
 
-/// How long after asking the relay counts its lease as certainly its own: the product's rule
-/// (`outbox_relay::lifecycle::certain_for`), shorter than the ledger's TTL.
-fn certain_for_ms() -> u64 {
-    outbox_relay::lifecycle::certain_for(ms(LEASE_TTL)).as_millis() as u64
-}
 /// The longest a produce request can still be appended after it was sent.
 const MAX_RTT: u64 = 1_500;
 /// `--unknown-settle-ms`: at least MAX_RTT.
@@ -523,7 +526,12 @@ struct Relay {
     gen: i64,
     /// SIGKILLed: removed at the end of the step (indices stay valid within a step).
     killed: bool,
-    deadline: u64,
+    /// The product's lease keeper (`outbox_relay::lifecycle::LeaseKeeper`): until when this
+    /// run's lease is certainly its own, by its own clock.
+    keeper: LeaseKeeper<Planted>,
+    /// A renewal asked and not yet answered: what the ledger answered (it stamped the lease
+    /// when asked; the answer is read at a later step, possibly after a pause).
+    renewal: Option<Renewal>,
     paused: bool,
     /// The new lease holder terminated this run's walsender.
     stream_cut: bool,
@@ -654,6 +662,12 @@ struct World {
     /// The relay's `max_in_flight` (`u64::MAX`: no backpressure); what waits on unclear
     /// outcomes has [`MAX_WAITING_ON_UNCLEAR`].
     max_in_flight: u64,
+    /// Lease renewals are asked when the product's keeper says one is due and answered at a
+    /// later step, a pause possibly between (`World::ask_renewal`, `World::answer_renewal`),
+    /// and a run whose lease was taken learns it from its keeper only; otherwise a renewal is
+    /// asked and answered in one step drawn at random, and a superseded run learns at a
+    /// random step (`World::end_stale_runs`).
+    keeper_timing: bool,
     /// The aggregates written plainly (`INSERT INTO outbox.events` without a version or a
     /// route; docs/versions_by_relay.md), each of them only so from its [`World::plain_from`]
     /// on (an aggregate is written one way at a time: the documented rule). A quarter of the CDC traces whose slot is never lost,
@@ -764,6 +778,11 @@ impl World {
         } else {
             u64::MAX
         };
+        // A quarter of the traces renew leases when the product's keeper says so and read
+        // each answer at a later step, possibly after a pause (stream 320: the first above 226
+        // whose draw leaves every trace of `the_traces_that_found_bugs_stay_fixed` out); the
+        // rest ask and read in one step drawn at random, so that their draws stay as they were.
+        let keeper_timing = rng.fork(320).chance(250);
         // Aggregates written plainly: a quarter of the CDC traces whose slot is never lost
         // (`World::plain` says why only those), one to all of the aggregates. (Stream 13's
         // draw leaves every trace of `the_traces_that_found_bugs_stay_fixed` written through
@@ -790,6 +809,7 @@ impl World {
         World {
             dedup,
             max_in_flight,
+            keeper_timing,
             plain,
             plain_from,
             plain_lookups_as_daemon: false,
@@ -894,7 +914,7 @@ impl World {
         for i in 0..self.relays.len() {
             let r = &self.relays[i];
             if !r.paused && !r.salvaging && !r.killed && r.gen != self.ledger.lease_gen {
-                if self.now < r.deadline && self.rng.below(4) != 0 {
+                if r.keeper.valid(ms(self.now)) && (self.keeper_timing || self.rng.below(4) != 0) {
                     continue;
                 }
                 self.end_run(i, End::Error("lease taken by a newer generation"));
@@ -941,6 +961,27 @@ impl World {
             .any(|r| !r.paused && !r.in_flight.is_empty());
         let unclear_due = active.is_some_and(|i| self.unclear_due(i));
         let answering = |r: &Relay| !r.paused && !r.salvaging && !r.killed && !r.lookups.is_empty();
+        // Where the keeper's timing is the product's: a run asks when its keeper says a
+        // renewal is due, and reads the answer at a later step (not while paused).
+        let now = ms(self.now);
+        let may_ask = |r: &Relay| !r.paused && !r.killed && r.keeper.renewal_due(now);
+        let may_read = |r: &Relay| !r.paused && !r.killed && r.renewal.is_some();
+        let renew_weight = if !self.keeper_timing {
+            if active.is_some() {
+                4
+            } else {
+                0
+            }
+        } else if self.relays.iter().any(may_ask) {
+            4
+        } else {
+            0
+        };
+        let read_weight = if self.keeper_timing && self.relays.iter().any(may_read) {
+            6
+        } else {
+            0
+        };
         let lookups = self.relays.iter().any(answering);
         let weights = [
             if (self.rows.len() as u64) < max_events {
@@ -953,7 +994,7 @@ impl World {
             if active.is_some() { 6 } else { 0 }, // 3 accept batch
             if active.is_some() { 3 } else { 0 }, // 4 standby status
             if active.is_some() { 2 } else { 0 }, // 5 releases
-            if active.is_some() { 4 } else { 0 }, // 6 renew lease
+            renew_weight,                         // 6 renew lease
             6,                                    // 7 time passes
             if active.is_some() { 1 } else { 0 }, // 8 SIGKILL relay
             if active.is_some() { 1 } else { 0 }, // 9 pause relay
@@ -977,6 +1018,7 @@ impl World {
             }, // 19 salvage
             if unclear_due { 8 } else { 0 },      // 20 a parked event is due
             if lookups { 8 } else { 0 },          // 21 a look-up answers
+            read_weight,                          // 22 a renewal's answer is read
         ];
         match self.rng.weighted(&weights) {
             0 => self.producer_txn(),
@@ -997,6 +1039,10 @@ impl World {
                 Ok(())
             }),
             5 => self.relay_call(active, Self::process_releases),
+            6 if self.keeper_timing => {
+                let i = self.relays.iter().position(may_ask).expect("weighted");
+                self.ask_renewal(i);
+            }
             6 => self.relay_call(active, |w, i| {
                 w.renew(i);
                 Ok(())
@@ -1017,7 +1063,12 @@ impl World {
                 let i = self.relays.iter().position(|r| r.paused).expect("weighted");
                 log!(self, "relay gen {} resumes", self.relays[i].gen);
                 self.relays[i].paused = false;
-                if self.now >= self.relays[i].deadline {
+                // The keeper's task may read a renewal's answer that waited in its socket
+                // before the run looks at its deadline.
+                if self.relays[i].renewal.is_some() && self.rng.below(2) == 0 {
+                    self.answer_renewal(i);
+                }
+                if !self.relays[i].keeper.valid(ms(self.now)) {
                     // Its own monotonic clock says the lease is gone: it sends nothing more.
                     self.end_run(i, End::Error("lease deadline passed while paused"));
                 }
@@ -1058,6 +1109,10 @@ impl World {
                 let i = self.relays.iter().position(answering).expect("weighted");
                 let k = self.rng.below(self.relays[i].lookups.len() as u64) as usize;
                 self.relay_call(Some(i), |w, i| w.on_lookup(i, k));
+            }
+            22 => {
+                let i = self.relays.iter().position(may_read).expect("weighted");
+                self.answer_renewal(i);
             }
             _ => unreachable!(),
         }
@@ -1720,7 +1775,17 @@ impl World {
         self.relays.push(Relay {
             gen,
             killed: false,
-            deadline: self.now + certain_for_ms(),
+            keeper: LeaseKeeper::planted(
+                ms(LEASE_TTL),
+                ms(self.now),
+                ms(self.now),
+                true,
+                Planted {
+                    mutant: self.core_mutant(),
+                    current_route: None,
+                },
+            ),
+            renewal: None,
             paused: false,
             stream_cut: false,
             salvaging: false,
@@ -1984,18 +2049,43 @@ impl World {
         }
     }
 
+    /// A renewal asked and answered in one step (the daemon's `spawn_lease_keeper`, with the
+    /// product's keeper deciding what the answer means).
     fn renew(&mut self, i: usize) {
+        self.ask_renewal(i);
+        self.answer_renewal(i);
+    }
+
+    /// The keeper asks for a renewal: the ledger's `lease::renew` stamps it now (the lease is
+    /// extended only if it is still this run's and unexpired); the answer is read later.
+    fn ask_renewal(&mut self, i: usize) {
+        let now = ms(self.now);
         let r = &mut self.relays[i];
-        if self.ledger.lease_gen == r.gen && self.now <= self.ledger.lease_until {
+        r.keeper.asking(now);
+        let renewed = self.ledger.lease_gen == r.gen && self.now <= self.ledger.lease_until;
+        if renewed {
             self.ledger.lease_until = self.now + LEASE_TTL;
-            r.deadline = self.now + certain_for_ms();
+        }
+        r.renewal = Some(if renewed {
+            Renewal::Renewed
+        } else {
+            Renewal::Refused
+        });
+    }
+
+    /// The keeper reads the answer to its renewal.
+    fn answer_renewal(&mut self, i: usize) {
+        let now = ms(self.now);
+        let r = &mut self.relays[i];
+        if let Some(answer) = r.renewal.take() {
+            r.keeper.answered(answer, now);
         }
     }
 
-    /// `LeaseState::valid`: by the run's own deadline. That another generation took the lease
-    /// is learned only at a renewal (`end_stale_runs`), as in the daemon.
+    /// `LeaseState::valid`: by the run's own keeper. That another generation took the lease
+    /// is learned only at a renewal, as in the daemon.
     fn lease_valid(&self, i: usize) -> bool {
-        self.now < self.relays[i].deadline
+        self.relays[i].keeper.valid(ms(self.now))
     }
 
     /// `relay/unknown.rs`, while running: UNKNOWN attempts another generation recorded after
@@ -2416,6 +2506,7 @@ impl World {
     /// The planted product mutant, for the mutants that live in `outbox-relay`.
     fn core_mutant(&self) -> Option<outbox_relay::Mutant> {
         match self.mutant? {
+            Mutant::LeaseFromAnswer => Some(outbox_relay::Mutant::LeaseFromAnswer),
             Mutant::ConfirmBeforeAccept => Some(outbox_relay::Mutant::ConfirmBeforeAccept),
             Mutant::RetryReresolvesRoute => Some(outbox_relay::Mutant::RetryReresolvesRoute),
             Mutant::BugPoisonBeforeGate => Some(outbox_relay::Mutant::PoisonBeforeGate),
@@ -3293,7 +3384,7 @@ impl World {
             if let Some(i) = self
                 .relays
                 .iter()
-                .position(|r| self.now >= r.deadline && !r.salvaging && !r.killed)
+                .position(|r| !r.keeper.valid(ms(self.now)) && !r.salvaging && !r.killed)
             {
                 self.end_run(i, End::Error("lease deadline passed while paused"));
                 continue;

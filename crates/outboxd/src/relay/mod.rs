@@ -53,7 +53,8 @@ use tracing::Instrument;
 
 use crate::config::{redact_url, RelayConfig};
 use outbox_relay::lifecycle::{
-    self, AfterError, CdcStart, CdcStep, Ending, Restarts, RunStart, SlotStart, StartStep,
+    self, AfterError, CdcStart, CdcStep, Ending, LeaseKeeper, Renewal, Restarts, RunStart,
+    SlotStart, StartStep,
 };
 use outbox_relay::schedule::{self, Schedule};
 use pipeline::Pipeline;
@@ -300,10 +301,11 @@ pub async fn run(
     }
 }
 
-/// The lease a run holds: until when it is certainly ours, and the session that took it, which
-/// holds its advisory lock (if `locked`) and renews it for the whole run (migration 0018).
+/// The lease a run holds: when the request that took it was asked (it is certainly ours for
+/// `lifecycle::certain_for` from then), and the session that took it, which holds its
+/// advisory lock (if `locked`) and renews it for the whole run (migration 0018).
 pub(super) struct HeldLease {
-    deadline: Instant,
+    asked: Instant,
     session: Client,
     locked: bool,
 }
@@ -336,7 +338,7 @@ async fn acquire_lease(
                     generation,
                 };
                 let held = HeldLease {
-                    deadline: asked + lifecycle::certain_for(cfg.lease_ttl),
+                    asked,
                     session: client,
                     locked,
                 };
@@ -877,9 +879,17 @@ fn still_leased(
 /// The lease of this run, renewed in the background from here on (through slow start-ups
 /// too) on the session that took it, and what the run knows of it.
 fn keep_lease(cfg: &RelayConfig, fence: &Fence, held: HeldLease) -> (Arc<LeaseState>, AbortOnDrop) {
-    let lease_state = Arc::new(LeaseState::new(held.deadline));
+    // The keeper's clock counts from the question that took the lease.
+    let keeper = LeaseKeeper::new(
+        cfg.lease_ttl,
+        Duration::ZERO,
+        held.asked.elapsed(),
+        held.locked,
+    );
+    let lease_state = Arc::new(LeaseState::new(held.asked + keeper.deadline()));
     let keeper = spawn_lease_keeper(
         held,
+        keeper,
         cfg.slot.clone(),
         fence.clone(),
         cfg.lease_ttl,
@@ -1121,11 +1131,14 @@ impl LeaseState {
 /// so a standby may take the lease at once; the run must stop sending before that.
 const SESSION_CHECK: Duration = Duration::from_millis(20);
 
-/// Renews the lease every third of its TTL on the session that took it. That session holds
-/// the lease's advisory lock: when it closes (the server ended it, or the network did), a
-/// standby may take the lease early, so the lease is lost here at once.
+/// Executes the lease keeper's decisions (`outbox_relay::lifecycle::LeaseKeeper`: renew every
+/// third of the TTL, certain from the question, lost when refused) on the session that took
+/// the lease. That session holds the lease's advisory lock: when it closes (the server ended
+/// it, or the network did), a standby may take the lease early, so the lease is lost here at
+/// once.
 fn spawn_lease_keeper(
     held: HeldLease,
+    mut keeper: LeaseKeeper,
     slot: String,
     fence: Fence,
     ttl: Duration,
@@ -1134,28 +1147,26 @@ fn spawn_lease_keeper(
     AbortOnDrop(tokio::spawn(async move {
         let HeldLease {
             session: client,
-            mut locked,
+            asked: base,
             ..
         } = held;
-        let mut next_renewal = Instant::now() + lifecycle::renew_every(ttl);
+        let now = || base.elapsed();
         loop {
             tokio::time::sleep(SESSION_CHECK).await;
             if client.is_closed() {
                 tracing::warn!(slot = %slot, generation = fence.generation,
                     "the lease's session closed (its lock is free for a standby): lease lost, sending stops");
+                keeper.session_closed();
                 state.lost.store(true, Ordering::Relaxed);
                 return;
             }
-            if Instant::now() < next_renewal {
+            if !keeper.renewal_due(now()) {
                 continue;
             }
-            next_renewal = Instant::now() + lifecycle::renew_every(ttl);
-            // The lock was still held by an earlier holder's session when this relay took the
-            // lease: take it now, so that this relay's lease may be taken early if it dies.
-            if !locked {
+            if keeper.asking(now()) {
                 match lease::try_lock(&client, &slot).await {
                     Ok(true) => {
-                        locked = true;
+                        keeper.lock_taken();
                         if let Err(e) = lease::mark_locked(&client, &slot, &fence).await {
                             tracing::warn!(error = %e, "recording the lease's session lock failed");
                         }
@@ -1164,19 +1175,21 @@ fn spawn_lease_keeper(
                     Err(e) => tracing::warn!(error = %e, "taking the lease's session lock failed"),
                 }
             }
-            let asked = Instant::now();
-            match lease::renew(&client, &slot, &fence, ttl).await {
-                Ok(true) => {
-                    if let Ok(mut d) = state.deadline.lock() {
-                        *d = asked + lifecycle::certain_for(ttl);
-                    }
+            let renewal = match lease::renew(&client, &slot, &fence, ttl).await {
+                Ok(true) => Renewal::Renewed,
+                Ok(false) => Renewal::Refused,
+                Err(e) => {
+                    tracing::warn!(error = %e, "lease renewal failed");
+                    Renewal::Failed
                 }
-                Ok(false) => {
-                    state.lost.store(true, Ordering::Relaxed);
-                    return;
-                }
-                // A failed renewal is not a lost lease; the deadline simply is not extended.
-                Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
+            };
+            keeper.answered(renewal, now());
+            if keeper.is_lost() {
+                state.lost.store(true, Ordering::Relaxed);
+                return;
+            }
+            if let Ok(mut d) = state.deadline.lock() {
+                *d = base + keeper.deadline();
             }
         }
     }))
