@@ -241,6 +241,11 @@ pub enum Mutant {
     /// paused between the two resumes believing in a lease that expired while it was stopped,
     /// and sends beside the relay that took it over (the simulator's `stale_sends`).
     LeaseFromAnswer,
+    /// The loop never writes an idle checkpoint ([`crate::schedule::Schedule::due`]): what
+    /// the stream resolved without a batch (a keepalive past the last transaction) is never
+    /// written nor confirmed, and a slot whose outbox is quiet retains the server's WAL for
+    /// good (the simulator's `checkpoint_not_written`).
+    IdleCheckpointNeverDue,
     /// Exactly-once mode ([`crate::txn`]): the start accepts none of the batches the broker
     /// recorded after the ledger's last, and the stream sends them again (the simulator's
     /// `txn_seen_twice`).

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use outbox_core::Lsn;
 
+use crate::pipeline::{Mutant, Plant, Shipped};
+
 /// The loop's settings (`outboxd run` flags).
 #[derive(Debug, Clone, Copy)]
 pub struct Settings {
@@ -74,29 +76,39 @@ pub struct Due {
     pub status: bool,
 }
 
-/// The loop's timers.
+/// The loop's timers. The daemon's is a `Schedule<Shipped>`; the simulator's relay runs
+/// drive a `Schedule<Planted>`, which may plant a mutant.
 #[derive(Debug, Clone)]
-pub struct Schedule {
+pub struct Schedule<P: Plant = Shipped> {
     settings: Settings,
     last_status: Duration,
     last_checkpoint_write: Duration,
     last_release_poll: Duration,
     status_now: bool,
+    plant: P,
 }
 
 /// A standby status is sent right after an acceptance moved the checkpoint, unless one went
 /// out less than this long ago (the periodic one follows soon enough).
 const STATUS_AFTER_ACCEPT_MIN: Duration = Duration::from_millis(100);
 
-impl Schedule {
+impl Schedule<Shipped> {
     /// A run that starts at `now` sends a standby status at once.
     pub fn new(settings: Settings, now: Duration) -> Self {
+        Schedule::planted(settings, now, Shipped)
+    }
+}
+
+impl<P: Plant> Schedule<P> {
+    /// [`Schedule::new`] with a mutant planted (the simulator's).
+    pub fn planted(settings: Settings, now: Duration, plant: P) -> Self {
         Schedule {
             settings,
             last_status: now,
             last_checkpoint_write: now,
             last_release_poll: now,
             status_now: true,
+            plant,
         }
     }
 
@@ -157,7 +169,12 @@ impl Schedule {
                 || load
                     .batch_started
                     .is_some_and(|b| now >= b + self.settings.batch_linger));
-        let idle_due = !load.accepting
+        // The idle checkpoint: what the stream resolved without a batch (a keepalive past the
+        // last transaction, transactions without outbox rows) is written, so that the slot
+        // can be confirmed past it and the server can recycle its WAL while the outbox is
+        // quiet and the rest of the database is not.
+        let idle_due = !self.plant.planted(Mutant::IdleCheckpointNeverDue)
+            && !load.accepting
             && load.batch_len == 0
             && load.checkpoint_behind
             && now >= self.last_checkpoint_write + self.settings.status_interval;
@@ -361,6 +378,13 @@ mod tests {
         assert!(s.due(ms(1000), &load).accept);
         assert!(!s.due(ms(1500), &load).accept, "the timer restarted");
         assert_eq!(s.next_wakeup(&load), ms(2000));
+        // The mutant the simulator's `checkpoint_not_written` catches never writes it.
+        let plant = crate::pipeline::Planted {
+            mutant: Some(Mutant::IdleCheckpointNeverDue),
+            ..Default::default()
+        };
+        let mut planted = Schedule::planted(settings(), ms(0), plant);
+        assert!(!planted.due(ms(60_000), &load).accept);
     }
 
     #[test]

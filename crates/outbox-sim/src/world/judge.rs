@@ -140,6 +140,13 @@ pub struct Counts {
     /// accept): an unclear answer held every aggregate, not only its own. Traces whose
     /// `max_in_flight` is small (a quarter of them) reach it.
     pub reading_stopped_by_unclear: u64,
+    /// Traces whose relay loop follows the product's schedule (`Schedule::due`) and whose
+    /// running CDC relay, after the drain, has resolved stream positions it never wrote as its
+    /// checkpoint, or a checkpoint it never confirmed to the slot: a quiet outbox would
+    /// retain the server's WAL for good.
+    pub checkpoint_not_written: u64,
+    /// Traces whose relay loop takes its timing from the product's `Schedule` (a quarter).
+    pub loop_traces: u64,
     /// Narrow rows (migration 0031) decoded with a route version the run did not know: the
     /// product quarantines such a row instead of guessing, so a version it should have read
     /// at start or from the stream and did not is a row kept from its destination.
@@ -301,6 +308,7 @@ impl Counts {
             + self.stalls
             + self.unclear_restarts
             + self.reading_stopped_by_unclear
+            + self.checkpoint_not_written
             + self.unknown_route_versions
             + self.fleet_unserved
             + self.fleet_share_not_returned
@@ -353,6 +361,8 @@ impl Counts {
             stalls,
             unclear_restarts,
             reading_stopped_by_unclear,
+            checkpoint_not_written,
+            loop_traces,
             unknown_route_versions,
             late_acks,
             late_acks_converged,
@@ -472,6 +482,10 @@ impl Counts {
                 self.reading_stopped_by_unclear.to_string(),
             ),
             (
+                "checkpoint_not_written",
+                self.checkpoint_not_written.to_string(),
+            ),
+            (
                 "unknown_route_versions",
                 self.unknown_route_versions.to_string(),
             ),
@@ -497,6 +511,7 @@ impl Counts {
             ("early_takeovers", self.early_takeovers.to_string()),
             ("relay_pauses_zombies", self.relay_pauses.to_string()),
             ("reads_held_back", self.reads_held_back.to_string()),
+            ("loop_traces", self.loop_traces.to_string()),
             ("unknown_attempts", self.unknown_attempts.to_string()),
             (
                 "unknown_resolution_ms",

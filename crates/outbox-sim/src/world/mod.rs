@@ -27,6 +27,7 @@ use outbox_relay::lifecycle::{
     StartStep,
 };
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
+use outbox_relay::schedule::{Load, Schedule, Settings};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{
@@ -156,6 +157,10 @@ pub enum Mutant {
     /// believing in a lease that expired meanwhile, and sends beside its successor
     /// (`stale_sends`).
     LeaseFromAnswer,
+    /// The relay loop never writes an idle checkpoint (a product mutant in
+    /// `outbox_relay::schedule::Schedule::due`, `IdleCheckpointNeverDue`): what the stream
+    /// resolved without a batch is never written nor confirmed (`checkpoint_not_written`).
+    IdleCheckpointNeverDue,
     /// Product bug found by the simulator once its operator skipped refused events (seed 1,
     /// trace 27): an event held behind another one, then released, refused and skipped kept
     /// its held record, so every later release of its aggregate sent it again (and the hold
@@ -312,6 +317,7 @@ impl Mutant {
             Mutant::EarlyTakeoverOfLiveHolder,
         ),
         ("lease-from-answer", Mutant::LeaseFromAnswer),
+        ("idle-checkpoint-never-due", Mutant::IdleCheckpointNeverDue),
         ("bug-republish-skipped", Mutant::BugRepublishSkipped),
         ("unclear-never-due", Mutant::UnclearNeverDue),
         ("bug-end-run-on-unclear", Mutant::BugEndRunOnUnclear),
@@ -532,6 +538,10 @@ struct Relay {
     /// A renewal asked and not yet answered: what the ledger answered (it stamped the lease
     /// when asked; the answer is read at a later step, possibly after a pause).
     renewal: Option<Renewal>,
+    /// The loop's timers, where the product's schedule times the loop (`World::loop_timing`).
+    schedule: Option<Schedule<Planted>>,
+    /// When the batch got its first item (`Pipeline::note_batch`).
+    batch_started: Option<u64>,
     paused: bool,
     /// The new lease holder terminated this run's walsender.
     stream_cut: bool,
@@ -668,6 +678,12 @@ struct World {
     /// asked and answered in one step drawn at random, and a superseded run learns at a
     /// random step (`World::end_stale_runs`).
     keeper_timing: bool,
+    /// The relay loop's timing is the product's (`outbox_relay::schedule::Schedule`, with
+    /// these settings): when a CDC run accepts its batch or writes an idle checkpoint, polls
+    /// releases and sends a standby status is `Schedule::due` after every step, and the drain
+    /// waits for its next wake-up; otherwise each is a step drawn at random (and the drain
+    /// does them at once). A quarter of the CDC traces (`World::loop_tick`).
+    loop_timing: Option<Settings>,
     /// The aggregates written plainly (`INSERT INTO outbox.events` without a version or a
     /// route; docs/versions_by_relay.md), each of them only so from its [`World::plain_from`]
     /// on (an aggregate is written one way at a time: the documented rule). A quarter of the CDC traces whose slot is never lost,
@@ -783,6 +799,24 @@ impl World {
         // whose draw leaves every trace of `the_traces_that_found_bugs_stay_fixed` out); the
         // rest ask and read in one step drawn at random, so that their draws stay as they were.
         let keeper_timing = rng.fork(320).chance(250);
+        // A quarter of the CDC traces time their relay loop by the product's schedule, with
+        // settings of their own (stream 1282: the first above 320 whose draw leaves every
+        // regression trace out; 1283 draws the settings).
+        let loop_timing = (!poll && rng.fork(1282).chance(250)).then(|| {
+            let mut draw = rng.fork(1283);
+            Settings {
+                status_interval: ms(draw.range(100, 2_000)),
+                batch_linger: ms(draw.range(0, 100)),
+                batch_size: draw.range(1, 8) as usize,
+                max_in_flight: u64::MAX,
+                max_waiting_on_unclear: outbox_relay::schedule::Waiting {
+                    events: u64::MAX,
+                    bytes: u64::MAX,
+                },
+                max_in_flight_bytes: usize::MAX,
+                release_poll: ms(draw.range(100, 2_000)),
+            }
+        });
         // Aggregates written plainly: a quarter of the CDC traces whose slot is never lost
         // (`World::plain` says why only those), one to all of the aggregates. (Stream 13's
         // draw leaves every trace of `the_traces_that_found_bugs_stay_fixed` written through
@@ -810,6 +844,7 @@ impl World {
             dedup,
             max_in_flight,
             keeper_timing,
+            loop_timing,
             plain,
             plain_from,
             plain_lookups_as_daemon: false,
@@ -889,6 +924,26 @@ impl World {
             self.step(max_events);
         }
         self.drain();
+        self.c.loop_traces = u64::from(self.loop_timing.is_some());
+        if self.loop_timing.is_some() {
+            // What the running relay resolved is written as its checkpoint, and the slot told.
+            if let Some(i) = self.active() {
+                let core = &self.relays[i].core;
+                let unconfirmed = self.slot_confirmed.is_some_and(|s| s < core.durable());
+                if !self.relays[i].stream_cut
+                    && (core.tracker.watermark() > core.durable() || unconfirmed)
+                {
+                    log!(
+                        self,
+                        "CHECKPOINT NOT WRITTEN: resolved through {}, checkpoint {}, slot {:?}",
+                        core.tracker.watermark(),
+                        core.durable(),
+                        self.slot_confirmed
+                    );
+                    self.c.checkpoint_not_written += 1;
+                }
+            }
+        }
         self.c.poll_traces = u64::from(self.poll);
         self.c.plain_traces = u64::from(self.plain.contains(&true));
         self.c.plain_switched = self.plain_from.iter().filter(|v| **v > 1).count() as u64;
@@ -983,42 +1038,45 @@ impl World {
             0
         };
         let lookups = self.relays.iter().any(answering);
+        // Accepting, standby status and release polls are steps of their own unless the
+        // product's schedule times them (`World::loop_tick`).
+        let timed = self.loop_timing.is_none();
         let weights = [
             if (self.rows.len() as u64) < max_events {
                 14
             } else {
                 0
             }, // 0 producer txn
-            if has_next { 14 } else { 0 },        // 1 decode
-            if reports { 16 } else { 0 },         // 2 delivery report
-            if active.is_some() { 6 } else { 0 }, // 3 accept batch
-            if active.is_some() { 3 } else { 0 }, // 4 standby status
-            if active.is_some() { 2 } else { 0 }, // 5 releases
-            renew_weight,                         // 6 renew lease
-            6,                                    // 7 time passes
-            if active.is_some() { 1 } else { 0 }, // 8 SIGKILL relay
-            if active.is_some() { 1 } else { 0 }, // 9 pause relay
+            if has_next { 14 } else { 0 },                 // 1 decode
+            if reports { 16 } else { 0 },                  // 2 delivery report
+            if active.is_some() && timed { 6 } else { 0 }, // 3 accept batch
+            if active.is_some() && timed { 3 } else { 0 }, // 4 standby status
+            if active.is_some() && timed { 2 } else { 0 }, // 5 releases
+            renew_weight,                                  // 6 renew lease
+            6,                                             // 7 time passes
+            if active.is_some() { 1 } else { 0 },          // 8 SIGKILL relay
+            if active.is_some() { 1 } else { 0 },          // 9 pause relay
             if self.relays.iter().any(|r| r.paused) {
                 2
             } else {
                 0
             }, // 10 resume zombie
-            if active.is_none() { 6 } else { 0 }, // 11 start relay
-            1,                                    // 12 broker topic down
-            1,                                    // 13 route policy change
-            2,                                    // 14 operator migration
-            8,                                    // 15 consumer
-            1,                                    // 16 consumer crash
-            1,                                    // 17 purge
-            1,                                    // 18 producer retry
+            if active.is_none() { 6 } else { 0 },          // 11 start relay
+            1,                                             // 12 broker topic down
+            1,                                             // 13 route policy change
+            2,                                             // 14 operator migration
+            8,                                             // 15 consumer
+            1,                                             // 16 consumer crash
+            1,                                             // 17 purge
+            1,                                             // 18 producer retry
             if self.relays.iter().any(|r| r.salvaging) {
                 6
             } else {
                 0
             }, // 19 salvage
-            if unclear_due { 8 } else { 0 },      // 20 a parked event is due
-            if lookups { 8 } else { 0 },          // 21 a look-up answers
-            read_weight,                          // 22 a renewal's answer is read
+            if unclear_due { 8 } else { 0 },               // 20 a parked event is due
+            if lookups { 8 } else { 0 },                   // 21 a look-up answers
+            read_weight,                                   // 22 a renewal's answer is read
         ];
         match self.rng.weighted(&weights) {
             0 => self.producer_txn(),
@@ -1116,7 +1174,66 @@ impl World {
             }
             _ => unreachable!(),
         }
+        if let Some(i) = self.active() {
+            self.loop_tick(i);
+        }
         self.relays.retain(|r| !r.killed);
+    }
+
+    /// What the daemon's loop does after anything happened (`relay/mod.rs`, after its
+    /// `select!`), where the product's schedule times it: `Schedule::due` says whether to
+    /// accept the batch (or write the idle checkpoint), poll releases, send a standby status;
+    /// they run in the daemon's order.
+    fn loop_tick(&mut self, i: usize) {
+        if self.poll || self.relays[i].stream_cut {
+            return;
+        }
+        let Some(mut schedule) = self.relays[i].schedule.take() else {
+            return;
+        };
+        let load = self.load_of(i);
+        let due = schedule.due(ms(self.now), &load);
+        let alive = |w: &World| {
+            let r = &w.relays[i];
+            !r.killed && !r.salvaging
+        };
+        if due.accept {
+            let before = self.relays[i].core.durable();
+            self.relay_call(Some(i), |w, i| w.flush(i, true));
+            if alive(self) {
+                let moved = self.relays[i].core.durable() > before;
+                schedule.accepted(ms(self.now), moved);
+                self.relays[i].batch_started = None;
+            }
+        }
+        if due.releases && alive(self) {
+            self.relay_call(Some(i), Self::process_releases);
+        }
+        if due.status && alive(self) {
+            self.status_update(i);
+        }
+        self.relays[i].schedule = Some(schedule);
+    }
+
+    /// The loop's view of run `i` (`relay/mod.rs`'s `load_of`): the simulator's acceptance
+    /// runs within its step, so none is ever running when the loop looks.
+    fn load_of(&mut self, i: usize) -> Load {
+        let now = self.now;
+        let r = &mut self.relays[i];
+        if r.core.batch_len() == 0 {
+            r.batch_started = None;
+        } else if r.batch_started.is_none() {
+            r.batch_started = Some(now);
+        }
+        Load {
+            accepting: false,
+            batch_len: r.core.batch_len(),
+            batch_started: r.batch_started.map(ms),
+            checkpoint_behind: r.core.tracker.watermark() > r.core.durable(),
+            unresolved: r.core.tracker.in_flight(),
+            in_transaction: r.core.in_transaction(),
+            ..Load::default()
+        }
     }
 
     /// The daemon's backpressure (`Schedule::can_read`, via `relay/mod.rs`'s `load_of`): read
@@ -1786,6 +1903,17 @@ impl World {
                 },
             ),
             renewal: None,
+            schedule: self.loop_timing.map(|settings| {
+                Schedule::planted(
+                    settings,
+                    ms(self.now),
+                    Planted {
+                        mutant: self.core_mutant(),
+                        current_route: None,
+                    },
+                )
+            }),
+            batch_started: None,
             paused: false,
             stream_cut: false,
             salvaging: false,
@@ -2507,6 +2635,7 @@ impl World {
     fn core_mutant(&self) -> Option<outbox_relay::Mutant> {
         match self.mutant? {
             Mutant::LeaseFromAnswer => Some(outbox_relay::Mutant::LeaseFromAnswer),
+            Mutant::IdleCheckpointNeverDue => Some(outbox_relay::Mutant::IdleCheckpointNeverDue),
             Mutant::ConfirmBeforeAccept => Some(outbox_relay::Mutant::ConfirmBeforeAccept),
             Mutant::RetryReresolvesRoute => Some(outbox_relay::Mutant::RetryReresolvesRoute),
             Mutant::BugPoisonBeforeGate => Some(outbox_relay::Mutant::PoisonBeforeGate),
@@ -3401,7 +3530,15 @@ impl World {
                 self.relay_call(Some(i), Self::poll_round);
                 continue;
             }
-            if !self.poll && !self.relays[i].stream_cut && self.relays[i].cursor < self.wal.len() {
+            // Under the product's backpressure, as while faults last: a relay with too much
+            // unresolved answers, accepts and looks up before it reads on.
+            let more =
+                !self.poll && !self.relays[i].stream_cut && self.relays[i].cursor < self.wal.len();
+            let can_read = more && self.can_read(i);
+            if more && !can_read {
+                self.c.reads_held_back += 1;
+            }
+            if can_read {
                 self.relay_call(Some(i), Self::decode_next);
                 continue;
             }
@@ -3418,9 +3555,38 @@ impl World {
                 self.relay_call(Some(i), Self::run_due_unclear);
                 continue;
             }
+            let unconfirmed = self.loop_timing.is_some()
+                && self
+                    .slot_confirmed
+                    .is_some_and(|s| s < self.relays[i].core.durable());
             if self.relays[i].core.batch_len() > 0
                 || self.relays[i].core.tracker.watermark() > self.relays[i].core.durable()
+                || unconfirmed
             {
+                if self.loop_timing.is_some() {
+                    // The daemon's loop: what is due now, and a sleep until its next wake-up
+                    // while nothing moves.
+                    let at = |w: &World| {
+                        let core = &w.relays[i].core;
+                        (core.durable(), core.batch_len(), w.slot_confirmed)
+                    };
+                    let before = at(self);
+                    self.loop_tick(i);
+                    let ended = self.relays[i].killed || self.relays[i].salvaging;
+                    if !ended && at(self) == before {
+                        let load = self.load_of(i);
+                        if let Some(s) = &self.relays[i].schedule {
+                            let wake = s.next_wakeup(&load).as_millis() as u64;
+                            self.now = self.now.max(wake);
+                        }
+                        was_idle = true;
+                        idle += 1;
+                        if idle > IDLE_LIMIT {
+                            break;
+                        }
+                    }
+                    continue;
+                }
                 self.relay_call(Some(i), |w, i| w.flush(i, !w.poll));
                 self.relay_call(Some(i), |w, i| {
                     w.status_update(i);
