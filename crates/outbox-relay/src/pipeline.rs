@@ -246,6 +246,11 @@ pub enum Mutant {
     /// written nor confirmed, and a slot whose outbox is quiet retains the server's WAL for
     /// good (the simulator's `checkpoint_not_written`).
     IdleCheckpointNeverDue,
+    /// A release starts while an event of its aggregate is parked after an unclear outcome
+    /// ([`PipelineCore::may_release`] looks at the broker only): it sends the parked event,
+    /// and the event's own look-up sends it again when it comes due (the product before the
+    /// simulator found it, seed 1 trace 890786; its `resent_after_proof`).
+    ReleaseBesideParked,
     /// Exactly-once mode ([`crate::txn`]): the start accepts none of the batches the broker
     /// recorded after the ledger's last, and the stream sends them again (the simulator's
     /// `txn_seen_twice`).
@@ -575,6 +580,28 @@ impl<P: Plant> PipelineCore<P> {
 
     pub fn batch_len(&self) -> usize {
         self.batch.len()
+    }
+
+    /// What the loop's schedule looks at ([`crate::schedule::Load`]), with what only the
+    /// driver knows: whether an acceptance transaction runs, when the batch got its first item
+    /// (on the schedule's clock), and the events waiting on unclear outcomes where they matter
+    /// ([`crate::schedule::waiting_matters`]; the driver may sample them).
+    pub fn load(
+        &self,
+        accepting: bool,
+        batch_started: Option<std::time::Duration>,
+        waiting_on_unclear: crate::schedule::Waiting,
+    ) -> crate::schedule::Load {
+        crate::schedule::Load {
+            accepting,
+            batch_len: self.batch_len(),
+            batch_started,
+            checkpoint_behind: self.tracker.watermark() > self.durable(),
+            unresolved: self.tracker.in_flight(),
+            waiting_on_unclear,
+            in_flight_bytes: self.in_flight_bytes(),
+            in_transaction: self.in_transaction(),
+        }
     }
 
     /// Whether the batch holds a hold record for the aggregate (it was poisoned again).

@@ -76,6 +76,20 @@ pub struct Due {
     pub status: bool,
 }
 
+/// What the driver says in its log about reading the slot ([`Schedule::held_notice`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeldNotice {
+    /// The slot is not read because of what waits on unclear outcomes: every aggregate waits
+    /// until some move (a warning: fix the destination or raise the bound).
+    NotRead,
+    /// Reading again, after a [`HeldNotice::NotRead`].
+    ReadingAgain,
+}
+
+/// At the bound, reading stops and starts again as single events move: the warning is said at
+/// most this often.
+pub const HELD_WARNING_EVERY: Duration = Duration::from_secs(60);
+
 /// The loop's timers. The daemon's is a `Schedule<Shipped>`; the simulator's relay runs
 /// drive a `Schedule<Planted>`, which may plant a mutant.
 #[derive(Debug, Clone)]
@@ -85,6 +99,11 @@ pub struct Schedule<P: Plant = Shipped> {
     last_checkpoint_write: Duration,
     last_release_poll: Duration,
     status_now: bool,
+    /// Reading is held by what waits on unclear outcomes (as last looked at).
+    held: bool,
+    /// When [`HeldNotice::NotRead`] was said last, and whether it was said for this episode.
+    held_warned: Option<Duration>,
+    episode_warned: bool,
     plant: P,
 }
 
@@ -108,8 +127,36 @@ impl<P: Plant> Schedule<P> {
             last_checkpoint_write: now,
             last_release_poll: now,
             status_now: true,
+            held: false,
+            held_warned: None,
+            episode_warned: false,
             plant,
         }
+    }
+
+    /// What to say in the log about reading the slot at `now`, given the loop's `load` and
+    /// whether it reads ([`Schedule::can_read`]): that what waits on unclear outcomes stops it
+    /// (once per [`HELD_WARNING_EVERY`] at most), and that it reads again after a warning.
+    pub fn held_notice(
+        &mut self,
+        now: Duration,
+        load: &Load,
+        can_read: bool,
+    ) -> Option<HeldNotice> {
+        let held = !can_read && self.reading_held_by_unclear(load);
+        let was = std::mem::replace(&mut self.held, held);
+        if held && !was {
+            self.episode_warned = self
+                .held_warned
+                .map_or(true, |at| now.saturating_sub(at) >= HELD_WARNING_EVERY);
+            if self.episode_warned {
+                self.held_warned = Some(now);
+                return Some(HeldNotice::NotRead);
+            }
+        } else if !held && was && self.episode_warned {
+            return Some(HeldNotice::ReadingAgain);
+        }
+        None
     }
 
     /// Backpressure: stop reading the slot while too much is unresolved or in flight;
@@ -364,6 +411,50 @@ mod tests {
             ms(1000),
             "the linger waits for the running one"
         );
+    }
+
+    #[test]
+    fn the_slot_not_read_for_unclear_outcomes_is_said_once_a_minute_and_its_end_after_it() {
+        let mut s = Schedule::new(settings(), ms(0));
+        let held = Load {
+            unresolved: 60,
+            waiting_on_unclear: Waiting {
+                events: 55,
+                bytes: 0,
+            },
+            ..Load::default()
+        };
+        let free = Load::default();
+        assert!(!s.can_read(&held) && s.reading_held_by_unclear(&held));
+        assert_eq!(
+            s.held_notice(ms(0), &held, false),
+            Some(HeldNotice::NotRead)
+        );
+        assert_eq!(
+            s.held_notice(ms(10), &held, false),
+            None,
+            "once per episode"
+        );
+        assert_eq!(
+            s.held_notice(ms(20), &free, true),
+            Some(HeldNotice::ReadingAgain)
+        );
+        // A new episode within the minute: neither said.
+        assert_eq!(s.held_notice(ms(30), &held, false), None);
+        assert_eq!(s.held_notice(ms(40), &free, true), None);
+        // After it: said again.
+        assert_eq!(
+            s.held_notice(ms(60_000), &held, false),
+            Some(HeldNotice::NotRead)
+        );
+        // Not reading for another reason (max_in_flight) is not this.
+        let busy = Load {
+            unresolved: 60,
+            ..Load::default()
+        };
+        let mut t = Schedule::new(settings(), ms(0));
+        assert!(!t.can_read(&busy));
+        assert_eq!(t.held_notice(ms(0), &busy, false), None);
     }
 
     #[test]

@@ -161,6 +161,13 @@ pub enum Mutant {
     /// `outbox_relay::schedule::Schedule::due`, `IdleCheckpointNeverDue`): what the stream
     /// resolved without a batch is never written nor confirmed (`checkpoint_not_written`).
     IdleCheckpointNeverDue,
+    /// Product bug found by the simulator (seed 1, trace 890786, the first million traces
+    /// with the loop's timing by the product's schedule): a release started while an event of
+    /// its aggregate was parked (its attempt open at start, parked by an earlier release that
+    /// stopped there), sent it, and its look-up sent it again when it came due
+    /// (`resent_after_proof`). Fixed in `outbox_relay::PipelineCore::may_release`
+    /// (`ReleaseBesideParked` plants the old rule).
+    BugReleaseBesideParked,
     /// Product bug found by the simulator once its operator skipped refused events (seed 1,
     /// trace 27): an event held behind another one, then released, refused and skipped kept
     /// its held record, so every later release of its aggregate sent it again (and the hold
@@ -318,6 +325,7 @@ impl Mutant {
         ),
         ("lease-from-answer", Mutant::LeaseFromAnswer),
         ("idle-checkpoint-never-due", Mutant::IdleCheckpointNeverDue),
+        ("bug-release-beside-parked", Mutant::BugReleaseBesideParked),
         ("bug-republish-skipped", Mutant::BugRepublishSkipped),
         ("unclear-never-due", Mutant::UnclearNeverDue),
         ("bug-end-run-on-unclear", Mutant::BugEndRunOnUnclear),
@@ -1225,15 +1233,8 @@ impl World {
         } else if r.batch_started.is_none() {
             r.batch_started = Some(now);
         }
-        Load {
-            accepting: false,
-            batch_len: r.core.batch_len(),
-            batch_started: r.batch_started.map(ms),
-            checkpoint_behind: r.core.tracker.watermark() > r.core.durable(),
-            unresolved: r.core.tracker.in_flight(),
-            in_transaction: r.core.in_transaction(),
-            ..Load::default()
-        }
+        r.core
+            .load(false, r.batch_started.map(ms), Default::default())
     }
 
     /// The daemon's backpressure (`Schedule::can_read`, via `relay/mod.rs`'s `load_of`): read
@@ -1256,11 +1257,7 @@ impl World {
             max_in_flight_bytes: usize::MAX,
             release_poll: ms(500),
         };
-        let load = outbox_relay::schedule::Load {
-            unresolved: core.tracker.in_flight(),
-            waiting_on_unclear: core.waiting_on_unclear(self.now_for(i).wall),
-            ..Default::default()
-        };
+        let load = core.load(false, None, core.waiting_on_unclear(self.now_for(i).wall));
         outbox_relay::schedule::Schedule::new(settings, ms(0)).can_read(&load)
     }
 
@@ -2636,6 +2633,7 @@ impl World {
         match self.mutant? {
             Mutant::LeaseFromAnswer => Some(outbox_relay::Mutant::LeaseFromAnswer),
             Mutant::IdleCheckpointNeverDue => Some(outbox_relay::Mutant::IdleCheckpointNeverDue),
+            Mutant::BugReleaseBesideParked => Some(outbox_relay::Mutant::ReleaseBesideParked),
             Mutant::ConfirmBeforeAccept => Some(outbox_relay::Mutant::ConfirmBeforeAccept),
             Mutant::RetryReresolvesRoute => Some(outbox_relay::Mutant::RetryReresolvesRoute),
             Mutant::BugPoisonBeforeGate => Some(outbox_relay::Mutant::PoisonBeforeGate),

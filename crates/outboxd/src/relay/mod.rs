@@ -56,7 +56,7 @@ use outbox_relay::lifecycle::{
     self, AfterError, CdcStart, CdcStep, Ending, LeaseKeeper, Renewal, Restarts, RunStart,
     SlotStart, StartStep,
 };
-use outbox_relay::schedule::{self, Schedule};
+use outbox_relay::schedule::{self, HeldNotice, Schedule};
 use pipeline::Pipeline;
 
 /// Live counters, for `demo` progress and logs, and the relay's metrics (labelled with its
@@ -726,9 +726,6 @@ async fn run_once(
         Duration::ZERO,
     );
 
-    let mut reading_held_by_unclear = false;
-    let mut held_warned: Option<Instant> = None;
-    let mut episode_warned = false;
     let result: Result<(), RelayError> = async {
     loop {
         let load = load_of(&pipeline, bounds, since);
@@ -736,22 +733,16 @@ async fn run_once(
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
         let can_read = schedule.can_read(&load);
-        // Said once a minute at most: at the bound, reading stops and starts again as single
-        // events move.
-        let held = !can_read && schedule.reading_held_by_unclear(&load);
-        if held && !reading_held_by_unclear {
-            episode_warned = held_warned.map_or(true, |at: Instant| at.elapsed() >= HELD_WARNING_EVERY);
-            if episode_warned {
-                tracing::warn!(waiting = load.waiting_on_unclear.events,
-                    waiting_bytes = load.waiting_on_unclear.bytes, parked = pipeline.core.parked(),
-                    limit = cfg.unclear_max_waiting, limit_bytes = outbox_relay::MAX_WAITING_BYTES,
-                    "the slot is not read: this many events wait on unclear outcomes (relay.unclear_max_waiting), so every aggregate waits until some move; see outboxd_waiting_on_unclear_events and outboxd_unclear_events, and fix the destination or raise the bound (each waiting event is kept in memory)");
-                held_warned = Some(Instant::now());
+        match schedule.held_notice(since(Instant::now()), &load, can_read) {
+            Some(HeldNotice::NotRead) => tracing::warn!(waiting = load.waiting_on_unclear.events,
+                waiting_bytes = load.waiting_on_unclear.bytes, parked = pipeline.core.parked(),
+                limit = cfg.unclear_max_waiting, limit_bytes = outbox_relay::MAX_WAITING_BYTES,
+                "the slot is not read: this many events wait on unclear outcomes (relay.unclear_max_waiting), so every aggregate waits until some move; see outboxd_waiting_on_unclear_events and outboxd_unclear_events, and fix the destination or raise the bound (each waiting event is kept in memory)"),
+            Some(HeldNotice::ReadingAgain) => {
+                tracing::info!("reading the slot again: fewer events wait on unclear outcomes")
             }
-        } else if !held && reading_held_by_unclear && episode_warned {
-            tracing::info!("reading the slot again: fewer events wait on unclear outcomes");
+            None => {}
         }
-        reading_held_by_unclear = held;
         tokio::select! {
             biased;
             _ = shutdown.changed() => {
@@ -1048,16 +1039,11 @@ fn load_of(
     since: impl Fn(Instant) -> Duration,
 ) -> schedule::Load {
     let unresolved = pipeline.core.tracker.in_flight();
-    schedule::Load {
-        accepting: pipeline.accepting.is_some(),
-        batch_len: pipeline.batch_len(),
-        batch_started: pipeline.batch_started.map(since),
-        checkpoint_behind: pipeline.core.tracker.watermark() > pipeline.core.durable(),
-        unresolved,
-        waiting_on_unclear: pipeline.waiting_where_it_matters(bounds, unresolved),
-        in_flight_bytes: pipeline.in_flight_bytes(),
-        in_transaction: pipeline.core.in_transaction(),
-    }
+    pipeline.core.load(
+        pipeline.accepting.is_some(),
+        pipeline.batch_started.map(since),
+        pipeline.waiting_where_it_matters(bounds, unresolved),
+    )
 }
 
 /// The only place the relay confirms an LSN to the slot. What it confirms is decided by the
@@ -1087,10 +1073,6 @@ pub(super) fn bounds(cfg: &RelayConfig) -> (u64, schedule::Waiting) {
     };
     (cfg.max_in_flight, waiting)
 }
-
-/// The warning that events waiting on unclear outcomes stop the slot being read is logged at
-/// most this often.
-const HELD_WARNING_EVERY: Duration = Duration::from_secs(60);
 
 /// How long a relay whose run is ending waits for outstanding delivery reports to record them.
 const SALVAGE_GRACE: Duration = Duration::from_secs(2);

@@ -271,11 +271,6 @@ impl Pipeline {
         self.core.outstanding()
     }
 
-    /// Payload bytes of the events sent and not yet reported on.
-    pub fn in_flight_bytes(&self) -> usize {
-        self.core.in_flight_bytes()
-    }
-
     pub fn batch_len(&self) -> usize {
         self.core.batch_len()
     }
