@@ -47,9 +47,10 @@ pub mod unknown;
 pub(crate) mod testing;
 
 pub use pipeline::{
-    AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now, OpenAttempt, ParkedInput,
-    ParkedLookup, ParkedStep, Pending, PipelineCore, Reported, UnclearPolicy, UnclearSchedule,
-    UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES, MAX_WAITING_BYTES,
+    Acceptance, AcceptanceEnd, AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now,
+    OpenAttempt, ParkedInput, ParkedLookup, ParkedStep, Pending, PipelineCore, Reported,
+    UnclearPolicy, UnclearSchedule, UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
+    MAX_WAITING_BYTES,
 };
 pub use route::Refusal;
 

@@ -18,9 +18,10 @@
 //!   [`UnknownAttempt`] (if any) and goes on; the core asks for the look-up or the resend when
 //!   it is due ([`PipelineCore::due_unclear`], module `unclear`), and every other aggregate
 //!   keeps flowing;
-//! * a batch from [`PipelineCore::take_batch`] is accepted in one transaction, in the order
-//!   the batches were taken; a batch whose transaction failed goes back with
-//!   [`PipelineCore::restore_batch`].
+//! * a batch from [`PipelineCore::begin_acceptance`] is accepted in one transaction, in the
+//!   order the batches were taken, and the core learns how it ended with
+//!   [`PipelineCore::acceptance_ended`] (the checkpoint only once it committed; a batch
+//!   whose transaction failed goes back in front for the run's salvage).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -362,6 +363,40 @@ struct InFlight {
 
 /// A batch taken for acceptance, with the checkpoint it justifies.
 pub type TakenBatch = (Vec<LedgerItem>, Option<Lsn>);
+
+/// One acceptance transaction, as the core hands it to the driver
+/// ([`PipelineCore::begin_acceptance`]) and takes it back with how it ended
+/// ([`PipelineCore::acceptance_ended`]). The daemon runs it inline or on a task of its own
+/// (pipelined, while the stream goes on), the simulator in one step or over two.
+#[derive(Debug)]
+pub struct Acceptance {
+    /// The receipts, quarantines, holds and held records it records.
+    pub items: Vec<LedgerItem>,
+    /// The checkpoint it moves (the ack tracker's watermark once the batch is resolved).
+    pub checkpoint: Option<Lsn>,
+    /// What it keeps with the checkpoint for rows written without a version or route
+    /// (`None`: nothing, the plain acceptance).
+    pub numbered: Option<NumberedThrough>,
+}
+
+impl Acceptance {
+    /// Whether the numbering log is to be folded after its commit.
+    pub fn folds(&self) -> bool {
+        self.numbered.as_ref().is_some_and(|n| n.fold)
+    }
+}
+
+/// How an acceptance transaction ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcceptanceEnd {
+    /// Committed: its checkpoint is durable.
+    Committed,
+    /// Committed, but the checkpoint's update was fenced (the lease is another run's now):
+    /// every item is recorded, the checkpoint did not move, and the run ends.
+    Fenced,
+    /// Not committed: nothing is recorded, and the run ends.
+    Failed,
+}
 
 pub(crate) fn key_of(ev: &OutboxEvent) -> AggKey {
     (ev.aggregate_type.clone(), ev.aggregate_id.clone())
@@ -1135,6 +1170,40 @@ impl<P: Plant> PipelineCore<P> {
             std::mem::replace(&mut self.batch, Vec::with_capacity(room)),
             checkpoint,
         )))
+    }
+
+    /// Takes the batch for an acceptance transaction ([`Self::take_batch`]) with what it keeps
+    /// for rows written without a version ([`Self::numbered_through`]); `None` when there is
+    /// nothing to record. The checkpoint is not the core's until [`Self::acceptance_ended`]
+    /// says the transaction committed.
+    pub fn begin_acceptance(&mut self, track: bool) -> Result<Option<Acceptance>, CoreError> {
+        let Some((items, checkpoint)) = self.take_batch(track)? else {
+            return Ok(None);
+        };
+        let numbered = checkpoint
+            .map(|c| self.numbered_through(c))
+            .filter(|n| !n.is_empty());
+        Ok(Some(Acceptance {
+            items,
+            checkpoint,
+            numbered,
+        }))
+    }
+
+    /// How the transaction of `acceptance` ended: committed, its checkpoint is durable
+    /// ([`Self::checkpoint_committed`]); fenced, every item is recorded and nothing moves;
+    /// failed, its items go back in front of the batch for the run's salvage
+    /// ([`Self::restore_batch`]).
+    pub fn acceptance_ended(&mut self, acceptance: Acceptance, end: AcceptanceEnd) {
+        match end {
+            AcceptanceEnd::Committed => {
+                if let Some(c) = acceptance.checkpoint {
+                    self.checkpoint_committed(c);
+                }
+            }
+            AcceptanceEnd::Fenced => self.restore_batch(acceptance.items, true),
+            AcceptanceEnd::Failed => self.restore_batch(acceptance.items, false),
+        }
     }
 
     /// After a failed acceptance transaction: the batch goes back in front of the pending

@@ -147,6 +147,9 @@ pub struct Counts {
     pub checkpoint_not_written: u64,
     /// Traces whose relay loop takes its timing from the product's `Schedule` (a quarter).
     pub loop_traces: u64,
+    /// Of their acceptances, those that ran pipelined (`World::flush_pipelined`) and were
+    /// settled at a later step.
+    pub pipelined_acceptances: u64,
     /// Narrow rows (migration 0031) decoded with a route version the run did not know: the
     /// product quarantines such a row instead of guessing, so a version it should have read
     /// at start or from the stream and did not is a row kept from its destination.
@@ -363,6 +366,7 @@ impl Counts {
             reading_stopped_by_unclear,
             checkpoint_not_written,
             loop_traces,
+            pipelined_acceptances,
             unknown_route_versions,
             late_acks,
             late_acks_converged,
@@ -511,7 +515,13 @@ impl Counts {
             ("early_takeovers", self.early_takeovers.to_string()),
             ("relay_pauses_zombies", self.relay_pauses.to_string()),
             ("reads_held_back", self.reads_held_back.to_string()),
-            ("loop_traces", self.loop_traces.to_string()),
+            (
+                "loop_traces",
+                format!(
+                    "{} ({} acceptances pipelined)",
+                    self.loop_traces, self.pipelined_acceptances
+                ),
+            ),
             ("unknown_attempts", self.unknown_attempts.to_string()),
             (
                 "unknown_resolution_ms",

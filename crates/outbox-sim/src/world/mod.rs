@@ -31,8 +31,8 @@ use outbox_relay::schedule::{Load, Schedule, Settings};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{
-    Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep, PipelineCore,
-    Planted, Reported, UnclearStep,
+    AcceptanceEnd, Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep,
+    PipelineCore, Planted, Reported, UnclearStep,
 };
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
@@ -550,6 +550,9 @@ struct Relay {
     schedule: Option<Schedule<Planted>>,
     /// When the batch got its first item (`Pipeline::note_batch`).
     batch_started: Option<u64>,
+    /// A pipelined acceptance running on its own task (`Pipeline::flush_pipelined`; loop
+    /// timing only): it answers at a later step, or is settled before the next acceptance.
+    accepting: Option<outbox_relay::Acceptance>,
     paused: bool,
     /// The new lease holder terminated this run's walsender.
     stream_cut: bool,
@@ -1040,6 +1043,12 @@ impl World {
         } else {
             0
         };
+        let settling = |r: &Relay| !r.paused && !r.killed && !r.salvaging && r.accepting.is_some();
+        let settle_weight = if self.relays.iter().any(settling) {
+            10
+        } else {
+            0
+        };
         let read_weight = if self.keeper_timing && self.relays.iter().any(may_read) {
             6
         } else {
@@ -1085,6 +1094,7 @@ impl World {
             if unclear_due { 8 } else { 0 },               // 20 a parked event is due
             if lookups { 8 } else { 0 },                   // 21 a look-up answers
             read_weight,                                   // 22 a renewal's answer is read
+            settle_weight,                                 // 23 a pipelined acceptance answers
         ];
         match self.rng.weighted(&weights) {
             0 => self.producer_txn(),
@@ -1180,6 +1190,10 @@ impl World {
                 let i = self.relays.iter().position(may_read).expect("weighted");
                 self.answer_renewal(i);
             }
+            23 => {
+                let i = self.relays.iter().position(settling).expect("weighted");
+                self.relay_call(Some(i), Self::settle);
+            }
             _ => unreachable!(),
         }
         if let Some(i) = self.active() {
@@ -1206,11 +1220,8 @@ impl World {
             !r.killed && !r.salvaging
         };
         if due.accept {
-            let before = self.relays[i].core.durable();
-            self.relay_call(Some(i), |w, i| w.flush(i, true));
+            self.relay_call(Some(i), Self::flush_pipelined);
             if alive(self) {
-                let moved = self.relays[i].core.durable() > before;
-                schedule.accepted(ms(self.now), moved);
                 self.relays[i].batch_started = None;
             }
         }
@@ -1233,8 +1244,11 @@ impl World {
         } else if r.batch_started.is_none() {
             r.batch_started = Some(now);
         }
-        r.core
-            .load(false, r.batch_started.map(ms), Default::default())
+        r.core.load(
+            r.accepting.is_some(),
+            r.batch_started.map(ms),
+            Default::default(),
+        )
     }
 
     /// The daemon's backpressure (`Schedule::can_read`, via `relay/mod.rs`'s `load_of`): read
@@ -1911,6 +1925,7 @@ impl World {
                 )
             }),
             batch_started: None,
+            accepting: None,
             paused: false,
             stream_cut: false,
             salvaging: false,
@@ -3171,15 +3186,56 @@ impl World {
     /// checkpoint it allows; one acceptance transaction. A failed one puts the batch back
     /// (`keep_for_salvage`).
     fn flush(&mut self, i: usize, track: bool) -> Result<(), End> {
-        let Some((items, checkpoint)) = self.relays[i]
+        // `Pipeline::flush`: a pipelined acceptance still running is settled first, so that
+        // acceptance transactions commit in the order they were built.
+        self.settle(i)?;
+        let Some(a) = self.relays[i]
             .core
-            .take_batch(track)
+            .begin_acceptance(track)
             .map_err(|_| End::Error("tracker resolve"))?
         else {
             return Ok(());
         };
-        let sim_items = self.sim_items(i, &items);
-        let receipts: Vec<&ReceiptRecord> = items
+        self.commit_acceptance(i, a)
+    }
+
+    /// `Pipeline::flush_pipelined`: the batch's acceptance starts on a task of its own and
+    /// answers at a later step (`World::settle`); nothing starts while one runs (the batch
+    /// grows meanwhile).
+    fn flush_pipelined(&mut self, i: usize) -> Result<(), End> {
+        if self.relays[i].accepting.is_some() {
+            return Ok(());
+        }
+        self.relays[i].accepting = self.relays[i]
+            .core
+            .begin_acceptance(true)
+            .map_err(|_| End::Error("tracker resolve"))?;
+        Ok(())
+    }
+
+    /// `Pipeline::settle` / `finish_accept`: the pipelined acceptance, if one runs, commits
+    /// (or fails) and the core learns how it ended; the loop's schedule hears of it.
+    fn settle(&mut self, i: usize) -> Result<(), End> {
+        let Some(a) = self.relays[i].accepting.take() else {
+            return Ok(());
+        };
+        self.c.pipelined_acceptances += 1;
+        let before = self.relays[i].core.durable();
+        let ended = self.commit_acceptance(i, a);
+        let moved = self.relays[i].core.durable() > before;
+        let now = ms(self.now);
+        if let Some(s) = self.relays[i].schedule.as_mut() {
+            s.accepted(now, moved);
+        }
+        ended
+    }
+
+    /// One acceptance transaction against the ledger model, and how it ended for the core
+    /// (`PipelineCore::acceptance_ended`).
+    fn commit_acceptance(&mut self, i: usize, a: outbox_relay::Acceptance) -> Result<(), End> {
+        let sim_items = self.sim_items(i, &a.items);
+        let receipts: Vec<&ReceiptRecord> = a
+            .items
             .iter()
             .filter_map(|it| match it {
                 LedgerItem::Receipt(r) => Some(r),
@@ -3187,31 +3243,31 @@ impl World {
             })
             .collect();
         let raises = receipt::raises(&receipts);
-        // `Pipeline::numbered_through`: what the transaction that moves the checkpoint keeps
-        // for the rows written without a version (per aggregate, the version of its last row
-        // committed before the checkpoint), taken just before it; if it fails, the run ends.
-        // (The simulator does not model policy generations: its plain rows are routed by the
-        // route version in force at their commit, rendered as a narrow row's.)
-        // The ledger may fold its log at any acceptance, not only when the core asks (its
-        // limits are millions of entries, beyond a trace): a fold is never to change a number.
-        let (numbered, fold) = checkpoint.map_or((Vec::new(), false), |c| {
-            let n = self.relays[i].core.numbered_through(c);
-            (n.versions, n.fold)
-        });
-        let fold = fold || (!numbered.is_empty() && self.rng.chance(250));
-        let fenced = match self.accept(i, sim_items, raises, checkpoint, numbered, fold) {
-            Ok(fenced) => fenced,
+        // `PipelineCore::numbered_through`, taken with the batch: what the transaction that
+        // moves the checkpoint keeps for the rows written without a version or route (per
+        // aggregate, the version of its last row committed before the checkpoint); if it
+        // fails, the run ends. (The simulator does not model policy generations: its plain
+        // rows are routed by the route version in force at their commit, rendered as a
+        // narrow row's.) The ledger may fold its log at any acceptance, not only when the
+        // core asks (its limits are millions of entries, beyond a trace): a fold is never to
+        // change a number.
+        let numbered = a
+            .numbered
+            .as_ref()
+            .map_or(Vec::new(), |n| n.versions.clone());
+        let fold = a.folds() || (!numbered.is_empty() && self.rng.chance(250));
+        let end = match self.accept(i, sim_items, raises, a.checkpoint, numbered, fold) {
+            Ok(false) => AcceptanceEnd::Committed,
+            Ok(true) => AcceptanceEnd::Fenced,
             Err(e) => {
-                self.relays[i].core.restore_batch(items, false);
+                self.relays[i]
+                    .core
+                    .acceptance_ended(a, AcceptanceEnd::Failed);
                 return Err(e);
             }
         };
-        if let Some(c) = checkpoint {
-            if !fenced {
-                self.relays[i].core.checkpoint_committed(c);
-            }
-        }
-        if fenced {
+        self.relays[i].core.acceptance_ended(a, end);
+        if end == AcceptanceEnd::Fenced {
             return Err(End::Error("lease lost: checkpoint fenced"));
         }
         if self.faults && self.rng.chance(20) {
@@ -3553,6 +3609,10 @@ impl World {
                 self.relay_call(Some(i), Self::run_due_unclear);
                 continue;
             }
+            if self.relays[i].accepting.is_some() {
+                self.relay_call(Some(i), Self::settle);
+                continue;
+            }
             let unconfirmed = self.loop_timing.is_some()
                 && self
                     .slot_confirmed
@@ -3626,13 +3686,21 @@ impl World {
             if (self.ledger.holds.len(), self.open_unknown()) != before {
                 continue;
             }
-            // Held aggregates whose blocking event is published: release them.
+            // Held aggregates whose blocking event has no open quarantine (published, or
+            // its quarantine resolved without closing the hold): release them. A blocking
+            // event with an open quarantine is the operator's above, who resolves the
+            // quarantine and the hold together (`holds::resolve`), as the product lets them:
+            // the release poll just above may have recorded one since `open` was read (a
+            // release refused again), and releasing its hold here, with the quarantine still
+            // open, republished the events behind it without it (an order violation of this
+            // model, not of the product: seed 1, trace 467231, 2026-12-06).
             let stuck: Vec<usize> = self
                 .ledger
                 .holds
                 .values()
                 .filter(|h| h.state == HoldState::Held)
                 .filter_map(|h| h.blocking)
+                .filter(|b| self.ledger.open_quarantine(*b).is_none())
                 .collect();
             if !stuck.is_empty() {
                 for b in stuck {

@@ -14,14 +14,14 @@ use outbox_core::{EventToken, Lsn, OutboxEvent};
 use outbox_ledger::attempts;
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
-use outbox_ledger::{accept, AcceptOutcome, LedgerItem};
+use outbox_ledger::{accept, AcceptOutcome};
 use outbox_relay::lifecycle::{EndStep, Ending, RunEnd};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::Resolved;
 use outbox_relay::{
-    Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep, Pending,
-    PipelineCore, Reported, UnclearStep,
+    Acceptance, AcceptanceEnd, Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup,
+    ParkedStep, Pending, PipelineCore, Reported, UnclearStep,
 };
 use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError};
 use outbox_source::snapshot::{events_by_id, Numbering};
@@ -81,9 +81,6 @@ const WAITING_SAMPLE: Duration = Duration::from_millis(20);
 /// built: a checkpoint never commits before the receipts of an earlier batch.
 pub(crate) struct Accepting {
     task: tokio::task::JoinHandle<AcceptDone>,
-    checkpoint: Option<Lsn>,
-    /// Whether the numbering log is due for a fold once this transaction commits.
-    fold: bool,
     started: Instant,
 }
 
@@ -149,17 +146,17 @@ fn log_fold<E: std::fmt::Display>(slot: &str, r: Result<u64, E>) {
     }
 }
 
-/// One acceptance transaction, keeping `numbered` with the checkpoint when there is any.
-async fn accept_with_numbering(
+/// One acceptance transaction, keeping what `a` numbered with the checkpoint when there is
+/// any.
+async fn run_acceptance(
     client: &mut Client,
     prepared: &mut accept::Prepared,
     slot: &str,
-    items: &[LedgerItem],
-    checkpoint: Option<Lsn>,
-    fence: Option<&Fence>,
-    numbered: Option<&outbox_ledger::numbering::Numbered>,
+    a: &Acceptance,
+    fence: &Fence,
 ) -> Result<AcceptOutcome, outbox_ledger::LedgerError> {
-    match (checkpoint, numbered) {
+    let (items, checkpoint, fence) = (&a.items, a.checkpoint, Some(fence));
+    match (checkpoint, a.numbered.as_ref()) {
         (Some(c), Some(n)) => {
             accept::accept_numbered_batch(client, prepared, slot, items, c, fence, n).await
         }
@@ -167,9 +164,19 @@ async fn accept_with_numbering(
     }
 }
 
+/// How a failed acceptance transaction ended for the core: fenced (it committed, only the
+/// checkpoint was refused) or not committed at all.
+fn ended_by(e: &outbox_ledger::LedgerError) -> AcceptanceEnd {
+    if matches!(e, outbox_ledger::LedgerError::LeaseLost { .. }) {
+        AcceptanceEnd::Fenced
+    } else {
+        AcceptanceEnd::Failed
+    }
+}
+
 pub(crate) type AcceptDone = (
     (Client, accept::Prepared),
-    Vec<LedgerItem>,
+    Acceptance,
     Result<AcceptOutcome, outbox_ledger::LedgerError>,
 );
 
@@ -795,46 +802,27 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Takes the batch and the checkpoint it justifies ([`PipelineCore::take_batch`]).
-    fn take_batch(
-        &mut self,
-        track: bool,
-    ) -> Result<Option<outbox_relay::pipeline::TakenBatch>, RelayError> {
-        let taken = self.core.take_batch(track)?;
-        if taken.is_some() {
+    /// Takes the batch for an acceptance transaction ([`PipelineCore::begin_acceptance`]).
+    fn begin_acceptance(&mut self, track: bool) -> Result<Option<Acceptance>, RelayError> {
+        let a = self.core.begin_acceptance(track)?;
+        if a.is_some() {
             self.batch_started = None;
         }
-        Ok(taken)
+        Ok(a)
     }
 
-    /// What the acceptance that moves the checkpoint to `checkpoint` keeps with it for rows
-    /// written without a version or route ([`PipelineCore::numbered_through`]); `None` when
-    /// there is nothing (the common case: the plain acceptance).
-    fn numbered_through(
-        &mut self,
-        checkpoint: Option<Lsn>,
-    ) -> Option<outbox_ledger::numbering::Numbered> {
-        let n = self.core.numbered_through(checkpoint?);
-        (!n.is_empty()).then_some(n)
-    }
-
-    /// After a committed acceptance transaction: failpoint, checkpoint, counters.
-    fn accepted(
-        &mut self,
-        items: &[LedgerItem],
-        out: &AcceptOutcome,
-        checkpoint: Option<Lsn>,
-        progress: &Progress,
-    ) {
+    /// After a committed acceptance transaction: failpoint, counters, then the checkpoint
+    /// (the core learns of it only now).
+    fn accepted(&mut self, a: Acceptance, out: &AcceptOutcome, progress: &Progress) {
         if out.primary + out.duplicates > 0 {
             failpoint::hit("after-accept");
         }
         // Before the checkpoint moves: that drops the commit times these receipts are matched to.
-        progress.metrics.receipts_accepted(items);
-        if let Some(c) = checkpoint {
-            self.core.checkpoint_committed(c);
+        progress.metrics.receipts_accepted(&a.items);
+        if let Some(c) = a.checkpoint {
             progress.set_checkpoint(c);
         }
+        self.core.acceptance_ended(a, AcceptanceEnd::Committed);
         progress.record(out);
     }
 
@@ -847,25 +835,14 @@ impl Pipeline {
         progress: &Progress,
     ) -> Result<AcceptOutcome, RelayError> {
         self.settle(progress).await?;
-        let Some((items, checkpoint)) = self.take_batch(track)? else {
+        let Some(a) = self.begin_acceptance(track)? else {
             return Ok(AcceptOutcome::default());
         };
-        let numbered = self.numbered_through(checkpoint);
-        let fold = numbered.as_ref().is_some_and(|n| n.fold);
         let mut prepared = accept::Prepared::default();
-        match accept_with_numbering(
-            &mut self.client,
-            &mut prepared,
-            &self.slot,
-            &items,
-            checkpoint,
-            Some(&self.fence),
-            numbered.as_ref(),
-        )
-        .await
-        {
+        match run_acceptance(&mut self.client, &mut prepared, &self.slot, &a, &self.fence).await {
             Ok(out) => {
-                self.accepted(&items, &out, checkpoint, progress);
+                let fold = a.folds();
+                self.accepted(a, &out, progress);
                 if fold && !self.fold_in_background() {
                     let folded = outbox_ledger::numbering::fold(&self.client, &self.slot).await;
                     log_fold(&self.slot, folded);
@@ -873,7 +850,7 @@ impl Pipeline {
                 Ok(out)
             }
             Err(e) => {
-                self.keep_for_salvage(items, &e);
+                self.core.acceptance_ended(a, ended_by(&e));
                 Err(e.into())
             }
         }
@@ -890,30 +867,17 @@ impl Pipeline {
         let Some((mut client, mut prepared)) = self.accept_client.take() else {
             return self.flush(true, progress).await.map(|_| ());
         };
-        let Some((items, checkpoint)) = self.take_batch(true)? else {
+        let Some(a) = self.begin_acceptance(true)? else {
             self.accept_client = Some((client, prepared));
             return Ok(());
         };
         let (slot, fence) = (self.slot.clone(), self.fence.clone());
-        let numbered = self.numbered_through(checkpoint);
-        let fold = numbered.as_ref().is_some_and(|n| n.fold);
         let task = tokio::spawn(async move {
-            let r = accept_with_numbering(
-                &mut client,
-                &mut prepared,
-                &slot,
-                &items,
-                checkpoint,
-                Some(&fence),
-                numbered.as_ref(),
-            )
-            .await;
-            ((client, prepared), items, r)
+            let r = run_acceptance(&mut client, &mut prepared, &slot, &a, &fence).await;
+            ((client, prepared), a, r)
         });
         self.accepting = Some(Accepting {
             task,
-            checkpoint,
-            fold,
             started: Instant::now(),
         });
         Ok(())
@@ -936,15 +900,12 @@ impl Pipeline {
         joined: Result<AcceptDone, tokio::task::JoinError>,
         progress: &Progress,
     ) -> Result<(), RelayError> {
-        let (checkpoint, started, fold) = match self.accepting.take() {
-            Some(a) => (a.checkpoint, Some(a.started), a.fold),
-            None => (None, None, false),
-        };
-        let (client, items, result) =
+        let started = self.accepting.take().map(|a| a.started);
+        let (client, a, result) =
             joined.map_err(|e| RelayError::Internal(format!("acceptance task: {e}")))?;
         let (reports, report_sum_ms, report_max_ms) = self.core.take_report_times();
         tracing::debug!(
-            items = items.len(),
+            items = a.items.len(),
             ms = started.map(|s| s.elapsed().as_secs_f64() * 1000.0),
             in_flight = self.core.in_flight(),
             report_avg_ms = report_sum_ms / reports.max(1) as f64,
@@ -954,7 +915,8 @@ impl Pipeline {
         self.accept_client = Some(client);
         match result {
             Ok(out) => {
-                self.accepted(&items, &out, checkpoint, progress);
+                let fold = a.folds();
+                self.accepted(a, &out, progress);
                 if fold {
                     // Pipelined acceptance comes with the URL (enable_pipelined_accept).
                     self.fold_in_background();
@@ -962,20 +924,10 @@ impl Pipeline {
                 Ok(())
             }
             Err(e) => {
-                self.keep_for_salvage(items, &e);
+                self.core.acceptance_ended(a, ended_by(&e));
                 Err(e.into())
             }
         }
-    }
-
-    /// After a failed acceptance transaction: the batch goes back in front of the pending
-    /// items, for salvage (its receipts are still evidence worth recording) — unless the
-    /// transaction *committed* and only the checkpoint was fenced (`LeaseLost`): then every
-    /// item is recorded already, and recording it again would store each receipt a second
-    /// time as a duplicate of itself.
-    fn keep_for_salvage(&mut self, items: Vec<LedgerItem>, e: &outbox_ledger::LedgerError) {
-        let fenced = matches!(e, outbox_ledger::LedgerError::LeaseLost { .. });
-        self.core.restore_batch(items, fenced);
     }
 
     /// One release poll, executed as the core's [`ReleasePoll`] asks: the settled UNKNOWN
