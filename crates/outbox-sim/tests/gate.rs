@@ -405,11 +405,8 @@ fn every_mutant_is_caught(product: bool) {
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000),
         // poll-purge-held (1 in 1,000,000) and, since issue 25, poll-above-head (first at
         // trace 24790) are too rare for 1,500 traces: the_traces_that_found_bugs_stay_fixed
-        // replays their traces. bug-snapshot-gap is no longer reachable, nor is
-        // bug-release-beside-parked in the first million traces since the acceptance is
-        // pipelined where the loop is timed by the schedule; the unit test
-        // an_aggregate_with_a_parked_event_waits_for_the_next_poll plants its old rule
-        // (docs/simulation.md).
+        // replays their traces, as it does bug-release-beside-parked's (1 in a million).
+        // bug-snapshot-gap is no longer reachable (docs/simulation.md).
     ];
     for (m, counters) in cases.iter().filter(|(m, _)| PRODUCT.contains(m) == product) {
         // Caught in most traces, and slow ones (a stalled trace drains longer; a skipped
@@ -487,6 +484,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 8075, Mutant::BugRoundForgetsParked),
         (1, 4, Mutant::BugLookUpBesideReconciliation),
         (7, 33528, Mutant::BugSendsFoundEvent),
+        (2, 495645, Mutant::BugReleaseBesideParked),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;
