@@ -2522,9 +2522,13 @@ impl World {
         messages.push(Staged::Commit(end));
         if self.relays[i].cursor == self.wal.len() {
             // A keepalive: nothing committed after the last transaction.
+            // Where the loop is timed by the schedule, every other one asks for a reply (as
+            // `wal_sender_timeout` makes the server do), without a draw from the trace's
+            // generator.
+            let reply_requested = self.loop_timing.is_some() && self.wal.len() % 2 == 0;
             messages.push(Staged::Keepalive {
                 wal_end: Lsn(self.next_lsn),
-                reply_requested: false,
+                reply_requested,
             });
         }
         let mut stage = Stage::default();
@@ -2630,7 +2634,18 @@ impl World {
                 .core
                 .on_policy_generation(id)
                 .map_err(|_| End::Error("relay core: policy generation"))?,
-            Staged::Keepalive { wal_end, .. } => self.relays[i].core.on_keepalive(wal_end),
+            Staged::Keepalive {
+                wal_end,
+                reply_requested,
+            } => {
+                self.relays[i].core.on_keepalive(wal_end);
+                // `Pipeline::take_message`: the server asked for a reply.
+                if reply_requested {
+                    if let Some(s) = self.relays[i].schedule.as_mut() {
+                        s.status_requested();
+                    }
+                }
+            }
         }
         Ok(())
     }
