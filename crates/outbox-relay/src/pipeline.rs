@@ -267,6 +267,12 @@ pub enum Mutant {
     /// Exactly-once mode: an aborted transaction's stored events are accepted as receipts
     /// (`txn_receipt_mismatch`: the broker holds them in an aborted transaction).
     TxnAcceptsAborted,
+    /// Exactly-once mode: every event of a stream transaction read again after a crash is
+    /// taken for accepted, by its commit position alone
+    /// ([`crate::txn::TxnCore::replayed_accepted`] ignores the heads): the events of a
+    /// transaction split over two batches whose second batch was never accepted are skipped
+    /// (`txn_lost`).
+    TxnReplayedIsAccepted,
     /// Exactly-once mode: an event read again whose receipt the ledger holds is sent again
     /// (`txn_seen_twice`: a stream transaction split over two batches, after a crash).
     TxnReplaysAccepted,

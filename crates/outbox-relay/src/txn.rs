@@ -224,6 +224,12 @@ pub struct TxnCore<P: Plant = Shipped> {
     held: HashMap<AggKey, i64>,
     steps: VecDeque<TxnStep>,
     stopped: bool,
+    /// The last stream commit with a receipt in the ledger (read after the recovery): a
+    /// stream transaction committed later is read for the first time.
+    replay_bound: Option<Lsn>,
+    /// The heads of the aggregates met in transactions read again: the highest version with
+    /// a receipt, read when first met.
+    heads: HashMap<AggKey, i64>,
 }
 
 impl TxnCore<Shipped> {
@@ -267,7 +273,67 @@ impl<P: Plant> TxnCore<P> {
             held: held.into_iter().collect(),
             steps: VecDeque::new(),
             stopped: false,
+            replay_bound: None,
+            heads: HashMap::new(),
         }
+    }
+
+    /// The last stream commit with a receipt in the ledger (`checkpoint::accepted_through`,
+    /// read after the recovery): transactions committed up to it are read again, and what of
+    /// them has its receipt is not sent again ([`Self::replayed_accepted`]).
+    pub fn set_replay_bound(&mut self, bound: Option<Lsn>) {
+        self.replay_bound = bound;
+    }
+
+    /// Whether the stream transaction committed at `commit_lsn` is read again (at or below the
+    /// replay bound).
+    pub fn replayed(&self, commit_lsn: Lsn) -> bool {
+        self.replay_bound.is_some_and(|b| commit_lsn <= b)
+    }
+
+    /// The aggregates of `events`, of a stream transaction committed at `commit_lsn`, whose
+    /// heads must be read before it is admitted: it is read again, and they were not met yet.
+    pub fn heads_needed<'a>(
+        &self,
+        commit_lsn: Lsn,
+        events: impl IntoIterator<Item = &'a OutboxEvent>,
+    ) -> Vec<AggKey> {
+        if !self.replayed(commit_lsn) {
+            return Vec::new();
+        }
+        events
+            .into_iter()
+            .map(key_of)
+            .filter(|k| !self.heads.contains_key(k))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    }
+
+    /// The heads read for `needed` (`read`: the highest version with a receipt of those that
+    /// have one; the others have none: 0).
+    pub fn learn_heads(&mut self, needed: Vec<AggKey>, read: Vec<(AggKey, i64)>) {
+        self.heads.extend(read);
+        for k in needed {
+            self.heads.entry(k).or_insert(0);
+        }
+    }
+
+    /// Whether `event`, of the stream transaction committed at `commit_lsn`, has its receipt
+    /// already: read again, and its aggregate's head (read when first met) at or above its
+    /// version. A transaction split over two batches is read again after a crash: its events
+    /// of the first batch are accepted, those of the second are not, and must be sent
+    /// ([`Mutant::TxnReplayedIsAccepted`] takes the whole transaction for accepted).
+    pub fn replayed_accepted(&self, event: &OutboxEvent, commit_lsn: Lsn) -> bool {
+        if !self.replayed(commit_lsn) {
+            return false;
+        }
+        if self.plant.planted(Mutant::TxnReplayedIsAccepted) {
+            return true;
+        }
+        self.heads
+            .get(&key_of(event))
+            .is_some_and(|h| event.aggregate_version <= *h)
     }
 
     /// The checkpoint the ledger holds: the slot may be confirmed up to here.

@@ -157,7 +157,8 @@ fn a_trace_replays_alone_and_identically() {
 /// bug-ignores-resolved-meanwhile, no-settle, bug-unknown-only-at-start,
 /// bug-end-run-on-unclear, fresh-by-commit, numbering-not-kept, bug-numbering-log-not-folded
 /// and exactly-once mode's txn-ignores-records, txn-unknown-is-aborted, txn-through-past-batch,
-/// txn-accepts-aborted, txn-replays-accepted, txn-skips-first-record and txn-requeues-at-back
+/// txn-accepts-aborted, txn-replays-accepted, txn-skips-first-record, txn-requeues-at-back and
+/// txn-replayed-is-accepted
 /// (the list `PRODUCT` below). In two tests, so that they run on two
 /// threads.
 #[test]
@@ -212,6 +213,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::TxnReplaysAccepted,
         Mutant::TxnSkipsFirstRecord,
         Mutant::TxnRequeuesAtBack,
+        Mutant::TxnReplayedIsAccepted,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -397,6 +399,10 @@ fn every_mutant_is_caught(product: bool) {
         (
             Mutant::TxnRequeuesAtBack,
             &[("txn_order_violations", |c| c.txn_order_violations)],
+        ),
+        (
+            Mutant::TxnReplayedIsAccepted,
+            &[("txn_lost", |c| c.txn_lost)],
         ),
         (
             Mutant::NumberingWithoutWrittenVersions,

@@ -299,6 +299,32 @@ fn stream_commits_without_events_move_the_checkpoint_without_a_transaction() {
 }
 
 #[test]
+fn a_transaction_read_again_is_accepted_up_to_its_aggregates_heads_only() {
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+    c.set_replay_bound(Some(Lsn(30)));
+    let evs: Vec<_> = (1..=3).map(|v| event("a", v)).collect();
+    // Beyond the bound: read for the first time, nothing to look up.
+    assert!(c.heads_needed(Lsn(40), &evs).is_empty());
+    assert!(!c.replayed_accepted(&evs[0], Lsn(40)));
+    // At the bound: a's head is read once (v1 has its receipt; the batch with v2 and v3 was
+    // never accepted), then only v1 counts as accepted.
+    let needed = c.heads_needed(Lsn(30), &evs);
+    assert_eq!(needed, vec![("order".to_string(), "a".to_string())]);
+    c.learn_heads(needed, vec![(("order".into(), "a".into()), 1)]);
+    assert!(c.heads_needed(Lsn(30), &evs).is_empty(), "met already");
+    let accepted: Vec<bool> = evs
+        .iter()
+        .map(|e| c.replayed_accepted(e, Lsn(30)))
+        .collect();
+    assert_eq!(accepted, [true, false, false]);
+    // An aggregate without a receipt: head 0.
+    let b = event("b", 1);
+    let needed = c.heads_needed(Lsn(20), [&b]);
+    c.learn_heads(needed, vec![]);
+    assert!(!c.replayed_accepted(&b, Lsn(20)));
+}
+
+#[test]
 fn each_mutant_changes_its_decision() {
     let planted = |m| Planted {
         mutant: Some(m),
@@ -332,6 +358,18 @@ fn each_mutant_changes_its_decision() {
     c.admit(event("a", 1), true);
     c.flush();
     assert_eq!(sends(&steps(&mut c)).len(), 1);
+
+    let mut c = TxnCore::planted(
+        planted(Mutant::TxnReplayedIsAccepted),
+        served(),
+        10,
+        Lsn(10),
+        0,
+        vec![],
+    );
+    c.set_replay_bound(Some(Lsn(30)));
+    c.learn_heads(vec![("order".into(), "a".into())], vec![]);
+    assert!(c.replayed_accepted(&event("a", 2), Lsn(30)));
 
     let mut c = TxnCore::planted(
         planted(Mutant::TxnThroughPastBatch),

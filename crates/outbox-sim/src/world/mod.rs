@@ -291,6 +291,9 @@ pub enum Mutant {
     /// Product mutant: an aborted transaction's events are queued behind later ones
     /// (`txn_order_violations`).
     TxnRequeuesAtBack,
+    /// Product mutant: every event of a stream transaction read again after a crash is taken
+    /// for accepted by its commit position alone (`txn_lost`).
+    TxnReplayedIsAccepted,
 }
 
 impl Mutant {
@@ -381,6 +384,7 @@ impl Mutant {
         ("txn-replays-accepted", Mutant::TxnReplaysAccepted),
         ("txn-skips-first-record", Mutant::TxnSkipsFirstRecord),
         ("txn-requeues-at-back", Mutant::TxnRequeuesAtBack),
+        ("txn-replayed-is-accepted", Mutant::TxnReplayedIsAccepted),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {

@@ -47,6 +47,7 @@ fn product_mutant(m: Mutant) -> Option<outbox_relay::Mutant> {
         Mutant::TxnReplaysAccepted => Some(outbox_relay::Mutant::TxnReplaysAccepted),
         Mutant::TxnSkipsFirstRecord => Some(outbox_relay::Mutant::TxnSkipsFirstRecord),
         Mutant::TxnRequeuesAtBack => Some(outbox_relay::Mutant::TxnRequeuesAtBack),
+        Mutant::TxnReplayedIsAccepted => Some(outbox_relay::Mutant::TxnReplayedIsAccepted),
         Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
         _ => None,
     }
@@ -368,6 +369,21 @@ impl Txn<'_> {
                 return;
             }
         }
+        // `checkpoint::accepted_through`, read after the recovery: the last stream commit with
+        // a receipt in the ledger.
+        let bound = self
+            .wal
+            .iter()
+            .filter(|(ids, _)| {
+                ids.iter().any(|e| {
+                    self.ledger
+                        .receipts
+                        .contains_key(&self.events[*e].ev.event_id)
+                })
+            })
+            .map(|(_, end)| *end)
+            .max();
+        self.relays[i].core.set_replay_bound(bound);
         let checkpoint = self.ledger.checkpoint;
         self.relays[i].cursor = self
             .wal
@@ -379,14 +395,39 @@ impl Txn<'_> {
     fn read(&mut self, i: usize) {
         let (ids, end) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
-        for e in ids {
-            let accepted = self
-                .ledger
-                .receipts
-                .contains_key(&self.events[e].ev.event_id);
-            self.relays[i]
-                .core
-                .admit(self.events[e].ev.clone(), accepted);
+        // The daemon's `TxnRun::admit`: the heads of the aggregates a transaction read again
+        // meets first (`holds::heads_of`: the highest version with a receipt), then what of it
+        // is accepted already is the core's rule.
+        let events: Vec<OutboxEvent> = ids.iter().map(|e| self.events[*e].ev.clone()).collect();
+        let needed = self.relays[i].core.heads_needed(end, &events);
+        if !needed.is_empty() {
+            let read = needed
+                .iter()
+                .filter_map(|k| {
+                    let head = self
+                        .events
+                        .iter()
+                        .filter(|e| e.ev.aggregate_id == k.1)
+                        .filter(|e| self.ledger.receipts.contains_key(&e.ev.event_id))
+                        .map(|e| e.ev.aggregate_version)
+                        .max()?;
+                    Some((k.clone(), head))
+                })
+                .collect();
+            self.relays[i].core.learn_heads(needed, read);
+        }
+        for ev in events {
+            let accepted = self.relays[i].core.replayed_accepted(&ev, end);
+            if accepted != self.ledger.receipts.contains_key(&ev.event_id) {
+                self.say(format!(
+                    "gen {}: {} v{} taken for {} by the replay rule",
+                    self.relays[i].gen,
+                    ev.aggregate_id,
+                    ev.aggregate_version,
+                    if accepted { "accepted" } else { "new" }
+                ));
+            }
+            self.relays[i].core.admit(ev, accepted);
         }
         self.relays[i].core.stream_commit(end);
         self.say(format!(

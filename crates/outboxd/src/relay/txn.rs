@@ -123,8 +123,6 @@ struct Run<'a> {
     reports_tx: mpsc::UnboundedSender<Delivery>,
     /// Admitted events by id, until their batch is accepted.
     admitted: HashMap<Uuid, Admitted>,
-    /// The heads of the aggregates met so far (the highest version with a receipt when met).
-    heads: HashMap<AggKey, i64>,
     broker: Option<JoinHandle<BrokerDone>>,
     accepts: VecDeque<TxnStep>,
     accepting: Option<JoinHandle<AcceptDone>>,
@@ -133,9 +131,6 @@ struct Run<'a> {
     /// The last batch record the broker is known to hold (recovered or committed by this
     /// run): a settle reads the records after it.
     last_record: Option<RecordPosition>,
-    /// Rows with a later commit LSN have no receipt (`checkpoint::accepted_through`, read
-    /// after the recovery): only rows at or below it are looked up.
-    replay_bound: Option<Lsn>,
 }
 
 /// Streams in exactly-once mode from `start` until the run ends: a stop (`shutdown`), an
@@ -196,17 +191,17 @@ pub(super) async fn stream(
         sink: Some(Arc::new(sink)),
         reports_tx,
         admitted: HashMap::new(),
-        heads: HashMap::new(),
         broker: None,
         accepts: VecDeque::new(),
         accepting: None,
         ledger: Some((ledger, accept::Prepared::default())),
         batch_started: None,
         last_record: checkpoint::last_txn_record(sql, &cfg.slot).await?,
-        replay_bound: None,
     };
     run.recover(sql).await?;
-    run.replay_bound = checkpoint::accepted_through(sql, &cfg.slot).await?;
+    // Rows with a later commit LSN have no receipt: only rows at or below it are looked up.
+    run.core
+        .set_replay_bound(checkpoint::accepted_through(sql, &cfg.slot).await?);
     tracing::info!(transactional_id = %id, checkpoint = %run.core.durable(), "streaming in exactly-once mode");
     progress.set_checkpoint(run.core.durable());
 
@@ -480,28 +475,21 @@ impl Run<'_> {
         if read.is_empty() {
             return Ok(());
         }
-        let bound = self.replay_bound;
         let unknown: Vec<AggKey> = read
             .iter()
-            .filter(|(_, commit_lsn, _)| bound.is_some_and(|b| *commit_lsn <= b))
-            .flat_map(|(rows, _, _)| rows.iter())
-            .filter_map(|(r, _)| r.as_ref().ok())
-            .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
-            .filter(|k| !self.heads.contains_key(k))
+            .flat_map(|(rows, commit_lsn, _)| {
+                let events = rows.iter().filter_map(|(r, _)| r.as_ref().ok());
+                self.core.heads_needed(*commit_lsn, events)
+            })
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .collect();
         if !unknown.is_empty() {
-            for (k, head) in holds::heads_of(sql, &unknown, None).await? {
-                self.heads.insert(k, head);
-            }
-            for k in unknown {
-                self.heads.entry(k).or_insert(0);
-            }
+            let heads = holds::heads_of(sql, &unknown, None).await?;
+            self.core.learn_heads(unknown, heads);
         }
         for (rows, commit_lsn, end_lsn) in read {
-            let replayed = bound.is_some_and(|b| commit_lsn <= b);
-            self.admit_txn(rows, commit_lsn, replayed).await?;
+            self.admit_txn(rows, commit_lsn).await?;
             self.core.stream_commit(end_lsn);
         }
         Ok(())
@@ -513,7 +501,6 @@ impl Run<'_> {
         &mut self,
         rows: Vec<(Result<OutboxEvent, String>, Lsn)>,
         commit_lsn: Lsn,
-        replayed: bool,
     ) -> Result<(), RelayError> {
         for (n, (row, change_lsn)) in rows.into_iter().enumerate() {
             let event = match row {
@@ -547,14 +534,9 @@ impl Run<'_> {
                     event.event_id
                 )));
             }
-            let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
-            // Read again after a crash (at or below the replay bound): published if its
-            // aggregate's head, read when first met, is at or above it.
-            let accepted = replayed
-                && self
-                    .heads
-                    .get(&key)
-                    .is_some_and(|h| event.aggregate_version <= *h);
+            // Read again after a crash: published if its aggregate's head, read when first
+            // met, is at or above it (the core's rule).
+            let accepted = self.core.replayed_accepted(&event, commit_lsn);
             if !accepted {
                 self.admitted.insert(
                     event.event_id,
