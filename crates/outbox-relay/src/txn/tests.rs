@@ -326,18 +326,15 @@ fn a_transaction_read_again_is_accepted_up_to_its_aggregates_heads_only() {
 
 #[test]
 fn each_mutant_changes_its_decision() {
-    let planted = |m| Planted {
-        mutant: Some(m),
-        current_route: None,
+    // A core with `m` planted, batches of `batch_size`, at checkpoint 10.
+    let planted = |m, batch_size| {
+        let plant = Planted {
+            mutant: Some(m),
+            current_route: None,
+        };
+        TxnCore::planted(plant, served(), batch_size, Lsn(10), 0, vec![])
     };
-    let mut c = TxnCore::planted(
-        planted(Mutant::TxnIgnoresRecords),
-        served(),
-        10,
-        Lsn(10),
-        0,
-        vec![],
-    );
+    let mut c = planted(Mutant::TxnIgnoresRecords, 10);
     c.recover(vec![Recorded {
         batch: 1,
         through: Lsn(20),
@@ -347,38 +344,17 @@ fn each_mutant_changes_its_decision() {
     }]);
     assert!(steps(&mut c).is_empty());
 
-    let mut c = TxnCore::planted(
-        planted(Mutant::TxnReplaysAccepted),
-        served(),
-        10,
-        Lsn(10),
-        0,
-        vec![],
-    );
+    let mut c = planted(Mutant::TxnReplaysAccepted, 10);
     c.admit(event("a", 1), true);
     c.flush();
     assert_eq!(sends(&steps(&mut c)).len(), 1);
 
-    let mut c = TxnCore::planted(
-        planted(Mutant::TxnReplayedIsAccepted),
-        served(),
-        10,
-        Lsn(10),
-        0,
-        vec![],
-    );
+    let mut c = planted(Mutant::TxnReplayedIsAccepted, 10);
     c.set_replay_bound(Some(Lsn(30)));
     c.learn_heads(vec![("order".into(), "a".into())], vec![]);
     assert!(c.replayed_accepted(&event("a", 2), Lsn(30)));
 
-    let mut c = TxnCore::planted(
-        planted(Mutant::TxnThroughPastBatch),
-        served(),
-        2,
-        Lsn(10),
-        0,
-        vec![],
-    );
+    let mut c = planted(Mutant::TxnThroughPastBatch, 2);
     three(&mut c);
     c.flush();
     steps(&mut c);
@@ -392,27 +368,13 @@ fn each_mutant_changes_its_decision() {
         }]
     ));
 
-    let mut c = second_of_three_failed(TxnCore::planted(
-        planted(Mutant::TxnAcceptsAborted),
-        served(),
-        10,
-        Lsn(10),
-        0,
-        vec![],
-    ));
+    let mut c = second_of_three_failed(planted(Mutant::TxnAcceptsAborted, 10));
     c.on_aborted(false);
     assert!(
         matches!(&steps(&mut c)[..], [TxnStep::Accept { receipts, .. }] if receipts.len() == 2)
     );
 
-    let mut c = TxnCore::planted(
-        planted(Mutant::TxnUnknownIsAborted),
-        served(),
-        10,
-        Lsn(10),
-        0,
-        vec![],
-    );
+    let mut c = planted(Mutant::TxnUnknownIsAborted, 10);
     three(&mut c);
     c.flush();
     steps(&mut c);
