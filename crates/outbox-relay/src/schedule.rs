@@ -134,16 +134,12 @@ impl<P: Plant> Schedule<P> {
         }
     }
 
-    /// What to say in the log about reading the slot at `now`, given the loop's `load` and
-    /// whether it reads ([`Schedule::can_read`]): that what waits on unclear outcomes stops it
-    /// (once per [`HELD_WARNING_EVERY`] at most), and that it reads again after a warning.
-    pub fn held_notice(
-        &mut self,
-        now: Duration,
-        load: &Load,
-        can_read: bool,
-    ) -> Option<HeldNotice> {
-        let held = !can_read && self.reading_held_by_unclear(load);
+    /// What to say in the log about reading the slot at `now`, given the loop's `load`: that
+    /// what waits on unclear outcomes stops it ([`Schedule::can_read`] says no, and
+    /// [`Schedule::reading_held_by_unclear`] says why; once per [`HELD_WARNING_EVERY`] at
+    /// most), and that it reads again after a warning.
+    pub fn held_notice(&mut self, now: Duration, load: &Load) -> Option<HeldNotice> {
+        let held = !self.can_read(load) && self.reading_held_by_unclear(load);
         let was = std::mem::replace(&mut self.held, held);
         if held && !was {
             self.episode_warned = self
@@ -426,27 +422,14 @@ mod tests {
         };
         let free = Load::default();
         assert!(!s.can_read(&held) && s.reading_held_by_unclear(&held));
-        assert_eq!(
-            s.held_notice(ms(0), &held, false),
-            Some(HeldNotice::NotRead)
-        );
-        assert_eq!(
-            s.held_notice(ms(10), &held, false),
-            None,
-            "once per episode"
-        );
-        assert_eq!(
-            s.held_notice(ms(20), &free, true),
-            Some(HeldNotice::ReadingAgain)
-        );
+        assert_eq!(s.held_notice(ms(0), &held), Some(HeldNotice::NotRead));
+        assert_eq!(s.held_notice(ms(10), &held), None, "once per episode");
+        assert_eq!(s.held_notice(ms(20), &free), Some(HeldNotice::ReadingAgain));
         // A new episode within the minute: neither said.
-        assert_eq!(s.held_notice(ms(30), &held, false), None);
-        assert_eq!(s.held_notice(ms(40), &free, true), None);
+        assert_eq!(s.held_notice(ms(30), &held), None);
+        assert_eq!(s.held_notice(ms(40), &free), None);
         // After it: said again.
-        assert_eq!(
-            s.held_notice(ms(60_000), &held, false),
-            Some(HeldNotice::NotRead)
-        );
+        assert_eq!(s.held_notice(ms(60_000), &held), Some(HeldNotice::NotRead));
         // Not reading for another reason (max_in_flight) is not this.
         let busy = Load {
             unresolved: 60,
@@ -454,7 +437,7 @@ mod tests {
         };
         let mut t = Schedule::new(settings(), ms(0));
         assert!(!t.can_read(&busy));
-        assert_eq!(t.held_notice(ms(0), &busy, false), None);
+        assert_eq!(t.held_notice(ms(0), &busy), None);
     }
 
     #[test]

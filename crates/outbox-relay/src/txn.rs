@@ -287,7 +287,7 @@ impl<P: Plant> TxnCore<P> {
 
     /// Whether the stream transaction committed at `commit_lsn` is read again (at or below the
     /// replay bound).
-    pub fn replayed(&self, commit_lsn: Lsn) -> bool {
+    fn replayed(&self, commit_lsn: Lsn) -> bool {
         self.replay_bound.is_some_and(|b| commit_lsn <= b)
     }
 

@@ -1036,17 +1036,12 @@ impl World {
         let now = ms(self.now);
         let may_ask = |r: &Relay| !r.paused && !r.killed && r.keeper.renewal_due(now);
         let may_read = |r: &Relay| !r.paused && !r.killed && r.renewal.is_some();
-        let renew_weight = if !self.keeper_timing {
-            if active.is_some() {
-                4
-            } else {
-                0
-            }
-        } else if self.relays.iter().any(may_ask) {
-            4
+        let renewing = if self.keeper_timing {
+            self.relays.iter().any(may_ask)
         } else {
-            0
+            active.is_some()
         };
+        let renew_weight = if renewing { 4 } else { 0 };
         let settling = |r: &Relay| !r.paused && !r.killed && !r.salvaging && r.accepting.is_some();
         let settle_weight = if self.relays.iter().any(settling) {
             10
@@ -1225,6 +1220,8 @@ impl World {
         };
         if due.accept {
             self.relay_call(Some(i), Self::flush_pipelined);
+            // The batch is taken (`Pipeline::begin_acceptance`): its linger starts again with
+            // the next item, which a release below may add before `load_of` looks again.
             if alive(self) {
                 self.relays[i].batch_started = None;
             }
@@ -1904,6 +1901,11 @@ impl World {
         // `--unknown-settle-ms`, as the daemon sets it.
         core.reconcile_settle = ms(SETTLE);
         core.unclear_policy.schedule = self.unclear_schedule;
+        // The lease keeper's and the loop's plant: the mutant only.
+        let timing_plant = Planted {
+            mutant: self.core_mutant(),
+            current_route: None,
+        };
         self.relays.push(Relay {
             gen,
             killed: false,
@@ -1912,22 +1914,12 @@ impl World {
                 ms(self.now),
                 ms(self.now),
                 true,
-                Planted {
-                    mutant: self.core_mutant(),
-                    current_route: None,
-                },
+                timing_plant.clone(),
             ),
             renewal: None,
-            schedule: self.loop_timing.map(|settings| {
-                Schedule::planted(
-                    settings,
-                    ms(self.now),
-                    Planted {
-                        mutant: self.core_mutant(),
-                        current_route: None,
-                    },
-                )
-            }),
+            schedule: self
+                .loop_timing
+                .map(|settings| Schedule::planted(settings, ms(self.now), timing_plant)),
             batch_started: None,
             accepting: None,
             paused: false,

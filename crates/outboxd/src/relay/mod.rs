@@ -733,7 +733,7 @@ async fn run_once(
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
         let can_read = schedule.can_read(&load);
-        match schedule.held_notice(since(Instant::now()), &load, can_read) {
+        match schedule.held_notice(since(Instant::now()), &load) {
             Some(HeldNotice::NotRead) => tracing::warn!(waiting = load.waiting_on_unclear.events,
                 waiting_bytes = load.waiting_on_unclear.bytes, parked = pipeline.core.parked(),
                 limit = cfg.unclear_max_waiting, limit_bytes = outbox_relay::MAX_WAITING_BYTES,
