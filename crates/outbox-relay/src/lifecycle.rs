@@ -40,6 +40,8 @@
 
 use std::time::Duration;
 
+use outbox_core::Lsn;
+
 use crate::pipeline::{AggKey, Mutant, PipelineCore, Plant, Shipped};
 
 /// How long after sending a lease request (acquire or renew) the lease is certainly ours.
@@ -445,6 +447,29 @@ impl CdcStart {
     }
 }
 
+impl CdcStart {
+    /// After [`CdcStep::Stream`]'s `START_REPLICATION`, the slot's confirmed position read
+    /// again (`confirmed`; `None`: not read, or no slot). The plan read the slot before the
+    /// run's walsender held it, and PostgreSQL streams from the later of the requested
+    /// position and the slot's own: a slot dropped and recreated under the same name in
+    /// between (a relay that lost the lease finishing its `--resnapshot`; seen in CI) would
+    /// stream from its own, later position and skip what lies between. Now that this run
+    /// holds the slot nobody can drop it, and nothing has confirmed anything yet, so a slot
+    /// past `start` was replaced: `Err` with its position, which needs an operator
+    /// (`--resnapshot`), never a skip.
+    pub fn check_held<P: Plant>(
+        &self,
+        core: &PipelineCore<P>,
+        start: Lsn,
+        confirmed: Option<Lsn>,
+    ) -> Result<(), Lsn> {
+        match confirmed {
+            Some(slot) if slot > start && !core.planted(Mutant::HeldSlotUnchecked) => Err(slot),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// How a run ends ([`RunEnd`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -741,6 +766,30 @@ mod tests {
             },
         );
         assert!(!steps.contains(&FoldNumbering), "{steps:?}");
+    }
+
+    #[test]
+    fn a_held_slot_past_the_start_was_replaced_and_is_refused() {
+        let gate = || PipelineCore::gate_from(Vec::new(), Vec::new());
+        let core = PipelineCore::new(served(), 3, gate());
+        let start = CdcStart::new(SlotStart::Resume {
+            adopt: false,
+            backfill: false,
+        });
+        let at = Lsn(0x200);
+        assert_eq!(start.check_held(&core, at, Some(Lsn(0x100))), Ok(()));
+        assert_eq!(start.check_held(&core, at, Some(at)), Ok(()));
+        assert_eq!(start.check_held(&core, at, None), Ok(()));
+        assert_eq!(
+            start.check_held(&core, at, Some(Lsn(0x201))),
+            Err(Lsn(0x201))
+        );
+        let planted = Planted {
+            mutant: Some(Mutant::HeldSlotUnchecked),
+            current_route: None,
+        };
+        let bug = PipelineCore::with_plant(served(), 3, gate(), planted);
+        assert_eq!(start.check_held(&bug, at, Some(Lsn(0x201))), Ok(()));
     }
 
     fn ms(n: u64) -> Duration {

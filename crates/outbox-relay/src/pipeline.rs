@@ -237,6 +237,12 @@ pub enum Mutant {
     /// what the last runs logged since the last fold is missed, and rows written without a
     /// version are numbered again from older versions (the simulator's `plain_version_wrong`).
     NumberingLogNotFolded,
+    /// A CDC run streams from a slot it holds without reading the slot's position again
+    /// ([`crate::lifecycle::CdcStart::check_held`] accepts any): a slot dropped and recreated
+    /// under the same name between the plan and `START_REPLICATION` streams from its own,
+    /// later position, and what was committed in between is never read (the simulator's
+    /// `lost` and `confirmed_past_unaccepted`).
+    HeldSlotUnchecked,
     /// A lease renewal's answer makes the lease certain from when the answer was read, not
     /// from when the renewal was asked ([`crate::lifecycle::LeaseKeeper::answered`]): a relay
     /// paused between the two resumes believing in a lease that expired while it was stopped,

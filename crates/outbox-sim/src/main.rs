@@ -35,7 +35,7 @@ struct Args {
     /// confirm-before-accept, skip-dedup, retry-reresolves-route, no-settle, last-ack-wins,
     /// migrate-while-unknown, purge-early, producer-new-id, second-in-flight,
     /// ok-without-offset-is-proof, poll-offers-skipped, early-takeover-of-live-holder,
-    /// lease-from-answer, idle-checkpoint-never-due,
+    /// lease-from-answer, idle-checkpoint-never-due, held-slot-unchecked,
     /// unclear-never-due, route-ignores-cluster, numbering-not-kept; or the product as it was before a bug the simulator found was fixed:
     /// bug-poison-before-gate, bug-unknown-only-at-start, bug-stale-quarantine,
     /// bug-migrate-replayable, bug-proof-after-migration, bug-snapshot-gap, poll-above-head,

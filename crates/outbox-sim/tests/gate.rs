@@ -148,7 +148,7 @@ fn a_trace_replays_alone_and_identically() {
 /// bug; together they make every invariant counter non-zero at least once. Product mutants
 /// (planted in `outbox-relay`, `outbox-core` and `outbox-inbox`): confirm-before-accept,
 /// skip-dedup, last-ack-wins, purge-early, early-takeover-of-live-holder, lease-from-answer,
-/// idle-checkpoint-never-due, poll-offers-skipped,
+/// idle-checkpoint-never-due, held-slot-unchecked, poll-offers-skipped,
 /// retry-reresolves-route,
 /// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
@@ -181,6 +181,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::EarlyTakeoverOfLiveHolder,
         Mutant::LeaseFromAnswer,
         Mutant::IdleCheckpointNeverDue,
+        Mutant::HeldSlotUnchecked,
         Mutant::PollOffersSkipped,
         Mutant::RetryReresolvesRoute,
         Mutant::SecondInFlight,
@@ -297,6 +298,7 @@ fn every_mutant_is_caught(product: bool) {
             Mutant::LeaseFromAnswer,
             &[("stale_sends", |c| c.stale_sends)],
         ),
+        (Mutant::HeldSlotUnchecked, &[("lost", |c| c.lost)]),
         (
             Mutant::IdleCheckpointNeverDue,
             &[("checkpoint_not_written", |c| c.checkpoint_not_written)],

@@ -210,6 +210,10 @@ pub struct Counts {
     /// The replication slot was lost (dropped or invalidated), the relay refused to start,
     /// and the operator restarted it with `--resnapshot`.
     pub slot_losses: u64,
+    /// The slot was dropped and recreated behind the relay's back between its start plan and
+    /// `START_REPLICATION` (a relay that lost the lease finishing its `--resnapshot`): the run
+    /// refused to stream from it (`CdcStart::check_held`) and the operator ran `--resnapshot`.
+    pub slots_replaced: u64,
     pub resnapshots: u64,
     /// Events published from a snapshot of the outbox table (after `--resnapshot`).
     pub snapshot_events: u64,
@@ -385,6 +389,7 @@ impl Counts {
             consumer_crashes,
             receipt_rollbacks,
             slot_losses,
+            slots_replaced,
             resnapshots,
             snapshot_events,
             poll_traces,
@@ -559,6 +564,7 @@ impl Counts {
             ("receipt_conflicts_quarantined", self.conflicts.to_string()),
             ("receipt_txn_rollbacks", self.receipt_rollbacks.to_string()),
             ("slot_losses", self.slot_losses.to_string()),
+            ("slots_replaced_before_streaming", self.slots_replaced.to_string()),
             ("resnapshots", self.resnapshots.to_string()),
             ("snapshot_events", self.snapshot_events.to_string()),
             ("poll_mode_traces", self.poll_traces.to_string()),
@@ -645,6 +651,9 @@ impl World {
     /// resolved in the ledger.
     pub(super) fn check_confirmed(&mut self) {
         let Some(c) = self.slot_confirmed else { return };
+        if self.slot_by_interloper {
+            return; // not a position any relay confirmed
+        }
         let unaccepted: Vec<usize> = (0..self.rows.len())
             .filter(|r| {
                 self.rows[*r].commit_end <= c && !self.rows[*r].purged && !self.ledger.resolved(*r)

@@ -157,6 +157,12 @@ pub enum Mutant {
     /// believing in a lease that expired meanwhile, and sends beside its successor
     /// (`stale_sends`).
     LeaseFromAnswer,
+    /// A CDC run streams from the slot it holds without reading its position again (a
+    /// product mutant in `outbox_relay::lifecycle::CdcStart::check_held`,
+    /// `HeldSlotUnchecked`): a slot replaced between the plan and `START_REPLICATION`
+    /// streams from its own, later position, and what was committed in between is never
+    /// published (`lost`).
+    HeldSlotUnchecked,
     /// The relay loop never writes an idle checkpoint (a product mutant in
     /// `outbox_relay::schedule::Schedule::due`, `IdleCheckpointNeverDue`): what the stream
     /// resolved without a batch is never written nor confirmed (`checkpoint_not_written`).
@@ -328,6 +334,7 @@ impl Mutant {
         ),
         ("lease-from-answer", Mutant::LeaseFromAnswer),
         ("idle-checkpoint-never-due", Mutant::IdleCheckpointNeverDue),
+        ("held-slot-unchecked", Mutant::HeldSlotUnchecked),
         ("bug-release-beside-parked", Mutant::BugReleaseBesideParked),
         ("bug-republish-skipped", Mutant::BugRepublishSkipped),
         ("unclear-never-due", Mutant::UnclearNeverDue),
@@ -654,6 +661,12 @@ struct World {
     /// The slot is gone and the ledger still names it; the operator has (or has not yet)
     /// asked for `--resnapshot`.
     slot_lost: bool,
+    /// Draws when the slot is dropped and recreated behind the relay's back, between a run's
+    /// plan and its `START_REPLICATION` (half of the traces that lose their slot).
+    slot_replacer: Option<SplitMix64>,
+    /// The slot's position is the one an interloper's creation gave it, not one a relay
+    /// confirmed (what `check_confirmed` judges), until a relay creates or moves it.
+    slot_by_interloper: bool,
     resnapshot: bool,
     /// The relay runs in poll mode (`outboxd run --mode poll`): no slot; each run reads the
     /// pending events above each aggregate's head in rounds (`relay/poll.rs`). Drawn from a
@@ -799,6 +812,11 @@ impl World {
                 .expect("a valid schedule")
         });
         let dedup = rng.fork(8).chance(250);
+        // Half of the traces that lose their slot also see it replaced between a run's plan
+        // and its START_REPLICATION, at times (stream 1284; 1285 draws when). No trace of
+        // `the_traces_that_found_bugs_stay_fixed` loses its slot: they replay as they were.
+        let slot_replacer =
+            (slot_loss_at.is_some() && rng.fork(1284).chance(500)).then(|| rng.fork(1285));
         // A quarter of the traces read the slot under the product's backpressure with a
         // `max_in_flight` of 2 to 5, which what waits behind an unclear outcome reaches; the
         // rest with none, so that their draws stay as they were. (Stream 225 is the first
@@ -871,6 +889,8 @@ impl World {
             slot_loss_at,
             poll,
             slot_lost: false,
+            slot_replacer,
+            slot_by_interloper: false,
             resnapshot: false,
             rng,
             mutant,
@@ -1705,10 +1725,12 @@ impl World {
                 }
                 CdcStep::DropSlot => {
                     self.slot_confirmed = None;
+                    self.slot_by_interloper = false;
                     Ok(())
                 }
                 CdcStep::CreateSlot => {
                     self.slot_confirmed = Some(start);
+                    self.slot_by_interloper = false;
                     self.ledger.snapshot_done = false;
                     if matches!(plan, StartPlan::Recreate { .. }) {
                         log!(self, "--resnapshot: slot recreated at {start}");
@@ -1737,10 +1759,48 @@ impl World {
                     self.ledger.fold_numbering_log();
                     Ok(())
                 }
-                CdcStep::Stream => return,
+                CdcStep::Stream => return self.start_streaming(i, &steps, start),
             };
             if let Err(e) = done {
                 return self.end_run(i, e);
+            }
+        }
+    }
+
+    /// `START_REPLICATION` at `start`, then the slot, now held, read again and checked by
+    /// the product (`CdcStart::check_held`). At times the slot was dropped and recreated
+    /// behind the relay's back after its plan read it: PostgreSQL streams from the later of
+    /// the requested position and the slot's own, so a run that did not refuse it would
+    /// skip what was committed in between (`held-slot-unchecked`: `lost`).
+    fn start_streaming(&mut self, i: usize, steps: &CdcStart, start: Lsn) {
+        if self.slot_replacer.as_mut().is_some_and(|d| d.chance(250)) {
+            log!(
+                self,
+                "the slot is dropped and recreated behind the relay's back at {} before START_REPLICATION",
+                Lsn(self.next_lsn)
+            );
+            self.slot_confirmed = Some(Lsn(self.next_lsn));
+            self.slot_by_interloper = true;
+        }
+        match steps.check_held(&self.relays[i].core, start, self.slot_confirmed) {
+            Err(at) => {
+                log!(
+                    self,
+                    "relay refused to stream: the slot is at {at}, ahead of {start}; the operator runs --resnapshot"
+                );
+                self.c.slots_replaced += 1;
+                // As after a lost slot: the next plan refuses the slot ahead of the ledger's
+                // checkpoint, and the operator restarts with --resnapshot.
+                self.slot_lost = true;
+                self.end_run(i, End::Error("the slot was replaced before streaming"));
+            }
+            Ok(()) => {
+                let from = self.slot_confirmed.map_or(start, |s| s.max(start));
+                self.relays[i].cursor = self
+                    .wal
+                    .iter()
+                    .position(|(end, _)| *end > from)
+                    .unwrap_or(self.wal.len());
             }
         }
     }
@@ -2175,6 +2235,7 @@ impl World {
         }
         log!(self, "replication slot lost");
         self.slot_confirmed = None;
+        self.slot_by_interloper = false;
         self.slot_lost = true;
         self.c.slot_losses += 1;
         // Every walsender streaming from it ends; a paused relay finds its stream ended when
@@ -2659,6 +2720,7 @@ impl World {
         match self.mutant? {
             Mutant::LeaseFromAnswer => Some(outbox_relay::Mutant::LeaseFromAnswer),
             Mutant::IdleCheckpointNeverDue => Some(outbox_relay::Mutant::IdleCheckpointNeverDue),
+            Mutant::HeldSlotUnchecked => Some(outbox_relay::Mutant::HeldSlotUnchecked),
             Mutant::BugReleaseBesideParked => Some(outbox_relay::Mutant::ReleaseBesideParked),
             Mutant::ConfirmBeforeAccept => Some(outbox_relay::Mutant::ConfirmBeforeAccept),
             Mutant::RetryReresolvesRoute => Some(outbox_relay::Mutant::RetryReresolvesRoute),
@@ -3297,6 +3359,7 @@ impl World {
         let d = r.core.standby_status().flush;
         if self.slot_confirmed.is_some_and(|s| d > s) {
             self.slot_confirmed = Some(d);
+            self.slot_by_interloper = false;
             self.check_confirmed();
         }
     }

@@ -649,20 +649,16 @@ async fn run_once(
         )
         .await
         .map_err(|e| SourceError::at_start_replication(&cfg.slot, start, e))?;
-    // The plan read the slot before START_REPLICATION took it: a slot dropped and recreated
-    // under the same name in between would stream from its own, later position and skip what
-    // lies between (seen in CI). Now that this walsender holds the slot, nobody can drop it:
-    // read it again; nothing has confirmed anything yet, so it cannot be past `start`.
-    if let Some(held) = slot::inspect(&sql, &cfg.slot).await? {
-        if let Some(lsn) = held.confirmed_flush.filter(|l| *l > start) {
-            return Err(SourceError::SlotAhead {
-                slot: cfg.slot.clone(),
-                slot_lsn: lsn,
-                checkpoint: start,
-            }
-            .into());
-        }
-    }
+    // The slot, now held, read again: one replaced since the plan read it is refused
+    // (`CdcStart::check_held` says why).
+    let held = slot::inspect(&sql, &cfg.slot).await?;
+    steps
+        .check_held(&pipeline.core, start, held.and_then(|h| h.confirmed_flush))
+        .map_err(|slot_lsn| SourceError::SlotAhead {
+            slot: cfg.slot.clone(),
+            slot_lsn,
+            checkpoint: start,
+        })?;
     progress.streaming.store(true, Ordering::Relaxed);
     progress.metrics.streaming(true);
     progress.set_checkpoint(start);
