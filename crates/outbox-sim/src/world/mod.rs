@@ -1734,7 +1734,6 @@ impl World {
                     self.ledger.snapshot_done = false;
                     if matches!(plan, StartPlan::Recreate { .. }) {
                         log!(self, "--resnapshot: slot recreated at {start}");
-                        self.resnapshot = false;
                         self.slot_lost = false;
                         self.c.resnapshots += 1;
                     }
@@ -1742,6 +1741,8 @@ impl World {
                 }
                 CdcStep::RecordSlot => {
                     self.ledger.checkpoint = Some(start);
+                    // As the daemon: `--resnapshot` stays asked until the new slot is recorded.
+                    self.resnapshot = false;
                     Ok(())
                 }
                 CdcStep::Start(StartStep::Snapshot) => match self.snapshot(i) {

@@ -264,9 +264,16 @@ pub async fn run(
                         .instrument(span)
                         .await
                 } else {
-                    run_once(&cfg, &progress, &mut shutdown, resnapshot, &fence, held)
-                        .instrument(span)
-                        .await
+                    run_once(
+                        &cfg,
+                        &progress,
+                        &mut shutdown,
+                        &mut resnapshot,
+                        &fence,
+                        held,
+                    )
+                    .instrument(span)
+                    .await
                 }
             }
             Err(e) => Err(e),
@@ -297,7 +304,6 @@ pub async fn run(
                 }
             }
         }
-        resnapshot = false;
     }
 }
 
@@ -474,7 +480,11 @@ async fn run_once(
     cfg: &RelayConfig,
     progress: &Arc<Progress>,
     shutdown: &mut watch::Receiver<bool>,
-    resnapshot: bool,
+    // `--resnapshot`: stays asked until a run recorded its new slot in the ledger. A run that
+    // ended before (after dropping the old slot, or creating the new one) left a ledger whose
+    // checkpoint names a slot that is gone or behind the new one: its retry must drop and
+    // create again, where a plan without it refuses to start.
+    resnapshot: &mut bool,
     fence: &Fence,
     held: HeldLease,
 ) -> Result<(), RelayError> {
@@ -533,7 +543,7 @@ async fn run_once(
             &ident.system_id,
             slot_info.as_ref(),
             view.as_ref(),
-            resnapshot,
+            *resnapshot,
         )
     };
     let plan = match plan_for(slot_info) {
@@ -604,6 +614,7 @@ async fn run_once(
                     lsn,
                 )
                 .await?;
+                *resnapshot = false;
             }
             CdcStep::Start(StartStep::Snapshot) => {
                 // As the relay must publish them now: with their latest destination migration.
