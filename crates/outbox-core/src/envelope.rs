@@ -13,29 +13,15 @@
 //! to SHA-256. Changing it is a new envelope generation, never an edit.
 
 use bytes::Bytes;
-use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+pub use crate::destination::{sha256_digest, Destination, DIGEST_PREFIX};
 use crate::route::RouteVersions;
 
 /// The prefix every digest carries, so the algorithm is part of the value.
-pub const DIGEST_PREFIX: &str = "sha256:";
-
 /// The envelope generation `outbox.enqueue` writes. Each explicit destination migration makes
 /// a new generation of the same event (same id, payload and digest; new destination).
 pub const ENVELOPE_GENERATION: i32 = 1;
-
-/// `sha256:<hex>` of the given bytes.
-pub fn sha256_digest(bytes: &[u8]) -> String {
-    // Into a buffer: `hex::encode` builds its String one char at a time, a few percent of
-    // the relay's CPU per event (two digests each).
-    let mut hex = [0u8; 64];
-    hex::encode_to_slice(Sha256::digest(bytes), &mut hex).expect("32 bytes are 64 hex digits");
-    let mut out = String::with_capacity(DIGEST_PREFIX.len() + 64);
-    out.push_str(DIGEST_PREFIX);
-    out.push_str(std::str::from_utf8(&hex).expect("hex digits are ASCII"));
-    out
-}
 
 /// How the ledger stores a digest (`outbox.digest_bytes`, migration 0030): `sha256:<64
 /// lowercase hex>` as its 32 bytes; any other text as 0x00, its UTF-8 bytes, and one more 0x00
@@ -81,64 +67,6 @@ pub fn digest_bytes(digest: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(digest.len().max(32) + 2);
     StoredDigest::of(digest).write(&mut out);
     out
-}
-
-/// `destination.v1`: where an event goes, resolved from the route policy at enqueue and
-/// frozen in the row. Retries never re-resolve it (invariant 4).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Destination {
-    /// Broker kind, e.g. `kafka`.
-    pub kind: String,
-    /// Broker cluster identity (a name the operator gives the cluster in the route policy).
-    pub cluster: String,
-    pub topic: String,
-    /// Routing / partition key (the aggregate id by default).
-    pub key: String,
-    /// Partitioning algorithm, e.g. `murmur2_random` (Java-client compatible).
-    pub partitioner: String,
-    /// Generation of the route policy the destination was resolved from.
-    pub route_generation: i64,
-    pub serializer: String,
-    /// Required acknowledgements, e.g. `all`.
-    pub acks: String,
-}
-
-impl Destination {
-    /// A Kafka destination as a first route generation freezes one (Java-compatible
-    /// partitioner, JSON, `acks=all`): for tests, fixtures and the simulator.
-    pub fn kafka(cluster: &str, topic: &str, key: &str) -> Destination {
-        Destination {
-            kind: "kafka".into(),
-            cluster: cluster.into(),
-            topic: topic.into(),
-            key: key.into(),
-            partitioner: "murmur2_random".into(),
-            route_generation: 1,
-            serializer: "json".into(),
-            acks: "all".into(),
-        }
-    }
-
-    /// The canonical text hashed into the destination digest. Must match
-    /// `outbox.destination_canonical(...)` in the migrations byte for byte.
-    pub fn canonical(&self) -> String {
-        format!(
-            "destination.v1\nkind={}\ncluster={}\ntopic={}\nkey={}\npartitioner={}\nroute_generation={}\nserializer={}\nacks={}",
-            self.kind,
-            self.cluster,
-            self.topic,
-            self.key,
-            self.partitioner,
-            self.route_generation,
-            self.serializer,
-            self.acks
-        )
-    }
-
-    /// `sha256:<hex>` of [`Destination::canonical`].
-    pub fn digest(&self) -> String {
-        sha256_digest(self.canonical().as_bytes())
-    }
 }
 
 /// One outbox row as the relay sees it: `outboxEnvelope.v1` plus its frozen destination.
@@ -325,6 +253,7 @@ pub(crate) mod tests {
 
     #[test]
     fn digests_are_stored_as_their_bytes_and_other_text_unambiguously() {
+        use sha2::{Digest, Sha256};
         let d = sha256_digest(b"x");
         assert_eq!(digest_bytes(&d), Sha256::digest(b"x").to_vec());
         // Not sha256 hex: never 32 bytes, always a leading 0x00.

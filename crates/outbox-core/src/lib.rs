@@ -57,6 +57,7 @@ macro_rules! rule_with_mutant {
 
 pub mod ack;
 pub mod delivery;
+pub mod destination;
 pub mod envelope;
 pub mod lease;
 pub mod lsn;

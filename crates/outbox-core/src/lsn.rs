@@ -46,6 +46,17 @@ impl From<u64> for Lsn {
     }
 }
 
+/// Where a row stands in its slot's stream: the commit LSN of its transaction, then the LSN
+/// of its own change record (the `XLogData` start the walsender sends with it). The stream
+/// delivers rows in this order (transactions in commit order, a transaction's changes in WAL
+/// order), and both halves are the WAL's own, so a row read again after a restart, whatever
+/// the publication's filter or the relay's batching, has the same position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamPosition {
+    pub commit_lsn: Lsn,
+    pub change_lsn: Lsn,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

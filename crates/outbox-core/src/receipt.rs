@@ -27,6 +27,8 @@
 
 use std::fmt;
 
+pub use crate::lsn::StreamPosition;
+
 /// The two digests a receipt carries (from the send) and a frozen row holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Digests<'a> {
@@ -108,17 +110,6 @@ impl<const LAST_ACK_WINS: bool> AcceptanceRule<LAST_ACK_WINS> {
             _ => ReceiptClass::Primary,
         }
     }
-}
-
-/// Where a row stands in its slot's stream: the commit LSN of its transaction, then the LSN
-/// of its own change record (the `XLogData` start the walsender sends with it). The stream
-/// delivers rows in this order (transactions in commit order, a transaction's changes in WAL
-/// order), and both halves are the WAL's own, so a row read again after a restart, whatever
-/// the publication's filter or the relay's batching, has the same position.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct StreamPosition {
-    pub commit_lsn: crate::Lsn,
-    pub change_lsn: crate::Lsn,
 }
 
 /// Whether every receipt of a batch is proven new to its slot: each has a stream position,

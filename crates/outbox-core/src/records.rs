@@ -38,8 +38,8 @@ pub struct ReceiptRecord {
 
 impl ReceiptRecord {
     /// Where its row stands in the slot's stream, when it was read from the stream.
-    pub fn position(&self) -> Option<crate::receipt::StreamPosition> {
-        Some(crate::receipt::StreamPosition {
+    pub fn position(&self) -> Option<crate::lsn::StreamPosition> {
+        Some(crate::lsn::StreamPosition {
             commit_lsn: self.commit_lsn?,
             change_lsn: self.change_lsn?,
         })
@@ -50,8 +50,8 @@ impl ReceiptRecord {
     /// transaction. What an acceptance raises the slot's accepted position to: a bound too
     /// high only sends more batches to be classified, never one that holds a replay to the
     /// plain insert.
-    pub fn position_bound(&self) -> Option<crate::receipt::StreamPosition> {
-        Some(crate::receipt::StreamPosition {
+    pub fn position_bound(&self) -> Option<crate::lsn::StreamPosition> {
+        Some(crate::lsn::StreamPosition {
             commit_lsn: self.commit_lsn?,
             change_lsn: self.change_lsn.unwrap_or(Lsn(u64::MAX)),
         })

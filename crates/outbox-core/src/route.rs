@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::fmt::Write;
 
-use crate::envelope::Destination;
+use crate::destination::Destination;
 
 /// One immutable route version (a row of `outbox.route_versions`).
 #[derive(Debug, Clone, PartialEq, Eq)]

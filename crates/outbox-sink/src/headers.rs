@@ -20,7 +20,13 @@
 //! `headers` object are copied to the Kafka headers under the same names, like every other
 //! row header.
 
+use std::borrow::Cow;
+
 use outbox_core::OutboxEvent;
+
+/// Message headers as (name, value): the envelope's names are static and most values borrow
+/// from the event, so building them for every message allocates little.
+pub type Headers<'a> = Vec<(Cow<'static, str>, Cow<'a, [u8]>)>;
 
 /// Which optional header families to add.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -35,11 +41,7 @@ pub const DEFAULT_CLOUDEVENTS_SOURCE: &str = "/outboxd/{aggregate_type}";
 /// Appends the optional headers of `opts` to `headers` (the envelope headers of `ev`). A
 /// header already present (e.g. a producer's own `ce_type` row header) is replaced, so each
 /// name appears once and the CloudEvents attributes always describe the outbox event.
-pub fn add_optional_headers(
-    headers: &mut crate::kafka::Headers<'_>,
-    ev: &OutboxEvent,
-    opts: &HeaderOptions,
-) {
+pub fn add_optional_headers(headers: &mut Headers<'_>, ev: &OutboxEvent, opts: &HeaderOptions) {
     if let Some(source) = &opts.cloudevents {
         for (k, v) in cloudevents_headers(ev, source) {
             headers.retain(|(name, _)| *name != k);

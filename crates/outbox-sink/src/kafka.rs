@@ -26,9 +26,15 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::{ClientContext, Message, Timestamp};
 use tokio::sync::mpsc::UnboundedSender;
 
+pub use crate::headers::Headers;
 use crate::{
     Delivery, DeliveryOutcome, FailureClass, Lookup, Persistence, Sink, SinkError, UnknownLookup,
 };
+
+/// The delivery-report token of a transactional batch record (`kafka_txn`): its report is not
+/// forwarded (the commit is its answer). The relay's tokens count up from 0 and never reach
+/// it.
+pub const BATCH_RECORD_TOKEN: u64 = u64::MAX;
 
 /// Sink settings. `properties` are passed to librdkafka verbatim (after ours, so they win,
 /// except `enable.idempotence` and `acks`, which the relay's guarantees depend on).
@@ -156,7 +162,7 @@ impl ProducerContext for SinkContext {
         // A transactional batch record's answer is its transaction's commit, not a report
         // (`kafka_txn`): the pipeline only ever hears of its own events. Its position is kept
         // for the commit to return.
-        if sent.token == crate::kafka_txn::BATCH_RECORD_TOKEN {
+        if sent.token == BATCH_RECORD_TOKEN {
             if let (Ok(m), Ok(mut slot)) = (result, self.record_position.lock()) {
                 *slot = Some((m.partition(), m.offset()));
             }
@@ -304,10 +310,6 @@ pub fn event_headers(ev: &OutboxEvent) -> Headers<'_> {
     }
     h
 }
-
-/// Message headers as (name, value): the envelope's names are static and most values borrow
-/// from the event, so building them for every message allocates little.
-pub type Headers<'a> = Vec<(Cow<'static, str>, Cow<'a, [u8]>)>;
 
 /// An idempotent, `acks=all` Kafka producer whose delivery reports go to a channel, and its
 /// express lane (the same settings without linger) for a relay that has little in flight.

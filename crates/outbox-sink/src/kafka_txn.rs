@@ -36,12 +36,9 @@ use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc::UnboundedSender;
 
+pub use crate::kafka::BATCH_RECORD_TOKEN;
 use crate::kafka::{classify, enqueue, producer_config, Sent, SinkContext};
 use crate::{Delivery, KafkaSinkConfig, SinkError};
-
-/// The delivery-report token of a batch record: its report is not forwarded (the commit is
-/// its answer). The relay's tokens count up from 0 and never reach it.
-pub const BATCH_RECORD_TOKEN: u64 = u64::MAX;
 
 /// What a committed batch proves: written into the positions topic inside the batch's own
 /// transaction, keyed by slot.

@@ -99,28 +99,6 @@ pub struct DbArgs {
     pub config: Option<PathBuf>,
 }
 
-impl DbArgs {
-    /// The URL: the flag or its variable, else the config file's `database_url`.
-    pub fn url(&self) -> anyhow::Result<String> {
-        if let Some(url) = &self.database_url {
-            return Ok(url.clone());
-        }
-        if let Some(path) = &self.config {
-            let file = crate::config::FileConfig::load(path)?;
-            if let Some(url) = &file.database_url {
-                return Ok(url.expose().to_string());
-            }
-            anyhow::bail!(
-                "database URL is missing: {} has no database_url; pass --database-url or set OUTBOXD_DATABASE_URL",
-                path.display()
-            );
-        }
-        anyhow::bail!(
-            "database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or --config FILE (OUTBOXD_CONFIG) with database_url"
-        )
-    }
-}
-
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
     #[command(flatten)]

@@ -290,6 +290,29 @@ fn read_nkey_seed(path: &std::path::Path) -> anyhow::Result<String> {
     Ok(seed.to_string())
 }
 
+/// Where a command's `DbArgs` resolve: here with the rest of the configuration's resolution.
+impl crate::cli::DbArgs {
+    /// The URL: the flag or its variable, else the config file's `database_url`.
+    pub fn url(&self) -> anyhow::Result<String> {
+        if let Some(url) = &self.database_url {
+            return Ok(url.clone());
+        }
+        if let Some(path) = &self.config {
+            let file = FileConfig::load(path)?;
+            if let Some(url) = &file.database_url {
+                return Ok(url.expose().to_string());
+            }
+            anyhow::bail!(
+                "database URL is missing: {} has no database_url; pass --database-url or set OUTBOXD_DATABASE_URL",
+                path.display()
+            );
+        }
+        anyhow::bail!(
+            "database URL is missing: pass --database-url, set OUTBOXD_DATABASE_URL, or --config FILE (OUTBOXD_CONFIG) with database_url"
+        )
+    }
+}
+
 pub fn resolve_nats_auth(
     a: &crate::cli::NatsAuthArgs,
     file: &NatsFile,

@@ -986,15 +986,15 @@ async fn start_step(
             .retry_generation
             .extend(outbox_ledger::attempts::retry_generations(sql, &cfg.slot).await?),
         StartStep::ReconcileOpen => {
-            unknown::reconcile_unknown(
-                cfg,
-                sql,
-                pipeline,
-                fence,
-                current_rows,
-                unknown::When::Start,
-            )
-            .await?
+            pipeline
+                .reconcile_unknown(
+                    cfg,
+                    sql,
+                    fence,
+                    current_rows,
+                    outbox_relay::unknown::When::Start,
+                )
+                .await?
         }
         StartStep::RaiseHeads(known) => pipeline
             .core

@@ -18,17 +18,19 @@ use outbox_ledger::{accept, AcceptOutcome};
 use outbox_relay::lifecycle::{EndStep, Ending, RunEnd};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
-use outbox_relay::unknown::Resolved;
+use outbox_relay::unknown::{Resolved, When};
 use outbox_relay::{
     Acceptance, AcceptanceEnd, Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup,
     ParkedStep, Pending, PipelineCore, Reported, UnclearStep,
 };
-use outbox_sink::{AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError};
+use outbox_sink::{
+    AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError, UnknownLookup,
+};
 use outbox_source::snapshot::{events_by_id, Numbering};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_postgres::Client;
 
-use super::{unknown, Progress, RelayError};
+use super::{Progress, RelayError};
 use crate::config::RelayConfig;
 use crate::failpoint;
 
@@ -539,8 +541,7 @@ impl Pipeline {
                     ParkedInput::Open(open.map(|attempt| OpenAttempt {
                         attempt_generation: attempt.attempt_generation,
                         has_receipt: attempt.has_receipt,
-                        lookup_resends:
-                            self.sink.lookup_resends(super::unknown::sent_ago(&attempt)),
+                        lookup_resends: self.sink.lookup_resends(sent_ago(&attempt)),
                         attempt,
                     }))
                 }
@@ -589,12 +590,10 @@ impl Pipeline {
         reconciling: bool,
     ) {
         let started = Instant::now();
-        let resent = self.sink.lookup_resends(super::unknown::sent_ago(&attempt));
+        let resent = self.sink.lookup_resends(sent_ago(&attempt));
         let (sink, tx) = (self.sink.clone(), self.lookups_tx.clone());
         tokio::spawn(async move {
-            let result = sink
-                .lookup(super::unknown::lookup_of(&event, &attempt))
-                .await;
+            let result = sink.lookup(lookup_of(&event, &attempt)).await;
             let _ = tx.send(LookupDone {
                 event,
                 reconciling,
@@ -608,7 +607,7 @@ impl Pipeline {
     }
 
     /// A look-up of a parked event finished: record what it proved; close the event's other
-    /// open attempts that a re-send under its key just answered (`unknown::close_answered`:
+    /// open attempts that a re-send under its key just answered (`Pipeline::close_answered`, in `unknown.rs`:
     /// never sent again after a clear answer); while it has another open attempt (an earlier
     /// run's, an earlier try's), look that one up too, so every attempt is traced; then tell
     /// the core and send what follows (the retry, or the aggregate's next event).
@@ -632,17 +631,17 @@ impl Pipeline {
             Ok(lookup) => {
                 let answer = lookup.clone();
                 let slot = self.slot.clone();
-                let resolved = super::unknown::record_lookup(
-                    &slot,
-                    self,
-                    &self.fence.clone(),
-                    &attempt,
-                    &event,
-                    lookup,
-                    started,
-                )
-                .await?;
-                super::unknown::close_answered(self, &slot, &event, resent, &answer, &resolved)
+                let resolved = self
+                    .record_lookup(
+                        &slot,
+                        &self.fence.clone(),
+                        &attempt,
+                        &event,
+                        lookup,
+                        started,
+                    )
+                    .await?;
+                self.close_answered(&slot, &event, resent, &answer, &resolved)
                     .await?;
                 self.core.unknown_resolved(id, &resolved);
                 LookupOutcome::from(resolved)
@@ -678,11 +677,10 @@ impl Pipeline {
                 let answer = lookup.clone();
                 let slot = self.slot.clone();
                 let fence = self.fence.clone();
-                let resolved = super::unknown::record_lookup(
-                    &slot, self, &fence, &attempt, &event, lookup, started,
-                )
-                .await?;
-                super::unknown::close_answered(self, &slot, &event, resent, &answer, &resolved)
+                let resolved = self
+                    .record_lookup(&slot, &fence, &attempt, &event, lookup, started)
+                    .await?;
+                self.close_answered(&slot, &event, resent, &answer, &resolved)
                     .await?;
                 resolved
             }
@@ -948,15 +946,8 @@ impl Pipeline {
             match poll.next(&mut self.core, now) {
                 PollStep::ReconcileSettled => {
                     let fence = self.fence.clone();
-                    unknown::reconcile_unknown(
-                        cfg,
-                        sql,
-                        self,
-                        &fence,
-                        qualified_table,
-                        unknown::When::Running,
-                    )
-                    .await?
+                    self.reconcile_unknown(cfg, sql, &fence, qualified_table, When::Running)
+                        .await?
                 }
                 PollStep::ReadReleasing => {
                     let releases =
@@ -1074,4 +1065,24 @@ impl Pipeline {
             }
         }
     }
+}
+
+/// What a look-up of attempt `a` of `ev` asks the sink: from the first position that may hold
+/// its copy, and how long ago it was sent.
+pub(crate) fn lookup_of<'a>(
+    ev: &'a OutboxEvent,
+    a: &'a attempts::UnknownAttempt,
+) -> UnknownLookup<'a> {
+    UnknownLookup {
+        event: ev,
+        topic: &a.topic,
+        partition: a.partition,
+        from: a.scan_from + 1,
+        sent_ago: sent_ago(a),
+    }
+}
+
+/// How long ago attempt `a` was sent, as the ledger read it.
+pub(crate) fn sent_ago(a: &attempts::UnknownAttempt) -> Duration {
+    Duration::from_secs_f64(a.sent_ago_s.max(0.0))
 }

@@ -20,7 +20,7 @@
 //! Where the look-up is itself a re-send under the event's key (HTTP; JetStream inside the
 //! duplicate window: `Sink::lookup_resends`), its answer is the answer for every attempt of
 //! the event whose look-up would be the same re-send: those are closed with it
-//! ([`close_answered`]), never sent again after a clear answer. For the same reason an open
+//! ([`Pipeline::close_answered`]), never sent again after a clear answer. For the same reason an open
 //! attempt of another generation whose event already has its receipt is closed, while running,
 //! as found at that receipt (`Reconcile::ClosedByReceipt`): the receipt is the destination's
 //! answer under the key, and looking it up would send a published event again and hold the
@@ -34,7 +34,7 @@
 //!
 //! While running, an attempt of this run is resolved without ending it: its event is parked
 //! (`outbox_relay::pipeline::unclear`) and the same look-up and the same recording
-//! ([`record_lookup`]) run when the core says it is due (`Pipeline::on_lookup`). Every attempt
+//! ([`Pipeline::record_lookup`]) run when the core says it is due (`Pipeline::on_lookup`). Every attempt
 //! open at start is handed to that machinery too, with its settle time as its due time: the
 //! replay parks its event instead of sending it, and its look-up runs beside everything else,
 //! so a restart after many unclear sends neither waits for them one by one nor stops on one
@@ -53,11 +53,11 @@ use std::time::{Duration, Instant};
 use outbox_core::receipt::Scan;
 use outbox_core::OutboxEvent;
 use outbox_ledger::{accept, attempts, LedgerItem, ReceiptRecord};
-use outbox_sink::{Lookup, Sink, UnknownLookup};
+use outbox_sink::{Lookup, Sink};
 use outbox_source::snapshot::{events_by_id, Numbering};
 use tokio_postgres::Client;
 
-use super::pipeline::Pipeline;
+use super::pipeline::{sent_ago, Pipeline};
 use super::RelayError;
 use crate::config::RelayConfig;
 use outbox_ledger::lease::Fence;
@@ -65,52 +65,60 @@ use outbox_ledger::lease::Fence;
 pub(crate) use outbox_relay::unknown::When;
 use outbox_relay::unknown::{self, Reconcile, Resolved};
 
-pub(crate) async fn reconcile_unknown(
-    cfg: &RelayConfig,
-    sql: &Client,
-    pipeline: &mut Pipeline,
-    fence: &Fence,
-    qualified_table: &str,
-    when: When,
-) -> Result<(), RelayError> {
-    let open = attempts::open_unknown(sql, &cfg.slot).await?;
-    for a in open {
-        // What to do with it now is the core's: at start nothing is looked up in line (the
-        // replay parks the event when it reaches it, and the look-up runs beside everything
-        // else: a restart with many open attempts does not wait for them one by one).
-        let open = unknown::Open {
-            event_id: a.event_id,
-            relay_generation: a.relay_generation,
-            unknown_for: Duration::from_secs_f64(a.unknown_for_s.max(0.0)),
-            has_receipt: a.has_receipt,
-            lookup_resends: pipeline.sink().lookup_resends(sent_ago(&a)),
-        };
-        let now = std::time::SystemTime::now();
-        match pipeline.core.reconcile(when, fence.generation, &open, now) {
-            Reconcile::Skip | Reconcile::HandedToRun => {}
-            Reconcile::ClosedByReceipt => {
-                if let Some(offset) = attempts::resolve_by_receipt(&pipeline.client, a.id).await? {
-                    tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
+impl Pipeline {
+    /// Every open DISPATCH_UNKNOWN attempt of the slot, as the core decides `when` (at a run's
+    /// start, or at a release poll while it runs): skipped, handed to the run, closed by the
+    /// event's receipt, or looked up on a task of its own.
+    pub(crate) async fn reconcile_unknown(
+        &mut self,
+        cfg: &RelayConfig,
+        sql: &Client,
+        fence: &Fence,
+        qualified_table: &str,
+        when: When,
+    ) -> Result<(), RelayError> {
+        let pipeline = self;
+        let open = attempts::open_unknown(sql, &cfg.slot).await?;
+        for a in open {
+            // What to do with it now is the core's: at start nothing is looked up in line (the
+            // replay parks the event when it reaches it, and the look-up runs beside everything
+            // else: a restart with many open attempts does not wait for them one by one).
+            let open = unknown::Open {
+                event_id: a.event_id,
+                relay_generation: a.relay_generation,
+                unknown_for: Duration::from_secs_f64(a.unknown_for_s.max(0.0)),
+                has_receipt: a.has_receipt,
+                lookup_resends: pipeline.sink().lookup_resends(sent_ago(&a)),
+            };
+            let now = std::time::SystemTime::now();
+            match pipeline.core.reconcile(when, fence.generation, &open, now) {
+                Reconcile::Skip | Reconcile::HandedToRun => {}
+                Reconcile::ClosedByReceipt => {
+                    if let Some(offset) =
+                        attempts::resolve_by_receipt(&pipeline.client, a.id).await?
+                    {
+                        tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
                         offset, "DISPATCH_UNKNOWN resolved by the event's receipt (the destination's answer under its key): not sent again");
-                    pipeline
-                        .core
-                        .closed_by_receipt(a.event_id, a.attempt_generation, offset);
+                        pipeline
+                            .core
+                            .closed_by_receipt(a.event_id, a.attempt_generation, offset);
+                    }
                 }
-            }
-            // On a task of its own, as a parked event's: a broker scan or an endpoint that
-            // takes its time holds this event only, never the relay's loop
-            // (`Pipeline::on_lookup` records it and tells `PipelineCore::reconciled`).
-            Reconcile::LookUp => match load(sql, qualified_table, &a).await? {
-                Some(ev) => pipeline.start_reconcile_lookup(ev, a),
-                None => {
-                    tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
+                // On a task of its own, as a parked event's: a broker scan or an endpoint that
+                // takes its time holds this event only, never the relay's loop
+                // (`Pipeline::on_lookup` records it and tells `PipelineCore::reconciled`).
+                Reconcile::LookUp => match load(sql, qualified_table, &a).await? {
+                    Some(ev) => pipeline.start_reconcile_lookup(ev, a),
+                    None => {
+                        tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
                         "DISPATCH_UNKNOWN of a row written without a version or route: looked up when a run's replay brings the event, numbered; it stays open until then");
-                    pipeline.core.reconcile_deferred(a.event_id);
-                }
-            },
+                        pipeline.core.reconcile_deferred(a.event_id);
+                    }
+                },
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Attempt `a`'s event as the relay must publish it now; `None` for a row written without a
@@ -142,177 +150,162 @@ async fn load(
 /// whose own look-up would be the same re-send, with the same answer, instead of sending the
 /// event again (`outbox_relay::unknown::answered_already`; a second send after a clear
 /// answer is what an endpoint's idempotency key store would have to absorb). Returns how many.
-pub(crate) async fn close_answered(
-    pipeline: &Pipeline,
-    slot: &str,
-    ev: &OutboxEvent,
-    resent: bool,
-    lookup: &Lookup,
-    resolved: &Resolved,
-) -> Result<usize, RelayError> {
-    if !unknown::answered_already(resent, resolved, true) {
-        return Ok(0);
-    }
-    let (found_offset, scanned_from, scanned_to) = match *lookup {
-        Lookup::Found {
-            offset,
-            scanned_from,
-            scanned_to,
-            ..
-        } => (Some(offset), scanned_from, scanned_to),
-        Lookup::StoredByProbe { offset, .. } => (None, offset, offset),
-        Lookup::Absent {
-            scanned_from,
-            scanned_to,
-        } => (None, scanned_from, scanned_to),
-    };
-    let mut closed = 0;
-    for other in attempts::all_open_unknown_of(&pipeline.client, slot, ev.event_id).await? {
-        if !unknown::answered_already(
-            resent,
-            resolved,
-            pipeline.sink().lookup_resends(sent_ago(&other)),
-        ) {
-            continue;
+impl Pipeline {
+    pub(crate) async fn close_answered(
+        &self,
+        slot: &str,
+        ev: &OutboxEvent,
+        resent: bool,
+        lookup: &Lookup,
+        resolved: &Resolved,
+    ) -> Result<usize, RelayError> {
+        if !unknown::answered_already(resent, resolved, true) {
+            return Ok(0);
         }
-        attempts::resolve(
-            &pipeline.client,
-            other.id,
-            found_offset,
-            scanned_from,
-            scanned_to,
-        )
-        .await?;
-        tracing::info!(event_id = %ev.event_id, attempt = other.attempt_generation,
+        let (found_offset, scanned_from, scanned_to) = match *lookup {
+            Lookup::Found {
+                offset,
+                scanned_from,
+                scanned_to,
+                ..
+            } => (Some(offset), scanned_from, scanned_to),
+            Lookup::StoredByProbe { offset, .. } => (None, offset, offset),
+            Lookup::Absent {
+                scanned_from,
+                scanned_to,
+            } => (None, scanned_from, scanned_to),
+        };
+        let pipeline = self;
+        let mut closed = 0;
+        for other in attempts::all_open_unknown_of(&pipeline.client, slot, ev.event_id).await? {
+            if !unknown::answered_already(
+                resent,
+                resolved,
+                pipeline.sink().lookup_resends(sent_ago(&other)),
+            ) {
+                continue;
+            }
+            attempts::resolve(
+                &pipeline.client,
+                other.id,
+                found_offset,
+                scanned_from,
+                scanned_to,
+            )
+            .await?;
+            tracing::info!(event_id = %ev.event_id, attempt = other.attempt_generation,
             relay_generation = other.relay_generation,
             "DISPATCH_UNKNOWN resolved by the answer to the same key: not sent again");
-        closed += 1;
+            closed += 1;
+        }
+        Ok(closed)
     }
-    Ok(closed)
-}
 
-/// What a look-up of attempt `a` of `ev` asks the sink: from the first position that may hold
-/// its copy, and how long ago it was sent.
-pub(crate) fn lookup_of<'a>(
-    ev: &'a OutboxEvent,
-    a: &'a attempts::UnknownAttempt,
-) -> UnknownLookup<'a> {
-    UnknownLookup {
-        event: ev,
-        topic: &a.topic,
-        partition: a.partition,
-        from: a.scan_from + 1,
-        sent_ago: sent_ago(a),
-    }
-}
-
-/// How long ago attempt `a` was sent, as the ledger read it.
-pub(crate) fn sent_ago(a: &attempts::UnknownAttempt) -> Duration {
-    Duration::from_secs_f64(a.sent_ago_s.max(0.0))
-}
-
-/// Records what a look-up of attempt `a` proved (the rule: `outbox_relay::unknown::resolve`):
-/// the copy's receipt and the attempt's resolution, committed before the caller tells the
-/// core. Returns the rule's verdict.
-pub(crate) async fn record_lookup(
-    slot: &str,
-    pipeline: &mut Pipeline,
-    fence: &Fence,
-    a: &attempts::UnknownAttempt,
-    ev: &OutboxEvent,
-    lookup: Lookup,
-    started: Instant,
-) -> Result<Resolved, RelayError> {
-    let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
-    let kind = pipeline.served().kind;
-    // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
-    // JetStream probe (or an HTTP retry with the same key) that was *stored* proves the
-    // original absent or deduplicated, and is itself the retry.
-    let (proof, (scanned_from, scanned_to), timestamp_ms, probe_offset, evidence) = match lookup {
-        Lookup::Found {
-            offset,
-            timestamp_ms,
-            scanned_from,
-            scanned_to,
-            ..
-        } => (
-            Scan::Found { offset },
-            (scanned_from, scanned_to),
-            timestamp_ms,
-            None,
-            None,
-        ),
-        Lookup::Absent {
-            scanned_from,
-            scanned_to,
-        } => (Scan::Absent, (scanned_from, scanned_to), None, None, None),
-        Lookup::StoredByProbe {
-            offset,
-            timestamp_ms,
-            evidence,
-            ..
-        } => (
-            Scan::Absent,
-            (offset, offset),
-            timestamp_ms,
-            Some(offset),
-            evidence,
-        ),
-    };
-    let last = attempts::last_generation(&pipeline.client, a.event_id).await?;
-    // Settled: the settle time has passed (slept out at start, filtered while running, and
-    // counted by the core for an in-run look-up).
-    let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
-    // What to write, and in which order, is the core's (`outbox_relay::unknown::record`).
-    let record = unknown::record(resolved, a.relay_generation, fence.generation);
-    if let (Some(found), true) = (record.resolve, record.resolve_first) {
-        attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
-    }
-    if let Some(r) = record.receipt {
-        let receipt = LedgerItem::Receipt(ReceiptRecord {
-            event_id: ev.event_id,
-            aggregate_version: ev.aggregate_version,
-            payload_digest: ev.payload_digest.clone(),
-            destination_digest: ev.destination_digest.clone(),
-            broker_kind: kind.into(),
-            broker_cluster: ev.destination.cluster.clone(),
-            topic: a.topic.clone(),
-            partition: a.partition,
-            offset: r.offset,
-            timestamp_ms,
-            attempt: r.attempt_generation,
-            relay_generation: r.relay_generation,
-            commit_lsn: None,
-            change_lsn: None,
-            evidence,
-        });
-        accept::accept_batch(&mut pipeline.client, slot, &[receipt], None, Some(fence)).await?;
-    }
-    if let (Some(found), false) = (record.resolve, record.resolve_first) {
-        attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
-    }
-    match resolved {
-        Resolved::StillUnknown => {}
-        Resolved::Found { offset, .. } => {
-            tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
+    /// Records what a look-up of attempt `a` proved (the rule: `outbox_relay::unknown::resolve`):
+    /// the copy's receipt and the attempt's resolution, committed before the caller tells the
+    /// core. Returns the rule's verdict.
+    pub(crate) async fn record_lookup(
+        &mut self,
+        slot: &str,
+        fence: &Fence,
+        a: &attempts::UnknownAttempt,
+        ev: &OutboxEvent,
+        lookup: Lookup,
+        started: Instant,
+    ) -> Result<Resolved, RelayError> {
+        let pipeline = self;
+        let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
+        let kind = pipeline.served().kind;
+        // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
+        // JetStream probe (or an HTTP retry with the same key) that was *stored* proves the
+        // original absent or deduplicated, and is itself the retry.
+        let (proof, (scanned_from, scanned_to), timestamp_ms, probe_offset, evidence) = match lookup
+        {
+            Lookup::Found {
+                offset,
+                timestamp_ms,
+                scanned_from,
+                scanned_to,
+                ..
+            } => (
+                Scan::Found { offset },
+                (scanned_from, scanned_to),
+                timestamp_ms,
+                None,
+                None,
+            ),
+            Lookup::Absent {
+                scanned_from,
+                scanned_to,
+            } => (Scan::Absent, (scanned_from, scanned_to), None, None, None),
+            Lookup::StoredByProbe {
+                offset,
+                timestamp_ms,
+                evidence,
+                ..
+            } => (
+                Scan::Absent,
+                (offset, offset),
+                timestamp_ms,
+                Some(offset),
+                evidence,
+            ),
+        };
+        let last = attempts::last_generation(&pipeline.client, a.event_id).await?;
+        // Settled: the settle time has passed (slept out at start, filtered while running, and
+        // counted by the core for an in-run look-up).
+        let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
+        // What to write, and in which order, is the core's (`outbox_relay::unknown::record`).
+        let record = unknown::record(resolved, a.relay_generation, fence.generation);
+        if let (Some(found), true) = (record.resolve, record.resolve_first) {
+            attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
+        }
+        if let Some(r) = record.receipt {
+            let receipt = LedgerItem::Receipt(ReceiptRecord {
+                event_id: ev.event_id,
+                aggregate_version: ev.aggregate_version,
+                payload_digest: ev.payload_digest.clone(),
+                destination_digest: ev.destination_digest.clone(),
+                broker_kind: kind.into(),
+                broker_cluster: ev.destination.cluster.clone(),
+                topic: a.topic.clone(),
+                partition: a.partition,
+                offset: r.offset,
+                timestamp_ms,
+                attempt: r.attempt_generation,
+                relay_generation: r.relay_generation,
+                commit_lsn: None,
+                change_lsn: None,
+                evidence,
+            });
+            accept::accept_batch(&mut pipeline.client, slot, &[receipt], None, Some(fence)).await?;
+        }
+        if let (Some(found), false) = (record.resolve, record.resolve_first) {
+            attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
+        }
+        match resolved {
+            Resolved::StillUnknown => {}
+            Resolved::Found { offset, .. } => {
+                tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition, offset,
                 unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: found on the broker, no resend");
-        }
-        Resolved::StoredByProbe {
-            offset,
-            attempt_generation: next,
-        } => {
-            tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
+            }
+            Resolved::StoredByProbe {
+                offset,
+                attempt_generation: next,
+            } => {
+                tracing::info!(event_id = %a.event_id, topic = %a.topic, offset, attempt = next,
                 unknown_to_resolved_ms = unknown_ms, "{}", stored_by_probe_words(kind));
-        }
-        Resolved::Retry {
-            attempt_generation: next,
-        } => {
-            tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
+            }
+            Resolved::Retry {
+                attempt_generation: next,
+            } => {
+                tracing::info!(event_id = %a.event_id, topic = %a.topic, partition = a.partition,
                 scanned_from, scanned_to, next_attempt = next,
                 unknown_to_resolved_ms = unknown_ms, "DISPATCH_UNKNOWN resolved: absent, retrying to the same destination");
+            }
         }
+        Ok(resolved)
     }
-    Ok(resolved)
 }
 
 /// How a resolution by re-sending is told, in the sink's own terms.
