@@ -31,9 +31,12 @@
 //!
 //! The start-up plan is `outbox_source::slot::plan` (pure as well).
 
+pub mod contract;
 pub mod fleet;
 pub mod lifecycle;
+pub mod parked;
 pub mod pipeline;
+pub mod plant;
 pub mod poll;
 pub mod release;
 pub mod route;
@@ -46,12 +49,16 @@ pub mod unknown;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use pipeline::{
-    Acceptance, AcceptanceEnd, AggKey, Command, CoreError, DeliveryFailure, LookupOutcome, Now,
-    OpenAttempt, ParkedInput, ParkedLookup, ParkedStep, Pending, PipelineCore, Reported,
-    UnclearPolicy, UnclearSchedule, UnclearStep, UnknownAttempt, MAX_IN_FLIGHT_BYTES,
-    MAX_WAITING_BYTES,
+pub use contract::{
+    AggKey, Command, CoreError, DeliveryFailure, Now, Pending, Reported, UnknownAttempt,
+    MAX_IN_FLIGHT_BYTES, MAX_WAITING_BYTES,
 };
+pub use parked::{
+    LookupOutcome, Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep,
+    UNANSWERED_AFTER,
+};
+pub use pipeline::unclear::{OpenAttempt, ParkedInput, ParkedLookup, ParkedStep};
+pub use pipeline::{Acceptance, AcceptanceEnd, PipelineCore};
 pub use route::Refusal;
 
-pub use pipeline::{CurrentRoute, Mutant, Plant, Planted, Shipped};
+pub use plant::{CurrentRoute, Mutant, Plant, Planted, Shipped};

@@ -27,333 +27,25 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use outbox_core::ack::AckError;
 use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};
 use outbox_core::receipt;
 use outbox_core::records::{HeldRecord, HoldRecord, LedgerItem, QuarantineRecord, ReceiptRecord};
-use outbox_core::{AckTracker, Admit, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent};
+use outbox_core::{
+    AckTracker, Admit, EventToken, HoldReason, Lsn, OrderingGate, OutboxEvent, TxnSeq,
+};
 use uuid::Uuid;
 
+pub(crate) use crate::contract::{agg_of_num_key, key_of, num_key, NumKey};
+pub use crate::contract::{
+    AggKey, Command, CoreError, DeliveryFailure, Now, Pending, Reported, UnknownAttempt,
+    MAX_IN_FLIGHT_BYTES, MAX_WAITING_BYTES,
+};
+pub use crate::parked::{
+    merge_lookups, LookupOutcome, Policy as UnclearPolicy, Schedule as UnclearSchedule,
+    UnclearStep, UNANSWERED_AFTER,
+};
+pub use crate::plant::{CurrentRoute, Mutant, Plant, Planted, Shipped};
 use crate::route;
-
-/// An aggregate: (aggregate type, aggregate id).
-pub type AggKey = (String, String);
-
-/// Payload bytes sent and not yet reported on, beyond which the relay stops reading the slot
-/// (with `max_in_flight`): the producer holds a copy of each, so large payloads would
-/// otherwise grow the relay's memory with `max_in_flight` × payload size.
-pub const MAX_IN_FLIGHT_BYTES: usize = 16 * 1024 * 1024;
-
-/// Payload bytes of the events waiting on unclear outcomes beyond which the relay stops
-/// reading the slot (with `unclear_max_waiting` events): the count alone would let large
-/// payloads grow the relay's memory with the count × payload size while a destination is
-/// down.
-pub const MAX_WAITING_BYTES: u64 = 64 * 1024 * 1024;
-
-/// What the driver knows that the core may not find out by itself.
-#[derive(Debug, Clone, Copy)]
-pub struct Now {
-    /// Wall-clock time: stamped on sends (the UNKNOWN record's `sent_at`).
-    pub wall: SystemTime,
-    /// Whether this relay's lease is certainly still held: without it, nothing is sent.
-    pub lease_valid: bool,
-}
-
-/// An event waiting for, or in, its send.
-#[derive(Debug, Clone)]
-pub struct Pending {
-    pub ev: OutboxEvent,
-    /// `None` for events published from the initial snapshot or an operator's release.
-    pub commit_lsn: Option<Lsn>,
-    /// The LSN of the row's change record when it was read from the stream (with
-    /// `commit_lsn` its stream position, which the receipt carries); `None` otherwise.
-    pub change_lsn: Option<Lsn>,
-    /// The ack tracker's token: resolving it lets the checkpoint pass the event.
-    pub ack: Option<EventToken>,
-}
-
-/// What the driver must do.
-#[derive(Debug, Clone)]
-pub enum Command {
-    /// Hand `event` to the sink with `token`. A refusal goes back through
-    /// [`PipelineCore::send_refused`]; otherwise one delivery report follows.
-    Send {
-        token: u64,
-        attempt: i32,
-        /// Shared with the core's in-flight record (one copy of the event per send).
-        event: Arc<OutboxEvent>,
-    },
-}
-
-/// A delivery report without a receipt and without a refusal: the event holds its aggregate
-/// until a look-up or a resend resolves it (module `unclear`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeliveryFailure {
-    pub event_id: Uuid,
-    pub error: String,
-    pub persistence: Persistence,
-    /// The broker may have the message: record this before anything else happens to the
-    /// event, so that the next start reconciles it (scan the partition) instead of assuming.
-    pub unknown: Option<UnknownAttempt>,
-}
-
-/// An attempt whose outcome is DISPATCH_UNKNOWN.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnknownAttempt {
-    pub event_id: Uuid,
-    pub attempt: i32,
-    pub topic: String,
-    pub partition: i32,
-    pub sent_at: SystemTime,
-    pub error: String,
-    /// For a row written without a version: the version and route version the relay gave it
-    /// (read from SQL the row has neither, and a look-up must publish as the relay did).
-    pub by_relay: Option<(i64, Option<i64>)>,
-}
-
-/// What a delivery report led to.
-#[derive(Debug, Clone)]
-pub enum Reported {
-    /// Recorded; the commands send the aggregate's next event, if it has one.
-    Continue(Vec<Command>),
-    /// The outcome is unclear (or the broker certainly did not store it): only its aggregate
-    /// waits. Record the [`DeliveryFailure::unknown`] attempt, if any, before anything else
-    /// happens to the event; the core asks for its look-up or resend when due.
-    Unclear(DeliveryFailure),
-}
-
-/// A deliberately broken variant of one decision, so that the simulator can prove its gate
-/// catches bugs in the product's code, not only in a model of it. Only a [`Plant`] other than
-/// [`Shipped`] (the simulator's [`Planted`]) plants one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mutant {
-    /// Resolves an event in the ack tracker when the broker reports it, before its receipt is
-    /// accepted: a driver that confirms the tracker's watermark confirms unaccepted events.
-    ConfirmBeforeAccept,
-    /// A retry (an attempt generation above 1) is sent to the current route instead of the
-    /// frozen destination ([`PipelineCore::current_route`]).
-    RetryReresolvesRoute,
-    /// The route check runs when an event is decoded, not at the head of its aggregate (the
-    /// bug the simulator found at seed 1, trace 143).
-    PoisonBeforeGate,
-    /// An event that must wait behind its aggregate's in-flight event is sent at once as
-    /// well: two events of one aggregate in flight, so a failed earlier one lands after it.
-    SecondInFlight,
-    /// A success report is taken as a receipt without checking that it names a position
-    /// (librdkafka's implicit ack reports offset -1001 for a message the broker never stored).
-    OkWithoutOffsetIsProof,
-    /// The product before the simulator found it (seed 1, trace 1380): a run's start reads
-    /// the gate's heads before start-up reconciliation only ([`crate::lifecycle::RunStart`]
-    /// skips `RaiseHeads`), and a version-gap hold leaves the events queued behind the
-    /// aggregate's in-flight event in the gate, where nothing sends them.
-    GapHoldStrandsQueue,
-    /// A parked event never comes due: no look-up or resend ever resolves an unclear
-    /// outcome, so its aggregate waits forever (the simulator's `stalls`).
-    UnclearNeverDue,
-    /// The route check no longer compares the frozen destination's cluster with the clusters
-    /// this relay serves: an event frozen for another cluster goes to the served cluster's
-    /// topic of the same name (the simulator's `cross_destination_retries`).
-    RouteIgnoresCluster,
-    /// A found copy raises the head of an aggregate the gate does not know yet to its version
-    /// (the gate then takes that version for the head, and a later published one for a gap:
-    /// the bug the simulator found at seed 1, trace 26811, once heads were read when first
-    /// met).
-    FoundRaisesUnknownHead,
-    /// A fleet member takes a shard only when no unexpired lease names a holder, live member
-    /// or not ([`crate::fleet::plan_planted`]): a SIGKILLed member's shards wait for its
-    /// leases to expire instead of being taken at once (the simulator's `fleet_unserved`).
-    FleetWaitsForExpiry,
-    /// A fleet member's fair share is the shard count over the members rounded *down*: with
-    /// a count the members do not divide, some shards are nobody's (`fleet_unserved`).
-    FleetShareRoundsDown,
-    /// A fleet member over its share never hands a shard over: a member that joins, or
-    /// resumes after its shards moved, gets nothing back (`fleet_share_not_returned`).
-    FleetNeverHandsOver,
-    /// The fleet plan before the simulator: relays waiting for a live member's lease fill the
-    /// member's share (a shard handed over at start-up stayed unserved until they were given
-    /// up).
-    FleetWaitingFillsShare,
-    /// The fleet plan before the simulator: nobody hands a shard over to a member under the
-    /// floor while every other member holds the rounded-up share (8 over 5: 2, 2, 2, 2, 0).
-    FleetNoEvening,
-    /// A fleet member that aborts a shard relay whose stop hung keeps its lease: the shard is
-    /// nobody's until the lease expires, a lease TTL after the abort (the simulator's
-    /// `fleet_unserved`; the member loop before issue 26's fix).
-    FleetAbortKeepsLease,
-    /// A poll round does not raise an aggregate's head to just below its first pending
-    /// version ([`crate::poll`]): a receipt a paused relay's salvage accepted after this run
-    /// read the head looks like a gap, and the aggregate is held behind a published event
-    /// (the simulator's `stalls`; found by it in poll mode's first design).
-    PollStaleHead,
-    /// An event that reconciliation found on the broker while it waited in the gate behind
-    /// its aggregate's unclear event is sent anyway when that one resolves (the product
-    /// before the simulator's `resent_after_proof` found it: the found check ran only when an
-    /// event was decoded).
-    SendsFoundEvent,
-    /// An open attempt of a published event is looked up by sending the event again under
-    /// its key (JetStream's `Nats-Msg-Id`, HTTP's idempotency key), instead of being closed by
-    /// the receipt the destination already gave for that key
-    /// ([`PipelineCore::closes_by_receipt`]; the simulator's `resent_published`).
-    ResendsAnsweredEvent,
-    /// A parked event whose open attempt the running reconciliation resolved while it waited
-    /// for its own look-up keeps asking a ledger that has no open attempt left, and its
-    /// aggregate waits until the next restart ([`PipelineCore::resolved_meanwhile`]; the
-    /// simulator's `stalls`, once reconciliation's look-ups answered later, as the daemon's do).
-    IgnoresResolvedMeanwhile,
-    /// DISPATCH_UNKNOWN attempts are looked up without waiting out the settle time, in
-    /// reconciliation and for a parked event: a Kafka request that was still on its way lands
-    /// after the scan proved it absent, and the retry makes a second copy (the simulator's
-    /// `unknown_untraced`, wrongly absent).
-    IgnoresSettle,
-    /// The running reconciliation looks nothing up: an UNKNOWN attempt a paused predecessor
-    /// recorded after this run started stays open until the next start (the product before
-    /// the simulator found it, seed 1 trace 44; its `unknown_untraced`).
-    UnknownOnlyAtStart,
-    /// A parked event's look-up starts while the running reconciliation is looking the same
-    /// event up (an attempt left open at start, looked up before the run reached and parked
-    /// its event): two look-ups of one event at once (the simulator's `concurrent_lookups`).
-    LookUpBesideReconciliation,
-    /// A poll round skips only the aggregates parked while it goes on, not those parked when
-    /// it began: one resolved before the round reaches its rows is sent again from the
-    /// round's stale read (the simulator's `resent_after_proof`).
-    RoundForgetsParked,
-    /// Events that wait on an unclear outcome count against `max_in_flight`
-    /// ([`PipelineCore::waiting_on_unclear`] says none do): an aggregate whose events keep
-    /// coming behind its unclear one stops the slot being read for every aggregate (the
-    /// simulator's `reading_stopped_by_unclear`).
-    UnclearWaitCountsAsInFlight,
-    /// An unclear delivery report ends the run ([`CoreError::UnclearEndsRun`]) instead of
-    /// parking its event: every aggregate waits for the restart (the relay before issue 25;
-    /// the simulator's `unclear_restarts`).
-    EndsRunOnUnclear,
-    /// The acceptance that moves the checkpoint keeps no numbering
-    /// ([`PipelineCore::numbered_through`] gives nothing): a restart seeds the aggregates of
-    /// rows written without a version from what an older checkpoint kept, or 0, and numbers
-    /// them again from there (the simulator's `plain_version_wrong`; the e2e test
-    /// `plain_insert` planted the same by hand and saw receipts restart at 1).
-    NumberingNotKept,
-    /// A CDC run starts without folding the numbering log into the map it reads
-    /// ([`crate::lifecycle::CdcStart`] skips [`crate::lifecycle::CdcStep::FoldNumbering`]):
-    /// what the last runs logged since the last fold is missed, and rows written without a
-    /// version are numbered again from older versions (the simulator's `plain_version_wrong`).
-    NumberingLogNotFolded,
-    /// A CDC run streams from a slot it holds without reading the slot's position again
-    /// ([`crate::lifecycle::CdcStart::check_held`] accepts any): a slot dropped and recreated
-    /// under the same name between the plan and `START_REPLICATION` streams from its own,
-    /// later position, and what was committed in between is never read (the simulator's
-    /// `lost` and `confirmed_past_unaccepted`).
-    HeldSlotUnchecked,
-    /// A lease renewal's answer makes the lease certain from when the answer was read, not
-    /// from when the renewal was asked ([`crate::lifecycle::LeaseKeeper::answered`]): a relay
-    /// paused between the two resumes believing in a lease that expired while it was stopped,
-    /// and sends beside the relay that took it over (the simulator's `stale_sends`).
-    LeaseFromAnswer,
-    /// The loop never writes an idle checkpoint ([`crate::schedule::Schedule::due`]): what
-    /// the stream resolved without a batch (a keepalive past the last transaction) is never
-    /// written nor confirmed, and a slot whose outbox is quiet retains the server's WAL for
-    /// good (the simulator's `checkpoint_not_written`).
-    IdleCheckpointNeverDue,
-    /// A release starts while an event of its aggregate is parked after an unclear outcome
-    /// ([`PipelineCore::may_release`] looks at the broker only): it sends the parked event,
-    /// and the event's own look-up sends it again when it comes due (the product before the
-    /// simulator found it, seed 1 trace 890786; its `resent_after_proof`).
-    ReleaseBesideParked,
-    /// Exactly-once mode ([`crate::txn`]): the start accepts none of the batches the broker
-    /// recorded after the ledger's last, and the stream sends them again (the simulator's
-    /// `txn_seen_twice`).
-    TxnIgnoresRecords,
-    /// Exactly-once mode: a commit whose outcome is unknown is taken for aborted and its
-    /// batch sent again in the next transaction (`txn_seen_twice` when the broker had
-    /// committed it).
-    TxnUnknownIsAborted,
-    /// Exactly-once mode: a batch's checkpoint is the last stream commit admitted, not the
-    /// last one the batch covers: accepted, it passes events still queued, which a crash then
-    /// skips (`txn_lost`).
-    TxnThroughPastBatch,
-    /// Exactly-once mode: an aborted transaction's stored events are accepted as receipts
-    /// (`txn_receipt_mismatch`: the broker holds them in an aborted transaction).
-    TxnAcceptsAborted,
-    /// Exactly-once mode: every event of a stream transaction read again after a crash is
-    /// taken for accepted, by its commit position alone
-    /// ([`crate::txn::TxnCore::replayed_accepted`] ignores the heads): the events of a
-    /// transaction split over two batches whose second batch was never accepted are skipped
-    /// (`txn_lost`).
-    TxnReplayedIsAccepted,
-    /// Exactly-once mode: an event read again whose receipt the ledger holds is sent again
-    /// (`txn_seen_twice`: a stream transaction split over two batches, after a crash).
-    TxnReplaysAccepted,
-    /// Exactly-once mode: the start skips the first batch the broker recorded after the
-    /// ledger's last (an off-by-one in the batch numbers): its events are sent again and its
-    /// record never accepted (`txn_unaccepted`, `txn_seen_twice`).
-    TxnSkipsFirstRecord,
-    /// Exactly-once mode: an aborted transaction's events are queued again behind what was
-    /// admitted meanwhile, not in front of it (`txn_order_violations`).
-    TxnRequeuesAtBack,
-}
-
-/// The route a re-resolving mutant sends retries to: (cluster, topic, route generation).
-pub type CurrentRoute = (String, String, i64);
-
-/// What a [`PipelineCore`] plants. The daemon's core is a `PipelineCore<Shipped>`: it plants
-/// nothing, and since no crate feature switches that, every build of the daemon (the one the
-/// end-to-end suite runs under `cargo test --workspace` included) is the one shipped. The
-/// simulator drives a `PipelineCore<Planted>`, a second instance of the same code.
-pub trait Plant: std::fmt::Debug {
-    /// Whether the mutant `m` is planted.
-    fn planted(&self, m: Mutant) -> bool;
-    /// Where [`Mutant::RetryReresolvesRoute`] sends retries.
-    fn current_route(&self) -> Option<CurrentRoute>;
-}
-
-/// The product: no mutant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Shipped;
-
-impl Plant for Shipped {
-    #[inline(always)]
-    fn planted(&self, _: Mutant) -> bool {
-        false
-    }
-
-    #[inline(always)]
-    fn current_route(&self) -> Option<CurrentRoute> {
-        None
-    }
-}
-
-/// The simulator's plant: `mutant`, and the route policy now (for
-/// [`Mutant::RetryReresolvesRoute`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Planted {
-    pub mutant: Option<Mutant>,
-    pub current_route: Option<CurrentRoute>,
-}
-
-impl Plant for Planted {
-    fn planted(&self, m: Mutant) -> bool {
-        self.mutant == Some(m)
-    }
-
-    fn current_route(&self) -> Option<CurrentRoute> {
-        self.current_route.clone()
-    }
-}
-
-/// A broken contract between the driver and the core: never transient.
-#[derive(Debug, thiserror::Error)]
-pub enum CoreError {
-    #[error("ack tracker: {0}")]
-    Ack(#[from] AckError),
-    #[error("a delivery report or refusal for token {0}, which is not in flight")]
-    UnknownToken(u64),
-    #[error("the ordering gate asked for the head of an aggregate it was given")]
-    NeedHead,
-    #[error("replication protocol: {0}")]
-    Protocol(&'static str),
-    /// Only with the planted [`Mutant::EndsRunOnUnclear`]: the shipped core parks the event.
-    #[error("an unclear delivery report ended the run (planted mutant): {0}")]
-    UnclearEndsRun(String),
-}
 
 #[derive(Debug)]
 struct InFlight {
@@ -410,29 +102,20 @@ pub enum AcceptanceEnd {
     Failed,
 }
 
-pub(crate) fn key_of(ev: &OutboxEvent) -> AggKey {
-    (ev.aggregate_type.clone(), ev.aggregate_id.clone())
+/// The transaction being decoded: its tracker sequence, its commit LSN (from Begin) and how
+/// many rows it has had so far (an unreadable row is named by its position).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OpenTxn {
+    pub(crate) seq: TxnSeq,
+    pub(crate) commit_lsn: Lsn,
+    pub(crate) rows: u32,
 }
 
-/// An aggregate as the numbering keeps it: its type and id in one allocation, a NUL between
-/// them (PostgreSQL text cannot hold one, so the split is exact). The numbering holds an
-/// entry for every aggregate a run numbered: as a pair of `String`s, 100,000 aggregates cost
-/// the relay 10 MiB more RSS than a run that numbered nothing (58.8 against 49.2 MiB peak,
-/// embedded broker, 1,000,000 events).
-pub(crate) type NumKey = Box<str>;
-
-pub(crate) fn num_key(aggregate_type: &str, aggregate_id: &str) -> NumKey {
-    let mut k = String::with_capacity(aggregate_type.len() + 1 + aggregate_id.len());
-    k.push_str(aggregate_type);
-    k.push('\0');
-    k.push_str(aggregate_id);
-    k.into_boxed_str()
-}
-
-/// The aggregate `k` ([`num_key`]) names.
-fn agg_of_num_key(k: &str) -> AggKey {
-    let (t, i) = k.split_once('\0').expect("a numbering key holds a NUL");
-    (t.to_string(), i.to_string())
+/// Where a round is: the aggregate of the last row, and whether that aggregate is skipped.
+#[derive(Debug, Default)]
+pub(crate) struct Round {
+    pub(crate) last: Option<AggKey>,
+    pub(crate) skipping: bool,
 }
 
 /// The pipeline's state and decisions. See the module documentation for the contract. `P`:
@@ -461,7 +144,7 @@ pub struct PipelineCore<P = Shipped> {
     pub retry_generation: HashMap<Uuid, i32>,
     in_flight_bytes: usize,
     /// Events whose send ended unclear, holding their aggregates (module `unclear`).
-    parked: BTreeMap<Uuid, unclear::Parked>,
+    parked: BTreeMap<Uuid, crate::parked::Parked>,
     /// Look-ups and resends of an event since its last clear answer.
     unclear_tries: HashMap<Uuid, u32, foldhash::fast::RandomState>,
     /// Events with a DISPATCH_UNKNOWN attempt open at start, and when its look-up is due (its
@@ -477,7 +160,7 @@ pub struct PipelineCore<P = Shipped> {
     /// [`PipelineCore::reconcile_deferred`]): not asked about again in this run.
     pub(crate) deferred: HashSet<Uuid>,
     /// How unclear outcomes are retried, and for how long.
-    pub unclear_policy: unclear::Policy,
+    pub unclear_policy: crate::parked::Policy,
     /// How long the running reconciliation leaves another run's open attempt before it looks
     /// the attempt up (`--unknown-settle-ms`, whatever the sink: that run's request may still
     /// land while its producer lives). At start, the policy's settle time decides instead
@@ -485,7 +168,7 @@ pub struct PipelineCore<P = Shipped> {
     pub reconcile_settle: std::time::Duration,
     /// A destination's own policy, by its cluster (a webhook endpoint's retry schedule), over
     /// [`Self::unclear_policy`] for the events frozen for it.
-    pub unclear_policies: BTreeMap<String, unclear::Policy>,
+    pub unclear_policies: BTreeMap<String, crate::parked::Policy>,
     /// Aggregates parked in this run that have not been idle since ([`Self::needs_hold_check`]).
     pub(crate) unclear_seen: HashSet<AggKey>,
     /// Aggregates an operator's release is republishing now ([`crate::release`]).
@@ -495,9 +178,9 @@ pub struct PipelineCore<P = Shipped> {
     /// pending but are published.
     pub unclear_touched: Option<HashSet<AggKey>>,
     /// Poll mode: where the current round is ([`crate::poll`]).
-    pub(crate) round: crate::poll::Round,
+    pub(crate) round: Round,
     /// The transaction being decoded ([`crate::stream`]).
-    pub(crate) txn: Option<crate::stream::OpenTxn>,
+    pub(crate) txn: Option<OpenTxn>,
     /// The highest WAL position received from the slot (the standby status's `write`).
     pub(crate) last_received: Lsn,
     /// The checkpoint the ledger has committed: the only position ever confirmed to the slot.
@@ -540,6 +223,16 @@ impl PipelineCore<Shipped> {
 }
 
 impl<P: Plant> PipelineCore<P> {
+    /// Whether a transaction is being decoded (a Begin without its Commit yet).
+    pub fn in_transaction(&self) -> bool {
+        self.txn.is_some()
+    }
+
+    /// The highest WAL position received from the slot.
+    pub fn last_received(&self) -> Lsn {
+        self.last_received
+    }
+
     /// [`PipelineCore::new`] with what it plants.
     pub fn with_plant(
         served: Served,
@@ -566,8 +259,8 @@ impl<P: Plant> PipelineCore<P> {
             open_at_start: HashMap::new(),
             reconciling: HashSet::new(),
             deferred: HashSet::new(),
-            unclear_policy: unclear::Policy::default(),
-            reconcile_settle: unclear::Policy::default().settle,
+            unclear_policy: crate::parked::Policy::default(),
+            reconcile_settle: crate::parked::Policy::default().settle,
             unclear_policies: BTreeMap::new(),
             unclear_touched: None,
             round: Default::default(),
@@ -627,28 +320,6 @@ impl<P: Plant> PipelineCore<P> {
 
     pub fn batch_len(&self) -> usize {
         self.batch.len()
-    }
-
-    /// What the loop's schedule looks at ([`crate::schedule::Load`]), with what only the
-    /// driver knows: whether an acceptance transaction runs, when the batch got its first item
-    /// (on the schedule's clock), and the events waiting on unclear outcomes where they matter
-    /// ([`crate::schedule::waiting_matters`]; the driver may sample them).
-    pub fn load(
-        &self,
-        accepting: bool,
-        batch_started: Option<std::time::Duration>,
-        waiting_on_unclear: crate::schedule::Waiting,
-    ) -> crate::schedule::Load {
-        crate::schedule::Load {
-            accepting,
-            batch_len: self.batch_len(),
-            batch_started,
-            checkpoint_behind: self.tracker.watermark() > self.durable(),
-            unresolved: self.tracker.in_flight(),
-            waiting_on_unclear,
-            in_flight_bytes: self.in_flight_bytes(),
-            in_transaction: self.in_transaction(),
-        }
     }
 
     /// Whether the batch holds a hold record for the aggregate (it was poisoned again).
@@ -1521,11 +1192,9 @@ impl<P: Plant> PipelineCore<P> {
     }
 }
 
-mod unclear;
-pub use unclear::{
-    merge_lookups, LookupOutcome, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep,
-    Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep, UNANSWERED_AFTER,
-};
+// How the core acts on an unclear outcome: its methods, and the parked event's look-ups
+// (`ParkedLookup`, re-exported at the crate's root).
+pub(crate) mod unclear;
 
 #[cfg(test)]
 mod tests;

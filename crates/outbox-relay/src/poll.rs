@@ -18,14 +18,9 @@
 
 use outbox_core::OutboxEvent;
 
-use crate::pipeline::{key_of, AggKey, Command, CoreError, Mutant, Now, PipelineCore, Plant};
-
-/// Where a round is: the aggregate of the last row, and whether that aggregate is skipped.
-#[derive(Debug, Default)]
-pub(crate) struct Round {
-    last: Option<AggKey>,
-    skipping: bool,
-}
+use crate::pipeline::{
+    key_of, AggKey, Command, CoreError, Mutant, Now, PipelineCore, Plant, Round,
+};
 
 /// What became of one row of a round.
 #[derive(Debug)]

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use outbox_core::Lsn;
 
-use crate::pipeline::{Mutant, Plant, Shipped};
+use crate::pipeline::PipelineCore;
+use crate::plant::{Mutant, Plant, Shipped};
 
 /// The loop's settings (`outboxd run` flags).
 #[derive(Debug, Clone, Copy)]
@@ -299,6 +300,30 @@ pub fn standby_status(last_received: Lsn, durable: Lsn) -> StandbyStatus {
         write: last_received.max(durable),
         flush: durable,
         apply: durable,
+    }
+}
+
+impl<P: Plant> PipelineCore<P> {
+    /// What the loop's schedule looks at ([`Load`]), with what only the
+    /// driver knows: whether an acceptance transaction runs, when the batch got its first item
+    /// (on the schedule's clock), and the events waiting on unclear outcomes where they matter
+    /// ([`waiting_matters`]; the driver may sample them).
+    pub fn load(
+        &self,
+        accepting: bool,
+        batch_started: Option<std::time::Duration>,
+        waiting_on_unclear: Waiting,
+    ) -> Load {
+        Load {
+            accepting,
+            batch_len: self.batch_len(),
+            batch_started,
+            checkpoint_behind: self.tracker.watermark() > self.durable(),
+            unresolved: self.tracker.in_flight(),
+            waiting_on_unclear,
+            in_flight_bytes: self.in_flight_bytes(),
+            in_transaction: self.in_transaction(),
+        }
     }
 }
 

@@ -15,19 +15,10 @@
 //! never pass a transaction whose events the relay has not all seen.
 
 use outbox_core::numbering::Number;
-use outbox_core::{AckTracker, Lsn, OutboxEvent, TxnSeq};
+use outbox_core::{AckTracker, Lsn, OutboxEvent};
 
-use crate::pipeline::{Command, CoreError, Now, PipelineCore};
+use crate::pipeline::{Command, CoreError, Now, OpenTxn, PipelineCore};
 use crate::schedule::{standby_status, StandbyStatus};
-
-/// The transaction being decoded: its tracker sequence, its commit LSN (from Begin) and how
-/// many rows it has had so far (an unreadable row is named by its position).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct OpenTxn {
-    seq: TxnSeq,
-    commit_lsn: Lsn,
-    rows: u32,
-}
 
 impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// Streaming starts at `start` (the position the slot resumes from): nothing before it is
@@ -136,11 +127,6 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         }
     }
 
-    /// Whether a transaction is being decoded (a Begin without its Commit yet).
-    pub fn in_transaction(&self) -> bool {
-        self.txn.is_some()
-    }
-
     /// The acceptance transaction that carried checkpoint `c` has committed.
     pub fn checkpoint_committed(&mut self, c: Lsn) {
         self.durable = self.durable.max(c);
@@ -149,11 +135,6 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// The checkpoint the ledger has committed.
     pub fn durable(&self) -> Lsn {
         self.durable
-    }
-
-    /// The highest WAL position received from the slot.
-    pub fn last_received(&self) -> Lsn {
-        self.last_received
     }
 
     /// The standby status to send now ([`standby_status`]: `flush` is the durable checkpoint).

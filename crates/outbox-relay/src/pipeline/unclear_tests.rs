@@ -6,6 +6,7 @@ use std::time::Duration;
 use outbox_core::delivery::Persistence;
 use outbox_core::Lsn;
 
+use super::unclear::{OpenAttempt, ParkedInput, ParkedLookup, ParkedStep};
 use super::*;
 use crate::testing::*;
 
@@ -342,7 +343,7 @@ fn poll_mode_forgets_what_waits_behind_a_parked_event_and_a_version_published_me
 fn a_retry_schedule_gives_each_try_its_step_with_a_tenth_of_jitter() {
     let ms = Duration::from_millis;
     let steps = [ms(0), ms(5_000), ms(300_000), ms(7_200_000)];
-    let s = super::unclear::Schedule::new(&steps).unwrap();
+    let s = crate::parked::Schedule::new(&steps).unwrap();
     let ev = event("a", 1).event_id;
     for (tries, step) in [
         (1, 0),
@@ -361,8 +362,8 @@ fn a_retry_schedule_gives_each_try_its_step_with_a_tenth_of_jitter() {
     let waits: std::collections::HashSet<Duration> =
         (0..20).map(|i| s.wait(3, event("b", i).event_id)).collect();
     assert!(waits.len() > 10, "events spread out: {waits:?}");
-    assert!(super::unclear::Schedule::new(&[]).is_err());
-    assert!(super::unclear::Schedule::new(&[ms(1); 17]).is_err());
+    assert!(crate::parked::Schedule::new(&[]).is_err());
+    assert!(crate::parked::Schedule::new(&[ms(1); 17]).is_err());
 
     // The core parks by it: the first unclear send is tried again at once.
     let mut c = core();
@@ -384,8 +385,8 @@ fn each_destination_is_retried_on_its_own_schedule() {
     let mut c = PipelineCore::new(served, 7, PipelineCore::gate_from(Vec::new(), Vec::new()));
     c.unclear_policies.insert(
         "hooks-b".into(),
-        super::unclear::Policy {
-            schedule: Some(super::unclear::Schedule::new(&[ms(0), ms(50)]).unwrap()),
+        crate::parked::Policy {
+            schedule: Some(crate::parked::Schedule::new(&[ms(0), ms(50)]).unwrap()),
             budget: 2,
             ..Default::default()
         },
@@ -417,7 +418,7 @@ fn each_destination_is_retried_on_its_own_schedule() {
 #[test]
 fn an_endpoint_policy_budgets_one_try_per_step_and_does_not_settle() {
     let steps = [0, 10, 20].map(Duration::from_millis);
-    let s = super::unclear::Schedule::new(&steps).unwrap();
+    let s = crate::parked::Schedule::new(&steps).unwrap();
     assert_eq!(s.budget(), 3);
     let p = UnclearPolicy::for_endpoint(s);
     assert_eq!(
