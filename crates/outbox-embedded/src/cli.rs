@@ -143,6 +143,14 @@ pub struct BenchArgs {
     /// both have it, or both not
     #[arg(long)]
     pub pg_statements: bool,
+    /// Receipts the ledger already holds when the main drain starts (0: a fresh ledger, as a
+    /// first deployment's). A production ledger holds every receipt of its retention window:
+    /// this many entries of earlier, time-ordered event ids (as `outbox.uuid_v7()` gives) are
+    /// written into the main scenario's database before its backlog, in batches of 1,000 of
+    /// another slot, then vacuumed, analysed and checkpointed, so that the drain pays for the
+    /// ledger's size (its key's depth, the pages it reads), not for their writing
+    #[arg(long, default_value_t = 0)]
+    pub ledger_receipts: u64,
     /// Polling baseline: backlog size (at most --events, the same backlog by default).
     #[arg(long, default_value_t = 1_000_000)]
     pub poll_events: u64,

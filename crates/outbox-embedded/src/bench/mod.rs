@@ -141,7 +141,7 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
             .context("building the Debezium relay (--debezium off skips the phase)")?;
     }
     eprintln!("bench: main scenario {main:?}");
-    let db = ctx.prepare(&main).await?;
+    let db = ctx.prepare_with(&main, a.ledger_receipts).await?;
     // The fan-out slots must exist before the backlog is written to decode it.
     let fanout: Vec<usize> = a.fanout.iter().copied().filter(|n| *n > 0).collect();
     for n in &fanout {
@@ -648,7 +648,13 @@ impl Ctx {
     }
 
     async fn prepare(&self, sc: &Scenario) -> anyhow::Result<Db> {
-        let mut db = self.prepare_layout(sc, None).await?;
+        self.prepare_with(sc, 0).await
+    }
+
+    /// [`Self::prepare`] with a ledger that holds `receipts` receipts of earlier events
+    /// (`--ledger-receipts`), written before the slots exist, so that no walsender decodes them.
+    async fn prepare_with(&self, sc: &Scenario, receipts: u64) -> anyhow::Result<Db> {
+        let mut db = self.prepare_layout(sc, None, receipts).await?;
         let recv_slot = format!("{}_recv", db.slot);
         db.client
             .execute(
@@ -688,7 +694,12 @@ impl Ctx {
     /// relays' slots created by a first run of them (with the ledger rows that make them
     /// theirs), so the backlog enqueued after they stop goes through the streams, not the
     /// initial snapshots. No `pg_recvlogical` slot.
-    async fn prepare_layout(&self, sc: &Scenario, shards: Option<u16>) -> anyhow::Result<Db> {
+    async fn prepare_layout(
+        &self,
+        sc: &Scenario,
+        shards: Option<u16>,
+        receipts: u64,
+    ) -> anyhow::Result<Db> {
         let url = self
             .pg
             .create_database(&format!("bench_{}", sc.name))
@@ -698,6 +709,10 @@ impl Ctx {
             outboxd::shard_layout::run(&url, "outbox_pub", &n.to_string()).await?;
         }
         let client = outboxd::connect(&url).await?;
+        if receipts > 0 {
+            let s = workload::prefill_receipts(&client, receipts).await?;
+            eprintln!("bench: the ledger holds {receipts} receipts of earlier events ({s:.1} s)");
+        }
         let agg_type = format!("bench_{}", sc.name);
         self.kafka
             .create_topic(&format!("outbox.event.{agg_type}"), self.args.partitions)
@@ -864,7 +879,7 @@ impl Ctx {
             name: format!("shards{n}"),
             ..main.clone()
         };
-        let db = self.prepare_layout(&sc, Some(n)).await?;
+        let db = self.prepare_layout(&sc, Some(n), 0).await?;
         let slots = Self::layout_slots(&db.slot, Some(n));
         workload::enqueue_backlog(&db, &sc, self.args.txn_size).await?;
         let end = workload::backlog_end(&db.client).await?;
@@ -952,7 +967,11 @@ impl Ctx {
         // resolved by a receipt (no poison events), or the rate counts something else.
         let receipts: i64 = db
             .client
-            .query_one("SELECT count(*) FROM outbox.receipts", &[])
+            // Not the receipts `--ledger-receipts` wrote before the backlog.
+            .query_one(
+                "SELECT count(*) FROM outbox.receipts WHERE broker_cluster <> 'prefill'",
+                &[],
+            )
             .await
             .context("counting the drain's receipts")?
             .get(0);

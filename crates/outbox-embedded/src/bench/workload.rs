@@ -398,3 +398,50 @@ pub async fn series(
 pub async fn receipt_series(client: &Client, start: f64) -> anyhow::Result<Vec<(f64, f64)>> {
     series(client, "outbox.receipts.accepted_at", start).await
 }
+
+/// Writes `n` receipts of earlier events into the ledger `client` reaches (`--ledger-receipts`): entries
+/// of time-ordered ids in batches of 1,000 of a slot of their own, with no outbox row (as after
+/// purge) and no stream position, then vacuumed, analysed and checkpointed. Returns seconds.
+pub async fn prefill_receipts(client: &Client, n: u64) -> anyhow::Result<f64> {
+    let started = std::time::Instant::now();
+    client
+        .batch_execute(
+            "INSERT INTO outbox.receipt_destinations (broker_kind, broker_cluster, topic)
+             VALUES ('kafka', 'prefill', 'prefill') ON CONFLICT DO NOTHING",
+        )
+        .await?;
+    // In statements of 100,000: one of millions would hold its whole WAL and memory at once.
+    let mut done = 0u64;
+    while done < n {
+        let k = (n - done).min(100_000) as i64;
+        client
+            .execute(
+                "WITH b AS (
+                     INSERT INTO outbox.receipt_batches (slot_name)
+                     SELECT 'prefill' FROM generate_series(1, ($1::bigint + 999) / 1000)
+                     RETURNING batch_id),
+                 bs AS (SELECT array_agg(batch_id ORDER BY batch_id) AS ids FROM b),
+                 d AS (SELECT destination_id FROM outbox.receipt_destinations
+                       WHERE broker_cluster = 'prefill' AND topic = 'prefill')
+                 INSERT INTO outbox.receipt_entries
+                     (event_id, batch_id, destination_id, partition, \"offset\", attempt,
+                      relay_generation, payload_digest, destination_digest, aggregate_version)
+                 SELECT outbox.uuid_v7(), bs.ids[1 + (g - 1) / 1000], d.destination_id,
+                        (g % 16)::int, g, 1, 1,
+                        sha256(g::text::bytea), sha256(('d' || g)::bytea), 1
+                 FROM generate_series(1, $1::bigint) g, bs, d",
+                &[&k],
+            )
+            .await?;
+        done += k as u64;
+    }
+    // One statement each: several in one message run as one transaction, which VACUUM refuses.
+    for sql in [
+        "VACUUM (ANALYZE) outbox.receipt_entries",
+        "VACUUM (ANALYZE) outbox.receipt_batches",
+        "CHECKPOINT",
+    ] {
+        client.batch_execute(sql).await?;
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
