@@ -214,6 +214,9 @@ pub struct Counts {
     /// `START_REPLICATION` (a relay that lost the lease finishing its `--resnapshot`): the run
     /// refused to stream from it (`CdcStart::check_held`) and the operator ran `--resnapshot`.
     pub slots_replaced: u64,
+    /// Release polls that found a released aggregate with nothing at the broker but an event
+    /// parked after an unclear outcome (bug 24's situation: the release waits for it).
+    pub releases_beside_parked: u64,
     pub resnapshots: u64,
     /// Events published from a snapshot of the outbox table (after `--resnapshot`).
     pub snapshot_events: u64,
@@ -390,6 +393,7 @@ impl Counts {
             receipt_rollbacks,
             slot_losses,
             slots_replaced,
+            releases_beside_parked,
             resnapshots,
             snapshot_events,
             poll_traces,
@@ -565,6 +569,7 @@ impl Counts {
             ("receipt_txn_rollbacks", self.receipt_rollbacks.to_string()),
             ("slot_losses", self.slot_losses.to_string()),
             ("slots_replaced_before_streaming", self.slots_replaced.to_string()),
+            ("releases_beside_parked", self.releases_beside_parked.to_string()),
             ("resnapshots", self.resnapshots.to_string()),
             ("snapshot_events", self.snapshot_events.to_string()),
             ("poll_mode_traces", self.poll_traces.to_string()),
