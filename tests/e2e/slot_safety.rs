@@ -18,6 +18,24 @@ async fn assert_stops_naming(relay: &mut RelayProcess, names: &[&str]) {
     );
 }
 
+/// Waits until `relay`, started with `before-start-replication=pause:MS`, has planned its start
+/// and waits before START_REPLICATION.
+async fn paused_before_streaming(relay: &RelayProcess) {
+    outbox_testkit::wait::wait_for(
+        "the relay paused before START_REPLICATION",
+        crate::harness::LONG,
+        || async {
+            let log = relay.log_text();
+            if log.contains("failpoint before-start-replication reached") {
+                Ok(())
+            } else {
+                Err(log.lines().last().unwrap_or_default().to_string())
+            }
+        },
+    )
+    .await;
+}
+
 async fn drop_and_recreate(env: &TestEnv) {
     drop_slot(env).await;
     env.db
@@ -83,25 +101,39 @@ cdc_only! {
             &[("OUTBOXD_FAILPOINTS", "before-start-replication=pause:5000")],
             &[],
         );
-        outbox_testkit::wait::wait_for(
-            "the relay paused before START_REPLICATION",
-            crate::harness::LONG,
-            || async {
-                let log = relay.log_text();
-                if log.contains("failpoint before-start-replication reached") {
-                    Ok(())
-                } else {
-                    Err(log.lines().last().unwrap_or_default().to_string())
-                }
-            },
-        )
-        .await;
+        paused_before_streaming(&relay).await;
         drop_slot(&env).await;
         let dropped = format!(
             "replication slot \"{}\" was dropped behind outboxd's back",
             env.slot
         );
         assert_stops_naming(&mut relay, &[&dropped, "--resnapshot"]).await;
+    }
+}
+
+cdc_only! {
+    "CDC only: the replication slot's safety; poll mode has no slot";
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slot_replaced_between_the_start_plan_and_streaming_is_refused_once_held() {
+        // The same window, with the slot dropped and created again under its name: streaming
+        // from it succeeds, from the new slot's later position, and only reading the held slot
+        // again (`CdcStart::check_held`) stops the relay before it skips what lies between.
+        let env = TestEnv::new("slot_replaced_at_start").await;
+        env.enqueue("r-1", json!({})).await;
+        let mut relay = env.relay(
+            &[("OUTBOXD_FAILPOINTS", "before-start-replication=pause:5000")],
+            &[],
+        );
+        paused_before_streaming(&relay).await;
+        // What the replaced slot would skip: committed before its creation.
+        env.enqueue("r-2", json!({})).await;
+        drop_and_recreate(&env).await;
+        let slot = format!("replication slot \"{}\"", env.slot);
+        assert_stops_naming(
+            &mut relay,
+            &[&slot, "ahead of the ledger checkpoint", "--resnapshot"],
+        )
+        .await;
     }
 }
 
