@@ -29,6 +29,11 @@
 //! * [`txn`] — exactly-once into Kafka: a slot's events in broker transactions, one per
 //!   batch; what a restart accepts from the broker's records instead of sending again.
 //!
+//! Three leaves every module above reads, and which read none of them (no module of this
+//! crate reaches itself through its imports: `outbox-testkit`'s `module_cycles` test):
+//! [`contract`] (what the core and its drivers exchange), [`plant`] (the planted mutants) and
+//! [`parked`] (an unclear outcome's parked event and its retry policy).
+//!
 //! The start-up plan is `outbox_source::slot::plan` (pure as well).
 
 pub mod contract;
