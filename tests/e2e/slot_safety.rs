@@ -18,9 +18,16 @@ async fn assert_stops_naming(relay: &mut RelayProcess, names: &[&str]) {
     );
 }
 
-/// Waits until `relay`, started with `before-start-replication=pause:MS`, has planned its start
-/// and waits before START_REPLICATION.
-async fn paused_before_streaming(relay: &RelayProcess) {
+/// A test's environment with one event, and its relay started with a pause before
+/// START_REPLICATION (`before-start-replication=pause:5000`), once it has planned its start
+/// (created its slot, published its snapshot) and waits there.
+async fn paused_before_streaming(name: &str) -> (TestEnv, RelayProcess) {
+    let env = TestEnv::new(name).await;
+    env.enqueue("r-1", json!({})).await;
+    let relay = env.relay(
+        &[("OUTBOXD_FAILPOINTS", "before-start-replication=pause:5000")],
+        &[],
+    );
     outbox_testkit::wait::wait_for(
         "the relay paused before START_REPLICATION",
         crate::harness::LONG,
@@ -34,6 +41,7 @@ async fn paused_before_streaming(relay: &RelayProcess) {
         },
     )
     .await;
+    (env, relay)
 }
 
 async fn drop_and_recreate(env: &TestEnv) {
@@ -95,13 +103,7 @@ cdc_only! {
         // The window CI once hit by chance, held open: the relay has created its slot and
         // published its snapshot, and waits before START_REPLICATION while the slot is
         // dropped. Before the fix it stopped with only the server's "does not exist".
-        let env = TestEnv::new("slot_dropped_at_start").await;
-        env.enqueue("r-1", json!({})).await;
-        let mut relay = env.relay(
-            &[("OUTBOXD_FAILPOINTS", "before-start-replication=pause:5000")],
-            &[],
-        );
-        paused_before_streaming(&relay).await;
+        let (env, mut relay) = paused_before_streaming("slot_dropped_at_start").await;
         drop_slot(&env).await;
         let dropped = format!(
             "replication slot \"{}\" was dropped behind outboxd's back",
@@ -118,13 +120,7 @@ cdc_only! {
         // The same window, with the slot dropped and created again under its name: streaming
         // from it succeeds, from the new slot's later position, and only reading the held slot
         // again (`CdcStart::check_held`) stops the relay before it skips what lies between.
-        let env = TestEnv::new("slot_replaced_at_start").await;
-        env.enqueue("r-1", json!({})).await;
-        let mut relay = env.relay(
-            &[("OUTBOXD_FAILPOINTS", "before-start-replication=pause:5000")],
-            &[],
-        );
-        paused_before_streaming(&relay).await;
+        let (env, mut relay) = paused_before_streaming("slot_replaced_at_start").await;
         // What the replaced slot would skip: committed before its creation.
         env.enqueue("r-2", json!({})).await;
         drop_and_recreate(&env).await;
