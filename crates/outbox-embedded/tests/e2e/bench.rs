@@ -25,6 +25,9 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         .args(["--steady-secs", "1", "--rate", "1000", "--crash-secs", "1"])
         .args(["--variants", "1024x50", "--variant-events", "500"])
         .args(["--producer-secs", "1"])
+        // Two restarts prove the loop (each must move the checkpoint); the default six cost
+        // the suite 8 s more.
+        .args(["--kill-restarts", "2"])
         .args(extra)
         .arg("--json")
         .arg(&json)
@@ -80,6 +83,14 @@ fn tiny_bench(extra: &[&str], broker: &str) {
         v["broker"]
     );
     assert_eq!(v["drain"]["events"], 2000);
+    assert_eq!(
+        v["kill_loop"]["checkpoint_advance_bytes_per_run"]
+            .as_array()
+            .map(|a| a.len()),
+        Some(2),
+        "kill loop: {}",
+        v["kill_loop"]
+    );
     assert_eq!(v["variants"].as_array().map(|a| a.len()), Some(1));
     assert!(v["steady"]["latency"]["count"].as_u64().unwrap_or(0) > 0);
     // The producer phase ran its sides and measured PostgreSQL's CPU for each.
