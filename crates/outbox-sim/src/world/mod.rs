@@ -1708,11 +1708,7 @@ impl World {
                 adopt,
             } => (SlotStart::Resume { adopt, backfill }, start),
         };
-        let cursor = self
-            .wal
-            .iter()
-            .position(|(end, _)| *end > start)
-            .unwrap_or(self.wal.len());
+        let cursor = self.wal_after(start);
         log!(
             self,
             "relay gen {gen} starts at {start} (WAL txn #{cursor})"
@@ -1781,6 +1777,14 @@ impl World {
         }
     }
 
+    /// The first WAL transaction a stream from `lsn` delivers (every one committed after it).
+    fn wal_after(&self, lsn: Lsn) -> usize {
+        self.wal
+            .iter()
+            .position(|(end, _)| *end > lsn)
+            .unwrap_or(self.wal.len())
+    }
+
     /// `START_REPLICATION` at `start`, then the slot, now held, read again and checked by
     /// the product (`CdcStart::check_held`). At times the slot was dropped and recreated
     /// behind the relay's back after its plan read it: PostgreSQL streams from the later of
@@ -1810,11 +1814,7 @@ impl World {
             }
             Ok(()) => {
                 let from = self.slot_confirmed.map_or(start, |s| s.max(start));
-                self.relays[i].cursor = self
-                    .wal
-                    .iter()
-                    .position(|(end, _)| *end > from)
-                    .unwrap_or(self.wal.len());
+                self.relays[i].cursor = self.wal_after(from);
             }
         }
     }

@@ -77,7 +77,6 @@ impl Pipeline {
         qualified_table: &str,
         when: When,
     ) -> Result<(), RelayError> {
-        let pipeline = self;
         let open = attempts::open_unknown(sql, &cfg.slot).await?;
         for a in open {
             // What to do with it now is the core's: at start nothing is looked up in line (the
@@ -88,19 +87,16 @@ impl Pipeline {
                 relay_generation: a.relay_generation,
                 unknown_for: Duration::from_secs_f64(a.unknown_for_s.max(0.0)),
                 has_receipt: a.has_receipt,
-                lookup_resends: pipeline.sink().lookup_resends(sent_ago(&a)),
+                lookup_resends: self.sink().lookup_resends(sent_ago(&a)),
             };
             let now = std::time::SystemTime::now();
-            match pipeline.core.reconcile(when, fence.generation, &open, now) {
+            match self.core.reconcile(when, fence.generation, &open, now) {
                 Reconcile::Skip | Reconcile::HandedToRun => {}
                 Reconcile::ClosedByReceipt => {
-                    if let Some(offset) =
-                        attempts::resolve_by_receipt(&pipeline.client, a.id).await?
-                    {
+                    if let Some(offset) = attempts::resolve_by_receipt(&self.client, a.id).await? {
                         tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
                         offset, "DISPATCH_UNKNOWN resolved by the event's receipt (the destination's answer under its key): not sent again");
-                        pipeline
-                            .core
+                        self.core
                             .closed_by_receipt(a.event_id, a.attempt_generation, offset);
                     }
                 }
@@ -108,11 +104,11 @@ impl Pipeline {
                 // takes its time holds this event only, never the relay's loop
                 // (`Pipeline::on_lookup` records it and tells `PipelineCore::reconciled`).
                 Reconcile::LookUp => match load(sql, qualified_table, &a).await? {
-                    Some(ev) => pipeline.start_reconcile_lookup(ev, a),
+                    Some(ev) => self.start_reconcile_lookup(ev, a),
                     None => {
                         tracing::info!(event_id = %a.event_id, relay_generation = a.relay_generation,
                         "DISPATCH_UNKNOWN of a row written without a version or route: looked up when a run's replay brings the event, numbered; it stays open until then");
-                        pipeline.core.reconcile_deferred(a.event_id);
+                        self.core.reconcile_deferred(a.event_id);
                     }
                 },
             }
@@ -175,18 +171,17 @@ impl Pipeline {
                 scanned_to,
             } => (None, scanned_from, scanned_to),
         };
-        let pipeline = self;
         let mut closed = 0;
-        for other in attempts::all_open_unknown_of(&pipeline.client, slot, ev.event_id).await? {
+        for other in attempts::all_open_unknown_of(&self.client, slot, ev.event_id).await? {
             if !unknown::answered_already(
                 resent,
                 resolved,
-                pipeline.sink().lookup_resends(sent_ago(&other)),
+                self.sink().lookup_resends(sent_ago(&other)),
             ) {
                 continue;
             }
             attempts::resolve(
-                &pipeline.client,
+                &self.client,
                 other.id,
                 found_offset,
                 scanned_from,
@@ -213,9 +208,8 @@ impl Pipeline {
         lookup: Lookup,
         started: Instant,
     ) -> Result<Resolved, RelayError> {
-        let pipeline = self;
         let unknown_ms = (a.unknown_for_s * 1000.0) as u64 + started.elapsed().as_millis() as u64;
-        let kind = pipeline.served().kind;
+        let kind = self.served().kind;
         // What the broker proved, for the rule in outbox_core::receipt::resolve_unknown. A
         // JetStream probe (or an HTTP retry with the same key) that was *stored* proves the
         // original absent or deduplicated, and is itself the retry.
@@ -251,14 +245,14 @@ impl Pipeline {
                 evidence,
             ),
         };
-        let last = attempts::last_generation(&pipeline.client, a.event_id).await?;
+        let last = attempts::last_generation(&self.client, a.event_id).await?;
         // Settled: the settle time has passed (slept out at start, filtered while running, and
         // counted by the core for an in-run look-up).
         let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
         // What to write, and in which order, is the core's (`outbox_relay::unknown::record`).
         let record = unknown::record(resolved, a.relay_generation, fence.generation);
         if let (Some(found), true) = (record.resolve, record.resolve_first) {
-            attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
+            attempts::resolve(&self.client, a.id, found, scanned_from, scanned_to).await?;
         }
         if let Some(r) = record.receipt {
             let receipt = LedgerItem::Receipt(ReceiptRecord {
@@ -278,10 +272,10 @@ impl Pipeline {
                 change_lsn: None,
                 evidence,
             });
-            accept::accept_batch(&mut pipeline.client, slot, &[receipt], None, Some(fence)).await?;
+            accept::accept_batch(&mut self.client, slot, &[receipt], None, Some(fence)).await?;
         }
         if let (Some(found), false) = (record.resolve, record.resolve_first) {
-            attempts::resolve(&pipeline.client, a.id, found, scanned_from, scanned_to).await?;
+            attempts::resolve(&self.client, a.id, found, scanned_from, scanned_to).await?;
         }
         match resolved {
             Resolved::StillUnknown => {}
