@@ -969,8 +969,8 @@ impl Ctx {
             .client
             // Not the receipts `--ledger-receipts` wrote before the backlog.
             .query_one(
-                "SELECT count(*) FROM outbox.receipts WHERE broker_cluster <> 'prefill'",
-                &[],
+                "SELECT count(*) FROM outbox.receipts WHERE broker_cluster <> $1",
+                &[&workload::PREFILL],
             )
             .await
             .context("counting the drain's receipts")?

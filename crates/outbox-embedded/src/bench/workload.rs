@@ -399,15 +399,21 @@ pub async fn receipt_series(client: &Client, start: f64) -> anyhow::Result<Vec<(
     series(client, "outbox.receipts.accepted_at", start).await
 }
 
-/// Writes `n` receipts of earlier events into the ledger `client` reaches (`--ledger-receipts`): entries
-/// of time-ordered ids in batches of 1,000 of a slot of their own, with no outbox row (as after
-/// purge) and no stream position, then vacuumed, analysed and checkpointed. Returns seconds.
+/// The cluster, topic and slot the receipts of [`prefill_receipts`] name, so that the drain's
+/// count can leave them out.
+pub const PREFILL: &str = "prefill";
+
+/// Writes `n` receipts of earlier events into the ledger `client` reaches
+/// (`--ledger-receipts`): entries of time-ordered ids in batches of 1,000 of a slot of their
+/// own ([`PREFILL`]), with no outbox row (as after purge) and no stream position, then
+/// vacuumed, analysed and checkpointed. Returns seconds.
 pub async fn prefill_receipts(client: &Client, n: u64) -> anyhow::Result<f64> {
     let started = std::time::Instant::now();
     client
-        .batch_execute(
+        .execute(
             "INSERT INTO outbox.receipt_destinations (broker_kind, broker_cluster, topic)
-             VALUES ('kafka', 'prefill', 'prefill') ON CONFLICT DO NOTHING",
+             VALUES ('kafka', $1, $1) ON CONFLICT DO NOTHING",
+            &[&PREFILL],
         )
         .await?;
     // In statements of 100,000: one of millions would hold its whole WAL and memory at once.
@@ -418,11 +424,11 @@ pub async fn prefill_receipts(client: &Client, n: u64) -> anyhow::Result<f64> {
             .execute(
                 "WITH b AS (
                      INSERT INTO outbox.receipt_batches (slot_name)
-                     SELECT 'prefill' FROM generate_series(1, ($1::bigint + 999) / 1000)
+                     SELECT $2::text FROM generate_series(1, ($1::bigint + 999) / 1000)
                      RETURNING batch_id),
                  bs AS (SELECT array_agg(batch_id ORDER BY batch_id) AS ids FROM b),
                  d AS (SELECT destination_id FROM outbox.receipt_destinations
-                       WHERE broker_cluster = 'prefill' AND topic = 'prefill')
+                       WHERE broker_cluster = $2 AND topic = $2)
                  INSERT INTO outbox.receipt_entries
                      (event_id, batch_id, destination_id, partition, \"offset\", attempt,
                       relay_generation, payload_digest, destination_digest, aggregate_version)
@@ -430,7 +436,7 @@ pub async fn prefill_receipts(client: &Client, n: u64) -> anyhow::Result<f64> {
                         (g % 16)::int, g, 1, 1,
                         sha256(g::text::bytea), sha256(('d' || g)::bytea), 1
                  FROM generate_series(1, $1::bigint) g, bs, d",
-                &[&k],
+                &[&k, &PREFILL],
             )
             .await?;
         done += k as u64;
