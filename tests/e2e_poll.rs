@@ -18,9 +18,8 @@ macro_rules! e2e_only {
 }
 
 // The modules of `e2e/main.rs`, less those whose every test runs once, in `e2e` (chaos,
-// poll_mode and shards pin their relay modes; real_kafka starts its own Kafka clusters).
-#[path = "e2e/bad_input.rs"]
-pub(crate) mod bad_input;
+// poll_mode and shards pin their relay modes; bad_input starts no relay through the harness;
+// real_kafka starts its own Kafka clusters): `E2E_ONLY_MODULES` in e2e/main.rs.
 #[path = "e2e/cli.rs"]
 pub(crate) mod cli;
 #[path = "e2e/cloudevents.rs"]

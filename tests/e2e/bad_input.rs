@@ -217,204 +217,199 @@ async fn wrong_wal_level_is_named_with_the_fix() {
     );
 }
 
-e2e_only! {
-    fn check(args: &[&str]) -> (bool, String) {
-        crate::harness::outboxd(&[&["check"], args].concat())
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn check_passes_a_ready_setup_and_names_each_problem_with_its_fix() {
-        let env = TestEnv::new("check").await;
-        let (ok, out) = check(&[
-            "--database-url",
-            &env.url,
-            "--bootstrap-servers",
-            env.kafka.bootstrap_servers(),
-            "--slot",
-            &env.slot,
-        ]);
-        assert!(ok, "{out}");
-        assert!(
-            out.contains("ok    wal_level") && out.contains("ok    kafka"),
-            "{out}"
-        );
-
-        let role = format!("nocheck_{}", std::process::id());
-        env.db
-            .batch_execute(&format!(
-                "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN;"
-            ))
-            .await
-            .unwrap();
-        let url = env
-            .url
-            .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
-        let (ok, out) = check(&["--database-url", &url]);
-        assert!(!ok);
-        assert!(
-            out.contains("FAIL  REPLICATION privilege")
-                && out.contains(&format!("ALTER ROLE {role} REPLICATION")),
-            "{out}"
-        );
-        assert!(out.contains("GRANT USAGE ON SCHEMA outbox"), "{out}");
-
-        let (ok, out) = check(&["--database-url", &replica_only_url()]);
-        assert!(!ok, "check passed with wal_level = replica: {out}");
-        assert!(
-            out.contains("FAIL  wal_level") && out.contains("ALTER SYSTEM SET wal_level = logical"),
-            "{out}"
-        );
-    }
+fn check(args: &[&str]) -> (bool, String) {
+    crate::harness::outboxd(&[&["check"], args].concat())
 }
 
-e2e_only! {
-    /// The rest of what `check` covers: config values (not only keys), librdkafka properties,
-    /// ledger privileges of a REPLICATION role without grants (with the exact GRANTs), the
-    /// publication a non-owner cannot create, and topics that do not exist.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn check_names_config_privilege_publication_and_topic_problems() {
-        let env = TestEnv::new("check_more").await;
-        let dir = tempfile::tempdir().unwrap();
-        let bad_value = dir.path().join("bad_value.toml");
-        std::fs::write(&bad_value, "[relay]\nbatch_size = 0\n").unwrap();
-        let (ok, out) = check(&[
-            "--database-url",
-            &env.url,
-            "--config",
-            bad_value.to_str().unwrap(),
-        ]);
-        assert!(!ok);
-        assert!(
-            out.contains("FAIL  config") && out.contains("relay.batch_size must be at least 1"),
-            "{out}"
-        );
-        let bad_key = dir.path().join("bad_key.toml");
-        std::fs::write(&bad_key, "[relay]\nbatch_sise = 10\n").unwrap();
-        let (ok, out) = check(&[
-            "--database-url",
-            &env.url,
-            "--config",
-            bad_key.to_str().unwrap(),
-        ]);
-        assert!(!ok);
-        assert!(
-            out.contains("FAIL  config file") && out.contains("batch_sise"),
-            "{out}"
-        );
-        let bad_prop = dir.path().join("bad_prop.toml");
-        std::fs::write(
-            &bad_prop,
-            "[kafka.properties]\n\"no.such.property\" = \"1\"\n",
-        )
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_passes_a_ready_setup_and_names_each_problem_with_its_fix() {
+    let env = TestEnv::new("check").await;
+    let (ok, out) = check(&[
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+        "--slot",
+        &env.slot,
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("ok    wal_level") && out.contains("ok    kafka"),
+        "{out}"
+    );
+
+    let role = format!("nocheck_{}", std::process::id());
+    env.db
+        .batch_execute(&format!(
+            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN;"
+        ))
+        .await
         .unwrap();
-        let (ok, out) = check(&[
-            "--database-url",
-            &env.url,
-            "--config",
-            bad_prop.to_str().unwrap(),
-        ]);
-        assert!(!ok);
-        assert!(
-            out.contains("FAIL  kafka properties") && out.contains("no.such.property"),
-            "{out}"
-        );
+    let url = env
+        .url
+        .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let (ok, out) = check(&["--database-url", &url]);
+    assert!(!ok);
+    assert!(
+        out.contains("FAIL  REPLICATION privilege")
+            && out.contains(&format!("ALTER ROLE {role} REPLICATION")),
+        "{out}"
+    );
+    assert!(out.contains("GRANT USAGE ON SCHEMA outbox"), "{out}");
 
-        // REPLICATION, but no grants on the ledger: each missing GRANT is spelled out.
-        let role = format!("nogrants_{}", std::process::id());
-        env.db
-            .batch_execute(&format!(
-                "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN REPLICATION;
-                 GRANT USAGE ON SCHEMA outbox TO {role};
-                 GRANT SELECT ON outbox.schema_migrations, outbox.events TO {role};
-                 DROP PUBLICATION outbox_pub;"
+    let (ok, out) = check(&["--database-url", &replica_only_url()]);
+    assert!(!ok, "check passed with wal_level = replica: {out}");
+    assert!(
+        out.contains("FAIL  wal_level") && out.contains("ALTER SYSTEM SET wal_level = logical"),
+        "{out}"
+    );
+}
+
+/// The rest of what `check` covers: config values (not only keys), librdkafka properties,
+/// ledger privileges of a REPLICATION role without grants (with the exact GRANTs), the
+/// publication a non-owner cannot create, and topics that do not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_config_privilege_publication_and_topic_problems() {
+    let env = TestEnv::new("check_more").await;
+    let dir = tempfile::tempdir().unwrap();
+    let bad_value = dir.path().join("bad_value.toml");
+    std::fs::write(&bad_value, "[relay]\nbatch_size = 0\n").unwrap();
+    let (ok, out) = check(&[
+        "--database-url",
+        &env.url,
+        "--config",
+        bad_value.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(
+        out.contains("FAIL  config") && out.contains("relay.batch_size must be at least 1"),
+        "{out}"
+    );
+    let bad_key = dir.path().join("bad_key.toml");
+    std::fs::write(&bad_key, "[relay]\nbatch_sise = 10\n").unwrap();
+    let (ok, out) = check(&[
+        "--database-url",
+        &env.url,
+        "--config",
+        bad_key.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(
+        out.contains("FAIL  config file") && out.contains("batch_sise"),
+        "{out}"
+    );
+    let bad_prop = dir.path().join("bad_prop.toml");
+    std::fs::write(
+        &bad_prop,
+        "[kafka.properties]\n\"no.such.property\" = \"1\"\n",
+    )
+    .unwrap();
+    let (ok, out) = check(&[
+        "--database-url",
+        &env.url,
+        "--config",
+        bad_prop.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(
+        out.contains("FAIL  kafka properties") && out.contains("no.such.property"),
+        "{out}"
+    );
+
+    // REPLICATION, but no grants on the ledger: each missing GRANT is spelled out.
+    let role = format!("nogrants_{}", std::process::id());
+    env.db
+        .batch_execute(&format!(
+            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN REPLICATION;
+             GRANT USAGE ON SCHEMA outbox TO {role};
+             GRANT SELECT ON outbox.schema_migrations, outbox.events TO {role};
+             DROP PUBLICATION outbox_pub;"
+        ))
+        .await
+        .unwrap();
+    let url = env
+        .url
+        .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let (ok, out) = check(&["--database-url", &url, "--slot", &env.slot]);
+    assert!(!ok, "{out}");
+    assert!(out.contains("ok    REPLICATION privilege"), "{out}");
+    assert!(out.contains("ok    outbox privileges"), "{out}");
+    assert!(
+        out.contains("FAIL  ledger privileges")
+            && out.contains(&format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.receipt_entries TO {role}"
             ))
-            .await
-            .unwrap();
-        let url = env
-            .url
-            .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
-        let (ok, out) = check(&["--database-url", &url, "--slot", &env.slot]);
-        assert!(!ok, "{out}");
-        assert!(out.contains("ok    REPLICATION privilege"), "{out}");
-        assert!(out.contains("ok    outbox privileges"), "{out}");
-        assert!(
-            out.contains("FAIL  ledger privileges")
-                && out.contains(&format!(
-                    "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.receipt_entries TO {role}"
-                ))
-                && out.contains(&format!("GRANT SELECT ON outbox.receipts TO {role}"))
-                && out.contains(&format!(
-                    "GRANT USAGE ON SEQUENCE outbox.attempts_id_seq TO {role}"
-                )),
-            "{out}"
-        );
-        assert!(
-            out.contains("FAIL  publication")
-                && out.contains("CREATE PUBLICATION outbox_pub FOR TABLE outbox.events"),
-            "{out}"
-        );
+            && out.contains(&format!("GRANT SELECT ON outbox.receipts TO {role}"))
+            && out.contains(&format!(
+                "GRANT USAGE ON SEQUENCE outbox.attempts_id_seq TO {role}"
+            )),
+        "{out}"
+    );
+    assert!(
+        out.contains("FAIL  publication")
+            && out.contains("CREATE PUBLICATION outbox_pub FOR TABLE outbox.events"),
+        "{out}"
+    );
 
-        // A pending event whose topic the broker does not have.
-        env.db
-            .batch_execute(
-                "CREATE PUBLICATION outbox_pub FOR TABLE outbox.events WITH (publish = 'insert')",
-            )
-            .await
-            .unwrap();
-        env.enqueue("t-1", serde_json::json!({})).await;
-        env.db
-            .execute(
-                "SELECT outbox.enqueue('never_created_topic', 'x', 'e', '{}'::jsonb)",
-                &[],
-            )
-            .await
-            .unwrap();
-        let (_, out) = check(&[
-            "--database-url",
-            &env.url,
-            "--bootstrap-servers",
-            env.kafka.bootstrap_servers(),
-            "--slot",
-            &env.slot,
-        ]);
-        assert!(
-            out.contains("topics")
-                && out.contains("1 of 2 do not exist: outbox.event.never_created_topic"),
-            "{out}"
-        );
-        // The publication was made without the route versions (migration 0031): its owner's
-        // relay adds them at start; another role is told the statement to run.
-        assert!(
-            out.contains("WARN  route versions published")
-                && out.contains("WARN  policy generations published")
-                && out.contains("the relay adds it at start"),
-            "{out}"
-        );
-        let (_, out) = check(&["--database-url", &url, "--slot", &env.slot]);
-        assert!(
-            out.contains("FAIL  route versions published")
-                && out.contains("ALTER PUBLICATION outbox_pub ADD TABLE outbox.route_versions"),
-            "{out}"
-        );
+    // A pending event whose topic the broker does not have.
+    env.db
+        .batch_execute(
+            "CREATE PUBLICATION outbox_pub FOR TABLE outbox.events WITH (publish = 'insert')",
+        )
+        .await
+        .unwrap();
+    env.enqueue("t-1", serde_json::json!({})).await;
+    env.db
+        .execute(
+            "SELECT outbox.enqueue('never_created_topic', 'x', 'e', '{}'::jsonb)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (_, out) = check(&[
+        "--database-url",
+        &env.url,
+        "--bootstrap-servers",
+        env.kafka.bootstrap_servers(),
+        "--slot",
+        &env.slot,
+    ]);
+    assert!(
+        out.contains("topics")
+            && out.contains("1 of 2 do not exist: outbox.event.never_created_topic"),
+        "{out}"
+    );
+    // The publication was made without the route versions (migration 0031): its owner's
+    // relay adds them at start; another role is told the statement to run.
+    assert!(
+        out.contains("WARN  route versions published")
+            && out.contains("WARN  policy generations published")
+            && out.contains("the relay adds it at start"),
+        "{out}"
+    );
+    let (_, out) = check(&["--database-url", &url, "--slot", &env.slot]);
+    assert!(
+        out.contains("FAIL  route versions published")
+            && out.contains("ALTER PUBLICATION outbox_pub ADD TABLE outbox.route_versions"),
+        "{out}"
+    );
 
-        // The unlogged version table as a crash of the server leaves it (migration 0032).
-        let (_, out) = check(&["--database-url", &env.url, "--slot", &env.slot]);
-        assert!(out.contains("ok    version table"), "{out}");
-        env.db
-            .batch_execute("TRUNCATE outbox.aggregate_versions, outbox.aggregate_versions_intact")
-            .await
-            .unwrap();
-        let (_, out) = check(&["--database-url", &env.url, "--slot", &env.slot]);
-        assert!(
-            out.contains("WARN  version table")
-                && out.contains("SELECT outbox.restore_aggregate_versions()"),
-            "{out}"
-        );
-        let (_, out) = check(&["--database-url", &env.url, "--mode", "poll"]);
-        assert!(
-            out.contains("FAIL  version table")
-                && out.contains("poll mode cannot find pending events"),
-            "{out}"
-        );
-    }
+    // The unlogged version table as a crash of the server leaves it (migration 0032).
+    let (_, out) = check(&["--database-url", &env.url, "--slot", &env.slot]);
+    assert!(out.contains("ok    version table"), "{out}");
+    env.db
+        .batch_execute("TRUNCATE outbox.aggregate_versions, outbox.aggregate_versions_intact")
+        .await
+        .unwrap();
+    let (_, out) = check(&["--database-url", &env.url, "--slot", &env.slot]);
+    assert!(
+        out.contains("WARN  version table")
+            && out.contains("SELECT outbox.restore_aggregate_versions()"),
+        "{out}"
+    );
+    let (_, out) = check(&["--database-url", &env.url, "--mode", "poll"]);
+    assert!(
+        out.contains("FAIL  version table") && out.contains("poll mode cannot find pending events"),
+        "{out}"
+    );
 }

@@ -76,19 +76,22 @@ impl TestEnv {
 
     /// [`TestEnv::new`] on the given brokers (a cluster the test starts, pauses and kills).
     pub async fn with_kafka(pg: &TestPostgres, name: &str, kafka: TestKafka) -> TestEnv {
+        // A copy of one database `outboxd migrate` made, once per test process.
         let url = pg
-            .create_database(name)
+            .create_database_from_template(name, |url| async move {
+                let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+                    .args(["migrate", "--database-url", &url])
+                    .output()
+                    .expect("run outboxd migrate");
+                assert!(
+                    out.status.success(),
+                    "outboxd migrate failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                Ok(())
+            })
             .await
             .expect("create test database");
-        let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-            .args(["migrate", "--database-url", &url])
-            .output()
-            .expect("run outboxd migrate");
-        assert!(
-            out.status.success(),
-            "outboxd migrate failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
         let suffix = format!("{}_{}_{}", name, std::process::id(), n);
         let aggregate_type = format!("agg_{suffix}");
@@ -977,6 +980,8 @@ e2e_only! {
 
 /// A throwaway cluster with `wal_level = replica` (PostgreSQL's default), started once per
 /// test process: what the relay meets on a server nobody prepared, and where poll mode runs.
+/// Its users (bad_input, poll_mode) are e2e-only modules: `e2e_poll` never starts it.
+#[allow(dead_code)]
 pub fn replica_only_cluster() -> &'static TestPostgres {
     static PG: std::sync::OnceLock<TestPostgres> = std::sync::OnceLock::new();
     PG.get_or_init(|| {

@@ -768,90 +768,94 @@ async fn a_parked_event_answered_meanwhile_is_closed_by_its_receipt_not_sent_aga
         .contains("DISPATCH_UNKNOWN of a parked event resolved by its receipt"));
 }
 
-/// A DISPATCH_UNKNOWN attempt of another relay generation for an event that has no receipt yet
-/// (its own send is outstanding), whose look-up — for an endpoint, the event sent again under
-/// its key — is answered late: the look-up runs beside the relay's loop, so another
-/// aggregate's event is published while it waits. Before, the running reconciliation waited
-/// for the endpoint in the loop, and every aggregate waited with it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay() {
-    use outbox_testkit::wait::wait_for;
-    const LATE: Duration = Duration::from_secs(20);
-    let (env, target) = endpoint_env("http_slow_lookup", TargetSettings::default()).await;
-    let config = keyed_endpoint_config(&env, 40000);
-    // CDC mode in both suites: a poll round waits for its sends, so there the event's own
-    // slow send holds the next round whatever the look-up does.
-    let mut relay = env.relay(
-        &[],
-        &[
-            "--mode",
-            "cdc",
-            "--config",
-            &config,
-            "--unknown-settle-ms",
-            "200",
-            "--message-timeout-ms",
-            "60000",
-        ],
-    );
-    env.wait_ready(&relay).await;
-    let sent = |id: uuid::Uuid| target.requests_with_key(&id.to_string());
-    // The event's own send, then the look-up's re-send, are answered after LATE (inside the
-    // client's timeout: neither is unclear, both are merely slow).
-    target.then(Behavior::Late(LATE));
-    target.then(Behavior::Late(LATE));
-    let id = env.enqueue("slow", json!({"n": 1})).await;
-    // Until the endpoint has read `n` requests under the event's key.
-    let sent_n = |what: &'static str, n: usize| {
-        wait_for(what, LATE, move || async move {
-            if sent(id) == n {
-                Ok(())
-            } else {
-                Err(format!("{} requests", sent(id)))
-            }
-        })
-    };
-    sent_n("the event's own send reached the endpoint", 1).await;
-    plant_predecessor_attempt(&env, id).await;
-    // The fault meets traffic: the look-up's re-send arrives (and is answered only after LATE).
-    sent_n("the attempt's look-up reached the endpoint", 2).await;
-    let looking_since = std::time::Instant::now();
-    let other = env.enqueue("other", json!({"n": 2})).await;
-    wait_for(
-        "another aggregate's event published while the look-up waits",
-        LATE,
-        || async {
-            let n = env
-                .count(&format!(
-                    "SELECT count(*) FROM outbox.receipts WHERE event_id = '{other}'"
-                ))
-                .await;
-            if n == 1 {
-                Ok(())
-            } else {
-                Err("no receipt yet".to_string())
-            }
-        },
-    )
-    .await;
-    assert!(
-        looking_since.elapsed() < LATE,
-        "published only after the look-up was answered ({:?}): the look-up held the relay's loop",
-        looking_since.elapsed()
-    );
-    // And the look-up is recorded when its answer comes.
-    env.wait_zero(
-        "the planted attempt resolved",
-        "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
-    )
-    .await;
-    env.wait_count(
-        "the slow event's receipt",
-        &format!("SELECT count(*) FROM outbox.receipts WHERE event_id = '{id}'"),
-        1,
-    )
-    .await;
-    relay.assert_running();
+e2e_only! {
+    /// A DISPATCH_UNKNOWN attempt of another relay generation for an event that has no receipt yet
+    /// (its own send is outstanding), whose look-up — for an endpoint, the event sent again under
+    /// its key — is answered late: the look-up runs beside the relay's loop, so another
+    /// aggregate's event is published while it waits. Before, the running reconciliation waited
+    /// for the endpoint in the loop, and every aggregate waited with it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay() {
+        use outbox_testkit::wait::wait_for;
+        // Well past the few hundred milliseconds another aggregate's event takes to publish
+        // on a loaded machine; every second of it is a second of the suite.
+        const LATE: Duration = Duration::from_secs(8);
+        let (env, target) = endpoint_env("http_slow_lookup", TargetSettings::default()).await;
+        let config = keyed_endpoint_config(&env, 40000);
+        // CDC mode (so the test runs once, here): a poll round waits for its sends, so there
+        // the event's own slow send holds the next round whatever the look-up does.
+        let mut relay = env.relay(
+            &[],
+            &[
+                "--mode",
+                "cdc",
+                "--config",
+                &config,
+                "--unknown-settle-ms",
+                "200",
+                "--message-timeout-ms",
+                "60000",
+            ],
+        );
+        env.wait_ready(&relay).await;
+        let sent = |id: uuid::Uuid| target.requests_with_key(&id.to_string());
+        // The event's own send, then the look-up's re-send, are answered after LATE (inside the
+        // client's timeout: neither is unclear, both are merely slow).
+        target.then(Behavior::Late(LATE));
+        target.then(Behavior::Late(LATE));
+        let id = env.enqueue("slow", json!({"n": 1})).await;
+        // Until the endpoint has read `n` requests under the event's key.
+        let sent_n = |what: &'static str, n: usize| {
+            wait_for(what, LATE, move || async move {
+                if sent(id) == n {
+                    Ok(())
+                } else {
+                    Err(format!("{} requests", sent(id)))
+                }
+            })
+        };
+        sent_n("the event's own send reached the endpoint", 1).await;
+        plant_predecessor_attempt(&env, id).await;
+        // The fault meets traffic: the look-up's re-send arrives (and is answered only after LATE).
+        sent_n("the attempt's look-up reached the endpoint", 2).await;
+        let looking_since = std::time::Instant::now();
+        let other = env.enqueue("other", json!({"n": 2})).await;
+        wait_for(
+            "another aggregate's event published while the look-up waits",
+            LATE,
+            || async {
+                let n = env
+                    .count(&format!(
+                        "SELECT count(*) FROM outbox.receipts WHERE event_id = '{other}'"
+                    ))
+                    .await;
+                if n == 1 {
+                    Ok(())
+                } else {
+                    Err("no receipt yet".to_string())
+                }
+            },
+        )
+        .await;
+        assert!(
+            looking_since.elapsed() < LATE,
+            "published only after the look-up was answered ({:?}): the look-up held the relay's loop",
+            looking_since.elapsed()
+        );
+        // And the look-up is recorded when its answer comes.
+        env.wait_zero(
+            "the planted attempt resolved",
+            "SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'",
+        )
+        .await;
+        env.wait_count(
+            "the slow event's receipt",
+            &format!("SELECT count(*) FROM outbox.receipts WHERE event_id = '{id}'"),
+            1,
+        )
+        .await;
+        relay.assert_running();
+    }
 }
 
 /// Plants a predecessor's open DISPATCH_UNKNOWN attempt of `id` to `billing-api`: recorded an

@@ -3,8 +3,6 @@
 //! the database URL never appears in any line the binary prints, with debug logging on, on
 //! success and on failure.
 
-use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use outbox_testkit::wait::wait_for;
 use serde_json::json;
@@ -99,203 +97,210 @@ cdc_only! {
     }
 }
 
-/// `outboxd ARGS` with trace logging of every target, stdout and stderr to files.
-struct Traced {
-    child: std::process::Child,
-    _dir: tempfile::TempDir,
-    out: std::path::PathBuf,
-    err: std::path::PathBuf,
-}
+e2e_only! {
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
 
-impl Traced {
-    fn spawn(args: &[&str]) -> Traced {
-        let dir = tempfile::tempdir().unwrap();
-        let (out, err) = (dir.path().join("out"), dir.path().join("err"));
-        let child = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-            .args(args)
-            .env_remove("OUTBOXD_DATABASE_URL")
-            .env("OUTBOXD_LOG", "trace")
-            .stdout(Stdio::from(std::fs::File::create(&out).unwrap()))
-            .stderr(Stdio::from(std::fs::File::create(&err).unwrap()))
-            .spawn()
-            .expect("spawn outboxd");
-        Traced {
-            child,
-            _dir: dir,
-            out,
-            err,
-        }
+    /// `outboxd ARGS` with trace logging of every target, stdout and stderr to files.
+    struct Traced {
+        child: std::process::Child,
+        _dir: tempfile::TempDir,
+        out: std::path::PathBuf,
+        err: std::path::PathBuf,
     }
 
-    /// SIGTERM if still running, wait, and return stdout + stderr.
-    fn finish(mut self, timeout: Duration) -> String {
-        let deadline = std::time::Instant::now() + timeout;
-        let mut termed = false;
-        while self.child.try_wait().unwrap().is_none() {
-            if std::time::Instant::now() > deadline && !termed {
-                // SAFETY: plain kill(2) on our own child's pid.
-                unsafe {
-                    libc::kill(self.child.id() as i32, libc::SIGTERM);
-                }
-                termed = true;
+    impl Traced {
+        fn spawn(args: &[&str]) -> Traced {
+            let dir = tempfile::tempdir().unwrap();
+            let (out, err) = (dir.path().join("out"), dir.path().join("err"));
+            let child = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+                .args(args)
+                .env_remove("OUTBOXD_DATABASE_URL")
+                .env("OUTBOXD_LOG", "trace")
+                .stdout(Stdio::from(std::fs::File::create(&out).unwrap()))
+                .stderr(Stdio::from(std::fs::File::create(&err).unwrap()))
+                .spawn()
+                .expect("spawn outboxd");
+            Traced {
+                child,
+                _dir: dir,
+                out,
+                err,
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
-        format!(
-            "{}{}",
-            std::fs::read_to_string(&self.out).unwrap_or_default(),
-            std::fs::read_to_string(&self.err).unwrap_or_default()
-        )
+
+        /// SIGTERM if still running, wait, and return stdout + stderr.
+        fn finish(mut self, timeout: Duration) -> String {
+            let deadline = std::time::Instant::now() + timeout;
+            let mut termed = false;
+            while self.child.try_wait().unwrap().is_none() {
+                if std::time::Instant::now() > deadline && !termed {
+                    // SAFETY: plain kill(2) on our own child's pid.
+                    unsafe {
+                        libc::kill(self.child.id() as i32, libc::SIGTERM);
+                    }
+                    termed = true;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            format!(
+                "{}{}",
+                std::fs::read_to_string(&self.out).unwrap_or_default(),
+                std::fs::read_to_string(&self.err).unwrap_or_default()
+            )
+        }
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn database_password_never_appears_in_output() {
-    let env = TestEnv::new("secrets").await;
-    // The shared cluster authenticates this role with SCRAM (see outbox-testkit), so the
-    // password is really used by both the SQL and the replication connections.
-    let password = format!("s3cret-{}", uuid::Uuid::new_v4().simple());
-    env.db
-        .batch_execute(&format!(
-            "DO $$ BEGIN
-                 IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outboxd_test_scram') THEN
-                     CREATE ROLE outboxd_test_scram LOGIN;
-                 END IF;
-             END $$;
-             ALTER ROLE outboxd_test_scram LOGIN SUPERUSER PASSWORD '{password}';"
-        ))
-        .await
-        .unwrap();
-    let url = env
-        .url
-        .replacen("postgres@", &format!("outboxd_test_scram:{password}@"), 1);
-    let wrong = env
-        .url
-        .replacen("postgres@", &format!("outboxd_test_scram:{password}x@"), 1);
+e2e_only! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn database_password_never_appears_in_output() {
+        let env = TestEnv::new("secrets").await;
+        // The shared cluster authenticates this role with SCRAM (see outbox-testkit), so the
+        // password is really used by both the SQL and the replication connections.
+        let password = format!("s3cret-{}", uuid::Uuid::new_v4().simple());
+        env.db
+            .batch_execute(&format!(
+                "DO $$ BEGIN
+                     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outboxd_test_scram') THEN
+                         CREATE ROLE outboxd_test_scram LOGIN;
+                     END IF;
+                 END $$;
+                 ALTER ROLE outboxd_test_scram LOGIN SUPERUSER PASSWORD '{password}';"
+            ))
+            .await
+            .unwrap();
+        let url = env
+            .url
+            .replacen("postgres@", &format!("outboxd_test_scram:{password}@"), 1);
+        let wrong = env
+            .url
+            .replacen("postgres@", &format!("outboxd_test_scram:{password}x@"), 1);
 
-    // A relay that publishes (SCRAM on both connections), with trace logging, until the
-    // receipt is in; then SIGTERM.
-    env.enqueue("s-1", json!({"n": 1})).await;
-    // A Kafka secret in the config file must not leak either (the mock broker speaks
-    // plaintext, so librdkafka holds it without using it).
-    let kafka_secret = format!("k4fka-{}", uuid::Uuid::new_v4().simple());
-    let config = env.dir.path().join("secrets.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[kafka.properties]\n\"sasl.username\" = \"outboxd\"\n\"sasl.password\" = \"{kafka_secret}\"\n"
-        ),
-    )
-    .unwrap();
-    let relay = Traced::spawn(&[
-        "run",
-        "--config",
-        config.to_str().unwrap(),
-        "--database-url",
-        &url,
-        "--bootstrap-servers",
-        env.kafka.bootstrap_servers(),
-        "--slot",
-        &env.slot,
-        "--heartbeat-interval-ms",
-        "300",
-        "--status-interval-ms",
-        "100",
-    ]);
-    env.wait_count("the receipt", "SELECT count(*) FROM outbox.receipts", 1)
-        .await;
-    let run_output = tokio::task::spawn_blocking(move || relay.finish(Duration::ZERO))
-        .await
-        .unwrap();
-    assert!(
-        run_output.contains("streaming"),
-        "the relay did not run: {run_output}"
-    );
-
-    let mut outputs = vec![("run", run_output)];
-    // Failures print URLs in their messages: wrong password, unreachable server, bad option.
-    let closed_port = env.url.replacen(
-        "postgres@127.0.0.1",
-        &format!("outboxd_test_scram:{password}@127.0.0.1"),
-        1,
-    );
-    let closed_port = {
-        let port_start = closed_port.rfind(':').unwrap() + 1;
-        let port_end = closed_port[port_start..].find('/').unwrap() + port_start;
-        format!(
-            "{}1{}",
-            &closed_port[..port_start],
-            &closed_port[port_end..]
+        // A relay that publishes (SCRAM on both connections), with trace logging, until the
+        // receipt is in; then SIGTERM.
+        env.enqueue("s-1", json!({"n": 1})).await;
+        // A Kafka secret in the config file must not leak either (the mock broker speaks
+        // plaintext, so librdkafka holds it without using it).
+        let kafka_secret = format!("k4fka-{}", uuid::Uuid::new_v4().simple());
+        let config = env.dir.path().join("secrets.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[kafka.properties]\n\"sasl.username\" = \"outboxd\"\n\"sasl.password\" = \"{kafka_secret}\"\n"
+            ),
         )
-    };
-    for (name, args) in [
-        (
-            "run (wrong password)",
-            vec![
-                "run",
-                "--database-url",
-                &wrong,
-                "--bootstrap-servers",
-                "127.0.0.1:1",
-            ],
-        ),
-        (
-            "run (no server)",
-            vec![
-                "run",
-                "--database-url",
-                &closed_port,
-                "--bootstrap-servers",
-                "127.0.0.1:1",
-            ],
-        ),
-        (
-            "run (bad option)",
-            vec![
-                "run",
-                "--database-url",
-                &format!("{url}?bogus=1"),
-                "--bootstrap-servers",
-                "127.0.0.1:1",
-            ],
-        ),
-        (
-            "check",
-            vec![
+        .unwrap();
+        let relay = Traced::spawn(&[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--database-url",
+            &url,
+            "--bootstrap-servers",
+            env.kafka.bootstrap_servers(),
+            "--slot",
+            &env.slot,
+            "--heartbeat-interval-ms",
+            "300",
+            "--status-interval-ms",
+            "100",
+        ]);
+        env.wait_count("the receipt", "SELECT count(*) FROM outbox.receipts", 1)
+            .await;
+        let run_output = tokio::task::spawn_blocking(move || relay.finish(Duration::ZERO))
+            .await
+            .unwrap();
+        assert!(
+            run_output.contains("streaming"),
+            "the relay did not run: {run_output}"
+        );
+
+        let mut outputs = vec![("run", run_output)];
+        // Failures print URLs in their messages: wrong password, unreachable server, bad option.
+        let closed_port = env.url.replacen(
+            "postgres@127.0.0.1",
+            &format!("outboxd_test_scram:{password}@127.0.0.1"),
+            1,
+        );
+        let closed_port = {
+            let port_start = closed_port.rfind(':').unwrap() + 1;
+            let port_end = closed_port[port_start..].find('/').unwrap() + port_start;
+            format!(
+                "{}1{}",
+                &closed_port[..port_start],
+                &closed_port[port_end..]
+            )
+        };
+        for (name, args) in [
+            (
+                "run (wrong password)",
+                vec![
+                    "run",
+                    "--database-url",
+                    &wrong,
+                    "--bootstrap-servers",
+                    "127.0.0.1:1",
+                ],
+            ),
+            (
+                "run (no server)",
+                vec![
+                    "run",
+                    "--database-url",
+                    &closed_port,
+                    "--bootstrap-servers",
+                    "127.0.0.1:1",
+                ],
+            ),
+            (
+                "run (bad option)",
+                vec![
+                    "run",
+                    "--database-url",
+                    &format!("{url}?bogus=1"),
+                    "--bootstrap-servers",
+                    "127.0.0.1:1",
+                ],
+            ),
+            (
                 "check",
-                "--database-url",
-                &url,
-                "--config",
-                config.to_str().unwrap(),
-            ],
-        ),
-        (
-            "check (wrong password)",
-            vec!["check", "--database-url", &wrong],
-        ),
-        ("status", vec!["status", "--database-url", &url]),
-        ("migrate", vec!["migrate", "--database-url", &url]),
-    ] {
-        let out = Traced::spawn(&args).finish(Duration::from_secs(30));
-        outputs.push((name, out));
-    }
-    for (name, out) in &outputs {
-        assert!(!out.is_empty(), "{name} printed nothing");
-        let leaks = out
-            .lines()
-            .filter(|l| l.contains(&password) || l.contains(&kafka_secret))
-            .count();
-        assert_eq!(
-            leaks, 0,
-            "{name}: a secret appears in {leaks} line(s):\n{out}"
+                vec![
+                    "check",
+                    "--database-url",
+                    &url,
+                    "--config",
+                    config.to_str().unwrap(),
+                ],
+            ),
+            (
+                "check (wrong password)",
+                vec!["check", "--database-url", &wrong],
+            ),
+            ("status", vec!["status", "--database-url", &url]),
+            ("migrate", vec!["migrate", "--database-url", &url]),
+        ] {
+            let out = Traced::spawn(&args).finish(Duration::from_secs(30));
+            outputs.push((name, out));
+        }
+        for (name, out) in &outputs {
+            assert!(!out.is_empty(), "{name} printed nothing");
+            let leaks = out
+                .lines()
+                .filter(|l| l.contains(&password) || l.contains(&kafka_secret))
+                .count();
+            assert_eq!(
+                leaks, 0,
+                "{name}: a secret appears in {leaks} line(s):\n{out}"
+            );
+        }
+        // The failures did say what failed.
+        let wrong_out = &outputs[1].1;
+        assert!(
+            wrong_out.contains("password authentication failed"),
+            "{wrong_out}"
         );
     }
-    // The failures did say what failed.
-    let wrong_out = &outputs[1].1;
-    assert!(
-        wrong_out.contains("password authentication failed"),
-        "{wrong_out}"
-    );
 }
 
 /// A privilege revoked while the relay runs is not a transient failure: no reconnect brings

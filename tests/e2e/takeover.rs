@@ -1043,248 +1043,264 @@ async fn a_poller_without_the_predicate_makes_take_and_give_back_refuse() {
     );
 }
 
-/// A database attached before migration 0025, with producers writing through the migration:
-/// the migration derives the mark from `published_at IS NULL`, rows outboxd takes afterwards
-/// are marked in the producer's transaction, attaching again marks the ones it took before, and
-/// the poller's rows are never marked by outboxd.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_attachment_made_before_migration_0025_is_upgraded_under_writers() {
-    let pg = outbox_testkit::postgres::TestPostgres::shared();
-    let url = pg.create_database("takeover_upgrade").await.unwrap();
-    let mut old = connect(&url).await;
-    outbox_ledger::migrate::run_through(&mut old, 24)
-        .await
-        .unwrap_or_else(|e| panic!("migrating to 0024: {e}"));
-    old.batch_execute(TABLE_DDL).await.unwrap();
-    old.batch_execute(
-        "SELECT outbox.install_poller_capture('app.outbox', '\"published_at\" IS NULL');
-         SELECT outbox.set_dispatch_owner('taken', 'outboxd');",
-    )
-    .await
-    .unwrap();
-
-    // One writer of each owner's type all through the migration.
-    let stop = Arc::new(AtomicBool::new(false));
-    let writers: Vec<_> = ["taken", "kept"]
-        .into_iter()
-        .map(|ty| {
-            let (url, stop) = (url.clone(), stop.clone());
-            tokio::spawn(async move {
-                let c = connect(&url).await;
-                let mut n = 0u32;
-                while !stop.load(Ordering::Relaxed) || n < 20 {
-                    c.execute(
-                        INSERT,
-                        &[
-                            &uuid::Uuid::new_v4(),
-                            &ty,
-                            &format!("{ty}-{}", n % 3),
-                            &"Changed",
-                            &json!({"n": n}),
-                        ],
-                    )
-                    .await
-                    .unwrap_or_else(|e| panic!("a producer of {ty} during the migration: {e:?}"));
-                    n += 1;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                n
-            })
-        })
-        .collect();
-    let count = |sql: &'static str| {
-        let old = &old;
-        async move { old.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
-    };
-    const TAKEN_UNMARKED: &str =
-        "SELECT count(*) FROM app.outbox o JOIN outbox.events e ON e.event_id = o.id
-                                  WHERE o.published_at IS NULL";
-    const KEPT_MARKED: &str =
-        "SELECT count(*) FROM app.outbox WHERE aggregatetype = 'kept' AND published_at IS NOT NULL";
-    outbox_testkit::wait::wait_for(
-        "rows before the migration",
-        crate::harness::LONG,
-        || async {
-            let n = count(TAKEN_UNMARKED).await;
-            if n >= 10 {
-                Ok(())
-            } else {
-                Err(format!("{n}"))
-            }
-        },
-    )
-    .await;
-    let (ok, out) =
-        outboxd_async(vec!["migrate".into(), "--database-url".into(), url.clone()]).await;
-    assert!(ok, "{out}");
-    let mark: Option<String> = old
-        .query_one("SELECT mark_published FROM outbox.poller_tables", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(mark.as_deref(), Some("published_at = now()"));
-    // Rows taken after the migration are marked as they are inserted: those whose insert began
-    // after `migrate` returned (a seq drawn since; a producer blocked by the migration finishes
-    // the trigger call it had begun).
-    let bound: i64 = old
-        .query_one("SELECT last_value FROM app.outbox_seq_seq", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let since = |unmarked: bool| {
-        let old = &old;
-        async move {
-            old.query_one(
-                "SELECT count(*) FROM app.outbox o JOIN outbox.events e ON e.event_id = o.id
-                 WHERE o.seq > $1 AND (NOT $2 OR o.published_at IS NULL)",
-                &[&bound, &unmarked],
-            )
+e2e_only! {
+    /// A database attached before migration 0025, with producers writing through the migration:
+    /// the migration derives the mark from `published_at IS NULL`, rows outboxd takes afterwards
+    /// are marked in the producer's transaction, attaching again marks the ones it took before, and
+    /// the poller's rows are never marked by outboxd.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_attachment_made_before_migration_0025_is_upgraded_under_writers() {
+        let pg = outbox_testkit::postgres::TestPostgres::shared();
+        let url = pg.create_database("takeover_upgrade").await.unwrap();
+        let mut old = connect(&url).await;
+        outbox_ledger::migrate::run_through(&mut old, 24)
             .await
-            .unwrap()
-            .get::<_, i64>(0)
-        }
-    };
-    outbox_testkit::wait::wait_for(
-        "rows taken after the migration",
-        crate::harness::LONG,
-        || async {
-            let n = since(false).await;
-            if n >= 20 {
-                Ok(())
-            } else {
-                Err(format!("{n}"))
-            }
-        },
-    )
-    .await;
-    assert_eq!(
-        since(true).await,
-        0,
-        "rows taken after the migration left unmarked"
-    );
-    assert!(
-        count(TAKEN_UNMARKED).await >= 10,
-        "rows taken before the migration were marked by it"
-    );
-    let headers =
-        count("SELECT count(*) FROM outbox.events WHERE headers ? 'poller_events_before'").await;
-    assert!(headers >= 20, "{headers} events with poller_events_before");
-    // Attaching again marks what outboxd took before.
-    let (ok, out) = outboxd_async(vec![
-        "migrate".into(),
-        "--database-url".into(),
-        url.clone(),
-        "--poller-table".into(),
-        "app.outbox".into(),
-        "--published-column".into(),
-        "published_at".into(),
-    ])
-    .await;
-    assert!(ok && out.contains("it had taken marked now"), "{out}");
-    stop.store(true, Ordering::Relaxed);
-    for w in writers {
-        assert!(w.await.unwrap() >= 20);
-    }
-    assert_eq!(
-        count(TAKEN_UNMARKED).await,
-        0,
-        "rows outboxd took, still unpublished in app.outbox"
-    );
-    assert_eq!(
-        count(KEPT_MARKED).await,
-        0,
-        "the poller's rows marked by outboxd"
-    );
-    assert!(count("SELECT count(*) FROM app.outbox WHERE aggregatetype = 'kept'").await >= 20);
-}
-
-/// `outbox.poller_may_claim` judges every row of one claim on the claim's snapshot (STABLE): an
-/// owner switch (or a receipt) committing while a claim runs cannot let an aggregate's later row
-/// pass after its earlier one was held back. Planted: the function made VOLATILE, the same
-/// claim takes the later row alone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_judges_every_row_on_one_snapshot() {
-    let env = TestEnv::new("takeover_snapshot").await;
-    env.db.batch_execute(TABLE_DDL).await.unwrap();
-    attach(&env, &[]);
-    // Two rows of one aggregate held back from the poller (its type being handed back).
-    env.db
-        .execute("SELECT outbox.set_dispatch_owner('order', 'handback')", &[])
+            .unwrap_or_else(|e| panic!("migrating to 0024: {e}"));
+        old.batch_execute(TABLE_DDL).await.unwrap();
+        old.batch_execute(
+            "SELECT outbox.install_poller_capture('app.outbox', '\"published_at\" IS NULL');
+             SELECT outbox.set_dispatch_owner('taken', 'outboxd');",
+        )
         .await
         .unwrap();
-    for n in 1..=2 {
-        env.db
-            .execute(
-                INSERT,
-                &[
-                    &uuid::Uuid::new_v4(),
-                    &"order",
-                    &"a-1",
-                    &"Changed",
-                    &json!({"n": n}),
-                ],
-            )
+
+        // One writer of each owner's type all through the migration.
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = ["taken", "kept"]
+            .into_iter()
+            .map(|ty| {
+                let (url, stop) = (url.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let c = connect(&url).await;
+                    let mut n = 0u32;
+                    while !stop.load(Ordering::Relaxed) || n < 20 {
+                        c.execute(
+                            INSERT,
+                            &[
+                                &uuid::Uuid::new_v4(),
+                                &ty,
+                                &format!("{ty}-{}", n % 3),
+                                &"Changed",
+                                &json!({"n": n}),
+                            ],
+                        )
+                        .await
+                        .unwrap_or_else(|e| panic!("a producer of {ty} during the migration: {e:?}"));
+                        n += 1;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    n
+                })
+            })
+            .collect();
+        let count = |sql: &'static str| {
+            let old = &old;
+            async move { old.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+        };
+        const TAKEN_UNMARKED: &str =
+            "SELECT count(*) FROM app.outbox o JOIN outbox.events e ON e.event_id = o.id
+                                      WHERE o.published_at IS NULL";
+        const KEPT_MARKED: &str =
+            "SELECT count(*) FROM app.outbox WHERE aggregatetype = 'kept' AND published_at IS NOT NULL";
+        outbox_testkit::wait::wait_for(
+            "rows before the migration",
+            crate::harness::LONG,
+            || async {
+                let n = count(TAKEN_UNMARKED).await;
+                if n >= 10 {
+                    Ok(())
+                } else {
+                    Err(format!("{n}"))
+                }
+            },
+        )
+        .await;
+        let (ok, out) =
+            outboxd_async(vec!["migrate".into(), "--database-url".into(), url.clone()]).await;
+        assert!(ok, "{out}");
+        let mark: Option<String> = old
+            .query_one("SELECT mark_published FROM outbox.poller_tables", &[])
             .await
-            .unwrap();
-    }
-    // The claim, with a pause between its two rows (a nested loop: row 1 judged, then the
-    // pause, then row 2), while the type goes to the poller. The seqs claimed.
-    let claim = |env: &TestEnv| {
-        let url = env.url.clone();
-        async move {
-            let c = connect(&url).await;
-            let pid: i32 = c
-                .query_one("SELECT pg_backend_pid()", &[])
-                .await
-                .unwrap()
-                .get(0);
-            let task = tokio::spawn(async move {
-                c.query_one(
-                    "SELECT coalesce(string_agg(o.seq::text, ',' ORDER BY o.seq), '')
-                     FROM app.outbox o,
-                          LATERAL (SELECT pg_sleep(CASE WHEN o.seq = 2 THEN 5 ELSE 0 END)::text AS x) z
-                     WHERE o.published_at IS NULL
-                       AND outbox.poller_may_claim(CASE WHEN z.x IS NULL THEN o.id ELSE o.id END)",
-                    &[],
+            .unwrap()
+            .get(0);
+        assert_eq!(mark.as_deref(), Some("published_at = now()"));
+        // Rows taken after the migration are marked as they are inserted: those whose insert began
+        // after `migrate` returned (a seq drawn since; a producer blocked by the migration finishes
+        // the trigger call it had begun).
+        let bound: i64 = old
+            .query_one("SELECT last_value FROM app.outbox_seq_seq", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let since = |unmarked: bool| {
+            let old = &old;
+            async move {
+                old.query_one(
+                    "SELECT count(*) FROM app.outbox o JOIN outbox.events e ON e.event_id = o.id
+                     WHERE o.seq > $1 AND (NOT $2 OR o.published_at IS NULL)",
+                    &[&bound, &unmarked],
                 )
                 .await
                 .unwrap()
-                .get::<_, String>(0)
-            });
-            (pid, task)
-        }
-    };
-    let sleeping = |pid: i32| {
-        format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE pid = {pid} AND wait_event = 'PgSleep'"
+                .get::<_, i64>(0)
+            }
+        };
+        outbox_testkit::wait::wait_for(
+            "rows taken after the migration",
+            crate::harness::LONG,
+            || async {
+                let n = since(false).await;
+                if n >= 20 {
+                    Ok(())
+                } else {
+                    Err(format!("{n}"))
+                }
+            },
         )
-    };
-    for (planted, expected) in [(false, ""), (true, "2")] {
-        if planted {
+        .await;
+        assert_eq!(
+            since(true).await,
+            0,
+            "rows taken after the migration left unmarked"
+        );
+        assert!(
+            count(TAKEN_UNMARKED).await >= 10,
+            "rows taken before the migration were marked by it"
+        );
+        let headers =
+            count("SELECT count(*) FROM outbox.events WHERE headers ? 'poller_events_before'").await;
+        assert!(headers >= 20, "{headers} events with poller_events_before");
+        // Attaching again marks what outboxd took before.
+        let (ok, out) = outboxd_async(vec![
+            "migrate".into(),
+            "--database-url".into(),
+            url.clone(),
+            "--poller-table".into(),
+            "app.outbox".into(),
+            "--published-column".into(),
+            "published_at".into(),
+        ])
+        .await;
+        assert!(ok && out.contains("it had taken marked now"), "{out}");
+        stop.store(true, Ordering::Relaxed);
+        for w in writers {
+            assert!(w.await.unwrap() >= 20);
+        }
+        assert_eq!(
+            count(TAKEN_UNMARKED).await,
+            0,
+            "rows outboxd took, still unpublished in app.outbox"
+        );
+        assert_eq!(
+            count(KEPT_MARKED).await,
+            0,
+            "the poller's rows marked by outboxd"
+        );
+        assert!(count("SELECT count(*) FROM app.outbox WHERE aggregatetype = 'kept'").await >= 20);
+    }
+}
+
+e2e_only! {
+    /// `outbox.poller_may_claim` judges every row of one claim on the claim's snapshot (STABLE): an
+    /// owner switch (or a receipt) committing while a claim runs cannot let an aggregate's later row
+    /// pass after its earlier one was held back. Planted: the function made VOLATILE, the same
+    /// claim takes the later row alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_judges_every_row_on_one_snapshot() {
+        let env = TestEnv::new("takeover_snapshot").await;
+        env.db.batch_execute(TABLE_DDL).await.unwrap();
+        attach(&env, &[]);
+        // Two rows of one aggregate held back from the poller (its type being handed back).
+        env.db
+            .execute("SELECT outbox.set_dispatch_owner('order', 'handback')", &[])
+            .await
+            .unwrap();
+        for n in 1..=2 {
             env.db
-                .batch_execute(
-                    "SELECT outbox.set_dispatch_owner('order', 'handback');
-                     ALTER FUNCTION outbox.poller_may_claim(uuid) VOLATILE;",
+                .execute(
+                    INSERT,
+                    &[
+                        &uuid::Uuid::new_v4(),
+                        &"order",
+                        &"a-1",
+                        &"Changed",
+                        &json!({"n": n}),
+                    ],
                 )
                 .await
                 .unwrap();
         }
-        let (pid, task) = claim(&env).await;
-        env.wait_count("the claim in its pause, past row 1", &sleeping(pid), 1)
-            .await;
-        env.db
-            .execute("SELECT outbox.set_dispatch_owner('order', 'poller')", &[])
-            .await
-            .unwrap();
-        assert_eq!(
-            env.count(&sleeping(pid)).await,
-            1,
-            "the switch committed after the claim's pause: the window was missed, nothing tested"
-        );
-        let claimed = task.await.unwrap();
-        assert_eq!(
-            claimed, expected,
-            "planted VOLATILE: {planted}; rows the claim took after the switch (row 2 alone is out of order)"
-        );
+        // The claim, with a pause between its two rows (a nested loop: row 1 judged, then the
+        // pause, then row 2), while the type goes to the poller. The pause is an advisory lock
+        // the test holds until the switch has committed, not a sleep: however slow the machine,
+        // the switch lands inside it. The seqs claimed.
+        const PAUSE: i64 = 0x0c1a_1b;
+        let holder = connect(&env.url).await;
+        let claim = |env: &TestEnv| {
+            let url = env.url.clone();
+            async move {
+                let c = connect(&url).await;
+                let pid: i32 = c
+                    .query_one("SELECT pg_backend_pid()", &[])
+                    .await
+                    .unwrap()
+                    .get(0);
+                let task = tokio::spawn(async move {
+                    c.query_one(
+                        "SELECT coalesce(string_agg(o.seq::text, ',' ORDER BY o.seq), '')
+                         FROM app.outbox o,
+                              LATERAL (SELECT CASE WHEN o.seq = 2 THEN pg_advisory_lock($1)::text ELSE '' END AS x) z
+                         WHERE o.published_at IS NULL
+                           AND outbox.poller_may_claim(CASE WHEN z.x IS NULL THEN o.id ELSE o.id END)",
+                        &[&PAUSE],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, String>(0)
+                });
+                (pid, task)
+            }
+        };
+        let sleeping = |pid: i32| {
+            format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = {pid} AND wait_event = 'advisory'"
+            )
+        };
+        for (planted, expected) in [(false, ""), (true, "2")] {
+            if planted {
+                env.db
+                    .batch_execute(
+                        "SELECT outbox.set_dispatch_owner('order', 'handback');
+                         ALTER FUNCTION outbox.poller_may_claim(uuid) VOLATILE;",
+                    )
+                    .await
+                    .unwrap();
+            }
+            holder
+                .execute("SELECT pg_advisory_lock($1)", &[&PAUSE])
+                .await
+                .unwrap();
+            let (pid, task) = claim(&env).await;
+            env.wait_count("the claim in its pause, past row 1", &sleeping(pid), 1)
+                .await;
+            env.db
+                .execute("SELECT outbox.set_dispatch_owner('order', 'poller')", &[])
+                .await
+                .unwrap();
+            assert_eq!(
+                env.count(&sleeping(pid)).await,
+                1,
+                "the switch committed after the claim's pause: the window was missed, nothing tested"
+            );
+            holder
+                .execute("SELECT pg_advisory_unlock($1)", &[&PAUSE])
+                .await
+                .unwrap();
+            let claimed = task.await.unwrap();
+            assert_eq!(
+                claimed, expected,
+                "planted VOLATILE: {planted}; rows the claim took after the switch (row 2 alone is out of order)"
+            );
+        }
     }
 }
