@@ -3,7 +3,6 @@
 //! the database URL never appears in any line the binary prints, with debug logging on, on
 //! success and on failure.
 
-
 use outbox_testkit::wait::wait_for;
 use serde_json::json;
 

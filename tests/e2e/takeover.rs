@@ -1234,7 +1234,7 @@ e2e_only! {
         // pause, then row 2), while the type goes to the poller. The pause is an advisory lock
         // the test holds until the switch has committed, not a sleep: however slow the machine,
         // the switch lands inside it. The seqs claimed.
-        const PAUSE: i64 = 0x0c1a_1b;
+        const PAUSE: i64 = 0x000c_1a1b;
         let holder = connect(&env.url).await;
         let claim = |env: &TestEnv| {
             let url = env.url.clone();
