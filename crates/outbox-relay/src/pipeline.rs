@@ -133,6 +133,9 @@ pub struct PipelineCore<P = Shipped> {
     next_token: u64,
     in_flight: HashMap<u64, InFlight, foldhash::fast::RandomState>,
     batch: Vec<LedgerItem>,
+    /// When the loop first saw the batch with an item, on the schedule's clock: its linger
+    /// runs from there ([`PipelineCore::load_at`]); an acceptance that takes the batch ends it.
+    pub(crate) batch_started: Option<std::time::Duration>,
     batch_acks: Vec<EventToken>,
     /// A send was refused because the lease was not certainly held.
     pub lease_expired: bool,
@@ -248,6 +251,7 @@ impl<P: Plant> PipelineCore<P> {
             next_token: 0,
             in_flight: HashMap::default(),
             batch: Vec::new(),
+            batch_started: None,
             batch_acks: Vec::new(),
             lease_expired: false,
             salvaging: false,
@@ -863,6 +867,7 @@ impl<P: Plant> PipelineCore<P> {
         let Some((items, checkpoint)) = self.take_batch(track)? else {
             return Ok(None);
         };
+        self.batch_started = None;
         let numbered = checkpoint
             .map(|c| self.numbered_through(c))
             .filter(|n| !n.is_empty());

@@ -304,20 +304,34 @@ pub fn standby_status(last_received: Lsn, durable: Lsn) -> StandbyStatus {
 }
 
 impl<P: Plant> PipelineCore<P> {
-    /// What the loop's schedule looks at ([`Load`]), with what only the
-    /// driver knows: whether an acceptance transaction runs, when the batch got its first item
-    /// (on the schedule's clock), and the events waiting on unclear outcomes where they matter
-    /// ([`waiting_matters`]; the driver may sample them).
-    pub fn load(
-        &self,
+    /// What the loop's schedule looks at ([`Load`]) at `now`, on the schedule's clock, with
+    /// what only the driver knows: whether an acceptance transaction runs, and the events
+    /// waiting on unclear outcomes where they matter ([`waiting_matters`]; the driver may
+    /// sample them). The loop's look times the batch's linger: it starts at the first look
+    /// that finds the batch with an item (the loop looks after every step, so within a step
+    /// of the item's arrival) and ends when an acceptance takes the batch
+    /// ([`PipelineCore::begin_acceptance`]) or the batch is empty.
+    pub fn load_at(
+        &mut self,
         accepting: bool,
-        batch_started: Option<std::time::Duration>,
+        now: std::time::Duration,
         waiting_on_unclear: Waiting,
     ) -> Load {
+        if self.batch_len() == 0 {
+            self.batch_started = None;
+        } else if self.batch_started.is_none() {
+            self.batch_started = Some(now);
+        }
+        self.load(accepting, waiting_on_unclear)
+    }
+
+    /// [`PipelineCore::load_at`] without the loop's look at the time: for a look at the bounds
+    /// alone ([`Schedule::can_read`]), which must not start the linger.
+    pub fn load(&self, accepting: bool, waiting_on_unclear: Waiting) -> Load {
         Load {
             accepting,
             batch_len: self.batch_len(),
-            batch_started,
+            batch_started: self.batch_started,
             checkpoint_behind: self.tracker.watermark() > self.durable(),
             unresolved: self.tracker.in_flight(),
             waiting_on_unclear,
@@ -431,6 +445,36 @@ mod tests {
             s.next_wakeup(&load),
             ms(1000),
             "the linger waits for the running one"
+        );
+    }
+
+    #[test]
+    fn the_linger_runs_from_the_first_look_at_an_item_until_an_acceptance_takes_the_batch() {
+        let mut core = crate::testing::core();
+        let quiet = Waiting::default();
+        assert_eq!(core.load_at(false, ms(5), quiet).batch_started, None);
+        let unreadable = |core: &mut PipelineCore, n: u64| {
+            core.quarantine_unreadable(format!("row {n}"), "planted".into(), Lsn(n), None)
+        };
+        unreadable(&mut core, 1);
+        assert_eq!(
+            core.load(false, quiet).batch_started,
+            None,
+            "a look at the bounds alone"
+        );
+        assert_eq!(core.load_at(false, ms(7), quiet).batch_started, Some(ms(7)));
+        unreadable(&mut core, 2);
+        assert_eq!(
+            core.load_at(false, ms(9), quiet).batch_started,
+            Some(ms(7)),
+            "a second item lingers with the first"
+        );
+        assert!(core.begin_acceptance(false).unwrap().is_some());
+        assert_eq!(core.load(false, quiet).batch_started, None, "taken");
+        unreadable(&mut core, 3);
+        assert_eq!(
+            core.load_at(false, ms(12), quiet).batch_started,
+            Some(ms(12))
         );
     }
 

@@ -559,8 +559,6 @@ struct Relay {
     renewal: Option<Renewal>,
     /// The loop's timers, where the product's schedule times the loop (`World::loop_timing`).
     schedule: Option<Schedule<Planted>>,
-    /// When the batch got its first item (`Pipeline::note_batch`).
-    batch_started: Option<u64>,
     /// A pipelined acceptance running on its own task (`Pipeline::flush_pipelined`; loop
     /// timing only): it answers at a later step, or is settled before the next acceptance.
     accepting: Option<outbox_relay::Acceptance>,
@@ -1253,11 +1251,6 @@ impl World {
         };
         if due.accept {
             self.relay_call(Some(i), Self::flush_pipelined);
-            // The batch is taken (`Pipeline::begin_acceptance`): its linger starts again with
-            // the next item, which a release below may add before `load_of` looks again.
-            if alive(self) {
-                self.relays[i].batch_started = None;
-            }
         }
         if due.releases && alive(self) {
             self.relay_call(Some(i), Self::process_releases);
@@ -1271,18 +1264,10 @@ impl World {
     /// The loop's view of run `i` (`relay/mod.rs`'s `load_of`): the simulator's acceptance
     /// runs within its step, so none is ever running when the loop looks.
     fn load_of(&mut self, i: usize) -> Load {
-        let now = self.now;
+        let now = ms(self.now);
         let r = &mut self.relays[i];
-        if r.core.batch_len() == 0 {
-            r.batch_started = None;
-        } else if r.batch_started.is_none() {
-            r.batch_started = Some(now);
-        }
-        r.core.load(
-            r.accepting.is_some(),
-            r.batch_started.map(ms),
-            Default::default(),
-        )
+        r.core
+            .load_at(r.accepting.is_some(), now, Default::default())
     }
 
     /// The daemon's backpressure (`Schedule::can_read`, via `relay/mod.rs`'s `load_of`): read
@@ -1305,7 +1290,7 @@ impl World {
             max_in_flight_bytes: usize::MAX,
             release_poll: ms(500),
         };
-        let load = core.load(false, None, core.waiting_on_unclear(self.now_for(i).wall));
+        let load = core.load(false, core.waiting_on_unclear(self.now_for(i).wall));
         outbox_relay::schedule::Schedule::new(settings, ms(0)).can_read(&load)
     }
 
@@ -1994,7 +1979,6 @@ impl World {
             schedule: self
                 .loop_timing
                 .map(|settings| Schedule::planted(settings, ms(self.now), timing_plant)),
-            batch_started: None,
             accepting: None,
             paused: false,
             stream_cut: false,

@@ -735,7 +735,7 @@ async fn run_once(
 
     let result: Result<(), RelayError> = async {
     loop {
-        let load = load_of(&pipeline, bounds, since);
+        let load = load_of(&mut pipeline, bounds, since(Instant::now()));
         let accepting = load.accepting;
         let wake = run_started + schedule.next_wakeup(&load);
         let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
@@ -812,7 +812,8 @@ async fn run_once(
 
         progress.metrics.in_flight(pipeline.core.tracker.in_flight());
         progress.metrics.unclear(pipeline.core.parked());
-        let due = schedule.due(since(Instant::now()), &load_of(&pipeline, bounds, since));
+        let now = since(Instant::now());
+        let due = schedule.due(now, &load_of(&mut pipeline, bounds, now));
         if due.accept {
             pipeline.flush_pipelined(progress).await?;
         }
@@ -1041,16 +1042,14 @@ async fn open_sink(
 
 /// What the schedule needs to know about the pipeline now.
 fn load_of(
-    pipeline: &Pipeline,
+    pipeline: &mut Pipeline,
     bounds: (u64, schedule::Waiting),
-    since: impl Fn(Instant) -> Duration,
+    now: Duration,
 ) -> schedule::Load {
     let unresolved = pipeline.core.tracker.in_flight();
-    pipeline.core.load(
-        pipeline.accepting.is_some(),
-        pipeline.batch_started.map(since),
-        pipeline.waiting_where_it_matters(bounds, unresolved),
-    )
+    let waiting = pipeline.waiting_where_it_matters(bounds, unresolved);
+    let accepting = pipeline.accepting.is_some();
+    pipeline.core.load_at(accepting, now, waiting)
 }
 
 /// The only place the relay confirms an LSN to the slot. What it confirms is decided by the

@@ -47,9 +47,6 @@ pub(crate) struct Pipeline {
     pub lookups: UnboundedReceiver<LookupDone>,
     lookups_tx: UnboundedSender<LookupDone>,
     pub client: Client,
-    /// When the first item of the current batch was recorded (the flush interval counts
-    /// from it).
-    pub batch_started: Option<Instant>,
     fence: Fence,
     /// Our lease, kept by the lease keeper task. Without it, nothing is sent.
     lease: std::sync::Arc<super::LeaseState>,
@@ -200,7 +197,6 @@ impl Pipeline {
             lookups,
             lookups_tx,
             client,
-            batch_started: None,
             fence,
             lease,
             slot: slot.to_string(),
@@ -292,13 +288,6 @@ impl Pipeline {
         }
     }
 
-    /// Starts the flush interval when the batch has just received its first item.
-    fn note_batch(&mut self) {
-        if self.batch_started.is_none() && self.core.batch_len() > 0 {
-            self.batch_started = Some(Instant::now());
-        }
-    }
-
     /// The route stage and the ordering gate for one decoded event.
     pub async fn admit(
         &mut self,
@@ -309,7 +298,6 @@ impl Pipeline {
     ) -> Result<(), RelayError> {
         let now = self.now();
         let commands = self.core.admit(ev, commit_lsn, change_lsn, ack, now)?;
-        self.note_batch();
         self.execute(commands).await
     }
 
@@ -323,7 +311,6 @@ impl Pipeline {
         match self.core.admit_polled(ev, now)? {
             outbox_relay::poll::Polled::Skipped => Ok(None),
             outbox_relay::poll::Polled::Admitted { first_of, commands } => {
-                self.note_batch();
                 self.execute(commands).await?;
                 Ok(first_of)
             }
@@ -417,7 +404,6 @@ impl Pipeline {
     ) -> Result<(), RelayError> {
         let now = self.now();
         let commands = self.core.on_row(row, change_lsn, now)?;
-        self.note_batch();
         self.execute(commands).await
     }
 
@@ -431,7 +417,6 @@ impl Pipeline {
     ) {
         self.core
             .quarantine_unreadable(key, reason, commit_lsn, ack);
-        self.note_batch();
     }
 
     /// Hands each event to the producer. A refusal goes back to the core, which quarantines
@@ -452,7 +437,6 @@ impl Pipeline {
             let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
             if self.core.needs_hold_check(&key) && holds::is_held(&self.client, &key).await? {
                 self.core.hold_unsent(token)?;
-                self.note_batch();
                 continue;
             }
             match self.sink.send(&event, token).await {
@@ -463,7 +447,6 @@ impl Pipeline {
                     let now = self.now();
                     self.core
                         .send_refused(token, e.permanent_refusal(), &e.to_string(), now)?;
-                    self.note_batch();
                 }
             }
         }
@@ -477,7 +460,6 @@ impl Pipeline {
         }
         let now = self.now();
         let reported = self.core.on_report(d, now)?;
-        self.note_batch();
         match reported {
             // Most reports free no queued event: nothing to execute, and no future to build.
             Reported::Continue(commands) if commands.is_empty() => Ok(()),
@@ -520,7 +502,6 @@ impl Pipeline {
                 }
             }
         }
-        self.note_batch();
         Ok(())
     }
 
@@ -564,7 +545,6 @@ impl Pipeline {
                 }
                 ParkedStep::Done { event_id, outcome } => {
                     let commands = self.core.lookup_done(event_id, outcome, self.now())?;
-                    self.note_batch();
                     return self.execute(commands).await;
                 }
             };
@@ -691,7 +671,6 @@ impl Pipeline {
             }
         };
         self.core.reconciled(&event, &resolved);
-        self.note_batch();
         Ok(())
     }
 
@@ -800,15 +779,6 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Takes the batch for an acceptance transaction ([`PipelineCore::begin_acceptance`]).
-    fn begin_acceptance(&mut self, track: bool) -> Result<Option<Acceptance>, RelayError> {
-        let a = self.core.begin_acceptance(track)?;
-        if a.is_some() {
-            self.batch_started = None;
-        }
-        Ok(a)
-    }
-
     /// After a committed acceptance transaction: failpoint, counters, then the checkpoint
     /// (the core learns of it only now).
     fn accepted(&mut self, a: Acceptance, out: &AcceptOutcome, progress: &Progress) {
@@ -833,7 +803,7 @@ impl Pipeline {
         progress: &Progress,
     ) -> Result<AcceptOutcome, RelayError> {
         self.settle(progress).await?;
-        let Some(a) = self.begin_acceptance(track)? else {
+        let Some(a) = self.core.begin_acceptance(track)? else {
             return Ok(AcceptOutcome::default());
         };
         let mut prepared = accept::Prepared::default();
@@ -865,7 +835,7 @@ impl Pipeline {
         let Some((mut client, mut prepared)) = self.accept_client.take() else {
             return self.flush(true, progress).await.map(|_| ());
         };
-        let Some(a) = self.begin_acceptance(true)? else {
+        let Some(a) = self.core.begin_acceptance(true)? else {
             self.accept_client = Some((client, prepared));
             return Ok(());
         };
@@ -989,7 +959,6 @@ impl Pipeline {
                 }
                 PollStep::Done => return Ok(()),
             }
-            self.note_batch();
         }
     }
 
