@@ -23,9 +23,12 @@ use serde_json::json;
 use crate::harness::TestEnv;
 use crate::http::{check_named_endpoint, endpoint_env};
 
-/// Aggregates and versions of the faulty phase.
+/// Aggregates and versions of the faulty phase. Each aggregate's events go one at a time and
+/// a third of them wait out a timeout, so the phase lasts about as long as its unluckiest
+/// aggregate's chain; 6 versions meet well over the faults the test asks for (83-86
+/// ambiguous answers and 56-59 503/429 in two runs, where 20 and 10 are asked).
 const AGGREGATES: usize = 40;
-const VERSIONS: i64 = 8;
+const VERSIONS: i64 = 6;
 
 /// The relay SIGKILLed once on the way. An event that reconciliation found answered while it
 /// waited behind its aggregate's unclear event was once sent again after its clean answer
@@ -63,7 +66,7 @@ async fn an_endpoint_misbehaving_on_a_third_of_requests_holds_one_aggregate_at_a
     // poll mode) meets the faults too: the relay must neither exit nor stop streaming.
     let mut committed: HashMap<uuid::Uuid, (String, i64)> = HashMap::new();
     target.misbehave(Some(misbehave));
-    enqueue_versions(&env, &mut committed, "backlog", 10, 1..=5).await;
+    enqueue_versions(&env, &mut committed, "backlog", 10, 1..=3).await;
     let mut relay = env.relay(&[], &args);
     env.wait_streaming().await;
     env.wait_receipts("the backlog accepted", committed.len())
