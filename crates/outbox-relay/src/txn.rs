@@ -213,6 +213,10 @@ pub struct TxnCore<P: Plant = Shipped> {
     /// Stream commits not covered by a batch yet: (events admitted before it, its end LSN).
     commits: VecDeque<(u64, Lsn)>,
     open: Option<Open>,
+    /// When the stream first gave the batch something since the last flush (events, or a
+    /// position the checkpoint may follow), on the driver's clock: the batch is due a linger
+    /// after it ([`TxnCore::read`]).
+    linger_started: Option<std::time::Duration>,
     /// Decided to be kept (an aborted transaction's quarantined and held events), for the next
     /// batch's record.
     pending_kept: Vec<Kept>,
@@ -267,6 +271,7 @@ impl<P: Plant> TxnCore<P> {
             queue: VecDeque::new(),
             commits: VecDeque::new(),
             open: None,
+            linger_started: None,
             pending_kept: Vec::new(),
             accepting: VecDeque::new(),
             durable,
@@ -346,6 +351,22 @@ impl<P: Plant> TxnCore<P> {
         self.stopped
     }
 
+    /// The driver read the stream at `now` (its clock) and admitted what it read; `moved`:
+    /// events, or a position the checkpoint may follow. A full batch is due at once
+    /// ([`TxnCore::flush`]); otherwise the first read since the last flush starts its linger.
+    pub fn read(&mut self, moved: bool, now: std::time::Duration) {
+        if self.unfinished() >= self.batch_size {
+            self.flush();
+        } else if moved && self.linger_started.is_none() {
+            self.linger_started = Some(now);
+        }
+    }
+
+    /// When the batch's linger started, if it runs: the batch is due a linger after it.
+    pub fn linger_started(&self) -> Option<std::time::Duration> {
+        self.linger_started
+    }
+
     /// Events admitted and not yet in an accepted batch, nor in one being accepted.
     pub fn unfinished(&self) -> usize {
         self.queue.len()
@@ -410,6 +431,9 @@ impl<P: Plant> TxnCore<P> {
     /// transaction for what is queued, when none is in progress. A batch of nothing but stream
     /// commits moves the checkpoint without a transaction.
     pub fn flush(&mut self) {
+        // Due now, taken or not (a transaction in progress takes what queued when it ends):
+        // the next read starts the next linger.
+        self.linger_started = None;
         if self.stopped || self.open.is_some() {
             return;
         }

@@ -421,3 +421,36 @@ fn an_event_frozen_for_another_cluster_is_quarantined_in_the_record_never_sent()
     c.flush();
     assert_eq!(sends(&steps(&mut c)).len(), 1, "the mutant sends it");
 }
+
+#[test]
+fn a_batch_lingers_from_the_first_read_since_the_last_flush_unless_it_is_full() {
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    let mut c = TxnCore::new(served(), 3, Lsn(10), 0, vec![]);
+    c.read(false, ms(1));
+    assert_eq!(c.linger_started(), None, "a read that moved nothing");
+    c.admit(event("a", 1), false);
+    c.read(true, ms(2));
+    c.admit(event("a", 2), false);
+    c.read(true, ms(4));
+    assert_eq!(c.linger_started(), Some(ms(2)), "from the first read");
+    assert!(steps(&mut c).is_empty(), "lingering: no transaction yet");
+    c.admit(event("a", 3), false);
+    c.stream_commit(Lsn(30));
+    c.read(true, ms(5));
+    assert_eq!(c.linger_started(), None, "full: due at once");
+    assert_eq!(steps(&mut c)[0], TxnStep::Begin { batch: 1 });
+    // While the transaction holds a full batch, what is read queues for its end (the driver
+    // flushes when the broker is done), with no linger of its own.
+    c.admit(event("b", 1), false);
+    c.read(true, ms(7));
+    assert_eq!(c.linger_started(), None);
+    let mut c = TxnCore::new(served(), 3, Lsn(10), 0, vec![]);
+    c.admit(event("a", 1), false);
+    c.read(true, ms(8));
+    c.flush();
+    assert_eq!(c.linger_started(), None, "the linger ended by its flush");
+    c.admit(event("b", 1), false);
+    c.read(true, ms(9));
+    assert_eq!(c.linger_started(), Some(ms(9)), "the next batch's linger");
+}

@@ -127,7 +127,6 @@ struct Run<'a> {
     accepts: VecDeque<TxnStep>,
     accepting: Option<JoinHandle<AcceptDone>>,
     ledger: Option<Session>,
-    batch_started: Option<Instant>,
     /// The last batch record the broker is known to hold (recovered or committed by this
     /// run): a settle reads the records after it.
     last_record: Option<RecordPosition>,
@@ -195,7 +194,6 @@ pub(super) async fn stream(
         accepts: VecDeque::new(),
         accepting: None,
         ledger: Some((ledger, accept::Prepared::default())),
-        batch_started: None,
         last_record: checkpoint::last_txn_record(sql, &cfg.slot).await?,
     };
     run.recover(sql).await?;
@@ -209,6 +207,8 @@ pub(super) async fn stream(
     let mut status = tokio::time::interval(cfg.status_interval);
     status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let linger = cfg.batch_linger.max(Duration::from_millis(1));
+    // The clock the core's linger is kept on.
+    let run_started = Instant::now();
     // Rows of the stream transaction being read: (event or why it is unreadable, change LSN).
     let mut rows: Vec<(Result<OutboxEvent, String>, Lsn)> = Vec::new();
     let mut commit_lsn = Lsn::ZERO;
@@ -223,7 +223,7 @@ pub(super) async fn stream(
         }
         let can_read =
             run.core.unfinished() < usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
-        let linger_at = run.batch_started.map(|s| s + linger);
+        let linger_at = run.core.linger_started().map(|s| run_started + s + linger);
         tokio::select! {
             biased;
             _ = shutdown.changed() => return run.stop(stream, sql, fence).await,
@@ -236,15 +236,11 @@ pub(super) async fn stream(
                 // The transaction is over: what queued meanwhile goes in the next one now.
                 if !run.core.in_transaction() {
                     run.core.flush();
-                    run.batch_started = None;
                 }
             }
             done = accept_done(&mut run.accepting) => run.on_accepted(done)?,
             _ = status.tick() => confirm(stream, received, run.core.durable()).await?,
-            _ = sleep_until(linger_at) => {
-                run.core.flush();
-                run.batch_started = None;
-            }
+            _ = sleep_until(linger_at) => run.core.flush(),
             msg = stream.next_message(), if can_read => {
                 let mut msg = msg;
                 loop {
@@ -294,14 +290,7 @@ pub(super) async fn stream(
                 let moved = !read.is_empty();
                 run.admit(sql, std::mem::take(&mut read)).await?;
                 read_rows = 0;
-                if run.core.unfinished() >= batch_size {
-                    run.core.flush();
-                    run.batch_started = None;
-                } else if run.batch_started.is_none() && moved {
-                    // Events, or a position the checkpoint may follow: a batch within the
-                    // linger.
-                    run.batch_started = Some(Instant::now());
-                }
+                run.core.read(moved, run_started.elapsed());
             }
         }
         run.execute().await?;
