@@ -1,6 +1,6 @@
 //! End-to-end tests: the real `outboxd` binary as a child process (so it can be SIGKILLed),
 //! real PostgreSQL with `wal_level=logical` (one throwaway cluster per test run, one database
-//! per test), and real Apache Kafka (one single-node broker per test run, started by the
+//! per test, each a copy of one database `outboxd migrate` made for the run), and real Apache Kafka (one single-node broker per test run, started by the
 //! harness from jars resolved with Maven; or the broker named by `OUTBOXD_TEST_KAFKA`). Tests
 //! that inject faults into Kafka start their own brokers (`real_kafka`); librdkafka's mock
 //! cluster serves only the tests that need a fault only it can inject, and each says why
