@@ -182,6 +182,8 @@ pub struct PipelineCore<P = Shipped> {
     pub unclear_touched: Option<HashSet<AggKey>>,
     /// Poll mode: where the current round is ([`crate::poll`]).
     pub(crate) round: Round,
+    /// Poll mode: which positions the next round advances ([`crate::poll::Advance`]).
+    pub(crate) positions: crate::poll::Positions,
     /// The transaction being decoded ([`crate::stream`]).
     pub(crate) txn: Option<OpenTxn>,
     /// The highest WAL position received from the slot (the standby status's `write`).
@@ -268,6 +270,7 @@ impl<P: Plant> PipelineCore<P> {
             unclear_policies: BTreeMap::new(),
             unclear_touched: None,
             round: Default::default(),
+            positions: Default::default(),
             unclear_seen: HashSet::new(),
             releasing: HashSet::new(),
             txn: None,

@@ -15,6 +15,12 @@
 //!   to just below it: a receipt accepted after this run read the head (a paused relay's
 //!   salvage) would otherwise look like a gap, and the gate would hold the aggregate behind a
 //!   published event (found by `outbox-sim`: `poll-stale-head`).
+//!
+//! Before its read, a round advances poll positions over the receipted prefix
+//! ([`Advance`]): which ones is decided here too. The read's correctness does not depend on
+//! it (a position only ever passes receipted versions, by the SQL), only its cost does.
+
+use std::time::Duration;
 
 use outbox_core::OutboxEvent;
 
@@ -27,12 +33,36 @@ use crate::pipeline::{
 pub enum Polled {
     /// Its aggregate is skipped this round (at the broker, or parked).
     Skipped,
-    /// Admitted; `first_of`: its aggregate, if it is the aggregate's first row in this round
-    /// (the driver advances that aggregate's poll position before the next round).
-    Admitted {
-        first_of: Option<AggKey>,
-        commands: Vec<Command>,
+    /// Admitted: the commands that send it.
+    Admitted { commands: Vec<Command> },
+}
+
+/// How often a round advances every aggregate's poll position (the first round always does).
+pub const FULL_ADVANCE_EVERY: Duration = Duration::from_secs(10);
+
+/// Which poll positions a round advances over the receipted prefix before its read
+/// (`outbox_source::poll::ADVANCE_SQL`, `ADVANCE_SOME_SQL`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Advance {
+    /// Every aggregate's: at the first round, then every [`FULL_ADVANCE_EVERY`]. Receipts
+    /// accepted elsewhere (reconciliation, a paused relay's salvage, releases) wait for it: a
+    /// position behind only costs the read a few published rows.
+    All,
+    /// Those of the aggregates the last round published: types and ids, pairwise.
+    These {
+        types: Vec<String>,
+        ids: Vec<String>,
     },
+    /// None: the last round published nothing.
+    Nothing,
+}
+
+/// The rounds' memory of positions: the aggregates published since the last advance, and
+/// when every position was last advanced (the driver's clock).
+#[derive(Debug, Default)]
+pub(crate) struct Positions {
+    published: Vec<AggKey>,
+    last_full: Option<Duration>,
 }
 
 impl<P: Plant> PipelineCore<P> {
@@ -44,7 +74,10 @@ impl<P: Plant> PipelineCore<P> {
     /// clear answer (found by `outbox-sim` once its rounds wait as the daemon's do; the e2e
     /// misbehaving-endpoint test in poll mode saw it as an HTTP request answered 200 and
     /// sent again 924 ms later).
-    pub fn begin_poll_round(&mut self) {
+    ///
+    /// Returns which poll positions to advance before the round's read, at `now` on the
+    /// driver's clock.
+    pub fn begin_poll_round(&mut self, now: Duration) -> Advance {
         let parked = if self.planted(Mutant::RoundForgetsParked) {
             Vec::new()
         } else {
@@ -55,6 +88,19 @@ impl<P: Plant> PipelineCore<P> {
             t.extend(parked);
         }
         self.round = Round::default();
+        let p = &mut self.positions;
+        let published = std::mem::take(&mut p.published);
+        if p.last_full
+            .map_or(true, |t| now.saturating_sub(t) >= FULL_ADVANCE_EVERY)
+        {
+            p.last_full = Some(now);
+            Advance::All
+        } else if published.is_empty() {
+            Advance::Nothing
+        } else {
+            let (types, ids) = published.into_iter().unzip();
+            Advance::These { types, ids }
+        }
     }
 
     /// The next row of the round, in the read's order (aggregate, then version). The driver
@@ -80,10 +126,11 @@ impl<P: Plant> PipelineCore<P> {
         if first && !self.planted(Mutant::PollStaleHead) {
             self.raise_heads(vec![(key.clone(), ev.aggregate_version - 1)]);
         }
-        Ok(Polled::Admitted {
-            first_of: first.then_some(key),
-            commands: self.admit(ev, None, None, None, now)?,
-        })
+        let commands = self.admit(ev, None, None, None, now)?;
+        if first {
+            self.positions.published.push(key);
+        }
+        Ok(Polled::Admitted { commands })
     }
 }
 
@@ -112,12 +159,9 @@ mod tests {
     fn third_is_sent(mutant: Option<Mutant>) -> bool {
         let mut c = core_with(mutant);
         c.raise_heads(vec![(("order".to_string(), "a".to_string()), 1)]);
-        c.begin_poll_round();
+        c.begin_poll_round(Duration::ZERO);
         match c.admit_polled(event("a", 3), now(100)).unwrap() {
-            Polled::Admitted { first_of, commands } => {
-                assert!(first_of.is_some(), "the aggregate's first row of the round");
-                commands.len() == 1
-            }
+            Polled::Admitted { commands } => commands.len() == 1,
             Polled::Skipped => panic!("nothing of `a` is at the broker or parked"),
         }
     }
@@ -134,7 +178,7 @@ mod tests {
         c.unclear_touched = Some(Default::default());
         c.raise_heads(vec![(("order".to_string(), "a".to_string()), 0)]);
         let a1 = event("a", 1);
-        c.begin_poll_round();
+        c.begin_poll_round(Duration::ZERO);
         let Polled::Admitted { commands, .. } = c.admit_polled(a1.clone(), now(100)).unwrap()
         else {
             panic!("a/1 is pending and nothing of `a` waits")
@@ -147,7 +191,7 @@ mod tests {
         c.on_report(lost, now(200)).unwrap();
         // The next round begins with a/1 parked, and reads it as pending; before the round
         // reaches it, a/1 comes due, is sent again and answered with its position.
-        c.begin_poll_round();
+        c.begin_poll_round(Duration::ZERO);
         let steps = c.due_unclear(now(60_000)).unwrap();
         let [UnclearStep::Send(resend)] = steps.as_slice() else {
             panic!("{steps:?}")
@@ -158,6 +202,43 @@ mod tests {
             c.admit_polled(a1, now(60_002)).unwrap(),
             Polled::Admitted { .. }
         )
+    }
+
+    #[test]
+    fn a_round_advances_every_position_at_first_and_every_ten_seconds_else_those_last_published() {
+        let s = Duration::from_secs;
+        let mut c = core_with(None);
+        c.raise_heads(vec![
+            (("order".to_string(), "a".to_string()), 0),
+            (("order".to_string(), "b".to_string()), 0),
+        ]);
+        assert_eq!(c.begin_poll_round(s(0)), Advance::All, "the first round");
+        for (id, v) in [("a", 1), ("a", 2), ("b", 1)] {
+            assert!(matches!(
+                c.admit_polled(event(id, v), now(100)).unwrap(),
+                Polled::Admitted { .. }
+            ));
+        }
+        // a/1 and b/1 are at the broker: the next round skips both and publishes nothing.
+        assert_eq!(
+            c.begin_poll_round(s(1)),
+            Advance::These {
+                types: vec!["order".into(), "order".into()],
+                ids: vec!["a".into(), "b".into()],
+            },
+            "once per aggregate the round published"
+        );
+        assert!(matches!(
+            c.admit_polled(event("a", 3), now(200)).unwrap(),
+            Polled::Skipped
+        ));
+        assert_eq!(c.begin_poll_round(s(2)), Advance::Nothing);
+        assert_eq!(
+            c.begin_poll_round(s(10)),
+            Advance::All,
+            "ten seconds after the last"
+        );
+        assert_eq!(c.begin_poll_round(s(11)), Advance::Nothing);
     }
 
     #[test]

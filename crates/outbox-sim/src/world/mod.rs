@@ -2094,7 +2094,9 @@ impl World {
         // What was sent since the last round is reported and accepted before the read (the
         // round is due only then: `drain_all` at the start of `round`); which rows are
         // admitted, and the head each raises, is the core's (`outbox_relay::poll`).
-        self.relays[i].core.begin_poll_round();
+        // Which poll positions to advance is the core's too; the model reads by the ledger's
+        // receipts, which is what an advance over the receipted prefix reads.
+        let _advance = self.relays[i].core.begin_poll_round(ms(self.now));
         for row in pending {
             // `keep_pace`: between rows the daemon's round waits at times (`wait_one`), and
             // what it waits for may resolve an aggregate the round read as pending: a parked

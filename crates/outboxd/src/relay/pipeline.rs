@@ -302,18 +302,11 @@ impl Pipeline {
     }
 
     /// One row of a poll round (`outbox_relay::poll`): admitted or skipped by the core.
-    /// Returns its aggregate if it was the aggregate's first admitted row in the round.
-    pub async fn admit_polled(
-        &mut self,
-        ev: OutboxEvent,
-    ) -> Result<Option<outbox_relay::AggKey>, RelayError> {
+    pub async fn admit_polled(&mut self, ev: OutboxEvent) -> Result<(), RelayError> {
         let now = self.now();
         match self.core.admit_polled(ev, now)? {
-            outbox_relay::poll::Polled::Skipped => Ok(None),
-            outbox_relay::poll::Polled::Admitted { first_of, commands } => {
-                self.execute(commands).await?;
-                Ok(first_of)
-            }
+            outbox_relay::poll::Polled::Skipped => Ok(()),
+            outbox_relay::poll::Polled::Admitted { commands } => self.execute(commands).await,
         }
     }
 

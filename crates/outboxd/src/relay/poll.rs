@@ -19,6 +19,7 @@ use futures::{pin_mut, StreamExt};
 use outbox_core::{Lsn, OutboxEvent};
 use outbox_ledger::lease::{self, Fence};
 use outbox_ledger::LedgerError;
+use outbox_relay::poll::Advance;
 use outbox_source::{poll, snapshot};
 use tokio::sync::watch;
 use tokio_postgres::Client;
@@ -82,7 +83,8 @@ pub(super) async fn run_once(
     tracing::info!(lease = %cfg.slot, interval_ms = cfg.poll_interval.as_millis() as u64, "polling");
 
     let mut last_releases = Instant::now();
-    let mut touched = Touched::default();
+    // The clock the core's round decisions are kept on.
+    let run_started = Instant::now();
     let result: Result<(), RelayError> = async {
         loop {
             if *shutdown.borrow() {
@@ -94,7 +96,7 @@ pub(super) async fn run_once(
                 cfg,
                 &mut sql,
                 &pending,
-                &mut touched,
+                run_started,
                 fence,
                 &mut pipeline,
                 progress,
@@ -134,32 +136,13 @@ pub(super) async fn run_once(
     super::salvage_after(&mut pipeline, progress, result).await
 }
 
-/// The aggregates the last round published, and when every position was last advanced.
-#[derive(Default)]
-struct Touched {
-    types: Vec<String>,
-    ids: Vec<String>,
-    last_full: Option<Instant>,
-}
-
-/// How often every aggregate's poll position is advanced (the first round always does).
-const FULL_ADVANCE_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
-
-impl Touched {
-    fn full_due(&self, now: Instant) -> bool {
-        self.last_full.map_or(true, |t| {
-            now.saturating_duration_since(t) >= FULL_ADVANCE_EVERY
-        })
-    }
-}
-
 /// One round: read the next pending events, send them, wait for every report, accept them.
 /// Returns how many events it read.
 async fn round(
     cfg: &RelayConfig,
     sql: &mut Client,
     pending: &str,
-    touched: &mut Touched,
+    run_started: Instant,
     fence: &Fence,
     pipeline: &mut Pipeline,
     progress: &Progress,
@@ -175,23 +158,17 @@ async fn round(
     // between rounds) is reported and its receipt accepted before the read: the read must not
     // take it for pending. And an aggregate resolved after the read began is skipped.
     pipeline.drain_all(cfg.batch_size, progress, true).await?;
-    pipeline.core.begin_poll_round();
-    // Positions over the receipted prefix before reading what lies above them: of every
-    // aggregate at times, else of those the last round published (receipts accepted elsewhere
-    // — reconciliation, a paused relay's salvage, releases — wait for the next full pass; a
-    // position behind only costs the read a few published rows).
-    if touched.full_due(started) {
-        sql.execute(poll::ADVANCE_SQL, &[])
-            .await
-            .map_err(db("advancing the poll positions"))?;
-        touched.last_full = Some(started);
-    } else if !touched.types.is_empty() {
-        sql.execute(poll::ADVANCE_SOME_SQL, &[&touched.types, &touched.ids])
-            .await
-            .map_err(db("advancing the poll positions"))?;
-    }
-    touched.types.clear();
-    touched.ids.clear();
+    // Positions over the receipted prefix before reading what lies above them; which ones:
+    // `outbox_relay::poll::Advance`.
+    let advanced = match pipeline
+        .core
+        .begin_poll_round(started.saturating_duration_since(run_started))
+    {
+        Advance::All => sql.execute(poll::ADVANCE_SQL, &[]).await,
+        Advance::These { types, ids } => sql.execute(poll::ADVANCE_SOME_SQL, &[&types, &ids]).await,
+        Advance::Nothing => Ok(0),
+    };
+    advanced.map_err(db("advancing the poll positions"))?;
     // The read and the record of its snapshot in one REPEATABLE READ transaction: a
     // destination migration waits while a quarantine is newer than the round's read (the
     // round may hold the event; migration 0015). Committed once every row is admitted.
@@ -243,12 +220,7 @@ async fn round(
         for row in chunk.drain(..) {
             match row {
                 // Which rows are admitted, and the head each raises: `outbox_relay::poll`.
-                Ok(ev) => {
-                    if let Some((t, id)) = pipeline.admit_polled(ev).await? {
-                        touched.types.push(t);
-                        touched.ids.push(id);
-                    }
-                }
+                Ok(ev) => pipeline.admit_polled(ev).await?,
                 // Keyed by the row's id when it has one, so a later round records it once.
                 Err((id, e)) => {
                     pipeline.quarantine_unreadable(format!("poll:{id}"), e, Lsn::ZERO, None)
