@@ -118,6 +118,14 @@ pub(crate) struct Round {
     pub(crate) skipping: bool,
 }
 
+/// Poll mode's memory of positions ([`crate::poll::Advance`]): the aggregates published since
+/// the last advance, and when every position was last advanced (the driver's clock).
+#[derive(Debug, Default)]
+pub(crate) struct Positions {
+    pub(crate) published: Vec<AggKey>,
+    pub(crate) last_full: Option<std::time::Duration>,
+}
+
 /// The pipeline's state and decisions. See the module documentation for the contract. `P`:
 /// what it plants ([`Shipped`] in the daemon: nothing).
 #[derive(Debug)]
@@ -183,7 +191,7 @@ pub struct PipelineCore<P = Shipped> {
     /// Poll mode: where the current round is ([`crate::poll`]).
     pub(crate) round: Round,
     /// Poll mode: which positions the next round advances ([`crate::poll::Advance`]).
-    pub(crate) positions: crate::poll::Positions,
+    pub(crate) positions: Positions,
     /// The transaction being decoded ([`crate::stream`]).
     pub(crate) txn: Option<OpenTxn>,
     /// The highest WAL position received from the slot (the standby status's `write`).

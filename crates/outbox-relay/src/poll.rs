@@ -24,9 +24,7 @@ use std::time::Duration;
 
 use outbox_core::OutboxEvent;
 
-use crate::pipeline::{
-    key_of, AggKey, Command, CoreError, Mutant, Now, PipelineCore, Plant, Round,
-};
+use crate::pipeline::{key_of, Command, CoreError, Mutant, Now, PipelineCore, Plant, Round};
 
 /// What became of one row of a round.
 #[derive(Debug)]
@@ -55,14 +53,6 @@ pub enum Advance {
     },
     /// None: the last round published nothing.
     Nothing,
-}
-
-/// The rounds' memory of positions: the aggregates published since the last advance, and
-/// when every position was last advanced (the driver's clock).
-#[derive(Debug, Default)]
-pub(crate) struct Positions {
-    published: Vec<AggKey>,
-    last_full: Option<Duration>,
 }
 
 impl<P: Plant> PipelineCore<P> {
