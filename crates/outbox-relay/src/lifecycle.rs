@@ -483,6 +483,27 @@ pub enum Ending {
     Stop,
 }
 
+/// How long a salvage waits for the reports of what is still at the broker: the run ended
+/// for a reason, and a successor may be waiting for its lease.
+pub const SALVAGE_GRACE: Duration = Duration::from_secs(2);
+
+/// The most a stop waits for outstanding reports, whatever the sink's own timeout: an
+/// operator's stop (or a fleet member's hand-over) must end promptly; what is left is sent
+/// again by the next run.
+pub const STOP_DRAIN_MAX: Duration = Duration::from_secs(10);
+
+impl Ending {
+    /// How long the run waits for outstanding delivery reports (its grace, then
+    /// [`RunEnd::grace_over`]): a salvage [`SALVAGE_GRACE`], a stop the sink's timeout for
+    /// an answer (`ack_timeout`) up to [`STOP_DRAIN_MAX`].
+    pub fn grace(self, ack_timeout: Duration) -> Duration {
+        match self {
+            Ending::Salvage => SALVAGE_GRACE,
+            Ending::Stop => ack_timeout.min(STOP_DRAIN_MAX),
+        }
+    }
+}
+
 /// What an ending run does next ([`RunEnd::next`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EndStep {
@@ -552,6 +573,13 @@ mod tests {
     use super::*;
     use crate::pipeline::Planted;
     use crate::testing::served;
+
+    #[test]
+    fn a_salvage_waits_its_own_grace_and_a_stop_the_sinks_timeout_up_to_a_bound() {
+        assert_eq!(Ending::Salvage.grace(ms(60_000)), SALVAGE_GRACE);
+        assert_eq!(Ending::Stop.grace(ms(3_000)), ms(3_000));
+        assert_eq!(Ending::Stop.grace(ms(60_000)), STOP_DRAIN_MAX);
+    }
 
     #[test]
     fn the_lease_keeper_renews_every_third_of_the_ttl_and_counts_from_the_question() {

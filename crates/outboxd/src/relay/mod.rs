@@ -842,11 +842,7 @@ async fn salvage_after(
     result: Result<(), RelayError>,
 ) -> Result<(), RelayError> {
     if let Err(e) = &result {
-        let deadline = tokio::time::Instant::now() + SALVAGE_GRACE;
-        if let Err(secondary) = pipeline
-            .end_run(Ending::Salvage, deadline, None, progress)
-            .await
-        {
+        if let Err(secondary) = pipeline.end_run(Ending::Salvage, None, progress).await {
             tracing::debug!(error = %secondary, first = %e, "could not record outstanding receipts");
         }
     }
@@ -1080,9 +1076,6 @@ pub(super) fn bounds(cfg: &RelayConfig) -> (u64, schedule::Waiting) {
     (cfg.max_in_flight, waiting)
 }
 
-/// How long a relay whose run is ending waits for outstanding delivery reports to record them.
-const SALVAGE_GRACE: Duration = Duration::from_secs(2);
-
 /// What the lease keeper knows: until when our lease is certainly valid, and whether another
 /// relay has taken it.
 #[derive(Debug)]
@@ -1219,10 +1212,8 @@ async fn drain_and_stop(
     progress: &Progress,
 ) -> Result<(), RelayError> {
     crate::failpoint::hang("before-stop-drain").await;
-    let grace = pipeline.sink().ack_timeout().min(Duration::from_secs(10));
-    let deadline = tokio::time::Instant::now() + grace;
     pipeline
-        .end_run(Ending::Stop, deadline, Some(stream), progress)
+        .end_run(Ending::Stop, Some(stream), progress)
         .await?;
     tracing::info!(checkpoint = %pipeline.core.durable(), unresolved = pipeline.outstanding(), "stopped");
     Ok(())

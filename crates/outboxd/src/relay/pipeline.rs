@@ -995,17 +995,18 @@ impl Pipeline {
 
 impl Pipeline {
     /// Ends the run as `ending` says, in the core's order (`outbox_relay::lifecycle::RunEnd`):
-    /// the outstanding delivery reports recorded until `deadline` (an unclear one records its
+    /// the outstanding delivery reports recorded within the ending's grace
+    /// (`Ending::grace`; an unclear one records its
     /// UNKNOWN attempt, so every send outstanding when the run ended has its outcome traced),
     /// the batch accepted (with its checkpoint on a stop only: a salvaging run may have lost
     /// its lease, and sends nothing more), and on a stop the slot confirmed through `stream`.
     pub async fn end_run(
         &mut self,
         ending: Ending,
-        deadline: tokio::time::Instant,
         mut stream: Option<&mut outbox_source::transport::ReplicationStream>,
         progress: &Progress,
     ) -> Result<(), RelayError> {
+        let deadline = tokio::time::Instant::now() + ending.grace(self.sink().ack_timeout());
         let mut end = RunEnd::new(ending, &mut self.core);
         loop {
             match end.next(&self.core) {
