@@ -345,6 +345,50 @@ impl RunStart {
     }
 }
 
+/// How to start, as the start-up plan (`outbox_source::slot::plan`, pure, from the slot and
+/// the ledger as they are) decides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartPlan {
+    /// No slot and no history: create the slot with an exported snapshot, publish the
+    /// snapshot, then stream from the consistent point.
+    Create,
+    /// Drop whatever is there (`drop_existing`: a slot of that name exists) and create
+    /// afresh, then publish every row without a receipt (operator asked for `--resnapshot`).
+    Recreate { drop_existing: bool },
+    /// Stream from `start`. `backfill` asks for a snapshot publish first (the initial one
+    /// never completed, or the slot was adopted); `adopt`: the ledger has no row for the slot,
+    /// which the run writes first.
+    Resume {
+        start: Lsn,
+        backfill: bool,
+        adopt: bool,
+    },
+}
+
+impl StartPlan {
+    /// What the plan means for the slot, as a CDC run's start ([`CdcStart`]) executes it.
+    pub fn slot_start(&self) -> SlotStart {
+        match *self {
+            StartPlan::Create => SlotStart::Create {
+                drop_existing: false,
+            },
+            StartPlan::Recreate { drop_existing } => SlotStart::Create { drop_existing },
+            StartPlan::Resume {
+                backfill, adopt, ..
+            } => SlotStart::Resume { adopt, backfill },
+        }
+    }
+
+    /// Where the stream starts, if the plan knows it already (a slot to create has its
+    /// position once created).
+    pub fn start(&self) -> Option<Lsn> {
+        match *self {
+            StartPlan::Resume { start, .. } => Some(start),
+            StartPlan::Create | StartPlan::Recreate { .. } => None,
+        }
+    }
+}
+
 /// What the start-up plan (`outbox_source::slot::plan`, pure) decided about the slot, as a CDC
 /// run's start needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -573,6 +617,39 @@ mod tests {
     use super::*;
     use crate::pipeline::Planted;
     use crate::testing::served;
+
+    #[test]
+    fn a_plan_to_create_has_no_start_until_the_slot_exists_and_a_resume_starts_where_planned() {
+        assert_eq!(
+            StartPlan::Create.slot_start(),
+            SlotStart::Create {
+                drop_existing: false
+            }
+        );
+        let again = StartPlan::Recreate {
+            drop_existing: true,
+        };
+        assert_eq!(
+            again.slot_start(),
+            SlotStart::Create {
+                drop_existing: true
+            }
+        );
+        assert_eq!((StartPlan::Create.start(), again.start()), (None, None));
+        let resume = StartPlan::Resume {
+            start: Lsn(40),
+            backfill: true,
+            adopt: false,
+        };
+        assert_eq!(
+            resume.slot_start(),
+            SlotStart::Resume {
+                adopt: false,
+                backfill: true
+            }
+        );
+        assert_eq!(resume.start(), Some(Lsn(40)));
+    }
 
     #[test]
     fn a_salvage_waits_its_own_grace_and_a_stop_the_sinks_timeout_up_to_a_bound() {

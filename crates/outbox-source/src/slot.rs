@@ -151,24 +151,9 @@ pub struct LedgerView {
     pub system_identifier: Option<String>,
 }
 
-/// How to start.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StartPlan {
-    /// No slot and no history: create the slot with an exported snapshot, publish the
-    /// snapshot, then stream from the consistent point.
-    Create,
-    /// Drop whatever is there (`drop_existing`: a slot of that name exists) and create
-    /// afresh, then publish every row without a receipt (operator asked for `--resnapshot`).
-    Recreate { drop_existing: bool },
-    /// Stream from `start`. `backfill` asks for a snapshot publish first (the initial one
-    /// never completed, or the slot was adopted); `adopt`: the ledger has no row for the slot,
-    /// which the run writes first.
-    Resume {
-        start: Lsn,
-        backfill: bool,
-        adopt: bool,
-    },
-}
+/// How to start: the core's type ([`outbox_relay::lifecycle::StartPlan`]), which
+/// [`plan`] decides and a run's start executes in the core's order.
+pub use outbox_relay::lifecycle::StartPlan;
 
 /// The start-up decision. Pure.
 pub fn plan(

@@ -23,8 +23,7 @@ use outbox_core::records::{LedgerItem, OfferFacts, OfferRule, QuarantineState, R
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::lifecycle::{
-    CdcStart, CdcStep, EndStep, Ending, LeaseKeeper, Renewal, RunEnd, RunStart, SlotStart,
-    StartStep,
+    CdcStart, CdcStep, EndStep, Ending, LeaseKeeper, Renewal, RunEnd, RunStart, StartStep,
 };
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::schedule::{Load, Schedule, Settings};
@@ -1677,22 +1676,11 @@ impl World {
         // As the daemon's `run_once`: the plan's decision, then `CdcStart`'s steps in order. A
         // new slot's consistent point is the next WAL position: everything committed before
         // it is read from the table's snapshot, everything after it from the slot.
-        let (slot_start, start) = match plan {
-            StartPlan::Create => (
-                SlotStart::Create {
-                    drop_existing: false,
-                },
-                Lsn(self.next_lsn),
-            ),
-            StartPlan::Recreate { drop_existing } => {
-                (SlotStart::Create { drop_existing }, Lsn(self.next_lsn))
-            }
-            StartPlan::Resume {
-                start,
-                backfill,
-                adopt,
-            } => (SlotStart::Resume { adopt, backfill }, start),
-        };
+        // A slot created now has its position at the end of the WAL.
+        let (slot_start, start) = (
+            plan.slot_start(),
+            plan.start().unwrap_or(Lsn(self.next_lsn)),
+        );
         let cursor = self.wal_after(start);
         log!(
             self,

@@ -42,7 +42,7 @@ use outbox_ledger::sessions;
 use outbox_ledger::{checkpoint, AcceptOutcome, LedgerError};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_sink::{AnySink, HttpEndpoints, JetStreamSink, KafkaSink, Sink, SinkError};
-use outbox_source::slot::{self, LedgerView, SourceError, StartPlan};
+use outbox_source::slot::{self, LedgerView, SourceError};
 use outbox_source::snapshot;
 use outbox_source::tls::{ConnectError, PgConnectOptions};
 use outbox_source::transport::{ReplicationConnection, ReplicationMessage};
@@ -565,20 +565,7 @@ async fn run_once(
 
     // What the plan decided, run in the core's order (`outbox_relay::lifecycle::CdcStart`,
     // which the simulator runs too).
-    let (slot_start, mut start) = match plan {
-        StartPlan::Create => (
-            SlotStart::Create {
-                drop_existing: false,
-            },
-            None,
-        ),
-        StartPlan::Recreate { drop_existing } => (SlotStart::Create { drop_existing }, None),
-        StartPlan::Resume {
-            start,
-            backfill,
-            adopt,
-        } => (SlotStart::Resume { adopt, backfill }, Some(start)),
-    };
+    let (slot_start, mut start) = (plan.slot_start(), plan.start());
     let mut exported = None;
     let mut steps = CdcStart::new(slot_start);
     let start = loop {
