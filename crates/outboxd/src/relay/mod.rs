@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::{pin_mut, FutureExt, StreamExt};
+use futures::FutureExt;
 use outbox_core::ack::AckError;
 use outbox_core::Lsn;
 use outbox_ledger::holds;
@@ -57,7 +57,7 @@ use outbox_relay::lifecycle::{
     SlotStart, StartStep,
 };
 use outbox_relay::schedule::{self, HeldNotice, Schedule};
-use pipeline::Pipeline;
+use pipeline::{Pipeline, Read};
 
 /// Live counters, for `demo` progress and logs, and the relay's metrics (labelled with its
 /// database and slot).
@@ -1242,40 +1242,14 @@ async fn publish_snapshot(
         )
         .await
         .map_err(db("reading unpublished outbox rows"))?;
-    pin_mut!(rows);
-    let mut n: u64 = 0;
-    let bounds = bounds(cfg);
-    // Rows in chunks: the heads of a chunk's new aggregates are read in one query (`outbox_relay::stage`).
-    let mut chunk: Vec<(u64, Result<outbox_core::OutboxEvent, String>)> = Vec::new();
-    let mut ended = false;
-    while !ended {
-        match rows.next().await {
-            Some(row) => {
-                let row = row.map_err(db("reading unpublished outbox rows"))?;
-                n += 1;
-                chunk.push((n, snapshot::event_from_row(&row).map_err(|e| e.to_string())));
-                if chunk.len() < outbox_relay::stage::STAGE_ROWS {
-                    continue;
-                }
-            }
-            None => ended = true,
-        }
-        pipeline
-            .learn_heads(chunk.iter().filter_map(|(_, r)| r.as_ref().ok()), false)
-            .await?;
-        for (i, row) in chunk.drain(..) {
-            match row {
-                Ok(ev) => {
-                    pipeline.admit(ev, None, None, None).await?;
-                    crate::failpoint::hit("after-snapshot-send");
-                }
-                Err(e) => {
-                    pipeline.quarantine_unreadable(format!("snapshot:{i}"), e, Lsn::ZERO, None)
-                }
-            }
-            pipeline.keep_pace(bounds, cfg.batch_size, progress).await?;
-        }
-    }
+    let n = pipeline
+        .admit_rows(
+            rows,
+            Read::Snapshot,
+            (bounds(cfg), cfg.batch_size),
+            progress,
+        )
+        .await?;
     // Everything, parked events too: the snapshot is done only when each row is resolved.
     pipeline.drain_all(cfg.batch_size, progress, false).await?;
     tx.commit()

@@ -772,6 +772,62 @@ impl Pipeline {
         Ok(())
     }
 
+    /// The rows of a read (the initial snapshot's, or a poll round's) to the core, in
+    /// chunks of [`outbox_relay::stage::STAGE_ROWS`]: the heads of a chunk's aggregates the
+    /// gate does not know are read in one query first (migration 0026; in a poll round the
+    /// floor below the round's own "every version below the first pending one has a receipt":
+    /// a found copy may be published above an earlier version without one, `outbox-sim` seed
+    /// 1 trace 19152), then each row is
+    /// admitted (a poll round's by the round's rules, `outbox_relay::poll`) or, if it cannot
+    /// be read as an event, quarantined under a key of the read; after each row the pipeline
+    /// keeps within its bounds. Returns how many rows were read.
+    pub async fn admit_rows(
+        &mut self,
+        rows: impl futures::Stream<Item = Result<tokio_postgres::Row, tokio_postgres::Error>>,
+        read: Read,
+        (bounds, batch_size): ((u64, Waiting), usize),
+        progress: &Progress,
+    ) -> Result<u64, RelayError> {
+        use futures::StreamExt;
+        futures::pin_mut!(rows);
+        let mut n: u64 = 0;
+        let mut chunk: Vec<Result<OutboxEvent, (String, String)>> = Vec::new();
+        let mut ended = false;
+        while !ended {
+            match rows.next().await {
+                Some(row) => {
+                    let row = row.map_err(|e| outbox_ledger::LedgerError::Db {
+                        context: read.reading().into(),
+                        source: e,
+                    })?;
+                    n += 1;
+                    chunk.push(
+                        outbox_source::snapshot::event_from_row(&row)
+                            .map_err(|e| (read.unreadable_key(&row, n), e.to_string())),
+                    );
+                    if chunk.len() < outbox_relay::stage::STAGE_ROWS {
+                        continue;
+                    }
+                }
+                None => ended = true,
+            }
+            self.learn_heads(chunk.iter().filter_map(|r| r.as_ref().ok()), false)
+                .await?;
+            for row in chunk.drain(..) {
+                match (row, read) {
+                    (Ok(ev), Read::Snapshot) => {
+                        self.admit(ev, None, None, None).await?;
+                        failpoint::hit("after-snapshot-send");
+                    }
+                    (Ok(ev), Read::PollRound) => self.admit_polled(ev).await?,
+                    (Err((key, e)), _) => self.quarantine_unreadable(key, e, Lsn::ZERO, None),
+                }
+                self.keep_pace(bounds, batch_size, progress).await?;
+            }
+        }
+        Ok(n)
+    }
+
     /// After a committed acceptance transaction: failpoint, counters, then the checkpoint
     /// (the core learns of it only now).
     fn accepted(&mut self, a: Acceptance, out: &AcceptOutcome, progress: &Progress) {
@@ -1048,4 +1104,37 @@ pub(crate) fn lookup_of<'a>(
 /// How long ago attempt `a` was sent, as the ledger read it.
 pub(crate) fn sent_ago(a: &attempts::UnknownAttempt) -> Duration {
     Duration::from_secs_f64(a.sent_ago_s.max(0.0))
+}
+
+/// Which read [`Pipeline::admit_rows`] admits.
+#[derive(Debug, Clone, Copy)]
+pub enum Read {
+    /// The initial snapshot (or a backfill): every row is admitted.
+    Snapshot,
+    /// A poll round: by the round's rules ([`PipelineCore::admit_polled`]).
+    PollRound,
+}
+
+impl Read {
+    fn reading(self) -> &'static str {
+        match self {
+            Read::Snapshot => "reading unpublished outbox rows",
+            Read::PollRound => "reading pending outbox events",
+        }
+    }
+
+    /// The key an unreadable row is quarantined under: a snapshot's by its place in the read;
+    /// a poll round's by the row's id when it has one, so that a later round records it once.
+    fn unreadable_key(self, row: &tokio_postgres::Row, n: u64) -> String {
+        match self {
+            Read::Snapshot => format!("snapshot:{n}"),
+            Read::PollRound => format!(
+                "poll:{}",
+                row.try_get::<_, Option<&str>>(0)
+                    .ok()
+                    .flatten()
+                    .unwrap_or("?")
+            ),
+        }
+    }
 }

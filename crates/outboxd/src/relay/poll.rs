@@ -15,16 +15,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures::{pin_mut, StreamExt};
-use outbox_core::{Lsn, OutboxEvent};
 use outbox_ledger::lease::{self, Fence};
 use outbox_ledger::LedgerError;
 use outbox_relay::poll::Advance;
-use outbox_source::{poll, snapshot};
+use outbox_source::poll;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
-use super::pipeline::Pipeline;
+use super::pipeline::{Pipeline, Read};
 use super::{
     connect_acceptance, connect_sql, keep_lease, open_pipeline, own_sessions, reconcile_at_start,
     restore_versions, Progress, RelayError, RELEASE_POLL,
@@ -185,50 +183,14 @@ async fn round(
         .query_raw(pending, [ROUND_LIMIT])
         .await
         .map_err(db("reading pending outbox events"))?;
-    pin_mut!(rows);
-    let bounds = super::bounds(cfg);
-    let mut n: u64 = 0;
-    // Rows in chunks: the heads of a chunk's aggregates the gate does not know are read in one
-    // query first (migration 0026), the floor below the round's own "every version below the
-    // first pending one has a receipt" (a found copy may be published above an earlier
-    // version without one: outbox-sim, seed 1 trace 19152).
-    let mut chunk: Vec<Result<OutboxEvent, (String, String)>> = Vec::new();
-    let mut ended = false;
-    while !ended {
-        match rows.next().await {
-            Some(row) => {
-                let row = row.map_err(db("reading pending outbox events"))?;
-                n += 1;
-                chunk.push(snapshot::event_from_row(&row).map_err(|e| {
-                    let id = row
-                        .try_get::<_, Option<&str>>(0)
-                        .ok()
-                        .flatten()
-                        .unwrap_or("?")
-                        .to_string();
-                    (id, e.to_string())
-                }));
-                if chunk.len() < outbox_relay::stage::STAGE_ROWS {
-                    continue;
-                }
-            }
-            None => ended = true,
-        }
-        pipeline
-            .learn_heads(chunk.iter().filter_map(|r| r.as_ref().ok()), false)
-            .await?;
-        for row in chunk.drain(..) {
-            match row {
-                // Which rows are admitted, and the head each raises: `outbox_relay::poll`.
-                Ok(ev) => pipeline.admit_polled(ev).await?,
-                // Keyed by the row's id when it has one, so a later round records it once.
-                Err((id, e)) => {
-                    pipeline.quarantine_unreadable(format!("poll:{id}"), e, Lsn::ZERO, None)
-                }
-            }
-            pipeline.keep_pace(bounds, cfg.batch_size, progress).await?;
-        }
-    }
+    let n = pipeline
+        .admit_rows(
+            rows,
+            Read::PollRound,
+            (super::bounds(cfg), cfg.batch_size),
+            progress,
+        )
+        .await?;
     tx.commit()
         .await
         .map_err(db("ending the poll round's read"))?;
