@@ -118,12 +118,14 @@ pub(crate) struct Round {
     pub(crate) skipping: bool,
 }
 
-/// Poll mode's memory of positions ([`crate::poll::Advance`]): the aggregates published since
-/// the last advance, and when every position was last advanced (the driver's clock).
+/// Poll mode's memory between rounds, on the driver's clock: the aggregates published since
+/// the last advance of positions and when every position was last advanced
+/// ([`crate::poll::Advance`]), and when releases were last polled.
 #[derive(Debug, Default)]
 pub(crate) struct Positions {
     pub(crate) published: Vec<AggKey>,
     pub(crate) last_full: Option<std::time::Duration>,
+    pub(crate) last_releases: std::time::Duration,
 }
 
 /// The pipeline's state and decisions. See the module documentation for the contract. `P`:

@@ -93,6 +93,18 @@ impl<P: Plant> PipelineCore<P> {
         }
     }
 
+    /// After a round, at `now` on the driver's clock (zero when the run began): whether to
+    /// poll releases now, every `every` (as [`crate::schedule::Schedule`] times them in CDC
+    /// mode); if so, the next are due `every` from now.
+    pub fn poll_releases_due(&mut self, now: Duration, every: Duration) -> bool {
+        let p = &mut self.positions;
+        let due = now >= p.last_releases + every;
+        if due {
+            p.last_releases = now;
+        }
+        due
+    }
+
     /// The next row of the round, in the read's order (aggregate, then version). The driver
     /// has given the gate the ledger's head of its aggregate, if the gate did not know it.
     pub fn admit_polled(&mut self, ev: OutboxEvent, now: Now) -> Result<Polled, CoreError> {
@@ -229,6 +241,17 @@ mod tests {
             "ten seconds after the last"
         );
         assert_eq!(c.begin_poll_round(s(11)), Advance::Nothing);
+    }
+
+    #[test]
+    fn releases_are_polled_an_interval_after_the_run_began_and_after_each_poll() {
+        let ms = Duration::from_millis;
+        let mut c = core_with(None);
+        let every = ms(1_000);
+        assert!(!c.poll_releases_due(ms(999), every));
+        assert!(c.poll_releases_due(ms(1_200), every));
+        assert!(!c.poll_releases_due(ms(2_100), every), "from the last poll");
+        assert!(c.poll_releases_due(ms(2_200), every));
     }
 
     #[test]

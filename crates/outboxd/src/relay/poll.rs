@@ -80,7 +80,6 @@ pub(super) async fn run_once(
     progress.metrics.streaming(true);
     tracing::info!(lease = %cfg.slot, interval_ms = cfg.poll_interval.as_millis() as u64, "polling");
 
-    let mut last_releases = Instant::now();
     // The clock the core's round decisions are kept on.
     let run_started = Instant::now();
     let result: Result<(), RelayError> = async {
@@ -101,12 +100,14 @@ pub(super) async fn run_once(
             )
             .await?;
             super::still_leased(cfg, pipeline.core.lease_expired, &lease_state, fence)?;
-            if last_releases.elapsed() >= RELEASE_POLL {
+            if pipeline
+                .core
+                .poll_releases_due(run_started.elapsed(), RELEASE_POLL)
+            {
                 refuse_rows_without_versions(&sql).await?;
                 pipeline
                     .release_poll(cfg, &sql, current_rows, progress)
                     .await?;
-                last_releases = Instant::now();
             }
             progress.metrics.unclear(pipeline.core.parked());
             progress
