@@ -317,13 +317,17 @@ cdc_only! {
             fenced_writes, 0,
             "checkpoint writes committed by the fenced generation {ga}"
         );
+        // The trigger records the writes of the lease's holders after A: B's, or a later
+        // generation's when B's first run ended before it wrote one (a fresh-clone CI run: B's
+        // first two runs could not reach the broker, whose round trip the test had made 3 s,
+        // within the start's 10 s, and its third streamed).
         assert!(
             env.count(&format!(
-                "SELECT count(*) FROM test_checkpoint_writes WHERE relay_generation = {gb}"
+                "SELECT count(*) FROM test_checkpoint_writes WHERE relay_generation >= {gb}"
             ))
             .await
                 > 0,
-            "B's checkpoint writes are seen (the trigger records)"
+            "no checkpoint write of B's generation {gb} or a later one was seen (the trigger records)"
         );
         let checkpoint_after: String = env
             .db
