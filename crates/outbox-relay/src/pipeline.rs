@@ -122,7 +122,7 @@ pub(crate) struct Round {
 /// the last advance of positions and when every position was last advanced
 /// ([`crate::poll::Advance`]), and when releases were last polled.
 #[derive(Debug, Default)]
-pub(crate) struct Positions {
+pub(crate) struct BetweenRounds {
     pub(crate) published: Vec<AggKey>,
     pub(crate) last_full: Option<std::time::Duration>,
     pub(crate) last_releases: std::time::Duration,
@@ -192,8 +192,8 @@ pub struct PipelineCore<P = Shipped> {
     pub unclear_touched: Option<HashSet<AggKey>>,
     /// Poll mode: where the current round is ([`crate::poll`]).
     pub(crate) round: Round,
-    /// Poll mode: which positions the next round advances ([`crate::poll::Advance`]).
-    pub(crate) positions: Positions,
+    /// Poll mode: what a round leaves the next (positions to advance, releases' timer).
+    pub(crate) between_rounds: BetweenRounds,
     /// The transaction being decoded ([`crate::stream`]).
     pub(crate) txn: Option<OpenTxn>,
     /// The highest WAL position received from the slot (the standby status's `write`).
@@ -280,7 +280,7 @@ impl<P: Plant> PipelineCore<P> {
             unclear_policies: BTreeMap::new(),
             unclear_touched: None,
             round: Default::default(),
-            positions: Default::default(),
+            between_rounds: Default::default(),
             unclear_seen: HashSet::new(),
             releasing: HashSet::new(),
             txn: None,

@@ -78,7 +78,7 @@ impl<P: Plant> PipelineCore<P> {
             t.extend(parked);
         }
         self.round = Round::default();
-        let p = &mut self.positions;
+        let p = &mut self.between_rounds;
         let published = std::mem::take(&mut p.published);
         if p.last_full
             .map_or(true, |t| now.saturating_sub(t) >= FULL_ADVANCE_EVERY)
@@ -97,7 +97,7 @@ impl<P: Plant> PipelineCore<P> {
     /// poll releases now, every `every` (as [`crate::schedule::Schedule`] times them in CDC
     /// mode); if so, the next are due `every` from now.
     pub fn poll_releases_due(&mut self, now: Duration, every: Duration) -> bool {
-        let p = &mut self.positions;
+        let p = &mut self.between_rounds;
         let due = now >= p.last_releases + every;
         if due {
             p.last_releases = now;
@@ -130,7 +130,7 @@ impl<P: Plant> PipelineCore<P> {
         }
         let commands = self.admit(ev, None, None, None, now)?;
         if first {
-            self.positions.published.push(key);
+            self.between_rounds.published.push(key);
         }
         Ok(Polled::Admitted { commands })
     }

@@ -400,18 +400,6 @@ impl Pipeline {
         self.execute(commands).await
     }
 
-    /// Records a row that could not even be read as an envelope (no aggregate to hold).
-    pub fn quarantine_unreadable(
-        &mut self,
-        key: String,
-        reason: String,
-        commit_lsn: Lsn,
-        ack: Option<EventToken>,
-    ) {
-        self.core
-            .quarantine_unreadable(key, reason, commit_lsn, ack);
-    }
-
     /// Hands each event to the producer. A refusal goes back to the core, which quarantines
     /// the event (permanent) or parks it to send it again (only its aggregate waits).
     async fn execute(&mut self, commands: Vec<Command>) -> Result<(), RelayError> {
@@ -777,10 +765,10 @@ impl Pipeline {
     /// gate does not know are read in one query first (migration 0026; in a poll round the
     /// floor below the round's own "every version below the first pending one has a receipt":
     /// a found copy may be published above an earlier version without one, `outbox-sim` seed
-    /// 1 trace 19152), then each row is
-    /// admitted (a poll round's by the round's rules, `outbox_relay::poll`) or, if it cannot
-    /// be read as an event, quarantined under a key of the read; after each row the pipeline
-    /// keeps within its bounds. Returns how many rows were read.
+    /// 1 trace 19152), then each row is admitted (a poll round's by the round's rules,
+    /// `outbox_relay::poll`) or, if it cannot be read as an event, quarantined under a key of
+    /// the read; after each row the pipeline keeps within its bounds. Returns how many rows
+    /// were read.
     pub async fn admit_rows(
         &mut self,
         rows: impl futures::Stream<Item = Result<tokio_postgres::Row, tokio_postgres::Error>>,
@@ -820,7 +808,7 @@ impl Pipeline {
                         failpoint::hit("after-snapshot-send");
                     }
                     (Ok(ev), Read::PollRound) => self.admit_polled(ev).await?,
-                    (Err((key, e)), _) => self.quarantine_unreadable(key, e, Lsn::ZERO, None),
+                    (Err((key, e)), _) => self.core.quarantine_unreadable(key, e, Lsn::ZERO, None),
                 }
                 self.keep_pace(bounds, batch_size, progress).await?;
             }
@@ -1051,10 +1039,9 @@ impl Pipeline {
 
 impl Pipeline {
     /// Ends the run as `ending` says, in the core's order (`outbox_relay::lifecycle::RunEnd`):
-    /// the outstanding delivery reports recorded within the ending's grace
-    /// (`Ending::grace`; an unclear one records its
-    /// UNKNOWN attempt, so every send outstanding when the run ended has its outcome traced),
-    /// the batch accepted (with its checkpoint on a stop only: a salvaging run may have lost
+    /// the outstanding delivery reports recorded within the ending's grace (`Ending::grace`;
+    /// an unclear one records its UNKNOWN attempt, so every send outstanding when the run
+    /// ended has its outcome traced), the batch accepted (with its checkpoint on a stop only: a salvaging run may have lost
     /// its lease, and sends nothing more), and on a stop the slot confirmed through `stream`.
     pub async fn end_run(
         &mut self,
