@@ -22,6 +22,8 @@
 //!   idle checkpoint, polls releases and sends a standby status; and what the standby status
 //!   confirms ([`schedule::standby_status`], the safety argument).
 //!
+//! * [`pace`] — how a read outside the stream (the initial snapshot, a poll round) keeps within
+//!   the relay's bounds: when it waits, accepts a batch, goes on or is over.
 //! * [`poll`] — which rows of a poll-mode round are admitted, and the head each raises.
 //! * [`fleet`] — a fleet member's share of the shards: which to take, hand over or give up.
 //! * [`unknown`] — which DISPATCH_UNKNOWN attempts to look up now, and what a look-up means
@@ -39,6 +41,7 @@
 pub mod contract;
 pub mod fleet;
 pub mod lifecycle;
+pub mod pace;
 pub mod parked;
 pub mod pipeline;
 pub mod plant;

@@ -119,6 +119,12 @@ pub enum Mutant {
     /// what the last runs logged since the last fold is missed, and rows written without a
     /// version are numbered again from older versions (the simulator's `plain_version_wrong`).
     NumberingLogNotFolded,
+    /// A read outside the stream (a snapshot, a poll round) goes on after a send was refused
+    /// because the lease was not certainly held ([`crate::pace`] without its lease check):
+    /// it waits for events queued behind the refused one, which nothing sends (the
+    /// simulator's `read_stalls`; the product before the simulator's reads paced as the
+    /// daemon's do).
+    ReadIgnoresLease,
     /// A CDC run streams from a slot it holds without reading the slot's position again
     /// ([`crate::lifecycle::CdcStart::check_held`] accepts any): a slot dropped and recreated
     /// under the same name between the plan and `START_REPLICATION` streams from its own,

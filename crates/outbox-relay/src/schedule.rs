@@ -21,19 +21,28 @@ pub struct Settings {
     pub status_interval: Duration,
     /// How long the first item of a batch waits for company before the batch is accepted.
     pub batch_linger: Duration,
-    /// A batch this long is accepted at once.
-    pub batch_size: usize,
-    /// Events read from the slot and not yet resolved, beyond which the slot is not read;
-    /// those waiting on an unclear outcome are not counted ([`Load::waiting_on_unclear`]).
-    pub max_in_flight: u64,
-    /// Events waiting on unclear outcomes, and their payload bytes, beyond which the slot is
-    /// not read: they hold only their aggregates, but each is kept in memory until its
-    /// aggregate moves again.
-    pub max_waiting_on_unclear: Waiting,
+    /// When the slot is not read, and a batch is accepted at once.
+    pub bounds: Bounds,
     /// Payload bytes sent and not yet reported on, beyond which the slot is not read.
     pub max_in_flight_bytes: usize,
     /// How often operator releases (and UNKNOWN attempts of other generations) are polled.
     pub release_poll: Duration,
+}
+
+/// What the relay keeps within, in the stream loop ([`Schedule::can_read`]) and in a read
+/// outside it (`crate::pace`): `relay.max_in_flight`, `relay.unclear_max_waiting` with
+/// [`crate::MAX_WAITING_BYTES`], `relay.batch_size`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// Events read and not yet resolved, beyond which nothing more is read; those waiting on
+    /// an unclear outcome are not counted ([`Load::waiting_on_unclear`]).
+    pub max_in_flight: u64,
+    /// Events waiting on unclear outcomes, and their payload bytes, beyond which nothing more
+    /// is read: they hold only their aggregates, but each is kept in memory until its
+    /// aggregate moves again.
+    pub max_waiting: Waiting,
+    /// A batch this long is accepted at once.
+    pub batch_size: usize,
 }
 
 /// What the pipeline looks like now.
@@ -164,8 +173,8 @@ impl<P: Plant> Schedule<P> {
     /// aggregate, never the relay).
     pub fn can_read(&self, load: &Load) -> bool {
         within_bounds(
-            self.settings.max_in_flight,
-            self.settings.max_waiting_on_unclear,
+            self.settings.bounds.max_in_flight,
+            self.settings.bounds.max_waiting,
             load.unresolved,
             load.waiting_on_unclear,
         ) && load.in_flight_bytes < self.settings.max_in_flight_bytes
@@ -175,7 +184,7 @@ impl<P: Plant> Schedule<P> {
     /// (the driver says so in its log: raise the bound, or fix the destination).
     pub fn reading_held_by_unclear(&self, load: &Load) -> bool {
         !waiting_within(
-            self.settings.max_waiting_on_unclear,
+            self.settings.bounds.max_waiting,
             load.unresolved,
             load.waiting_on_unclear,
         )
@@ -209,7 +218,7 @@ impl<P: Plant> Schedule<P> {
     /// What is due at `now`; the timers of what is due restart from `now`.
     pub fn due(&mut self, now: Duration, load: &Load) -> Due {
         let batch_due = !load.accepting
-            && (load.batch_len >= self.settings.batch_size
+            && (load.batch_len >= self.settings.bounds.batch_size
                 || load
                     .batch_started
                     .is_some_and(|b| now >= b + self.settings.batch_linger));
@@ -353,11 +362,13 @@ mod tests {
         Settings {
             status_interval: ms(1000),
             batch_linger: ms(5),
-            batch_size: 100,
-            max_in_flight: 10,
-            max_waiting_on_unclear: Waiting {
-                events: 50,
-                bytes: 5_000,
+            bounds: Bounds {
+                batch_size: 100,
+                max_in_flight: 10,
+                max_waiting: Waiting {
+                    events: 50,
+                    bytes: 5_000,
+                },
             },
             max_in_flight_bytes: 1000,
             release_poll: ms(500),

@@ -305,10 +305,7 @@ fn every_mutant_is_caught(product: bool) {
         ),
         (
             Mutant::UnclearNeverDue,
-            &[
-                ("stalls", |c| c.stalls),
-                ("snapshot_stalls", |c| c.snapshot_stalls),
-            ],
+            &[("stalls", |c| c.stalls), ("read_stalls", |c| c.read_stalls)],
         ),
         (
             Mutant::BugEndRunOnUnclear,
@@ -445,7 +442,7 @@ fn every_mutant_is_caught(product: bool) {
     }
 }
 
-/// `snapshot_stalls` by name: a snapshot that ends with events outstanding that nothing will
+/// `read_stalls` by name: a snapshot that ends with events outstanding that nothing will
 /// send (the daemon's snapshot would wait for them forever). Planted with the product mutant
 /// `UnclearNeverDue`: an event parked during a snapshot (after a lost slot's `--resnapshot`)
 /// never comes due. Without it, the same traces stall no snapshot.
@@ -453,11 +450,11 @@ fn every_mutant_is_caught(product: bool) {
 fn a_snapshot_waiting_for_an_event_nothing_sends_is_a_snapshot_stall() {
     let planted = run(1, 300, Some(Mutant::UnclearNeverDue));
     assert!(
-        planted.snapshot_stalls > 0 && planted.resnapshots > 0,
+        planted.read_stalls > 0 && planted.resnapshots > 0,
         "no snapshot stalled with parked events that never come due: {planted:?}"
     );
     let clean = run(1, 300, None);
-    assert_eq!(clean.snapshot_stalls, 0, "{}", clean.summary());
+    assert_eq!(clean.read_stalls, 0, "{}", clean.summary());
     assert!(clean.resnapshots > 0, "no snapshot was taken: {clean:?}");
 }
 
@@ -493,6 +490,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 4, Mutant::BugLookUpBesideReconciliation),
         (7, 33528, Mutant::BugSendsFoundEvent),
         (2, 495645, Mutant::BugReleaseBesideParked),
+        (1, 15929, Mutant::BugReadIgnoresLease),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -98,9 +98,10 @@ pub struct Counts {
     pub spurious_quarantines: u64,
     /// A relay start refused by `slot::plan` (the slot was moved past the ledger).
     pub start_refused: u64,
-    /// A snapshot that ended with events still waiting in the ordering gate (the daemon's
-    /// snapshot waits for each of them: it would never end).
-    pub snapshot_stalls: u64,
+    /// A read outside the stream (a snapshot, a poll round) that waited for events nothing
+    /// will ever move: the core's pace or drain (`outbox_relay::pace`) said wait, and no
+    /// report, look-up or parked event could come (the daemon's read would never end).
+    pub read_stalls: u64,
     /// A copy of a purged event reached the broker or a consumer after the purge.
     pub purged_early: u64,
     /// Sends of an event after an operator skipped it (`outboxd quarantine skip`: never to be
@@ -308,7 +309,7 @@ impl Counts {
             + self.confirmed_past_unaccepted
             + self.spurious_quarantines
             + self.start_refused
-            + self.snapshot_stalls
+            + self.read_stalls
             + self.purged_early
             + self.skipped_offered
             + self.stale_sends
@@ -361,7 +362,7 @@ impl Counts {
             confirmed_past_unaccepted,
             spurious_quarantines,
             start_refused,
-            snapshot_stalls,
+            read_stalls,
             purged_early,
             skipped_offered,
             stale_sends,
@@ -481,7 +482,7 @@ impl Counts {
                 self.spurious_quarantines.to_string(),
             ),
             ("start_refused", self.start_refused.to_string()),
-            ("snapshot_stalls", self.snapshot_stalls.to_string()),
+            ("read_stalls", self.read_stalls.to_string()),
             ("purged_early", self.purged_early.to_string()),
             ("skipped_offered", self.skipped_offered.to_string()),
             ("stale_sends", self.stale_sends.to_string()),

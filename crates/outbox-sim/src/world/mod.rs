@@ -25,8 +25,9 @@ use outbox_inbox::gap::{ConsumerModel, GapPolicy};
 use outbox_relay::lifecycle::{
     CdcStart, CdcStep, EndStep, Ending, LeaseKeeper, Renewal, RunEnd, RunStart, StartStep,
 };
+use outbox_relay::pace::{Drain, Pace};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
-use outbox_relay::schedule::{Load, Schedule, Settings};
+use outbox_relay::schedule::{Bounds, Load, Schedule, Settings, Waiting};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{
@@ -272,6 +273,12 @@ pub enum Mutant {
     /// numbering the last runs logged since the last fold is missed, and rows are numbered
     /// again from older versions (`plain_version_wrong`).
     BugNumberingLogNotFolded,
+    /// A snapshot or poll round goes on after a send was refused because the lease was not
+    /// certainly held, and waits for events queued behind it that nothing sends: a product
+    /// mutant (`outbox_relay::Mutant::ReadIgnoresLease`, `outbox_relay::pace`; the product
+    /// before seed 1, trace 15929 found it, once the simulator's reads paced as the daemon's
+    /// do) (`read_stalls`).
+    BugReadIgnoresLease,
     /// A run seeds the numbering of an aggregate it meets first at a row without a version from
     /// what the checkpoint kept only, not from the versions its rows were written with: an
     /// aggregate written through `outbox.enqueue` before its outbox took plain INSERTs
@@ -375,6 +382,7 @@ impl Mutant {
             "bug-numbering-log-not-folded",
             Mutant::BugNumberingLogNotFolded,
         ),
+        ("bug-read-ignores-lease", Mutant::BugReadIgnoresLease),
         (
             "bug-release-reads-plain-rows",
             Mutant::BugReleaseReadsPlainRows,
@@ -429,6 +437,8 @@ const DEDUP_MARGIN: u64 = 1_000;
 /// instead of simulated forever. Far above any resolution the traces see (UNKNOWN resolution
 /// max ~40 s; past the budget a parked event is asked every 10 s).
 const WAITS_FOREVER_AFTER: u64 = 30 * 60 * 1000;
+/// How a run ends whose send was refused because its lease was not certainly held.
+const LEASE_LOST: End = End::Error("lease expired: a stale generation may not send");
 /// `relay.unclear_max_waiting` of the traces with backpressure: beyond what a trace waits.
 const MAX_WAITING_ON_UNCLEAR: u64 = 10_000;
 /// Retention: nothing is purged before this long after its last send.
@@ -694,9 +704,10 @@ struct World {
     /// endpoint with idempotency keys do: a quarter of the traces, drawn from a generator of
     /// their own.
     dedup: bool,
-    /// The relay's `max_in_flight` (`u64::MAX`: no backpressure); what waits on unclear
-    /// outcomes has [`MAX_WAITING_ON_UNCLEAR`].
-    max_in_flight: u64,
+    /// The relay's bounds: `max_in_flight` (`u64::MAX`: no backpressure); what waits on
+    /// unclear outcomes has [`MAX_WAITING_ON_UNCLEAR`]; the batch a read outside the stream
+    /// (a snapshot, a poll round) accepts before it goes on (`usize::MAX`: at its end only).
+    bounds: Bounds,
     /// Lease renewals are asked when the product's keeper says one is due and answered at a
     /// later step, a pause possibly between (`World::ask_renewal`, `World::answer_renewal`),
     /// and a run whose lease was taken learns it from its keeper only; otherwise a renewal is
@@ -823,10 +834,24 @@ impl World {
         // rest with none, so that their draws stay as they were. (Stream 225 is the first
         // above 20 whose draw leaves every trace of `the_traces_that_found_bugs_stay_fixed`
         // without backpressure, so they replay as docs/simulation.md lists them.)
-        let max_in_flight = if rng.fork(225).chance(250) {
-            rng.fork(226).range(2, 6)
-        } else {
-            u64::MAX
+        let backpressure = rng.fork(225).chance(250);
+        let bounds = Bounds {
+            max_in_flight: if backpressure {
+                rng.fork(226).range(2, 6)
+            } else {
+                u64::MAX
+            },
+            max_waiting: Waiting {
+                events: MAX_WAITING_ON_UNCLEAR,
+                bytes: u64::MAX,
+            },
+            // The same quarter accepts a snapshot's or poll round's batch of 1 to 7 as it
+            // reads (`outbox_relay::pace`); the rest at the read's end, as before.
+            batch_size: if backpressure {
+                rng.fork(227).range(1, 8) as usize
+            } else {
+                usize::MAX
+            },
         };
         // A quarter of the traces renew leases when the product's keeper says so and read
         // each answer at a later step, possibly after a pause (stream 320: the first above 226
@@ -844,11 +869,13 @@ impl World {
             Settings {
                 status_interval: ms(draw.range(100, 2_000)),
                 batch_linger: ms(draw.range(0, 100)),
-                batch_size: draw.range(1, 8) as usize,
-                max_in_flight: u64::MAX,
-                max_waiting_on_unclear: outbox_relay::schedule::Waiting {
-                    events: u64::MAX,
-                    bytes: u64::MAX,
+                bounds: Bounds {
+                    batch_size: draw.range(1, 8) as usize,
+                    max_in_flight: u64::MAX,
+                    max_waiting: Waiting {
+                        events: u64::MAX,
+                        bytes: u64::MAX,
+                    },
                 },
                 max_in_flight_bytes: usize::MAX,
                 release_poll: ms(draw.range(100, 2_000)),
@@ -879,7 +906,7 @@ impl World {
         }
         World {
             dedup,
-            max_in_flight,
+            bounds,
             keeper_timing,
             release_heavy,
             loop_timing,
@@ -1273,19 +1300,14 @@ impl World {
     /// the slot only while fewer than `max_in_flight` events are unresolved besides those
     /// waiting on unclear outcomes, and fewer of those than their own bound.
     fn can_read(&self, i: usize) -> bool {
-        if self.max_in_flight == u64::MAX {
+        if self.bounds.max_in_flight == u64::MAX {
             return true;
         }
         let core = &self.relays[i].core;
         let settings = outbox_relay::schedule::Settings {
             status_interval: ms(1_000),
             batch_linger: ms(1),
-            batch_size: 1_000,
-            max_in_flight: self.max_in_flight,
-            max_waiting_on_unclear: outbox_relay::schedule::Waiting {
-                events: MAX_WAITING_ON_UNCLEAR,
-                bytes: u64::MAX,
-            },
+            bounds: self.bounds,
             max_in_flight_bytes: usize::MAX,
             release_poll: ms(500),
         };
@@ -1302,10 +1324,7 @@ impl World {
         let Some(i) = i else { return };
         match f(self, i) {
             Err(e) => self.end_run(i, e),
-            Ok(()) if self.relays[i].core.lease_expired => self.end_run(
-                i,
-                End::Error("lease expired: a stale generation may not send"),
-            ),
+            Ok(()) if self.relays[i].core.lease_expired => self.end_run(i, LEASE_LOST),
             Ok(()) => {}
         }
     }
@@ -2117,6 +2136,9 @@ impl World {
                 }
                 self.c.poll_events += 1;
                 self.execute(i, commands)?;
+                if !self.keep_pace(i)? {
+                    return self.read_stalled(i, "POLL ROUND");
+                }
             }
         }
         Ok(())
@@ -2182,6 +2204,7 @@ impl World {
             .collect();
         pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].version));
         log!(self, "snapshot: {} unpublished rows", pending.len());
+        let mut settled = true;
         for row in pending {
             self.learn_head(i, row, false);
             let ev = self.rows[row].current();
@@ -2192,27 +2215,78 @@ impl World {
                 .map_err(|_| End::Error("relay core: admit"))?;
             self.c.snapshot_events += 1;
             self.execute(i, commands)?;
-        }
-        // `drain_all`: every admitted event resolved — reported on, or parked and then looked
-        // up or sent again.
-        let waiting_since = self.now;
-        while self.relays[i].core.outstanding() > 0 {
-            if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
+            settled = self.keep_pace(i)?;
+            if !settled {
                 break;
             }
         }
-        if self.relays[i].core.outstanding() > 0 {
-            // The daemon's snapshot waits for every outstanding event: it would wait forever.
-            log!(
-                self,
-                "SNAPSHOT STALLED: {} events never sent",
-                self.relays[i].core.outstanding()
-            );
-            self.c.snapshot_stalls += 1;
+        // `drain_all`: every admitted event resolved — reported on, or parked and then looked
+        // up or sent again.
+        if !settled || !self.drain_read(i, false)? {
+            self.read_stalled(i, "SNAPSHOT")?;
         }
-        self.flush(i, false)?;
         self.ledger.snapshot_done = true;
         Ok(())
+    }
+
+    /// `Pipeline::keep_pace`: after a row of a read outside the stream, waits and accepts as
+    /// the core's pace says (`PipelineCore::pace`, under this world's bounds). `false`: it
+    /// waited for something nothing will ever move.
+    fn keep_pace(&mut self, i: usize) -> Result<bool, End> {
+        let waiting_since = self.now;
+        loop {
+            let core = &self.relays[i].core;
+            let waiting = if core.waiting_matters(self.bounds) {
+                core.waiting_on_unclear(self.now_for(i).wall)
+            } else {
+                Waiting::default()
+            };
+            match core.pace(self.bounds, waiting) {
+                Pace::Go => return Ok(true),
+                Pace::LeaseLost => return Err(LEASE_LOST),
+                Pace::Accept => self.flush(i, false)?,
+                Pace::Wait => {
+                    if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `Pipeline::drain_all`: at a read's end, waits and accepts as the core says
+    /// (`PipelineCore::draining`) until nothing is left to wait for, then accepts the rest.
+    /// `false`: it waited for something nothing will ever move.
+    fn drain_read(&mut self, i: usize, parked_may_stay: bool) -> Result<bool, End> {
+        let waiting_since = self.now;
+        loop {
+            let core = &self.relays[i].core;
+            match core.draining(self.bounds.batch_size, parked_may_stay) {
+                Drain::Accept => self.flush(i, false)?,
+                Drain::Wait => {
+                    if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
+                        return Ok(false);
+                    }
+                }
+                Drain::Done => {
+                    self.flush(i, false)?;
+                    return Ok(true);
+                }
+                Drain::LeaseLost => return Err(LEASE_LOST),
+            }
+        }
+    }
+
+    /// A read that waits for what nothing will move: the daemon's would never end. Counted
+    /// (`read_stalls`); what its batch holds is accepted, and the world goes on.
+    fn read_stalled(&mut self, i: usize, read: &str) -> Result<(), End> {
+        log!(
+            self,
+            "{read} STALLED: {} events never sent",
+            self.relays[i].core.outstanding()
+        );
+        self.c.read_stalls += 1;
+        self.flush(i, false)
     }
 
     /// The replication slot is gone (dropped by hand, or invalidated by
@@ -2737,6 +2811,7 @@ impl World {
             }
             Mutant::NumberingNotKept => Some(outbox_relay::Mutant::NumberingNotKept),
             Mutant::BugNumberingLogNotFolded => Some(outbox_relay::Mutant::NumberingLogNotFolded),
+            Mutant::BugReadIgnoresLease => Some(outbox_relay::Mutant::ReadIgnoresLease),
             _ => None,
         }
     }

@@ -56,7 +56,7 @@ use outbox_relay::lifecycle::{
     self, AfterError, CdcStart, CdcStep, Ending, LeaseKeeper, Renewal, Restarts, RunStart,
     SlotStart, StartStep,
 };
-use outbox_relay::schedule::{self, HeldNotice, Schedule};
+use outbox_relay::schedule::{self, Bounds, HeldNotice, Schedule};
 use pipeline::{Pipeline, Read};
 
 /// Live counters, for `demo` progress and logs, and the relay's metrics (labelled with its
@@ -711,9 +711,7 @@ async fn run_once(
         schedule::Settings {
             status_interval: cfg.status_interval,
             batch_linger: cfg.batch_linger,
-            batch_size: cfg.batch_size,
-            max_in_flight: bounds.0,
-            max_waiting_on_unclear: bounds.1,
+            bounds,
             max_in_flight_bytes: pipeline::MAX_IN_FLIGHT_BYTES,
             release_poll: RELEASE_POLL,
         },
@@ -846,16 +844,21 @@ fn still_leased(
     fence: &Fence,
 ) -> Result<(), RelayError> {
     if expired || lease_state.is_lost() {
-        tracing::warn!(
-            generation = fence.generation,
-            "lease lost to another relay; recording what the broker confirmed and stopping"
-        );
-        return Err(RelayError::Ledger(LedgerError::LeaseLost {
-            slot: cfg.slot.clone(),
-            generation: fence.generation,
-        }));
+        return Err(lease_lost(&cfg.slot, fence));
     }
     Ok(())
+}
+
+/// The error that ends a run whose lease is lost (or no longer certainly held), said once.
+pub(super) fn lease_lost(slot: &str, fence: &Fence) -> RelayError {
+    tracing::warn!(
+        generation = fence.generation,
+        "lease lost to another relay; recording what the broker confirmed and stopping"
+    );
+    RelayError::Ledger(LedgerError::LeaseLost {
+        slot: slot.to_string(),
+        generation: fence.generation,
+    })
 }
 
 /// The lease of this run, renewed in the background from here on (through slow start-ups
@@ -1024,11 +1027,7 @@ async fn open_sink(
 }
 
 /// What the schedule needs to know about the pipeline now.
-fn load_of(
-    pipeline: &mut Pipeline,
-    bounds: (u64, schedule::Waiting),
-    now: Duration,
-) -> schedule::Load {
+fn load_of(pipeline: &mut Pipeline, bounds: Bounds, now: Duration) -> schedule::Load {
     let unresolved = pipeline.core.tracker.in_flight();
     let waiting = pipeline.waiting_where_it_matters(bounds, unresolved);
     let accepting = pipeline.accepting.is_some();
@@ -1053,14 +1052,17 @@ pub(super) async fn confirm(
 }
 
 /// The backpressure's bounds: `relay.max_in_flight` unresolved events besides those waiting
-/// on unclear outcomes, and for those `relay.unclear_max_waiting` events and
-/// [`outbox_relay::MAX_WAITING_BYTES`] of their payloads.
-pub(super) fn bounds(cfg: &RelayConfig) -> (u64, schedule::Waiting) {
-    let waiting = schedule::Waiting {
-        events: cfg.unclear_max_waiting,
-        bytes: outbox_relay::MAX_WAITING_BYTES,
-    };
-    (cfg.max_in_flight, waiting)
+/// on unclear outcomes, for those `relay.unclear_max_waiting` events and
+/// [`outbox_relay::MAX_WAITING_BYTES`] of their payloads, and `relay.batch_size`.
+pub(super) fn bounds(cfg: &RelayConfig) -> Bounds {
+    Bounds {
+        max_in_flight: cfg.max_in_flight,
+        max_waiting: schedule::Waiting {
+            events: cfg.unclear_max_waiting,
+            bytes: outbox_relay::MAX_WAITING_BYTES,
+        },
+        batch_size: cfg.batch_size,
+    }
 }
 
 /// What the lease keeper knows: until when our lease is certainly valid, and whether another
@@ -1243,12 +1245,7 @@ async fn publish_snapshot(
         .await
         .map_err(db("reading unpublished outbox rows"))?;
     let n = pipeline
-        .admit_rows(
-            rows,
-            Read::Snapshot,
-            (bounds(cfg), cfg.batch_size),
-            progress,
-        )
+        .admit_rows(rows, Read::Snapshot, bounds(cfg), progress)
         .await?;
     // Everything, parked events too: the snapshot is done only when each row is resolved.
     pipeline.drain_all(cfg.batch_size, progress, false).await?;

@@ -34,7 +34,8 @@ use super::{Progress, RelayError};
 use crate::config::RelayConfig;
 use crate::failpoint;
 
-use outbox_relay::schedule::{waiting_matters, within_bounds, Waiting};
+use outbox_relay::pace::{Drain, Pace};
+use outbox_relay::schedule::{waiting_matters, Bounds, Waiting};
 pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
 
 pub(crate) struct Pipeline {
@@ -274,10 +275,6 @@ impl Pipeline {
     /// Sent, or waiting behind an aggregate's in-flight event.
     pub fn outstanding(&self) -> usize {
         self.core.outstanding()
-    }
-
-    pub fn batch_len(&self) -> usize {
-        self.core.batch_len()
     }
 
     /// What the core needs to know about now: the wall clock and the lease.
@@ -696,46 +693,43 @@ impl Pipeline {
 
     /// Of `unresolved` events, those waiting on unclear outcomes, counted only where it can
     /// change what the bounds decide (`outbox_relay::schedule::waiting_matters`; 0 elsewhere).
-    pub fn waiting_where_it_matters(
-        &self,
-        (max_in_flight, max_waiting): (u64, Waiting),
-        unresolved: u64,
-    ) -> Waiting {
-        if waiting_matters(max_in_flight, max_waiting, unresolved) {
+    pub fn waiting_where_it_matters(&self, bounds: Bounds, unresolved: u64) -> Waiting {
+        if waiting_matters(bounds.max_in_flight, bounds.max_waiting, unresolved) {
             self.waiting_on_unclear()
         } else {
             Waiting::default()
         }
     }
 
-    /// After an event admitted outside the stream (a snapshot, a poll round): waits while
-    /// `max_in_flight` events are outstanding besides those waiting on unclear outcomes, or
-    /// `max_waiting` of those (`outbox_relay::schedule::within_bounds`), and accepts a full
-    /// batch.
+    /// After an event admitted outside the stream (a snapshot, a poll round): waits and
+    /// accepts as the core's pace says ([`PipelineCore::pace`]).
     pub async fn keep_pace(
         &mut self,
-        (max_in_flight, max_waiting): (u64, Waiting),
-        batch_size: usize,
+        bounds: Bounds,
         progress: &Progress,
     ) -> Result<(), RelayError> {
         loop {
-            let outstanding = self.outstanding() as u64;
-            let waiting = self.waiting_where_it_matters((max_in_flight, max_waiting), outstanding);
-            if within_bounds(max_in_flight, max_waiting, outstanding, waiting) {
-                break;
+            let waiting = if self.core.waiting_matters(bounds) {
+                self.waiting_on_unclear()
+            } else {
+                Waiting::default()
+            };
+            match self.core.pace(bounds, waiting) {
+                Pace::Wait => {
+                    self.wait_one(None).await?;
+                }
+                Pace::Accept => {
+                    self.flush(false, progress).await?;
+                }
+                Pace::Go => return Ok(()),
+                Pace::LeaseLost => return Err(super::lease_lost(&self.slot, &self.fence)),
             }
-            self.wait_one(None).await?;
         }
-        if self.batch_len() >= batch_size {
-            self.flush(false, progress).await?;
-        }
-        Ok(())
     }
 
-    /// Waits until nothing admitted so far is outstanding — at the broker, parked after an
-    /// unclear outcome, or queued behind either — accepting full batches on the way, then
-    /// accepts the rest. With `parked_may_stay` (a poll round: the next round skips a parked
-    /// aggregate), parked events and what waits behind them may stay.
+    /// At the end of a read outside the stream: waits and accepts as the core says
+    /// ([`PipelineCore::draining`]) until nothing admitted is outstanding (with
+    /// `parked_may_stay`, a poll round's, nothing at the broker), then accepts the rest.
     pub async fn drain_all(
         &mut self,
         batch_size: usize,
@@ -743,21 +737,20 @@ impl Pipeline {
         parked_may_stay: bool,
     ) -> Result<(), RelayError> {
         loop {
-            let left = if parked_may_stay {
-                self.core.in_flight()
-            } else {
-                self.outstanding()
-            };
-            if left == 0 {
-                break;
-            }
-            self.wait_one(None).await?;
-            if self.batch_len() >= batch_size {
-                self.flush(false, progress).await?;
+            match self.core.draining(batch_size, parked_may_stay) {
+                Drain::Accept => {
+                    self.flush(false, progress).await?;
+                }
+                Drain::Wait => {
+                    self.wait_one(None).await?;
+                }
+                Drain::Done => {
+                    self.flush(false, progress).await?;
+                    return Ok(());
+                }
+                Drain::LeaseLost => return Err(super::lease_lost(&self.slot, &self.fence)),
             }
         }
-        self.flush(false, progress).await?;
-        Ok(())
     }
 
     /// The rows of a read (the initial snapshot's, or a poll round's) to the core, in
@@ -773,7 +766,7 @@ impl Pipeline {
         &mut self,
         rows: impl futures::Stream<Item = Result<tokio_postgres::Row, tokio_postgres::Error>>,
         read: Read,
-        (bounds, batch_size): ((u64, Waiting), usize),
+        bounds: Bounds,
         progress: &Progress,
     ) -> Result<u64, RelayError> {
         use futures::StreamExt;
@@ -810,7 +803,7 @@ impl Pipeline {
                     (Ok(ev), Read::PollRound) => self.admit_polled(ev).await?,
                     (Err((key, e)), _) => self.core.quarantine_unreadable(key, e, Lsn::ZERO, None),
                 }
-                self.keep_pace(bounds, batch_size, progress).await?;
+                self.keep_pace(bounds, progress).await?;
             }
         }
         Ok(n)

@@ -185,12 +185,7 @@ async fn round(
         .await
         .map_err(db("reading pending outbox events"))?;
     let n = pipeline
-        .admit_rows(
-            rows,
-            Read::PollRound,
-            (super::bounds(cfg), cfg.batch_size),
-            progress,
-        )
+        .admit_rows(rows, Read::PollRound, super::bounds(cfg), progress)
         .await?;
     tx.commit()
         .await
