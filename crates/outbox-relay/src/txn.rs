@@ -2,7 +2,8 @@
 //! in transactions, one per batch, and the broker's own record of each committed batch is what
 //! a restart accepts instead of sending the batch again.
 //!
-//! [`TxnCore`] decides; the driver executes what it asks ([`TxnStep`]) and tells it what
+//! [`TxnCore`] decides; [`Reader`] frames the stream into the whole transactions it takes; the
+//! driver executes what it asks ([`TxnStep`]) and tells it what
 //! happened (`on_*`). Pure: no I/O, no clock. The simulator's transactional world
 //! (`crates/outbox-sim/src/world/txn.rs`) drives the same code against a broker with
 //! transactions, fencing and unknown commit outcomes; the daemon (`outboxd`'s `relay/txn.rs`)
@@ -46,6 +47,9 @@ use uuid::Uuid;
 
 use crate::pipeline::{key_of, AggKey, Mutant, Plant, Shipped};
 use crate::route;
+
+mod reader;
+pub use reader::{Reader, StreamRow, StreamTxn};
 
 /// One event of a batch where the broker stored it. (The ledger builds the receipt from the
 /// event's row: the rows are immutable, so their digests are the ones the send computed.)

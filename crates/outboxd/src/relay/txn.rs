@@ -29,7 +29,10 @@ use outbox_core::{Lsn, OutboxEvent};
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem, ReceiptRecord};
-use outbox_relay::txn::{CommitOutcome, Kept, Recorded, TxnCore, TxnReceipt, TxnReport, TxnStep};
+use outbox_relay::txn::{
+    CommitOutcome, Kept, Reader, Recorded, StreamRow, StreamTxn, TxnCore, TxnReceipt, TxnReport,
+    TxnStep,
+};
 use outbox_sink::kafka_txn::{
     committed_batches, ensure_positions_topic, BatchKept, BatchReceipt, BatchRecord, TxnFailure,
     TxnSink,
@@ -99,10 +102,6 @@ type Session = (Client, accept::Prepared);
 
 /// An acceptance's answer: the session back, the batches it took in, what the ledger did.
 type AcceptDone = (Session, Vec<u64>, Result<AcceptOutcome, LedgerError>);
-
-/// A stream transaction read whole: its rows (each an event, or why it is unreadable, with its
-/// change LSN), its commit LSN and its end.
-type StreamTxn = (Vec<(Result<OutboxEvent, String>, Lsn)>, Lsn, Lsn);
 
 struct Run<'a> {
     cfg: &'a RelayConfig,
@@ -203,19 +202,12 @@ pub(super) async fn stream(
     tracing::info!(transactional_id = %id, checkpoint = %run.core.durable(), "streaming in exactly-once mode");
     progress.set_checkpoint(run.core.durable());
 
-    let mut received = start;
+    let mut reader = Reader::new(start);
     let mut status = tokio::time::interval(cfg.status_interval);
     status.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let linger = cfg.batch_linger.max(Duration::from_millis(1));
     // The clock the core's linger is kept on.
     let run_started = Instant::now();
-    // Rows of the stream transaction being read: (event or why it is unreadable, change LSN).
-    let mut rows: Vec<(Result<OutboxEvent, String>, Lsn)> = Vec::new();
-    let mut commit_lsn = Lsn::ZERO;
-    // Stream transactions read whole and not yet given to the core: (rows, commit LSN, end).
-    let mut read: Vec<StreamTxn> = Vec::new();
-    let mut read_rows = 0;
-    let mut in_txn = false;
     loop {
         super::still_leased(cfg, !lease_state.valid(), lease_state, fence)?;
         if run.core.stopped() {
@@ -239,7 +231,7 @@ pub(super) async fn stream(
                 }
             }
             done = accept_done(&mut run.accepting) => run.on_accepted(done)?,
-            _ = status.tick() => confirm(stream, received, run.core.durable()).await?,
+            _ = status.tick() => confirm(stream, reader.received(), run.core.durable()).await?,
             _ = sleep_until(linger_at) => run.core.flush(),
             msg = stream.next_message(), if can_read => {
                 let mut msg = msg;
@@ -247,39 +239,23 @@ pub(super) async fn stream(
                     match msg.map_err(SourceError::from)? {
                         None => return Err(RelayError::StreamEnded),
                         Some(ReplicationMessage::Keepalive { wal_end, reply_requested, .. }) => {
-                            // Outside a transaction nothing is outstanding up to the server's
-                            // position: an idle relay's checkpoint follows it (past heartbeats
-                            // and other tables' changes), as in the default mode.
-                            if !in_txn && Lsn(wal_end) > received {
-                                read.push((Vec::new(), Lsn(wal_end), Lsn(wal_end)));
-                            }
-                            received = received.max(Lsn(wal_end));
+                            reader.keepalive(Lsn(wal_end));
                             if reply_requested {
-                                confirm(stream, received, run.core.durable()).await?;
+                                confirm(stream, reader.received(), run.core.durable()).await?;
                             }
                         }
                         Some(ReplicationMessage::XLogData { wal_start, data, .. }) => {
-                            received = received.max(Lsn(wal_start));
+                            reader.data_at(Lsn(wal_start));
                             match decoder.decode(data)? {
-                                Decoded::Begin { commit_lsn: c, .. } => {
-                                    commit_lsn = c;
-                                    in_txn = true;
-                                }
-                                Decoded::Event(res) => rows.push(((*res).map_err(|e| e.to_string()), Lsn(wal_start))),
-                                Decoded::Commit { end_lsn, .. } => {
-                                    in_txn = false;
-                                    read_rows += rows.len();
-                                    read.push((std::mem::take(&mut rows), commit_lsn, end_lsn));
-                                    received = received.max(end_lsn);
-                                }
+                                Decoded::Begin { commit_lsn, .. } => reader.begin(commit_lsn),
+                                Decoded::Event(res) => reader.row(((*res).map_err(|e| e.to_string()), Lsn(wal_start))),
+                                Decoded::Commit { end_lsn, .. } => reader.commit(end_lsn),
                                 Decoded::PolicyGeneration(_) | Decoded::Nothing => {}
                             }
                         }
                     }
-                    // More already here: read it before anything else, up to a batch (whole
-                    // stream transactions), so that one look-up reads the heads of all the
-                    // aggregates they meet first.
-                    if rows.is_empty() && run.core.unfinished() + read_rows >= batch_size {
+                    // More already here: read on, up to a batch (`Reader::full`).
+                    if reader.full(run.core.unfinished(), batch_size) {
                         break;
                     }
                     match stream.next_message().now_or_never() {
@@ -287,9 +263,9 @@ pub(super) async fn stream(
                         None => break,
                     }
                 }
+                let read = reader.take();
                 let moved = !read.is_empty();
-                run.admit(sql, std::mem::take(&mut read)).await?;
-                read_rows = 0;
+                run.admit(sql, read).await?;
                 run.core.read(moved, run_started.elapsed());
             }
         }
@@ -466,9 +442,9 @@ impl Run<'_> {
         }
         let unknown: Vec<AggKey> = read
             .iter()
-            .flat_map(|(rows, commit_lsn, _)| {
-                let events = rows.iter().filter_map(|(r, _)| r.as_ref().ok());
-                self.core.heads_needed(*commit_lsn, events)
+            .flat_map(|t| {
+                let events = t.rows.iter().filter_map(|(r, _)| r.as_ref().ok());
+                self.core.heads_needed(t.commit_lsn, events)
             })
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
@@ -477,20 +453,16 @@ impl Run<'_> {
             let heads = holds::heads_of(sql, &unknown, None).await?;
             self.core.learn_heads(unknown, heads);
         }
-        for (rows, commit_lsn, end_lsn) in read {
-            self.admit_txn(rows, commit_lsn).await?;
-            self.core.stream_commit(end_lsn);
+        for t in read {
+            self.admit_txn(t.rows, t.commit_lsn).await?;
+            self.core.stream_commit(t.end_lsn);
         }
         Ok(())
     }
 
     /// One stream transaction's rows, given to the core in order: an unreadable row is
     /// quarantined at once (it has no aggregate to hold).
-    async fn admit_txn(
-        &mut self,
-        rows: Vec<(Result<OutboxEvent, String>, Lsn)>,
-        commit_lsn: Lsn,
-    ) -> Result<(), RelayError> {
+    async fn admit_txn(&mut self, rows: Vec<StreamRow>, commit_lsn: Lsn) -> Result<(), RelayError> {
         for (n, (row, change_lsn)) in rows.into_iter().enumerate() {
             let event = match row {
                 Ok(ev) => ev,
