@@ -17,7 +17,7 @@
 
 use outbox_core::{Lsn, OutboxEvent};
 
-use crate::pipeline::{PipelineCore, Plant};
+use crate::pipeline::{Command, CoreError, Now, PipelineCore, Plant};
 
 /// Rows staged before a look-up at most: one query per this many rows in a drain over many
 /// new aggregates.
@@ -42,6 +42,39 @@ pub enum Staged {
         wal_end: Lsn,
         reply_requested: bool,
     },
+}
+
+/// What the core made of one message ([`PipelineCore::take`]).
+#[derive(Debug, Default)]
+pub struct Taken {
+    /// What to send (a row admitted, or what it freed).
+    pub commands: Vec<Command>,
+    /// The server asked for a reply (a keepalive with `reply_requested`): the loop sends a
+    /// standby status at once (`crate::schedule::Schedule::status_requested`).
+    pub reply_requested: bool,
+}
+
+impl<P: Plant> PipelineCore<P> {
+    /// One message of the stream, in the order it came (after the stage, if it was held), to
+    /// the part of the core it is for: the framing (`crate::stream`), the route policy's
+    /// generations, or the pipeline for a row.
+    pub fn take(&mut self, m: Staged, now: Now) -> Result<Taken, CoreError> {
+        let mut taken = Taken::default();
+        match m {
+            Staged::Begin(lsn) => self.on_begin(lsn)?,
+            Staged::Row(row, change_lsn) => taken.commands = self.on_row(*row, change_lsn, now)?,
+            Staged::Commit(lsn) => self.on_commit(lsn)?,
+            Staged::PolicyGeneration(id) => self.on_policy_generation(id)?,
+            Staged::Keepalive {
+                wal_end,
+                reply_requested,
+            } => {
+                self.on_keepalive(wal_end);
+                taken.reply_requested = reply_requested;
+            }
+        }
+        Ok(taken)
+    }
 }
 
 /// The messages staged in order, and how much they hold.
@@ -135,6 +168,32 @@ mod tests {
             .collect();
         assert_eq!(order, ["b", "a", "commit"]);
         assert!(stage.is_empty());
+    }
+
+    #[test]
+    fn each_message_goes_to_the_part_of_the_core_it_is_for() {
+        let mut c = core();
+        let a1 = event("a", 1);
+        c.raise_heads(vec![(key_of(&a1), 0)]);
+        c.start_streaming(Lsn(5));
+        assert!(c
+            .take(Staged::Begin(Lsn(10)), now(0))
+            .unwrap()
+            .commands
+            .is_empty());
+        let sent = c.take(row(&a1), now(0)).unwrap();
+        assert_eq!(sent.commands.len(), 1, "the row is admitted and sent");
+        c.take(Staged::Commit(Lsn(20)), now(0)).unwrap();
+        assert!(matches!(
+            c.take(Staged::Commit(Lsn(21)), now(0)),
+            Err(CoreError::Protocol(_))
+        ));
+        let k = Staged::Keepalive {
+            wal_end: Lsn(30),
+            reply_requested: true,
+        };
+        assert!(c.take(k, now(0)).unwrap().reply_requested);
+        assert_eq!(c.standby_status().write, Lsn(30));
     }
 
     #[test]

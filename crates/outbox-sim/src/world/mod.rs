@@ -2724,49 +2724,30 @@ impl World {
         self.relays[i].core.raise_heads(heads);
     }
 
-    /// `Pipeline::take_message`: one message of the stream, in order, to the core.
+    /// `Pipeline::take_message`: one message of the stream, in order, to the core
+    /// (`PipelineCore::take`).
     fn take_message(&mut self, i: usize, m: Staged) -> Result<(), End> {
-        match m {
-            Staged::Begin(lsn) => self.relays[i]
-                .core
-                .on_begin(lsn)
-                .map_err(|_| End::Error("relay core: begin"))?,
-            Staged::Row(row, change_lsn) => {
-                let ev = (*row).expect("the simulated WAL holds readable rows");
-                // Read again (a replay, or the stream's overlap with a snapshot or a
-                // release): sent again by design, recorded as a duplicate; not
-                // `resent_after_proof`.
-                let r = self.by_id[&ev.event_id];
-                self.relays[i].proven.remove(&r);
-                let now = self.now_for(i);
-                let commands = self.relays[i]
-                    .core
-                    .on_row(Ok(ev), change_lsn, now)
-                    .map_err(|_| End::Error("relay core: row"))?;
-                self.execute(i, commands)?;
-            }
-            Staged::Commit(lsn) => self.relays[i]
-                .core
-                .on_commit(lsn)
-                .map_err(|_| End::Error("relay core: commit"))?,
-            Staged::PolicyGeneration(id) => self.relays[i]
-                .core
-                .on_policy_generation(id)
-                .map_err(|_| End::Error("relay core: policy generation"))?,
-            Staged::Keepalive {
-                wal_end,
-                reply_requested,
-            } => {
-                self.relays[i].core.on_keepalive(wal_end);
-                // `Pipeline::take_message`: the server asked for a reply.
-                if reply_requested {
-                    if let Some(s) = self.relays[i].schedule.as_mut() {
-                        s.status_requested();
-                    }
-                }
+        if let Staged::Row(row, _) = &m {
+            let ev = row
+                .as_ref()
+                .as_ref()
+                .expect("the simulated WAL holds readable rows");
+            // Read again (a replay, or the stream's overlap with a snapshot or a release):
+            // sent again by design, recorded as a duplicate; not `resent_after_proof`.
+            let r = self.by_id[&ev.event_id];
+            self.relays[i].proven.remove(&r);
+        }
+        let now = self.now_for(i);
+        let taken = self.relays[i]
+            .core
+            .take(m, now)
+            .map_err(|_| End::Error("relay core: a stream message"))?;
+        if taken.reply_requested {
+            if let Some(s) = self.relays[i].schedule.as_mut() {
+                s.status_requested();
             }
         }
-        Ok(())
+        self.execute(i, taken.commands)
     }
 
     /// What the core may know about now: simulated time, and the lease as this run sees it.

@@ -362,39 +362,21 @@ impl Pipeline {
         Ok(())
     }
 
-    /// One message of the stream, in order, to the core.
+    /// One message of the stream, in order, to the core ([`PipelineCore::take`]).
     pub async fn take_message(
         &mut self,
         m: Staged,
         schedule: &mut outbox_relay::schedule::Schedule,
     ) -> Result<(), RelayError> {
-        match m {
-            Staged::Begin(lsn) => self.core.on_begin(lsn)?,
-            Staged::Row(row, change_lsn) => self.on_row(*row, change_lsn).await?,
-            Staged::Commit(lsn) => self.core.on_commit(lsn)?,
-            Staged::PolicyGeneration(id) => self.core.on_policy_generation(id)?,
-            Staged::Keepalive {
-                wal_end,
-                reply_requested,
-            } => {
-                self.core.on_keepalive(wal_end);
-                if reply_requested {
-                    schedule.status_requested();
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A decoded row of the open transaction ([`PipelineCore::on_row`]).
-    pub async fn on_row(
-        &mut self,
-        row: Result<OutboxEvent, String>,
-        change_lsn: Lsn,
-    ) -> Result<(), RelayError> {
         let now = self.now();
-        let commands = self.core.on_row(row, change_lsn, now)?;
-        self.execute(commands).await
+        let taken = self.core.take(m, now)?;
+        if taken.reply_requested {
+            schedule.status_requested();
+        }
+        if taken.commands.is_empty() {
+            return Ok(());
+        }
+        self.execute(taken.commands).await
     }
 
     /// Hands each event to the producer. A refusal goes back to the core, which quarantines
