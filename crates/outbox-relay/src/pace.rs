@@ -109,6 +109,7 @@ mod tests {
                 bytes: u64::MAX,
             },
             batch_size,
+            max_in_flight_bytes: usize::MAX,
         }
     }
 

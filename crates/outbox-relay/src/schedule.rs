@@ -23,8 +23,6 @@ pub struct Settings {
     pub batch_linger: Duration,
     /// When the slot is not read, and a batch is accepted at once.
     pub bounds: Bounds,
-    /// Payload bytes sent and not yet reported on, beyond which the slot is not read.
-    pub max_in_flight_bytes: usize,
     /// How often operator releases (and UNKNOWN attempts of other generations) are polled.
     pub release_poll: Duration,
 }
@@ -43,6 +41,22 @@ pub struct Bounds {
     pub max_waiting: Waiting,
     /// A batch this long is accepted at once.
     pub batch_size: usize,
+    /// Payload bytes sent and not yet reported on, beyond which the slot is not read.
+    pub max_in_flight_bytes: usize,
+}
+
+impl Bounds {
+    /// Whether the loop may read the slot, given `load`: fewer than `max_in_flight` events
+    /// unresolved besides those waiting on unclear outcomes, fewer of those than their own
+    /// bound, and less than `max_in_flight_bytes` at the broker ([`Schedule::can_read`]).
+    pub fn can_read(&self, load: &Load) -> bool {
+        within_bounds(
+            self.max_in_flight,
+            self.max_waiting,
+            load.unresolved,
+            load.waiting_on_unclear,
+        ) && load.in_flight_bytes < self.max_in_flight_bytes
+    }
 }
 
 /// What the pipeline looks like now.
@@ -172,12 +186,7 @@ impl<P: Plant> Schedule<P> {
     /// aggregate once `max_in_flight` of them are read (an unclear outcome holds one
     /// aggregate, never the relay).
     pub fn can_read(&self, load: &Load) -> bool {
-        within_bounds(
-            self.settings.bounds.max_in_flight,
-            self.settings.bounds.max_waiting,
-            load.unresolved,
-            load.waiting_on_unclear,
-        ) && load.in_flight_bytes < self.settings.max_in_flight_bytes
+        self.settings.bounds.can_read(load)
     }
 
     /// Whether the events waiting on unclear outcomes are what stops the slot being read
@@ -369,8 +378,8 @@ mod tests {
                     events: 50,
                     bytes: 5_000,
                 },
+                max_in_flight_bytes: 1000,
             },
-            max_in_flight_bytes: 1000,
             release_poll: ms(500),
         }
     }

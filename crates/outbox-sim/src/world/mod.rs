@@ -852,6 +852,7 @@ impl World {
             } else {
                 usize::MAX
             },
+            max_in_flight_bytes: usize::MAX,
         };
         // A quarter of the traces renew leases when the product's keeper says so and read
         // each answer at a later step, possibly after a pause (stream 320: the first above 226
@@ -876,8 +877,8 @@ impl World {
                         events: u64::MAX,
                         bytes: u64::MAX,
                     },
+                    max_in_flight_bytes: usize::MAX,
                 },
-                max_in_flight_bytes: usize::MAX,
                 release_poll: ms(draw.range(100, 2_000)),
             }
         });
@@ -1296,23 +1297,14 @@ impl World {
             .load_at(r.accepting.is_some(), now, Default::default())
     }
 
-    /// The daemon's backpressure (`Schedule::can_read`, via `relay/mod.rs`'s `load_of`): read
-    /// the slot only while fewer than `max_in_flight` events are unresolved besides those
-    /// waiting on unclear outcomes, and fewer of those than their own bound.
+    /// The daemon's backpressure (`Bounds::can_read`, which its `Schedule::can_read` asks).
     fn can_read(&self, i: usize) -> bool {
         if self.bounds.max_in_flight == u64::MAX {
             return true;
         }
         let core = &self.relays[i].core;
-        let settings = outbox_relay::schedule::Settings {
-            status_interval: ms(1_000),
-            batch_linger: ms(1),
-            bounds: self.bounds,
-            max_in_flight_bytes: usize::MAX,
-            release_poll: ms(500),
-        };
         let load = core.load(false, core.waiting_on_unclear(self.now_for(i).wall));
-        outbox_relay::schedule::Schedule::new(settings, ms(0)).can_read(&load)
+        self.bounds.can_read(&load)
     }
 
     /// Runs a relay operation; an error ends that run (salvage, then a new run may start).

@@ -712,7 +712,6 @@ async fn run_once(
             status_interval: cfg.status_interval,
             batch_linger: cfg.batch_linger,
             bounds,
-            max_in_flight_bytes: pipeline::MAX_IN_FLIGHT_BYTES,
             release_poll: RELEASE_POLL,
         },
         Duration::ZERO,
@@ -1053,7 +1052,8 @@ pub(super) async fn confirm(
 
 /// The backpressure's bounds: `relay.max_in_flight` unresolved events besides those waiting
 /// on unclear outcomes, for those `relay.unclear_max_waiting` events and
-/// [`outbox_relay::MAX_WAITING_BYTES`] of their payloads, and `relay.batch_size`.
+/// [`outbox_relay::MAX_WAITING_BYTES`] of their payloads, `relay.batch_size`, and
+/// [`pipeline::MAX_IN_FLIGHT_BYTES`] at the broker.
 pub(super) fn bounds(cfg: &RelayConfig) -> Bounds {
     Bounds {
         max_in_flight: cfg.max_in_flight,
@@ -1062,6 +1062,7 @@ pub(super) fn bounds(cfg: &RelayConfig) -> Bounds {
             bytes: outbox_relay::MAX_WAITING_BYTES,
         },
         batch_size: cfg.batch_size,
+        max_in_flight_bytes: pipeline::MAX_IN_FLIGHT_BYTES,
     }
 }
 
