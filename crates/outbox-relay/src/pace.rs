@@ -8,7 +8,9 @@
 //! and poll rounds run the same steps, so both read under the same bounds.
 
 use crate::pipeline::{Mutant, PipelineCore, Plant};
-use crate::schedule::{within_bounds, Bounds, Waiting};
+use std::time::SystemTime;
+
+use crate::schedule::{within_bounds, Bounds};
 
 /// What a read does after admitting a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,13 +43,12 @@ pub enum Drain {
 }
 
 impl<P: Plant> PipelineCore<P> {
-    /// After a row of a read was admitted: end if a send was refused for the lease, wait while
-    /// `bounds` are exceeded (`waiting`: of the
-    /// outstanding events, those waiting on unclear outcomes, which the driver may leave
-    /// zero where [`Self::waiting_matters`] says they cannot change this), then accept a full
-    /// batch, then go on.
-    pub fn pace(&self, bounds: Bounds, waiting: Waiting) -> Pace {
+    /// After a row of a read was admitted, at `now`: end if a send was refused for the lease,
+    /// wait while `bounds` are exceeded (those waiting on unclear outcomes counted apart, where
+    /// they matter: [`Self::waiting_where_it_matters`]), then accept a full batch, then go on.
+    pub fn pace(&mut self, bounds: Bounds, now: SystemTime) -> Pace {
         let outstanding = self.outstanding() as u64;
+        let waiting = self.waiting_where_it_matters(bounds, outstanding, now);
         if self.lease_expired && !self.planted(Mutant::ReadIgnoresLease) {
             Pace::LeaseLost
         } else if !within_bounds(
@@ -62,16 +63,6 @@ impl<P: Plant> PipelineCore<P> {
         } else {
             Pace::Go
         }
-    }
-
-    /// Whether the events waiting on unclear outcomes can change what [`Self::pace`] decides
-    /// now (counting them walks every outstanding event, so a driver counts only then).
-    pub fn waiting_matters(&self, bounds: Bounds) -> bool {
-        crate::schedule::waiting_matters(
-            bounds.max_in_flight,
-            bounds.max_waiting,
-            self.outstanding() as u64,
-        )
     }
 
     /// At a read's end: end if a send was refused for the lease, accept full batches, wait until nothing admitted is outstanding (at
@@ -99,7 +90,9 @@ impl<P: Plant> PipelineCore<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{continued, core, event, now, persisted, token};
+    use crate::schedule::Waiting;
+    use crate::testing::{continued, core, event, now, persisted, token, unclear};
+    use outbox_core::delivery::Persistence;
 
     fn bounds(max_in_flight: u64, batch_size: usize) -> Bounds {
         Bounds {
@@ -116,28 +109,25 @@ mod tests {
     #[test]
     fn a_read_waits_at_its_bound_and_accepts_a_full_batch_before_it_goes_on() {
         let mut c = core();
-        assert_eq!(c.pace(bounds(2, 1), Waiting::default()), Pace::Go);
+        let at = |ms| now(ms).wall;
+        assert_eq!(c.pace(bounds(2, 1), at(0)), Pace::Go);
         let a = c.admit(event("a", 1), None, None, None, now(0)).unwrap();
-        assert_eq!(c.pace(bounds(2, 1), Waiting::default()), Pace::Go);
-        c.admit(event("b", 1), None, None, None, now(0)).unwrap();
+        assert_eq!(c.pace(bounds(2, 1), at(0)), Pace::Go);
+        let b = c.admit(event("b", 1), None, None, None, now(0)).unwrap();
         // Two outstanding at a bound of two: the read waits.
-        assert_eq!(c.pace(bounds(2, 1), Waiting::default()), Pace::Wait);
-        // Those waiting on unclear outcomes are not counted against `max_in_flight` ...
-        let one = Waiting {
-            events: 1,
-            bytes: 10,
-        };
-        assert_eq!(c.pace(bounds(2, 1), one), Pace::Go);
-        // ... but against their own bound.
+        assert_eq!(c.pace(bounds(2, 1), at(0)), Pace::Wait);
+        // b's outcome is unclear: it waits on its own, not counted against `max_in_flight`
+        // (counted again: the last count is older than the sample's life) ...
+        unclear(&mut c, token(&b[0]), Persistence::NotPersisted);
+        assert_eq!(c.pace(bounds(2, 1), at(1500)), Pace::Go);
+        // ... but against its own bound.
         let mut tight = bounds(2, 1);
         tight.max_waiting.events = 1;
-        assert_eq!(c.pace(tight, one), Pace::Wait);
-        assert!(c.waiting_matters(bounds(2, 1)));
-        assert!(!c.waiting_matters(bounds(3, 1)));
+        assert_eq!(c.pace(tight, at(1500)), Pace::Wait);
         // A report puts a receipt in the batch: full at one, so it is accepted first.
-        continued(c.on_report(persisted(token(&a[0]), 7), now(1)).unwrap());
-        assert_eq!(c.pace(bounds(2, 1), Waiting::default()), Pace::Accept);
-        assert_eq!(c.pace(bounds(2, 2), Waiting::default()), Pace::Go);
+        continued(c.on_report(persisted(token(&a[0]), 7), now(1501)).unwrap());
+        assert_eq!(c.pace(bounds(2, 1), at(1501)), Pace::Accept);
+        assert_eq!(c.pace(bounds(2, 2), at(1501)), Pace::Go);
     }
 
     #[test]
@@ -178,7 +168,7 @@ mod tests {
         // Version 3 queues behind the version the gate believes sent.
         c.admit(event("a", 3), None, None, None, now(2)).unwrap();
         assert_eq!((c.in_flight(), c.outstanding()), (0, 1));
-        assert_eq!(c.pace(bounds(1, 10), Waiting::default()), Pace::LeaseLost);
+        assert_eq!(c.pace(bounds(1, 10), now(2).wall), Pace::LeaseLost);
         assert_eq!(c.draining(10, false), Drain::LeaseLost);
     }
 }

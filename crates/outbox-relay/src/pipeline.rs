@@ -146,6 +146,9 @@ pub struct PipelineCore<P = Shipped> {
     /// When the loop first saw the batch with an item, on the schedule's clock: its linger
     /// runs from there ([`PipelineCore::load_at`]); an acceptance that takes the batch ends it.
     pub(crate) batch_started: Option<std::time::Duration>,
+    /// The last count of the events waiting on unclear outcomes, and when it was taken
+    /// ([`PipelineCore::waiting_sampled`]).
+    waiting_sample: Option<(std::time::SystemTime, crate::schedule::Waiting)>,
     batch_acks: Vec<EventToken>,
     /// A send was refused because the lease was not certainly held.
     pub lease_expired: bool,
@@ -264,6 +267,7 @@ impl<P: Plant> PipelineCore<P> {
             in_flight: HashMap::default(),
             batch: Vec::new(),
             batch_started: None,
+            waiting_sample: None,
             batch_acks: Vec::new(),
             lease_expired: false,
             salvaging: false,

@@ -89,6 +89,12 @@ pub struct Waiting {
     pub bytes: u64,
 }
 
+/// How long a count of the events waiting on unclear outcomes serves the bounds
+/// (`PipelineCore::waiting_sampled`): counting walks the in-flight table (3,000 entries at the
+/// default `max_in_flight`), which a wide drain at that bound would otherwise do at every turn
+/// of the loop.
+pub const WAITING_SAMPLE: Duration = Duration::from_millis(20);
+
 /// What is due now.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Due {
@@ -341,6 +347,21 @@ impl<P: Plant> PipelineCore<P> {
             self.batch_started = Some(now);
         }
         self.load(accepting, waiting_on_unclear)
+    }
+
+    /// [`PipelineCore::load_at`] with the events waiting on unclear outcomes counted where they
+    /// matter under `bounds` ([`PipelineCore::waiting_where_it_matters`], at `wall`): what the
+    /// stream loop looks at before it waits and after each step.
+    pub fn load_for(
+        &mut self,
+        bounds: Bounds,
+        accepting: bool,
+        now: std::time::Duration,
+        wall: std::time::SystemTime,
+    ) -> Load {
+        let unresolved = self.tracker.in_flight();
+        let waiting = self.waiting_where_it_matters(bounds, unresolved, wall);
+        self.load_at(accepting, now, waiting)
     }
 
     /// [`PipelineCore::load_at`] without the loop's look at the time: for a look at the bounds

@@ -36,7 +36,7 @@ use uuid::Uuid;
 use super::PipelineCore;
 use super::{key_of, AggKey, Command, CoreError, DeliveryFailure, InFlight, Mutant, Now, Pending};
 use crate::parked::{merge_lookups, LookupOutcome, Parked, Policy, UnclearStep, UNANSWERED_AFTER};
-use crate::schedule::Waiting;
+use crate::schedule::{waiting_matters, Bounds, Waiting, WAITING_SAMPLE};
 
 /// A parked event's look-ups, from the moment one is due ([`ParkedLookup::due`]) or one has
 /// answered ([`ParkedLookup::answered`]) until its next look-up runs or every attempt of it is
@@ -320,6 +320,39 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     /// for every other one. Linear in the parked, in-flight and queued events; the driver
     /// asks only where [`crate::schedule::waiting_matters`] says the count can matter.
     pub fn waiting_on_unclear(&self, now: SystemTime) -> Waiting {
+        self.count_waiting(now)
+    }
+
+    /// [`Self::waiting_on_unclear`], counted at most every [`WAITING_SAMPLE`] (the clock going
+    /// back counts again): the bounds may lag that much behind a park or a report.
+    pub fn waiting_sampled(&mut self, now: SystemTime) -> Waiting {
+        match self.waiting_sample {
+            Some((at, n)) if now.duration_since(at).is_ok_and(|d| d < WAITING_SAMPLE) => n,
+            _ => {
+                let n = self.count_waiting(now);
+                self.waiting_sample = Some((now, n));
+                n
+            }
+        }
+    }
+
+    /// Of `unresolved` events, those waiting on unclear outcomes ([`Self::waiting_sampled`]),
+    /// counted only where they can change what `bounds` decide
+    /// ([`crate::schedule::waiting_matters`]); none elsewhere.
+    pub fn waiting_where_it_matters(
+        &mut self,
+        bounds: Bounds,
+        unresolved: u64,
+        now: SystemTime,
+    ) -> Waiting {
+        if waiting_matters(bounds.max_in_flight, bounds.max_waiting, unresolved) {
+            self.waiting_sampled(now)
+        } else {
+            Waiting::default()
+        }
+    }
+
+    fn count_waiting(&self, now: SystemTime) -> Waiting {
         if self.planted(Mutant::UnclearWaitCountsAsInFlight) {
             return Waiting::default();
         }

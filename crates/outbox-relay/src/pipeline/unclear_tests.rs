@@ -707,3 +707,43 @@ fn a_look_up_that_proved_nothing_ends_the_round_and_a_closed_receipt_that_is_gon
         }
     ));
 }
+
+/// The bounds' count of what waits on unclear outcomes serves for `WAITING_SAMPLE`, so a
+/// wide drain at its bound does not walk the in-flight table at every turn; a clock that went
+/// back counts again.
+#[test]
+fn the_count_waiting_on_unclear_outcomes_serves_for_its_sample_life() {
+    let mut c = core();
+    let b = c.admit(event("b", 1), None, None, None, now(0)).unwrap();
+    assert_eq!(c.waiting_sampled(now(1500).wall).events, 0);
+    unclear(&mut c, token(&b[0]), Persistence::NotPersisted);
+    assert_eq!(
+        c.waiting_sampled(now(1519).wall).events,
+        0,
+        "within its life"
+    );
+    assert_eq!(c.waiting_sampled(now(1520).wall).events, 1, "counted again");
+    assert_eq!(
+        c.waiting_sampled(now(1000).wall).events,
+        1,
+        "the clock went back"
+    );
+    let bounds = crate::schedule::Bounds {
+        max_in_flight: 2,
+        max_waiting: crate::schedule::Waiting {
+            events: 10,
+            bytes: u64::MAX,
+        },
+        batch_size: 1,
+        max_in_flight_bytes: usize::MAX,
+    };
+    // Below both bounds the count cannot change what they decide: it is not taken.
+    assert_eq!(
+        c.waiting_where_it_matters(bounds, 1, now(5000).wall),
+        crate::schedule::Waiting::default()
+    );
+    assert_eq!(
+        c.waiting_where_it_matters(bounds, 2, now(5000).wall).events,
+        1
+    );
+}

@@ -1291,10 +1291,10 @@ impl World {
     /// The loop's view of run `i` (`relay/mod.rs`'s `load_of`): the simulator's acceptance
     /// runs within its step, so none is ever running when the loop looks.
     fn load_of(&mut self, i: usize) -> Load {
-        let now = ms(self.now);
+        let (now, wall) = (ms(self.now), self.now_for(i).wall);
         let r = &mut self.relays[i];
         r.core
-            .load_at(r.accepting.is_some(), now, Default::default())
+            .load_for(self.bounds, r.accepting.is_some(), now, wall)
     }
 
     /// The daemon's backpressure (`Bounds::can_read`, which its `Schedule::can_read` asks).
@@ -2227,13 +2227,8 @@ impl World {
     fn keep_pace(&mut self, i: usize) -> Result<bool, End> {
         let waiting_since = self.now;
         loop {
-            let core = &self.relays[i].core;
-            let waiting = if core.waiting_matters(self.bounds) {
-                core.waiting_on_unclear(self.now_for(i).wall)
-            } else {
-                Waiting::default()
-            };
-            match core.pace(self.bounds, waiting) {
+            let wall = self.now_for(i).wall;
+            match self.relays[i].core.pace(self.bounds, wall) {
                 Pace::Go => return Ok(true),
                 Pace::LeaseLost => return Err(LEASE_LOST),
                 Pace::Accept => self.flush(i, false)?,

@@ -1027,10 +1027,9 @@ async fn open_sink(
 
 /// What the schedule needs to know about the pipeline now.
 fn load_of(pipeline: &mut Pipeline, bounds: Bounds, now: Duration) -> schedule::Load {
-    let unresolved = pipeline.core.tracker.in_flight();
-    let waiting = pipeline.waiting_where_it_matters(bounds, unresolved);
     let accepting = pipeline.accepting.is_some();
-    pipeline.core.load_at(accepting, now, waiting)
+    let wall = std::time::SystemTime::now();
+    pipeline.core.load_for(bounds, accepting, now, wall)
 }
 
 /// The only place the relay confirms an LSN to the slot. What it confirms is decided by the

@@ -35,7 +35,7 @@ use crate::config::RelayConfig;
 use crate::failpoint;
 
 use outbox_relay::pace::{Drain, Pace};
-use outbox_relay::schedule::{waiting_matters, Bounds, Waiting};
+use outbox_relay::schedule::{Bounds, Waiting};
 pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
 
 pub(crate) struct Pipeline {
@@ -65,15 +65,7 @@ pub(crate) struct Pipeline {
     /// For the relay of one shard: the condition on `aggregate_id` of its aggregates, the only
     /// ones whose releases it publishes.
     pub shard_filter: Option<String>,
-    /// The last count of events waiting on unclear outcomes and when it was taken
-    /// ([`Self::waiting_on_unclear`]).
-    waiting_sample: std::sync::Mutex<Option<(Instant, Waiting)>>,
 }
-
-/// How long a count of the events waiting on unclear outcomes serves the schedule: counting
-/// walks the in-flight table (3,000 entries at the default `max_in_flight`), which a wide
-/// drain at that bound would otherwise do at every turn of the loop.
-const WAITING_SAMPLE: Duration = Duration::from_millis(20);
 
 /// An acceptance transaction running on its own task while the relay goes on reading the
 /// slot, sending and collecting reports. At most one runs at a time, and no other acceptance
@@ -206,27 +198,14 @@ impl Pipeline {
             fold_url: None,
             folding: None,
             shard_filter: None,
-            waiting_sample: std::sync::Mutex::new(None),
         }
     }
 
-    /// Events waiting on unclear outcomes ([`PipelineCore::waiting_on_unclear`]), counted at
-    /// most every [`WAITING_SAMPLE`]: the schedule's backpressure may lag that much behind a
-    /// park or a report.
-    pub fn waiting_on_unclear(&self) -> Waiting {
-        let now = Instant::now();
-        let mut sample = self
-            .waiting_sample
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match *sample {
-            Some((at, n)) if now.duration_since(at) < WAITING_SAMPLE => n,
-            _ => {
-                let n = self.core.waiting_on_unclear(self.now().wall);
-                *sample = Some((now, n));
-                n
-            }
-        }
+    /// Events waiting on unclear outcomes, counted at most every
+    /// [`outbox_relay::schedule::WAITING_SAMPLE`] ([`PipelineCore::waiting_sampled`]).
+    pub fn waiting_on_unclear(&mut self) -> Waiting {
+        let wall = self.now().wall;
+        self.core.waiting_sampled(wall)
     }
 
     /// The broker this relay publishes to (reconciliation asks it about UNKNOWN attempts).
@@ -673,16 +652,6 @@ impl Pipeline {
         }
     }
 
-    /// Of `unresolved` events, those waiting on unclear outcomes, counted only where it can
-    /// change what the bounds decide (`outbox_relay::schedule::waiting_matters`; 0 elsewhere).
-    pub fn waiting_where_it_matters(&self, bounds: Bounds, unresolved: u64) -> Waiting {
-        if waiting_matters(bounds.max_in_flight, bounds.max_waiting, unresolved) {
-            self.waiting_on_unclear()
-        } else {
-            Waiting::default()
-        }
-    }
-
     /// After an event admitted outside the stream (a snapshot, a poll round): waits and
     /// accepts as the core's pace says ([`PipelineCore::pace`]).
     pub async fn keep_pace(
@@ -691,12 +660,8 @@ impl Pipeline {
         progress: &Progress,
     ) -> Result<(), RelayError> {
         loop {
-            let waiting = if self.core.waiting_matters(bounds) {
-                self.waiting_on_unclear()
-            } else {
-                Waiting::default()
-            };
-            match self.core.pace(bounds, waiting) {
+            let wall = self.now().wall;
+            match self.core.pace(bounds, wall) {
                 Pace::Wait => {
                     self.wait_one(None).await?;
                 }
