@@ -24,7 +24,9 @@ use std::time::Duration;
 
 use outbox_core::OutboxEvent;
 
-use crate::pipeline::{key_of, Command, CoreError, Mutant, Now, PipelineCore, Plant, Round};
+use crate::pipeline::{
+    key_of, AggKey, Command, CoreError, Mutant, Now, PipelineCore, Plant, Round,
+};
 
 /// What became of one row of a round.
 #[derive(Debug)]
@@ -91,6 +93,14 @@ impl<P: Plant> PipelineCore<P> {
             let (types, ids) = published.into_iter().unzip();
             Advance::These { types, ids }
         }
+    }
+
+    /// Whether a round that began now would skip the rows of `key`: an event of it is at the
+    /// broker, or parked ([`Self::begin_poll_round`]). A driver that runs only the rounds
+    /// that can admit something asks this (the simulator's).
+    pub fn round_would_skip(&self, key: &AggKey) -> bool {
+        self.aggregate_in_flight(key)
+            || (!self.planted(Mutant::RoundForgetsParked) && self.aggregate_parked(key))
     }
 
     /// After a round, at `now` on the driver's clock (zero when the run began): whether to

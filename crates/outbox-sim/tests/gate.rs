@@ -447,7 +447,7 @@ fn every_mutant_is_caught(product: bool) {
 /// `UnclearNeverDue`: an event parked during a snapshot (after a lost slot's `--resnapshot`)
 /// never comes due. Without it, the same traces stall no snapshot.
 #[test]
-fn a_snapshot_waiting_for_an_event_nothing_sends_is_a_snapshot_stall() {
+fn a_snapshot_waiting_for_an_event_nothing_sends_is_a_read_stall() {
     let planted = run(1, 300, Some(Mutant::UnclearNeverDue));
     assert!(
         planted.read_stalls > 0 && planted.resnapshots > 0,

@@ -384,6 +384,11 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     }
 
     /// The aggregates of the parked events.
+    /// Whether an event of `key` is parked.
+    pub fn aggregate_parked(&self, key: &AggKey) -> bool {
+        self.parked.values().any(|p| &p.key == key)
+    }
+
     pub(crate) fn parked_aggregates(&self) -> Vec<AggKey> {
         self.parked.values().map(|p| p.key.clone()).collect()
     }

@@ -2043,7 +2043,10 @@ impl World {
     /// daemon's round drains and accepts before it reads: `drain_all(.., parked_may_stay)`); a
     /// parked event, and what waits behind it, may stay — the round skips its aggregate. The
     /// daemon also runs idle rounds every poll interval; of those, the simulator runs the ones
-    /// that change something: a row of an aggregate the round would not skip, or a read newer
+    /// that change something: a row of an aggregate the round would not skip
+    /// (`PipelineCore::round_would_skip`: at the broker or parked; before 2026-12-07 parked
+    /// ones counted, and a drain ran empty rounds instead of the parked event's due look-up
+    /// until its iterations ran out: seed 2, traces 101870 and 916704), or a read newer
     /// than an open quarantine (which lets its migration go ahead).
     fn round_due(&self, i: usize) -> bool {
         let core = &self.relays[i].core;
@@ -2053,7 +2056,7 @@ impl World {
             && (self
                 .poll_pending()
                 .iter()
-                .any(|r| !core.aggregate_in_flight(&agg_key(self.rows[*r].agg)))
+                .any(|r| !core.round_would_skip(&agg_key(self.rows[*r].agg)))
                 || self
                     .ledger
                     .quarantine
@@ -3774,6 +3777,7 @@ impl World {
                 .filter(|q| !q.released)
                 .map(|q| q.row)
                 .collect();
+            let open_before = open.len();
             if !open.is_empty() {
                 for row in open {
                     if self.ledger.primary.contains_key(&row) {
@@ -3792,7 +3796,15 @@ impl World {
                         }
                     }
                 }
-                continue;
+                // Every migration refused (the checkpoint has not passed an event, whose
+                // aggregate waits for a parked event's look-up): the operator tries again
+                // later, and time passes as below. Before, each refused try took a
+                // millisecond and the drain's iterations ran out before the parked event came
+                // due (its events counted lost: seed 2, trace 805876; a model artifact).
+                let still_open = self.ledger.quarantine.iter().filter(|q| !q.released).count();
+                if still_open < open_before {
+                    continue;
+                }
             }
             // The relay's periodic poll: releases, and UNKNOWN attempts of other generations.
             let before = (self.ledger.holds.len(), self.open_unknown());
@@ -3843,7 +3855,14 @@ impl World {
                 d.duration_since(std::time::SystemTime::UNIX_EPOCH)
                     .map_or(0, |d| d.as_millis() as u64)
             });
-            self.now = (self.now + 500).max(due.unwrap_or(0));
+            // The run's lease keeper renews meanwhile, as it does on its own task in the
+            // daemon (before 2026-12-07 the drain jumped to the due time at once, and a run
+            // whose parked event was due past its lease ended for a lease it had kept).
+            let until = (self.now + 500).max(due.unwrap_or(0));
+            while self.now < until {
+                self.now = until.min(self.now + 500);
+                self.renew(i);
+            }
             if due.is_none() {
                 was_idle = true;
                 idle += 1;
