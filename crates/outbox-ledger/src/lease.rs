@@ -94,6 +94,48 @@ pub async fn live_members(
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
+/// Fleet member `relay_id` is alive now (its row in `outbox.relay_members`, migration 0019).
+pub async fn member_seen(client: &Client, relay_id: &str) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "INSERT INTO outbox.relay_members (relay_id) VALUES ($1)
+             ON CONFLICT (relay_id) DO UPDATE SET seen_at = clock_timestamp()",
+            &[&relay_id],
+        )
+        .await
+        .ctx(format!("writing fleet member {relay_id}'s row"))?;
+    Ok(())
+}
+
+/// Fleet member `relay_id` leaves: its row is deleted (its leases are given back by its
+/// relays' stops).
+pub async fn member_left(client: &Client, relay_id: &str) -> Result<(), LedgerError> {
+    client
+        .execute(
+            "DELETE FROM outbox.relay_members WHERE relay_id = $1",
+            &[&relay_id],
+        )
+        .await
+        .ctx(format!("deleting fleet member {relay_id}'s row"))?;
+    Ok(())
+}
+
+/// Of the leases of `slots`, those not expired: (slot, holder).
+pub async fn holders(
+    client: &Client,
+    slots: &[String],
+) -> Result<Vec<(String, String)>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT slot_name, owner FROM outbox.relay_leases
+             WHERE slot_name = ANY($1) AND lease_until > clock_timestamp()",
+            &[&slots],
+        )
+        .await
+        .ctx("reading the shards' leases")?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
 /// Gives the session lock of lease `slot` back (a standby that could not take the lease).
 pub async fn unlock(client: &Client, slot: &str) -> Result<(), LedgerError> {
     client

@@ -233,6 +233,28 @@ pub async fn plain_inserts_allowed<C: GenericClient>(
     Ok(row.map(|r| r.get(0)))
 }
 
+/// Whether `table` (quoted) takes rows without a version ([`plain_inserts_allowed`]) and
+/// holds one now: rows a slot new to the ledger cannot number (a new slot's numbering starts
+/// empty, and a snapshot reads no commit order).
+pub async fn holds_plain_rows<C: GenericClient>(
+    client: &C,
+    table: &str,
+) -> Result<bool, LedgerError> {
+    if plain_inserts_allowed(client, table).await? != Some(true) {
+        return Ok(false);
+    }
+    let row = client
+        .query_opt(
+            &format!("SELECT 1 FROM {table} WHERE aggregate_version IS NULL LIMIT 1"),
+            &[],
+        )
+        .await
+        .ctx(format!(
+            "reading whether {table} holds rows without a version"
+        ))?;
+    Ok(row.is_some())
+}
+
 /// The route policy generation kept with `slot`'s checkpoint (`None`: no checkpoint row, or
 /// none written yet).
 pub async fn policy_generation(client: &Client, slot: &str) -> Result<Option<i64>, LedgerError> {

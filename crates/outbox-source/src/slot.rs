@@ -319,6 +319,51 @@ pub async fn ensure_publication(
 
 /// [`ensure_publication`] for one shard of a sharded outbox: the publication carries only the
 /// shard's aggregates (a row filter, PostgreSQL 15+), and an existing one must have that filter.
+/// The shard count of the layout `outboxd migrate --shards N` made, from the shards'
+/// publications (`<publication>_shard<I>of<N>`): what a fleet member shares. None, or
+/// publications of several layouts, is an error naming the fix.
+pub async fn shard_layout(client: &Client, publication: &str) -> Result<u16, SourceError> {
+    let rows = client
+        .query(
+            "SELECT pubname FROM pg_publication WHERE starts_with(pubname, $1)",
+            &[&format!("{publication}_shard")],
+        )
+        .await
+        .map_err(|e| db_err("reading the shards' publications", e))?;
+    let mut counts: Vec<u16> = rows
+        .iter()
+        .filter_map(|r| Some(crate::shard::Shard::from_name(r.get(0), publication)?.count))
+        .collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let problem = |problem: String| SourceError::Publication {
+        publication: format!("{publication}_shard*"),
+        problem,
+    };
+    match counts.as_slice() {
+        [n] => Ok(*n),
+        [] => Err(problem(
+            "no shard publications: run `outboxd migrate --shards N` first (docs/scaling.md)".into(),
+        )),
+        many => Err(problem(format!(
+            "publications of several shard layouts exist ({many:?} shards): run `outboxd migrate --shards N` for the one you want"
+        ))),
+    }
+}
+
+/// Emits the relay's heartbeat: a non-transactional logical message, so that an idle database
+/// still moves WAL through the slot and the relay can confirm past it.
+pub async fn emit_heartbeat(client: &Client) -> Result<(), SourceError> {
+    client
+        .execute(
+            "SELECT pg_logical_emit_message(false, 'outboxd.heartbeat', '')",
+            &[],
+        )
+        .await
+        .map_err(|e| db_err("emitting the heartbeat message", e))?;
+    Ok(())
+}
+
 pub async fn ensure_shard_publication(
     client: &Client,
     publication: &str,

@@ -3801,7 +3801,12 @@ impl World {
                 // later, and time passes as below. Before, each refused try took a
                 // millisecond and the drain's iterations ran out before the parked event came
                 // due (its events counted lost: seed 2, trace 805876; a model artifact).
-                let still_open = self.ledger.quarantine.iter().filter(|q| !q.released).count();
+                let still_open = self
+                    .ledger
+                    .quarantine
+                    .iter()
+                    .filter(|q| !q.released)
+                    .count();
                 if still_open < open_before {
                     continue;
                 }

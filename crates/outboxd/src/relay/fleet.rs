@@ -37,37 +37,11 @@ struct Task {
     handle: JoinHandle<Result<(), RelayError>>,
 }
 
-/// The shard count of the current layout, from the shards' publications.
-async fn layout(client: &tokio_postgres::Client, publication: &str) -> Result<u16, RelayError> {
-    let rows = client
-        .query(
-            "SELECT pubname FROM pg_publication WHERE starts_with(pubname, $1)",
-            &[&format!("{publication}_shard")],
-        )
-        .await
-        .map_err(|e| RelayError::Internal(format!("reading the shards' publications: {e}")))?;
-    let mut counts: Vec<u16> = rows
-        .iter()
-        .filter_map(|r| Some(Shard::from_name(r.get(0), publication)?.count))
-        .collect();
-    counts.sort_unstable();
-    counts.dedup();
-    match counts.as_slice() {
-        [n] => Ok(*n),
-        [] => Err(RelayError::Internal(format!(
-            "no shard publications {publication}_shard*: run `outboxd migrate --shards N` first (docs/scaling.md)"
-        ))),
-        many => Err(RelayError::Internal(format!(
-            "publications of several shard layouts exist ({many:?} shards): run `outboxd migrate --shards N` for the one you want"
-        ))),
-    }
-}
-
 /// Runs this member until `shutdown`; then stops its shards gracefully.
 pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Result<(), RelayError> {
     let url = base.database_url.expose().to_string();
     let client = connect_sql(&url).await?;
-    let count = layout(&client, &base.publication).await?;
+    let count = outbox_source::slot::shard_layout(&client, &base.publication).await?;
     let me = base.relay_id.clone();
     let base_slot = base.slot.clone();
     let base_pub = base.publication.clone();
@@ -79,21 +53,11 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     let mut member = fleet::Member::default();
     let mut tasks: BTreeMap<u64, Task> = BTreeMap::new();
     let born = Instant::now();
-    let db = |what: &'static str| {
-        move |e: tokio_postgres::Error| RelayError::Internal(format!("{what}: {e}"))
-    };
     loop {
         if *shutdown.borrow() {
             break;
         }
-        client
-            .execute(
-                "INSERT INTO outbox.relay_members (relay_id) VALUES ($1)
-                 ON CONFLICT (relay_id) DO UPDATE SET seen_at = clock_timestamp()",
-                &[&me],
-            )
-            .await
-            .map_err(db("writing this fleet member's row"))?;
+        outbox_ledger::lease::member_seen(&client, &me).await?;
         // The session lock that proves this member alive to the others (a previous process of
         // the same relay id may still hold it for a moment: asked again every tick).
         if !locked {
@@ -103,16 +67,10 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
         }
         let members = outbox_ledger::lease::live_members(&client, &me, base.lease_ttl).await?;
         // Each shard's lease: its holder, if live.
-        let holders: BTreeMap<u16, String> = client
-            .query(
-                "SELECT slot_name, owner FROM outbox.relay_leases
-                 WHERE slot_name = ANY($1) AND lease_until > clock_timestamp()",
-                &[&shard_slots],
-            )
-            .await
-            .map_err(db("reading the shards' leases"))?
-            .iter()
-            .filter_map(|r| Some((Shard::from_name(r.get(0), &base_slot)?.index, r.get(1))))
+        let holders: BTreeMap<u16, String> = outbox_ledger::lease::holders(&client, &shard_slots)
+            .await?
+            .into_iter()
+            .filter_map(|(slot, owner)| Some((Shard::from_name(&slot, &base_slot)?.index, owner)))
             .collect();
         // Finished relays (an error the relay does not retry, or a stop) leave.
         let done: Vec<u64> = tasks
@@ -218,11 +176,8 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
         }
         t.progress.metrics.retire();
     }
-    let _ = client
-        .execute(
-            "DELETE FROM outbox.relay_members WHERE relay_id = $1",
-            &[&me],
-        )
-        .await;
+    if let Err(e) = outbox_ledger::lease::member_left(&client, &me).await {
+        tracing::warn!(error = %e, "leaving the fleet: the member's row stays until it ages out");
+    }
     Ok(())
 }

@@ -147,34 +147,18 @@ impl RelayError {
 /// A slot new to the ledger starts with no numbering (`outbox.stream_versions` is per slot):
 /// rows already written without a version would be numbered from 1 again, or read by the
 /// initial snapshot in no commit order. Until a new slot can seed its numbering from the
-/// receipts (docs/versions_by_relay.md, "Not built yet"), it is refused while such rows exist;
-/// an outbox that does not allow them, or has none, is not read further.
+/// receipts (docs/versions_by_relay.md, "Not built yet"), it is refused while such rows exist
+/// (`outbox_ledger::numbering::holds_plain_rows`).
 async fn refuse_new_slot_over_plain_rows(
     sql: &tokio_postgres::Client,
     cfg: &RelayConfig,
 ) -> Result<(), RelayError> {
     let table = format!(
-        "\"{}\".\"{}\"",
-        cfg.schema.replace('"', "\"\""),
-        cfg.table.replace('"', "\"\"")
+        "{}.{}",
+        slot::quote_ident(&cfg.schema),
+        slot::quote_ident(&cfg.table)
     );
-    if outbox_ledger::numbering::plain_inserts_allowed(sql, &table).await? != Some(true) {
-        return Ok(());
-    }
-    let db = ledger_db(format!(
-        "reading whether {table} holds rows without a version"
-    ));
-    let plain: i64 = sql
-        .query_one(
-            &format!(
-                "SELECT count(*) FROM (SELECT 1 FROM {table} WHERE aggregate_version IS NULL LIMIT 1) x"
-            ),
-            &[],
-        )
-        .await
-        .map_err(db)?
-        .get(0);
-    if plain > 0 {
+    if outbox_ledger::numbering::holds_plain_rows(sql, &table).await? {
         return Err(RelayError::Unsupported(format!(
             "slot {} is new to the ledger or has not finished its first snapshot, and {table} already holds rows written without an aggregate version: a new slot (first start, --resnapshot, a lost slot, another shard layout) cannot continue their numbering yet, nor can a snapshot read them in commit order (docs/versions_by_relay.md, \"Not built yet\"). Start the relay on its existing slot, or, for a first start, before any writer inserts plainly",
             cfg.slot
@@ -381,11 +365,6 @@ async fn connect_sql(url: &str) -> Result<Client, RelayError> {
     })
 }
 
-/// A ledger statement of the relay's own that failed, with what it was doing.
-fn ledger_db(context: String) -> impl FnOnce(tokio_postgres::Error) -> RelayError {
-    move |source| RelayError::Ledger(LedgerError::Db { context, source })
-}
-
 /// A connection for acceptance transactions: [`connect_sql`], made one of this run's
 /// acceptance sessions (`outbox_ledger::sessions::make_acceptance_session`: named after the
 /// slot and the generation, with an idle-in-transaction limit).
@@ -426,22 +405,16 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Emits a non-transactional logical message every `interval`, so that an idle database
-/// still moves WAL through the slot and the relay can confirm past it.
+/// Emits the heartbeat (`outbox_source::slot::emit_heartbeat`) every `interval`, so that an
+/// idle database still moves WAL through the slot and the relay can confirm past it.
 fn spawn_heartbeat(client: Client, interval: Duration) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if let Err(e) = client
-                .execute(
-                    "SELECT pg_logical_emit_message(false, 'outboxd.heartbeat', '')",
-                    &[],
-                )
-                .await
-            {
-                tracing::warn!(error = %outbox_ledger::describe_db_error(&e), "heartbeat failed");
+            if let Err(e) = slot::emit_heartbeat(&client).await {
+                tracing::warn!(error = %e, "heartbeat failed");
             }
         }
     }))
