@@ -32,6 +32,47 @@ pub fn text_columns() -> String {
 pub const QUARANTINED_OR_SKIPPED: &str = "EXISTS (SELECT 1 FROM outbox.quarantine q
     WHERE q.event_id = e.event_id AND (q.released_at IS NULL OR q.resolution = 'skipped'))";
 
+/// Opens the initial snapshot's read on `client`: a read-only REPEATABLE READ transaction, in
+/// the slot's exported snapshot `exported` when there is one (exactly the rows the slot will
+/// not stream), else in a fresh one (a superset: what both carry is published twice, and
+/// recorded as a duplicate). Its rows: [`pending_rows`].
+pub async fn begin_read<'a>(
+    client: &'a mut tokio_postgres::Client,
+    exported: Option<&str>,
+) -> Result<tokio_postgres::Transaction<'a>, crate::SourceError> {
+    use crate::slot::db_err;
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await
+        .map_err(|e| db_err("starting the snapshot transaction", e))?;
+    if let Some(name) = exported {
+        tx.batch_execute(&format!(
+            "SET TRANSACTION SNAPSHOT '{}'",
+            name.replace('\'', "")
+        ))
+        .await
+        .map_err(|e| db_err("importing the slot's exported snapshot", e))?;
+    }
+    Ok(tx)
+}
+
+/// The rows of a snapshot's read ([`begin_read`]): [`pending_rows_sql`]'s, streamed.
+pub async fn pending_rows(
+    tx: &tokio_postgres::Transaction<'_>,
+    qualified_table: &str,
+    shard: Option<crate::shard::Shard>,
+) -> Result<tokio_postgres::RowStream, crate::SourceError> {
+    tx.query_raw(
+        &pending_rows_sql(qualified_table, shard),
+        Vec::<String>::new(),
+    )
+    .await
+    .map_err(|e| crate::slot::db_err("reading unpublished outbox rows", e))
+}
+
 /// Every row without a receipt that a relay may offer, in aggregate and version order; only
 /// `shard`'s aggregates for the relay of one shard.
 pub fn pending_rows_sql(qualified_table: &str, shard: Option<crate::shard::Shard>) -> String {

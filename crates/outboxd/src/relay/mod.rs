@@ -1191,39 +1191,16 @@ async fn publish_snapshot(
     exported: Option<&str>,
     progress: &Progress,
 ) -> Result<u64, RelayError> {
-    let db = |context: &str| {
-        let context = context.to_string();
-        move |e| LedgerError::Db { context, source: e }
-    };
-    let tx = sql
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .read_only(true)
-        .start()
-        .await
-        .map_err(db("starting the snapshot transaction"))?;
-    if let Some(name) = exported {
-        tx.batch_execute(&format!(
-            "SET TRANSACTION SNAPSHOT '{}'",
-            name.replace('\'', "")
-        ))
-        .await
-        .map_err(db("importing the slot's exported snapshot"))?;
-    }
-    let rows = tx
-        .query_raw(
-            &snapshot::pending_rows_sql(qualified, cfg.shard),
-            Vec::<String>::new(),
-        )
-        .await
-        .map_err(db("reading unpublished outbox rows"))?;
+    let tx = snapshot::begin_read(sql, exported).await?;
+    let rows = snapshot::pending_rows(&tx, qualified, cfg.shard).await?;
     let n = pipeline
         .admit_rows(rows, Read::Snapshot, bounds(cfg), progress)
         .await?;
     // Everything, parked events too: the snapshot is done only when each row is resolved.
     pipeline.drain_all(cfg.batch_size, progress, false).await?;
-    tx.commit()
-        .await
-        .map_err(db("closing the snapshot transaction"))?;
+    tx.commit().await.map_err(|e| LedgerError::Db {
+        context: "closing the snapshot transaction".into(),
+        source: e,
+    })?;
     Ok(n)
 }
