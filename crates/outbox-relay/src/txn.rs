@@ -49,7 +49,9 @@ use crate::pipeline::{key_of, AggKey, Mutant, Plant, Shipped};
 use crate::route;
 
 mod reader;
+mod records;
 pub use reader::{Reader, StreamRow, StreamTxn};
+pub use records::StreamIdentity;
 
 /// One event of a batch where the broker stored it. (The ledger builds the receipt from the
 /// event's row: the rows are immutable, so their digests are the ones the send computed.)

@@ -24,14 +24,14 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use outbox_core::delivery::{DeliveryOutcome, FailureClass, RecordPosition};
-use outbox_core::records::{HeldRecord, HoldRecord, QuarantineRecord};
+use outbox_core::records::QuarantineRecord;
 use outbox_core::{Lsn, OutboxEvent};
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
-use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem, ReceiptRecord};
+use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem};
 use outbox_relay::txn::{
-    CommitOutcome, Kept, Reader, Recorded, StreamRow, StreamTxn, TxnCore, TxnReceipt, TxnReport,
-    TxnStep,
+    CommitOutcome, Kept, Reader, Recorded, StreamIdentity, StreamRow, StreamTxn, TxnCore,
+    TxnReceipt, TxnReport, TxnStep,
 };
 use outbox_sink::kafka_txn::{
     committed_batches, ensure_positions_topic, BatchKept, BatchReceipt, BatchRecord, TxnFailure,
@@ -52,36 +52,6 @@ use crate::config::RelayConfig;
 /// How long a blocking call of the transactional producer may take (commit, abort, opening
 /// it, reading the records).
 const BROKER_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Whose transactions and records these are: one slot of one database.
-#[derive(Debug, Clone)]
-pub(super) struct StreamIdentity {
-    /// The producer's transactional id: `outboxd-<cluster>-<system id>-<database>-<slot>`,
-    /// stable across restarts, takeovers and the slot's re-creation, so that the next holder
-    /// fences every earlier one; another database's slot of the same name is another id.
-    pub transactional_id: String,
-    /// The key of the batch records: the same with the slot's incarnation (the consistent
-    /// point its ledger row was created at). A start accepts only its incarnation's records:
-    /// a slot created again (`--resnapshot`), or a ledger made anew, never takes an earlier
-    /// one's batches, whose positions are not its stream's.
-    pub record_key: String,
-}
-
-impl StreamIdentity {
-    pub(super) fn new(
-        cluster: &str,
-        system_id: &str,
-        database: &str,
-        slot: &str,
-        incarnation: Lsn,
-    ) -> Self {
-        let transactional_id = format!("outboxd-{cluster}-{system_id}-{database}-{slot}");
-        StreamIdentity {
-            record_key: format!("{transactional_id}@{incarnation}"),
-            transactional_id,
-        }
-    }
-}
 
 /// An event the run admitted, kept until its batch is accepted: the receipt is built from it.
 struct Admitted {
@@ -805,9 +775,8 @@ impl Run<'_> {
                     r.event_id
                 ))
             })?;
-            items.push(receipt(
+            items.push(r.record(
                 &a.event,
-                r,
                 self.fence.generation,
                 Some(a.commit_lsn),
                 Some(a.change_lsn),
@@ -816,7 +785,7 @@ impl Run<'_> {
         for k in kept {
             let a = self.admitted.remove(&k.event_id);
             let commit_lsn = a.as_ref().map(|a| a.commit_lsn);
-            items.extend(kept_items(k, a.as_ref().map(|a| &a.event), commit_lsn));
+            items.extend(k.records(a.as_ref().map(|a| &a.event), commit_lsn));
         }
         Ok(items)
     }
@@ -846,10 +815,10 @@ impl Run<'_> {
                     r.event_id
                 ))
             })?;
-            items.push(receipt(ev, r, self.fence.generation, None, None));
+            items.push(r.record(ev, self.fence.generation, None, None));
         }
         for k in kept {
-            items.extend(kept_items(k, events.get(&k.event_id), None));
+            items.extend(k.records(events.get(&k.event_id), None));
         }
         Ok(items)
     }
@@ -863,7 +832,8 @@ impl Run<'_> {
         fence: &Fence,
     ) -> Result<(), RelayError> {
         self.core.flush();
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // As long as a stop of the default mode waits at most (`Ending::grace`).
+        let deadline = Instant::now() + outbox_relay::lifecycle::STOP_DRAIN_MAX;
         self.execute().await?;
         while (self.core.in_transaction() || self.accepting.is_some() || !self.accepts.is_empty())
             && Instant::now() < deadline
@@ -879,72 +849,6 @@ impl Run<'_> {
         outbox_ledger::lease::release(sql, &self.cfg.slot, fence).await?;
         tracing::info!(checkpoint = %self.core.durable(), "stopped");
         Ok(())
-    }
-}
-
-/// The receipt of `ev` at `r`, by this run.
-fn receipt(
-    ev: &OutboxEvent,
-    r: &TxnReceipt,
-    generation: i64,
-    commit_lsn: Option<Lsn>,
-    change_lsn: Option<Lsn>,
-) -> LedgerItem {
-    LedgerItem::Receipt(ReceiptRecord {
-        event_id: ev.event_id,
-        aggregate_version: ev.aggregate_version,
-        payload_digest: ev.payload_digest.clone(),
-        destination_digest: ev.destination_digest.clone(),
-        broker_kind: "kafka".into(),
-        broker_cluster: ev.destination.cluster.clone(),
-        topic: ev.destination.topic.clone(),
-        partition: r.partition,
-        offset: r.offset,
-        timestamp_ms: None,
-        attempt: 1,
-        relay_generation: generation,
-        commit_lsn,
-        change_lsn,
-        evidence: None,
-    })
-}
-
-/// The ledger's records of an event a batch kept without sending it: a quarantine and its
-/// aggregate's hold, or a held record.
-fn kept_items(k: &Kept, ev: Option<&OutboxEvent>, commit_lsn: Option<Lsn>) -> Vec<LedgerItem> {
-    let generation = ev.map(|e| e.envelope_generation);
-    match &k.quarantined {
-        Some((code, reason)) => vec![
-            LedgerItem::Quarantine(QuarantineRecord {
-                key: k.event_id.to_string(),
-                event_id: Some(k.event_id),
-                aggregate_type: Some(k.aggregate.0.clone()),
-                aggregate_id: Some(k.aggregate.1.clone()),
-                aggregate_version: Some(k.version),
-                reason_code: code.clone(),
-                reason: reason.clone(),
-                commit_lsn: commit_lsn.unwrap_or(Lsn::ZERO),
-                envelope_generation: generation,
-            }),
-            LedgerItem::Hold(HoldRecord {
-                aggregate_type: k.aggregate.0.clone(),
-                aggregate_id: k.aggregate.1.clone(),
-                reason_code: code.clone(),
-                reason: reason.clone(),
-                blocking_event_id: Some(k.event_id),
-                blocking_version: Some(k.version),
-                blocking_generation: generation,
-                blocking_by_relay: None,
-            }),
-        ],
-        None => vec![LedgerItem::Held(HeldRecord {
-            event_id: k.event_id,
-            aggregate_type: k.aggregate.0.clone(),
-            aggregate_id: k.aggregate.1.clone(),
-            aggregate_version: k.version,
-            commit_lsn,
-            by_relay: None,
-        })],
     }
 }
 
@@ -973,25 +877,4 @@ async fn accept_step(
         *record,
     )
     .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_slot_of_another_database_or_incarnation_has_other_transactions_or_records() {
-        let at =
-            |db: &str, slot: &str, cp: u64| StreamIdentity::new("k", "7301", db, slot, Lsn(cp));
-        let a = at("shop", "outboxd", 0x10);
-        assert_eq!(a.transactional_id, "outboxd-k-7301-shop-outboxd");
-        assert_ne!(
-            a.transactional_id,
-            at("billing", "outboxd", 0x10).transactional_id
-        );
-        // The slot created again: the same producer (it fences the earlier), other records.
-        let again = at("shop", "outboxd", 0x20);
-        assert_eq!(a.transactional_id, again.transactional_id);
-        assert_ne!(a.record_key, again.record_key);
-    }
 }
