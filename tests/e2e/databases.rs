@@ -28,7 +28,7 @@ async fn enqueue(env: &TestEnv, n: usize, committed: &mut Vec<(String, uuid::Uui
 
 /// Every committed event is on the broker where its receipt says (every receipt checked
 /// against the topic), and each aggregate's first occurrences are its versions 1, 2, 3, ...
-async fn assert_delivered_in_order(env: &TestEnv, committed: &[(String, uuid::Uuid)]) {
+pub(crate) async fn assert_delivered_in_order(env: &TestEnv, committed: &[(String, uuid::Uuid)]) {
     env.wait_count(
         "a receipt for every committed event",
         "SELECT count(*) FROM outbox.receipts",

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use crate::databases::assert_delivered_in_order;
 use crate::harness::{TestEnv, LONG};
 use outbox_testkit::wait::wait_for;
 
@@ -440,5 +441,64 @@ cdc_only! {
             took.as_secs_f64()
         );
         a.signal(libc::SIGCONT);
+    }
+}
+
+/// A relay whose lease is no longer certainly held while it reads a backlog outside the stream
+/// (the initial snapshot in CDC mode, a round in poll mode) ends the run and publishes every
+/// event once it holds the lease again. Before (outbox-sim, seed 1 trace 15929), the send the
+/// lapsed lease refused left its aggregate's later events queued behind an event nothing would
+/// report on, and the read waited for them for ever (or, with nothing queued, the snapshot was
+/// marked done without the refused event). The lapse is real: the test holds the lease's row
+/// locked, so the relay's renewals wait while its sends go on; the broker answers each request
+/// after 400 ms and `--max-in-flight 2` keeps the read paced for several seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_lapses_while_a_backlog_is_read_ends_the_run_and_loses_nothing() {
+    let env = TestEnv::new_mock("lapse_in_read", "slow every produce request down").await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
+    let mut committed = Vec::new();
+    for i in 0..40 {
+        let agg = format!("l{}", i % 4);
+        committed.push((agg.clone(), env.enqueue(&agg, json!({"i": i})).await));
+    }
+    mock.broker_round_trip_time(1, Duration::from_millis(400))
+        .unwrap();
+    let relay = env.relay(&[], &["--max-in-flight", "2"]);
+    wait_for("the read to publish its first events", LONG, || async {
+        let n = env.read_topic_of(&env.topic).await.len();
+        if n >= 3 {
+            Ok(())
+        } else {
+            Err(format!("{n} on the topic"))
+        }
+    })
+    .await;
+    // The lease's row locked: the keeper's renewal waits, the lease lapses in at most its TTL
+    // (3 s), and the next send is refused.
+    let mut locker = crate::harness::connect(&env.url).await;
+    let tx = locker.transaction().await.unwrap();
+    tx.query(
+        "SELECT 1 FROM outbox.relay_leases WHERE slot_name = $1 FOR UPDATE",
+        &[&env.slot],
+    )
+    .await
+    .unwrap();
+    wait_log(&relay, "lease lost to another relay").await;
+    let during_read = env.read_topic_of(&env.topic).await.len();
+    tx.commit().await.unwrap();
+    mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
+    // The fault met the read: the run ended before all 40 were on the broker.
+    assert!(
+        during_read < committed.len(),
+        "the lease lapsed after the read: {during_read} on the topic"
+    );
+    assert_delivered_in_order(&env, &committed).await;
+    if !crate::harness::poll_mode() {
+        let log = relay.log_text();
+        let lost_at = log.find("lease lost to another relay").unwrap();
+        assert!(
+            log[..lost_at].matches("initial snapshot published").count() == 0,
+            "the lease lapsed after the snapshot:\n{log}"
+        );
     }
 }

@@ -252,6 +252,15 @@ impl Restarts {
         self.takeover_tries.get_or_insert(TAKEOVER_TRIES);
     }
 
+    /// A run of this process held the lease and lost it (not renewed in time, or taken): as
+    /// after a takeover, the slot's service is this process's to resume, and a renewal that
+    /// came late is no misconfiguration to stop for, even before the first stream (a long
+    /// initial snapshot). A setting that never works still stops it after
+    /// [`TAKEOVER_TRIES`].
+    pub fn lost_lease(&mut self) {
+        self.takeover_tries.get_or_insert(TAKEOVER_TRIES);
+    }
+
     /// A run started streaming.
     pub fn streaming(&mut self) {
         self.streamed = true;
@@ -971,6 +980,13 @@ mod tests {
         assert_eq!(fatal.after_error(false, ms(0)), AfterError::Stop);
         standby.took_over();
         assert_eq!(standby.after_error(true, ms(0)), AfterError::Stop);
+        // A start that lost its lease during its initial snapshot retries as a takeover does.
+        let mut lapsed = Restarts::new(ms(100), ms(1_000));
+        lapsed.lost_lease();
+        assert!(matches!(
+            lapsed.after_error(true, ms(0)),
+            AfterError::Retry { .. }
+        ));
     }
 
     #[test]

@@ -268,6 +268,9 @@ pub async fn run(
             restarts.streaming();
         }
         let Err(e) = outcome else { return Ok(()) };
+        if matches!(e, RelayError::Ledger(LedgerError::LeaseLost { .. })) {
+            restarts.lost_lease();
+        }
         let streamed_for = if reached {
             began.elapsed()
         } else {
