@@ -467,6 +467,10 @@ fn the_traces_that_found_bugs_stay_fixed() {
     // (bug-superseded-refusal: none in 400,000 traces); its rule stays. Nor is poll-stale-head
     // since the running reconciliation's look-ups answer at a later step, as the daemon's do
     // (none in 400,000 traces, 2026-12-04; it was 1 in 20,000); its rule and unit test stay.
+    // Nor is bug-release-beside-parked since the simulator's reads pace as the daemon's do
+    // (2026-12-07: seed 2 trace 495645 no longer violates, nor any of the first million of
+    // seeds 2 and 3); its unit test `an_aggregate_with_a_parked_event_waits_for_the_next_poll`
+    // plants it.
     let found: &[(u64, u64, Mutant)] = &[
         (1, 267, Mutant::BugPoisonBeforeGate),
         (1, 3, Mutant::BugUnknownOnlyAtStart),
@@ -489,7 +493,6 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 8075, Mutant::BugRoundForgetsParked),
         (1, 4, Mutant::BugLookUpBesideReconciliation),
         (7, 33528, Mutant::BugSendsFoundEvent),
-        (2, 495645, Mutant::BugReleaseBesideParked),
         (1, 15929, Mutant::BugReadIgnoresLease),
     ];
     for (seed, trace, bug) in found {
