@@ -137,3 +137,12 @@ pub(crate) fn agg_of_num_key(k: &str) -> AggKey {
     let (t, i) = k.split_once('\0').expect("a numbering key holds a NUL");
     (t.to_string(), i.to_string())
 }
+
+/// Events waiting on unclear outcomes (`PipelineCore::waiting_on_unclear`), or a bound of them
+/// (`crate::schedule::Bounds`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Waiting {
+    pub events: u64,
+    /// Their payloads' bytes.
+    pub bytes: u64,
+}

@@ -148,7 +148,7 @@ pub struct PipelineCore<P = Shipped> {
     pub(crate) batch_started: Option<std::time::Duration>,
     /// The last count of the events waiting on unclear outcomes, and when it was taken
     /// ([`PipelineCore::waiting_sampled`]).
-    waiting_sample: Option<(std::time::SystemTime, crate::schedule::Waiting)>,
+    waiting_sample: Option<(SystemTime, crate::contract::Waiting)>,
     batch_acks: Vec<EventToken>,
     /// A send was refused because the lease was not certainly held.
     pub lease_expired: bool,

@@ -81,13 +81,7 @@ pub struct Load {
     pub in_transaction: bool,
 }
 
-/// Events waiting on unclear outcomes (`PipelineCore::waiting_on_unclear`), or a bound of them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Waiting {
-    pub events: u64,
-    /// Their payloads' bytes.
-    pub bytes: u64,
-}
+pub use crate::contract::Waiting;
 
 /// How long a count of the events waiting on unclear outcomes serves the bounds
 /// (`PipelineCore::waiting_sampled`): counting walks the in-flight table (3,000 entries at the
