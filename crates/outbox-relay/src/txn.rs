@@ -41,7 +41,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use outbox_core::delivery::{RecordPosition, Served};
+use outbox_core::delivery::{DeliveryOutcome, FailureClass, RecordPosition, Served};
 use outbox_core::{Lsn, OutboxEvent};
 use uuid::Uuid;
 
@@ -168,6 +168,23 @@ pub enum TxnReport {
         permanent: Option<String>,
     },
     Fenced,
+}
+
+impl TxnReport {
+    /// What a delivery report of a transactional send means for its batch. A success that
+    /// names no position (librdkafka's implicit ack) proves nothing stored: the transaction is
+    /// aborted, as for any failure (the default mode's rule too, `OkWithoutOffsetIsProof`).
+    pub fn of(outcome: DeliveryOutcome) -> TxnReport {
+        match outcome {
+            DeliveryOutcome::Persisted {
+                partition, offset, ..
+            } if offset >= 0 => TxnReport::Stored { partition, offset },
+            DeliveryOutcome::Persisted { .. } => TxnReport::Failed { permanent: None },
+            DeliveryOutcome::Failed { error, class, .. } => TxnReport::Failed {
+                permanent: (class == FailureClass::Permanent).then_some(error),
+            },
+        }
+    }
 }
 
 #[derive(Debug)]

@@ -454,3 +454,43 @@ fn a_batch_lingers_from_the_first_read_since_the_last_flush_unless_it_is_full() 
     c.read(true, ms(9));
     assert_eq!(c.linger_started(), Some(ms(9)), "the next batch's linger");
 }
+
+#[test]
+fn a_report_without_a_position_proves_nothing_stored_and_aborts_the_batch() {
+    use outbox_core::delivery::{DeliveryOutcome, FailureClass, Persistence};
+    let stored = |offset| DeliveryOutcome::Persisted {
+        topic: "t".into(),
+        partition: 1,
+        offset,
+        timestamp_ms: None,
+        duplicate: false,
+        evidence: None,
+    };
+    assert_eq!(
+        TxnReport::of(stored(5)),
+        TxnReport::Stored {
+            partition: 1,
+            offset: 5
+        }
+    );
+    assert_eq!(
+        TxnReport::of(stored(-1001)),
+        TxnReport::Failed { permanent: None }
+    );
+    let failed = |class| DeliveryOutcome::Failed {
+        error: "too large".into(),
+        persistence: Persistence::NotPersisted,
+        class,
+        partition: 1,
+    };
+    assert_eq!(
+        TxnReport::of(failed(FailureClass::Permanent)),
+        TxnReport::Failed {
+            permanent: Some("too large".into())
+        }
+    );
+    assert_eq!(
+        TxnReport::of(failed(FailureClass::Transient)),
+        TxnReport::Failed { permanent: None }
+    );
+}

@@ -190,8 +190,7 @@ pub(super) async fn stream(
             biased;
             _ = shutdown.changed() => return run.stop(stream, sql, fence).await,
             Some(d) = reports.recv() => {
-                let (token, report) = report_of(d);
-                run.core.on_report(token, report);
+                run.core.on_report(d.token, TxnReport::of(d.outcome));
             }
             done = broker_done(&mut run.broker) => {
                 run.on_broker(done)?;
@@ -278,21 +277,6 @@ fn fenced(id: &str) -> RelayError {
     RelayError::Fenced {
         transactional_id: id.to_string(),
     }
-}
-
-/// A delivery report as the core takes it: stored at a position, or not stored.
-fn report_of(d: Delivery) -> (u64, TxnReport) {
-    let report = match d.outcome {
-        DeliveryOutcome::Persisted {
-            partition, offset, ..
-        } if offset >= 0 => TxnReport::Stored { partition, offset },
-        // An implicit ack names no position: nothing proves the message is stored.
-        DeliveryOutcome::Persisted { .. } => TxnReport::Failed { permanent: None },
-        DeliveryOutcome::Failed { error, class, .. } => TxnReport::Failed {
-            permanent: (class == FailureClass::Permanent).then_some(error),
-        },
-    };
-    (d.token, report)
 }
 
 async fn broker_done(h: &mut Option<JoinHandle<BrokerDone>>) -> Result<BrokerDone, RelayError> {
