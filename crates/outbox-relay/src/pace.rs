@@ -7,9 +7,9 @@
 //! (`outboxd/src/relay/pipeline.rs`, `keep_pace` and `drain_all`) and the simulator's snapshot
 //! and poll rounds run the same steps, so both read under the same bounds.
 
-use crate::pipeline::{Mutant, PipelineCore, Plant};
 use std::time::SystemTime;
 
+use crate::pipeline::{Mutant, PipelineCore, Plant};
 use crate::schedule::{within_bounds, Bounds};
 
 /// What a read does after admitting a row.
@@ -49,7 +49,7 @@ impl<P: Plant> PipelineCore<P> {
     pub fn pace(&mut self, bounds: Bounds, now: SystemTime) -> Pace {
         let outstanding = self.outstanding() as u64;
         let waiting = self.waiting_where_it_matters(bounds, outstanding, now);
-        if self.lease_expired && !self.planted(Mutant::ReadIgnoresLease) {
+        if self.read_must_end() {
             Pace::LeaseLost
         } else if !within_bounds(
             bounds.max_in_flight,
@@ -65,17 +65,17 @@ impl<P: Plant> PipelineCore<P> {
         }
     }
 
-    /// At a read's end: end if a send was refused for the lease, accept full batches, wait until nothing admitted is outstanding (at
-    /// the broker, parked after an unclear outcome, or queued behind either), then accept the
-    /// rest. With `parked_may_stay` (a poll round: the next round skips a parked aggregate),
-    /// only what is at the broker is waited for.
+    /// At a read's end: end if a send was refused for the lease, accept full batches, wait
+    /// until nothing admitted is outstanding (at the broker, parked after an unclear outcome,
+    /// or queued behind either), then accept the rest. With `parked_may_stay` (a poll round:
+    /// the next round skips a parked aggregate), only what is at the broker is waited for.
     pub fn draining(&self, batch_size: usize, parked_may_stay: bool) -> Drain {
         let left = if parked_may_stay {
             self.in_flight()
         } else {
             self.outstanding()
         };
-        if self.lease_expired && !self.planted(Mutant::ReadIgnoresLease) {
+        if self.read_must_end() {
             Drain::LeaseLost
         } else if self.batch_len() >= batch_size && left > 0 {
             Drain::Accept
@@ -84,6 +84,11 @@ impl<P: Plant> PipelineCore<P> {
         } else {
             Drain::Done
         }
+    }
+
+    /// A send was refused because the lease was not certainly held: the read can only end.
+    fn read_must_end(&self) -> bool {
+        self.lease_expired && !self.planted(Mutant::ReadIgnoresLease)
     }
 }
 

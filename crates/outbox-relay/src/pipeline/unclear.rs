@@ -310,26 +310,13 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         self.parked.len()
     }
 
-    /// Events that wait on an unclear outcome: each parked event, each send unanswered for
-    /// [`UNANSWERED_AFTER`] at `now` (an outcome becoming unclear: a partition without a
-    /// leader keeps its sends until the message timeout parks them), and what their
-    /// aggregates have queued behind them. They stay unresolved (the checkpoint stays behind
-    /// them) but hold only their aggregates, so the schedule counts them apart from
-    /// `max_in_flight` ([`crate::schedule::Load::waiting_on_unclear`]): an aggregate whose
-    /// events keep coming while its destination is down must not stop the slot being read
-    /// for every other one. Linear in the parked, in-flight and queued events; the driver
-    /// asks only where [`crate::schedule::waiting_matters`] says the count can matter.
-    pub fn waiting_on_unclear(&self, now: SystemTime) -> Waiting {
-        self.count_waiting(now)
-    }
-
     /// [`Self::waiting_on_unclear`], counted at most every [`WAITING_SAMPLE`] (the clock going
     /// back counts again): the bounds may lag that much behind a park or a report.
     pub fn waiting_sampled(&mut self, now: SystemTime) -> Waiting {
         match self.waiting_sample {
             Some((at, n)) if now.duration_since(at).is_ok_and(|d| d < WAITING_SAMPLE) => n,
             _ => {
-                let n = self.count_waiting(now);
+                let n = self.waiting_on_unclear(now);
                 self.waiting_sample = Some((now, n));
                 n
             }
@@ -352,7 +339,16 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         }
     }
 
-    fn count_waiting(&self, now: SystemTime) -> Waiting {
+    /// Events that wait on an unclear outcome: each parked event, each send unanswered for
+    /// [`UNANSWERED_AFTER`] at `now` (an outcome becoming unclear: a partition without a
+    /// leader keeps its sends until the message timeout parks them), and what their
+    /// aggregates have queued behind them. They stay unresolved (the checkpoint stays behind
+    /// them) but hold only their aggregates, so the schedule counts them apart from
+    /// `max_in_flight` ([`crate::schedule::Load::waiting_on_unclear`]): an aggregate whose
+    /// events keep coming while its destination is down must not stop the slot being read
+    /// for every other one. Linear in the parked, in-flight and queued events; the driver
+    /// asks only where [`crate::schedule::waiting_matters`] says the count can matter.
+    pub fn waiting_on_unclear(&self, now: SystemTime) -> Waiting {
         if self.planted(Mutant::UnclearWaitCountsAsInFlight) {
             return Waiting::default();
         }
@@ -383,12 +379,12 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         w
     }
 
-    /// The aggregates of the parked events.
     /// Whether an event of `key` is parked.
     pub fn aggregate_parked(&self, key: &AggKey) -> bool {
         self.parked.values().any(|p| &p.key == key)
     }
 
+    /// The aggregates of the parked events.
     pub(crate) fn parked_aggregates(&self) -> Vec<AggKey> {
         self.parked.values().map(|p| p.key.clone()).collect()
     }
@@ -522,7 +518,6 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
 
     /// Whether an event of `key` is sent and not reported on, or parked.
     pub fn aggregate_busy(&self, key: &AggKey) -> bool {
-        self.parked.values().any(|p| &p.key == key)
-            || self.in_flight.values().any(|f| &f.key == key)
+        self.aggregate_parked(key) || self.in_flight.values().any(|f| &f.key == key)
     }
 }

@@ -2224,6 +2224,12 @@ impl World {
         Ok(())
     }
 
+    /// `wait_one` inside a wait that began at `since`: `false` when nothing can arrive, or once
+    /// the wait is past [`WAITS_FOREVER_AFTER`] (the daemon's would never end).
+    fn waited(&mut self, i: usize, since: u64) -> Result<bool, End> {
+        Ok(self.wait_one(i)? && self.now <= since + WAITS_FOREVER_AFTER)
+    }
+
     /// `Pipeline::keep_pace`: after a row of a read outside the stream, waits and accepts as
     /// the core's pace says (`PipelineCore::pace`, under this world's bounds). `false`: it
     /// waited for something nothing will ever move.
@@ -2236,7 +2242,7 @@ impl World {
                 Pace::LeaseLost => return Err(LEASE_LOST),
                 Pace::Accept => self.flush(i, false)?,
                 Pace::Wait => {
-                    if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
+                    if !self.waited(i, waiting_since)? {
                         return Ok(false);
                     }
                 }
@@ -2254,7 +2260,7 @@ impl World {
             match core.draining(self.bounds.batch_size, parked_may_stay) {
                 Drain::Accept => self.flush(i, false)?,
                 Drain::Wait => {
-                    if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
+                    if !self.waited(i, waiting_since)? {
                         return Ok(false);
                     }
                 }
@@ -3491,7 +3497,7 @@ impl World {
                 }
                 // Parked after an unclear outcome: `wait_one` until it is resolved.
                 PollStep::Await(_) => {
-                    if !self.wait_one(i)? || self.now > waiting_since + WAITS_FOREVER_AFTER {
+                    if !self.waited(i, waiting_since)? {
                         log!(
                             self,
                             "RELAY HUNG: a release waits for a parked event that never comes due"
