@@ -379,12 +379,13 @@ async fn a_fleet_of_three_relays_shares_eight_shards_through_a_kill_and_a_pause(
 }
 
 /// A fleet member hands a shard over, and that shard relay's graceful stop hangs (failpoint
-/// `before-stop-drain=hang`): the member aborts it after `STOP_GRACE` and gives its lease back
-/// at once, so the member the shard was handed to streams it then, not a lease TTL later (the
-/// TTL here is 30 s). The simulator proves the same with `fleet-abort-keeps-lease`.
+/// `before-stop-drain=hang`): the member aborts it after its grace (`--fleet-stop-grace-ms`,
+/// 3 s here) and gives its lease back at once, so the member the shard was handed to streams it
+/// then, not a lease TTL later (the TTL here is 30 s). The simulator proves the same with
+/// `fleet-abort-keeps-lease`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_relay_whose_stop_hangs_is_aborted_and_its_lease_given_back() {
-    use outbox_relay::fleet::STOP_GRACE;
+    const STOP_GRACE: Duration = Duration::from_secs(3);
     let env = TestEnv::new("fleet_hung_stop").await;
     let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
     assert!(ok, "{out}");
@@ -399,6 +400,8 @@ async fn a_shard_relay_whose_stop_hangs_is_aborted_and_its_lease_given_back() {
                 id,
                 "--lease-ttl-ms",
                 "30000",
+                "--fleet-stop-grace-ms",
+                "3000",
             ],
         )
     };

@@ -75,6 +75,7 @@ pub(crate) fn relay_config(url: &str, bootstrap: &str, slot: &str) -> RelayConfi
         resnapshot: false,
         relay_id: outboxd::config::default_relay_id(),
         lease_ttl: Duration::from_secs(10),
+        fleet_stop_grace: outboxd::config::FLEET_STOP_GRACE,
         unknown_settle: Duration::from_secs(5),
         unclear_budget: 30,
         unclear_max_waiting: outboxd::config::DEFAULT_UNCLEAR_MAX_WAITING,

@@ -16,9 +16,11 @@ use crate::pipeline::{Mutant, Plant, Shipped};
 pub const TICK: Duration = Duration::from_millis(250);
 
 /// How long a shard relay told to stop may take to drain, confirm and release its lease
-/// before the member aborts it and gives its lease back ([`Effect::Abort`]). The member's
-/// loop never waits for it: a stop that hangs must not stop the member's heartbeat, or the
-/// others would take the member for dead.
+/// before the member aborts it and gives its lease back ([`Effect::Abort`]), by default
+/// (`relay.fleet_stop_grace_ms`; [`Seen::stop_grace`]). The member's loop never waits for it:
+/// a stop that hangs must not stop the member's heartbeat, or the others would take the
+/// member for dead. Longer than a stop's own drain (`lifecycle::STOP_DRAIN_MAX`), so a stop
+/// that drains slowly ends by itself.
 pub const STOP_GRACE: Duration = Duration::from_secs(15);
 
 /// How long a shard relay may wait for a lease that a live member holds before it is given
@@ -197,7 +199,7 @@ pub enum Effect {
     /// another member is to take the shard ([`Step::HandOver`]), else it waited too long
     /// ([`Step::GiveUp`]).
     Stop { id: u64, shard: u16, handover: bool },
-    /// Relay `id` was told to stop [`STOP_GRACE`] ago and has not ended: abort it, and when
+    /// Relay `id` was told to stop [`Seen::stop_grace`] ago and has not ended: abort it, and when
     /// `release`, give back its lease of `shard`. The lease names this member, which is
     /// live, so no other member would take the shard before the lease expired (a lease TTL
     /// more unserved); the lease's generation fences whatever the aborted relay still had
@@ -233,6 +235,8 @@ pub struct Seen<'a> {
     pub holders: &'a BTreeMap<u16, String>,
     /// How long a shard relay may wait for a lease another member holds before it stops.
     pub give_up: Duration,
+    /// How long a relay told to stop may take before it is aborted ([`STOP_GRACE`] by default).
+    pub stop_grace: Duration,
 }
 
 impl Member {
@@ -254,7 +258,8 @@ impl Member {
         self.stopping.iter().map(|(id, (shard, _))| (*id, *shard))
     }
 
-    /// One tick at `now`: the stops past [`STOP_GRACE`] are aborted, then [`plan`]'s steps.
+    /// One tick at `now`: the stops past their grace ([`Seen::stop_grace`]) are aborted, then
+    /// [`plan`]'s steps.
     pub fn tick(&mut self, now: Duration, seen: &Seen) -> Vec<Effect> {
         self.tick_planted(now, seen, &Shipped)
     }
@@ -302,7 +307,7 @@ impl Member {
                         continue;
                     };
                     self.running.remove(&id);
-                    self.stopping.insert(id, (shard, now + STOP_GRACE));
+                    self.stopping.insert(id, (shard, now + seen.stop_grace));
                     effects.push(Effect::Stop {
                         id,
                         shard,
@@ -347,6 +352,7 @@ mod tests {
                 members: m,
                 holders: h,
                 give_up: Duration::from_secs(5),
+                stop_grace: STOP_GRACE,
             },
             running: r,
         }
@@ -532,6 +538,7 @@ mod member_tests {
             members,
             holders,
             give_up: Duration::from_secs(12),
+            stop_grace: STOP_GRACE,
         };
         let started = m.tick(at(0), &seen(&alone, &none));
         assert_eq!(
@@ -597,6 +604,7 @@ mod member_tests {
             members: &two,
             holders: &mine,
             give_up: Duration::from_secs(12),
+            stop_grace: STOP_GRACE,
         };
         m.running.insert(7, (1, at(0)));
         m.running.insert(8, (0, at(0)));

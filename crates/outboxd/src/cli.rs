@@ -655,6 +655,13 @@ pub struct RunArgs {
     /// docs/scaling.md.
     #[arg(long, env = "OUTBOXD_FLEET", conflicts_with = "shard")]
     pub fleet: bool,
+    /// With --fleet: how long a shard relay told to stop (its shard handed to a member that
+    /// joined, or the member stopping) may take to drain, confirm and release its lease before
+    /// the member aborts it and gives the lease back. An aborted relay's unconfirmed events are
+    /// sent again by the shard's next holder (duplicates the ledger records, never a loss).
+    /// Keep it above a stop's own drain (up to 10 s). [default: 15000]
+    #[arg(long, env = "OUTBOXD_FLEET_STOP_GRACE_MS")]
+    pub fleet_stop_grace_ms: Option<u64>,
     // Last: a flattened group's help heading also applies to the flags declared after it.
     #[command(flatten)]
     pub admin: AdminArgs,

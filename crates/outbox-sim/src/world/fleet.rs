@@ -572,6 +572,7 @@ impl Fleet<'_> {
             members: &names,
             holders: &holders,
             give_up: fleet::give_up(ms(TTL)),
+            stop_grace: fleet::STOP_GRACE,
         };
         let effects = self.members[m]
             .core

@@ -469,6 +469,8 @@ pub struct RelayFile {
     pub status_interval_ms: Option<u64>,
     pub heartbeat_interval_ms: Option<u64>,
     pub lease_ttl_ms: Option<u64>,
+    /// `--fleet-stop-grace-ms`.
+    pub fleet_stop_grace_ms: Option<u64>,
     pub relay_id: Option<String>,
     pub unknown_settle_ms: Option<u64>,
     pub unclear_budget: Option<u32>,
@@ -567,6 +569,8 @@ pub struct RelayConfig {
     pub relay_id: String,
     /// How long a lease lasts without renewal; a standby takes over after it expires.
     pub lease_ttl: Duration,
+    /// A fleet member: how long a shard relay told to stop may take before it is aborted.
+    pub fleet_stop_grace: Duration,
     /// How long after an attempt became DISPATCH_UNKNOWN (and its producer session was closed)
     /// the partition scan may conclude that the broker does not have it.
     pub unknown_settle: Duration,
@@ -779,6 +783,9 @@ impl RelayConfig {
         if self.status_interval < Duration::from_millis(10) {
             bail!("relay.status_interval_ms must be at least 10");
         }
+        if self.fleet_stop_grace < Duration::from_millis(1000) {
+            bail!("relay.fleet_stop_grace_ms (--fleet-stop-grace-ms) must be at least 1000: a shard relay's graceful stop drains its sends for up to 10 s, and one aborted sooner leaves them to be sent again");
+        }
         if self.lease_ttl < Duration::from_millis(300) {
             bail!("relay.lease_ttl_ms must be at least 300");
         }
@@ -881,6 +888,7 @@ pub fn retry_budget(
     ack_timeout + unknown_settle + lease_ttl + MAX_BACKOFF
 }
 
+pub use outbox_relay::fleet::STOP_GRACE as FLEET_STOP_GRACE;
 pub use outbox_relay::lifecycle::MAX_BACKOFF;
 
 impl RelayConfig {

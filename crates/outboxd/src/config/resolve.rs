@@ -389,6 +389,10 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
         lease_ttl: Duration::from_millis(
             a.lease_ttl_ms.or(file.relay.lease_ttl_ms).unwrap_or(10_000),
         ),
+        fleet_stop_grace: a
+            .fleet_stop_grace_ms
+            .or(file.relay.fleet_stop_grace_ms)
+            .map_or(config::FLEET_STOP_GRACE, Duration::from_millis),
         unknown_settle: Duration::from_millis(
             a.unknown_settle_ms
                 .or(file.relay.unknown_settle_ms)
@@ -704,6 +708,23 @@ mod tests {
             let e = resolve_run(&run_args(&["--config", &path])).unwrap_err();
             assert!(format!("{e:#}").contains(says), "{text}: {e:#}");
         }
+    }
+
+    #[test]
+    fn a_fleet_members_stop_grace_comes_from_the_flag_the_file_or_the_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_file(&dir, "grace.toml", "[relay]\nfleet_stop_grace_ms = 4000\n");
+        let grace = |args: &[&str]| {
+            let mut all = vec!["--bootstrap-servers", "k:9092"];
+            all.extend(args);
+            resolve_run(&run_args(&all)).map(|c| c.fleet_stop_grace)
+        };
+        assert_eq!(grace(&[]).unwrap(), config::FLEET_STOP_GRACE);
+        assert_eq!(grace(&["--config", &path]).unwrap(), Duration::from_secs(4));
+        let flag = ["--config", &path, "--fleet-stop-grace-ms", "2500"];
+        assert_eq!(grace(&flag).unwrap(), Duration::from_millis(2500));
+        let e = grace(&["--fleet-stop-grace-ms", "500"]).unwrap_err();
+        assert!(format!("{e:#}").contains("--fleet-stop-grace-ms"), "{e:#}");
     }
 
     #[test]

@@ -12,8 +12,9 @@
 //! whose process died lost the lock when its connection closed, so its shards are taken at
 //! once, not when its row ages out.
 //! Over its share it stops one of its shards gracefully (drained, confirmed, lease released),
-//! which another member then takes; a stop that has not ended after `STOP_GRACE` is aborted
-//! and its lease given back. What to start, stop and abort is `outbox_relay::fleet::Member`'s
+//! which another member then takes; a stop that has not ended after its grace
+//! (`--fleet-stop-grace-ms`) is aborted and its lease given back. What to start, stop and
+//! abort is `outbox_relay::fleet::Member`'s
 //! (pure, also run by the simulator); this loop executes it. The leases alone decide who
 //! sends: two members can never both hold a shard, whatever the members' view of each other.
 
@@ -21,7 +22,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use outbox_relay::fleet::{self, Effect, STOP_GRACE, TICK};
+use outbox_relay::fleet::{self, Effect, TICK};
 use outbox_source::shard::Shard;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -95,6 +96,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
             members: &members,
             holders: &holders,
             give_up: fleet::give_up(base.lease_ttl),
+            stop_grace: base.fleet_stop_grace,
         };
         for effect in member.tick(born.elapsed(), &seen) {
             match effect {
@@ -165,7 +167,7 @@ pub async fn run(base: RelayConfig, mut shutdown: watch::Receiver<bool>) -> Resu
     for t in tasks.values() {
         let _ = t.stop.send(true);
     }
-    let deadline = tokio::time::Instant::now() + STOP_GRACE;
+    let deadline = tokio::time::Instant::now() + base.fleet_stop_grace;
     for t in tasks.into_values() {
         let mut handle = t.handle;
         if tokio::time::timeout_at(deadline, &mut handle)
