@@ -300,6 +300,124 @@ impl Restarts {
     }
 }
 
+/// What a relay process does next across its runs ([`RunLoop`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopStep {
+    /// Ask for the slot's lease.
+    AskLease,
+    /// Another relay holds the lease: wait this long, then ask again. `first`: the first wait
+    /// of this acquisition (the process says once that it stands by).
+    Standby { wait: Duration, first: bool },
+    /// The lease is this process's: run.
+    Run,
+    /// The run ended with an error that reconnecting may fix: pause this long, then begin
+    /// again ([`RunLoop::begin`]).
+    Retry { after: Duration },
+    /// Stop the process with the run's error.
+    Stop,
+}
+
+/// What the lease's holder answered a request for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseAnswer {
+    Acquired,
+    /// Another relay holds it, for `remaining` more if it does not renew.
+    HeldBy {
+        remaining: Duration,
+    },
+}
+
+/// How a run that ended with an error ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunError {
+    /// The error policy's verdict: reconnecting may fix it.
+    pub transient: bool,
+    /// The run lost its lease (not renewed in time, or taken).
+    pub lease_lost: bool,
+}
+
+/// A relay process's runs, one after another (`outboxd run`, each shard relay of a fleet
+/// member): ask for the lease, stand by while another relay holds it, run, and after a run
+/// that ended with an error, reconnect after a pause or stop ([`Restarts`]). Pure, with no
+/// clock of its own (the caller's `now`, any monotonic origin): the daemon's `relay::run` and
+/// the simulator's fleet members drive it.
+///
+/// A run's health is measured from when it began streaming, not from when it asked for the
+/// lease: a run that stood by for a minute and failed at once is a failed restart, and the
+/// backoff grows.
+#[derive(Debug, Clone)]
+pub struct RunLoop {
+    restarts: Restarts,
+    ttl: Duration,
+    /// This acquisition waited as a standby: the lease it gets is a takeover.
+    waited: bool,
+    /// When the current run began streaming.
+    streaming_since: Option<Duration>,
+}
+
+impl RunLoop {
+    /// The run loop of a relay whose lease lasts `ttl`, with the relay's backoff
+    /// ([`Restarts::relay`]).
+    pub fn relay(ttl: Duration) -> Self {
+        RunLoop {
+            restarts: Restarts::relay(),
+            ttl,
+            waited: false,
+            streaming_since: None,
+        }
+    }
+
+    /// A run is to begin (the process started, or a retry's pause is over): ask for the lease.
+    pub fn begin(&mut self) -> LoopStep {
+        self.waited = false;
+        self.streaming_since = None;
+        LoopStep::AskLease
+    }
+
+    /// The lease's request was answered: run, or stand by and ask again
+    /// ([`standby_poll`]). A lease got after waiting is a takeover ([`Restarts::took_over`]).
+    pub fn lease_answer(&mut self, answer: LeaseAnswer) -> LoopStep {
+        match answer {
+            LeaseAnswer::Acquired => {
+                if self.waited {
+                    self.restarts.took_over();
+                }
+                LoopStep::Run
+            }
+            LeaseAnswer::HeldBy { remaining } => {
+                let first = !self.waited;
+                self.waited = true;
+                LoopStep::Standby {
+                    wait: standby_poll(remaining, self.ttl),
+                    first,
+                }
+            }
+        }
+    }
+
+    /// The run began streaming (or polling) at `now`.
+    pub fn streaming(&mut self, now: Duration) {
+        self.restarts.streaming();
+        self.streaming_since = Some(now);
+    }
+
+    /// The run ended at `now` with `error`: reconnect after a pause, or stop
+    /// ([`Restarts::after_error`], with how long it streamed).
+    pub fn ended(&mut self, now: Duration, error: RunError) -> LoopStep {
+        if error.lease_lost {
+            self.restarts.lost_lease();
+        }
+        let streamed_for = self
+            .streaming_since
+            .take()
+            .map_or(Duration::ZERO, |since| now.saturating_sub(since));
+        match self.restarts.after_error(error.transient, streamed_for) {
+            AfterError::Retry { after } => LoopStep::Retry { after },
+            AfterError::Stop => LoopStep::Stop,
+        }
+    }
+}
+
 /// What a run does next before its first event ([`RunStart::next`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StartStep {
@@ -925,6 +1043,83 @@ mod tests {
         assert_eq!(standby_wait(ms(8_000), ms(9_000)), ms(3_000));
         assert_eq!(standby_wait(ms(1_000), ms(9_000)), ms(1_000));
         assert_eq!(standby_wait(ms(0), ms(9_000)), ms(50));
+    }
+
+    #[test]
+    fn a_run_loop_stands_by_takes_over_and_measures_health_from_the_stream() {
+        let mut life = RunLoop::relay(ms(9_000));
+        assert_eq!(life.begin(), LoopStep::AskLease);
+        let held = LeaseAnswer::HeldBy {
+            remaining: ms(5_000),
+        };
+        let wait = EARLY_TAKEOVER_POLL;
+        assert_eq!(
+            life.lease_answer(held),
+            LoopStep::Standby { wait, first: true }
+        );
+        assert_eq!(
+            life.lease_answer(held),
+            LoopStep::Standby { wait, first: false }
+        );
+        assert_eq!(life.lease_answer(LeaseAnswer::Acquired), LoopStep::Run);
+        // A takeover: a transient error before the first stream is retried.
+        let transient = RunError {
+            transient: true,
+            lease_lost: false,
+        };
+        assert_eq!(
+            life.ended(ms(60_000), transient),
+            LoopStep::Retry {
+                after: FIRST_BACKOFF
+            }
+        );
+        // Streamed from 70 s, ended at 70.5 s after standing by since 61 s: not a healthy run
+        // (it streamed for half a second), so the backoff grows.
+        assert_eq!(life.begin(), LoopStep::AskLease);
+        assert_eq!(life.lease_answer(LeaseAnswer::Acquired), LoopStep::Run);
+        life.streaming(ms(70_000));
+        assert_eq!(
+            life.ended(ms(70_500), transient),
+            LoopStep::Retry {
+                after: FIRST_BACKOFF * 2
+            }
+        );
+        // A run that streamed for HEALTHY_RUN starts the backoff over.
+        life.begin();
+        life.lease_answer(LeaseAnswer::Acquired);
+        life.streaming(ms(80_000));
+        assert_eq!(
+            life.ended(ms(80_000) + HEALTHY_RUN, transient),
+            LoopStep::Retry {
+                after: FIRST_BACKOFF
+            }
+        );
+        let fatal = RunError {
+            transient: false,
+            lease_lost: false,
+        };
+        assert_eq!(life.ended(ms(90_000), fatal), LoopStep::Stop);
+    }
+
+    #[test]
+    fn a_first_run_that_never_streamed_stops_unless_it_lost_its_lease() {
+        let transient = |lease_lost| RunError {
+            transient: true,
+            lease_lost,
+        };
+        let mut life = RunLoop::relay(ms(9_000));
+        life.begin();
+        life.lease_answer(LeaseAnswer::Acquired);
+        assert_eq!(life.ended(ms(10), transient(false)), LoopStep::Stop);
+        let mut life = RunLoop::relay(ms(9_000));
+        life.begin();
+        life.lease_answer(LeaseAnswer::Acquired);
+        assert_eq!(
+            life.ended(ms(10), transient(true)),
+            LoopStep::Retry {
+                after: FIRST_BACKOFF
+            }
+        );
     }
 
     #[test]

@@ -5,9 +5,9 @@
 //! Product code decides: what a member starts, stops and aborts (`outbox_relay::fleet::Member`,
 //! every [`fleet::TICK`], which asks `fleet::plan_planted` what to take, hand over and give up,
 //! with [`fleet::STOP_GRACE`] and [`fleet::give_up`]), how often a standby asks for a lease
-//! (`outbox_relay::lifecycle::standby_poll`), when a streaming relay renews
-//! (`lifecycle::renew_every`), and whether and when a shard relay whose lease was lost runs
-//! again (`lifecycle::Restarts`). Modelled: the ledger's leases (`outbox_ledger::lease`: free,
+//! (`outbox_relay::lifecycle::RunLoop`, which waits `standby_poll`), when a streaming relay
+//! renews (`lifecycle::renew_every`), and whether and when a shard relay whose lease was lost
+//! runs again (`RunLoop::ended`, the daemon's `relay::run`). Modelled: the ledger's leases (`outbox_ledger::lease`: free,
 //! expired, the member's own, or taken at once from a holder whose session is gone), the
 //! members' rows and session locks (`lease::live_members`: a fresh row *and* a held lock), and
 //! how long a shard relay takes to connect, attach its slot and drain when told to stop (now
@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use outbox_relay::fleet::{self, Effect};
-use outbox_relay::lifecycle::{self, AfterError, Restarts};
+use outbox_relay::lifecycle::{self, LeaseAnswer, LoopStep, RunError, RunLoop};
 use outbox_relay::Planted;
 
 use super::{Counts, Mutant};
@@ -69,10 +69,9 @@ enum State {
     Starting {
         until: u64,
     },
-    /// Waiting for the lease; `waited`: it was held by another when first asked.
+    /// Waiting for the lease (asks at `next_try`).
     Standby {
         next_try: u64,
-        waited: bool,
     },
     /// Lease taken, attaching the slot.
     Attaching {
@@ -81,7 +80,6 @@ enum State {
     /// Streaming: the shard is served while the lease is still this task's.
     Streaming {
         next_renew: u64,
-        since: u64,
     },
     /// The run ended (lease lost); the next one begins at `until`.
     Backoff {
@@ -102,7 +100,8 @@ struct Task {
     stop: bool,
     /// Told to stop, it hangs (until the member aborts it).
     hangs: bool,
-    restarts: Restarts,
+    /// The product's loop of its runs: stand by, run, retry or stop (`lifecycle::RunLoop`).
+    life: RunLoop,
 }
 
 #[derive(Debug)]
@@ -453,28 +452,26 @@ impl Fleet<'_> {
                 if t.stop {
                     State::Ended
                 } else {
-                    State::Standby {
-                        next_try: now,
-                        waited: false,
-                    }
+                    t.life.begin();
+                    State::Standby { next_try: now }
                 }
             }
-            State::Standby { next_try, waited } if now >= next_try => {
+            State::Standby { next_try } if now >= next_try => {
                 if t.stop {
                     State::Ended
                 } else {
-                    match self.try_acquire(m, t.shard, t.id) {
-                        Ok(()) => {
-                            if waited {
-                                t.restarts.took_over();
-                            }
-                            State::Attaching {
-                                until: now + 100 + self.rng.below(400),
-                            }
-                        }
-                        Err(remaining) => State::Standby {
-                            next_try: now + ms_of(lifecycle::standby_poll(ms(remaining), ms(TTL))),
-                            waited: true,
+                    let answer = match self.try_acquire(m, t.shard, t.id) {
+                        Ok(()) => LeaseAnswer::Acquired,
+                        Err(remaining) => LeaseAnswer::HeldBy {
+                            remaining: ms(remaining),
+                        },
+                    };
+                    match t.life.lease_answer(answer) {
+                        LoopStep::Standby { wait, .. } => State::Standby {
+                            next_try: now + ms_of(wait),
+                        },
+                        _ => State::Attaching {
+                            until: now + 100 + self.rng.below(400),
                         },
                     }
                 }
@@ -484,10 +481,9 @@ impl Fleet<'_> {
                     self.release(t);
                     State::Ended
                 } else {
-                    t.restarts.streaming();
+                    t.life.streaming(ms(now));
                     State::Streaming {
                         next_renew: now + ms_of(lifecycle::renew_every(ms(TTL))),
-                        since: now,
                     }
                 }
             }
@@ -498,23 +494,26 @@ impl Fleet<'_> {
                     now + 50 + self.rng.below(450)
                 },
             },
-            State::Streaming { next_renew, since } if now >= next_renew => {
+            State::Streaming { next_renew } if now >= next_renew => {
                 if self.holds(t) {
                     if let Some(l) = self.leases[usize::from(t.shard)].as_mut() {
                         l.until = now + TTL;
                     }
                     State::Streaming {
                         next_renew: now + ms_of(lifecycle::renew_every(ms(TTL))),
-                        since,
                     }
                 } else {
                     // The lease was lost (taken while this member was paused): the run ends
                     // with a transient error.
-                    match t.restarts.after_error(true, ms(now - since)) {
-                        AfterError::Retry { after } => State::Backoff {
+                    let lost = RunError {
+                        transient: true,
+                        lease_lost: true,
+                    };
+                    match t.life.ended(ms(now), lost) {
+                        LoopStep::Retry { after } => State::Backoff {
                             until: now + ms_of(after),
                         },
-                        AfterError::Stop => State::Ended,
+                        _ => State::Ended,
                     }
                 }
             }
@@ -637,7 +636,7 @@ impl Fleet<'_> {
                             state: State::Starting { until },
                             stop: false,
                             hangs: false,
-                            restarts: Restarts::relay(),
+                            life: RunLoop::relay(ms(TTL)),
                         },
                     );
                 }

@@ -11,7 +11,7 @@
 //! `database` label.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use outbox_relay::lifecycle::Restarts;
 use tokio::sync::watch;
@@ -35,7 +35,6 @@ async fn supervise(cfg: RelayConfig, fleet: bool, mut shutdown: watch::Receiver<
     let progress = Arc::new(Progress::new(&cfg));
     let mut restarts = Restarts::new(Duration::from_millis(500), crate::config::MAX_BACKOFF);
     loop {
-        let began = Instant::now();
         let result = if fleet {
             fleet::run(cfg.clone(), shutdown.clone()).await
         } else {
@@ -50,14 +49,9 @@ async fn supervise(cfg: RelayConfig, fleet: bool, mut shutdown: watch::Receiver<
         };
         // Whatever the error, the other databases go on and this one is tried again: an
         // operator's fix (or the database's return) is picked up without a restart.
-        let streamed_for = if progress
-            .streaming
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            began.elapsed()
-        } else {
-            Duration::ZERO
-        };
+        let streamed_for = progress
+            .streaming_since()
+            .map_or(Duration::ZERO, |since| since.elapsed());
         // Not `after_error`: that stops a process whose relay never streamed, and here a
         // database that was never reached (down when the process started) is retried like
         // any other, with the same growing pause.

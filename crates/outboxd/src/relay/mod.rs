@@ -53,8 +53,8 @@ use tracing::Instrument;
 
 use crate::config::{redact_url, RelayConfig};
 use outbox_relay::lifecycle::{
-    self, AfterError, CdcStart, CdcStep, Ending, LeaseKeeper, Renewal, Restarts, RunStart,
-    SlotStart, StartStep,
+    CdcStart, CdcStep, Ending, LeaseAnswer, LeaseKeeper, LoopStep, Renewal, RunError, RunLoop,
+    RunStart, SlotStart, StartStep,
 };
 use outbox_relay::schedule::{self, Bounds, HeldNotice, Schedule};
 use pipeline::{Pipeline, Read};
@@ -68,6 +68,8 @@ pub struct Progress {
     pub quarantined: AtomicU64,
     pub checkpoint: AtomicU64,
     pub streaming: AtomicBool,
+    /// When the current run began streaming (or polling), if it did.
+    streaming_since: std::sync::Mutex<Option<Instant>>,
     pub reconnects: AtomicU64,
     pub metrics: crate::metrics::RelayMetrics,
 }
@@ -81,6 +83,7 @@ impl Progress {
             quarantined: AtomicU64::new(0),
             checkpoint: AtomicU64::new(0),
             streaming: AtomicBool::new(false),
+            streaming_since: std::sync::Mutex::new(None),
             reconnects: AtomicU64::new(0),
             metrics: crate::metrics::get().relay(&cfg.database, &cfg.slot),
         }
@@ -96,6 +99,33 @@ impl Progress {
     fn set_checkpoint(&self, l: Lsn) {
         self.metrics.checkpoint(l);
         self.checkpoint.store(l.0, Ordering::Relaxed);
+    }
+
+    /// The run began streaming (or polling) now.
+    fn began_streaming(&self) {
+        self.streaming.store(true, Ordering::Relaxed);
+        self.metrics.streaming(true);
+        *self
+            .streaming_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    }
+
+    /// A run is about to begin: it has not streamed yet.
+    fn run_begins(&self) {
+        self.streaming.store(false, Ordering::Relaxed);
+        *self
+            .streaming_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// When the last run began streaming, if it did.
+    pub fn streaming_since(&self) -> Option<Instant> {
+        *self
+            .streaming_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -226,22 +256,21 @@ pub async fn run(
     }
     drop(client);
     let mut resnapshot = cfg.resnapshot;
-    // Whether an ended run reconnects or stops the process: `outbox_relay::lifecycle`.
-    let mut restarts = Restarts::relay();
+    // Standing by, running, and whether an ended run reconnects or stops the process:
+    // `outbox_relay::lifecycle::RunLoop`, on a clock from here.
+    let mut life = RunLoop::relay(cfg.lease_ttl);
+    let origin = Instant::now();
+    let at = |i: Instant| i.saturating_duration_since(origin);
     loop {
         // A stop asked while the last run was ending (its `changed()` consumed by that run) is
         // honoured here, not missed by a standby that waits for the next change.
         if *shutdown.borrow() {
             return Ok(());
         }
-        let began = Instant::now();
-        progress.streaming.store(false, Ordering::Relaxed);
-        let outcome = match acquire_lease(&cfg, &mut shutdown).await {
+        progress.run_begins();
+        let outcome = match acquire_lease(&cfg, &mut life, &mut shutdown).await {
             Ok(None) => return Ok(()),
-            Ok(Some((fence, held, took_over))) => {
-                if took_over {
-                    restarts.took_over();
-                }
+            Ok(Some((fence, held))) => {
                 let span = tracing::info_span!("relay", database = %cfg.database, slot = %cfg.slot, generation = fence.generation, db = tracing::field::Empty, start_lsn = tracing::field::Empty);
                 if poll {
                     poll::run_once(&cfg, &progress, &mut shutdown, &fence, held)
@@ -263,22 +292,16 @@ pub async fn run(
             Err(e) => Err(e),
         };
         progress.metrics.streaming(false);
-        let reached = progress.streaming.load(Ordering::Relaxed);
-        if reached {
-            restarts.streaming();
+        if let Some(since) = progress.streaming_since() {
+            life.streaming(at(since));
         }
         let Err(e) = outcome else { return Ok(()) };
-        if matches!(e, RelayError::Ledger(LedgerError::LeaseLost { .. })) {
-            restarts.lost_lease();
-        }
-        let streamed_for = if reached {
-            began.elapsed()
-        } else {
-            Duration::ZERO
+        let error = RunError {
+            transient: e.is_transient(),
+            lease_lost: matches!(e, RelayError::Ledger(LedgerError::LeaseLost { .. })),
         };
-        match restarts.after_error(e.is_transient(), streamed_for) {
-            AfterError::Stop => return Err(e),
-            AfterError::Retry { after } => {
+        match life.ended(at(Instant::now()), error) {
+            LoopStep::Retry { after } => {
                 progress.reconnects.fetch_add(1, Ordering::Relaxed);
                 progress.metrics.reconnect();
                 tracing::warn!(error = %e, retry_in_ms = after.as_millis() as u64, "relay interrupted; replaying from the last checkpoint");
@@ -290,6 +313,7 @@ pub async fn run(
                     _ = shutdown.changed() => return Ok(()),
                 }
             }
+            _ => return Err(e),
         }
     }
 }
@@ -303,18 +327,32 @@ pub(super) struct HeldLease {
     locked: bool,
 }
 
-/// Waits as a hot standby until this relay holds the slot's lease. Returns the fence and the
-/// held lease, or `None` on shutdown.
+/// Waits as a hot standby until this relay holds the slot's lease (`life` says when to ask
+/// again). Returns the fence and the held lease, or `None` on shutdown.
 async fn acquire_lease(
     cfg: &RelayConfig,
+    life: &mut RunLoop,
     shutdown: &mut watch::Receiver<bool>,
-) -> Result<Option<(Fence, HeldLease, bool)>, RelayError> {
+) -> Result<Option<(Fence, HeldLease)>, RelayError> {
     let client = connect_sql(cfg.database_url.expose()).await?;
-    // Whether this process waited as a standby before the lease became its own.
-    let mut announced = false;
+    let mut step = life.begin();
     loop {
         if *shutdown.borrow() {
             return Ok(None);
+        }
+        match step {
+            LoopStep::AskLease => {}
+            LoopStep::Standby { wait, .. } => {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = shutdown.changed() => return Ok(None),
+                }
+            }
+            other => {
+                return Err(RelayError::Internal(format!(
+                    "the run loop answered {other:?} to a lease request"
+                )))
+            }
         }
         let asked = Instant::now();
         let locked = lease::try_lock(&client, &cfg.slot).await?;
@@ -326,6 +364,7 @@ async fn acquire_lease(
                 } else {
                     tracing::info!(slot = %cfg.slot, relay_id = %cfg.relay_id, generation, locked, "lease acquired");
                 }
+                life.lease_answer(LeaseAnswer::Acquired);
                 let fence = Fence {
                     owner: cfg.relay_id.clone(),
                     generation,
@@ -335,21 +374,16 @@ async fn acquire_lease(
                     session: client,
                     locked,
                 };
-                return Ok(Some((fence, held, announced)));
+                return Ok(Some((fence, held)));
             }
             Acquire::HeldBy { owner, remaining } => {
                 if locked {
                     lease::unlock(&client, &cfg.slot).await?;
                 }
-                if !announced {
+                step = life.lease_answer(LeaseAnswer::HeldBy { remaining });
+                if let LoopStep::Standby { first: true, .. } = step {
                     tracing::info!(slot = %cfg.slot, %owner, remaining_ms = remaining.as_millis() as u64,
                         "standby: another relay holds the slot; taking over when its lease expires or its holder is gone");
-                    announced = true;
-                }
-                let wait = lifecycle::standby_poll(remaining, cfg.lease_ttl);
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = shutdown.changed() => return Ok(None),
                 }
             }
         }
@@ -633,8 +667,7 @@ async fn run_once(
             slot_lsn,
             checkpoint: start,
         })?;
-    progress.streaming.store(true, Ordering::Relaxed);
-    progress.metrics.streaming(true);
+    progress.began_streaming();
     progress.set_checkpoint(start);
     tracing::info!(start = %start, "streaming");
     tracing::Span::current().record("start_lsn", tracing::field::display(start));

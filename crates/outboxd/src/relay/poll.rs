@@ -11,7 +11,6 @@
 //! them again (the broker copies of a SIGKILLed round become duplicate receipts, as after a CDC
 //! replay). `--slot` names the lease: one poll relay per name is active, the others stand by.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -76,8 +75,7 @@ pub(super) async fn run_once(
     // Not prepared: planned at every round with the statistics of the moment (receipts and
     // positions grow from nothing; a plan made for empty tables does not scale).
     let pending = poll::pending_sql(current_rows);
-    progress.streaming.store(true, Ordering::Relaxed);
-    progress.metrics.streaming(true);
+    progress.began_streaming();
     tracing::info!(lease = %cfg.slot, interval_ms = cfg.poll_interval.as_millis() as u64, "polling");
 
     // The clock the core's round decisions are kept on.
