@@ -167,6 +167,11 @@ pub enum Mutant {
     /// transaction split over two batches whose second batch was never accepted are skipped
     /// (`txn_lost`).
     TxnReplayedIsAccepted,
+    /// Exactly-once mode: what queued while a transaction was open waits for the next linger
+    /// once the broker answered ([`crate::txn::TxnCore::broker_answered`] flushes nothing): a
+    /// batch filled during the transaction started no linger, so it waits for ever
+    /// (`txn_lost`: the simulator's drain finds nothing that moves it).
+    TxnAnswerLeavesQueue,
     /// Exactly-once mode: an event read again whose receipt the ledger holds is sent again
     /// (`txn_seen_twice`: a stream transaction split over two batches, after a crash).
     TxnReplaysAccepted,

@@ -385,6 +385,21 @@ impl<P: Plant> TxnCore<P> {
         }
     }
 
+    /// Whether the driver may read the stream: fewer than `max_in_flight` events unfinished
+    /// (`--max-in-flight`; a full batch is flushed by [`TxnCore::read`] before this bounds).
+    pub fn can_read(&self, max_in_flight: usize) -> bool {
+        self.unfinished() < max_in_flight
+    }
+
+    /// The broker answered a commit, an abort or a settle, and the core was told what it said:
+    /// once no transaction is open, what queued meanwhile goes in the next one at once, not a
+    /// linger later ([`TxnCore::flush`]).
+    pub fn broker_answered(&mut self) {
+        if !self.in_transaction() && !self.plant.planted(Mutant::TxnAnswerLeavesQueue) {
+            self.flush();
+        }
+    }
+
     /// When the batch's linger started, if it runs: the batch is due a linger after it.
     pub fn linger_started(&self) -> Option<std::time::Duration> {
         self.linger_started

@@ -215,6 +215,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::TxnSkipsFirstRecord,
         Mutant::TxnRequeuesAtBack,
         Mutant::TxnReplayedIsAccepted,
+        Mutant::TxnAnswerLeavesQueue,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -401,6 +402,10 @@ fn every_mutant_is_caught(product: bool) {
         ),
         (
             Mutant::TxnReplayedIsAccepted,
+            &[("txn_lost", |c| c.txn_lost)],
+        ),
+        (
+            Mutant::TxnAnswerLeavesQueue,
             &[("txn_lost", |c| c.txn_lost)],
         ),
         (

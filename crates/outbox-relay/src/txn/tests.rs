@@ -494,3 +494,50 @@ fn a_report_without_a_position_proves_nothing_stored_and_aborts_the_batch() {
         TxnReport::Failed { permanent: None }
     );
 }
+
+/// What is read while a transaction is open waits for it: when the broker has answered, it
+/// goes in the next transaction at once (`broker_answered`), even when a full batch read
+/// meanwhile started no linger. Planted, it waits for ever (the simulator's `txn_lost`).
+#[test]
+fn what_queued_during_a_transaction_goes_in_the_next_once_the_broker_answered() {
+    let run = |mut c: TxnCore<Planted>| {
+        let first = event("a", 1);
+        c.admit(first, false);
+        c.stream_commit(Lsn(20));
+        c.flush();
+        steps(&mut c);
+        // A full batch read while the transaction is open: due, but not taken yet.
+        for v in 1..=2 {
+            c.admit(event("b", v), false);
+        }
+        c.stream_commit(Lsn(30));
+        c.read(true, std::time::Duration::from_millis(5));
+        assert!(
+            c.linger_started().is_none(),
+            "a full batch starts no linger"
+        );
+        c.on_report(0, stored(0));
+        assert!(matches!(
+            steps(&mut c)[..],
+            [TxnStep::Commit { batch: 1, .. }]
+        ));
+        c.on_committed(CommitOutcome::Committed(at(1)));
+        c.broker_answered();
+        steps(&mut c)
+    };
+    let core = |mutant| {
+        let plant = Planted {
+            mutant,
+            current_route: None,
+        };
+        TxnCore::planted(plant, served(), 2, Lsn(10), 0, vec![])
+    };
+    let next = run(core(None));
+    assert!(next.contains(&TxnStep::Begin { batch: 2 }), "{next:?}");
+    assert_eq!(sends(&next).len(), 2);
+    let stuck = run(core(Some(Mutant::TxnAnswerLeavesQueue)));
+    assert!(
+        !stuck.iter().any(|s| matches!(s, TxnStep::Begin { .. })),
+        "{stuck:?}"
+    );
+}

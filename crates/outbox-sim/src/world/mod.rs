@@ -306,6 +306,9 @@ pub enum Mutant {
     /// Product mutant: every event of a stream transaction read again after a crash is taken
     /// for accepted by its commit position alone (`txn_lost`).
     TxnReplayedIsAccepted,
+    /// Product mutant: what queued during a transaction is not flushed when the broker
+    /// answers; a batch filled meanwhile waits for ever (`txn_lost`).
+    TxnAnswerLeavesQueue,
 }
 
 impl Mutant {
@@ -399,6 +402,7 @@ impl Mutant {
         ("txn-skips-first-record", Mutant::TxnSkipsFirstRecord),
         ("txn-requeues-at-back", Mutant::TxnRequeuesAtBack),
         ("txn-replayed-is-accepted", Mutant::TxnReplayedIsAccepted),
+        ("txn-answer-leaves-queue", Mutant::TxnAnswerLeavesQueue),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {

@@ -48,6 +48,7 @@ fn product_mutant(m: Mutant) -> Option<outbox_relay::Mutant> {
         Mutant::TxnSkipsFirstRecord => Some(outbox_relay::Mutant::TxnSkipsFirstRecord),
         Mutant::TxnRequeuesAtBack => Some(outbox_relay::Mutant::TxnRequeuesAtBack),
         Mutant::TxnReplayedIsAccepted => Some(outbox_relay::Mutant::TxnReplayedIsAccepted),
+        Mutant::TxnAnswerLeavesQueue => Some(outbox_relay::Mutant::TxnAnswerLeavesQueue),
         Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
         _ => None,
     }
@@ -238,6 +239,14 @@ impl Txn<'_> {
         }
     }
 
+    /// The daemon's read bound: the stream has more, and fewer events than the relay keeps in
+    /// flight are unfinished (`TxnCore::can_read`; a transaction takes up to that many, as the
+    /// daemon's batch is at least `--max-in-flight`).
+    fn can_read(&self, i: usize) -> bool {
+        let r = &self.relays[i];
+        r.cursor < self.wal.len() && r.core.can_read(self.batch_size)
+    }
+
     fn active(&self) -> Option<usize> {
         self.relays
             .iter()
@@ -249,22 +258,23 @@ impl Txn<'_> {
         let live = |r: &Relay| !r.paused && !r.ended;
         let has = |f: &dyn Fn(&Relay) -> bool| self.relays.iter().any(|r| live(r) && f(r));
         let weights = [
-            u64::from(active.is_some_and(|i| self.relays[i].cursor < self.wal.len())) * 10, // 0 read
-            u64::from(active.is_some()) * 6, // 1 flush
+            u64::from(active.is_some_and(|i| self.can_read(i))) * 10, // 0 read
+            u64::from(active.is_some_and(|i| self.relays[i].core.linger_started().is_some())) * 6, // 1 the linger is over
             u64::from(has(&|r| !r.reports.is_empty())) * 14, // 2 report
-            u64::from(has(&|r| r.commit.is_some())) * 6, // 3 commit
-            u64::from(has(&|r| r.abort)) * 6, // 4 abort
-            u64::from(has(&|r| r.settle.is_some())) * 6, // 5 settle
-            u64::from(has(&|r| !r.accepts.is_empty())) * 6, // 6 accept
-            u64::from(active.is_some()) * 2, // 7 SIGKILL
-            u64::from(active.is_some()) * 2, // 8 pause
+            u64::from(has(&|r| r.commit.is_some())) * 6,     // 3 commit
+            u64::from(has(&|r| r.abort)) * 6,                // 4 abort
+            u64::from(has(&|r| r.settle.is_some())) * 6,     // 5 settle
+            u64::from(has(&|r| !r.accepts.is_empty())) * 6,  // 6 accept
+            u64::from(active.is_some()) * 2,                 // 7 SIGKILL
+            u64::from(active.is_some()) * 2,                 // 8 pause
             u64::from(self.relays.iter().any(|r| r.paused)) * 3, // 9 resume
-            u64::from(active.is_none()) * 6, // 10 start
-            2,                               // 11 nothing
+            u64::from(active.is_none()) * 6,                 // 10 start
+            2,                                               // 11 nothing
         ];
         match self.rng.weighted(&weights) {
             0 => self.read(active.expect("weighted")),
             1 => {
+                // The daemon's linger timer: the batch is due.
                 let i = active.expect("weighted");
                 self.relays[i].core.flush();
                 self.execute(i);
@@ -430,6 +440,9 @@ impl Txn<'_> {
             self.relays[i].core.admit(ev, accepted);
         }
         self.relays[i].core.stream_commit(end);
+        // The daemon's loop after a read: a full batch is due at once, else the linger starts
+        // (its time is the linger step's).
+        self.relays[i].core.read(true, std::time::Duration::ZERO);
         self.say(format!(
             "gen {} reads stream txn #{} (ends {end})",
             self.relays[i].gen,
@@ -551,6 +564,7 @@ impl Txn<'_> {
             self.relays[i].gen
         ));
         self.relays[i].core.on_committed(outcome);
+        self.relays[i].core.broker_answered();
         self.execute(i);
     }
 
@@ -562,6 +576,7 @@ impl Txn<'_> {
             self.say(format!("gen {} abort unanswered", self.relays[i].gen));
             self.c.txn_unclear_aborts += 1;
             self.relays[i].core.on_abort_unclear();
+            self.relays[i].core.broker_answered();
             self.execute(i);
             return;
         }
@@ -574,6 +589,7 @@ impl Txn<'_> {
             None => true,
         };
         self.relays[i].core.on_aborted(fenced);
+        self.relays[i].core.broker_answered();
         self.execute(i);
     }
 
@@ -601,6 +617,7 @@ impl Txn<'_> {
             self.relays[i].gen
         ));
         self.relays[i].core.on_settled(found);
+        self.relays[i].core.broker_answered();
         self.execute(i);
     }
 
@@ -698,15 +715,22 @@ impl Txn<'_> {
             if self.pending_step(i) {
                 continue;
             }
-            if self.relays[i].cursor < self.wal.len() {
+            if self.can_read(i) {
                 self.read(i);
                 continue;
             }
-            self.relays[i].core.flush();
-            self.execute(i);
-            if !self.has_pending(i) && self.relays[i].core.unfinished() == 0 {
-                return;
+            // Only the daemon's own reasons move a batch: its linger (or a full batch, or a
+            // broker's answer, above). What none of them moves would wait for ever: the judge
+            // counts it lost.
+            if self.relays[i].core.linger_started().is_some() {
+                self.relays[i].core.flush();
+                self.execute(i);
+                continue;
             }
+            if self.relays[i].core.unfinished() > 0 || self.relays[i].cursor < self.wal.len() {
+                self.say("DRAIN: nothing moves what is left".into());
+            }
+            return;
         }
         self.say("DRAIN did not finish".into());
     }

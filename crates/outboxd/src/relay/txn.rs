@@ -183,8 +183,9 @@ pub(super) async fn stream(
         if run.core.stopped() {
             return Err(fenced(&id));
         }
-        let can_read =
-            run.core.unfinished() < usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX);
+        let can_read = run
+            .core
+            .can_read(usize::try_from(cfg.max_in_flight).unwrap_or(usize::MAX));
         let linger_at = run.core.linger_started().map(|s| run_started + s + linger);
         tokio::select! {
             biased;
@@ -194,10 +195,7 @@ pub(super) async fn stream(
             }
             done = broker_done(&mut run.broker) => {
                 run.on_broker(done)?;
-                // The transaction is over: what queued meanwhile goes in the next one now.
-                if !run.core.in_transaction() {
-                    run.core.flush();
-                }
+                run.core.broker_answered();
             }
             done = accept_done(&mut run.accepting) => run.on_accepted(done)?,
             _ = status.tick() => confirm(stream, reader.received(), run.core.durable()).await?,
