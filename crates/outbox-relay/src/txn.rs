@@ -676,6 +676,42 @@ impl<P: Plant> TxnCore<P> {
         }
     }
 
+    /// The acceptances waiting for the ledger ([`TxnStep::Accept`]s, in the order asked) as
+    /// one, which the ledger takes in one transaction, so that acceptances keep up with the
+    /// broker's commits (the batches accepted together grow with the ledger's latency). Its
+    /// receipts and kept events are every batch's, in order; its checkpoint and record the
+    /// furthest, never behind the durable checkpoint; its batch the last. With the batches it
+    /// covers, each to be told accepted in order ([`TxnCore::on_accepted`]). `None`: nothing
+    /// to accept.
+    pub fn merge_accepts(&self, steps: Vec<TxnStep>) -> Option<(Vec<u64>, TxnStep)> {
+        let (mut batches, mut all_receipts, mut all_kept) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut furthest, mut last_record) = (self.durable, None);
+        for step in steps {
+            if let TxnStep::Accept {
+                batch,
+                receipts,
+                kept,
+                through,
+                record,
+            } = step
+            {
+                batches.push(batch);
+                all_receipts.extend(receipts);
+                all_kept.extend(kept);
+                furthest = furthest.max(through);
+                last_record = last_record.max(record);
+            }
+        }
+        let merged = TxnStep::Accept {
+            batch: *batches.last()?,
+            receipts: all_receipts,
+            kept: all_kept,
+            through: furthest,
+            record: last_record,
+        };
+        Some((batches, merged))
+    }
+
     /// The ledger accepted `batch` (the oldest asked): the checkpoint is its `through`.
     pub fn on_accepted(&mut self, batch: u64) {
         if let Some(&(b, through)) = self.accepting.front() {

@@ -541,3 +541,48 @@ fn what_queued_during_a_transaction_goes_in_the_next_once_the_broker_answered() 
         "{stuck:?}"
     );
 }
+
+/// Batches waiting for the ledger are accepted as one, in order: every receipt, the furthest
+/// checkpoint and record, and each batch told accepted after.
+#[test]
+fn waiting_acceptances_merge_into_one_in_order() {
+    let c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+    assert_eq!(c.merge_accepts(vec![]), None);
+    let accept = |batch, through, record: Option<RecordPosition>, id: u64| TxnStep::Accept {
+        batch,
+        receipts: vec![TxnReceipt {
+            event_id: uuid::Uuid::from_u64_pair(0, id),
+            partition: 0,
+            offset: id as i64,
+        }],
+        kept: vec![],
+        through: Lsn(through),
+        record,
+    };
+    let (batches, merged) = c
+        .merge_accepts(vec![accept(3, 40, Some(at(5)), 1), accept(4, 30, None, 2)])
+        .expect("two batches");
+    assert_eq!(batches, [3, 4]);
+    let TxnStep::Accept {
+        batch,
+        receipts,
+        through,
+        record,
+        ..
+    } = merged
+    else {
+        panic!("{merged:?}")
+    };
+    assert_eq!((batch, through, record), (4, Lsn(40), Some(at(5))));
+    let offsets: Vec<i64> = receipts.iter().map(|r| r.offset).collect();
+    assert_eq!(offsets, [1, 2]);
+    // Never behind the durable checkpoint.
+    let (_, merged) = c.merge_accepts(vec![accept(5, 5, None, 3)]).unwrap();
+    assert!(matches!(
+        merged,
+        TxnStep::Accept {
+            through: Lsn(10),
+            ..
+        }
+    ));
+}

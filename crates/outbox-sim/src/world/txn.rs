@@ -375,7 +375,11 @@ impl Txn<'_> {
         // The recovered batches are accepted before the stream starts.
         while let Some(a) = self.relays[i].accepts.pop_front() {
             self.c.txn_recovered += 1;
-            if !self.apply(i, a) {
+            let batch = match &a {
+                TxnStep::Accept { batch, .. } => *batch,
+                _ => continue,
+            };
+            if !self.apply(i, a, &[batch]) {
                 return;
             }
         }
@@ -621,8 +625,13 @@ impl Txn<'_> {
         self.execute(i);
     }
 
+    /// The daemon's acceptance: every batch waiting, in one ledger transaction
+    /// (`TxnCore::merge_accepts`).
     fn accept(&mut self, i: usize) {
-        let a = self.relays[i].accepts.pop_front().expect("chosen");
+        let waiting: Vec<TxnStep> = self.relays[i].accepts.drain(..).collect();
+        let Some((batches, a)) = self.relays[i].core.merge_accepts(waiting) else {
+            return;
+        };
         if self.faults && self.rng.chance(30) {
             // A failed acceptance ends the run; the next one starts from the ledger.
             self.say(format!(
@@ -632,11 +641,12 @@ impl Txn<'_> {
             self.relays[i].ended = true;
             return;
         }
-        self.apply(i, a);
+        self.apply(i, a, &batches);
     }
 
-    /// The ledger's acceptance, fenced by the lease's generation. Returns whether it applied.
-    fn apply(&mut self, i: usize, a: TxnStep) -> bool {
+    /// The ledger's acceptance of `batches` (as one step `a`), fenced by the lease's
+    /// generation. Returns whether it applied.
+    fn apply(&mut self, i: usize, a: TxnStep, batches: &[u64]) -> bool {
         let TxnStep::Accept {
             batch,
             receipts,
@@ -684,7 +694,9 @@ impl Txn<'_> {
             receipts.len(),
             self.ledger.checkpoint
         ));
-        self.relays[i].core.on_accepted(batch);
+        for b in batches {
+            self.relays[i].core.on_accepted(*b);
+        }
         true
     }
 
@@ -733,16 +745,6 @@ impl Txn<'_> {
             return;
         }
         self.say("DRAIN did not finish".into());
-    }
-
-    /// Whether run `i` waits for an answer of the broker or the ledger.
-    fn has_pending(&self, i: usize) -> bool {
-        let r = &self.relays[i];
-        !r.reports.is_empty()
-            || r.commit.is_some()
-            || r.abort
-            || r.settle.is_some()
-            || !r.accepts.is_empty()
     }
 
     /// Gives run `i` the next answer it waits for, if any.

@@ -686,34 +686,12 @@ impl Run<'_> {
         if self.accepting.is_some() || self.accepts.is_empty() {
             return Ok(());
         }
-        // Every batch waiting, in one ledger transaction (in order: the last one's checkpoint
-        // and record cover the others'), so that acceptances keep up with the broker's
-        // commits: the batches accepted together grow with the ledger's latency.
+        // Every batch waiting, in one ledger transaction (`TxnCore::merge_accepts`).
         let steps: Vec<TxnStep> = self.accepts.drain(..).collect();
-        let mut batches = Vec::with_capacity(steps.len());
-        let mut items = Vec::new();
-        let (mut through, mut record) = (self.core.durable(), None);
-        for step in &steps {
-            if let TxnStep::Accept {
-                batch,
-                through: t,
-                record: r,
-                ..
-            } = step
-            {
-                batches.push(*batch);
-                through = through.max(*t);
-                record = record.max(*r);
-            }
-            items.extend(self.live_items(step)?);
-        }
-        let merged = TxnStep::Accept {
-            batch: *batches.last().expect("a batch"),
-            receipts: Vec::new(),
-            kept: Vec::new(),
-            through,
-            record,
+        let Some((batches, merged)) = self.core.merge_accepts(steps) else {
+            return Ok(());
         };
+        let items = self.live_items(&merged)?;
         let mut session = self.ledger.take().expect("the acceptance session");
         let (slot, fence) = (self.cfg.slot.clone(), self.fence.clone());
         self.accepting = Some(tokio::spawn(async move {
