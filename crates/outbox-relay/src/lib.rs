@@ -65,7 +65,7 @@ pub use parked::{
     LookupOutcome, Policy as UnclearPolicy, Schedule as UnclearSchedule, UnclearStep,
     UNANSWERED_AFTER,
 };
-pub use pipeline::unclear::{OpenAttempt, ParkedInput, ParkedLookup, ParkedStep};
+pub use pipeline::unclear::{LookupFor, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep};
 pub use pipeline::{Acceptance, AcceptanceEnd, PipelineCore};
 pub use route::Refusal;
 

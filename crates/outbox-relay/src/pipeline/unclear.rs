@@ -195,7 +195,48 @@ impl<A: Clone> ParkedLookup<A> {
     }
 }
 
+/// Whose look-up answered ([`PipelineCore::lookup_answered`]).
+#[derive(Debug)]
+pub enum LookupFor {
+    /// A parked event's, with what the look-ups of its later attempts proved.
+    Parked { prior: Option<LookupOutcome> },
+    /// One the running reconciliation started, of another generation's open attempt.
+    Reconciling,
+}
+
 impl<P: crate::pipeline::Plant> PipelineCore<P> {
+    /// A look-up of one of `event`'s attempts answered, and the driver recorded what it
+    /// proved (`Ok`: the rule's verdict, `crate::unknown::resolve`, with the attempts the same
+    /// answer settles closed) or it proved nothing (`Err`: why). A parked event's round goes
+    /// on with the returned [`ParkedLookup`] (nothing proven: it is asked again after the
+    /// backoff; otherwise its other open attempts are traced too); a look-up of the running
+    /// reconciliation is done ([`PipelineCore::reconciled`]; nothing proven: the next release
+    /// poll asks again).
+    pub fn lookup_answered<A: Clone>(
+        &mut self,
+        event: OutboxEvent,
+        whose: LookupFor,
+        answer: Result<crate::unknown::Resolved, String>,
+    ) -> Option<ParkedLookup<A>> {
+        match whose {
+            LookupFor::Reconciling => {
+                let resolved = answer.unwrap_or(crate::unknown::Resolved::StillUnknown);
+                self.reconciled(&event, &resolved);
+                None
+            }
+            LookupFor::Parked { prior } => {
+                let outcome = match answer {
+                    Ok(resolved) => {
+                        self.unknown_resolved(event.event_id, &resolved);
+                        LookupOutcome::from(resolved)
+                    }
+                    Err(error) => LookupOutcome::Unresolved { after: None, error },
+                };
+                Some(ParkedLookup::answered(event, prior, outcome))
+            }
+        }
+    }
+
     /// The policy for events frozen for `ev`'s destination: its cluster's own (a webhook
     /// endpoint's schedule), else the relay's.
     pub fn unclear_policy_for(&self, ev: &OutboxEvent) -> &Policy {

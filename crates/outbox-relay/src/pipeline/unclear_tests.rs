@@ -747,3 +747,47 @@ fn the_count_waiting_on_unclear_outcomes_serves_for_its_sample_life() {
         1
     );
 }
+
+/// A look-up's answer, as the core learns it: a parked event's round goes on with what it
+/// proved (nothing proven ends it, asked again after the backoff); a reconciliation's look-up
+/// that proved nothing leaves the event to the next poll, and one that found the copy settles
+/// it (not parked again when the replay reaches it).
+#[test]
+fn a_look_ups_answer_goes_on_with_a_parked_round_or_ends_a_reconciliation() {
+    use super::unclear::LookupFor;
+    use crate::unknown::Resolved;
+    let mut c = core();
+    let e = event("a", 1);
+    let mut round = c
+        .lookup_answered::<u32>(
+            e.clone(),
+            LookupFor::Parked { prior: None },
+            Err("timeout".into()),
+        )
+        .expect("a parked event's round goes on");
+    assert!(matches!(
+        round.next(&mut c, ParkedInput::Begin),
+        ParkedStep::Done {
+            outcome: LookupOutcome::Unresolved { .. },
+            ..
+        }
+    ));
+    let found = Resolved::Found {
+        offset: 4,
+        attempt_generation: 1,
+    };
+    let mut round = c
+        .lookup_answered::<u32>(e.clone(), LookupFor::Parked { prior: None }, Ok(found))
+        .expect("a parked event's round goes on");
+    round.next(&mut c, ParkedInput::Begin);
+    assert!(matches!(
+        round.next(&mut c, ParkedInput::Open(None)),
+        ParkedStep::Done {
+            outcome: LookupOutcome::Recorded,
+            ..
+        }
+    ));
+    assert!(c
+        .lookup_answered::<u32>(e.clone(), LookupFor::Reconciling, Err("timeout".into()))
+        .is_none());
+}

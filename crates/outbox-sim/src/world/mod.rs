@@ -31,8 +31,8 @@ use outbox_relay::schedule::{Bounds, Load, Schedule, Settings, Waiting};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{
-    AcceptanceEnd, Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup, ParkedStep,
-    PipelineCore, Planted, Reported, UnclearStep,
+    AcceptanceEnd, Command, LookupFor, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup,
+    ParkedStep, PipelineCore, Planted, Reported, UnclearStep,
 };
 use outbox_source::slot::{self, LedgerView, SlotInfo, StartPlan};
 use uuid::Uuid;
@@ -2449,37 +2449,6 @@ impl World {
         Ok(())
     }
 
-    /// `Pipeline::on_reconcile_lookup`: the running reconciliation's look-up of attempt `a`
-    /// answers: what it proved is recorded, the attempts the same answer settles are closed,
-    /// and the core is told (`PipelineCore::reconciled`); a failed look-up is asked again at
-    /// the next poll.
-    fn on_reconcile_lookup(
-        &mut self,
-        i: usize,
-        a: usize,
-        ev: OutboxEvent,
-        published: bool,
-    ) -> Result<(), End> {
-        let row = self.ledger.attempts[a].row;
-        let resolved = match self.look_up(i, a, &ev, published) {
-            Some((scan, probe, resent)) => {
-                let resolved = self.record_lookup(i, a, &ev, scan, probe)?;
-                self.close_answered(row, resent, &resolved);
-                resolved
-            }
-            None => {
-                log!(
-                    self,
-                    "UNKNOWN {}: the look-up failed; asking at the next poll",
-                    ev.event_id
-                );
-                Resolved::StillUnknown
-            }
-        };
-        self.relays[i].core.reconciled(&ev, &resolved);
-        Ok(())
-    }
-
     /// `Sink::lookup_resends`: whether a look-up of an attempt sent at `sent_at` re-sends the
     /// event under its key (inside the served cluster's duplicate window, with a margin).
     fn lookup_resends(&self, sent_at: u64) -> bool {
@@ -3198,9 +3167,11 @@ impl World {
         (attempt, offset)
     }
 
-    /// `Pipeline::on_lookup`: look-up `k` of run `i` answers; what it proved is recorded as
-    /// reconciliation at start records it ([`World::record_lookup`]); while the event has
-    /// another open attempt, that one is looked up too; then the core decides.
+    /// `Pipeline::on_lookup`: look-up `k` of run `i` answers (a parked event's, or one the
+    /// running reconciliation started); what it proved is recorded as reconciliation at start
+    /// records it ([`World::record_lookup`]) and the attempts the same answer settles are
+    /// closed; then the core learns it (`PipelineCore::lookup_answered`) and a parked event's
+    /// round goes on.
     fn on_lookup(&mut self, i: usize, k: usize) -> Result<(), End> {
         let PendingLookup {
             event,
@@ -3209,30 +3180,31 @@ impl World {
             published,
             reconciling,
         } = self.relays[i].lookups.remove(k);
-        if reconciling {
-            return self.on_reconcile_lookup(i, attempt, event, published);
+        if !reconciling {
+            self.c.unclear_lookups += 1;
         }
-        self.c.unclear_lookups += 1;
         let id = event.event_id;
-        let outcome = match self.look_up(i, attempt, &event, published) {
+        let row = self.ledger.attempts[attempt].row;
+        let answer = match self.look_up(i, attempt, &event, published) {
             Some((scan, probe, resent)) => {
                 let resolved = self.record_lookup(i, attempt, &event, scan, probe)?;
-                self.close_answered(self.by_id[&id], resent, &resolved);
-                self.relays[i].core.unknown_resolved(id, &resolved);
-                LookupOutcome::from(resolved)
+                self.close_answered(row, resent, &resolved);
+                Ok(resolved)
             }
             None => {
-                log!(
-                    self,
-                    "look-up of {id} failed; asking again after the backoff"
-                );
-                LookupOutcome::Unresolved {
-                    error: "simulated look-up failure".into(),
-                    after: None,
-                }
+                log!(self, "look-up of {id} failed; asking again");
+                Err("simulated look-up failure".to_string())
             }
         };
-        self.drive_lookup(i, ParkedLookup::answered(event, prior, outcome))
+        let whose = if reconciling {
+            LookupFor::Reconciling
+        } else {
+            LookupFor::Parked { prior }
+        };
+        match self.relays[i].core.lookup_answered(event, whose, answer) {
+            Some(round) => self.drive_lookup(i, round),
+            None => Ok(()),
+        }
     }
 
     /// `PipelineCore::lookup_done`, and the sends that follow (the retry, or the aggregate's

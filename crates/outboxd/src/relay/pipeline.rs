@@ -18,10 +18,10 @@ use outbox_ledger::{accept, AcceptOutcome};
 use outbox_relay::lifecycle::{EndStep, Ending, RunEnd};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::stage::{Stage, Staged};
-use outbox_relay::unknown::{Resolved, When};
+use outbox_relay::unknown::When;
 use outbox_relay::{
-    Acceptance, AcceptanceEnd, Command, LookupOutcome, Now, OpenAttempt, ParkedInput, ParkedLookup,
-    ParkedStep, Pending, PipelineCore, Reported, UnclearStep,
+    Acceptance, AcceptanceEnd, Command, LookupFor, LookupOutcome, Now, OpenAttempt, ParkedInput,
+    ParkedLookup, ParkedStep, Pending, PipelineCore, Reported, UnclearStep,
 };
 use outbox_sink::{
     AnySink, Delivery, DeliveryOutcome, Lookup, Served, Sink, SinkError, UnknownLookup,
@@ -525,11 +525,13 @@ impl Pipeline {
         });
     }
 
-    /// A look-up of a parked event finished: record what it proved; close the event's other
-    /// open attempts that a re-send under its key just answered (`Pipeline::close_answered`, in `unknown.rs`:
-    /// never sent again after a clear answer); while it has another open attempt (an earlier
-    /// run's, an earlier try's), look that one up too, so every attempt is traced; then tell
-    /// the core and send what follows (the retry, or the aggregate's next event).
+    /// A look-up finished (a parked event's, or one the running reconciliation started):
+    /// record what it proved and close the event's other open attempts that a re-send under its
+    /// key just answered (`Pipeline::close_answered`, in `unknown.rs`: never sent again after a
+    /// clear answer); then the core learns it (`PipelineCore::lookup_answered`) and a parked
+    /// event's round goes on: while it has another open attempt (an earlier run's, an earlier
+    /// try's), that one is looked up too, so every attempt is traced; then what follows is
+    /// sent (the retry, or the aggregate's next event).
     pub async fn on_lookup(&mut self, done: LookupDone) -> Result<(), RelayError> {
         let LookupDone {
             event,
@@ -540,77 +542,34 @@ impl Pipeline {
             resent,
             prior,
         } = done;
-        let id = event.event_id;
-        if reconciling {
-            return self
-                .on_reconcile_lookup(event, attempt, started, result, resent)
-                .await;
-        }
-        let outcome = match result {
+        let answer = match result {
             Ok(lookup) => {
                 let answer = lookup.clone();
-                let slot = self.slot.clone();
-                let resolved = self
-                    .record_lookup(
-                        &slot,
-                        &self.fence.clone(),
-                        &attempt,
-                        &event,
-                        lookup,
-                        started,
-                    )
-                    .await?;
-                self.close_answered(&slot, &event, resent, &answer, &resolved)
-                    .await?;
-                self.core.unknown_resolved(id, &resolved);
-                LookupOutcome::from(resolved)
-            }
-            Err(e) => {
-                tracing::warn!(event_id = %id, error = %e, "look-up of an unclear outcome proved nothing; asking again after the backoff");
-                // The HTTP sink already waited out any Retry-After inside its deadline: the
-                // core's own backoff follows.
-                LookupOutcome::Unresolved {
-                    after: None,
-                    error: e.to_string(),
-                }
-            }
-        };
-        self.drive_lookup(ParkedLookup::answered(event, prior, outcome))
-            .await
-    }
-
-    /// A look-up the running reconciliation started finished: record what it proved, close
-    /// the event's other attempts a re-send under its key answered, and tell the core
-    /// (`PipelineCore::reconciled`: no longer looked up, a found copy raises a known head). A
-    /// failed look-up proves nothing: the next release poll asks again.
-    async fn on_reconcile_lookup(
-        &mut self,
-        event: OutboxEvent,
-        attempt: attempts::UnknownAttempt,
-        started: Instant,
-        result: Result<Lookup, SinkError>,
-        resent: bool,
-    ) -> Result<(), RelayError> {
-        let resolved = match result {
-            Ok(lookup) => {
-                let answer = lookup.clone();
-                let slot = self.slot.clone();
-                let fence = self.fence.clone();
+                let (slot, fence) = (self.slot.clone(), self.fence.clone());
                 let resolved = self
                     .record_lookup(&slot, &fence, &attempt, &event, lookup, started)
                     .await?;
                 self.close_answered(&slot, &event, resent, &answer, &resolved)
                     .await?;
-                resolved
+                Ok(resolved)
             }
             Err(e) => {
-                tracing::warn!(event_id = %event.event_id, topic = %attempt.topic, partition = attempt.partition, error = %e,
-                    "DISPATCH_UNKNOWN look-up failed; asking again at the next poll");
-                Resolved::StillUnknown
+                tracing::warn!(event_id = %event.event_id, topic = %attempt.topic, partition = attempt.partition, error = %e, reconciling,
+                    "look-up of a DISPATCH_UNKNOWN attempt proved nothing; asking again (a parked event after its backoff, a reconciliation at the next release poll)");
+                // The HTTP sink already waited out any Retry-After inside its deadline: the
+                // core's own backoff follows.
+                Err(e.to_string())
             }
         };
-        self.core.reconciled(&event, &resolved);
-        Ok(())
+        let whose = if reconciling {
+            LookupFor::Reconciling
+        } else {
+            LookupFor::Parked { prior }
+        };
+        match self.core.lookup_answered(event, whose, answer) {
+            Some(round) => self.drive_lookup(round).await,
+            None => Ok(()),
+        }
     }
 
     /// Waits for the next thing that moves the pipeline on — a delivery report, a finished
