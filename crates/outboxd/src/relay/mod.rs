@@ -879,10 +879,12 @@ fn keep_lease(cfg: &RelayConfig, fence: &Fence, held: HeldLease) -> (Arc<LeaseSt
         held.asked.elapsed(),
         held.locked,
     );
-    let lease_state = Arc::new(LeaseState::new(held.asked + keeper.deadline()));
+    let lease_state = Arc::new(LeaseState {
+        keeper: std::sync::Mutex::new(keeper),
+        base: held.asked,
+    });
     let keeper = spawn_lease_keeper(
-        held,
-        keeper,
+        held.session,
         cfg.slot.clone(),
         fence.clone(),
         cfg.lease_ttl,
@@ -1074,35 +1076,32 @@ pub(super) fn bounds(cfg: &RelayConfig) -> Bounds {
     }
 }
 
-/// What the lease keeper knows: until when our lease is certainly valid, and whether another
-/// relay has taken it.
+/// The run's lease as its keeper decides it (`outbox_relay::lifecycle::LeaseKeeper`, on a clock
+/// counting from the question that took the lease): the keeper task executes its renewals, the
+/// run asks it whether it may still send.
 #[derive(Debug)]
 pub(crate) struct LeaseState {
-    deadline: std::sync::Mutex<Instant>,
-    lost: AtomicBool,
+    keeper: std::sync::Mutex<LeaseKeeper>,
+    base: Instant,
 }
 
 impl LeaseState {
-    fn new(deadline: Instant) -> Self {
-        LeaseState {
-            deadline: std::sync::Mutex::new(deadline),
-            lost: AtomicBool::new(false),
-        }
+    /// The keeper, at its clock's `now` (held only for `f`, never across an await).
+    fn with<R>(&self, f: impl FnOnce(&mut LeaseKeeper, Duration) -> R) -> R {
+        let now = self.base.elapsed();
+        let mut keeper = self.keeper.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut keeper, now)
     }
 
-    /// Whether this relay may still send: the lease is ours and its deadline has not passed by
-    /// the monotonic clock (which keeps counting while the process is paused).
+    /// Whether this relay may still send (`LeaseKeeper::valid`: the lease is ours and its
+    /// deadline has not passed by the monotonic clock, which keeps counting while the process
+    /// is paused).
     pub(crate) fn valid(&self) -> bool {
-        !self.is_lost()
-            && self
-                .deadline
-                .lock()
-                .map(|d| Instant::now() < *d)
-                .unwrap_or(false)
+        self.with(|k, now| k.valid(now))
     }
 
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost.load(Ordering::Relaxed)
+        self.with(|k, _| k.is_lost())
     }
 }
 
@@ -1116,36 +1115,29 @@ const SESSION_CHECK: Duration = Duration::from_millis(20);
 /// it, or the network did), a standby may take the lease early, so the lease is lost here at
 /// once.
 fn spawn_lease_keeper(
-    held: HeldLease,
-    mut keeper: LeaseKeeper,
+    client: Client,
     slot: String,
     fence: Fence,
     ttl: Duration,
     state: Arc<LeaseState>,
 ) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(async move {
-        let HeldLease {
-            session: client,
-            asked: base,
-            ..
-        } = held;
-        let now = || base.elapsed();
         loop {
             tokio::time::sleep(SESSION_CHECK).await;
             if client.is_closed() {
                 tracing::warn!(slot = %slot, generation = fence.generation,
                     "the lease's session closed (its lock is free for a standby): lease lost, sending stops");
-                keeper.session_closed();
-                state.lost.store(true, Ordering::Relaxed);
+                state.with(|k, _| k.session_closed());
                 return;
             }
-            if !keeper.renewal_due(now()) {
+            let Some(lock_first) = state.with(|k, now| k.renewal_due(now).then(|| k.asking(now)))
+            else {
                 continue;
-            }
-            if keeper.asking(now()) {
+            };
+            if lock_first {
                 match lease::try_lock(&client, &slot).await {
                     Ok(true) => {
-                        keeper.lock_taken();
+                        state.with(|k, _| k.lock_taken());
                         if let Err(e) = lease::mark_locked(&client, &slot, &fence).await {
                             tracing::warn!(error = %e, "recording the lease's session lock failed");
                         }
@@ -1162,13 +1154,11 @@ fn spawn_lease_keeper(
                     Renewal::Failed
                 }
             };
-            keeper.answered(renewal, now());
-            if keeper.is_lost() {
-                state.lost.store(true, Ordering::Relaxed);
+            if state.with(|k, now| {
+                k.answered(renewal, now);
+                k.is_lost()
+            }) {
                 return;
-            }
-            if let Ok(mut d) = state.deadline.lock() {
-                *d = base + keeper.deadline();
             }
         }
     }))
