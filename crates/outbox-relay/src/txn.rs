@@ -338,6 +338,19 @@ impl<P: Plant> TxnCore<P> {
             .collect()
     }
 
+    /// [`TxnCore::heads_needed`] for every transaction of a read, once each: the heads of a
+    /// read are read in one look-up before any of it is admitted.
+    pub fn heads_needed_in(&self, read: &[StreamTxn]) -> Vec<AggKey> {
+        read.iter()
+            .flat_map(|t| {
+                let events = t.rows.iter().filter_map(|(r, _)| r.as_ref().ok());
+                self.heads_needed(t.commit_lsn, events)
+            })
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    }
+
     /// The heads read for `needed` (`read`: the highest version with a receipt of those that
     /// have one; the others have none: 0).
     pub fn learn_heads(&mut self, needed: Vec<AggKey>, read: Vec<(AggKey, i64)>) {

@@ -307,9 +307,21 @@ fn a_transaction_read_again_is_accepted_up_to_its_aggregates_heads_only() {
     assert!(c.heads_needed(Lsn(40), &evs).is_empty());
     assert!(!c.replayed_accepted(&evs[0], Lsn(40)));
     // At the bound: a's head is read once (v1 has its receipt; the batch with v2 and v3 was
-    // never accepted), then only v1 counts as accepted.
-    let needed = c.heads_needed(Lsn(30), &evs);
+    // never accepted), then only v1 counts as accepted. A read of two transactions that both
+    // meet it asks for it once; one beyond the bound asks for nothing.
+    let txn = |commit: u64, evs: &[OutboxEvent]| StreamTxn {
+        rows: evs.iter().map(|e| (Ok(e.clone()), Lsn(commit))).collect(),
+        commit_lsn: Lsn(commit),
+        end_lsn: Lsn(commit + 1),
+    };
+    let read = [
+        txn(20, &evs[..1]),
+        txn(30, &evs[1..]),
+        txn(40, &[event("c", 1)]),
+    ];
+    let needed = c.heads_needed_in(&read);
     assert_eq!(needed, vec![("order".to_string(), "a".to_string())]);
+    assert_eq!(needed, c.heads_needed(Lsn(30), &evs));
     c.learn_heads(needed, vec![(("order".into(), "a".into()), 1)]);
     assert!(c.heads_needed(Lsn(30), &evs).is_empty(), "met already");
     let accepted: Vec<bool> = evs

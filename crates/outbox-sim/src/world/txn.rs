@@ -27,7 +27,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use outbox_core::delivery::RecordPosition;
 use outbox_core::{Destination, Lsn, OutboxEvent};
-use outbox_relay::txn::{CommitOutcome, Kept, Recorded, TxnCore, TxnReceipt, TxnReport, TxnStep};
+use outbox_relay::txn::{
+    CommitOutcome, Kept, Recorded, StreamTxn, TxnCore, TxnReceipt, TxnReport, TxnStep,
+};
 use outbox_relay::Planted;
 use uuid::Uuid;
 
@@ -409,11 +411,16 @@ impl Txn<'_> {
     fn read(&mut self, i: usize) {
         let (ids, end) = self.wal[self.relays[i].cursor].clone();
         self.relays[i].cursor += 1;
-        // The daemon's `TxnRun::admit`: the heads of the aggregates a transaction read again
-        // meets first (`holds::heads_of`: the highest version with a receipt), then what of it
-        // is accepted already is the core's rule.
+        // The daemon's `Run::admit`: the heads of the aggregates a read meets first, read again
+        // (`holds::heads_of`: the highest version with a receipt), then what of it is accepted
+        // already is the core's rule. A read here is one stream transaction.
         let events: Vec<OutboxEvent> = ids.iter().map(|e| self.events[*e].ev.clone()).collect();
-        let needed = self.relays[i].core.heads_needed(end, &events);
+        let read = [StreamTxn {
+            rows: events.iter().map(|e| (Ok(e.clone()), end)).collect(),
+            commit_lsn: end,
+            end_lsn: end,
+        }];
+        let needed = self.relays[i].core.heads_needed_in(&read);
         if !needed.is_empty() {
             let read = needed
                 .iter()

@@ -26,7 +26,7 @@ use futures::FutureExt;
 use outbox_core::delivery::{DeliveryOutcome, FailureClass, RecordPosition};
 use outbox_core::records::QuarantineRecord;
 use outbox_core::{Lsn, OutboxEvent};
-use outbox_ledger::holds::{self, AggKey};
+use outbox_ledger::holds;
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem};
 use outbox_relay::txn::{
@@ -392,15 +392,7 @@ impl Run<'_> {
         if read.is_empty() {
             return Ok(());
         }
-        let unknown: Vec<AggKey> = read
-            .iter()
-            .flat_map(|t| {
-                let events = t.rows.iter().filter_map(|(r, _)| r.as_ref().ok());
-                self.core.heads_needed(t.commit_lsn, events)
-            })
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
+        let unknown = self.core.heads_needed_in(&read);
         if !unknown.is_empty() {
             let heads = holds::heads_of(sql, &unknown, None).await?;
             self.core.learn_heads(unknown, heads);
