@@ -64,3 +64,51 @@ pub const RECORD_ROUND_SQL: &str = "INSERT INTO outbox.poll_rounds (slot_name, g
      VALUES ($1, $2, pg_current_snapshot())
      ON CONFLICT (slot_name) DO UPDATE
      SET generation = EXCLUDED.generation, snapshot = EXCLUDED.snapshot, started_at = clock_timestamp()";
+
+/// Moves the poll positions over the receipted prefix before a round reads what lies above
+/// them: every aggregate's ([`ADVANCE_SQL`]) when `only` is `None`, else those of `only`
+/// (types, ids: [`ADVANCE_SOME_SQL`]). Which: `outbox_relay::poll::Advance`.
+pub async fn advance_positions(
+    sql: &tokio_postgres::Client,
+    only: Option<(&[String], &[String])>,
+) -> Result<u64, crate::SourceError> {
+    let advanced = match only {
+        None => sql.execute(ADVANCE_SQL, &[]).await,
+        Some((types, ids)) => sql.execute(ADVANCE_SOME_SQL, &[&types, &ids]).await,
+    };
+    advanced.map_err(|e| crate::slot::db_err("advancing the poll positions", e))
+}
+
+/// Opens a round's read on `sql`: a REPEATABLE READ transaction whose first statement records
+/// its snapshot for the lease `slot` of `generation` ([`RECORD_ROUND_SQL`]: a destination
+/// migration waits while a quarantine is newer than the round's read, migration 0015). Its
+/// rows: [`pending_rows`]; committed once every row is admitted.
+pub async fn begin_round<'a>(
+    sql: &'a mut tokio_postgres::Client,
+    slot: &str,
+    generation: i64,
+) -> Result<tokio_postgres::Transaction<'a>, crate::SourceError> {
+    use crate::slot::db_err;
+    let tx = sql
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .await
+        .map_err(|e| db_err("starting the poll round", e))?;
+    tx.execute(RECORD_ROUND_SQL, &[&slot, &generation])
+        .await
+        .map_err(|e| db_err("recording the poll round", e))?;
+    Ok(tx)
+}
+
+/// The next pending events of a round ([`begin_round`]), at most `limit`, streamed:
+/// `pending` is [`pending_sql`]'s statement (planned at every round, not prepared).
+pub async fn pending_rows(
+    tx: &tokio_postgres::Transaction<'_>,
+    pending: &str,
+    limit: i64,
+) -> Result<tokio_postgres::RowStream, crate::SourceError> {
+    tx.query_raw(pending, [limit])
+        .await
+        .map_err(|e| crate::slot::db_err("reading pending outbox events", e))
+}

@@ -144,12 +144,6 @@ async fn round(
     pipeline: &mut Pipeline,
     progress: &Progress,
 ) -> Result<u64, RelayError> {
-    let db = |context: &'static str| {
-        move |e| LedgerError::Db {
-            context: context.into(),
-            source: e,
-        }
-    };
     let started = Instant::now();
     // What was sent since the last round (an unclear event resolved and the one behind it,
     // between rounds) is reported and its receipt accepted before the read: the read must not
@@ -157,37 +151,25 @@ async fn round(
     pipeline.drain_all(cfg.batch_size, progress, true).await?;
     // Positions over the receipted prefix before reading what lies above them; which ones:
     // `outbox_relay::poll::Advance`.
-    let advanced = match pipeline
+    match pipeline
         .core
         .begin_poll_round(started.saturating_duration_since(run_started))
     {
-        Advance::All => sql.execute(poll::ADVANCE_SQL, &[]).await,
-        Advance::These { types, ids } => sql.execute(poll::ADVANCE_SOME_SQL, &[&types, &ids]).await,
-        Advance::Nothing => Ok(0),
+        Advance::All => poll::advance_positions(sql, None).await?,
+        Advance::These { types, ids } => poll::advance_positions(sql, Some((&types, &ids))).await?,
+        Advance::Nothing => 0,
     };
-    advanced.map_err(db("advancing the poll positions"))?;
-    // The read and the record of its snapshot in one REPEATABLE READ transaction: a
-    // destination migration waits while a quarantine is newer than the round's read (the
-    // round may hold the event; migration 0015). Committed once every row is admitted.
-    let tx = sql
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .start()
-        .await
-        .map_err(db("starting the poll round"))?;
-    tx.execute(poll::RECORD_ROUND_SQL, &[&cfg.slot, &fence.generation])
-        .await
-        .map_err(db("recording the poll round"))?;
-    let rows = tx
-        .query_raw(pending, [ROUND_LIMIT])
-        .await
-        .map_err(db("reading pending outbox events"))?;
+    // The read and the record of its snapshot in one transaction (`poll::begin_round`),
+    // committed once every row is admitted.
+    let tx = poll::begin_round(sql, &cfg.slot, fence.generation).await?;
+    let rows = poll::pending_rows(&tx, pending, ROUND_LIMIT).await?;
     let n = pipeline
         .admit_rows(rows, Read::PollRound, super::bounds(cfg), progress)
         .await?;
-    tx.commit()
-        .await
-        .map_err(db("ending the poll round's read"))?;
+    tx.commit().await.map_err(|e| LedgerError::Db {
+        context: "ending the poll round's read".into(),
+        source: e,
+    })?;
     let read_ms = started.elapsed().as_secs_f64() * 1e3;
     // The next round reads what has no receipt: nothing of this one may still be at the broker.
     // A parked event may stay: the next round skips its aggregate.
