@@ -298,6 +298,8 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 policy.repeat_wait());
         }
         self.parked.insert(parked.p.ev.event_id, parked);
+        // A park changes what waits at once: the next look at the bounds counts again.
+        self.waiting_sample = None;
     }
 
     /// Parked events whose tries are past the budget.
@@ -352,7 +354,9 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
     }
 
     /// [`Self::waiting_on_unclear`], counted at most every [`WAITING_SAMPLE`] (the clock going
-    /// back counts again): the bounds may lag that much behind a park or a report.
+    /// back counts again): the bounds may lag that much behind what queues behind a parked
+    /// event, a report, or a send becoming unanswered. A park, and a parked event leaving,
+    /// count again at once (they are rare, and a park is what most changes the count).
     pub fn waiting_sampled(&mut self, now: SystemTime) -> Waiting {
         match self.waiting_sample {
             Some((at, n)) if now.duration_since(at).is_ok_and(|d| d < WAITING_SAMPLE) => n,
@@ -475,6 +479,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 });
             } else {
                 let p = self.parked.remove(&id).expect("listed above");
+                self.waiting_sample = None;
                 steps.extend(self.send_one(p.p, now)?.map(UnclearStep::Send));
             }
         }
@@ -489,6 +494,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         outcome: LookupOutcome,
         now: Now,
     ) -> Result<Vec<Command>, CoreError> {
+        self.waiting_sample = None;
         let Some(mut parked) = self.parked.remove(&event_id) else {
             return Ok(Vec::new());
         };

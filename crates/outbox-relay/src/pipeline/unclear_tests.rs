@@ -719,13 +719,21 @@ fn the_count_waiting_on_unclear_outcomes_serves_for_its_sample_life() {
     unclear(&mut c, token(&b[0]), Persistence::NotPersisted);
     assert_eq!(
         c.waiting_sampled(now(1519).wall).events,
-        0,
+        1,
+        "a park is counted at once"
+    );
+    // What queues behind the parked event waits for the next count.
+    let queued = c.admit(event("b", 2), None, None, None, now(1519)).unwrap();
+    assert!(queued.is_empty(), "queued behind the parked event");
+    assert_eq!(
+        c.waiting_sampled(now(1538).wall).events,
+        1,
         "within its life"
     );
-    assert_eq!(c.waiting_sampled(now(1520).wall).events, 1, "counted again");
+    assert_eq!(c.waiting_sampled(now(1539).wall).events, 2, "counted again");
     assert_eq!(
         c.waiting_sampled(now(1000).wall).events,
-        1,
+        2,
         "the clock went back"
     );
     let bounds = crate::schedule::Bounds {
@@ -744,7 +752,7 @@ fn the_count_waiting_on_unclear_outcomes_serves_for_its_sample_life() {
     );
     assert_eq!(
         c.waiting_where_it_matters(bounds, 2, now(5000).wall).events,
-        1
+        2
     );
 }
 

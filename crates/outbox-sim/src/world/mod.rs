@@ -562,6 +562,9 @@ struct Flight {
 /// One relay run (`outboxd run` between two errors), with everything it keeps in memory.
 struct Relay {
     gen: i64,
+    /// Since when (simulated time) its reading is held while all it holds waits on unclear
+    /// outcomes (`reading_stopped_by_unclear` past the count's sample life).
+    held_by_unclear_since: Option<u64>,
     /// SIGKILLed: removed at the end of the step (indices stay valid within a step).
     killed: bool,
     /// The product's lease keeper (`outbox_relay::lifecycle::LeaseKeeper`): until when this
@@ -1071,16 +1074,28 @@ impl World {
             // Not read, with more in the slot, while all the relay holds unresolved waits on
             // unclear outcomes: nothing to accept, and no send answered within
             // `UNANSWERED_AFTER` still unanswered (a send older than that is an outcome
-            // becoming unclear).
+            // becoming unclear). For longer than the loop's count of them may lag
+            // (`WAITING_SAMPLE`: the bounds see a park at once, what queues behind it and a
+            // send becoming unanswered at the next count).
             let unanswered = outbox_relay::pipeline::UNANSWERED_AFTER.as_millis() as u64;
             self.c.reads_held_back += 1;
-            if r.in_flight
+            let held = r
+                .in_flight
                 .iter()
                 .all(|f| self.now >= f.sent_at + unanswered)
-                && r.core.batch_len() == 0
+                && r.core.batch_len() == 0;
+            let now = self.now;
+            let since = &mut self.relays[i].held_by_unclear_since;
+            if !held {
+                *since = None;
+            } else if now
+                > *since.get_or_insert(now)
+                    + outbox_relay::schedule::WAITING_SAMPLE.as_millis() as u64
             {
                 self.c.reading_stopped_by_unclear += 1;
             }
+        } else if let Some(i) = active {
+            self.relays[i].held_by_unclear_since = None;
         }
         let reports = self
             .relays
@@ -1301,13 +1316,11 @@ impl World {
             .load_for(self.bounds, r.accepting.is_some(), now, wall)
     }
 
-    /// The daemon's backpressure (`Bounds::can_read`, which its `Schedule::can_read` asks).
-    fn can_read(&self, i: usize) -> bool {
-        if self.bounds.max_in_flight == u64::MAX {
-            return true;
-        }
-        let core = &self.relays[i].core;
-        let load = core.load(false, core.waiting_on_unclear(self.now_for(i).wall));
+    /// The daemon's backpressure, as its loop decides it: the bounds (`Bounds::can_read`, which
+    /// its `Schedule::can_read` asks) over the loop's view (`World::load_of`, the daemon's
+    /// `load_of`: what waits on unclear outcomes sampled, and counted where it matters).
+    fn can_read(&mut self, i: usize) -> bool {
+        let load = self.load_of(i);
         self.bounds.can_read(&load)
     }
 
@@ -1969,6 +1982,7 @@ impl World {
             current_route: None,
         };
         self.relays.push(Relay {
+            held_by_unclear_since: None,
             gen,
             killed: false,
             keeper: LeaseKeeper::planted(
