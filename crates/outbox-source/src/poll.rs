@@ -88,16 +88,10 @@ pub async fn begin_round<'a>(
     slot: &str,
     generation: i64,
 ) -> Result<tokio_postgres::Transaction<'a>, crate::SourceError> {
-    use crate::slot::db_err;
-    let tx = sql
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .start()
-        .await
-        .map_err(|e| db_err("starting the poll round", e))?;
+    let tx = crate::snapshot::repeatable_read(sql, false, "starting the poll round").await?;
     tx.execute(RECORD_ROUND_SQL, &[&slot, &generation])
         .await
-        .map_err(|e| db_err("recording the poll round", e))?;
+        .map_err(|e| crate::slot::db_err("recording the poll round", e))?;
     Ok(tx)
 }
 

@@ -41,13 +41,7 @@ pub async fn begin_read<'a>(
     exported: Option<&str>,
 ) -> Result<tokio_postgres::Transaction<'a>, crate::SourceError> {
     use crate::slot::db_err;
-    let tx = client
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .read_only(true)
-        .start()
-        .await
-        .map_err(|e| db_err("starting the snapshot transaction", e))?;
+    let tx = repeatable_read(client, true, "starting the snapshot transaction").await?;
     if let Some(name) = exported {
         tx.batch_execute(&format!(
             "SET TRANSACTION SNAPSHOT '{}'",
@@ -57,6 +51,22 @@ pub async fn begin_read<'a>(
         .map_err(|e| db_err("importing the slot's exported snapshot", e))?;
     }
     Ok(tx)
+}
+
+/// A REPEATABLE READ transaction on `client` (`read_only` or not); `starting` names it in an
+/// error. The snapshot's read and a poll round's read are each one.
+pub(crate) async fn repeatable_read<'a>(
+    client: &'a mut tokio_postgres::Client,
+    read_only: bool,
+    starting: &str,
+) -> Result<tokio_postgres::Transaction<'a>, crate::SourceError> {
+    client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(read_only)
+        .start()
+        .await
+        .map_err(|e| crate::slot::db_err(starting, e))
 }
 
 /// The rows of a snapshot's read ([`begin_read`]): [`pending_rows_sql`]'s, streamed.
