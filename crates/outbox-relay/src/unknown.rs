@@ -146,6 +146,31 @@ pub struct Record {
     pub resolve_first: bool,
 }
 
+/// One write of a look-up's [`Record`], in the order [`Record::writes`] gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    /// Resolve the attempt (`attempts::resolve`): FOUND at `Some(offset)`, ABSENT at `None`.
+    Resolve(Option<i64>),
+    /// Accept the copy's primary receipt.
+    Receipt(ReceiptAt),
+}
+
+impl Record {
+    /// What to write, in order: the resolution first where it comes first, the receipt, the
+    /// resolution where it comes last. The daemon's `record_lookup` and the simulator's
+    /// execute these.
+    pub fn writes(&self) -> Vec<Write> {
+        let resolve = self.resolve.map(Write::Resolve);
+        let receipt = self.receipt.map(Write::Receipt);
+        let order = if self.resolve_first {
+            [resolve, receipt]
+        } else {
+            [receipt, resolve]
+        };
+        order.into_iter().flatten().collect()
+    }
+}
+
 /// Where a look-up's copy is, and which send it was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReceiptAt {
@@ -218,6 +243,16 @@ pub fn answered_already(resent: bool, resolved: &Resolved, next_resends: bool) -
         )
 }
 
+/// How another open attempt that the same answer settles ([`answered_already`]) is resolved:
+/// FOUND at the copy's offset where the answer found it, else ABSENT (the re-send stored under
+/// the key is the retry).
+pub fn settled_at(resolved: &Resolved) -> Option<i64> {
+    match *resolved {
+        Resolved::Found { offset, .. } => Some(offset),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +272,12 @@ mod tests {
             attempt_generation: 1,
         };
         assert!(answered_already(true, &stored, true), "HTTP: same key");
+        assert_eq!(
+            settled_at(&stored),
+            None,
+            "ABSENT: the re-send is the retry"
+        );
+        assert_eq!(settled_at(&found), Some(7), "FOUND at the copy");
         assert!(answered_already(true, &found, true), "JetStream duplicate");
         assert!(
             !answered_already(true, &stored, false),
@@ -301,6 +342,10 @@ mod tests {
             })
         );
         assert_eq!((found.resolve, found.resolve_first), (Some(Some(7)), false));
+        assert!(matches!(
+            found.writes()[..],
+            [Write::Receipt(_), Write::Resolve(Some(7))]
+        ));
         let stored = record(
             Resolved::StoredByProbe {
                 offset: 9,
@@ -311,6 +356,10 @@ mod tests {
         );
         assert_eq!(stored.receipt.map(|r| r.relay_generation), Some(5));
         assert_eq!((stored.resolve, stored.resolve_first), (Some(None), true));
+        assert!(matches!(
+            stored.writes()[..],
+            [Write::Resolve(None), Write::Receipt(_)]
+        ));
         let retry = record(
             Resolved::Retry {
                 attempt_generation: 2,
@@ -319,8 +368,10 @@ mod tests {
             5,
         );
         assert_eq!((retry.receipt, retry.resolve), (None, Some(None)));
+        assert_eq!(retry.writes(), [Write::Resolve(None)]);
         let nothing = record(Resolved::StillUnknown, 3, 5);
         assert_eq!((nothing.receipt, nothing.resolve), (None, None));
+        assert!(nothing.writes().is_empty());
     }
 
     #[test]

@@ -2560,14 +2560,18 @@ impl World {
         // What to write, and in which order: `outbox_relay::unknown::record`, as the daemon's
         // `unknown::record_lookup` (the simulated receipt carries no generations).
         let record = unknown::record(resolved, relay_gen, self.relays[i].gen);
-        let state = |found: Option<i64>| match found {
-            Some(_) => AttemptState::Found,
-            None => AttemptState::Absent,
-        };
-        if let (Some(found), true) = (record.resolve, record.resolve_first) {
-            self.resolve_attempt(a, state(found));
-        }
-        if let Some(r) = record.receipt {
+        for write in record.writes() {
+            let r = match write {
+                unknown::Write::Resolve(found) => {
+                    let state = match found {
+                        Some(_) => AttemptState::Found,
+                        None => AttemptState::Absent,
+                    };
+                    self.resolve_attempt(a, state);
+                    continue;
+                }
+                unknown::Write::Receipt(r) => r,
+            };
             let rc = Receipt {
                 topic,
                 partition,
@@ -2587,9 +2591,6 @@ impl World {
             let raises = vec![(receipt::UNPOSITIONED_GENERATION, None)];
             self.accept(i, items, raises, None, Vec::new(), false)?;
             self.relays[i].proven.insert(row);
-        }
-        if let (Some(found), false) = (record.resolve, record.resolve_first) {
-            self.resolve_attempt(a, state(found));
         }
         log!(
             self,
@@ -3122,9 +3123,9 @@ impl World {
                 continue;
             }
             let (relay_gen, attempt) = (at.relay_gen, at.attempt);
-            let state = match resolved {
-                Resolved::Found { .. } => AttemptState::Found,
-                _ => AttemptState::Absent,
+            let state = match unknown::settled_at(resolved) {
+                Some(_) => AttemptState::Found,
+                None => AttemptState::Absent,
             };
             self.resolve_attempt(a, state);
             log!(

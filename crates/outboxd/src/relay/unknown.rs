@@ -63,7 +63,7 @@ use crate::config::RelayConfig;
 use outbox_ledger::lease::Fence;
 
 pub(crate) use outbox_relay::unknown::When;
-use outbox_relay::unknown::{self, Reconcile, Resolved};
+use outbox_relay::unknown::{self, Reconcile, Resolved, Write};
 
 impl Pipeline {
     /// Every open DISPATCH_UNKNOWN attempt of the slot, as the core decides `when` (at a run's
@@ -158,18 +158,18 @@ impl Pipeline {
         if !unknown::answered_already(resent, resolved, true) {
             return Ok(0);
         }
-        let (found_offset, scanned_from, scanned_to) = match *lookup {
+        let found_offset = unknown::settled_at(resolved);
+        let (scanned_from, scanned_to) = match *lookup {
             Lookup::Found {
-                offset,
                 scanned_from,
                 scanned_to,
                 ..
-            } => (Some(offset), scanned_from, scanned_to),
-            Lookup::StoredByProbe { offset, .. } => (None, offset, offset),
-            Lookup::Absent {
+            }
+            | Lookup::Absent {
                 scanned_from,
                 scanned_to,
-            } => (None, scanned_from, scanned_to),
+            } => (scanned_from, scanned_to),
+            Lookup::StoredByProbe { offset, .. } => (offset, offset),
         };
         let mut closed = 0;
         for other in attempts::all_open_unknown_of(&self.client, slot, ev.event_id).await? {
@@ -251,10 +251,15 @@ impl Pipeline {
         let resolved = unknown::resolve(a.attempt_generation, last, proof, probe_offset);
         // What to write, and in which order, is the core's (`outbox_relay::unknown::record`).
         let record = unknown::record(resolved, a.relay_generation, fence.generation);
-        if let (Some(found), true) = (record.resolve, record.resolve_first) {
-            attempts::resolve(&self.client, a.id, found, scanned_from, scanned_to).await?;
-        }
-        if let Some(r) = record.receipt {
+        let mut evidence = evidence;
+        for write in record.writes() {
+            let r = match write {
+                Write::Resolve(found) => {
+                    attempts::resolve(&self.client, a.id, found, scanned_from, scanned_to).await?;
+                    continue;
+                }
+                Write::Receipt(r) => r,
+            };
             let receipt = LedgerItem::Receipt(ReceiptRecord {
                 event_id: ev.event_id,
                 aggregate_version: ev.aggregate_version,
@@ -270,12 +275,9 @@ impl Pipeline {
                 relay_generation: r.relay_generation,
                 commit_lsn: None,
                 change_lsn: None,
-                evidence,
+                evidence: evidence.take(),
             });
             accept::accept_batch(&mut self.client, slot, &[receipt], None, Some(fence)).await?;
-        }
-        if let (Some(found), false) = (record.resolve, record.resolve_first) {
-            attempts::resolve(&self.client, a.id, found, scanned_from, scanned_to).await?;
         }
         match resolved {
             Resolved::StillUnknown => {}
