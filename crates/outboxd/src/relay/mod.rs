@@ -105,25 +105,22 @@ impl Progress {
     fn began_streaming(&self) {
         self.streaming.store(true, Ordering::Relaxed);
         self.metrics.streaming(true);
-        *self
-            .streaming_since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        *self.since() = Some(Instant::now());
     }
 
     /// A run is about to begin: it has not streamed yet.
     fn run_begins(&self) {
         self.streaming.store(false, Ordering::Relaxed);
-        *self
-            .streaming_since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = None;
+        *self.since() = None;
     }
 
     /// When the last run began streaming, if it did.
     pub fn streaming_since(&self) -> Option<Instant> {
-        *self
-            .streaming_since
+        *self.since()
+    }
+
+    fn since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.streaming_since
             .lock()
             .unwrap_or_else(|e| e.into_inner())
     }
