@@ -24,6 +24,20 @@ pub async fn load_held(client: &Client) -> Result<Vec<AggKey>, LedgerError> {
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// The events operators skipped (`outboxd quarantine skip`: their quarantine closed as
+/// skipped), never to be published: a run that meets one in the stream again drops it
+/// (`outbox_relay::PipelineCore::skipped_by_operator`).
+pub async fn skipped_events(client: &Client) -> Result<Vec<uuid::Uuid>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT event_id FROM outbox.quarantine WHERE resolution = 'skipped' AND event_id IS NOT NULL",
+            &[],
+        )
+        .await
+        .ctx("loading skipped events")?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 /// Whether aggregate `key` is held in the ledger now (a hold row, released or not).
 pub async fn is_held(client: &Client, key: &AggKey) -> Result<bool, LedgerError> {
     Ok(client

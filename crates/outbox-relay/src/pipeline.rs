@@ -156,6 +156,9 @@ pub struct PipelineCore<P = Shipped> {
     salvaging: bool,
     /// Events whose UNKNOWN attempt reconciliation found on the broker: never sent again.
     pub found: HashSet<Uuid>,
+    /// Events an operator skipped (`outboxd quarantine skip`): never sent, when the stream
+    /// meets them again ([`PipelineCore::skipped_by_operator`]).
+    skipped: HashSet<Uuid>,
     /// Events whose UNKNOWN attempt was proven absent: the next send's attempt generation.
     pub retry_generation: HashMap<Uuid, i32>,
     in_flight_bytes: usize,
@@ -272,6 +275,7 @@ impl<P: Plant> PipelineCore<P> {
             lease_expired: false,
             salvaging: false,
             found: HashSet::new(),
+            skipped: HashSet::new(),
             retry_generation: HashMap::new(),
             in_flight_bytes: 0,
             parked: BTreeMap::new(),
@@ -1206,6 +1210,36 @@ impl<P: Plant> PipelineCore<P> {
     /// Every aggregate the gate knows (after reconciliation at start: whose heads to read).
     pub fn known_aggregates(&self) -> Vec<AggKey> {
         self.gate.known().cloned().collect()
+    }
+
+    /// Events an operator skipped (`outboxd quarantine skip`: their quarantine closed as
+    /// skipped): never to be published. The stream may meet one again after its aggregate's
+    /// hold is gone — a run that replays from a checkpoint before it (the checkpoint passed
+    /// it once its quarantine was recorded, but a later run may start from an older one), or
+    /// one whose stream reaches it after a release poll closed the hold — and the gate would
+    /// take it for a replay to send: the driver tells the core every skipped event at start
+    /// (`outbox_ledger::holds::skipped_events`) and the release poll each skip it meets
+    /// ([`crate::release::ReleasePoll`]). Found by the simulator (seed 1, trace 53667).
+    pub fn skipped_by_operator(&mut self, ids: impl IntoIterator<Item = Uuid>) {
+        self.skipped.extend(ids);
+    }
+
+    /// A stream row the operator skipped ([`PipelineCore::skipped_by_operator`]): resolved at
+    /// once (its quarantine, closed as skipped, is its record), never sent. The reads outside
+    /// the stream (a snapshot, a poll round) never offer one: their SQL leaves it out.
+    pub(crate) fn drop_skipped(
+        &mut self,
+        ev: &OutboxEvent,
+        ack: EventToken,
+    ) -> Result<bool, CoreError> {
+        if !self.skipped.contains(&ev.event_id) || self.planted(Mutant::StreamSendsSkipped) {
+            return Ok(false);
+        }
+        let key = key_of(ev);
+        self.ensure_known(&key);
+        self.gate.consume(&key, ev.aggregate_version);
+        self.tracker.resolve(ack)?;
+        Ok(true)
     }
 
     /// An operator released the aggregate: its next event to publish is `next_version`.

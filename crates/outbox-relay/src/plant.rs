@@ -125,6 +125,11 @@ pub enum Mutant {
     /// simulator's `read_stalls`; the product before the simulator's reads paced as the
     /// daemon's do).
     ReadIgnoresLease,
+    /// The stream sends an event the operator skipped when it meets it after the hold is gone
+    /// ([`crate::PipelineCore::skipped_by_operator`] is ignored): a run replaying from a
+    /// checkpoint before the skipped event (`skipped_offered`; the product before seed 1,
+    /// trace 53667 found it, once the simulator's reads were held back as the daemon's are).
+    StreamSendsSkipped,
     /// A CDC run streams from a slot it holds without reading the slot's position again
     /// ([`crate::lifecycle::CdcStart::check_held`] accepts any): a slot dropped and recreated
     /// under the same name between the plan and `START_REPLICATION` streams from its own,

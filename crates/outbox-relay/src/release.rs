@@ -173,6 +173,8 @@ pub struct Released {
     pub key: AggKey,
     /// The version of the hold's blocking (quarantined) event.
     pub blocking_version: Option<i64>,
+    /// The hold's blocking event.
+    pub blocking_event_id: Option<uuid::Uuid>,
     /// Whether the release publishes the blocking event (`false`: the operator skipped it).
     pub publish_blocking: bool,
 }
@@ -294,6 +296,11 @@ impl ReleasePoll {
                         self.phase = PollPhase::Next;
                         return PollStep::Done;
                     };
+                    // Skipped: never to be sent, whenever the stream meets it (a run replaying
+                    // from before it would otherwise send it once the hold is gone).
+                    if let (false, Some(id)) = (r.publish_blocking, r.blocking_event_id) {
+                        core.skipped_by_operator([id]);
+                    }
                     if !core.may_release(&r.key) {
                         // An earlier event of it is still at the broker: the next poll.
                         self.phase = PollPhase::Next;
@@ -513,6 +520,7 @@ mod tests {
         Released {
             key: key(),
             blocking_version: Some(1),
+            blocking_event_id: None,
             publish_blocking,
         }
     }

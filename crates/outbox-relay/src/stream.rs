@@ -78,6 +78,7 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
         }
         let ack = self.tracker.add_event(seq)?;
         match row {
+            Ok(ev) if self.drop_skipped(&ev, ack)? => Ok(Vec::new()),
             Ok(ev) => self.admit(ev, Some(commit_lsn), Some(change_lsn), Some(ack), now),
             Err(why) => {
                 self.quarantine_unreadable(

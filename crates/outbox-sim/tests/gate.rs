@@ -499,6 +499,7 @@ fn the_traces_that_found_bugs_stay_fixed() {
         (1, 4, Mutant::BugLookUpBesideReconciliation),
         (7, 33528, Mutant::BugSendsFoundEvent),
         (1, 15929, Mutant::BugReadIgnoresLease),
+        (1, 53667, Mutant::BugStreamSendsSkipped),
     ];
     for (seed, trace, bug) in found {
         let old = run_trace(*seed, *trace, Some(*bug), false).counts;

@@ -799,3 +799,51 @@ fn a_look_ups_answer_goes_on_with_a_parked_round_or_ends_a_reconciliation() {
         .lookup_answered::<u32>(e.clone(), LookupFor::Reconciling, Err("timeout".into()))
         .is_none());
 }
+
+/// An event an operator skipped is never sent when the stream meets it again (a run replaying
+/// from before it, its aggregate's hold gone): it is resolved at once and the next version
+/// goes. Planted (`StreamSendsSkipped`), it is sent (seed 1, trace 53667).
+#[test]
+fn an_event_an_operator_skipped_is_not_sent_when_the_stream_meets_it_again() {
+    fn stream<P: crate::Plant>(c: &mut PipelineCore<P>, events: &[OutboxEvent]) -> Vec<Uuid> {
+        c.start_streaming(Lsn(10));
+        c.on_begin(Lsn(99)).unwrap();
+        let mut sent = Vec::new();
+        for (n, ev) in events.iter().enumerate() {
+            let cmds = c
+                .on_row(Ok(ev.clone()), Lsn(20 + n as u64), now(0))
+                .unwrap();
+            sent.extend(
+                cmds.iter()
+                    .map(|Command::Send { event, .. }| event.event_id),
+            );
+        }
+        c.on_commit(Lsn(100)).unwrap();
+        sent
+    }
+    let (a1, a2) = (event("a", 1), event("a", 2));
+    let mut c = core();
+    c.skipped_by_operator([a1.event_id]);
+    assert_eq!(
+        stream(&mut c, &[a1.clone(), a2.clone()]),
+        [a2.event_id],
+        "a/1 skipped, a/2 sent"
+    );
+    assert_eq!(c.outstanding(), 1, "only a/2 is outstanding");
+
+    let mut planted = PipelineCore::with_plant(
+        served(),
+        7,
+        PipelineCore::gate_from(Vec::new(), Vec::new()),
+        crate::Planted {
+            mutant: Some(Mutant::StreamSendsSkipped),
+            current_route: None,
+        },
+    );
+    planted.skipped_by_operator([a1.event_id]);
+    assert_eq!(
+        stream(&mut planted, &[a1.clone(), a2]),
+        [a1.event_id],
+        "planted: the skipped event is sent"
+    );
+}

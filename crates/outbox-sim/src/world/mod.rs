@@ -279,6 +279,12 @@ pub enum Mutant {
     /// before seed 1, trace 15929 found it, once the simulator's reads paced as the daemon's
     /// do) (`read_stalls`).
     BugReadIgnoresLease,
+    /// The stream sends an event the operator skipped when it meets it after its hold is gone
+    /// (a run replaying from before it): a product mutant
+    /// (`outbox_relay::Mutant::StreamSendsSkipped`, `PipelineCore::skipped_by_operator`; the
+    /// product before seed 1, trace 53667 found it, once the simulator's reads were held back
+    /// as the daemon's are) (`skipped_offered`).
+    BugStreamSendsSkipped,
     /// A run seeds the numbering of an aggregate it meets first at a row without a version from
     /// what the checkpoint kept only, not from the versions its rows were written with: an
     /// aggregate written through `outbox.enqueue` before its outbox took plain INSERTs
@@ -386,6 +392,7 @@ impl Mutant {
             Mutant::BugNumberingLogNotFolded,
         ),
         ("bug-read-ignores-lease", Mutant::BugReadIgnoresLease),
+        ("bug-stream-sends-skipped", Mutant::BugStreamSendsSkipped),
         (
             "bug-release-reads-plain-rows",
             Mutant::BugReleaseReadsPlainRows,
@@ -1961,6 +1968,14 @@ impl World {
             current_route: Some(self.current_route()),
         };
         let mut core = PipelineCore::with_plant(served(), gen, gate, plant);
+        // `holds::skipped_events`, as `open_pipeline` loads them.
+        core.skipped_by_operator(
+            self.ledger
+                .quarantine
+                .iter()
+                .filter(|q| q.skipped)
+                .map(|q| self.rows[q.row].ev.event_id),
+        );
         if let Some(start) = start {
             core.start_streaming(start);
         }
@@ -2777,6 +2792,7 @@ impl World {
             Mutant::NumberingNotKept => Some(outbox_relay::Mutant::NumberingNotKept),
             Mutant::BugNumberingLogNotFolded => Some(outbox_relay::Mutant::NumberingLogNotFolded),
             Mutant::BugReadIgnoresLease => Some(outbox_relay::Mutant::ReadIgnoresLease),
+            Mutant::BugStreamSendsSkipped => Some(outbox_relay::Mutant::StreamSendsSkipped),
             _ => None,
         }
     }
@@ -3421,6 +3437,7 @@ impl World {
                             Released {
                                 key: agg_key(agg),
                                 blocking_version: h.blocking.map(|b| self.rows[b].version),
+                                blocking_event_id: h.blocking.map(|b| self.rows[b].ev.event_id),
                                 publish_blocking: h.publish_blocking,
                             }
                         })

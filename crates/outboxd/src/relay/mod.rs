@@ -920,6 +920,7 @@ async fn open_pipeline(
             "held aggregates loaded; see `outboxd quarantine list`"
         );
     }
+    let skipped = holds::skipped_events(sql).await?;
     let mut pipeline = Pipeline::new(
         sink,
         reports,
@@ -929,6 +930,7 @@ async fn open_pipeline(
         lease_state.clone(),
         outbox_relay::PipelineCore::gate_from(Vec::new(), held),
     );
+    pipeline.core.skipped_by_operator(skipped);
     pipeline.core.unclear_policy = policy;
     pipeline.core.reconcile_settle = cfg.unknown_settle;
     pipeline.core.unclear_policies = cfg

@@ -864,6 +864,7 @@ impl Pipeline {
                             .map(|r| Released {
                                 key: r.key.clone(),
                                 blocking_version: r.blocking_version,
+                                blocking_event_id: r.blocking_event_id,
                                 publish_blocking: r.publish_blocking,
                             })
                             .collect(),
