@@ -100,6 +100,36 @@ pub struct Due {
     pub status: bool,
 }
 
+/// One step of what the loop does after anything happened ([`Due::steps`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnStep {
+    /// Take the batch (or the idle checkpoint) for acceptance.
+    Accept,
+    /// End the run if the lease is no longer certainly held: before anything more is read
+    /// or republished.
+    CheckLease,
+    /// Poll operator releases and settled UNKNOWN attempts.
+    Releases,
+    /// Send a standby status.
+    Status,
+}
+
+impl Due {
+    /// What the loop does after anything happened, in order: the batch first (what it accepts
+    /// may let the status confirm further), the lease checked every turn, then the releases
+    /// (which send), then the status. A step that ends the run ends the turn.
+    pub fn steps(self) -> impl Iterator<Item = TurnStep> {
+        [
+            (self.accept, TurnStep::Accept),
+            (true, TurnStep::CheckLease),
+            (self.releases, TurnStep::Releases),
+            (self.status, TurnStep::Status),
+        ]
+        .into_iter()
+        .filter_map(|(due, step)| due.then_some(step))
+    }
+}
+
 /// What the driver says in its log about reading the slot ([`Schedule::held_notice`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeldNotice {
@@ -377,6 +407,26 @@ impl<P: Plant> PipelineCore<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_turn_accepts_checks_the_lease_then_polls_releases_then_confirms() {
+        let all = Due {
+            accept: true,
+            releases: true,
+            status: true,
+        };
+        assert_eq!(
+            all.steps().collect::<Vec<_>>(),
+            [
+                TurnStep::Accept,
+                TurnStep::CheckLease,
+                TurnStep::Releases,
+                TurnStep::Status
+            ]
+        );
+        let idle = Due::default();
+        assert_eq!(idle.steps().collect::<Vec<_>>(), [TurnStep::CheckLease]);
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

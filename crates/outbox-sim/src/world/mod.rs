@@ -27,7 +27,7 @@ use outbox_relay::lifecycle::{
 };
 use outbox_relay::pace::{Drain, Pace};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
-use outbox_relay::schedule::{Bounds, Load, Schedule, Settings, Waiting};
+use outbox_relay::schedule::{Bounds, Load, Schedule, Settings, TurnStep, Waiting};
 use outbox_relay::stage::{Stage, Staged};
 use outbox_relay::unknown::{self, Reconcile, Resolved, When};
 use outbox_relay::{
@@ -1287,8 +1287,8 @@ impl World {
 
     /// What the daemon's loop does after anything happened (`relay/mod.rs`, after its
     /// `select!`), where the product's schedule times it: `Schedule::due` says whether to
-    /// accept the batch (or write the idle checkpoint), poll releases, send a standby status;
-    /// they run in the daemon's order.
+    /// accept the batch (or write the idle checkpoint), poll releases, send a standby status,
+    /// and `Due::steps` in which order.
     fn loop_tick(&mut self, i: usize) {
         if self.poll || self.relays[i].stream_cut {
             return;
@@ -1302,14 +1302,18 @@ impl World {
             let r = &w.relays[i];
             !r.killed && !r.salvaging
         };
-        if due.accept {
-            self.relay_call(Some(i), Self::flush_pipelined);
-        }
-        if due.releases && alive(self) {
-            self.relay_call(Some(i), Self::process_releases);
-        }
-        if due.status && alive(self) {
-            self.status_update(i);
+        for step in due.steps() {
+            // A step that ends the run ends the turn.
+            if !alive(self) {
+                break;
+            }
+            match step {
+                TurnStep::Accept => self.relay_call(Some(i), Self::flush_pipelined),
+                // `relay_call` ends the run on a lapsed lease after every step already.
+                TurnStep::CheckLease => {}
+                TurnStep::Releases => self.relay_call(Some(i), Self::process_releases),
+                TurnStep::Status => self.status_update(i),
+            }
         }
         self.relays[i].schedule = Some(schedule);
     }

@@ -56,7 +56,7 @@ use outbox_relay::lifecycle::{
     CdcStart, CdcStep, Ending, LeaseAnswer, LeaseKeeper, LoopStep, Renewal, RunError, RunLoop,
     RunStart, SlotStart, StartStep,
 };
-use outbox_relay::schedule::{self, Bounds, HeldNotice, Schedule};
+use outbox_relay::schedule::{self, Bounds, HeldNotice, Schedule, TurnStep};
 use pipeline::{Pipeline, Read};
 
 /// Live counters, for `demo` progress and logs, and the relay's metrics (labelled with its
@@ -804,18 +804,22 @@ async fn run_once(
         progress.metrics.unclear(pipeline.core.parked());
         let now = since(Instant::now());
         let due = schedule.due(now, &load_of(&mut pipeline, bounds, now));
-        if due.accept {
-            pipeline.flush_pipelined(progress).await?;
-        }
-        still_leased(cfg, pipeline.core.lease_expired, &lease_state, fence)?;
-        if due.releases {
-            pipeline.release_poll(cfg, &sql, &current_rows, progress).await?;
-        }
-        if due.status {
-            confirm(&mut stream, &pipeline.core).await?;
-            progress
-                .metrics
-                .waiting_on_unclear(pipeline.waiting_on_unclear().events);
+        for step in due.steps() {
+            match step {
+                TurnStep::Accept => pipeline.flush_pipelined(progress).await?,
+                TurnStep::CheckLease => {
+                    still_leased(cfg, pipeline.core.lease_expired, &lease_state, fence)?
+                }
+                TurnStep::Releases => {
+                    pipeline.release_poll(cfg, &sql, &current_rows, progress).await?
+                }
+                TurnStep::Status => {
+                    confirm(&mut stream, &pipeline.core).await?;
+                    progress
+                        .metrics
+                        .waiting_on_unclear(pipeline.waiting_on_unclear().events);
+                }
+            }
         }
     }
     }
