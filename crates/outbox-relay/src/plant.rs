@@ -126,7 +126,8 @@ pub enum Mutant {
     /// daemon's do).
     ReadIgnoresLease,
     /// The stream sends an event the operator skipped when it meets it after the hold is gone
-    /// ([`crate::PipelineCore::skipped_by_operator`] is ignored): a run replaying from a
+    /// ([`crate::PipelineCore::skipped_by_operator`] and `TxnCore`'s are ignored): a run
+    /// replaying from a
     /// checkpoint before the skipped event (`skipped_offered`; the product before seed 1,
     /// trace 53667 found it, once the simulator's reads were held back as the daemon's are).
     StreamSendsSkipped,

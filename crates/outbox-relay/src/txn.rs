@@ -39,7 +39,7 @@
 //! * **Fenced means stop**: another relay opened the transactional id; nothing more is sent,
 //!   committed or accepted by this one.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use outbox_core::delivery::{DeliveryOutcome, FailureClass, RecordPosition, Served};
 use outbox_core::{Lsn, OutboxEvent};
@@ -249,6 +249,9 @@ pub struct TxnCore<P: Plant = Shipped> {
     /// Held aggregates, from this version on (their blocking event's: its earlier versions in
     /// the same aborted batch, or read again, are still sent).
     held: HashMap<AggKey, i64>,
+    /// Events an operator skipped: never sent when a replay meets them
+    /// ([`TxnCore::skipped_by_operator`]).
+    skipped: HashSet<Uuid>,
     steps: VecDeque<TxnStep>,
     stopped: bool,
     /// The last stream commit with a receipt in the ledger (read after the recovery): a
@@ -299,6 +302,7 @@ impl<P: Plant> TxnCore<P> {
             accepting: VecDeque::new(),
             durable,
             held: held.into_iter().collect(),
+            skipped: HashSet::new(),
             steps: VecDeque::new(),
             stopped: false,
             replay_bound: None,
@@ -459,12 +463,23 @@ impl<P: Plant> TxnCore<P> {
         }
     }
 
+    /// Events an operator skipped (`outboxd quarantine skip`), which a replay may meet after
+    /// their hold is gone (closed by a run in the default mode): never sent, as
+    /// `PipelineCore::skipped_by_operator` in the default mode. The driver loads them at start.
+    pub fn skipped_by_operator(&mut self, ids: impl IntoIterator<Item = Uuid>) {
+        self.skipped.extend(ids);
+    }
+
     /// An event of the stream, in stream order. `accepted`: the ledger holds its receipt (a
     /// stream transaction split over two batches, read again after a crash): it is not sent
-    /// again.
+    /// again; nor is an event an operator skipped (its closed quarantine is its record).
     pub fn admit(&mut self, event: OutboxEvent, accepted: bool) {
         self.admitted += 1;
         if accepted && !self.plant.planted(Mutant::TxnReplaysAccepted) {
+            return;
+        }
+        if self.skipped.contains(&event.event_id) && !self.plant.planted(Mutant::StreamSendsSkipped)
+        {
             return;
         }
         self.queue.push_back(Queued {

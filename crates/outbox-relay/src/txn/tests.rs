@@ -598,3 +598,29 @@ fn waiting_acceptances_merge_into_one_in_order() {
         }
     ));
 }
+
+/// A replay in exactly-once mode that meets an event an operator skipped does not send it;
+/// the events around it go. Planted (`StreamSendsSkipped`), it is sent.
+#[test]
+fn an_event_an_operator_skipped_is_not_sent_by_an_exactly_once_replay() {
+    let run = |mutant| {
+        let plant = Planted {
+            mutant,
+            current_route: None,
+        };
+        let mut c = TxnCore::planted(plant, served(), 10, Lsn(10), 0, vec![]);
+        let evs: Vec<_> = (1..=3).map(|v| event("a", v)).collect();
+        c.skipped_by_operator([evs[1].event_id]);
+        for e in &evs {
+            c.admit(e.clone(), false);
+        }
+        c.stream_commit(Lsn(30));
+        c.flush();
+        sends(&steps(&mut c))
+            .into_iter()
+            .map(|(_, version)| version)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(None), [1, 3], "v2 skipped");
+    assert_eq!(run(Some(Mutant::StreamSendsSkipped)), [1, 2, 3]);
+}

@@ -165,6 +165,8 @@ pub(super) async fn stream(
         ledger: Some((ledger, accept::Prepared::default())),
         last_record: checkpoint::last_txn_record(sql, &cfg.slot).await?,
     };
+    run.core
+        .skipped_by_operator(holds::skipped_events(sql).await?);
     run.recover(sql).await?;
     // Rows with a later commit LSN have no receipt: only rows at or below it are looked up.
     run.core
