@@ -43,11 +43,7 @@ pub(crate) fn core() -> PipelineCore {
 }
 
 /// One transaction of `events.len()` events: admits each, returns the commands.
-pub(crate) fn admit_txn<P: crate::Plant>(
-    c: &mut PipelineCore<P>,
-    events: &[OutboxEvent],
-    end: u64,
-) -> Vec<Command> {
+pub(crate) fn admit_txn(c: &mut PipelineCore, events: &[OutboxEvent], end: u64) -> Vec<Command> {
     let txn: TxnSeq = c.tracker.begin().unwrap();
     let tokens: Vec<EventToken> = events
         .iter()

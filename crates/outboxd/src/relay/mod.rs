@@ -28,7 +28,7 @@ mod poll;
 mod txn;
 mod unknown;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -67,7 +67,6 @@ pub struct Progress {
     pub duplicates: AtomicU64,
     pub quarantined: AtomicU64,
     pub checkpoint: AtomicU64,
-    pub streaming: AtomicBool,
     /// When the current run began streaming (or polling), if it did.
     streaming_since: std::sync::Mutex<Option<Instant>>,
     pub reconnects: AtomicU64,
@@ -82,7 +81,6 @@ impl Progress {
             duplicates: AtomicU64::new(0),
             quarantined: AtomicU64::new(0),
             checkpoint: AtomicU64::new(0),
-            streaming: AtomicBool::new(false),
             streaming_since: std::sync::Mutex::new(None),
             reconnects: AtomicU64::new(0),
             metrics: crate::metrics::get().relay(&cfg.database, &cfg.slot),
@@ -103,14 +101,12 @@ impl Progress {
 
     /// The run began streaming (or polling) now.
     fn began_streaming(&self) {
-        self.streaming.store(true, Ordering::Relaxed);
         self.metrics.streaming(true);
         *self.since() = Some(Instant::now());
     }
 
     /// A run is about to begin: it has not streamed yet.
     fn run_begins(&self) {
-        self.streaming.store(false, Ordering::Relaxed);
         *self.since() = None;
     }
 
