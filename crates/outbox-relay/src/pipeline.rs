@@ -347,6 +347,14 @@ impl<P: Plant> PipelineCore<P> {
         self.batch.len()
     }
 
+    /// The receipts the batch holds, not yet accepted.
+    pub fn batched_receipts(&self) -> impl Iterator<Item = &ReceiptRecord> {
+        self.batch.iter().filter_map(|i| match i {
+            LedgerItem::Receipt(r) => Some(r),
+            _ => None,
+        })
+    }
+
     /// Whether the batch holds a hold record for the aggregate (it was poisoned again).
     pub fn batch_holds(&self, key: &AggKey) -> bool {
         self.batch.iter().any(|i| {

@@ -99,6 +99,11 @@ pub enum Mutant {
     /// it began: one resolved before the round reaches its rows is sent again from the
     /// round's stale read (the simulator's `resent_after_proof`).
     RoundForgetsParked,
+    /// A poll round reads before what was sent since the last round is reported and accepted
+    /// ([`crate::poll::PollRun`] skips [`crate::poll::RoundStep::DrainBefore`]): an event the
+    /// broker answered, whose receipt is still in the batch, is read as pending and sent
+    /// again after a clear answer (the simulator's `resent_after_proof`).
+    RoundReadsBeforeDrain,
     /// Events that wait on an unclear outcome count against `max_in_flight`
     /// ([`crate::pipeline::PipelineCore::waiting_on_unclear`] says none do): an aggregate whose events keep
     /// coming behind its unclear one stops the slot being read for every aggregate (the

@@ -57,6 +57,134 @@ pub enum Advance {
     Nothing,
 }
 
+/// Rows a round reads at most: bounds the read's sort and the round's memory. A round that
+/// read this many starts the next at once; one that read fewer waits the poll interval.
+pub const ROUND_LIMIT: u64 = 10_000;
+
+/// What a poll-mode run does next, in the order [`PollRun`] decides; the daemon's loop
+/// (`outboxd/src/relay/poll.rs`) and the simulator's poll relay execute the same steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoundStep {
+    /// Asked to stop between rounds: release the lease and end the run.
+    Stop,
+    /// Wait for the reports of what was sent since the last round (an unclear event resolved
+    /// and the one behind it, between rounds) and accept them, as
+    /// [`PipelineCore::draining`] says with parked events allowed to stay: the read must not
+    /// take an answered event whose receipt is still in the batch for pending.
+    DrainBefore,
+    /// Advance these poll positions over the receipted prefix
+    /// ([`PipelineCore::begin_poll_round`] has begun the round).
+    Advance(Advance),
+    /// Read up to [`ROUND_LIMIT`] pending rows in one snapshot, record the round's read, and
+    /// admit them ([`PipelineCore::admit_polled`], pacing after each); then tell
+    /// [`PollRun::read`] how many rows there were.
+    Read,
+    /// Wait for every report of the round and accept: the next round reads what has no
+    /// receipt, so nothing of this one may still be at the broker (a parked event may stay:
+    /// the next round skips its aggregate).
+    DrainAfter,
+    /// End the run if the lease is not certainly held.
+    CheckLease,
+    /// Poll the releases ([`PipelineCore::poll_releases_due`] said they are due).
+    Releases,
+    /// Publish the run's gauges.
+    Status,
+    /// The round read fewer than [`ROUND_LIMIT`] rows: wait until `until` (the driver's
+    /// clock, zero when the run began), handling reports, look-ups and due resends meanwhile,
+    /// or a request to stop.
+    Idle { until: Duration },
+}
+
+/// Where a poll-mode run's loop is: rounds of [`RoundStep`]s, one after the other. Pure: the
+/// driver passes its clock (zero when the run began) and whether it was asked to stop.
+#[derive(Debug)]
+pub struct PollRun {
+    interval: Duration,
+    release_every: Duration,
+    next: usize,
+    read: u64,
+}
+
+/// A round's steps after its [`RoundStep::Stop`] check, in order.
+const ROUND: [Phase; 8] = [
+    Phase::DrainBefore,
+    Phase::Advance,
+    Phase::Read,
+    Phase::DrainAfter,
+    Phase::CheckLease,
+    Phase::Releases,
+    Phase::Status,
+    Phase::Idle,
+];
+
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    DrainBefore,
+    Advance,
+    Read,
+    DrainAfter,
+    CheckLease,
+    Releases,
+    Status,
+    Idle,
+}
+
+impl PollRun {
+    /// A run that waits `interval` after a round that read fewer than [`ROUND_LIMIT`] rows,
+    /// and polls releases every `release_every`.
+    pub fn new(interval: Duration, release_every: Duration) -> PollRun {
+        PollRun {
+            interval,
+            release_every,
+            next: 0,
+            read: 0,
+        }
+    }
+
+    /// The [`RoundStep::Read`] step read `rows` rows.
+    pub fn read(&mut self, rows: u64) {
+        self.read = rows;
+    }
+
+    /// The next step, at `now`; `stopping`: the run was asked to stop (honoured between
+    /// rounds, never inside one: a round's read is admitted and drained whole).
+    pub fn next<P: Plant>(
+        &mut self,
+        core: &mut PipelineCore<P>,
+        now: Duration,
+        stopping: bool,
+    ) -> RoundStep {
+        loop {
+            if self.next == 0 && stopping {
+                return RoundStep::Stop;
+            }
+            let phase = ROUND[self.next];
+            self.next = (self.next + 1) % ROUND.len();
+            let step = match phase {
+                Phase::DrainBefore if core.planted(Mutant::RoundReadsBeforeDrain) => None,
+                Phase::DrainBefore => Some(RoundStep::DrainBefore),
+                Phase::Advance => Some(RoundStep::Advance(core.begin_poll_round(now))),
+                Phase::Read => {
+                    self.read = 0;
+                    Some(RoundStep::Read)
+                }
+                Phase::DrainAfter => Some(RoundStep::DrainAfter),
+                Phase::CheckLease => Some(RoundStep::CheckLease),
+                Phase::Releases => core
+                    .poll_releases_due(now, self.release_every)
+                    .then_some(RoundStep::Releases),
+                Phase::Status => Some(RoundStep::Status),
+                Phase::Idle => (self.read < ROUND_LIMIT).then_some(RoundStep::Idle {
+                    until: now + self.interval,
+                }),
+            };
+            if let Some(step) = step {
+                return step;
+            }
+        }
+    }
+}
+
 impl<P: Plant> PipelineCore<P> {
     /// A round begins (after what was sent since the last one was reported and accepted):
     /// it reads from the first row, and skips the aggregates parked now as well as those
@@ -251,6 +379,83 @@ mod tests {
             "ten seconds after the last"
         );
         assert_eq!(c.begin_poll_round(s(11)), Advance::Nothing);
+    }
+
+    /// The steps of a run's rounds, by name, at `now` (ms) and stop requests as given.
+    fn steps(run: &mut PollRun, c: &mut PipelineCore<Planted>, at: &[(u64, bool)]) -> Vec<String> {
+        at.iter()
+            .map(|&(t, stop)| {
+                let step = run.next(c, Duration::from_millis(t), stop);
+                if step == RoundStep::Read {
+                    run.read(if t < 100 { ROUND_LIMIT } else { 3 });
+                }
+                match step {
+                    RoundStep::Advance(_) => "Advance".to_string(),
+                    RoundStep::Idle { until } => format!("Idle {}", until.as_millis()),
+                    s => format!("{s:?}"),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_poll_run_drains_reads_drains_and_waits_only_after_a_short_read_and_stops_between_rounds() {
+        let mut c = core_with(None);
+        let mut run = PollRun::new(Duration::from_millis(500), Duration::from_millis(1_000));
+        let at = |t| (t, false);
+        // A full read (at 0-99 ms) goes on at once; a short one waits the interval. Releases
+        // are polled a second after the run began; a stop asked inside a round waits for it.
+        let got = steps(
+            &mut run,
+            &mut c,
+            &[
+                at(0),
+                at(0),
+                at(0),
+                at(0),
+                at(0),
+                at(0),
+                (200, true),
+                at(200),
+                at(200),
+                (300, true),
+                (1_200, true),
+                (1_200, true),
+                (1_200, true),
+                (1_200, true),
+                (1_200, true),
+            ],
+        );
+        let want = [
+            "DrainBefore",
+            "Advance",
+            "Read",
+            "DrainAfter",
+            "CheckLease",
+            "Status",
+            "Stop",
+            "DrainBefore",
+            "Advance",
+            "Read",
+            "DrainAfter",
+            "CheckLease",
+            "Releases",
+            "Status",
+            "Idle 1700",
+        ];
+        assert_eq!(got, want);
+        assert_eq!(
+            run.next(&mut c, Duration::from_millis(1_700), true),
+            RoundStep::Stop
+        );
+    }
+
+    #[test]
+    fn a_planted_mutant_reads_a_round_before_draining_what_was_sent_since_the_last() {
+        let mut c = core_with(Some(Mutant::RoundReadsBeforeDrain));
+        let mut run = PollRun::new(Duration::from_millis(500), Duration::from_secs(60));
+        let first = run.next(&mut c, Duration::ZERO, false);
+        assert!(matches!(first, RoundStep::Advance(_)), "{first:?}");
     }
 
     #[test]

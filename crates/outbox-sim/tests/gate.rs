@@ -71,6 +71,8 @@ fn two_thousand_traces_violate_nothing() {
     );
     // A quarter of the traces run the relay in poll mode.
     assert!(c.poll_traces > 300 && c.poll_events > 10_000, "{c:?}");
+    // Half of them run the product's poll loop (`outbox_relay::poll::PollRun`).
+    assert!(c.poll_loop_traces > 150, "{c:?}");
     // A quarter of the CDC traces whose slot is never lost write some aggregates plainly
     // (no version: the relay numbers them in commit order); every receipt and copy of those
     // rows carries its commit rank (in `violations` too), and restarts continue numberings
@@ -158,7 +160,7 @@ fn a_trace_replays_alone_and_identically() {
 /// bug-end-run-on-unclear, fresh-by-commit, numbering-not-kept, bug-numbering-log-not-folded
 /// and exactly-once mode's txn-ignores-records, txn-unknown-is-aborted, txn-through-past-batch,
 /// txn-accepts-aborted, txn-replays-accepted, txn-skips-first-record, txn-requeues-at-back and
-/// txn-replayed-is-accepted
+/// txn-replayed-is-accepted, and the poll loop's round-reads-before-drain
 /// (the list `PRODUCT` below). In two tests, so that they run on two
 /// threads.
 #[test]
@@ -216,6 +218,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::TxnRequeuesAtBack,
         Mutant::TxnReplayedIsAccepted,
         Mutant::TxnAnswerLeavesQueue,
+        Mutant::RoundReadsBeforeDrain,
     ];
     type Counter = fn(&Counts) -> u64;
     let cases: &[(Mutant, &[(&str, Counter)])] = &[
@@ -411,6 +414,11 @@ fn every_mutant_is_caught(product: bool) {
         (
             Mutant::NumberingWithoutWrittenVersions,
             &[("plain_version_wrong", |c| c.plain_version_wrong)],
+        ),
+        // In the traces that run the product's poll loop (37 in the first 3,000).
+        (
+            Mutant::RoundReadsBeforeDrain,
+            &[("resent_after_proof", |c| c.resent_after_proof)],
         ),
         // poll-migrate-held (6 in 100,000 traces), poll-stale-head (1 in 20,000),
         // poll-purge-held (1 in 1,000,000) and, since issue 25, poll-above-head (first at

@@ -223,6 +223,8 @@ pub struct Counts {
     pub snapshot_events: u64,
     /// Traces whose relay runs in poll mode (`--mode poll`: no slot, rounds of pending events).
     pub poll_traces: u64,
+    /// Of those, traces whose poll loop is the product's (`outbox_relay::poll::PollRun`).
+    pub poll_loop_traces: u64,
     /// Events a poll-mode round admitted.
     pub poll_events: u64,
     /// Refused events the operator skipped instead of migrating them.
@@ -398,6 +400,7 @@ impl Counts {
             resnapshots,
             snapshot_events,
             poll_traces,
+            poll_loop_traces,
             poll_events,
             skips,
             early_takeovers,
@@ -573,7 +576,13 @@ impl Counts {
             ("releases_beside_parked", self.releases_beside_parked.to_string()),
             ("resnapshots", self.resnapshots.to_string()),
             ("snapshot_events", self.snapshot_events.to_string()),
-            ("poll_mode_traces", self.poll_traces.to_string()),
+            (
+                "poll_mode_traces",
+                format!(
+                    "{} ({} in the product's poll loop)",
+                    self.poll_traces, self.poll_loop_traces
+                ),
+            ),
             ("poll_mode_events", self.poll_events.to_string()),
             (
                 "plain_traces",

@@ -26,6 +26,7 @@ use outbox_relay::lifecycle::{
     CdcStart, CdcStep, EndStep, Ending, LeaseKeeper, Renewal, RunEnd, RunStart, StartStep,
 };
 use outbox_relay::pace::{Drain, Pace};
+use outbox_relay::poll::{PollRun, RoundStep};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::schedule::{Bounds, Load, Schedule, Settings, TurnStep, Waiting};
 use outbox_relay::stage::{Stage, Staged};
@@ -285,6 +286,12 @@ pub enum Mutant {
     /// product before seed 1, trace 53667 found it, once the simulator's reads were held back
     /// as the daemon's are) (`skipped_offered`).
     BugStreamSendsSkipped,
+    /// A poll round reads before what was sent since the last round is reported and its
+    /// receipt accepted: a product mutant (`outbox_relay::Mutant::RoundReadsBeforeDrain`,
+    /// `PollRun` skips `RoundStep::DrainBefore`; in the traces that run the product's poll
+    /// loop): an answered event whose receipt is still in the batch is read as pending and
+    /// sent again.
+    RoundReadsBeforeDrain,
     /// A run seeds the numbering of an aggregate it meets first at a row without a version from
     /// what the checkpoint kept only, not from the versions its rows were written with: an
     /// aggregate written through `outbox.enqueue` before its outbox took plain INSERTs
@@ -393,6 +400,7 @@ impl Mutant {
         ),
         ("bug-read-ignores-lease", Mutant::BugReadIgnoresLease),
         ("bug-stream-sends-skipped", Mutant::BugStreamSendsSkipped),
+        ("round-reads-before-drain", Mutant::RoundReadsBeforeDrain),
         (
             "bug-release-reads-plain-rows",
             Mutant::BugReleaseReadsPlainRows,
@@ -457,6 +465,8 @@ const REPLAY_WINDOW: u64 = 10_000;
 /// Drain iterations (half a second each) with nothing to do and nothing due after which the
 /// drain stops: longer than [`judge::STALL_AFTER_MS`], so that what never progresses counts.
 const IDLE_LIMIT: u64 = 200;
+/// `--poll-interval-ms`'s default: a poll round that read little waits this long (ms).
+const POLL_INTERVAL: u64 = 100;
 const AGGREGATES: u32 = 3;
 const PARTITIONS: usize = 2;
 const CONSUMERS: usize = 2;
@@ -611,6 +621,11 @@ struct Relay {
     /// Look-ups of parked events running on their own task (`Pipeline::run_due_unclear`):
     /// each answers at a later step (`Pipeline::on_lookup`).
     lookups: Vec<PendingLookup>,
+    /// A poll-mode run's loop, where it is the product's (`World::poll_loop`).
+    poll_run: Option<PollRun>,
+    /// Until when (simulated ms) that loop waits after a round that read little
+    /// ([`RoundStep::Idle`]): reports, look-ups and due resends go on meanwhile.
+    idle_until: Option<u64>,
 }
 
 /// A look-up of a parked event's open DISPATCH_UNKNOWN attempt, started and not yet answered.
@@ -693,6 +708,13 @@ struct World {
     /// pending events above each aggregate's head in rounds (`relay/poll.rs`). Drawn from a
     /// generator of its own, like the slot loss, so CDC traces keep every draw.
     poll: bool,
+    /// A poll-mode run's loop is the product's (`outbox_relay::poll::PollRun`, as the
+    /// daemon's `relay/poll.rs` runs it): each poll step is the run's next [`RoundStep`] (a
+    /// round drains, reads, drains; releases and waits come when the core says), and the
+    /// batch is accepted and releases polled only within those steps; otherwise a round is
+    /// one step drawn whenever it can admit something, and accepting and releases are steps
+    /// of their own. Half of the poll traces (`World::poll_step`).
+    poll_loop: bool,
     consumers: Vec<Consumer>,
     /// Truth: the send of every (row, relay gen, attempt) proven ABSENT.
     absent_attempts: HashSet<(usize, i64, i32)>,
@@ -879,6 +901,9 @@ impl World {
         // A quarter of the CDC traces time their relay loop by the product's schedule, with
         // settings of their own (stream 1282: the first above 320 whose draw leaves every
         // regression trace out; 1283 draws the settings).
+        // Half of the poll traces run the product's poll loop (stream 4528: the first above
+        // 4096 whose draw leaves every regression trace out).
+        let poll_loop = poll && rng.fork(4528).chance(500);
         let loop_timing = (!poll && rng.fork(1282).chance(250)).then(|| {
             let mut draw = rng.fork(1283);
             Settings {
@@ -925,6 +950,7 @@ impl World {
             keeper_timing,
             release_heavy,
             loop_timing,
+            poll_loop,
             plain,
             plain_from,
             plain_lookups_as_daemon: false,
@@ -1027,6 +1053,7 @@ impl World {
             }
         }
         self.c.poll_traces = u64::from(self.poll);
+        self.c.poll_loop_traces = u64::from(self.poll_loop);
         self.c.plain_traces = u64::from(self.plain.contains(&true));
         self.c.plain_switched = self.plain_from.iter().filter(|v| **v > 1).count() as u64;
         self.c.dedup_traces = u64::from(self.dedup);
@@ -1070,7 +1097,9 @@ impl World {
         });
         let can_read = slot_has_more.is_some_and(|i| self.can_read(i));
         let has_next = active.is_some_and(|i| {
-            if self.poll {
+            if self.poll_loop {
+                self.relays[i].idle_until.map_or(true, |t| self.now >= t)
+            } else if self.poll {
                 self.round_due(i)
             } else {
                 can_read
@@ -1135,7 +1164,7 @@ impl World {
         let lookups = self.relays.iter().any(answering);
         // Accepting, standby status and release polls are steps of their own unless the
         // product's schedule times them (`World::loop_tick`).
-        let timed = self.loop_timing.is_none();
+        let timed = self.loop_timing.is_none() && !self.poll_loop;
         let heavy = if self.release_heavy { 4 } else { 1 };
         let weights = [
             if (self.rows.len() as u64) < max_events {
@@ -1181,6 +1210,7 @@ impl World {
         ];
         match self.rng.weighted(&weights) {
             0 => self.producer_txn(),
+            1 if self.poll_loop => self.relay_call(active, Self::poll_round_of_steps),
             1 if self.poll => self.relay_call(active, Self::poll_round),
             1 => self.relay_call(active, Self::decode_next),
             2 => {
@@ -2028,6 +2058,13 @@ impl World {
             started: self.now,
             versions_at_start: self.route_versions.len(),
             lookups: Vec::new(),
+            // The daemon's defaults: `--poll-interval-ms` 100, releases every second (four
+            // times as often where releases meet faults).
+            poll_run: self.poll_loop.then(|| {
+                let releases = if self.release_heavy { 250 } else { 1_000 };
+                PollRun::new(ms(POLL_INTERVAL), ms(releases))
+            }),
+            idle_until: None,
         });
         self.relays.len() - 1
     }
@@ -2121,21 +2158,102 @@ impl World {
         if !self.round_due(i) {
             return Ok(());
         }
+        // Which poll positions to advance is the core's; the model reads by the ledger's
+        // receipts, which is what an advance over the receipted prefix reads.
+        let _advance = self.relays[i].core.begin_poll_round(ms(self.now));
+        self.poll_read(i, false).map(|_| ())
+    }
+
+    /// The next step of a poll-mode run's loop, the product's (`PollRun`, as the daemon's
+    /// `relay/poll.rs` executes it; `World::poll_loop`); nothing while it waits.
+    fn poll_step(&mut self, i: usize) -> Result<(), End> {
+        let r = &mut self.relays[i];
+        if r.idle_until.is_some_and(|t| self.now < t) {
+            return Ok(());
+        }
+        r.idle_until = None;
+        let now = ms(self.now.saturating_sub(r.started));
+        let mut run = r.poll_run.take().expect("a poll loop's run");
+        let step = run.next(&mut r.core, now, false);
+        log!(self, "poll loop: {step:?}");
+        let done = match step {
+            // The simulated relay is never asked to stop; a run ends by error or SIGKILL.
+            RoundStep::Stop => Ok(()),
+            RoundStep::DrainBefore | RoundStep::DrainAfter => match self.drain_read(i, true) {
+                Ok(false) => self.read_stalled(i, "POLL ROUND"),
+                other => other.map(|_| ()),
+            },
+            // The model reads by the ledger's receipts, which is what an advance over the
+            // receipted prefix reads.
+            RoundStep::Advance(_) => Ok(()),
+            RoundStep::Read => self.poll_read(i, true).map(|n| run.read(n)),
+            // `relay_call` ends the run on a lapsed lease after every step already.
+            RoundStep::CheckLease | RoundStep::Status => Ok(()),
+            RoundStep::Releases => self.process_releases(i),
+            RoundStep::Idle { until } => {
+                let r = &mut self.relays[i];
+                r.idle_until = Some(r.started + until.as_millis() as u64);
+                Ok(())
+            }
+        };
+        self.relays[i].poll_run = Some(run);
+        done
+    }
+
+    /// A round of the product's poll loop, whole: its steps until the loop waits or the next
+    /// round would begin. Nothing else of this run happens between them, as in the daemon,
+    /// whose round handles reports, look-ups and due resends only where it waits (its drains
+    /// and the pace after each row); between rounds, while the loop waits, the world's steps
+    /// deliver them.
+    fn poll_round_of_steps(&mut self, i: usize) -> Result<(), End> {
+        self.relays[i].idle_until = None;
+        for _ in 0..8 {
+            self.poll_step(i)?;
+            let r = &self.relays[i];
+            if r.killed || r.salvaging || r.core.lease_expired || r.idle_until.is_some() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// A poll round's read (the round has begun: `begin_poll_round`): the pending rows read
+    /// and recorded, each admitted as the core decides, pacing after each. `chunked`: the
+    /// heads of the rows' aggregates the gate does not know are read before any row is
+    /// admitted, as the daemon's `admit_rows` reads them per chunk (a round here is never
+    /// longer than one); otherwise each just before its row. Returns how many rows it read.
+    fn poll_read(&mut self, i: usize, chunked: bool) -> Result<u64, End> {
         // `poll::RECORD_ROUND_SQL`: the round's read, as the ledger records it.
         let read = self.ledger.tick();
         self.ledger.poll_round = Some((self.relays[i].gen, read));
         let pending = self.poll_pending();
         log!(self, "poll round: {} pending rows", pending.len());
         // What this run had seen on the broker when the round read: a row read as pending
-        // after that is read again by design (not `resent_after_proof`); one proven while the
-        // round goes on is not.
-        let proven_at_read = self.relays[i].proven.clone();
+        // after that is read again by design (not `resent_after_proof`: its receipt did not
+        // make it a published row, e.g. a destination migrated since); one proven while the
+        // round goes on is not, nor one whose receipt the run still held unaccepted (the read
+        // came before the round's drain).
+        let unaccepted: HashSet<Uuid> = self.relays[i]
+            .core
+            .batched_receipts()
+            .map(|r| r.event_id)
+            .collect();
+        let proven_at_read: HashSet<usize> = self.relays[i]
+            .proven
+            .iter()
+            .copied()
+            .filter(|r| !unaccepted.contains(&self.rows[*r].ev.event_id))
+            .collect();
         // What was sent since the last round is reported and accepted before the read (the
-        // round is due only then: `drain_all` at the start of `round`); which rows are
-        // admitted, and the head each raises, is the core's (`outbox_relay::poll`).
-        // Which poll positions to advance is the core's too; the model reads by the ledger's
-        // receipts, which is what an advance over the receipted prefix reads.
-        let _advance = self.relays[i].core.begin_poll_round(ms(self.now));
+        // round is due only then, or the product's loop drained first:
+        // `RoundStep::DrainBefore`); which rows are admitted, and the head each raises, is
+        // the core's (`outbox_relay::poll`).
+        let n = pending.len() as u64;
+        if chunked && !self.is(Mutant::PollNoHeadFloor) {
+            for &row in &pending {
+                self.learn_head(i, row, false);
+            }
+        }
         for row in pending {
             // `keep_pace`: between rows the daemon's round waits at times (`wait_one`), and
             // what it waits for may resolve an aggregate the round read as pending: a parked
@@ -2146,13 +2264,13 @@ impl World {
             {
                 self.round_waits(i)?;
                 if self.relays[i].killed || self.relays[i].core.lease_expired {
-                    return Ok(());
+                    return Ok(n);
                 }
             }
             let ev = self.rows[row].current();
             // `learn_heads`, per chunk in the daemon: the ledger's head of an aggregate the
             // gate does not know, below the round's own floor.
-            if !self.is(Mutant::PollNoHeadFloor) {
+            if !chunked && !self.is(Mutant::PollNoHeadFloor) {
                 self.learn_head(i, row, false);
             }
             let now = self.now_for(i);
@@ -2169,11 +2287,11 @@ impl World {
                 self.c.poll_events += 1;
                 self.execute(i, commands)?;
                 if !self.keep_pace(i)? {
-                    return self.read_stalled(i, "POLL ROUND");
+                    return self.read_stalled(i, "POLL ROUND").map(|()| n);
                 }
             }
         }
-        Ok(())
+        Ok(n)
     }
 
     /// A look-up starts (on its own task in the daemon; it answers at a later step): counted
@@ -2797,6 +2915,7 @@ impl World {
             Mutant::BugNumberingLogNotFolded => Some(outbox_relay::Mutant::NumberingLogNotFolded),
             Mutant::BugReadIgnoresLease => Some(outbox_relay::Mutant::ReadIgnoresLease),
             Mutant::BugStreamSendsSkipped => Some(outbox_relay::Mutant::StreamSendsSkipped),
+            Mutant::RoundReadsBeforeDrain => Some(outbox_relay::Mutant::RoundReadsBeforeDrain),
             _ => None,
         }
     }
@@ -3716,7 +3835,11 @@ impl World {
             };
             self.renew(i);
             if self.poll && self.round_due(i) {
-                self.relay_call(Some(i), Self::poll_round);
+                if self.poll_loop {
+                    self.relay_call(Some(i), Self::poll_round_of_steps);
+                } else {
+                    self.relay_call(Some(i), Self::poll_round);
+                }
                 continue;
             }
             // Under the product's backpressure, as while faults last: a relay with too much

@@ -10,13 +10,15 @@
 //! that dies mid-round leaves the rest pending for the next holder of the lease, which sends
 //! them again (the broker copies of a SIGKILLed round become duplicate receipts, as after a CDC
 //! replay). `--slot` names the lease: one poll relay per name is active, the others stand by.
+//! The order of a round's steps, when releases are polled and when the loop waits are the
+//! core's ([`outbox_relay::poll::PollRun`]); this file executes them.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use outbox_ledger::lease::{self, Fence};
 use outbox_ledger::LedgerError;
-use outbox_relay::poll::Advance;
+use outbox_relay::poll::{Advance, PollRun, RoundStep, ROUND_LIMIT};
 use outbox_source::poll;
 use tokio::sync::watch;
 use tokio_postgres::Client;
@@ -27,9 +29,6 @@ use super::{
     restore_versions, Progress, RelayError, RELEASE_POLL,
 };
 use crate::config::RelayConfig;
-
-/// Events read per round, at most: bounds the query's sort and the round's memory.
-const ROUND_LIMIT: i64 = 10_000;
 
 /// One poll-mode run, while this relay holds the lease.
 /// Poll mode finds pending rows through `outbox.aggregate_versions`, in version order: a row
@@ -78,52 +77,66 @@ pub(super) async fn run_once(
     progress.began_streaming();
     tracing::info!(lease = %cfg.slot, interval_ms = cfg.poll_interval.as_millis() as u64, "polling");
 
-    // The clock the core's round decisions are kept on.
+    // The clock the core's round decisions are kept on; the loop runs the core's steps
+    // (`outbox_relay::poll::PollRun`, which the simulator's poll relay runs too).
     let run_started = Instant::now();
+    let since = || run_started.elapsed();
+    let mut run = PollRun::new(cfg.poll_interval, RELEASE_POLL);
     let result: Result<(), RelayError> = async {
         loop {
-            if *shutdown.borrow() {
-                lease::release(&sql, &cfg.slot, fence).await?;
-                tracing::info!("stopped");
-                return Ok(());
-            }
-            let n = round(
-                cfg,
-                &mut sql,
-                &pending,
-                run_started,
-                fence,
-                &mut pipeline,
-                progress,
-            )
-            .await?;
-            super::still_leased(cfg, pipeline.core.lease_expired, &lease_state, fence)?;
-            if pipeline
-                .core
-                .poll_releases_due(run_started.elapsed(), RELEASE_POLL)
-            {
-                refuse_rows_without_versions(&sql).await?;
-                pipeline
-                    .release_poll(cfg, &sql, current_rows, progress)
-                    .await?;
-            }
-            progress.metrics.unclear(pipeline.core.parked());
-            progress
-                .metrics
-                .waiting_on_unclear(pipeline.waiting_on_unclear().events);
-            if n < ROUND_LIMIT as u64 {
-                // Parked events are looked up (or sent again) meanwhile.
-                let until = tokio::time::Instant::now() + cfg.poll_interval;
-                if pipeline.outstanding() == 0 {
-                    // A running reconciliation's look-up may still finish meanwhile.
-                    tokio::select! {
-                        _ = tokio::time::sleep_until(until) => {}
-                        _ = shutdown.changed() => {}
-                        done = super::pipeline::lookup_finished(&mut pipeline.lookups) => pipeline.on_lookup(done).await?,
-                    }
-                } else {
-                    while tokio::time::Instant::now() < until && !*shutdown.borrow() {
-                        pipeline.wait_one(Some(until)).await?;
+            let stopping = *shutdown.borrow();
+            match run.next(&mut pipeline.core, since(), stopping) {
+                RoundStep::Stop => {
+                    lease::release(&sql, &cfg.slot, fence).await?;
+                    tracing::info!("stopped");
+                    return Ok(());
+                }
+                // What was sent since the last round (an unclear event resolved and the one
+                // behind it, between rounds) is reported and its receipt accepted before the
+                // read; after it, nothing of the round may still be at the broker.
+                RoundStep::DrainBefore | RoundStep::DrainAfter => {
+                    pipeline.drain_all(cfg.batch_size, progress, true).await?
+                }
+                RoundStep::Advance(Advance::All) => {
+                    poll::advance_positions(&sql, None).await?;
+                }
+                RoundStep::Advance(Advance::These { types, ids }) => {
+                    poll::advance_positions(&sql, Some((&types, &ids))).await?;
+                }
+                RoundStep::Advance(Advance::Nothing) => {}
+                RoundStep::Read => {
+                    let n = read(cfg, &mut sql, &pending, fence, &mut pipeline, progress).await?;
+                    run.read(n);
+                }
+                RoundStep::CheckLease => {
+                    super::still_leased(cfg, pipeline.core.lease_expired, &lease_state, fence)?
+                }
+                RoundStep::Releases => {
+                    refuse_rows_without_versions(&sql).await?;
+                    pipeline
+                        .release_poll(cfg, &sql, current_rows, progress)
+                        .await?;
+                }
+                RoundStep::Status => {
+                    progress.metrics.unclear(pipeline.core.parked());
+                    progress
+                        .metrics
+                        .waiting_on_unclear(pipeline.waiting_on_unclear().events);
+                }
+                RoundStep::Idle { until } => {
+                    // Parked events are looked up (or sent again) meanwhile.
+                    let until = tokio::time::Instant::from_std(run_started + until);
+                    if pipeline.outstanding() == 0 {
+                        // A running reconciliation's look-up may still finish meanwhile.
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(until) => {}
+                            _ = shutdown.changed() => {}
+                            done = super::pipeline::lookup_finished(&mut pipeline.lookups) => pipeline.on_lookup(done).await?,
+                        }
+                    } else {
+                        while tokio::time::Instant::now() < until && !*shutdown.borrow() {
+                            pipeline.wait_one(Some(until)).await?;
+                        }
                     }
                 }
             }
@@ -133,36 +146,19 @@ pub(super) async fn run_once(
     super::salvage_after(&mut pipeline, progress, result).await
 }
 
-/// One round: read the next pending events, send them, wait for every report, accept them.
-/// Returns how many events it read.
-async fn round(
+/// A round's read: the next pending events, read and recorded in one transaction
+/// (`poll::begin_round`), committed once every row is admitted. Returns how many it read.
+async fn read(
     cfg: &RelayConfig,
     sql: &mut Client,
     pending: &str,
-    run_started: Instant,
     fence: &Fence,
     pipeline: &mut Pipeline,
     progress: &Progress,
 ) -> Result<u64, RelayError> {
     let started = Instant::now();
-    // What was sent since the last round (an unclear event resolved and the one behind it,
-    // between rounds) is reported and its receipt accepted before the read: the read must not
-    // take it for pending. And an aggregate resolved after the read began is skipped.
-    pipeline.drain_all(cfg.batch_size, progress, true).await?;
-    // Positions over the receipted prefix before reading what lies above them; which ones:
-    // `outbox_relay::poll::Advance`.
-    match pipeline
-        .core
-        .begin_poll_round(started.saturating_duration_since(run_started))
-    {
-        Advance::All => poll::advance_positions(sql, None).await?,
-        Advance::These { types, ids } => poll::advance_positions(sql, Some((&types, &ids))).await?,
-        Advance::Nothing => 0,
-    };
-    // The read and the record of its snapshot in one transaction (`poll::begin_round`),
-    // committed once every row is admitted.
     let tx = poll::begin_round(sql, &cfg.slot, fence.generation).await?;
-    let rows = poll::pending_rows(&tx, pending, ROUND_LIMIT).await?;
+    let rows = poll::pending_rows(&tx, pending, ROUND_LIMIT as i64).await?;
     let n = pipeline
         .admit_rows(rows, Read::PollRound, super::bounds(cfg), progress)
         .await?;
@@ -170,16 +166,11 @@ async fn round(
         context: "ending the poll round's read".into(),
         source: e,
     })?;
-    let read_ms = started.elapsed().as_secs_f64() * 1e3;
-    // The next round reads what has no receipt: nothing of this one may still be at the broker.
-    // A parked event may stay: the next round skips its aggregate.
-    pipeline.drain_all(cfg.batch_size, progress, true).await?;
     if n > 0 {
         tracing::debug!(
             events = n,
-            read_ms,
-            round_ms = started.elapsed().as_secs_f64() * 1e3,
-            "poll round done"
+            read_ms = started.elapsed().as_secs_f64() * 1e3,
+            "poll round read"
         );
     }
     Ok(n)
