@@ -46,6 +46,7 @@ pub mod parked;
 pub mod pipeline;
 pub mod plant;
 pub mod poll;
+pub mod read;
 pub mod release;
 pub mod route;
 pub mod schedule;

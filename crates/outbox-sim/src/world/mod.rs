@@ -27,6 +27,7 @@ use outbox_relay::lifecycle::{
 };
 use outbox_relay::pace::{Drain, Pace};
 use outbox_relay::poll::{PollRun, RoundStep};
+use outbox_relay::read::{Chunks, Read, ReadAdmitted};
 use outbox_relay::release::{PollStep, ReleasePoll, Released};
 use outbox_relay::schedule::{Bounds, Load, Schedule, Settings, TurnStep, Waiting};
 use outbox_relay::stage::{Stage, Staged};
@@ -2217,6 +2218,65 @@ impl World {
         Ok(())
     }
 
+    /// `Pipeline::admit_rows`: the rows of a read (`rows`, in the read's order) to the core as
+    /// the product cuts them (`outbox_relay::read::Chunks`): the heads of a chunk's aggregates
+    /// the gate does not know read first (not under `poll-no-head-floor` in a poll round), then
+    /// each row admitted by the read's rules (`PipelineCore::admit_read`), `admitted` told, its
+    /// commands executed, and the pace kept after it. Between two rows of a poll round the
+    /// daemon's pace may wait for what resolves an aggregate the round read as pending
+    /// (`World::round_waits`). `false`: the pace waited for something nothing will move.
+    fn admit_read_rows(
+        &mut self,
+        i: usize,
+        read: Read,
+        rows: Vec<usize>,
+        mut admitted: impl FnMut(&mut World, usize, usize, &ReadAdmitted),
+    ) -> Result<bool, End> {
+        let mut chunks = Chunks::default();
+        // The rows a chunk holds, in the order offered.
+        let mut queue = rows.clone().into_iter();
+        for next in rows.into_iter().map(Some).chain(std::iter::once(None)) {
+            let chunk = match next {
+                Some(row) => match chunks.offer(Ok(self.rows[row].current())) {
+                    Some(chunk) => chunk,
+                    None => continue,
+                },
+                None => chunks.end(),
+            };
+            let in_chunk: Vec<usize> = queue.by_ref().take(chunk.len()).collect();
+            if read == Read::Snapshot || !self.is(Mutant::PollNoHeadFloor) {
+                for &row in &in_chunk {
+                    self.learn_head(i, row, false);
+                }
+            }
+            for (row, ev) in in_chunk.into_iter().zip(chunk) {
+                if read == Read::PollRound
+                    && self.faults
+                    && (self.relays[i].core.parked() > 0 || !self.relays[i].lookups.is_empty())
+                    && self.round_waits.chance(250)
+                {
+                    self.round_waits(i)?;
+                    if self.relays[i].killed || self.relays[i].core.lease_expired {
+                        return Ok(true);
+                    }
+                }
+                let now = self.now_for(i);
+                let a = self.relays[i]
+                    .core
+                    .admit_read(read, ev, now)
+                    .map_err(|_| End::Error("relay core: admit_read"))?;
+                admitted(self, i, row, &a);
+                if let ReadAdmitted::Admitted(commands) = a {
+                    self.execute(i, commands)?;
+                }
+                if !self.keep_pace(i)? {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
     /// A poll round's read (the round has begun: `begin_poll_round`): the pending rows read
     /// and recorded, each admitted as the core decides, pacing after each. `chunked`: the
     /// heads of the rows' aggregates the gate does not know are read before any row is
@@ -2249,10 +2309,23 @@ impl World {
         // `RoundStep::DrainBefore`); which rows are admitted, and the head each raises, is
         // the core's (`outbox_relay::poll`).
         let n = pending.len() as u64;
-        if chunked && !self.is(Mutant::PollNoHeadFloor) {
-            for &row in &pending {
-                self.learn_head(i, row, false);
+        if chunked {
+            // The daemon's `admit_rows`: heads per chunk first, pace after every row.
+            let settled =
+                self.admit_read_rows(i, Read::PollRound, pending, |w, i, row, admitted| {
+                    if matches!(admitted, ReadAdmitted::Admitted(_)) {
+                        // Read again by this round: as a replay (`decode_next`), not
+                        // `resent_after_proof`, unless proven after the read.
+                        if proven_at_read.contains(&row) {
+                            w.relays[i].proven.remove(&row);
+                        }
+                        w.c.poll_events += 1;
+                    }
+                })?;
+            if !settled {
+                self.read_stalled(i, "POLL ROUND")?;
             }
+            return Ok(n);
         }
         for row in pending {
             // `keep_pace`: between rows the daemon's round waits at times (`wait_one`), and
@@ -2270,7 +2343,7 @@ impl World {
             let ev = self.rows[row].current();
             // `learn_heads`, per chunk in the daemon: the ledger's head of an aggregate the
             // gate does not know, below the round's own floor.
-            if !chunked && !self.is(Mutant::PollNoHeadFloor) {
+            if !self.is(Mutant::PollNoHeadFloor) {
                 self.learn_head(i, row, false);
             }
             let now = self.now_for(i);
@@ -2354,22 +2427,11 @@ impl World {
             .collect();
         pending.sort_by_key(|r| (self.rows[*r].agg, self.rows[*r].version));
         log!(self, "snapshot: {} unpublished rows", pending.len());
-        let mut settled = true;
-        for row in pending {
-            self.learn_head(i, row, false);
-            let ev = self.rows[row].current();
-            let now = self.now_for(i);
-            let commands = self.relays[i]
-                .core
-                .admit(ev, None, None, None, now)
-                .map_err(|_| End::Error("relay core: admit"))?;
-            self.c.snapshot_events += 1;
-            self.execute(i, commands)?;
-            settled = self.keep_pace(i)?;
-            if !settled {
-                break;
+        let settled = self.admit_read_rows(i, Read::Snapshot, pending, |w, _, _, admitted| {
+            if matches!(admitted, ReadAdmitted::Admitted(_)) {
+                w.c.snapshot_events += 1;
             }
-        }
+        })?;
         // `drain_all`: every admitted event resolved — reported on, or parked and then looked
         // up or sent again.
         if !settled || !self.drain_read(i, false)? {

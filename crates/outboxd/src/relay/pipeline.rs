@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use outbox_core::{EventToken, Lsn, OutboxEvent};
+use outbox_core::{Lsn, OutboxEvent};
 use outbox_ledger::attempts;
 use outbox_ledger::holds::{self, AggKey};
 use outbox_ledger::lease::Fence;
@@ -35,6 +35,8 @@ use crate::config::RelayConfig;
 use crate::failpoint;
 
 use outbox_relay::pace::{Drain, Pace};
+pub use outbox_relay::read::Read;
+use outbox_relay::read::{Chunks, ReadAdmitted, Unreadable};
 use outbox_relay::schedule::{Bounds, Waiting};
 pub(crate) use outbox_relay::MAX_IN_FLIGHT_BYTES;
 
@@ -261,28 +263,6 @@ impl Pipeline {
         Now {
             wall: std::time::SystemTime::now(),
             lease_valid: self.lease.valid(),
-        }
-    }
-
-    /// The route stage and the ordering gate for one decoded event.
-    pub async fn admit(
-        &mut self,
-        ev: OutboxEvent,
-        commit_lsn: Option<Lsn>,
-        change_lsn: Option<Lsn>,
-        ack: Option<EventToken>,
-    ) -> Result<(), RelayError> {
-        let now = self.now();
-        let commands = self.core.admit(ev, commit_lsn, change_lsn, ack, now)?;
-        self.execute(commands).await
-    }
-
-    /// One row of a poll round (`outbox_relay::poll`): admitted or skipped by the core.
-    pub async fn admit_polled(&mut self, ev: OutboxEvent) -> Result<(), RelayError> {
-        let now = self.now();
-        match self.core.admit_polled(ev, now)? {
-            outbox_relay::poll::Polled::Skipped => Ok(()),
-            outbox_relay::poll::Polled::Admitted { commands } => self.execute(commands).await,
         }
     }
 
@@ -660,14 +640,13 @@ impl Pipeline {
     }
 
     /// The rows of a read (the initial snapshot's, or a poll round's) to the core, in
-    /// chunks of [`outbox_relay::stage::STAGE_ROWS`]: the heads of a chunk's aggregates the
-    /// gate does not know are read in one query first (migration 0026; in a poll round the
-    /// floor below the round's own "every version below the first pending one has a receipt":
-    /// a found copy may be published above an earlier version without one, `outbox-sim` seed
-    /// 1 trace 19152), then each row is admitted (a poll round's by the round's rules,
-    /// `outbox_relay::poll`) or, if it cannot be read as an event, quarantined under a key of
-    /// the read; after each row the pipeline keeps within its bounds. Returns how many rows
-    /// were read.
+    /// chunks ([`outbox_relay::read`]): the heads of a chunk's aggregates the gate does not
+    /// know are read in one query first (migration 0026; in a poll round the floor below the
+    /// round's own "every version below the first pending one has a receipt": a found copy
+    /// may be published above an earlier version without one, `outbox-sim` seed 1 trace
+    /// 19152), then each row is admitted by the read's rules or, if it cannot be read as an
+    /// event, quarantined under a key of the read; after each row the pipeline keeps within
+    /// its bounds. Returns how many rows were read.
     pub async fn admit_rows(
         &mut self,
         rows: impl futures::Stream<Item = Result<tokio_postgres::Row, tokio_postgres::Error>>,
@@ -678,41 +657,43 @@ impl Pipeline {
         use futures::StreamExt;
         futures::pin_mut!(rows);
         let mut n: u64 = 0;
-        let mut chunk: Vec<Result<OutboxEvent, (String, String)>> = Vec::new();
-        let mut ended = false;
-        while !ended {
-            match rows.next().await {
+        let mut chunks = Chunks::default();
+        loop {
+            let (chunk, ended) = match rows.next().await {
                 Some(row) => {
                     let row = row.map_err(|e| outbox_ledger::LedgerError::Db {
-                        context: read.reading().into(),
+                        context: reading(read).into(),
                         source: e,
                     })?;
                     n += 1;
-                    chunk.push(
-                        outbox_source::snapshot::event_from_row(&row)
-                            .map_err(|e| (read.unreadable_key(&row, n), e.to_string())),
-                    );
-                    if chunk.len() < outbox_relay::stage::STAGE_ROWS {
-                        continue;
+                    let row =
+                        outbox_source::snapshot::event_from_row(&row).map_err(|e| Unreadable {
+                            key: unreadable_key(read, &row, n),
+                            error: e.to_string(),
+                        });
+                    match chunks.offer(row) {
+                        Some(chunk) => (chunk, false),
+                        None => continue,
                     }
                 }
-                None => ended = true,
-            }
-            self.learn_heads(chunk.iter().filter_map(|r| r.as_ref().ok()), false)
+                None => (chunks.end(), true),
+            };
+            self.learn_heads(outbox_relay::read::events(&chunk), false)
                 .await?;
-            for row in chunk.drain(..) {
-                match (row, read) {
-                    (Ok(ev), Read::Snapshot) => {
-                        self.admit(ev, None, None, None).await?;
+            for row in chunk {
+                let now = self.now();
+                if let ReadAdmitted::Admitted(commands) = self.core.admit_read(read, row, now)? {
+                    self.execute(commands).await?;
+                    if read == Read::Snapshot {
                         failpoint::hit("after-snapshot-send");
                     }
-                    (Ok(ev), Read::PollRound) => self.admit_polled(ev).await?,
-                    (Err((key, e)), _) => self.core.quarantine_unreadable(key, e, Lsn::ZERO, None),
                 }
                 self.keep_pace(bounds, progress).await?;
             }
+            if ended {
+                return Ok(n);
+            }
         }
-        Ok(n)
     }
 
     /// After a committed acceptance transaction: failpoint, counters, then the checkpoint
@@ -993,35 +974,25 @@ pub(crate) fn sent_ago(a: &attempts::UnknownAttempt) -> Duration {
     Duration::from_secs_f64(a.sent_ago_s.max(0.0))
 }
 
-/// Which read [`Pipeline::admit_rows`] admits.
-#[derive(Debug, Clone, Copy)]
-pub enum Read {
-    /// The initial snapshot (or a backfill): every row is admitted.
-    Snapshot,
-    /// A poll round: by the round's rules ([`PipelineCore::admit_polled`]).
-    PollRound,
+/// What a read is doing, for its errors.
+fn reading(read: Read) -> &'static str {
+    match read {
+        Read::Snapshot => "reading unpublished outbox rows",
+        Read::PollRound => "reading pending outbox events",
+    }
 }
 
-impl Read {
-    fn reading(self) -> &'static str {
-        match self {
-            Read::Snapshot => "reading unpublished outbox rows",
-            Read::PollRound => "reading pending outbox events",
-        }
-    }
-
-    /// The key an unreadable row is quarantined under: a snapshot's by its place in the read;
-    /// a poll round's by the row's id when it has one, so that a later round records it once.
-    fn unreadable_key(self, row: &tokio_postgres::Row, n: u64) -> String {
-        match self {
-            Read::Snapshot => format!("snapshot:{n}"),
-            Read::PollRound => format!(
-                "poll:{}",
-                row.try_get::<_, Option<&str>>(0)
-                    .ok()
-                    .flatten()
-                    .unwrap_or("?")
-            ),
-        }
+/// The key an unreadable row is quarantined under: a snapshot's by its place in the read; a
+/// poll round's by the row's id when it has one, so that a later round records it once.
+fn unreadable_key(read: Read, row: &tokio_postgres::Row, n: u64) -> String {
+    match read {
+        Read::Snapshot => format!("snapshot:{n}"),
+        Read::PollRound => format!(
+            "poll:{}",
+            row.try_get::<_, Option<&str>>(0)
+                .ok()
+                .flatten()
+                .unwrap_or("?")
+        ),
     }
 }
