@@ -424,6 +424,109 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     );
 }
 
+cdc_only! {
+    "CDC only: a replay from a checkpoint; poll mode has no checkpoint, and its rounds' read leaves skipped events out (skip_needs_a_reason_and_publishes_what_was_held_behind)";
+    /// A relay that replays an event an operator skipped (it starts from a checkpoint before the
+    /// event: here an earlier event of another aggregate waits on a handler that is down, so the
+    /// checkpoint cannot pass it, and the relay is SIGKILLed after the skip) does not send it:
+    /// the skip is for good, whoever meets the event again. Before 2026-12-07 the hold was gone by
+    /// then and the replay published the skipped event (found by the simulator, bug 26 of
+    /// docs/simulation.md).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_event_an_operator_skipped_is_not_sent_when_a_restarted_relay_replays_it() {
+        use outbox_testkit::http_target::TargetSettings;
+        const DOWN: &str = "handler-down-for-this-tenant";
+        let (env, target) = crate::http::endpoint_env(
+            "skip_replay",
+            TargetSettings {
+                poison: Some("refused-by-the-endpoint".into()),
+                ..TargetSettings::default()
+            },
+        )
+        .await;
+        let config = env.write_config(
+            "sink = \"http\"\n[http]\nendpoint = \"billing-api\"\nrequest_timeout_ms = 2500\n\
+             idempotency_window_ms = 3600000\n",
+        );
+        let args = ["--config", config.as_str(), "--unclear-schedule-ms", "300"];
+        target.unavailable_for(Some(DOWN));
+        let mut relay = env.relay(&[], &args);
+        env.wait_streaming().await;
+        // Committed first: its answers are 503 until the handler is back, so every checkpoint
+        // stays before it, and before the skipped event committed after it.
+        let waiting = env.enqueue("w", json!({"tenant": DOWN})).await;
+        let skipped = env
+            .enqueue("s", json!({"payload": "refused-by-the-endpoint"}))
+            .await;
+        env.wait_count(
+            "the refused event quarantined, its aggregate held",
+            &format!(
+                "SELECT count(*) FROM outbox.quarantine WHERE event_id = '{skipped}' AND released_at IS NULL"
+            ),
+            1,
+        )
+        .await;
+        skip(&env, skipped, "refused by the endpoint, not needed");
+        let after = env.enqueue("s", json!({"n": 2})).await;
+        env.wait_count(
+            "the event after the skipped one published",
+            &format!("SELECT count(*) FROM outbox.receipts WHERE event_id = '{after}'"),
+            1,
+        )
+        .await;
+        env.wait_zero("the hold closed", "SELECT count(*) FROM outbox.holds")
+            .await;
+        assert!(
+            target.requests_with_key(&waiting.to_string()) >= 1,
+            "the waiting event met the handler that is down"
+        );
+        assert_eq!(
+            env.count(&format!(
+                "SELECT count(*) FROM outbox.receipts WHERE event_id = '{waiting}'"
+            ))
+            .await,
+            0,
+            "nothing answered the waiting event yet: the checkpoint is before it"
+        );
+        let refused = target.requests_with_key(&skipped.to_string());
+        assert!(
+            refused >= 1,
+            "the skipped event was refused by the endpoint first"
+        );
+        relay.kill9();
+
+        // The next relay streams from the checkpoint: the waiting event, the skipped one and the
+        // one after it come again.
+        target.unavailable_for(None);
+        let relay = env.relay(&[], &args);
+        env.wait_count(
+            "the waiting event published once the handler is back",
+            &format!("SELECT count(*) FROM outbox.receipts WHERE event_id = '{waiting}'"),
+            1,
+        )
+        .await;
+        // The fault met traffic: the replay read the skipped event.
+        crate::ha::wait_log(&relay, "an event an operator skipped was read again").await;
+        assert!(
+            relay.log_text().contains(&skipped.to_string()),
+            "the replay's log names another event"
+        );
+        assert_eq!(
+            target.requests_with_key(&skipped.to_string()),
+            refused,
+            "the skipped event was sent again by the relay that replayed it"
+        );
+        assert_eq!(
+            env.count(&format!(
+                "SELECT count(*) FROM outbox.receipts WHERE event_id = '{skipped}'"
+            ))
+            .await,
+            0,
+            "the skipped event has a receipt"
+        );
+    }
+}
+
 /// An event held behind a refused one, then refused itself and skipped, is never sent again
 /// and the hold closes (found by outbox-sim, seed 1 trace 27: it kept its held record, so every
 /// release of the aggregate republished it and was refused again).

@@ -1243,6 +1243,8 @@ impl<P: Plant> PipelineCore<P> {
         if !self.skipped.contains(&ev.event_id) || self.planted(Mutant::StreamSendsSkipped) {
             return Ok(false);
         }
+        tracing::info!(event_id = %ev.event_id, aggregate_id = %ev.aggregate_id,
+            version = ev.aggregate_version, "an event an operator skipped was read again from the slot: not sent");
         let key = key_of(ev);
         self.ensure_known(&key);
         self.gate.consume(&key, ev.aggregate_version);
