@@ -42,6 +42,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use outbox_core::delivery::{DeliveryOutcome, FailureClass, RecordPosition, Served};
+use outbox_core::records::QuarantineRecord;
 use outbox_core::{Lsn, OutboxEvent};
 use uuid::Uuid;
 
@@ -51,6 +52,30 @@ use crate::route;
 mod reader;
 mod records;
 pub use reader::{Reader, StreamRow, StreamTxn};
+
+/// What became of a stream transaction's row ([`TxnCore::admit_txn`]).
+#[derive(Debug)]
+pub enum TxnRow {
+    /// A row that cannot be read as an event: quarantined at once under this record (it has
+    /// no aggregate to hold); the driver accepts it before it goes on.
+    Unreadable(QuarantineRecord),
+    /// Queued to be sent: the driver keeps the event and its change record's LSN until its
+    /// batch's receipts are built.
+    Queued {
+        event: Box<OutboxEvent>,
+        change_lsn: Lsn,
+    },
+    /// Not sent: published already (`accepted`: read again after a crash) or skipped by an
+    /// operator.
+    NotSent { accepted: bool },
+}
+
+/// A stream row written without a version (the writer's plain INSERT): exactly-once mode
+/// does not number rows yet (docs/exactly_once.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unnumbered {
+    pub event_id: Uuid,
+}
 pub use records::StreamIdentity;
 
 /// One event of a batch where the broker stored it. (The ledger builds the receipt from the
@@ -473,19 +498,62 @@ impl<P: Plant> TxnCore<P> {
     /// An event of the stream, in stream order. `accepted`: the ledger holds its receipt (a
     /// stream transaction split over two batches, read again after a crash): it is not sent
     /// again; nor is an event an operator skipped (its closed quarantine is its record).
-    pub fn admit(&mut self, event: OutboxEvent, accepted: bool) {
+    /// Returns whether it was queued to be sent.
+    pub fn admit(&mut self, event: OutboxEvent, accepted: bool) -> bool {
         self.admitted += 1;
         if accepted && !self.plant.planted(Mutant::TxnReplaysAccepted) {
-            return;
+            return false;
         }
         if self.skipped.contains(&event.event_id) && !self.plant.planted(Mutant::StreamSendsSkipped)
         {
-            return;
+            return false;
         }
         self.queue.push_back(Queued {
             seq: self.admitted - 1,
             event,
         });
+        true
+    }
+
+    /// One stream transaction read whole, in stream order, after the heads its aggregates
+    /// need were learnt ([`Self::heads_needed_in`], [`Self::learn_heads`]): each row admitted
+    /// as [`Self::admit`] says, whether it is published already decided by
+    /// [`Self::replayed_accepted`], then its commit ([`Self::stream_commit`]). What became of
+    /// each row, in order; refused whole if a row was written without a version (exactly-once
+    /// mode does not number rows yet, docs/exactly_once.md).
+    pub fn admit_txn(&mut self, t: StreamTxn) -> Result<Vec<TxnRow>, Unnumbered> {
+        if let Some(event_id) = t
+            .rows
+            .iter()
+            .find_map(|(r, _)| r.as_ref().ok().filter(|e| e.version_by_relay))
+            .map(|e| e.event_id)
+        {
+            return Err(Unnumbered { event_id });
+        }
+        let mut out = Vec::with_capacity(t.rows.len());
+        for (n, (row, change_lsn)) in t.rows.into_iter().enumerate() {
+            out.push(match row {
+                // It has no aggregate to hold: quarantined at once.
+                Err(reason) => TxnRow::Unreadable(QuarantineRecord::unreadable(
+                    format!("lsn:{}:{n}", t.commit_lsn),
+                    reason,
+                    t.commit_lsn,
+                )),
+                Ok(event) => {
+                    let accepted = self.replayed_accepted(&event, t.commit_lsn);
+                    if self.admit(event.clone(), accepted) {
+                        TxnRow::Queued {
+                            event: Box::new(event),
+                            change_lsn,
+                        }
+                    } else {
+                        TxnRow::NotSent { accepted }
+                    }
+                }
+            });
+        }
+        self.stream_commit(t.end_lsn);
+        Ok(out)
     }
 
     /// The stream transaction whose events were admitted last ended at `end`.

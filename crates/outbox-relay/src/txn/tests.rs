@@ -337,6 +337,61 @@ fn a_transaction_read_again_is_accepted_up_to_its_aggregates_heads_only() {
 }
 
 #[test]
+fn a_read_transaction_is_admitted_row_by_row_then_committed_and_a_row_without_a_version_refuses_it()
+{
+    let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+    c.set_replay_bound(Some(Lsn(30)));
+    let evs: Vec<_> = (1..=3).map(|v| event("a", v)).collect();
+    c.learn_heads(
+        vec![("order".into(), "a".into())],
+        vec![(("order".into(), "a".into()), 1)],
+    );
+    c.skipped_by_operator([evs[2].event_id]);
+    let mut rows: Vec<StreamRow> = evs.iter().map(|e| (Ok(e.clone()), Lsn(25))).collect();
+    rows.insert(1, (Err("no aggregate_id".into()), Lsn(26)));
+    let got = c
+        .admit_txn(StreamTxn {
+            rows,
+            commit_lsn: Lsn(30),
+            end_lsn: Lsn(31),
+        })
+        .unwrap();
+    let kinds: Vec<String> = got
+        .iter()
+        .map(|r| match r {
+            TxnRow::NotSent { accepted } => format!("not sent, accepted {accepted}"),
+            TxnRow::Unreadable(q) => format!("quarantined {}", q.key),
+            TxnRow::Queued { event, .. } => format!("queued v{}", event.aggregate_version),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "not sent, accepted true",
+            "quarantined lsn:0/1E:1",
+            "queued v2",
+            "not sent, accepted false",
+        ]
+    );
+    c.flush();
+    assert_eq!(sends(&steps(&mut c)), [(0, 2)], "v1 published, v3 skipped");
+
+    let mut plain = event("b", 1);
+    plain.version_by_relay = true;
+    let refused = c.admit_txn(StreamTxn {
+        rows: vec![(Ok(event("c", 1)), Lsn(40)), (Ok(plain.clone()), Lsn(41))],
+        commit_lsn: Lsn(42),
+        end_lsn: Lsn(43),
+    });
+    assert_eq!(
+        refused.unwrap_err(),
+        Unnumbered {
+            event_id: plain.event_id
+        }
+    );
+}
+
+#[test]
 fn each_mutant_changes_its_decision() {
     // A core with `m` planted, batches of `batch_size`, at checkpoint 10.
     let planted = |m, batch_size| {

@@ -28,7 +28,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use outbox_core::delivery::RecordPosition;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_relay::txn::{
-    CommitOutcome, Kept, Recorded, StreamTxn, TxnCore, TxnReceipt, TxnReport, TxnStep,
+    CommitOutcome, Kept, Recorded, StreamTxn, TxnCore, TxnReceipt, TxnReport, TxnRow, TxnStep,
 };
 use outbox_relay::Planted;
 use uuid::Uuid;
@@ -437,8 +437,19 @@ impl Txn<'_> {
                 .collect();
             self.relays[i].core.learn_heads(needed, read);
         }
-        for ev in events {
-            let accepted = self.relays[i].core.replayed_accepted(&ev, end);
+        // What of it is accepted already is the core's rule (`TxnCore::admit_txn`, as the
+        // daemon's `Run::admit` gives it each transaction).
+        let [t] = read;
+        let rows = self.relays[i]
+            .core
+            .admit_txn(t)
+            .expect("the simulated stream's rows carry versions");
+        for (ev, row) in events.iter().zip(rows) {
+            let accepted = match row {
+                TxnRow::NotSent { accepted } => accepted,
+                TxnRow::Queued { .. } => false,
+                TxnRow::Unreadable(_) => unreachable!("the simulated stream's rows are readable"),
+            };
             if accepted != self.ledger.receipts.contains_key(&ev.event_id) {
                 self.say(format!(
                     "gen {}: {} v{} taken for {} by the replay rule",
@@ -448,9 +459,7 @@ impl Txn<'_> {
                     if accepted { "accepted" } else { "new" }
                 ));
             }
-            self.relays[i].core.admit(ev, accepted);
         }
-        self.relays[i].core.stream_commit(end);
         // The daemon's loop after a read: a full batch is due at once, else the linger starts
         // (its time is the linger step's).
         self.relays[i].core.read(true, std::time::Duration::ZERO);

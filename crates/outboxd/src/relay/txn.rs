@@ -30,8 +30,8 @@ use outbox_ledger::holds;
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem};
 use outbox_relay::txn::{
-    CommitOutcome, Kept, Reader, Recorded, StreamIdentity, StreamRow, StreamTxn, TxnCore,
-    TxnReceipt, TxnReport, TxnStep,
+    CommitOutcome, Kept, Reader, Recorded, StreamIdentity, StreamTxn, TxnCore, TxnReceipt,
+    TxnReport, TxnRow, TxnStep,
 };
 use outbox_sink::kafka_txn::{
     committed_batches, ensure_positions_topic, BatchKept, BatchReceipt, BatchRecord, TxnFailure,
@@ -388,8 +388,9 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Stream transactions read whole, given to the core in order, each followed by its
-    /// commit; the heads of the aggregates they meet first are read in one look-up.
+    /// Stream transactions read whole, given to the core in order, each with its commit
+    /// (`TxnCore::admit_txn`); the heads of the aggregates they meet first are read in one
+    /// look-up before.
     async fn admit(&mut self, sql: &Client, read: Vec<StreamTxn>) -> Result<(), RelayError> {
         if read.is_empty() {
             return Ok(());
@@ -400,62 +401,49 @@ impl Run<'_> {
             self.core.learn_heads(unknown, heads);
         }
         for t in read {
-            self.admit_txn(t.rows, t.commit_lsn).await?;
-            self.core.stream_commit(t.end_lsn);
+            let commit_lsn = t.commit_lsn;
+            let rows = self.core.admit_txn(t).map_err(|u| {
+                RelayError::Unsupported(format!(
+                    "event {} was written without a version: exactly-once mode does not number rows yet (docs/exactly_once.md); run the slot in the default mode",
+                    u.event_id
+                ))
+            })?;
+            for row in rows {
+                match row {
+                    TxnRow::Queued { event, change_lsn } => {
+                        self.admitted.insert(
+                            event.event_id,
+                            Admitted {
+                                event: *event,
+                                commit_lsn,
+                                change_lsn,
+                            },
+                        );
+                    }
+                    TxnRow::NotSent { .. } => {}
+                    TxnRow::Unreadable(record) => self.quarantine_unreadable(record).await?,
+                }
+            }
         }
         Ok(())
     }
 
-    /// One stream transaction's rows, given to the core in order: an unreadable row is
-    /// quarantined at once (it has no aggregate to hold).
-    async fn admit_txn(&mut self, rows: Vec<StreamRow>, commit_lsn: Lsn) -> Result<(), RelayError> {
-        for (n, (row, change_lsn)) in rows.into_iter().enumerate() {
-            let event = match row {
-                Ok(ev) => ev,
-                Err(reason) => {
-                    let key = format!("lsn:{commit_lsn}:{n}");
-                    tracing::warn!(%key, %reason, "unreadable outbox row quarantined");
-                    let item = LedgerItem::Quarantine(QuarantineRecord::unreadable(
-                        key, reason, commit_lsn,
-                    ));
-                    self.settle_acceptance().await?;
-                    let (mut client, mut prepared) =
-                        self.ledger.take().expect("the acceptance session");
-                    let r = accept::accept_batch_prepared(
-                        &mut client,
-                        &mut prepared,
-                        &self.cfg.slot,
-                        &[item],
-                        None,
-                        Some(self.fence),
-                    )
-                    .await;
-                    self.ledger = Some((client, prepared));
-                    r?;
-                    continue;
-                }
-            };
-            if event.version_by_relay {
-                return Err(RelayError::Unsupported(format!(
-                    "event {} was written without a version: exactly-once mode does not number rows yet (docs/exactly_once.md); run the slot in the default mode",
-                    event.event_id
-                )));
-            }
-            // Read again after a crash: published if its aggregate's head, read when first
-            // met, is at or above it (the core's rule).
-            let accepted = self.core.replayed_accepted(&event, commit_lsn);
-            if !accepted {
-                self.admitted.insert(
-                    event.event_id,
-                    Admitted {
-                        event: event.clone(),
-                        commit_lsn,
-                        change_lsn,
-                    },
-                );
-            }
-            self.core.admit(event, accepted);
-        }
+    /// An unreadable row's quarantine record, accepted at once (it has no aggregate to hold).
+    async fn quarantine_unreadable(&mut self, record: QuarantineRecord) -> Result<(), RelayError> {
+        tracing::warn!(key = %record.key, reason = %record.reason, "unreadable outbox row quarantined");
+        self.settle_acceptance().await?;
+        let (mut client, mut prepared) = self.ledger.take().expect("the acceptance session");
+        let r = accept::accept_batch_prepared(
+            &mut client,
+            &mut prepared,
+            &self.cfg.slot,
+            &[LedgerItem::Quarantine(record)],
+            None,
+            Some(self.fence),
+        )
+        .await;
+        self.ledger = Some((client, prepared));
+        r?;
         Ok(())
     }
 
