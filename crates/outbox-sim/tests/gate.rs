@@ -73,6 +73,9 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.poll_traces > 300 && c.poll_events > 10_000, "{c:?}");
     // Half of them run the product's poll loop (`outbox_relay::poll::PollRun`).
     assert!(c.poll_loop_traces > 150, "{c:?}");
+    // A quarter of the CDC traces and of the poll-loop ones stop their relays now and then
+    // (SIGTERM: `RunEnd` with `Ending::Stop`, the lease released, the next relay starting).
+    assert!(c.relay_stops > 500, "{c:?}");
     // A quarter of the CDC traces whose slot is never lost write some aggregates plainly
     // (no version: the relay numbers them in commit order); every receipt and copy of those
     // rows carries its commit rank (in `violations` too), and restarts continue numberings

@@ -196,6 +196,8 @@ pub struct Counts {
     pub rolled_back: u64,
     pub relay_crashes: u64,
     pub relay_pauses: u64,
+    /// Relays an operator stopped (SIGTERM), their lease released.
+    pub relay_stops: u64,
     /// Steps in which the slot had more and backpressure held the relay from reading it (the
     /// traces with a small `max_in_flight`): the schedule's rule met traffic.
     pub reads_held_back: u64,
@@ -384,6 +386,7 @@ impl Counts {
             rolled_back,
             relay_crashes,
             relay_pauses,
+            relay_stops,
             reads_held_back,
             unknown_attempts,
             broker_copies,
@@ -527,6 +530,7 @@ impl Counts {
             ("relay_sigkills", self.relay_crashes.to_string()),
             ("early_takeovers", self.early_takeovers.to_string()),
             ("relay_pauses_zombies", self.relay_pauses.to_string()),
+            ("relay_stops", self.relay_stops.to_string()),
             ("reads_held_back", self.reads_held_back.to_string()),
             (
                 "loop_traces",

@@ -751,6 +751,13 @@ struct World {
     /// asked and answered in one step drawn at random, and a superseded run learns at a
     /// random step (`World::end_stale_runs`).
     keeper_timing: bool,
+    /// An operator stops the running relay now and then (SIGTERM: `outboxd`'s graceful stop),
+    /// and a new one starts: a CDC run ends as `lifecycle::RunEnd` with `Ending::Stop` says
+    /// (reports awaited within the grace, the batch accepted with its checkpoint, the slot
+    /// confirmed), a poll run at its loop's next round (`RoundStep::Stop`); then the lease is
+    /// released and the next relay takes it at once. A quarter of the CDC traces and of those
+    /// that run the product's poll loop (`World::stop_relay`).
+    stops: bool,
     /// Releases under faults: topics go down, routes change, the operator migrates and the
     /// relay polls for releases four times as often, so that releases meet events parked
     /// after unclear outcomes (bug 24 was 1 in a million traces without it).
@@ -905,6 +912,8 @@ impl World {
         // Half of the poll traces run the product's poll loop (stream 4528: the first above
         // 4096 whose draw leaves every regression trace out).
         let poll_loop = poll && rng.fork(4528).chance(500);
+        // Stream 5134: the first above 5119 whose draw leaves every regression trace out.
+        let stops = (!poll || poll_loop) && rng.fork(5134).chance(250);
         let loop_timing = (!poll && rng.fork(1282).chance(250)).then(|| {
             let mut draw = rng.fork(1283);
             Settings {
@@ -950,6 +959,7 @@ impl World {
             bounds,
             keeper_timing,
             release_heavy,
+            stops,
             loop_timing,
             poll_loop,
             plain,
@@ -1013,6 +1023,9 @@ impl World {
     fn run(&mut self) {
         let steps = self.rng.range(60, 260);
         let max_events = self.rng.range(4, 30);
+        if self.stops {
+            log!(self, "the operator stops relays now and then");
+        }
         if self.plain.contains(&true) {
             let plain: Vec<String> = (0..AGGREGATES)
                 .filter(|a| self.plain[*a as usize])
@@ -1208,6 +1221,7 @@ impl World {
             if lookups { 8 } else { 0 },                   // 21 a look-up answers
             read_weight,                                   // 22 a renewal's answer is read
             settle_weight,                                 // 23 a pipelined acceptance answers
+            if self.stops && active.is_some() { 1 } else { 0 }, // 24 the operator stops the relay
         ];
         match self.rng.weighted(&weights) {
             0 => self.producer_txn(),
@@ -1308,6 +1322,7 @@ impl World {
                 let i = self.relays.iter().position(settling).expect("weighted");
                 self.relay_call(Some(i), Self::settle);
             }
+            24 => self.stop_relay(active.expect("weighted")),
             _ => unreachable!(),
         }
         if let Some(i) = self.active() {
@@ -1459,6 +1474,75 @@ impl World {
             self.holder_killed = true;
         }
         self.c.relay_crashes += 1;
+    }
+
+    /// The operator stops relay `i` (SIGTERM). A CDC run ends as the product's `RunEnd` with
+    /// `Ending::Stop` says (the daemon's `drain_and_stop`): outstanding reports awaited until
+    /// the grace is over, the batch accepted with its checkpoint, the slot confirmed up to it.
+    /// A poll run stops at its loop's next round (`PollRun` says `Stop` between rounds, and a
+    /// round is one step here). Then the run gives the lease back (`lease::release`) and its
+    /// process exits; an error on the way ends the run as any error does (salvage).
+    fn stop_relay(&mut self, i: usize) {
+        let r = &self.relays[i];
+        if r.paused || r.salvaging || r.killed {
+            return;
+        }
+        log!(self, "relay gen {} told to stop", r.gen);
+        self.c.relay_stops += 1;
+        let ended = if self.poll {
+            let r = &mut self.relays[i];
+            let now = ms(self.now.saturating_sub(r.started));
+            let run = r
+                .poll_run
+                .as_mut()
+                .expect("stops run in the product's poll loop");
+            match run.next(&mut r.core, now, true) {
+                RoundStep::Stop => Ok(()),
+                _ => Err(End::Error("a poll run asked to stop inside a round")),
+            }
+        } else {
+            self.stop_stream(i)
+        };
+        if let Err(e) = ended {
+            return self.end_run(i, e);
+        }
+        if self.relays[i].killed || self.relays[i].salvaging {
+            return;
+        }
+        let gen = self.relays[i].gen;
+        if self.ledger.lease_gen == gen && self.now <= self.ledger.lease_until {
+            self.ledger.lease_until = self.now.saturating_sub(1);
+        }
+        log!(self, "relay gen {gen} stopped: lease released");
+        // Its process exits: removed at the end of the step, as a SIGKILLed one is (its lease
+        // is already free, so nobody takes it early).
+        self.relays[i].killed = true;
+    }
+
+    /// `drain_and_stop`: a CDC run's end by `RunEnd` with `Ending::Stop`.
+    fn stop_stream(&mut self, i: usize) -> Result<(), End> {
+        let mut end = RunEnd::new(Ending::Stop, &mut self.relays[i].core);
+        loop {
+            match end.next(&self.relays[i].core) {
+                EndStep::AwaitReport if self.relays[i].in_flight.is_empty() => end.grace_over(),
+                EndStep::AwaitReport => {
+                    if self.faults && self.rng.chance(150) {
+                        // The grace is over: what is still at the broker is sent again by
+                        // the next run.
+                        end.grace_over();
+                        continue;
+                    }
+                    let token = self.relays[i].in_flight[0].token;
+                    self.on_report(i, token)?;
+                }
+                EndStep::Accept { track } => self.flush(i, track)?,
+                EndStep::Confirm => self.status_update(i),
+                EndStep::Done => return Ok(()),
+            }
+            if self.relays[i].core.lease_expired {
+                return Err(LEASE_LOST);
+            }
+        }
     }
 
     // -------------------------------------------------------------------------- producers
