@@ -296,6 +296,80 @@ async fn a_read_committed_consumer_sees_every_event_once_through_a_crash_between
 }
 
 e2e_only! {
+/// A graceful stop (SIGTERM) in exactly-once mode puts what the relay read into a last
+/// transaction, commits it, accepts it and confirms it before it gives the lease back. The
+/// relay here reads every event but begins no transaction before the stop (a batch linger of
+/// ten minutes), so the stop's transaction is the only one: every event has its receipt
+/// after the exit, once, at its committed copy. Before 2026-12-07 the stop never read the
+/// sends' delivery reports, so its transaction never committed: the relay waited out its 10
+/// s and exited with the transaction open (read_committed consumers of its partitions
+/// blocked until the next holder aborted it), and no event had a receipt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_commits_and_accepts_a_transaction_of_what_the_relay_read() {
+    let env = TestEnv::new("exactly_once_stop").await;
+    let positions = format!("{}.positions", env.topic);
+    let args = [
+        "--delivery",
+        "exactly-once",
+        "--positions-topic",
+        positions.as_str(),
+        "--batch-size",
+        "1000",
+        "--batch-linger-ms",
+        "600000",
+        "--status-interval-ms",
+        "100",
+    ];
+    let mut relay = env.relay(&[], &args);
+    env.wait_streaming().await;
+    const EVENTS: usize = 30;
+    for i in 0..EVENTS {
+        env.enqueue(&format!("s-{}", i % 5), json!({"i": i})).await;
+    }
+    let end: String = env
+        .db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    // Read: the relay's standby status says it received the stream past the last event.
+    let read_past = format!(
+        "SELECT count(*) FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+         WHERE s.slot_name = '{}' AND r.write_lsn >= '{end}'::pg_lsn",
+        env.slot
+    );
+    env.wait_count("the relay to have read every event", &read_past, 1)
+        .await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.receipts").await,
+        0,
+        "a transaction began before the stop: the test's linger did not hold"
+    );
+    relay.signal(libc::SIGTERM);
+    let status = relay.wait_exit(Duration::from_secs(60)).await;
+    let log = relay.log_text();
+    assert!(status.success(), "a graceful stop exits 0: {log}");
+    assert!(
+        !log.contains("stopping with a transaction open"),
+        "the stop left its transaction open: {log}"
+    );
+    let seen = read_committed(env.kafka.bootstrap_servers(), &env.topic);
+    let receipts = receipts_of(&env).await;
+    let committed: Vec<String> = env
+        .db
+        .query("SELECT event_id::text FROM outbox.events", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(committed.len(), EVENTS);
+    assert_eq!(receipts.len(), EVENTS, "every event accepted by the stop: {log}");
+    Counts::judge(&committed, &env.topic, &seen, &receipts).assert_zero(&seen);
+}
+}
+
+e2e_only! {
 /// `outboxd check --delivery exactly-once`: a transaction runs under the check id, and a
 /// missing positions topic is named (the relay creates it at start); once it exists, it is ok.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

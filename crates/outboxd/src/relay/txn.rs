@@ -191,7 +191,7 @@ pub(super) async fn stream(
         let linger_at = run.core.linger_started().map(|s| run_started + s + linger);
         tokio::select! {
             biased;
-            _ = shutdown.changed() => return run.stop(stream, sql, fence).await,
+            _ = shutdown.changed() => return run.stop(stream, sql, fence, &mut reports).await,
             Some(d) = reports.recv() => {
                 run.core.on_report(d.token, TxnReport::of(d.outcome));
             }
@@ -772,20 +772,38 @@ impl Run<'_> {
         stream: &mut ReplicationStream,
         sql: &Client,
         fence: &Fence,
+        reports: &mut mpsc::UnboundedReceiver<Delivery>,
     ) -> Result<(), RelayError> {
         self.core.flush();
         // As long as a stop of the default mode waits at most (`Ending::grace`).
         let deadline = Instant::now() + outbox_relay::lifecycle::STOP_DRAIN_MAX;
         self.execute().await?;
+        // What the stream loop does with the broker's answers, until the last transaction is
+        // committed and accepted: its sends' reports too, without which it never commits
+        // (before 2026-12-07 a stop with a transaction open waited out the deadline and left
+        // it open, blocking read_committed consumers of its partitions until the next holder
+        // aborted it).
         while (self.core.in_transaction() || self.accepting.is_some() || !self.accepts.is_empty())
             && Instant::now() < deadline
         {
             tokio::select! {
-                done = broker_done(&mut self.broker) => self.on_broker(done)?,
+                Some(d) = reports.recv() => {
+                    self.core.on_report(d.token, TxnReport::of(d.outcome));
+                }
+                done = broker_done(&mut self.broker) => {
+                    self.on_broker(done)?;
+                    self.core.broker_answered();
+                }
                 done = accept_done(&mut self.accepting) => self.on_accepted(done)?,
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
             self.execute().await?;
+        }
+        if self.core.in_transaction() {
+            tracing::warn!(
+                "stopping with a transaction open after {} s: the next holder of the slot aborts it and sends its events again",
+                outbox_relay::lifecycle::STOP_DRAIN_MAX.as_secs()
+            );
         }
         confirm(stream, self.core.durable(), self.core.durable()).await?;
         outbox_ledger::lease::release(sql, &self.cfg.slot, fence).await?;
