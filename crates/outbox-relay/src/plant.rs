@@ -183,6 +183,12 @@ pub enum Mutant {
     /// batch filled during the transaction started no linger, so it waits for ever
     /// (`txn_lost`: the simulator's drain finds nothing that moves it).
     TxnAnswerLeavesQueue,
+    /// An exactly-once run told to stop confirms and gives the lease back at once
+    /// ([`crate::txn::TxnEnd`] waits for nothing): the transaction it began for what it read
+    /// is left open, to be aborted by the next holder, and its events are sent again (the
+    /// simulator's `txn_stops_left_open`; the daemon's stop before 2026-12-07 never read its
+    /// sends' reports, with the same effect).
+    TxnStopWithoutWaiting,
     /// Exactly-once mode: an event read again whose receipt the ledger holds is sent again
     /// (`txn_seen_twice`: a stream transaction split over two batches, after a crash).
     TxnReplaysAccepted,

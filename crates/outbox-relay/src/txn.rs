@@ -70,6 +70,59 @@ pub enum TxnRow {
     NotSent { accepted: bool },
 }
 
+/// What a stopping exactly-once run does next ([`TxnEnd::next`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxnEndStep {
+    /// Wait for the next answer — a send's delivery report, the broker's answer to a commit,
+    /// abort or settle, an acceptance — and hand it to the core as the stream loop does
+    /// (`on_report`; `broker_answered` after the broker's), then execute what the core asks
+    /// ([`TxnCore::poll_step`]); or tell [`TxnEnd::grace_over`] when the stop's time is up.
+    AwaitAnswer,
+    /// Confirm the durable checkpoint to the slot.
+    Confirm,
+    /// Give the lease back: the run is over.
+    Done,
+}
+
+/// A graceful stop of an exactly-once run (SIGTERM, a fleet member's hand-over): what the
+/// relay has read goes into a last transaction, which is committed and accepted before the
+/// slot is confirmed and the lease given back, within the stop's time
+/// ([`crate::lifecycle::STOP_DRAIN_MAX`]); a transaction still open then is left to the next
+/// holder, whose producer aborts it. The daemon's `relay/txn.rs` and the simulator's
+/// exactly-once world execute it.
+#[derive(Debug, Default)]
+pub struct TxnEnd {
+    grace_over: bool,
+    confirmed: bool,
+}
+
+impl TxnEnd {
+    /// Begins the stop: what is queued is due now ([`TxnCore::flush`]).
+    pub fn new<P: Plant>(core: &mut TxnCore<P>) -> TxnEnd {
+        core.flush();
+        TxnEnd::default()
+    }
+
+    /// The stop's time is up.
+    pub fn grace_over(&mut self) {
+        self.grace_over = true;
+    }
+
+    /// The next step; `accepting`: an acceptance runs or waits to run (the driver's).
+    pub fn next<P: Plant>(&mut self, core: &TxnCore<P>, accepting: bool) -> TxnEndStep {
+        let waiting = (core.in_transaction() || accepting)
+            && !core.plant.planted(Mutant::TxnStopWithoutWaiting);
+        if waiting && !self.grace_over && !core.stopped() {
+            TxnEndStep::AwaitAnswer
+        } else if !self.confirmed {
+            self.confirmed = true;
+            TxnEndStep::Confirm
+        } else {
+            TxnEndStep::Done
+        }
+    }
+}
+
 /// A stream row written without a version (the writer's plain INSERT): exactly-once mode
 /// does not number rows yet (docs/exactly_once.md).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -61,6 +61,10 @@ fn two_thousand_traces_violate_nothing() {
     assert_eq!(c.txn_order_violations, 0);
     assert_eq!(c.txn_receipt_mismatch, 0);
     assert_eq!(c.txn_unaccepted, 0);
+    // A quarter of them stop their relay now and then (`TxnEnd`): none with its transaction
+    // left open before its time ran out.
+    assert_eq!(c.txn_stops_left_open, 0);
+    assert!(c.txn_stops > 100, "{c:?}");
     assert!(c.txn_traces > 300, "{c:?}");
     assert!(
         c.txn_aborts > 100
@@ -163,7 +167,8 @@ fn a_trace_replays_alone_and_identically() {
 /// bug-end-run-on-unclear, fresh-by-commit, numbering-not-kept, bug-numbering-log-not-folded
 /// and exactly-once mode's txn-ignores-records, txn-unknown-is-aborted, txn-through-past-batch,
 /// txn-accepts-aborted, txn-replays-accepted, txn-skips-first-record, txn-requeues-at-back and
-/// txn-replayed-is-accepted, and the poll loop's round-reads-before-drain
+/// txn-replayed-is-accepted, txn-answer-leaves-queue, txn-stop-without-waiting, and the poll
+/// loop's round-reads-before-drain
 /// (the list `PRODUCT` below). In two tests, so that they run on two
 /// threads.
 #[test]
@@ -221,6 +226,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::TxnRequeuesAtBack,
         Mutant::TxnReplayedIsAccepted,
         Mutant::TxnAnswerLeavesQueue,
+        Mutant::TxnStopWithoutWaiting,
         Mutant::RoundReadsBeforeDrain,
     ];
     type Counter = fn(&Counts) -> u64;
@@ -413,6 +419,10 @@ fn every_mutant_is_caught(product: bool) {
         (
             Mutant::TxnAnswerLeavesQueue,
             &[("txn_lost", |c| c.txn_lost)],
+        ),
+        (
+            Mutant::TxnStopWithoutWaiting,
+            &[("txn_stops_left_open", |c| c.txn_stops_left_open)],
         ),
         (
             Mutant::NumberingWithoutWrittenVersions,

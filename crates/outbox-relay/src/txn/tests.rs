@@ -82,6 +82,80 @@ fn a_batch_is_one_transaction_with_every_version_in_flight_then_committed_and_ac
     assert_eq!(c.durable(), Lsn(30));
 }
 
+/// A stop (`TxnEnd`) of a core with three events read and no transaction yet (a long
+/// linger), answered as the driver answers; returns the end's steps, by name, as it asked
+/// for them. With `grace_over_at` the stop's time runs out at that answer.
+fn stop_of<P: Plant>(mut c: TxnCore<P>, grace_over_at: Option<usize>) -> Vec<&'static str> {
+    three(&mut c);
+    let mut end = TxnEnd::new(&mut c);
+    let not_begin = |s: &TxnStep| !matches!(s, TxnStep::Begin { .. });
+    let mut pending: Vec<TxnStep> = steps(&mut c).into_iter().filter(not_begin).collect();
+    let mut asked = Vec::new();
+    let mut answers = 0;
+    let mut accepting = false;
+    loop {
+        let step = end.next(&c, accepting);
+        asked.push(match step {
+            TxnEndStep::AwaitAnswer => "await",
+            TxnEndStep::Confirm => "confirm",
+            TxnEndStep::Done => "done",
+        });
+        match step {
+            TxnEndStep::Done => return asked,
+            TxnEndStep::Confirm => {}
+            TxnEndStep::AwaitAnswer if grace_over_at == Some(answers) => end.grace_over(),
+            TxnEndStep::AwaitAnswer => {
+                answers += 1;
+                // The next answer of what the core asked: reports, the commit, the acceptance.
+                match pending.first().cloned() {
+                    Some(TxnStep::Send { token, .. }) => {
+                        pending.remove(0);
+                        c.on_report(token, stored(token as i64));
+                    }
+                    Some(TxnStep::Commit { .. }) => {
+                        pending.remove(0);
+                        c.on_committed(CommitOutcome::Committed(at(9)));
+                    }
+                    Some(TxnStep::Accept { batch, .. }) => {
+                        pending.remove(0);
+                        accepting = false;
+                        c.on_accepted(batch);
+                    }
+                    other => panic!("nothing to answer: {other:?}"),
+                }
+                pending.extend(steps(&mut c).into_iter().filter(not_begin));
+                accepting |= pending.iter().any(|s| matches!(s, TxnStep::Accept { .. }));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stop_commits_and_accepts_what_was_read_then_confirms_unless_its_time_runs_out() {
+    let c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+    let asked = stop_of(c, None);
+    assert_eq!(
+        asked.iter().filter(|s| **s == "await").count(),
+        5,
+        "{asked:?}"
+    );
+    assert_eq!(asked[asked.len() - 2..], ["confirm", "done"]);
+
+    let c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+    assert_eq!(
+        stop_of(c, Some(1)),
+        ["await", "await", "confirm", "done"],
+        "the time ran out with the transaction open: left to the next holder"
+    );
+
+    let plant = Planted {
+        mutant: Some(Mutant::TxnStopWithoutWaiting),
+        current_route: None,
+    };
+    let c = TxnCore::planted(plant, served(), 10, Lsn(10), 0, vec![]);
+    assert_eq!(stop_of(c, None), ["confirm", "done"]);
+}
+
 #[test]
 fn one_failed_send_aborts_the_transaction_and_the_whole_batch_goes_again_in_order() {
     let mut c = second_of_three_failed(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));

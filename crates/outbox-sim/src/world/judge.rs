@@ -173,6 +173,10 @@ pub struct Counts {
     pub txn_receipt_mismatch: u64,
     /// Exactly-once mode: batches the broker committed that the ledger never accepted.
     pub txn_unaccepted: u64,
+    /// Exactly-once mode: stops that gave the lease back with a transaction open although
+    /// their time had not run out (its events sent again by the next holder, and
+    /// read_committed consumers of its partitions held until it aborts).
+    pub txn_stops_left_open: u64,
     /// Acceptance batches proven new to the slot by their positions
     /// (`outbox_core::receipt::proved_new`) that held an event with a primary receipt: the
     /// plain insert's proof was wrong (the entries' key refuses it today; evidence per batch
@@ -295,6 +299,8 @@ pub struct Counts {
     pub txn_recovered: u64,
     pub txn_fenced: u64,
     pub txn_kills: u64,
+    /// Exactly-once runs an operator stopped (`outbox_relay::txn::TxnEnd`).
+    pub txn_stops: u64,
 }
 
 /// Simulated time a relay run must have held the lease before an aggregate that does not
@@ -332,6 +338,7 @@ impl Counts {
             + self.txn_order_violations
             + self.txn_receipt_mismatch
             + self.txn_unaccepted
+            + self.txn_stops_left_open
             + self.fresh_proofs_wrong
             + self.plain_version_wrong
             + self.plain_rows_unreadable
@@ -426,6 +433,7 @@ impl Counts {
             txn_order_violations,
             txn_receipt_mismatch,
             txn_unaccepted,
+            txn_stops_left_open,
             txn_traces,
             txn_commits,
             txn_aborts,
@@ -434,6 +442,7 @@ impl Counts {
             txn_recovered,
             txn_fenced,
             txn_kills,
+            txn_stops,
             fresh_proofs_wrong,
             plain_version_wrong,
             plain_rows_unreadable,
@@ -519,6 +528,7 @@ impl Counts {
             ("txn_order_violations", self.txn_order_violations.to_string()),
             ("txn_receipt_mismatch", self.txn_receipt_mismatch.to_string()),
             ("txn_unaccepted", self.txn_unaccepted.to_string()),
+            ("txn_stops_left_open", self.txn_stops_left_open.to_string()),
             ("fresh_proofs_wrong", self.fresh_proofs_wrong.to_string()),
             ("plain_version_wrong", self.plain_version_wrong.to_string()),
             (
@@ -621,9 +631,10 @@ impl Counts {
             (
                 "txn_traces",
                 format!(
-                    "{} ({} SIGKILLs, {} commits, {} aborts, {} commits unknown, {} aborts unanswered, {} batches accepted from the broker's records, {} runs fenced)",
+                    "{} ({} SIGKILLs, {} stops, {} commits, {} aborts, {} commits unknown, {} aborts unanswered, {} batches accepted from the broker's records, {} runs fenced)",
                     self.txn_traces,
                     self.txn_kills,
+                    self.txn_stops,
                     self.txn_commits,
                     self.txn_aborts,
                     self.txn_unknown_commits,

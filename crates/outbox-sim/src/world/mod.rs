@@ -323,6 +323,9 @@ pub enum Mutant {
     /// Product mutant: what queued during a transaction is not flushed when the broker
     /// answers; a batch filled meanwhile waits for ever (`txn_lost`).
     TxnAnswerLeavesQueue,
+    /// Product mutant: an exactly-once stop gives the lease back without waiting for its
+    /// transaction (`txn_stops_left_open`).
+    TxnStopWithoutWaiting,
 }
 
 impl Mutant {
@@ -419,6 +422,7 @@ impl Mutant {
         ("txn-requeues-at-back", Mutant::TxnRequeuesAtBack),
         ("txn-replayed-is-accepted", Mutant::TxnReplayedIsAccepted),
         ("txn-answer-leaves-queue", Mutant::TxnAnswerLeavesQueue),
+        ("txn-stop-without-waiting", Mutant::TxnStopWithoutWaiting),
     ];
 
     pub fn parse(name: &str) -> Option<Mutant> {

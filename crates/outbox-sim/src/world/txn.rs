@@ -28,7 +28,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use outbox_core::delivery::RecordPosition;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_relay::txn::{
-    CommitOutcome, Kept, Recorded, StreamTxn, TxnCore, TxnReceipt, TxnReport, TxnRow, TxnStep,
+    CommitOutcome, Kept, Recorded, StreamTxn, TxnCore, TxnEnd, TxnEndStep, TxnReceipt, TxnReport,
+    TxnRow, TxnStep,
 };
 use outbox_relay::Planted;
 use uuid::Uuid;
@@ -51,6 +52,7 @@ fn product_mutant(m: Mutant) -> Option<outbox_relay::Mutant> {
         Mutant::TxnRequeuesAtBack => Some(outbox_relay::Mutant::TxnRequeuesAtBack),
         Mutant::TxnReplayedIsAccepted => Some(outbox_relay::Mutant::TxnReplayedIsAccepted),
         Mutant::TxnAnswerLeavesQueue => Some(outbox_relay::Mutant::TxnAnswerLeavesQueue),
+        Mutant::TxnStopWithoutWaiting => Some(outbox_relay::Mutant::TxnStopWithoutWaiting),
         Mutant::RouteIgnoresCluster => Some(outbox_relay::Mutant::RouteIgnoresCluster),
         _ => None,
     }
@@ -140,6 +142,8 @@ struct Relay {
     accepts: VecDeque<TxnStep>,
     paused: bool,
     ended: bool,
+    /// Told to stop (`TxnEnd`), and whether the stop's time ran out.
+    stopping: Option<(TxnEnd, bool)>,
 }
 
 struct Txn<'a> {
@@ -147,6 +151,8 @@ struct Txn<'a> {
     rng: SplitMix64,
     faults: bool,
     batch_size: usize,
+    /// An operator stops the running relay now and then (a quarter of the traces).
+    stops: bool,
     events: Vec<Event>,
     by_id: HashMap<Uuid, usize>,
     /// The stream: transactions of events, each with its end LSN.
@@ -174,6 +180,7 @@ pub(super) fn run(
             current_route: None,
         },
         batch_size: 1 + rng.below(4) as usize,
+        stops: rng.fork(7).chance(250),
         faults: true,
         events: Vec::new(),
         by_id: HashMap::new(),
@@ -246,7 +253,7 @@ impl Txn<'_> {
     /// daemon's batch is at least `--max-in-flight`).
     fn can_read(&self, i: usize) -> bool {
         let r = &self.relays[i];
-        r.cursor < self.wal.len() && r.core.can_read(self.batch_size)
+        r.cursor < self.wal.len() && r.core.can_read(self.batch_size) && r.stopping.is_none()
     }
 
     fn active(&self) -> Option<usize> {
@@ -261,17 +268,20 @@ impl Txn<'_> {
         let has = |f: &dyn Fn(&Relay) -> bool| self.relays.iter().any(|r| live(r) && f(r));
         let weights = [
             u64::from(active.is_some_and(|i| self.can_read(i))) * 10, // 0 read
-            u64::from(active.is_some_and(|i| self.relays[i].core.linger_started().is_some())) * 6, // 1 the linger is over
-            u64::from(has(&|r| !r.reports.is_empty())) * 14, // 2 report
-            u64::from(has(&|r| r.commit.is_some())) * 6,     // 3 commit
-            u64::from(has(&|r| r.abort)) * 6,                // 4 abort
-            u64::from(has(&|r| r.settle.is_some())) * 6,     // 5 settle
-            u64::from(has(&|r| !r.accepts.is_empty())) * 6,  // 6 accept
-            u64::from(active.is_some()) * 2,                 // 7 SIGKILL
-            u64::from(active.is_some()) * 2,                 // 8 pause
-            u64::from(self.relays.iter().any(|r| r.paused)) * 3, // 9 resume
-            u64::from(active.is_none()) * 6,                 // 10 start
-            2,                                               // 11 nothing
+            u64::from(active.is_some_and(|i| {
+                self.relays[i].core.linger_started().is_some() && self.relays[i].stopping.is_none()
+            })) * 6, // 1 the linger is over
+            u64::from(has(&|r| !r.reports.is_empty())) * 14,          // 2 report
+            u64::from(has(&|r| r.commit.is_some())) * 6,              // 3 commit
+            u64::from(has(&|r| r.abort)) * 6,                         // 4 abort
+            u64::from(has(&|r| r.settle.is_some())) * 6,              // 5 settle
+            u64::from(has(&|r| !r.accepts.is_empty())) * 6,           // 6 accept
+            u64::from(active.is_some()) * 2,                          // 7 SIGKILL
+            u64::from(active.is_some()) * 2,                          // 8 pause
+            u64::from(self.relays.iter().any(|r| r.paused)) * 3,      // 9 resume
+            u64::from(active.is_none()) * 6,                          // 10 start
+            2,                                                        // 11 nothing
+            u64::from(self.stops && active.is_some_and(|i| self.relays[i].stopping.is_none())), // 12 stop
         ];
         match self.rng.weighted(&weights) {
             0 => self.read(active.expect("weighted")),
@@ -304,6 +314,7 @@ impl Txn<'_> {
                     5 => self.settle(i),
                     _ => self.accept(i),
                 }
+                self.advance_stop(i);
             }
             7 => {
                 let i = active.expect("weighted");
@@ -325,9 +336,74 @@ impl Txn<'_> {
                 self.relays[i].paused = false;
             }
             10 => self.start(),
+            12 => {
+                // The daemon's `Run::stop`: what was read goes into a last transaction.
+                let i = active.expect("weighted");
+                self.say(format!("relay gen {} told to stop", self.relays[i].gen));
+                self.c.txn_stops += 1;
+                let end = TxnEnd::new(&mut self.relays[i].core);
+                self.relays[i].stopping = Some((end, false));
+                self.execute(i);
+                self.advance_stop(i);
+            }
             _ => {}
         }
         self.relays.retain(|r| !r.ended);
+    }
+
+    /// A stopping run's end, as far as the answers so far take it (`TxnEnd`): it waits
+    /// while the core is in a transaction or an acceptance waits, unless nothing can answer
+    /// any more or, under faults, its time runs out; then it confirms (the slot is not
+    /// modelled) and gives the lease back. A stop that ends with a transaction open before
+    /// its time ran out is `txn_stops_left_open`.
+    fn advance_stop(&mut self, i: usize) {
+        if i >= self.relays.len() || self.relays[i].ended || self.relays[i].paused {
+            return;
+        }
+        let r = &mut self.relays[i];
+        let Some((mut end, mut grace_over)) = r.stopping.take() else {
+            return;
+        };
+        loop {
+            let r = &mut self.relays[i];
+            let answerable = !r.reports.is_empty()
+                || r.commit.is_some()
+                || r.abort
+                || r.settle.is_some()
+                || !r.accepts.is_empty();
+            match end.next(&r.core, !r.accepts.is_empty()) {
+                TxnEndStep::AwaitAnswer if !answerable => {
+                    // Nothing will answer: its time runs out.
+                    grace_over = true;
+                    end.grace_over();
+                }
+                TxnEndStep::AwaitAnswer if self.faults && self.rng.chance(100) => {
+                    grace_over = true;
+                    end.grace_over();
+                }
+                TxnEndStep::AwaitAnswer => {
+                    self.relays[i].stopping = Some((end, grace_over));
+                    return;
+                }
+                TxnEndStep::Confirm => {}
+                TxnEndStep::Done => {
+                    let (open, gen) = (self.relays[i].core.in_transaction(), self.relays[i].gen);
+                    self.say(format!(
+                        "relay gen {gen} stopped{}",
+                        if open {
+                            " with its transaction open"
+                        } else {
+                            ""
+                        }
+                    ));
+                    if open && !grace_over {
+                        self.c.txn_stops_left_open += 1;
+                    }
+                    self.relays[i].ended = true;
+                    return;
+                }
+            }
+        }
     }
 
     /// A run takes the lease, opens the producer (which fences every older one and aborts what
@@ -364,6 +440,7 @@ impl Txn<'_> {
             accepts: VecDeque::new(),
             paused: false,
             ended: false,
+            stopping: None,
         });
         let i = self.relays.len() - 1;
         let recorded = self.broker.committed_after(self.ledger.last_record);
@@ -743,6 +820,11 @@ impl Txn<'_> {
             if self.pending_step(i) {
                 continue;
             }
+            if self.relays[i].stopping.is_some() {
+                // Nothing answers a stopping run any more: it ends.
+                self.advance_stop(i);
+                continue;
+            }
             if self.can_read(i) {
                 self.read(i);
                 continue;
@@ -774,6 +856,7 @@ impl Txn<'_> {
             _ if !r.accepts.is_empty() => self.accept(i),
             _ => return false,
         }
+        self.advance_stop(i);
         true
     }
 

@@ -30,8 +30,8 @@ use outbox_ledger::holds;
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem};
 use outbox_relay::txn::{
-    CommitOutcome, Kept, Reader, Recorded, StreamIdentity, StreamTxn, TxnCore, TxnReceipt,
-    TxnReport, TxnRow, TxnStep,
+    CommitOutcome, Kept, Reader, Recorded, StreamIdentity, StreamTxn, TxnCore, TxnEnd, TxnEndStep,
+    TxnReceipt, TxnReport, TxnRow, TxnStep,
 };
 use outbox_sink::kafka_txn::{
     committed_batches, ensure_positions_topic, BatchKept, BatchReceipt, BatchRecord, TxnFailure,
@@ -774,38 +774,43 @@ impl Run<'_> {
         fence: &Fence,
         reports: &mut mpsc::UnboundedReceiver<Delivery>,
     ) -> Result<(), RelayError> {
-        self.core.flush();
         // As long as a stop of the default mode waits at most (`Ending::grace`).
-        let deadline = Instant::now() + outbox_relay::lifecycle::STOP_DRAIN_MAX;
+        let deadline = tokio::time::Instant::now() + outbox_relay::lifecycle::STOP_DRAIN_MAX;
+        let mut end = TxnEnd::new(&mut self.core);
         self.execute().await?;
-        // What the stream loop does with the broker's answers, until the last transaction is
-        // committed and accepted: its sends' reports too, without which it never commits
-        // (before 2026-12-07 a stop with a transaction open waited out the deadline and left
-        // it open, blocking read_committed consumers of its partitions until the next holder
-        // aborted it).
-        while (self.core.in_transaction() || self.accepting.is_some() || !self.accepts.is_empty())
-            && Instant::now() < deadline
-        {
-            tokio::select! {
-                Some(d) = reports.recv() => {
-                    self.core.on_report(d.token, TxnReport::of(d.outcome));
+        loop {
+            let accepting = self.accepting.is_some() || !self.accepts.is_empty();
+            match end.next(&self.core, accepting) {
+                // The answers the stream loop handles, its sends' reports too: without them
+                // the last transaction never commits (before 2026-12-07 a stop waited out its
+                // time and left it open, holding read_committed consumers of its partitions
+                // until the next holder aborted it).
+                TxnEndStep::AwaitAnswer => {
+                    tokio::select! {
+                        Some(d) = reports.recv() => {
+                            self.core.on_report(d.token, TxnReport::of(d.outcome));
+                        }
+                        done = broker_done(&mut self.broker) => {
+                            self.on_broker(done)?;
+                            self.core.broker_answered();
+                        }
+                        done = accept_done(&mut self.accepting) => self.on_accepted(done)?,
+                        _ = tokio::time::sleep_until(deadline) => {
+                            tracing::warn!(
+                                "stopping with a transaction open after {} s: the next holder of the slot aborts it and sends its events again",
+                                outbox_relay::lifecycle::STOP_DRAIN_MAX.as_secs()
+                            );
+                            end.grace_over();
+                        }
+                    }
+                    self.execute().await?;
                 }
-                done = broker_done(&mut self.broker) => {
-                    self.on_broker(done)?;
-                    self.core.broker_answered();
+                TxnEndStep::Confirm => {
+                    confirm(stream, self.core.durable(), self.core.durable()).await?
                 }
-                done = accept_done(&mut self.accepting) => self.on_accepted(done)?,
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                TxnEndStep::Done => break,
             }
-            self.execute().await?;
         }
-        if self.core.in_transaction() {
-            tracing::warn!(
-                "stopping with a transaction open after {} s: the next holder of the slot aborts it and sends its events again",
-                outbox_relay::lifecycle::STOP_DRAIN_MAX.as_secs()
-            );
-        }
-        confirm(stream, self.core.durable(), self.core.durable()).await?;
         outbox_ledger::lease::release(sql, &self.cfg.slot, fence).await?;
         tracing::info!(checkpoint = %self.core.durable(), "stopped");
         Ok(())
