@@ -95,6 +95,25 @@ async fn receipts_of(env: &TestEnv) -> Vec<Receipt> {
         .collect()
 }
 
+/// What a `read_committed` consumer of the test's topic saw, judged against the `events`
+/// committed outbox rows and the ledger's receipts ([`Counts`]): every count must be zero.
+async fn judge_committed(env: &TestEnv, events: usize) {
+    let seen = read_committed(env.kafka.bootstrap_servers(), &env.topic);
+    let receipts = receipts_of(env).await;
+    let committed: Vec<String> = env
+        .db
+        .query("SELECT event_id::text FROM outbox.events", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(committed.len(), events);
+    let counts = Counts::judge(&committed, &env.topic, &seen, &receipts);
+    println!("{counts:?}");
+    counts.assert_zero(&seen);
+}
+
 /// What exactly once means to a committed reader, as counts that must be zero.
 #[derive(Debug, Default, PartialEq)]
 struct Counts {
@@ -276,20 +295,7 @@ async fn a_read_committed_consumer_sees_every_event_once_through_a_crash_between
     env.wait_receipts("every event accepted", EVENTS).await;
     drop(third);
 
-    let seen = read_committed(env.kafka.bootstrap_servers(), &env.topic);
-    let receipts = receipts_of(&env).await;
-    let committed: Vec<String> = env
-        .db
-        .query("SELECT event_id::text FROM outbox.events", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(committed.len(), EVENTS);
-    let counts = Counts::judge(&committed, &env.topic, &seen, &receipts);
-    println!("{counts:?}");
-    counts.assert_zero(&seen);
+    judge_committed(&env, EVENTS).await;
     // (The suite's `verify_receipts` reads without isolation and asserts contiguous offsets,
     // which a transactional topic does not have: its commit markers take offsets too.)
 }
@@ -353,19 +359,8 @@ async fn a_stop_commits_and_accepts_a_transaction_of_what_the_relay_read() {
         !log.contains("stopping with a transaction open"),
         "the stop left its transaction open: {log}"
     );
-    let seen = read_committed(env.kafka.bootstrap_servers(), &env.topic);
-    let receipts = receipts_of(&env).await;
-    let committed: Vec<String> = env
-        .db
-        .query("SELECT event_id::text FROM outbox.events", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(committed.len(), EVENTS);
-    assert_eq!(receipts.len(), EVENTS, "every event accepted by the stop: {log}");
-    Counts::judge(&committed, &env.topic, &seen, &receipts).assert_zero(&seen);
+    // Every committed event seen once and with its receipt (`lost` counts one without).
+    judge_committed(&env, EVENTS).await;
 }
 }
 
