@@ -301,6 +301,8 @@ pub struct Counts {
     pub txn_kills: u64,
     /// Exactly-once runs an operator stopped (`outbox_relay::txn::TxnEnd`).
     pub txn_stops: u64,
+    /// Exactly-once mode: stream rows that could not be read as events, quarantined.
+    pub txn_unreadable: u64,
 }
 
 /// Simulated time a relay run must have held the lease before an aggregate that does not
@@ -443,6 +445,7 @@ impl Counts {
             txn_fenced,
             txn_kills,
             txn_stops,
+            txn_unreadable,
             fresh_proofs_wrong,
             plain_version_wrong,
             plain_rows_unreadable,
@@ -631,10 +634,11 @@ impl Counts {
             (
                 "txn_traces",
                 format!(
-                    "{} ({} SIGKILLs, {} stops, {} commits, {} aborts, {} commits unknown, {} aborts unanswered, {} batches accepted from the broker's records, {} runs fenced)",
+                    "{} ({} SIGKILLs, {} stops, {} unreadable rows quarantined, {} commits, {} aborts, {} commits unknown, {} aborts unanswered, {} batches accepted from the broker's records, {} runs fenced)",
                     self.txn_traces,
                     self.txn_kills,
                     self.txn_stops,
+                    self.txn_unreadable,
                     self.txn_commits,
                     self.txn_aborts,
                     self.txn_unknown_commits,

@@ -58,6 +58,9 @@ fn product_mutant(m: Mutant) -> Option<outbox_relay::Mutant> {
     }
 }
 
+/// A row of the simulated stream that cannot be read as an event.
+const UNREADABLE: usize = usize::MAX;
+
 struct Event {
     ev: OutboxEvent,
     agg: u64,
@@ -214,6 +217,9 @@ impl Txn<'_> {
 
     fn write_stream(&mut self) {
         let mut versions = [0i64; AGGREGATES as usize];
+        // Now and then a row the decoder cannot read as an event (a generator of its own, so
+        // the other draws stay).
+        let mut unreadable = self.rng.fork(11);
         let txns = self.rng.range(3, 12);
         for t in 0..txns {
             let mut ids = Vec::new();
@@ -243,6 +249,10 @@ impl Txn<'_> {
                     agg,
                     poison: self.rng.chance(25),
                 });
+            }
+            if unreadable.chance(100) {
+                let at = unreadable.below(ids.len() as u64 + 1) as usize;
+                ids.insert(at, UNREADABLE);
             }
             self.wal.push((ids, Lsn(10 * (t + 1))));
         }
@@ -468,7 +478,7 @@ impl Txn<'_> {
             .wal
             .iter()
             .filter(|(ids, _)| {
-                ids.iter().any(|e| {
+                ids.iter().filter(|e| **e != UNREADABLE).any(|e| {
                     self.ledger
                         .receipts
                         .contains_key(&self.events[*e].ev.event_id)
@@ -491,9 +501,12 @@ impl Txn<'_> {
         // The daemon's `Run::admit`: the heads of the aggregates a read meets first, read again
         // (`holds::heads_of`: the highest version with a receipt), then what of it is accepted
         // already is the core's rule. A read here is one stream transaction.
-        let events: Vec<OutboxEvent> = ids.iter().map(|e| self.events[*e].ev.clone()).collect();
+        let rows = ids.iter().map(|e| match *e {
+            UNREADABLE => (Err("no aggregate_id".to_string()), end),
+            e => (Ok(self.events[e].ev.clone()), end),
+        });
         let read = [StreamTxn {
-            rows: events.iter().map(|e| (Ok(e.clone()), end)).collect(),
+            rows: rows.collect(),
             commit_lsn: end,
             end_lsn: end,
         }];
@@ -521,12 +534,18 @@ impl Txn<'_> {
             .core
             .admit_txn(t)
             .expect("the simulated stream's rows carry versions");
-        for (ev, row) in events.iter().zip(rows) {
+        for (e, row) in ids.iter().zip(rows) {
             let accepted = match row {
                 TxnRow::NotSent { accepted } => accepted,
                 TxnRow::Queued { .. } => false,
-                TxnRow::Unreadable(_) => unreachable!("the simulated stream's rows are readable"),
+                // The daemon accepts its quarantine record at once (`Run::quarantine_unreadable`):
+                // it is no event, and nothing of it is sent.
+                TxnRow::Unreadable(_) => {
+                    self.c.txn_unreadable += 1;
+                    continue;
+                }
             };
+            let ev = &self.events[*e].ev;
             if accepted != self.ledger.receipts.contains_key(&ev.event_id) {
                 self.say(format!(
                     "gen {}: {} v{} taken for {} by the replay rule",
