@@ -2338,15 +2338,8 @@ impl World {
                 }
             }
             for (row, ev) in in_chunk.into_iter().zip(chunk) {
-                if read == Read::PollRound
-                    && self.faults
-                    && (self.relays[i].core.parked() > 0 || !self.relays[i].lookups.is_empty())
-                    && self.round_waits.chance(250)
-                {
-                    self.round_waits(i)?;
-                    if self.relays[i].killed || self.relays[i].core.lease_expired {
-                        return Ok(true);
-                    }
+                if read == Read::PollRound && !self.round_may_wait(i)? {
+                    return Ok(true);
                 }
                 let now = self.now_for(i);
                 let a = self.relays[i]
@@ -2419,14 +2412,8 @@ impl World {
             // `keep_pace`: between rows the daemon's round waits at times (`wait_one`), and
             // what it waits for may resolve an aggregate the round read as pending: a parked
             // event coming due and sent again, its report, a look-up's answer.
-            if self.faults
-                && (self.relays[i].core.parked() > 0 || !self.relays[i].lookups.is_empty())
-                && self.round_waits.chance(250)
-            {
-                self.round_waits(i)?;
-                if self.relays[i].killed || self.relays[i].core.lease_expired {
-                    return Ok(n);
-                }
+            if !self.round_may_wait(i)? {
+                return Ok(n);
             }
             let ev = self.rows[row].current();
             // `learn_heads`, per chunk in the daemon: the ledger's head of an aggregate the
@@ -2469,6 +2456,20 @@ impl World {
             self.c.concurrent_lookups += 1;
         }
         self.relays[i].lookups.push(lookup);
+    }
+
+    /// Between two rows of a poll round: under faults, while something can resolve an
+    /// aggregate the round read as pending (a parked event, a look-up), the round may wait
+    /// for one thing first (`World::round_waits`, on its own stream). `false`: the run ended.
+    fn round_may_wait(&mut self, i: usize) -> Result<bool, End> {
+        if self.faults
+            && (self.relays[i].core.parked() > 0 || !self.relays[i].lookups.is_empty())
+            && self.round_waits.chance(250)
+        {
+            self.round_waits(i)?;
+            return Ok(!self.relays[i].killed && !self.relays[i].core.lease_expired);
+        }
+        Ok(true)
     }
 
     /// `Pipeline::wait_one` inside a poll round: one delivery report, a parked event that is
