@@ -1232,6 +1232,13 @@ impl<P: Plant> PipelineCore<P> {
         self.skipped.extend(ids);
     }
 
+    /// The events an operator skipped that this core knows of
+    /// ([`PipelineCore::skipped_by_operator`]): what a run hands on when it goes on in
+    /// exactly-once mode (`TxnCore::skipped_by_operator`).
+    pub fn skipped_events(&self) -> impl Iterator<Item = Uuid> + '_ {
+        self.skipped.iter().copied()
+    }
+
     /// A stream row the operator skipped ([`PipelineCore::skipped_by_operator`]): resolved at
     /// once (its quarantine, closed as skipped, is its record), never sent. The reads outside
     /// the stream (a snapshot, a poll round) never offer one: their SQL leaves it out.

@@ -554,11 +554,7 @@ impl<P: Plant> TxnCore<P> {
     /// Returns whether it was queued to be sent.
     pub fn admit(&mut self, event: OutboxEvent, accepted: bool) -> bool {
         self.admitted += 1;
-        if accepted && !self.plant.planted(Mutant::TxnReplaysAccepted) {
-            return false;
-        }
-        if self.skipped.contains(&event.event_id) && !self.plant.planted(Mutant::StreamSendsSkipped)
-        {
+        if !self.sends(&event, accepted) {
             return false;
         }
         self.queue.push_back(Queued {
@@ -566,6 +562,14 @@ impl<P: Plant> TxnCore<P> {
             event,
         });
         true
+    }
+
+    /// Whether [`Self::admit`] queues `event` to be sent.
+    fn sends(&self, event: &OutboxEvent, accepted: bool) -> bool {
+        let published = accepted && !self.plant.planted(Mutant::TxnReplaysAccepted);
+        let skipped = self.skipped.contains(&event.event_id)
+            && !self.plant.planted(Mutant::StreamSendsSkipped);
+        !published && !skipped
     }
 
     /// One stream transaction read whole, in stream order, after the heads its aggregates
@@ -594,13 +598,14 @@ impl<P: Plant> TxnCore<P> {
                 )),
                 Ok(event) => {
                     let accepted = self.replayed_accepted(&event, t.commit_lsn);
-                    if self.admit(event.clone(), accepted) {
-                        TxnRow::Queued {
-                            event: Box::new(event),
-                            change_lsn,
-                        }
-                    } else {
-                        TxnRow::NotSent { accepted }
+                    // The driver keeps a copy of what is queued only.
+                    let kept = self
+                        .sends(&event, accepted)
+                        .then(|| Box::new(event.clone()));
+                    self.admit(event, accepted);
+                    match kept {
+                        Some(event) => TxnRow::Queued { event, change_lsn },
+                        None => TxnRow::NotSent { accepted },
                     }
                 }
             });

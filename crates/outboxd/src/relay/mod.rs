@@ -700,6 +700,8 @@ async fn run_once(
             &lease_state,
             &current_rows,
             (&ident.system_id, &dbname),
+            // As `open_pipeline` loaded them: read once per run.
+            pipeline.core.skipped_events().collect(),
         )
         .await;
     }

@@ -117,6 +117,7 @@ pub(super) async fn stream(
     lease_state: &LeaseState,
     current_rows: &str,
     (system_id, database): (&str, &str),
+    skipped: Vec<Uuid>,
 ) -> Result<(), RelayError> {
     let (reports_tx, mut reports) = mpsc::unbounded_channel();
     let incarnation = checkpoint::load(sql, &cfg.slot)
@@ -165,8 +166,7 @@ pub(super) async fn stream(
         ledger: Some((ledger, accept::Prepared::default())),
         last_record: checkpoint::last_txn_record(sql, &cfg.slot).await?,
     };
-    run.core
-        .skipped_by_operator(holds::skipped_events(sql).await?);
+    run.core.skipped_by_operator(skipped);
     run.recover(sql).await?;
     // Rows with a later commit LSN have no receipt: only rows at or below it are looked up.
     run.core
