@@ -197,7 +197,6 @@ pub(super) async fn stream(
             }
             done = broker_done(&mut run.broker) => {
                 run.on_broker(done)?;
-                run.core.broker_answered();
             }
             done = accept_done(&mut run.accepting) => run.on_accepted(done)?,
             _ = status.tick() => confirm(stream, reader.received(), run.core.durable()).await?,
@@ -607,7 +606,8 @@ impl Run<'_> {
         }
     }
 
-    /// What a blocking broker call answered, told to the core.
+    /// What a blocking broker call answered, told to the core; then what queued meanwhile is
+    /// due (`TxnCore::broker_answered`), wherever the answer is read (the stream loop, a stop).
     fn on_broker(&mut self, done: Result<BrokerDone, RelayError>) -> Result<(), RelayError> {
         let failure = |e: &SinkError| match e {
             SinkError::Transaction { failure, .. } => Some(*failure),
@@ -660,6 +660,8 @@ impl Run<'_> {
                 self.core.on_settled(found);
             }
         }
+        // The transaction is over or settled: what queued meanwhile goes in the next one.
+        self.core.broker_answered();
         Ok(())
     }
 
@@ -792,7 +794,6 @@ impl Run<'_> {
                         }
                         done = broker_done(&mut self.broker) => {
                             self.on_broker(done)?;
-                            self.core.broker_answered();
                         }
                         done = accept_done(&mut self.accepting) => self.on_accepted(done)?,
                         _ = tokio::time::sleep_until(deadline) => {
