@@ -26,6 +26,9 @@ pub struct TestNats {
     starts: u32,
     /// Authentication flags (`--user/--pass`, `--auth`), kept for restarts.
     auth: Vec<String>,
+    /// A config file those flags name, kept for restarts and removed with the server (it was
+    /// left in the temporary directory, one per run of the NKey test).
+    conf: Option<tempfile::TempPath>,
 }
 
 fn binary() -> PathBuf {
@@ -68,24 +71,28 @@ impl TestNats {
             command: "nkeys::KeyPair::new_user".into(),
             detail: e.to_string(),
         })?;
-        let conf = std::env::temp_dir().join(format!(
-            "outboxd-nats-nkey-{}-{}.conf",
-            std::process::id(),
-            user.public_key()
-        ));
-        std::fs::write(
-            &conf,
+        let io = |source| HarnessError::Io {
+            context: "writing the nats-server NKey config".into(),
+            source,
+        };
+        let mut file = tempfile::Builder::new()
+            .prefix("outboxd-nats-nkey-")
+            .suffix(".conf")
+            .tempfile()
+            .map_err(io)?;
+        std::io::Write::write_all(
+            &mut file,
             format!(
                 "authorization {{\n  users = [ {{ nkey: {} }} ]\n}}\n",
                 user.public_key()
-            ),
+            )
+            .as_bytes(),
         )
-        .map_err(|source| HarnessError::Io {
-            context: format!("writing {}", conf.display()),
-            source,
-        })?;
-        let conf = conf.display().to_string();
-        Ok((Self::start_with_auth(name, &["-c", &conf])?, seed))
+        .map_err(io)?;
+        let conf = file.into_temp_path();
+        let mut server = Self::start_with_auth(name, &["-c", &conf.display().to_string()])?;
+        server.conf = Some(conf);
+        Ok((server, seed))
     }
 
     /// A server that requires TLS (`--tls`) with this certificate and key (e.g. from
@@ -112,6 +119,7 @@ impl TestNats {
             dir,
             starts: 0,
             auth: auth.iter().map(|a| a.to_string()).collect(),
+            conf: None,
         };
         n.spawn()?;
         Ok(n)

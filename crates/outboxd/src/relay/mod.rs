@@ -723,12 +723,15 @@ async fn run_once(
 
     let result: Result<(), RelayError> = async {
     loop {
-        let load = load_of(&mut pipeline, bounds, since(Instant::now()));
+        // One look at the clock for the turn's decisions: a turn is short, and the clock read
+        // per turn was a visible share of the relay's CPU.
+        let turn = Instant::now();
+        let load = load_of(&mut pipeline, bounds, since(turn));
         let accepting = load.accepting;
         let wake = run_started + schedule.next_wakeup(&load);
-        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(Instant::now())));
+        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake.max(turn)));
         let can_read = schedule.can_read(&load);
-        match schedule.held_notice(since(Instant::now()), &load) {
+        match schedule.held_notice(since(turn), &load) {
             Some(HeldNotice::NotRead) => tracing::warn!(waiting = load.waiting_on_unclear.events,
                 waiting_bytes = load.waiting_on_unclear.bytes, parked = pipeline.core.parked(),
                 limit = cfg.unclear_max_waiting, limit_bytes = outbox_relay::MAX_WAITING_BYTES,
@@ -745,7 +748,7 @@ async fn run_once(
                 lease::release(&sql, &cfg.slot, fence).await?;
                 return Ok(());
             }
-            Some(d) = pipeline.reports.recv() => pipeline.on_report(d).await?,
+            Some(d) = pipeline.reports.recv() => pipeline.on_reports(d).await?,
             done = pipeline::lookup_finished(&mut pipeline.lookups) => pipeline.on_lookup(done).await?,
             _ = pipeline::unclear_due(&pipeline.core) => pipeline.run_due_unclear().await?,
             joined = pipeline::accept_finished(&mut pipeline.accepting), if accepting => {
@@ -1102,7 +1105,10 @@ impl LeaseState {
     }
 
     pub(crate) fn is_lost(&self) -> bool {
-        self.with(|k, _| k.is_lost())
+        self.keeper
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_lost()
     }
 }
 
