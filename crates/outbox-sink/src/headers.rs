@@ -148,6 +148,24 @@ destination,
 }
     }
 
+    /// The envelope's id and numbers are sent as their text (`Display`), whatever their value.
+    #[test]
+    fn the_envelope_headers_carry_the_id_and_numbers_as_text() {
+        for (version, generation) in [(1, 1), (0, 0), (i64::MAX, i32::MAX), (-3, -1)] {
+            let mut ev = event();
+            ev.aggregate_version = version;
+            ev.envelope_generation = generation;
+            let h = crate::event_headers(&ev);
+            let get = |k: &str| {
+                let (_, v) = h.iter().find(|(n, _)| n == k).expect(k);
+                String::from_utf8(v.to_vec()).unwrap()
+            };
+            assert_eq!(get("id"), ev.event_id.to_string());
+            assert_eq!(get("aggregate_version"), version.to_string());
+            assert_eq!(get("envelope_generation"), generation.to_string());
+        }
+    }
+
     #[test]
     fn cloudevents_replace_row_headers_of_the_same_name() {
         let ev = event();
