@@ -221,12 +221,32 @@ pub enum TxnStep {
     Stop,
 }
 
-/// How a commit ended, as the driver learned it.
+/// What a blocking broker call of the open transaction answered, as the driver read it; what
+/// it means for the transaction is [`TxnCore::on_broker`]'s to decide, for the daemon and the
+/// simulator alike.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CommitOutcome {
-    Committed(RecordPosition),
-    /// The broker did not take the commit (the transaction is aborted).
+pub enum BrokerAnswer {
+    /// The commit returned; the batch record's delivery report named this position (`None`:
+    /// it named none, so the broker's records must say where it is).
+    Committed(Option<RecordPosition>),
+    /// The commit failed: another producer of the transactional id fenced this one
+    /// (`fenced`), or anything else (retriable, abortable, fatal for this producer), which
+    /// leaves its outcome open.
+    CommitFailed { fenced: bool },
+    /// The abort returned.
     Aborted,
+    /// The abort failed: fenced, or the producer is unusable (the transaction stays open on
+    /// the broker until a new producer of the id settles it).
+    AbortFailed { fenced: bool },
+    /// A new producer under the transactional id settled the transaction; the broker's
+    /// records hold this position for it, or nothing (it is aborted).
+    Settled(Option<RecordPosition>),
+}
+
+/// How a commit ended, as the core reads a [`BrokerAnswer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CommitOutcome {
+    Committed(RecordPosition),
     /// Nobody knows yet (a timeout): settle it.
     Unknown,
     Fenced,
@@ -489,7 +509,7 @@ impl<P: Plant> TxnCore<P> {
     /// The broker answered a commit, an abort or a settle, and the core was told what it said:
     /// once no transaction is open, what queued meanwhile goes in the next one at once, not a
     /// linger later ([`TxnCore::flush`]).
-    pub fn broker_answered(&mut self) {
+    fn broker_answered(&mut self) {
         if !self.in_transaction() && !self.plant.planted(Mutant::TxnAnswerLeavesQueue) {
             self.flush();
         }
@@ -775,14 +795,33 @@ impl<P: Plant> TxnCore<P> {
         }
     }
 
+    /// What a blocking broker call answered; then what queued meanwhile is due
+    /// ([`TxnCore::broker_answered`]). A commit that returned without its record's position,
+    /// or failed for any reason but a fence, has an unknown outcome: settled by a new producer
+    /// and the broker's records, never by sending the batch again.
+    pub fn on_broker(&mut self, answer: BrokerAnswer) {
+        match answer {
+            BrokerAnswer::Committed(Some(at)) => self.on_committed(CommitOutcome::Committed(at)),
+            BrokerAnswer::Committed(None) | BrokerAnswer::CommitFailed { fenced: false } => {
+                self.on_committed(CommitOutcome::Unknown)
+            }
+            BrokerAnswer::CommitFailed { fenced: true } => self.on_committed(CommitOutcome::Fenced),
+            BrokerAnswer::Aborted => self.on_aborted(false),
+            BrokerAnswer::AbortFailed { fenced: true } => self.on_aborted(true),
+            BrokerAnswer::AbortFailed { fenced: false } => self.on_abort_unclear(),
+            BrokerAnswer::Settled(found) => self.on_settled(found),
+        }
+        // The transaction is over or settled: what queued meanwhile goes in the next one.
+        self.broker_answered();
+    }
+
     /// How the open transaction's commit ended.
-    pub fn on_committed(&mut self, outcome: CommitOutcome) {
+    fn on_committed(&mut self, outcome: CommitOutcome) {
         if self.stopped || !self.open_in(OpenPhase::Committing) {
             return;
         }
         match outcome {
             CommitOutcome::Committed(record) => self.committed(record),
-            CommitOutcome::Aborted => self.aborted(),
             CommitOutcome::Unknown if self.plant.planted(Mutant::TxnUnknownIsAborted) => {
                 self.aborted()
             }
@@ -797,7 +836,7 @@ impl<P: Plant> TxnCore<P> {
 
     /// The open transaction's abort is done (`fenced`: another relay had opened the id
     /// first, which aborted it as well).
-    pub fn on_aborted(&mut self, fenced: bool) {
+    fn on_aborted(&mut self, fenced: bool) {
         if fenced {
             return self.stop();
         }
@@ -809,7 +848,7 @@ impl<P: Plant> TxnCore<P> {
     /// The open transaction's abort did not answer (the producer is unusable): settled as an
     /// unknown commit is, by a new producer under the same id (which aborts the transaction:
     /// its commit never began) and the broker's records.
-    pub fn on_abort_unclear(&mut self) {
+    fn on_abort_unclear(&mut self) {
         if self.stopped || !self.open_in(OpenPhase::Aborting) {
             return;
         }
@@ -820,7 +859,7 @@ impl<P: Plant> TxnCore<P> {
 
     /// The settled outcome of a commit that was unknown: the batch's record as the broker
     /// holds it, or `None` when the broker has no record of it (aborted).
-    pub fn on_settled(&mut self, record: Option<RecordPosition>) {
+    fn on_settled(&mut self, record: Option<RecordPosition>) {
         if self.stopped || !self.open_in(OpenPhase::Settling) {
             return;
         }

@@ -279,6 +279,57 @@ fn an_unknown_commit_is_settled_by_the_broker_not_sent_again() {
     }
 }
 
+/// What the driver read from the broker, as the core takes it: a commit without its record's
+/// position or failed for any reason but a fence is settled, never sent again; a fence stops
+/// the core; an abort that failed unfenced is settled by a new producer.
+#[test]
+fn a_broker_answer_is_read_by_the_core() {
+    let committing = || {
+        let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
+        three(&mut c);
+        c.flush();
+        steps(&mut c);
+        for t in 0..3 {
+            c.on_report(t, stored(t as i64));
+        }
+        steps(&mut c);
+        c
+    };
+    for unknown in [
+        BrokerAnswer::Committed(None),
+        BrokerAnswer::CommitFailed { fenced: false },
+    ] {
+        let mut c = committing();
+        c.on_broker(unknown);
+        assert_eq!(steps(&mut c), [TxnStep::Settle { batch: 1 }], "{unknown:?}");
+    }
+    let mut c = committing();
+    c.on_broker(BrokerAnswer::Committed(Some(at(3))));
+    assert!(matches!(
+        &steps(&mut c)[..],
+        [TxnStep::Accept { batch: 1, .. }]
+    ));
+    let mut c = committing();
+    c.on_broker(BrokerAnswer::CommitFailed { fenced: true });
+    assert!(c.stopped(), "fenced: the core stops");
+    assert_eq!(steps(&mut c), [TxnStep::Stop], "fenced: nothing more");
+
+    let mut c = second_of_three_failed(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
+    c.on_broker(BrokerAnswer::AbortFailed { fenced: false });
+    assert_eq!(steps(&mut c), [TxnStep::Settle { batch: 1 }]);
+    c.on_broker(BrokerAnswer::Settled(None));
+    let s = steps(&mut c);
+    assert_eq!(
+        s[0],
+        TxnStep::Begin { batch: 2 },
+        "settled aborted: sent again at once"
+    );
+    let mut c = second_of_three_failed(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
+    c.on_broker(BrokerAnswer::AbortFailed { fenced: true });
+    assert!(c.stopped());
+    assert_eq!(steps(&mut c), [TxnStep::Stop]);
+}
+
 #[test]
 fn the_checkpoint_stops_before_a_stream_transaction_the_batch_splits() {
     let mut c = TxnCore::new(served(), 2, Lsn(10), 0, vec![]);

@@ -28,7 +28,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use outbox_core::delivery::RecordPosition;
 use outbox_core::{Destination, Lsn, OutboxEvent};
 use outbox_relay::txn::{
-    CommitOutcome, Kept, Recorded, StreamTxn, TxnCore, TxnEnd, TxnEndStep, TxnReceipt, TxnReport,
+    BrokerAnswer, Kept, Recorded, StreamTxn, TxnCore, TxnEnd, TxnEndStep, TxnReceipt, TxnReport,
     TxnRow, TxnStep,
 };
 use outbox_relay::Planted;
@@ -644,8 +644,8 @@ impl Txn<'_> {
 
     fn commit(&mut self, i: usize) {
         let (batch, through, receipts, kept) = self.relays[i].commit.take().expect("chosen");
-        let outcome = match self.broker.open(self.relays[i].txn, self.relays[i].epoch) {
-            None => CommitOutcome::Fenced,
+        let answer = match self.broker.open(self.relays[i].txn, self.relays[i].epoch) {
+            None => BrokerAnswer::CommitFailed { fenced: true },
             Some(txn) => {
                 let lost_answer = self.faults && self.rng.chance(80);
                 let happens = !lost_answer || self.rng.chance(500);
@@ -669,18 +669,17 @@ impl Txn<'_> {
                 }
                 if lost_answer {
                     self.c.txn_unknown_commits += 1;
-                    CommitOutcome::Unknown
+                    BrokerAnswer::CommitFailed { fenced: false }
                 } else {
-                    CommitOutcome::Committed(record)
+                    BrokerAnswer::Committed(Some(record))
                 }
             }
         };
         self.say(format!(
-            "gen {} commit of batch {batch}: {outcome:?}",
+            "gen {} commit of batch {batch}: {answer:?}",
             self.relays[i].gen
         ));
-        self.relays[i].core.on_committed(outcome);
-        self.relays[i].core.broker_answered();
+        self.relays[i].core.on_broker(answer);
         self.execute(i);
     }
 
@@ -691,8 +690,9 @@ impl Txn<'_> {
             // open on the broker until a new producer of the id settles it.
             self.say(format!("gen {} abort unanswered", self.relays[i].gen));
             self.c.txn_unclear_aborts += 1;
-            self.relays[i].core.on_abort_unclear();
-            self.relays[i].core.broker_answered();
+            self.relays[i]
+                .core
+                .on_broker(BrokerAnswer::AbortFailed { fenced: false });
             self.execute(i);
             return;
         }
@@ -704,8 +704,11 @@ impl Txn<'_> {
             }
             None => true,
         };
-        self.relays[i].core.on_aborted(fenced);
-        self.relays[i].core.broker_answered();
+        self.relays[i].core.on_broker(if fenced {
+            BrokerAnswer::AbortFailed { fenced: true }
+        } else {
+            BrokerAnswer::Aborted
+        });
         self.execute(i);
     }
 
@@ -732,8 +735,7 @@ impl Txn<'_> {
             "gen {} settled batch {batch}: {found:?}",
             self.relays[i].gen
         ));
-        self.relays[i].core.on_settled(found);
-        self.relays[i].core.broker_answered();
+        self.relays[i].core.on_broker(BrokerAnswer::Settled(found));
         self.execute(i);
     }
 

@@ -30,7 +30,7 @@ use outbox_ledger::holds;
 use outbox_ledger::lease::Fence;
 use outbox_ledger::{accept, checkpoint, AcceptOutcome, LedgerError, LedgerItem};
 use outbox_relay::txn::{
-    CommitOutcome, Kept, Reader, Recorded, StreamIdentity, StreamTxn, TxnCore, TxnEnd, TxnEndStep,
+    BrokerAnswer, Kept, Reader, Recorded, StreamIdentity, StreamTxn, TxnCore, TxnEnd, TxnEndStep,
     TxnReceipt, TxnReport, TxnRow, TxnStep,
 };
 use outbox_sink::kafka_txn::{
@@ -606,50 +606,48 @@ impl Run<'_> {
         }
     }
 
-    /// What a blocking broker call answered, told to the core; then what queued meanwhile is
-    /// due (`TxnCore::broker_answered`), wherever the answer is read (the stream loop, a stop).
+    /// What a blocking broker call answered, told to the core (`TxnCore::on_broker` decides
+    /// what it means and makes what queued meanwhile due), wherever the answer is read (the
+    /// stream loop, a stop).
     fn on_broker(&mut self, done: Result<BrokerDone, RelayError>) -> Result<(), RelayError> {
-        let failure = |e: &SinkError| match e {
-            SinkError::Transaction { failure, .. } => Some(*failure),
-            _ => None,
+        // Fenced: another producer of the transactional id took over. Any other failure
+        // (retriable, abortable, fatal for this producer) leaves the outcome to the core.
+        let fenced = |e: &SinkError| {
+            matches!(
+                e,
+                SinkError::Transaction {
+                    failure: TxnFailure::Fenced,
+                    ..
+                }
+            )
         };
-        match done? {
-            BrokerDone::Commit(r) => {
-                let outcome = match r {
-                    Ok(Some(at)) => {
+        let answer = match done? {
+            BrokerDone::Commit(r) => match r {
+                Ok(at) => {
+                    if let Some(at) = at {
                         // Tests: a crash between the broker's commit and the ledger's
                         // acceptance (the next start accepts the batch from its record).
                         crate::failpoint::hit("txn-after-commit");
                         self.last_record = self.last_record.max(Some(at));
-                        CommitOutcome::Committed(at)
                     }
-                    // Committed, but the record's report named no position: the broker's
-                    // records say where it is.
-                    Ok(None) => CommitOutcome::Unknown,
-                    Err(e) => match failure(&e) {
-                        Some(TxnFailure::Fenced) => CommitOutcome::Fenced,
-                        // Retriable, abortable (the producer must abort: its abort can fail
-                        // as well, found on three nodes with a broker paused) or fatal for
-                        // this producer: settled by opening a new one, which aborts the
-                        // transaction unless its commit began, and reading the records.
-                        _ => {
-                            tracing::warn!(error = %e, "the commit did not answer");
-                            CommitOutcome::Unknown
-                        }
-                    },
-                };
-                tracing::debug!(?outcome, "commit answered");
-                self.core.on_committed(outcome);
-            }
-            BrokerDone::Abort(r) => match r {
-                Ok(()) => self.core.on_aborted(false),
-                Err(e) if failure(&e) == Some(TxnFailure::Fenced) => self.core.on_aborted(true),
-                // The producer is unusable (an abort after a send timed out failed with
-                // INVALID_TXN_STATE on three nodes with a broker paused): settled like an
-                // unknown commit, by a new producer.
+                    BrokerAnswer::Committed(at)
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "the abort did not answer");
-                    self.core.on_abort_unclear();
+                    let fenced = fenced(&e);
+                    if !fenced {
+                        tracing::warn!(error = %e, "the commit did not answer");
+                    }
+                    BrokerAnswer::CommitFailed { fenced }
+                }
+            },
+            BrokerDone::Abort(r) => match r {
+                Ok(()) => BrokerAnswer::Aborted,
+                Err(e) => {
+                    let fenced = fenced(&e);
+                    if !fenced {
+                        tracing::warn!(error = %e, "the abort did not answer");
+                    }
+                    BrokerAnswer::AbortFailed { fenced }
                 }
             },
             BrokerDone::Settle(r) => {
@@ -657,11 +655,11 @@ impl Run<'_> {
                 self.sink = Some(Arc::new(sink));
                 self.last_record = self.last_record.max(found);
                 tracing::info!(found = ?found, "unknown commit settled");
-                self.core.on_settled(found);
+                BrokerAnswer::Settled(found)
             }
-        }
-        // The transaction is over or settled: what queued meanwhile goes in the next one.
-        self.core.broker_answered();
+        };
+        tracing::debug!(?answer, "the broker answered");
+        self.core.on_broker(answer);
         Ok(())
     }
 
