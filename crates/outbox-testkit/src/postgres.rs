@@ -278,7 +278,12 @@ impl TestPostgres {
         let (client, conn) =
             tokio_postgres::connect(&self.url(&self.admin_db), tokio_postgres::NoTls)
                 .await
-                .map_err(|e| db("connecting to the admin database", e))?;
+                .map_err(|e| {
+                    db(
+                        &format!("connecting to the admin database{}", self.diagnosis()),
+                        e,
+                    )
+                })?;
         tokio::spawn(conn);
         let copy = template
             .map(|t| format!(" TEMPLATE \"{t}\""))
@@ -286,8 +291,55 @@ impl TestPostgres {
         client
             .batch_execute(&format!("CREATE DATABASE \"{name}\"{copy}"))
             .await
-            .map_err(|e| db("creating a test database", e))?;
+            .map_err(|e| db(&format!("creating a test database{}", self.diagnosis()), e))?;
         Ok(self.url(&name))
+    }
+
+    /// What can be said of a cluster this process started when it does not answer: whether
+    /// its postmaster still runs, the free space where its data lives, and the last lines of
+    /// its log that say why it stopped. Without it, a disk that filled mid-run ended the shared
+    /// cluster and failed every later test with a bare connection error. Empty for a cluster
+    /// the harness did not start.
+    pub fn diagnosis(&self) -> String {
+        let Some(o) = &self.owned else {
+            return String::new();
+        };
+        let pid = std::fs::read_to_string(o.data.join("postmaster.pid"))
+            .ok()
+            .and_then(|s| s.lines().next()?.trim().parse::<libc::pid_t>().ok());
+        // SAFETY: signal 0 only asks whether the process exists.
+        let running = pid.is_some_and(|pid| unsafe { libc::kill(pid, 0) } == 0);
+        let log = o.data.parent().map(|root| root.join("server.log"));
+        let why: Vec<String> = log
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .map(|text| {
+                let mut lines: Vec<String> = text
+                    .lines()
+                    .filter(|l| {
+                        ["PANIC", "FATAL", "No space left", "could not"]
+                            .iter()
+                            .any(|w| l.contains(w))
+                    })
+                    .map(str::to_string)
+                    .collect();
+                lines.drain(..lines.len().saturating_sub(3));
+                lines
+            })
+            .unwrap_or_default();
+        format!(
+            " (the test cluster in {}: its postmaster is {}; {} free on its disk{}{})",
+            o.data.display(),
+            if running { "running" } else { "not running" },
+            free_space(&o.data),
+            log.map(|p| format!("; its log {}", p.display()))
+                .unwrap_or_default(),
+            if why.is_empty() {
+                String::new()
+            } else {
+                format!(" ends with: {}", why.join(" | "))
+            }
+        )
     }
 
     /// Stops an owned cluster now (also happens at drop / process exit): `pg_ctl stop -m
@@ -326,6 +378,22 @@ impl Drop for TestPostgres {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Free space on the filesystem of `path`, as a reader wants it ("812 MiB").
+fn free_space(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return "unknown space".into();
+    };
+    // SAFETY: statvfs is a plain C struct of integers, for which all zeroes is a value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid C string and `st` a struct we own for the call to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return "unknown space".into();
+    }
+    let free = st.f_bavail as u128 * st.f_frsize as u128;
+    format!("{} MiB", free / (1024 * 1024))
 }
 
 fn sanitize(s: &str) -> String {
