@@ -27,7 +27,8 @@
 //! the run itself, for aggregates it keeps. [`Generations`] does the same for the route
 //! policy generation in force at the checkpoint.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::Hash;
 
 use crate::Lsn;
@@ -68,14 +69,14 @@ pub const FOLD_ROWS: u64 = 20_000;
 #[derive(Debug)]
 pub struct Numbering<K> {
     aggs: HashMap<K, Agg, foldhash::fast::RandomState>,
-    /// One entry per pending (commit LSN, aggregate) pair, in commit order (rows are offered
-    /// in stream order): a checkpoint takes what is before it from the front, so it costs what
-    /// it moves past, not a look at every aggregate with pending rows (which was a scan of up
-    /// to the whole backlog's aggregates per acceptance: 4.5 % of the relay's CPU in a wide
-    /// drain, docs/benchmarks.md "The relay's CPU per drained event").
-    dirty: VecDeque<(Lsn, K)>,
-    /// Aggregates with pending rows.
-    pending_aggs: usize,
+    /// Every aggregate with pending rows, once, by the commit LSN of its oldest: a checkpoint
+    /// takes those before it from the top, so it costs what it moves past, not a look at every
+    /// aggregate with pending rows (which was a scan of up to the whole backlog's aggregates
+    /// per acceptance: 4.5 % of the relay's CPU in a wide drain, docs/benchmarks.md "The
+    /// relay's CPU per drained event"). One entry per aggregate, not per row: a checkpoint
+    /// held back by one unclear event while the stream goes on costs no more memory than
+    /// the aggregates' own pending rows.
+    dirty: BinaryHeap<Reverse<(Lsn, K)>>,
     /// Entries and rows this run wrote to the log since its last fold.
     logged_entries: u64,
     logged_rows: u64,
@@ -85,12 +86,11 @@ pub struct Numbering<K> {
     fold_rows: u64,
 }
 
-impl<K: Hash + Eq + Clone> Default for Numbering<K> {
+impl<K: Hash + Ord + Clone> Default for Numbering<K> {
     fn default() -> Self {
         Numbering {
             aggs: HashMap::default(),
-            dirty: VecDeque::new(),
-            pending_aggs: 0,
+            dirty: BinaryHeap::new(),
             logged_entries: 0,
             logged_rows: 0,
             fold_entries: FOLD_ENTRIES,
@@ -99,7 +99,7 @@ impl<K: Hash + Eq + Clone> Default for Numbering<K> {
     }
 }
 
-impl<K: Hash + Eq + Clone> Numbering<K> {
+impl<K: Hash + Ord + Clone> Numbering<K> {
     /// The version of the next row of `key` the stream delivers, committed at `commit_lsn`.
     /// Rows must be offered in stream order (commit order, and within a transaction the order
     /// of its changes).
@@ -113,9 +113,8 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
             Some((lsn, v)) if *lsn == commit_lsn => *v = agg.last,
             _ => {
                 if pending.is_empty() {
-                    self.pending_aggs += 1;
+                    self.dirty.push(Reverse((commit_lsn, key.clone())));
                 }
-                self.dirty.push_back((commit_lsn, key.clone()));
                 pending.push_back((commit_lsn, agg.last));
             }
         }
@@ -138,29 +137,35 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
     /// past `through` stay pending for a later checkpoint.
     pub fn checkpoint(&mut self, through: Lsn) -> Vec<(K, i64)> {
         let mut out = Vec::new();
-        while self.dirty.front().is_some_and(|(lsn, _)| *lsn < through) {
-            let (lsn, key) = self.dirty.pop_front().expect("the front was just seen");
+        while self
+            .dirty
+            .peek()
+            .is_some_and(|Reverse((oldest, _))| *oldest < through)
+        {
+            let Reverse((_, key)) = self.dirty.pop().expect("the top was just seen");
             let agg = self.aggs.get_mut(&key).expect("a dirty aggregate is known");
             let pending = agg
                 .pending
                 .as_mut()
                 .expect("a dirty aggregate has pending rows");
-            // The queue and the aggregate's own pending rows hold the same (LSN, aggregate)
-            // pairs in the same order, so the queue's front is the aggregate's front.
-            let (front_lsn, v) = pending.pop_front().expect("queued, so pending");
-            debug_assert_eq!(front_lsn, lsn);
-            match pending.front() {
-                // A later row of it is also before the checkpoint: that one is written.
-                Some((next, _)) if *next < through => {}
-                next => {
-                    if next.is_none() {
-                        // Its buffer back: most aggregates have nothing pending most of the time.
-                        agg.pending = None;
-                        self.pending_aggs -= 1;
-                    }
-                    out.push((key, v));
+            let mut reached = None;
+            while let Some(&(lsn, v)) = pending.front() {
+                if lsn >= through {
+                    break;
                 }
+                reached = Some(v);
+                pending.pop_front();
             }
+            match pending.front() {
+                // Its oldest row left is at or past the checkpoint: it waits for a later one.
+                Some(&(oldest, _)) => self.dirty.push(Reverse((oldest, key.clone()))),
+                // Its buffer back: most aggregates have nothing pending most of the time.
+                None => agg.pending = None,
+            }
+            out.push((
+                key,
+                reached.expect("its oldest pending row is before the checkpoint"),
+            ));
         }
         out
     }
@@ -192,7 +197,7 @@ impl<K: Hash + Eq + Clone> Numbering<K> {
 
     /// Aggregates with rows numbered past the last checkpoint written.
     pub fn pending(&self) -> usize {
-        self.pending_aggs
+        self.dirty.len()
     }
 
     /// Whether the run numbers `key` (its head was given, or it numbered a row of it).
