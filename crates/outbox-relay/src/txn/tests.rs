@@ -249,17 +249,23 @@ fn an_abort_that_does_not_answer_is_settled_by_a_new_producer_then_sent_again() 
     assert_eq!(sends(&s).iter().map(|s| s.1).collect::<Vec<_>>(), [1, 2, 3]);
 }
 
+/// `c` with its first transaction of three events committing: every send reported stored,
+/// the commit asked for.
+fn committing<P: Plant>(mut c: TxnCore<P>) -> TxnCore<P> {
+    three(&mut c);
+    c.flush();
+    steps(&mut c);
+    for t in 0..3 {
+        c.on_report(t, stored(t as i64));
+    }
+    steps(&mut c);
+    c
+}
+
 #[test]
 fn an_unknown_commit_is_settled_by_the_broker_not_sent_again() {
     for committed in [true, false] {
-        let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
-        three(&mut c);
-        c.flush();
-        steps(&mut c);
-        for t in 0..3 {
-            c.on_report(t, stored(t as i64));
-        }
-        steps(&mut c);
+        let mut c = committing(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
         c.on_committed(CommitOutcome::Unknown);
         assert_eq!(steps(&mut c), [TxnStep::Settle { batch: 1 }]);
         c.flush();
@@ -284,32 +290,21 @@ fn an_unknown_commit_is_settled_by_the_broker_not_sent_again() {
 /// the core; an abort that failed unfenced is settled by a new producer.
 #[test]
 fn a_broker_answer_is_read_by_the_core() {
-    let committing = || {
-        let mut c = TxnCore::new(served(), 10, Lsn(10), 0, vec![]);
-        three(&mut c);
-        c.flush();
-        steps(&mut c);
-        for t in 0..3 {
-            c.on_report(t, stored(t as i64));
-        }
-        steps(&mut c);
-        c
-    };
     for unknown in [
         BrokerAnswer::Committed(None),
         BrokerAnswer::CommitFailed { fenced: false },
     ] {
-        let mut c = committing();
+        let mut c = committing(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
         c.on_broker(unknown);
         assert_eq!(steps(&mut c), [TxnStep::Settle { batch: 1 }], "{unknown:?}");
     }
-    let mut c = committing();
+    let mut c = committing(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
     c.on_broker(BrokerAnswer::Committed(Some(at(3))));
     assert!(matches!(
         &steps(&mut c)[..],
         [TxnStep::Accept { batch: 1, .. }]
     ));
-    let mut c = committing();
+    let mut c = committing(TxnCore::new(served(), 10, Lsn(10), 0, vec![]));
     c.on_broker(BrokerAnswer::CommitFailed { fenced: true });
     assert!(c.stopped(), "fenced: the core stops");
     assert_eq!(steps(&mut c), [TxnStep::Stop], "fenced: nothing more");
@@ -566,14 +561,7 @@ fn each_mutant_changes_its_decision() {
         matches!(&steps(&mut c)[..], [TxnStep::Accept { receipts, .. }] if receipts.len() == 2)
     );
 
-    let mut c = planted(Mutant::TxnUnknownIsAborted, 10);
-    three(&mut c);
-    c.flush();
-    steps(&mut c);
-    for t in 0..3 {
-        c.on_report(t, stored(t as i64));
-    }
-    steps(&mut c);
+    let mut c = committing(planted(Mutant::TxnUnknownIsAborted, 10));
     c.on_committed(CommitOutcome::Unknown);
     assert!(steps(&mut c).is_empty());
     c.flush();
