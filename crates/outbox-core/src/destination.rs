@@ -64,25 +64,13 @@ impl Destination {
     /// The canonical text hashed into the destination digest. Must match
     /// `outbox.destination_canonical(...)` in the migrations byte for byte.
     pub fn canonical(&self) -> String {
-        format!(
-            "destination.v1\nkind={}\ncluster={}\ntopic={}\nkey={}\npartitioner={}\nroute_generation={}\nserializer={}\nacks={}",
-            self.kind,
-            self.cluster,
-            self.topic,
-            self.key,
-            self.partitioner,
-            self.route_generation,
-            self.serializer,
-            self.acks
-        )
+        self.canonical_parts(&mut itoa::Buffer::new()).concat()
     }
 
-    /// `sha256:<hex>` of [`Destination::canonical`], hashed part by part: the relay computes
-    /// one per event, and formatting the canonical text first was most of its cost.
-    pub fn digest(&self) -> String {
-        let mut sha = Sha256::new();
-        let mut generation = itoa::Buffer::new();
-        for part in [
+    /// [`Destination::canonical`] in its parts, in order (`generation` holds the route
+    /// generation's text): the one place the layout is written, for the text and the digest.
+    fn canonical_parts<'a>(&'a self, generation: &'a mut itoa::Buffer) -> [&'a str; 16] {
+        [
             "destination.v1\nkind=",
             &self.kind,
             "\ncluster=",
@@ -99,7 +87,14 @@ impl Destination {
             &self.serializer,
             "\nacks=",
             &self.acks,
-        ] {
+        ]
+    }
+
+    /// `sha256:<hex>` of [`Destination::canonical`], hashed part by part: the relay computes
+    /// one per event, and formatting the canonical text first was most of its cost.
+    pub fn digest(&self) -> String {
+        let mut sha = Sha256::new();
+        for part in self.canonical_parts(&mut itoa::Buffer::new()) {
             sha.update(part.as_bytes());
         }
         digest_text(sha.finalize().into())
@@ -111,7 +106,8 @@ mod tests {
     use super::*;
 
     /// The digest hashed part by part is the digest of the canonical text, whatever the
-    /// fields hold (the ledger and `verify` compare it with `outbox.destination_canonical`).
+    /// fields hold, and the text is the layout `outbox.destination_canonical` writes (the
+    /// ledger and `verify` compare the digest with it).
     #[test]
     fn the_digest_is_the_canonical_texts() {
         for generation in [0, 1, 7, 10, 99, 1_000_000, i64::MAX, -1, -42, i64::MIN] {
@@ -123,6 +119,14 @@ mod tests {
                 "{generation}"
             );
         }
+        // The layout itself, written out (what `outbox.destination_canonical` returns).
+        let mut d = Destination::kafka("c1", "outbox.event.order", "order-1");
+        d.route_generation = -42;
+        assert_eq!(
+            d.canonical(),
+            "destination.v1\nkind=kafka\ncluster=c1\ntopic=outbox.event.order\nkey=order-1\n\
+             partitioner=murmur2_random\nroute_generation=-42\nserializer=json\nacks=all"
+        );
         let mut odd = Destination::kafka("", "t\nkey=x", "");
         odd.acks = "1".into();
         assert_eq!(odd.digest(), sha256_digest(odd.canonical().as_bytes()));
