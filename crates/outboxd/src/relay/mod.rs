@@ -1105,10 +1105,7 @@ impl LeaseState {
     }
 
     pub(crate) fn is_lost(&self) -> bool {
-        self.keeper
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_lost()
+        self.with(|k, _| k.is_lost())
     }
 }
 
