@@ -384,3 +384,59 @@ async fn a_retry_keeps_its_attempt_generation_when_the_relay_restarts_before_sen
     assert_eq!(attempt, 2, "the retry after a proven absence is attempt 2");
     env.verify_receipts(&[&env.topic]).await;
 }
+
+/// librdkafka's idempotent producer raises a *fatal* error when it can no longer vouch for
+/// order or once-ness: here a head-of-line Produce request answered
+/// OUT_OF_ORDER_SEQUENCE_NUMBER (the broker lost the producer's sequence state). From then on
+/// that producer refuses every message, so a relay that keeps it serves no aggregate again
+/// until someone restarts it. The relay must replace the producer (a new run: what was in
+/// flight is recorded UNKNOWN and reconciled by the partition scan) and deliver everything,
+/// in order, with every receipt where the broker holds the event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_producer_error_is_survived_by_a_new_producer() {
+    let env = TestEnv::new_mock(
+        "producer_fatal",
+        "answer one Produce request with OUT_OF_ORDER_SEQUENCE_NUMBER, which librdkafka's idempotent producer makes fatal",
+    )
+    .await;
+    let mock = env.kafka.mock_cluster().expect("mock cluster");
+    let mut relay = env.relay(&[], &[]);
+    env.wait_streaming().await;
+    env.warm_up("f-w").await;
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER],
+    );
+    let (aggregates, versions) = (5, 4);
+    for v in 1..=versions {
+        for a in 0..aggregates {
+            env.enqueue(&format!("f-{a}"), json!({ "v": v })).await;
+        }
+    }
+    let total = 1 + aggregates * versions;
+    env.wait_receipts("every event, after the producer's fatal error", total)
+        .await;
+    relay.assert_running();
+    // The fault met traffic: the producer did fail, and was replaced.
+    let log = relay.log_text();
+    assert!(
+        log.contains("the Kafka producer failed fatally"),
+        "the injected OUT_OF_ORDER_SEQUENCE_NUMBER never made the producer fatal; relay log:\n{log}"
+    );
+    let check = env.verify_receipts(&[&env.topic]).await;
+    let order = crate::ordering::first_occurrences(&check.messages);
+    let expected: Vec<i64> = (1..=versions as i64).collect();
+    let out_of_order = (0..aggregates)
+        .filter(|a| order.get(&format!("f-{a}")) != Some(&expected))
+        .count();
+    assert_eq!(
+        out_of_order, 0,
+        "aggregates whose first occurrences on the broker are not 1..{versions}: {order:?}"
+    );
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.attempts WHERE state = 'DISPATCH_UNKNOWN'")
+            .await,
+        0,
+        "attempts left unresolved"
+    );
+}

@@ -433,6 +433,17 @@ impl KafkaSink {
         enqueue(|| self.lane(), ev, token, &self.config.headers).await
     }
 
+    /// The fatal error librdkafka raised on either producer, if it did
+    /// ([`SinkError::ProducerFailed`]). An idempotent producer raises one when it can no longer
+    /// vouch for order or once-ness (e.g. a head-of-line request answered
+    /// `OUT_OF_ORDER_SEQUENCE_NUMBER`: the broker lost the producer's sequence state); it then
+    /// purges its queue and refuses every message, so the producer must be replaced.
+    pub fn failed(&self) -> Option<SinkError> {
+        std::iter::once(&self.producer)
+            .chain(self.express.as_ref())
+            .find_map(fatal_error)
+    }
+
     /// Messages enqueued and not yet reported.
     pub fn in_flight(&self) -> i32 {
         self.producer.in_flight_count() + self.express.as_ref().map_or(0, |x| x.in_flight_count())
@@ -504,6 +515,12 @@ pub(crate) async fn enqueue<'p>(
             Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
+            // The producer is gone for good: not this event's refusal (nothing to park).
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::Fatal), _)) => {
+                return Err(fatal_error(lane()).unwrap_or(SinkError::ProducerFailed {
+                    reason: "librdkafka refused the message as fatal".into(),
+                }))
+            }
             Err((source, _)) => {
                 return Err(SinkError::Enqueue {
                     event_id: ev.event_id.to_string(),
@@ -514,6 +531,16 @@ pub(crate) async fn enqueue<'p>(
             }
         }
     }
+}
+
+/// `producer`'s fatal error as a [`SinkError::ProducerFailed`], if librdkafka raised one.
+fn fatal_error(producer: &ThreadedProducer<SinkContext>) -> Option<SinkError> {
+    producer
+        .client()
+        .fatal_error()
+        .map(|(code, reason)| SinkError::ProducerFailed {
+            reason: format!("{code:?}: {reason}"),
+        })
 }
 
 /// The record of `ev` for its frozen topic and key; its delivery report carries `token`.

@@ -118,6 +118,10 @@ pub enum SinkError {
     },
     #[error("cannot read the committed batches in Kafka topic {topic}: {reason}; check that the topic exists and the relay may read it")]
     PositionsUnread { topic: String, reason: String },
+    /// librdkafka raised a fatal error on an idempotent producer: it can no longer vouch for
+    /// order or once-ness, and refuses every message from then on.
+    #[error("the Kafka producer failed fatally ({reason}): librdkafka refuses every message after such an error, so this run ends and the next starts a new producer; what was in flight is recorded UNKNOWN and looked up in its partition before anything is sent again")]
+    ProducerFailed { reason: String },
     #[error("the delivery channel is closed (pipeline shutting down)")]
     Closed,
 }
@@ -154,6 +158,8 @@ impl SinkError {
                     ..
                 }
                 | SinkError::PositionsUnread { .. }
+                // A new run starts a new producer.
+                | SinkError::ProducerFailed { .. }
                 // Fenced: another relay holds the slot now; this run ends and waits as a
                 // standby, as after a lost lease.
                 | SinkError::Transaction {
@@ -258,6 +264,15 @@ impl AnySink {
     pub fn pace(&self, round_trip_bound: bool) {
         if let AnySink::Kafka(k) = self {
             k.pace(round_trip_bound);
+        }
+    }
+
+    /// Whether the sink's client failed for good ([`SinkError::ProducerFailed`]): only a
+    /// Kafka producer does (librdkafka's fatal errors); asked after a failed delivery.
+    pub fn failed(&self) -> Option<SinkError> {
+        match self {
+            AnySink::Kafka(k) => k.failed(),
+            AnySink::JetStream(_) | AnySink::Http(_) => None,
         }
     }
 }

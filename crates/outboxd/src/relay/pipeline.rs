@@ -370,6 +370,12 @@ impl Pipeline {
                     let now = self.now();
                     self.core
                         .send_refused(token, e.permanent_refusal(), &e.to_string(), now)?;
+                    // The producer itself is gone (it refuses every message): the run ends
+                    // and the next starts a new one. The event, refused, waits to be sent
+                    // again; nothing was handed over.
+                    if matches!(e, SinkError::ProducerFailed { .. }) {
+                        return Err(e.into());
+                    }
                 }
             }
         }
@@ -413,16 +419,32 @@ impl Pipeline {
         }
     }
 
+    /// A report to a running loop ([`Pipeline::on_reports`], [`Pipeline::wait_one`]): handled,
+    /// and then, if it is a failure, whether the producer failed with it (librdkafka fails
+    /// what it had queued when it raises a fatal error, and refuses everything after). Then
+    /// the run ends with [`SinkError::ProducerFailed`] (transient: the next run starts a new
+    /// producer), the outcome already with the core (an unclear one recorded UNKNOWN). The
+    /// salvage at a run's end reads its reports with [`Pipeline::on_report`] alone: it
+    /// records every outcome whatever became of the producer.
+    async fn on_live_report(&mut self, d: Delivery) -> Result<(), RelayError> {
+        let failed = matches!(d.outcome, DeliveryOutcome::Failed { .. });
+        self.on_report(d).await?;
+        match failed.then(|| self.sink.failed()).flatten() {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
     /// Handles `d` and the reports that arrived with it, at most [`REPORTS_PER_TURN`] in all:
     /// one turn of the stream loop per report cost more than the report itself (the turn's
     /// clock reads, timer and bounds; docs/benchmarks.md "The relay's CPU per drained event").
     /// The bound keeps a turn short, so the loop still looks at a stop, the stream and the
     /// schedule as often as it needs to; each report is handled as it would be alone.
     pub async fn on_reports(&mut self, d: Delivery) -> Result<(), RelayError> {
-        self.on_report(d).await?;
+        self.on_live_report(d).await?;
         for _ in 1..REPORTS_PER_TURN {
             match self.reports.try_recv() {
-                Ok(d) => self.on_report(d).await?,
+                Ok(d) => self.on_live_report(d).await?,
                 Err(_) => break,
             }
         }
@@ -601,7 +623,7 @@ impl Pipeline {
         match got {
             Got::Report(Some(d)) => {
                 let token = d.token;
-                self.on_report(d).await?;
+                self.on_live_report(d).await?;
                 Ok(Some(token))
             }
             Got::Report(None) => Err(RelayError::Internal("delivery channel closed".into())),
