@@ -342,6 +342,113 @@ pub async fn oversized_payload_holds_only_its_aggregate(env: &TestEnv, mode: &[&
     );
 }
 
+/// One cause fixed, many events released: a producer limit too low refused the large events
+/// of six aggregates (each with an event held behind it); once the limit is right,
+/// `quarantine release --reason-code broker_rejected` releases all six in one command, after a
+/// `--dry-run` that changes nothing, and each aggregate publishes in version order. A record
+/// of another reason (an event routed to a cluster this relay does not serve) stays open, and
+/// a code with nothing open is an error that names the codes that are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_by_reason_code_publishes_every_event_that_cause_refused() {
+    let env = TestEnv::new("release_by_reason").await;
+    let mut relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
+    env.wait_ready(&relay).await;
+    let aggregates = 6;
+    for a in 0..aggregates {
+        env.enqueue(&format!("r{a}"), json!({"blob": "x".repeat(5000)}))
+            .await;
+        env.enqueue(&format!("r{a}"), json!({"n": 2})).await;
+    }
+    env.enqueue("ok", json!({"n": 1})).await;
+    env.wait_count(
+        "the six large events quarantined",
+        "SELECT count(*) FROM outbox.quarantine WHERE reason_code = 'broker_rejected'",
+        aggregates,
+    )
+    .await;
+    env.route_to_nats("elsewhere").await;
+    env.enqueue("n", json!({"n": 1})).await;
+    env.wait_count(
+        "the event for a cluster this relay does not serve quarantined",
+        "SELECT count(*) FROM outbox.quarantine WHERE reason_code <> 'broker_rejected'",
+        1,
+    )
+    .await;
+    let other: String = env
+        .db
+        .query_one(
+            "SELECT reason_code FROM outbox.quarantine WHERE reason_code <> 'broker_rejected'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    relay.kill9();
+    let relay = env.relay(&[], &[]);
+    env.wait_ready(&relay).await;
+
+    let listed = outboxd(&["quarantine", "list", "--database-url", &env.url]);
+    assert!(
+        listed.contains(&format!("by reason: broker_rejected 6, {other} 1")),
+        "{listed}"
+    );
+    let open = "SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL";
+    let dry = outboxd(&[
+        "quarantine",
+        "release",
+        "--database-url",
+        &env.url,
+        "--reason-code",
+        "broker_rejected",
+        "--dry-run",
+    ]);
+    assert!(dry.contains("would release 6 event(s)"), "{dry}");
+    assert_eq!(env.count(open).await, 7, "the dry run changed nothing");
+    let released = outboxd(&[
+        "quarantine",
+        "release",
+        "--database-url",
+        &env.url,
+        "--reason-code",
+        "broker_rejected",
+        "--by",
+        "test",
+    ]);
+    assert!(released.contains("released 6 event(s)"), "{released}");
+    env.wait_count(
+        "every event of the six aggregates and ok published",
+        "SELECT count(*) FROM outbox.receipts",
+        2 * aggregates + 1,
+    )
+    .await;
+    let check = env.verify_receipts(&[&env.topic]).await;
+    let order = first_occurrences(&check.messages);
+    for a in 0..aggregates {
+        assert_eq!(
+            order.get(&format!("r{a}")),
+            Some(&vec![1, 2]),
+            "r{a} publishes in version order after the release"
+        );
+    }
+    assert_eq!(
+        env.count(open).await,
+        1,
+        "the other reason's record stays open"
+    );
+    let (ok, none) = crate::harness::outboxd(&[
+        "quarantine",
+        "release",
+        "--database-url",
+        &env.url,
+        "--reason-code",
+        "broker_rejected",
+    ]);
+    assert!(
+        !ok && none.contains(&format!("open ones: {other} (1)")),
+        "a code with nothing open must fail and name the open codes: {none}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     let env = TestEnv::new("skip").await;

@@ -391,6 +391,66 @@ pub enum Resolution {
     Skip,
 }
 
+/// Open quarantine records by reason code, most first: what `release_by_reason` could
+/// release, and what an operator asks for after fixing one cause.
+pub async fn open_reasons(client: &Client) -> Result<Vec<(String, i64)>, LedgerError> {
+    let rows = client
+        .query(
+            "SELECT reason_code, count(*) FROM outbox.quarantine WHERE released_at IS NULL
+             GROUP BY reason_code ORDER BY count(*) DESC, reason_code",
+            &[],
+        )
+        .await
+        .ctx("counting open quarantine records by reason (is the database migrated? run `outboxd migrate`)")?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// Releases every open quarantine record with reason code `code`, as [`resolve`] releases one
+/// (its record closed, the hold it blocks RELEASING, the running relay republishes), in one
+/// transaction: for one cause fixed that refused many events (a broker limit raised, a
+/// topic's ACL granted, the relay for a destination started). Returns the released event ids
+/// (records without an event id, such as unreadable rows, are not releasable this way and
+/// stay open) and how many holds were marked. With `dry_run`, changes nothing and returns
+/// what it would release.
+pub async fn release_by_reason(
+    client: &mut Client,
+    code: &str,
+    by: &str,
+    dry_run: bool,
+) -> Result<(Vec<Uuid>, u64), LedgerError> {
+    let tx = client.transaction().await.ctx("beginning the release")?;
+    let ids: Vec<Uuid> = tx
+        .query(
+            "UPDATE outbox.quarantine SET released_at = clock_timestamp(), released_by = $2,
+                    resolution = 'released'
+             WHERE reason_code = $1 AND released_at IS NULL AND event_id IS NOT NULL
+             RETURNING event_id",
+            &[&code, &by],
+        )
+        .await
+        .ctx(format!("releasing the quarantine records of reason {code}"))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let holds = tx
+        .execute(
+            "UPDATE outbox.holds SET state = 'RELEASING', release_requested_at = clock_timestamp(),
+                    released_by = $2, publish_blocking = true
+             WHERE blocking_event_id = ANY($1)",
+            &[&ids, &by],
+        )
+        .await
+        .ctx(format!(
+            "releasing the holds blocked by events of reason {code}"
+        ))?;
+    if dry_run {
+        tx.rollback().await.ctx("rolling back the dry run")?;
+    } else {
+        tx.commit().await.ctx("committing the release")?;
+    }
+    Ok((ids, holds))
+}
+
 /// Releases or skips `event_id`: closes its open quarantine record and marks the hold it
 /// blocks as RELEASING (the running relay republishes). Errors if the event neither is
 /// quarantined nor blocks a hold.

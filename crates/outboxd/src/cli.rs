@@ -288,12 +288,28 @@ pub enum QuarantineCommand {
     /// Publish the event after its cause was fixed (payload repaired, broker limit raised,
     /// relay for its destination running), then its aggregate's held events in version order.
     /// The running relay does the publishing within a second.
+    ///
+    /// One event (`--event`), or every open quarantine record of one reason
+    /// (`--reason-code`, e.g. `broker_rejected` after the broker's limit was raised, or
+    /// `destination_not_served` after the relay for that destination started): one cause
+    /// fixed may have refused events of thousands of aggregates. `quarantine list` shows the
+    /// codes and their counts; `--dry-run` shows what would be released.
     Release {
         #[command(flatten)]
         db: DbArgs,
         /// The quarantined (or gap-blocking) event id.
+        #[arg(
+            long,
+            required_unless_present = "reason_code",
+            conflicts_with = "reason_code"
+        )]
+        event: Option<uuid::Uuid>,
+        /// Release every open quarantine record with this reason code, in one transaction.
         #[arg(long)]
-        event: uuid::Uuid,
+        reason_code: Option<String>,
+        /// With --reason-code: print what would be released and change nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// Who releases it (recorded in the ledger). [default: $USER]
         #[arg(long)]
         by: Option<String>,

@@ -225,6 +225,20 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
                 return Ok(());
             }
             println!("QUARANTINED ({})", q.len());
+            // By reason first: one cause fixed (a broker limit raised, a relay started) is
+            // released with `release --reason-code`.
+            let mut reasons: Vec<(&str, usize)> = Vec::new();
+            for e in &q {
+                match reasons.iter_mut().find(|(c, _)| *c == e.reason_code) {
+                    Some((_, n)) => *n += 1,
+                    None => reasons.push((&e.reason_code, 1)),
+                }
+            }
+            if !reasons.is_empty() {
+                reasons.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+                let by: Vec<String> = reasons.iter().map(|(c, n)| format!("{c} {n}")).collect();
+                println!("  by reason: {}", by.join(", "));
+            }
             for e in &q {
                 println!(
                     "  {}  {}/{}@{}  {}: {}",
@@ -260,7 +274,55 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        QuarantineCommand::Release { db, event, by } => {
+        QuarantineCommand::Release {
+            db,
+            event: None,
+            reason_code: Some(code),
+            dry_run,
+            by,
+        } => {
+            let mut client = connect(&db.url()?).await?;
+            let (ids, held) =
+                holds::release_by_reason(&mut client, &code, &operator_name(by), dry_run).await?;
+            if ids.is_empty() {
+                let open = holds::open_reasons(&client).await?;
+                let open = if open.is_empty() {
+                    "none is open".to_string()
+                } else {
+                    let codes: Vec<String> =
+                        open.iter().map(|(c, n)| format!("{c} ({n})")).collect();
+                    format!("open ones: {}", codes.join(", "))
+                };
+                anyhow::bail!(
+                    "no open quarantine record with an event has reason code {code:?}; {open} (`outboxd quarantine list`)"
+                );
+            }
+            for id in &ids {
+                println!("  {id}");
+            }
+            if dry_run {
+                println!(
+                    "would release {} event(s) of reason {code} and {held} hold(s) they block; nothing changed (run again without --dry-run)",
+                    ids.len()
+                );
+            } else {
+                println!(
+                    "released {} event(s) of reason {code} and {held} hold(s) they block; the running relay publishes each and its aggregate's held events in version order",
+                    ids.len()
+                );
+            }
+            Ok(())
+        }
+        QuarantineCommand::Release {
+            db,
+            event: Some(event),
+            dry_run,
+            by,
+            ..
+        } => {
+            if dry_run {
+                anyhow::bail!("--dry-run goes with --reason-code; `outboxd status --event {event}` shows what one event's release would publish");
+            }
             let mut client = connect(&db.url()?).await?;
             holds::resolve(
                 &mut client,
@@ -272,6 +334,9 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             .await?;
             println!("released {event}; the running relay publishes it and its held events in version order");
             Ok(())
+        }
+        QuarantineCommand::Release { .. } => {
+            anyhow::bail!("quarantine release needs --event ID or --reason-code CODE")
         }
         QuarantineCommand::Skip {
             db,
