@@ -393,27 +393,15 @@ async fn a_release_by_reason_code_publishes_every_event_that_cause_refused() {
         "{listed}"
     );
     let open = "SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL";
-    let dry = outboxd(&[
-        "quarantine",
-        "release",
-        "--database-url",
-        &env.url,
-        "--reason-code",
-        "broker_rejected",
-        "--dry-run",
-    ]);
-    assert!(dry.contains("would release 6 event(s)"), "{dry}");
+    let release = |more: &[&str]| {
+        let args = ["quarantine", "release", "--database-url", &env.url];
+        crate::harness::outboxd(&[&args[..], &["--reason-code", "broker_rejected"], more].concat())
+    };
+    let (ok, dry) = release(&["--dry-run"]);
+    assert!(ok && dry.contains("would release 6 event(s)"), "{dry}");
     assert_eq!(env.count(open).await, 7, "the dry run changed nothing");
-    let released = outboxd(&[
-        "quarantine",
-        "release",
-        "--database-url",
-        &env.url,
-        "--reason-code",
-        "broker_rejected",
-        "--by",
-        "test",
-    ]);
+    let (ok, released) = release(&["--by", "test"]);
+    assert!(ok, "{released}");
     assert!(released.contains("released 6 event(s)"), "{released}");
     env.wait_count(
         "every event of the six aggregates and ok published",
@@ -435,14 +423,7 @@ async fn a_release_by_reason_code_publishes_every_event_that_cause_refused() {
         1,
         "the other reason's record stays open"
     );
-    let (ok, none) = crate::harness::outboxd(&[
-        "quarantine",
-        "release",
-        "--database-url",
-        &env.url,
-        "--reason-code",
-        "broker_rejected",
-    ]);
+    let (ok, none) = release(&[]);
     assert!(
         !ok && none.contains(&format!("open ones: {other} (1)")),
         "a code with nothing open must fail and name the open codes: {none}"
