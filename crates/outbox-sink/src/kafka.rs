@@ -814,6 +814,56 @@ mod lane_tests {
         off.pace(true);
         assert!(off.express.is_none() && std::ptr::eq(off.lane(), &off.producer));
     }
+
+    /// librdkafka's own test hook raises the fatal error an idempotent producer raises when it
+    /// can no longer vouch for order (e2e `unknown::a_fatal_producer_error_is_survived_by_a_new_producer`
+    /// provokes a real one): the sink names it, and a send is refused as the producer's end,
+    /// not as one event's transient failure (which the relay would park and retry forever).
+    #[tokio::test]
+    async fn a_fatal_error_of_either_producer_is_the_sinks_end() {
+        for express in [false, true] {
+            let s = sink(32);
+            assert!(s.failed().is_none(), "a new sink has not failed");
+            let p = if express {
+                s.express.as_ref().expect("express lane")
+            } else {
+                &s.producer
+            };
+            let reason = std::ffi::CString::new("planted by the test").unwrap();
+            // SAFETY: the client pointer is the live producer's; the hook only sets its fatal
+            // error state (as librdkafka's idempotence code does).
+            let raised = unsafe {
+                rdkafka::bindings::rd_kafka_test_fatal_error(
+                    p.client().native_ptr(),
+                    rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
+                    reason.as_ptr(),
+                )
+            };
+            assert_eq!(
+                raised,
+                rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR
+            );
+            let failed = s.failed().expect("the fatal error is seen");
+            assert!(
+                matches!(&failed, SinkError::ProducerFailed { reason } if reason.contains("planted by the test")),
+                "{failed}"
+            );
+            assert!(failed.is_transient(), "a new run starts a new producer");
+            // Sent on the failed lane (the express lane carries while round-trip bound).
+            s.pace(express);
+            let ev = outbox_core::OutboxEvent::frozen(
+                uuid::Uuid::nil(),
+                ("order", "o-1", 1),
+                "order.created",
+                b"{}".to_vec().into(),
+                outbox_core::Destination::kafka("default", "outbox.event.order", "o-1"),
+            );
+            match s.send(&ev, 1).await {
+                Err(SinkError::ProducerFailed { .. }) => {}
+                other => panic!("a send on a failed producer: {other:?}"),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
