@@ -348,12 +348,19 @@ impl Pipeline {
         if !commands.is_empty() {
             self.sink.pace(self.core.round_trip_bound());
         }
+        // Set when the producer failed for good: the rest is refused unsent, as it would be.
+        let mut producer_failed: Option<SinkError> = None;
         for c in commands {
             let Command::Send {
                 token,
                 attempt,
                 event,
             } = c;
+            if let Some(e) = &producer_failed {
+                let now = self.now();
+                self.core.send_refused(token, None, &e.to_string(), now)?;
+                continue;
+            }
             failpoint::hit("before-send");
             // An aggregate that waited behind an unclear outcome may be held in the ledger by
             // now (a predecessor's late refusal): then the release sends what follows.
@@ -371,15 +378,18 @@ impl Pipeline {
                     self.core
                         .send_refused(token, e.permanent_refusal(), &e.to_string(), now)?;
                     // The producer itself is gone (it refuses every message): the run ends
-                    // and the next starts a new one. The event, refused, waits to be sent
-                    // again; nothing was handed over.
+                    // and the next starts a new one. This event and the rest, refused, wait
+                    // to be sent again; none was handed over, so none waits for a report.
                     if matches!(e, SinkError::ProducerFailed { .. }) {
-                        return Err(e.into());
+                        producer_failed = Some(e);
                     }
                 }
             }
         }
-        Ok(())
+        match producer_failed {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 
     /// Handles one delivery report; sends the aggregate's next event when there is one.
