@@ -281,11 +281,18 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     }
 
     load("variants", &mut report);
-    for v in a.variants.iter().filter(|v| v.0 > 0) {
+    let variants: Vec<&(usize, u64)> = a.variants.iter().filter(|v| v.0 > 0).collect();
+    for (i, v) in variants.iter().copied().enumerate() {
         let (payload, aggregates) = *v;
         let budget = (a.variant_mib * MIB) as u64 / payload.max(1) as u64;
+        // A variant named again (`--variants 100x10,100x10`: the second on a broker warmed by
+        // the first) gets its own database and slot.
+        let again = variants[..i].iter().filter(|w| **w == v).count();
         let sc = Scenario {
-            name: format!("p{payload}_a{aggregates}"),
+            name: match again {
+                0 => format!("p{payload}_a{aggregates}"),
+                n => format!("p{payload}_a{aggregates}_{}", n + 1),
+            },
             payload,
             aggregates,
             events: a.variant_events.min(budget.max(1000)),
