@@ -204,6 +204,14 @@ pub struct BenchArgs {
     /// if missing; give it a broker you can throw away.
     #[arg(long, value_name = "HOST:PORT,...")]
     pub bootstrap_servers: Option<String>,
+    /// Messages produced to a topic of their own before the first measured phase, on a JVM
+    /// broker (--broker apache, --bootstrap-servers): keyed, with headers like the relay's,
+    /// idempotent, acks=all. A fresh broker JIT-compiles its produce path during whatever
+    /// runs first, and the relay's drain runs before Debezium's: measured on 2026-12-07, the
+    /// same build drained 41,840 events/s on a fresh broker and 59,043-69,733 on a warm one
+    /// (docs/benchmarks.md, "A warm broker for both"). 0 skips it; the embedded broker skips it.
+    #[arg(long, default_value_t = 500_000)]
+    pub broker_warmup_events: u64,
     /// The Debezium phase (docs/benchmarks.md, "Debezium beside it"): Debezium 3.6.1.Final's
     /// embedded engine (pgoutput, outbox EventRouter) in a Java main the bench builds with Maven
     /// (`java` and `javac` 17+, `mvn`; cached in ~/.cache/outboxd), on the same backlog and

@@ -40,6 +40,7 @@ mod procstat;
 mod producer;
 mod report;
 mod statements;
+mod warmup;
 mod workload;
 
 use std::path::PathBuf;
@@ -116,6 +117,19 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         events: a.events,
     };
     let mut report = Report::new(&main, a);
+    // A JVM broker warmed before anything is measured on it (`warmup`); the embedded broker
+    // is not a JVM.
+    let jvm_broker = a.bootstrap_servers.is_some() || a.broker == BenchBroker::Apache;
+    if jvm_broker && a.broker_warmup_events > 0 {
+        ctx.kafka
+            .create_topic(warmup::TOPIC, a.partitions)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (bootstrap, n, payload) = (ctx.bootstrap.clone(), a.broker_warmup_events, a.payload);
+        let secs =
+            tokio::task::spawn_blocking(move || warmup::run(&bootstrap, n, payload)).await??;
+        eprintln!("bench: broker warm-up: {n} messages in {secs:.1} s");
+        report.broker_warmup = Some((n, secs));
+    }
     if a.producer_secs > 0.0 {
         let p = producer::run(ctx, &main).await?;
         eprintln!(

@@ -24,6 +24,8 @@ pub(crate) struct VariantResult {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Report {
     pub scenario: Option<Scenario>,
+    /// The broker's warm-up before the first measured phase: (messages, seconds), if it ran.
+    pub broker_warmup: Option<(u64, f64)>,
     /// Which Kafka the run published to (`--broker` / `--bootstrap-servers`).
     pub broker: String,
     pub rate: f64,
@@ -486,6 +488,7 @@ impl Report {
                 "events": s.events, "payload_bytes": s.payload, "aggregates": s.aggregates,
             })),
             "broker": self.broker,
+            "broker_warmup": self.broker_warmup.map(|(n, s)| json!({"messages": n, "seconds": s})),
             "machine_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "enqueue_events_per_s": self.enqueue_events_per_s,
             "writer": if self.plain_writers { "plain INSERT into outbox.events" } else { "outbox.enqueue" },
