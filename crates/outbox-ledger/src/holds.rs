@@ -432,23 +432,33 @@ pub async fn release_by_reason(
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let holds = tx
-        .execute(
-            "UPDATE outbox.holds SET state = 'RELEASING', release_requested_at = clock_timestamp(),
-                    released_by = $2, publish_blocking = true
-             WHERE blocking_event_id = ANY($1)",
-            &[&ids, &by],
-        )
-        .await
-        .ctx(format!(
-            "releasing the holds blocked by events of reason {code}"
-        ))?;
+    let holds = mark_releasing(&tx, &ids, by, true).await.ctx(format!(
+        "releasing the holds blocked by events of reason {code}"
+    ))?;
     if dry_run {
         tx.rollback().await.ctx("rolling back the dry run")?;
     } else {
         tx.commit().await.ctx("committing the release")?;
     }
     Ok((ids, holds))
+}
+
+/// Marks the holds that `events` block RELEASING for the running relay (`publish`: it sends the
+/// blocking event first; a skip does not), by `by`: one release or skip, or a release by
+/// reason. Returns how many it marked.
+async fn mark_releasing(
+    tx: &tokio_postgres::Transaction<'_>,
+    events: &[Uuid],
+    by: &str,
+    publish: bool,
+) -> Result<u64, tokio_postgres::Error> {
+    tx.execute(
+        "UPDATE outbox.holds SET state = 'RELEASING', release_requested_at = clock_timestamp(),
+                released_by = $2, publish_blocking = $3
+         WHERE blocking_event_id = ANY($1)",
+        &[&events, &by, &publish],
+    )
+    .await
 }
 
 /// Releases or skips `event_id`: closes its open quarantine record and marks the hold it
@@ -475,13 +485,7 @@ pub async fn resolve(
         )
         .await
         .ctx(format!("releasing quarantine of event {event_id}"))?;
-    let h = tx
-        .execute(
-            "UPDATE outbox.holds SET state = 'RELEASING', release_requested_at = clock_timestamp(),
-                    released_by = $2, publish_blocking = $3
-             WHERE blocking_event_id = $1",
-            &[&event_id, &by, &publish],
-        )
+    let h = mark_releasing(&tx, &[event_id], by, publish)
         .await
         .ctx(format!("releasing the hold blocked by event {event_id}"))?;
     if q == 0 && h == 0 {

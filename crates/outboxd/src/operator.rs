@@ -227,15 +227,8 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             println!("QUARANTINED ({})", q.len());
             // By reason first: one cause fixed (a broker limit raised, a relay started) is
             // released with `release --reason-code`.
-            let mut reasons: Vec<(&str, usize)> = Vec::new();
-            for e in &q {
-                match reasons.iter_mut().find(|(c, _)| *c == e.reason_code) {
-                    Some((_, n)) => *n += 1,
-                    None => reasons.push((&e.reason_code, 1)),
-                }
-            }
+            let reasons = holds::open_reasons(&client).await?;
             if !reasons.is_empty() {
-                reasons.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
                 let by: Vec<String> = reasons.iter().map(|(c, n)| format!("{c} {n}")).collect();
                 println!("  by reason: {}", by.join(", "));
             }
