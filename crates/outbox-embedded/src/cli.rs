@@ -246,6 +246,14 @@ pub enum BenchBroker {
     Apache,
 }
 
+impl BenchBroker {
+    /// Whether the bench publishes to a real (JVM) Kafka: this one is `Apache`, or
+    /// `--bootstrap-servers` names one (`external`), which wins over `--broker`.
+    pub fn is_real(self, external: bool) -> bool {
+        external || self == BenchBroker::Apache
+    }
+}
+
 /// How the bench's outboxd writers write (see `--writer`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BenchWriter {

@@ -106,7 +106,7 @@ pub(crate) fn should_run(
     broker: BenchBroker,
     external: bool,
 ) -> anyhow::Result<Option<String>> {
-    let real = external || broker == BenchBroker::Apache;
+    let real = broker.is_real(external);
     match mode {
         DebeziumMode::Off => Ok(Some("not run: --debezium off".into())),
         DebeziumMode::Auto | DebeziumMode::On if real => Ok(None),

@@ -119,8 +119,7 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
     let mut report = Report::new(&main, a);
     // A JVM broker warmed before anything is measured on it (`warmup`); the embedded broker
     // is not a JVM.
-    let jvm_broker = a.bootstrap_servers.is_some() || a.broker == BenchBroker::Apache;
-    if jvm_broker && a.broker_warmup_events > 0 {
+    if a.broker.is_real(a.bootstrap_servers.is_some()) && a.broker_warmup_events > 0 {
         ctx.kafka
             .create_topic(warmup::TOPIC, a.partitions)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
