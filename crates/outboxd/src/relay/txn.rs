@@ -611,15 +611,20 @@ impl Run<'_> {
     /// stream loop, a stop).
     fn on_broker(&mut self, done: Result<BrokerDone, RelayError>) -> Result<(), RelayError> {
         // Fenced: another producer of the transactional id took over. Any other failure
-        // (retriable, abortable, fatal for this producer) leaves the outcome to the core.
-        let fenced = |e: &SinkError| {
-            matches!(
+        // (retriable, abortable, fatal for this producer) leaves the outcome to the core, and
+        // is logged: `call` did not answer.
+        let fenced = |e: &SinkError, call: &str| {
+            let fenced = matches!(
                 e,
                 SinkError::Transaction {
                     failure: TxnFailure::Fenced,
                     ..
                 }
-            )
+            );
+            if !fenced {
+                tracing::warn!(error = %e, "the {call} did not answer");
+            }
+            fenced
         };
         let answer = match done? {
             BrokerDone::Commit(r) => match r {
@@ -632,23 +637,15 @@ impl Run<'_> {
                     }
                     BrokerAnswer::Committed(at)
                 }
-                Err(e) => {
-                    let fenced = fenced(&e);
-                    if !fenced {
-                        tracing::warn!(error = %e, "the commit did not answer");
-                    }
-                    BrokerAnswer::CommitFailed { fenced }
-                }
+                Err(e) => BrokerAnswer::CommitFailed {
+                    fenced: fenced(&e, "commit"),
+                },
             },
             BrokerDone::Abort(r) => match r {
                 Ok(()) => BrokerAnswer::Aborted,
-                Err(e) => {
-                    let fenced = fenced(&e);
-                    if !fenced {
-                        tracing::warn!(error = %e, "the abort did not answer");
-                    }
-                    BrokerAnswer::AbortFailed { fenced }
-                }
+                Err(e) => BrokerAnswer::AbortFailed {
+                    fenced: fenced(&e, "abort"),
+                },
             },
             BrokerDone::Settle(r) => {
                 let (sink, found) = r?;
