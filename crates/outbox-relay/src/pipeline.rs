@@ -430,9 +430,11 @@ impl<P: Plant> PipelineCore<P> {
         }
         let version = ev.aggregate_version;
         let copy = self.planted(Mutant::SecondInFlight).then(|| ev.clone());
+        let pipe = self.pipe_of(&ev);
         match self.gate.offer(
             &key,
             version,
+            pipe,
             Pending {
                 ev,
                 commit_lsn,
@@ -594,6 +596,46 @@ impl<P: Plant> PipelineCore<P> {
             LedgerItem::Quarantine(QuarantineRecord::unreadable(key, reason, commit_lsn)),
             ack,
         );
+    }
+
+    /// Lets up to `depth` events of one aggregate be in flight at once, in one pipe
+    /// ([`outbox_core::OrderingGate`]'s "More than one in flight"): only for a sink whose
+    /// producer keeps what it took in order on the broker, or nothing after the first it lost,
+    /// and whose executor reports each hand-over ([`Self::handed_over`]). Set before the run's
+    /// first send; 1 (the default) is the one-in-flight rule.
+    pub fn set_aggregate_depth(&mut self, depth: u8) {
+        self.gate.set_depth(depth);
+    }
+
+    /// The pipe an event goes through, for a gate deeper than 1: its destination as the
+    /// producer places it (cluster, topic, key, partitioner), so that a later version bound
+    /// elsewhere (a migration, a route change) waits for the versions in flight. 0 at depth 1,
+    /// where the gate does not read it.
+    fn pipe_of(&self, ev: &OutboxEvent) -> u32 {
+        if self.gate.depth() == 1 {
+            return 0;
+        }
+        use std::hash::{Hash, Hasher};
+        let d = &ev.destination;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&d.cluster, &d.topic, &d.key, &d.partitioner).hash(&mut h);
+        h.finish() as u32
+    }
+
+    /// The producer took the message of `token` (the executor's enqueue succeeded). Under a
+    /// gate deeper than 1 the next event of its aggregate may follow it now (the commands to
+    /// execute); at depth 1 nothing does, and the executor need not call it.
+    pub fn handed_over(&mut self, token: u64, now: Now) -> Result<Vec<Command>, CoreError> {
+        if self.gate.depth() == 1 {
+            return Ok(Vec::new());
+        }
+        let Some(key) = self.in_flight.get(&token).map(|f| f.key.clone()) else {
+            return Ok(Vec::new());
+        };
+        match self.gate.handed_over(&key) {
+            Some(next) => Ok(self.send_one(next, now)?.into_iter().collect()),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Sends the event at the head of its aggregate ([`Self::send_now`]) — unless

@@ -33,6 +33,54 @@ fn one_event_per_aggregate_is_in_flight_and_the_report_sends_the_next() {
 }
 
 #[test]
+fn a_deeper_gate_sends_the_next_version_once_the_producer_took_the_last() {
+    let versions = |cmds: &[Command]| -> Vec<i64> {
+        cmds.iter()
+            .map(|Command::Send { event, .. }| event.aggregate_version)
+            .collect()
+    };
+    // Depth 1 (the default): a hand-over releases nothing.
+    let mut one = core();
+    let cmds = admit_txn(&mut one, &[event("a", 1), event("a", 2)], 100);
+    assert_eq!(versions(&cmds), [1]);
+    assert!(one.handed_over(token(&cmds[0]), now(1)).unwrap().is_empty());
+
+    let mut c = core();
+    c.set_aggregate_depth(3);
+    let evs: Vec<_> = (1..=5).map(|v| event("a", v)).collect();
+    let cmds = admit_txn(&mut c, &evs, 100);
+    assert_eq!(versions(&cmds), [1], "the first of the run goes alone");
+    assert!(c.handed_over(token(&cmds[0]), now(1)).unwrap().is_empty());
+    let next = continued(c.on_report(persisted(token(&cmds[0]), 0), now(2)).unwrap());
+    assert_eq!(versions(&next), [2]);
+    let more = c.handed_over(token(&next[0]), now(3)).unwrap();
+    assert_eq!(versions(&more), [3], "3 follows 2 before 2's report");
+    let more2 = c.handed_over(token(&more[0]), now(4)).unwrap();
+    assert_eq!(versions(&more2), [4]);
+    assert_eq!(c.in_flight(), 3);
+    // A refused hand-over keeps the rest behind it: 4 is parked, 5 waits for its outcome
+    // even when room is made.
+    c.send_refused(token(&more2[0]), None, "queue full", now(5))
+        .unwrap();
+    let after = continued(c.on_report(persisted(token(&next[0]), 1), now(6)).unwrap());
+    assert!(after.is_empty(), "nothing overtakes the refused 4");
+    // A version bound elsewhere waits until nothing of its aggregate is in flight.
+    let mut d = core();
+    d.set_aggregate_depth(3);
+    let moved = {
+        let mut e = event("b", 3);
+        e.destination.topic = "outbox.elsewhere".into();
+        e
+    };
+    let cmds = admit_txn(&mut d, &[event("b", 1), event("b", 2), moved], 200);
+    let next = continued(d.on_report(persisted(token(&cmds[0]), 0), now(2)).unwrap());
+    assert_eq!(versions(&next), [2]);
+    assert!(d.handed_over(token(&next[0]), now(3)).unwrap().is_empty());
+    let last = continued(d.on_report(persisted(token(&next[0]), 1), now(4)).unwrap());
+    assert_eq!(versions(&last), [3]);
+}
+
+#[test]
 fn the_relay_is_round_trip_bound_when_more_events_wait_behind_aggregates_than_are_in_flight() {
     let mut c = core();
     // Two aggregates with one event each: both in flight, nothing waits.
