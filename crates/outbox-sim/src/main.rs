@@ -34,6 +34,7 @@ struct Args {
     /// Run a deliberately broken variant, to see the simulator catch it. One of:
     /// confirm-before-accept, skip-dedup, retry-reresolves-route, no-settle, last-ack-wins,
     /// migrate-while-unknown, purge-early, producer-new-id, second-in-flight,
+    /// deep-without-gapless, deep-before-hand-over,
     /// ok-without-offset-is-proof, poll-offers-skipped, early-takeover-of-live-holder,
     /// lease-from-answer, idle-checkpoint-never-due, held-slot-unchecked,
     /// unclear-never-due, route-ignores-cluster, numbering-not-kept; or the product as it was before a bug the simulator found was fixed:

@@ -108,6 +108,11 @@ fn two_thousand_traces_violate_nothing() {
     assert!(c.open_at_start > 1_000, "{c:?}");
     assert!(c.unclear_past_budget > 5, "{c:?}");
     assert!(c.producer_refusals > 100, "{c:?}");
+    // Issue 27: a deeper gate (2-4 events of an aggregate in flight over a gapless producer)
+    // in a share of the traces: versions sent behind one still in flight, producers failing
+    // for good and the next run starting a new one; order, loss and UNKNOWN as everywhere.
+    assert!(c.deep_traces > 150, "{c:?}");
+    assert!(c.deep_followers > 500 && c.producers_failed > 200, "{c:?}");
     // No run sends an event again that it has seen on the broker (in `violations` too).
     assert_eq!(c.resent_after_proof, 0);
     // A quarter of the traces serve a cluster with a duplicate window: look-ups inside it
@@ -282,6 +287,16 @@ fn every_mutant_is_caught(product: bool) {
         (Mutant::ProducerNewId, &[("second_ids", |c| c.second_ids)]),
         (
             Mutant::SecondInFlight,
+            &[("order_violations", |c| c.order_violations)],
+        ),
+        // A deeper gate over a producer whose outcomes are independent per message, and an
+        // executor that reports a hand-over before the producer took the message.
+        (
+            Mutant::DeepWithoutGapless,
+            &[("order_violations", |c| c.order_violations)],
+        ),
+        (
+            Mutant::DeepBeforeHandOver,
             &[("order_violations", |c| c.order_violations)],
         ),
         (Mutant::OkWithoutOffsetIsProof, &[("lost", |c| c.lost)]),

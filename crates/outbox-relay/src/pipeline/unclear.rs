@@ -477,6 +477,11 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
                 steps.push(UnclearStep::Lookup {
                     event: p.p.ev.clone(),
                 });
+            } else if self.earlier_parked(id) {
+                // A deeper gate's rule: resent only after every earlier version of its
+                // aggregate parked is resolved or resent ([`Self::earlier_parked`]).
+                let p = self.parked.get_mut(&id).expect("listed above");
+                p.due = now.wall + first;
             } else {
                 let p = self.parked.remove(&id).expect("listed above");
                 self.waiting_sample = None;
@@ -484,6 +489,24 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             }
         }
         Ok(steps)
+    }
+
+    /// Whether an earlier version of parked `event_id`'s aggregate is parked too (only under a
+    /// deeper gate, where several of an aggregate can be). A resend goes behind what its
+    /// producer already took, so k+1 sent again before k is resolved could reach the broker
+    /// before k's own resend, if k's first copy never lands: k+1 waits until k is found or
+    /// sent again (found by `outbox-sim` with its gapless producer: two look-ups of one
+    /// aggregate answered "absent" and the later version went first).
+    fn earlier_parked(&self, event_id: Uuid) -> bool {
+        if self.gate.depth() == 1 {
+            return false;
+        }
+        let Some(me) = self.parked.get(&event_id) else {
+            return false;
+        };
+        self.parked
+            .values()
+            .any(|p| p.key == me.key && p.p.ev.aggregate_version < me.p.ev.aggregate_version)
     }
 
     /// What the look-up of parked `event_id` proved. Returns the sends that follow: the retry,
@@ -510,6 +533,20 @@ impl<P: crate::pipeline::Plant> PipelineCore<P> {
             }
             LookupOutcome::Retry { attempt_generation } => {
                 self.retry_generation.insert(event_id, attempt_generation);
+                if self.gate.depth() > 1 {
+                    // Sent again when no earlier version of its aggregate is parked
+                    // ([`Self::earlier_parked`]): as a message certainly not stored, now or
+                    // at the next due round.
+                    parked.lookup = false;
+                    parked.running = false;
+                    parked.due = now.wall;
+                    self.parked.insert(event_id, parked);
+                    if self.earlier_parked(event_id) {
+                        return Ok(Vec::new());
+                    }
+                    let parked = self.parked.remove(&event_id).expect("just parked");
+                    return Ok(self.send_one(parked.p, now)?.into_iter().collect());
+                }
                 Ok(self.send_one(parked.p, now)?.into_iter().collect())
             }
             LookupOutcome::Unresolved { error, after } => {

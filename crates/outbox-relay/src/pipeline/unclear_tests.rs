@@ -847,3 +847,54 @@ fn an_event_an_operator_skipped_is_not_sent_when_the_stream_meets_it_again() {
         "planted: the skipped event is sent"
     );
 }
+
+#[test]
+fn under_a_deeper_gate_a_later_version_proven_absent_waits_for_the_earlier_one() {
+    let mut c = core();
+    c.set_aggregate_depth(3);
+    let evs: Vec<_> = (1..=3).map(|v| event("a", v)).collect();
+    let cmds = admit_txn(&mut c, &evs, 100);
+    let next = continued(c.on_report(persisted(token(&cmds[0]), 0), now(1)).unwrap());
+    let more = c.handed_over(token(&next[0]), now(2)).unwrap();
+    let (v2, v3) = (token(&next[0]), token(&more[0]));
+    // Both answered unclearly; both looked up; v3 is proven absent first.
+    unclear(&mut c, v3, Persistence::PossiblyPersisted);
+    unclear(&mut c, v2, Persistence::PossiblyPersisted);
+    assert_eq!(lookups(&c.due_unclear(now(60_000)).unwrap()).len(), 2);
+    let retry = |generation| LookupOutcome::Retry {
+        attempt_generation: generation,
+    };
+    let sends = c
+        .lookup_done(evs[2].event_id, retry(2), now(60_001))
+        .unwrap();
+    assert!(
+        sends.is_empty(),
+        "v3 is not sent again before v2 is settled"
+    );
+    assert!(
+        c.due_unclear(now(60_002)).unwrap().is_empty(),
+        "nor when it comes due"
+    );
+    // v2 proven absent too: v2 goes first, then v3 when due.
+    let sends = c
+        .lookup_done(evs[1].event_id, retry(2), now(60_003))
+        .unwrap();
+    let versions = |cmds: &[Command]| -> Vec<i64> {
+        cmds.iter()
+            .map(|Command::Send { event, .. }| event.aggregate_version)
+            .collect()
+    };
+    assert_eq!(versions(&sends), [2]);
+    let steps = c.due_unclear(now(70_000)).unwrap();
+    let resent: Vec<i64> = steps
+        .iter()
+        .filter_map(|s| match s {
+            UnclearStep::Send(Command::Send { event, attempt, .. }) => {
+                assert_eq!(*attempt, 2);
+                Some(event.aggregate_version)
+            }
+            UnclearStep::Lookup { .. } => None,
+        })
+        .collect();
+    assert_eq!(resent, [3]);
+}

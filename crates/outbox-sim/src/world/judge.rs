@@ -257,6 +257,12 @@ pub struct Counts {
     /// reconciliation closed by their event's receipt instead.
     pub dedup_traces: u64,
     pub lookup_resends: u64,
+    /// Traces whose relay may have 2-4 events of an aggregate in flight (`World::depth`), the
+    /// sends that followed an event of their aggregate still in flight, and the producers of
+    /// those traces that failed for good (a run ended, the next opened a new one).
+    pub deep_traces: u64,
+    pub deep_followers: u64,
+    pub producers_failed: u64,
     pub closed_by_receipt: u64,
     /// Heads read from the ledger for aggregates the stream met first (by existence, migration
     /// 0028), and those of them above the highest version with a receipt below the one met
@@ -425,6 +431,9 @@ impl Counts {
             producer_refusals,
             dedup_traces,
             lookup_resends,
+            deep_traces,
+            deep_followers,
+            producers_failed,
             closed_by_receipt,
             stream_heads_read,
             stream_heads_above_receipts,
@@ -575,6 +584,13 @@ impl Counts {
                 format!(
                     "{} ({} look-ups re-sent under the key, {} attempts closed by their receipt)",
                     self.dedup_traces, self.lookup_resends, self.closed_by_receipt
+                ),
+            ),
+            (
+                "deep_gate_traces",
+                format!(
+                    "{} ({} sends behind an event of their aggregate in flight, {} producers failed for good)",
+                    self.deep_traces, self.deep_followers, self.producers_failed
                 ),
             ),
             (
@@ -836,19 +852,27 @@ impl World {
 
         // Order: per partition and aggregate, first occurrences in version order.
         let mut order = 0;
-        for t in 0..TOPICS.len() {
-            for p in &self.broker[t] {
+        for (t, (_, topic)) in TOPICS.iter().enumerate() {
+            for (pn, p) in self.broker[t].iter().enumerate() {
                 let mut seen = HashSet::new();
                 let mut last: HashMap<Agg, i64> = HashMap::new();
-                for m in p {
+                let mut out = Vec::new();
+                for (offset, m) in p.iter().enumerate() {
                     if seen.insert(m.row) {
                         let v = self.rows[m.row].version;
                         let agg = self.rows[m.row].agg;
-                        if last.get(&agg).is_some_and(|l| *l > v) {
+                        if let Some(l) = last.get(&agg).filter(|l| **l > v) {
                             order += 1;
+                            out.push(format!(
+                                "ORDER: o-{agg} v{v} first at {topic}/{pn}@{offset} (gen {} attempt {}), after v{l}",
+                                m.relay_gen, m.attempt
+                            ));
                         }
                         last.insert(agg, v);
                     }
+                }
+                for line in out {
+                    log!(self, "{line}");
                 }
             }
         }

@@ -101,6 +101,14 @@ pub enum Mutant {
     /// Two events of one aggregate in flight (the ordering gate bypassed): a product mutant
     /// in `outbox_relay::PipelineCore`.
     SecondInFlight,
+    /// A deeper gate (more than one event of an aggregate in flight) over a producer whose
+    /// outcomes are independent per message, as every producer's are without
+    /// `enable.gapless.guarantee` and an infinite `message.timeout.ms`: what the deeper gate
+    /// must never be configured for (docs/ordering.md, "Hot aggregates").
+    DeepWithoutGapless,
+    /// The executor tells the core a send was handed over before the producer took it, so a
+    /// send the producer refused can be overtaken by the next version.
+    DeepBeforeHandOver,
     /// A success report without a position (an implicit ack) becomes a receipt: a product
     /// mutant in `outbox_relay::PipelineCore`.
     OkWithoutOffsetIsProof,
@@ -341,6 +349,8 @@ impl Mutant {
         ("purge-early", Mutant::PurgeEarly),
         ("producer-new-id", Mutant::ProducerNewId),
         ("second-in-flight", Mutant::SecondInFlight),
+        ("deep-without-gapless", Mutant::DeepWithoutGapless),
+        ("deep-before-hand-over", Mutant::DeepBeforeHandOver),
         ("ok-without-offset-is-proof", Mutant::OkWithoutOffsetIsProof),
         ("bug-poison-before-gate", Mutant::BugPoisonBeforeGate),
         ("bug-unknown-only-at-start", Mutant::BugUnknownOnlyAtStart),
@@ -578,7 +588,10 @@ struct Flight {
     topic: usize,
     partition: usize,
     sent_at: u64,
+    attempt: i32,
     report: Report,
+    /// Not reported before this (a message a deeper gate's producer holds back).
+    ready_at: u64,
 }
 
 /// One relay run (`outboxd run` between two errors), with everything it keeps in memory.
@@ -628,6 +641,14 @@ struct Relay {
     lookups: Vec<PendingLookup>,
     /// A poll-mode run's loop, where it is the product's (`World::poll_loop`).
     poll_run: Option<PollRun>,
+    /// A deeper gate's producer (`World::depth` above 1) raised its fatal error: it delivers
+    /// nothing it had not delivered, refuses every message after, and the run ends at the
+    /// next failed report or send (`Pipeline::on_live_report`, `Pipeline::execute`).
+    producer_fatal: bool,
+    /// A deeper gate's producer: per (topic, partition), until when the messages it holds
+    /// back (a topic down, a slow round trip) land; what it takes for that partition meanwhile
+    /// lands after them, in the order taken.
+    tails: HashMap<(usize, usize), u64>,
     /// Until when (simulated ms) that loop waits after a round that read little
     /// ([`RoundStep::Idle`]): reports, look-ups and due resends go on meanwhile.
     idle_until: Option<u64>,
@@ -745,6 +766,10 @@ struct World {
     /// endpoint with idempotency keys do: a quarter of the traces, drawn from a generator of
     /// their own.
     dedup: bool,
+    /// How many events of one aggregate the relay may have in flight (`PipelineCore::
+    /// set_aggregate_depth`): 1, or 2-4 in a quarter of the CDC traces without a duplicate
+    /// window (stream 6234), whose producer is then a gapless one ([`World::broker_send_in_order`]).
+    depth: u8,
     /// The relay's bounds: `max_in_flight` (`u64::MAX`: no backpressure); what waits on
     /// unclear outcomes has [`MAX_WAITING_ON_UNCLEAR`]; the batch a read outside the stream
     /// (a snapshot, a poll round) accepts before it goes on (`usize::MAX`: at its end only).
@@ -958,8 +983,18 @@ impl World {
                 }
             }
         }
+        // A quarter of the Kafka CDC traces let 2-4 events of an aggregate be in flight (stream
+        // 6234, a generator of its own: every other trace keeps its draws; the first above 6203
+        // whose draw leaves every trace of `the_traces_that_found_bugs_stay_fixed` at depth 1,
+        // so that they replay as docs/simulation.md lists them).
+        let depth = if !poll && !dedup && rng.fork(6234).chance(250) {
+            rng.fork(6235).range(2, 5) as u8
+        } else {
+            1
+        };
         World {
             dedup,
+            depth,
             bounds,
             keeper_timing,
             release_heavy,
@@ -1075,6 +1110,7 @@ impl World {
         self.c.plain_traces = u64::from(self.plain.contains(&true));
         self.c.plain_switched = self.plain_from.iter().filter(|v| **v > 1).count() as u64;
         self.c.dedup_traces = u64::from(self.dedup);
+        self.c.deep_traces = u64::from(self.depth > 1);
         self.judge();
     }
 
@@ -1151,10 +1187,9 @@ impl World {
         } else if let Some(i) = active {
             self.relays[i].held_by_unclear_since = None;
         }
-        let reports = self
-            .relays
-            .iter()
-            .any(|r| !r.paused && !r.in_flight.is_empty());
+        let now_ms = self.now;
+        let ready = |r: &Relay| !r.paused && r.in_flight.iter().any(|f| f.ready_at <= now_ms);
+        let reports = self.relays.iter().any(ready);
         let unclear_due = active.is_some_and(|i| self.unclear_due(i));
         let answering = |r: &Relay| !r.paused && !r.salvaging && !r.killed && !r.lookups.is_empty();
         // Where the keeper's timing is the product's: a run asks when its keeper says a
@@ -1234,10 +1269,13 @@ impl World {
             1 => self.relay_call(active, Self::decode_next),
             2 => {
                 let cands: Vec<usize> = (0..self.relays.len())
-                    .filter(|i| !self.relays[*i].paused && !self.relays[*i].in_flight.is_empty())
+                    .filter(|i| ready(&self.relays[*i]))
                     .collect();
                 let i = cands[self.rng.below(cands.len() as u64) as usize];
-                let k = self.rng.below(self.relays[i].in_flight.len() as u64) as usize;
+                let ready: Vec<usize> = (0..self.relays[i].in_flight.len())
+                    .filter(|k| self.relays[i].in_flight[*k].ready_at <= now_ms)
+                    .collect();
+                let k = ready[self.rng.below(ready.len() as u64) as usize];
                 let token = self.relays[i].in_flight[k].token;
                 self.relay_call(Some(i), |w, i| w.on_report(i, token));
             }
@@ -1417,6 +1455,9 @@ impl World {
             self.relays[i].gen
         );
         self.relays[i].salvaging = true;
+        // Its producer is closed: what it held back lands now or never (a salvage reports it
+        // possibly persisted).
+        self.producer_gone(self.relays[i].gen);
         let end = RunEnd::new(Ending::Salvage, &mut self.relays[i].core);
         self.relays[i].end = Some(end);
         // Salvage waits for delivery reports only: the answers of running look-ups are lost
@@ -1474,6 +1515,7 @@ impl World {
             self.relays[i].in_flight.len()
         );
         self.relays[i].killed = true;
+        self.producer_gone(self.relays[i].gen);
         if self.relays[i].gen == self.ledger.lease_gen {
             self.holder_killed = true;
         }
@@ -1521,6 +1563,7 @@ impl World {
         // Its process exits: removed at the end of the step, as a SIGKILLed one is (its lease
         // is already free, so nobody takes it early).
         self.relays[i].killed = true;
+        self.producer_gone(gen);
     }
 
     /// `drain_and_stop`: a CDC run's end by `RunEnd` with `Ending::Stop`.
@@ -2091,6 +2134,7 @@ impl World {
             current_route: Some(self.current_route()),
         };
         let mut core = PipelineCore::with_plant(served(), gen, gate, plant);
+        core.set_aggregate_depth(self.depth);
         // `holds::skipped_events`, as `open_pipeline` loads them.
         core.skipped_by_operator(
             self.ledger
@@ -2154,6 +2198,8 @@ impl World {
                 PollRun::new(ms(POLL_INTERVAL), ms(releases))
             }),
             idle_until: None,
+            producer_fatal: false,
+            tails: HashMap::new(),
         });
         self.relays.len() - 1
     }
@@ -3079,12 +3125,25 @@ impl World {
 
     /// The driver's side of `Command::Send`: the simulated broker takes the message.
     fn execute(&mut self, i: usize, commands: Vec<Command>) -> Result<(), End> {
-        for c in commands {
+        let mut work: std::collections::VecDeque<Command> = commands.into();
+        // Set when a deeper gate's producer failed for good: this send and the rest are
+        // refused unsent and the run ends (`Pipeline::execute`).
+        let mut producer_failed = false;
+        while let Some(c) = work.pop_front() {
             let Command::Send {
                 token,
                 attempt,
                 event: ev,
             } = c;
+            if producer_failed || self.relays[i].producer_fatal {
+                let now = self.now_for(i);
+                self.relays[i]
+                    .core
+                    .send_refused(token, None, "the producer failed", now)
+                    .map_err(|_| End::Error("relay core: send_refused"))?;
+                producer_failed = true;
+                continue;
+            }
             let row = self.by_id[&ev.event_id];
             // `Pipeline::execute`: an aggregate that waited behind an unclear outcome may be
             // held in the ledger by now (a predecessor's late refusal): the release sends it.
@@ -3163,6 +3222,15 @@ impl World {
                 );
                 self.c.stale_sends += 1;
             }
+            if self.depth > 1 && self.is(Mutant::DeepBeforeHandOver) {
+                let now = self.now_for(i);
+                let next = self.relays[i]
+                    .core
+                    .handed_over(token, now)
+                    .map_err(|_| End::Error("relay core: handed_over"))?;
+                self.c.deep_followers += next.len() as u64;
+                work.extend(next);
+            }
             // The producer did not take it (not a permanent refusal): nothing was handed over;
             // the core parks the event to be sent again (`Pipeline::execute`).
             let refused =
@@ -3191,7 +3259,11 @@ impl World {
                 attempt,
                 stored_at: 0,
             };
-            let report = self.broker_send(topic, partition, msg);
+            let (report, ready_at) = if self.depth > 1 && !self.is(Mutant::DeepWithoutGapless) {
+                self.broker_send_in_order(i, topic, partition, msg)
+            } else {
+                (self.broker_send(topic, partition, msg), self.now)
+            };
             log!(
                 self,
                 "send {} v{}{} attempt {attempt} gen {} -> {}/{partition}",
@@ -3211,14 +3283,52 @@ impl World {
                 topic,
                 partition,
                 sent_at: self.now,
+                attempt,
                 report,
+                ready_at,
             });
+            // The producer took it: under a deeper gate the next version may follow it now
+            // (`Pipeline::execute`).
+            if self.depth > 1 && !self.is(Mutant::DeepBeforeHandOver) {
+                let now = self.now_for(i);
+                let next = self.relays[i]
+                    .core
+                    .handed_over(token, now)
+                    .map_err(|_| End::Error("relay core: handed_over"))?;
+                self.c.deep_followers += next.len() as u64;
+                work.extend(next);
+            }
+        }
+        if producer_failed {
+            return Err(End::Error("the producer failed"));
+        }
+        Ok(())
+    }
+
+    /// `Pipeline::on_live_report`: one report ([`World::report_one`]); when it is a failure
+    /// and a deeper gate's producer failed for good, the run ends after it (a salvage reads
+    /// its reports whatever became of the producer).
+    fn on_report(&mut self, i: usize, token: u64) -> Result<(), End> {
+        let failed = self.relays[i]
+            .in_flight
+            .iter()
+            .find(|f| f.token == token)
+            .is_some_and(|f| {
+                !matches!(
+                    f.report,
+                    Report::Persisted(_) | Report::ImplicitAck | Report::Pending
+                )
+            });
+        self.report_one(i, token)?;
+        let r = &self.relays[i];
+        if failed && r.producer_fatal && !r.salvaging && !r.killed {
+            return Err(End::Error("the producer failed"));
         }
         Ok(())
     }
 
     /// `Pipeline::on_report`: the simulated broker's report, decided by the core.
-    fn on_report(&mut self, i: usize, token: u64) -> Result<(), End> {
+    fn report_one(&mut self, i: usize, token: u64) -> Result<(), End> {
         let k = self.relays[i]
             .in_flight
             .iter()
@@ -3231,7 +3341,19 @@ impl World {
             class,
             partition: f.partition as i32,
         };
-        let outcome = match f.report {
+        // Held back by a deeper gate's producer: reported where it landed, or (the run ended
+        // before it did) possibly persisted.
+        let report = match f.report {
+            Report::Pending => {
+                let gen = self.relays[i].gen;
+                match self.landed(f.topic, f.partition, f.row, gen, f.attempt) {
+                    Some(rc) => Report::Persisted(rc),
+                    None => Report::PossiblyPersisted,
+                }
+            }
+            r => r,
+        };
+        let outcome = match report {
             Report::Persisted(rc) => {
                 self.relays[i].proven.insert(f.row);
                 let late = self.relays[i].salvaging
@@ -3265,6 +3387,7 @@ impl World {
                 failed(Persistence::PossiblyPersisted, FailureClass::Transient)
             }
             Report::NotPersisted => failed(Persistence::NotPersisted, FailureClass::Transient),
+            Report::Pending => unreachable!("read where it landed above"),
         };
         let now = self.now_for(i);
         let reported = self.relays[i]
@@ -3534,9 +3657,8 @@ impl World {
     /// keeper renewing the lease meanwhile). `false`: nothing can ever arrive (the daemon
     /// would wait forever).
     fn wait_one(&mut self, i: usize) -> Result<bool, End> {
-        if let Some(f) = self.relays[i].in_flight.first() {
-            let token = f.token;
-            self.on_report(i, token)?;
+        if let Some((token, _)) = self.first_report(i) {
+            self.await_report(i, token)?;
             return Ok(true);
         }
         if !self.relays[i].lookups.is_empty() {
@@ -3565,6 +3687,36 @@ impl World {
         }
         self.run_due_unclear(i)?;
         Ok(true)
+    }
+
+    /// Run `i` waits for the report of `token`: a message a deeper gate's producer holds back
+    /// answers when it lands (the lease renewed meanwhile, as the daemon's keeper does).
+    fn await_report(&mut self, i: usize, token: u64) -> Result<(), End> {
+        let ready_at = self.relays[i]
+            .in_flight
+            .iter()
+            .find(|f| f.token == token)
+            .map_or(0, |f| f.ready_at);
+        while self.now < ready_at {
+            self.now = ready_at.min(self.now + 500);
+            self.renew(i);
+            self.land_late_appends();
+            if !self.lease_valid(i) {
+                return Err(End::Error("lease not certainly held while waiting"));
+            }
+        }
+        self.on_report(i, token)
+    }
+
+    /// The report run `i` gets first when it waits for one, and from when it can: the first
+    /// send's, unless a deeper gate's producer holds it back (then the one that can be read
+    /// soonest).
+    fn first_report(&self, i: usize) -> Option<(u64, u64)> {
+        self.relays[i]
+            .in_flight
+            .iter()
+            .min_by_key(|f| f.ready_at.max(self.now))
+            .map(|f| (f.token, f.ready_at))
     }
 
     /// Whether run `i` has a parked event due now.
@@ -3775,7 +3927,7 @@ impl World {
                 PollStep::Await(token)
                     if self.relays[i].in_flight.iter().any(|f| f.token == token) =>
                 {
-                    self.on_report(i, token)?
+                    self.await_report(i, token)?
                 }
                 // Parked after an unclear outcome: `wait_one` until it is resolved.
                 PollStep::Await(_) => {
@@ -4005,8 +4157,11 @@ impl World {
                 self.relay_call(Some(i), Self::decode_next);
                 continue;
             }
-            if let Some(f) = self.relays[i].in_flight.first() {
-                let token = f.token;
+            if let Some((token, ready_at)) = self.first_report(i) {
+                if self.now < ready_at {
+                    self.now = ready_at;
+                    self.land_late_appends();
+                }
                 self.relay_call(Some(i), |w, i| w.on_report(i, token));
                 continue;
             }
