@@ -512,6 +512,65 @@ async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     );
 }
 
+/// What a relay with several versions of an aggregate in flight logs for each one it sends
+/// behind another (`PipelineCore::handed_over`, at debug level).
+pub(crate) const SENT_BEHIND: &str = "sent behind a version of its aggregate still in flight";
+
+/// The relay's log levels with the core's pipelined sends.
+pub(crate) const LOG_PIPELINED: (&str, &str) = (
+    "OUTBOXD_LOG",
+    "info,outboxd=debug,outbox_relay::pipeline=debug,tokio_postgres=warn",
+);
+
+cdc_only! {
+    "CDC only: --in-flight-per-aggregate is refused in poll mode (a poll round sends one version of an aggregate at a time)";
+    /// Issue 27, hot aggregates: with `--in-flight-per-aggregate 8` a backlog of eight
+    /// aggregates drains with later versions sent before the broker answered the earlier
+    /// ones, and still every aggregate's versions are on the broker in order, every event has
+    /// a receipt, and every receipt names its message on the topic.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hot_aggregates_with_versions_in_flight_keep_broker_order_and_every_receipt() {
+        const AGGREGATES: usize = 8;
+        const VERSIONS: usize = 150;
+        let env = TestEnv::new("deep_gate").await;
+        // The backlog first: the relay finds every aggregate with many versions waiting.
+        let mut db = connect(&env.url).await;
+        for v in 0..VERSIONS {
+            let tx = db.transaction().await.unwrap();
+            for a in 0..AGGREGATES {
+                tx.query_one(
+                    "SELECT outbox.enqueue($1, $2, 'tick', $3)",
+                    &[&env.aggregate_type, &format!("hot-{a}"), &json!({"v": v})],
+                )
+                .await
+                .unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+        let relay = env.relay(&[LOG_PIPELINED], &["--in-flight-per-aggregate", "8"]);
+        let total = (AGGREGATES * VERSIONS) as i64;
+        env.wait_count(
+            "every event published",
+            "SELECT count(*) FROM outbox.receipts",
+            total,
+        )
+        .await;
+        let behind = relay.log_text().matches(SENT_BEHIND).count();
+        assert!(
+            behind > 100,
+            "only {behind} versions were sent behind one in flight: the deeper gate did not pipeline"
+        );
+        let check = env.verify_receipts(&[&env.topic]).await;
+        let order = first_occurrences(&check.messages);
+        let expected: Vec<i64> = (1..=VERSIONS as i64).collect();
+        assert_eq!(order.len(), AGGREGATES);
+        for (key, versions) in &order {
+            assert_eq!(versions, &expected, "{key}: broker order = version order");
+        }
+        println!("{behind} of {total} versions sent behind one of their aggregate in flight");
+    }
+}
+
 cdc_only! {
     "CDC only: a replay from a checkpoint; poll mode has no checkpoint, and its rounds' read leaves skipped events out (skip_needs_a_reason_and_publishes_what_was_held_behind)";
     /// A relay that replays an event an operator skipped (it starts from a checkpoint before the

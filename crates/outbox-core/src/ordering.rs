@@ -288,6 +288,11 @@ impl<K: Hash + Eq + Clone, T> OrderingGate<K, T> {
         self.aggs.get(key).is_some_and(|a| a.in_flight > 0)
     }
 
+    /// How many events of `key` are in flight (at most the depth).
+    pub fn in_flight_count(&self, key: &K) -> u8 {
+        self.aggs.get(key).map_or(0, |a| a.in_flight)
+    }
+
     /// Events waiting behind an in-flight event of their aggregate.
     pub fn queued(&self) -> usize {
         self.queued

@@ -431,6 +431,7 @@ impl<P: Plant> PipelineCore<P> {
         let version = ev.aggregate_version;
         let copy = self.planted(Mutant::SecondInFlight).then(|| ev.clone());
         let pipe = self.pipe_of(&ev);
+        let behind = self.gate.depth() > 1 && self.gate.in_flight(&key);
         match self.gate.offer(
             &key,
             version,
@@ -442,7 +443,12 @@ impl<P: Plant> PipelineCore<P> {
                 ack,
             },
         ) {
-            Admit::Send(p) => Ok(self.send_one(p, now)?.into_iter().collect()),
+            Admit::Send(p) => {
+                if behind {
+                    sent_behind(&p.ev);
+                }
+                Ok(self.send_one(p, now)?.into_iter().collect())
+            }
             Admit::Queued => Ok(copy
                 .and_then(|ev| {
                     let p = Pending {
@@ -633,7 +639,10 @@ impl<P: Plant> PipelineCore<P> {
             return Ok(Vec::new());
         };
         match self.gate.handed_over(&key) {
-            Some(next) => Ok(self.send_one(next, now)?.into_iter().collect()),
+            Some(next) => {
+                sent_behind(&next.ev);
+                Ok(self.send_one(next, now)?.into_iter().collect())
+            }
             None => Ok(Vec::new()),
         }
     }
@@ -894,7 +903,12 @@ impl<P: Plant> PipelineCore<P> {
     /// look at the ledger's holds ([`Self::needs_hold_check`]): only what waited does.
     fn send_next(&mut self, key: &AggKey, now: Now) -> Result<Vec<Command>, CoreError> {
         match self.gate.done(key) {
-            Some(next) => Ok(self.send_one(next, now)?.into_iter().collect()),
+            Some(next) => {
+                if self.gate.in_flight_count(key) > 1 {
+                    sent_behind(&next.ev);
+                }
+                Ok(self.send_one(next, now)?.into_iter().collect())
+            }
             None => {
                 if !self.unclear_seen.is_empty() {
                     self.unclear_seen.remove(key);
@@ -1316,3 +1330,11 @@ mod tests;
 
 #[cfg(test)]
 mod unclear_tests;
+
+/// A deeper gate sends `ev` while an earlier version of its aggregate is in flight (at debug
+/// level: what shows that versions pipeline).
+fn sent_behind(ev: &OutboxEvent) {
+    tracing::debug!(event_id = %ev.event_id, version = ev.aggregate_version,
+        aggregate = %format!("{}/{}", ev.aggregate_type, ev.aggregate_id),
+        "sent behind a version of its aggregate still in flight");
+}

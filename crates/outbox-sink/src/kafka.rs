@@ -52,6 +52,13 @@ pub struct KafkaSinkConfig {
     /// through a second producer with no linger, the *express lane*; 0 disables it. See
     /// [`KafkaSink::send`] for why.
     pub express_max_in_flight: u32,
+    /// How many events of one aggregate may be in flight at once (1: the next version waits
+    /// for the broker's report on the one before). Above 1 the producer is made to keep what
+    /// it took in order on the broker or deliver nothing after the first it lost
+    /// (`enable.gapless.guarantee`, no message timeout) and the express lane is off, so that
+    /// an aggregate's versions in flight share one producer and one partition
+    /// ([`KafkaSink::aggregate_depth`]; docs/ordering.md, "Hot aggregates").
+    pub in_flight_per_aggregate: u8,
     pub properties: Vec<(String, String)>,
     /// Optional header families (CloudEvents), see [`crate::headers`].
     pub headers: crate::HeaderOptions,
@@ -66,6 +73,7 @@ impl Default for KafkaSinkConfig {
             message_timeout: Duration::from_secs(30),
             linger: Duration::from_millis(2),
             express_max_in_flight: 32,
+            in_flight_per_aggregate: 1,
             properties: Vec::new(),
             headers: crate::HeaderOptions::default(),
         }
@@ -337,7 +345,10 @@ impl KafkaSink {
         reports: UnboundedSender<Delivery>,
     ) -> Result<Self, SinkError> {
         let producer = Self::producer(&config, reports.clone(), None)?;
+        // One producer where versions of an aggregate pipeline: two could deliver them out of
+        // order.
         let express = match config.express_max_in_flight {
+            _ if config.in_flight_per_aggregate > 1 => None,
             0 => None,
             _ => Some(Self::producer(&config, reports, Some(Duration::ZERO))?),
         };
@@ -367,8 +378,24 @@ impl KafkaSink {
         }
         // The relay's guarantees rest on these two; they are not overridable.
         cc.set("enable.idempotence", "true").set("acks", "all");
+        if config.in_flight_per_aggregate > 1 {
+            // Several versions of an aggregate in flight are in order on the broker only if
+            // the producer never lets a later one through after an earlier one failed: a
+            // failure that could leave a gap is its fatal error (the run ends, the next opens
+            // a new producer and looks up what was outstanding), and no message fails by
+            // timeout, which that guarantee does not cover (librdkafka's CONFIGURATION.md).
+            // An unanswered send waits for its answer or for the producer's end.
+            cc.set("enable.gapless.guarantee", "true")
+                .set("message.timeout.ms", "0");
+        }
         cc.create_with_context(SinkContext::new(reports))
             .map_err(|e| SinkError::Config(Box::new(e)))
+    }
+
+    /// How many events of one aggregate the relay may have in flight through this sink
+    /// (`KafkaSinkConfig::in_flight_per_aggregate`, at least 1).
+    pub fn aggregate_depth(&self) -> u8 {
+        self.config.in_flight_per_aggregate.max(1)
     }
 
     /// Tells the sink whether the relay is bound by round trips: more events wait behind their

@@ -267,6 +267,16 @@ impl AnySink {
         }
     }
 
+    /// How many events of one aggregate may be in flight at once: a Kafka sink's setting
+    /// (`KafkaSinkConfig::in_flight_per_aggregate`); 1 for JetStream and webhooks, whose
+    /// outcomes are independent per message.
+    pub fn aggregate_depth(&self) -> u8 {
+        match self {
+            AnySink::Kafka(k) => k.aggregate_depth(),
+            AnySink::JetStream(_) | AnySink::Http(_) => 1,
+        }
+    }
+
     /// Whether the sink's client failed for good ([`SinkError::ProducerFailed`]): only a
     /// Kafka producer does (librdkafka's fatal errors); asked after a failed delivery.
     pub fn failed(&self) -> Option<SinkError> {

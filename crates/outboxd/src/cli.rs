@@ -570,6 +570,14 @@ pub struct RunArgs {
     /// Kafka, 5000 for NATS]
     #[arg(long, env = "OUTBOXD_MESSAGE_TIMEOUT_MS")]
     pub message_timeout_ms: Option<u64>,
+    /// Kafka: how many events of one aggregate may be in flight at once (1-64). Above 1, a
+    /// few very hot aggregates drain faster: the producer is then gapless (a failure that
+    /// could reorder an aggregate is its fatal error: the run ends and the next looks up what
+    /// was outstanding) and its messages never time out (an unanswered send waits for its
+    /// answer; --message-timeout-ms still bounds a stop's wait), and the express lane is off.
+    /// docs/ordering.md, "Hot aggregates". [default: 1]
+    #[arg(long, env = "OUTBOXD_IN_FLIGHT_PER_AGGREGATE", value_parser = clap::value_parser!(u8).range(1..=64))]
+    pub in_flight_per_aggregate: Option<u8>,
     /// Events in flight (sent, receipt not yet accepted) before reading pauses. Each costs
     /// about 2 KiB of memory (the event, its librdkafka copy, its receipt); the acceptance
     /// transaction's batch grows with it too. [default: 3000]

@@ -444,6 +444,9 @@ pub struct KafkaFile {
     /// broker round trip per event, not by volume (used only while more events wait behind
     /// their aggregates than are in flight). 0 disables it. Default 32.
     pub express_max_in_flight: Option<u32>,
+    /// How many events of one aggregate may be in flight at once (1-64; `--in-flight-per-aggregate`).
+    /// Default 1.
+    pub in_flight_per_aggregate: Option<u8>,
     /// CloudEvents 1.0 binary-mode headers on every message. Default false.
     pub cloudevents: Option<bool>,
     /// CloudEvents `source`; `{aggregate_type}` is replaced. Default

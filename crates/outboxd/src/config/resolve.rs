@@ -340,6 +340,10 @@ fn build_run(a: &RunArgs, file: &FileConfig) -> anyhow::Result<RelayConfig> {
                 .kafka
                 .express_max_in_flight
                 .unwrap_or(defaults.express_max_in_flight),
+            in_flight_per_aggregate: a
+                .in_flight_per_aggregate
+                .or(file.kafka.in_flight_per_aggregate)
+                .unwrap_or(defaults.in_flight_per_aggregate),
             properties,
             headers: outbox_sink::HeaderOptions {
                 cloudevents: cloudevents_source(a, file),
@@ -434,6 +438,21 @@ fn finish_run(a: &RunArgs, mut cfg: RelayConfig) -> anyhow::Result<RelayConfig> 
         }
         if cfg.mode == crate::values::RunMode::Poll {
             anyhow::bail!("delivery = exactly-once needs --mode cdc (a poll round is not a stream position a batch record can name)");
+        }
+    }
+    let depth = cfg.sink.in_flight_per_aggregate;
+    if !(1..=64).contains(&depth) {
+        anyhow::bail!("kafka.in_flight_per_aggregate = {depth}: give 1 to 64 events of one aggregate in flight (1, the default, waits for each version's report)");
+    }
+    if depth > 1 {
+        if cfg.nats.is_some() || !cfg.http.is_empty() {
+            anyhow::bail!("--in-flight-per-aggregate {depth} is for Kafka only: a JetStream or webhook send of one version can fail while the next one succeeds, so their versions go one at a time");
+        }
+        if cfg.mode == crate::values::RunMode::Poll {
+            anyhow::bail!("--in-flight-per-aggregate {depth} needs --mode cdc: poll mode sends one version of an aggregate at a time");
+        }
+        if cfg.delivery == crate::values::Delivery::ExactlyOnce {
+            anyhow::bail!("--in-flight-per-aggregate {depth} is for the default delivery: exactly-once mode already puts several versions of an aggregate into one transaction (docs/exactly_once.md)");
         }
     }
     if let Some(s) = cfg.shard {
@@ -577,6 +596,49 @@ mod tests {
         assert!(e.to_string().contains("--sink nats"), "{e}");
         let e = resolve_run(&run_args(&["--sink", "nats"])).unwrap_err();
         assert!(e.to_string().contains("--nats-url"), "{e}");
+    }
+
+    #[test]
+    fn versions_in_flight_per_aggregate_come_from_the_flag_or_the_file_and_are_kafka_cdc_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = ["--bootstrap-servers", "k:9092"];
+        let plain = resolve_run(&run_args(&k)).unwrap();
+        assert_eq!(plain.sink.in_flight_per_aggregate, 1);
+        let path = write_file(&dir, "d.toml", "[kafka]\nin_flight_per_aggregate = 8\n");
+        let file = resolve_run(&run_args(&[k[0], k[1], "--config", &path])).unwrap();
+        assert_eq!(file.sink.in_flight_per_aggregate, 8);
+        let flag = resolve_run(&run_args(&[
+            k[0],
+            k[1],
+            "--config",
+            &path,
+            "--in-flight-per-aggregate",
+            "4",
+        ]))
+        .unwrap();
+        assert_eq!(flag.sink.in_flight_per_aggregate, 4, "the flag wins");
+        let too_many = write_file(&dir, "x.toml", "[kafka]\nin_flight_per_aggregate = 65\n");
+        let e = resolve_run(&run_args(&[k[0], k[1], "--config", &too_many])).unwrap_err();
+        assert!(e.to_string().contains("1 to 64"), "{e}");
+        for (args, says) in [
+            (vec!["--mode", "poll"], "--mode cdc"),
+            (vec!["--delivery", "exactly-once"], "exactly-once mode"),
+        ] {
+            let mut all = vec![k[0], k[1], "--in-flight-per-aggregate", "4"];
+            all.extend(args);
+            let e = resolve_run(&run_args(&all)).unwrap_err();
+            assert!(e.to_string().contains(says), "{e}");
+        }
+        let e = resolve_run(&run_args(&[
+            "--sink",
+            "nats",
+            "--nats-url",
+            "nats://n:4222",
+            "--in-flight-per-aggregate",
+            "2",
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("Kafka only"), "{e}");
     }
 
     #[test]

@@ -936,6 +936,10 @@ async fn open_pipeline(
         outbox_relay::PipelineCore::gate_from(Vec::new(), held),
     );
     pipeline.core.skipped_by_operator(skipped);
+    // More than one version of an aggregate in flight only where the producer keeps them in
+    // order (`kafka.in_flight_per_aggregate`; docs/ordering.md, "Hot aggregates").
+    let depth = pipeline.sink().aggregate_depth();
+    pipeline.core.set_aggregate_depth(depth);
     pipeline.core.unclear_policy = policy;
     pipeline.core.reconcile_settle = cfg.unknown_settle;
     pipeline.core.unclear_policies = cfg

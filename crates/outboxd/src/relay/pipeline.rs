@@ -350,7 +350,8 @@ impl Pipeline {
         }
         // Set when the producer failed for good: the rest is refused unsent, as it would be.
         let mut producer_failed: Option<SinkError> = None;
-        for c in commands {
+        let mut work: std::collections::VecDeque<Command> = commands.into();
+        while let Some(c) = work.pop_front() {
             let Command::Send {
                 token,
                 attempt,
@@ -372,6 +373,9 @@ impl Pipeline {
             match self.sink.send(&event, token).await {
                 Ok(()) => {
                     tracing::trace!(event_id = %event.event_id, attempt, "handed to the producer");
+                    // Under a deeper gate the aggregate's next version may follow it now.
+                    let now = self.now();
+                    work.extend(self.core.handed_over(token, now)?);
                 }
                 Err(e) => {
                     let now = self.now();
