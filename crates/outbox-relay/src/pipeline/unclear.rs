@@ -72,6 +72,8 @@ pub struct OpenAttempt<A> {
     pub has_receipt: bool,
     /// The attempt's look-up would send the event again under its key.
     pub lookup_resends: bool,
+    /// How long it has been unknown (recorded DISPATCH_UNKNOWN).
+    pub unknown_for: std::time::Duration,
 }
 
 /// What the driver answers [`ParkedLookup::next`] with.
@@ -158,9 +160,27 @@ impl<A: Clone> ParkedLookup<A> {
                 outcome: self.outcome(core),
             },
             ParkedInput::Open(Some(open)) => {
+                let settle = core.unclear_policy_for(&self.event).settle;
                 if core.closes_by_receipt(open.has_receipt, open.lookup_resends) {
                     self.closing = Some((open.attempt.clone(), open.attempt_generation));
                     ParkedStep::CloseByReceipt(open.attempt)
+                } else if !open.lookup_resends && open.unknown_for < settle {
+                    // Another run's attempt recorded moments ago (a resumed zombie's salvage):
+                    // its request may still land, so a scan now would prove nothing. The round
+                    // ends; the event is asked again when the attempt has settled. Found by
+                    // `outbox-sim` where a closed producer's held-back messages land within a
+                    // round trip of its close.
+                    self.prior = Some(merge_lookups(
+                        self.prior.take(),
+                        LookupOutcome::Unresolved {
+                            after: Some(settle - open.unknown_for),
+                            error: "another run's attempt of it is not settled yet".into(),
+                        },
+                    ));
+                    ParkedStep::Done {
+                        event_id,
+                        outcome: self.outcome(core),
+                    }
                 } else {
                     self.look_up(open.attempt)
                 }

@@ -598,6 +598,7 @@ fn open_attempt(
         attempt_generation: generation,
         has_receipt,
         lookup_resends: resends,
+        unknown_for: Duration::from_secs(3600),
     }
 }
 
@@ -897,4 +898,52 @@ fn under_a_deeper_gate_a_later_version_proven_absent_waits_for_the_earlier_one()
         })
         .collect();
     assert_eq!(resent, [3]);
+}
+
+#[test]
+fn a_parked_events_round_does_not_scan_for_an_attempt_recorded_within_the_settle_time() {
+    let mut c = core();
+    c.unclear_policy.settle = Duration::from_secs(2);
+    let e = event("a", 1);
+    // The round's first look-up proved its attempt absent; the next open attempt is another
+    // run's, recorded 300 ms ago (a resumed zombie's salvage): its request may still land.
+    let mut lk = ParkedLookup::<u32>::answered(
+        e.clone(),
+        None,
+        LookupOutcome::Retry {
+            attempt_generation: 2,
+        },
+    );
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Begin),
+        ParkedStep::ReadOpenAttempt
+    ));
+    let mut fresh = open_attempt(9, 1, false, false);
+    fresh.unknown_for = Duration::from_millis(300);
+    match lk.next(&mut c, ParkedInput::Open(Some(fresh.clone()))) {
+        ParkedStep::Done { event_id, outcome } => {
+            assert_eq!(event_id, e.event_id);
+            assert!(
+                matches!(outcome, LookupOutcome::Unresolved { after: Some(a), .. } if a == Duration::from_millis(1700)),
+                "{outcome:?}"
+            );
+        }
+        other => panic!("expected the round to end unresolved, got {other:?}"),
+    }
+    // Settled: looked up. A look-up under the event's key (no scan) needs no settle time.
+    let mut lk = ParkedLookup::<u32>::due(e.clone());
+    lk.next(&mut c, ParkedInput::Begin);
+    fresh.unknown_for = Duration::from_secs(2);
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Open(Some(fresh.clone()))),
+        ParkedStep::LookUp { attempt: 9, .. }
+    ));
+    let mut lk = ParkedLookup::<u32>::due(e);
+    lk.next(&mut c, ParkedInput::Begin);
+    let mut keyed = open_attempt(9, 1, false, true);
+    keyed.unknown_for = Duration::from_millis(300);
+    assert!(matches!(
+        lk.next(&mut c, ParkedInput::Open(Some(keyed))),
+        ParkedStep::LookUp { attempt: 9, .. }
+    ));
 }

@@ -125,6 +125,9 @@ impl World {
         if self.relays[i].producer_fatal {
             return Report::NotPersisted;
         }
+        // What is due has landed before this is appended (some of the drain's steps move time
+        // on their own).
+        self.land_late_appends();
         let fatal = |w: &mut World, report: Report| {
             log!(
                 w,

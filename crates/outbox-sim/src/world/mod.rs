@@ -2816,6 +2816,9 @@ impl World {
         ev: &OutboxEvent,
         published: bool,
     ) -> Option<(Scan, Option<i64>, bool)> {
+        // The broker holds what is due by now (some of the drain's steps move time on their
+        // own).
+        self.land_late_appends();
         let (row, topic, partition, sent_at) = {
             let at = &self.ledger.attempts[a];
             (at.row, at.topic, at.partition, at.sent_at)
@@ -3345,6 +3348,8 @@ impl World {
         // before it did) possibly persisted.
         let report = match f.report {
             Report::Pending => {
+                // What is due has landed (some of the drain's steps move time on their own).
+                self.land_late_appends();
                 let gen = self.relays[i].gen;
                 match self.landed(f.topic, f.partition, f.row, gen, f.attempt) {
                     Some(rc) => Report::Persisted(rc),
@@ -3489,6 +3494,9 @@ impl World {
                         attempt_generation: self.ledger.attempts[a].attempt,
                         has_receipt: self.ledger.primary.contains_key(&row),
                         lookup_resends: self.lookup_resends(self.ledger.attempts[a].sent_at),
+                        unknown_for: ms(
+                            self.now.saturating_sub(self.ledger.attempts[a].unknown_at),
+                        ),
                     }))
                 }
                 ParkedStep::CloseByReceipt(a) => {

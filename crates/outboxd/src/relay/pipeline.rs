@@ -498,6 +498,7 @@ impl Pipeline {
                         attempt_generation: attempt.attempt_generation,
                         has_receipt: attempt.has_receipt,
                         lookup_resends: self.sink.lookup_resends(sent_ago(&attempt)),
+                        unknown_for: Duration::from_secs_f64(attempt.unknown_for_s.max(0.0)),
                         attempt,
                     }))
                 }
