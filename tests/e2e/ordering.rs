@@ -522,6 +522,33 @@ pub(crate) const LOG_PIPELINED: (&str, &str) = (
     "info,outboxd=debug,outbox_relay::pipeline=debug,tokio_postgres=warn",
 );
 
+/// After a relay with several versions of an aggregate in flight (`relay`, logging
+/// [`LOG_PIPELINED`]) published `aggregates` x `versions` events: more than `at_least` were
+/// sent behind a version of their aggregate in flight, every receipt names its message on the
+/// test's topic, and every aggregate's first occurrences are its versions in order. Returns how
+/// many were sent behind.
+pub(crate) async fn pipelined_in_order(
+    env: &TestEnv,
+    relay: &crate::harness::RelayProcess,
+    aggregates: usize,
+    versions: usize,
+    at_least: usize,
+) -> usize {
+    let behind = relay.log_text().matches(SENT_BEHIND).count();
+    assert!(
+        behind > at_least,
+        "only {behind} versions were sent behind one in flight: the deeper gate did not pipeline"
+    );
+    let check = env.verify_receipts(&[&env.topic]).await;
+    let order = first_occurrences(&check.messages);
+    let expected: Vec<i64> = (1..=versions as i64).collect();
+    assert_eq!(order.len(), aggregates);
+    for (key, got) in &order {
+        assert_eq!(got, &expected, "{key}: broker order = version order");
+    }
+    behind
+}
+
 cdc_only! {
     "CDC only: --in-flight-per-aggregate is refused in poll mode (a poll round sends one version of an aggregate at a time)";
     /// Issue 27, hot aggregates: with `--in-flight-per-aggregate 8` a backlog of eight
@@ -555,18 +582,7 @@ cdc_only! {
             total,
         )
         .await;
-        let behind = relay.log_text().matches(SENT_BEHIND).count();
-        assert!(
-            behind > 100,
-            "only {behind} versions were sent behind one in flight: the deeper gate did not pipeline"
-        );
-        let check = env.verify_receipts(&[&env.topic]).await;
-        let order = first_occurrences(&check.messages);
-        let expected: Vec<i64> = (1..=VERSIONS as i64).collect();
-        assert_eq!(order.len(), AGGREGATES);
-        for (key, versions) in &order {
-            assert_eq!(versions, &expected, "{key}: broker order = version order");
-        }
+        let behind = pipelined_in_order(&env, &relay, AGGREGATES, VERSIONS, 100).await;
         println!("{behind} of {total} versions sent behind one of their aggregate in flight");
     }
 }

@@ -55,12 +55,8 @@ impl World {
         }
         match self.rng.weighted(&[860, 30, 40, 30, 20, 20]) {
             0 => Report::Persisted(self.store(topic, partition, msg)),
-            1 => {
-                // A broker-side duplicate (producer retry after a lost response).
-                let rc = self.store(topic, partition, msg.clone());
-                self.store(topic, partition, msg);
-                Report::Persisted(rc)
-            }
+            // A broker-side duplicate (producer retry after a lost response).
+            1 => Report::Persisted(self.store_twice(topic, partition, msg)),
             2 => {
                 self.store(topic, partition, msg);
                 Report::PossiblyPersisted // appended, ACK lost
@@ -162,11 +158,7 @@ impl World {
         }
         match self.rng.weighted(&[860, 30, 40, 30, 20, 20]) {
             0 => Report::Persisted(self.store(topic, partition, msg)),
-            1 => {
-                let rc = self.store(topic, partition, msg.clone());
-                self.store(topic, partition, msg);
-                Report::Persisted(rc)
-            }
+            1 => Report::Persisted(self.store_twice(topic, partition, msg)),
             2 => {
                 self.store(topic, partition, msg);
                 Report::PossiblyPersisted // appended, ACK lost
@@ -174,6 +166,14 @@ impl World {
             3 => hold_back(self, 0),
             _ => fatal(self, Report::NotPersisted),
         }
+    }
+
+    /// A broker-side duplicate: `msg` appended twice (a producer's retry after a lost
+    /// response); the first copy's position.
+    fn store_twice(&mut self, topic: usize, partition: usize, msg: Msg) -> Receipt {
+        let rc = self.store(topic, partition, msg.clone());
+        self.store(topic, partition, msg);
+        rc
     }
 
     /// Appends `msg` to the partition, unless the served cluster keeps a duplicate window

@@ -3226,13 +3226,7 @@ impl World {
                 self.c.stale_sends += 1;
             }
             if self.depth > 1 && self.is(Mutant::DeepBeforeHandOver) {
-                let now = self.now_for(i);
-                let next = self.relays[i]
-                    .core
-                    .handed_over(token, now)
-                    .map_err(|_| End::Error("relay core: handed_over"))?;
-                self.c.deep_followers += next.len() as u64;
-                work.extend(next);
+                work.extend(self.handed_over(i, token)?);
             }
             // The producer did not take it (not a permanent refusal): nothing was handed over;
             // the core parks the event to be sent again (`Pipeline::execute`).
@@ -3293,19 +3287,24 @@ impl World {
             // The producer took it: under a deeper gate the next version may follow it now
             // (`Pipeline::execute`).
             if self.depth > 1 && !self.is(Mutant::DeepBeforeHandOver) {
-                let now = self.now_for(i);
-                let next = self.relays[i]
-                    .core
-                    .handed_over(token, now)
-                    .map_err(|_| End::Error("relay core: handed_over"))?;
-                self.c.deep_followers += next.len() as u64;
-                work.extend(next);
+                work.extend(self.handed_over(i, token)?);
             }
         }
         if producer_failed {
             return Err(End::Error("the producer failed"));
         }
         Ok(())
+    }
+
+    /// `PipelineCore::handed_over`: the producer took `token`'s message; what follows it now.
+    fn handed_over(&mut self, i: usize, token: u64) -> Result<Vec<Command>, End> {
+        let now = self.now_for(i);
+        let next = self.relays[i]
+            .core
+            .handed_over(token, now)
+            .map_err(|_| End::Error("relay core: handed_over"))?;
+        self.c.deep_followers += next.len() as u64;
+        Ok(next)
     }
 
     /// `Pipeline::on_live_report`: one report ([`World::report_one`]); when it is a failure
