@@ -32,6 +32,22 @@ async fn env_on(name: &str, c: &KafkaCluster) -> TestEnv {
     .await
 }
 
+/// Waits until `total` events have receipts, and asserts that no event is without one.
+async fn every_event_published(env: &TestEnv, total: i64) {
+    env.wait_count(
+        "every event published",
+        "SELECT count(*) FROM outbox.receipts",
+        total,
+    )
+    .await;
+    assert_eq!(
+        env.count("SELECT count(*) FROM outbox.events e WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)")
+            .await,
+        0,
+        "lost events"
+    );
+}
+
 /// Routes the test's aggregate type to a new one-partition topic whose `max.message.bytes` is
 /// `limit`; returns the topic.
 async fn route_to_small_topic(env: &TestEnv, limit: u32) -> String {
@@ -164,18 +180,7 @@ async fn a_partition_leader_killed_mid_stream_loses_nothing_and_keeps_each_aggre
     .await;
     c.restart(leader).unwrap();
     writer.await.unwrap();
-    env.wait_count(
-        "every event published",
-        "SELECT count(*) FROM outbox.receipts",
-        total,
-    )
-    .await;
-    assert_eq!(
-        env.count("SELECT count(*) FROM outbox.events e WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)")
-            .await,
-        0,
-        "lost events"
-    );
+    every_event_published(&env, total).await;
     let p0_total = env.count(&on_p0).await;
     assert!(
         p0_at_kill < p0_total,
@@ -255,18 +260,7 @@ async fn hot_aggregates_with_versions_in_flight_keep_their_order_through_a_stopp
     .await;
     c.resume(1);
     writer.await.unwrap();
-    env.wait_count(
-        "every event published",
-        "SELECT count(*) FROM outbox.receipts",
-        total,
-    )
-    .await;
-    assert_eq!(
-        env.count("SELECT count(*) FROM outbox.events e WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)")
-            .await,
-        0,
-        "lost events"
-    );
+    every_event_published(&env, total).await;
     let behind = crate::ordering::pipelined_in_order(&env, &relay, AGGREGATES, VERSIONS, 50).await;
     println!("{at_stop} of {total} published at the stop; {behind} sent behind one in flight");
 }

@@ -613,12 +613,17 @@ impl<P: Plant> PipelineCore<P> {
         self.gate.set_depth(depth);
     }
 
+    /// How many events of one aggregate may be in flight at once ([`Self::set_aggregate_depth`]).
+    pub fn aggregate_depth(&self) -> u8 {
+        self.gate.depth()
+    }
+
     /// The pipe an event goes through, for a gate deeper than 1: its destination as the
     /// producer places it (cluster, topic, key, partitioner), so that a later version bound
     /// elsewhere (a migration, a route change) waits for the versions in flight. 0 at depth 1,
     /// where the gate does not read it.
     fn pipe_of(&self, ev: &OutboxEvent) -> u32 {
-        if self.gate.depth() == 1 {
+        if self.aggregate_depth() == 1 {
             return 0;
         }
         use std::hash::{Hash, Hasher};
@@ -632,7 +637,7 @@ impl<P: Plant> PipelineCore<P> {
     /// gate deeper than 1 the next event of its aggregate may follow it now (the commands to
     /// execute); at depth 1 nothing does, and the executor need not call it.
     pub fn handed_over(&mut self, token: u64, now: Now) -> Result<Vec<Command>, CoreError> {
-        if self.gate.depth() == 1 {
+        if self.aggregate_depth() == 1 {
             return Ok(Vec::new());
         }
         let Some(key) = self.in_flight.get(&token).map(|f| f.key.clone()) else {

@@ -83,6 +83,7 @@ impl World {
     /// nothing it takes after that lands at all (the run ends, the next opens a new producer).
     /// The faults' odds are [`World::broker_send`]'s; a timed-out message without a position
     /// cannot happen without a message timeout.
+    ///
     /// The report, and from when it may be read (a message held back: when it lands).
     pub(super) fn broker_send_in_order(
         &mut self,
@@ -255,11 +256,7 @@ impl World {
             self.late_appends = later;
             due.sort_by_key(|(d, ..)| *d);
             for (_, t, p, m) in due {
-                let deduplicated = self.stored_copy(t, m.id).is_some();
-                if !deduplicated && self.rows[m.row].purged {
-                    self.c.purged_early += 1;
-                }
-                self.store(t, p, m);
+                self.land(t, p, m);
             }
             return;
         }
@@ -267,14 +264,20 @@ impl World {
         while k < self.late_appends.len() {
             if self.late_appends[k].0 <= now {
                 let (_, t, p, m) = self.late_appends.swap_remove(k);
-                let deduplicated = self.stored_copy(t, m.id).is_some();
-                if !deduplicated && self.rows[m.row].purged {
-                    self.c.purged_early += 1;
-                }
-                self.store(t, p, m);
+                self.land(t, p, m);
             } else {
                 k += 1;
             }
         }
+    }
+
+    /// A late append lands: a copy of a purged event reaching the broker is counted
+    /// (`purged_early`) unless the duplicate window keeps it out.
+    fn land(&mut self, topic: usize, partition: usize, m: Msg) {
+        let deduplicated = self.stored_copy(topic, m.id).is_some();
+        if !deduplicated && self.rows[m.row].purged {
+            self.c.purged_early += 1;
+        }
+        self.store(topic, partition, m);
     }
 }

@@ -373,9 +373,12 @@ impl Pipeline {
             match self.sink.send(&event, token).await {
                 Ok(()) => {
                     tracing::trace!(event_id = %event.event_id, attempt, "handed to the producer");
-                    // Under a deeper gate the aggregate's next version may follow it now.
-                    let now = self.now();
-                    work.extend(self.core.handed_over(token, now)?);
+                    // Under a deeper gate the aggregate's next version may follow it now (at
+                    // depth 1 nothing does: no clock read on this path per event).
+                    if self.core.aggregate_depth() > 1 {
+                        let now = self.now();
+                        work.extend(self.core.handed_over(token, now)?);
+                    }
                 }
                 Err(e) => {
                     let now = self.now();
@@ -498,7 +501,7 @@ impl Pipeline {
                         attempt_generation: attempt.attempt_generation,
                         has_receipt: attempt.has_receipt,
                         lookup_resends: self.sink.lookup_resends(sent_ago(&attempt)),
-                        unknown_for: Duration::from_secs_f64(attempt.unknown_for_s.max(0.0)),
+                        unknown_for: unknown_for(&attempt),
                         attempt,
                     }))
                 }
@@ -1029,6 +1032,11 @@ pub(crate) fn lookup_of<'a>(
 /// How long ago attempt `a` was sent, as the ledger read it.
 pub(crate) fn sent_ago(a: &attempts::UnknownAttempt) -> Duration {
     Duration::from_secs_f64(a.sent_ago_s.max(0.0))
+}
+
+/// How long attempt `a` has been unknown, as the ledger read it.
+pub(crate) fn unknown_for(a: &attempts::UnknownAttempt) -> Duration {
+    Duration::from_secs_f64(a.unknown_for_s.max(0.0))
 }
 
 /// What a read is doing, for its errors.

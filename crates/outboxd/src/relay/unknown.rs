@@ -48,7 +48,7 @@
 //! records it): a partition scan or an endpoint that answers late holds that event only, not
 //! the loop (e2e `http::a_slow_look_up_of_a_late_attempt_holds_its_event_only_never_the_relay`).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use outbox_core::receipt::Scan;
 use outbox_core::OutboxEvent;
@@ -57,7 +57,7 @@ use outbox_sink::{Lookup, Sink};
 use outbox_source::snapshot::{events_by_id, Numbering};
 use tokio_postgres::Client;
 
-use super::pipeline::{sent_ago, Pipeline};
+use super::pipeline::{sent_ago, unknown_for, Pipeline};
 use super::RelayError;
 use crate::config::RelayConfig;
 use outbox_ledger::lease::Fence;
@@ -85,7 +85,7 @@ impl Pipeline {
             let open = unknown::Open {
                 event_id: a.event_id,
                 relay_generation: a.relay_generation,
-                unknown_for: Duration::from_secs_f64(a.unknown_for_s.max(0.0)),
+                unknown_for: unknown_for(&a),
                 has_receipt: a.has_receipt,
                 lookup_resends: self.sink().lookup_resends(sent_ago(&a)),
             };
