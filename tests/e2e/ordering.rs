@@ -587,6 +587,115 @@ cdc_only! {
     }
 }
 
+/// What a relay with several versions of an aggregate in flight logs when it adopts a raised
+/// partition count (`outbox_sink::kafka::KafkaSink::admit`).
+const ADOPTED: &str = "adopted with nothing in flight";
+
+cdc_only! {
+    "CDC only: --in-flight-per-aggregate is refused in poll mode (a poll round sends one version of an aggregate at a time)";
+    /// Issue 27, hot aggregates: the operator raises the topic's partitions from 3 to 6 while
+    /// a relay with 8 versions of an aggregate in flight streams eight hot aggregates. The
+    /// producer places keys by the count it pinned until nothing is in flight, then adopts the
+    /// new one (the race it closes, a version placed by the new count landing before one still
+    /// in flight by the old, is the simulator's: mutant `deep-unpinned`). Here: the change is
+    /// adopted, so keys reach the new partitions; every aggregate moves at most once; each
+    /// partition holds its aggregates' versions in order; every receipt names its message.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_partition_count_raised_mid_stream_moves_each_hot_aggregate_once_and_in_order() {
+        const AGGREGATES: usize = 8;
+        const VERSIONS: usize = 120;
+        let env = TestEnv::new("deep_repartition").await;
+        let relay = env.relay(
+            &[LOG_PIPELINED],
+            &[
+                "--in-flight-per-aggregate",
+                "8",
+                // librdkafka sees a new partition count at its next metadata refresh (5 min by
+                // default).
+                "--kafka-property",
+                "topic.metadata.refresh.interval.ms=300",
+            ],
+        );
+        env.wait_streaming().await;
+        let url = env.url.clone();
+        let aggregate_type = env.aggregate_type.clone();
+        let (raise_tx, raise_rx) = tokio::sync::oneshot::channel();
+        let writer = tokio::spawn(async move {
+            let mut db = connect(&url).await;
+            let mut raise = Some(raise_tx);
+            for v in 0..VERSIONS {
+                let tx = db.transaction().await.unwrap();
+                for a in 0..AGGREGATES {
+                    tx.query_one(
+                        "SELECT outbox.enqueue($1, $2, 'tick', $3)",
+                        &[&aggregate_type, &format!("hot-{a}"), &json!({"v": v})],
+                    )
+                    .await
+                    .unwrap();
+                }
+                tx.commit().await.unwrap();
+                if v == VERSIONS / 3 {
+                    let _ = raise.take().map(|r| r.send(()));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(15)).await;
+            }
+        });
+        raise_rx.await.expect("the writer got a third of the way");
+        env.kafka
+            .add_partitions(&env.topic, 6)
+            .expect("raise the topic's partitions");
+        writer.await.expect("writer");
+        let total = (AGGREGATES * VERSIONS) as i64;
+        env.wait_count(
+            "every event published",
+            "SELECT count(*) FROM outbox.receipts",
+            total,
+        )
+        .await;
+        assert!(
+            relay.log_text().contains(ADOPTED),
+            "the relay never adopted the raised partition count:\n{}",
+            relay.log_text()
+        );
+        let check = env.verify_receipts_after_repartition(&[&env.topic]).await;
+        // Per aggregate: its first occurrences by version, with where each is.
+        let mut seen = HashSet::new();
+        let mut by_key: HashMap<String, Vec<(i64, i32, i64)>> = HashMap::new();
+        for m in &check.messages {
+            if seen.insert(m.id().to_string()) {
+                let v: i64 = m.headers["aggregate_version"].parse().unwrap();
+                by_key
+                    .entry(m.key.clone().unwrap_or_default())
+                    .or_default()
+                    .push((v, m.partition, m.offset));
+            }
+        }
+        assert_eq!(by_key.len(), AGGREGATES);
+        let mut moved = 0;
+        for (key, mut versions) in by_key {
+            versions.sort_unstable();
+            let got: Vec<i64> = versions.iter().map(|(v, ..)| *v).collect();
+            assert_eq!(got, (1..=VERSIONS as i64).collect::<Vec<_>>(), "{key}");
+            let mut partitions: Vec<i32> = versions.iter().map(|(_, p, _)| *p).collect();
+            partitions.dedup();
+            assert!(
+                partitions.len() <= 2,
+                "{key} moved more than once: {partitions:?}"
+            );
+            if partitions.iter().any(|p| *p >= 3) {
+                moved += 1;
+            }
+            for w in versions.windows(2) {
+                if w[0].1 == w[1].1 {
+                    assert!(w[0].2 < w[1].2, "{key}: v{} after v{} on its partition", w[0].0, w[1].0);
+                }
+            }
+        }
+        assert!(moved > 0, "no aggregate reached the new partitions");
+        println!("{moved} of {AGGREGATES} aggregates moved to the new partitions");
+    }
+}
+
 cdc_only! {
     "CDC only: a replay from a checkpoint; poll mode has no checkpoint, and its rounds' read leaves skipped events out (skip_needs_a_reason_and_publishes_what_was_held_behind)";
     /// A relay that replays an event an operator skipped (it starts from a checkpoint before the

@@ -13,6 +13,8 @@
 //!   checkpoint must write so that a restart numbers them again the same way.
 //! * [`ordering`] — the ordering gate: one in-flight event per aggregate, gaps hold the
 //!   aggregate (invariant 7).
+//! * [`placement`] — which partition count a producer with several versions of an aggregate
+//!   in flight places keys by (a raised count is adopted only when nothing is in flight).
 //! * [`receipt`] — the acceptance decisions: primary / duplicate / conflicting receipt, the
 //!   DISPATCH_UNKNOWN resolution rule, and when a destination migration is allowed.
 //! * [`delivery`] — what a broker said about one send (the sinks' delivery reports), and
@@ -63,6 +65,7 @@ pub mod lease;
 pub mod lsn;
 pub mod numbering;
 pub mod ordering;
+pub mod placement;
 pub mod policy;
 pub mod receipt;
 pub mod records;

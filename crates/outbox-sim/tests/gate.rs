@@ -113,6 +113,9 @@ fn two_thousand_traces_violate_nothing() {
     // for good and the next run starting a new one; order, loss and UNKNOWN as everywhere.
     assert!(c.deep_traces > 150, "{c:?}");
     assert!(c.deep_followers > 500 && c.producers_failed > 200, "{c:?}");
+    // In half of those the operator raises the topics' partitions mid-trace, and producers
+    // that placed keys by the old count adopt the new one with nothing in flight.
+    assert!(c.partitions_raised > 50 && c.repins > 5, "{c:?}");
     // No run sends an event again that it has seen on the broker (in `violations` too).
     assert_eq!(c.resent_after_proof, 0);
     // A quarter of the traces serve a cluster with a duplicate window: look-ups inside it
@@ -167,7 +170,8 @@ fn a_trace_replays_alone_and_identically() {
 /// skip-dedup, last-ack-wins, purge-early, early-takeover-of-live-holder, lease-from-answer,
 /// idle-checkpoint-never-due, held-slot-unchecked, poll-offers-skipped,
 /// retry-reresolves-route,
-/// second-in-flight, ok-without-offset-is-proof, bug-poison-before-gate, bug-stale-quarantine,
+/// second-in-flight, deep-unpinned, ok-without-offset-is-proof, bug-poison-before-gate,
+/// bug-stale-quarantine,
 /// unclear-never-due, route-ignores-cluster, and the fleet plan's fleet-waits-for-expiry,
 /// fleet-share-rounds-down, fleet-never-hands-over, bug-fleet-waiting-fills-share,
 /// bug-fleet-no-evening, fleet-abort-keeps-lease, bug-sends-found-event, resends-answered-event,
@@ -203,6 +207,7 @@ fn every_mutant_is_caught(product: bool) {
         Mutant::PollOffersSkipped,
         Mutant::RetryReresolvesRoute,
         Mutant::SecondInFlight,
+        Mutant::DeepUnpinned,
         Mutant::OkWithoutOffsetIsProof,
         Mutant::BugPoisonBeforeGate,
         Mutant::BugStaleQuarantine,
@@ -297,6 +302,13 @@ fn every_mutant_is_caught(product: bool) {
         ),
         (
             Mutant::DeepBeforeHandOver,
+            &[("order_violations", |c| c.order_violations)],
+        ),
+        // A deeper gate's producer that places keys by the partition count it sees now: a
+        // version sent after the operator raised the count lands on another partition before
+        // the one still in flight (1 in the first 1,500 traces, 7 in 10,000).
+        (
+            Mutant::DeepUnpinned,
             &[("order_violations", |c| c.order_violations)],
         ),
         (Mutant::OkWithoutOffsetIsProof, &[("lost", |c| c.lost)]),
@@ -465,7 +477,15 @@ fn every_mutant_is_caught(product: bool) {
             Mutant::BugEndRunOnUnclear,
             Mutant::BugRepublishSkipped,
         ];
-        let traces = if slow.contains(m) { 300 } else { 1_500 };
+        // Needs a raised partition count to meet a version held back in flight.
+        let rare = [Mutant::DeepUnpinned];
+        let traces = if slow.contains(m) {
+            300
+        } else if rare.contains(m) {
+            6_000
+        } else {
+            1_500
+        };
         // In rounds of 100 traces, until every counter that names the bug has caught it (most
         // do within the first round): the budget is the bound, not the work.
         let mut c = Counts::default();

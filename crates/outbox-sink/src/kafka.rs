@@ -22,7 +22,9 @@ use outbox_core::OutboxEvent;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{
+    BaseRecord, DeliveryResult, Partitioner, Producer, ProducerContext, ThreadedProducer,
+};
 use rdkafka::{ClientContext, Message, Timestamp};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -80,21 +82,132 @@ impl Default for KafkaSinkConfig {
     }
 }
 
+/// outboxd's producers: every one has the same context type, whether or not it places keys
+/// itself ([`Placer`]).
+pub(crate) type KafkaProducer = ThreadedProducer<SinkContext, Placer>;
+
 pub(crate) struct SinkContext {
     tx: UnboundedSender<Delivery>,
     errors: std::sync::Mutex<RepeatGate>,
     /// Where the last transactional batch record was stored (`kafka_txn`), from its report.
     pub(crate) record_position: std::sync::Mutex<Option<(i32, i64)>>,
+    /// Set where several versions of an aggregate are in flight: the producer's partitioner.
+    place: Option<Placer>,
 }
 
 impl SinkContext {
-    /// A context whose delivery reports go to `tx`.
+    /// A context whose delivery reports go to `tx`; librdkafka's own partitioner places keys.
     pub(crate) fn new(tx: UnboundedSender<Delivery>) -> SinkContext {
         SinkContext {
             tx,
             errors: std::sync::Mutex::new(RepeatGate::default()),
             record_position: std::sync::Mutex::new(None),
+            place: None,
         }
+    }
+}
+
+/// librdkafka's key partitioners that place a key the same way whatever else is sent: the
+/// ones a deeper gate can pin ([`Placer`]). `random` is not one; the `_random` variants
+/// differ from their base only for a message without a key, and every outboxd message has
+/// one (an empty key is placed as the base places it, never at random).
+const PLACEABLE: [&str; 6] = [
+    "murmur2_random",
+    "murmur2",
+    "consistent_random",
+    "consistent",
+    "fnv1a_random",
+    "fnv1a",
+];
+
+/// Whether a deeper gate can place keys for `partitioner` ([`Placer`]).
+pub fn placeable_partitioner(partitioner: &str) -> bool {
+    PLACEABLE.contains(&partitioner)
+}
+
+/// The signature of librdkafka's built-in partitioners.
+type Builtin = unsafe extern "C" fn(
+    *const rdkafka::bindings::rd_kafka_topic_t,
+    *const std::ffi::c_void,
+    usize,
+    i32,
+    *mut std::ffi::c_void,
+    *mut std::ffi::c_void,
+) -> i32;
+
+/// The partitioner of a producer that has several versions of an aggregate in flight: the
+/// configured librdkafka partitioner, by the partition count
+/// [`outbox_core::placement::Placement`] pins (docs/ordering.md, "Hot aggregates"), so that
+/// a partition count raised while versions are in flight never splits them across two
+/// partitions. The hash is librdkafka's own function, so a key lands where librdkafka's
+/// partitioner would place it by that count (and where consumers expect it).
+#[derive(Debug)]
+pub struct Placer {
+    placement: std::sync::Mutex<outbox_core::placement::Placement>,
+    builtin: Builtin,
+    origin: std::time::Instant,
+}
+
+impl Placer {
+    fn new(partitioner: &str) -> Option<Placer> {
+        use rdkafka::bindings as b;
+        let builtin: Builtin = match partitioner {
+            "murmur2_random" | "murmur2" => b::rd_kafka_msg_partitioner_murmur2,
+            "consistent_random" | "consistent" => b::rd_kafka_msg_partitioner_consistent,
+            "fnv1a_random" | "fnv1a" => b::rd_kafka_msg_partitioner_fnv1a,
+            _ => return None,
+        };
+        Some(Placer {
+            placement: std::sync::Mutex::new(Default::default()),
+            builtin,
+            origin: std::time::Instant::now(),
+        })
+    }
+
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+
+    fn placement(&self) -> std::sync::MutexGuard<'_, outbox_core::placement::Placement> {
+        // A panic while holding it cannot leave the pins half-written (each call is one
+        // map operation): carry on with them.
+        self.placement
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Where `key` goes on a topic of `count` partitions.
+    fn place(&self, key: &[u8], count: i32) -> i32 {
+        // SAFETY: the base partitioners (murmur2, consistent, fnv1a) only hash `key[..len]`
+        // and take it modulo `count`; they never read the topic handle or the opaques
+        // (librdkafka's rdkafka_msg.c), so null pointers are never dereferenced. `key` is a
+        // valid slice for the call; `count` is at least 1.
+        unsafe {
+            (self.builtin)(
+                std::ptr::null(),
+                key.as_ptr().cast(),
+                key.len(),
+                count.max(1),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        }
+    }
+}
+
+impl Partitioner for Placer {
+    fn partition(
+        &self,
+        topic_name: &str,
+        key: Option<&[u8]>,
+        partition_cnt: i32,
+        _is_partition_available: impl Fn(i32) -> bool,
+    ) -> i32 {
+        let now = self.now();
+        let count = self
+            .placement()
+            .count(topic_name, partition_cnt.max(1) as u32, now);
+        self.place(key.unwrap_or_default(), count as i32)
     }
 }
 
@@ -163,8 +276,12 @@ impl ClientContext for SinkContext {
     }
 }
 
-impl ProducerContext for SinkContext {
+impl ProducerContext<Placer> for SinkContext {
     type DeliveryOpaque = Box<Sent>;
+
+    fn get_custom_partitioner(&self) -> Option<&Placer> {
+        self.place.as_ref()
+    }
 
     fn delivery(&self, result: &DeliveryResult<'_>, sent: Box<Sent>) {
         // A transactional batch record's answer is its transaction's commit, not a report
@@ -322,8 +439,8 @@ pub fn event_headers(ev: &OutboxEvent) -> Headers<'_> {
 /// An idempotent, `acks=all` Kafka producer whose delivery reports go to a channel, and its
 /// express lane (the same settings without linger) for a relay that has little in flight.
 pub struct KafkaSink {
-    producer: ThreadedProducer<SinkContext>,
-    express: Option<ThreadedProducer<SinkContext>>,
+    producer: KafkaProducer,
+    express: Option<KafkaProducer>,
     /// The relay's last word on whether it is bound by round trips ([`KafkaSink::pace`]).
     round_trip_bound: std::sync::atomic::AtomicBool,
     config: KafkaSinkConfig,
@@ -366,7 +483,7 @@ impl KafkaSink {
         config: &KafkaSinkConfig,
         reports: UnboundedSender<Delivery>,
         linger: Option<Duration>,
-    ) -> Result<ThreadedProducer<SinkContext>, SinkError> {
+    ) -> Result<KafkaProducer, SinkError> {
         let client_id = if linger.is_some() {
             "outboxd-express"
         } else {
@@ -388,7 +505,20 @@ impl KafkaSink {
             cc.set("enable.gapless.guarantee", "true")
                 .set("message.timeout.ms", "0");
         }
-        cc.create_with_context(SinkContext::new(reports))
+        let mut context = SinkContext::new(reports);
+        if config.in_flight_per_aggregate > 1 {
+            // And it places keys itself, by pinned partition counts ([`Placer`]).
+            context.place = Some(Placer::new(&config.partitioner).ok_or_else(|| {
+                SinkError::Config(Box::new(KafkaError::ClientCreation(format!(
+                    "kafka.in_flight_per_aggregate = {} needs a key partitioner ({}); \
+                     partitioner = \"{}\" places keys at random",
+                    config.in_flight_per_aggregate,
+                    PLACEABLE.join(", "),
+                    config.partitioner
+                ))))
+            })?);
+        }
+        cc.create_with_context(context)
             .map_err(|e| SinkError::Config(Box::new(e)))
     }
 
@@ -419,7 +549,7 @@ impl KafkaSink {
     /// relies on: the gate orders an aggregate's versions by reports whichever producer sent
     /// them, both are idempotent with `acks=all`, and a look-up scans the partition, not a
     /// producer's session.
-    fn lane(&self) -> &ThreadedProducer<SinkContext> {
+    fn lane(&self) -> &KafkaProducer {
         match &self.express {
             Some(x)
                 if self
@@ -457,7 +587,63 @@ impl KafkaSink {
     /// Enqueues one event; its delivery report arrives later with `token`. Waits (async)
     /// while librdkafka's queue is full.
     pub async fn send(&self, ev: &OutboxEvent, token: u64) -> Result<(), SinkError> {
+        if let Some(placer) = &self.producer.context().place {
+            self.admit(placer).await;
+        }
         enqueue(|| self.lane(), ev, token, &self.config.headers).await
+    }
+
+    /// Before a send by a producer that places keys itself: adopts a raised partition count
+    /// when nothing is in flight, and, if none came for [`Placement::DRAIN_AFTER`], waits up
+    /// to [`DRAIN_WAIT`] for the producer to drain (`outbox_core::placement`).
+    ///
+    /// [`Placement::DRAIN_AFTER`]: outbox_core::placement::Placement::DRAIN_AFTER
+    async fn admit(&self, placer: &Placer) {
+        use outbox_core::placement::Admit;
+        let in_flight = || self.in_flight().max(0) as usize;
+        loop {
+            let admit = placer.placement().admit(in_flight(), placer.now());
+            match admit {
+                Admit::Send => return,
+                Admit::Repinned(c) => {
+                    tracing::info!(
+                        topic = %c.topic,
+                        from = c.from,
+                        to = c.to,
+                        "the topic's partition count changed from {} to {}; adopted with \
+                         nothing in flight, so no aggregate's versions are split across the \
+                         two placements",
+                        c.from,
+                        c.to
+                    );
+                    return;
+                }
+                Admit::DrainFirst(c) => {
+                    let deadline = tokio::time::Instant::now() + DRAIN_WAIT;
+                    while in_flight() > 0 && tokio::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    if in_flight() > 0 {
+                        placer.placement().drain_gave_up(placer.now());
+                        tracing::warn!(
+                            topic = %c.topic,
+                            from = c.from,
+                            to = c.to,
+                            in_flight = in_flight(),
+                            "the topic's partition count changed from {} to {}, and the \
+                             producer did not drain within {} ms to adopt it (an unanswered \
+                             send: a partition without a leader?); keys stay placed by {} \
+                             and it is tried again later",
+                            c.from,
+                            c.to,
+                            DRAIN_WAIT.as_millis(),
+                            c.from
+                        );
+                        return;
+                    }
+                }
+            }
+        }
     }
 
     /// The fatal error librdkafka raised on either producer, if it did
@@ -485,6 +671,10 @@ impl KafkaSink {
         }
     }
 }
+
+/// How long a send waits for the producer to drain so that a raised partition count can be
+/// adopted ([`KafkaSink::admit`]), once it waited for a natural moment in vain.
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
 
 /// librdkafka's `socket.timeout.ms` for outboxd's producers (its default is 60 s): how long a
 /// request to a broker that stopped answering (SIGSTOP, a hung JVM: the connection stays
@@ -530,7 +720,7 @@ fn message_headers<'a>(ev: &'a OutboxEvent, options: &crate::HeaderOptions) -> H
 /// Enqueues `ev` on the producer `lane` gives (asked again after each wait); its delivery
 /// report arrives later with `token`. Waits (async) while librdkafka's queue is full.
 pub(crate) async fn enqueue<'p>(
-    lane: impl Fn() -> &'p ThreadedProducer<SinkContext>,
+    lane: impl Fn() -> &'p KafkaProducer,
     ev: &OutboxEvent,
     token: u64,
     options: &crate::HeaderOptions,
@@ -561,7 +751,7 @@ pub(crate) async fn enqueue<'p>(
 }
 
 /// `producer`'s fatal error as a [`SinkError::ProducerFailed`], if librdkafka raised one.
-fn fatal_error(producer: &ThreadedProducer<SinkContext>) -> Option<SinkError> {
+fn fatal_error(producer: &KafkaProducer) -> Option<SinkError> {
     producer
         .client()
         .fatal_error()
@@ -907,6 +1097,60 @@ mod config_tests {
             .push(("socket.timeout.ms".into(), "30000".into()));
         let cc = producer_config(&config, "outboxd");
         assert_eq!(cc.get("socket.timeout.ms"), Some("30000"));
+    }
+}
+
+#[cfg(test)]
+mod placer_tests {
+    use super::*;
+
+    /// librdkafka's own test vectors for its Java-compatible murmur2 (rdmurmur2.c).
+    const JAVA_MURMUR2: [(&[u8], u32); 3] = [
+        (b"kafka", 0xd067cf64),
+        (b"giberish123456789", 0x8f552b0c),
+        (b"", 0x106e08d9),
+    ];
+
+    #[test]
+    fn keys_land_where_javas_partitioner_puts_them_by_the_pinned_count() {
+        let placer = Placer::new("murmur2_random").expect("a key partitioner");
+        for (key, hash) in JAVA_MURMUR2 {
+            for count in [1, 3, 6, 7] {
+                assert_eq!(
+                    placer.place(key, count),
+                    ((hash & 0x7fff_ffff) % count as u32) as i32,
+                    "{key:?} over {count}"
+                );
+            }
+        }
+        // Pinned through the partitioner: the first count seen for the topic places keys
+        // until nothing is in flight.
+        let key: &[u8] = b"kafka";
+        let by_3 = placer.partition("t", Some(key), 3, |_| true);
+        let by_7 = placer.place(key, 7);
+        assert_ne!(by_3, by_7, "the vector must move between the counts");
+        assert_eq!(placer.partition("t", Some(key), 7, |_| true), by_3);
+        let now = placer.now();
+        assert!(matches!(
+            placer.placement().admit(0, now),
+            outbox_core::placement::Admit::Repinned(_)
+        ));
+        assert_eq!(placer.partition("t", Some(key), 7, |_| true), by_7);
+    }
+
+    #[test]
+    fn a_random_partitioner_cannot_be_pinned_and_a_deeper_gate_refuses_it() {
+        assert!(Placer::new("random").is_none());
+        assert!(!placeable_partitioner("random"));
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let config = KafkaSinkConfig {
+            bootstrap_servers: "127.0.0.1:1".into(),
+            partitioner: "random".into(),
+            in_flight_per_aggregate: 4,
+            ..KafkaSinkConfig::default()
+        };
+        let e = KafkaSink::new(config, tx).expect_err("refused");
+        assert!(e.to_string().contains("places keys at random"), "{e}");
     }
 }
 

@@ -32,12 +32,12 @@ use outbox_core::{Lsn, OutboxEvent};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
-use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, Producer};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc::UnboundedSender;
 
 pub use crate::kafka::BATCH_RECORD_TOKEN;
-use crate::kafka::{classify, enqueue, producer_config, Sent, SinkContext};
+use crate::kafka::{classify, enqueue, producer_config, KafkaProducer, Sent, SinkContext};
 use crate::{Delivery, KafkaSinkConfig, SinkError};
 
 /// What a committed batch proves: written into the positions topic inside the batch's own
@@ -232,7 +232,7 @@ fn failure_of(e: &KafkaError) -> TxnFailure {
 
 /// A transactional, idempotent, `acks=all` producer for one slot.
 pub struct TxnSink {
-    producer: ThreadedProducer<SinkContext>,
+    producer: KafkaProducer,
     config: KafkaSinkConfig,
     transactional_id: String,
     positions_topic: String,
@@ -274,7 +274,7 @@ impl TxnSink {
         cc.set("transactional.id", transactional_id)
             .set("enable.idempotence", "true")
             .set("acks", "all");
-        let producer: ThreadedProducer<SinkContext> = cc
+        let producer: KafkaProducer = cc
             .create_with_context(SinkContext::new(reports))
             .map_err(|e| SinkError::Config(Box::new(e)))?;
         producer

@@ -33,7 +33,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewPartitions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::metadata::Metadata;
@@ -1028,7 +1028,6 @@ pub fn create_topic_at(
     replication: i32,
     configs: &[(&str, &str)],
 ) -> Result<(), HarnessError> {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::types::RDKafkaErrorCode;
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -1054,6 +1053,36 @@ pub fn create_topic_at(
             }
         }
     }
+    wait_for_leaders(bootstrap, topic, partitions)
+}
+
+/// Raises `topic`'s partition count at `bootstrap` to `total` with the AdminClient and waits
+/// until every partition has a leader. Blocking, as [`create_topic_at`].
+pub fn add_partitions_at(bootstrap: &str, topic: &str, total: i32) -> Result<(), HarnessError> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("log_level", "0")
+        .create()
+        .map_err(|e| kafka_err(format!("admin client: {e}")))?;
+    let opts = AdminOptions::new()
+        .request_timeout(Some(Duration::from_secs(30)))
+        .operation_timeout(Some(Duration::from_secs(30)));
+    let new = NewPartitions::new(topic, total as usize);
+    let results = futures::executor::block_on(admin.create_partitions([&new], &opts))
+        .map_err(|e| kafka_err(format!("raising {topic}'s partitions at {bootstrap}: {e}")))?;
+    for r in results {
+        if let Err((t, code)) = r {
+            return Err(kafka_err(format!(
+                "raising {t}'s partitions to {total} at {bootstrap}: {code}"
+            )));
+        }
+    }
+    wait_for_leaders(bootstrap, topic, total)
+}
+
+/// Waits (30 s at most) until `topic` has `partitions` partitions, each with a leader.
+fn wait_for_leaders(bootstrap: &str, topic: &str, partitions: i32) -> Result<(), HarnessError> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("log_level", "0")

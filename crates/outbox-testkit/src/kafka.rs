@@ -125,6 +125,16 @@ impl TestKafka {
         crate::apache_kafka::create_topic_at(&self.bootstrap, topic, partitions, 1, configs)
     }
 
+    /// Raises `topic`'s partition count to `total` (Apache Kafka only: the mock cannot).
+    pub fn add_partitions(&self, topic: &str, total: i32) -> Result<(), HarnessError> {
+        if self.mock_cluster().is_some() {
+            return Err(HarnessError::Kafka(
+                "librdkafka's mock cluster cannot raise a topic's partitions".into(),
+            ));
+        }
+        crate::apache_kafka::add_partitions_at(&self.bootstrap, topic, total)
+    }
+
     /// The shared Apache Kafka node behind this endpoint (`None` on the mock or an external
     /// broker): for tests that pause or kill it, start their own cluster instead.
     pub fn apache(&self) -> Option<&'static crate::apache_kafka::KafkaCluster> {

@@ -574,7 +574,9 @@ pub struct RunArgs {
     /// few very hot aggregates drain faster: the producer is then gapless (a failure that
     /// could reorder an aggregate is its fatal error: the run ends and the next looks up what
     /// was outstanding) and its messages never time out (an unanswered send waits for its
-    /// answer; --message-timeout-ms still bounds a stop's wait), and the express lane is off.
+    /// answer; --message-timeout-ms still bounds a stop's wait), the express lane is off, and
+    /// the relay places keys itself by the partition count it first saw for a topic (a raised
+    /// count is adopted when nothing is in flight; needs a key partitioner, not `random`).
     /// docs/ordering.md, "Hot aggregates". [default: 1]
     #[arg(long, env = "OUTBOXD_IN_FLIGHT_PER_AGGREGATE", value_parser = clap::value_parser!(u8).range(1..=64))]
     pub in_flight_per_aggregate: Option<u8>,

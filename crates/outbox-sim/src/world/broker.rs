@@ -17,6 +17,9 @@ pub(super) struct Msg {
     pub(super) attempt: i32,
     /// When the broker stored it (set by [`World::store`]).
     pub(super) stored_at: u64,
+    /// Its place in the order the broker stored messages, over every partition (set by
+    /// [`World::store`]): what orders two partitions' appends, which offsets cannot.
+    pub(super) seq: u64,
 }
 
 /// What the broker will report for one send (decided when it is sent).
@@ -186,6 +189,8 @@ impl World {
             return rc;
         }
         msg.stored_at = self.now;
+        msg.seq = self.stored;
+        self.stored += 1;
         self.broker[topic][partition].push(msg);
         Receipt {
             topic,

@@ -17,16 +17,18 @@ impl World {
     /// One message through the inbox: effect and inbox row in one transaction, then the
     /// offset commit (sometimes several messages later).
     pub(super) fn consume(&mut self, c: usize) {
-        let parts: Vec<usize> = (0..TOPICS.len() * PARTITIONS)
+        let parts: Vec<usize> = (0..TOPICS.len() * MAX_PARTITIONS)
             .filter(|tp| {
-                self.consumers[c].pos[*tp] < self.broker[tp / PARTITIONS][tp % PARTITIONS].len()
+                self.consumers[c].pos[*tp]
+                    < self.broker[tp / MAX_PARTITIONS][tp % MAX_PARTITIONS].len()
             })
             .collect();
         if parts.is_empty() {
             return;
         }
         let tp = parts[self.rng.below(parts.len() as u64) as usize];
-        let m = self.broker[tp / PARTITIONS][tp % PARTITIONS][self.consumers[c].pos[tp]].clone();
+        let m = self.broker[tp / MAX_PARTITIONS][tp % MAX_PARTITIONS][self.consumers[c].pos[tp]]
+            .clone();
         if self.faults && self.rng.chance(20) {
             self.consumer_crash(c); // before the transaction commits
             return;

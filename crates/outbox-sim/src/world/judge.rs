@@ -263,6 +263,10 @@ pub struct Counts {
     pub deep_traces: u64,
     pub deep_followers: u64,
     pub producers_failed: u64,
+    /// Of those traces, the ones whose topics' partitions the operator raised mid-trace, and
+    /// the producers that adopted the raised count (with nothing in flight).
+    pub partitions_raised: u64,
+    pub repins: u64,
     pub closed_by_receipt: u64,
     /// Heads read from the ledger for aggregates the stream met first (by existence, migration
     /// 0028), and those of them above the highest version with a receipt below the one met
@@ -434,6 +438,8 @@ impl Counts {
             deep_traces,
             deep_followers,
             producers_failed,
+            partitions_raised,
+            repins,
             closed_by_receipt,
             stream_heads_read,
             stream_heads_above_receipts,
@@ -589,8 +595,8 @@ impl Counts {
             (
                 "deep_gate_traces",
                 format!(
-                    "{} ({} sends behind an event of their aggregate in flight, {} producers failed for good)",
-                    self.deep_traces, self.deep_followers, self.producers_failed
+                    "{} ({} sends behind an event of their aggregate in flight, {} producers failed for good; {} raised their partitions, {} producers adopted a raised count)",
+                    self.deep_traces, self.deep_followers, self.producers_failed, self.partitions_raised, self.repins
                 ),
             ),
             (
@@ -850,30 +856,37 @@ impl World {
         }
         self.c.unknown_untraced = untraced;
 
-        // Order: per partition and aggregate, first occurrences in version order.
+        // Order: per topic and aggregate, first occurrences in version order, in the order the
+        // broker stored them over all of the topic's partitions (an aggregate's messages span
+        // two partitions once the operator raised the count; within one, the store order is
+        // the offset order).
         let mut order = 0;
         for (t, (_, topic)) in TOPICS.iter().enumerate() {
-            for (pn, p) in self.broker[t].iter().enumerate() {
-                let mut seen = HashSet::new();
-                let mut last: HashMap<Agg, i64> = HashMap::new();
-                let mut out = Vec::new();
-                for (offset, m) in p.iter().enumerate() {
-                    if seen.insert(m.row) {
-                        let v = self.rows[m.row].version;
-                        let agg = self.rows[m.row].agg;
-                        if let Some(l) = last.get(&agg).filter(|l| **l > v) {
-                            order += 1;
-                            out.push(format!(
-                                "ORDER: o-{agg} v{v} first at {topic}/{pn}@{offset} (gen {} attempt {}), after v{l}",
-                                m.relay_gen, m.attempt
-                            ));
-                        }
-                        last.insert(agg, v);
+            let mut stored: Vec<(u64, usize, usize, &Msg)> = self.broker[t]
+                .iter()
+                .enumerate()
+                .flat_map(|(pn, p)| p.iter().enumerate().map(move |(o, m)| (m.seq, pn, o, m)))
+                .collect();
+            stored.sort_unstable_by_key(|(seq, ..)| *seq);
+            let mut seen = HashSet::new();
+            let mut last: HashMap<Agg, (i64, usize)> = HashMap::new();
+            let mut out = Vec::new();
+            for (_, pn, offset, m) in stored {
+                if seen.insert(m.row) {
+                    let v = self.rows[m.row].version;
+                    let agg = self.rows[m.row].agg;
+                    if let Some((l, lp)) = last.get(&agg).filter(|(l, _)| *l > v) {
+                        order += 1;
+                        out.push(format!(
+                            "ORDER: o-{agg} v{v} first at {topic}/{pn}@{offset} (gen {} attempt {}), after v{l} (on {topic}/{lp})",
+                            m.relay_gen, m.attempt
+                        ));
                     }
+                    last.insert(agg, (v, pn));
                 }
-                for line in out {
-                    log!(self, "{line}");
-                }
+            }
+            for line in out {
+                log!(self, "{line}");
             }
         }
         self.c.order_violations = order;

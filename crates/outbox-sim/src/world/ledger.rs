@@ -578,8 +578,8 @@ impl World {
                     || self.slot_confirmed.map_or(true, |c| row.commit_end > c)
             };
             let consumed_by_all = self.consumers.iter().all(|c| {
-                (0..TOPICS.len() * PARTITIONS).all(|tp| {
-                    let msgs = &self.broker[tp / PARTITIONS][tp % PARTITIONS];
+                (0..TOPICS.len() * MAX_PARTITIONS).all(|tp| {
+                    let msgs = &self.broker[tp / MAX_PARTITIONS][tp % MAX_PARTITIONS];
                     msgs.iter()
                         .enumerate()
                         .filter(|(_, m)| m.row == r)

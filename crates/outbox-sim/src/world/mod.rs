@@ -109,6 +109,10 @@ pub enum Mutant {
     /// The executor tells the core a send was handed over before the producer took it, so a
     /// send the producer refused can be overtaken by the next version.
     DeepBeforeHandOver,
+    /// A deeper gate's producer places keys by the partition count it sees now, as
+    /// librdkafka's partitioner does, not by the pinned one: a product mutant in
+    /// `outbox_core::placement::Placement` (`unpinned`).
+    DeepUnpinned,
     /// A success report without a position (an implicit ack) becomes a receipt: a product
     /// mutant in `outbox_relay::PipelineCore`.
     OkWithoutOffsetIsProof,
@@ -351,6 +355,7 @@ impl Mutant {
         ("second-in-flight", Mutant::SecondInFlight),
         ("deep-without-gapless", Mutant::DeepWithoutGapless),
         ("deep-before-hand-over", Mutant::DeepBeforeHandOver),
+        ("deep-unpinned", Mutant::DeepUnpinned),
         ("ok-without-offset-is-proof", Mutant::OkWithoutOffsetIsProof),
         ("bug-poison-before-gate", Mutant::BugPoisonBeforeGate),
         ("bug-unknown-only-at-start", Mutant::BugUnknownOnlyAtStart),
@@ -483,7 +488,11 @@ const IDLE_LIMIT: u64 = 200;
 /// `--poll-interval-ms`'s default: a poll round that read little waits this long (ms).
 const POLL_INTERVAL: u64 = 100;
 const AGGREGATES: u32 = 3;
+/// A topic's partitions at the start of a trace.
 const PARTITIONS: usize = 2;
+/// After the operator raised them (`World::partitions_raised_at`): the broker keeps a log for
+/// each from the start, empty until written.
+const MAX_PARTITIONS: usize = 3;
 const CONSUMERS: usize = 2;
 const SERVED_CLUSTER: &str = "A";
 
@@ -494,6 +503,17 @@ const SERVED_CLUSTER: &str = "A";
 /// check is there to prevent).
 const TOPICS: [(&str, &str); 4] = [("A", "t1"), ("A", "t2"), ("A", "t3"), ("B", "t1")];
 const REJECTING_TOPIC: usize = 2;
+
+/// Where a key partitioner puts aggregate `agg` on a topic of `count` partitions. Any fixed
+/// function of the two would do; this one moves two of the three aggregates when the count is
+/// raised, as a hash modulo a new count moves most keys.
+fn partition_of(agg: Agg, count: usize) -> usize {
+    if count == PARTITIONS {
+        agg as usize % PARTITIONS
+    } else {
+        (agg as usize * 7 + 1) % count
+    }
+}
 
 fn topic_index(d: &Destination) -> usize {
     TOPICS
@@ -649,9 +669,45 @@ struct Relay {
     /// back (a topic down, a slow round trip) land; what it takes for that partition meanwhile
     /// lands after them, in the order taken.
     tails: HashMap<(usize, usize), u64>,
+    /// A deeper gate's producer: the partition count it places keys by, per topic (the sink's
+    /// `Placer` over `outbox_core::placement::Placement`); new with each run's producer.
+    placement: Placement,
     /// Until when (simulated ms) that loop waits after a round that read little
     /// ([`RoundStep::Idle`]): reports, look-ups and due resends go on meanwhile.
     idle_until: Option<u64>,
+}
+
+/// A deeper gate's placement: the product's, or its mutant `deep-unpinned`.
+enum Placement {
+    Product(outbox_core::placement::Placement),
+    Unpinned(outbox_core::placement::Placement<true>),
+}
+
+impl Placement {
+    fn admit(
+        &mut self,
+        in_flight: usize,
+        now: std::time::Duration,
+    ) -> outbox_core::placement::Admit {
+        match self {
+            Placement::Product(p) => p.admit(in_flight, now),
+            Placement::Unpinned(p) => p.admit(in_flight, now),
+        }
+    }
+
+    fn drain_gave_up(&mut self, now: std::time::Duration) {
+        match self {
+            Placement::Product(p) => p.drain_gave_up(now),
+            Placement::Unpinned(p) => p.drain_gave_up(now),
+        }
+    }
+
+    fn count(&mut self, topic: &str, live: u32, now: std::time::Duration) -> u32 {
+        match self {
+            Placement::Product(p) => p.count(topic, live, now),
+            Placement::Unpinned(p) => p.count(topic, live, now),
+        }
+    }
 }
 
 /// A look-up of a parked event's open DISPATCH_UNKNOWN attempt, started and not yet answered.
@@ -709,6 +765,15 @@ struct World {
 
     /// `[topic][partition]` → messages in offset order.
     broker: Vec<Vec<Vec<Msg>>>,
+    /// Messages the broker stored so far (the next one's `Msg::seq`).
+    stored: u64,
+    /// Every topic's partition count now: [`PARTITIONS`], or [`MAX_PARTITIONS`] once the
+    /// operator raised it.
+    partitions: usize,
+    /// The step at which the operator raises every topic's partitions to [`MAX_PARTITIONS`]:
+    /// half of the deeper gate's traces (streams 6236 and 6237, generators of their own drawn
+    /// only in those traces, so that every other trace keeps its draws).
+    partitions_raised_at: Option<u64>,
     /// Appends still on the wire: (due time, topic, partition, message).
     late_appends: Vec<(u64, usize, usize, Msg)>,
     /// A topic's partitions cannot be read or written until this time.
@@ -992,9 +1057,14 @@ impl World {
         } else {
             1
         };
+        let partitions_raised_at =
+            (depth > 1 && rng.fork(6236).chance(500)).then(|| rng.fork(6237).range(10, 150));
         World {
             dedup,
             depth,
+            stored: 0,
+            partitions: PARTITIONS,
+            partitions_raised_at,
             bounds,
             keeper_timing,
             release_heavy,
@@ -1033,7 +1103,7 @@ impl World {
             slot_confirmed: None,
             ledger: Ledger::default(),
             broker: (0..TOPICS.len())
-                .map(|_| (0..PARTITIONS).map(|_| Vec::new()).collect())
+                .map(|_| (0..MAX_PARTITIONS).map(|_| Vec::new()).collect())
                 .collect(),
             late_appends: Vec::new(),
             down_until: [0; 4],
@@ -1041,8 +1111,8 @@ impl World {
             holder_killed: false,
             consumers: (0..CONSUMERS)
                 .map(|_| Consumer {
-                    committed: vec![0; TOPICS.len() * PARTITIONS],
-                    pos: vec![0; TOPICS.len() * PARTITIONS],
+                    committed: vec![0; TOPICS.len() * MAX_PARTITIONS],
+                    pos: vec![0; TOPICS.len() * MAX_PARTITIONS],
                     model: if mutant == Some(Mutant::SkipDedup) {
                         ConsumerModel::forgetting_applied(GapPolicy::Report, 1_000)
                     } else {
@@ -1081,6 +1151,14 @@ impl World {
         for step in 0..steps {
             if self.slot_loss_at == Some(step) {
                 self.lose_slot();
+            }
+            if self.partitions_raised_at == Some(step) {
+                self.partitions = MAX_PARTITIONS;
+                self.c.partitions_raised += 1;
+                log!(
+                    self,
+                    "the operator raises every topic's partitions from {PARTITIONS} to {MAX_PARTITIONS}"
+                );
             }
             self.step(max_events);
         }
@@ -2200,6 +2278,11 @@ impl World {
             idle_until: None,
             producer_fatal: false,
             tails: HashMap::new(),
+            placement: if self.is(Mutant::DeepUnpinned) {
+                Placement::Unpinned(outbox_core::placement::Placement::unpinned())
+            } else {
+                Placement::Product(Default::default())
+            },
         });
         self.relays.len() - 1
     }
@@ -2857,6 +2940,7 @@ impl World {
                 relay_gen: self.relays[i].gen,
                 attempt: last + 1,
                 stored_at: 0,
+                seq: 0,
             };
             self.rows[row].last_send = self.now;
             let rc = self.store(topic, partition, probe);
@@ -3126,6 +3210,47 @@ impl World {
         (TOPICS[topic].0.into(), TOPICS[topic].1.into(), gen)
     }
 
+    /// Where relay `i`'s producer puts `row`'s message on `topic`: by the aggregate, over the
+    /// live partition count at depth 1 (librdkafka's partitioner), over the count its
+    /// placement pins under a deeper gate (the sink's `KafkaSink::admit` and `Placer`). The
+    /// sink's bounded wait for a drain is not modelled: a change the producer cannot adopt at
+    /// once keeps its pins, as after a wait that timed out.
+    fn place(&mut self, i: usize, topic: usize, row: usize) -> usize {
+        let live = self.partitions;
+        let count = if self.depth == 1 {
+            live
+        } else {
+            let now = ms(self.now);
+            let in_flight = self.relays[i]
+                .in_flight
+                .iter()
+                .filter(|f| f.ready_at > self.now)
+                .count();
+            let admit = self.relays[i].placement.admit(in_flight, now);
+            match admit {
+                outbox_core::placement::Admit::Send => {}
+                outbox_core::placement::Admit::Repinned(c) => {
+                    self.c.repins += 1;
+                    log!(
+                        self,
+                        "  gen {}'s producer adopts {}'s {} partitions (was {}): nothing in flight",
+                        self.relays[i].gen,
+                        c.topic,
+                        c.to,
+                        c.from
+                    )
+                }
+                outbox_core::placement::Admit::DrainFirst(_) => {
+                    self.relays[i].placement.drain_gave_up(now)
+                }
+            }
+            self.relays[i]
+                .placement
+                .count(TOPICS[topic].1, live as u32, now) as usize
+        };
+        partition_of(self.rows[row].agg, count)
+    }
+
     /// The driver's side of `Command::Send`: the simulated broker takes the message.
     fn execute(&mut self, i: usize, commands: Vec<Command>) -> Result<(), End> {
         let mut work: std::collections::VecDeque<Command> = commands.into();
@@ -3178,7 +3303,7 @@ impl World {
                     .map_err(|_| End::Error("relay core: send_refused"))?;
                 continue;
             };
-            let partition = (self.rows[row].agg as usize) % PARTITIONS;
+            let partition = self.place(i, topic, row);
             if ev.destination.cluster != SERVED_CLUSTER {
                 log!(
                     self,
@@ -3255,6 +3380,7 @@ impl World {
                 relay_gen: self.relays[i].gen,
                 attempt,
                 stored_at: 0,
+                seq: 0,
             };
             let (report, ready_at) = if self.depth > 1 && !self.is(Mutant::DeepWithoutGapless) {
                 self.broker_send_in_order(i, topic, partition, msg)
@@ -4365,7 +4491,7 @@ mod tests {
         let mut w = clean_world();
         assert_eq!(w.c.second_ids, 0);
         let (t, p) = (0..TOPICS.len())
-            .flat_map(|t| (0..PARTITIONS).map(move |p| (t, p)))
+            .flat_map(|t| (0..MAX_PARTITIONS).map(move |p| (t, p)))
             .find(|(t, p)| !w.broker[*t][*p].is_empty())
             .expect("a message");
         let mut copy = w.broker[t][p][0].clone();

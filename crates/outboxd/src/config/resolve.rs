@@ -451,6 +451,9 @@ fn finish_run(a: &RunArgs, mut cfg: RelayConfig) -> anyhow::Result<RelayConfig> 
         if cfg.mode == crate::values::RunMode::Poll {
             anyhow::bail!("--in-flight-per-aggregate {depth} needs --mode cdc: poll mode sends one version of an aggregate at a time");
         }
+        if !outbox_sink::kafka::placeable_partitioner(&cfg.sink.partitioner) {
+            anyhow::bail!("--in-flight-per-aggregate {depth} needs a key partitioner (kafka.partitioner = murmur2_random, the default, or murmur2, consistent, fnv1a and their _random forms): the relay places each key itself so that a partition count raised mid-run never splits an aggregate's versions in flight; partitioner = \"{}\" places keys at random", cfg.sink.partitioner);
+        }
         if cfg.delivery == crate::values::Delivery::ExactlyOnce {
             anyhow::bail!("--in-flight-per-aggregate {depth} is for the default delivery: exactly-once mode already puts several versions of an aggregate into one transaction (docs/exactly_once.md)");
         }
@@ -639,6 +642,13 @@ mod tests {
         ]))
         .unwrap_err();
         assert!(e.to_string().contains("Kafka only"), "{e}");
+        let random = write_file(
+            &dir,
+            "r.toml",
+            "[kafka]\nin_flight_per_aggregate = 4\npartitioner = \"random\"\n",
+        );
+        let e = resolve_run(&run_args(&[k[0], k[1], "--config", &random])).unwrap_err();
+        assert!(e.to_string().contains("needs a key partitioner"), "{e}");
     }
 
     #[test]
