@@ -167,6 +167,22 @@ impl TestEnv {
             .get(0)
     }
 
+    /// Waits until `total` events have receipts, and asserts that no event is without one.
+    pub async fn every_event_published(&self, total: i64) {
+        self.wait_count(
+            "every event published",
+            "SELECT count(*) FROM outbox.receipts",
+            total,
+        )
+        .await;
+        assert_eq!(
+            self.count("SELECT count(*) FROM outbox.events e WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)")
+                .await,
+            0,
+            "lost events"
+        );
+    }
+
     /// Waits until `sql` (a count) reaches at least `n`.
     pub async fn wait_count(&self, what: &str, sql: &str, n: i64) {
         wait_for(what, LONG, || async {

@@ -549,6 +549,26 @@ pub(crate) async fn pipelined_in_order(
     behind
 }
 
+/// One version of each of `aggregates` hot aggregates (`hot-0`, `hot-1`, ...) of
+/// `aggregate_type`, in one committed transaction; `v` goes into each payload.
+pub(crate) async fn enqueue_hot_round(
+    db: &mut tokio_postgres::Client,
+    aggregate_type: &str,
+    aggregates: usize,
+    v: usize,
+) {
+    let tx = db.transaction().await.unwrap();
+    for a in 0..aggregates {
+        tx.query_one(
+            "SELECT outbox.enqueue($1, $2, 'tick', $3)",
+            &[&aggregate_type, &format!("hot-{a}"), &json!({"v": v})],
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
 cdc_only! {
     "CDC only: --in-flight-per-aggregate is refused in poll mode (a poll round sends one version of an aggregate at a time)";
     /// Issue 27, hot aggregates: with `--in-flight-per-aggregate 8` a backlog of eight
@@ -563,36 +583,15 @@ cdc_only! {
         // The backlog first: the relay finds every aggregate with many versions waiting.
         let mut db = connect(&env.url).await;
         for v in 0..VERSIONS {
-            let tx = db.transaction().await.unwrap();
-            for a in 0..AGGREGATES {
-                tx.query_one(
-                    "SELECT outbox.enqueue($1, $2, 'tick', $3)",
-                    &[&env.aggregate_type, &format!("hot-{a}"), &json!({"v": v})],
-                )
-                .await
-                .unwrap();
-            }
-            tx.commit().await.unwrap();
+            enqueue_hot_round(&mut db, &env.aggregate_type, AGGREGATES, v).await;
         }
         let relay = env.relay(&[LOG_PIPELINED], &["--in-flight-per-aggregate", "8"]);
         let total = (AGGREGATES * VERSIONS) as i64;
-        env.wait_count(
-            "every event published",
-            "SELECT count(*) FROM outbox.receipts",
-            total,
-        )
-        .await;
+        env.every_event_published(total).await;
         let behind = pipelined_in_order(&env, &relay, AGGREGATES, VERSIONS, 100).await;
         println!("{behind} of {total} versions sent behind one of their aggregate in flight");
     }
-}
 
-/// What a relay with several versions of an aggregate in flight logs when it adopts a raised
-/// partition count (`outbox_sink::kafka::KafkaSink::admit`).
-const ADOPTED: &str = "adopted with nothing in flight";
-
-cdc_only! {
-    "CDC only: --in-flight-per-aggregate is refused in poll mode (a poll round sends one version of an aggregate at a time)";
     /// Issue 27, hot aggregates: the operator raises the topic's partitions from 3 to 6 while
     /// a relay with 8 versions of an aggregate in flight streams eight hot aggregates. The
     /// producer places keys by the count it pinned until nothing is in flight, then adopts the
@@ -604,6 +603,8 @@ cdc_only! {
     async fn a_partition_count_raised_mid_stream_moves_each_hot_aggregate_once_and_in_order() {
         const AGGREGATES: usize = 8;
         const VERSIONS: usize = 120;
+        // What the relay logs when it adopts a raised count (`KafkaSink::admit`).
+        const ADOPTED: &str = "adopted with nothing in flight";
         let env = TestEnv::new("deep_repartition").await;
         let relay = env.relay(
             &[LOG_PIPELINED],
@@ -624,16 +625,7 @@ cdc_only! {
             let mut db = connect(&url).await;
             let mut raise = Some(raise_tx);
             for v in 0..VERSIONS {
-                let tx = db.transaction().await.unwrap();
-                for a in 0..AGGREGATES {
-                    tx.query_one(
-                        "SELECT outbox.enqueue($1, $2, 'tick', $3)",
-                        &[&aggregate_type, &format!("hot-{a}"), &json!({"v": v})],
-                    )
-                    .await
-                    .unwrap();
-                }
-                tx.commit().await.unwrap();
+                enqueue_hot_round(&mut db, &aggregate_type, AGGREGATES, v).await;
                 if v == VERSIONS / 3 {
                     let _ = raise.take().map(|r| r.send(()));
                 }
@@ -646,12 +638,7 @@ cdc_only! {
             .expect("raise the topic's partitions");
         writer.await.expect("writer");
         let total = (AGGREGATES * VERSIONS) as i64;
-        env.wait_count(
-            "every event published",
-            "SELECT count(*) FROM outbox.receipts",
-            total,
-        )
-        .await;
+        env.every_event_published(total).await;
         assert!(
             relay.log_text().contains(ADOPTED),
             "the relay never adopted the raised partition count:\n{}",

@@ -32,22 +32,6 @@ async fn env_on(name: &str, c: &KafkaCluster) -> TestEnv {
     .await
 }
 
-/// Waits until `total` events have receipts, and asserts that no event is without one.
-async fn every_event_published(env: &TestEnv, total: i64) {
-    env.wait_count(
-        "every event published",
-        "SELECT count(*) FROM outbox.receipts",
-        total,
-    )
-    .await;
-    assert_eq!(
-        env.count("SELECT count(*) FROM outbox.events e WHERE NOT EXISTS (SELECT 1 FROM outbox.receipts r WHERE r.event_id = e.event_id)")
-            .await,
-        0,
-        "lost events"
-    );
-}
-
 /// Routes the test's aggregate type to a new one-partition topic whose `max.message.bytes` is
 /// `limit`; returns the topic.
 async fn route_to_small_topic(env: &TestEnv, limit: u32) -> String {
@@ -180,7 +164,7 @@ async fn a_partition_leader_killed_mid_stream_loses_nothing_and_keeps_each_aggre
     .await;
     c.restart(leader).unwrap();
     writer.await.unwrap();
-    every_event_published(&env, total).await;
+    env.every_event_published(total).await;
     let p0_total = env.count(&on_p0).await;
     assert!(
         p0_at_kill < p0_total,
@@ -224,16 +208,7 @@ async fn hot_aggregates_with_versions_in_flight_keep_their_order_through_a_stopp
     let writer = tokio::spawn(async move {
         let mut db = crate::harness::connect(&url).await;
         for v in 0..VERSIONS {
-            let tx = db.transaction().await.unwrap();
-            for a in 0..AGGREGATES {
-                tx.query_one(
-                    "SELECT outbox.enqueue($1, $2, 'test.happened', $3)",
-                    &[&aggregate_type, &format!("hot-{a}"), &json!({"v": v})],
-                )
-                .await
-                .unwrap();
-            }
-            tx.commit().await.unwrap();
+            crate::ordering::enqueue_hot_round(&mut db, &aggregate_type, AGGREGATES, v).await;
             writes.fetch_add(AGGREGATES, std::sync::atomic::Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -260,7 +235,7 @@ async fn hot_aggregates_with_versions_in_flight_keep_their_order_through_a_stopp
     .await;
     c.resume(1);
     writer.await.unwrap();
-    every_event_published(&env, total).await;
+    env.every_event_published(total).await;
     let behind = crate::ordering::pipelined_in_order(&env, &relay, AGGREGATES, VERSIONS, 50).await;
     println!("{at_stop} of {total} published at the stop; {behind} sent behind one in flight");
 }
