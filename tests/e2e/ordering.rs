@@ -8,6 +8,7 @@ use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use serde_json::json;
 
 use crate::harness::{connect, TestEnv, TopicMessage};
+use outbox_testkit::wait::wait_for;
 
 /// For each message key, the aggregate versions in broker (offset) order, first occurrences only.
 pub(crate) fn first_occurrences(msgs: &[TopicMessage]) -> HashMap<String, Vec<i64>> {
@@ -602,7 +603,6 @@ cdc_only! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_partition_count_raised_mid_stream_moves_each_hot_aggregate_once_and_in_order() {
         const AGGREGATES: usize = 8;
-        const VERSIONS: usize = 120;
         // What the relay logs when it adopts a raised count (`KafkaSink::admit`).
         const ADOPTED: &str = "adopted with nothing in flight";
         let env = TestEnv::new("deep_repartition").await;
@@ -618,32 +618,58 @@ cdc_only! {
             ],
         );
         env.wait_streaming().await;
-        let url = env.url.clone();
-        let aggregate_type = env.aggregate_type.clone();
-        let (raise_tx, raise_rx) = tokio::sync::oneshot::channel();
-        let writer = tokio::spawn(async move {
-            let mut db = connect(&url).await;
-            let mut raise = Some(raise_tx);
-            for v in 0..VERSIONS {
-                enqueue_hot_round(&mut db, &aggregate_type, AGGREGATES, v).await;
-                if v == VERSIONS / 3 {
-                    let _ = raise.take().map(|r| r.send(()));
+        // A writer of one version of each aggregate every 15 ms, until told to stop.
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+        use std::sync::Arc;
+        let (rounds, stop) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let writer = {
+            let (url, aggregate_type) = (env.url.clone(), env.aggregate_type.clone());
+            let (rounds, stop) = (rounds.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut db = connect(&url).await;
+                while !stop.load(Relaxed) {
+                    let v = rounds.load(Relaxed);
+                    enqueue_hot_round(&mut db, &aggregate_type, AGGREGATES, v).await;
+                    rounds.store(v + 1, Relaxed);
+                    tokio::time::sleep(std::time::Duration::from_millis(15)).await;
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(15)).await;
+            })
+        };
+        let wrote = |n: usize| {
+            let rounds = rounds.clone();
+            async move {
+                let at = rounds.load(Relaxed);
+                if at >= n {
+                    Ok(at)
+                } else {
+                    Err(format!("{at} rounds written"))
+                }
             }
-        });
-        raise_rx.await.expect("the writer got a third of the way");
-        env.kafka
-            .add_partitions(&env.topic, 6)
+        };
+        let deadline = std::time::Duration::from_secs(60);
+        wait_for("the writer's first rounds", deadline, || wrote(40)).await;
+        // Raised while the writer goes on (the other worker thread runs it).
+        tokio::task::block_in_place(|| env.kafka.add_partitions(&env.topic, 6))
             .expect("raise the topic's partitions");
+        let adopted = wait_for("the relay to adopt the raised count", deadline, || {
+            let log = relay.log_text();
+            let at = rounds.load(Relaxed);
+            async move {
+                if log.contains(ADOPTED) {
+                    Ok(at)
+                } else {
+                    Err(format!("not adopted after {at} rounds written"))
+                }
+            }
+        })
+        .await;
+        // Versions placed by the new count, then the writer stops.
+        wait_for("rounds after the adoption", deadline, || wrote(adopted + 20)).await;
+        stop.store(true, Relaxed);
         writer.await.expect("writer");
-        let total = (AGGREGATES * VERSIONS) as i64;
-        env.every_event_published(total).await;
-        assert!(
-            relay.log_text().contains(ADOPTED),
-            "the relay never adopted the raised partition count:\n{}",
-            relay.log_text()
-        );
+        let written = rounds.load(Relaxed);
+        env.every_event_published((AGGREGATES * written) as i64)
+            .await;
         let check = env.verify_receipts_after_repartition(&[&env.topic]).await;
         // Per aggregate: its first occurrences by version, with where each is.
         let mut seen = HashSet::new();
@@ -662,7 +688,7 @@ cdc_only! {
         for (key, mut versions) in by_key {
             versions.sort_unstable();
             let got: Vec<i64> = versions.iter().map(|(v, ..)| *v).collect();
-            assert_eq!(got, (1..=VERSIONS as i64).collect::<Vec<_>>(), "{key}");
+            assert_eq!(got, (1..=written as i64).collect::<Vec<_>>(), "{key}");
             let mut partitions: Vec<i32> = versions.iter().map(|(_, p, _)| *p).collect();
             partitions.dedup();
             assert!(
