@@ -431,6 +431,76 @@ async fn a_release_by_reason_code_publishes_every_event_that_cause_refused() {
     );
 }
 
+/// One kind of event dropped by the thousand: `quarantine skip --reason-code broker_rejected
+/// --reason ...` skips every open record of that reason in one command, after a `--dry-run`
+/// that changes nothing; the events held behind them publish, the skipped ones never reach
+/// the topic, and each record says who skipped it and why. An empty reason is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skip_by_reason_code_drops_every_event_of_that_cause_and_publishes_what_waited() {
+    let env = TestEnv::new("skip_by_reason").await;
+    let relay = env.relay(&[], &["--kafka-property", "message.max.bytes=2000"]);
+    env.wait_ready(&relay).await;
+    let aggregates = 3;
+    let mut large = Vec::new();
+    for a in 0..aggregates {
+        large.push(
+            env.enqueue(&format!("k{a}"), json!({"blob": "x".repeat(5000)}))
+                .await,
+        );
+        env.enqueue(&format!("k{a}"), json!({"n": 2})).await;
+    }
+    env.wait_count(
+        "the large events quarantined",
+        "SELECT count(*) FROM outbox.quarantine WHERE reason_code = 'broker_rejected'",
+        aggregates,
+    )
+    .await;
+    let skip = |more: &[&str]| {
+        let args = ["quarantine", "skip", "--database-url", &env.url];
+        crate::harness::outboxd(&[&args[..], more].concat())
+    };
+    let (ok, empty) = skip(&["--reason-code", "broker_rejected", "--reason", " "]);
+    assert!(!ok && empty.contains("--reason must say why"), "{empty}");
+    let why = [
+        "--reason-code",
+        "broker_rejected",
+        "--reason",
+        "replaced by v2 events",
+    ];
+    let (ok, dry) = skip(&[&why[..], &["--dry-run"]].concat());
+    assert!(ok && dry.contains("would skip 3 event(s)"), "{dry}");
+    let open = "SELECT count(*) FROM outbox.quarantine WHERE released_at IS NULL";
+    assert_eq!(env.count(open).await, 3, "the dry run changed nothing");
+    let (ok, skipped) = skip(&[&why[..], &["--by", "test"]].concat());
+    assert!(ok && skipped.contains("skipped 3 event(s)"), "{skipped}");
+    env.wait_count(
+        "the events held behind the skipped ones published",
+        "SELECT count(*) FROM outbox.receipts",
+        aggregates,
+    )
+    .await;
+    let check = env.verify_receipts(&[&env.topic]).await;
+    let order = first_occurrences(&check.messages);
+    for a in 0..aggregates {
+        assert_eq!(order.get(&format!("k{a}")), Some(&vec![2]), "k{a}");
+    }
+    for id in &large {
+        let id = id.to_string();
+        assert!(
+            check.messages.iter().all(|m| m.id() != id),
+            "skipped {id} reached the topic"
+        );
+    }
+    assert_eq!(
+        env.count(
+            "SELECT count(*) FROM outbox.quarantine WHERE resolution = 'skipped' \
+             AND released_by = 'test' AND release_note = 'replaced by v2 events'"
+        )
+        .await,
+        3
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skip_needs_a_reason_and_publishes_what_was_held_behind() {
     let env = TestEnv::new("skip").await;

@@ -391,6 +391,17 @@ pub enum Resolution {
     Skip,
 }
 
+impl Resolution {
+    /// The quarantine record's `resolution`, and whether the running relay publishes the
+    /// blocking event before the held ones.
+    fn recorded(self) -> (&'static str, bool) {
+        match self {
+            Resolution::Release => ("released", true),
+            Resolution::Skip => ("skipped", false),
+        }
+    }
+}
+
 /// Open quarantine records by reason code, most first: what `release_by_reason` could
 /// release, and what an operator asks for after fixing one cause.
 pub async fn open_reasons(client: &Client) -> Result<Vec<(String, i64)>, LedgerError> {
@@ -405,34 +416,40 @@ pub async fn open_reasons(client: &Client) -> Result<Vec<(String, i64)>, LedgerE
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-/// Releases every open quarantine record with reason code `code`, as [`resolve`] releases one
-/// (its record closed, the hold it blocks RELEASING, the running relay republishes), in one
-/// transaction: for one cause fixed that refused many events (a broker limit raised, a
-/// topic's ACL granted, the relay for a destination started). Returns the released event ids
-/// (records without an event id, such as unreadable rows, are not releasable this way and
+/// Releases or skips every open quarantine record with reason code `code`, as [`resolve`]
+/// does one (its record closed, the hold it blocks RELEASING, the running relay publishes
+/// what it must), in one transaction: for one cause fixed that refused many events (a broker
+/// limit raised, a topic's ACL granted, the relay for a destination started), or one kind of
+/// event an operator decided to drop (a skip records `note`, its reason). Returns the event
+/// ids (records without an event id, such as unreadable rows, are not resolvable this way and
 /// stay open) and how many holds were marked. With `dry_run`, changes nothing and returns
-/// what it would release.
-pub async fn release_by_reason(
+/// what it would do.
+pub async fn resolve_by_reason(
     client: &mut Client,
     code: &str,
+    resolution: Resolution,
     by: &str,
+    note: Option<&str>,
     dry_run: bool,
 ) -> Result<(Vec<Uuid>, u64), LedgerError> {
+    let (word, publish) = resolution.recorded();
     let tx = client.transaction().await.ctx("beginning the release")?;
     let ids: Vec<Uuid> = tx
         .query(
             "UPDATE outbox.quarantine SET released_at = clock_timestamp(), released_by = $2,
-                    resolution = 'released'
+                    release_note = $3, resolution = $4
              WHERE reason_code = $1 AND released_at IS NULL AND event_id IS NOT NULL
              RETURNING event_id",
-            &[&code, &by],
+            &[&code, &by, &note, &word],
         )
         .await
-        .ctx(format!("releasing the quarantine records of reason {code}"))?
+        .ctx(format!(
+            "closing the quarantine records of reason {code} ({word})"
+        ))?
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let holds = mark_releasing(&tx, &ids, by, true).await.ctx(format!(
+    let holds = mark_releasing(&tx, &ids, by, publish).await.ctx(format!(
         "releasing the holds blocked by events of reason {code}"
     ))?;
     if dry_run {
@@ -471,10 +488,7 @@ pub async fn resolve(
     by: &str,
     note: Option<&str>,
 ) -> Result<(u64, u64), LedgerError> {
-    let (word, publish) = match resolution {
-        Resolution::Release => ("released", true),
-        Resolution::Skip => ("skipped", false),
-    };
+    let (word, publish) = resolution.recorded();
     let tx = client.transaction().await.ctx("beginning the release")?;
     let q = tx
         .execute(

@@ -315,15 +315,32 @@ pub enum QuarantineCommand {
         by: Option<String>,
     },
     /// Never publish the event; publish its aggregate's held events. Needs a reason, which is
-    /// recorded in the ledger with the operator's name.
+    /// recorded in the ledger with the operator's name. A skip is for good: no relay sends a
+    /// skipped event again, even one that replays it.
+    ///
+    /// One event (`--event`), or every open quarantine record of one reason
+    /// (`--reason-code`): a kind of event the consumers will never take, refused by the
+    /// thousand. `--dry-run` shows what would be skipped.
     Skip {
         #[command(flatten)]
         db: DbArgs,
+        /// The quarantined (or gap-blocking) event id.
+        #[arg(
+            long,
+            required_unless_present = "reason_code",
+            conflicts_with = "reason_code"
+        )]
+        event: Option<uuid::Uuid>,
+        /// Skip every open quarantine record with this reason code, in one transaction.
         #[arg(long)]
-        event: uuid::Uuid,
+        reason_code: Option<String>,
+        /// With --reason-code: print what would be skipped and change nothing.
+        #[arg(long)]
+        dry_run: bool,
         /// Why the event may be dropped (recorded).
         #[arg(long)]
         reason: String,
+        /// Who skips it (recorded in the ledger). [default: $USER]
         #[arg(long)]
         by: Option<String>,
     },

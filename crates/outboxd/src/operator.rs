@@ -274,37 +274,8 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             dry_run,
             by,
         } => {
-            let mut client = connect(&db.url()?).await?;
-            let (ids, held) =
-                holds::release_by_reason(&mut client, &code, &operator_name(by), dry_run).await?;
-            if ids.is_empty() {
-                let open = holds::open_reasons(&client).await?;
-                let open = if open.is_empty() {
-                    "none is open".to_string()
-                } else {
-                    let codes: Vec<String> =
-                        open.iter().map(|(c, n)| format!("{c} ({n})")).collect();
-                    format!("open ones: {}", codes.join(", "))
-                };
-                anyhow::bail!(
-                    "no open quarantine record with an event has reason code {code:?}; {open} (`outboxd quarantine list`)"
-                );
-            }
-            for id in &ids {
-                println!("  {id}");
-            }
-            if dry_run {
-                println!(
-                    "would release {} event(s) of reason {code} and {held} hold(s) they block; nothing changed (run again without --dry-run)",
-                    ids.len()
-                );
-            } else {
-                println!(
-                    "released {} event(s) of reason {code} and {held} hold(s) they block; the running relay publishes each and its aggregate's held events in version order",
-                    ids.len()
-                );
-            }
-            Ok(())
+            let by = operator_name(by);
+            by_reason(&db, &code, Resolution::Release, &by, None, dry_run).await
         }
         QuarantineCommand::Release {
             db,
@@ -331,14 +302,32 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
         QuarantineCommand::Release { .. } => {
             anyhow::bail!("quarantine release needs --event ID or --reason-code CODE")
         }
+        QuarantineCommand::Skip { reason, .. } if reason.trim().is_empty() => {
+            anyhow::bail!(
+                "--reason must say why the event may be dropped; it is recorded in the ledger"
+            )
+        }
         QuarantineCommand::Skip {
             db,
-            event,
+            event: None,
+            reason_code: Some(code),
+            dry_run,
             reason,
             by,
         } => {
-            if reason.trim().is_empty() {
-                anyhow::bail!("--reason must say why event {event} may be dropped; it is recorded in the ledger");
+            let by = operator_name(by);
+            by_reason(&db, &code, Resolution::Skip, &by, Some(&reason), dry_run).await
+        }
+        QuarantineCommand::Skip {
+            db,
+            event: Some(event),
+            dry_run,
+            reason,
+            by,
+            ..
+        } => {
+            if dry_run {
+                anyhow::bail!("--dry-run goes with --reason-code; `outboxd status --event {event}` shows the event and what waits behind it");
             }
             let mut client = connect(&db.url()?).await?;
             holds::resolve(
@@ -352,5 +341,58 @@ pub async fn quarantine(cmd: QuarantineCommand) -> anyhow::Result<()> {
             println!("skipped {event} (reason recorded); the running relay publishes the held events behind it");
             Ok(())
         }
+        QuarantineCommand::Skip { .. } => {
+            anyhow::bail!("quarantine skip needs --event ID or --reason-code CODE")
+        }
     }
+}
+
+/// `quarantine release|skip --reason-code CODE`: every open record of one reason, in one
+/// transaction (`outbox_ledger::holds::resolve_by_reason`), or with `dry_run` what would be.
+async fn by_reason(
+    db: &crate::cli::DbArgs,
+    code: &str,
+    resolution: outbox_ledger::holds::Resolution,
+    by: &str,
+    note: Option<&str>,
+    dry_run: bool,
+) -> anyhow::Result<()> {
+    use outbox_ledger::holds::{self, Resolution};
+    let mut client = connect(&db.url()?).await?;
+    let (ids, held) =
+        holds::resolve_by_reason(&mut client, code, resolution, by, note, dry_run).await?;
+    if ids.is_empty() {
+        let open = holds::open_reasons(&client).await?;
+        let open = if open.is_empty() {
+            "none is open".to_string()
+        } else {
+            let codes: Vec<String> = open.iter().map(|(c, n)| format!("{c} ({n})")).collect();
+            format!("open ones: {}", codes.join(", "))
+        };
+        anyhow::bail!(
+            "no open quarantine record with an event has reason code {code:?}; {open} (`outboxd quarantine list`)"
+        );
+    }
+    for id in &ids {
+        println!("  {id}");
+    }
+    let (verb, done, after) = match resolution {
+        Resolution::Release => (
+            "release",
+            "released",
+            "the running relay publishes each and its aggregate's held events in version order",
+        ),
+        Resolution::Skip => (
+            "skip",
+            "skipped",
+            "none of them will ever be published (reason recorded); the running relay publishes the events held behind them in version order",
+        ),
+    };
+    let n = ids.len();
+    if dry_run {
+        println!("would {verb} {n} event(s) of reason {code} and {held} hold(s) they block; nothing changed (run again without --dry-run)");
+    } else {
+        println!("{done} {n} event(s) of reason {code} and {held} hold(s) they block; {after}");
+    }
+    Ok(())
 }
