@@ -859,7 +859,8 @@ fn ask_until<T>(
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         match request(left) {
             Ok(v) => return Ok(v),
-            Err(e) if left < Duration::from_millis(250) => return Err(e),
+            // Refused by the broker's ACLs: asking again changes nothing until a grant.
+            Err(e) if left < Duration::from_millis(250) || denied(&e) => return Err(e),
             Err(e) => {
                 tracing::debug!(error = %e, what, "request failed; asking again");
                 std::thread::sleep(Duration::from_millis(200));
@@ -894,10 +895,7 @@ pub fn scan_for_event(
     use rdkafka::message::Headers;
     use rdkafka::{Offset, TopicPartitionList};
 
-    let unreachable = |source: KafkaError| SinkError::Unreachable {
-        bootstrap: config.bootstrap_servers.clone(),
-        source: Box::new(source),
-    };
+    let unreachable = |source: KafkaError| scan_error(config, topic, partition, source);
     let mut cc = ClientConfig::new();
     for (k, v) in &config.properties {
         // Producer-only settings would make the consumer refuse to start.
@@ -950,6 +948,8 @@ pub fn scan_for_event(
         // that cannot finish proves nothing and leaves the attempt UNKNOWN.
         let m = match m {
             Ok(m) => m,
+            // Refused, not failed: asking again until the deadline would only delay the fix.
+            Err(e) if denied(&e) => return Err(unreachable(e)),
             Err(e) => {
                 tracing::debug!(error = %e, topic, partition, "partition scan: consumer error; still reading");
                 last_error = Some(e);
@@ -971,6 +971,38 @@ pub fn scan_for_event(
         }
     }
     Ok(result)
+}
+
+/// Whether the broker refused a read by its ACLs (rather than failing it).
+fn denied(e: &KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::TopicAuthorizationFailed | RDKafkaErrorCode::GroupAuthorizationFailed
+        )
+    )
+}
+
+/// What a partition scan's failure says: the relay may not read the topic (its ACLs; the fix
+/// is a grant), or it could not reach the cluster.
+fn scan_error(
+    config: &KafkaSinkConfig,
+    topic: &str,
+    partition: i32,
+    source: KafkaError,
+) -> SinkError {
+    if denied(&source) {
+        return SinkError::LookupDenied {
+            bootstrap: config.bootstrap_servers.clone(),
+            topic: topic.to_string(),
+            partition,
+            source: Box::new(source),
+        };
+    }
+    SinkError::Unreachable {
+        bootstrap: config.bootstrap_servers.clone(),
+        source: Box::new(source),
+    }
 }
 
 /// The partition ids of `topic` (for scanning a whole topic).

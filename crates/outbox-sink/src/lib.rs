@@ -61,6 +61,14 @@ pub enum SinkError {
         #[source]
         source: Box<KafkaError>,
     },
+    #[error("the relay may not read {topic}/{partition} at {bootstrap}: {source}; an UNKNOWN outcome is resolved by reading its partition, so grant the relay's principal READ and DESCRIBE on topic {topic} (e.g. kafka-acls.sh --add --allow-principal User:<relay> --operation Read --operation Describe --topic {topic}); until then its attempts stay UNKNOWN and their aggregates wait")]
+    LookupDenied {
+        bootstrap: String,
+        topic: String,
+        partition: i32,
+        #[source]
+        source: Box<KafkaError>,
+    },
     #[error("librdkafka refused to enqueue event {event_id} for topic {topic}: {source}")]
     Enqueue {
         event_id: String,
@@ -150,6 +158,8 @@ impl SinkError {
         matches!(
             self,
             SinkError::Unreachable { .. }
+                // An ACL granted later lets the next look-up through.
+                | SinkError::LookupDenied { .. }
                 | SinkError::Enqueue { .. }
                 | SinkError::Nats { .. }
                 | SinkError::HttpUnanswered { .. }
