@@ -265,6 +265,65 @@ async fn check_passes_a_ready_setup_and_names_each_problem_with_its_fix() {
     );
 }
 
+/// `check` proves the relay may read the topics it publishes to: an UNKNOWN outcome is
+/// resolved by reading the event's partition, which needs READ and DESCRIBE besides WRITE. On
+/// Apache Kafka with the test's events published it reads them; on a broker that refuses the
+/// reads (librdkafka's mock cluster answering TOPIC_AUTHORIZATION_FAILED, as ACLs would: the
+/// harness's Apache Kafka runs without authentication) it fails and names the grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_proves_the_relay_may_read_its_topics_and_names_the_grant_when_it_may_not() {
+    let env = TestEnv::new("check_reads").await;
+    let relay = env.relay(&[], &[]);
+    env.wait_ready(&relay).await;
+    // Twelve keys: partition 0 of the three gets some of them.
+    for a in 0..12 {
+        env.enqueue(&format!("a{a}"), serde_json::json!({"n": a}))
+            .await;
+    }
+    env.every_event_published(12).await;
+    let bootstrap = ["--bootstrap-servers", env.kafka.bootstrap_servers()];
+    let (ok, out) = check(
+        &[
+            &["--database-url", &env.url, "--slot", &env.slot],
+            &bootstrap[..],
+        ]
+        .concat(),
+    );
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("ok    reads") && out.contains("the relay can read"),
+        "{out}"
+    );
+
+    let env = TestEnv::new_mock(
+        "check_reads_denied",
+        "a broker whose ACLs refuse the relay's reads (the harness's Apache Kafka has no authentication)",
+    )
+    .await;
+    env.enqueue("a0", serde_json::json!({})).await;
+    env.kafka.mock_cluster().expect("mock").request_errors(
+        rdkafka::types::RDKafkaApiKey::ListOffsets,
+        &[rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED; 500],
+    );
+    let bootstrap = ["--bootstrap-servers", env.kafka.bootstrap_servers()];
+    let (ok, out) = check(
+        &[
+            &["--database-url", &env.url, "--slot", &env.slot],
+            &bootstrap[..],
+        ]
+        .concat(),
+    );
+    assert!(!ok, "check passed with its reads refused: {out}");
+    assert!(
+        out.contains("FAIL  reads")
+            && out.contains(&format!(
+                "grant the relay's principal READ and DESCRIBE on topic {}",
+                env.topic
+            )),
+        "{out}"
+    );
+}
+
 /// The rest of what `check` covers: config values (not only keys), librdkafka properties,
 /// ledger privileges of a REPLICATION role without grants (with the exact GRANTs), the
 /// publication a non-owner cannot create, and topics that do not exist.

@@ -891,6 +891,32 @@ pub fn scan_for_event(
     event_id: &str,
     timeout: Duration,
 ) -> Result<ScanResult, SinkError> {
+    scan(config, topic, partition, Some(from), event_id, timeout)
+}
+
+/// Whether the relay may read `topic`/`partition` as a look-up does (`outboxd check`): its
+/// offsets, then its last message. `Ok(true)`: a message was read; `Ok(false)`: the partition
+/// is empty, so only its offsets could be read; [`SinkError::LookupDenied`]: the broker's ACLs
+/// refuse it. Blocking.
+pub fn probe_read(
+    config: &KafkaSinkConfig,
+    topic: &str,
+    partition: i32,
+    timeout: Duration,
+) -> Result<bool, SinkError> {
+    scan(config, topic, partition, None, "outboxd-check", timeout)
+        .map(|r| r.scanned_to > r.scanned_from)
+}
+
+/// [`scan_for_event`] from `from`, or (`None`) over the partition's last message only.
+fn scan(
+    config: &KafkaSinkConfig,
+    topic: &str,
+    partition: i32,
+    from: Option<i64>,
+    event_id: &str,
+    timeout: Duration,
+) -> Result<ScanResult, SinkError> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::message::Headers;
     use rdkafka::{Offset, TopicPartitionList};
@@ -919,7 +945,7 @@ pub fn scan_for_event(
         consumer.fetch_watermarks(topic, partition, left)
     })
     .map_err(unreachable)?;
-    let start = from.max(low);
+    let start = from.unwrap_or(high - 1).max(low);
     let mut result = ScanResult {
         found: None,
         scanned_from: start,

@@ -46,7 +46,8 @@ pub use http_endpoints::HttpEndpoints;
 
 pub use jetstream::{JetStreamSink, JetStreamSinkConfig, NatsAuth, StreamCheck};
 pub use kafka::{
-    event_headers, scan_for_event, topic_partitions, KafkaSink, KafkaSinkConfig, ScanResult,
+    event_headers, probe_read, scan_for_event, topic_partitions, KafkaSink, KafkaSinkConfig,
+    ScanResult,
 };
 
 pub use outbox_core::delivery::{Delivery, DeliveryOutcome, FailureClass, Persistence, Served};

@@ -947,6 +947,8 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
             );
         }
     }
+    let all_topics = topics.clone();
+    let sink_config = sink.clone();
     let sink = sink.clone();
     let result = tokio::task::spawn_blocking(move || {
         missing_topics(&sink, &topics).map(|(n, missing)| {
@@ -959,6 +961,14 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
         })
     })
     .await;
+    // The topics that exist: whether the relay may read them is checked after.
+    let existing: Vec<String> = match &result {
+        Ok(Ok((_, missing, _))) => all_topics
+            .into_iter()
+            .filter(|t| !missing.contains(t))
+            .collect(),
+        _ => Vec::new(),
+    };
     let create = "create them with the partition count you want (kafka-topics.sh --create --topic ... --partitions N)";
     match result {
         Ok(Ok((n, missing, _))) if missing.is_empty() => {
@@ -987,6 +997,64 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
         }
         Ok(Err(e)) => r.add(Level::Fail, "topics", e),
         Err(e) => r.add(Level::Fail, "topics", e.to_string()),
+    }
+    check_reads(r, sink_config, existing).await;
+}
+
+/// Whether the relay may read the topics it publishes to (a few of them, partition 0): an
+/// UNKNOWN outcome is resolved by reading its partition, which needs READ and DESCRIBE on the
+/// topic besides WRITE (`outbox_sink::probe_read`).
+async fn check_reads(r: &mut Report, sink: KafkaSinkConfig, topics: Vec<String>) {
+    if topics.is_empty() {
+        return;
+    }
+    let probed = tokio::task::spawn_blocking(move || {
+        topics
+            .into_iter()
+            .take(3)
+            .map(|t| {
+                let read = outbox_sink::probe_read(&sink, &t, 0, Duration::from_secs(10));
+                (t, read)
+            })
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let Ok(probed) = probed else { return };
+    let mut read = Vec::new();
+    let mut empty = Vec::new();
+    for (topic, result) in probed {
+        match result {
+            Ok(true) => read.push(topic),
+            Ok(false) => empty.push(topic),
+            Err(e @ outbox_sink::SinkError::LookupDenied { .. }) => {
+                r.add(Level::Fail, "reads", e.to_string())
+            }
+            Err(e) => r.add(
+                Level::Warn,
+                "reads",
+                format!("could not read {topic} to prove that UNKNOWN look-ups can: {e}"),
+            ),
+        }
+    }
+    if !read.is_empty() {
+        r.add(
+            Level::Ok,
+            "reads",
+            format!(
+                "the relay can read {} (UNKNOWN look-ups read the partition)",
+                read.join(", ")
+            ),
+        );
+    }
+    if !empty.is_empty() {
+        r.add(
+            Level::Ok,
+            "reads",
+            format!(
+                "{} empty: its offsets can be read; a message will prove READ once one is there",
+                empty.join(", ")
+            ),
+        );
     }
 }
 
