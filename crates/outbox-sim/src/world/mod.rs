@@ -727,6 +727,10 @@ struct PendingLookup {
     reconciling: bool,
 }
 
+/// A run's acceptance committed its records but the ledger refused its checkpoint: the
+/// lease is another run's.
+const FENCED: &str = "lease lost: checkpoint fenced";
+
 /// Why a relay run ended.
 #[derive(Debug)]
 enum End {
@@ -3866,16 +3870,22 @@ impl World {
     /// (`keep_for_salvage`).
     fn flush(&mut self, i: usize, track: bool) -> Result<(), End> {
         // `Pipeline::flush`: a pipelined acceptance still running is settled first, so that
-        // acceptance transactions commit in the order they were built.
-        self.settle(i)?;
+        // acceptance transactions commit in the order they were built. One that was fenced
+        // committed its records: the batch is still recorded, and the fence is the error.
+        let fenced = match self.settle(i) {
+            Ok(()) => None,
+            Err(End::Error(FENCED)) => Some(End::Error(FENCED)),
+            Err(e) => return Err(e),
+        };
         let Some(a) = self.relays[i]
             .core
             .begin_acceptance(track)
             .map_err(|_| End::Error("tracker resolve"))?
         else {
-            return Ok(());
+            return fenced.map_or(Ok(()), Err);
         };
-        self.commit_acceptance(i, a)
+        self.commit_acceptance(i, a)?;
+        fenced.map_or(Ok(()), Err)
     }
 
     /// `Pipeline::flush_pipelined`: the batch's acceptance starts on a task of its own and
@@ -3947,7 +3957,7 @@ impl World {
         };
         self.relays[i].core.acceptance_ended(a, end);
         if end == AcceptanceEnd::Fenced {
-            return Err(End::Error("lease lost: checkpoint fenced"));
+            return Err(End::Error(FENCED));
         }
         if self.faults && self.rng.chance(20) {
             self.sigkill(i); // after the ledger, before the slot is told

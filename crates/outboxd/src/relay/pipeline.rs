@@ -773,21 +773,35 @@ impl Pipeline {
 
     /// One acceptance transaction: the batch, plus (when `track`) the checkpoint the tracker
     /// allows after resolving it. The core learns of the checkpoint only after COMMIT. A
-    /// pipelined transaction still running is settled first.
+    /// pipelined transaction still running is settled first. If that one was fenced (it
+    /// committed its records; only its checkpoint was refused), the batch is still recorded,
+    /// and the fence is the error returned: a run that lost its lease while a pipelined
+    /// transaction ran records the broker's late answers in its salvage instead of dropping
+    /// them (e2e `ha::a_paused_relay_cannot_move_the_checkpoint_or_send_and_its_late_acks_are_recorded`,
+    /// 1 fresh-clone CI run in 4 on 2026-12-07: the salvage's flush returned at the settle).
     pub async fn flush(
         &mut self,
         track: bool,
         progress: &Progress,
     ) -> Result<AcceptOutcome, RelayError> {
-        self.settle(progress).await?;
+        // A fenced settle is remembered and this batch recorded anyway; any other error ends
+        // the flush here.
+        let fenced = match self.settle(progress).await {
+            Ok(()) => None,
+            Err(e @ RelayError::Ledger(outbox_ledger::LedgerError::LeaseLost { .. })) => Some(e),
+            Err(e) => return Err(e),
+        };
         let Some(a) = self.core.begin_acceptance(track)? else {
-            return Ok(AcceptOutcome::default());
+            return fenced.map_or(Ok(AcceptOutcome::default()), Err);
         };
         let mut prepared = accept::Prepared::default();
         match run_acceptance(&mut self.client, &mut prepared, &self.slot, &a, &self.fence).await {
             Ok(out) => {
                 let fold = a.folds();
                 self.accepted(a, &out, progress);
+                if let Some(e) = fenced {
+                    return Err(e);
+                }
                 if fold && !self.fold_in_background() {
                     let folded = outbox_ledger::numbering::fold(&self.client, &self.slot).await;
                     log_fold(&self.slot, folded);
