@@ -402,8 +402,8 @@ impl Resolution {
     }
 }
 
-/// Open quarantine records by reason code, most first: what `release_by_reason` could
-/// release, and what an operator asks for after fixing one cause.
+/// Open quarantine records by reason code, most first: what [`resolve_by_reason`] could
+/// release or skip, and what an operator asks for after fixing one cause.
 pub async fn open_reasons(client: &Client) -> Result<Vec<(String, i64)>, LedgerError> {
     let rows = client
         .query(

@@ -122,7 +122,7 @@ const PLACEABLE: [&str; 6] = [
 
 /// Whether a deeper gate can place keys for `partitioner` ([`Placer`]).
 pub fn placeable_partitioner(partitioner: &str) -> bool {
-    PLACEABLE.contains(&partitioner)
+    builtin(partitioner).is_some()
 }
 
 /// The signature of librdkafka's built-in partitioners.
@@ -134,6 +134,17 @@ type Builtin = unsafe extern "C" fn(
     *mut std::ffi::c_void,
     *mut std::ffi::c_void,
 ) -> i32;
+
+/// librdkafka's hash for the keys of `partitioner`, if it is one of [`PLACEABLE`].
+fn builtin(partitioner: &str) -> Option<Builtin> {
+    use rdkafka::bindings as b;
+    match partitioner {
+        "murmur2_random" | "murmur2" => Some(b::rd_kafka_msg_partitioner_murmur2),
+        "consistent_random" | "consistent" => Some(b::rd_kafka_msg_partitioner_consistent),
+        "fnv1a_random" | "fnv1a" => Some(b::rd_kafka_msg_partitioner_fnv1a),
+        _ => None,
+    }
+}
 
 /// The partitioner of a producer that has several versions of an aggregate in flight: the
 /// configured librdkafka partitioner, by the partition count
@@ -150,16 +161,9 @@ pub struct Placer {
 
 impl Placer {
     fn new(partitioner: &str) -> Option<Placer> {
-        use rdkafka::bindings as b;
-        let builtin: Builtin = match partitioner {
-            "murmur2_random" | "murmur2" => b::rd_kafka_msg_partitioner_murmur2,
-            "consistent_random" | "consistent" => b::rd_kafka_msg_partitioner_consistent,
-            "fnv1a_random" | "fnv1a" => b::rd_kafka_msg_partitioner_fnv1a,
-            _ => return None,
-        };
         Some(Placer {
             placement: std::sync::Mutex::new(Default::default()),
-            builtin,
+            builtin: builtin(partitioner)?,
             origin: std::time::Instant::now(),
         })
     }
@@ -921,7 +925,7 @@ fn scan(
     use rdkafka::message::Headers;
     use rdkafka::{Offset, TopicPartitionList};
 
-    let unreachable = |source: KafkaError| scan_error(config, topic, partition, source);
+    let failed = |source: KafkaError| scan_error(config, topic, partition, source);
     let mut cc = ClientConfig::new();
     for (k, v) in &config.properties {
         // Producer-only settings would make the consumer refuse to start.
@@ -944,7 +948,7 @@ fn scan(
     let (low, high) = ask_until(deadline, "watermark", |left| {
         consumer.fetch_watermarks(topic, partition, left)
     })
-    .map_err(unreachable)?;
+    .map_err(failed)?;
     let start = from.unwrap_or(high - 1).max(low);
     let mut result = ScanResult {
         found: None,
@@ -956,13 +960,13 @@ fn scan(
     }
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(topic, partition, Offset::Offset(start))
-        .map_err(unreachable)?;
-    consumer.assign(&tpl).map_err(unreachable)?;
+        .map_err(failed)?;
+    consumer.assign(&tpl).map_err(failed)?;
     let mut next = start;
     let mut last_error = None;
     while next < high {
         if std::time::Instant::now() > deadline {
-            return Err(unreachable(last_error.unwrap_or(
+            return Err(failed(last_error.unwrap_or(
                 KafkaError::MessageConsumption(RDKafkaErrorCode::OperationTimedOut),
             )));
         }
@@ -975,7 +979,7 @@ fn scan(
         let m = match m {
             Ok(m) => m,
             // Refused, not failed: asking again until the deadline would only delay the fix.
-            Err(e) if denied(&e) => return Err(unreachable(e)),
+            Err(e) if denied(&e) => return Err(failed(e)),
             Err(e) => {
                 tracing::debug!(error = %e, topic, partition, "partition scan: consumer error; still reading");
                 last_error = Some(e);
@@ -1200,6 +1204,10 @@ mod placer_tests {
     fn a_random_partitioner_cannot_be_pinned_and_a_deeper_gate_refuses_it() {
         assert!(Placer::new("random").is_none());
         assert!(!placeable_partitioner("random"));
+        assert!(
+            PLACEABLE.iter().all(|p| placeable_partitioner(p)),
+            "every name the refusal lists has its hash"
+        );
         let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
         let config = KafkaSinkConfig {
             bootstrap_servers: "127.0.0.1:1".into(),

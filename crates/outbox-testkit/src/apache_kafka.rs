@@ -1029,18 +1029,11 @@ pub fn create_topic_at(
     configs: &[(&str, &str)],
 ) -> Result<(), HarnessError> {
     use rdkafka::types::RDKafkaErrorCode;
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("log_level", "0")
-        .create()
-        .map_err(|e| kafka_err(format!("admin client: {e}")))?;
+    let (admin, opts) = admin_at(bootstrap)?;
     let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replication));
     for (k, v) in configs {
         new = new.set(k, v);
     }
-    let opts = AdminOptions::new()
-        .request_timeout(Some(Duration::from_secs(30)))
-        .operation_timeout(Some(Duration::from_secs(30)));
     let results = futures::executor::block_on(admin.create_topics([&new], &opts))
         .map_err(|e| kafka_err(format!("creating topic {topic} at {bootstrap}: {e}")))?;
     for r in results {
@@ -1059,14 +1052,7 @@ pub fn create_topic_at(
 /// Raises `topic`'s partition count at `bootstrap` to `total` with the AdminClient and waits
 /// until every partition has a leader. Blocking, as [`create_topic_at`].
 pub fn add_partitions_at(bootstrap: &str, topic: &str, total: i32) -> Result<(), HarnessError> {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("log_level", "0")
-        .create()
-        .map_err(|e| kafka_err(format!("admin client: {e}")))?;
-    let opts = AdminOptions::new()
-        .request_timeout(Some(Duration::from_secs(30)))
-        .operation_timeout(Some(Duration::from_secs(30)));
+    let (admin, opts) = admin_at(bootstrap)?;
     let new = NewPartitions::new(topic, total as usize);
     let results = futures::executor::block_on(admin.create_partitions([&new], &opts))
         .map_err(|e| kafka_err(format!("raising {topic}'s partitions at {bootstrap}: {e}")))?;
@@ -1078,6 +1064,21 @@ pub fn add_partitions_at(bootstrap: &str, topic: &str, total: i32) -> Result<(),
         }
     }
     wait_for_leaders(bootstrap, topic, total)
+}
+
+/// An AdminClient for the brokers at `bootstrap`, and the options of its requests (30 s each).
+fn admin_at(
+    bootstrap: &str,
+) -> Result<(AdminClient<DefaultClientContext>, AdminOptions), HarnessError> {
+    let admin = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("log_level", "0")
+        .create()
+        .map_err(|e| kafka_err(format!("admin client: {e}")))?;
+    let opts = AdminOptions::new()
+        .request_timeout(Some(Duration::from_secs(30)))
+        .operation_timeout(Some(Duration::from_secs(30)));
+    Ok((admin, opts))
 }
 
 /// Waits (30 s at most) until `topic` has `partitions` partitions, each with a leader.

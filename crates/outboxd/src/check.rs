@@ -948,14 +948,13 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
         }
     }
     let all_topics = topics.clone();
-    let sink_config = sink.clone();
-    let sink = sink.clone();
+    let config = sink.clone();
     let result = tokio::task::spawn_blocking(move || {
-        missing_topics(&sink, &topics).map(|(n, missing)| {
+        missing_topics(&config, &topics).map(|(n, missing)| {
             let auto = if missing.is_empty() {
                 None
             } else {
-                broker_auto_create(&sink)
+                broker_auto_create(&config)
             };
             (n, missing, auto)
         })
@@ -998,16 +997,17 @@ async fn check_broker(r: &mut Report, sink: &KafkaSinkConfig, db: Option<&tokio_
         Ok(Err(e)) => r.add(Level::Fail, "topics", e),
         Err(e) => r.add(Level::Fail, "topics", e.to_string()),
     }
-    check_reads(r, sink_config, existing).await;
+    check_reads(r, sink, existing).await;
 }
 
 /// Whether the relay may read the topics it publishes to (a few of them, partition 0): an
 /// UNKNOWN outcome is resolved by reading its partition, which needs READ and DESCRIBE on the
 /// topic besides WRITE (`outbox_sink::probe_read`).
-async fn check_reads(r: &mut Report, sink: KafkaSinkConfig, topics: Vec<String>) {
+async fn check_reads(r: &mut Report, sink: &KafkaSinkConfig, topics: Vec<String>) {
     if topics.is_empty() {
         return;
     }
+    let sink = sink.clone();
     let probed = tokio::task::spawn_blocking(move || {
         topics
             .into_iter()
