@@ -156,6 +156,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
 
     let enqueue_s = workload::insert_plain_backlog(&url, &agg_type, TABLE, sc, a.txn_size).await?;
     let end = workload::backlog_end(&client).await?;
+    super::quiet(&client, TABLE).await?;
     eprintln!(
         "bench: Debezium: backlog of {} events inserted in {enqueue_s:.1} s",
         sc.events
@@ -178,7 +179,7 @@ pub(crate) async fn run(ctx: &Ctx, sc: &Scenario) -> anyhow::Result<Results> {
         tokio::time::sleep(Duration::from_millis(50)).await;
         n += 1;
         if n % 2 == 0 {
-            m.cpu.sample();
+            m.sample(&client).await?;
         }
         jvm.check_alive()?;
         if confirmed_past(&client, &slot, &end).await? {

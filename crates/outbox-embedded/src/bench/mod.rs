@@ -170,6 +170,7 @@ async fn run_all(ctx: &Ctx) -> anyhow::Result<Report> {
         main.events
     );
 
+    quiet(&db.client, "outbox.events").await?;
     let load = |phase: &str, r: &mut Report| r.load.push((phase.into(), procstat::loadavg()));
     load("decode", &mut report);
     report.decode = ctx.decode_limit(&db, end.clone(), main.events).await?;
@@ -358,6 +359,11 @@ pub(crate) struct Phase {
     /// Wall-clock start (seconds since the Unix epoch), to align ledger timestamps.
     pub started_epoch: f64,
     pub wal_retained_peak_mib: f64,
+    /// The tables an autovacuum worker was seen working on during the phase (sampled with the
+    /// CPU): the `autovacuum` share of `pg_cpu_by_role` is theirs. A backlog's own table
+    /// vacuumed inside one side's drain and not the other's is the bench's timing, not that
+    /// side's cost.
+    pub autovacuumed: Vec<String>,
 }
 
 impl Phase {
@@ -381,6 +387,14 @@ impl Phase {
             .collect::<Vec<_>>()
             .join(", ")
     }
+    /// [`Phase::autovacuumed`] as a list, `none` when empty.
+    pub fn autovacuumed_tables(&self) -> String {
+        if self.autovacuumed.is_empty() {
+            "none".into()
+        } else {
+            self.autovacuumed.join(", ")
+        }
+    }
 }
 
 /// What every timed phase measures from its start: PostgreSQL's CPU (sampled by the phase as it
@@ -391,6 +405,7 @@ pub(crate) struct PhaseMeter {
     /// Wall-clock start (seconds since the Unix epoch).
     pub started_epoch: f64,
     pub started: Instant,
+    autovacuumed: std::collections::BTreeSet<String>,
 }
 
 impl PhaseMeter {
@@ -400,7 +415,29 @@ impl PhaseMeter {
             own0: own_cpu(),
             started_epoch: epoch_now(),
             started: Instant::now(),
+            autovacuumed: Default::default(),
         }
+    }
+
+    /// One sample of the cluster's CPU and of the tables autovacuum works on right now
+    /// (`pg_stat_progress_vacuum`, every database's: a worker vacuuming another database's
+    /// table costs this phase's CPU too).
+    pub async fn sample(&mut self, client: &Client) -> anyhow::Result<()> {
+        self.cpu.sample();
+        let rows = client
+            .query(
+                "SELECT d.datname || ':' || coalesce(c.relnamespace::regnamespace::text || '.' || c.relname, p.relid::text)
+                 FROM pg_stat_progress_vacuum p
+                 JOIN pg_stat_activity a ON a.pid = p.pid AND a.backend_type = 'autovacuum worker'
+                 JOIN pg_database d ON d.oid = p.datid
+                 LEFT JOIN pg_class c ON c.oid = p.relid",
+                &[],
+            )
+            .await
+            .context("sampling autovacuum's tables")?;
+        self.autovacuumed
+            .extend(rows.iter().map(|r| r.get::<_, String>(0)));
+        Ok(())
     }
 
     /// The phase: `events` in `secs`, `relay_cpu_s` of the relay (or its stand-in), PostgreSQL's
@@ -416,6 +453,7 @@ impl PhaseMeter {
             bench_cpu_s: own_cpu() - self.own0,
             started_epoch: self.started_epoch,
             wal_retained_peak_mib: 0.0,
+            autovacuumed: self.autovacuumed.iter().cloned().collect(),
         }
     }
 }
@@ -512,6 +550,64 @@ fn epoch_now() -> f64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
+}
+
+/// Drops a database a finished phase made (its URL), so nothing of it (autovacuum above all)
+/// runs during a later phase.
+pub(crate) async fn drop_database(ctx: &Ctx, url: &str) -> anyhow::Result<()> {
+    let cfg: tokio_postgres::Config = url.parse().context("parsing a phase's database URL")?;
+    let name = cfg
+        .get_dbname()
+        .with_context(|| format!("no database name in {url}"))?;
+    let admin = outboxd::connect(&ctx.pg.url("postgres")).await?;
+    admin
+        .batch_execute(&format!(
+            "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
+            name.replace('"', "\"\"")
+        ))
+        .await
+        .with_context(|| format!("dropping the finished phase's database {name}"))?;
+    Ok(())
+}
+
+/// Before a phase is measured (a drain, the relay's and Debezium's alike; each producer run):
+/// `VACUUM (ANALYZE)` of `tables` (all of the client's database when empty), as autovacuum
+/// does on a server whose backlog grew over time, then no autovacuum worker left running
+/// anywhere in the cluster (waited for, at most a minute). A drain's PostgreSQL CPU is then
+/// its decoding and its relay's own writes: without this, the insert-triggered vacuum of a
+/// backlog written seconds before (or of the producer phase's tables) fell into whichever
+/// drain it met (naptime is a minute), on one side and not the other.
+pub(crate) async fn quiet(client: &Client, tables: &str) -> anyhow::Result<()> {
+    client
+        .batch_execute(&format!("VACUUM (ANALYZE) {tables}"))
+        .await
+        .with_context(|| format!("vacuuming {tables:?} before a measured phase"))?;
+    let t = Instant::now();
+    loop {
+        let running: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'",
+                &[],
+            )
+            .await
+            .context("looking for autovacuum workers")?
+            .get(0);
+        if running == 0 {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            eprintln!("bench: an autovacuum worker still runs after 60 s; the phase starts anyway (its CPU counts as the phase's)");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if t.elapsed() > Duration::from_secs(1) {
+        eprintln!(
+            "bench: waited {:.1} s for autovacuum to finish before a measured phase",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
 }
 
 /// `restart_lsn` of `slot` to the current WAL insert position, bytes.
@@ -966,7 +1062,7 @@ impl Ctx {
             tokio::time::sleep(Duration::from_millis(50)).await;
             n += 1;
             if n % 2 == 0 {
-                m.cpu.sample();
+                m.sample(&db.client).await?;
             }
             relay.check_alive()?;
             if confirmed_past(&db.client, &db.slot, &end).await? {

@@ -74,6 +74,7 @@ fn phase_json(p: &Phase) -> serde_json::Value {
         "bench_cpu_s": p.bench_cpu_s,
         "bench_cpu_us_per_event": p.bench_us_per_event(),
         "wal_retained_peak_mib": p.wal_retained_peak_mib,
+        "autovacuumed_tables": p.autovacuumed,
     })
 }
 
@@ -201,6 +202,11 @@ impl Report {
             "  by process: outboxd: {}; Debezium: {}",
             self.drain.pg_us_per_event_by_role(),
             r.drain.pg_us_per_event_by_role()
+        );
+        println!(
+            "  autovacuum worked on: outboxd: {}; Debezium: {}",
+            self.drain.autovacuumed_tables(),
+            r.drain.autovacuumed_tables()
         );
         line(
             "steady: achieved events/s",
@@ -455,9 +461,10 @@ impl Report {
         // Where PostgreSQL's CPU went: the walsender decoding, the relay's own sessions (the
         // acceptance), or the background (autovacuum after a large load, the checkpointer).
         println!(
-            "PostgreSQL CPU µs/event by process: decode limit: {}; relay drain: {}",
+            "PostgreSQL CPU µs/event by process: decode limit: {}; relay drain: {} (autovacuum worked on: {})",
             self.decode.pg_us_per_event_by_role(),
-            self.drain.pg_us_per_event_by_role()
+            self.drain.pg_us_per_event_by_role(),
+            self.drain.autovacuumed_tables()
         );
         self.print_debezium();
         if !self.variants.is_empty() {
