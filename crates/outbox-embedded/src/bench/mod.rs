@@ -571,7 +571,7 @@ pub(crate) async fn drop_database(ctx: &Ctx, url: &str) -> anyhow::Result<()> {
 }
 
 /// Before a phase is measured (a drain, the relay's and Debezium's alike; each producer run):
-/// `VACUUM (ANALYZE)` of `tables` (all of the client's database when empty), as autovacuum
+/// `VACUUM (ANALYZE)` of `tables` (a comma-separated list), as autovacuum
 /// does on a server whose backlog grew over time, then no autovacuum worker left running
 /// anywhere in the cluster (waited for, at most a minute). A drain's PostgreSQL CPU is then
 /// its decoding and its relay's own writes: without this, the insert-triggered vacuum of a
