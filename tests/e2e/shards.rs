@@ -17,13 +17,17 @@ fn shard_relay(env: &TestEnv, i: u16, n: u16, id: &str) -> RelayProcess {
     env.relay(&[], &["--mode", "cdc", "--shard", &shard, "--relay-id", id])
 }
 
-/// Until every shard slot of the `n`-shard layout has a walsender.
+/// Until the `n` shard slots are active and each has its relay's checkpoint with the initial
+/// snapshot done: a slot being created is active too (its relay waits there for every
+/// transaction running in the cluster to end), and is not streaming yet.
 async fn wait_shards_streaming(env: &TestEnv, n: u16) {
     let like = format!("{}_shard%of{n}", env.slot);
     wait_for(&format!("{n} shard slots streaming"), LONG, || async {
         let active = env
             .count(&format!(
-                "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '{like}' AND active"
+                "SELECT count(*) FROM pg_replication_slots s
+                 JOIN outbox.checkpoints c ON c.slot_name = s.slot_name AND c.snapshot_done
+                 WHERE s.slot_name LIKE '{like}' AND s.active"
             ))
             .await;
         if active == i64::from(n) {
@@ -224,6 +228,55 @@ async fn a_sharded_outbox_publishes_every_event_by_its_shard_in_order_across_a_r
         committed.len()
     );
     assert_eq!(slots_used, 6, "every shard of both layouts published");
+}
+
+/// A relay still creating its slot (CREATE_REPLICATION_SLOT waits for every transaction
+/// running in the cluster) holds its lease and has no checkpoint yet: a layout change then is
+/// refused as it is while a relay streams. Found by a fresh-clone CI run (2026-12-07): a shard
+/// relay of the old layout sat in slot creation, the test's check of "streaming" counted its
+/// slot as active, and `migrate --shards 4` went ahead. The starting relay is staged here as
+/// its ledger and server show it: its slot exists, its lease is live, no checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_change_is_refused_while_a_relay_of_the_old_layout_creates_its_slot() {
+    let env = TestEnv::new("shards_starting").await;
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "2"]);
+    assert!(ok && out.contains("2 shard(s)"), "{out}");
+    let slot = format!("{}_shard0of2", env.slot);
+    env.db
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await
+        .expect("the starting relay's slot");
+    env.db
+        .execute(
+            "INSERT INTO outbox.relay_leases (slot_name, owner, generation, lease_until)
+             VALUES ($1, 'r-starting', 1, clock_timestamp() + interval '1 hour')",
+            &[&slot],
+        )
+        .await
+        .expect("the starting relay's lease");
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
+    assert!(
+        !ok && out.contains(&format!("slot {slot} is being started by relay r-starting")),
+        "a layout change went ahead while a relay of the old layout was starting: {out}"
+    );
+    // Its lease lapsed (the relay died before its first checkpoint): nothing holds the layout.
+    env.db
+        .execute(
+            "UPDATE outbox.relay_leases SET lease_until = clock_timestamp() - interval '1 second'
+             WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .expect("lapse the lease");
+    let (ok, out) = outboxd(&["migrate", "--database-url", &env.url, "--shards", "4"]);
+    assert!(ok && out.contains("4 shard(s)"), "{out}");
+    env.db
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .expect("drop the staged slot");
 }
 
 /// `outboxd run --fleet`: a member of the relay fleet sharing every shard.

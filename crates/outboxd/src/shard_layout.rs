@@ -3,7 +3,8 @@
 //! A shard is a publication of `outbox.events` with a row filter (`outbox_source::shard`) and
 //! the slot of the relay that runs `--shard I/N`. Changing the layout (none → N, N → 2N, ...)
 //! never runs two layouts at once: it is refused while a relay of the old layout holds its
-//! lease or has a send whose outcome is unknown; then the old slots and publications are
+//! lease (also one still creating its slot, which has no checkpoint yet) or has a send whose
+//! outcome is unknown; then the old slots and publications are
 //! dropped and the new publications created. Nothing is lost and no aggregate is reordered:
 //! an event the old relays did not publish has no receipt, and the first start of its new
 //! shard's relay publishes every such row of the shard, in version order per aggregate, from
@@ -43,6 +44,30 @@ pub async fn run(url: &str, publication: &str, count: &str) -> anyhow::Result<()
         )
         .await
         .context("reading the relays' checkpoints and leases")?;
+    // A relay still creating its slot holds its lease but has no checkpoint yet, so the
+    // ledger does not say which layout it runs: creating a slot waits for every transaction
+    // running in the cluster to end, which can take long (CI, 2026-12-07: a shard relay of the
+    // old layout sat in it while the layout changed, and the change went ahead). Such a relay
+    // is refused like a running one. (One that holds its lease and has not begun creating its
+    // slot is not seen here: stopping the old layout's relays first is what the refusal asks.)
+    let starting = client
+        .query(
+            "SELECT l.slot_name, l.owner FROM outbox.relay_leases l
+             JOIN pg_replication_slots s
+               ON s.slot_name = l.slot_name AND s.database = current_database()
+             WHERE l.lease_until > clock_timestamp()
+               AND NOT EXISTS (SELECT 1 FROM outbox.checkpoints c WHERE c.slot_name = l.slot_name)
+             ORDER BY l.slot_name",
+            &[],
+        )
+        .await
+        .context("reading the leases of relays that are starting")?;
+    if let Some(r) = starting.first() {
+        let (slot, owner): (String, String) = (r.get(0), r.get(1));
+        bail!(
+            "slot {slot} is being started by relay {owner} (its lease is live and it has no checkpoint yet, so its layout is not known): stop every relay of the old layout first (SIGTERM), then run this again"
+        );
+    }
     let mut old = Vec::new();
     for r in &rows {
         let (slot, publication_of_slot): (String, String) = (r.get(0), r.get(1));
