@@ -209,7 +209,10 @@ pub struct BenchArgs {
     /// idempotent, acks=all. A fresh broker JIT-compiles its produce path during whatever
     /// runs first, and the relay's drain runs before Debezium's: measured on 2026-12-07, the
     /// same build drained 41,840 events/s on a fresh broker and 59,043-69,733 on a warm one
-    /// (docs/benchmarks.md, "A warm broker for both"). 0 skips it; the embedded broker skips it.
+    /// (docs/benchmarks.md, "A warm broker for both"). Then one round per 100 of them (at
+    /// most 2,000) of ten keyed messages, one per key in flight: the small requests of the
+    /// ten-aggregate variant (docs/benchmarks.md, "A broker warm for small requests too").
+    /// 0 skips it; the embedded broker skips it.
     #[arg(long, default_value_t = 500_000)]
     pub broker_warmup_events: u64,
     /// The Debezium phase (docs/benchmarks.md, "Debezium beside it"): Debezium 3.6.1.Final's
