@@ -82,9 +82,9 @@ pub(crate) fn run(bootstrap: &str, messages: u64, payload: usize) -> anyhow::Res
 /// each in flight, the next round once all ten are acknowledged.
 const ROUNDS: u64 = 2_000;
 
-/// `rounds` rounds of ten keyed messages, each round's reports served before the next: the broker's
-/// path for many small produce requests, which a wide warm-up (large batches) never takes and
-/// a ten-aggregate variant takes all the time. Without it, the variant measured the broker's
+/// `rounds` rounds of ten keyed messages, each round's reports served before the next: the
+/// broker's path for many small produce requests, which a wide warm-up (large batches) never
+/// takes and a ten-aggregate variant takes all the time. Without it, the variant measured the broker's
 /// JIT compiling that path (its C2 thread a fifth of the machine in a profile of the variant;
 /// six runs of one variant in a row gave 5,177-12,000 events/s: docs/benchmarks.md, "Where a
 /// hot aggregate's round trip goes").
